@@ -156,6 +156,33 @@ class MemoryPlan:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def phase_data(self) -> dict[str, dict[str, Any]]:
+        """The numbers each startup phase reports, under the key names every
+        consumer (monitor, logparse, replay) reads from ``startup.phase`` events."""
+        return {
+            "B": {
+                "total_bytes": self.total_bytes,
+                "gpu_memory_utilization": self.gpu_memory_utilization,
+                "requested_bytes": self.requested_bytes,
+            },
+            "C": {"weights_bytes": self.weights_bytes},
+            "D": {
+                "activation_peak_bytes": self.activation_peak_bytes,
+                "non_torch_bytes": self.non_torch_bytes,
+                "estimated": list(self.estimated),
+            },
+            "E": {
+                "kv_pool_bytes": self.kv_pool_bytes,
+                "bytes_per_token": self.bytes_per_token,
+                "block_size": self.block_size,
+                "num_blocks": self.num_blocks,
+                "kv_cache_tokens": self.kv_cache_tokens,
+                "max_model_len": self.max_model_len,
+                "max_concurrency": self.max_concurrency,
+                "kv_pool_overridden": self.kv_pool_overridden,
+            },
+        }
+
 
 def required_utilization(plan: MemoryPlan, target_pool_bytes: int) -> float:
     """The --gpu-memory-utilization that would give a pool of ``target_pool_bytes``."""
@@ -289,3 +316,12 @@ def parse_bytes(value: str, flag: str) -> int:
     if not math.isfinite(number) or number <= 0:
         raise UserError(f"{flag} {value!r}: must be a positive byte count")
     return int(number * mult)
+
+
+def kv_cache_size_line(device_word: str, kv_cache_tokens: int) -> str:
+    """vLLM 0.30+'s line, device word first ("GPU KV cache size: 442,160 tokens")."""
+    return f"{device_word} KV cache size: {kv_cache_tokens:,} tokens"
+
+
+def max_concurrency_line(max_model_len: int, max_concurrency: float) -> str:
+    return f"Maximum concurrency for {max_model_len:,} tokens per request: {max_concurrency:.2f}x"

@@ -1,0 +1,55 @@
+"""ModelConfig from presets, the bundled GGUF, and an HF folder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.config import MODEL_PRESETS, bundled_gguf_path, load_model_config
+from engine.errors import UserError
+
+
+def test_bundled_gguf_located_without_importing_the_wheel() -> None:
+    path = bundled_gguf_path()
+    assert path is not None and path.suffix == ".gguf" and path.stat().st_size > 50_000_000
+
+
+def test_gguf_metadata() -> None:
+    cfg = load_model_config(str(bundled_gguf_path()))
+    assert cfg.hidden_size == 576 and cfg.intermediate_size == 1536 and cfg.vocab_size == 49152
+    assert cfg.tie_word_embeddings and cfg.rope_theta == 100000.0 and cfg.max_position_embeddings == 8192
+    assert cfg.num_parameters == MODEL_PRESETS["smollm2-135m"].num_parameters == 134_515_008
+
+
+def test_hf_folder(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000, "rope_theta": 5e5,
+        "max_position_embeddings": 2048, "tie_word_embeddings": True, "torch_dtype": "float32",
+    }))
+    cfg = load_model_config(str(tmp_path))
+    assert (cfg.num_layers, cfg.head_dim, cfg.num_kv_heads, cfg.dtype) == (2, 64, 2, "float32")
+    assert cfg.source == "hf"
+
+
+def test_folder_without_config_json(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"no config\.json"):
+        load_model_config(str(tmp_path))
+
+
+def test_file_that_is_not_gguf(tmp_path: Path) -> None:
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"this is not a gguf file at all" * 10)
+    with pytest.raises(UserError, match=r"model\.gguf"):
+        load_model_config(str(bad))
+
+
+def test_unknown_model_lists_what_was_looked_for() -> None:
+    with pytest.raises(UserError, match="looked for a preset"):
+        load_model_config("no-such-model-xyz")
+
+
+def test_aliases() -> None:
+    assert load_model_config("meta-llama/Llama-3.1-8B-Instruct").name == "llama-3.1-8b"
