@@ -1,0 +1,532 @@
+"""EngineView: the monitor's whole state, a fold of engine events.
+
+Widgets only render an :class:`EngineView`; they never look at events. The same
+reducer serves every source (in-process bus, HTTP ``/events``, JSONL replay) and
+the server's ``/events`` stream: the server folds the events it has published
+through :meth:`EngineView.apply` and sends :meth:`EngineView.snapshot` as the
+first ``snapshot`` event to a new subscriber, which rebuilds the view with
+:meth:`EngineView.from_snapshot` (or simply ``apply(SnapshotEvent(state=...))``).
+
+Snapshot dict format (``SNAPSHOT_VERSION`` 1), all plain JSON::
+
+    {
+      "version": 1,
+      "last_seq": int, "t": float, "step": int | None,   # last folded event/step
+      "config": {...}, "model": {...},                    # from engine.config
+      "phases": {"A": {"phase", "name", "status", "duration_s", "memory_delta",
+                       "reason", "data"}, ...},
+      "ledger": {"total_bytes", "gpu_memory_utilization", "weights_bytes",
+                 "non_torch_bytes", "activation_peak_bytes", "cuda_graph_bytes",
+                 "kv_pool_bytes", "num_blocks", "block_size"},   # ints, missing = 0
+      "device": {...} | null,                              # last memory reading
+      "kv": {"used", "cached_free", "total"},              # from the last step
+      "requests": {rid: {"state", "prompt_tokens", "max_tokens", "computed_tokens",
+                         "generated_tokens", "blocks": [int], "prefix_hit_tokens",
+                         "arrived_t", "ttft_s", "num_preemptions"}},
+      "cached": [int],                                     # blocks holding cached KV
+      "finished": int, "rejected": int, "preemptions": int,
+      "series": {"step": [...], "prefill": [...], "decode": [...], "running": [...],
+                 "waiting": [...], "kv_pct": [...], "step_ms": [...],
+                 "preempted": [...]},                      # last ``series_window`` steps
+      "recent": [event.to_dict(), ...]                     # last ``recent_window`` events
+    }
+
+Block owners are not stored: they are the union of every request's ``blocks``,
+so the snapshot cannot disagree with itself.
+
+Replay seeks with :class:`Timeline`: it keeps a snapshot every
+``checkpoint_every`` steps and re-folds from the nearest one at or before the
+target, so a seek costs at most one restore plus ``checkpoint_every`` steps.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.events import (
+    EngineConfigEvent,
+    Event,
+    LogEvent,
+    RequestArrived,
+    RequestFinished,
+    RequestFirstToken,
+    RequestPreempted,
+    RequestRejected,
+    RequestScheduled,
+    SnapshotEvent,
+    StartupPhase,
+    StatsEvent,
+    StepEvent,
+    event_from_dict,
+)
+
+SNAPSHOT_VERSION = 1
+SERIES_NAMES = ("step", "prefill", "decode", "running", "waiting", "kv_pct", "step_ms", "preempted")
+LEDGER_KEYS = (
+    "total_bytes",
+    "gpu_memory_utilization",
+    "weights_bytes",
+    "non_torch_bytes",
+    "activation_peak_bytes",
+    "cuda_graph_bytes",
+    "kv_pool_bytes",
+    "num_blocks",
+    "block_size",
+)
+RUNNING = "running"
+WAITING = "waiting"
+
+
+@dataclass(slots=True)
+class RequestView:
+    """One request still in the engine (running or waiting)."""
+
+    request_id: str
+    state: str = WAITING
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+    computed_tokens: int = 0
+    generated_tokens: int = 0
+    blocks: list[int] = field(default_factory=list)
+    prefix_hit_tokens: int = 0
+    arrived_t: float = 0.0
+    ttft_s: float | None = None
+    num_preemptions: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "state": self.state,
+            "prompt_tokens": self.prompt_tokens,
+            "max_tokens": self.max_tokens,
+            "computed_tokens": self.computed_tokens,
+            "generated_tokens": self.generated_tokens,
+            "blocks": list(self.blocks),
+            "prefix_hit_tokens": self.prefix_hit_tokens,
+            "arrived_t": self.arrived_t,
+            "ttft_s": self.ttft_s,
+            "num_preemptions": self.num_preemptions,
+        }
+
+    @classmethod
+    def from_dict(cls, request_id: str, data: dict[str, Any]) -> RequestView:
+        return cls(
+            request_id=request_id,
+            state=data.get("state", WAITING),
+            prompt_tokens=int(data.get("prompt_tokens", 0)),
+            max_tokens=int(data.get("max_tokens", 0)),
+            computed_tokens=int(data.get("computed_tokens", 0)),
+            generated_tokens=int(data.get("generated_tokens", 0)),
+            blocks=[int(b) for b in data.get("blocks", [])],
+            prefix_hit_tokens=int(data.get("prefix_hit_tokens", 0)),
+            arrived_t=float(data.get("arrived_t", 0.0)),
+            ttft_s=data.get("ttft_s"),
+            num_preemptions=int(data.get("num_preemptions", 0)),
+        )
+
+
+@dataclass(slots=True)
+class PhaseView:
+    """The latest known status of one startup phase."""
+
+    phase: str
+    name: str
+    status: str = "pending"
+    duration_s: float | None = None
+    memory_delta: int | None = None  # allocated bytes after - before, when both known
+    reason: str | None = None
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "phase": self.phase,
+            "name": self.name,
+            "status": self.status,
+            "duration_s": self.duration_s,
+            "memory_delta": self.memory_delta,
+            "reason": self.reason,
+            "data": dict(self.data),
+        }
+
+
+def _memory_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> int | None:
+    """Growth of the device's used memory across a phase (allocated when the
+    probe has it, otherwise total − free)."""
+    if not before or not after:
+        return None
+    for key in ("allocated", "used", "rss"):
+        if key in before and key in after:
+            return int(after[key]) - int(before[key])
+    if all(k in d for d in (before, after) for k in ("total", "free")):
+        return (int(after["total"]) - int(after["free"])) - (int(before["total"]) - int(before["free"]))
+    return None
+
+
+class EngineView:
+    """Everything the dashboard shows, folded from events by :meth:`apply`."""
+
+    def __init__(self, series_window: int = 4096, recent_window: int = 200) -> None:
+        self.series_window = series_window
+        self.recent_window = recent_window
+        self.last_seq = 0
+        self.t = 0.0
+        self.step: int | None = None
+        self.config: dict[str, Any] = {}
+        self.model: dict[str, Any] = {}
+        self.phases: dict[str, PhaseView] = {}
+        self.ledger: dict[str, float] = dict.fromkeys(LEDGER_KEYS, 0)
+        self.device: dict[str, Any] | None = None
+        self.kv_used = 0
+        self.kv_cached_free = 0
+        self.kv_total = 0
+        self.requests: dict[str, RequestView] = {}
+        self.block_owners: dict[int, set[str]] = {}
+        self.cached: set[int] = set()
+        self.finished = 0
+        self.rejected = 0
+        self.preemptions = 0
+        self.series: dict[str, deque[float]] = {n: deque(maxlen=series_window) for n in SERIES_NAMES}
+        self.recent: deque[Event] = deque(maxlen=recent_window)
+        self.stats: StatsEvent | None = None
+
+    # ------------------------------------------------------------ derived views
+    @property
+    def num_blocks(self) -> int:
+        return int(self.kv_total or self.ledger.get("num_blocks", 0) or 0)
+
+    @property
+    def running(self) -> list[RequestView]:
+        return [r for r in self.requests.values() if r.state == RUNNING]
+
+    @property
+    def waiting(self) -> list[RequestView]:
+        return [r for r in self.requests.values() if r.state == WAITING]
+
+    def cached_free_blocks(self) -> set[int]:
+        """Blocks whose cached KV survives with no owner (reusable by a prefix hit)."""
+        return {b for b in self.cached if not self.block_owners.get(b)}
+
+    def owners_of(self, block: int) -> frozenset[str]:
+        return frozenset(self.block_owners.get(block, ()))
+
+    # ------------------------------------------------------------------- folding
+    def fold(self, events: Iterable[Event]) -> EngineView:
+        for event in events:
+            self.apply(event)
+        return self
+
+    def apply(self, event: Event) -> None:
+        """Fold one event into the view. Unknown event kinds only land in ``recent``."""
+        self.last_seq = max(self.last_seq, event.seq)
+        self.t = max(self.t, event.t)
+        handler = _HANDLERS.get(type(event))
+        if handler is not None:
+            handler(self, event)
+        if not isinstance(event, SnapshotEvent | StepEvent):
+            self.recent.append(event)
+
+    def _request(self, request_id: str) -> RequestView:
+        req = self.requests.get(request_id)
+        if req is None:
+            req = self.requests[request_id] = RequestView(request_id=request_id, arrived_t=self.t)
+        return req
+
+    def _on_config(self, ev: EngineConfigEvent) -> None:
+        self.config = dict(ev.config)
+        self.model = dict(ev.model)
+        for key in LEDGER_KEYS:  # a planned config may already carry the budget
+            if key in ev.config and isinstance(ev.config[key], int | float):
+                self.ledger[key] = ev.config[key]
+
+    def _on_phase(self, ev: StartupPhase) -> None:
+        view = self.phases.get(ev.phase)
+        if view is None:
+            view = self.phases[ev.phase] = PhaseView(phase=ev.phase, name=ev.name)
+        view.name = ev.name
+        view.status = "running" if ev.status == "begin" else ev.status
+        if ev.duration_s is not None:
+            view.duration_s = ev.duration_s
+        delta = _memory_delta(ev.memory_before, ev.memory_after)
+        if delta is not None:
+            view.memory_delta = delta
+        view.reason = ev.reason
+        view.data.update(ev.data)
+        for key in LEDGER_KEYS:
+            value = ev.data.get(key)
+            if isinstance(value, int | float):
+                self.ledger[key] = value
+        if ev.memory_after:
+            self.device = dict(ev.memory_after)
+
+    def _on_arrived(self, ev: RequestArrived) -> None:
+        req = self._request(ev.request_id)
+        req.prompt_tokens = ev.prompt_tokens
+        req.max_tokens = ev.max_tokens
+        req.arrived_t = ev.t
+
+    def _on_scheduled(self, ev: RequestScheduled) -> None:
+        if ev.request_id in self.requests:
+            self.requests[ev.request_id].prefix_hit_tokens = ev.prefix_hit_tokens
+
+    def _on_first_token(self, ev: RequestFirstToken) -> None:
+        if ev.request_id in self.requests:
+            self.requests[ev.request_id].ttft_s = ev.ttft_s
+
+    def _on_preempted(self, ev: RequestPreempted) -> None:
+        if ev.request_id in self.requests:
+            self.requests[ev.request_id].num_preemptions = ev.num_preemptions
+
+    def _on_finished(self, ev: RequestFinished) -> None:
+        # The step event usually retired it already; a lone finish (abort while
+        # waiting) still counts once.
+        if self.requests.pop(ev.request_id, None) is not None:
+            self.finished += 1
+
+    def _on_rejected(self, ev: RequestRejected) -> None:
+        self.requests.pop(ev.request_id, None)
+        self.rejected += 1
+
+    def _on_stats(self, ev: StatsEvent) -> None:
+        self.stats = ev
+
+    def _on_step(self, ev: StepEvent) -> None:
+        self.step = ev.index
+        self.apply_block_deltas(ev)
+        for rid in ev.preempted:
+            req = self._request(rid)
+            req.state = WAITING
+            req.computed_tokens = 0
+        for rid, (num_tokens, kind) in ev.scheduled.items():
+            req = self._request(rid)
+            req.state = RUNNING
+            req.computed_tokens += int(num_tokens)
+            # A token is sampled once the whole context (prompt + output so far) is computed.
+            if kind == "decode" or req.computed_tokens >= req.prompt_tokens + req.generated_tokens:
+                req.generated_tokens += 1
+        for rid in ev.finished:
+            if self.requests.pop(rid, None) is not None:
+                self.finished += 1
+        self.preemptions += len(ev.preempted)
+        self.kv_used = ev.kv_blocks_used
+        self.kv_cached_free = ev.kv_blocks_cached_free
+        self.kv_total = ev.kv_blocks_total or self.kv_total
+        s = self.series
+        s["step"].append(ev.index)
+        s["prefill"].append(ev.num_prefill_tokens)
+        s["decode"].append(ev.num_decode_tokens)
+        s["running"].append(ev.num_running)
+        s["waiting"].append(ev.num_waiting)
+        s["kv_pct"].append(100.0 * ev.kv_blocks_used / ev.kv_blocks_total if ev.kv_blocks_total else 0.0)
+        s["step_ms"].append(ev.duration_s * 1000.0)
+        s["preempted"].append(len(ev.preempted))
+
+    def apply_block_deltas(self, ev: StepEvent) -> None:
+        """Evicted, then allocated, then freed, then cached.
+
+        Allocation before freeing because a request can grow and finish in the
+        same step (its new block is in both); a block freed by a preempted
+        request and handed to another within one step is harmless either way,
+        since owners are per request. Evictions come before ``cached`` because
+        an evicted block can fill up again and be re-cached in the same step.
+        """
+        owners = self.block_owners
+        self.cached.difference_update(ev.evicted)
+        for rid, blocks in ev.allocated.items():
+            req = self._request(rid)
+            req.blocks.extend(blocks)
+            for b in blocks:
+                owners.setdefault(b, set()).add(rid)
+        for rid, blocks in ev.freed.items():
+            req = self.requests.get(rid)
+            for b in blocks:
+                holders = owners.get(b)
+                if holders is not None:
+                    holders.discard(rid)
+                    if not holders:
+                        del owners[b]
+            if req is not None:
+                gone = set(blocks)
+                req.blocks = [b for b in req.blocks if b not in gone]
+        self.cached.update(ev.cached)
+
+    def _on_snapshot(self, ev: SnapshotEvent) -> None:
+        self._load(ev.state)
+
+    # ------------------------------------------------------------------ snapshot
+    def snapshot(self, series_window: int | None = None, recent_window: int | None = None) -> dict[str, Any]:
+        """The whole view as plain JSON (format in the module docstring)."""
+        n_series = self.series_window if series_window is None else series_window
+        n_recent = self.recent_window if recent_window is None else recent_window
+        return {
+            "version": SNAPSHOT_VERSION,
+            "last_seq": self.last_seq,
+            "t": self.t,
+            "step": self.step,
+            "config": dict(self.config),
+            "model": dict(self.model),
+            "phases": {k: p.to_dict() for k, p in self.phases.items()},
+            "ledger": dict(self.ledger),
+            "device": dict(self.device) if self.device else None,
+            "kv": {"used": self.kv_used, "cached_free": self.kv_cached_free, "total": self.kv_total},
+            "requests": {rid: r.to_dict() for rid, r in self.requests.items()},
+            "cached": sorted(self.cached),
+            "finished": self.finished,
+            "rejected": self.rejected,
+            "preemptions": self.preemptions,
+            "series": {k: list(v)[-n_series:] if n_series else [] for k, v in self.series.items()},
+            "recent": [e.to_dict() for e in list(self.recent)[-n_recent:]] if n_recent else [],
+        }
+
+    @classmethod
+    def from_snapshot(
+        cls, state: dict[str, Any], series_window: int = 4096, recent_window: int = 200
+    ) -> EngineView:
+        view = cls(series_window=series_window, recent_window=recent_window)
+        view._load(state)
+        return view
+
+    def _load(self, state: dict[str, Any]) -> None:
+        if int(state.get("version", SNAPSHOT_VERSION)) > SNAPSHOT_VERSION:
+            raise ValueError(f"snapshot version {state.get('version')} is newer than this monitor reads")
+        self.last_seq = int(state.get("last_seq", 0))
+        self.t = float(state.get("t", 0.0))
+        self.step = state.get("step")
+        self.config = dict(state.get("config", {}))
+        self.model = dict(state.get("model", {}))
+        self.phases = {
+            k: PhaseView(
+                phase=p.get("phase", k),
+                name=p.get("name", ""),
+                status=p.get("status", "pending"),
+                duration_s=p.get("duration_s"),
+                memory_delta=p.get("memory_delta"),
+                reason=p.get("reason"),
+                data=dict(p.get("data", {})),
+            )
+            for k, p in state.get("phases", {}).items()
+        }
+        self.ledger = dict.fromkeys(LEDGER_KEYS, 0) | dict(state.get("ledger", {}))
+        self.device = state.get("device")
+        kv = state.get("kv", {})
+        self.kv_used = int(kv.get("used", 0))
+        self.kv_cached_free = int(kv.get("cached_free", 0))
+        self.kv_total = int(kv.get("total", 0))
+        self.requests = {rid: RequestView.from_dict(rid, d) for rid, d in state.get("requests", {}).items()}
+        owners: dict[int, set[str]] = {}
+        for rid, req in self.requests.items():
+            for b in req.blocks:
+                owners.setdefault(b, set()).add(rid)
+        self.block_owners = owners
+        self.cached = set(state.get("cached", []))
+        self.finished = int(state.get("finished", 0))
+        self.rejected = int(state.get("rejected", 0))
+        self.preemptions = int(state.get("preemptions", 0))
+        series = state.get("series", {})
+        self.series = {n: deque(series.get(n, []), maxlen=self.series_window) for n in SERIES_NAMES}
+        self.recent = deque(
+            (event_from_dict(d) for d in state.get("recent", [])), maxlen=self.recent_window
+        )
+
+
+_HANDLERS: dict[type, Any] = {
+    EngineConfigEvent: EngineView._on_config,
+    StartupPhase: EngineView._on_phase,
+    RequestArrived: EngineView._on_arrived,
+    RequestScheduled: EngineView._on_scheduled,
+    RequestFirstToken: EngineView._on_first_token,
+    RequestPreempted: EngineView._on_preempted,
+    RequestFinished: EngineView._on_finished,
+    RequestRejected: EngineView._on_rejected,
+    StepEvent: EngineView._on_step,
+    StatsEvent: EngineView._on_stats,
+    SnapshotEvent: EngineView._on_snapshot,
+    LogEvent: None,
+}
+_HANDLERS = {k: v for k, v in _HANDLERS.items() if v is not None}
+
+
+class Timeline:
+    """A recording indexed by step, with periodic checkpoints for fast seeking.
+
+    Position ``k`` means: every event up to and including the ``k``-th step event
+    (0-based position among step events, not its ``index`` field) has been folded.
+    Events before the first step (config, startup) belong to position 0.
+    """
+
+    def __init__(
+        self, events: Sequence[Event], checkpoint_every: int = 500, series_window: int = 4096
+    ) -> None:
+        self.events = list(events)
+        self.checkpoint_every = max(1, checkpoint_every)
+        self.series_window = series_window
+        self.step_positions: list[int] = [i for i, e in enumerate(self.events) if isinstance(e, StepEvent)]
+        self.step_indices: list[int] = [self.events[i].index for i in self.step_positions]  # type: ignore[attr-defined]
+        self.preemption_steps: list[int] = [
+            k for k, i in enumerate(self.step_positions) if self.events[i].preempted  # type: ignore[attr-defined]
+        ]
+        arrivals = (self._step_at_or_after(i) for i, e in enumerate(self.events) if isinstance(e, RequestArrived))
+        self.arrival_steps: list[int] = sorted({k for k in arrivals if k is not None})
+        self._checkpoints: dict[int, dict[str, Any]] = {}
+        self._build_checkpoints()
+        self.position = 0
+        self.view = self.seek(0)
+
+    def __len__(self) -> int:
+        return len(self.step_positions)
+
+    def _step_at_or_after(self, event_pos: int) -> int | None:
+        k = bisect.bisect_left(self.step_positions, event_pos)
+        return k if k < len(self.step_positions) else None
+
+    def _end_of(self, k: int) -> int:
+        """Index one past the last event that belongs to position ``k``."""
+        if not self.step_positions:
+            return len(self.events)
+        return self.step_positions[k] + 1
+
+    def _build_checkpoints(self) -> None:
+        view = EngineView(series_window=self.series_window)
+        done = 0
+        for k in range(0, len(self.step_positions), self.checkpoint_every):
+            end = self._end_of(k)
+            view.fold(self.events[done:end])
+            done = end
+            self._checkpoints[k] = view.snapshot()
+
+    def seek(self, k: int) -> EngineView:
+        """Move to step position ``k`` (clamped) and return the view there."""
+        k = max(0, min(k, len(self.step_positions) - 1)) if self.step_positions else 0
+        base = (k // self.checkpoint_every) * self.checkpoint_every
+        state = self._checkpoints.get(base)
+        if state is None:
+            view, start = EngineView(series_window=self.series_window), 0
+        else:
+            view = EngineView.from_snapshot(state, series_window=self.series_window)
+            start = self._end_of(base)
+        view.fold(self.events[start : self._end_of(k)])
+        self.position = k
+        self.view = view
+        return view
+
+    def step_forward(self) -> EngineView:
+        """Advance one step by folding only the new events (cheaper than a seek)."""
+        if self.position + 1 >= len(self.step_positions):
+            return self.view
+        start, self.position = self._end_of(self.position), self.position + 1
+        self.view.fold(self.events[start : self._end_of(self.position)])
+        return self.view
+
+    def position_of_index(self, index: int) -> int:
+        """Position of the first step whose ``index`` is at least ``index``."""
+        return min(bisect.bisect_left(self.step_indices, index), max(0, len(self.step_indices) - 1))
+
+    def next_preemption(self) -> int | None:
+        k = bisect.bisect_right(self.preemption_steps, self.position)
+        return self.preemption_steps[k] if k < len(self.preemption_steps) else None
+
+    def next_arrival(self) -> int | None:
+        k = bisect.bisect_right(self.arrival_steps, self.position)
+        return self.arrival_steps[k] if k < len(self.arrival_steps) else None
