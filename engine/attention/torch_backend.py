@@ -1,0 +1,110 @@
+"""Paged attention in plain torch, for CPU (and as the reference for other backends).
+
+No per-sequence Python loop: each layer gathers every sequence's context through
+its block table in one indexing op (``kv_cache[block_tables]``), pads the
+queries to ``[num_seqs, max_query_len]``, and makes ONE
+``scaled_dot_product_attention`` call with a boolean mask (causal within the
+new tokens, all cached context visible, padding hidden).
+
+GQA without repeating K/V: the ``group`` query heads that share a KV head are
+folded into the query-length axis, so SDPA sees ``[seqs, kv_heads, group *
+q_len, head_dim]`` against ``[seqs, kv_heads, context, head_dim]``.
+
+The masks and index tensors depend only on the batch, not the layer, so they
+are built once per :class:`AttentionMetadata` and reused by all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import AttentionMetadata
+
+
+@dataclass(slots=True)
+class _BatchPlan:
+    num_blocks: int  # context blocks gathered per sequence
+    mask: torch.Tensor  # [seqs, 1, group * max_q, context] bool, True = attend
+    seq_index: torch.Tensor | None  # [tokens] sequence of each query row (None: pure decode)
+    row_index: torch.Tensor | None  # [tokens] row within the sequence
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def __init__(self) -> None:
+        self._plan_meta: AttentionMetadata | None = None
+        self._plan_group = 0
+        self._plan: _BatchPlan | None = None
+
+    # ------------------------------------------------------------------ cache writes
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        block_size = kv_cache.shape[2]
+        valid = slot_mapping >= 0
+        if not bool(valid.all()):
+            key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+        blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+        offsets = slot_mapping % block_size
+        kv_cache[blocks, 0, offsets] = key.to(kv_cache.dtype)
+        kv_cache[blocks, 1, offsets] = value.to(kv_cache.dtype)
+
+    # ------------------------------------------------------------------ attention
+    def _plan_for(self, meta: AttentionMetadata, group: int, block_size: int) -> _BatchPlan:
+        if meta is self._plan_meta and group == self._plan_group and self._plan is not None:
+            return self._plan
+        device = meta.seq_lens.device
+        seq_lens = meta.seq_lens.to(torch.int64)
+        num_blocks = -(-meta.max_seq_len // block_size)
+        context = torch.arange(num_blocks * block_size, device=device)
+        if meta.is_pure_decode:
+            mask = (context[None, :] < seq_lens[:, None])[:, None, None, :]
+            plan = _BatchPlan(num_blocks, mask, None, None)
+        else:
+            starts = meta.query_start_loc.to(torch.int64)
+            query_lens = starts[1:] - starts[:-1]
+            num_tokens = int(starts[-1])
+            seq_index = torch.repeat_interleave(torch.arange(len(query_lens), device=device), query_lens)
+            row_index = torch.arange(num_tokens, device=device) - starts[seq_index]
+            # Row i of sequence b sits at absolute position (seq_len - q_len + i).
+            row_pos = (seq_lens - query_lens)[:, None] + torch.arange(meta.max_query_len, device=device)[None, :]
+            mask = (context[None, None, :] <= row_pos[:, :, None]) & (context[None, None, :] < seq_lens[:, None, None])
+            mask = mask[:, None].expand(-1, group, -1, -1).reshape(len(query_lens), 1, group * meta.max_query_len, -1)
+            plan = _BatchPlan(num_blocks, mask, seq_index, row_index)
+        self._plan_meta, self._plan_group, self._plan = meta, group, plan
+        return plan
+
+    def forward(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = query.shape
+        block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+        group = num_heads // num_kv_heads
+        seqs = meta.num_seqs
+        plan = self._plan_for(meta, group, block_size)
+
+        # [seqs, blocks, 2, block_size, kv_heads, head_dim] -> K, V as [seqs, kv_heads, context, head_dim]
+        gathered = kv_cache[meta.block_tables[:, : plan.num_blocks].to(torch.int64)]
+        context_len = plan.num_blocks * block_size
+        key = gathered[:, :, 0].reshape(seqs, context_len, num_kv_heads, head_dim).transpose(1, 2)
+        value = gathered[:, :, 1].reshape(seqs, context_len, num_kv_heads, head_dim).transpose(1, 2)
+        query = query.to(key.dtype)
+
+        if plan.seq_index is None:  # pure decode: one query row per sequence, no padding
+            q = query.view(seqs, num_kv_heads, group, head_dim)
+            out = F.scaled_dot_product_attention(q, key, value, attn_mask=plan.mask, scale=scale)
+            return out.reshape(num_tokens, num_heads, head_dim)
+
+        max_q = meta.max_query_len
+        padded = query.new_zeros(seqs, max_q, num_heads, head_dim)
+        padded[plan.seq_index, plan.row_index] = query
+        q = padded.view(seqs, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+        q = q.reshape(seqs, num_kv_heads, group * max_q, head_dim)
+        out = F.scaled_dot_product_attention(q, key, value, attn_mask=plan.mask, scale=scale)
+        out = out.view(seqs, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
+        out = out.reshape(seqs, max_q, num_heads, head_dim)
+        return out[plan.seq_index, plan.row_index]

@@ -1,0 +1,229 @@
+"""The Llama-family decoder (Llama, SmolLM, Qwen2 with q/k/v bias) in plain torch.
+
+It runs ONE flattened batch of tokens from many sequences (prefill chunks and
+decodes mixed) and reads/writes the paged KV cache through an
+:class:`~engine.attention.base.AttentionBackend`. Q/K/V and gate/up projections
+are fused into one matrix each at load time: on CPU every matmul call has a
+fixed cost, so 4 instead of 7 per layer matters at decode batch sizes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.config import ModelConfig
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding:
+    """cos/sin computed from positions each forward (no table to size for 128k contexts)."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [tokens, 1, head_dim]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.intermediate_size = config.intermediate_size
+        self.eps = config.rms_norm_eps
+
+        def empty(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+        self.input_layernorm = empty(h)
+        self.post_attention_layernorm = empty(h)
+        self.qkv_proj = empty(self.q_size + 2 * self.kv_size, h)
+        self.qkv_bias = empty(self.q_size + 2 * self.kv_size) if config.attention_bias else None
+        self.o_proj = empty(h, self.q_size)
+        self.gate_up_proj = empty(2 * config.intermediate_size, h)
+        self.down_proj = empty(h, config.intermediate_size)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        residual = hidden
+        x = F.rms_norm(hidden, (hidden.shape[-1],), self.input_layernorm, self.eps)
+        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        backend.write_kv(k, v, kv_cache, meta.slot_mapping)
+        attn = backend.forward(q, kv_cache, meta, 1.0 / math.sqrt(self.head_dim))
+        hidden = residual + F.linear(attn.reshape(tokens, self.q_size), self.o_proj)
+
+        residual = hidden
+        x = F.rms_norm(hidden, (hidden.shape[-1],), self.post_attention_layernorm, self.eps)
+        gate, up = F.linear(x, self.gate_up_proj).split(self.intermediate_size, dim=-1)
+        return residual + F.linear(F.silu(gate) * up, self.down_proj)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.backend = backend
+        self.dtype = dtype
+        self.embed_tokens = nn.Parameter(
+            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device) for _ in range(config.num_layers))
+        self.norm = nn.Parameter(torch.empty(config.hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Parameter(
+                torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device), requires_grad=False
+            )
+        )
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+
+    # ------------------------------------------------------------------ forward
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """``input_ids``/``positions`` ``[num_tokens]`` -> final-normed hidden ``[num_tokens, hidden]``."""
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache, meta, self.backend)
+        return F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.config.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, head).float()
+
+    # ------------------------------------------------------------------ weights
+    def _fused_target(self, hf_name: str) -> tuple[torch.Tensor, int, int] | None:
+        """``(parameter, row offset, rows)`` that an HF tensor fills, or None if unknown."""
+        if hf_name == "model.embed_tokens.weight":
+            return self.embed_tokens, 0, self.embed_tokens.shape[0]
+        if hf_name == "model.norm.weight":
+            return self.norm, 0, self.norm.shape[0]
+        if hf_name == "lm_head.weight":
+            if self.lm_head is None:
+                return None  # tied: some checkpoints still carry a copy
+            return self.lm_head, 0, self.lm_head.shape[0]
+        if not hf_name.startswith("model.layers."):
+            return None
+        index_str, rest = hf_name[len("model.layers.") :].split(".", 1)
+        index = int(index_str)
+        if index >= len(self.layers):
+            return None  # dummy/reduced-layer configs reading a bigger file
+        layer: DecoderLayer = self.layers[index]  # type: ignore[assignment]
+        q, kv, inter = layer.q_size, layer.kv_size, layer.intermediate_size
+        table: dict[str, tuple[torch.Tensor | None, int, int]] = {
+            "input_layernorm.weight": (layer.input_layernorm, 0, layer.input_layernorm.shape[0]),
+            "post_attention_layernorm.weight": (layer.post_attention_layernorm, 0, layer.post_attention_layernorm.shape[0]),
+            "self_attn.q_proj.weight": (layer.qkv_proj, 0, q),
+            "self_attn.k_proj.weight": (layer.qkv_proj, q, kv),
+            "self_attn.v_proj.weight": (layer.qkv_proj, q + kv, kv),
+            "self_attn.q_proj.bias": (layer.qkv_bias, 0, q),
+            "self_attn.k_proj.bias": (layer.qkv_bias, q, kv),
+            "self_attn.v_proj.bias": (layer.qkv_bias, q + kv, kv),
+            "self_attn.o_proj.weight": (layer.o_proj, 0, layer.o_proj.shape[0]),
+            "mlp.gate_proj.weight": (layer.gate_up_proj, 0, inter),
+            "mlp.up_proj.weight": (layer.gate_up_proj, inter, inter),
+            "mlp.down_proj.weight": (layer.down_proj, 0, layer.down_proj.shape[0]),
+        }
+        entry = table.get(rest)
+        if entry is None or entry[0] is None:
+            return None
+        return entry[0], entry[1], entry[2]
+
+    def hf_names(self) -> list[str]:
+        """Every HF tensor name this model needs."""
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        if self.lm_head is not None:
+            names.append("lm_head.weight")
+        per_layer = [
+            "input_layernorm.weight", "post_attention_layernorm.weight",
+            "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+            "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+        ]
+        if self.config.attention_bias:
+            per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+        for i in range(len(self.layers)):
+            names.extend(f"model.layers.{i}.{n}" for n in per_layer)
+        return names
+
+    def missing_hf_names(self, seen: set[str]) -> set[str]:
+        return set(self.hf_names()) - seen
+
+    @torch.no_grad()
+    def load_hf_tensor(self, hf_name: str, tensor: torch.Tensor) -> None:
+        target = self._fused_target(hf_name)
+        if target is None:
+            return
+        param, offset, rows = target
+        if tensor.shape[0] != rows or tuple(tensor.shape[1:]) != tuple(param.shape[1:]):
+            raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)} does not fit {(rows, *param.shape[1:])}")
+        param[offset : offset + rows].copy_(tensor)
+
+    @torch.no_grad()
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unfused HF-named tensors (views into the fused parameters)."""
+        out = {}
+        for name in self.hf_names():
+            target = self._fused_target(name)
+            assert target is not None
+            param, offset, rows = target
+            out[name] = param[offset : offset + rows]
+        return out
+
+    @torch.no_grad()
+    def init_dummy_weights(self, seed: int = 0) -> int:
+        """Small random weights in place (no second copy); norms are 1. Returns the tensor count."""
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        count = 0
+        for name, param in self.named_parameters():
+            if param.dim() == 1 and "bias" not in name:
+                param.fill_(1.0)
+            else:
+                param.uniform_(-0.02, 0.02, generator=generator)
+            count += 1
+        return count

@@ -1,0 +1,218 @@
+"""Weights for a Llama-family model: from a GGUF file, an HF safetensors folder,
+or random ("dummy") weights of a config's shapes.
+
+Every source is read into HF parameter names (``model.layers.0.self_attn.q_proj.weight``)
+so one model class and one exporter serve them all; the model fuses QKV and
+gate/up when it takes the tensors (:meth:`LlamaForCausalLM.load_hf_tensors`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.config import ModelConfig, resolve_model_file
+from engine.errors import UserError
+
+# (tensors done, tensors total) -> None; the engine turns it into a progress event.
+ProgressCallback = Callable[[int, int], None]
+
+LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+@dataclass(slots=True)
+class LoadInfo:
+    """What the engine's weight-loading phase reports."""
+
+    load_format: str
+    source: str | None
+    weights_bytes: int
+    load_seconds: float
+    num_tensors: int
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation: its converter interleaves the two
+    rotary halves of each head so the GGML kernel can rotate adjacent pairs; HF's
+    rotate_half wants them as two contiguous halves (the same reversal HF
+    transformers applies when it reads a GGUF)."""
+    half = weight.shape[0] // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def permute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's permutation (inverse of :func:`unpermute_rotary_rows`)."""
+    half = weight.shape[0] // num_heads // 2
+    return weight.reshape(num_heads, 2, half, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def iter_gguf_tensors(path: Path, config: ModelConfig) -> Iterator[tuple[str, np.ndarray, int]]:
+    """Yield ``(hf_name, float32 array, total)`` for each tensor of a GGUF file."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as exc:  # the reader raises ValueError/struct.error/OSError on garbage
+        raise UserError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+    total = len(reader.tensors)
+    for tensor in reader.tensors:
+        hf_name = gguf_to_hf_name(tensor.name)
+        if hf_name is None:
+            continue  # e.g. rope_freqs: recomputed from rope_theta
+        try:
+            array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        except Exception as exc:
+            raise UserError(f"{path}: tensor {tensor.name} cannot be decoded ({exc})") from exc
+        array = array.reshape([int(d) for d in reversed(tensor.shape)])
+        if hf_name.endswith("q_proj.weight") or hf_name.endswith("q_proj.bias"):
+            array = unpermute_rotary_rows(array, config.num_attention_heads)
+        elif hf_name.endswith("k_proj.weight") or hf_name.endswith("k_proj.bias"):
+            array = unpermute_rotary_rows(array, config.num_kv_heads)
+        yield hf_name, array, total
+
+
+def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor, int]]:
+    """Yield ``(hf_name, tensor, total)`` from ``model.safetensors`` or a sharded index."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{folder}: no *.safetensors files (looked for model.safetensors and its index)")
+    names: list[tuple[str, str]] = []
+    for file in files:
+        try:
+            with safe_open(str(folder / file), framework="pt") as handle:
+                names.extend((file, key) for key in handle.keys())  # noqa: SIM118 (not a dict)
+        except Exception as exc:
+            raise UserError(f"{folder / file}: not a readable safetensors file ({exc})") from exc
+    total = len(names)
+    for file in files:
+        with safe_open(str(folder / file), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118
+                yield key, handle.get_tensor(key), total
+
+
+def resolve_load_format(config: ModelConfig, load_format: str) -> str:
+    if load_format not in LOAD_FORMATS:
+        raise UserError(f"--load-format {load_format!r}: use one of {', '.join(LOAD_FORMATS)}")
+    if load_format != "auto":
+        return load_format
+    if config.source == "gguf":
+        return "gguf"
+    if config.source == "hf":
+        return "safetensors"
+    return "dummy"  # a preset with no file: shapes only
+
+
+def weights_location(config: ModelConfig) -> Path:
+    location = Path(config.path) if config.path else resolve_model_file(config.name)
+    if location is None or not location.exists():
+        raise UserError(f"model {config.name!r}: no weights file found (path {config.path!r}); use --load-format dummy")
+    return location
+
+
+def iter_hf_tensors(
+    config: ModelConfig, load_format: str
+) -> Iterator[tuple[str, torch.Tensor | np.ndarray, int]]:
+    """HF-named tensors from the model's file, in file order."""
+    fmt = resolve_load_format(config, load_format)
+    location = weights_location(config)
+    if fmt == "gguf":
+        if location.is_dir():
+            raise UserError(f"{location}: --load-format gguf needs a .gguf file, got a folder")
+        yield from iter_gguf_tensors(location, config)
+    elif fmt == "safetensors":
+        if not location.is_dir():
+            raise UserError(f"{location}: --load-format safetensors needs an HF folder, got a file")
+        yield from iter_safetensors(location)
+    else:
+        raise UserError(f"load format {fmt!r} has no file to read")
+
+
+def load_hf_state_dict(config: ModelConfig, load_format: str = "auto", dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The whole checkpoint as an HF-named state dict (unfused); the exporter uses it."""
+    out: dict[str, torch.Tensor] = {}
+    for name, array, _ in iter_hf_tensors(config, load_format):
+        tensor = torch.from_numpy(np.ascontiguousarray(array)) if isinstance(array, np.ndarray) else array
+        out[name] = tensor.to(dtype)
+    return out
+
+
+def load_weights_into(
+    model: torch.nn.Module,
+    config: ModelConfig,
+    load_format: str = "auto",
+    progress: ProgressCallback | None = None,
+    seed: int = 0,
+) -> LoadInfo:
+    """Fill ``model`` (a :class:`engine.model.llama.LlamaForCausalLM`) from its source."""
+    start = time.perf_counter()
+    fmt = resolve_load_format(config, load_format)
+    count = 0
+    if fmt == "dummy":
+        count = model.init_dummy_weights(seed=seed)  # type: ignore[operator]
+        if progress:
+            progress(count, count)
+        source = None
+    else:
+        source = str(weights_location(config))
+        seen: set[str] = set()
+        for name, array, total in iter_hf_tensors(config, fmt):
+            tensor = torch.from_numpy(np.ascontiguousarray(array)) if isinstance(array, np.ndarray) else array
+            model.load_hf_tensor(name, tensor)  # type: ignore[operator]
+            seen.add(name)
+            count += 1
+            if progress:
+                progress(count, total)
+        missing = model.missing_hf_names(seen)  # type: ignore[operator]
+        if missing:
+            raise UserError(f"{source}: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+    weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return LoadInfo(
+        load_format=fmt,
+        source=source,
+        weights_bytes=int(weights_bytes),
+        load_seconds=time.perf_counter() - start,
+        num_tensors=count,
+    )

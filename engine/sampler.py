@@ -1,0 +1,106 @@
+"""Sampling parameters and the batched sampler (greedy, temperature, top-k, top-p, seeds).
+
+One call samples every row of the batch: temperature scaling, one descending
+sort shared by top-k and top-p, then the "exponential race" (argmax of
+``p / q`` with ``q ~ Exp(1)``, as vLLM does), which draws from ``p`` without a
+per-row ``multinomial``. Only rows with a seed get their own noise, from a
+generator seeded by ``(seed, position)``: the same request reproduces the same
+tokens whatever batch it lands in, and after a preemption's recompute too.
+
+Stop tokens, stop strings and max tokens belong to whoever owns the request;
+see :class:`engine.model.tokenizer.IncrementalDetokenizer` for stop strings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.errors import UserError
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = no limit
+    seed: int | None = None
+    max_tokens: int | None = 16  # None = up to the model length
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.temperature < 0:
+            raise UserError(f"temperature {self.temperature}: must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"top_p {self.top_p}: must be in (0, 1]")
+        if self.top_k < -1:
+            raise UserError(f"top_k {self.top_k}: must be -1, 0 (no limit) or a positive count")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise UserError(f"max_tokens {self.max_tokens}: must be at least 1")
+        if self.min_tokens < 0:
+            raise UserError(f"min_tokens {self.min_tokens}: must be >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+
+def _seed_for(seed: int, position: int) -> int:
+    return (seed * 0x9E3779B1 + position * 0x85EBCA77) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+class Sampler:
+    """``sample(logits [n, vocab] float32, params, positions) -> token ids [n]``."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self._generator = torch.Generator(device="cpu").manual_seed(seed)
+        self._row_generator = torch.Generator(device="cpu")
+
+    @torch.inference_mode()
+    def sample(
+        self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """``positions[i]`` is the position of the token being sampled (seeds mix it in)."""
+        vocab = logits.shape[1]
+        greedy_tokens = logits.argmax(dim=-1)
+        if all(p.greedy for p in params):
+            return greedy_tokens
+        device = logits.device
+        temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+        logits = logits / temperature[:, None]
+
+        top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
+        top_p = [p.top_p for p in params]
+        if min(top_k) < vocab or min(top_p) < 1.0:
+            sorted_logits, sorted_index = logits.sort(dim=-1, descending=True)
+            ranks = torch.arange(vocab, device=device)[None, :]
+            drop = ranks >= torch.tensor(top_k, device=device)[:, None]
+            if min(top_p) < 1.0:
+                sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+                # Drop a token once the mass before it already reaches top_p (the top one always stays).
+                mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+                drop |= mass_before >= torch.tensor(top_p, device=device)[:, None]
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            logits = torch.full_like(logits, float("-inf")).scatter_(-1, sorted_index, sorted_logits)
+
+        probs = logits.softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_(generator=self._generator)
+        for row, p in enumerate(params):
+            if p.seed is not None and not p.greedy:
+                position = positions[row] if positions is not None else 0
+                self._row_generator.manual_seed(_seed_for(p.seed, position))
+                noise[row].exponential_(generator=self._row_generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        is_greedy = torch.tensor([p.greedy for p in params], device=device)
+        return torch.where(is_greedy, greedy_tokens, sampled)
