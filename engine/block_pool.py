@@ -1,0 +1,231 @@
+"""The pool of KV cache blocks: reference counts, the LRU free queue and the
+prefix-cache hash map.
+
+Blocks are plain integers ``0 .. num_blocks-1``. Per-block state lives in
+parallel lists indexed by block id (reference count, cached hash, free-queue
+links), so no Python object exists per block and every operation is O(1) per
+block touched, never O(pool).
+
+The free queue is a doubly linked list threaded through ``_prev``/``_next`` with
+one sentinel node (index ``num_blocks``) that is both head and tail. It holds
+truly free blocks and cached blocks whose count fell to 0; both count as free.
+New blocks are taken from the head; freed blocks are appended at the tail, so a
+freed cached block survives (and can be hit) until every block freed before it
+has been reused: LRU eviction. A collections.deque cannot remove from the middle
+in O(1), which a prefix hit on a free cached block needs.
+
+Unlike vLLM, block 0 is not reserved as a null block (there is no sliding
+window here), so all ``num_blocks`` are usable.
+
+Every change that a block-table consumer must see is written into ``deltas``
+(see :class:`BlockDeltas`); the scheduler swaps in a fresh one per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class BlockDeltas:
+    """Block changes of one scheduler step, in the form the ``step`` event carries.
+
+    ``allocated`` request id -> block ids appended to its table (prefix hits
+    first, then new blocks); ``freed`` request id -> block ids it released;
+    ``cached`` block ids that are cached at the end of the step but were not
+    registered before it (an ordered set); ``evicted`` block ids that were cached
+    before the step and lost that content during it. Folding applies ``evicted``
+    before ``cached`` and ``allocated`` before ``freed``; with these net sets that
+    order reproduces the pool exactly even when one block is evicted and
+    re-cached within a step.
+    """
+
+    __slots__ = ("allocated", "cached", "evicted", "freed", "prefix_hit_tokens", "prefix_query_tokens")
+
+    def __init__(self) -> None:
+        self.allocated: dict[str, list[int]] = {}
+        self.freed: dict[str, list[int]] = {}
+        self.cached: dict[int, None] = {}
+        self.evicted: list[int] = []
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    def record_cached(self, block_id: int) -> None:
+        self.cached[block_id] = None
+
+    def record_evicted(self, block_id: int) -> None:
+        if block_id in self.cached:
+            # cached and evicted inside this step: net effect on the fold is nothing new
+            del self.cached[block_id]
+        else:
+            self.evicted.append(block_id)
+
+
+class BlockPool:
+    """``num_blocks`` blocks of ``block_size`` tokens with reference counts and a
+    hash -> block map for prefix caching."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.ref_cnt: list[int] = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.cached_block_map: dict[int, int] = {}  # block hash -> block id
+        head = num_blocks  # sentinel
+        # initial queue 0, 1, ..., n-1 so the lowest ids are handed out first
+        self._next: list[int] = [*range(1, num_blocks + 1), 0]
+        self._prev: list[int] = [head, *range(num_blocks)]
+        self._in_free_queue: list[bool] = [True] * num_blocks
+        self.num_free = num_blocks
+        self.num_cached_free = 0  # free blocks still holding a hash (evictable hits)
+        self.deltas = BlockDeltas()
+
+    # ------------------------------------------------------------ free queue
+    def _unlink(self, block_id: int) -> None:
+        prev, nxt = self._prev[block_id], self._next[block_id]
+        self._next[prev] = nxt
+        self._prev[nxt] = prev
+        self._in_free_queue[block_id] = False
+        self.num_free -= 1
+
+    def _append(self, block_id: int) -> None:
+        head = self.num_blocks
+        tail = self._prev[head]
+        self._next[tail] = block_id
+        self._prev[block_id] = tail
+        self._next[block_id] = head
+        self._prev[head] = block_id
+        self._in_free_queue[block_id] = True
+        self.num_free += 1
+
+    def free_queue_order(self) -> list[int]:
+        """Free block ids from head (next to be reused) to tail. O(free); for tests."""
+        out: list[int] = []
+        head = self.num_blocks
+        b = self._next[head]
+        while b != head:
+            out.append(b)
+            b = self._next[b]
+        return out
+
+    # ------------------------------------------------------------- operations
+    def get_new_blocks(self, n: int) -> list[int]:
+        """Take ``n`` blocks from the head of the free queue (evicting any cached
+        content they hold) with reference count 1. Caller checks ``num_free``."""
+        if n > self.num_free:
+            raise ValueError(f"asked for {n} blocks but only {self.num_free} are free")
+        out: list[int] = []
+        nxt, ref_cnt, block_hash = self._next, self.ref_cnt, self.block_hash
+        head = self.num_blocks
+        for _ in range(n):
+            b = nxt[head]
+            self._unlink(b)
+            h = block_hash[b]
+            if h is not None:
+                self._evict(b, h)
+            ref_cnt[b] = 1
+            out.append(b)
+        return out
+
+    def _evict(self, block_id: int, block_hash: int) -> None:
+        if self.cached_block_map.get(block_hash) == block_id:
+            del self.cached_block_map[block_hash]
+        self.block_hash[block_id] = None
+        self.num_cached_free -= 1
+        self.deltas.record_evicted(block_id)
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Take a reference on prefix-hit blocks; a free cached one leaves the free queue."""
+        ref_cnt = self.ref_cnt
+        for b in block_ids:
+            if ref_cnt[b] == 0:
+                self._unlink(b)
+                self.num_cached_free -= 1
+            ref_cnt[b] += 1
+
+    def free_blocks(self, ordered_block_ids: Iterable[int]) -> None:
+        """Drop one reference on each block; blocks reaching 0 go to the tail of the
+        free queue in the given order, keeping their hash (still hittable)."""
+        ref_cnt, block_hash = self.ref_cnt, self.block_hash
+        for b in ordered_block_ids:
+            c = ref_cnt[b] - 1
+            if c < 0:
+                raise ValueError(f"block {b} freed more times than it was taken")
+            ref_cnt[b] = c
+            if c == 0:
+                self._append(b)
+                if block_hash[b] is not None:
+                    self.num_cached_free += 1
+
+    def cache_block(self, block_id: int, block_hash: int) -> bool:
+        """Register a full, in-use block under its chained hash. Returns False (and
+        leaves the block uncached) when another block already holds that content:
+        two requests that computed the same prefix in the same step."""
+        if block_hash in self.cached_block_map:
+            return False
+        self.cached_block_map[block_hash] = block_id
+        self.block_hash[block_id] = block_hash
+        self.deltas.record_cached(block_id)
+        return True
+
+    def lookup(self, block_hash: int) -> int | None:
+        return self.cached_block_map.get(block_hash)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced; cached-but-free blocks count as free
+        (vLLM's kv_cache_usage_perc)."""
+        return 1.0 - self.num_free / self.num_blocks
+
+    def cached_block_ids(self) -> set[int]:
+        """Blocks currently holding a prefix-cache hash. O(pool); for tests and snapshots."""
+        return {b for b, h in enumerate(self.block_hash) if h is not None}
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached hash; only allowed when no block is in use."""
+        if self.num_free != self.num_blocks:
+            return False
+        for b, h in enumerate(self.block_hash):
+            if h is not None:
+                self._evict(b, h)
+        return True
+
+    def check_integrity(self, owners: Iterable[list[int]] | None = None) -> None:
+        """Assert the pool's invariants; raises AssertionError naming the broken one.
+
+        free + referenced = total; the free queue is exactly the blocks with count
+        0, each once; the hash map and the per-block hashes agree; the cached-free
+        counter matches. With ``owners`` (every live request's block list) also:
+        each block's count equals the number of tables holding it, and no table
+        holds a block twice. O(pool); for tests.
+        """
+        order = self.free_queue_order()
+        assert len(order) == len(set(order)), "a block is in the free queue twice"
+        assert len(order) == self.num_free, f"free queue has {len(order)} blocks, counter says {self.num_free}"
+        zero = {b for b, c in enumerate(self.ref_cnt) if c == 0}
+        assert set(order) == zero, "free queue differs from the blocks with reference count 0"
+        assert all(c >= 0 for c in self.ref_cnt), "negative reference count"
+        referenced = self.num_blocks - len(zero)
+        assert self.num_free + referenced == self.num_blocks, "free + referenced != total"
+        for h, b in self.cached_block_map.items():
+            assert self.block_hash[b] == h, f"hash map points at block {b} which holds another hash"
+        mapped = set(self.cached_block_map.values())
+        hashed = {b for b, h in enumerate(self.block_hash) if h is not None}
+        assert hashed == mapped, "a block holds a hash that the hash map does not point to"
+        assert self.num_cached_free == len(hashed & zero), "cached-free counter is wrong"
+        if owners is not None:
+            counts = [0] * self.num_blocks
+            for table in owners:
+                assert len(table) == len(set(table)), "a request holds the same block twice"
+                for b in table:
+                    counts[b] += 1
+            assert counts == self.ref_cnt, "reference counts differ from the request tables"
