@@ -13,6 +13,7 @@ for the real engine, simulated seconds for ``engine simulate``).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import io
 import json
@@ -280,6 +281,9 @@ class EventBus:
 
     ``publish`` stamps ``seq`` and ``t`` and calls every subscriber in order.
     Thread-safe subscribe/unsubscribe; publishing happens on the engine thread.
+    An event published by a subscriber while an event is being delivered (the
+    stats reporter's ``stats`` event) is queued and delivered right after it, so
+    every subscriber sees events in ``seq`` order.
     """
 
     def __init__(self, clock: Callable[[], float] | None = None) -> None:
@@ -288,6 +292,8 @@ class EventBus:
         self._subscribers: tuple[Subscriber, ...] = ()
         self._lock = threading.Lock()
         self._seq = 0
+        self._delivering = False
+        self._queued: collections.deque[Event] = collections.deque()
 
     @property
     def has_subscribers(self) -> bool:
@@ -312,8 +318,20 @@ class EventBus:
         self._seq += 1
         event.seq = self._seq
         event.t = self._clock()
-        for fn in self._subscribers:
-            fn(event)
+        if self._delivering:
+            self._queued.append(event)
+            return event
+        self._delivering = True
+        try:
+            for fn in self._subscribers:
+                fn(event)
+            queued = self._queued
+            while queued:
+                later = queued.popleft()
+                for fn in self._subscribers:
+                    fn(later)
+        finally:
+            self._delivering = False
         return event
 
 
