@@ -1,0 +1,351 @@
+"""Streaming parser: physical log lines in, logical records out.
+
+Every trap of ../shared/reference/vllm-log-catalog.md section 4 is handled here,
+before any pattern is tried: real and caret-notation ANSI codes, k9s/TUI box
+borders, docker/Buildkite/journald/FastChat timestamps, indentation, nested
+process prefixes of every era (``(VllmWorkerProcess pid=N)``, ``(Worker_TP1
+pid=N)``, Ray Serve's four-deep chains), ``[Stage-1]`` tags, the three vLLM prefix
+eras, uvicorn and structlog prefixes, JSON log lines, tqdm bars with a record
+glued to them, ``\\r`` redraws, Ray's ``[repeated Nx across cluster]``, records
+wrapped by a terminal (joined back) and per-rank duplicates (marked, not dropped).
+
+Memory is bounded by the longest line kept (:data:`MAX_LINE_BYTES`) and a fixed
+duplicate window, never by the log size.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from logparse.patterns import PATTERNS, TEXT_FIELDS, LinePattern
+
+MAX_LINE_BYTES = 1 << 20  # a longer physical line keeps its first MiB; the rest is skipped
+MATCH_CHARS = 8192  # patterns see at most this much of a message (config lines are ~3-5 kB)
+MAX_RECORD_CHARS = 16384  # a record joined from wrapped lines stops growing here
+WRAP_MIN_CHARS = 78  # a previous line at least this long may have been hard-wrapped
+DEDUP_WINDOW = 4096
+
+_ANSI = re.compile(r"(?:\x1b|\^\[)\[[0-9;?]*[A-Za-z]")
+_EXTERNAL_TS = re.compile(
+    r"^(?:\[\d{4}-\d\d-\d\dT[\d:.]+Z?\]"  # Buildkite
+    r"|\d{4}-\d\d-\d\dT[\d:.]+(?:Z|[+-]\d\d:?\d\d)?"  # docker --timestamps / k8s / structlog iso
+    r"|[A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d \S+ [\w.\-/@]+(?:\[\d+\])?:"  # journald / syslog
+    r"|\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \| (?P<fc_level>[A-Z]+) \| \w+ \|)"  # FastChat wrapper
+    r"\s*"
+)
+_GUTTER = re.compile(r"^\s*\|\s")  # web UI table gutter ("  | ")
+_PROCESS = re.compile(r"^\((?P<proc>[^()]{0,200}?pid=\d+[^()]{0,100})\)\s?")
+_STAGE = re.compile(r"^\[Stage-\d+\]\s?")
+_VLLM_PREFIX = re.compile(
+    r"^(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL)"
+    r"(?:\s+(?P<date>\d\d-\d\d \d\d:\d\d:\d\d))?"
+    r"(?:\s+(?:\[(?P<file>[^\]\s]{1,200}:\d+)\]|(?P<file_old>[\w.\-/]{1,200}\.py:\d+)\]))?"
+    r"(?:\s|$)"
+)
+_FILE_ONLY = re.compile(r"^\[(?P<file>[\w.\-/]{1,200}\.py:\d+)\]\s?")
+_UVICORN = re.compile(r"^(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL):\s+")
+_STRUCTLOG = re.compile(r"^\[(?P<level>debug|info|warning|error|critical)\s*\]\s+")
+_RAY_REPEAT = re.compile(r"\s*\[repeated (?P<n>\d+)x across cluster\]\s*$")
+_GLUED = re.compile(
+    r"(?:\([^()]{0,200}?pid=\d+[^()]{0,100}\)\s?)*(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d"
+)
+_NUMBER = re.compile(r"^-?\d[\d,]*(?:\.\d+)?$")
+
+
+@dataclass(slots=True)
+class Record:
+    """One logical log record (one or more physical lines)."""
+
+    line: int  # first physical line, 1-based
+    end_line: int
+    text: str  # the message, prefixes stripped
+    raw: str  # the first physical line as decoded (capped), for display
+    level: str | None = None
+    time: str | None = None  # "MM-DD HH:MM:SS" as vLLM prints it (no year)
+    process: str | None = None  # innermost process prefix, e.g. "Worker_TP1 pid=448"
+    source: str | None = None  # "gpu_worker.py:298"
+    pattern: LinePattern | None = None
+    fields: dict[str, Any] = field(default_factory=dict)
+    repeated: int = 1
+    duplicate_of: int | None = None
+    has_prefix: bool = False
+
+    @property
+    def phase(self) -> str | None:
+        return self.pattern.phase if self.pattern else None
+
+    @property
+    def pattern_id(self) -> str | None:
+        return self.pattern.id if self.pattern else None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "line": self.line,
+            "phase": self.phase,
+            "pattern": self.pattern_id,
+            "fields": dict(self.fields),
+        }
+        if self.end_line != self.line:
+            out["end_line"] = self.end_line
+        for name in ("level", "time", "process", "source", "duplicate_of"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        if self.repeated != 1:
+            out["repeated"] = self.repeated
+        return out
+
+
+def convert_field(name: str, value: str) -> Any:
+    """Numbers become int/float (thousands separators dropped); text fields stay text."""
+    if name in TEXT_FIELDS or not _NUMBER.match(value):
+        return value
+    plain = value.replace(",", "")
+    try:
+        return float(plain) if "." in plain else int(plain)
+    except ValueError:  # "1,2,,3" passes the shape test but is not a number
+        return value
+
+
+def match_message(text: str) -> tuple[LinePattern | None, dict[str, Any]]:
+    """The first catalogue pattern (in table order) that matches ``text``, with its fields."""
+    probe = text[:MATCH_CHARS]
+    for pattern in PATTERNS:
+        for anchor in pattern.anchors:
+            if anchor in probe:
+                break
+        else:
+            continue
+        m = pattern.regex.search(probe)
+        if m is None:
+            continue
+        fields: dict[str, Any] = {}
+        for name, value in m.groupdict().items():
+            if value is not None:
+                fields[name] = convert_field(name, value)
+        for extractor in pattern.extractors:
+            em = extractor.search(probe)
+            if em is None:
+                continue
+            for name, value in em.groupdict().items():
+                if value is not None and name not in fields:
+                    fields[name] = convert_field(name, value)
+        return pattern, fields
+    return None, {}
+
+
+@dataclass(slots=True)
+class _Prefix:
+    text: str
+    level: str | None = None
+    time: str | None = None
+    process: str | None = None
+    source: str | None = None
+    repeated: int = 1
+    indented: bool = False
+    has_prefix: bool = False
+
+
+def strip_prefix(line: str) -> _Prefix:
+    """Remove every kind of prefix around a vLLM message (see the module doc)."""
+    if "\x1b" in line or "^[" in line:
+        line = _ANSI.sub("", line)
+    line = line.rstrip()
+    if line.startswith("│") or line.endswith("│"):
+        line = line.strip("│").rstrip()
+        if line.startswith(" "):
+            line = line[1:]
+    out = _Prefix(text=line)
+    m = _GUTTER.match(line)
+    if m:
+        line = line[m.end():]
+    m = _EXTERNAL_TS.match(line)
+    if m:
+        line = line[m.end():]
+        if m.group("fc_level"):
+            out.level = m.group("fc_level")
+    stripped = line.lstrip()
+    out.indented = len(stripped) != len(line)
+    line = stripped
+    if line.startswith("{") and line.endswith("}"):
+        decoded = _json_message(line)
+        if decoded is not None:
+            out.text, out.level, out.time = decoded
+            out.has_prefix = True
+            return out
+    while line.startswith("("):
+        m = _PROCESS.match(line)
+        if not m:
+            break
+        out.process = m.group("proc")
+        out.has_prefix = True
+        line = line[m.end():]
+    if line.startswith("[Stage-"):
+        m = _STAGE.match(line)
+        if m:
+            line = line[m.end():]
+    m = _VLLM_PREFIX.match(line)
+    if m:
+        out.level = m.group("level")
+        out.time = m.group("date")
+        out.source = m.group("file") or m.group("file_old")
+        out.has_prefix = True
+        line = line[m.end():]
+        if not out.time and not out.source:
+            line = line.lstrip()  # "INFO  message" (level only)
+    elif line.startswith("["):
+        m = _FILE_ONLY.match(line) or _STRUCTLOG.match(line)
+        if m:
+            if "file" in m.groupdict():
+                out.source = m.group("file")
+            else:
+                out.level = m.group("level").upper()
+            out.has_prefix = True
+            line = line[m.end():]
+    else:
+        m = _UVICORN.match(line)
+        if m:
+            out.level = m.group("level")
+            out.has_prefix = True
+            line = line[m.end():]
+    if "[repeated" in line:
+        m = _RAY_REPEAT.search(line)
+        if m:
+            out.repeated = int(m.group("n"))
+            line = line[: m.start()]
+    out.text = line.rstrip()
+    return out
+
+
+def _json_message(line: str) -> tuple[str, str | None, str | None] | None:
+    """vLLM 0.32+ JSON formatter or kvscope's structlog JSON renderer."""
+    if len(line) > MATCH_CHARS * 8:
+        return None
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict):
+        return None
+    message = obj.get("message", obj.get("event"))
+    if not isinstance(message, str):
+        return None
+    level = obj.get("levelname", obj.get("level"))
+    when = obj.get("asctime", obj.get("timestamp"))
+    return message, str(level).upper() if level is not None else None, str(when) if when is not None else None
+
+
+def _split_glued(line: str) -> list[str]:
+    """A tqdm bar with a log record glued after it becomes two lines."""
+    if "it/s]" not in line and "s/it]" not in line:
+        return [line]
+    parts: list[str] = []
+    start = 0
+    for m in _GLUED.finditer(line, 1):
+        if m.start() > start:
+            parts.append(line[start : m.start()])
+            start = m.start()
+    parts.append(line[start:])
+    return parts
+
+
+def iter_physical_lines(source: str | Path | BinaryIO | Iterable[bytes | str]) -> Iterator[tuple[int, str]]:
+    """(line number, decoded text) for each physical line; invalid UTF-8 is replaced,
+    lines beyond :data:`MAX_LINE_BYTES` are cut, ``\\r`` redraws are split."""
+    if isinstance(source, str | Path):
+        with open(source, "rb") as fh:
+            yield from iter_physical_lines(fh)
+        return
+    if isinstance(source, io.IOBase) or hasattr(source, "readline"):
+        chunks: Iterable[bytes | str] = _bounded_lines(source)  # type: ignore[arg-type]
+    else:
+        chunks = source
+    for number, chunk in enumerate(chunks, 1):
+        text = chunk.decode("utf-8", errors="replace") if isinstance(chunk, bytes | bytearray) else chunk
+        text = text.rstrip("\r\n")
+        if "\r" in text:
+            for piece in text.split("\r"):
+                if piece.strip():
+                    yield number, piece
+            continue
+        yield number, text
+
+
+def _bounded_lines(fh: BinaryIO) -> Iterator[bytes]:
+    while True:
+        chunk = fh.readline(MAX_LINE_BYTES)
+        if not chunk:
+            return
+        if len(chunk) == MAX_LINE_BYTES and not chunk.endswith(b"\n"):
+            while True:  # skip the rest of an over-long line
+                rest = fh.readline(MAX_LINE_BYTES)
+                if not rest or rest.endswith(b"\n"):
+                    break
+        yield chunk
+
+
+def iter_records(source: str | Path | BinaryIO | Iterable[bytes | str]) -> Iterator[Record]:
+    """Parse a log into :class:`Record` objects, one pending record at a time."""
+    pending: Record | None = None
+    previous_len = 0
+    seen: dict[tuple[str, str], tuple[int, str | None]] = {}
+    for number, physical in iter_physical_lines(source):
+        for piece in _split_glued(physical):
+            prefix = strip_prefix(piece)
+            text = prefix.text
+            pattern, fields = match_message(text) if text else (None, {})
+            joinable = (
+                pending is not None
+                and not prefix.has_prefix
+                and pattern is None
+                and text
+                and (prefix.indented or previous_len >= WRAP_MIN_CHARS)
+                and len(pending.text) < MAX_RECORD_CHARS
+            )
+            previous_len = len(piece)
+            if joinable:
+                assert pending is not None
+                pending.text = (pending.text + (" " if prefix.indented else "") + text)[:MAX_RECORD_CHARS]
+                pending.end_line = number
+                pending.pattern, pending.fields = match_message(pending.text)
+                continue
+            if pending is not None:
+                yield _mark_duplicate(pending, seen)
+            pending = Record(
+                line=number,
+                end_line=number,
+                text=text[:MAX_RECORD_CHARS],
+                raw=piece[:2000],
+                level=prefix.level,
+                time=prefix.time,
+                process=prefix.process,
+                source=prefix.source,
+                pattern=pattern,
+                fields=fields,
+                repeated=prefix.repeated,
+                has_prefix=prefix.has_prefix,
+            )
+    if pending is not None:
+        yield _mark_duplicate(pending, seen)
+
+
+def _mark_duplicate(record: Record, seen: dict[tuple[str, str], tuple[int, str | None]]) -> Record:
+    """Worker lines print once per TP/PP rank: the same message under another
+    process prefix is marked as a duplicate of the first."""
+    if record.pattern is None or record.process is None:
+        return record
+    key = (record.pattern.id, record.text)
+    first = seen.get(key)
+    if first is None:
+        if len(seen) >= DEDUP_WINDOW:
+            seen.clear()
+        seen[key] = (record.line, record.process)
+    elif first[1] != record.process:
+        record.duplicate_of = first[0]
+    return record

@@ -1,0 +1,420 @@
+"""The catalogue of vLLM log line formats, as data.
+
+Each :class:`LinePattern` row says what one vLLM log message looks like (a
+regular expression over the message with the log prefix already stripped),
+which releases print it, which startup phase it belongs to, what its numbers
+are and how vLLM computed them. Sources: ../shared/reference/vllm-log-catalog.md
+(format strings extracted from 51 released wheels) and the real logs in
+../shared/vllm-logs.
+
+Templates use ``<name:kind>`` placeholders, expanded by :func:`compile_template`
+into named groups; a field whose name is a ledger key (``weights_gib``,
+``kv_cache_tokens``...) feeds the memory ledger directly. ``extract`` holds
+optional sub-patterns searched in the same message (config lines, dict dumps,
+optional tails) so the main expression never needs chains of ``.*?`` that would
+backtrack on long lines.
+
+Phases: A init/config, B budget check, C weight loading, D memory profiling,
+E KV-cache sizing, F compile / CUDA graphs, G server ready, R runtime, X error.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+PHASE_NAMES: dict[str, str] = {
+    "A": "init / config",
+    "B": "memory budget check",
+    "C": "weight loading",
+    "D": "memory profiling",
+    "E": "KV cache sizing",
+    "F": "compile / CUDA graphs",
+    "G": "server ready",
+    "R": "runtime",
+    "X": "error",
+}
+
+# The ledger keys of ``logparse explain --json``, in display order.
+LEDGER_KEYS: tuple[str, ...] = (
+    "vllm_version",
+    "weights_gib",
+    "peak_activation_gib",
+    "non_torch_gib",
+    "kv_cache_gib",
+    "kv_cache_tokens",
+    "gpu_blocks",
+    "cpu_blocks",
+    "max_concurrency",
+    "cuda_graph_gib",
+    "max_model_len",
+    "gpu_memory_utilization",
+)
+
+# Fields kept as text even when they look like a number.
+TEXT_FIELDS = frozenset({"vllm_version", "model", "dtype", "kv_cache_dtype", "quantization", "device",
+                         "backend", "platform", "url", "graph_mode", "architecture", "oom_unit",
+                         "oom_free_unit", "mode", "tasks", "range", "path", "engine"})
+
+_KINDS: dict[str, str] = {
+    "num": r"-?\d[\d,]*(?:\.\d+)?",
+    "int": r"\d[\d,]*",
+    "version": r"\d+\.\d+(?:\.\d+)?(?:[.+\-]?[\w.+]*)?",
+    "word": r"\S+",
+    "text": r".+?",
+    "rest": r".+",
+    "paren": r"\([^)]*\)",
+}
+_PLACEHOLDER = re.compile(r"<(\w+):(\w+)>")
+
+
+def compile_template(template: str) -> re.Pattern[str]:
+    """``<weights_gib:num>`` becomes ``(?P<weights_gib>-?\\d[\\d,]*(?:\\.\\d+)?)``."""
+
+    def expand(m: re.Match[str]) -> str:
+        return f"(?P<{m.group(1)}>{_KINDS[m.group(2)]})"
+
+    return re.compile(_PLACEHOLDER.sub(expand, template))
+
+
+@dataclass(frozen=True)
+class LinePattern:
+    id: str
+    phase: str
+    versions: str
+    anchor: str  # literal(s), "|"-separated, one of which every matching message contains (pre-filter)
+    template: str
+    meaning: str
+    extract: tuple[str, ...] = ()  # optional sub-templates searched in the same message
+    failure: str | None = None  # failure kind recognised by explain.py
+    regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
+    extractors: tuple[re.Pattern[str], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "regex", compile_template(self.template))
+        object.__setattr__(self, "extractors", tuple(compile_template(t) for t in self.extract))
+
+    @property
+    def anchors(self) -> tuple[str, ...]:
+        return tuple(self.anchor.split("|"))
+
+    @property
+    def field_names(self) -> list[str]:
+        names = list(self.regex.groupindex)
+        for ex in self.extractors:
+            names.extend(n for n in ex.groupindex if n not in names)
+        return names
+
+
+# Config-line keys (VllmConfig.__str__, V0 engine line, argparse Namespace, non-default args dict).
+_CONFIG_KEYS = (
+    r"model=['\"]<model:text>['\"][,)]",
+    r"dtype=(?:torch\.)?<dtype:word>,",
+    r"max_seq_len=<max_model_len:int>",
+    r"tensor_parallel_size=<tensor_parallel_size:int>",
+    r"pipeline_parallel_size=<pipeline_parallel_size:int>",
+    r"kv_cache_dtype=<kv_cache_dtype:word>,",
+    r"quantization=<quantization:word>,",
+    r"enforce_eager=<enforce_eager:word>,",
+    r"enable_prefix_caching=<enable_prefix_caching:word>,",
+)
+_ARGS_KEYS = (
+    r"'model': '<model:text>'",
+    r"'gpu_memory_utilization': <gpu_memory_utilization:num>",
+    r"'max_model_len': <max_model_len:int>",
+    r"'tensor_parallel_size': <tensor_parallel_size:int>",
+    r"'kv_cache_dtype': '<kv_cache_dtype:text>'",
+    r"'block_size': <block_size:int>",
+    r"'dtype': '<dtype:text>'",
+    r"'max_num_seqs': <max_num_seqs:int>",
+    r"'max_num_batched_tokens': <max_num_batched_tokens:int>",
+    # argparse Namespace form (V0 "args: Namespace(...)")
+    r"\bgpu_memory_utilization=<gpu_memory_utilization:num>",
+    r"\bmax_model_len=<max_model_len:int>",
+    r"\bblock_size=<block_size:int>",
+    r"\bkv_cache_dtype='<kv_cache_dtype:text>'",
+)
+
+P = LinePattern
+
+PATTERNS: tuple[LinePattern, ...] = (
+    # ------------------------------------------------------------------ A: init / config
+    P("engine_config", "A", "0.4.0–0.33", "LLM engine",
+      r"Initializing an? (?:V0 |V1 )?LLM engine (?:\(v<vllm_version:version>\) )?with config: ",
+      "The engine's resolved configuration (VllmConfig.__str__). max_seq_len is --max-model-len; "
+      "dtype is the weights/activation dtype; kv_cache_dtype=auto means the same as dtype.",
+      extract=_CONFIG_KEYS),
+    P("api_server_version", "A", "0.4.3–0.14.0", "vLLM API server version",
+      r"vLLM API server version <vllm_version:version>", "The installed vLLM version."),
+    P("server_version", "A", "0.15–0.33", "vLLM server version",
+      r"vLLM server version <vllm_version:version>, serving model <model:word>",
+      "Version and model (plain form of the startup banner)."),
+    P("banner_version", "A", "0.15–0.33", "█", r"[▄█▀]\s+version\s+<vllm_version:version>",
+      "Startup banner: the installed vLLM version."),
+    P("banner_model", "A", "0.15–0.33", "█", r"[▄█▀]\s+model\s+<model:word>", "Startup banner: the served model."),
+    P("non_default_args", "A", "0.9.0–0.33", "non-default args:", r"non-default args: ",
+      "The command-line flags that differ from vLLM's defaults.", extract=_ARGS_KEYS),
+    P("args_namespace", "A", "0.4.3–0.8.5", "args: ", r"^args: Namespace\(",
+      "Every parsed command-line flag (argparse Namespace).", extract=_ARGS_KEYS),
+    P("platform", "A", "0.7.0–0.33", "Automatically detected platform",
+      r"Automatically detected platform <platform:word>\.", "Which device backend vLLM picked."),
+    P("resolved_architecture", "A", "0.10.1–0.33", "Resolved architecture",
+      r"Resolved architecture: <architecture:word>", "The model class vLLM will build."),
+    P("max_model_len", "A", "0.9.2–0.33", "Using max model len", r"Using max model len <max_model_len:int>",
+      "The context length every request may use (--max-model-len or the model's own limit)."),
+    P("chunked_prefill", "A", "0.5.3–0.33", "Chunked prefill is enabled",
+      r"Chunked prefill is enabled(?: with max_num_batched_tokens=<max_num_batched_tokens:int>)?",
+      "Per-step token budget (--max-num-batched-tokens); it also sizes the profiling step of phase D."),
+    P("world_size", "A", "0.4.3–0.33", "world_size=",
+      r"world_size=<world_size:int> rank=<rank:int> local_rank=<local_rank:int>", "torch.distributed set-up of one rank."),
+    P("rank_assignment", "A", "0.8.0–0.33", "is assigned as",
+      r"rank <rank:int> in world size <world_size:int> is assigned as DP rank <dp_rank:int>, PP rank <pp_rank:int>, "
+      r"(?:PCP rank <pcp_rank:int>, )?TP rank <tp_rank:int>", "Where this rank sits in the DP/PP/TP grid."),
+    P("attention_backend", "A", "0.4.0–0.33", "backend",
+      r"^Using <backend:text> (?:attention )?backend\b", "The attention kernel family."),
+    P("cpu_kv_space_default", "B", "0.5–0.33", "VLLM_CPU_KVCACHE_SPACE",
+      r"VLLM_CPU_KVCACHE_SPACE \(GiB\) for CPU backend is not set, using <kv_cache_gib:num> by default",
+      "CPU backend: the KV cache gets a fixed VLLM_CPU_KVCACHE_SPACE GiB instead of a profiled remainder."),
+    # ------------------------------------------------------------------ B: budget check
+    P("free_memory_below_request", "X", "0.9.1–0.33", "on startup is less than desired GPU memory utilization",
+      r"Free memory on device(?: <device:word>)? \(<free_gib:num>/<total_gib:num> GiB\) on startup is less than "
+      r"desired GPU memory utilization \(<gpu_memory_utilization:num>, <requested_gib:num> GiB\)",
+      "Budget check at worker init: requested = total x --gpu-memory-utilization must be free right now "
+      "(free/total from torch.cuda.mem_get_info after CUDA/NCCL init, before weights).",
+      failure="free_below_request"),
+    # ------------------------------------------------------------------ C: weights
+    P("load_model_start", "C", "0.5.3–0.33", "Starting to load model",
+      r"Starting to load model <model:word>", "Weight loading begins."),
+    P("safetensors_progress", "C", "0.5.3–0.33", "checkpoint shards",
+      r"Loading safetensors checkpoint shards:\s+<progress_pct:int>% Completed \| <shards_done:int>/<shards_total:int>",
+      "tqdm bar, one update per shard file (stderr, no log prefix)."),
+    P("loading_weights_took", "C", "0.8.0–0.33", "Loading weights took",
+      r"Loading weights took <load_weights_s:num> seconds", "Seconds spent in load_weights only."),
+    P("loading_model_weights_gb", "C", "0.4.0–0.7.3", "Loading model weights took",
+      r"Loading model weights took <weights_gib:num> GB",
+      "Weights memory: growth of torch.cuda.max_memory_allocated() across loading, divided by 2^30 "
+      "(so it is GiB although it says GB). Per rank with TP."),
+    P("model_loading_took", "C", "0.8.0–0.33", "Model loading took",
+      r"Model loading took <weights_gib:num> Gi?B(?: memory)? and <load_model_s:num> seconds",
+      "Weights memory (GiB, per rank) and the seconds of get_model (build + load + post-processing). "
+      "'GB' in 0.8.0–0.8.2 is GiB."),
+    # ------------------------------------------------------------------ D: profiling
+    P("profiling_result_v1", "D", "0.9.2–0.33 (DEBUG)", "Total non KV cache memory",
+      r"Memory profiling takes <profile_s:num> seconds\. Total non KV cache memory: <non_kv_gib:num> ?GiB; "
+      r"torch peak memory increase: <peak_activation_gib:num> ?GiB; non-torch forward increase memory: "
+      r"<non_torch_gib:num> ?GiB; weights memory: <weights_gib:num> ?GiB",
+      "The measured phase-D spike: non-KV = weights + torch peak increase during the dummy worst-case step "
+      "+ non-torch growth (NCCL, cuBLAS workspaces) since the init snapshot."),
+    P("profiling_takes", "D", "0.6.5–0.10.2", "Memory profiling takes",
+      r"Memory profiling takes <profile_s:num> seconds", "Seconds of the profiling run (first line of a 3-line report)."),
+    P("instance_can_use", "D", "0.6.5–0.10.2", "the current vLLM instance can use",
+      r"the current vLLM instance can use total_gpu_memory \(<total_gib:num> ?GiB\) x gpu_memory_utilization "
+      r"\(<gpu_memory_utilization:num>\) = <requested_gib:num> ?GiB",
+      "requested = total x --gpu-memory-utilization: the ceiling for everything vLLM will touch."),
+    P("v0_memory_breakdown", "D", "0.6.5–0.10.2", "model weights take",
+      r"model weights take <weights_gib:num> ?GiB; non_torch_memory takes <non_torch_gib:num> ?GiB; PyTorch "
+      r"activation peak memory takes <peak_activation_gib:num> ?GiB; the rest of the memory reserved for KV "
+      r"Cache is <kv_cache_gib:num> ?GiB",
+      "V0 split of the budget: KV = requested - (weights + non-torch increase + torch peak increase)."),
+    P("memory_profiling_results", "D", "0.6.4", "Memory profiling results: ",
+      r"Memory profiling results: (?:duration=<profile_s:num> seconds,? )?total_gpu_memory=<total_gib:num>GiB,? "
+      r"initial_memory_usage=<initial_usage_gib:num>GiB,? peak_torch_memory=<peak_torch_gib:num>GiB,? "
+      r"memory_usage_post_profile=<post_profile_usage_gib:num>GiB,? non_torch_memory=<non_torch_gib:num>GiB,? "
+      r"kv_cache_size=<kv_cache_gib:num>GiB,? gpu_memory_utilization=<gpu_memory_utilization:num>",
+      "0.6.4 one-line report. peak_torch_memory includes the weights; non_torch = usage after profiling - "
+      "torch allocated; kv_cache_size = total x util - (peak_torch + non_torch)."),
+    P("table_total", "D", "0.6.5.dev", "total_gpu_memory", r"^total_gpu_memory\s+<total_gib:num>GiB",
+      "Table form: device total (GiB)."),
+    P("table_utilization", "D", "0.6.5.dev", "gpu_memory_utilization",
+      r"^gpu_memory_utilization\s+<gpu_memory_utilization:num>$", "Table form: --gpu-memory-utilization."),
+    P("table_requested", "D", "0.6.5.dev", "the current vLLM instance can use",
+      r"^the current vLLM instance can use\s+<requested_gib:num>GiB", "Table form: total x util."),
+    P("table_weights", "D", "0.6.5.dev", "model weights take", r"^model weights take\s+<weights_gib:num>GiB",
+      "Table form: weights."),
+    P("table_non_torch", "D", "0.6.5.dev", "non_torch_memory", r"^non_torch_memory\s+<non_torch_gib:num>GiB",
+      "Table form: non-torch memory."),
+    P("table_peak", "D", "0.6.5.dev", "PyTorch activation peak memory",
+      r"^PyTorch activation peak memory\s+<peak_activation_gib:num>GiB", "Table form: activation peak."),
+    P("table_kv", "D", "0.6.5.dev", "available_kv_cache_memory",
+      r"^available_kv_cache_memory\s+<kv_cache_gib:num>GiB", "Table form: KV pool."),
+    P("table_header", "D", "0.6.5.dev", "Memory profiling results:", r"^Memory profiling results:$",
+      "Table form: header of the memory report."),
+    P("available_kv_cache_memory", "D", "0.9.1–0.33", "Available KV cache memory",
+      r"Available KV cache memory: <kv_cache_gib:num> GiB",
+      "KV pool = requested - non-KV (weights + activation peak + non-torch; since v0.21 also the CUDA-graph "
+      "estimate). Per worker in 0.9.1–0.13."),
+    P("initial_free_memory", "D", "0.10.1–0.33 (DEBUG)", "Initial free memory",
+      r"Initial free memory:? <init_free_gib:num> GiB[;,] (?:Requested memory: <gpu_memory_utilization:num> "
+      r"\(util\), <requested_gib:num> GiB|free memory: <free_gib:num> GiB, requested GPU memory: "
+      r"<requested_gib_v0:num> GiB)", "Debug snapshot of the budget inputs."),
+    P("estimated_cuda_graph", "D", "0.18–0.33", "Estimated CUDA graph memory",
+      r"Estimated CUDA graph memory: <cuda_graph_gib:num> GiB total",
+      "CUDA-graph pool estimated before the KV pool is sized (subtracted from it by default since v0.21)."),
+    P("profiling_cuda_graph", "D", "0.18–0.33", "Profiling CUDA graph memory",
+      r"Profiling CUDA graph memory: <graph_shapes:rest>", "Which graph shapes are captured to estimate their pool."),
+    P("cuda_graph_profiling_enabled", "D", "0.21–0.33", "is equivalent to --gpu-memory-utilization",
+      r"The current --gpu-memory-utilization=<gpu_memory_utilization:num> is equivalent to "
+      r"--gpu-memory-utilization=<equivalent_utilization:num>",
+      "With graph memory profiled, util u equals u - graph/total without it.",
+      extract=(r"increase --gpu-memory-utilization to <suggested_utilization:num>",)),
+    P("cuda_graph_profiling_upcoming", "D", "0.18–0.20", "CUDA graph memory profiling will be enabled",
+      r"increase --gpu-memory-utilization from <gpu_memory_utilization:num> to <suggested_utilization:num>",
+      "Pre-0.21 notice: the util that would keep the same KV pool once graph memory is profiled."),
+    P("kv_cache_memory_given", "D", "0.10.2–0.33", "as specified by kv_cache_memory_bytes",
+      r"reserved <kv_cache_gib:num> ?GiB memory for KV Cache as specified by kv_cache_memory_bytes",
+      "--kv-cache-memory set: the pool size is given and profiling skipped."),
+    P("memory_profiling_error", "X", "0.4.0–0.9.0", "Error in memory profiling",
+      r"Error in memory profiling", "Free memory grew during profiling: another process released GPU memory.",
+      extract=(r"Initial free memory <init_free_gib:num>", r"current free memory <free_gib:num>"),
+      failure="profiling_error"),
+    # ------------------------------------------------------------------ E: KV cache sizing
+    P("kv_cache_size_tokens", "E", "0.8.0–0.33", "KV cache size",
+      r"(?P<device>GPU \+ host|[A-Z]{2,4}) KV cache size: <kv_cache_tokens:int> tokens"
+      r"(?:, Maximum concurrency for <max_model_len:int> tokens per request: <max_concurrency:num>x)?",
+      "KV pool in tokens = blocks x block size (comma-formatted); merged with the concurrency line 0.28+. "
+      "kvscope prints the same line."),
+    P("max_concurrency", "E", "0.6.3–0.27", "Maximum concurrency",
+      r"Maximum concurrency for <max_model_len:int> tokens per request: <max_concurrency:num>x",
+      "How many max-model-len requests fit in the pool at once = tokens / max-model-len (0.9.2+ counts "
+      "per-request blocks, which differs for sliding-window/hybrid models)."),
+    P("v0_blocks", "E", "0.4.0–0.10.2", "blocks: ",
+      r"(?:# )?(?P<device>GPU|CUDA|cuda) blocks: <gpu_blocks:int>, # CPU blocks: <cpu_blocks:int>",
+      "V0 pool in blocks: GPU = (total x util - peak) / block bytes, min over ranks; CPU = swap space "
+      "(default 4 GiB) / block bytes."),
+    P("v1_gpu_blocks", "E", "0.6.4–0.7.3", "# GPU blocks", r"# GPU blocks: <gpu_blocks:int>$",
+      "Early V1 pool in blocks = available // page size // layers."),
+    P("cpu_blocks", "E", "0.5–0.10.2", "# CPU blocks", r"^# CPU blocks: <cpu_blocks:int>$",
+      "V0 CPU backend: the pool in blocks."),
+    P("num_gpu_blocks_override", "E", "0.4.3–0.33", "num_gpu_blocks_override",
+      r"Overriding num_gpu_blocks=<profiled_blocks:int> with num_gpu_blocks_override=<gpu_blocks_override:int>",
+      "The block count was forced by --num-gpu-blocks-override."),
+    P("padding_layers", "E", "0.2x", "padding layers",
+      r"Add <padding_layers:int> padding layers, may waste at most <waste_pct:num>% KV cache memory",
+      "Hybrid models: padding layers so groups share one page size."),
+    # ------------------------------------------------------------------ F: compile / graphs
+    P("torch_compile_cache_dir", "F", "0.6.5–0.33", "for vLLM's torch.compile",
+      r"Using cache directory: <path:text> for vLLM's torch\.compile", "torch.compile artefact cache (inside D in V1)."),
+    P("dynamo_transform", "F", "0.6.5–0.33", "Dynamo bytecode transform time",
+      r"Dynamo bytecode transform time: <dynamo_s:num> s", "Seconds Dynamo spent tracing the model."),
+    P("compile_graph", "F", "0.6.5–0.33", "Compiling a graph for",
+      r"Compiling a graph for (?:general shape|dynamic shape|shape <shape:word>|compile range <range:paren>) "
+      r"takes <compile_s:num> s", "Inductor compile of one graph."),
+    P("load_compiled_graph", "F", "0.7.3–0.33", "from the cache",
+      r"Directly load the compiled graph\(s\) for ", "Compile cache hit instead of a compile.",
+      extract=(r"from the cache, took <load_compiled_s:num> s",)),
+    P("torch_compile_total", "F", "0.6.5–0.33", "torch.compile t",
+      r"torch\.compile (?:takes|took) <torch_compile_s:num> s in total",
+      "Wall time from Dynamo start to compile end (logged during profiling in V1)."),
+    P("compile_warmup", "F", "0.7.0–0.33", "Compile and warming up model",
+      r"Compile and warming up model for size <compile_size:int>", "One warm-up per compile size."),
+    P("capture_start", "F", "0.4.0–0.10.2", "Capturing",
+      r"^Capturing (?:the model for CUDA graphs|cudagraphs for decoding)", "V0 CUDA-graph capture begins."),
+    P("cuda_graph_progress", "F", "0.6.6–0.33", "Capturing",
+      r"Capturing (?:prefill )?CUDA graphs?(?: shapes)?(?: \((?P<graph_mode>[^)]*)\))?:\s+<progress_pct:int>%",
+      "tqdm bar of CUDA-graph capture (stderr, no log prefix)."),
+    P("graph_capture_finished", "F", "0.4.0–0.33", "Graph capturing finished",
+      r"Graph capturing finished in <graph_capture_s:num> secs?(?:, took <cuda_graph_gib:num> GiB)?",
+      "CUDA-graph memory = drop of free device memory across capture; captured after the KV pool was "
+      "sized, so it comes out of the 1 - util margin unless estimated first (v0.21+)."),
+    P("cuda_graph_pool", "F", "0.18–0.33", "CUDA graph pool memory",
+      r"CUDA graph pool memory: <cuda_graph_gib:num> GiB \(actual\), <cuda_graph_estimated_gib:num> GiB \(estimated\)",
+      "Measured graph pool against the phase-D estimate."),
+    P("kv_cache_memory_advice", "F", "0.10.2, 0.26–0.33", "Desired GPU memory utilization is",
+      r"Free memory on device(?: <device:word>)? \(<free_gib:num>/<total_gib:num> GiB\) on startup\. Desired GPU "
+      r"memory utilization is \(<gpu_memory_utilization:num>, <requested_gib:num> GiB\)\. Actual usage is ",
+      "Budget recap after graph capture with a --kv-cache-memory suggestion: N fits the requested budget, "
+      "M uses all memory free at start (both minus 150 MiB).",
+      extract=(r"<weights_gib:num> GiB for weight, <peak_activation_gib:num> GiB for peak activation, "
+               r"<non_torch_gib:num> GiB for non-torch memory, and <cuda_graph_gib:num> GiB for CUDAGraph",
+               r"<consumed_gib:num> GiB for consumed memory \(weights \+ non-torch\), <peak_activation_gib:num> "
+               r"GiB for peak activation, and <cuda_graph_gib:num> GiB for CUDAGraph",
+               r"Current kv cache memory in use is <kv_cache_gib:num> GiB",
+               r"Current kv cache memory in use is <kv_cache_bytes:int> bytes",
+               r"--kv-cache-memory=<kv_cache_memory_fit_bytes:int>`")),
+    P("init_engine_took", "F", "0.6.5–0.33", "init engine (profile, create kv cache, warmup model) took",
+      r"init engine \(profile, create kv cache, warmup model\) took <init_engine_s:num> s",
+      "Wall time of profiling + KV sizing + allocation + compile + graph capture + sampler warm-up "
+      "(model loading excluded).", extract=(r"\(compilation: <compilation_s:num> s",)),
+    P("cpu_warmup", "F", "0.10–0.33", "Warming up", r"^Warming up (?:model for the compilation|done)",
+      "CPU backend warm-up."),
+    # ------------------------------------------------------------------ G: ready
+    P("server_starting", "G", "0.7.3–0.33", "Starting vLLM",
+      r"Starting vLLM (?:API )?server(?: \d+)? on <url:word>", "The HTTP server is about to listen."),
+    P("uvicorn_running", "G", "all", "Uvicorn running on", r"Uvicorn running on <url:word>", "Uvicorn is listening."),
+    P("available_routes", "G", "0.5.3–0.33", "Available routes are", r"Available routes are:", "Route list follows."),
+    P("route", "G", "0.5.3–0.33", "Route: ", r"^Route: <route:text>, (?:Methods|Endpoint): ", "One HTTP route."),
+    P("supported_tasks", "G", "0.10.1–0.33", "upported", r"Supported[_ ]tasks: <tasks:rest>", "What the model serves."),
+    P("uvicorn_started", "G", "all", "Started server process", r"Started server process \[<server_pid:int>\]",
+      "Uvicorn (no vLLM prefix)."),
+    P("uvicorn_startup", "G", "all", "pplication startup", r"(?:Waiting for application startup|Application startup complete)",
+      "Uvicorn lifecycle; 'complete' means the server is ready."),
+    # ------------------------------------------------------------------ R: runtime
+    P("stats", "R", "0.4.0–0.33", "Avg prompt throughput",
+      r"Avg prompt throughput: <prompt_tps:num> tokens/s, Avg generation throughput: <generation_tps:num> tokens/s, "
+      r"Running: <running:int> reqs,? (?:Swapped: <swapped:int> reqs, )?(?:Pending|Waiting): <waiting:int> reqs",
+      "Periodic stats (every 5 s V0, 10 s V1; DEBUG when idle): throughput over the interval, queue lengths, "
+      "KV usage = 1 - free/total blocks, prefix hit rate over recent requests.",
+      extract=(r"^Engine <engine:int>: ", r"Preemptions: <preemptions:int>", r"GPU KV cache usage: <kv_usage_pct:num>%",
+               r"[A-Z]{2,4} KV cache usage: <kv_usage_pct:num>%",
+               r"Prefix cache hit rate: (?:GPU: )?<prefix_hit_pct:num>%")),
+    P("prefix_hit_v0", "R", "0.5.5–0.10.2", "Prefix cache hit rate: GPU",
+      r"^Prefix cache hit rate: GPU: <prefix_hit_pct:num>%, CPU: <cpu_prefix_hit_pct:num>%", "V0 prefix-cache hit rates."),
+    P("preemption_v0", "R", "0.4.3–0.10.2", "is preempted by",
+      r"is preempted by PreemptionMode\.<mode:word> mode because there is not enough KV cache space",
+      "V0 preemption: logged for preemptions 1, 51, 101...; the request's KV blocks are dropped and recomputed "
+      "(or swapped).", extract=(r"total_num_cumulative_preemption=<preemptions_total:int>",), failure="preemption"),
+    P("spec_decoding", "R", "0.8.3–0.33", "SpecDecoding metrics", r"SpecDecoding metrics: ",
+      "Speculative decoding acceptance.", extract=(r"acceptance rate: <acceptance_pct:num>%",)),
+    P("uvicorn_access", "R", "all", "HTTP/", r"^<client:word> - \"<method:word> <path:word> HTTP/[\d.]+\" <status:int>",
+      "Uvicorn access log line."),
+    # ------------------------------------------------------------------ X: errors
+    P("no_cache_blocks", "X", "0.4.0–0.12", "No available memory for the cache blocks",
+      r"No available memory for the cache blocks", "Nothing left for the KV pool: non-KV >= requested.",
+      failure="no_cache_blocks"),
+    P("max_seq_len_exceeds_kv", "X", "0.4.0–0.10.2", "is larger than the maximum number of tokens",
+      r"max seq len \(<max_model_len:int>\) is larger than the maximum number of tokens that can be stored in "
+      r"KV cache \(<kv_cache_tokens:int>\)", "One max-model-len request does not fit in the pool (blocks x block size).",
+      failure="max_seq_len_exceeds_kv"),
+    P("kv_needed_exceeds_available", "X", "0.7.0–0.33", "To serve at least one request",
+      r"To serve at least one request with the models?'s max seq len \(<max_model_len:int>\), \(<kv_needed_gib:num> "
+      r"Gi?B KV cache is needed, which is larger than the available KV cache memory \(<kv_cache_gib:num> Gi?B\)",
+      "One max-model-len request needs more KV memory than the pool has.",
+      extract=(r"estimated maximum model length is <estimated_max_model_len:int>",),
+      failure="max_seq_len_exceeds_kv"),
+    P("sampler_oom", "X", "0.8.0–0.33", "warming up sampler",
+      r"CUDA out of memory occurred when warming up sampler with <num_dummy_requests:int> dummy requests",
+      "The sampler's warm-up with max-num-seqs dummy requests ran out of memory.", failure="oom_sampler"),
+    P("cuda_oom", "X", "torch", "out of memory",
+      r"(?:OutOfMemoryError|RuntimeError): CUDA out of memory\.",
+      "torch allocation failure; which phase it hit decides the fix.",
+      extract=(r"Tried to allocate <oom_tried:num> (?P<oom_unit>[GMK]iB)",
+               r"total capacity of <oom_total_gib:num> GiB of which <oom_free:num> (?P<oom_free_unit>[GMK]iB) is free"),
+      failure="oom"),
+    P("engine_core_failed", "X", "0.8.5–0.33", "EngineCore failed|Engine core initialization failed",
+      r"(?:EngineCore failed to start|Engine core initialization failed)", "The engine process died during startup; "
+      "the root cause is the traceback just before."),
+    P("process_died", "X", "0.8.5–0.25", "died unexpectedly", r"proc <proc:word> died unexpectedly",
+      "A worker or engine process exited."),
+)
+
+PATTERNS_BY_ID: dict[str, LinePattern] = {p.id: p for p in PATTERNS}
+assert len(PATTERNS_BY_ID) == len(PATTERNS), "pattern ids must be unique"
+
+FIELD_MEANINGS: dict[str, str] = {
+    "vllm_version": "vLLM release",
+    "weights_gib": "weights memory, GiB per rank",
+    "peak_activation_gib": "torch peak increase during the profiling step, GiB",
+    "non_torch_gib": "memory outside torch's allocator (CUDA context growth, NCCL, workspaces), GiB",
+    "non_kv_gib": "everything but the KV pool: weights + activation peak + non-torch, GiB",
+    "kv_cache_gib": "KV pool, GiB",
+    "kv_cache_tokens": "KV pool in tokens (blocks x block size)",
+    "gpu_blocks": "KV pool in blocks on the device",
+    "cpu_blocks": "swap/CPU KV pool in blocks",
+    "max_concurrency": "max-model-len requests that fit at once",
+    "cuda_graph_gib": "CUDA-graph pool, GiB",
+    "max_model_len": "context length per request, tokens",
+    "gpu_memory_utilization": "share of device memory vLLM may use",
+    "total_gib": "device memory, GiB",
+    "requested_gib": "total x utilization, GiB",
+    "free_gib": "free device memory at the snapshot, GiB",
+}
