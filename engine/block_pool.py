@@ -184,7 +184,7 @@ class BlockPool:
     def usage(self) -> float:
         """Fraction of blocks referenced; cached-but-free blocks count as free
         (vLLM's kv_cache_usage_perc)."""
-        return 1.0 - self.num_free / self.num_blocks
+        return (self.num_blocks - self.num_free) / self.num_blocks
 
     def cached_block_ids(self) -> set[int]:
         """Blocks currently holding a prefix-cache hash. O(pool); for tests and snapshots."""

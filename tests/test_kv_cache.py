@@ -1,0 +1,95 @@
+"""KVCacheManager: prefix hits in full blocks, allocation, freeing, usage."""
+
+from __future__ import annotations
+
+from engine.kv_cache import KVCacheManager
+from engine.request import Request
+
+
+def _admit(kv: KVCacheManager, req: Request) -> int:
+    hits, hit_tokens = kv.get_computed_blocks(req)
+    num_new = req.num_tokens - hit_tokens
+    assert kv.allocate_slots(req, num_new, hits, hit_tokens) is not None
+    kv.record_lookup(req.num_tokens, hit_tokens)
+    req.num_computed_tokens = hit_tokens + num_new
+    return hit_tokens
+
+
+def test_shared_1000_token_prefix_hits_992_tokens() -> None:
+    kv = KVCacheManager(num_blocks=500, block_size=16)
+    prefix = list(range(1000, 2000))
+    first = Request("a", [*prefix, *range(5000, 5040)], 10)
+    second = Request("b", [*prefix, *range(7000, 7040)], 10)
+    assert _admit(kv, first) == 0
+    assert _admit(kv, second) == 992
+    assert second.block_ids[:62] == first.block_ids[:62]
+    assert second.block_ids[62] != first.block_ids[62]
+    assert kv.prefix_query_tokens == 2 * 1040
+    assert kv.prefix_hit_tokens == 992
+    kv.pool.check_integrity([first.block_ids, second.block_ids])
+
+
+def test_hit_never_covers_the_whole_prompt() -> None:
+    kv = KVCacheManager(num_blocks=10, block_size=16)
+    tokens = list(range(32))
+    _admit(kv, Request("a", tokens, 4))
+    again = Request("b", tokens, 4)
+    hits, hit_tokens = kv.get_computed_blocks(again)
+    assert hit_tokens == 16 and len(hits) == 1  # the last token must be computed
+
+
+def test_hit_survives_the_owner_finishing_until_evicted() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    a = Request("a", list(range(9)), 1)
+    _admit(kv, a)
+    kv.free(a)
+    b = Request("b", list(range(9)), 1)
+    assert _admit(kv, b) == 8
+    kv.free(b)
+    # fill the pool with other content: the old blocks get evicted
+    c = Request("c", list(range(100, 116)), 1)
+    _admit(kv, c)
+    d = Request("d", list(range(9)), 1)
+    assert kv.get_computed_blocks(d)[1] == 0
+
+
+def test_allocation_failure_changes_nothing() -> None:
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    a = Request("a", list(range(8)), 4)
+    _admit(kv, a)
+    before = (kv.pool.num_free, list(a.block_ids))
+    b = Request("b", list(range(50, 62)), 4)
+    assert kv.allocate_slots(b, 12) is None
+    assert (kv.pool.num_free, list(a.block_ids)) == before and b.block_ids == []
+    kv.pool.check_integrity([a.block_ids])
+
+
+def test_decode_allocates_a_block_only_at_a_boundary() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    r = Request("a", list(range(4)), 8)
+    _admit(kv, r)
+    assert len(r.block_ids) == 1
+    r.token_ids.append(99)
+    assert kv.allocate_slots(r, 1) == [1]
+    r.num_computed_tokens += 1
+    r.token_ids.append(98)
+    assert kv.allocate_slots(r, 1) == []
+
+
+def test_free_is_reverse_order_and_usage_counts_cached_as_free() -> None:
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    r = Request("a", list(range(12)), 2)
+    _admit(kv, r)
+    assert kv.usage == 0.3
+    table = list(r.block_ids)
+    assert kv.free(r) == table
+    assert kv.pool.free_queue_order()[-3:] == table[::-1]
+    assert kv.usage == 0.0 and r.block_ids == []
+
+
+def test_caching_disabled_never_hits() -> None:
+    kv = KVCacheManager(num_blocks=10, block_size=4, enable_caching=False)
+    _admit(kv, Request("a", list(range(12)), 2))
+    assert _admit(kv, Request("b", list(range(12)), 2)) == 0
+    assert kv.pool.cached_block_ids() == set()
+    assert kv.prefix_query_tokens == 0
