@@ -206,7 +206,8 @@ class SyntheticEngine:
                 if victim is req:
                     break
             else:
-                kind = "decode" if req.computed >= req.context else "prefill"
+                caught_up = req.computed >= req.prompt and req.context - req.computed == 1
+                kind = "decode" if caught_up else "prefill"
                 scheduled[req.rid] = [tokens, kind]
                 budget -= tokens
                 i += 1
@@ -239,6 +240,7 @@ class SyntheticEngine:
 
         # Apply the forward pass: computed tokens grow, full blocks become cached.
         finished: dict[str, str] = {}
+        self._done: dict[str, _Req] = {}
         for req in list(self.running):
             if req.rid not in scheduled:
                 continue
@@ -265,6 +267,7 @@ class SyntheticEngine:
         for rid in finished:
             req = next(r for r in self.running if r.rid == rid)
             self.running.remove(req)
+            self._done[rid] = req
             freed.setdefault(rid, []).extend(self._release(req))
 
         used = sum(1 for r in self.refs if r > 0)
@@ -290,7 +293,11 @@ class SyntheticEngine:
         )
         self.bus.publish(step)
         for rid in finished:
-            self.bus.publish(RequestFinished(request_id=rid, reason="length"))
+            done = self._done[rid]
+            self.bus.publish(RequestFinished(request_id=rid, reason="length", prompt_tokens=done.prompt,
+                                             output_tokens=done.generated, num_preemptions=done.preemptions,
+                                             ttft_s=(done.first_token_t or self.now) - done.arrived_t,
+                                             e2e_s=self.now - done.arrived_t))
         self.step_index += 1
 
     def _arrivals(self) -> int:
@@ -318,7 +325,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out")
     parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--blocks", type=int, default=256)
+    parser.add_argument("--blocks", type=int, default=384)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--arrival-rate", type=float, default=0.25)
     parser.add_argument("--max-num-seqs", type=int, default=32)

@@ -1,0 +1,258 @@
+"""The monitor app: one layout for live engines and recordings.
+
+State lives in an :class:`~monitor.state.EngineView`; widgets render it. In
+replay the view comes from a :class:`~monitor.state.Timeline` (seekable); live,
+events from a :class:`~monitor.sources.LiveFeed` are folded on a timer. The
+monitor only reads: nothing here can change the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from textual import on
+from textual.app import App, ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Vertical
+from textual.reactive import reactive
+from textual.widgets import Footer, Input, Label, Static, TabbedContent, TabPane
+
+from engine.events import EventBus
+from monitor.sources import BusFeed, LiveFeed
+from monitor.state import EngineView, Timeline
+from monitor.widgets.block_map import BlockMap
+from monitor.widgets.events_log import EventsLog
+from monitor.widgets.memory_bar import MemoryBar
+from monitor.widgets.queues import Queues
+from monitor.widgets.replay_bar import ReplayBar
+from monitor.widgets.startup_table import StartupTable
+from monitor.widgets.step_charts import StepCharts
+
+SPEEDS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0)
+TICK_S = 0.1
+REPLAY_ACTIONS = {"toggle_play", "step", "goto", "next_preemption", "next_arrival", "faster", "slower", "home", "end"}
+
+
+class MonitorApp(App[None]):
+    """``MonitorApp(timeline=...)`` replays; ``MonitorApp(feed=...)`` follows a live feed."""
+
+    CSS_PATH = "app.tcss"
+    TITLE = "kvscope monitor"
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("space", "toggle_play", "Play/Pause"),
+        Binding("period", "step(1)", "+1"),
+        Binding("comma", "step(-1)", "-1"),
+        Binding("right_square_bracket", "step(100)", "+100"),
+        Binding("left_square_bracket", "step(-100)", "-100"),
+        Binding("g", "goto", "Go to step"),
+        Binding("n", "next_preemption", "Next preempt"),
+        Binding("a", "next_arrival", "Next arrival"),
+        Binding("f", "faster", "Faster"),
+        Binding("s", "slower", "Slower"),
+        Binding("home", "home", "Start", show=False),
+        Binding("end", "end", "End", show=False),
+        Binding("1", "show_tab('blocks')", "Blocks", show=False),
+        Binding("2", "show_tab('steps')", "Steps", show=False),
+        Binding("3", "show_tab('startup')", "Startup", show=False),
+        Binding("4", "show_tab('events')", "Events", show=False),
+        Binding("q", "quit", "Quit"),
+    ]
+
+    playing: reactive[bool] = reactive(False)
+    speed: reactive[float] = reactive(10.0)
+
+    def __init__(self, *, timeline: Timeline | None = None, feed: LiveFeed | None = None,
+                 source_name: str = "", autoplay: bool = False) -> None:
+        if (timeline is None) == (feed is None):
+            raise ValueError("MonitorApp needs exactly one of timeline= or feed=")
+        super().__init__()
+        self.timeline = timeline
+        self.feed = feed
+        self.source_name = source_name or (feed.description if feed else "recording")
+        self.view: EngineView = timeline.view if timeline is not None else EngineView()
+        self._autoplay = autoplay
+        self._budget = 0.0  # fractional steps owed to the player
+
+    @property
+    def live(self) -> bool:
+        return self.feed is not None
+
+    def compose(self) -> ComposeResult:
+        yield Static(f"kvscope monitor · {self.source_name}", id="title")
+        yield MemoryBar(id="memory")
+        with TabbedContent(initial="blocks"):
+            with TabPane("Blocks [1]", id="blocks"), Vertical(id="blocks-pane"):
+                with Vertical(id="blockmap-column"):
+                    yield Label("", id="blockmap-legend")
+                    yield BlockMap(id="blockmap")
+                yield Queues(id="queues")
+            with TabPane("Steps [2]", id="steps"):
+                yield StepCharts(id="charts")
+            with TabPane("Startup [3]", id="startup"):
+                yield StartupTable(id="startup-table")
+            with TabPane("Events [4]", id="events"):
+                yield EventsLog(id="events-log")
+        yield Input(placeholder="go to step index, Enter to jump, Esc to cancel", id="goto", type="integer")
+        yield ReplayBar(id="replay-bar")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        if self.feed is not None:
+            self.feed.start()
+        self.set_interval(TICK_S, self._tick)
+        self.playing = self._autoplay and not self.live
+        self.query_one("#goto", Input).disabled = True  # only takes keys while asked for a step
+        self.query_one(BlockMap).focus()
+        self.refresh_view()
+
+    def on_unmount(self) -> None:
+        if self.feed is not None:
+            self.feed.stop()
+
+    # ------------------------------------------------------------------ render
+    def refresh_view(self) -> None:
+        view = self.view
+        block_map = self.query_one(BlockMap)
+        block_map.update_view(view)
+        self.query_one("#blockmap-legend", Label).update(block_map.legend())
+        self.query_one(MemoryBar).update_view(view)
+        self.query_one(Queues).update_view(view)
+        self.query_one(StepCharts).update_view(view)
+        self.query_one(StartupTable).update_view(view)
+        self.query_one(EventsLog).update_view(view)
+        self._update_bar()
+
+    def _update_bar(self) -> None:
+        tl = self.timeline
+        self.query_one(ReplayBar).show(
+            source=self.source_name, step=self.view.step, position=tl.position if tl else 0,
+            length=len(tl) if tl else 0, playing=self.playing, speed=self.speed, live=self.live,
+        )
+
+    def _tick(self) -> None:
+        if self.feed is not None:
+            events = self.feed.drain()
+            if events:
+                self.view.fold(events)
+                self.refresh_view()
+        elif self.playing and self.timeline is not None:
+            self._budget += self.speed * TICK_S
+            steps = int(self._budget)
+            if steps:
+                self._budget -= steps
+                self.move(steps)
+                if self.timeline.position >= len(self.timeline) - 1:
+                    self.playing = False
+
+    # ----------------------------------------------------------------- replay
+    def seek(self, position: int) -> None:
+        """Show the recording at step position ``position`` (clamped)."""
+        if self.timeline is None:
+            return
+        self.view = self.timeline.seek(position)
+        self.refresh_view()
+
+    def seek_index(self, index: int) -> None:
+        """Show the recording at the first step whose ``index`` is ≥ ``index``."""
+        if self.timeline is not None:
+            self.seek(self.timeline.position_of_index(index))
+
+    def move(self, delta: int) -> None:
+        tl = self.timeline
+        if tl is None:
+            return
+        if 0 < delta <= 20:  # short hops fold forward instead of restoring a checkpoint
+            for _ in range(delta):
+                tl.step_forward()
+            self.view = tl.view
+            self.refresh_view()
+        else:
+            self.seek(tl.position + delta)
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        return not (action in REPLAY_ACTIONS and self.live)
+
+    def watch_playing(self) -> None:
+        if self.is_mounted:
+            self._update_bar()
+
+    def watch_speed(self) -> None:
+        if self.is_mounted:
+            self._update_bar()
+
+    def action_toggle_play(self) -> None:
+        self.playing = not self.playing
+
+    def action_step(self, delta: int) -> None:
+        self.playing = False
+        self.move(delta)
+
+    def action_home(self) -> None:
+        self.seek(0)
+
+    def action_end(self) -> None:
+        if self.timeline is not None:
+            self.seek(len(self.timeline) - 1)
+
+    def action_next_preemption(self) -> None:
+        target = self.timeline.next_preemption() if self.timeline else None
+        if target is None:
+            self.notify("no later preemption", timeout=2)
+        else:
+            self.seek(target)
+
+    def action_next_arrival(self) -> None:
+        target = self.timeline.next_arrival() if self.timeline else None
+        if target is None:
+            self.notify("no later arrival", timeout=2)
+        else:
+            self.seek(target)
+
+    def action_faster(self) -> None:
+        self.speed = next((s for s in SPEEDS if s > self.speed), SPEEDS[-1])
+
+    def action_slower(self) -> None:
+        self.speed = next((s for s in reversed(SPEEDS) if s < self.speed), SPEEDS[0])
+
+    def action_goto(self) -> None:
+        goto = self.query_one("#goto", Input)
+        goto.disabled = False
+        goto.add_class("visible")
+        goto.value = ""
+        goto.focus()
+
+    def action_show_tab(self, tab: str) -> None:
+        self.query_one(TabbedContent).active = tab
+
+    @on(Input.Submitted, "#goto")
+    def _goto_submitted(self, event: Input.Submitted) -> None:
+        self._hide_goto()
+        if event.value.strip().lstrip("-").isdigit():
+            self.seek_index(int(event.value))
+
+    def _hide_goto(self) -> None:
+        goto = self.query_one("#goto", Input)
+        goto.remove_class("visible")
+        goto.disabled = True
+        self.query_one(BlockMap).focus()
+
+    def on_key(self, event: Any) -> None:
+        if event.key == "escape" and self.query_one("#goto", Input).has_class("visible"):
+            self._hide_goto()
+
+    @on(Queues.RequestSelected)
+    def _select_request(self, message: Queues.RequestSelected) -> None:
+        self.query_one(BlockMap).selected = message.request_id
+
+
+def run_live(bus: EventBus, snapshot_fn: Callable[[], dict[str, Any]] | None = None,
+             title: str = "in-process engine") -> None:
+    """Run the dashboard in this terminal on a live in-process bus; blocks until
+    the user quits. Call it from the main thread while the engine steps on
+    another thread (the bus delivers on the engine thread; the app only queues)."""
+    MonitorApp(feed=BusFeed(bus, snapshot_fn), source_name=title).run()
+
+
+def run_replay(timeline: Timeline, source_name: str = "recording", autoplay: bool = False) -> None:
+    MonitorApp(timeline=timeline, source_name=source_name, autoplay=autoplay).run()

@@ -1,0 +1,164 @@
+"""The KV block map: one cell per block (or per group of blocks), Line-API rendered.
+
+Only the visible rows are rendered, so a 27,635-block pool costs what the
+screen shows. ``update_view`` precomputes one style per cell in a single pass
+over the pool; ``render_line`` merely slices it.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import ClassVar
+
+from rich.segment import Segment
+from rich.style import Style
+from textual.binding import BindingType
+from textual.geometry import Size
+from textual.reactive import reactive
+from textual.scroll_view import ScrollView
+from textual.strip import Strip
+
+from monitor.state import EngineView
+
+PALETTE = (
+    "#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f",
+    "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#86bcb6",
+)
+FREE_STYLE = Style(color="#3a3a3a")
+CACHED_STYLE = Style(color="#5fafd7")
+SHADES = "░▒▓█"
+FREE_CHAR = "·"
+CACHED_CHAR = "○"
+USED_CHAR = "■"
+SELECTED_STYLE = Style(color="#000000", bgcolor="#ffff5f", bold=True)
+
+
+def request_colour(request_id: str) -> str:
+    """A stable colour per request id (crc32, so it is the same in every run)."""
+    return PALETTE[zlib.crc32(request_id.encode()) % len(PALETTE)]
+
+
+class BlockMap(ScrollView, can_focus=True):
+    """Cells coloured by owner; cached-free ○, free ·; groups shaded by occupancy."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [("plus,equals_sign", "zoom_in", "Zoom in"), ("minus", "zoom_out", "Zoom out")]
+
+    blocks_per_cell: reactive[int] = reactive(0)  # 0 = fit the pool to the visible area
+    selected: reactive[str | None] = reactive(None)
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self._view: EngineView | None = None
+        self._cells: list[tuple[str, Style]] = []
+        self._num_blocks = 0
+
+    # --------------------------------------------------------------- public API
+    def update_view(self, view: EngineView) -> None:
+        self._view = view
+        self._rebuild()
+
+    @property
+    def effective_blocks_per_cell(self) -> int:
+        if self.blocks_per_cell > 0:
+            return self.blocks_per_cell
+        width = max(1, self._columns())
+        rows = max(1, self.size.height or 1)
+        per_cell = 1
+        while -(-self._num_blocks // per_cell) > width * rows:
+            per_cell *= 2
+        return per_cell
+
+    def legend(self) -> str:
+        per = self.effective_blocks_per_cell
+        cell = "1 cell = 1 block" if per == 1 else f"1 cell = {per} blocks (shade = occupancy)"
+        return f"{cell} · {self._num_blocks:,} blocks · {USED_CHAR} used  {CACHED_CHAR} cached-free  {FREE_CHAR} free"
+
+    def owners_by_block(self) -> dict[int, frozenset[str]]:
+        """What the map shows: block -> owning request ids (tests compare this)."""
+        if self._view is None:
+            return {}
+        return {b: frozenset(o) for b, o in self._view.block_owners.items() if o}
+
+    def action_zoom_in(self) -> None:
+        self.blocks_per_cell = max(1, self.effective_blocks_per_cell // 2)
+
+    def action_zoom_out(self) -> None:
+        self.blocks_per_cell = min(4096, self.effective_blocks_per_cell * 2)
+
+    # ----------------------------------------------------------------- internals
+    def watch_blocks_per_cell(self) -> None:
+        self._rebuild()
+
+    def watch_selected(self) -> None:
+        self._rebuild()
+
+    def on_resize(self) -> None:
+        self._rebuild()
+
+    def _columns(self) -> int:
+        return max(1, self.scrollable_content_region.width or self.size.width or 1)
+
+    def _rebuild(self) -> None:
+        view = self._view
+        if view is None:
+            return
+        self._num_blocks = view.num_blocks
+        per = self.effective_blocks_per_cell
+        owners = view.block_owners
+        cached = view.cached
+        selected = self.selected
+        cells: list[tuple[str, Style]] = []
+        if per == 1:
+            styles: dict[str, Style] = {}
+            for b in range(self._num_blocks):
+                holders = owners.get(b)
+                if holders:
+                    if selected is not None and selected in holders:
+                        cells.append((USED_CHAR, SELECTED_STYLE))
+                        continue
+                    rid = min(holders)
+                    style = styles.get(rid)
+                    if style is None:
+                        style = styles[rid] = Style(color=request_colour(rid))
+                    cells.append((USED_CHAR, style))
+                elif b in cached:
+                    cells.append((CACHED_CHAR, CACHED_STYLE))
+                else:
+                    cells.append((FREE_CHAR, FREE_STYLE))
+        else:
+            selected_blocks = set(view.requests[selected].blocks) if selected in view.requests else set()
+            used_style = Style(color="#59a14f")
+            for start in range(0, self._num_blocks, per):
+                stop = min(start + per, self._num_blocks)
+                used = sum(1 for b in range(start, stop) if b in owners)
+                if selected_blocks and any(b in selected_blocks for b in range(start, stop)):
+                    cells.append((SHADES[-1], SELECTED_STYLE))
+                elif used:
+                    shade = SHADES[min(len(SHADES) - 1, (used * len(SHADES) - 1) // (stop - start))]
+                    cells.append((shade, used_style))
+                elif any(b in cached for b in range(start, stop)):
+                    cells.append((CACHED_CHAR, CACHED_STYLE))
+                else:
+                    cells.append((FREE_CHAR, FREE_STYLE))
+        self._cells = cells
+        columns = self._columns()
+        self.virtual_size = Size(columns, -(-len(cells) // columns))
+        self.refresh()
+
+    def render_line(self, y: int) -> Strip:
+        columns = self._columns()
+        row = self.scroll_offset.y + y
+        chunk = self._cells[row * columns : (row + 1) * columns]
+        if not chunk:
+            return Strip.blank(self.size.width)
+        segments: list[Segment] = []
+        text, style = chunk[0]
+        run = [text]
+        for char, cell_style in chunk[1:]:
+            if cell_style is style:
+                run.append(char)
+            else:
+                segments.append(Segment("".join(run), style))
+                run, style = [char], cell_style
+        segments.append(Segment("".join(run), style))
+        return Strip(segments, len(chunk)).extend_cell_length(self.size.width)

@@ -1,0 +1,94 @@
+"""Running and waiting queues as sortable tables, plus finished/rejected counts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from textual import on
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.message import Message
+from textual.widgets import DataTable, Label
+
+from monitor.state import EngineView, RequestView
+
+COLUMNS = ("id", "state", "prompt", "computed", "generated", "blocks", "prefix hit", "age s", "TTFT s", "preempt")
+
+
+def request_row(req: RequestView, now: float) -> tuple[object, ...]:
+    ttft = f"{req.ttft_s:.3f}" if req.ttft_s is not None else "-"
+    return (
+        req.request_id, req.state, req.prompt_tokens, req.computed_tokens, req.generated_tokens,
+        len(req.blocks), req.prefix_hit_tokens, round(now - req.arrived_t, 2), ttft, req.num_preemptions,
+    )
+
+
+class RequestTable(DataTable[object]):
+    """One queue; clicking a header sorts by that column (again: reverse)."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(cursor_type="row", zebra_stripes=True, **kwargs)  # type: ignore[arg-type]
+        self.sort_column: str | None = None
+        self.sort_reverse = False
+
+    def on_mount(self) -> None:
+        for name in COLUMNS:
+            self.add_column(name, key=name)
+
+    def show(self, requests: list[RequestView], now: float) -> None:
+        selected = self._selected_key()
+        self.clear()
+        for req in requests:
+            self.add_row(*request_row(req, now), key=req.request_id)
+        if self.sort_column is not None:
+            self.sort(self.sort_column, reverse=self.sort_reverse, key=_sort_key)
+        if selected is not None and selected in self.rows:
+            self.move_cursor(row=self.get_row_index(selected), animate=False)
+
+    def _selected_key(self) -> str | None:
+        if not self.row_count:
+            return None
+        try:
+            return self.coordinate_to_cell_key(self.cursor_coordinate).row_key.value
+        except Exception:  # cursor outside the table
+            return None
+
+    @on(DataTable.HeaderSelected)
+    def _sort_by_header(self, event: DataTable.HeaderSelected) -> None:
+        column = str(event.column_key.value)
+        self.sort_reverse = not self.sort_reverse if column == self.sort_column else False
+        self.sort_column = column
+        self.sort(column, reverse=self.sort_reverse, key=_sort_key)
+
+
+def _sort_key(value: object) -> tuple[int, object]:
+    # Numbers before text so "-" (no TTFT yet) sorts last instead of raising.
+    return (0, value) if isinstance(value, int | float) else (1, str(value))
+
+
+class Queues(Vertical):
+    """Both queues; posts ``RequestSelected`` when a row is highlighted."""
+
+    @dataclass
+    class RequestSelected(Message):
+        request_id: str | None
+
+    def compose(self) -> ComposeResult:
+        yield Label("", id="queue-counts")
+        yield Label("running", classes="queue-title")
+        yield RequestTable(id="running-table")
+        yield Label("waiting", classes="queue-title")
+        yield RequestTable(id="waiting-table")
+
+    def update_view(self, view: EngineView) -> None:
+        running, waiting = view.running, view.waiting
+        self.query_one("#queue-counts", Label).update(
+            f"running {len(running)} · waiting {len(waiting)} · finished {view.finished}"
+            f" · rejected {view.rejected} · preemptions {view.preemptions}"
+        )
+        self.query_one("#running-table", RequestTable).show(running, view.t)
+        self.query_one("#waiting-table", RequestTable).show(waiting, view.t)
+
+    @on(DataTable.RowHighlighted)
+    def _highlighted(self, event: DataTable.RowHighlighted) -> None:
+        self.post_message(self.RequestSelected(event.row_key.value if event.row_key else None))

@@ -1,0 +1,41 @@
+"""Startup phases A–G: status, duration, memory delta and the phase's own numbers."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.widgets import DataTable
+
+from engine.events import PHASES
+from monitor.state import EngineView, PhaseView
+
+GiB = 1024**3
+STATUS_STYLE = {"end": "green", "running": "yellow", "skipped": "dim", "failed": "bold red", "pending": "dim"}
+STATUS_WORD = {"end": "done"}
+
+
+def phase_detail(phase: PhaseView) -> str:
+    if phase.reason:
+        return phase.reason
+    parts = []
+    for key, value in phase.data.items():
+        if key.endswith("_bytes") and isinstance(value, int | float):
+            parts.append(f"{key[:-6]} {value / GiB:.2f} GiB")
+        elif isinstance(value, int | float | str | bool):
+            parts.append(f"{key} {value}")
+    return ", ".join(parts)
+
+
+class StartupTable(DataTable[object]):
+    def on_mount(self) -> None:
+        self.cursor_type = "row"
+        for name in ("phase", "name", "status", "duration s", "memory Δ GiB", "details"):
+            self.add_column(name, key=name)
+
+    def update_view(self, view: EngineView) -> None:
+        self.clear()
+        for letter, name in PHASES.items():
+            phase = view.phases.get(letter, PhaseView(phase=letter, name=name))
+            status = Text(STATUS_WORD.get(phase.status, phase.status), style=STATUS_STYLE.get(phase.status, ""))
+            duration = f"{phase.duration_s:.2f}" if phase.duration_s is not None else "-"
+            delta = f"{phase.memory_delta / GiB:+.2f}" if phase.memory_delta is not None else "-"
+            self.add_row(letter, phase.name, status, duration, delta, phase_detail(phase), key=letter)
