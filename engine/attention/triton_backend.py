@@ -121,7 +121,12 @@ class TritonAttentionBackend:
         return out
 
     def _paged_attention(
-        self, out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        out: torch.Tensor,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
     ) -> None:
         num_heads, head_dim = query.shape[1], query.shape[2]
         block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -158,7 +163,12 @@ class TritonAttentionBackend:
         )
 
     def _decode_split_k(
-        self, out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        out: torch.Tensor,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
     ) -> None:
         num_heads, head_dim = query.shape[1], query.shape[2]
         block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -167,7 +177,9 @@ class TritonAttentionBackend:
         partial_out = torch.empty(
             (num_seqs, num_heads, self.num_splits, head_dim), dtype=torch.float32, device=query.device
         )
-        partial_lse = torch.empty((num_seqs, num_heads, self.num_splits), dtype=torch.float32, device=query.device)
+        partial_lse = torch.empty(
+            (num_seqs, num_heads, self.num_splits), dtype=torch.float32, device=query.device
+        )
         stride_block, stride_kv, stride_slot, stride_head = _cache_strides(kv_cache)
         head_dim_padded = _next_pow2(head_dim)
         paged_decode_split_kernel[(num_seqs, num_kv_heads, self.num_splits)](
@@ -208,4 +220,3 @@ class TritonAttentionBackend:
             SPLITS_PADDED=_next_pow2(self.num_splits),
             HEAD_DIM_PADDED=head_dim_padded,
         )
-

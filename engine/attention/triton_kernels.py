@@ -181,7 +181,10 @@ def paged_attention_kernel(
 
         tile_mask = row_valid[:, None] & dim_mask[None, :]
         query = tl.load(
-            query_ptr + token[:, None] * stride_query_token + head[:, None] * stride_query_head + offs_dim[None, :],
+            query_ptr
+            + token[:, None] * stride_query_token
+            + head[:, None] * stride_query_head
+            + offs_dim[None, :],
             mask=tile_mask,
             other=0.0,
         )
