@@ -50,7 +50,37 @@ class DriverResult:
     completed: bool = True  # False when max_steps ran out first
 
 
+def background_workload(
+    n: int, prompt_range: tuple[int, int], answer_range: tuple[int, int], seed: int = 0, vocab_size: int = 49152
+) -> list[DriverRequest]:
+    """The background's Part 5 draws: ``default_rng(seed)``, ``integers(*prompt_range, n)``
+    prompt lengths then ``integers(*answer_range, n)`` answer lengths, all arriving
+    at step 0. Token ids come from a separate ``default_rng(123)`` so prompts share
+    no prefix."""
+    import numpy as np  # only this helper needs it; the scheduler core stays dependency-free
+
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(*prompt_range, n)
+    answers = rng.integers(*answer_range, n)
+    tokens = np.random.default_rng(123)
+    return [
+        DriverRequest(f"r{i}", tokens.integers(0, vocab_size, int(p)).tolist(), int(a))
+        for i, (p, a) in enumerate(zip(prompts, answers, strict=True))
+    ]
+
+
 StepHook = Callable[[Scheduler, SchedulerOutput], None]
+_SAMPLED = [SAMPLED_TOKEN_ID]
+
+
+def driver_step(sched: Scheduler, bus: EventBus | None, now: float) -> tuple[SchedulerOutput, list[Request]]:
+    """One model-free step: schedule, "sample" the fixed token for every request
+    that completed its prompt, update, publish the step event."""
+    out = sched.schedule(now)
+    sampled = {s.request.request_id: _SAMPLED for s in out.scheduled if s.samples}
+    finished = sched.update_from_output(out, sampled, now)
+    publish_step_event(bus, out)
+    return out, finished
 
 
 def run_driver(
@@ -74,7 +104,6 @@ def run_driver(
         by_step.setdefault(spec.arrival_step, []).append(spec)
     last_arrival = max(by_step) if by_step else 0
     result = DriverResult()
-    sampled_ids = [SAMPLED_TOKEN_ID]
     step = 0
     while step < max_steps:
         now = step * step_time_s
@@ -94,10 +123,7 @@ def run_driver(
                 break
             step += 1
             continue
-        out = sched.schedule(now)
-        sampled = {s.request.request_id: sampled_ids for s in out.scheduled if s.samples}
-        finished = sched.update_from_output(out, sampled, now)
-        publish_step_event(bus, out)
+        out, finished = driver_step(sched, bus, now)
 
         result.steps += 1
         result.preemptions += len(out.preempted_req_ids)

@@ -6,26 +6,13 @@ random (default_rng(123)) so prompts share no prefix.
 
 from __future__ import annotations
 
-import numpy as np
-
-from engine.driver import DriverRequest, run_driver
+from engine.driver import background_workload, run_driver
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-
-
-def _workload(n: int, prompt_range: tuple[int, int], answer_range: tuple[int, int]) -> list[DriverRequest]:
-    rng = np.random.default_rng(0)
-    prompts = rng.integers(*prompt_range, n)
-    answers = rng.integers(*answer_range, n)
-    tokens = np.random.default_rng(123)
-    return [
-        DriverRequest(f"r{i}", tokens.integers(0, 49152, int(p)).tolist(), int(a))
-        for i, (p, a) in enumerate(zip(prompts, answers, strict=True))
-    ]
 
 
 def test_sixty_requests_on_the_h100_pool() -> None:
     cfg = SchedulerConfig(num_blocks=27_635, block_size=16, max_num_seqs=256, max_num_batched_tokens=8192)
-    result = run_driver(_workload(60, (500, 3000), (150, 400)), cfg)
+    result = run_driver(background_workload(60, (500, 3000), (150, 400)), cfg)
     assert result.completed and result.finished == 60
     assert result.preemptions == 0
     assert result.peak_running == 60
@@ -47,7 +34,7 @@ def test_forty_long_requests_on_a_small_pool_preempt_but_all_finish() -> None:
         if out.preempted_req_ids or out.step_index % 5000 == 0:
             sched.check_integrity()
 
-    result = run_driver(_workload(40, (4000, 6000), (14000, 15000)), cfg, on_step=check)
+    result = run_driver(background_workload(40, (4000, 6000), (14000, 15000)), cfg, on_step=check)
     assert result.completed and result.finished == 40
     assert result.preemptions > 0
     assert result.peak_blocks_used == cfg.num_blocks  # pinned at 100 %, never beyond
