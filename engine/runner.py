@@ -7,15 +7,14 @@ It knows nothing about the scheduler: a step is a list of :class:`ScheduledSeq`
 
 from __future__ import annotations
 
-import importlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention.base import AttentionBackend, AttentionMetadata, allocate_kv_cache
-from engine.attention.torch_backend import TorchAttentionBackend
+from engine.attention.base import AttentionMetadata, allocate_kv_cache
+from engine.attention.selector import get_attention_backend
 from engine.config import CANONICAL_DTYPE, ModelConfig
 from engine.errors import UserError
 from engine.model.llama import LlamaForCausalLM
@@ -61,21 +60,6 @@ def torch_dtype(name: str) -> torch.dtype:
     return TORCH_DTYPES[canonical]
 
 
-def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """``torch`` here; ``triton`` from engine/attention/triton_backend.py when present."""
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "torch":
-        return TorchAttentionBackend()
-    if name == "triton":
-        try:
-            module = importlib.import_module("engine.attention.triton_backend")
-        except ImportError as exc:
-            raise UserError(f"--attention-backend triton is not available ({exc}); use torch") from exc
-        return module.TritonAttentionBackend()  # type: ignore[no-any-return]
-    raise UserError(f"--attention-backend {name!r}: use one of auto, torch, triton")
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -93,7 +77,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.load_format = load_format
         self.seed = seed
-        self.backend = make_attention_backend(attention_backend, self.device)
+        self.backend = get_attention_backend(attention_backend, self.device)
         self.model = LlamaForCausalLM(model_config, self.backend, dtype=self.dtype, device=self.device)
         self.sampler = Sampler(seed=seed)
         self.kv_caches: list[torch.Tensor] = []

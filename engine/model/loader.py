@@ -174,7 +174,7 @@ def load_hf_state_dict(config: ModelConfig, load_format: str = "auto", dtype: to
     """The whole checkpoint as an HF-named state dict (unfused); the exporter uses it."""
     out: dict[str, torch.Tensor] = {}
     for name, array, _ in iter_hf_tensors(config, load_format):
-        tensor = torch.from_numpy(np.ascontiguousarray(array)) if isinstance(array, np.ndarray) else array
+        tensor = torch.from_numpy(np.require(array, requirements=["C", "W"])) if isinstance(array, np.ndarray) else array
         out[name] = tensor.to(dtype)
     return out
 
@@ -199,7 +199,7 @@ def load_weights_into(
         source = str(weights_location(config))
         seen: set[str] = set()
         for name, array, total in iter_hf_tensors(config, fmt):
-            tensor = torch.from_numpy(np.ascontiguousarray(array)) if isinstance(array, np.ndarray) else array
+            tensor = torch.from_numpy(np.require(array, requirements=["C", "W"])) if isinstance(array, np.ndarray) else array
             model.load_hf_tensor(name, tensor)  # type: ignore[operator]
             seen.add(name)
             count += 1

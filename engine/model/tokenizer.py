@@ -1,0 +1,337 @@
+"""Tokenizer: byte-level BPE through the ``tokenizers`` library, built from an HF
+``tokenizer.json`` or from a GGUF file's vocabulary and merges; the chat template
+(GGUF metadata or tokenizer_config.json) rendered with jinja2 the way HF does;
+BOS/EOS/stop tokens; and an incremental detokenizer that checks stop strings.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers.models import BPE
+
+from engine.config import ModelConfig, resolve_model_file
+from engine.errors import UserError
+
+_CONTROL = 3  # llama.cpp token types
+_USER_DEFINED = 4
+
+# llama.cpp pre-tokenizer names whose split regex is GPT-2's plus one token per digit
+# (SmolLM2's own tokenizer.json: Digits(individual_digits) then ByteLevel).
+_DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "codeshell"}
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_REGEX_PRE = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT}
+
+
+@lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
+
+
+def _pre_tokenizer_for(pre: str | None) -> pre_tokenizers.PreTokenizer:
+    if pre in _REGEX_PRE:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_REGEX_PRE[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    if pre in _DIGIT_SPLIT_PRE:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _gguf_field(reader: Any, key: str) -> Any:
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        bos_token_id: int | None,
+        eos_token_id: int | None,
+        chat_template: str | None,
+        extra_stop_token_ids: Iterable[int] = (),
+        add_bos_token: bool = False,
+    ) -> None:
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.chat_template = chat_template
+        self.add_bos_token = add_bos_token
+        stops = [eos_token_id] if eos_token_id is not None else []
+        stops += [t for t in extra_stop_token_ids if t not in stops]
+        self.stop_token_ids: list[int] = stops
+        self.special_token_ids: set[int] = {
+            i for i, tok in backend.get_added_tokens_decoder().items() if tok.special
+        }
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_gguf(cls, path: Path) -> Tokenizer:
+        from gguf import GGUFReader
+
+        try:
+            reader = GGUFReader(str(path))
+        except Exception as exc:
+            raise UserError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+        model = _gguf_field(reader, "tokenizer.ggml.model")
+        if model != "gpt2":
+            raise UserError(f"{path}: tokenizer type {model!r} is not supported; only byte-level BPE ('gpt2')")
+        tokens: list[str] = _gguf_field(reader, "tokenizer.ggml.tokens")
+        types: list[int] = _gguf_field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+        merges: list[str] = _gguf_field(reader, "tokenizer.ggml.merges") or []
+        alphabet = set(bytes_to_unicode().values())
+        spell = bytes_to_unicode()
+        # A few files store a token in plain UTF-8 instead of the byte alphabet; respell it.
+        vocab = {
+            (tok if set(tok) <= alphabet else "".join(spell[b] for b in tok.encode("utf-8"))): i
+            for i, tok in enumerate(tokens)
+        }
+        bpe = BPE(
+            vocab=vocab,
+            merges=[tuple(m.split(" ", 1)) for m in merges],
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+        )
+        backend = BackendTokenizer(bpe)
+        backend.pre_tokenizer = _pre_tokenizer_for(_gguf_field(reader, "tokenizer.ggml.pre"))
+        backend.decoder = decoders.ByteLevel()
+        special = [
+            AddedToken(tok, special=True, normalized=False)
+            for tok, kind in zip(tokens, types, strict=True)
+            if kind == _CONTROL and set(tok) <= alphabet
+        ]
+        user = [
+            AddedToken(tok, special=False, normalized=False)
+            for tok, kind in zip(tokens, types, strict=True)
+            if kind == _USER_DEFINED
+        ]
+        backend.add_special_tokens(special)
+        if user:
+            backend.add_tokens(user)
+        eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+        eot = _gguf_field(reader, "tokenizer.ggml.eot_token_id")
+        return cls(
+            backend,
+            bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+            eos_token_id=eos,
+            chat_template=_gguf_field(reader, "tokenizer.chat_template"),
+            extra_stop_token_ids=[eot] if eot is not None else [],
+            add_bos_token=bool(_gguf_field(reader, "tokenizer.ggml.add_bos_token") or False),
+        )
+
+    @classmethod
+    def from_hf_folder(cls, folder: Path) -> Tokenizer:
+        tok_path = folder / "tokenizer.json"
+        if not tok_path.is_file():
+            raise UserError(f"{folder}: no tokenizer.json in the model folder")
+        try:
+            backend = BackendTokenizer.from_file(str(tok_path))
+        except Exception as exc:
+            raise UserError(f"{tok_path}: not a readable tokenizer.json ({exc})") from exc
+        config: dict[str, Any] = {}
+        if (folder / "tokenizer_config.json").is_file():
+            config = json.loads((folder / "tokenizer_config.json").read_text())
+        template = config.get("chat_template")
+        if template is None and (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text()
+
+        def token_id(key: str) -> int | None:
+            value = config.get(key)
+            if isinstance(value, dict):
+                value = value.get("content")
+            return backend.token_to_id(value) if isinstance(value, str) else None
+
+        extra: list[int] = []
+        if (folder / "generation_config.json").is_file():
+            gen_eos = json.loads((folder / "generation_config.json").read_text()).get("eos_token_id")
+            extra = gen_eos if isinstance(gen_eos, list) else [gen_eos] if isinstance(gen_eos, int) else []
+        return cls(
+            backend,
+            bos_token_id=token_id("bos_token"),
+            eos_token_id=token_id("eos_token"),
+            chat_template=template,
+            extra_stop_token_ids=extra,
+            add_bos_token=bool(config.get("add_bos_token", False)),
+        )
+
+    @classmethod
+    def for_model(cls, config: ModelConfig) -> Tokenizer:
+        location = Path(config.path) if config.path else resolve_model_file(config.name)
+        if location is None or not location.exists():
+            raise UserError(f"model {config.name!r} has no tokenizer (no GGUF file or HF folder found)")
+        return cls.from_hf_folder(location) if location.is_dir() else cls.from_gguf(location)
+
+    # ------------------------------------------------------------------ text <-> ids
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Special-token strings in ``text`` (``<|im_start|>``) map to their ids, as in HF.
+        ``add_special_tokens`` prepends BOS when the model asks for it."""
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    # ------------------------------------------------------------------ chat
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        **extra: Any,
+    ) -> str | list[int]:
+        if not self.chat_template:
+            raise UserError("this model has no chat template; send a plain prompt instead")
+        template = _compile_template(self.chat_template)
+        text = template.render(
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self._token_text(self.bos_token_id),
+            eos_token=self._token_text(self.eos_token_id),
+            **extra,
+        )
+        return self.encode(text) if tokenize else text
+
+    def _token_text(self, token_id: int | None) -> str:
+        return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
+
+    # ------------------------------------------------------------------ export
+    def save_hf(self, folder: Path, model_max_length: int | None = None) -> None:
+        """Write tokenizer.json and tokenizer_config.json (with the chat template)."""
+        folder.mkdir(parents=True, exist_ok=True)
+        self.backend.save(str(folder / "tokenizer.json"))
+        added = {
+            str(i): {"content": t.content, "special": t.special, "normalized": t.normalized,
+                     "lstrip": t.lstrip, "rstrip": t.rstrip, "single_word": t.single_word}
+            for i, t in sorted(self.backend.get_added_tokens_decoder().items())
+        }
+        config: dict[str, Any] = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": self._token_text(self.bos_token_id) or None,
+            "eos_token": self._token_text(self.eos_token_id) or None,
+            "add_bos_token": self.add_bos_token,
+            "add_prefix_space": False,
+            "clean_up_tokenization_spaces": False,
+            "added_tokens_decoder": added,
+            "chat_template": self.chat_template,
+        }
+        if model_max_length is not None:
+            config["model_max_length"] = model_max_length
+        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+
+
+@lru_cache(maxsize=8)
+def _compile_template(source: str) -> Any:
+    """Compile as HF transformers does: sandboxed, trim/lstrip blocks, loop controls."""
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise UserError(f"chat template: {message}")
+
+    def tojson(value: Any, indent: int | None = None) -> str:
+        return json.dumps(value, indent=indent, ensure_ascii=False)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(source)
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas and finds stop strings.
+
+    Decodes a small window (``prefix_offset:``) instead of the whole output each
+    step, and holds back text ending in an incomplete UTF-8 sequence. After
+    :meth:`add`, ``stop_reason`` is the matched stop string (the text is cut
+    there, the stop string kept only with ``include_stop``) or None.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        stop: Sequence[str] = (),
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
+        prompt_ids: Sequence[int] = (),
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.include_stop = include_stop
+        self.skip_special_tokens = skip_special_tokens
+        # Seed the window with a few prompt tokens so a leading space decodes as in context.
+        self.ids: list[int] = list(prompt_ids[-4:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+        self.stop_reason: str | None = None
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        """Append one token; returns the newly visible text ("" if held back or stopped)."""
+        if self.stop_reason is not None:
+            return ""
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        delta = full[len(prefix) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        before = len(self.text)
+        self.text += delta
+        match = find_stop_string(self.text, self.stop, before)
+        if match is not None:
+            index, stop = match
+            self.stop_reason = stop
+            self.text = self.text[: index + len(stop)] if self.include_stop else self.text[:index]
+            return self.text[before:] if len(self.text) > before else ""
+        return delta
+
+
+def find_stop_string(text: str, stops: Sequence[str], new_from: int = 0) -> tuple[int, str] | None:
+    """The earliest stop string in ``text`` that ends after ``new_from`` (where the new
+    text began), as ``(index, stop)``; stop strings may straddle the boundary."""
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        index = text.find(stop, max(0, new_from - len(stop) + 1))
+        if index != -1 and (best is None or index < best[0]):
+            best = (index, stop)
+    return best
