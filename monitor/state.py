@@ -32,7 +32,9 @@ Snapshot dict format (``SNAPSHOT_VERSION`` 1), all plain JSON::
     }
 
 Block owners are not stored: they are the union of every request's ``blocks``,
-so the snapshot cannot disagree with itself.
+so the snapshot cannot disagree with itself. The block table itself is folded
+by :class:`engine.block_table_fold.BlockTableState`, the same fold replay and
+the tests use.
 
 Replay seeks with :class:`Timeline`: it keeps a snapshot every
 ``checkpoint_every`` steps and re-folds from the nearest one at or before the
@@ -47,6 +49,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.block_table_fold import BlockTableState
 from engine.events import (
     EngineConfigEvent,
     Event,
@@ -183,8 +186,8 @@ class EngineView:
         self.kv_cached_free = 0
         self.kv_total = 0
         self.requests: dict[str, RequestView] = {}
-        self.block_owners: dict[int, set[str]] = {}
-        self.cached: set[int] = set()
+        self.table = BlockTableState()  # the shared fold of step block deltas
+        self._owners: dict[int, set[str]] | None = None
         self.finished = 0
         self.rejected = 0
         self.preemptions = 0
@@ -193,6 +196,22 @@ class EngineView:
         self.stats: StatsEvent | None = None
 
     # ------------------------------------------------------------ derived views
+    @property
+    def cached(self) -> set[int]:
+        return self.table.cached
+
+    @property
+    def block_owners(self) -> dict[int, set[str]]:
+        """Block id -> ids of the requests holding it; rebuilt lazily, once per
+        render rather than once per folded step."""
+        if self._owners is None:
+            owners: dict[int, set[str]] = {}
+            for rid, blocks in self.table.tables.items():
+                for b in blocks:
+                    owners.setdefault(b, set()).add(rid)
+            self._owners = owners
+        return self._owners
+
     @property
     def num_blocks(self) -> int:
         return int(self.kv_total or self.ledger.get("num_blocks", 0) or 0)
@@ -294,19 +313,30 @@ class EngineView:
 
     def _on_step(self, ev: StepEvent) -> None:
         self.step = ev.index
-        self.apply_block_deltas(ev)
+        # strict=False: a live monitor that missed an event should keep drawing.
+        self.table.apply(ev, strict=False)
+        self._owners = None
+        retired = ev.finished
+        for rid in (*ev.allocated, *ev.freed):
+            req = self.requests.get(rid)
+            if req is not None:
+                req.blocks = self.table.tables.get(rid, [])
         for rid in ev.preempted:
-            req = self._request(rid)
-            req.state = WAITING
-            req.computed_tokens = 0
+            req = self.requests.get(rid)
+            if req is not None:
+                req.state = WAITING
+                req.computed_tokens = 0
         for rid, (num_tokens, kind) in ev.scheduled.items():
+            if rid in retired and rid not in self.requests:
+                continue  # its request.finished came first (the scheduler publishes it before the step)
             req = self._request(rid)
             req.state = RUNNING
+            req.blocks = self.table.tables.get(rid, [])
             req.computed_tokens += int(num_tokens)
             # A token is sampled once the whole context (prompt + output so far) is computed.
             if kind == "decode" or req.computed_tokens >= req.prompt_tokens + req.generated_tokens:
                 req.generated_tokens += 1
-        for rid in ev.finished:
+        for rid in retired:
             if self.requests.pop(rid, None) is not None:
                 self.finished += 1
         self.preemptions += len(ev.preempted)
@@ -322,35 +352,6 @@ class EngineView:
         s["kv_pct"].append(100.0 * ev.kv_blocks_used / ev.kv_blocks_total if ev.kv_blocks_total else 0.0)
         s["step_ms"].append(ev.duration_s * 1000.0)
         s["preempted"].append(len(ev.preempted))
-
-    def apply_block_deltas(self, ev: StepEvent) -> None:
-        """Evicted, then allocated, then freed, then cached.
-
-        Allocation before freeing because a request can grow and finish in the
-        same step (its new block is in both); a block freed by a preempted
-        request and handed to another within one step is harmless either way,
-        since owners are per request. Evictions come before ``cached`` because
-        an evicted block can fill up again and be re-cached in the same step.
-        """
-        owners = self.block_owners
-        self.cached.difference_update(ev.evicted)
-        for rid, blocks in ev.allocated.items():
-            req = self._request(rid)
-            req.blocks.extend(blocks)
-            for b in blocks:
-                owners.setdefault(b, set()).add(rid)
-        for rid, blocks in ev.freed.items():
-            req = self.requests.get(rid)
-            for b in blocks:
-                holders = owners.get(b)
-                if holders is not None:
-                    holders.discard(rid)
-                    if not holders:
-                        del owners[b]
-            if req is not None:
-                gone = set(blocks)
-                req.blocks = [b for b in req.blocks if b not in gone]
-        self.cached.update(ev.cached)
 
     def _on_snapshot(self, ev: SnapshotEvent) -> None:
         self._load(ev.state)
@@ -415,12 +416,13 @@ class EngineView:
         self.kv_cached_free = int(kv.get("cached_free", 0))
         self.kv_total = int(kv.get("total", 0))
         self.requests = {rid: RequestView.from_dict(rid, d) for rid, d in state.get("requests", {}).items()}
-        owners: dict[int, set[str]] = {}
-        for rid, req in self.requests.items():
-            for b in req.blocks:
-                owners.setdefault(b, set()).add(rid)
-        self.block_owners = owners
-        self.cached = set(state.get("cached", []))
+        self.table = BlockTableState(
+            tables={rid: req.blocks for rid, req in self.requests.items() if req.blocks},
+            cached=set(state.get("cached", [])),
+            num_blocks=self.kv_total,
+            last_step=self.step if self.step is not None else -1,
+        )
+        self._owners = None
         self.finished = int(state.get("finished", 0))
         self.rejected = int(state.get("rejected", 0))
         self.preemptions = int(state.get("preemptions", 0))

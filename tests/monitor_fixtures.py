@@ -1,0 +1,50 @@
+"""Recordings for the monitor tests: the bundled synthetic sample and a run of
+the real scheduler's deterministic driver, plus an independent block-table fold."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from engine.driver import DriverRequest, run_driver
+from engine.events import Event, EventBus, JsonlSink, StepEvent
+from engine.scheduler import SchedulerConfig
+
+SAMPLE = Path(__file__).resolve().parent.parent / "samples" / "monitor_synthetic.jsonl"
+
+
+def record_driver_run(path: Path, num_blocks: int = 36) -> Path:
+    """A real scheduler run under memory pressure: shared prefixes, preemptions."""
+    shared = list(range(100, 164))  # 4 full blocks every request starts with
+    requests = [
+        DriverRequest(f"r{i:02d}", shared + [i] * (10 + 7 * (i % 5)), output_tokens=40 + 9 * (i % 4),
+                      arrival_step=i)
+        for i in range(24)
+    ]
+    bus = EventBus()
+    sink = JsonlSink(path, config={"source": "engine.driver", "num_blocks": num_blocks})
+    bus.subscribe(sink)
+    run_driver(requests, SchedulerConfig(num_blocks=num_blocks, max_num_seqs=8, max_num_batched_tokens=96),
+               bus=bus, step_time_s=0.01)
+    sink.close()
+    return path
+
+
+def owners_at(events: Iterable[Event], step_index: int) -> dict[int, frozenset[str]]:
+    """Block -> owners after step ``step_index``, by the plainest possible fold."""
+    tables: dict[str, list[int]] = {}
+    for event in events:
+        if not isinstance(event, StepEvent):
+            continue
+        for rid, blocks in event.allocated.items():
+            tables.setdefault(rid, []).extend(blocks)
+        for rid, blocks in event.freed.items():
+            for b in blocks:
+                tables[rid].remove(b)
+        if event.index == step_index:
+            break
+    owners: dict[int, set[str]] = {}
+    for rid, blocks in tables.items():
+        for b in blocks:
+            owners.setdefault(b, set()).add(rid)
+    return {b: frozenset(o) for b, o in owners.items()}
