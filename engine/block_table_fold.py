@@ -5,6 +5,11 @@ pool's state: which request holds which blocks (in position order) and which
 blocks hold prefix-cache content. Applying every step event of a run in order
 reproduces the scheduler's own table exactly (tests/test_step_events.py checks
 this step by step).
+
+An abort frees a request's blocks between steps; those frees travel in the next
+step event, and there may be none (the last request aborted). So the fold also
+reads ``request.finished`` with reason ``abort``: the request's table is dropped
+at once and the later ``freed`` entry is only checked against it.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from engine.events import Event, StepEvent
+from engine.events import Event, RequestFinished, StepEvent
 
 
 class FoldError(ValueError):
@@ -29,6 +34,16 @@ class BlockTableState:
     cached: set[int] = field(default_factory=set)
     num_blocks: int = 0
     last_step: int = -1
+    _aborted: dict[str, list[int]] = field(default_factory=dict)
+
+    def apply_event(self, event: Event, strict: bool = True) -> None:
+        """Fold any event: step events and aborts change the table; others are ignored."""
+        if isinstance(event, StepEvent):
+            self.apply(event, strict)
+        elif isinstance(event, RequestFinished) and event.reason == "abort":
+            table = self.tables.pop(event.request_id, None)
+            if table is not None:
+                self._aborted[event.request_id] = table
 
     def apply(self, event: StepEvent, strict: bool = True) -> None:
         """Fold one step: evicted, then cached, then allocated, then freed.
@@ -48,9 +63,9 @@ class BlockTableState:
             else:
                 table.extend(blocks)
         for rid, blocks in event.freed.items():
-            table = tables.pop(rid, None)
-            if strict and (table or []) != list(blocks):
-                raise FoldError(f"step {event.index}: {rid} freed {len(blocks)} blocks but held {len(table or [])}")
+            held = self._aborted.pop(rid, []) + tables.pop(rid, [])
+            if strict and held != list(blocks):
+                raise FoldError(f"step {event.index}: {rid} freed {len(blocks)} blocks but held {len(held)}")
 
     def owners(self) -> dict[int, list[str]]:
         """Block id -> request ids holding it (shared prefix blocks have several)."""
@@ -66,9 +81,8 @@ class BlockTableState:
 
 
 def fold_step_events(events: Iterable[Event], strict: bool = True) -> BlockTableState:
-    """Fold every ``step`` event of a stream (other events are ignored)."""
+    """Fold a whole event stream (step events and aborts; others are ignored)."""
     state = BlockTableState()
     for event in events:
-        if isinstance(event, StepEvent):
-            state.apply(event, strict)
+        state.apply_event(event, strict)
     return state

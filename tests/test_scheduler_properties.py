@@ -57,8 +57,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.now = 0.0
 
     def _on_event(self, event: object) -> None:
+        self.fold.apply_event(event)
         if isinstance(event, StepEvent):
-            self.fold.apply(event)
             assert self.fold.tables == self.sched.block_table()
             assert self.fold.cached == self.sched.kv.pool.cached_block_ids()
 
