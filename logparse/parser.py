@@ -72,6 +72,7 @@ class Record:
     source: str | None = None  # "gpu_worker.py:298"
     pattern: LinePattern | None = None
     fields: dict[str, Any] = field(default_factory=dict)
+    printed: dict[str, str] = field(default_factory=dict)  # numeric fields as printed
     repeated: int = 1
     duplicate_of: int | None = None
     has_prefix: bool = False
@@ -113,8 +114,9 @@ def convert_field(name: str, value: str) -> Any:
         return value
 
 
-def match_message(text: str) -> tuple[LinePattern | None, dict[str, Any]]:
-    """The first catalogue pattern (in table order) that matches ``text``, with its fields."""
+def match_message(text: str) -> tuple[LinePattern | None, dict[str, Any], dict[str, str]]:
+    """The first catalogue pattern (in table order) that matches ``text``, with its
+    fields (numbers converted) and the numbers as printed (for their precision)."""
     probe = text[:MATCH_CHARS]
     for pattern in PATTERNS:
         for anchor in pattern.anchors:
@@ -126,18 +128,18 @@ def match_message(text: str) -> tuple[LinePattern | None, dict[str, Any]]:
         if m is None:
             continue
         fields: dict[str, Any] = {}
-        for name, value in m.groupdict().items():
-            if value is not None:
-                fields[name] = convert_field(name, value)
-        for extractor in pattern.extractors:
-            em = extractor.search(probe)
-            if em is None:
+        printed: dict[str, str] = {}
+        groups = [m, *(ex.search(probe) for ex in pattern.extractors)]
+        for gm in groups:
+            if gm is None:
                 continue
-            for name, value in em.groupdict().items():
+            for name, value in gm.groupdict().items():
                 if value is not None and name not in fields:
                     fields[name] = convert_field(name, value)
-        return pattern, fields
-    return None, {}
+                    if not isinstance(fields[name], str):
+                        printed[name] = value
+        return pattern, fields, printed
+    return None, {}, {}
 
 
 @dataclass(slots=True)
@@ -299,13 +301,14 @@ def iter_records(source: str | Path | BinaryIO | Iterable[bytes | str]) -> Itera
         for piece in _split_glued(physical):
             prefix = strip_prefix(piece)
             text = prefix.text
-            pattern, fields = match_message(text) if text else (None, {})
+            pattern, fields, printed = match_message(text) if text else (None, {}, {})
             joinable = (
                 pending is not None
                 and not prefix.has_prefix
                 and pattern is None
                 and text
-                and (prefix.indented or previous_len >= WRAP_MIN_CHARS)
+                # indented: a continuation line; long unmatched previous line: a terminal hard wrap
+                and (prefix.indented or (previous_len >= WRAP_MIN_CHARS and pending.pattern is None))
                 and len(pending.text) < MAX_RECORD_CHARS
             )
             previous_len = len(piece)
@@ -313,7 +316,7 @@ def iter_records(source: str | Path | BinaryIO | Iterable[bytes | str]) -> Itera
                 assert pending is not None
                 pending.text = (pending.text + (" " if prefix.indented else "") + text)[:MAX_RECORD_CHARS]
                 pending.end_line = number
-                pending.pattern, pending.fields = match_message(pending.text)
+                pending.pattern, pending.fields, pending.printed = match_message(pending.text)
                 continue
             if pending is not None:
                 yield _mark_duplicate(pending, seen)
@@ -328,6 +331,7 @@ def iter_records(source: str | Path | BinaryIO | Iterable[bytes | str]) -> Itera
                 source=prefix.source,
                 pattern=pattern,
                 fields=fields,
+                printed=printed,
                 repeated=prefix.repeated,
                 has_prefix=prefix.has_prefix,
             )

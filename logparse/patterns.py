@@ -195,7 +195,7 @@ PATTERNS: tuple[LinePattern, ...] = (
       "Weights memory: growth of torch.cuda.max_memory_allocated() across loading, divided by 2^30 "
       "(so it is GiB although it says GB). Per rank with TP."),
     P("model_loading_took", "C", "0.8.0–0.33", "Model loading took",
-      r"Model loading took <weights_gib:num> Gi?B(?: memory)? and <load_model_s:num> seconds",
+      r"Model loading took <weights_gib:num> Gi?B(?: memory)?(?: and <load_model_s:num> seconds)?",
       "Weights memory (GiB, per rank) and the seconds of get_model (build + load + post-processing). "
       "'GB' in 0.8.0–0.8.2 is GiB."),
     # ------------------------------------------------------------------ D: profiling

@@ -1,0 +1,121 @@
+"""``logparse``: explain a vLLM log line by line, against kvscope's own profile.
+
+    logparse explain LOG [--model M] [--gpu G | --gpu-memory GiB] [--gpu-memory-utilization U]
+                         [--profile events.jsonl] [--json | --markdown]
+    logparse summary LOG [same options]      ledger and checks only
+    logparse diff A.log B.log [--json | --markdown]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from engine.errors import UserError
+from engine.memory import parse_gib
+from logparse.explain import Explanation, Options, explain
+from logparse.render import render_diff, render_json, render_markdown, render_terminal
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, no usage dump
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _add_output(p: argparse.ArgumentParser) -> None:
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--json", action="store_true", help="one JSON object: records, checks, plan, ledger")
+    group.add_argument("--markdown", action="store_true", help="Markdown report")
+
+
+def _add_context(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="model preset, HF folder with config.json, or GGUF (default: the log's model)")
+    gpu = p.add_mutually_exclusive_group()
+    gpu.add_argument("--gpu", help="GPU preset (h100, a100-40gb, l40s, rtx-4090 ...) when the log lacks the total")
+    gpu.add_argument("--gpu-memory", help="device memory in GiB when the log lacks the total")
+    p.add_argument("--gpu-memory-utilization", type=float, help="when the log does not print it")
+    p.add_argument("--profile", help="a kvscope events.jsonl recording to compare phase by phase")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _ArgumentParser(prog="logparse", description="Explain a vLLM startup log against kvscope's own plan.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_ArgumentParser)
+    p = sub.add_parser("explain", help="every line: phase, meaning, numbers; ledger, checks, kvscope's plan")
+    p.add_argument("log")
+    _add_context(p)
+    _add_output(p)
+    p = sub.add_parser("summary", help="ledger and checks only")
+    p.add_argument("log")
+    _add_context(p)
+    _add_output(p)
+    p = sub.add_parser("diff", help="two startups side by side")
+    p.add_argument("a")
+    p.add_argument("b")
+    _add_output(p)
+    return parser
+
+
+def _options(args: argparse.Namespace) -> Options:
+    util = getattr(args, "gpu_memory_utilization", None)
+    if util is not None and not 0 < util <= 1:
+        raise UserError(f"--gpu-memory-utilization {util}: must be in (0, 1]")
+    gpu_memory = getattr(args, "gpu_memory", None)
+    return Options(
+        model=getattr(args, "model", None),
+        gpu=getattr(args, "gpu", None),
+        gpu_memory_gib=parse_gib(gpu_memory, "--gpu-memory") if gpu_memory is not None else None,
+        gpu_memory_utilization=util,
+        profile=getattr(args, "profile", None),
+    )
+
+
+def _load(path: str, options: Options, keep_records: bool = True) -> Explanation:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{path}: no such log file; give the path of a vLLM log")
+    if options.gpu:
+        from engine.memory import gpu_preset
+
+        gpu_preset(options.gpu)  # fail early with the list of presets
+    return explain(p, options, keep_records=keep_records)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.command == "diff":
+        a, b = _load(args.a, Options()), _load(args.b, Options())
+        text = render_diff(a, b, as_json=args.json, markdown=args.markdown)
+        if text is not None:
+            sys.stdout.write(text if text.endswith("\n") else text + "\n")
+        return 0
+    summary = args.command == "summary"
+    exp = _load(args.log, _options(args), keep_records=not summary)
+    if args.json:
+        sys.stdout.write(render_json(exp, summary=summary) + "\n")
+    elif args.markdown:
+        sys.stdout.write(render_markdown(exp, summary=summary))
+    else:
+        render_terminal(exp, summary=summary)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 2
+    try:
+        return run(args)
+    except UserError as exc:
+        print(f"logparse {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except BrokenPipeError:  # `logparse explain big.log | head`
+        return 0
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

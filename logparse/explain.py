@@ -1,0 +1,660 @@
+"""From records to an explanation: ledger, budget, timeline, checks, failures with
+fixes, and kvscope's own plan (and optionally a real kvscope run) beside vLLM's.
+
+All budget arithmetic on kvscope's side comes from :mod:`engine.memory`; this
+module only reads vLLM's printed numbers and compares.
+
+Tolerance rule for checks: a number printed with d decimals is known to one
+unit of its last digit (10^-d). Rounding alone would allow half a unit, but the
+figures people paste are not always rounded (the background notebook prints
+53.97 GiB as "53.9"), and vLLM's ``format_gib`` drops trailing zeros, so "53.9"
+may stand for anything from 53.85 to 53.99. A derived quantity carries the sum
+of its inputs' tolerances.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from engine.config import ModelConfig, load_model_config
+from engine.errors import UserError
+from engine.memory import GiB, MemoryPlan, bytes_per_kv_token, gpu_preset, plan_memory
+from logparse.parser import Record, iter_records
+from logparse.patterns import LEDGER_KEYS, PHASE_NAMES
+
+STARTUP_PHASES = "ABCDEFG"
+
+
+@dataclass(slots=True)
+class Options:
+    """What the user told us beyond the log."""
+
+    model: str | None = None
+    gpu: str | None = None
+    gpu_memory_gib: float | None = None
+    gpu_memory_utilization: float | None = None
+    profile: str | None = None
+
+
+@dataclass(slots=True)
+class Check:
+    id: str
+    title: str
+    ok: bool | None  # None: not judged (an input is missing)
+    detail: str
+    kind: str = "check"  # check | failure | warning
+    formula: str | None = None
+    expected: float | None = None
+    actual: float | None = None
+    tolerance: float | None = None
+    line: int | None = None
+    fix: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "kind": self.kind,
+            "title": self.title,
+            "ok": self.ok,
+            "formula": self.formula,
+            "expected": self.expected,
+            "actual": self.actual,
+            "tolerance": self.tolerance,
+            "detail": self.detail,
+            "line": self.line,
+            "fix": list(self.fix),
+        }
+
+
+@dataclass(slots=True)
+class PhaseSpan:
+    phase: str
+    first_line: int
+    last_line: int
+    first_time: str | None = None
+    last_time: str | None = None
+    records: int = 0
+    durations: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def span_s(self) -> float | None:
+        if not self.first_time or not self.last_time:
+            return None
+        try:
+            a = datetime.strptime("2000-" + self.first_time, "%Y-%m-%d %H:%M:%S")
+            b = datetime.strptime("2000-" + self.last_time, "%Y-%m-%d %H:%M:%S")
+        except ValueError:
+            return None
+        return (b - a).total_seconds()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "phase": self.phase,
+            "name": PHASE_NAMES.get(self.phase, self.phase),
+            "first_line": self.first_line,
+            "last_line": self.last_line,
+            "first_time": self.first_time,
+            "last_time": self.last_time,
+            "span_s": self.span_s,
+            "records": self.records,
+            "durations": dict(self.durations),
+        }
+
+
+@dataclass(slots=True)
+class Explanation:
+    path: str
+    records: list[Record]
+    record_count: int
+    unrecognised: int
+    facts: dict[str, Any]
+    printed: dict[str, str]
+    fact_lines: dict[str, int]
+    timeline: list[PhaseSpan]
+    checks: list[Check]
+    budget: dict[str, Any]
+    plan: dict[str, Any]
+    kvscope_plan: MemoryPlan | None = None
+
+    @property
+    def ledger(self) -> dict[str, Any]:
+        return {key: self.facts.get(key) for key in LEDGER_KEYS}
+
+    def to_json(self, with_records: bool = True) -> dict[str, Any]:
+        return {
+            "records": [r.to_json() for r in self.records] if with_records else [],
+            "checks": [c.to_json() for c in self.checks],
+            "plan": self.plan,
+            "ledger": self.ledger,
+        }
+
+
+# ------------------------------------------------------------------ folding records
+def _decimals(printed: str | None) -> int:
+    if not printed or "." not in printed:
+        return 0
+    return len(printed.split(".", 1)[1])
+
+
+def unit(printed: str | None) -> float:
+    """One unit of the last printed digit (see the module doc)."""
+    return 10.0 ** -_decimals(printed) if printed and "." in printed else 0.0
+
+
+def explain(source: str | Path | Iterable[bytes | str], options: Options | None = None,
+            keep_records: bool = True) -> Explanation:
+    options = options or Options()
+    records: list[Record] = []
+    facts: dict[str, Any] = {}
+    printed: dict[str, str] = {}
+    fact_lines: dict[str, int] = {}
+    spans: dict[str, PhaseSpan] = {}
+    failures: list[tuple[Record, str]] = []  # (record, last startup phase before it)
+    preemptions_v0 = 0
+    preemptions_v1 = 0
+    preemption_line: int | None = None
+    last_phase = "A"
+    count = unrecognised = 0
+    for record in iter_records(source):
+        count += 1
+        if keep_records:
+            records.append(record)
+        pattern = record.pattern
+        if pattern is None:
+            unrecognised += 1
+            continue
+        for name, value in record.fields.items():
+            if name not in facts:
+                facts[name] = value
+                fact_lines[name] = record.line
+                if name in record.printed:
+                    printed[name] = record.printed[name]
+        span = spans.get(pattern.phase)
+        if span is None:
+            span = spans[pattern.phase] = PhaseSpan(pattern.phase, record.line, record.line, record.time, record.time)
+        span.last_line = record.line
+        span.records += 1
+        if record.time:
+            span.first_time = span.first_time or record.time
+            span.last_time = record.time
+        for name, value in record.fields.items():
+            if name.endswith("_s") and isinstance(value, int | float) and name not in span.durations:
+                span.durations[name] = float(value)
+        if pattern.failure == "preemption":
+            preemptions_v0 = max(preemptions_v0, int(record.fields.get("preemptions_total", 1)))
+            preemption_line = preemption_line or record.line
+        elif pattern.failure and record.duplicate_of is None:
+            failures.append((record, last_phase))
+        if "preemptions" in record.fields:
+            preemptions_v1 += int(record.fields["preemptions"])
+            preemption_line = preemption_line or record.line
+        if pattern.phase in STARTUP_PHASES:
+            last_phase = pattern.phase
+    timeline = sorted(spans.values(), key=lambda s: s.first_line)
+    model, model_note = _identify_model(options, facts)
+    budget = _vllm_budget(facts, printed, options)
+    kv_plan, plan_json = _kvscope_plan(facts, budget, model, model_note, options)
+    checks = _derived_checks(facts, printed, fact_lines, budget, model)
+    for record, phase in failures:
+        checks.append(_failure(record, phase, facts, budget, model, kv_plan))
+    if preemptions_v0 or preemptions_v1:
+        checks.append(_preemption(preemptions_v0, preemptions_v1, preemption_line, facts))
+    if options.profile:
+        plan_json["profile"] = compare_profile(options.profile, facts)
+    return Explanation(
+        path=str(source) if isinstance(source, str | Path) else "<stream>",
+        records=records,
+        record_count=count,
+        unrecognised=unrecognised,
+        facts=facts,
+        printed=printed,
+        fact_lines=fact_lines,
+        timeline=timeline,
+        checks=checks,
+        budget=budget,
+        plan=plan_json,
+        kvscope_plan=kv_plan,
+    )
+
+
+# ------------------------------------------------------------------ vLLM's own budget
+def _total_gib(facts: dict[str, Any], options: Options) -> tuple[float | None, str]:
+    if "total_gib" in facts:
+        return float(facts["total_gib"]), "log"
+    if options.gpu_memory_gib is not None:
+        return options.gpu_memory_gib, "--gpu-memory"
+    if options.gpu:
+        return gpu_preset(options.gpu).total_gib, f"--gpu {options.gpu}"
+    return None, "unknown"
+
+
+def _vllm_budget(facts: dict[str, Any], printed: dict[str, str], options: Options) -> dict[str, Any]:
+    """vLLM's budget from whatever lines exist; derived figures say how they were derived."""
+    total, total_src = _total_gib(facts, options)
+    weights = facts.get("weights_gib")
+    peak = facts.get("peak_activation_gib")
+    non_torch = facts.get("non_torch_gib")
+    graph = facts.get("cuda_graph_gib")
+    kv = facts.get("kv_cache_gib")
+    non_kv, non_kv_src = facts.get("non_kv_gib"), "log"
+    if non_kv is None and None not in (weights, peak, non_torch):
+        non_kv, non_kv_src = weights + peak + non_torch, "weights + activation peak + non-torch"
+    elif non_kv is None and "consumed_gib" in facts and peak is not None:
+        non_kv, non_kv_src = facts["consumed_gib"] + peak, "consumed + activation peak"
+    util, util_src = facts.get("gpu_memory_utilization"), "log"
+    if util is None and options.gpu_memory_utilization is not None:
+        util, util_src = options.gpu_memory_utilization, "--gpu-memory-utilization"
+    requested, requested_src = facts.get("requested_gib"), "log"
+    if requested is None and total is not None and util is not None:
+        requested, requested_src = total * util, "total x utilization"
+    elif requested is None and kv is not None and non_kv is not None:
+        requested, requested_src = kv + non_kv, "KV pool + non-KV"
+    if util is None and requested is not None and total:
+        util, util_src = requested / total, "requested / total"
+    remainder = None
+    if requested is not None and kv is not None and non_kv is not None:
+        remainder = requested - non_kv - kv
+    return {
+        "total_gib": total, "total_source": total_src,
+        "gpu_memory_utilization": util, "gpu_memory_utilization_source": util_src if util is not None else None,
+        "requested_gib": requested, "requested_source": requested_src if requested is not None else None,
+        "weights_gib": weights, "peak_activation_gib": peak, "non_torch_gib": non_torch,
+        "non_kv_gib": non_kv, "non_kv_source": non_kv_src if non_kv is not None else None,
+        "cuda_graph_gib": graph, "kv_cache_gib": kv,
+        "unexplained_gib": remainder,
+        "outside_budget_gib": (total - requested) if total is not None and requested is not None else None,
+    }
+
+
+# ------------------------------------------------------------------ kvscope's plan
+def _identify_model(options: Options, facts: dict[str, Any]) -> tuple[ModelConfig | None, str]:
+    candidates = [(options.model, "--model")] if options.model else []
+    if facts.get("model"):
+        candidates.append((str(facts["model"]), "log"))
+    reasons: list[str] = []
+    for name, origin in candidates:
+        try:
+            return load_model_config(name), f"{name} (from {origin})"
+        except UserError as exc:
+            reasons.append(f"{origin}: {exc}")
+    if not candidates:
+        return None, "no model named in the log; pass --model PRESET | HF folder | GGUF"
+    return None, "; ".join(reasons)
+
+
+def _kv_dtype(facts: dict[str, Any]) -> str:
+    value = str(facts.get("kv_cache_dtype", "auto")).lower()
+    return "fp8" if value.startswith("fp8") else value
+
+
+def _model_dtype(facts: dict[str, Any], model: ModelConfig) -> str:
+    value = str(facts.get("dtype", model.dtype)).replace("torch.", "").lower()
+    return value if value in ("bfloat16", "float16", "float32") else model.dtype
+
+
+def kv_bytes_per_token(facts: dict[str, Any], model: ModelConfig | None) -> int | None:
+    if model is None:
+        return None
+    try:
+        return bytes_per_kv_token(model, _kv_dtype(facts), int(facts.get("tensor_parallel_size", 1)),
+                                  _model_dtype(facts, model))
+    except UserError:
+        return None
+
+
+def _kvscope_plan(facts: dict[str, Any], budget: dict[str, Any], model: ModelConfig | None, model_note: str,
+                  options: Options) -> tuple[MemoryPlan | None, dict[str, Any]]:
+    out: dict[str, Any] = {"model": model.name if model else None, "model_source": model_note,
+                           "vllm": budget, "kvscope": None, "inputs": {}, "rows": [], "profile": None}
+    if model is None:
+        out["unavailable"] = f"kvscope plan needs the model: {model_note}"
+        return None, out
+    total = budget["total_gib"]
+    if total is None:
+        out["unavailable"] = "kvscope plan needs the device size: the log does not print it; pass --gpu or --gpu-memory"
+        return None, out
+    util = budget["gpu_memory_utilization"]
+    util_src = budget["gpu_memory_utilization_source"]
+    if util is None:
+        util, util_src = 0.9, "assumed (vLLM default)"
+    max_len = facts.get("max_model_len")
+    max_len_src = "log"
+    if not isinstance(max_len, int) or max_len <= 0:
+        max_len, max_len_src = model.max_position_embeddings, "model's max_position_embeddings"
+    inputs = {
+        "total_gib": total, "gpu_memory_utilization": round(util, 6), "gpu_memory_utilization_source": util_src,
+        "max_model_len": max_len, "max_model_len_source": max_len_src,
+        "dtype": _model_dtype(facts, model), "kv_cache_dtype": _kv_dtype(facts),
+        "tensor_parallel_size": int(facts.get("tensor_parallel_size", 1)),
+        "block_size": int(facts.get("block_size", 16)),
+        "max_num_batched_tokens": int(facts.get("max_num_batched_tokens", 8192)),
+        "max_num_seqs": int(facts.get("max_num_seqs", 256)),
+    }
+    out["inputs"] = inputs
+    try:
+        plan = plan_memory(
+            model=model, total_bytes=int(total * GiB), gpu_memory_utilization=min(1.0, max(1e-6, util)),
+            max_model_len=max_len, block_size=inputs["block_size"], kv_cache_dtype=inputs["kv_cache_dtype"],
+            dtype=inputs["dtype"], tensor_parallel_size=inputs["tensor_parallel_size"],
+            max_num_batched_tokens=inputs["max_num_batched_tokens"], max_num_seqs=inputs["max_num_seqs"],
+            check_fits=False,
+        )
+    except UserError as exc:
+        out["unavailable"] = f"kvscope plan: {exc}"
+        return None, out
+    out["kvscope"] = plan.to_json()
+    out["rows"] = _comparison_rows(facts, budget, plan)
+    return plan, out
+
+
+_ROW_NOTES = {
+    "weights_gib": "kvscope: parameters x dtype bytes / TP from the model's shapes; vLLM: measured allocator growth "
+                   "(quantised or multimodal models differ)",
+    "peak_activation_gib": "kvscope estimates the spike from shapes (max-num-batched-tokens, sampler logits); vLLM "
+                           "measures one dummy worst-case step",
+    "non_torch_gib": "kvscope assumes a fixed 0.3 GiB (0.7 with TP); vLLM measures CUDA context growth, NCCL, workspaces",
+    "cuda_graph_gib": "kvscope's plan reserves nothing for CUDA graphs; vLLM since v0.21 subtracts an estimated graph "
+                      "pool from the KV pool, earlier versions take it from the 1 - util margin",
+    "kv_cache_gib": "the remainder: differs by exactly the non-KV differences above",
+}
+
+
+def _comparison_rows(facts: dict[str, Any], budget: dict[str, Any], plan: MemoryPlan) -> list[dict[str, Any]]:
+    mine: dict[str, float | int | None] = {
+        "total_gib": plan.total_bytes / GiB,
+        "gpu_memory_utilization": plan.gpu_memory_utilization,
+        "requested_gib": plan.requested_bytes / GiB,
+        "weights_gib": plan.weights_bytes / GiB,
+        "peak_activation_gib": plan.activation_peak_bytes / GiB,
+        "non_torch_gib": plan.non_torch_bytes / GiB,
+        "non_kv_gib": (plan.weights_bytes + plan.activation_peak_bytes + plan.non_torch_bytes) / GiB,
+        "cuda_graph_gib": plan.cuda_graph_bytes / GiB,
+        "kv_cache_gib": plan.kv_pool_bytes / GiB,
+        "kv_cache_tokens": plan.kv_cache_tokens,
+        "gpu_blocks": plan.num_blocks,
+        "max_concurrency": plan.max_concurrency,
+    }
+    theirs = {**{k: budget.get(k) for k in mine}, "kv_cache_tokens": facts.get("kv_cache_tokens"),
+              "gpu_blocks": facts.get("gpu_blocks"), "max_concurrency": facts.get("max_concurrency")}
+    rows = []
+    for key, value in mine.items():
+        vllm_value = theirs.get(key)
+        note = _ROW_NOTES.get(key, "")
+        if key in ("peak_activation_gib", "non_torch_gib") and key.split("_gib")[0].replace("peak_", "") in plan.estimated:
+            note = note or "estimated"
+        rows.append({"item": key, "vllm": vllm_value, "kvscope": value,
+                     "difference": (value - vllm_value) if isinstance(vllm_value, int | float) else None,
+                     "note": note})
+    return rows
+
+
+# ------------------------------------------------------------------ derived checks
+def _within(a: float, b: float, tol: float) -> bool:
+    return abs(a - b) <= tol + 1e-9
+
+
+def _derived_checks(facts: dict[str, Any], printed: dict[str, str], lines: dict[str, int],
+                    budget: dict[str, Any], model: ModelConfig | None) -> list[Check]:
+    checks: list[Check] = []
+    tokens = facts.get("kv_cache_tokens")
+    kv = facts.get("kv_cache_gib")
+    per_token = kv_bytes_per_token(facts, model)
+    block = int(facts.get("block_size", 16))
+    if tokens is None and facts.get("gpu_blocks") is not None:
+        tokens = int(facts["gpu_blocks"]) * block
+    if tokens is not None and kv is not None and per_token is not None and tokens > 0:
+        actual = tokens * per_token / GiB
+        tol = unit(printed.get("kv_cache_gib")) + block * per_token / GiB
+        ok = _within(actual, kv, tol)
+        checks.append(Check(
+            "kv_tokens_x_bytes", "tokens x bytes per token = KV pool", ok,
+            f"{tokens:,} tokens x {per_token / 1024:g} KiB/token = {actual:.3f} GiB against a printed {printed.get('kv_cache_gib', kv)} GiB"
+            f" (tolerance {tol:.3f}: one unit of the printed digit + one block)"
+            + ("" if ok else "; vLLM may pad layers, use hybrid/sliding-window groups, or the model/KV dtype differs"),
+            formula="kv_cache_tokens x bytes_per_token / 2^30", expected=kv, actual=round(actual, 4), tolerance=tol,
+            line=lines.get("kv_cache_tokens", lines.get("gpu_blocks"))))
+    max_len = facts.get("max_model_len")
+    conc = facts.get("max_concurrency")
+    if tokens is not None and isinstance(max_len, int) and max_len > 0 and conc is not None:
+        actual = tokens / max_len
+        tol = unit(printed.get("max_concurrency"))
+        ok = _within(actual, conc, tol)
+        checks.append(Check(
+            "concurrency", "concurrency = tokens / max-model-len", ok,
+            f"{tokens:,} / {max_len:,} = {actual:.4f} against a printed {printed.get('max_concurrency', conc)}x"
+            f" (tolerance {tol:g})" + ("" if ok else "; since 0.9.2 vLLM counts blocks per request, which differs for "
+                                       "sliding-window or hybrid models"),
+            formula="kv_cache_tokens / max_model_len", expected=conc, actual=round(actual, 4), tolerance=tol,
+            line=lines.get("max_concurrency")))
+    total, util = facts.get("total_gib"), facts.get("gpu_memory_utilization")
+    requested = facts.get("requested_gib")
+    if total is not None and util is not None and requested is not None:
+        actual = total * util
+        # utilization is the user's exact flag value; only total and requested are rounded
+        tol = unit(printed.get("requested_gib")) + unit(printed.get("total_gib")) * util
+        ok = _within(actual, requested, tol)
+        checks.append(Check(
+            "requested", "requested = total x utilization", ok,
+            f"{total} x {util} = {actual:.3f} GiB against a printed {requested} GiB (tolerance {tol:.3f})",
+            formula="total_gib x gpu_memory_utilization", expected=requested, actual=round(actual, 4),
+            tolerance=tol, line=lines.get("requested_gib")))
+    non_kv = facts.get("non_kv_gib")
+    parts = [facts.get(k) for k in ("weights_gib", "peak_activation_gib", "non_torch_gib")]
+    if non_kv is not None and None not in parts:
+        actual = sum(parts)  # type: ignore[arg-type]
+        tol = unit(printed.get("non_kv_gib")) + sum(
+            unit(printed.get(k)) for k in ("weights_gib", "peak_activation_gib", "non_torch_gib"))
+        ok = _within(actual, non_kv, tol)
+        checks.append(Check(
+            "non_kv", "non-KV = weights + activation peak + non-torch", ok,
+            f"{' + '.join(str(p) for p in parts)} = {actual:.3f} GiB against a printed {non_kv} GiB (tolerance {tol:.3f})",
+            formula="weights_gib + peak_activation_gib + non_torch_gib", expected=non_kv, actual=round(actual, 4),
+            tolerance=tol, line=lines.get("non_kv_gib")))
+    req_b, non_kv_b = budget["requested_gib"], budget["non_kv_gib"]
+    if kv is not None and req_b is not None and non_kv_b is not None:
+        if budget["requested_source"] == "KV pool + non-KV":
+            checks.append(Check(
+                "kv_remainder", "KV = requested - non-KV", None,
+                f"requested is not printed; derived as KV {kv} + non-KV {non_kv_b:.2f} = {req_b:.2f} GiB "
+                "(give --gpu and --gpu-memory-utilization to judge it)",
+                formula="requested_gib - non_kv_gib", expected=kv, actual=round(req_b - non_kv_b, 4),
+                line=lines.get("kv_cache_gib")))
+        else:
+            actual = req_b - non_kv_b
+            tol = unit(printed.get("kv_cache_gib")) + unit(printed.get("requested_gib") or "0.01") + (
+                unit(printed.get("non_kv_gib")) if "non_kv_gib" in printed else sum(
+                    unit(printed.get(k)) for k in ("weights_gib", "peak_activation_gib", "non_torch_gib")))
+            graph_note = ""
+            ok = _within(actual, kv, tol)
+            graph = facts.get("cuda_graph_gib")
+            if not ok and graph is not None and _within(actual - graph, kv, tol + unit(printed.get("cuda_graph_gib"))):
+                ok, graph_note = True, f"; matches once the CUDA-graph estimate {graph} GiB is also subtracted (v0.21+)"
+            checks.append(Check(
+                "kv_remainder", "KV = requested - non-KV", ok,
+                f"{req_b:.2f} ({budget['requested_source']}) - {non_kv_b:.2f} ({budget['non_kv_source']}) = "
+                f"{actual:.3f} GiB against a printed {kv} GiB (tolerance {tol:.3f}){graph_note}",
+                formula="requested_gib - non_kv_gib", expected=kv, actual=round(actual, 4), tolerance=tol,
+                line=lines.get("kv_cache_gib")))
+    return checks
+
+
+# ------------------------------------------------------------------ failures and their fixes
+def _gib(x: float) -> str:
+    return f"{x:.2f} GiB"
+
+
+def _fp8_and_tp_fixes(facts: dict[str, Any], model: ModelConfig | None, pool_gib: float | None,
+                      need_gib: float | None) -> list[str]:
+    fixes = []
+    if _kv_dtype(facts) != "fp8" and pool_gib is not None and need_gib is not None:
+        fits = pool_gib >= need_gib / 2
+        fixes.append(f"--kv-cache-dtype fp8 halves bytes per token: one request would need {_gib(need_gib / 2)} "
+                     f"against {_gib(pool_gib)} available ({'fits' if fits else 'still short'})")
+    tp = int(facts.get("tensor_parallel_size", 1))
+    if model is not None and model.num_kv_heads >= 2 * tp and need_gib is not None:
+        fixes.append(f"--tensor-parallel-size {2 * tp} splits KV heads over twice the GPUs: per-GPU need "
+                     f"{_gib(need_gib / 2)} per request, and the weights per GPU halve too")
+    return fixes
+
+
+def _failure(record: Record, phase: str, facts: dict[str, Any], budget: dict[str, Any],
+             model: ModelConfig | None, plan: MemoryPlan | None) -> Check:
+    kind = record.pattern.failure if record.pattern else None
+    f = record.fields
+    total = budget["total_gib"]
+    util = budget["gpu_memory_utilization"]
+    if kind == "free_below_request":
+        free, tot, u, req = f["free_gib"], f["total_gib"], f["gpu_memory_utilization"], f["requested_gib"]
+        fit = math.floor(free / tot * 100) / 100 if tot else 0.0
+        fixes = [f"--gpu-memory-utilization {fit:.2f} fits the {free} GiB free now ({free} / {tot})",
+                 f"or free {req - free:.2f} GiB held by other processes (requested {req} GiB = {tot} x {u})"]
+        if plan is not None:
+            non_kv = (plan.weights_bytes + plan.activation_peak_bytes + plan.non_torch_bytes) / GiB
+            kv_left = tot * fit - non_kv
+            fixes.append(f"at {fit:.2f} kvscope's plan leaves a KV pool of {kv_left:.2f} GiB "
+                         f"({max(0, int(kv_left * GiB / plan.bytes_per_token)):,} tokens)")
+        return Check("free_below_request", "free memory below the request", False,
+                     f"only {free} of {tot} GiB free at startup, but {u} x {tot} = {req} GiB requested",
+                     kind="failure", line=record.line, fix=fixes)
+    if kind == "max_seq_len_exceeds_kv":
+        max_len = int(f["max_model_len"])
+        per_token = kv_bytes_per_token(facts, model)
+        if "kv_needed_gib" in f:
+            need, avail = float(f["kv_needed_gib"]), float(f["kv_cache_gib"])
+            fit_len = f.get("estimated_max_model_len") or int(max_len * avail / need) // 16 * 16
+        else:
+            tokens = int(f["kv_cache_tokens"])
+            fit_len = tokens
+            need = max_len * per_token / GiB if per_token else None
+            avail = tokens * per_token / GiB if per_token else None
+        fixes = [f"--max-model-len {fit_len:,} fits the current pool"]
+        if need is not None and avail is not None:
+            extra = need - avail
+            if total and util is not None:
+                fixes.append(f"--gpu-memory-utilization {util + extra / total:.3f} adds the missing {_gib(extra)}"
+                             + (" (beyond 1.0: not possible on this device)" if util + extra / total > 1 else ""))
+            elif total:
+                fixes.append(f"raise --gpu-memory-utilization by {extra / total:.3f} ({_gib(extra)} of {total} GiB)")
+            else:
+                fixes.append(f"raise --gpu-memory-utilization by {_gib(extra)} / total device memory")
+        else:
+            fixes.append(f"the pool holds {fit_len:,} of the {max_len:,} tokens needed: raise --gpu-memory-utilization "
+                         f"so it grows by {max_len / max(fit_len, 1):.2f}x (pass --model to get GiB)")
+        fixes += _fp8_and_tp_fixes(facts, model, avail, need)
+        return Check("max_seq_len_exceeds_kv", "max model length beyond the KV cache", False,
+                     f"one {max_len:,}-token request does not fit the KV pool"
+                     + (f" ({_gib(need)} needed, {_gib(avail)} available)" if need is not None and avail is not None else ""),
+                     kind="failure", line=record.line, fix=fixes)
+    if kind == "no_cache_blocks":
+        fixes = []
+        non_kv, req = budget["non_kv_gib"], budget["requested_gib"]
+        if plan is not None:
+            need_util = (plan.weights_bytes + plan.activation_peak_bytes + plan.non_torch_bytes
+                         + plan.max_model_len * plan.bytes_per_token) / plan.total_bytes
+            fixes.append(f"kvscope's plan: --gpu-memory-utilization {need_util:.3f} fits non-KV plus one "
+                         f"{plan.max_model_len:,}-token request" + (" (beyond 1.0: more GPUs or a smaller model)"
+                                                                    if need_util > 1 else ""))
+        elif non_kv is not None and req is not None:
+            fixes.append(f"non-KV {_gib(non_kv)} exceeds the requested {_gib(req)}: raise utilization by at least "
+                         f"{_gib(non_kv - req)} / total")
+        fixes.append("lower --max-num-batched-tokens / --max-num-seqs to shrink the profiled activation peak, or "
+                     "quantise / add --tensor-parallel-size to shrink weights per GPU")
+        return Check("no_cache_blocks", "no memory left for the KV cache", False,
+                     "weights + activation peak + non-torch used up the whole requested budget",
+                     kind="failure", line=record.line, fix=fixes)
+    if kind in ("oom", "oom_sampler"):
+        return _oom(record, phase, facts, total)
+    return Check(kind or "error", "memory profiling error", False,
+                 "free memory grew while vLLM profiled: another process released GPU memory", kind="failure",
+                 line=record.line, fix=["run vLLM alone on the GPU (or in its own container) so the profile is stable"])
+
+
+def _oom(record: Record, phase: str, facts: dict[str, Any], total: float | None) -> Check:
+    f = record.fields
+    if record.pattern and record.pattern.failure == "oom_sampler":
+        n = f.get("num_dummy_requests")
+        return Check("oom_sampler", "out of memory in the sampler warm-up", False,
+                     f"sampling for {n} dummy requests (max-num-seqs) did not fit after the KV pool was allocated",
+                     kind="failure", line=record.line,
+                     fix=[f"--max-num-seqs {max(1, int(n or 256) // 2)} halves the sampler's logits buffer",
+                          "or lower --gpu-memory-utilization by a few hundredths to leave room outside the pool"])
+    scale = {"GiB": 1.0, "MiB": 1 / 1024, "KiB": 1 / 1024**2}
+    tried = f.get("oom_tried")
+    tried_gib = tried * scale.get(f.get("oom_unit", "GiB"), 1.0) if tried is not None else None
+    free_gib = f["oom_free"] * scale.get(f.get("oom_free_unit", "GiB"), 1.0) if "oom_free" in f else None
+    where = {"D": "profiling (the dummy worst-case step)", "F": "CUDA-graph capture",
+             "E": "KV-cache allocation", "C": "weight loading"}.get(phase, f"phase {phase}")
+    fixes = []
+    short = (tried_gib - (free_gib or 0.0)) if tried_gib is not None else None
+    device_total = f.get("oom_total_gib") or total
+    if phase == "D":
+        fixes.append(f"lower --max-num-batched-tokens (now {facts.get('max_num_batched_tokens', 'default')}) "
+                     "or --max-num-seqs: the profiling step allocates activations for them")
+    if phase == "F":
+        fixes.append("--enforce-eager skips CUDA-graph capture")
+    if short is not None and device_total:
+        util = facts.get("gpu_memory_utilization")
+        target = f"{util - short / device_total:.3f}" if util is not None else f"{short / device_total:.3f} lower"
+        fixes.append(f"--gpu-memory-utilization {target} leaves the {short:.2f} GiB that were missing outside the budget")
+    return Check("oom", f"CUDA out of memory during {where}", False,
+                 f"tried to allocate {tried_gib:.2f} GiB" if tried_gib is not None else "allocation failed",
+                 kind="failure", line=record.line, fix=fixes)
+
+
+def _preemption(v0: int, v1: int, line: int | None, facts: dict[str, Any]) -> Check:
+    count = max(v0, v1)
+    tokens, max_len = facts.get("kv_cache_tokens"), facts.get("max_model_len")
+    pool = f"the pool holds {tokens:,} tokens ({tokens / max_len:.2f}x max-model-len)" if tokens and max_len else \
+        "the KV pool filled up"
+    source = "V0 warning, logged for 1 in 50" if v0 >= v1 else "V1 stats 'Preemptions: N'"
+    return Check("preemption", "requests preempted for KV space", False,
+                 f"at least {count} preemption(s) ({source}); {pool}", kind="warning", line=line,
+                 fix=["raise --gpu-memory-utilization or --tensor-parallel-size for more KV blocks",
+                      "--kv-cache-dtype fp8 doubles the tokens that fit",
+                      "or lower --max-num-seqs so fewer requests compete for the pool"])
+
+
+# ------------------------------------------------------------------ kvscope recording
+_PROFILE_KEYS = (
+    ("C", "weights_bytes", "weights_gib", GiB),
+    ("D", "activation_peak_bytes", "peak_activation_gib", GiB),
+    ("D", "non_torch_bytes", "non_torch_gib", GiB),
+    ("E", "kv_pool_bytes", "kv_cache_gib", GiB),
+    ("E", "num_blocks", "gpu_blocks", 1),
+    ("E", "kv_cache_tokens", "kv_cache_tokens", 1),
+    ("E", "max_concurrency", "max_concurrency", 1),
+)
+_VLLM_DURATIONS = {"C": ("load_model_s", "load_weights_s"), "D": ("profile_s",), "F": ("graph_capture_s", "init_engine_s")}
+
+
+def compare_profile(path: str, facts: dict[str, Any]) -> list[dict[str, Any]]:
+    """Phase-by-phase rows: a kvscope recording's StartupPhase numbers beside vLLM's."""
+    from engine.events import StartupPhase, read_events
+
+    try:
+        recording = read_events(path)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"--profile {path}: {exc}") from exc
+    phases: dict[str, StartupPhase] = {}
+    for event in recording.events:
+        if isinstance(event, StartupPhase) and event.status in ("end", "skipped", "failed"):
+            phases[event.phase] = event
+    rows: list[dict[str, Any]] = []
+    for letter in STARTUP_PHASES:
+        event = phases.get(letter)
+        if event is None:
+            continue
+        vllm_s = next((facts[k] for k in _VLLM_DURATIONS.get(letter, ()) if k in facts), None)
+        rows.append({"phase": letter, "item": "duration_s", "kvscope": event.duration_s, "vllm": vllm_s,
+                     "status": event.status})
+        for phase, key, ledger_key, scale in _PROFILE_KEYS:
+            if phase == letter and key in event.data:
+                value = event.data[key]
+                rows.append({"phase": letter, "item": ledger_key,
+                             "kvscope": value / scale if scale != 1 else value, "vllm": facts.get(ledger_key)})
+    return rows

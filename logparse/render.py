@@ -1,0 +1,226 @@
+"""Three views of an :class:`~logparse.explain.Explanation`: a rich terminal view
+(annotated lines coloured by phase), Markdown, and JSON."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TextIO
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from logparse.explain import Check, Explanation
+from logparse.patterns import LEDGER_KEYS, PHASE_NAMES
+
+PHASE_STYLES = {
+    "A": "cyan", "B": "bright_blue", "C": "green", "D": "magenta", "E": "bright_green",
+    "F": "yellow", "G": "blue", "R": "white", "X": "bold red",
+}
+BUDGET_ROWS = (
+    ("total_gib", "device total"), ("gpu_memory_utilization", "utilization"), ("requested_gib", "requested"),
+    ("weights_gib", "weights"), ("peak_activation_gib", "activation peak"), ("non_torch_gib", "non-torch"),
+    ("non_kv_gib", "non-KV"), ("cuda_graph_gib", "CUDA graphs"), ("kv_cache_gib", "KV pool"),
+    ("kv_cache_tokens", "KV tokens"), ("gpu_blocks", "GPU blocks"), ("max_concurrency", "max concurrency"),
+)
+
+
+def fmt(value: Any) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        if value != 0 and abs(value) < 0.01:
+            return f"{value:.4f}"
+        return f"{value:,.3f}".rstrip("0").rstrip(".") if abs(value) < 1000 else f"{value:,.1f}"
+    return str(value)
+
+
+def mark(check: Check) -> str:
+    return {True: "✓", False: "✗", None: "–"}[check.ok]
+
+
+def budget_rows(exp: Explanation) -> list[tuple[str, Any, Any, str]]:
+    """(label, vLLM, kvscope, note) for each budget line where either side has a figure."""
+    vllm = {**exp.budget, "kv_cache_tokens": exp.facts.get("kv_cache_tokens"),
+            "gpu_blocks": exp.facts.get("gpu_blocks"), "max_concurrency": exp.facts.get("max_concurrency")}
+    mine = {row["item"]: row for row in exp.plan.get("rows", [])}
+    sources = {"total_gib": exp.budget.get("total_source"),
+               "gpu_memory_utilization": exp.budget.get("gpu_memory_utilization_source"),
+               "requested_gib": exp.budget.get("requested_source"), "non_kv_gib": exp.budget.get("non_kv_source")}
+    out = []
+    for key, label in BUDGET_ROWS:
+        theirs = vllm.get(key)
+        row = mine.get(key, {})
+        if theirs is None and not row:
+            continue
+        src = sources.get(key)
+        note = row.get("note", "")
+        if src and src != "log" and theirs is not None:
+            note = f"vLLM figure: {src}" + (f"; {note}" if note else "")
+        out.append((label, theirs, row.get("kvscope"), note))
+    if exp.budget.get("unexplained_gib") is not None:
+        out.append(("unexplained remainder", exp.budget["unexplained_gib"], None,
+                    "requested - non-KV - KV pool (rounding of printed figures, or memory vLLM did not itemise)"))
+    if exp.budget.get("outside_budget_gib") is not None:
+        out.append(("outside the budget", exp.budget["outside_budget_gib"], None,
+                    "total - requested: CUDA context, other processes, and graphs before v0.21"))
+    return out
+
+
+# ------------------------------------------------------------------ terminal
+def render_terminal(exp: Explanation, out: TextIO | None = None, summary: bool = False,
+                    max_lines: int = 2000) -> None:
+    console = Console(file=out, highlight=False, soft_wrap=False, width=140 if out is not None else None)
+    title = Text(f"logparse: {exp.path}", style="bold")
+    title.append(f"   vLLM {exp.facts.get('vllm_version') or '?'}   model {exp.facts.get('model') or '?'}   "
+                 f"{exp.record_count:,} records, {exp.unrecognised:,} unrecognised", style="dim")
+    console.print(title)
+    if not summary:
+        console.rule("lines")
+        shown = 0
+        for record in exp.records:
+            if shown >= max_lines:
+                console.print(Text(f"… {exp.record_count - shown:,} more records (use --json for all)", style="dim"))
+                break
+            shown += 1
+            phase = record.phase or "?"
+            line = Text(f"{record.line:>6} ", style="dim")
+            line.append(f"{phase} ", style=PHASE_STYLES.get(phase, "dim"))
+            line.append(record.text[:160] or "(prefix only)", style=PHASE_STYLES.get(phase, "dim") if record.pattern else "dim")
+            console.print(line)
+            if record.pattern is None:
+                continue
+            if record.duplicate_of is not None:
+                console.print(Text(f"         same as line {record.duplicate_of} (another rank)", style="dim"))
+                continue
+            note = Text(f"         {record.pattern.id} [{record.pattern.versions}] ", style="dim")
+            if record.fields:
+                note.append(", ".join(f"{k}={fmt(v)}" for k, v in record.fields.items()), style="italic")
+            console.print(note)
+            console.print(Text(f"         {record.pattern.meaning}", style="dim"))
+        console.rule("timeline")
+        timeline = Table(show_edge=False)
+        for col in ("phase", "lines", "from", "to", "span s", "durations printed"):
+            timeline.add_column(col)
+        for span in exp.timeline:
+            timeline.add_row(Text(f"{span.phase} {PHASE_NAMES.get(span.phase, '')}", style=PHASE_STYLES.get(span.phase, "")),
+                             f"{span.first_line}–{span.last_line}", span.first_time or "—", span.last_time or "—",
+                             fmt(span.span_s), ", ".join(f"{k}={fmt(v)}" for k, v in span.durations.items()))
+        console.print(timeline)
+    console.rule("memory ledger (GiB unless stated)")
+    ledger = Table(show_edge=False)
+    for col in ("item", "vLLM", "kvscope plan", "note"):
+        ledger.add_column(col, overflow="fold")
+    for label, theirs, mine, note in budget_rows(exp):
+        ledger.add_row(label, fmt(theirs), fmt(mine), Text(note, style="dim"))
+    console.print(ledger)
+    if exp.plan.get("unavailable"):
+        console.print(Text(exp.plan["unavailable"], style="yellow"))
+    if exp.plan.get("profile"):
+        console.rule("kvscope run (--profile) beside vLLM")
+        prof = Table(show_edge=False)
+        for col in ("phase", "item", "vLLM", "kvscope"):
+            prof.add_column(col)
+        for row in exp.plan["profile"]:
+            prof.add_row(row["phase"], row["item"], fmt(row["vllm"]), fmt(row["kvscope"]))
+        console.print(prof)
+    console.rule("checks")
+    if not exp.checks:
+        console.print(Text("no check possible: the log lacks the figures they need", style="dim"))
+    for check in exp.checks:
+        style = {True: "green", False: "red", None: "yellow"}[check.ok]
+        line = Text(f"{mark(check)} ", style=style)
+        line.append(check.title, style="bold")
+        line.append(f"  {check.detail}" + (f"  (line {check.line})" if check.line else ""))
+        console.print(line)
+        for fix in check.fix:
+            console.print(Text(f"    fix: {fix}", style="cyan"))
+
+
+# ------------------------------------------------------------------ markdown
+def render_markdown(exp: Explanation, summary: bool = False) -> str:
+    out = [f"# logparse: `{exp.path}`", "",
+           f"vLLM {exp.facts.get('vllm_version') or '?'} · model {exp.facts.get('model') or '?'} · "
+           f"{exp.record_count:,} records, {exp.unrecognised:,} unrecognised", ""]
+    if not summary:
+        out += ["## Lines", "", "| line | phase | pattern | fields | meaning |", "|---:|:-:|---|---|---|"]
+        for r in exp.records:
+            if r.pattern is None:
+                out.append(f"| {r.line} | ? | unrecognised | `{_md(r.text[:80])}` | |")
+            elif r.duplicate_of is not None:
+                out.append(f"| {r.line} | {r.phase} | {r.pattern.id} | | same as line {r.duplicate_of} |")
+            else:
+                fields = ", ".join(f"{k}={fmt(v)}" for k, v in r.fields.items())
+                out.append(f"| {r.line} | {r.phase} | {r.pattern.id} | {_md(fields)} | {_md(r.pattern.meaning)} |")
+        out += ["", "## Timeline", "", "| phase | lines | from | to | span s | durations |", "|---|---|---|---|---:|---|"]
+        for s in exp.timeline:
+            out.append(f"| {s.phase} {PHASE_NAMES.get(s.phase, '')} | {s.first_line}–{s.last_line} | "
+                       f"{s.first_time or '—'} | {s.last_time or '—'} | {fmt(s.span_s)} | "
+                       + ", ".join(f"{k}={fmt(v)}" for k, v in s.durations.items()) + " |")
+    out += ["", "## Memory ledger", "", "| item | vLLM | kvscope plan | note |", "|---|---:|---:|---|"]
+    for label, theirs, mine, note in budget_rows(exp):
+        out.append(f"| {label} | {fmt(theirs)} | {fmt(mine)} | {_md(note)} |")
+    if exp.plan.get("unavailable"):
+        out += ["", f"_{exp.plan['unavailable']}_"]
+    out += ["", "## Checks", ""]
+    for c in exp.checks:
+        out.append(f"- {mark(c)} **{c.title}**: {c.detail}")
+        out += [f"  - fix: {fix}" for fix in c.fix]
+    if not exp.checks:
+        out.append("- no check possible: the log lacks the figures they need")
+    return "\n".join(out) + "\n"
+
+
+def _md(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+# ------------------------------------------------------------------ json
+def render_json(exp: Explanation, summary: bool = False) -> str:
+    return json.dumps(exp.to_json(with_records=not summary), indent=1, default=str, ensure_ascii=False)
+
+
+# ------------------------------------------------------------------ diff
+def diff_rows(a: Explanation, b: Explanation) -> list[tuple[str, Any, Any]]:
+    keys = list(LEDGER_KEYS) + [k for k in ("total_gib", "requested_gib", "non_kv_gib") if k not in LEDGER_KEYS]
+    rows = []
+    for key in keys:
+        va = a.facts.get(key, a.budget.get(key))
+        vb = b.facts.get(key, b.budget.get(key))
+        if va is None and vb is None:
+            continue
+        rows.append((key, va, vb))
+    for span_a in a.timeline:
+        for name, value in span_a.durations.items():
+            other = next((s.durations.get(name) for s in b.timeline if name in s.durations), None)
+            rows.append((f"{span_a.phase}:{name}", value, other))
+    return rows
+
+
+def render_diff(a: Explanation, b: Explanation, out: TextIO | None = None, as_json: bool = False,
+                markdown: bool = False) -> str | None:
+    rows = diff_rows(a, b)
+    if as_json:
+        return json.dumps({"a": a.path, "b": b.path, "rows": [
+            {"item": k, "a": va, "b": vb,
+             "difference": (vb - va) if isinstance(va, int | float) and isinstance(vb, int | float) else None}
+            for k, va, vb in rows]}, indent=1, default=str)
+    if markdown:
+        lines = [f"| item | `{a.path}` | `{b.path}` | Δ |", "|---|---:|---:|---:|"]
+        for k, va, vb in rows:
+            delta = fmt(vb - va) if isinstance(va, int | float) and isinstance(vb, int | float) else ""
+            lines.append(f"| {k} | {fmt(va)} | {fmt(vb)} | {delta} |")
+        return "\n".join(lines) + "\n"
+    console = Console(file=out, highlight=False, width=140 if out is not None else None)
+    table = Table(title="two startups side by side")
+    for col in ("item", a.path, b.path, "Δ"):
+        table.add_column(col, overflow="fold")
+    for k, va, vb in rows:
+        delta = fmt(vb - va) if isinstance(va, int | float) and isinstance(vb, int | float) else ""
+        table.add_row(k, fmt(va), fmt(vb), delta)
+    console.print(table)
+    return None
