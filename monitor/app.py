@@ -113,9 +113,7 @@ class MonitorApp(App[None]):
     # ------------------------------------------------------------------ render
     def refresh_view(self) -> None:
         view = self.view
-        block_map = self.query_one(BlockMap)
-        block_map.update_view(view)
-        self.query_one("#blockmap-legend", Label).update(block_map.legend())
+        self.query_one(BlockMap).update_view(view)
         self.query_one(MemoryBar).update_view(view)
         self.query_one(Queues).update_view(view)
         self.query_one(StepCharts).update_view(view)
@@ -240,6 +238,10 @@ class MonitorApp(App[None]):
     def on_key(self, event: Any) -> None:
         if event.key == "escape" and self.query_one("#goto", Input).has_class("visible"):
             self._hide_goto()
+
+    @on(BlockMap.LegendChanged)
+    def _legend_changed(self, message: BlockMap.LegendChanged) -> None:
+        self.query_one("#blockmap-legend", Label).update(message.legend)
 
     @on(Queues.RequestSelected)
     def _select_request(self, message: Queues.RequestSelected) -> None:

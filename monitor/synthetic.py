@@ -260,8 +260,8 @@ class SyntheticEngine:
             if req.computed >= req.context:
                 req.generated += 1
                 if req.first_token_t is None:
-                    req.first_token_t = self.now
-                    self.bus.publish(RequestFirstToken(request_id=req.rid, ttft_s=self.now - req.arrived_t))
+                    req.first_token_t = self.now + 0.02 + 0.0005 * len(scheduled)  # at the end of this step
+                    self.bus.publish(RequestFirstToken(request_id=req.rid, ttft_s=req.first_token_t - req.arrived_t))
             if req.generated >= req.max_tokens:
                 finished[req.rid] = "length"
         for rid in finished:

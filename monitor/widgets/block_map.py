@@ -8,12 +8,14 @@ over the pool; ``render_line`` merely slices it.
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
 from typing import ClassVar
 
 from rich.segment import Segment
 from rich.style import Style
 from textual.binding import BindingType
 from textual.geometry import Size
+from textual.message import Message
 from textual.reactive import reactive
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
@@ -43,6 +45,12 @@ class BlockMap(ScrollView, can_focus=True):
 
     BINDINGS: ClassVar[list[BindingType]] = [("plus,equals_sign", "zoom_in", "Zoom in"), ("minus", "zoom_out", "Zoom out")]
 
+    @dataclass
+    class LegendChanged(Message):
+        """The scale or pool size changed; the text says what a cell stands for."""
+
+        legend: str
+
     blocks_per_cell: reactive[int] = reactive(0)  # 0 = fit the pool to the visible area
     selected: reactive[str | None] = reactive(None)
 
@@ -51,6 +59,7 @@ class BlockMap(ScrollView, can_focus=True):
         self._view: EngineView | None = None
         self._cells: list[tuple[str, Style]] = []
         self._num_blocks = 0
+        self._legend = ""
 
     # --------------------------------------------------------------- public API
     def update_view(self, view: EngineView) -> None:
@@ -70,8 +79,8 @@ class BlockMap(ScrollView, can_focus=True):
 
     def legend(self) -> str:
         per = self.effective_blocks_per_cell
-        cell = "1 cell = 1 block" if per == 1 else f"1 cell = {per} blocks (shade = occupancy)"
-        return f"{cell} · {self._num_blocks:,} blocks · {USED_CHAR} used  {CACHED_CHAR} cached-free  {FREE_CHAR} free"
+        cell = "1 cell = 1 block" if per == 1 else f"1 cell = {per} blocks, shade = occupancy"
+        return f"{cell} · {self._num_blocks:,} blocks\n{USED_CHAR} used  {CACHED_CHAR} cached-free  {FREE_CHAR} free"
 
     def owners_by_block(self) -> dict[int, frozenset[str]]:
         """What the map shows: block -> owning request ids (tests compare this)."""
@@ -141,6 +150,10 @@ class BlockMap(ScrollView, can_focus=True):
                 else:
                     cells.append((FREE_CHAR, FREE_STYLE))
         self._cells = cells
+        legend = self.legend()
+        if legend != self._legend:
+            self._legend = legend
+            self.post_message(self.LegendChanged(legend))
         columns = self._columns()
         self.virtual_size = Size(columns, -(-len(cells) // columns))
         self.refresh()
