@@ -38,6 +38,7 @@ from engine.events import (
     StatsEvent,
     StepEvent,
 )
+from engine.logs import get_logger
 
 # vLLM's CachingMetrics window (max_recent_requests)
 PREFIX_HIT_WINDOW_REQUESTS = 1000
@@ -238,8 +239,6 @@ StatsLineSink = Callable[[str, bool], None]
 
 
 def _log_with_structlog(line: str, idle: bool) -> None:
-    from engine.logs import get_logger
-
     logger = get_logger("kvscope.stats")
     # vLLM drops the line to DEBUG while idle
     (logger.debug if idle else logger.info)(line)

@@ -1,0 +1,123 @@
+"""Per-event cost of each event sink, printed (not asserted).
+
+Records the events of two model-free driver runs once, then replays them into
+each sink alone, timing direct calls (the bus fan-out itself is not included):
+
+- ``decode-256``: 256 requests decoding together (step events with 256 entries,
+  the worst case for per-request folding);
+- ``seed-60``: the background's 60-request workload on a pool small enough to
+  preempt.
+
+Sinks: a no-op baseline, :class:`engine.metrics.PrometheusMetrics`,
+:class:`engine.stats.StatsReporter` (10 s interval on a bus nobody else hears),
+:class:`engine.events.JsonlSink` into memory, for comparison. Output: one JSON
+line per (trace, sink) with events/s, ns per event, µs per step event (the
+whole stream's time minus the time of the stream without step events) and the
+whole stream's µs per generated token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry
+
+from engine.driver import DriverRequest, background_workload, run_driver
+from engine.events import Event, EventBus, JsonlSink, RequestFinished, StepEvent
+from engine.metrics import PrometheusMetrics
+from engine.scheduler import SchedulerConfig
+from engine.stats import StatsReporter
+
+Sink = Callable[[Event], None]
+
+
+def record(requests: list[DriverRequest], config: SchedulerConfig, step_time_s: float) -> list[Event]:
+    events: list[Event] = []
+    now = {"t": 0.0}
+    bus = EventBus(clock=lambda: now["t"])
+    bus.subscribe(events.append)
+
+    def advance(_sched: object, _out: object) -> None:
+        now["t"] += step_time_s
+
+    run_driver(requests, config, bus=bus, on_step=advance)
+    return events
+
+
+def traces() -> dict[str, list[Event]]:
+    decode = [DriverRequest(f"d{i}", [1 + i % 97] * 32, output_tokens=200) for i in range(256)]
+    return {
+        "decode-256": record(decode, SchedulerConfig(num_blocks=8192, max_num_seqs=256), step_time_s=0.05),
+        "seed-60": record(
+            background_workload(60, (500, 3000), (150, 400)),
+            SchedulerConfig(num_blocks=2000, max_num_seqs=64, max_num_batched_tokens=4096),
+            step_time_s=0.05,
+        ),
+    }
+
+
+def _noop(_event: Event) -> None:
+    return None
+
+
+def sink_factories() -> dict[str, Callable[[], Sink]]:
+    return {
+        "none": lambda: _noop,
+        "metrics": lambda: PrometheusMetrics(CollectorRegistry(), "bench", max_model_len=4096),
+        "stats": lambda: StatsReporter(EventBus(), 10.0, log=None),
+        "jsonl": lambda: JsonlSink(io.StringIO()),
+    }
+
+
+def time_sink(make: Callable[[], Sink], events: list[Event], repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        sink = make()
+        start = time.perf_counter()
+        for event in events:
+            sink(event)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure(repeats: int = 3) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    for trace, events in traces().items():
+        steps = [e for e in events if isinstance(e, StepEvent)]
+        others = [e for e in events if not isinstance(e, StepEvent)]
+        output_tokens = sum(e.output_tokens for e in events if isinstance(e, RequestFinished))
+        for name, make in sink_factories().items():
+            total = time_sink(make, events, repeats)
+            # step cost = whole stream minus the stream without steps (state stays realistic)
+            on_steps = max(0.0, total - time_sink(make, others, repeats))
+            rows.append(
+                {
+                    "trace": trace,
+                    "sink": name,
+                    "events": len(events),
+                    "step_events": len(steps),
+                    "other_events": len(others),
+                    "events_per_s": round(len(events) / total) if total > 0 else None,
+                    "ns_per_event": round(total / len(events) * 1e9),
+                    "us_per_step_event": round(on_steps / len(steps) * 1e6, 2),
+                    "us_per_output_token": round(total / output_tokens * 1e6, 3),
+                }
+            )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    for row in measure(args.repeats):
+        print(json.dumps(row))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
