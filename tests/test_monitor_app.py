@@ -129,13 +129,20 @@ async def test_live_bus_feed_follows_an_engine_and_starts_from_a_snapshot() -> N
         bus.publish(event)
         mirror.apply(event)
     app = MonitorApp(feed=BusFeed(bus, snapshot_fn=mirror.snapshot))
+    last_step = max(e.index for e in events[:600] if isinstance(e, StepEvent))
+
+    async def settle(pilot, step: int | None) -> None:  # type: ignore[no-untyped-def]
+        for _ in range(100):  # the app drains its feed on a 0.1 s timer; a loaded CPU may need longer
+            await pilot.pause(0.05)
+            if app.view.step == step:
+                return
+
     async with app.run_test(size=SIZE) as pilot:
-        await pilot.pause(0.25)
+        await settle(pilot, mirror.step)
         assert app.view.step == mirror.step
         for event in events[300:600]:
             bus.publish(event)
-        await pilot.pause(0.3)
-        last_step = max(e.index for e in events[:600] if isinstance(e, StepEvent))
+        await settle(pilot, last_step)
         assert app.view.step == last_step
         assert app.query_one(BlockMap).owners_by_block() == owners_at(events[:600], last_step)
         assert "LIVE" in str(app.query_one(ReplayBar).render())
