@@ -277,7 +277,8 @@ class IncrementalDetokenizer:
     """Turns a stream of token ids into text deltas and finds stop strings.
 
     Decodes a small window (``prefix_offset:``) instead of the whole output each
-    step, and holds back text ending in an incomplete UTF-8 sequence. After
+    step, and holds back text ending in an incomplete UTF-8 sequence or in what
+    could be the start of a stop string (:meth:`finish` releases it). After
     :meth:`add`, ``stop_reason`` is the matched stop string (the text is cut
     there, the stop string kept only with ``include_stop``) or None.
     """
@@ -299,6 +300,7 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
+        self.emitted = 0  # characters of ``text`` already returned by add()
         self.stop_reason: str | None = None
 
     def _decode(self, ids: Sequence[int]) -> str:
@@ -322,7 +324,27 @@ class IncrementalDetokenizer:
             index, stop = match
             self.stop_reason = stop
             self.text = self.text[: index + len(stop)] if self.include_stop else self.text[:index]
-            return self.text[before:] if len(self.text) > before else ""
+            return self._emit(len(self.text))
+        return self._emit(len(self.text) - self._partial_stop_suffix())
+
+    def finish(self) -> str:
+        """The text held back as a possible stop-string start; call when the request ends."""
+        return self._emit(len(self.text))
+
+    def _partial_stop_suffix(self) -> int:
+        """Length of the longest tail of the text that could begin a stop string."""
+        longest = 0
+        for stop in self.stop:
+            for k in range(min(len(stop) - 1, len(self.text)), longest, -1):
+                if self.text.endswith(stop[:k]):
+                    longest = k
+                    break
+        return longest
+
+    def _emit(self, end: int) -> str:
+        if end <= self.emitted:
+            return ""
+        delta, self.emitted = self.text[self.emitted : end], end
         return delta
 
 
