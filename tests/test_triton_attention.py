@@ -203,6 +203,16 @@ def test_bf16_matches_reference() -> None:
     run_and_compare(batch, TritonAttentionBackend())
 
 
+def test_head_dim_not_power_of_two() -> None:
+    # head_dim 80 is padded to 128 inside the kernels and masked; the split-K pair pads the same way.
+    batch = make_batch(
+        [45, 70], [45, 1], block_size=16, queries_per_kv=3, head_dim=80, dtype=torch.float32, seed=80
+    )
+    run_and_compare(batch, TritonAttentionBackend())
+    decode = make_batch([70, 33], [1, 1], block_size=16, queries_per_kv=3, head_dim=80, dtype=torch.float32)
+    run_and_compare(decode, TritonAttentionBackend(split_k_min_seq_len=64, num_splits=3))
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_random_ragged_batches(seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
