@@ -58,6 +58,18 @@ _GLUED = re.compile(
 _NUMBER = re.compile(r"^-?\d[\d,]*(?:\.\d+)?$")
 
 
+def _anchor_table() -> list[tuple[str, tuple[int, ...]]]:
+    """Each distinct anchor literal with the patterns (table positions) it admits."""
+    table: dict[str, list[int]] = {}
+    for i, pattern in enumerate(PATTERNS):
+        for anchor in pattern.anchors:
+            table.setdefault(anchor, []).append(i)
+    return [(anchor, tuple(indices)) for anchor, indices in table.items()]
+
+
+_ANCHOR_TABLE = _anchor_table()
+
+
 @dataclass(slots=True)
 class Record:
     """One logical log record (one or more physical lines)."""
@@ -118,12 +130,11 @@ def match_message(text: str) -> tuple[LinePattern | None, dict[str, Any], dict[s
     """The first catalogue pattern (in table order) that matches ``text``, with its
     fields (numbers converted) and the numbers as printed (for their precision)."""
     probe = text[:MATCH_CHARS]
-    for pattern in PATTERNS:
-        for anchor in pattern.anchors:
-            if anchor in probe:
-                break
-        else:
-            continue
+    candidates = [i for anchor, indices in _ANCHOR_TABLE if anchor in probe for i in indices]
+    if len(candidates) > 1:
+        candidates = sorted(set(candidates))
+    for i in candidates:
+        pattern = PATTERNS[i]
         m = pattern.regex.search(probe)
         if m is None:
             continue
