@@ -76,6 +76,7 @@ class SyntheticEngine:
         self.block_of: dict[tuple[int, int], int] = {}
         self.waiting: deque[_Req] = deque()
         self.running: list[_Req] = []
+        self.cached_free = 0  # kept incrementally so huge pools stay O(1) per step
         self.now = 0.0
         self.next_id = 0
         self.step_index = 0
@@ -122,6 +123,7 @@ class SyntheticEngine:
         block, _ = self.free.popitem(last=False)
         key = self.hash_of.pop(block, None)
         if key is not None:
+            self.cached_free -= 1
             del self.block_of[key]
             evicted.append(block)
         self.refs[block] = 1
@@ -134,6 +136,7 @@ class SyntheticEngine:
             self.refs[b] -= 1
             if self.refs[b] == 0:
                 self.free[b] = None
+                self.cached_free += b in self.hash_of
         req.blocks = []
         return freed
 
@@ -146,7 +149,9 @@ class SyntheticEngine:
             hits.append(block)
         for b in hits:
             self.refs[b] += 1
-            self.free.pop(b, None)
+            if b in self.free:
+                del self.free[b]
+                self.cached_free -= 1
         return hits
 
     # -------------------------------------------------------------------- steps
@@ -270,7 +275,7 @@ class SyntheticEngine:
             self._done[rid] = req
             freed.setdefault(rid, []).extend(self._release(req))
 
-        used = sum(1 for r in self.refs if r > 0)
+        used = self.num_blocks - len(self.free)
         step = StepEvent(
             index=self.step_index,
             scheduled=scheduled,
@@ -279,7 +284,7 @@ class SyntheticEngine:
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv_blocks_used=used,
-            kv_blocks_cached_free=sum(1 for b in self.free if b in self.hash_of),
+            kv_blocks_cached_free=self.cached_free,
             kv_blocks_total=self.num_blocks,
             allocated=allocated,
             freed=freed,
