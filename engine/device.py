@@ -94,8 +94,9 @@ def read_memory(device: torch.device, device_memory_gib: float | None = None) ->
     rss = psutil.Process().memory_info().rss
     if device_memory_gib is not None:
         total = int(device_memory_gib * GiB)
-        # What is free inside the given budget: the budget minus what this process holds.
-        free = max(0, min(total - rss, int(vm.available)))
+        # The process's own memory at startup (imports, interpreter) is outside the
+        # budget, like a CUDA context: what limits the budget is the machine's free memory.
+        free = min(total, int(vm.available))
         source = "--device-memory"
     else:
         total = int(vm.available + rss)

@@ -458,14 +458,21 @@ class Scheduler:
 
     # ---------------------------------------------------------------- update
     def update_from_output(
-        self, output: SchedulerOutput, sampled: dict[str, list[int]], now: float
+        self,
+        output: SchedulerOutput,
+        sampled: dict[str, list[int]],
+        now: float,
+        stopped: set[str] | frozenset[str] = frozenset(),
     ) -> list[Request]:
         """Apply a step's sampled tokens; finish and free requests that stop.
 
         ``sampled`` maps request id -> token ids for every scheduled request whose
-        ``samples`` flag is set (mid-prefill chunks get none). Requests aborted
-        since ``schedule`` are skipped. Returns the requests finished in this call
-        and completes ``output`` (``finished``, post-step counts, block deltas).
+        ``samples`` flag is set (mid-prefill chunks get none). ``stopped`` names
+        requests whose text matched a stop string (only the caller, who owns the
+        detokenizer, can tell): they finish with reason ``stop`` after their
+        tokens are appended. Requests aborted since ``schedule`` are skipped.
+        Returns the requests finished in this call and completes ``output``
+        (``finished``, post-step counts, block deltas).
         """
         publishing = self._publishing()
         max_model_len = self.config.max_model_len
@@ -480,6 +487,8 @@ class Scheduler:
             if not tokens:
                 raise KeyError(f"no sampled token for request {req.request_id!r}, which completed its prompt")
             status = self._append_tokens(req, tokens, now, publishing, max_model_len)
+            if status is None and req.request_id in stopped:
+                status = RequestStatus.FINISHED_STOPPED
             if status is not None:
                 req.status = status
                 finished.append(req)
