@@ -54,6 +54,7 @@ class Request:
     """
 
     __slots__ = (
+        "arrival_order",
         "arrival_time",
         "block_hashes",
         "block_ids",
@@ -101,6 +102,7 @@ class Request:
         self.eos_token_id = eos_token_id
         self.ignore_eos = ignore_eos
         self.arrival_time = arrival_time
+        self.arrival_order = 0  # set by the scheduler on arrival: breaks ties in arrival_time
         self.priority = priority
         self.sampling = sampling
 

@@ -175,7 +175,6 @@ class _WaitingQueue:
         self.by_priority = policy == "priority"
         self._fifo: deque[Request] = deque()
         self._heap: list[tuple[int, float, int, Request]] = []
-        self._counter = itertools.count()
 
     def __len__(self) -> int:
         return len(self._heap) if self.by_priority else len(self._fifo)
@@ -187,7 +186,7 @@ class _WaitingQueue:
 
     def append(self, req: Request) -> None:
         if self.by_priority:
-            heapq.heappush(self._heap, (req.priority, req.arrival_time, next(self._counter), req))
+            heapq.heappush(self._heap, (req.priority, req.arrival_time, req.arrival_order, req))
         else:
             self._fifo.append(req)
 
@@ -224,6 +223,7 @@ class Scheduler:
         self.step_index = 0
         self.num_preemptions_total = 0
         self._finished_since_schedule: list[str] = []
+        self._arrivals = itertools.count()
 
     # ------------------------------------------------------------ properties
     @property
@@ -286,6 +286,7 @@ class Scheduler:
                 )
             return False
         req.status = RequestStatus.WAITING
+        req.arrival_order = next(self._arrivals)
         self.requests[req.request_id] = req
         self.waiting.append(req)
         if publishing:
@@ -434,7 +435,9 @@ class Scheduler:
     def _pick_victim(self) -> Request:
         running = self.running
         if self.config.policy == "priority":
-            return max(running, key=lambda r: (r.priority, r.arrival_time))
+            # a total order (arrival_order breaks ties): the best request is never the
+            # victim, so it always progresses and two equals cannot preempt each other forever
+            return max(running, key=lambda r: (r.priority, r.arrival_time, r.arrival_order))
         return running[-1]
 
     def _preempt(self, req: Request, now: float, publishing: bool) -> None:
