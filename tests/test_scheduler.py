@@ -194,16 +194,3 @@ def test_nothing_is_published_without_subscribers() -> None:
         _step(sched, 0.0)
     assert bus.publish(Event()).seq == 1  # no event went through the bus before this one
 
-
-def test_priority_ties_do_not_livelock() -> None:
-    # equal priority and arrival time: without a total order the two could preempt
-    # each other alternately forever, each losing its progress
-    sched = Scheduler(_config(num_blocks=9, block_size=2, max_num_seqs=2, max_num_batched_tokens=11,
-                              max_model_len=64, long_prefill_token_threshold=3, policy="priority"))
-    for i in range(4):
-        sched.add_request(Request(f"r{i}", list(range(i * 50, i * 50 + 6)), 12), 0.0)
-    for t in range(500):
-        if not sched.has_unfinished():
-            break
-        _step(sched, float(t))
-    assert not sched.has_unfinished()
