@@ -1,195 +1,163 @@
-"""Workloads: which requests arrive when, with how many prompt and output tokens.
-
-A workload is a list of :class:`WorkloadRequest` (token counts, not text). It is
-drawn from a :class:`WorkloadSpec` (length ranges, arrival pattern, shared-prefix
-fraction) or read from a trace file (JSONL, one request per line:
-``{"arrival_time": 0.25, "prompt_tokens": 812, "output_tokens": 128}``).
-
-Draws follow the background's notebook exactly so its figures can be
-reproduced: lengths come from ``numpy.random.default_rng(seed)`` as
-``integers(lo, hi, n)`` prompts then ``integers(lo, hi, n)`` outputs (``hi``
-exclusive), and arrivals from a second ``default_rng(seed)``.
-
-Token ids are synthetic: every request gets its own run of ids (so prompts
-never share a prefix by accident), and the shared-prefix requests start with
-the same ``shared_prefix_tokens`` ids.
-"""
+"""Synthetic workloads for ``engine run-workload`` and ``make demo``: random
+prompts drawn from the tokenizer's ordinary vocabulary, optional shared prefixes
+(to exercise prefix caching), Poisson arrivals in seconds."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
+
+import numpy as np
 
 from engine.errors import UserError
 
-ARRIVALS = ("at-once", "uniform", "poisson")
-ARRIVAL_UNITS = ("step", "s")
-SHARED_PREFIX_FIRST_ID = 100  # the shared system prompt's token ids start here
-UNIQUE_FIRST_ID = 1_000_000  # each request's own token ids start above this
 
-
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class WorkloadRequest:
-    """One request of a workload. ``arrival_step`` (scheduler ticks) wins over
-    ``arrival_time`` (seconds) when set."""
-
-    request_id: str
-    prompt_tokens: int
-    output_tokens: int
-    arrival_time: float = 0.0
-    arrival_step: int | None = None
-    shared_prefix_tokens: int = 0
-    priority: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class WorkloadSpec:
-    """How to draw a workload. Ranges are ``(lo, hi)`` with ``hi`` exclusive (numpy's
-    ``integers``). ``arrival``: ``at-once`` | ``uniform`` (over ``window``) |
-    ``poisson`` (``rate`` per unit); ``unit``: ``step`` | ``s``."""
-
-    num_requests: int
-    prompt_range: tuple[int, int]
-    output_range: tuple[int, int]
-    arrival: str = "at-once"
-    unit: str = "step"
-    window: float = 0.0
-    rate: float = 0.0
-    shared_prefix_fraction: float = 0.0
-    shared_prefix_tokens: int = 0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.num_requests < 1:
-            raise UserError(f"--num-requests {self.num_requests}: give at least 1")
-        for flag, (lo, hi) in (("--prompt-tokens", self.prompt_range), ("--output-tokens", self.output_range)):
-            if lo < 1 or hi <= lo:
-                raise UserError(f"{flag} {lo}:{hi}: give LO:HI with 1 <= LO < HI (HI exclusive), or one number")
-        if self.arrival not in ARRIVALS:
-            raise UserError(f"--arrival {self.arrival!r}: use one of {', '.join(ARRIVALS)}")
-        if self.unit not in ARRIVAL_UNITS:
-            raise UserError(f"--arrival-unit {self.unit!r}: use step or s")
-        if self.arrival == "uniform" and self.window <= 0:
-            raise UserError("--arrival uniform needs --arrival-window > 0 (steps or seconds)")
-        if self.arrival == "poisson" and self.rate <= 0:
-            raise UserError("--arrival poisson needs --rate > 0 (requests per step or per second)")
-        if not 0.0 <= self.shared_prefix_fraction <= 1.0:
-            raise UserError(f"--shared-prefix-fraction {self.shared_prefix_fraction}: must be in [0, 1]")
-        if self.shared_prefix_fraction > 0 and self.shared_prefix_tokens < 1:
-            raise UserError("--shared-prefix-fraction needs --shared-prefix-tokens > 0")
+    arrival_s: float
+    prompt_token_ids: list[int]
+    max_tokens: int
 
 
 def parse_range(text: str, flag: str) -> tuple[int, int]:
-    """``"500:3000"`` -> (500, 3000) (HI exclusive); ``"1000"`` -> (1000, 1001)."""
-    parts = str(text).replace(",", "").replace("_", "").split(":")
+    """``"64:512"`` -> (64, 512); ``"128"`` -> (128, 128)."""
+    parts = str(text).split(":")
     try:
-        values = [int(p) for p in parts]
+        lo, hi = (int(parts[0]), int(parts[-1])) if len(parts) in (1, 2) else (None, None)
     except ValueError:
-        raise UserError(f"{flag} {text!r}: give LO:HI (HI exclusive) or one number, e.g. 500:3000") from None
-    if len(values) == 1:
-        return values[0], values[0] + 1
-    if len(values) != 2:
-        raise UserError(f"{flag} {text!r}: give LO:HI (HI exclusive) or one number, e.g. 500:3000")
-    return values[0], values[1]
+        lo = hi = None
+    if lo is None or hi is None or lo < 1 or hi < lo:
+        raise UserError(f"{flag} {text!r}: give a length or a range A:B with 1 <= A <= B, for example 64:512")
+    return lo, hi
 
 
-def generate_workload(spec: WorkloadSpec) -> list[WorkloadRequest]:
-    """Draw the workload ``spec`` describes (deterministic for its seed)."""
-    import numpy as np  # workload drawing only; the scheduler core stays dependency-free
-
-    n = spec.num_requests
-    rng = np.random.default_rng(spec.seed)
-    prompts = rng.integers(*spec.prompt_range, n)
-    outputs = rng.integers(*spec.output_range, n)
-    arrival_rng = np.random.default_rng(spec.seed)
-    if spec.arrival == "at-once":
-        arrivals = np.zeros(n)
-    elif spec.arrival == "uniform":
-        if spec.unit == "step":
-            arrivals = np.sort(arrival_rng.integers(0, int(spec.window), n))
-        else:
-            arrivals = np.sort(arrival_rng.uniform(0.0, spec.window, n))
-    else:
-        gaps = arrival_rng.exponential(1.0 / spec.rate, n)
-        arrivals = np.cumsum(gaps) - gaps[0]
-        if spec.unit == "step":
-            arrivals = np.floor(arrivals)
-    shared = np.zeros(n, dtype=bool)
-    if spec.shared_prefix_fraction > 0:
-        shared = np.random.default_rng(spec.seed + 1).random(n) < spec.shared_prefix_fraction
+def make_workload(
+    num_requests: int,
+    prompt_len: tuple[int, int],
+    output_len: tuple[int, int],
+    vocab_ids: np.ndarray,
+    rate: float = float("inf"),
+    seed: int = 0,
+    shared_prefix_fraction: float = 0.0,
+    shared_prefix_len: int = 256,
+) -> list[WorkloadRequest]:
+    """``rate`` requests per second with exponential gaps (inf: all at time 0).
+    A ``shared_prefix_fraction`` of the requests start with the same
+    ``shared_prefix_len`` tokens (a system prompt), so prefix caching has hits."""
+    if num_requests < 1:
+        raise UserError(f"--num-requests {num_requests}: must be at least 1")
+    if not 0 <= shared_prefix_fraction <= 1:
+        raise UserError(f"--shared-prefix-fraction {shared_prefix_fraction}: must be in [0, 1]")
+    if rate <= 0:
+        raise UserError(f"--rate {rate}: must be positive (inf sends everything at once)")
+    rng = np.random.default_rng(seed)
+    prefix = rng.choice(vocab_ids, shared_prefix_len).tolist()
+    t = 0.0
     out: list[WorkloadRequest] = []
-    for i in range(n):
-        prompt = int(prompts[i])
-        prefix = min(spec.shared_prefix_tokens, prompt - 1) if shared[i] else 0
-        at = float(arrivals[i])
-        out.append(
-            WorkloadRequest(
-                request_id=f"r{i}",
-                prompt_tokens=prompt,
-                output_tokens=int(outputs[i]),
-                arrival_time=0.0 if spec.unit == "step" else at,
-                arrival_step=int(at) if spec.unit == "step" else None,
-                shared_prefix_tokens=prefix,
-            )
-        )
+    for _ in range(num_requests):
+        n = int(rng.integers(prompt_len[0], prompt_len[1] + 1))
+        m = int(rng.integers(output_len[0], output_len[1] + 1))
+        ids = rng.choice(vocab_ids, n).tolist()
+        if shared_prefix_fraction and rng.random() < shared_prefix_fraction:
+            ids = (prefix + ids)[: max(n, shared_prefix_len + 1)]
+        out.append(WorkloadRequest(arrival_s=t, prompt_token_ids=ids, max_tokens=m))
+        if rate != float("inf"):
+            t += float(rng.exponential(1.0 / rate))
     return out
 
 
-def load_trace(path: str | Path) -> list[WorkloadRequest]:
-    """Read a trace: one JSON object per line with ``arrival_time`` (seconds; or
-    ``arrival_step``), ``prompt_tokens``, ``output_tokens`` and optional
-    ``request_id``, ``shared_prefix_tokens``, ``priority``."""
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"--trace {path}: no such file")
-    out: list[WorkloadRequest] = []
-    with p.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            try:
-                row = json.loads(line)
-                step = row.get("arrival_step")
-                req = WorkloadRequest(
-                    request_id=str(row.get("request_id", f"r{len(out)}")),
-                    prompt_tokens=int(row["prompt_tokens"]),
-                    output_tokens=int(row["output_tokens"]),
-                    arrival_time=float(row.get("arrival_time", 0.0)),
-                    arrival_step=None if step is None else int(step),
-                    shared_prefix_tokens=int(row.get("shared_prefix_tokens", 0)),
-                    priority=int(row.get("priority", 0)),
-                )
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
-                raise UserError(
-                    f"--trace {path}:{lineno}: each line must be a JSON object with arrival_time, "
-                    f"prompt_tokens and output_tokens ({type(exc).__name__}: {exc})"
-                ) from None
-            if req.prompt_tokens < 1 or req.output_tokens < 1:
-                raise UserError(f"--trace {path}:{lineno}: prompt_tokens and output_tokens must be at least 1")
-            out.append(req)
-    if not out:
-        raise UserError(f"--trace {path}: no requests in the file")
-    steps = {r.arrival_step is None for r in out}
-    if len(steps) > 1:
-        raise UserError(f"--trace {path}: give every line arrival_time or every line arrival_step, not a mix")
-    return out
+def ordinary_token_ids(vocab_size: int, special_ids: set[int]) -> np.ndarray:
+    """Token ids safe for synthetic prompts: everything except special tokens."""
+    ids = np.arange(vocab_size)
+    if special_ids:
+        ids = ids[~np.isin(ids, np.fromiter(special_ids, dtype=np.int64))]
+    return ids
 
 
-class TokenIdSource:
-    """Synthetic prompt token ids: a shared run for the shared prefix, then ids
-    no other request uses. Cheap (``range`` lists), deterministic, never a stop id."""
+@dataclass(slots=True)
+class WorkloadSummary:
+    """Folded from ``request.finished`` / ``step`` events, like every other view."""
+
+    requests: int = 0
+    finished: dict[str, int] | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    steps: int = 0
+    preemptions: int = 0
+    wall_s: float = 0.0
+    ttft_s: list[float] | None = None
+    itl_s: list[float] | None = None
+    e2e_s: list[float] | None = None
+
+    def percentile(self, values: list[float] | None, q: float) -> float:
+        return float(np.percentile(values, q)) if values else float("nan")
+
+    def lines(self) -> list[str]:
+        tput = self.output_tokens / self.wall_s if self.wall_s else 0.0
+        return [
+            f"requests: {self.requests} ({', '.join(f'{k} {v}' for k, v in sorted((self.finished or {}).items()))})",
+            f"tokens: {self.prompt_tokens:,} prompt, {self.output_tokens:,} generated in {self.wall_s:.2f} s "
+            f"-> {tput:.1f} output tok/s over {self.steps:,} steps, {self.preemptions} preemptions",
+            f"TTFT p50 {self.percentile(self.ttft_s, 50) * 1e3:.0f} ms, p99 {self.percentile(self.ttft_s, 99) * 1e3:.0f} ms; "
+            f"ITL p50 {self.percentile(self.itl_s, 50) * 1e3:.1f} ms, p99 {self.percentile(self.itl_s, 99) * 1e3:.1f} ms; "
+            f"e2e p50 {self.percentile(self.e2e_s, 50):.2f} s",
+        ]
+
+
+class SummaryCollector:
+    """A bus subscriber that folds a run's events into a :class:`WorkloadSummary`."""
 
     def __init__(self) -> None:
-        self._next_unique = UNIQUE_FIRST_ID
+        self.summary = WorkloadSummary(finished={}, ttft_s=[], itl_s=[], e2e_s=[])
 
-    def unique(self, n: int) -> list[int]:
-        start = self._next_unique
-        self._next_unique += n
-        return list(range(start, start + n))
+    def __call__(self, event: object) -> None:
+        from engine.events import RequestFinished, StepEvent
 
-    def prompt(self, req: WorkloadRequest) -> list[int]:
-        prefix = req.shared_prefix_tokens
-        shared = list(range(SHARED_PREFIX_FIRST_ID, SHARED_PREFIX_FIRST_ID + prefix))
-        return shared + self.unique(req.prompt_tokens - prefix)
+        s = self.summary
+        if isinstance(event, RequestFinished):
+            s.requests += 1
+            assert s.finished is not None and s.ttft_s is not None and s.itl_s is not None and s.e2e_s is not None
+            s.finished[event.reason] = s.finished.get(event.reason, 0) + 1
+            s.prompt_tokens += event.prompt_tokens
+            s.output_tokens += event.output_tokens
+            if event.ttft_s is not None:
+                s.ttft_s.append(event.ttft_s)
+            s.itl_s.extend(event.inter_token_latencies_s)
+            s.e2e_s.append(event.e2e_s)
+        elif isinstance(event, StepEvent):
+            s.steps += 1
+            s.preemptions += len(event.preempted)
+
+
+def drive_workload(engine: object, workload: list[WorkloadRequest], realtime: bool = True,
+                   should_stop: object = None) -> WorkloadSummary:
+    """Feed ``workload`` to an :class:`~engine.llm_engine.LLMEngine` at its arrival
+    times (``realtime``) or all at once, stepping until every request is done."""
+    import time
+
+    from engine.llm_engine import LLMEngine
+    from engine.sampler import SamplingParams
+
+    assert isinstance(engine, LLMEngine)
+    collector = SummaryCollector()
+    engine.bus.subscribe(collector)
+    pending = sorted(workload, key=lambda r: r.arrival_s)
+    start = time.monotonic()
+    index = 0
+    try:
+        while index < len(pending) or engine.has_unfinished():
+            if callable(should_stop) and should_stop():
+                break
+            elapsed = time.monotonic() - start
+            while index < len(pending) and (not realtime or pending[index].arrival_s <= elapsed):
+                req = pending[index]
+                engine.add_request(req.prompt_token_ids,
+                                   SamplingParams(temperature=0.0, max_tokens=req.max_tokens, ignore_eos=True))
+                index += 1
+            if engine.has_unfinished():
+                engine.step()
+            elif index < len(pending):
+                time.sleep(min(0.05, max(0.0, pending[index].arrival_s - elapsed)))
+    finally:
+        engine.bus.unsubscribe(collector)
+    collector.summary.wall_s = time.monotonic() - start
+    return collector.summary

@@ -1,0 +1,96 @@
+"""The offline API: ``LLM(model=..., **flags).generate(prompts, SamplingParams(...))``.
+
+It is the same engine as the server's, stepped in the caller's thread until
+every request is done; pass ``events="run.jsonl"`` to record the run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from engine.config import BUNDLED_MODEL_NAME, EngineConfig, parse_dtype
+from engine.errors import UserError
+from engine.events import EventBus
+from engine.llm_engine import LLMEngine, RequestOutput
+from engine.sampler import SamplingParams
+
+ChatMessages = Sequence[dict[str, str]]
+
+
+def engine_config(model: str = BUNDLED_MODEL_NAME, **flags: Any) -> EngineConfig:
+    """An EngineConfig from vLLM-style keyword flags (``max_model_len=2048``, ``events="x.jsonl"``)."""
+    cfg = EngineConfig(model=model)
+    aliases = {"events": "events_path", "device_memory": "device_memory_gib", "threads": "num_threads"}
+    for key, value in flags.items():
+        name = aliases.get(key, key)
+        if not hasattr(cfg, name):
+            raise UserError(f"unknown engine option {key!r}")
+        setattr(cfg, name, value)
+    cfg.dtype = parse_dtype(cfg.dtype)
+    return cfg
+
+
+class LLM:
+    def __init__(self, model: str = BUNDLED_MODEL_NAME, bus: EventBus | None = None, **flags: Any) -> None:
+        self.engine = LLMEngine(engine_config(model, **flags), bus=bus)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs in prompt order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        params_list = (
+            list(sampling_params) if isinstance(sampling_params, Sequence)
+            else [sampling_params or SamplingParams()] * len(prompts)
+        )
+        if len(params_list) != len(prompts):
+            raise UserError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        # Validate every prompt before any compute, so a bad one costs nothing.
+        encoded = [self.engine.encode_prompt(p) for p in prompts]
+        for ids, params in zip(encoded, params_list, strict=True):
+            self.engine.check_prompt(ids, params)
+        order = [self.engine.add_request(ids, params) for ids, params in zip(encoded, params_list, strict=True)]
+        finals: dict[str, RequestOutput] = {}
+        progress = _progress(len(order)) if use_tqdm and len(order) > 1 else None
+        task = progress.add_task("generate", total=len(order)) if progress else None
+        if progress:
+            progress.start()
+        try:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        finals[out.request_id] = out
+                        if progress is not None and task is not None:
+                            progress.advance(task)
+        finally:
+            if progress:
+                progress.stop()
+        return [finals[rid] for rid in order]
+
+    def chat(self, messages: ChatMessages | Sequence[ChatMessages], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[index]
+        prompts = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _progress(total: int) -> Progress:
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    transient=True)

@@ -1,0 +1,229 @@
+"""The engine: startup, then a step loop of schedule → run → update.
+
+Every step publishes one ``step`` event (decisions, block deltas, time split);
+the scheduler publishes the ``request.*`` lifecycle. The JSONL recording, the
+Prometheus metrics, the stats line and the monitor are all subscribers of the
+same bus; nothing reads engine internals to observe it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.device import device_word
+from engine.errors import UserError
+from engine.events import EventBus, JsonlSink
+from engine.model.tokenizer import IncrementalDetokenizer
+from engine.request import FINISH_REASONS, Request
+from engine.runner import ScheduledSeq
+from engine.sampler import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.startup import StartupResult, start_engine
+from engine.stats import StatsReporter
+from engine.step_events import publish_step_event
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What a caller sees of a request after a step: the new tokens and text."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    new_token_ids: list[int]
+    delta_text: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+class LLMEngine:
+    """Owns the bus, the scheduler and the model runner. Not thread-safe: one
+    thread calls ``add_request`` / ``abort`` / ``step`` (the server funnels its
+    calls through the engine thread)."""
+
+    def __init__(self, config: EngineConfig, bus: EventBus | None = None,
+                 progress: Callable[[int, int], None] | None = None) -> None:
+        self.config = config
+        self.bus = bus or EventBus()
+        self._sink: JsonlSink | None = None
+        if config.events_path:
+            self._sink = JsonlSink(config.events_path, config=config.to_dict())
+            self.bus.subscribe(self._sink)
+        try:
+            self.startup: StartupResult = start_engine(config, self.bus, progress)
+        except BaseException:
+            self.close()
+            raise
+        self.tokenizer = self.startup.tokenizer
+        self.runner = self.startup.runner
+        self.scheduler = Scheduler(self.startup.scheduler_config, self.bus)
+        self.stats = (
+            StatsReporter(self.bus, config.stats_interval, device_word=device_word(self.startup.device))
+            if config.stats_interval > 0
+            else None
+        )
+        if self.stats is not None:
+            self.bus.subscribe(self.stats)
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+        self._clock_start = time.monotonic()
+        self.eos_token_ids = self._eos_ids()
+
+    # --------------------------------------------------------------- helpers
+    def now(self) -> float:
+        return self.bus.now()
+
+    def _eos_ids(self) -> set[int]:
+        ids = set(getattr(self.tokenizer, "eos_token_ids", None) or [])
+        eos = getattr(self.tokenizer, "eos_token_id", None) or self.startup.model_config.eos_token_id
+        if eos is not None:
+            ids.add(int(eos))
+        return ids
+
+    @property
+    def max_model_len(self) -> int:
+        return self.startup.scheduler_config.max_model_len
+
+    def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    def check_prompt(self, prompt_ids: Sequence[int], params: SamplingParams) -> int:
+        """Validate lengths before any compute; returns the effective max_tokens."""
+        n = len(prompt_ids)
+        limit = self.max_model_len
+        if n == 0:
+            raise UserError("the prompt is empty; give at least one token")
+        if n >= limit:
+            raise UserError(
+                f"the prompt is {n:,} tokens but --max-model-len is {limit:,}; it leaves no room for output "
+                f"(shorten the prompt or raise --max-model-len)"
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
+        if n + max_tokens > limit:
+            raise UserError(
+                f"prompt ({n:,} tokens) + max_tokens ({max_tokens:,}) = {n + max_tokens:,} exceeds "
+                f"--max-model-len {limit:,}; lower max_tokens to {limit - n:,} or shorten the prompt"
+            )
+        vocab = self.startup.model_config.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise UserError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        return max_tokens
+
+    # ------------------------------------------------------------ requests
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0) -> str:
+        params = params or SamplingParams()
+        prompt_ids = self.encode_prompt(prompt)
+        max_tokens = self.check_prompt(prompt_ids, params)
+        rid = request_id or f"req-{next(self._ids)}"
+        eos = None if params.ignore_eos else min(self.eos_token_ids) if len(self.eos_token_ids) == 1 else None
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos and len(self.eos_token_ids) > 1:
+            stop_ids |= self.eos_token_ids
+        req = Request(rid, prompt_ids, max_tokens, stop_token_ids=stop_ids, eos_token_id=eos,
+                      ignore_eos=params.ignore_eos, arrival_time=self.now(), priority=priority, sampling=params)
+        if not self.scheduler.add_request(req, req.arrival_time):
+            raise UserError(f"request {rid} rejected: {self.scheduler.rejection_reason(req) or 'cannot fit'}")
+        self._detok[rid] = IncrementalDetokenizer(
+            self.tokenizer, stop=params.stop, include_stop=params.include_stop_str_in_output,
+            skip_special_tokens=params.skip_special_tokens, prompt_ids=prompt_ids,
+        )
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        self._detok.pop(request_id, None)
+        return self.scheduler.abort(request_id, self.now())
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        out: SchedulerOutput = self.scheduler.schedule(self.now())
+        t1 = time.perf_counter()
+        batch = [ScheduledSeq(s.request_id, s.token_ids, s.start_position, s.block_ids, s.samples,
+                              s.request.sampling) for s in out.scheduled]
+        sampled_ids = self.runner.execute(batch) if batch else {}
+        t2 = time.perf_counter()
+        timings = self.runner.last_timings
+        # Stop strings need the text: detokenize before the scheduler decides who finished.
+        deltas: dict[str, str] = {}
+        stopped_by_string: set[str] = set()
+        for rid, token in sampled_ids.items():
+            detok = self._detok.get(rid)
+            if detok is None:
+                continue
+            deltas[rid] = detok.add(token)
+            if detok.stop_reason is not None:
+                stopped_by_string.add(rid)
+        sampled = {rid: [tok] for rid, tok in sampled_ids.items()}
+        finished = self.scheduler.update_from_output(out, sampled, self.now(), stopped=stopped_by_string)
+        t3 = time.perf_counter()
+        publish_step_event(self.bus, out, {
+            "schedule_s": t1 - t0,
+            "forward_s": timings.prepare_s + timings.forward_s,
+            "sample_s": timings.sample_s,
+            "update_s": t3 - t2,
+            "duration_s": t3 - t0,
+        })
+        return self._outputs(out, sampled_ids, deltas, finished)
+
+    def _outputs(self, out: SchedulerOutput, sampled_ids: dict[str, int], deltas: dict[str, str],
+                 finished: list[Request]) -> list[RequestOutput]:
+        finished_by_id = {r.request_id: r for r in finished}
+        results: list[RequestOutput] = []
+        for s in out.scheduled:
+            rid = s.request_id
+            if rid not in sampled_ids:
+                continue
+            req = s.request
+            detok = self._detok.get(rid)
+            delta = deltas.get(rid, "")
+            done = rid in finished_by_id
+            if done and detok is not None:
+                delta += detok.finish()
+                self._detok.pop(rid, None)
+            results.append(RequestOutput(
+                request_id=rid,
+                prompt_token_ids=req.prompt_token_ids,
+                new_token_ids=[sampled_ids[rid]],
+                delta_text=delta,
+                token_ids=req.output_token_ids,
+                text=detok.text if detok is not None else "",
+                finished=done,
+                finish_reason=FINISH_REASONS.get(req.status) if done else None,
+                num_cached_tokens=max(req.num_cached_tokens, 0),
+            ))
+        return results
+
+    # ------------------------------------------------------------- shutdown
+    def close(self) -> None:
+        if self.stats is not None:
+            with contextlib.suppress(Exception):  # a final stats line is best effort at shutdown
+                self.stats.report(self.now())
+        if self._sink is not None:
+            self._sink.close()
+            self._sink = None
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
