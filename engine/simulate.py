@@ -519,19 +519,13 @@ def long_prompt_sweep(
         arrive = math.ceil(num_decoders * decoder_prompt / cap) + 2  # every decoder is decoding by then
         workload = [WorkloadRequest(f"d{i}", decoder_prompt, decoder_output, arrival_step=0) for i in range(num_decoders)]
         workload.append(WorkloadRequest("long", long_prompt, 1, arrival_step=arrive))
-        sim = Simulation(point)
-        arrival_step: list[int] = []
-
-        def mark(sched: Scheduler, out: SchedulerOutput, _a: list[int] = arrival_step) -> None:
-            if not _a and "long" in sched.requests:
-                _a.append(out.step_index)
-
         def long_done(sched: Scheduler, out: SchedulerOutput) -> bool:
             return "long" in out.finished
 
-        result = sim.run(workload, on_step=mark, stop_when=long_done)
-        first = arrival_step[0] if arrival_step else 0
-        last = result.steps - 1
+        result = Simulation(point).run(workload, stop_when=long_done)
+        # every tick runs a step here (the decoders never leave the engine idle): ticks are step indices
+        first = result.arrival_tick["long"]
+        last = result.first_token_tick["long"]
         during = result.step_seconds[first : last + 1]
         rows.append({
             "max_num_batched_tokens": int(cap),
