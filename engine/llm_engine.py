@@ -58,6 +58,7 @@ class LLMEngine:
                  progress: Callable[[int, int], None] | None = None) -> None:
         self.config = config
         self.bus = bus or EventBus()
+        self.stats: StatsReporter | None = None
         self._sink: JsonlSink | None = None
         if config.events_path:
             self._sink = JsonlSink(config.events_path, config=config.to_dict())

@@ -1,0 +1,193 @@
+"""The instrumented engine on the real bundled model: startup phases, the step
+loop's events, refusals, and the block table rebuilt from events alone."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.block_table_fold import BlockTableState
+from engine.device import measure_peak
+from engine.errors import UserError
+from engine.events import Event, EventBus, StartupPhase, StepEvent, read_events
+from engine.llm import LLM
+from engine.logs import configure_logging
+from engine.sampler import SamplingParams
+from engine.workload import make_workload, ordinary_token_ids
+from logparse.explain import Options, explain
+
+SMALL = dict(max_model_len=1024, kv_cache_memory_bytes=32 * 2**20, max_num_batched_tokens=512, max_num_seqs=32,
+             stats_interval=0.0, dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory: pytest.TempPathFactory):
+    """One engine for the module, with every event kept and the log captured."""
+    events: list[Event] = []
+    bus = EventBus()
+    bus.subscribe(events.append)
+    log = io.StringIO()
+    configure_logging("console", stream=log)
+    path = tmp_path_factory.mktemp("run") / "run.jsonl"
+    llm = LLM("smollm2-135m", bus=bus, events=str(path), **SMALL)
+    configure_logging("json", stream=sys.stderr)
+    yield llm, events, log.getvalue(), path
+    llm.close()
+
+
+def phases(events: list[Event]) -> list[StartupPhase]:
+    return [e for e in events if isinstance(e, StartupPhase)]
+
+
+def test_phases_a_to_g_in_order_with_durations(recorded) -> None:
+    _, events, _, _ = recorded
+    ends = [p for p in phases(events) if p.status != "begin"]
+    assert [p.phase for p in ends] == list("ABCDEFG")
+    begins = [p.phase for p in phases(events) if p.status == "begin"]
+    assert begins == list("ABCDEFG")
+    assert all(p.duration_s is not None and p.duration_s >= 0 for p in ends)
+    assert ends[5].status == "skipped" and "compile" in (ends[5].reason or "")
+    assert all(p.memory_before and p.memory_after for p in ends)
+    assert events[0].type == "engine.config" and events[0].model["bytes_per_kv_token"] == 23_040
+
+
+def test_measured_peak_is_positive_and_kv_tokens_are_exact(recorded) -> None:
+    _, events, _, _ = recorded
+    by_phase = {p.phase: p for p in phases(events) if p.status == "end"}
+    assert by_phase["D"].data["activation_peak_bytes"] > 0
+    e = by_phase["E"].data
+    block_bytes = e["block_size"] * e["bytes_per_token"]
+    assert e["num_blocks"] == e["kv_pool_bytes"] // block_bytes
+    assert e["kv_cache_tokens"] == e["num_blocks"] * e["block_size"]
+    assert e["kv_pool_bytes"] == 32 * 2**20
+    assert by_phase["C"].data["weights_bytes"] > 100 * 2**20
+
+
+def test_peak_grows_with_max_num_batched_tokens(recorded) -> None:
+    llm, _, _, _ = recorded
+    runner = llm.engine.runner
+    cpu = torch.device("cpu")
+    _, small = measure_peak(cpu, lambda: runner.profile_run(512, 32))
+    _, large = measure_peak(cpu, lambda: runner.profile_run(4096, 32))
+    assert small.activation_peak_bytes > 0
+    # The sampler's logits are the same in both runs; the forward's tensors grow by
+    # at least one gate/up intermediate per extra token (bf16).
+    config = llm.engine.startup.model_config
+    assert large.activation_peak_bytes - small.activation_peak_bytes >= (4096 - 512) * config.intermediate_size * 2
+
+
+def test_log_lines_parse_back_to_the_same_numbers(recorded) -> None:
+    _, events, log, _ = recorded
+    e = next(p for p in phases(events) if p.phase == "E" and p.status == "end").data
+    assert f"CPU KV cache size: {e['kv_cache_tokens']:,} tokens" in log
+    ledger = explain(io.StringIO(log).getvalue().splitlines(), Options()).ledger
+    assert ledger["kv_cache_tokens"] == e["kv_cache_tokens"]
+    assert ledger["max_concurrency"] == pytest.approx(e["max_concurrency"], abs=0.005)
+
+
+def test_generate_france_and_step_events(recorded) -> None:
+    llm, events, _, _ = recorded
+    before = len(events)
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0.0, max_tokens=24))[0]
+    assert "Paris" in out.text and out.finish_reason in ("stop", "length")
+    steps = [e for e in events[before:] if isinstance(e, StepEvent)]
+    assert steps and steps[0].num_prefill_tokens > 20 and steps[-1].num_decode_tokens == 1
+    assert all(s.duration_s >= s.forward_s > 0 for s in steps)
+    kinds = [e.type for e in events[before:]]
+    for needed in ("request.arrived", "request.scheduled", "request.first_token", "request.finished"):
+        assert needed in kinds
+
+
+def test_stop_string_and_max_tokens(recorded) -> None:
+    llm, _, _, _ = recorded
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0.0, max_tokens=24, stop=[" Paris"]))[0]
+    assert "Paris" not in out.text and out.finish_reason == "stop"
+    out = llm.generate("Count: one, two,", SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_too_long_prompt_fails_before_compute_with_the_numbers(recorded) -> None:
+    llm, events, _, _ = recorded
+    before = len(events)
+    with pytest.raises(UserError, match=r"1,100 tokens.*--max-model-len is 1,024"):
+        llm.generate([[5] * 1100], SamplingParams(max_tokens=4))
+    with pytest.raises(UserError, match=r"exceeds --max-model-len 1,024"):
+        llm.generate([[5] * 1000], SamplingParams(max_tokens=100))
+    assert not any(isinstance(e, StepEvent) for e in events[before:])
+
+
+def test_folding_events_rebuilds_the_block_table_at_every_step(recorded) -> None:
+    """64 requests on a pool too small for them all: preemptions happen, and at
+    every step the fold of the events equals the KV manager's own table."""
+    llm, events, _, _ = recorded
+    engine = llm.engine
+    truth: list[tuple[int, dict[str, list[int]]]] = []
+
+    def record_truth(event: Event) -> None:
+        if isinstance(event, StepEvent):
+            truth.append((event.index, engine.scheduler.block_table()))
+
+    engine.bus.subscribe(record_truth)
+    start = len(events)
+    vocab = ordinary_token_ids(engine.startup.model_config.vocab_size, set())
+    workload = make_workload(64, (64, 200), (16, 48), vocab, seed=3)
+    try:
+        llm.generate([w.prompt_token_ids for w in workload],
+                     [SamplingParams(temperature=0.0, max_tokens=w.max_tokens, ignore_eos=True) for w in workload])
+    finally:
+        engine.bus.unsubscribe(record_truth)
+    state = BlockTableState()
+    # Start from the state before this run: nothing held.
+    steps_seen = 0
+    for event in events[start:]:
+        state.apply_event(event)
+        if isinstance(event, StepEvent):
+            index, table = truth[steps_seen]
+            assert index == event.index
+            assert {r: b for r, b in state.tables.items() if b} == table, f"step {index}"
+            steps_seen += 1
+    assert steps_seen == len(truth) > 10
+    assert sum(len(e.preempted) for e in events[start:] if isinstance(e, StepEvent)) > 0
+    assert engine.scheduler.kv.pool.num_free == engine.scheduler.config.num_blocks
+
+
+def test_recording_is_a_valid_event_file(recorded) -> None:
+    _, _, _, path = recorded
+    recording = read_events(path)
+    assert recording.header["config"]["model"] == "smollm2-135m"
+    assert recording.header["config"]["max_model_len"] == 1024
+    assert len(recording.events) >= 15 and recording.events[0].type == "engine.config"
+
+
+def run_engine(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "engine.cli", *args], capture_output=True, text=True, timeout=240)
+
+
+def test_refuses_a_utilization_too_small_for_the_weights() -> None:
+    out = run_engine("generate", "--prompt", "hi", "--device-memory", "4", "--gpu-memory-utilization", "0.01",
+                     "--log-format", "json")
+    assert out.returncode == 2, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert "--gpu-memory-utilization" in last and "GiB" in last and "Traceback" not in out.stderr
+    failed = [json.loads(x) for x in out.stderr.splitlines() if x.startswith("{") and "failed" in x]
+    assert failed and "phase B" in failed[0]["event"]
+
+
+def test_refuses_a_max_model_len_the_pool_cannot_hold(tmp_path: Path) -> None:
+    events = tmp_path / "refused.jsonl"
+    out = run_engine("generate", "--prompt", "hi", "--kv-cache-memory-bytes", "4Mi", "--max-model-len", "4096",
+                     "--max-num-batched-tokens", "256", "--max-num-seqs", "4", "--log-format", "json",
+                     "--events", str(events))
+    assert out.returncode == 2, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert "4,096" in last and "--max-model-len" in last and "Traceback" not in out.stderr
+    failed = [e for e in read_events(events).events if isinstance(e, StartupPhase) and e.status == "failed"]
+    assert [e.phase for e in failed] == ["E"] and "4,096" in (failed[0].reason or "")
