@@ -1,0 +1,116 @@
+"""``engine serve [MODEL]``: the OpenAI-compatible server (see engine/server.py).
+
+Startup runs before the port opens, as in vLLM: a client that sees /health
+answer 200 can send requests at once. ``--monitor`` shows the live dashboard in
+this terminal, fed by the in-process bus, while uvicorn serves from a thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+
+import uvicorn
+
+from engine.config import BUNDLED_MODEL_NAME
+from engine.errors import UserError
+from engine.flags import add_engine_flags, engine_config_from_args, model_from_args
+from engine.logs import configure_logging, get_logger
+from engine.server import EngineHost, ServerSettings, build_app
+
+API_KEY_ENV = "KVSCOPE_API_KEY"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve the OpenAI API, /metrics and the live /events stream")
+    add_engine_flags(p, positional_model=True)
+    add_server_flags(p)
+    p.set_defaults(func=run)
+
+
+def add_server_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1/*, /events, /debug/* (or set {API_KEY_ENV})")
+    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    p.add_argument("--max-waiting-requests", type=int, default=None, metavar="N",
+                   help="answer 429 (with Retry-After) at once when N requests already wait for a first token")
+    p.add_argument("--metrics-require-key", action="store_true", help="require the API key on /metrics too")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
+                   help="on SIGINT/SIGTERM, seconds in-flight requests get to finish before they are aborted")
+    p.add_argument("--monitor", action="store_true", help="show the live dashboard in this terminal")
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    if not 0 < args.port < 65536:
+        raise UserError(f"--port {args.port}: must be in 1..65535")
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
+        raise UserError(f"--max-waiting-requests {args.max_waiting_requests}: must be at least 1")
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if args.metrics_require_key and not api_key:
+        raise UserError(f"--metrics-require-key needs an API key: pass --api-key or set {API_KEY_ENV}")
+    model = model_from_args(args)
+    name = args.served_model_name or (model if model else BUNDLED_MODEL_NAME)
+    return ServerSettings(served_model_name=name, api_key=api_key, metrics_require_key=args.metrics_require_key,
+                          max_waiting_requests=args.max_waiting_requests, shutdown_timeout_s=args.shutdown_timeout)
+
+
+class KvscopeServer(uvicorn.Server):
+    """uvicorn, plus: on SIGINT/SIGTERM stop taking requests and end /events
+    streams at once, so the graceful wait is only for real requests."""
+
+    def __init__(self, config: uvicorn.Config, host: EngineHost) -> None:
+        super().__init__(config)
+        self.kvscope_host = host
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        self.kvscope_host.begin_shutdown()
+        super().handle_exit(sig, frame)  # type: ignore[arg-type]
+
+
+def make_server(host: EngineHost, bind: str, port: int, log_level: str = "warning") -> KvscopeServer:
+    config = uvicorn.Config(build_app(host), host=bind, port=port, log_level=log_level, access_log=False,
+                            timeout_graceful_shutdown=max(1, int(host.settings.shutdown_timeout_s)),
+                            lifespan="on")
+    return KvscopeServer(config, host)
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    config = engine_config_from_args(args)
+    if args.monitor:
+        return _run_with_monitor(args, settings)
+    configure_logging(args.log_format)
+    log = get_logger("kvscope.serve")
+    host = EngineHost.create(config, settings)
+    host.engine.wait_ready()  # a startup UserError exits 2 here, before any port opens
+    log.info(f"serving {settings.served_model_name} on http://{args.host}:{args.port} "
+             f"(OpenAI API under /v1, metrics /metrics, events /events)")
+    make_server(host, args.host, args.port).run()
+    log.info("server stopped; event log flushed")
+    return 0
+
+
+def _run_with_monitor(args: argparse.Namespace, settings: ServerSettings) -> int:
+    """Dashboard in the main thread (it owns the terminal), uvicorn in a thread;
+    the dashboard subscribes to the bus before startup so phases A–G show live."""
+    from engine.events import EventBus
+    from monitor.app import MonitorApp
+    from monitor.sources import BusFeed
+
+    configure_logging("json", level="warning", stream=open(os.devnull, "w"))  # noqa: SIM115
+    host = EngineHost.create(engine_config_from_args(args), settings, bus=EventBus())
+    # The view subscribed before startup: its snapshot holds every phase so far.
+    app = MonitorApp(feed=BusFeed(host.bus, snapshot_fn=host.view.snapshot),
+                     source_name=f"serve http://{args.host}:{args.port}")
+    server = make_server(host, args.host, args.port)
+    thread = threading.Thread(target=server.run, name="kvscope-http", daemon=True)
+    thread.start()
+    app.run()
+    host.begin_shutdown()
+    server.should_exit = True
+    thread.join(timeout=settings.shutdown_timeout_s + 30)
+    host.engine.wait_ready()  # re-raises a startup failure the dashboard showed
+    return 0
