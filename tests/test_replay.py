@@ -208,3 +208,17 @@ def test_cli_verify_at_and_mismatch_exit_codes(sim_recording: Path, tmp_path: Pa
     assert main(["replay", str(cut)]) == 0
     assert "replayed up to its last whole step" in capsys.readouterr().out
     assert main(["replay", str(tmp_path / "missing.jsonl")]) == 2
+
+
+def test_the_committed_simulation_sample_verifies() -> None:
+    """samples/sim_h100_llama8b.jsonl (monitor fixture) was made with:
+    engine simulate --num-requests 150 --prompt-tokens 200:2500 --output-tokens 40:300 --arrival poisson
+    --rate 12 --arrival-unit s --shared-prefix-fraction 0.4 --shared-prefix-tokens 512 --max-num-seqs 64
+    --num-gpu-blocks-override 2500 --max-model-len 8192 --workload-seed 11 --events samples/sim_h100_llama8b.jsonl"""
+    path = Path(__file__).resolve().parent.parent / "samples" / "sim_h100_llama8b.jsonl"
+    assert path.stat().st_size < 3 * 2**20
+    replayer = Replayer(load_recording(path))
+    report = replayer.run()
+    assert report.ok and report.steps_replayed == 1067
+    steps = [s.event for s in replayer.steps]
+    assert sum(len(s.preempted) for s in steps) == 8 and sum(s.prefix_hits_tokens for s in steps) > 0
