@@ -191,10 +191,12 @@ def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, i
                              attention_backend=config.attention_backend, load_format=config.load_format,
                              seed=config.seed)
         info = runner.load_weights(progress)
-        tokenizer = Tokenizer.for_model(model) if config.load_format != "dummy" else _dummy_tokenizer(model)
+        tokenizer = _tokenizer_for(model) if config.load_format != "dummy" else _dummy_tokenizer(model)
         c.data.update(weights_bytes=info.weights_bytes, load_seconds=info.load_seconds,
-                      load_format=info.load_format, source=info.source, num_tensors=info.num_tensors)
-        log.info(f"Model loading took {info.weights_bytes / GiB:.4f} GiB and {info.load_seconds:.2f} seconds")
+                      load_format=info.load_format, source=info.source, num_tensors=info.num_tensors,
+                      weights_cache=info.cache)
+        log.info(f"Model loading took {info.weights_bytes / GiB:.4f} GiB and {info.load_seconds:.2f} seconds"
+                 + (f" (weights cache {info.cache})" if info.cache != "none" else ""))
 
     with phases.phase("D") as d:
         _, peak = measure_peak(device, lambda: runner.profile_run(config.max_num_batched_tokens,
@@ -267,10 +269,23 @@ def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, i
     return StartupResult(config, model, device, runner, tokenizer, plan, scheduler_config, dict(phases.seconds))
 
 
+def _tokenizer_for(model: ModelConfig) -> Tokenizer:
+    """A GGUF file's tokenizer comes from the startup cache (building its BPE takes seconds)."""
+    from pathlib import Path
+
+    from engine.config import resolve_model_file
+    from engine.model.startup_cache import cached_tokenizer
+
+    location = Path(model.path) if model.path else resolve_model_file(model.name)
+    if location is not None and location.is_file():
+        return cached_tokenizer(location)
+    return Tokenizer.for_model(model)
+
+
 def _dummy_tokenizer(model: ModelConfig) -> Tokenizer:
     """Dummy weights of a preset have no tokenizer file: use the bundled one
     when the vocabulary fits, so text in/out still works for benchmarks."""
     from engine.config import BUNDLED_MODEL_NAME
 
     bundled = load_model_config(BUNDLED_MODEL_NAME)
-    return Tokenizer.for_model(bundled)
+    return _tokenizer_for(bundled)

@@ -55,6 +55,7 @@ class LoadInfo:
     weights_bytes: int
     load_seconds: float
     num_tensors: int
+    cache: str = "none"  # GGUF: "hit", "miss" (read the file, cache written) or "off"; else "none"
 
 
 def gguf_to_hf_name(name: str) -> str | None:
@@ -186,28 +187,47 @@ def load_weights_into(
     progress: ProgressCallback | None = None,
     seed: int = 0,
 ) -> LoadInfo:
-    """Fill ``model`` (a :class:`engine.model.llama.LlamaForCausalLM`) from its source."""
+    """Fill ``model`` (a :class:`engine.model.llama.LlamaForCausalLM`) from its source.
+    A GGUF file goes through the dequantized-weights cache (:mod:`engine.model.startup_cache`)."""
+    from engine.model.startup_cache import load_cached_weights, save_cached_weights, weights_path
+
     start = time.perf_counter()
     fmt = resolve_load_format(config, load_format)
     count = 0
+    cache = "none"
     if fmt == "dummy":
         count = model.init_dummy_weights(seed=seed)  # type: ignore[operator]
         if progress:
             progress(count, count)
         source = None
     else:
-        source = str(weights_location(config))
-        seen: set[str] = set()
-        for name, array, total in iter_hf_tensors(config, fmt):
-            tensor = torch.from_numpy(np.require(array, requirements=["C", "W"])) if isinstance(array, np.ndarray) else array
-            model.load_hf_tensor(name, tensor)  # type: ignore[operator]
-            seen.add(name)
-            count += 1
+        location = weights_location(config)
+        source = str(location)
+        cache_path = weights_path(location, model.dtype) if fmt == "gguf" and location.is_file() else None  # type: ignore[arg-type]
+        if fmt == "gguf":
+            cache = "off" if cache_path is None else "miss"
+        if cache_path is not None and load_cached_weights(model, cache_path):
+            cache = "hit"
+            count = len(model.hf_names())  # type: ignore[operator]
             if progress:
-                progress(count, total)
-        missing = model.missing_hf_names(seen)  # type: ignore[operator]
-        if missing:
-            raise UserError(f"{source}: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+                progress(count, count)
+        else:
+            seen: set[str] = set()
+            for name, array, total in iter_hf_tensors(config, fmt):
+                tensor = torch.from_numpy(np.require(array, requirements=["C", "W"])) if isinstance(array, np.ndarray) else array
+                model.load_hf_tensor(name, tensor)  # type: ignore[operator]
+                seen.add(name)
+                count += 1
+                if progress:
+                    progress(count, total)
+            missing = model.missing_hf_names(seen)  # type: ignore[operator]
+            if missing:
+                raise UserError(f"{source}: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+            if cache_path is not None:
+                try:
+                    save_cached_weights(model, cache_path)
+                except OSError:
+                    cache = "off"  # unwritable cache folder: still a good load
     weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return LoadInfo(
         load_format=fmt,
@@ -215,4 +235,5 @@ def load_weights_into(
         weights_bytes=int(weights_bytes),
         load_seconds=time.perf_counter() - start,
         num_tensors=count,
+        cache=cache,
     )
