@@ -7,7 +7,10 @@ It knows nothing about the scheduler: a step is a list of :class:`ScheduledSeq`
 
 from __future__ import annotations
 
+import math
+import mmap
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -53,6 +56,21 @@ class PreparedBatch:
     sample_positions: list[int]  # position of the token each sampled row produces
 
 
+def zeroed_lazy_cpu_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor on anonymous mmap pages: the OS hands them out zeroed on first
+    touch, so a 4 GiB KV pool costs nothing at startup (``torch.zeros`` writes
+    every byte: ~12 s on this machine) and still never holds garbage (NaN in an
+    unwritten slot would poison masked attention)."""
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with warnings.catch_warnings():  # "non-writable buffer": the mapping is writable; torch cannot tell
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
+
+
 def torch_dtype(name: str) -> torch.dtype:
     canonical = CANONICAL_DTYPE.get(name.strip().lower(), "bfloat16" if name == "auto" else None)
     if canonical not in TORCH_DTYPES:
@@ -89,9 +107,13 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
         c = self.model_config
-        self.kv_caches = allocate_kv_cache(
-            c.num_layers, num_blocks, self.block_size, c.num_kv_heads, c.head_dim, self.dtype, self.device
-        )
+        if self.device.type == "cpu":
+            shape = (num_blocks, 2, self.block_size, c.num_kv_heads, c.head_dim)
+            self.kv_caches = [zeroed_lazy_cpu_tensor(shape, self.dtype) for _ in range(c.num_layers)]
+        else:
+            self.kv_caches = allocate_kv_cache(
+                c.num_layers, num_blocks, self.block_size, c.num_kv_heads, c.head_dim, self.dtype, self.device
+            )
         return self.kv_caches
 
     @property
