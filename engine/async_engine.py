@@ -115,6 +115,11 @@ class _Abort:
 
 
 @dataclass(slots=True)
+class _AbortAll:
+    pass
+
+
+@dataclass(slots=True)
 class _Stop:
     pass
 
@@ -128,7 +133,7 @@ class AsyncEngine:
         self.bus = bus
         self.max_waiting_requests = max_waiting_requests
         self.engine: LLMEngine | None = None
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _AbortAll | _Stop] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._waiting: set[str] = set()  # accepted by add_request, no first token yet
         self._waiting_lock = threading.Lock()
@@ -230,6 +235,10 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
+    def abort_all(self) -> None:
+        """Abort every request in the engine; each stream ends with finish_reason "abort"."""
+        self._commands.put(_AbortAll())
+
     def _left_waiting(self, stream: RequestStream) -> None:
         with self._waiting_lock:
             self._waiting.discard(stream.request_id)
@@ -280,8 +289,11 @@ class AsyncEngine:
                 flush_step = False
                 self._dispatch(engine.step())
 
-    def _handle(self, engine: LLMEngine, command: _Add | _Abort) -> bool:
+    def _handle(self, engine: LLMEngine, command: _Add | _Abort | _AbortAll) -> bool:
         """Apply one command; True when it freed blocks without a step."""
+        if isinstance(command, _AbortAll):
+            self._abort_all(engine)
+            return True
         if isinstance(command, _Add):
             stream = command.stream
             try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import threading
 
 import uvicorn
@@ -46,6 +47,8 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     if not 0 < args.port < 65536:
         raise UserError(f"--port {args.port}: must be in 1..65535")
+    if args.shutdown_timeout < 0:
+        raise UserError(f"--shutdown-timeout {args.shutdown_timeout}: must be >= 0 seconds")
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         raise UserError(f"--max-waiting-requests {args.max_waiting_requests}: must be at least 1")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
@@ -59,20 +62,35 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
 
 class KvscopeServer(uvicorn.Server):
     """uvicorn, plus: on SIGINT/SIGTERM stop taking requests and end /events
-    streams at once, so the graceful wait is only for real requests."""
+    streams at once, so the graceful wait is only for real requests; when
+    ``--shutdown-timeout`` runs out, abort what is left in the engine so every
+    stream still ends properly (finish_reason "abort", then ``[DONE]``)."""
 
     def __init__(self, config: uvicorn.Config, host: EngineHost) -> None:
         super().__init__(config)
         self.kvscope_host = host
 
     def handle_exit(self, sig: int, frame: object) -> None:
-        self.kvscope_host.begin_shutdown()
+        if not self.should_exit:
+            self.kvscope_host.begin_shutdown()
+            timer = threading.Timer(self.kvscope_host.settings.shutdown_timeout_s, self.kvscope_host.engine.abort_all)
+            timer.daemon = True
+            timer.start()
         super().handle_exit(sig, frame)  # type: ignore[arg-type]
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().shutdown(sockets)
+        # uvicorn re-raises a caught SIGTERM after shutdown (exit -15); a stop
+        # that drained and flushed everything is a success: exit 0.
+        captured = getattr(self, "_captured_signals", None)
+        if isinstance(captured, list):
+            captured.clear()
 
 
 def make_server(host: EngineHost, bind: str, port: int, log_level: str = "warning") -> KvscopeServer:
     config = uvicorn.Config(build_app(host), host=bind, port=port, log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=max(1, int(host.settings.shutdown_timeout_s)),
+                            # a backstop: the abort timer in handle_exit normally ends every stream first
+                            timeout_graceful_shutdown=int(host.settings.shutdown_timeout_s) + 5,
                             lifespan="on")
     return KvscopeServer(config, host)
 
