@@ -138,7 +138,7 @@ def test_folding_events_rebuilds_the_block_table_at_every_step(recorded) -> None
     engine.bus.subscribe(record_truth)
     start = len(events)
     vocab = ordinary_token_ids(engine.startup.model_config.vocab_size, set())
-    workload = make_workload(64, (64, 200), (16, 48), vocab, seed=3)
+    workload = make_workload(64, (24, 80), (8, 24), vocab, seed=3)
     try:
         llm.generate([w.prompt_token_ids for w in workload],
                      [SamplingParams(temperature=0.0, max_tokens=w.max_tokens, ignore_eos=True) for w in workload])
