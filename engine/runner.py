@@ -20,7 +20,7 @@ from engine.attention.base import AttentionMetadata, allocate_kv_cache
 from engine.attention.selector import get_attention_backend
 from engine.config import CANONICAL_DTYPE, ModelConfig
 from engine.errors import UserError
-from engine.model.llama import LlamaForCausalLM
+from engine.model.llama import QUANTIZATION_METHODS, LlamaForCausalLM
 from engine.model.loader import LoadInfo, ProgressCallback, load_weights_into
 from engine.sampler import Sampler, SamplingParams
 
@@ -88,6 +88,7 @@ class ModelRunner:
         attention_backend: str = "torch",
         load_format: str = "auto",
         seed: int = 0,
+        quantization: str | None = None,
     ) -> None:
         self.model_config = model_config
         self.dtype = torch_dtype(dtype)
@@ -95,6 +96,9 @@ class ModelRunner:
         self.device = torch.device(device)
         self.load_format = load_format
         self.seed = seed
+        if quantization is not None and quantization not in QUANTIZATION_METHODS:
+            raise UserError(f"--quantization {quantization!r}: use one of {', '.join(QUANTIZATION_METHODS)} (or omit it)")
+        self.quantization = quantization
         self.backend = get_attention_backend(attention_backend, self.device)
         self.model = LlamaForCausalLM(model_config, self.backend, dtype=self.dtype, device=self.device)
         self.sampler = Sampler(seed=seed)
@@ -103,7 +107,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ setup
     def load_weights(self, progress: ProgressCallback | None = None) -> LoadInfo:
-        return load_weights_into(self.model, self.model_config, self.load_format, progress, seed=self.seed)
+        """Load (and quantize, with ``quantization``); ``weights_bytes`` counts every copy held."""
+        info = load_weights_into(self.model, self.model_config, self.load_format, progress, seed=self.seed)
+        if self.quantization is not None:
+            self.model.quantize_weights(self.quantization)
+            info.weights_bytes = self.model.weights_bytes()
+        return info
 
     def allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
         c = self.model_config
@@ -192,6 +201,23 @@ class ModelRunner:
         """Like :meth:`execute` but returns each sampled sequence's logits (tests, scoring)."""
         prepared, logits = self.compute_logits(batch)
         return {s.request_id: logits[i] for i, s in enumerate(prepared.sample_seqs)}
+
+    # ------------------------------------------------------------------ compile
+    def compile(self, warmup_rows: Sequence[int] = (1, 16)) -> float:
+        """``torch.compile`` each layer's dense MLP block (norm, gate/up, SiLU*up,
+        down, residual), with dynamic token counts so every batch shape the engine
+        makes reuses one graph; attention stays eager (its shapes follow the block
+        tables). Warms up at ``warmup_rows`` tokens; returns the seconds spent."""
+        start = time.perf_counter()
+        hidden = self.model_config.hidden_size
+        for layer in self.model.layers:
+            layer.mlp_block = torch.compile(layer.mlp_block, dynamic=True)  # type: ignore[method-assign]
+        with torch.inference_mode():
+            for rows in warmup_rows:
+                x = torch.zeros(rows, hidden, dtype=self.dtype, device=self.device)
+                for layer in self.model.layers:
+                    layer.mlp_block(x)
+        return time.perf_counter() - start
 
     # ------------------------------------------------------------------ profiling
     def profile_run(self, max_num_batched_tokens: int, max_num_seqs: int) -> StepTimings:

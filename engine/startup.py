@@ -189,12 +189,12 @@ def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, i
     with phases.phase("C") as c:
         runner = ModelRunner(model, dtype=dtype, block_size=config.block_size, device=str(device),
                              attention_backend=config.attention_backend, load_format=config.load_format,
-                             seed=config.seed)
+                             seed=config.seed, quantization=config.quantization)
         info = runner.load_weights(progress)
         tokenizer = _tokenizer_for(model) if config.load_format != "dummy" else _dummy_tokenizer(model)
         c.data.update(weights_bytes=info.weights_bytes, load_seconds=info.load_seconds,
                       load_format=info.load_format, source=info.source, num_tensors=info.num_tensors,
-                      weights_cache=info.cache)
+                      weights_cache=info.cache, quantization=config.quantization)
         log.info(f"Model loading took {info.weights_bytes / GiB:.4f} GiB and {info.load_seconds:.2f} seconds"
                  + (f" (weights cache {info.cache})" if info.cache != "none" else ""))
 

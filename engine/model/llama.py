@@ -5,6 +5,12 @@ decodes mixed) and reads/writes the paged KV cache through an
 :class:`~engine.attention.base.AttentionBackend`. Q/K/V and gate/up projections
 are fused into one matrix each at load time: on CPU every matmul call has a
 fixed cost, so 4 instead of 7 per layer matters at decode batch sizes.
+
+``quantize_weights("int8")`` adds a weight-only int8 copy (per-output-channel
+scales) of every projection and of the LM head. Decode-sized batches (at most
+``INT8_MAX_ROWS`` tokens) multiply through torch's int8 CPU kernel, which
+streams half the bytes of bf16 and is 3-4x faster at one row on this CPU;
+bigger batches keep the float weights, where that kernel is slower than bf16.
 """
 
 from __future__ import annotations
@@ -17,6 +23,31 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
+
+QUANTIZATION_METHODS = ("int8",)
+# Rows (tokens) up to which the int8 kernel beats bf16 here (measured: 46 vs 199 us
+# at 1 row of a 3072x576 matmul, 62 vs 193 at 2, 175 vs 113 at 4).
+INT8_MAX_ROWS = 2
+_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-row int8: ``weight ~= q * scale[:, None]``."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.to(weight.dtype)
+
+
+def linear_maybe_int8(module: nn.Module, x: torch.Tensor, name: str, weight: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)``, through the int8 copy ``<name>_int8`` when there is
+    one and the batch is decode-sized."""
+    q = getattr(module, f"{name}_int8", None)
+    if q is None or x.shape[0] > INT8_MAX_ROWS:
+        return F.linear(x, weight, bias)
+    out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), q, getattr(module, f"{name}_int8_scale"))
+    return out if bias is None else out + bias
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -75,19 +106,22 @@ class DecoderLayer(nn.Module):
         tokens = hidden.shape[0]
         residual = hidden
         x = F.rms_norm(hidden, (hidden.shape[-1],), self.input_layernorm, self.eps)
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        qkv = linear_maybe_int8(self, x, "qkv_proj", self.qkv_proj, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         backend.write_kv(k, v, kv_cache, meta.slot_mapping)
         attn = backend.forward(q, kv_cache, meta, 1.0 / math.sqrt(self.head_dim))
-        hidden = residual + F.linear(attn.reshape(tokens, self.q_size), self.o_proj)
+        hidden = residual + linear_maybe_int8(self, attn.reshape(tokens, self.q_size), "o_proj", self.o_proj)
 
-        residual = hidden
+        return self.mlp_block(hidden)
+
+    def mlp_block(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Norm, gate/up, SiLU-and-multiply, down, residual: the part ``torch.compile`` fuses."""
         x = F.rms_norm(hidden, (hidden.shape[-1],), self.post_attention_layernorm, self.eps)
-        gate, up = F.linear(x, self.gate_up_proj).split(self.intermediate_size, dim=-1)
-        return residual + F.linear(F.silu(gate) * up, self.down_proj)
+        gate, up = linear_maybe_int8(self, x, "gate_up_proj", self.gate_up_proj).split(self.intermediate_size, dim=-1)
+        return hidden + linear_maybe_int8(self, F.silu(gate) * up, "down_proj", self.down_proj)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -135,7 +169,29 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head).float()
+        return linear_maybe_int8(self, hidden, "head", head).float()
+
+    # ------------------------------------------------------------------ quantization
+    @torch.no_grad()
+    def quantize_weights(self, method: str) -> None:
+        """Add weight-only quantized copies (buffers, so they count in
+        :meth:`weights_bytes`) of the projections and the LM head; call after loading."""
+        if method not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization {method!r}: use one of {', '.join(QUANTIZATION_METHODS)}")
+        targets: list[tuple[nn.Module, str, torch.Tensor]] = [
+            (self, "head", self.embed_tokens if self.lm_head is None else self.lm_head)
+        ]
+        for layer in self.layers:
+            targets.extend((layer, name, getattr(layer, name)) for name in _PROJECTIONS)
+        for module, name, weight in targets:
+            q, scale = quantize_int8_per_channel(weight)
+            module.register_buffer(f"{name}_int8", q, persistent=False)
+            module.register_buffer(f"{name}_int8_scale", scale, persistent=False)
+
+    def weights_bytes(self) -> int:
+        """Bytes the weights really hold: parameters plus any quantized copies."""
+        tensors = [*self.parameters(), *self.buffers()]
+        return int(sum(t.numel() * t.element_size() for t in tensors))
 
     # ------------------------------------------------------------------ weights
     def _fused_target(self, hf_name: str) -> tuple[torch.Tensor, int, int] | None:
