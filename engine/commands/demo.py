@@ -33,7 +33,8 @@ DEMO_MODEL = "smollm2-135m"
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="the bundled model serving a synthetic load, with the live dashboard")
-    p.add_argument("--num-requests", type=int, default=80, help="requests the synthetic clients send")
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="requests the synthetic clients send (default 80 with the dashboard, 40 headless)")
     p.add_argument("--rate", type=float, default=3.0, help="requests per second (Poisson arrivals)")
     p.add_argument("--prompt-len", default="32:256", metavar="A:B")
     p.add_argument("--output-len", default="16:128", metavar="A:B")
@@ -109,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
     from engine.commands.serve import make_server
 
     headless = args.headless or not sys.stdout.isatty()
+    if args.num_requests is None:
+        args.num_requests = 40 if headless else 80
     if headless:
         configure_logging("json", level="warning")
     else:  # the dashboard owns the terminal
