@@ -225,3 +225,26 @@ def test_cli_bad_inputs_are_one_line_errors(tmp_path: Path, capsys: pytest.Captu
     assert len(err) == 3 and all(line.startswith("monitor: error:") for line in err)
     with pytest.raises(UserError):
         load_timeline(tmp_path / "missing.jsonl")
+
+
+SAMPLES_DIR = Path(__file__).resolve().parent.parent / "samples"
+
+
+@pytest.mark.parametrize(
+    ("name", "steps"),
+    [("smollm2_run.jsonl", (12, 150, 290)), ("sim_h100_llama8b.jsonl", (5, 200, 380))],
+)
+async def test_committed_recordings_seek_to_the_independent_block_table(name: str, steps: tuple[int, ...]) -> None:
+    """The real bundled-model run (with preemptions) and the large simulated
+    H100 run: after "go to step K" the map shows exactly the table at K."""
+    path = SAMPLES_DIR / name
+    events = read_events(path).events
+    last_step = max(e.index for e in events if isinstance(e, StepEvent))
+    app = MonitorApp(timeline=load_timeline(path), source_name=name)
+    async with app.run_test(size=SIZE) as pilot:
+        for k in steps:
+            k = min(k, last_step)
+            await pilot.press("g", *str(k), "enter")
+            await pilot.pause()
+            assert app.view.step == k
+            assert app.query_one(BlockMap).owners_by_block() == owners_at(events, k)
