@@ -44,6 +44,7 @@ target, so a seek costs at most one restore plus ``checkpoint_every`` steps.
 from __future__ import annotations
 
 import bisect
+import gc
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -473,6 +474,10 @@ class Timeline:
         self.arrival_steps: list[int] = sorted({k for k in arrivals if k is not None})
         self._checkpoints: dict[int, dict[str, Any]] = {}
         self._build_checkpoints()
+        # A long recording is hundreds of thousands of long-lived objects; without
+        # this, a full garbage collection sweeping them all lands inside a seek
+        # every so often (measured: 4.3 s stalls on a 100,000-step recording).
+        gc.freeze()
         self.position = 0
         self.view = self.seek(0)
 
