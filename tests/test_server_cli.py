@@ -1,0 +1,62 @@
+"""`engine serve` / `engine demo` command lines: flag errors exit 2 with one
+line before any startup; the headless demo runs end to end (slow)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.cli import main
+from engine.config import bundled_gguf_path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["serve", "--metrics-require-key"], "--metrics-require-key needs an API key"),
+        (["serve", "--port", "70000"], "--port 70000"),
+        (["serve", "--max-waiting-requests", "0"], "--max-waiting-requests 0"),
+        (["serve", "--shutdown-timeout", "-1"], "--shutdown-timeout -1"),
+    ],
+)
+def test_serve_flag_errors_exit_2(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str],
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVSCOPE_API_KEY", raising=False)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and "\n" not in err and "Traceback" not in err
+
+
+def test_serve_accepts_the_gpu_check_flags() -> None:
+    """bench/gpu_check.py starts serve with these; parsing must not change under it."""
+    from engine.cli import build_parser
+    from engine.commands.serve import settings_from_args
+    from engine.flags import engine_config_from_args
+
+    args = build_parser().parse_args([
+        "serve", "--model", "llama-3.1-8b", "--load-format", "dummy", "--device", "cuda", "--attention-backend",
+        "triton", "--max-model-len", "4096", "--port", "18123", "--log-format", "console",
+    ])  # fmt: skip
+    settings = settings_from_args(args)
+    config = engine_config_from_args(args)
+    assert (settings.served_model_name, config.load_format, config.attention_backend) == ("llama-3.1-8b", "dummy",
+                                                                                         "triton")
+    assert args.host == "127.0.0.1" and args.port == 18123
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bundled_gguf_path() is None, reason="the bundled SmolLM2 GGUF is not installed")
+def test_demo_headless_prints_a_summary() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "demo", "--num-requests", "6", "--rate", "4", "--output-len", "4:12",
+         "--duration", "90", "--threads", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "sent 6 of 6 requests" in done.stdout
+    assert "requests: 6 (length 6)" in done.stdout and "TTFT p50" in done.stdout
