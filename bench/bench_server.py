@@ -48,6 +48,7 @@ class LoadResult:
     accepted: int = 0  # streams that answered 200
     completed: int = 0  # streams read to [DONE]
     disconnected: int = 0  # streams the client closed after its first token
+    retried_429: int = 0  # refusals by --max-waiting-requests, retried after Retry-After
     malformed_refused: int = 0
     output_tokens: int = 0  # content chunks received (one token each)
     ttft_s: list[float] = field(default_factory=list)
@@ -76,7 +77,8 @@ class LoadResult:
         tput = self.output_tokens / self.wall_s if self.wall_s else 0.0
         return [
             f"{self.clients} clients in {self.wall_s:.2f} s: statuses {dict(sorted(self.statuses.items()))}, "
-            f"{self.completed} completed, {self.disconnected} disconnected, {self.malformed_refused} malformed refused",
+            f"{self.completed} completed, {self.disconnected} disconnected, {self.malformed_refused} malformed refused, "
+            f"{self.retried_429} retries after 429",
             f"throughput {tput:.1f} output tok/s ({self.output_tokens} tokens), "
             f"{self.completed / self.wall_s if self.wall_s else 0:.1f} completed req/s",
             f"TTFT p50 {p['ttft_p50_ms']:.0f} ms, p90 {p['ttft_p90_ms']:.0f} ms, p99 {p['ttft_p99_ms']:.0f} ms; "
@@ -87,12 +89,28 @@ class LoadResult:
 async def _stream_one(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int, leave_early: bool,
                       result: LoadResult) -> None:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True, "ignore_eos": True}
-    start = time.perf_counter()
+    start = time.perf_counter()  # TTFT as the user sees it: from the first attempt
+    for _ in range(MAX_429_RETRIES):
+        if await _stream_attempt(client, url, body, start, leave_early, result):
+            return
+
+
+MAX_429_RETRIES = 100
+
+
+async def _stream_attempt(client: httpx.AsyncClient, url: str, body: dict[str, Any], start: float,
+                          leave_early: bool, result: LoadResult) -> bool:
+    """One try; False when refused with 429 (after sleeping its Retry-After)."""
     async with client.stream("POST", url, json=body) as response:
         result.count(response.status_code)
+        if response.status_code == 429:
+            await response.aread()
+            result.retried_429 += 1
+            await asyncio.sleep(float(response.headers.get("retry-after", "1")) * random.uniform(0.5, 1.5))
+            return False
         if response.status_code != 200:
             await response.aread()
-            return
+            return True
         result.accepted += 1
         last: float | None = None
         async for line in response.aiter_lines():
@@ -100,11 +118,11 @@ async def _stream_one(client: httpx.AsyncClient, url: str, prompt: str, max_toke
                 continue
             if line == "data: [DONE]":
                 result.completed += 1
-                return
+                return True
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 result.errors.append(str(chunk["error"]))
-                return
+                return True
             if not chunk.get("choices"):
                 continue
             now = time.perf_counter()
@@ -116,7 +134,8 @@ async def _stream_one(client: httpx.AsyncClient, url: str, prompt: str, max_toke
             last = now
             if leave_early:
                 result.disconnected += 1
-                return  # closing the response drops the connection mid-stream
+                return True  # closing the response drops the connection mid-stream
+    return True
 
 
 async def _malformed_one(client: httpx.AsyncClient, url: str, body: bytes, result: LoadResult) -> None:
