@@ -139,6 +139,8 @@ class LLMEngine:
             stop_ids |= self.eos_token_ids
         req = Request(rid, prompt_ids, max_tokens, stop_token_ids=stop_ids, eos_token_id=eos,
                       ignore_eos=params.ignore_eos, arrival_time=self.now(), priority=priority, sampling=params)
+        if self.config.log_prompts:
+            req.prompt_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
         if not self.scheduler.add_request(req, req.arrival_time):
             raise UserError(f"request {rid} rejected: {self.scheduler.rejection_reason(req) or 'cannot fit'}")
         self._detok[rid] = IncrementalDetokenizer(
@@ -174,6 +176,8 @@ class LLMEngine:
             deltas[rid] = detok.add(token)
             if detok.stop_reason is not None:
                 stopped_by_string.add(rid)
+            if self.config.log_prompts:
+                self.scheduler.requests[rid].output_text = detok.text
         sampled = {rid: [tok] for rid, tok in sampled_ids.items()}
         finished = self.scheduler.update_from_output(out, sampled, self.now(), stopped=stopped_by_string)
         t3 = time.perf_counter()

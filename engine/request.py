@@ -71,8 +71,10 @@ class Request:
         "num_hashed_blocks",
         "num_preemptions",
         "num_prompt_tokens",
+        "output_text",
         "output_token_ids",
         "priority",
+        "prompt_text",
         "prompt_token_ids",
         "request_id",
         "sampling",
@@ -105,6 +107,9 @@ class Request:
         self.arrival_order = 0  # set by the scheduler on arrival: breaks ties in arrival_time
         self.priority = priority
         self.sampling = sampling
+        # Text is carried into events only with --log-prompts; otherwise both stay None.
+        self.prompt_text: str | None = None
+        self.output_text: str | None = None
 
         self.status = RequestStatus.WAITING
         # prompt + output, the sequence the KV cache holds; appended to, never rewritten.

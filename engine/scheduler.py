@@ -297,6 +297,7 @@ class Scheduler:
                     prompt_tokens=req.num_prompt_tokens,
                     max_tokens=req.max_tokens,
                     priority=req.priority,
+                    prompt=req.prompt_text,
                 )
             )
         return True
@@ -596,4 +597,5 @@ def finished_event(req: Request) -> RequestFinished:
         decode_time_s=(last - first) if last is not None and first is not None else 0.0,
         inference_time_s=(last - start) if last is not None and start is not None else 0.0,
         inter_token_latencies_s=list(req.inter_token_latencies),
+        output_text=req.output_text,
     )

@@ -191,3 +191,20 @@ def test_refuses_a_max_model_len_the_pool_cannot_hold(tmp_path: Path) -> None:
     assert "4,096" in last and "--max-model-len" in last and "Traceback" not in out.stderr
     failed = [e for e in read_events(events).events if isinstance(e, StartupPhase) and e.status == "failed"]
     assert [e.phase for e in failed] == ["E"] and "4,096" in (failed[0].reason or "")
+
+
+def test_text_reaches_events_only_with_log_prompts(recorded) -> None:
+    llm, events, _, _ = recorded
+    engine = llm.engine
+    start = len(events)
+    llm.generate("The sky is", SamplingParams(temperature=0.0, max_tokens=4))
+    assert all("The sky is" not in json.dumps(e.to_dict()) for e in events[start:])
+    engine.config.log_prompts = True
+    try:
+        start = len(events)
+        out = llm.generate("The sky is", SamplingParams(temperature=0.0, max_tokens=4))[0]
+    finally:
+        engine.config.log_prompts = False
+    arrived = next(e for e in events[start:] if e.type == "request.arrived")
+    finished = next(e for e in events[start:] if e.type == "request.finished")
+    assert arrived.prompt == "The sky is" and finished.output_text == out.text
