@@ -108,18 +108,9 @@ def scheduler_config_from_recording(rec: Recording) -> SchedulerConfig:
     )
     if not num_blocks:
         raise UserError("the recording has no KV pool size (no phase E event and no step): nothing to replay")
-    defaults = SchedulerConfig(num_blocks=1)
     try:
-        return SchedulerConfig(
-            num_blocks=int(num_blocks),
-            block_size=int(e.get("block_size") or cfg.get("block_size") or defaults.block_size),
-            max_num_seqs=int(cfg.get("max_num_seqs") or defaults.max_num_seqs),
-            max_num_batched_tokens=int(cfg.get("max_num_batched_tokens") or defaults.max_num_batched_tokens),
-            max_model_len=int(e.get("max_model_len") or cfg.get("max_model_len") or defaults.max_model_len),
-            enable_prefix_caching=bool(cfg.get("enable_prefix_caching", defaults.enable_prefix_caching)),
-            long_prefill_token_threshold=int(cfg.get("long_prefill_token_threshold") or 0),
-            policy=str(cfg.get("scheduling_policy") or cfg.get("policy") or defaults.policy),
-        )
+        return SchedulerConfig.from_flags(cfg, num_blocks=int(num_blocks), block_size=e.get("block_size"),
+                                          max_model_len=e.get("max_model_len"))
     except (TypeError, ValueError) as exc:
         raise UserError(f"the recording's config cannot drive a scheduler: {exc}") from None
 

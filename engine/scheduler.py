@@ -28,8 +28,9 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.block_pool import BlockDeltas
 from engine.events import (
@@ -59,6 +60,25 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0  # 0 = off
     policy: str = "fcfs"  # fcfs | priority
+
+    @classmethod
+    def from_flags(
+        cls, flags: Mapping[str, Any], *, num_blocks: int, block_size: int | None = None,
+        max_model_len: int | None = None,
+    ) -> SchedulerConfig:
+        """From engine flags under vLLM's names: an EngineConfig's ``to_dict()`` or a
+        recording header's config. Missing flags take the defaults above."""
+        defaults = cls(num_blocks=1)
+        return cls(
+            num_blocks=int(num_blocks),
+            block_size=int(block_size or flags.get("block_size") or defaults.block_size),
+            max_num_seqs=int(flags.get("max_num_seqs") or defaults.max_num_seqs),
+            max_num_batched_tokens=int(flags.get("max_num_batched_tokens") or defaults.max_num_batched_tokens),
+            max_model_len=int(max_model_len or flags.get("max_model_len") or defaults.max_model_len),
+            enable_prefix_caching=bool(flags.get("enable_prefix_caching", defaults.enable_prefix_caching)),
+            long_prefill_token_threshold=int(flags.get("long_prefill_token_threshold") or 0),
+            policy=str(flags.get("scheduling_policy") or flags.get("policy") or defaults.policy),
+        )
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -164,16 +164,8 @@ def build_setup(
             kv_pool_overridden=True,
         )
     try:
-        sched = SchedulerConfig(
-            num_blocks=plan.num_blocks,
-            block_size=plan.block_size,
-            max_num_seqs=eng.max_num_seqs,
-            max_num_batched_tokens=eng.max_num_batched_tokens,
-            max_model_len=plan.max_model_len,
-            enable_prefix_caching=eng.enable_prefix_caching,
-            long_prefill_token_threshold=eng.long_prefill_token_threshold,
-            policy=eng.scheduling_policy,
-        )
+        sched = SchedulerConfig.from_flags(eng.to_dict(), num_blocks=plan.num_blocks, block_size=plan.block_size,
+                                           max_model_len=plan.max_model_len)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     eng.max_model_len = plan.max_model_len

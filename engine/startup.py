@@ -256,16 +256,8 @@ def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, i
         g.data["startup_seconds"] = sum(phases.seconds.values())
         g.data["pid"] = os.getpid()
 
-    scheduler_config = SchedulerConfig(
-        num_blocks=plan.num_blocks,
-        block_size=config.block_size,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        max_model_len=config.max_model_len,
-        enable_prefix_caching=config.enable_prefix_caching,
-        long_prefill_token_threshold=config.long_prefill_token_threshold,
-        policy=config.scheduling_policy,
-    )
+    scheduler_config = SchedulerConfig.from_flags(config.to_dict(), num_blocks=plan.num_blocks,
+                                                  max_model_len=config.max_model_len)
     return StartupResult(config, model, device, runner, tokenizer, plan, scheduler_config, dict(phases.seconds))
 
 
