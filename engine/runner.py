@@ -19,6 +19,7 @@ import torch
 from engine.attention.base import AttentionMetadata, allocate_kv_cache
 from engine.attention.selector import get_attention_backend
 from engine.config import CANONICAL_DTYPE, ModelConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.errors import UserError
 from engine.model.llama import QUANTIZATION_METHODS, LlamaForCausalLM
 from engine.model.loader import LoadInfo, ProgressCallback, load_weights_into
@@ -104,6 +105,7 @@ class ModelRunner:
         self.sampler = Sampler(seed=seed)
         self.kv_caches: list[torch.Tensor] = []
         self.last_timings = StepTimings()
+        self.decode_graphs: DecodeGraphs | None = None  # captured in phase F on CUDA
 
     # ------------------------------------------------------------------ setup
     def load_weights(self, progress: ProgressCallback | None = None) -> LoadInfo:
@@ -181,7 +183,11 @@ class ModelRunner:
         t0 = time.perf_counter()
         prepared = self.prepare(batch)
         t1 = time.perf_counter()
-        hidden = self.model(prepared.input_ids, prepared.positions, self.kv_caches, prepared.meta)
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.can_run(prepared.meta):
+            hidden = graphs.run(prepared.input_ids, prepared.positions, prepared.meta)
+        else:
+            hidden = self.model(prepared.input_ids, prepared.positions, self.kv_caches, prepared.meta)
         logits = self.model.compute_logits(hidden[prepared.sample_rows])
         t2 = time.perf_counter()
         self.last_timings = StepTimings(prepare_s=t1 - t0, forward_s=t2 - t1)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig, ModelConfig, load_model_config
+from engine.cuda_graphs import DecodeGraphs, graphs_supported
 from engine.device import MemoryReading, device_word, measure_peak, read_memory, resolve_device, versions
 from engine.errors import BudgetError, UserError
 from engine.events import PHASES, EngineConfigEvent, EventBus, StartupPhase
@@ -242,8 +243,18 @@ def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, i
 
     with phases.phase("F") as f:
         if device.type == "cuda":
-            f.skipped = ("CUDA-graph capture is not implemented yet; decode runs eagerly"
-                         if not config.enforce_eager else "--enforce-eager")
+            reason = graphs_supported(device, config.enforce_eager)
+            if reason is not None:
+                f.skipped = reason
+            else:
+                graphs = DecodeGraphs(runner.model, runner.kv_caches, config.block_size, config.max_model_len, device)
+                sizes = [s for s in config.cuda_graph_sizes if s <= config.max_num_seqs]
+                report = graphs.capture(sizes)
+                runner.decode_graphs = graphs
+                f.data.update(cuda_graph_bytes=report.graph_bytes, batch_sizes=report.batch_sizes,
+                              capture_seconds=report.seconds)
+                log.info(f"Graph capturing finished in {report.seconds:.0f} secs, took "
+                         f"{report.graph_bytes / GiB:.2f} GiB")
         elif config.compile:
             start = time.perf_counter()
             runner.compile()
