@@ -109,10 +109,12 @@ class KvscopeEngine:
 
         self.label = label
         self.tmp = tempfile.TemporaryDirectory()
-        extra: dict[str, Any] = {"stats_interval": 0.0}
+        # A fixed 1 GiB KV pool: several engines live in this process, so the
+        # default "0.9 x free memory" budget would refuse the later ones.
+        extra: dict[str, Any] = {"stats_interval": 0.0, "kv_cache_memory_bytes": 1 << 30}
         self.events_seen = 0
         if observability:
-            extra = {"stats_interval": 10.0, "events": str(Path(self.tmp.name) / "run.jsonl")}
+            extra.update(stats_interval=10.0, events=str(Path(self.tmp.name) / "run.jsonl"))
         start = time.perf_counter()
         self.llm = LLM(threads=threads, **extra, **flags)
         self.startup_s = time.perf_counter() - start
