@@ -20,7 +20,9 @@ def phase_detail(phase: PhaseView) -> str:
     for key, value in phase.data.items():
         if key.endswith("_bytes") and isinstance(value, int | float):
             parts.append(f"{key[:-6]} {value / GiB:.2f} GiB")
-        elif isinstance(value, int | float | str | bool):
+        elif isinstance(value, float):
+            parts.append(f"{key} {value:.4g}")
+        elif isinstance(value, int | str | bool):
             parts.append(f"{key} {value}")
     return ", ".join(parts)
 

@@ -38,7 +38,7 @@ class StepCharts(Vertical):
             values = list(series[key])[-width:]
             latest = values[-1] if values else 0
             peak = max(values) if values else 0
-            self.query_one(f"#chart-label-{key}", Label).update(f"{title}: {latest:.6g} (max {peak:.6g})")
+            self.query_one(f"#chart-label-{key}", Label).update(f"{title}: {latest:.4g} (max {peak:.4g})")
             self.query_one(f"#chart-{key}", Sparkline).data = values or [0.0]
         preempted = list(series["preempted"])[-width:]
         ruler = Text()
