@@ -241,11 +241,14 @@ class MonitorApp(App[None]):
 
     @on(BlockMap.LegendChanged)
     def _legend_changed(self, message: BlockMap.LegendChanged) -> None:
-        self.query_one("#blockmap-legend", Label).update(message.legend)
+        for legend in self.query("#blockmap-legend").results(Label):
+            legend.update(message.legend)
 
     @on(Queues.RequestSelected)
     def _select_request(self, message: Queues.RequestSelected) -> None:
-        self.query_one(BlockMap).selected = message.request_id
+        # A selection can arrive while the screen is being torn down; nothing to highlight then.
+        for block_map in self.query(BlockMap):
+            block_map.selected = message.request_id
 
 
 def run_live(bus: EventBus, snapshot_fn: Callable[[], dict[str, Any]] | None = None,
