@@ -13,6 +13,7 @@ during the run and subtracts them when the storage is freed.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import weakref
 from dataclasses import asdict, dataclass
@@ -108,11 +109,9 @@ def read_memory(device: torch.device, device_memory_gib: float | None = None) ->
 
 def versions(device: torch.device) -> dict[str, Any]:
     out: dict[str, Any] = {"torch": torch.__version__, "device": str(device), "threads": torch.get_num_threads()}
-    try:
-        import triton
-
-        out["triton"] = triton.__version__
-    except Exception:  # triton is optional at run time on CPU
+    try:  # the version from metadata: importing triton on a CPU machine costs time and exit-time noise
+        out["triton"] = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
         out["triton"] = None
     if device.type == "cuda":
         out["cuda"] = torch.version.cuda
