@@ -224,7 +224,7 @@ class VllmEngine:
             subprocess.run([sys.executable, "-m", "engine.cli", "export-hf", "smollm2-135m", str(hf_dir),
                             "--dtype", "bfloat16"], check=True, cwd=ROOT)
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", OMP_NUM_THREADS=str(threads),
-                   VLLM_CPU_OMP_THREADS_BIND="all")
+                   VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}")
         start = time.perf_counter()
         self.proc = subprocess.Popen(
             [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),

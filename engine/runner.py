@@ -127,6 +127,19 @@ class ModelRunner:
             )
         return self.kv_caches
 
+    def enable_cpu_decode_kernel(self) -> str | None:
+        """Route pure-decode attention through the compiled CPU kernel
+        (engine/attention/cpu_decode.py). Returns None when enabled, else why not."""
+        from engine.attention import cpu_decode
+        from engine.attention.torch_backend import TorchAttentionBackend
+
+        if self.device.type != "cpu" or not isinstance(self.backend, TorchAttentionBackend):
+            return "only the torch backend on CPU uses it"
+        if cpu_decode.load_kernel() is None:
+            return cpu_decode.UNAVAILABLE_REASON or "the kernel could not be built"
+        self.backend.decode_kernel = cpu_decode.paged_decode
+        return None
+
     @property
     def num_blocks(self) -> int:
         return int(self.kv_caches[0].shape[0]) if self.kv_caches else 0

@@ -255,13 +255,19 @@ def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, i
                               capture_seconds=report.seconds)
                 log.info(f"Graph capturing finished in {report.seconds:.0f} secs, took "
                          f"{report.graph_bytes / GiB:.2f} GiB")
-        elif config.compile:
-            start = time.perf_counter()
-            runner.compile()
-            f.data["compile_seconds"] = time.perf_counter() - start
-            log.info(f"torch.compile of the decode step took {f.data['compile_seconds']:.2f} s")
         else:
-            f.skipped = "CPU: no CUDA graphs; pass --compile to torch.compile the decode step"
+            start = time.perf_counter()
+            unavailable = runner.enable_cpu_decode_kernel()
+            f.data["cpu_decode_kernel"] = unavailable or "enabled"
+            f.data["kernel_seconds"] = time.perf_counter() - start
+            log.info(f"CPU paged-decode kernel: {unavailable or 'enabled'} ({f.data['kernel_seconds']:.2f} s)")
+            if config.compile:
+                start = time.perf_counter()
+                runner.compile()
+                f.data["compile_seconds"] = time.perf_counter() - start
+                log.info(f"torch.compile of the decode step took {f.data['compile_seconds']:.2f} s")
+            elif unavailable is not None:
+                f.skipped = f"CPU: no CUDA graphs; decode kernel unavailable ({unavailable}); --compile not given"
 
     with phases.phase("G") as g:
         g.data["startup_seconds"] = sum(phases.seconds.values())

@@ -16,6 +16,7 @@ are built once per :class:`AttentionMetadata` and reused by all layers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,9 @@ class TorchAttentionBackend:
     name = "torch"
 
     def __init__(self) -> None:
+        # Set by ModelRunner.enable_cpu_decode_kernel() (startup phase F): a
+        # compiled kernel that reads the paged cache in place for pure decodes.
+        self.decode_kernel: Callable[..., torch.Tensor] | None = None
         self._plan_meta: AttentionMetadata | None = None
         self._plan_group = 0
         self._plan: _BatchPlan | None = None
@@ -85,6 +89,8 @@ class TorchAttentionBackend:
         block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
         group = num_heads // num_kv_heads
         seqs = meta.num_seqs
+        if self.decode_kernel is not None and meta.is_pure_decode:
+            return self.decode_kernel(query, kv_cache, meta.block_tables, meta.seq_lens, scale)
         plan = self._plan_for(meta, group, block_size)
 
         # [seqs, blocks, 2, block_size, kv_heads, head_dim] -> K, V as [seqs, kv_heads, context, head_dim]
