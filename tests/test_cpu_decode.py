@@ -70,3 +70,37 @@ def test_backend_uses_the_kernel_only_for_pure_decode(kernel: object) -> None:
     with_kernel = backend.forward(query, kv, meta, 0.125)
     without = TorchAttentionBackend().forward(query, kv, meta, 0.125)
     assert torch.allclose(with_kernel, without, atol=1e-5)
+
+
+def test_mixed_batch_with_kernel_matches_the_padded_path(kernel: object) -> None:
+    """Prefill chunks (one from scratch, one on cached context) mixed with decodes."""
+    gen = torch.Generator().manual_seed(11)
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    seq_lens, query_lens = [50, 1 + 80, 37, 200], [50, 20, 1, 1]
+    num_blocks = 40
+    kv = torch.randn(num_blocks, 2, block_size, kv_heads, head_dim, generator=gen)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(-(-n // block_size) for n in seq_lens)
+    tables, used = [], 0
+    for n in seq_lens:
+        k = -(-n // block_size)
+        tables.append(order[used : used + k] + [0] * (width - k))
+        used += k
+    tokens = sum(query_lens)
+    query = torch.randn(tokens, heads, head_dim, generator=gen)
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(tokens, dtype=torch.int64),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+        query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
+    )
+    with_kernel = TorchAttentionBackend()
+    with_kernel.decode_kernel = cpu_decode.paged_decode
+    fast = with_kernel.forward(query, kv, meta, head_dim**-0.5)
+    reference = TorchAttentionBackend().forward(query, kv, meta, head_dim**-0.5)
+    assert torch.allclose(fast, reference, atol=1e-5, rtol=1e-4)

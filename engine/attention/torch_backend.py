@@ -89,8 +89,11 @@ class TorchAttentionBackend:
         block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
         group = num_heads // num_kv_heads
         seqs = meta.num_seqs
-        if self.decode_kernel is not None and meta.is_pure_decode:
-            return self.decode_kernel(query, kv_cache, meta.block_tables, meta.seq_lens, scale)
+        if self.decode_kernel is not None:
+            if meta.is_pure_decode:
+                return self.decode_kernel(query, kv_cache, meta.block_tables, meta.seq_lens, scale)
+            if meta.query_lens_cpu is not None and meta.seq_lens_cpu is not None:
+                return self._mixed_with_kernel(query, kv_cache, meta, scale, group)
         plan = self._plan_for(meta, group, block_size)
 
         # [seqs, blocks, 2, block_size, kv_heads, head_dim] -> K, V as [seqs, kv_heads, context, head_dim]
@@ -114,3 +117,44 @@ class TorchAttentionBackend:
         out = out.view(seqs, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
         out = out.reshape(seqs, max_q, num_heads, head_dim)
         return out[plan.seq_index, plan.row_index]
+
+    def _mixed_with_kernel(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, group: int
+    ) -> torch.Tensor:
+        """A batch with prefill chunks: decodes go through the kernel together;
+        each prefill chunk gets its own SDPA over exactly its context, so no
+        padded [seqs, max_q, max_context] mask is built (causal within the chunk,
+        all cached context visible)."""
+        assert self.decode_kernel is not None and meta.query_lens_cpu is not None and meta.seq_lens_cpu is not None
+        block_size, num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
+        query = query.to(kv_cache.dtype)
+        out = torch.empty_like(query)
+        starts = [0]
+        for n in meta.query_lens_cpu:
+            starts.append(starts[-1] + n)
+        decodes = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
+        if decodes:
+            index = torch.tensor(decodes, device=query.device)
+            rows = torch.tensor([starts[i] for i in decodes], device=query.device)
+            out[rows] = self.decode_kernel(query[rows], kv_cache, meta.block_tables[index], meta.seq_lens[index],
+                                           scale)
+        for i, n in enumerate(meta.query_lens_cpu):
+            if n == 1:
+                continue
+            context = meta.seq_lens_cpu[i]
+            blocks = meta.block_tables[i, : -(-context // block_size)].to(torch.int64)
+            kv = kv_cache[blocks]  # [blocks, 2, block_size, kv_heads, head_dim]
+            key = kv[:, 0].reshape(-1, num_kv_heads, head_dim)[:context].transpose(0, 1)
+            value = kv[:, 1].reshape(-1, num_kv_heads, head_dim)[:context].transpose(0, 1)
+            if group > 1:
+                key = key.repeat_interleave(group, dim=0)
+                value = value.repeat_interleave(group, dim=0)
+            q = query[starts[i] : starts[i] + n].transpose(0, 1)  # [heads, n, head_dim]
+            if context == n:
+                o = F.scaled_dot_product_attention(q, key, value, is_causal=True, scale=scale)
+            else:  # row r sits at absolute position context - n + r and sees everything up to it
+                rows_pos = torch.arange(context - n, context, device=query.device)[:, None]
+                mask = torch.arange(context, device=query.device)[None, :] <= rows_pos
+                o = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
+            out[starts[i] : starts[i] + n] = o.transpose(0, 1)
+        return out
