@@ -35,30 +35,40 @@ static void decode_kernel(const q_t* q, const kv_t* kv, const int32_t* block_tab
   const int64_t token_stride = num_kv_heads * head_dim;  // next slot in a block
   const int64_t kv_stride = block_size * token_stride;   // K -> V of the same block
   const int64_t block_stride = 2 * kv_stride;
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * head_dim), acc(group * head_dim), row(head_dim), scores;
+  // A task is one sequence with all its KV heads, so it streams each token's
+  // K and V rows contiguously; with few sequences, split heads too so every
+  // thread has work (single-stream decode).
+  const int64_t heads_per_task = num_seqs >= 2 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t tasks_per_seq = num_kv_heads / heads_per_task;
+  const int64_t rows = heads_per_task * group;  // query heads handled by one task
+  at::parallel_for(0, num_seqs * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(rows * head_dim), acc(rows * head_dim), row(heads_per_task * head_dim), scores;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / num_kv_heads, h = task % num_kv_heads;
+      const int64_t s = task / tasks_per_seq, h0 = (task % tasks_per_seq) * heads_per_task;
       const int64_t len = seq_lens[s];
       const int32_t* table = block_tables + s * max_blocks;
-      scores.assign(group * std::max<int64_t>(len, 1), 0.f);
-      for (int64_t g = 0; g < group; ++g)
+      scores.assign(rows * std::max<int64_t>(len, 1), 0.f);
+      // query rows of heads h0*group ... (h0+heads_per_task)*group - 1, in order
+      for (int64_t r = 0; r < rows; ++r)
         for (int64_t d = 0; d < head_dim; ++d)
-          qf[g * head_dim + d] = static_cast<float>(q[(s * num_heads + h * group + g) * head_dim + d]) * scale;
+          qf[r * head_dim + d] = static_cast<float>(q[(s * num_heads + h0 * group + r) * head_dim + d]) * scale;
       for (int64_t t = 0; t < len; ++t) {
-        const kv_t* k = kv + table[t / block_size] * block_stride + (t % block_size) * token_stride + h * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(k[d]);
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qf.data() + g * head_dim;
+        const kv_t* k = kv + table[t / block_size] * block_stride + (t % block_size) * token_stride + h0 * head_dim;
+        const int64_t width = heads_per_task * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < width; ++d) row[d] = static_cast<float>(k[d]);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* qr = qf.data() + r * head_dim;
+          const float* kr = row.data() + (r / group) * head_dim;
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * row[d];
-          scores[g * len + t] = dot;
+          for (int64_t d = 0; d < head_dim; ++d) dot += qr[d] * kr[d];
+          scores[r * len + t] = dot;
         }
       }
-      const int64_t softmax_rows = len > 0 ? group : 0;  // an empty context has nothing to normalise
-      for (int64_t g = 0; g < softmax_rows; ++g) {
-        float* sc = scores.data() + g * len;
+      const int64_t softmax_rows = len > 0 ? rows : 0;  // an empty context has nothing to normalise
+      for (int64_t r = 0; r < softmax_rows; ++r) {
+        float* sc = scores.data() + r * len;
         float peak = sc[0];
         for (int64_t t = 1; t < len; ++t) peak = std::max(peak, sc[t]);
         // Vectorised exp (glibc's libmvec, enabled by -ffast-math): scalar expf was half the kernel.
@@ -74,18 +84,21 @@ static void decode_kernel(const q_t* q, const kv_t* kv, const int32_t* block_tab
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {
         const kv_t* v = kv + table[t / block_size] * block_stride + kv_stride + (t % block_size) * token_stride +
-                        h * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(v[d]);
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * len + t];
-          float* a = acc.data() + g * head_dim;
+                        h0 * head_dim;
+        const int64_t width = heads_per_task * head_dim;
 #pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * row[d];
+        for (int64_t d = 0; d < width; ++d) row[d] = static_cast<float>(v[d]);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float p = scores[r * len + t];
+          const float* vr = row.data() + (r / group) * head_dim;
+          float* a = acc.data() + r * head_dim;
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vr[d];
         }
       }
-      for (int64_t g = 0; g < group; ++g)
+      for (int64_t r = 0; r < rows; ++r)
         for (int64_t d = 0; d < head_dim; ++d)
-          out[(s * num_heads + h * group + g) * head_dim + d] = static_cast<q_t>(acc[g * head_dim + d]);
+          out[(s * num_heads + h0 * group + r) * head_dim + d] = static_cast<q_t>(acc[r * head_dim + d]);
     }
   });
 }
@@ -131,7 +144,7 @@ def load_kernel() -> object | None:
             from torch.utils.cpp_extension import load_inline
 
             _kernel = load_inline(
-                name="kvscope_cpu_decode_v3",
+                name="kvscope_cpu_decode_v4",
                 cpp_sources=_CPP_SOURCE,
                 functions=["paged_decode"],
                 # -fopenmp: ATen's parallel_for is a header template that only
