@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import UserError
+from engine.workload import parse_range as parse_length_range
 
 ARRIVALS = ("at-once", "uniform", "poisson")
 ARRIVAL_UNITS = ("step", "s")
@@ -82,17 +83,8 @@ class WorkloadSpec:
 
 
 def parse_range(text: str, flag: str) -> tuple[int, int]:
-    """``"500:3000"`` -> (500, 3000) (HI exclusive); ``"1000"`` -> (1000, 1001)."""
-    parts = str(text).replace(",", "").replace("_", "").split(":")
-    try:
-        values = [int(p) for p in parts]
-    except ValueError:
-        raise UserError(f"{flag} {text!r}: give LO:HI (HI exclusive) or one number, e.g. 500:3000") from None
-    if len(values) == 1:
-        return values[0], values[0] + 1
-    if len(values) != 2:
-        raise UserError(f"{flag} {text!r}: give LO:HI (HI exclusive) or one number, e.g. 500:3000")
-    return values[0], values[1]
+    """``"500:3000"`` -> (500, 3000) with HI exclusive, as numpy's ``integers`` draws."""
+    return parse_length_range(text, flag, hi_exclusive=True)
 
 
 def generate_workload(spec: WorkloadSpec) -> list[WorkloadRequest]:

@@ -18,15 +18,21 @@ class WorkloadRequest:
     max_tokens: int
 
 
-def parse_range(text: str, flag: str) -> tuple[int, int]:
-    """``"64:512"`` -> (64, 512); ``"128"`` -> (128, 128)."""
-    parts = str(text).split(":")
+def parse_range(text: str, flag: str, hi_exclusive: bool = False) -> tuple[int, int]:
+    """``"64:512"`` -> (64, 512); ``"128"`` -> (128, 128). With ``hi_exclusive``
+    (numpy's ``integers(lo, hi)``, as ``engine simulate`` draws the background's
+    workloads) ``"1000"`` -> (1000, 1001) and LO must be below HI."""
+    parts = str(text).replace(",", "").replace("_", "").split(":")
     try:
-        lo, hi = (int(parts[0]), int(parts[-1])) if len(parts) in (1, 2) else (None, None)
+        values = [int(p) for p in parts] if len(parts) in (1, 2) else []
     except ValueError:
-        lo = hi = None
-    if lo is None or hi is None or lo < 1 or hi < lo:
-        raise UserError(f"{flag} {text!r}: give a length or a range A:B with 1 <= A <= B, for example 64:512")
+        values = []
+    if len(values) == 1:
+        values.append(values[0] + 1 if hi_exclusive else values[0])
+    lo, hi = values if len(values) == 2 else (0, -1)
+    if lo < 1 or hi < lo or (hi_exclusive and hi == lo):
+        kind = "LO:HI with HI exclusive" if hi_exclusive else "A:B with 1 <= A <= B"
+        raise UserError(f"{flag} {text!r}: give a length or a range {kind}, for example 64:512")
     return lo, hi
 
 
