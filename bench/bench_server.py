@@ -16,7 +16,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,8 @@ from typing import Any
 
 import httpx
 import numpy as np
+
+from engine.commands.demo import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -176,12 +177,6 @@ async def run_load(base_url: str, clients: int = 200, disconnect_fraction: float
 
 
 # ------------------------------------------------------------- server process
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start_server(port: int, *extra: str, env: dict[str, str] | None = None,
                  log_path: Path | None = None) -> subprocess.Popen[bytes]:
     """``engine serve`` on 127.0.0.1:``port`` with the bundled model; returns

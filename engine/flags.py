@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 from engine.config import BUNDLED_MODEL_NAME, EngineConfig, parse_dtype
@@ -36,24 +37,25 @@ def _utilization(text: str) -> float:
     return value
 
 
-def _gib(flag: str):
-    def parse(text: str) -> float:
+def _user_error_as_argparse(parse: Callable[[str, str], Any], flag: str) -> Callable[[str], Any]:
+    """An argparse ``type=`` for one of the memory module's parsers, so its one-line
+    UserError becomes argparse's usage error (exit code 2) naming the flag."""
+
+    def convert(text: str) -> Any:
         try:
-            return parse_gib(text, flag)
+            return parse(text, flag)
         except UserError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
-    return parse
+    return convert
 
 
-def _bytes(flag: str):
-    def parse(text: str) -> int:
-        try:
-            return parse_bytes(text, flag)
-        except UserError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
+def gib_type(flag: str) -> Callable[[str], float]:
+    return _user_error_as_argparse(parse_gib, flag)
 
-    return parse
+
+def bytes_type(flag: str) -> Callable[[str], int]:
+    return _user_error_as_argparse(parse_bytes, flag)
 
 
 def add_model_flags(p: argparse.ArgumentParser, positional: bool = False) -> None:
@@ -68,7 +70,7 @@ def add_model_flags(p: argparse.ArgumentParser, positional: bool = False) -> Non
 def add_budget_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=_utilization, default=0.9,
                    help="fraction of device memory kvscope may use (default 0.9)")
-    p.add_argument("--kv-cache-memory-bytes", type=_bytes("--kv-cache-memory-bytes"), default=None,
+    p.add_argument("--kv-cache-memory-bytes", type=bytes_type("--kv-cache-memory-bytes"), default=None,
                    help="KV pool size in bytes (suffixes Ki/Mi/Gi allowed); overrides the utilization arithmetic")
     p.add_argument("--max-model-len", type=_positive_int("--max-model-len"), default=None,
                    help="longest prompt + output per request (default: the model's maximum)")
@@ -91,7 +93,7 @@ def add_engine_flags(p: argparse.ArgumentParser, positional_model: bool = False)
     add_scheduler_flags(p)
     p.add_argument("--load-format", choices=["auto", "gguf", "safetensors", "dummy"], default="auto")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--device-memory", type=_gib("--device-memory"), default=None, metavar="GiB",
+    p.add_argument("--device-memory", type=gib_type("--device-memory"), default=None, metavar="GiB",
                    help="CPU: the memory budget's total (default: available system memory)")
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
     p.add_argument("--compile", action="store_true", help="CPU: torch.compile the decode step in phase F")

@@ -30,6 +30,8 @@ from engine.logs import get_logger
 from engine.memory import (
     GiB,
     MemoryPlan,
+    bytes_per_kv_token,
+    check_plan_fits,
     kv_cache_size_line,
     max_concurrency_line,
     plan_memory,
@@ -150,8 +152,6 @@ def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, i
                         f"({model.max_position_embeddings:,} positions); lower it")
     if config.attention_backend == "auto":
         config.attention_backend = "triton" if device.type == "cuda" else "torch"
-    from engine.memory import bytes_per_kv_token
-
     per_token = bytes_per_kv_token(model, config.kv_cache_dtype, config.tensor_parallel_size, dtype)
     bus.publish(EngineConfigEvent(config=config.to_dict(), model=_model_summary(model, dtype, per_token)))
     phases = PhaseRecorder(bus, device, config.device_memory_gib, log)
@@ -228,8 +228,6 @@ def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, i
             capped = True
         e.data.update(plan.phase_data()["E"])
         e.data["cpu_default_cap"] = capped
-        from engine.memory import check_plan_fits
-
         check_plan_fits(plan)
         runner.allocate_kv_cache(plan.num_blocks)
         word = device_word(device)

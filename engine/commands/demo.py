@@ -46,7 +46,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on the loopback interface."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -117,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     else:  # the dashboard owns the terminal
         configure_logging("json", level="warning", stream=open(os.devnull, "w"))  # noqa: SIM115
     config = demo_config(args)
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     summary = SummaryCollector()
     bus = EventBus()

@@ -19,7 +19,7 @@ from rich.text import Text
 from engine.config import ModelConfig, load_model_config
 from engine.errors import UserError
 from engine.events import PHASES, EngineConfigEvent, EventBus, JsonlSink, StartupPhase
-from engine.flags import _gib, add_budget_flags, add_model_flags, add_scheduler_flags, model_from_args
+from engine.flags import add_budget_flags, add_model_flags, add_scheduler_flags, gib_type, model_from_args
 from engine.memory import (
     GiB,
     MemoryPlan,
@@ -46,13 +46,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_budget_flags(p)
     add_scheduler_flags(p)
     p.add_argument("--gpu", default=None, help="GPU preset (h100-80gb, h200, a100-80gb, a100-40gb, l40s, l4, rtx-4090, rtx-3090)")
-    p.add_argument("--gpu-memory", type=_gib("--gpu-memory"), default=None, metavar="GiB",
+    p.add_argument("--gpu-memory", type=gib_type("--gpu-memory"), default=None, metavar="GiB",
                    help="total device memory in GiB, instead of --gpu")
-    p.add_argument("--weights", type=_gib("--weights"), default=None, metavar="GiB",
+    p.add_argument("--weights", type=gib_type("--weights"), default=None, metavar="GiB",
                    help="weights size (default: exact parameter count from the shapes x dtype bytes)")
-    p.add_argument("--activation-peak", type=_gib("--activation-peak"), default=None, metavar="GiB",
+    p.add_argument("--activation-peak", type=gib_type("--activation-peak"), default=None, metavar="GiB",
                    help="phase D peak (default: estimated from the shapes)")
-    p.add_argument("--non-torch", type=_gib("--non-torch"), default=None, metavar="GiB",
+    p.add_argument("--non-torch", type=gib_type("--non-torch"), default=None, metavar="GiB",
                    help="non-torch memory (default: estimated)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--events", default=None, metavar="PATH", help="write the planned startup as a JSONL event file")
