@@ -7,8 +7,8 @@ step. This kernel reads K and V in place through the block table, one
 (sequence, KV head) pair per task on torch's intra-op thread pool, and never
 copies the context.
 
-It is compiled once per machine with ``torch.utils.cpp_extension.load_inline``
-(cached under ``~/.cache/torch_extensions``). When no compiler or ninja is
+It is compiled once per CPU type and torch version into kvscope's kernel cache
+(:mod:`engine.kernels.build`, shared by every checkout and venv). When no compiler or ninja is
 available, :func:`load_kernel` returns None and the torch path is used; the
 reason is kept in :data:`UNAVAILABLE_REASON` for the startup event.
 """
@@ -17,8 +17,12 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 
 import torch
+
+from engine.kernels.build import BuildReport, KernelSpec
+from engine.kernels.build import load_kernel as build_kernel
 
 _CPP_SOURCE = r"""
 #include <torch/extension.h>
@@ -123,16 +127,20 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor kv_cache, torch::T
 }
 """
 
+SPEC = KernelSpec(name="kvscope_cpu_decode", source=_CPP_SOURCE, functions=("paged_decode",))
+
 _lock = threading.Lock()
 _kernel: object | None = None
 _tried = False
 UNAVAILABLE_REASON: str | None = None
+LAST_BUILD: BuildReport | None = None
 
 
-def load_kernel() -> object | None:
+def load_kernel(log: Callable[[str], None] | None = None) -> object | None:
     """The compiled module (with ``paged_decode``), or None when it cannot be built
-    here or ``KVSCOPE_CPU_DECODE_KERNEL=0`` turns it off."""
-    global _kernel, _tried, UNAVAILABLE_REASON
+    here or ``KVSCOPE_CPU_DECODE_KERNEL=0`` turns it off. Built once per CPU type
+    and torch version into the shared kernel cache (engine/kernels/build.py)."""
+    global _kernel, _tried, UNAVAILABLE_REASON, LAST_BUILD
     with _lock:
         if _tried:
             return _kernel
@@ -140,22 +148,8 @@ def load_kernel() -> object | None:
         if os.environ.get("KVSCOPE_CPU_DECODE_KERNEL", "1") == "0":
             UNAVAILABLE_REASON = "KVSCOPE_CPU_DECODE_KERNEL=0"
             return None
-        try:
-            from torch.utils.cpp_extension import load_inline
-
-            _kernel = load_inline(
-                name="kvscope_cpu_decode_v4",
-                cpp_sources=_CPP_SOURCE,
-                functions=["paged_decode"],
-                # -fopenmp: ATen's parallel_for is a header template that only
-                # spreads work over the intra-op threads when OpenMP is on.
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
-        except Exception as exc:  # no compiler, no ninja, no headers: the torch path still works
-            UNAVAILABLE_REASON = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-            _kernel = None
+        _kernel, LAST_BUILD = build_kernel(SPEC, log)
+        UNAVAILABLE_REASON = LAST_BUILD.reason if _kernel is None else None
         return _kernel
 
 
