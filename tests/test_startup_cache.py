@@ -7,7 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model.startup_cache import CACHE_ENV, cached_tokenizer, weights_path
+from engine.model.startup_cache import (
+    CACHE_ENV,
+    cache_key,
+    cached_tokenizer,
+    content_fingerprint,
+    prune_cache,
+    weights_path,
+)
 from engine.runner import ModelRunner
 
 
@@ -57,3 +64,42 @@ def test_cached_tokenizer_matches_the_gguf_build(smollm_config, smollm_tokenizer
         assert tok.special_token_ids == smollm_tokenizer.special_token_ids
     ids = smollm_tokenizer.encode(text)
     assert second.decode(ids) == smollm_tokenizer.decode(ids)
+
+
+def test_entries_are_keyed_by_content_not_path(tmp_path: Path) -> None:
+    """Two checkouts (or venvs) holding the same file share one entry; any byte of the
+    header or the tail, or the length, changes the key."""
+    body = bytes(range(256)) * 20_000  # ~5 MB: head and tail spans do not overlap
+    first, second = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf"
+    for path in (first, second):
+        path.parent.mkdir()
+        path.write_bytes(body)
+    assert cache_key(first, "torch.float32") == cache_key(second, "torch.float32")
+    assert cache_key(first, "torch.float32") != cache_key(first, "torch.bfloat16")
+    before = content_fingerprint(second)
+    for offset in (10, len(body) - 10):
+        changed = bytearray(body)
+        changed[offset] ^= 0xFF
+        second.write_bytes(bytes(changed))
+        assert content_fingerprint(second) != before, offset
+    second.write_bytes(body + b"x")
+    assert content_fingerprint(second) != before
+
+
+def test_prune_removes_least_recently_used_entries_first(tmp_path: Path) -> None:
+    import os
+
+    entries = []
+    for age, name in enumerate(["new", "middle", "old"]):
+        entry = tmp_path / f"{name}.safetensors"
+        entry.write_bytes(b"x" * 1000)
+        stamp = 1_700_000_000 - age * 100
+        os.utime(entry, (stamp, stamp))
+        entries.append(entry)
+    (tmp_path / "kernels").mkdir()  # kernel builds are not the weights cache's to prune
+    removed = prune_cache(limit_bytes=2000, root=tmp_path)
+    assert removed == [tmp_path / "old.safetensors"]
+    assert prune_cache(limit_bytes=2000, root=tmp_path) == []  # already within the limit
+    removed = prune_cache(limit_bytes=0, root=tmp_path, keep=tmp_path / "new.safetensors")
+    assert removed == [tmp_path / "middle.safetensors"]
+    assert (tmp_path / "new.safetensors").is_file() and (tmp_path / "kernels").is_dir()

@@ -3,15 +3,20 @@ weights (a safetensors file read back through mmap) and the built tokenizer
 (a ``tokenizer.json`` plus its special-token facts).
 
 Dequantizing the GGUF in numpy and rebuilding the BPE from its vocabulary take
-most of a cold start on CPU; both depend only on the file, so they are cached
-under ``$KVSCOPE_CACHE_DIR`` (default ``~/.cache/kvscope``), keyed by the file's
-absolute path, size and mtime (and the dtype for weights). Entries are written
-to a temporary name and renamed, so a crash never leaves a half-written entry
-that a later start would trust. ``KVSCOPE_CACHE_DIR=off`` disables the cache.
+most of a cold start on CPU; both depend only on the file's bytes, so they are
+cached under ``$KVSCOPE_CACHE_DIR`` (default ``~/.cache/kvscope``), keyed by the
+file's *content* (its size and a hash of its first and last MiB: the GGUF header
+with every tensor's name, type and offset, and the tail), never by its path, so
+one entry serves every checkout and venv holding the same wheel. Entries are
+written to a temporary name and renamed, so a crash never leaves a half-written
+entry that a later start would trust. The cache is bounded
+(``$KVSCOPE_CACHE_MAX_GIB``, default 2): after a write, the least recently used
+entries go. ``KVSCOPE_CACHE_DIR=off`` disables the cache.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -22,8 +27,11 @@ from typing import Any
 import torch
 
 # Bump when the cached layout changes (fused parameter names, tokenizer fields).
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2
 CACHE_ENV = "KVSCOPE_CACHE_DIR"
+CACHE_MAX_ENV = "KVSCOPE_CACHE_MAX_GIB"
+DEFAULT_CACHE_MAX_GIB = 2.0
+_FINGERPRINT_SPAN = 1 << 20  # bytes hashed at each end of the source file
 
 
 def cache_dir() -> Path | None:
@@ -34,12 +42,62 @@ def cache_dir() -> Path | None:
     return Path(value) if value else Path.home() / ".cache" / "kvscope"
 
 
+def content_fingerprint(source: Path) -> str:
+    """Size plus a hash of the first and last MiB: changes when the file's tensors,
+    metadata or length do, and is the same for every copy of the file."""
+    size = source.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with source.open("rb") as handle:
+        digest.update(handle.read(_FINGERPRINT_SPAN))
+        if size > 2 * _FINGERPRINT_SPAN:
+            handle.seek(size - _FINGERPRINT_SPAN)
+        digest.update(handle.read(_FINGERPRINT_SPAN))
+    return digest.hexdigest()[:24]
+
+
 def cache_key(source: Path, *parts: str) -> str:
-    """Stable name for an entry derived from ``source``: changes when the file does."""
-    stat = source.stat()
-    text = "|".join([str(CACHE_FORMAT_VERSION), str(source.resolve()), str(stat.st_size),
-                     str(stat.st_mtime_ns), *parts])
+    """Stable name for an entry derived from ``source``'s content (not its path)."""
+    text = "|".join([str(CACHE_FORMAT_VERSION), content_fingerprint(source), *parts])
     return f"{source.stem[:40]}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
+def cache_limit_bytes() -> int:
+    value = os.environ.get(CACHE_MAX_ENV)
+    try:
+        gib = float(value) if value else DEFAULT_CACHE_MAX_GIB
+    except ValueError:
+        gib = DEFAULT_CACHE_MAX_GIB
+    return int(max(gib, 0.0) * 1024**3)
+
+
+def _touch(path: Path) -> None:
+    """Mark an entry as just used (its mtime orders the pruning)."""
+    with contextlib.suppress(OSError):
+        os.utime(path)
+
+
+def prune_cache(limit_bytes: int | None = None, root: Path | None = None, keep: Path | None = None) -> list[Path]:
+    """Delete the least recently used entries until the cache fits ``limit_bytes``
+    (``keep`` is never deleted). Kernel builds under ``kernels/`` are not touched.
+    Returns what was removed."""
+    base = root or cache_dir()
+    if base is None or not base.is_dir():
+        return []
+    limit = cache_limit_bytes() if limit_bytes is None else limit_bytes
+    entries = [p for p in base.iterdir() if p.is_file() and not p.name.startswith(".")]
+    entries.sort(key=lambda p: p.stat().st_mtime)
+    total = sum(p.stat().st_size for p in entries)
+    removed: list[Path] = []
+    for entry in entries:
+        if total <= limit:
+            break
+        if keep is not None and entry == keep:
+            continue
+        size = entry.stat().st_size
+        entry.unlink(missing_ok=True)
+        total -= size
+        removed.append(entry)
+    return removed
 
 
 def _atomic_write(target: Path, write: Any) -> None:
@@ -65,6 +123,7 @@ def load_cached_weights(model: torch.nn.Module, path: Path) -> bool:
     """Fill ``model``'s parameters from a cache entry; False if absent or unusable."""
     if not path.is_file():
         return False
+    _touch(path)
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
@@ -88,6 +147,7 @@ def save_cached_weights(model: torch.nn.Module, path: Path) -> None:
 
     tensors = {name: p.detach().contiguous() for name, p in model.named_parameters()}
     _atomic_write(path, lambda tmp: save_file(tensors, tmp))
+    prune_cache(keep=path)
 
 
 # ---------------------------------------------------------------------- tokenizer
@@ -107,6 +167,8 @@ def cached_tokenizer(source: Path) -> Any:
 
     paths = tokenizer_paths(source)
     if paths is not None and paths[0].is_file() and paths[1].is_file():
+        _touch(paths[0])
+        _touch(paths[1])
         try:
             meta = json.loads(paths[1].read_text())
             backend = BackendTokenizer.from_file(str(paths[0]))
