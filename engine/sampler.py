@@ -83,8 +83,14 @@ class Sampler:
         top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
         top_p = [p.top_p for p in params]
         if min(top_k) < vocab or min(top_p) < 1.0:
-            sorted_logits, sorted_index = logits.sort(dim=-1, descending=True)
-            ranks = torch.arange(vocab, device=device)[None, :]
+            # When every row has a top-k limit, only the first max(k) ranks can
+            # survive: a partial top-k is O(vocab) where a full sort is O(vocab log vocab).
+            width = max(top_k)
+            if width < vocab:
+                sorted_logits, sorted_index = logits.topk(width, dim=-1, sorted=True)
+            else:
+                sorted_logits, sorted_index = logits.sort(dim=-1, descending=True)
+            ranks = torch.arange(width, device=device)[None, :]
             drop = ranks >= torch.tensor(top_k, device=device)[:, None]
             if min(top_p) < 1.0:
                 sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
