@@ -1,0 +1,329 @@
+"""Weight-only int8/int4 GEMV for CPU decode: a decode step is bandwidth-bound on weight bytes, so
+reading GGUF-style 32-weight blocks (Q8_0: 34 bytes, Q4_1: 20 bytes) instead of float32 is the win.
+
+Formats (exactly ggml's, so a GGUF tensor's bytes are used as they are, row by row):
+
+* ``q8_0``: per block of 32 weights an fp16 scale ``d`` then 32 int8 ``q``; ``w = d * q``.
+* ``q4_1``: per block an fp16 ``d``, an fp16 ``m``, then 16 bytes whose low nibbles are
+  weights 0..15 and high nibbles 16..31; ``w = d * q + m``.
+
+A weight ``[out, in]`` is ``uint8 [out, in / 32 * block_bytes]``: each output row's blocks in
+order, so a row streams contiguously and rows are split over torch's intra-op threads
+(``at::parallel_for``). Each block is widened to float32 in registers once and multiplied into
+up to 8 activation rows (float32 activations, so no activation-quantization error; the Q8 x Q4
+``maddubs`` route of llama.cpp was not needed to reach the bandwidth limit at one row). AVX-512,
+AVX2+FMA and scalar paths; ``in`` must be a multiple of 32.
+
+Measured (bench/bench_gemv.py; AVX2, Zen 3, 2 threads, machine shared): see the table at
+the end of this docstring.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+
+import torch
+
+from engine.kernels.build import BuildReport, KernelSpec
+from engine.kernels.build import load_kernel as build_kernel
+
+KERNEL_ENV = "KVSCOPE_CPU_GEMV_KERNEL"
+QK = 32  # weights per block
+BLOCK_BYTES = {"q8_0": 2 + QK, "q4_1": 4 + QK // 2}
+FORMATS = tuple(BLOCK_BYTES)
+
+_CPP_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cstdint>
+#include <cstring>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+static inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal
+      exp = 113;
+      while (!(mant & 0x400)) { mant <<= 1; --exp; }
+      bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+// ---------------------------------------------------------------- block formats
+struct Q8_0 {
+  static constexpr int kBytes = 34;
+  static inline void scalar(const uint8_t* b, float* w) {
+    const float d = half_to_float(b);
+    const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
+    for (int i = 0; i < 32; ++i) w[i] = d * (float)q[i];
+  }
+#if defined(__AVX512F__)
+  static inline void v512(const uint8_t* b, __m512* w) {
+    const __m512 d = _mm512_set1_ps(half_to_float(b));
+    const __m128i q0 = _mm_loadu_si128((const __m128i*)(b + 2)), q1 = _mm_loadu_si128((const __m128i*)(b + 18));
+    w[0] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)));
+    w[1] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)));
+  }
+#endif
+#if defined(__AVX2__)
+  static inline void v256(const uint8_t* b, __m256* w) {
+    const __m256 d = _mm256_set1_ps(half_to_float(b));
+    for (int k = 0; k < 4; ++k) {
+      const __m128i q = _mm_loadl_epi64((const __m128i*)(b + 2 + 8 * k));
+      w[k] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+    }
+  }
+#endif
+};
+
+struct Q4_1 {
+  static constexpr int kBytes = 20;
+  static inline void scalar(const uint8_t* b, float* w) {
+    const float d = half_to_float(b), m = half_to_float(b + 2);
+    for (int i = 0; i < 16; ++i) {
+      w[i] = d * (float)(b[4 + i] & 15) + m;
+      w[i + 16] = d * (float)(b[4 + i] >> 4) + m;
+    }
+  }
+#if defined(__AVX512F__)
+  static inline void v512(const uint8_t* b, __m512* w) {
+    const __m512 d = _mm512_set1_ps(half_to_float(b)), m = _mm512_set1_ps(half_to_float(b + 2));
+    const __m512i t = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(b + 4)));
+    w[0] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(t, _mm512_set1_epi32(15))), m);
+    w[1] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(t, 4)), m);
+  }
+#endif
+#if defined(__AVX2__)
+  static inline void v256(const uint8_t* b, __m256* w) {
+    const __m256 d = _mm256_set1_ps(half_to_float(b)), m = _mm256_set1_ps(half_to_float(b + 2));
+    // Each byte widened to an int32 lane holds two weights: low nibble j, high nibble j + 16.
+    const __m256i t0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(b + 4)));
+    const __m256i t1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(b + 12)));
+    const __m256i low = _mm256_set1_epi32(15);
+    w[0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(t0, low)), m);
+    w[1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(t1, low)), m);
+    w[2] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(t0, 4)), m);
+    w[3] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(t1, 4)), m);
+  }
+#endif
+};
+
+// ---------------------------------------------------------------- one weight row x R activation rows
+// y[r * ldy] = dot(weight row, x[r * K ...]) for r < R. The block is widened once, then used R times.
+template <class F, int R>
+static inline void row_tile(const uint8_t* wrow, int64_t nb, const float* x, int64_t K, float* y, int64_t ldy) {
+#if defined(__AVX512F__)
+  constexpr int NA = R >= 4 ? 1 : 2;  // independent accumulator chains per row
+  __m512 acc[R][NA];
+  for (int r = 0; r < R; ++r)
+    for (int a = 0; a < NA; ++a) acc[r][a] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512 w[2];
+    F::v512(wrow + b * F::kBytes, w);
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + r * K + b * 32;
+      acc[r][0] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xr), acc[r][0]);
+      acc[r][1 % NA] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xr + 16), acc[r][1 % NA]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m512 s = acc[r][0];
+    for (int a = 1; a < NA; ++a) s = _mm512_add_ps(s, acc[r][a]);
+    y[r * ldy] = _mm512_reduce_add_ps(s);
+  }
+#elif defined(__AVX2__)
+  constexpr int NA = R >= 8 ? 1 : (R >= 3 ? 2 : 4);
+  __m256 acc[R][NA];
+  for (int r = 0; r < R; ++r)
+    for (int a = 0; a < NA; ++a) acc[r][a] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256 w[4];
+    F::v256(wrow + b * F::kBytes, w);
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + r * K + b * 32;
+      for (int k = 0; k < 4; ++k) acc[r][k % NA] = _mm256_fmadd_ps(w[k], _mm256_loadu_ps(xr + 8 * k), acc[r][k % NA]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m256 s = acc[r][0];
+    for (int a = 1; a < NA; ++a) s = _mm256_add_ps(s, acc[r][a]);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    y[r * ldy] = _mm_cvtss_f32(h);
+  }
+#else
+  float acc[R] = {0.f};
+  float w[32];
+  for (int64_t b = 0; b < nb; ++b) {
+    F::scalar(wrow + b * F::kBytes, w);
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + r * K + b * 32;
+      float s = 0.f;
+      for (int i = 0; i < 32; ++i) s += w[i] * xr[i];
+      acc[r] += s;
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r * ldy] = acc[r];
+#endif
+}
+
+template <class F>
+static void gemv_rows(const uint8_t* W, int64_t N, int64_t K, const float* x, int64_t M, float* y) {
+  const int64_t nb = K / 32, row_bytes = nb * F::kBytes;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* wrow = W + n * row_bytes;
+      int64_t r = 0;
+      for (; r + 8 <= M; r += 8) row_tile<F, 8>(wrow, nb, x + r * K, K, y + r * N + n, N);
+      const float* xr = x + r * K;
+      float* yr = y + r * N + n;
+      switch (M - r) {
+        case 1: row_tile<F, 1>(wrow, nb, xr, K, yr, N); break;
+        case 2: row_tile<F, 2>(wrow, nb, xr, K, yr, N); break;
+        case 3: row_tile<F, 3>(wrow, nb, xr, K, yr, N); break;
+        case 4: row_tile<F, 4>(wrow, nb, xr, K, yr, N); break;
+        case 5: row_tile<F, 5>(wrow, nb, xr, K, yr, N); break;
+        case 6: row_tile<F, 6>(wrow, nb, xr, K, yr, N); break;
+        case 7: row_tile<F, 7>(wrow, nb, xr, K, yr, N); break;
+        default: break;
+      }
+    }
+  });
+}
+
+template <class F>
+static torch::Tensor gemv(torch::Tensor x, torch::Tensor w, const char* name) {
+  TORCH_CHECK(x.dim() == 2, name, ": x must be [rows, in]");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8, name, ": weight blocks must be uint8 [out, bytes]");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(K % 32 == 0, name, ": in-features (", K, ") must be a multiple of 32");
+  TORCH_CHECK(w.size(1) == K / 32 * F::kBytes, name, ": weight has ", w.size(1), " bytes a row, in-features ", K,
+              " need ", K / 32 * F::kBytes);
+  auto xf = x.to(torch::kFloat).contiguous();
+  w = w.contiguous();
+  auto y = torch::empty({M, N}, xf.options());
+  if (M > 0 && N > 0)
+    gemv_rows<F>(w.data_ptr<uint8_t>(), N, K, xf.data_ptr<float>(), M, y.data_ptr<float>());
+  return x.scalar_type() == torch::kFloat ? y : y.to(x.scalar_type());
+}
+
+torch::Tensor gemv_q8_0(torch::Tensor x, torch::Tensor w) { return gemv<Q8_0>(x, w, "gemv_q8_0"); }
+torch::Tensor gemv_q4_1(torch::Tensor x, torch::Tensor w) { return gemv<Q4_1>(x, w, "gemv_q4_1"); }
+
+std::string isa() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+"""
+
+SPEC = KernelSpec(name="kvscope_cpu_gemv", source=_CPP_SOURCE, functions=("gemv_q8_0", "gemv_q4_1", "isa"))
+
+_lock = threading.Lock()
+_kernel: object | None = None
+_tried = False
+UNAVAILABLE_REASON: str | None = None
+LAST_BUILD: BuildReport | None = None
+
+
+def load_kernel(log: Callable[[str], None] | None = None) -> object | None:
+    """The compiled module (``gemv_q8_0``, ``gemv_q4_1``, ``isa``), or None when it cannot
+    be built here or ``KVSCOPE_CPU_GEMV_KERNEL=0`` turns it off (checked on every call)."""
+    global _kernel, _tried, UNAVAILABLE_REASON, LAST_BUILD
+    if os.environ.get(KERNEL_ENV, "1") == "0":
+        UNAVAILABLE_REASON = f"{KERNEL_ENV}=0"
+        return None
+    with _lock:
+        if not _tried:
+            _tried = True
+            _kernel, LAST_BUILD = build_kernel(SPEC, log)
+        UNAVAILABLE_REASON = LAST_BUILD.reason if _kernel is None and LAST_BUILD is not None else None
+        return _kernel
+
+
+def gemv(x: torch.Tensor, blocks: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``x [rows, in] @ W.T`` for ``W`` in ``fmt`` blocks ``[out, in/32*bytes]``; float32
+    (or ``x``'s dtype) ``[rows, out]``. Needs the kernel (:func:`load_kernel`)."""
+    kernel = load_kernel()
+    assert kernel is not None, UNAVAILABLE_REASON
+    fn = kernel.gemv_q4_1 if fmt == "q4_1" else kernel.gemv_q8_0  # type: ignore[attr-defined]
+    return fn(x, blocks)
+
+
+# ---------------------------------------------------------------------- packing (torch)
+def _check_in_features(weight: torch.Tensor) -> None:
+    if weight.dim() != 2 or weight.shape[1] % QK:
+        raise ValueError(f"block quantization needs [out, in] with in a multiple of {QK}, got {tuple(weight.shape)}")
+
+
+def _half_bytes(values: torch.Tensor) -> torch.Tensor:
+    """fp16 values ``[out, nb]`` -> their bytes ``[out, nb, 2]`` (little-endian, as ggml)."""
+    return values.to(torch.float16).contiguous().view(torch.uint8).view(*values.shape, 2)
+
+
+def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """ggml's Q8_0 of a float weight: ``d = amax / 127`` (fp16) per 32, ``q = round(w / d)``."""
+    _check_in_features(weight)
+    out, k = weight.shape
+    w = weight.float().reshape(out, k // QK, QK)
+    d = (w.abs().amax(dim=-1) / 127.0).to(torch.float16)
+    inv = torch.where(d.float() > 0, 1.0 / d.float(), torch.zeros_like(d, dtype=torch.float32))
+    q = torch.round(w * inv[..., None]).clamp(-127, 127).to(torch.int8)
+    blocks = torch.cat([_half_bytes(d), q.view(torch.uint8)], dim=-1)
+    return blocks.reshape(out, -1).contiguous()
+
+
+def quantize_q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """ggml's Q4_1 of a float weight: ``m = min``, ``d = (max - min) / 15`` (both fp16) per 32,
+    ``q = round((w - m) / d)`` in 0..15 (computed with the fp16-rounded ``d`` and ``m``)."""
+    _check_in_features(weight)
+    out, k = weight.shape
+    w = weight.float().reshape(out, k // QK, QK)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    d = ((hi - lo) / 15.0).to(torch.float16)
+    m = lo.to(torch.float16)
+    inv = torch.where(d.float() > 0, 1.0 / d.float(), torch.zeros_like(d, dtype=torch.float32))
+    q = torch.round((w - m.float()[..., None]) * inv[..., None]).clamp(0, 15).to(torch.uint8)
+    packed = q[..., : QK // 2] | (q[..., QK // 2 :] << 4)
+    blocks = torch.cat([_half_bytes(d), _half_bytes(m), packed], dim=-1)
+    return blocks.reshape(out, -1).contiguous()
+
+
+def dequantize(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
+    """float32 ``[out, in]`` of ``fmt`` blocks (the torch reference and fallback)."""
+    size = BLOCK_BYTES[fmt]
+    out = blocks.shape[0]
+    b = blocks.reshape(out, -1, size)
+    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [out, nb, 1]
+    if fmt == "q8_0":
+        q = b[..., 2:].contiguous().view(torch.int8).float()
+        return (d * q).reshape(out, -1)
+    m = b[..., 2:4].contiguous().view(torch.float16).float()
+    nibbles = b[..., 4:]
+    q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).float()
+    return (d * q + m).reshape(out, -1)
