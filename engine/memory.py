@@ -1,6 +1,7 @@
 """The memory budget: one formula, one place (DESIGN.md principle 3).
 
-    bytes per KV token = 2 (K and V) x layers x (KV heads / TP) x head dim x KV dtype bytes
+    bytes per KV token = 2 (K and V) x layers x (KV heads / TP) x (head dim x KV dtype bytes
+                         + scale bytes: 4 for int8's per-(token, head) fp32 scale, else 0)
     requested          = total x --gpu-memory-utilization
     KV pool            = requested - weights - activation peak - non-torch
                          (or --kv-cache-memory-bytes, which overrides it)
@@ -60,24 +61,46 @@ def gpu_preset(name: str) -> GpuPreset:
     return GPU_PRESETS[key]
 
 
+# --kv-cache-dtype values (vLLM's names plus kvscope's int8); aliases such as bf16 are accepted too.
+KV_CACHE_DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+_KV_DTYPE_ALIASES = ("bf16", "fp16", "half", "fp32")
+# int8 KV stores one fp32 scale per (token, KV head) for K and for V, in the cache
+# itself (engine/attention/kv_quant.py); fp8 uses vLLM's default scale 1.0 (none stored).
+INT8_KV_SCALE_BYTES = 4
+
+
+def parse_kv_cache_dtype(value: str, flag: str = "--kv-cache-dtype") -> str:
+    """The lower-cased name, or a UserError naming the valid choices."""
+    key = str(value).strip().lower()
+    if key not in KV_CACHE_DTYPE_CHOICES and key not in _KV_DTYPE_ALIASES:
+        raise UserError(f"{flag} {value!r}: use one of {', '.join(KV_CACHE_DTYPE_CHOICES)}")
+    return key
+
+
 def kv_dtype_bytes(kv_cache_dtype: str, model_dtype: str) -> float:
-    key = model_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+    """Bytes per stored K/V element (``auto`` = the model dtype's), without scales."""
+    key = parse_kv_cache_dtype(kv_cache_dtype)
+    key = model_dtype.lower() if key == "auto" else key
     try:
-        return DTYPE_BYTES[key.lower()]
+        return DTYPE_BYTES[key]
     except KeyError:
-        raise UserError(
-            f"--kv-cache-dtype {kv_cache_dtype!r}: use one of auto, bfloat16, float16, fp8, float32"
-        ) from None
+        raise UserError(f"--dtype {model_dtype!r}: no byte size known for it") from None
+
+
+def kv_scale_bytes(kv_cache_dtype: str) -> int:
+    """Scale bytes stored per (token, KV head) for each of K and V."""
+    return INT8_KV_SCALE_BYTES if parse_kv_cache_dtype(kv_cache_dtype) == "int8" else 0
 
 
 def bytes_per_kv_token(model: ModelConfig, kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1,
                        model_dtype: str | None = None) -> int:
+    """Exactly what the allocation holds per token (elements and, for int8, scales),
+    so the plan's token count and the real cache agree."""
     if tensor_parallel_size < 1:
         raise UserError(f"--tensor-parallel-size {tensor_parallel_size}: must be at least 1")
     kv_heads_per_rank = max(1, model.num_kv_heads // tensor_parallel_size)
-    per = 2 * model.num_layers * kv_heads_per_rank * model.head_dim * kv_dtype_bytes(
-        kv_cache_dtype, model_dtype or model.dtype
-    )
+    per_row = model.head_dim * kv_dtype_bytes(kv_cache_dtype, model_dtype or model.dtype)
+    per = 2 * model.num_layers * kv_heads_per_rank * (per_row + kv_scale_bytes(kv_cache_dtype))
     return int(per)
 
 
@@ -260,29 +283,42 @@ def plan_memory(
 
 
 def check_plan_fits(plan: MemoryPlan) -> None:
+    """Refuse a plan whose pool holds no block or less than one ``--max-model-len``
+    request. The advice names only flags that change the outcome, with values that
+    work: when the pool size is fixed (``--kv-cache-memory-bytes``, or the CPU
+    default cap) utilization does not matter; a utilization above 1 is never advised."""
+    fixed_pool = plan.kv_pool_overridden
     non_kv = plan.weights_bytes + plan.activation_peak_bytes + plan.non_torch_bytes
-    if plan.kv_pool_bytes <= 0:
-        need_util = required_utilization(plan, plan.max_model_len * plan.bytes_per_token)
+    need_pool = -(-plan.max_model_len // plan.block_size) * plan.block_bytes
+    if plan.kv_pool_bytes <= 0 and not fixed_pool:
+        need_util = required_utilization(plan, need_pool)
+        fix = (f"raise --gpu-memory-utilization to at least {need_util:.2f}" if need_util <= 1 else
+               "it cannot fit at any --gpu-memory-utilization: use a smaller model, --dtype, "
+               "--quantization or --tensor-parallel-size")
         raise BudgetError(
             f"no memory left for the KV cache: requested {plan.requested_bytes / GiB:.2f} GiB "
             f"({plan.total_bytes / GiB:.2f} GiB x {plan.gpu_memory_utilization}) but weights "
             f"{plan.weights_bytes / GiB:.2f} + activation peak {plan.activation_peak_bytes / GiB:.2f} + "
-            f"non-torch {plan.non_torch_bytes / GiB:.2f} = {non_kv / GiB:.2f} GiB; raise "
-            f"--gpu-memory-utilization to at least {need_util:.2f}"
-            + (" (beyond 1.0: use a smaller model, --dtype or --tensor-parallel-size)" if need_util > 1 else "")
+            f"non-torch {plan.non_torch_bytes / GiB:.2f} = {non_kv / GiB:.2f} GiB; {fix}"
             + " or lower --max-num-batched-tokens / --max-num-seqs"
         )
     if plan.kv_cache_tokens < plan.max_model_len:
         fits_len = plan.kv_cache_tokens
-        need_pool = plan.max_model_len * plan.bytes_per_token
-        need_util = required_utilization(plan, need_pool)
-        fp8_tokens = plan.kv_cache_tokens * 2 if plan.bytes_per_token > 1 else plan.kv_cache_tokens
+        fixes = []
+        if fixed_pool:
+            fixes.append(f"raise --kv-cache-memory-bytes to at least {need_pool:,} ({need_pool / GiB:.3f} GiB)")
+        else:
+            need_util = required_utilization(plan, need_pool)
+            if need_util <= 1:
+                fixes.append(f"increasing --gpu-memory-utilization to {need_util:.2f} (needs "
+                             f"{need_pool / GiB:.2f} GiB of KV pool, have {plan.kv_pool_bytes / GiB:.2f})")
+        if fits_len >= plan.block_size:
+            fixes.append(f"decreasing --max-model-len to {fits_len:,} or less")
+        if not fixes:
+            fixes.append("a smaller model, --quantization or a larger device")
         raise BudgetError(
             f"the model's max seq len ({plan.max_model_len:,}) is larger than the maximum number of tokens "
-            f"that can be stored in KV cache ({plan.kv_cache_tokens:,}); try increasing "
-            f"--gpu-memory-utilization to {need_util:.2f} (needs {need_pool / GiB:.2f} GiB of KV pool, have "
-            f"{plan.kv_pool_bytes / GiB:.2f}) or decreasing --max-model-len to {fits_len:,} or less"
-            f" (--kv-cache-dtype fp8 would hold about {fp8_tokens:,} tokens)"
+            f"that can be stored in KV cache ({plan.kv_cache_tokens:,}); try " + " or ".join(fixes)
         )
 
 

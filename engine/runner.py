@@ -17,12 +17,13 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention.base import AttentionMetadata, allocate_kv_cache
+from engine.attention.kv_quant import kv_cache_shape, kv_cache_torch_dtype
 from engine.attention.selector import get_attention_backend
 from engine.config import CANONICAL_DTYPE, ModelConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.errors import UserError
 from engine.model.llama import QUANTIZATION_METHODS, LlamaForCausalLM
-from engine.model.loader import LoadInfo, ProgressCallback, load_weights_into
+from engine.model.loader import LoadInfo, ProgressCallback, load_weights_into, read_gguf_blocks
 from engine.sampler import Sampler, SamplingParams
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -90,9 +91,12 @@ class ModelRunner:
         load_format: str = "auto",
         seed: int = 0,
         quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.model_config = model_config
         self.dtype = torch_dtype(dtype)
+        # The cache's storage dtype (auto = the model's); int8/fp8 are dequantized by the attention backend.
+        self.kv_cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, self.dtype)
         self.block_size = block_size
         self.device = torch.device(device)
         self.load_format = load_format
@@ -100,7 +104,9 @@ class ModelRunner:
         if quantization is not None and quantization not in QUANTIZATION_METHODS:
             raise UserError(f"--quantization {quantization!r}: use one of {', '.join(QUANTIZATION_METHODS)} (or omit it)")
         self.quantization = quantization
+        self.quantization_counts: dict[str, int] = {}  # "<format> <source>" -> weights (load_weights)
         self.backend = get_attention_backend(attention_backend, self.device)
+        self.backend.check_kv_cache_dtype(self.kv_cache_dtype)  # a UserError before any weights load
         self.model = LlamaForCausalLM(model_config, self.backend, dtype=self.dtype, device=self.device)
         self.sampler = Sampler(seed=seed)
         self.kv_caches: list[torch.Tensor] = []
@@ -112,18 +118,21 @@ class ModelRunner:
         """Load (and quantize, with ``quantization``); ``weights_bytes`` counts every copy held."""
         info = load_weights_into(self.model, self.model_config, self.load_format, progress, seed=self.seed)
         if self.quantization is not None:
-            self.model.quantize_weights(self.quantization)
+            # A GGUF's own Q4_1/Q8_0 blocks (read raw: the floats may come from the cache).
+            blocks = read_gguf_blocks(self.model_config, self.load_format) if self.device.type == "cpu" else {}
+            self.quantization_counts = self.model.quantize_weights(self.quantization, blocks)
             info.weights_bytes = self.model.weights_bytes()
         return info
 
     def allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
         c = self.model_config
         if self.device.type == "cpu":
-            shape = (num_blocks, 2, self.block_size, c.num_kv_heads, c.head_dim)
-            self.kv_caches = [zeroed_lazy_cpu_tensor(shape, self.dtype) for _ in range(c.num_layers)]
+            shape = kv_cache_shape(num_blocks, self.block_size, c.num_kv_heads, c.head_dim, self.kv_cache_dtype)
+            self.kv_caches = [zeroed_lazy_cpu_tensor(shape, self.kv_cache_dtype) for _ in range(c.num_layers)]
         else:
             self.kv_caches = allocate_kv_cache(
-                c.num_layers, num_blocks, self.block_size, c.num_kv_heads, c.head_dim, self.dtype, self.device
+                c.num_layers, num_blocks, self.block_size, c.num_kv_heads, c.head_dim, self.kv_cache_dtype,
+                self.device,
             )
         return self.kv_caches
 
@@ -236,6 +245,31 @@ class ModelRunner:
                 x = torch.zeros(rows, hidden, dtype=self.dtype, device=self.device)
                 for layer in self.model.layers:
                     layer.mlp_block(x)
+        return time.perf_counter() - start
+
+    # ------------------------------------------------------------------ warm-up
+    def warm_up(self, max_num_seqs: int) -> float:
+        """Run one step of each shape class the engine makes (one decode, a decode
+        batch, a prefill chunk beside decodes, a greedy and a top-k/top-p sample) so
+        lazily built state (first kernel calls, oneDNN primitives, allocator pools)
+        exists before the first request. It writes a few slots of the first blocks;
+        a request only ever reads slots it wrote itself, so they hold no stale data
+        anyone can see. Returns the seconds spent."""
+        start = time.perf_counter()
+        if not self.kv_caches:
+            return 0.0
+        blocks = [b % self.num_blocks for b in range(4)]
+        greedy = SamplingParams(temperature=0.0)
+        sampled = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
+        decodes = max(1, min(max_num_seqs, 8))
+        shapes = [
+            [ScheduledSeq("warm-0", [0], 15, blocks, True, greedy)],
+            [ScheduledSeq(f"warm-{i}", [0], 15 + i, blocks, True, sampled) for i in range(decodes)],
+            [ScheduledSeq("warm-prefill", [0] * 32, 0, blocks, True, greedy),
+             ScheduledSeq("warm-decode", [0], 40, blocks, True, sampled)],
+        ]
+        for batch in shapes:
+            self.execute(batch)
         return time.perf_counter() - start
 
     # ------------------------------------------------------------------ profiling

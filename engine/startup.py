@@ -12,6 +12,7 @@ with its duration and device memory before and after, plus a log line.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -22,10 +23,12 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig, ModelConfig, load_model_config
+from engine.cpu_caps import CpuCapabilities, DtypeChoice, choose_cpu_dtype, detect
 from engine.cuda_graphs import DecodeGraphs, graphs_supported
 from engine.device import MemoryReading, device_word, measure_peak, read_memory, resolve_device, versions
 from engine.errors import BudgetError, UserError
 from engine.events import PHASES, EngineConfigEvent, EventBus, StartupPhase
+from engine.kernels.background import KernelBuilds
 from engine.logs import get_logger
 from engine.memory import (
     GiB,
@@ -48,7 +51,7 @@ CPU_DEFAULT_KV_SPACE_GIB = 4.0
 # The profile run on 2 CPU cores at vLLM's GPU default of 8,192 tokens takes
 # ~20 s; 2,048 keeps startup short and still lets a long prompt prefill in chunks.
 GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 
 
 @dataclass(slots=True)
@@ -116,12 +119,39 @@ class PhaseRecorder:
                       **({"reason": handle.skipped} if handle.skipped else {}))
 
 
-def _resolve_dtype(config: EngineConfig, model: ModelConfig, device: torch.device) -> str:
+def resolve_dtype(config: EngineConfig, model: ModelConfig, device: torch.device,
+                  caps: CpuCapabilities | None = None) -> DtypeChoice:
+    """``--dtype`` as given, or for ``auto`` the fastest correct dtype here: on CPU by
+    ISA (bf16 only where it is native, see engine/cpu_caps.py); on CUDA the
+    checkpoint's half type."""
     if config.dtype != "auto":
-        return config.dtype
+        return DtypeChoice(config.dtype, "--dtype " + config.dtype)
     if device.type == "cpu":
-        return "bfloat16"  # this CPU has AVX512-BF16; float32 is available with --dtype
-    return model.dtype if model.dtype in ("bfloat16", "float16") else "bfloat16"
+        return choose_cpu_dtype(caps or detect())
+    half = model.dtype if model.dtype in ("bfloat16", "float16") else "bfloat16"
+    return DtypeChoice(half, f"CUDA: the checkpoint's {model.dtype}" if half == model.dtype else "CUDA: bf16")
+
+
+def resolve_config(config: EngineConfig, model: ModelConfig, device: torch.device) -> EngineConfig:
+    """A copy of ``config`` with every ``auto`` and device default filled in (the
+    caller's object is left as it was). Raises UserError for flag values that no
+    machine could run, before anything slow happens."""
+    resolved = dataclasses.replace(config, cuda_graph_sizes=list(config.cuda_graph_sizes))
+    resolved.device = device.type
+    if device.type == "cpu" and config.max_num_batched_tokens == GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS:
+        resolved.max_num_batched_tokens = CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS  # flag left at its GPU default
+    resolved.dtype = resolve_dtype(config, model, device).dtype
+    if resolved.max_model_len is None:
+        resolved.max_model_len = model.max_position_embeddings
+    if resolved.max_model_len > model.max_position_embeddings:
+        raise UserError(f"--max-model-len {resolved.max_model_len:,} is beyond the model's maximum "
+                        f"({model.max_position_embeddings:,} positions); lower it to "
+                        f"{model.max_position_embeddings:,} or less")
+    if not 0 < resolved.gpu_memory_utilization <= 1:
+        raise UserError(f"--gpu-memory-utilization {resolved.gpu_memory_utilization}: must be in (0, 1]")
+    if resolved.attention_backend == "auto":
+        resolved.attention_backend = "triton" if device.type == "cuda" else "torch"
+    return resolved
 
 
 def _model_summary(model: ModelConfig, dtype: str, bytes_per_token: int) -> dict[str, Any]:
@@ -131,30 +161,48 @@ def _model_summary(model: ModelConfig, dtype: str, bytes_per_token: int) -> dict
     return summary
 
 
+def check_fixed_pool(config: EngineConfig, bytes_per_token: int) -> None:
+    """``--kv-cache-memory-bytes`` fixes the pool before anything is measured: refuse
+    at once (phase B) when it cannot hold one ``--max-model-len`` request, naming
+    only the two flags that change that outcome."""
+    pool = config.kv_cache_memory_bytes
+    if pool is None:
+        return
+    assert config.max_model_len is not None
+    block_bytes = config.block_size * bytes_per_token
+    tokens = (pool // block_bytes) * config.block_size
+    if tokens >= config.max_model_len:
+        return
+    needed = -(-config.max_model_len // config.block_size) * block_bytes
+    advice = f"raise --kv-cache-memory-bytes to at least {needed:,} ({needed / GiB:.3f} GiB)"
+    if tokens >= config.block_size:
+        advice += f" or lower --max-model-len to {tokens:,} or less"
+    raise BudgetError(
+        f"--kv-cache-memory-bytes {pool:,} holds {tokens:,} tokens ({pool // block_bytes:,} blocks of "
+        f"{config.block_size} x {bytes_per_token:,} bytes per token), fewer than one request of "
+        f"--max-model-len {config.max_model_len:,}; {advice}"
+    )
+
+
 def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, int], None] | None = None) -> StartupResult:
-    """Run phases A–G. Raises UserError (after a ``failed`` phase event) when the
-    budget does not fit, with the numbers and the flags that would fix it."""
+    """Resolve the flags (``config`` itself is not changed), then run phases A–G.
+    Raises UserError (after a ``failed`` phase event) when the budget does not fit,
+    with the numbers and the flags that would fix it; everything the flags alone
+    decide is refused in phase B, before weights load."""
     log = get_logger("kvscope.startup")
     device = resolve_device(config.device)
-    if device.type == "cpu":
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        if config.max_num_batched_tokens == GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS:  # flag left at its GPU default
-            config.max_num_batched_tokens = CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
-    config.device = device.type
+    if device.type == "cpu" and config.num_threads:
+        torch.set_num_threads(config.num_threads)
     model = load_model_config(config.model)
-    dtype = _resolve_dtype(config, model, device)
-    config.dtype = dtype
-    if config.max_model_len is None:
-        config.max_model_len = model.max_position_embeddings
-    if config.max_model_len > model.max_position_embeddings:
-        raise UserError(f"--max-model-len {config.max_model_len:,} is beyond the model's maximum "
-                        f"({model.max_position_embeddings:,} positions); lower it")
-    if config.attention_backend == "auto":
-        config.attention_backend = "triton" if device.type == "cuda" else "torch"
+    caps = detect() if device.type == "cpu" else None
+    dtype_choice = resolve_dtype(config, model, device, caps)
+    config = resolve_config(config, model, device)
+    assert config.max_model_len is not None
+    dtype = config.dtype
     per_token = bytes_per_kv_token(model, config.kv_cache_dtype, config.tensor_parallel_size, dtype)
     bus.publish(EngineConfigEvent(config=config.to_dict(), model=_model_summary(model, dtype, per_token)))
     phases = PhaseRecorder(bus, device, config.device_memory_gib, log)
+    kernels: KernelBuilds | None = None
 
     with phases.phase("A") as a:
         reading = phases.reading()
@@ -162,13 +210,23 @@ def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, i
         a.data["memory_source"] = reading.source
         a.data["total_bytes"] = reading.total
         a.data["free_bytes"] = reading.free
+        a.data["dtype"] = dtype
+        a.data["dtype_reason"] = dtype_choice.reason
         log.info(f"device {device} ({reading.source}): {reading.total / GiB:.2f} GiB total, "
                  f"{reading.free / GiB:.2f} GiB free; torch {torch.__version__}, {torch.get_num_threads()} threads")
+        if caps is not None:
+            a.data["cpu"] = caps.summary()
+            log.info(f"CPU: {caps.line()}")
+            # Compiling the CPU kernels (seconds to a minute, once per CPU type and
+            # torch version) overlaps weight loading and the profile run.
+            kernels = KernelBuilds.start(log)
+        log.info(f"dtype {dtype} ({dtype_choice.reason}); KV cache dtype {config.kv_cache_dtype}")
 
     with phases.phase("B") as b:
         requested = reading.total * config.gpu_memory_utilization
         b.data.update(total_bytes=reading.total, gpu_memory_utilization=config.gpu_memory_utilization,
                       requested_bytes=int(requested), free_bytes=reading.free, memory_source=reading.source)
+        check_fixed_pool(config, per_token)
         if config.kv_cache_memory_bytes is None and reading.free < requested:
             raise BudgetError(
                 f"free memory on device ({reading.free / GiB:.2f}/{reading.total / GiB:.2f} GiB) is less than "
@@ -190,7 +248,8 @@ def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, i
     with phases.phase("C") as c:
         runner = ModelRunner(model, dtype=dtype, block_size=config.block_size, device=str(device),
                              attention_backend=config.attention_backend, load_format=config.load_format,
-                             seed=config.seed, quantization=config.quantization)
+                             seed=config.seed, quantization=config.quantization,
+                             kv_cache_dtype=config.kv_cache_dtype)
         info = runner.load_weights(progress)
         tokenizer = _tokenizer_for(model) if config.load_format != "dummy" else _dummy_tokenizer(model)
         c.data.update(weights_bytes=info.weights_bytes, load_seconds=info.load_seconds,
@@ -200,14 +259,19 @@ def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, i
                  + (f" (weights cache {info.cache})" if info.cache != "none" else ""))
 
     with phases.phase("D") as d:
-        _, peak = measure_peak(device, lambda: runner.profile_run(config.max_num_batched_tokens,
-                                                                  config.max_num_seqs))
+        log.info(f"profile run: one forward of {config.max_num_batched_tokens:,} tokens over "
+                 f"{min(config.max_num_seqs, config.max_num_batched_tokens)} sequences (the worst-case step) "
+                 f"and a sampler pass over {config.max_num_seqs} rows")
+        timings, peak = measure_peak(device, lambda: runner.profile_run(config.max_num_batched_tokens,
+                                                                        config.max_num_seqs))
         d.data.update(activation_peak_bytes=peak.activation_peak_bytes, non_torch_bytes=peak.non_torch_bytes,
                       method=peak.method, max_num_batched_tokens=config.max_num_batched_tokens,
-                      max_num_seqs=config.max_num_seqs, estimated=[])
+                      max_num_seqs=config.max_num_seqs, estimated=[], forward_s=timings.forward_s,
+                      sample_s=timings.sample_s)
         log.info(f"profile run: {config.max_num_batched_tokens} tokens over {config.max_num_seqs} sequences; "
                  f"activation peak {peak.activation_peak_bytes / GiB:.3f} GiB, non-torch "
-                 f"{peak.non_torch_bytes / GiB:.3f} GiB ({peak.method})")
+                 f"{peak.non_torch_bytes / GiB:.3f} GiB ({peak.method}); forward {timings.forward_s:.2f} s, "
+                 f"sampler {timings.sample_s:.2f} s")
 
     with phases.phase("E") as e:
         kv_bytes = config.kv_cache_memory_bytes
@@ -254,18 +318,7 @@ def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, i
                 log.info(f"Graph capturing finished in {report.seconds:.0f} secs, took "
                          f"{report.graph_bytes / GiB:.2f} GiB")
         else:
-            start = time.perf_counter()
-            unavailable = runner.enable_cpu_decode_kernel()
-            f.data["cpu_decode_kernel"] = unavailable or "enabled"
-            f.data["kernel_seconds"] = time.perf_counter() - start
-            log.info(f"CPU paged-decode kernel: {unavailable or 'enabled'} ({f.data['kernel_seconds']:.2f} s)")
-            if config.compile:
-                start = time.perf_counter()
-                runner.compile()
-                f.data["compile_seconds"] = time.perf_counter() - start
-                log.info(f"torch.compile of the decode step took {f.data['compile_seconds']:.2f} s")
-            elif unavailable is not None:
-                f.skipped = f"CPU: no CUDA graphs; decode kernel unavailable ({unavailable}); --compile not given"
+            _cpu_phase_f(f, runner, config, kernels, log)
 
     with phases.phase("G") as g:
         g.data["startup_seconds"] = sum(phases.seconds.values())
@@ -274,6 +327,32 @@ def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, i
     scheduler_config = SchedulerConfig.from_flags(config.to_dict(), num_blocks=plan.num_blocks,
                                                   max_model_len=config.max_model_len)
     return StartupResult(config, model, device, runner, tokenizer, plan, scheduler_config, dict(phases.seconds))
+
+
+def _cpu_phase_f(f: PhaseHandle, runner: ModelRunner, config: EngineConfig, kernels: KernelBuilds | None,
+                 log: Any) -> None:
+    """CPU phase F: join the kernel builds started in phase A, route decode
+    attention through the kernel, ``--compile`` if asked, then warm every step
+    shape class the runner uses so the first real step runs at speed."""
+    waited = kernels.join() if kernels is not None else 0.0
+    reports = kernels.reports() if kernels is not None else []
+    unavailable = runner.enable_cpu_decode_kernel()
+    f.data["cpu_decode_kernel"] = unavailable or "enabled"
+    f.data["kernel_seconds"] = waited
+    f.data["kernels"] = [r.to_dict() for r in reports]
+    for r in reports:
+        log.info(f"CPU kernel {r.name}: {r.status} ({r.seconds:.2f} s"
+                 + (f", waited {r.waited_s:.1f} s for another builder" if r.waited_s > 0.5 else "")
+                 + (f"; {r.reason}" if r.reason else "") + ")")
+    log.info(f"CPU paged-decode kernel: {unavailable or 'enabled'} (phase F waited {waited:.2f} s for builds)")
+    if config.compile:
+        start = time.perf_counter()
+        runner.compile()
+        f.data["compile_seconds"] = time.perf_counter() - start
+        log.info(f"torch.compile of the decode step took {f.data['compile_seconds']:.2f} s")
+    warm = runner.warm_up(config.max_num_seqs)
+    f.data["warmup_seconds"] = warm
+    log.info(f"warmed decode and mixed step shapes in {warm:.2f} s")
 
 
 def _tokenizer_for(model: ModelConfig) -> Tokenizer:

@@ -7,6 +7,11 @@ step. This kernel reads K and V in place through the block table, one
 (sequence, KV head) pair per task on torch's intra-op thread pool, and never
 copies the context.
 
+Quantized caches (engine/attention/kv_quant.py) are read in place too: int8 rows
+are widened and multiplied by the fp32 scale stored right after them, fp8 bytes
+go through a 256-entry table; the query and output stay in the model's dtype.
+With one byte per element the kernel streams a quarter of fp32's K/V bytes.
+
 It is compiled once per CPU type and torch version into kvscope's kernel cache
 (:mod:`engine.kernels.build`, shared by every checkout and venv). When no compiler or ninja is
 available, :func:`load_kernel` returns None and the torch path is used; the
@@ -29,14 +34,47 @@ _CPP_SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
-template <typename kv_t, typename q_t>
+// How one head's stored K or V row becomes head_dim floats. kExtra: stored
+// elements after the values (int8's fp32 scale), so a head's row is
+// head_dim + kExtra elements wide.
+template <typename kv_t>
+struct CastRow {
+  static constexpr int64_t kExtra = 0;
+  inline void operator()(const kv_t* src, float* dst, int64_t n) const {
+#pragma omp simd
+    for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+  }
+};
+
+struct Int8Row {  // symmetric int8 times the row's own scale (its 4 bytes follow the values)
+  static constexpr int64_t kExtra = 4;
+  inline void operator()(const int8_t* src, float* dst, int64_t n) const {
+    float s;
+    std::memcpy(&s, src + n, sizeof s);
+#pragma omp simd
+    for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]) * s;
+  }
+};
+
+struct TableRow {  // fp8 (scale 1.0): each byte's float value from a 256-entry table
+  static constexpr int64_t kExtra = 0;
+  const float* table;
+  inline void operator()(const uint8_t* src, float* dst, int64_t n) const {
+#pragma omp simd
+    for (int64_t d = 0; d < n; ++d) dst[d] = table[src[d]];
+  }
+};
+
+template <typename kv_t, typename q_t, typename Row>
 static void decode_kernel(const q_t* q, const kv_t* kv, const int32_t* block_tables, const int32_t* seq_lens,
                           q_t* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                          int64_t block_size, int64_t max_blocks, float scale) {
+                          int64_t block_size, int64_t max_blocks, float scale, Row load_row) {
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t token_stride = num_kv_heads * head_dim;  // next slot in a block
+  const int64_t row_width = head_dim + Row::kExtra;      // one head's stored row
+  const int64_t token_stride = num_kv_heads * row_width;  // next slot in a block
   const int64_t kv_stride = block_size * token_stride;   // K -> V of the same block
   const int64_t block_stride = 2 * kv_stride;
   // A task is one sequence with all its KV heads, so it streams each token's
@@ -57,10 +95,8 @@ static void decode_kernel(const q_t* q, const kv_t* kv, const int32_t* block_tab
         for (int64_t d = 0; d < head_dim; ++d)
           qf[r * head_dim + d] = static_cast<float>(q[(s * num_heads + h0 * group + r) * head_dim + d]) * scale;
       for (int64_t t = 0; t < len; ++t) {
-        const kv_t* k = kv + table[t / block_size] * block_stride + (t % block_size) * token_stride + h0 * head_dim;
-        const int64_t width = heads_per_task * head_dim;
-#pragma omp simd
-        for (int64_t d = 0; d < width; ++d) row[d] = static_cast<float>(k[d]);
+        const kv_t* k = kv + table[t / block_size] * block_stride + (t % block_size) * token_stride + h0 * row_width;
+        for (int64_t h = 0; h < heads_per_task; ++h) load_row(k + h * row_width, row.data() + h * head_dim, head_dim);
         for (int64_t r = 0; r < rows; ++r) {
           const float* qr = qf.data() + r * head_dim;
           const float* kr = row.data() + (r / group) * head_dim;
@@ -88,10 +124,8 @@ static void decode_kernel(const q_t* q, const kv_t* kv, const int32_t* block_tab
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {
         const kv_t* v = kv + table[t / block_size] * block_stride + kv_stride + (t % block_size) * token_stride +
-                        h0 * head_dim;
-        const int64_t width = heads_per_task * head_dim;
-#pragma omp simd
-        for (int64_t d = 0; d < width; ++d) row[d] = static_cast<float>(v[d]);
+                        h0 * row_width;
+        for (int64_t h = 0; h < heads_per_task; ++h) load_row(v + h * row_width, row.data() + h * head_dim, head_dim);
         for (int64_t r = 0; r < rows; ++r) {
           const float p = scores[r * len + t];
           const float* vr = row.data() + (r / group) * head_dim;
@@ -107,22 +141,46 @@ static void decode_kernel(const q_t* q, const kv_t* kv, const int32_t* block_tab
   });
 }
 
+// kv_cache: float32/bf16/fp16 [NB,2,BS,KVH,D] (query is cast to it); int8 [NB,2,BS,KVH,D+4] with an fp32
+// scale per row; fp8 e4m3/e5m2 [NB,2,BS,KVH,D] decoded through fp8_table (256 floats). Quantized caches
+// keep the query's dtype for the query and the output.
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
-                           torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5, "query [S,H,D], kv_cache [NB,2,BS,KVH,D]");
-  query = query.contiguous().to(kv_cache.scalar_type());
+                           torch::Tensor seq_lens, double scale, torch::Tensor fp8_table) {
+  TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5, "query [S,H,D], kv_cache [NB,2,BS,KVH,W]");
+  const auto kv_type = kv_cache.scalar_type();
+  const bool is_int8 = kv_type == at::ScalarType::Char;
+  const bool is_fp8 = kv_type == at::ScalarType::Float8_e4m3fn || kv_type == at::ScalarType::Float8_e5m2;
+  query = (is_int8 || is_fp8) ? query.contiguous() : query.contiguous().to(kv_type);
   kv_cache = kv_cache.contiguous();
   block_tables = block_tables.to(torch::kInt32).contiguous();
   seq_lens = seq_lens.to(torch::kInt32).contiguous();
   auto out = torch::empty_like(query);
   const int64_t S = query.size(0), H = query.size(1), D = query.size(2);
   const int64_t BS = kv_cache.size(2), KVH = kv_cache.size(3);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv_cache.scalar_type(), "paged_decode", [&] {
-    decode_kernel<scalar_t, scalar_t>(query.data_ptr<scalar_t>(), kv_cache.data_ptr<scalar_t>(),
-                                      block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
-                                      out.data_ptr<scalar_t>(), S, H, KVH, D, BS, block_tables.size(1),
-                                      static_cast<float>(scale));
-  });
+  TORCH_CHECK(kv_cache.size(4) == D + (is_int8 ? 4 : 0), "kv_cache row width does not match the head dim");
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t MB = block_tables.size(1);
+  const float sc = static_cast<float>(scale);
+  if (is_int8) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_int8", [&] {
+      decode_kernel<int8_t, scalar_t>(query.data_ptr<scalar_t>(), kv_cache.data_ptr<int8_t>(), tables, lens,
+                                      out.data_ptr<scalar_t>(), S, H, KVH, D, BS, MB, sc, Int8Row{});
+    });
+  } else if (is_fp8) {
+    TORCH_CHECK(fp8_table.scalar_type() == at::kFloat && fp8_table.numel() == 256, "fp8_table: 256 floats");
+    auto table = fp8_table.contiguous();
+    const auto* bytes = static_cast<const uint8_t*>(kv_cache.data_ptr());
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_fp8", [&] {
+      decode_kernel<uint8_t, scalar_t>(query.data_ptr<scalar_t>(), bytes, tables, lens, out.data_ptr<scalar_t>(),
+                                       S, H, KVH, D, BS, MB, sc, TableRow{table.data_ptr<float>()});
+    });
+  } else {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv_type, "paged_decode", [&] {
+      decode_kernel<scalar_t, scalar_t>(query.data_ptr<scalar_t>(), kv_cache.data_ptr<scalar_t>(), tables, lens,
+                                        out.data_ptr<scalar_t>(), S, H, KVH, D, BS, MB, sc, CastRow<scalar_t>{});
+    });
+  }
   return out;
 }
 """
@@ -153,8 +211,30 @@ def load_kernel(log: Callable[[str], None] | None = None) -> object | None:
         return _kernel
 
 
+_NO_TABLE = torch.empty(0)
+_FP8_TABLES: dict[torch.dtype, torch.Tensor] = {}
+
+
+def fp8_table(dtype: torch.dtype) -> torch.Tensor:
+    """The float value of each of the 256 bytes of an fp8 ``dtype``: the kernel
+    decodes fp8 by table lookup rather than bit manipulation per element."""
+    if dtype not in _FP8_TABLES:
+        _FP8_TABLES[dtype] = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+    return _FP8_TABLES[dtype]
+
+
+def ensure_built(log: Callable[[str], None] | None = None) -> BuildReport | None:
+    """Build or load the kernel now (startup's background thread, ``engine build-kernels``);
+    None when it is switched off."""
+    load_kernel(log)
+    return LAST_BUILD
+
+
 def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of one query row per sequence over its paged context. A plain
+    cache returns its own dtype; an int8/fp8 cache returns the query's dtype."""
     kernel = load_kernel()
     assert kernel is not None
-    return kernel.paged_decode(query, kv_cache, block_tables, seq_lens, scale)  # type: ignore[attr-defined]
+    table = fp8_table(kv_cache.dtype) if kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else _NO_TABLE
+    return kernel.paged_decode(query, kv_cache, block_tables, seq_lens, scale, table)  # type: ignore[attr-defined]

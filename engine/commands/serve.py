@@ -1,7 +1,8 @@
 """``engine serve [MODEL]``: the OpenAI-compatible server (see engine/server.py).
 
-Startup runs before the port opens, as in vLLM: a client that sees /health
-answer 200 can send requests at once. ``--monitor`` shows the live dashboard in
+The port is bound first (a busy port is refused at once), then startup runs,
+then uvicorn starts answering on it: a client that sees /health answer 200 can
+send requests at once; one that connects during startup waits in the backlog. ``--monitor`` shows the live dashboard in
 this terminal, fed by the in-process bus, while uvicorn serves from a thread.
 """
 
@@ -87,6 +88,23 @@ class KvscopeServer(uvicorn.Server):
             captured.clear()
 
 
+def bind_listening_socket(bind: str, port: int) -> socket.socket:
+    """Bind and listen before anything slow runs, so a busy port is refused at once
+    (not after the weights and the profile run); uvicorn then serves on this socket."""
+    family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is no conflict
+    try:
+        sock.bind((bind, port))
+    except OSError as exc:
+        sock.close()
+        raise UserError(f"--host {bind} --port {port}: cannot listen there ({exc.strerror or exc}); "
+                        "pick another --port or stop the process that holds it") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
 def make_server(host: EngineHost, bind: str, port: int, log_level: str = "warning") -> KvscopeServer:
     config = uvicorn.Config(build_app(host), host=bind, port=port, log_level=log_level, access_log=False,
                             # a backstop: the abort timer in handle_exit normally ends every stream first
@@ -102,11 +120,16 @@ def run(args: argparse.Namespace) -> int:
         return _run_with_monitor(args, settings)
     configure_logging(args.log_format)
     log = get_logger("kvscope.serve")
+    listener = bind_listening_socket(args.host, args.port)
     host = EngineHost.create(config, settings)
-    host.engine.wait_ready()  # a startup UserError exits 2 here, before any port opens
+    try:
+        host.engine.wait_ready()  # a startup UserError exits 2 here; no request was ever accepted
+    except BaseException:
+        listener.close()
+        raise
     log.info(f"serving {settings.served_model_name} on http://{args.host}:{args.port} "
              f"(OpenAI API under /v1, metrics /metrics, events /events)")
-    make_server(host, args.host, args.port).run()
+    make_server(host, args.host, args.port).run(sockets=[listener])
     log.info("server stopped; event log flushed")
     return 0
 
@@ -118,13 +141,14 @@ def _run_with_monitor(args: argparse.Namespace, settings: ServerSettings) -> int
     from monitor.app import MonitorApp
     from monitor.sources import BusFeed
 
+    listener = bind_listening_socket(args.host, args.port)
     configure_logging("json", level="warning", stream=open(os.devnull, "w"))  # noqa: SIM115
     host = EngineHost.create(engine_config_from_args(args), settings, bus=EventBus())
     # The view subscribed before startup: its snapshot holds every phase so far.
     app = MonitorApp(feed=BusFeed(host.bus, snapshot_fn=host.view.snapshot),
                      source_name=f"serve http://{args.host}:{args.port}")
     server = make_server(host, args.host, args.port)
-    thread = threading.Thread(target=server.run, name="kvscope-http", daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, name="kvscope-http", daemon=True)
     thread.start()
     app.run()
     host.begin_shutdown()

@@ -1,0 +1,72 @@
+"""CPU capability detection and the ISA -> dtype decision, with /proc/cpuinfo texts injected
+(one per CPU family the project's machines and users have)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import EngineConfig, load_model_config
+from engine.cpu_caps import choose_cpu_dtype, detect, parse_cpuinfo
+from engine.startup import resolve_config, resolve_dtype
+
+
+def cpuinfo(model: str, flags: str) -> str:
+    return (f"processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: {model}\nflags\t\t: {flags}\n\n"
+            f"processor\t: 1\nmodel name\t: {model}\nflags\t\t: {flags}\n")
+
+
+BASE = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx"
+ZEN3 = cpuinfo("AMD EPYC 7B13", f"{BASE} fma f16c avx2")
+ZEN4 = cpuinfo("AMD EPYC 9B14", f"{BASE} fma f16c avx2 avx512f avx512bw avx512_vnni avx512_bf16")
+SKYLAKE_X = cpuinfo("Intel Xeon Gold 6148", f"{BASE} fma f16c avx2 avx512f avx512bw")
+SAPPHIRE_RAPIDS = cpuinfo("Intel Xeon Platinum 8480+",
+                          f"{BASE} fma avx2 avx512f avx512_vnni avx512_bf16 amx_tile amx_bf16 amx_int8")
+OLD = cpuinfo("Intel Core 2", "fpu sse sse2 ssse3")
+
+
+@pytest.mark.parametrize(("text", "isa", "dtype"), [
+    (ZEN3, "avx2", "float32"),
+    (ZEN4, "avx512_bf16", "bfloat16"),
+    (SKYLAKE_X, "avx512", "float32"),  # AVX-512 without BF16: bf16 is still emulated
+    (SAPPHIRE_RAPIDS, "amx", "bfloat16"),
+    (OLD, "baseline", "float32"),
+])
+def test_isa_decides_the_auto_dtype(text: str, isa: str, dtype: str) -> None:
+    caps = detect(text, torch_capability="AVX2")
+    choice = choose_cpu_dtype(caps)
+    assert (caps.isa, choice.dtype) == (isa, dtype)
+    assert isa in choice.reason or "BF16" in choice.reason  # the reason names what decided it
+    assert caps.summary()["isa"] == isa and caps.line().startswith(caps.model_name)
+
+
+def test_kernel_key_separates_cpus_a_native_build_cannot_share() -> None:
+    zen3, zen4 = detect(ZEN3, "AVX2"), detect(ZEN4, "AVX512")
+    assert zen3.kernel_key != zen4.kernel_key
+    assert detect(ZEN3, "AVX2").kernel_key == zen3.kernel_key
+
+
+def test_parse_cpuinfo_reads_the_first_processor() -> None:
+    model, flags = parse_cpuinfo(ZEN4)
+    assert model == "AMD EPYC 9B14" and "avx512_bf16" in flags and "amx_tile" not in flags
+    assert parse_cpuinfo("") == ("unknown CPU", frozenset())
+
+
+def test_this_machine_is_described() -> None:
+    caps = detect()
+    assert caps.torch_capability == torch.backends.cpu.get_cpu_capability()
+    assert caps.isa in ("amx", "avx512_bf16", "avx512", "avx2", "baseline")
+
+
+def test_startup_resolves_auto_by_isa_and_leaves_the_callers_config_alone() -> None:
+    model = load_model_config("smollm2-135m")
+    config = EngineConfig(dtype="auto")
+    cpu = torch.device("cpu")
+    assert resolve_dtype(config, model, cpu, detect(ZEN3, "AVX2")).dtype == "float32"
+    assert resolve_dtype(config, model, cpu, detect(ZEN4, "AVX512")).dtype == "bfloat16"
+    explicit = EngineConfig(dtype="bfloat16")
+    assert resolve_dtype(explicit, model, cpu, detect(ZEN3, "AVX2")).dtype == "bfloat16"
+    resolved = resolve_config(config, model, cpu)
+    assert resolved.dtype == choose_cpu_dtype(detect()).dtype
+    assert resolved.max_num_batched_tokens == 512 and resolved.max_model_len == model.max_position_embeddings
+    assert (config.dtype, config.max_model_len, config.max_num_batched_tokens) == ("auto", None, 8192)
