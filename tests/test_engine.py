@@ -192,16 +192,27 @@ def test_refuses_a_utilization_too_small_for_the_weights() -> None:
     assert failed and "phase B" in failed[0]["event"]
 
 
-def test_refuses_a_max_model_len_the_pool_cannot_hold(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("pool", "fix"), [
+    ("4Mi", "or lower --max-model-len to 176 or less"),  # 11 blocks of 16 x 23,040 bytes (bf16)
+    ("1", "raise --kv-cache-memory-bytes to at least 94,371,840"),  # holds no block: lowering the length cannot help
+])
+def test_a_fixed_pool_too_small_is_refused_in_phase_b_before_weights_load(tmp_path: Path, pool: str,
+                                                                          fix: str) -> None:
     events = tmp_path / "refused.jsonl"
-    out = run_engine("generate", "--prompt", "hi", "--kv-cache-memory-bytes", "4Mi", "--max-model-len", "4096",
+    out = run_engine("generate", "--prompt", "hi", "--kv-cache-memory-bytes", pool, "--max-model-len", "4096",
                      "--max-num-batched-tokens", "256", "--max-num-seqs", "4", "--log-format", "json",
-                     "--events", str(events))
+                     "--dtype", "bfloat16", "--events", str(events))
     assert out.returncode == 2, out.stderr
     last = out.stderr.strip().splitlines()[-1]
-    assert "4,096" in last and "--max-model-len" in last and "Traceback" not in out.stderr
-    failed = [e for e in read_events(events).events if isinstance(e, StartupPhase) and e.status == "failed"]
-    assert [e.phase for e in failed] == ["E"] and "4,096" in (failed[0].reason or "")
+    assert "4,096" in last and fix in last and "Traceback" not in out.stderr
+    assert "--gpu-memory-utilization" not in last  # it does not change a fixed pool
+    assert pool != "1" or "--max-model-len to" not in last
+    phases_seen = [e for e in read_events(events).events if isinstance(e, StartupPhase)]
+    failed = [e for e in phases_seen if e.status == "failed"]
+    assert [e.phase for e in failed] == ["B"] and "4,096" in (failed[0].reason or "")
+    assert {e.phase for e in phases_seen} == {"A", "B"}  # refused before phase C loads anything
+    first, refusal = phases_seen[0], failed[0]
+    assert refusal.t - first.t < 2.0
 
 
 def test_text_reaches_events_only_with_log_prompts(recorded) -> None:

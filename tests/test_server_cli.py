@@ -32,6 +32,26 @@ def test_serve_flag_errors_exit_2(argv: list[str], needle: str, capsys: pytest.C
     assert needle in err and "\n" not in err and "Traceback" not in err
 
 
+def test_a_busy_port_is_refused_before_startup_begins(tmp_path: Path) -> None:
+    """The port is bound before any phase runs: no weights load, no profile run."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        events = tmp_path / "events.jsonl"
+        done = subprocess.run(
+            [sys.executable, "-m", "engine.cli", "serve", "--port", str(port), "--log-format", "json",
+             "--events", str(events)],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert f"--port {port}" in last and "pick another --port" in last and "Traceback" not in done.stderr
+    assert "phase" not in done.stderr and not events.exists()
+
+
 def test_serve_accepts_the_gpu_check_flags() -> None:
     """bench/gpu_check.py starts serve with these; parsing must not change under it."""
     from engine.cli import build_parser
