@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.text import Text
 
 from engine.config import ModelConfig, load_model_config
+from engine.cpu_caps import choose_cpu_dtype, detect
 from engine.errors import UserError
 from engine.events import PHASES, EngineConfigEvent, EventBus, JsonlSink, StartupPhase
 from engine.flags import add_budget_flags, add_model_flags, add_scheduler_flags, gib_type, model_from_args
@@ -95,7 +96,16 @@ def plan_json(model: ModelConfig, plan: MemoryPlan, gpu_name: str) -> dict[str, 
     out["model"] = model.name
     out["gpu"] = gpu_name
     out["num_parameters"] = model.num_parameters
+    out["host_cpu"] = host_cpu_summary()
     return out
+
+
+def host_cpu_summary() -> dict[str, Any]:
+    """This machine's CPU and what ``--dtype auto`` picks on it when the engine runs
+    without a GPU (the plan itself is for the device named by --gpu/--gpu-memory)."""
+    caps = detect()
+    choice = choose_cpu_dtype(caps)
+    return {**caps.summary(), "auto_dtype": choice.dtype, "auto_dtype_reason": choice.reason}
 
 
 def write_plan_events(path: str, model: ModelConfig, plan: MemoryPlan, args: argparse.Namespace) -> None:
@@ -157,6 +167,10 @@ def render_text(console: Console, model: ModelConfig, plan: MemoryPlan, gpu_name
                   f"{plan.kv_pool_bytes - plan.num_blocks * plan.block_bytes:,} bytes of pool left over", highlight=False)
     console.print()
     console.print(memory_bar(plan))
+    host = host_cpu_summary()
+    console.print()
+    console.print(f"  this machine's CPU (for a run without a GPU): {detect().line()}; --dtype auto there is "
+                  f"{host['auto_dtype']} ({host['auto_dtype_reason']})", highlight=False)
 
 
 def memory_bar(plan: MemoryPlan, width: int = 72) -> Text:
