@@ -6,16 +6,18 @@ decodes mixed) and reads/writes the paged KV cache through an
 are fused into one matrix each at load time: on CPU every matmul call has a
 fixed cost, so 4 instead of 7 per layer matters at decode batch sizes.
 
-``quantize_weights("int8")`` adds a weight-only int8 copy (per-output-channel
-scales) of every projection and of the LM head. Decode-sized batches (at most
-``INT8_MAX_ROWS`` tokens) multiply through torch's int8 CPU kernel, which
-streams half the bytes of bf16 and is 3-4x faster at one row on this CPU;
-bigger batches keep the float weights, where that kernel is slower than bf16.
+``quantize_weights("int8" | "int4")`` adds weight-only copies of every projection and
+of the LM head in ggml's 32-weight blocks (Q8_0 / Q4_1; a GGUF's own blocks when it has
+them, so int4 on a Q4_1 GGUF adds no error): decode-sized steps multiply through the
+CPU GEMV kernels of :mod:`engine.kernels.cpu_gemv`, which stream 1.06 / 0.63 bytes a
+weight instead of 4; bigger steps keep the float weights, where torch's GEMM wins.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -24,29 +26,53 @@ from torch import nn
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
 
-QUANTIZATION_METHODS = ("int8",)
-# Rows (tokens) up to which the int8 kernel beats bf16 here (measured: 46 vs 199 us
-# at 1 row of a 3072x576 matmul, 62 vs 193 at 2, 175 vs 113 at 4).
-INT8_MAX_ROWS = 2
+QUANTIZATION_METHODS = ("int8", "int4")
+# method -> (GGUF block formats used as they are, the format float weights are packed into).
+# int4 keeps a Q8_0 tensor (SmolLM2's tied embedding/LM head) as Q8_0: requantizing it
+# to 4 bits would add error the GGUF does not have.
+_METHOD_FORMATS: dict[str, tuple[tuple[str, ...], str]] = {
+    "int8": (("q8_0",), "q8_0"),
+    "int4": (("q4_1", "q8_0"), "q4_1"),
+}
+# Buffer suffix of each format (bench_engine.py finds quantized copies by ``_int<bits>``).
+_BUFFER_SUFFIX = {"q8_0": "int8", "q4_1": "int4"}
+# Token rows (a step's tokens) up to which the kernel of each format beats torch's float32
+# GEMM on the whole model's projections, per kernel ISA; above them the float weights run.
+GEMV_MAX_ROWS: dict[str, dict[str, int]] = {
+    "avx2": {"q8_0": 8, "q4_1": 8},
+    "avx512": {"q8_0": 8, "q4_1": 8},
+    "scalar": {"q8_0": 1, "q4_1": 1},
+}
 _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# HF tensors each fused projection is made of, in row order.
+_PROJECTION_PARTS = {
+    "qkv_proj": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "o_proj": ("self_attn.o_proj.weight",),
+    "gate_up_proj": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "down_proj": ("mlp.down_proj.weight",),
+}
 
 
-def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-row int8: ``weight ~= q * scale[:, None]``."""
-    w = weight.float()
-    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    return q.contiguous(), scale.to(weight.dtype)
+@dataclass(slots=True)
+class QuantizedLinear:
+    """A weight's quantized copy (also registered as a buffer, so it counts in
+    ``weights_bytes``) and how to multiply by it once the kernel is resolved."""
+
+    blocks: torch.Tensor  # uint8 [out, in / 32 * block bytes]
+    fmt: str  # "q8_0" | "q4_1"
+    source: str  # "gguf" (the file's own blocks) | "packed" (quantized from floats here)
+    max_rows: int = 0  # steps of at most this many tokens use ``gemv``; 0: always the float weights
+    gemv: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
-def linear_maybe_int8(module: nn.Module, x: torch.Tensor, name: str, weight: torch.Tensor,
-                      bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)``, through the int8 copy ``<name>_int8`` when there is
-    one and the batch is decode-sized."""
-    q = getattr(module, f"{name}_int8", None)
-    if q is None or x.shape[0] > INT8_MAX_ROWS:
+def linear_maybe_quantized(module: nn.Module, x: torch.Tensor, name: str, weight: torch.Tensor,
+                           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)``, through the quantized copy of ``name`` when the module
+    has one, the step is decode-sized and the kernel is there; else the float weight."""
+    q = module.quantized.get(name)
+    if q is None or x.shape[0] > q.max_rows:
         return F.linear(x, weight, bias)
-    out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), q, getattr(module, f"{name}_int8_scale"))
+    out = q.gemv(x, q.blocks)  # type: ignore[misc]
     return out if bias is None else out + bias
 
 
@@ -82,6 +108,7 @@ class DecoderLayer(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.intermediate_size = config.intermediate_size
         self.eps = config.rms_norm_eps
+        self.quantized: dict[str, QuantizedLinear] = {}
 
         def empty(*shape: int) -> nn.Parameter:
             return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
@@ -106,22 +133,22 @@ class DecoderLayer(nn.Module):
         tokens = hidden.shape[0]
         residual = hidden
         x = F.rms_norm(hidden, (hidden.shape[-1],), self.input_layernorm, self.eps)
-        qkv = linear_maybe_int8(self, x, "qkv_proj", self.qkv_proj, self.qkv_bias)
+        qkv = linear_maybe_quantized(self, x, "qkv_proj", self.qkv_proj, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         backend.write_kv(k, v, kv_cache, meta.slot_mapping)
         attn = backend.forward(q, kv_cache, meta, 1.0 / math.sqrt(self.head_dim))
-        hidden = residual + linear_maybe_int8(self, attn.reshape(tokens, self.q_size), "o_proj", self.o_proj)
+        hidden = residual + linear_maybe_quantized(self, attn.reshape(tokens, self.q_size), "o_proj", self.o_proj)
 
         return self.mlp_block(hidden)
 
     def mlp_block(self, hidden: torch.Tensor) -> torch.Tensor:
         """Norm, gate/up, SiLU-and-multiply, down, residual: the part ``torch.compile`` fuses."""
         x = F.rms_norm(hidden, (hidden.shape[-1],), self.post_attention_layernorm, self.eps)
-        gate, up = linear_maybe_int8(self, x, "gate_up_proj", self.gate_up_proj).split(self.intermediate_size, dim=-1)
-        return hidden + linear_maybe_int8(self, F.silu(gate) * up, "down_proj", self.down_proj)
+        gate, up = linear_maybe_quantized(self, x, "gate_up_proj", self.gate_up_proj).split(self.intermediate_size, dim=-1)
+        return hidden + linear_maybe_quantized(self, F.silu(gate) * up, "down_proj", self.down_proj)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -149,6 +176,9 @@ class LlamaForCausalLM(nn.Module):
             )
         )
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.quantized: dict[str, QuantizedLinear] = {}  # the LM head's, as "head"
+        self.quantization_fallback: str | None = None  # why the quantized copies are not used
+        self._gemv_pending = False  # quantized, kernel not resolved yet (first forward does it)
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
@@ -160,6 +190,8 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """``input_ids``/``positions`` ``[num_tokens]`` -> final-normed hidden ``[num_tokens, hidden]``."""
+        if self._gemv_pending:
+            self.resolve_gemv()
         hidden = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -168,25 +200,88 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._gemv_pending:
+            self.resolve_gemv()
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return linear_maybe_int8(self, hidden, "head", head).float()
+        return linear_maybe_quantized(self, hidden, "head", head).float()
 
     # ------------------------------------------------------------------ quantization
     @torch.no_grad()
-    def quantize_weights(self, method: str) -> None:
-        """Add weight-only quantized copies (buffers, so they count in
-        :meth:`weights_bytes`) of the projections and the LM head; call after loading."""
+    def quantize_weights(self, method: str,
+                         gguf_blocks: Mapping[str, tuple[str, torch.Tensor]] | None = None) -> dict[str, int]:
+        """Add weight-only quantized copies of the projections and the LM head (call after
+        loading). ``gguf_blocks`` (:func:`engine.model.loader.read_gguf_blocks`) supplies a
+        GGUF's own blocks, used as they are where the method takes their format; other
+        weights are packed from the floats. The kernel is resolved at the first forward
+        (startup builds it in the background meanwhile). Returns counts per
+        ``"<format> <source>"`` (``"float"``: in-features not a multiple of 32, kept float)."""
+        from engine.kernels import cpu_gemv
+
         if method not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization {method!r}: use one of {', '.join(QUANTIZATION_METHODS)}")
-        targets: list[tuple[nn.Module, str, torch.Tensor]] = [
-            (self, "head", self.embed_tokens if self.lm_head is None else self.lm_head)
+        exact, packed_fmt = _METHOD_FORMATS[method]
+        blocks_by_name = gguf_blocks or {}
+        head_name = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
+        targets: list[tuple[nn.Module, str, torch.Tensor, tuple[str, ...]]] = [
+            (self, "head", self.embed_tokens if self.lm_head is None else self.lm_head, (head_name,))
         ]
-        for layer in self.layers:
-            targets.extend((layer, name, getattr(layer, name)) for name in _PROJECTIONS)
-        for module, name, weight in targets:
-            q, scale = quantize_int8_per_channel(weight)
-            module.register_buffer(f"{name}_int8", q, persistent=False)
-            module.register_buffer(f"{name}_int8_scale", scale, persistent=False)
+        for index, layer in enumerate(self.layers):
+            targets.extend((layer, name, getattr(layer, name),
+                            tuple(f"model.layers.{index}.{part}" for part in _PROJECTION_PARTS[name]))
+                           for name in _PROJECTIONS)
+        counts: dict[str, int] = {}
+        for module, name, weight, parts in targets:
+            found = [blocks_by_name.get(part) for part in parts]
+            fmts = {f[0] for f in found if f is not None}
+            entry: QuantizedLinear | None = None
+            if all(f is not None for f in found) and len(fmts) == 1 and fmts <= set(exact):
+                fmt = fmts.pop()
+                blocks = torch.cat([f[1] for f in found if f is not None]).to(weight.device)
+                if blocks.shape == (weight.shape[0], weight.shape[1] // cpu_gemv.QK * cpu_gemv.BLOCK_BYTES[fmt]):
+                    entry = QuantizedLinear(blocks.contiguous(), fmt, "gguf")
+            if entry is None and weight.shape[1] % cpu_gemv.QK == 0:
+                pack = cpu_gemv.quantize_q8_0 if packed_fmt == "q8_0" else cpu_gemv.quantize_q4_1
+                entry = QuantizedLinear(pack(weight), packed_fmt, "packed")
+            if entry is None:
+                counts["float"] = counts.get("float", 0) + 1
+                continue
+            module.register_buffer(f"{name}_{_BUFFER_SUFFIX[entry.fmt]}", entry.blocks, persistent=False)
+            module.quantized[name] = entry
+            key = f"{entry.fmt} {entry.source}"
+            counts[key] = counts.get(key, 0) + 1
+        self._gemv_pending = True
+        return counts
+
+    def quantized_linears(self) -> list[QuantizedLinear]:
+        return [*self.quantized.values(), *(q for layer in self.layers for q in layer.quantized.values())]
+
+    def resolve_gemv(self) -> str | None:
+        """Point every quantized copy at its kernel, or record (and log) why the float
+        weights keep running: no compiler, ``KVSCOPE_CPU_GEMV_KERNEL=0``, not on CPU.
+        Returns that reason, or None when the kernels are in use."""
+        from engine.kernels import cpu_gemv
+
+        self._gemv_pending = False
+        entries = self.quantized_linears()
+        if not entries:
+            return None
+        kernel = cpu_gemv.load_kernel() if self.embed_tokens.device.type == "cpu" else None
+        if kernel is None:
+            why = cpu_gemv.UNAVAILABLE_REASON if self.embed_tokens.device.type == "cpu" else "not on CPU"
+            self.quantization_fallback = (f"CPU GEMV kernel unavailable ({why}): the quantized copies are "
+                                          "unused, every step runs the float weights through torch F.linear")
+            for q in entries:
+                q.gemv, q.max_rows = None, 0
+            from engine.logs import get_logger
+
+            get_logger("kvscope.quantization").warning(self.quantization_fallback)
+            return self.quantization_fallback
+        limits = GEMV_MAX_ROWS.get(kernel.isa(), GEMV_MAX_ROWS["scalar"])  # type: ignore[attr-defined]
+        for q in entries:
+            q.gemv = getattr(kernel, f"gemv_{q.fmt}")
+            q.max_rows = limits[q.fmt]
+        self.quantization_fallback = None
+        return None
 
     def weights_bytes(self) -> int:
         """Bytes the weights really hold: parameters plus any quantized copies."""

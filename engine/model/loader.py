@@ -108,6 +108,93 @@ def iter_gguf_tensors(path: Path, config: ModelConfig) -> Iterator[tuple[str, np
         yield hf_name, array, total
 
 
+# GGUF tensor types (ggml type id -> name, bytes per 32-weight block) whose blocks the CPU
+# GEMV kernels read as they are (engine/kernels/cpu_gemv.py).
+GGUF_BLOCK_FORMATS = {8: ("q8_0", 34), 3: ("q4_1", 20)}
+# Bytes of each fixed-size GGUF metadata value type (8 = string, 9 = array are variable).
+_GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def gguf_tensor_table(path: Path) -> tuple[list[tuple[str, int, tuple[int, ...], int]], int]:
+    """``([(name, ggml type, dims, offset)], data start)`` from a GGUF file's header.
+    ``GGUFReader`` takes seconds on this file (it wraps each of the ~100k vocabulary
+    strings in numpy views); skipping the metadata with ``struct`` takes milliseconds."""
+    import mmap
+    import struct
+
+    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", buf, 0)
+        if magic != b"GGUF" or version < 2:
+            raise UserError(f"{path}: not a GGUF v2+ file")
+        pos = 24
+        alignment = 32
+
+        def string(at: int) -> tuple[str, int]:
+            (size,) = struct.unpack_from("<Q", buf, at)
+            return bytes(buf[at + 8 : at + 8 + size]).decode("utf-8", errors="replace"), at + 8 + size
+
+        def skip(kind: int, at: int) -> int:
+            if kind in _GGUF_SCALAR_BYTES:
+                return at + _GGUF_SCALAR_BYTES[kind]
+            if kind == 8:
+                return at + 8 + struct.unpack_from("<Q", buf, at)[0]
+            if kind == 9:
+                item, count = struct.unpack_from("<IQ", buf, at)
+                at += 12
+                if item in _GGUF_SCALAR_BYTES:
+                    return at + count * _GGUF_SCALAR_BYTES[item]
+                for _ in range(count):
+                    at = skip(item, at)
+                return at
+            raise UserError(f"{path}: unknown GGUF metadata type {kind}")
+
+        for _ in range(n_kv):
+            key, pos = string(pos)
+            (kind,) = struct.unpack_from("<I", buf, pos)
+            pos += 4
+            if key == "general.alignment" and kind == 4:
+                (alignment,) = struct.unpack_from("<I", buf, pos)
+            pos = skip(kind, pos)
+        tensors = []
+        for _ in range(n_tensors):
+            name, pos = string(pos)
+            (n_dims,) = struct.unpack_from("<I", buf, pos)
+            dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
+            kind, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
+            pos += 4 + 8 * n_dims + 12
+            tensors.append((name, kind, tuple(int(d) for d in dims), int(offset)))
+    return tensors, (pos + alignment - 1) // alignment * alignment
+
+
+def read_gguf_blocks(config: ModelConfig, load_format: str = "auto") -> dict[str, tuple[str, torch.Tensor]]:
+    """HF name -> ``(format, uint8 [rows, row bytes])`` of each Q8_0/Q4_1 2-D tensor of the
+    model's GGUF file, undequantized, with Q/K rows un-permuted like the floats (a row's
+    blocks move with it). Empty for other sources: the quantizer then packs the floats.
+    Read separately from the weights, which may come from the dequantized cache."""
+    if resolve_load_format(config, load_format) != "gguf":
+        return {}
+    location = weights_location(config)
+    if location.is_dir():
+        return {}
+    table, data_start = gguf_tensor_table(location)
+    data = np.memmap(location, dtype=np.uint8, mode="r")
+    out: dict[str, tuple[str, torch.Tensor]] = {}
+    for name, kind, dims, offset in table:
+        hf_name = gguf_to_hf_name(name)
+        if kind not in GGUF_BLOCK_FORMATS or hf_name is None or len(dims) != 2 or dims[0] % 32:
+            continue
+        fmt, block_bytes = GGUF_BLOCK_FORMATS[kind]
+        row_bytes = dims[0] // 32 * block_bytes  # dims are ggml's (in, out): in varies fastest
+        start = data_start + offset
+        raw = data[start : start + dims[1] * row_bytes].reshape(dims[1], row_bytes)
+        if hf_name.endswith("q_proj.weight"):
+            raw = unpermute_rotary_rows(raw, config.num_attention_heads)
+        elif hf_name.endswith("k_proj.weight"):
+            raw = unpermute_rotary_rows(raw, config.num_kv_heads)
+        out[hf_name] = (fmt, torch.from_numpy(np.array(raw, copy=True)))  # off the read-only mmap
+    return out
+
+
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor, int]]:
     """Yield ``(hf_name, tensor, total)`` from ``model.safetensors`` or a sharded index."""
     from safetensors import safe_open
