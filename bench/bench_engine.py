@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from bench.machine import cpu_isa, header_lines, load_average, machine_limits
+from bench.machine import cpu_dtype_reason, cpu_isa, header_lines, load_average, machine_limits
 from bench.peers import LLAMA_PYTHON, VLLM_PYTHON, HfEngine, LlamaCppEngine, VllmEngine, start_peer
 from bench.workloads import (
     MEASURES,
@@ -113,7 +113,7 @@ class KvscopeEngine:
         start = time.perf_counter()
         self.llm = LLM(threads=threads, **extra, **variant.flags)
         self.startup_s = time.perf_counter() - start
-        self.dtype = str(self.llm.engine.config.dtype)
+        self.dtype = str(self.llm.engine.runner.dtype).removeprefix("torch.")  # what --dtype auto resolved to
         suffix = "" if variant.spec == "auto" else f" {variant.spec}"
         self.label = f"kvscope {SHORT_DTYPE.get(self.dtype, self.dtype)}{suffix}" + (" (all sinks)" if observability else "")
         if observability:
@@ -447,7 +447,8 @@ def start_engines(args: argparse.Namespace, variants: list[Variant]) -> tuple[li
     engines: list[Any] = [KvscopeEngine(v, args.threads) for v in variants]
     auto = engines[0] if engines else None
     if auto is not None:
-        print(f"kvscope --dtype auto chose {auto.dtype} on ISA {cpu_isa()}", flush=True)
+        print(f"kvscope --dtype auto chose {auto.dtype} on ISA {cpu_isa()} (engine/cpu_caps.py: "
+              f"{cpu_dtype_reason()})", flush=True)
     if not args.no_hf:
         engines.append(HfEngine(args.threads))
     missing = {}

