@@ -25,7 +25,7 @@ import psutil
 from logparse.explain import explain
 from logparse.parser import iter_records
 
-CORPUS = Path(__file__).resolve().parents[2] / "shared" / "vllm-logs"
+CORPUS = Path(__file__).resolve().parents[1] / "tests" / "data" / "vllm-logs"
 SAMPLE = Path(__file__).resolve().parents[1] / "samples" / "vllm-startup.log"
 
 

@@ -5,7 +5,7 @@ regular expression over the message with the log prefix already stripped),
 which releases print it, which startup phase it belongs to, what its numbers
 are and how vLLM computed them. Sources: ../shared/reference/vllm-log-catalog.md
 (format strings extracted from 51 released wheels) and the real logs in
-../shared/vllm-logs.
+tests/data/vllm-logs.
 
 Templates use ``<name:kind>`` placeholders, expanded by :func:`compile_template`
 into named groups; a field whose name is a ledger key (``weights_gib``,
