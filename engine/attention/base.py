@@ -19,6 +19,8 @@ from typing import Protocol
 
 import torch
 
+from engine.attention.kv_quant import kv_cache_shape
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -50,7 +52,9 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
 ) -> list[torch.Tensor]:
-    shape = (num_blocks, 2, block_size, num_kv_heads, head_dim)
+    """Zeroed per-layer caches; a quantized ``dtype`` gets its layout from
+    :func:`engine.attention.kv_quant.kv_cache_shape` (int8 rows carry their scale)."""
+    shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim, dtype)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
 
@@ -59,6 +63,10 @@ class AttentionBackend(Protocol):
     reference and fast path), triton (GPU; tested on CPU via TRITON_INTERPRET=1)."""
 
     name: str
+
+    def check_kv_cache_dtype(self, dtype: torch.dtype) -> None:
+        """Raise a UserError when this backend cannot use a cache stored in ``dtype``."""
+        ...
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionMetadata
+from engine.attention.kv_quant import dequantize_from_cache, is_quantized, quantize_for_cache
 
 
 @dataclass(slots=True)
@@ -44,6 +45,10 @@ class TorchAttentionBackend:
         self._plan_group = 0
         self._plan: _BatchPlan | None = None
 
+    def check_kv_cache_dtype(self, dtype: torch.dtype) -> None:
+        """Every storage dtype works here: quantized caches are dequantized in torch
+        (and read in place by the CPU decode kernel)."""
+
     # ------------------------------------------------------------------ cache writes
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -54,8 +59,8 @@ class TorchAttentionBackend:
             key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
         blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
         offsets = slot_mapping % block_size
-        kv_cache[blocks, 0, offsets] = key.to(kv_cache.dtype)
-        kv_cache[blocks, 1, offsets] = value.to(kv_cache.dtype)
+        kv_cache[blocks, 0, offsets] = quantize_for_cache(key, kv_cache.dtype)
+        kv_cache[blocks, 1, offsets] = quantize_for_cache(value, kv_cache.dtype)
 
     # ------------------------------------------------------------------ attention
     def _plan_for(self, meta: AttentionMetadata, group: int, block_size: int) -> _BatchPlan:
@@ -89,15 +94,18 @@ class TorchAttentionBackend:
         block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
         group = num_heads // num_kv_heads
         seqs = meta.num_seqs
+        out_dtype = query.dtype
         if self.decode_kernel is not None:
             if meta.is_pure_decode:
-                return self.decode_kernel(query, kv_cache, meta.block_tables, meta.seq_lens, scale)
+                return self.decode_kernel(query, kv_cache, meta.block_tables, meta.seq_lens, scale).to(out_dtype)
             if meta.query_lens_cpu is not None and meta.seq_lens_cpu is not None:
-                return self._mixed_with_kernel(query, kv_cache, meta, scale, group)
+                return self._mixed_with_kernel(query, kv_cache, meta, scale, group).to(out_dtype)
         plan = self._plan_for(meta, group, block_size)
 
-        # [seqs, blocks, 2, block_size, kv_heads, head_dim] -> K, V as [seqs, kv_heads, context, head_dim]
+        # [seqs, blocks, 2, block_size, kv_heads, width] -> K, V as [seqs, kv_heads, context, head_dim]
         gathered = kv_cache[meta.block_tables[:, : plan.num_blocks].to(torch.int64)]
+        if is_quantized(kv_cache.dtype):  # attend in the model's dtype over the dequantized copy
+            gathered = dequantize_from_cache(gathered, out_dtype)
         context_len = plan.num_blocks * block_size
         key = gathered[:, :, 0].reshape(seqs, context_len, num_kv_heads, head_dim).transpose(1, 2)
         value = gathered[:, :, 1].reshape(seqs, context_len, num_kv_heads, head_dim).transpose(1, 2)
@@ -106,7 +114,7 @@ class TorchAttentionBackend:
         if plan.seq_index is None:  # pure decode: one query row per sequence, no padding
             q = query.view(seqs, num_kv_heads, group, head_dim)
             out = F.scaled_dot_product_attention(q, key, value, attn_mask=plan.mask, scale=scale)
-            return out.reshape(num_tokens, num_heads, head_dim)
+            return out.reshape(num_tokens, num_heads, head_dim).to(out_dtype)
 
         max_q = meta.max_query_len
         padded = query.new_zeros(seqs, max_q, num_heads, head_dim)
@@ -116,7 +124,7 @@ class TorchAttentionBackend:
         out = F.scaled_dot_product_attention(q, key, value, attn_mask=plan.mask, scale=scale)
         out = out.view(seqs, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
         out = out.reshape(seqs, max_q, num_heads, head_dim)
-        return out[plan.seq_index, plan.row_index]
+        return out[plan.seq_index, plan.row_index].to(out_dtype)
 
     def _mixed_with_kernel(
         self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, group: int
@@ -126,8 +134,10 @@ class TorchAttentionBackend:
         padded [seqs, max_q, max_context] mask is built (causal within the chunk,
         all cached context visible)."""
         assert self.decode_kernel is not None and meta.query_lens_cpu is not None and meta.seq_lens_cpu is not None
-        block_size, num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
-        query = query.to(kv_cache.dtype)
+        block_size, num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[3], query.shape[2]
+        quantized = is_quantized(kv_cache.dtype)
+        if not quantized:  # a quantized cache is dequantized to the query's dtype instead
+            query = query.to(kv_cache.dtype)
         out = torch.empty_like(query)
         starts = [0]
         for n in meta.query_lens_cpu:
@@ -143,7 +153,9 @@ class TorchAttentionBackend:
                 continue
             context = meta.seq_lens_cpu[i]
             blocks = meta.block_tables[i, : -(-context // block_size)].to(torch.int64)
-            kv = kv_cache[blocks]  # [blocks, 2, block_size, kv_heads, head_dim]
+            kv = kv_cache[blocks]  # [blocks, 2, block_size, kv_heads, width]
+            if quantized:
+                kv = dequantize_from_cache(kv, query.dtype)
             key = kv[:, 0].reshape(-1, num_kv_heads, head_dim)[:context].transpose(0, 1)
             value = kv[:, 1].reshape(-1, num_kv_heads, head_dim)[:context].transpose(0, 1)
             if group > 1:

@@ -14,6 +14,7 @@ import torch
 import triton
 
 from engine.attention.base import AttentionMetadata
+from engine.attention.kv_quant import is_quantized
 from engine.attention.triton_kernels import (
     kernels_interpreted,
     paged_attention_kernel,
@@ -67,9 +68,19 @@ class TritonAttentionBackend:
         # On a GPU the dots take native fp16/bf16 operands; the interpreter's bf16 dot is wrong.
         self.upcast_dots = kernels_interpreted()
 
+    def check_kv_cache_dtype(self, dtype: torch.dtype) -> None:
+        """The Triton kernels read and write fp32/fp16/bf16 caches only; int8's in-row
+        scales and fp8 are implemented by the torch backend (CPU decode kernel)."""
+        if is_quantized(dtype):
+            raise UserError(
+                f"--kv-cache-dtype {str(dtype).removeprefix('torch.')} is not supported by the Triton attention "
+                "backend; use --kv-cache-dtype auto/bfloat16/float16, or --attention-backend torch (dequantizes in torch)"
+            )
+
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
+        self.check_kv_cache_dtype(kv_cache.dtype)
         num_tokens, num_kv_heads, head_dim = key.shape
         if num_tokens == 0:
             return
