@@ -87,8 +87,12 @@ def test_estimates_are_marked() -> None:
 
 
 def test_refuses_when_weights_do_not_fit() -> None:
-    with pytest.raises(BudgetError, match=r"raise --gpu-memory-utilization to at least"):
+    with pytest.raises(BudgetError, match=r"raise --gpu-memory-utilization to at least 0\.70"):
+        plan_memory(model=LLAMA8, total_bytes=24 * GiB, gpu_memory_utilization=0.5, max_model_len=4096)
+    # 16.26 GiB of weights, peak and non-torch on a 16 GiB device: no utilization helps, so none is advised.
+    with pytest.raises(BudgetError, match=r"cannot fit at any --gpu-memory-utilization") as info:
         plan_memory(model=LLAMA8, total_bytes=16 * GiB, gpu_memory_utilization=0.9, max_model_len=4096)
+    assert "to at least" not in str(info.value)
 
 
 def test_refuses_when_one_request_does_not_fit_and_names_the_fix() -> None:
@@ -96,7 +100,14 @@ def test_refuses_when_one_request_does_not_fit_and_names_the_fix() -> None:
         plan_memory(model=LLAMA8, total_bytes=24 * GiB, gpu_memory_utilization=0.9, max_model_len=131072,
                     activation_peak=GiB, non_torch=0)
     message = str(info.value)
-    assert "131,072" in message and "--max-model-len" in message and "--gpu-memory-utilization" in message
+    # 16 GiB of KV for one 131,072-token request beside 15 GiB of weights: more than 24 GiB,
+    # so only the length can change the outcome.
+    assert "131,072" in message and "--max-model-len to 46,208" in message
+    assert "--gpu-memory-utilization" not in message
+    with pytest.raises(BudgetError) as info:
+        plan_memory(model=LLAMA8, total_bytes=40 * GiB, gpu_memory_utilization=0.5, max_model_len=131072,
+                    activation_peak=GiB, non_torch=0)
+    assert "increasing --gpu-memory-utilization to 0.80" in str(info.value)
 
 
 def test_required_utilization_round_trip() -> None:
