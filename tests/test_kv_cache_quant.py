@@ -13,6 +13,7 @@ under int8 ("def fibonacci" flips its first token, whose top-2 logit margin is
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -271,7 +272,7 @@ def test_int8_kv_greedy_agrees_with_fp32_kv(fp32_and_int8_runners, smollm_tokeni
     assert agree >= 0.9 * 16 * len(prompts), agree  # measured 122 / 128
 
 
-def test_engine_int8_startup_reports_the_bigger_pool(capsys: pytest.CaptureFixture[str]) -> None:
+def test_engine_int8_startup_reports_the_bigger_pool() -> None:
     """Phase E and its log line count int8's 12,240 B/token; prefix caching reuses int8 blocks."""
     from engine.llm import LLM
     from engine.logs import configure_logging
@@ -280,7 +281,8 @@ def test_engine_int8_startup_reports_the_bigger_pool(capsys: pytest.CaptureFixtu
     events: list[Event] = []
     bus = EventBus()
     bus.subscribe(events.append)
-    configure_logging("console", stream=sys.stdout)
+    log = io.StringIO()  # not capsys: the logger would keep a stream that pytest closes after this test
+    configure_logging("console", stream=log)
     llm = LLM("smollm2-135m", bus=bus, kv_cache_dtype="int8", dtype="float32", max_model_len=1024,
               kv_cache_memory_bytes=pool, max_num_batched_tokens=512, max_num_seqs=8, stats_interval=0.0,
               enable_prefix_caching=True)
@@ -288,7 +290,7 @@ def test_engine_int8_startup_reports_the_bigger_pool(capsys: pytest.CaptureFixtu
         e = next(p for p in events if isinstance(p, StartupPhase) and p.phase == "E" and p.status == "end").data
         assert e["bytes_per_token"] == 12_240
         assert e["kv_cache_tokens"] == pool // (16 * 12_240) * 16 == 2_736  # fp32 KV: 720 tokens
-        assert f"CPU KV cache size: {e['kv_cache_tokens']:,} tokens" in capsys.readouterr().out
+        assert f"CPU KV cache size: {e['kv_cache_tokens']:,} tokens" in log.getvalue()
         assert llm.engine.runner.kv_caches[0].dtype == torch.int8
         prompt = "The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is"
         greedy = SamplingParams(temperature=0.0, max_tokens=8)
