@@ -50,6 +50,12 @@ def test_kernel_matches_float_reference(kernel, fmt: str, out: int, inp: int) ->
         # float32 accumulation: error bounded by a few ulps of the sum of |x * w|
         bound = 2e-6 * (x.double().abs() @ dense.abs().T) + 1e-7
         assert torch.all((got.double() - ref).abs() <= bound), (rows, float((got.double() - ref).abs().max()))
+        # int8 activations (llama.cpp's way): off by at most half an activation step per weight
+        got8 = cpu_gemv.gemv(x, blocks, fmt, int8_activations=True)
+        step = x.abs().reshape(rows, -1, 32).amax(dim=-1, keepdim=True).double() / 127.0
+        half_step = (step / 2).expand(rows, inp // 32, 32).reshape(rows, inp)
+        assert torch.all((got8.double() - ref).abs() <= half_step @ dense.abs().T + bound), rows
+        assert not torch.equal(got8, got)
     x16 = torch.randn(3, inp, generator=gen).bfloat16()
     got16 = cpu_gemv.gemv(x16, blocks, fmt)
     assert got16.dtype == torch.bfloat16
@@ -81,15 +87,24 @@ def test_packed_floats_are_ggml_blocks_within_half_a_step(fmt: str) -> None:
 
 
 # ---------------------------------------------------------------------- the bundled model
-@pytest.fixture(scope="module")
-def quantized_runners(smollm_config, kernel) -> dict[str, ModelRunner]:
-    runners = {}
-    for method in ("int8", "int4"):
-        runner = ModelRunner(smollm_config, dtype="float32", quantization=method)
+class _Runners(dict):
+    """method -> the bundled model in fp32 with that quantization, loaded on first use."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+
+    def __missing__(self, method: str) -> ModelRunner:
+        runner = ModelRunner(self.config, dtype="float32", quantization=method)
         runner.load_weights()
         runner.allocate_kv_cache(64)
-        runners[method] = runner
-    return runners
+        self[method] = runner
+        return runner
+
+
+@pytest.fixture(scope="module")
+def quantized_runners(smollm_config, kernel) -> _Runners:
+    return _Runners(smollm_config)
 
 
 def test_int4_uses_the_gguf_blocks_exactly(smollm_config, quantized_runners) -> None:
@@ -112,7 +127,8 @@ def test_int4_uses_the_gguf_blocks_exactly(smollm_config, quantized_runners) -> 
 
 def test_weights_bytes_count_every_copy(smollm_runner_fp32, quantized_runners) -> None:
     plain = smollm_runner_fp32.model.weights_bytes()
-    for method, runner in quantized_runners.items():
+    for method in ("int8", "int4"):
+        runner = quantized_runners[method]
         held = sum(q.blocks.numel() for q in runner.model.quantized_linears())
         assert runner.model.weights_bytes() == plain + held, method
     # int4: 20 bytes per 32 projection weights, the head's 34 (Q8_0): ~96 MB beside 538 MB of fp32

@@ -10,12 +10,21 @@ Formats (exactly ggml's, so a GGUF tensor's bytes are used as they are, row by r
 A weight ``[out, in]`` is ``uint8 [out, in / 32 * block_bytes]``: each output row's blocks in
 order, so a row streams contiguously and rows are split over torch's intra-op threads
 (``at::parallel_for``). Each block is widened to float32 in registers once and multiplied into
-up to 8 activation rows (float32 activations, so no activation-quantization error; the Q8 x Q4
-``maddubs`` route of llama.cpp was not needed to reach the bandwidth limit at one row). AVX-512,
-AVX2+FMA and scalar paths; ``in`` must be a multiple of 32.
+up to 8 activation rows (float32 activations: no activation-quantization error). AVX-512,
+AVX2+FMA and scalar paths; ``in`` must be a multiple of 32. ``int8_activations=True`` runs
+llama.cpp's route instead (activations rounded per 32-block to int8, ``maddubs`` integer dots;
+AVX2 only): measured no faster here, so the model does not use it.
 
-Measured (bench/bench_gemv.py; AVX2, Zen 3, 2 threads, machine shared): see the table at
-the end of this docstring.
+Measured with bench/bench_gemv.py on AVX2 (EPYC Zen 3, 2 cores), 1 thread, weights cycled
+through 128 MiB of copies so they stream from memory; the machine was shared with other
+engineers' benchmarks (load 6-9 on 2 cores, so absolute numbers are low; ratios are
+interleaved medians). µs per call, fp32 F.linear -> q8_0 -> q4_1:
+
+* rows 1: qkv 960x576 477 -> 154 -> 146; down 576x1536 501 -> 210 -> 185;
+  head 49152x576 22629 -> 7747 -> 7479 (torch bf16 16204, ``_weight_int8pack_mm`` 91974)
+* rows 8: qkv 966 -> 307 -> 275; down 1320 -> 749 -> 719; head 70738 -> 15655 -> 15217
+* single-stream decode of SmolLM2-135M (float32 activations, 1 thread): fp32 7.4 tok/s,
+  int8 16.7, int4 19.0 (2.3x / 2.6x).
 """
 
 from __future__ import annotations
@@ -39,6 +48,9 @@ _CPP_SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <cstdint>
 #include <cstring>
+#include <algorithm>
+#include <cmath>
+#include <vector>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -93,6 +105,13 @@ struct Q8_0 {
       w[k] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
     }
   }
+  // int8 activations: the 32 signed weights, and their dot with 32 signed activations
+  static inline __m256i qbytes(const uint8_t* b) { return _mm256_loadu_si256((const __m256i*)(b + 2)); }
+  static inline __m256 idot(__m256i qw, __m256i qa) {
+    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(qa, qw));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+  }
+  static inline float offset(const uint8_t*) { return 0.f; }
 #endif
 };
 
@@ -125,6 +144,15 @@ struct Q4_1 {
     w[2] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(t0, 4)), m);
     w[3] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(t1, 4)), m);
   }
+  // int8 activations: the 32 nibbles as unsigned bytes (weights 0..15 low lane, 16..31 high)
+  static inline __m256i qbytes(const uint8_t* b) {
+    const __m128i t = _mm_loadu_si128((const __m128i*)(b + 4));
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(15));
+  }
+  static inline __m256 idot(__m256i qw, __m256i qa) {
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(qw, qa), _mm256_set1_epi16(1)));
+  }
+  static inline float offset(const uint8_t* b) { return half_to_float(b + 2); }  // m
 #endif
 };
 
@@ -188,6 +216,82 @@ static inline void row_tile(const uint8_t* wrow, int64_t nb, const float* x, int
 #endif
 }
 
+#if defined(__AVX2__)
+// Activations quantized per 32-block like ggml's Q8_1: qa = round(x / da), sa = da * sum(qa).
+// One weight row x R activation rows: sum_b dw*da*dot(qw, qa) (+ m * sa for Q4_1).
+template <class F, int R>
+static inline void row_tile_i8(const uint8_t* wrow, int64_t nb, const int8_t* qa, const float* da, const float* sa,
+                               int64_t K, float* y, int64_t ldy) {
+  constexpr int NA = R >= 4 ? 1 : 2;  // independent accumulator chains per row (blocks alternate)
+  __m256 acc[R][NA];
+  float off[R];
+  for (int r = 0; r < R; ++r) {
+    off[r] = 0.f;
+    for (int a = 0; a < NA; ++a) acc[r][a] = _mm256_setzero_ps();
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = wrow + b * F::kBytes;
+    const __m256i qw = F::qbytes(blk);
+    const float dw = half_to_float(blk), m = F::offset(blk);
+    for (int r = 0; r < R; ++r) {
+      const __m256i q = _mm256_loadu_si256((const __m256i*)(qa + r * K + b * 32));
+      const int a = NA == 1 ? 0 : (int)(b & 1);
+      acc[r][a] = _mm256_fmadd_ps(_mm256_set1_ps(dw * da[r * nb + b]), F::idot(qw, q), acc[r][a]);
+      off[r] += m * sa[r * nb + b];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m256 s = acc[r][0];
+    for (int a = 1; a < NA; ++a) s = _mm256_add_ps(s, acc[r][a]);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    y[r * ldy] = _mm_cvtss_f32(h) + off[r];
+  }
+}
+
+static void quantize_rows_q8(const float* x, int64_t M, int64_t K, int8_t* qa, float* da, float* sa) {
+  const int64_t nb = K / 32;
+  for (int64_t i = 0; i < M * nb; ++i) {
+    const float* xb = x + i * 32;
+    float amax = 0.f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+    int sum = 0;
+    for (int j = 0; j < 32; ++j) {
+      const int q = (int)std::nearbyint(xb[j] * id);
+      qa[i * 32 + j] = (int8_t)q;
+      sum += q;
+    }
+    da[i] = d;
+    sa[i] = d * (float)sum;
+  }
+}
+
+template <class F>
+static void gemv_rows_i8(const uint8_t* W, int64_t N, int64_t K, const float* x, int64_t M, float* y) {
+  const int64_t nb = K / 32, row_bytes = nb * F::kBytes;
+  std::vector<int8_t> qa(M * K);
+  std::vector<float> da(M * nb), sa(M * nb);
+  quantize_rows_q8(x, M, K, qa.data(), da.data(), sa.data());
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* wrow = W + n * row_bytes;
+      for (int64_t r = 0; r < M;) {
+        const int64_t left = M - r;
+        const int8_t* q = qa.data() + r * K;
+        const float *d = da.data() + r * nb, *s = sa.data() + r * nb;
+        float* yr = y + r * N + n;
+        if (left >= 4) { row_tile_i8<F, 4>(wrow, nb, q, d, s, K, yr, N); r += 4; }
+        else if (left == 3) { row_tile_i8<F, 3>(wrow, nb, q, d, s, K, yr, N); r += 3; }
+        else if (left == 2) { row_tile_i8<F, 2>(wrow, nb, q, d, s, K, yr, N); r += 2; }
+        else { row_tile_i8<F, 1>(wrow, nb, q, d, s, K, yr, N); r += 1; }
+      }
+    }
+  });
+}
+#endif
+
 template <class F>
 static void gemv_rows(const uint8_t* W, int64_t N, int64_t K, const float* x, int64_t M, float* y) {
   const int64_t nb = K / 32, row_bytes = nb * F::kBytes;
@@ -213,7 +317,7 @@ static void gemv_rows(const uint8_t* W, int64_t N, int64_t K, const float* x, in
 }
 
 template <class F>
-static torch::Tensor gemv(torch::Tensor x, torch::Tensor w, const char* name) {
+static torch::Tensor gemv(torch::Tensor x, torch::Tensor w, int64_t int8_activations, const char* name) {
   TORCH_CHECK(x.dim() == 2, name, ": x must be [rows, in]");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8, name, ": weight blocks must be uint8 [out, bytes]");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
@@ -223,13 +327,25 @@ static torch::Tensor gemv(torch::Tensor x, torch::Tensor w, const char* name) {
   auto xf = x.to(torch::kFloat).contiguous();
   w = w.contiguous();
   auto y = torch::empty({M, N}, xf.options());
-  if (M > 0 && N > 0)
+  if (M > 0 && N > 0) {
+#if defined(__AVX2__)
+    if (int8_activations) {
+      gemv_rows_i8<F>(w.data_ptr<uint8_t>(), N, K, xf.data_ptr<float>(), M, y.data_ptr<float>());
+      return x.scalar_type() == torch::kFloat ? y : y.to(x.scalar_type());
+    }
+#endif
     gemv_rows<F>(w.data_ptr<uint8_t>(), N, K, xf.data_ptr<float>(), M, y.data_ptr<float>());
+  }
   return x.scalar_type() == torch::kFloat ? y : y.to(x.scalar_type());
 }
 
-torch::Tensor gemv_q8_0(torch::Tensor x, torch::Tensor w) { return gemv<Q8_0>(x, w, "gemv_q8_0"); }
-torch::Tensor gemv_q4_1(torch::Tensor x, torch::Tensor w) { return gemv<Q4_1>(x, w, "gemv_q4_1"); }
+// int8_activations: 1 quantizes x per 32-block to int8 first (AVX2/AVX-512 builds; ignored by the scalar one)
+torch::Tensor gemv_q8_0(torch::Tensor x, torch::Tensor w, int64_t int8_activations) {
+  return gemv<Q8_0>(x, w, int8_activations, "gemv_q8_0");
+}
+torch::Tensor gemv_q4_1(torch::Tensor x, torch::Tensor w, int64_t int8_activations) {
+  return gemv<Q4_1>(x, w, int8_activations, "gemv_q4_1");
+}
 
 std::string isa() {
 #if defined(__AVX512F__)
@@ -266,13 +382,32 @@ def load_kernel(log: Callable[[str], None] | None = None) -> object | None:
         return _kernel
 
 
-def gemv(x: torch.Tensor, blocks: torch.Tensor, fmt: str) -> torch.Tensor:
+def ensure_built(log: Callable[[str], None] | None = None) -> BuildReport | None:
+    """Build or load the kernel now (startup's background thread, ``engine build-kernels``);
+    None when it is switched off."""
+    if load_kernel(log) is None and os.environ.get(KERNEL_ENV, "1") == "0":
+        return None
+    return LAST_BUILD
+
+
+def gemv(x: torch.Tensor, blocks: torch.Tensor, fmt: str, int8_activations: bool = False) -> torch.Tensor:
     """``x [rows, in] @ W.T`` for ``W`` in ``fmt`` blocks ``[out, in/32*bytes]``; float32
-    (or ``x``'s dtype) ``[rows, out]``. Needs the kernel (:func:`load_kernel`)."""
+    (or ``x``'s dtype) ``[rows, out]``. ``int8_activations`` quantizes ``x`` per 32-block
+    first (:func:`quantize_activations_q8`). Needs the kernel (:func:`load_kernel`)."""
     kernel = load_kernel()
     assert kernel is not None, UNAVAILABLE_REASON
     fn = kernel.gemv_q4_1 if fmt == "q4_1" else kernel.gemv_q8_0  # type: ignore[attr-defined]
-    return fn(x, blocks)
+    return fn(x, blocks, int(int8_activations))
+
+
+def quantize_activations_q8(x: torch.Tensor) -> torch.Tensor:
+    """What the kernel's ``int8_activations`` path multiplies: ``x`` rounded per 32-block to
+    ``da * round(x / da)`` with ``da = amax / 127`` (float32, the reference for tests)."""
+    rows, k = x.shape
+    xb = x.float().reshape(rows, k // QK, QK)
+    d = xb.abs().amax(dim=-1, keepdim=True) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    return (torch.round(xb * inv) * d).reshape(rows, k)
 
 
 # ---------------------------------------------------------------------- packing (torch)

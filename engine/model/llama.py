@@ -36,12 +36,16 @@ _METHOD_FORMATS: dict[str, tuple[tuple[str, ...], str]] = {
 }
 # Buffer suffix of each format (bench_engine.py finds quantized copies by ``_int<bits>``).
 _BUFFER_SUFFIX = {"q8_0": "int8", "q4_1": "int4"}
-# Token rows (a step's tokens) up to which the kernel of each format beats torch's float32
-# GEMM on the whole model's projections, per kernel ISA; above them the float weights run.
+# Token rows (a step's tokens) up to which the GEMV kernel beats torch's float32 GEMM, per
+# kernel ISA: per format for the projections, and for the LM head (49152 x 576, where float
+# GEMM is slowest per row). AVX2 (Zen 3, 1 thread, shared machine, bench/bench_gemv.py, µs
+# fp32 -> q4_1): 8 rows qkv 966 -> 275, down 1320 -> 719, head 70738 -> 15217; 16 rows
+# qkv 1010 -> 608, gate_up 3104 -> 1862 but down 618 -> 1281 (the kernel's FMAs grow with
+# rows, GEMM's do not), head 72022 -> 31841. AVX-512 is not measured yet: AVX2's limits.
 GEMV_MAX_ROWS: dict[str, dict[str, int]] = {
-    "avx2": {"q8_0": 8, "q4_1": 8},
-    "avx512": {"q8_0": 8, "q4_1": 8},
-    "scalar": {"q8_0": 1, "q4_1": 1},
+    "avx2": {"q8_0": 8, "q4_1": 8, "head": 16},
+    "avx512": {"q8_0": 8, "q4_1": 8, "head": 16},
+    "scalar": {"q8_0": 1, "q4_1": 1, "head": 1},
 }
 _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # HF tensors each fused projection is made of, in row order.
@@ -278,8 +282,10 @@ class LlamaForCausalLM(nn.Module):
             return self.quantization_fallback
         limits = GEMV_MAX_ROWS.get(kernel.isa(), GEMV_MAX_ROWS["scalar"])  # type: ignore[attr-defined]
         for q in entries:
-            q.gemv = getattr(kernel, f"gemv_{q.fmt}")
-            q.max_rows = limits[q.fmt]
+            fn = getattr(kernel, f"gemv_{q.fmt}")
+            # Float activations: int8 ones (llama.cpp's Q8 x Q4 dot) measured no faster here.
+            q.gemv = lambda x, blocks, fn=fn: fn(x, blocks, 0)
+            q.max_rows = limits["head" if q is self.quantized.get("head") else q.fmt]
         self.quantization_fallback = None
         return None
 
