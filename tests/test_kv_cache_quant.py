@@ -8,7 +8,8 @@ teacher-forced top-1 agreement with the fp32 cache is 98.6% for int8 (KL 7e-4),
 recommended 1-byte format on CPU. Free-running greedy output drifts only at
 near-ties: of the 8 prompts below, 6 keep the fp32 cache's first 16 tokens exactly
 under int8 ("def fibonacci" flips its first token, whose top-2 logit margin is
-0.04), and teacher-forced along fp32's tokens 122/128 steps (95%) pick the same token.
+0.04; "To make a cup of tea" its second), and teacher-forced along fp32's tokens
+126 of 128 steps (98%) pick the same token.
 """
 
 from __future__ import annotations
@@ -269,7 +270,7 @@ def test_int8_kv_greedy_agrees_with_fp32_kv(fp32_and_int8_runners, smollm_tokeni
     assert exact >= 5, (reference, free)  # measured 6 of 8
     forced = _greedy(int8, prompts, 16, forced=reference)
     agree = sum(a == b for x, y in zip(reference, forced, strict=True) for a, b in zip(x, y, strict=True))
-    assert agree >= 0.9 * 16 * len(prompts), agree  # measured 122 / 128
+    assert agree >= 0.95 * 16 * len(prompts), agree  # measured 126 / 128
 
 
 def test_engine_int8_startup_reports_the_bigger_pool() -> None:
