@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     url = args.url
     if url is None:
         port = free_port()
-        proc = start_server(port, *(serve_flags or ["--max-model-len", "1024", "--kv-cache-memory-bytes", "32Mi",
+        proc = start_server(port, *(serve_flags or ["--max-model-len", "1024", "--kv-cache-memory-bytes", "64Mi",
                                                     "--max-num-batched-tokens", "512", "--max-num-seqs", "32"]))
         url = f"http://127.0.0.1:{port}"
     try:

@@ -177,10 +177,12 @@ def test_verify_replays_stop_finishes_and_aborts(tmp_path: Path) -> None:
 
 
 def test_verify_on_a_real_engine_recording(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The bundled model on a 45-block pool: preemptions and prefix hits."""
+    """The bundled model on a 45-block pool (32 MiB of float32 KV: the same on every ISA): preemptions
+    and prefix hits."""
     path = tmp_path / "real.jsonl"
     code = main(["run-workload", "--num-requests", "8", "--prompt-len", "40:100", "--output-len", "30:70",
-                 "--max-model-len", "512", "--kv-cache-memory-bytes", "16Mi", "--shared-prefix-fraction", "0.5",
+                 "--max-model-len", "512", "--kv-cache-memory-bytes", "32Mi", "--dtype", "float32",
+                 "--shared-prefix-fraction", "0.5",
                  "--shared-prefix-len", "48", "--threads", "1", "--events", str(path), "--log-format", "json"])
     assert code == 0
     capsys.readouterr()
