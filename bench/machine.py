@@ -101,3 +101,8 @@ def machine_limits(threads: int) -> dict[str, float]:
     torch.set_num_threads(threads)
     return {"gemm_float32_flops": gemm_flops(torch.float32), "gemm_bfloat16_flops": gemm_flops(torch.bfloat16),
             "read_bytes_per_s": read_bandwidth()}
+
+
+def best_limits(*measurements: dict[str, float]) -> dict[str, float]:
+    """Each limit's best over several measurements (a busy moment only ever lowers one)."""
+    return {key: max(m[key] for m in measurements) for key in measurements[0]}
