@@ -9,7 +9,7 @@ from typing import Any
 
 from engine.config import BUNDLED_MODEL_NAME, EngineConfig, parse_dtype
 from engine.errors import UserError
-from engine.memory import parse_bytes, parse_gib
+from engine.memory import parse_bytes, parse_gib, parse_kv_cache_dtype
 
 
 def _positive_int(flag: str):
@@ -63,7 +63,7 @@ def add_model_flags(p: argparse.ArgumentParser, positional: bool = False) -> Non
         p.add_argument("model_pos", nargs="?", metavar="MODEL", help="model preset, .gguf file or HF folder")
     p.add_argument("--model", default=None, help=f"model preset, .gguf file or HF folder (default {BUNDLED_MODEL_NAME})")
     p.add_argument("--dtype", default="auto", help="weights/activation dtype: auto, bfloat16, float16, float32")
-    p.add_argument("--kv-cache-dtype", default="auto",
+    p.add_argument("--kv-cache-dtype", default="auto", type=_user_error_as_argparse(parse_kv_cache_dtype, "--kv-cache-dtype"),
                    help="auto (= --dtype), bfloat16, float16, float32, fp8 (= fp8_e4m3), fp8_e5m2 (vLLM's, scale 1.0), "
                         "or int8 (per-token-and-head scales; CPU/torch backend): 1-byte KV holds 2-4x the tokens")
     p.add_argument("--tensor-parallel-size", "-tp", type=_positive_int("--tensor-parallel-size"), default=1)

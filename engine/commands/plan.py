@@ -27,6 +27,7 @@ from engine.memory import (
     gpu_preset,
     kv_cache_size_line,
     kv_dtype_bytes,
+    kv_scale_bytes,
     max_concurrency_line,
     plan_memory,
 )
@@ -142,9 +143,10 @@ def render_text(console: Console, model: ModelConfig, plan: MemoryPlan, gpu_name
     kv_heads = max(1, model.num_kv_heads // args.tensor_parallel_size)
     console.print(f"[bold]kvscope plan[/]: {model.name} ({model.num_parameters:,} parameters) on {gpu_name}, "
                   f"TP {args.tensor_parallel_size}", highlight=False)
+    scale = kv_scale_bytes(args.kv_cache_dtype)
+    row = f"({model.head_dim} head dim x {kv_b:g} B + {scale} B scale)" if scale else f"{model.head_dim} head dim x {kv_b:g} B"
     console.print(f"  bytes per KV token = 2 x {model.num_layers} layers x {kv_heads} KV heads x "
-                  f"{model.head_dim} head dim x {kv_b:g} B = {plan.bytes_per_token:,} B "
-                  f"({plan.bytes_per_token / 1024:.1f} KiB)", highlight=False)
+                  f"{row} = {plan.bytes_per_token:,} B ({plan.bytes_per_token / 1024:.1f} KiB)", highlight=False)
     console.print()
     lines = [
         _row("total", plan.total_bytes / GiB),
