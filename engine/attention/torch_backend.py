@@ -44,6 +44,9 @@ class TorchAttentionBackend:
         self._plan_meta: AttentionMetadata | None = None
         self._plan_group = 0
         self._plan: _BatchPlan | None = None
+        self._slots_key: torch.Tensor | None = None
+        self._slots_valid: torch.Tensor | None = None
+        self._slot_rows: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
 
     def check_kv_cache_dtype(self, dtype: torch.dtype) -> None:
         """Every storage dtype works here: quantized caches are dequantized in torch
@@ -53,14 +56,25 @@ class TorchAttentionBackend:
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
-        block_size = kv_cache.shape[2]
-        valid = slot_mapping >= 0
-        if not bool(valid.all()):
-            key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-        blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
-        offsets = slot_mapping % block_size
-        kv_cache[blocks, 0, offsets] = quantize_for_cache(key, kv_cache.dtype)
-        kv_cache[blocks, 1, offsets] = quantize_for_cache(value, kv_cache.dtype)
+        """Store each token's K and V rows at its slot. Every layer of a step passes the
+        same ``slot_mapping``, so the flat row indices (and the check for padding slots,
+        a host sync) are computed once per step, and each write is one ``index_copy_``."""
+        if slot_mapping is not self._slots_key:
+            self._slots_key = slot_mapping
+            block_size = kv_cache.shape[2]
+            valid = slot_mapping >= 0
+            self._slots_valid = None if bool(valid.all()) else valid
+            slots = slot_mapping if self._slots_valid is None else slot_mapping[valid]
+            # Row of slot s in the cache viewed as [blocks * 2 * block_size, heads, width]:
+            # block b's K rows start at 2*b*block_size, its V rows block_size later.
+            k_rows = slots + torch.div(slots, block_size, rounding_mode="floor") * block_size
+            self._slot_rows = (k_rows, k_rows + block_size)
+        if self._slots_valid is not None:
+            key, value = key[self._slots_valid], value[self._slots_valid]
+        rows = kv_cache.view(-1, *kv_cache.shape[3:])
+        k_rows, v_rows = self._slot_rows
+        rows.index_copy_(0, k_rows, quantize_for_cache(key, kv_cache.dtype))
+        rows.index_copy_(0, v_rows, quantize_for_cache(value, kv_cache.dtype))
 
     # ------------------------------------------------------------------ attention
     def _plan_for(self, meta: AttentionMetadata, group: int, block_size: int) -> _BatchPlan:

@@ -15,7 +15,7 @@ from typing import Any
 from engine.kernels.build import BuildReport
 
 # Modules exposing ``ensure_built(log) -> BuildReport | None`` (None: switched off).
-CPU_KERNEL_MODULES = ("engine.attention.cpu_decode", "engine.kernels.cpu_gemv")
+CPU_KERNEL_MODULES = ("engine.attention.cpu_decode", "engine.kernels.cpu_gemv", "engine.kernels.cpu_norm")
 
 
 def build_all(log: Callable[[str], None] | None = None) -> list[BuildReport]:

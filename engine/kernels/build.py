@@ -251,3 +251,45 @@ def prune_kernel_cache(keep: set[str], root: Path | None = None) -> list[Path]:
                 shutil.rmtree(entry, ignore_errors=True)
                 removed.append(entry)
     return removed
+
+
+class CachedKernel:
+    """One kernel's module for this process: built or loaded once on first use (thread
+    safe), switched off by its environment variable, with the reason when unavailable."""
+
+    def __init__(self, spec: KernelSpec, env_var: str) -> None:
+        self.spec = spec
+        self.env_var = env_var
+        self._lock = threading.Lock()
+        self._module: ModuleType | None = None
+        self._tried = False
+        self.report: BuildReport | None = None
+
+    @property
+    def disabled(self) -> bool:
+        return os.environ.get(self.env_var, "1") == "0"
+
+    def get(self, log: Callable[[str], None] | None = None) -> ModuleType | None:
+        """The module, or None (switched off, or it could not be built here)."""
+        if self.disabled:
+            return None
+        if self._tried:
+            return self._module
+        with self._lock:
+            if not self._tried:
+                self._module, self.report = load_kernel(self.spec, log)
+                self._tried = True
+        return self._module
+
+    def ensure_built(self, log: Callable[[str], None] | None = None) -> BuildReport | None:
+        """Build or load now; the report, or None when switched off."""
+        if self.disabled:
+            return None
+        self.get(log)
+        return self.report
+
+    @property
+    def unavailable_reason(self) -> str | None:
+        if self.disabled:
+            return f"{self.env_var}=0"
+        return self.report.reason if self.report is not None and self._module is None else None
