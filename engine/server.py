@@ -3,7 +3,7 @@ Prometheus metrics, the live event stream and the health check.
 
 Everything observable is a bus subscriber attached before the engine starts:
 :class:`~engine.metrics.PrometheusMetrics` (``GET /metrics``), a locked
-:class:`~monitor.state.EngineView` (``GET /debug/state`` and the first
+:class:`~engine.view.EngineView` (``GET /debug/state`` and the first
 ``snapshot`` event of ``GET /events``) and an :class:`EventHub` that fans each
 event out to the ``/events`` clients. Handlers never touch the engine: they
 submit through :class:`~engine.async_engine.AsyncEngine`.
@@ -54,7 +54,7 @@ from engine.openai_protocol import (
     new_id,
 )
 from engine.sampler import SamplingParams
-from monitor.state import EngineView
+from engine.view import EngineView
 
 SSE_KEEPALIVE_S = 15.0
 SSE_CLIENT_MAX_QUEUE = 20_000  # events buffered for one slow /events client before it is dropped

@@ -13,10 +13,10 @@ import pytest
 
 from engine.errors import UserError
 from engine.events import EventBus, StepEvent, dumps, read_events
+from engine.view import EngineView
 from monitor.app import MonitorApp
 from monitor.cli import main as monitor_main
 from monitor.sources import BusFeed, HttpFeed, load_timeline, parse_sse
-from monitor.state import EngineView
 from monitor.widgets.block_map import BlockMap
 from monitor.widgets.events_log import EventsLog
 from monitor.widgets.queues import RequestTable

@@ -27,7 +27,7 @@ from engine.simulate import (
     percentile,
     simulate,
 )
-from monitor.state import EngineView
+from engine.view import EngineView
 
 BACKGROUND_POOL = 27_635  # background part 3: 442,160 tokens in blocks of 16
 

@@ -7,7 +7,7 @@ from rich.console import Group
 from rich.text import Text
 from textual.widgets import Static
 
-from monitor.state import EngineView
+from engine.view import EngineView
 
 GiB = 1024**3
 SEGMENT_COLOURS = {
