@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 
 from engine.config import EngineConfig
+from engine.dashboard import load_dashboard
 from engine.errors import UserError
 from engine.events import EventBus
 from engine.logs import configure_logging
@@ -113,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
     headless = args.headless or not sys.stdout.isatty()
     if args.num_requests is None:
         args.num_requests = 40 if headless else 80
+    # No dashboard installed: a UserError before the engine starts.
+    run_dashboard = None if headless else load_dashboard()
     if headless:
         configure_logging("json", level="warning")
     else:  # the dashboard owns the terminal
@@ -151,11 +154,8 @@ def run(args: argparse.Namespace) -> int:
                   f"{args.rate:g}/s (headless: at most {args.duration:g} s)", flush=True)
             while load_thread.is_alive() and time.monotonic() - start < args.duration:
                 load_thread.join(timeout=0.5)
-        else:
-            from monitor.app import MonitorApp
-            from monitor.sources import BusFeed
-
-            MonitorApp(feed=BusFeed(bus, snapshot_fn=host.view.snapshot), source_name=f"engine demo {url}").run()
+        elif run_dashboard is not None:
+            run_dashboard(bus, host.view.snapshot, f"engine demo {url}")
     finally:
         if "load" in holder:
             holder["load"].stop.set()

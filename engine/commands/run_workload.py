@@ -45,9 +45,9 @@ def build_workload(args: argparse.Namespace, engine: LLMEngine) -> list:
 def run_with_monitor(args: argparse.Namespace, title: str) -> WorkloadSummary | None:
     """Engine on a worker thread, dashboard in the main thread; the monitor
     subscribes before startup so it shows phases A–G as they happen."""
-    from monitor.app import MonitorApp
-    from monitor.sources import BusFeed
+    from engine.dashboard import load_dashboard
 
+    run_dashboard = load_dashboard()  # no dashboard installed: a UserError before the engine starts
     config = engine_config_from_args(args)
     bus = EventBus()
     result: dict[str, object] = {}
@@ -62,9 +62,9 @@ def run_with_monitor(args: argparse.Namespace, title: str) -> WorkloadSummary | 
             result["error"] = exc
 
     worker = threading.Thread(target=work, name="kvscope-engine", daemon=True)
-    app = MonitorApp(feed=BusFeed(bus), source_name=title)
     worker.start()
-    app.run()
+    # No snapshot_fn (there is no view here): the dashboard folds the bus from when it mounts.
+    run_dashboard(bus, None, title)
     stop.set()
     worker.join(timeout=30)
     if "error" in result:

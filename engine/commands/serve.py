@@ -137,20 +137,18 @@ def run(args: argparse.Namespace) -> int:
 def _run_with_monitor(args: argparse.Namespace, settings: ServerSettings) -> int:
     """Dashboard in the main thread (it owns the terminal), uvicorn in a thread;
     the dashboard subscribes to the bus before startup so phases A–G show live."""
+    from engine.dashboard import load_dashboard
     from engine.events import EventBus
-    from monitor.app import MonitorApp
-    from monitor.sources import BusFeed
 
+    run_dashboard = load_dashboard()  # no dashboard installed: a UserError before anything binds
     listener = bind_listening_socket(args.host, args.port)
     configure_logging("json", level="warning", stream=open(os.devnull, "w"))  # noqa: SIM115
     host = EngineHost.create(engine_config_from_args(args), settings, bus=EventBus())
     # The view subscribed before startup: its snapshot holds every phase so far.
-    app = MonitorApp(feed=BusFeed(host.bus, snapshot_fn=host.view.snapshot),
-                     source_name=f"serve http://{args.host}:{args.port}")
     server = make_server(host, args.host, args.port)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, name="kvscope-http", daemon=True)
     thread.start()
-    app.run()
+    run_dashboard(host.bus, host.view.snapshot, f"serve http://{args.host}:{args.port}")
     host.begin_shutdown()
     server.should_exit = True
     thread.join(timeout=settings.shutdown_timeout_s + 30)
