@@ -42,6 +42,8 @@ test-all: test test-triton test-slow
 
 lint: setup
 	$(BIN)/ruff check engine monitor logparse tests bench
+	@# The package layering (engine never imports monitor/logparse, ...): AST only, no torch loaded.
+	$(BIN)/python -m pytest -q -p no:cacheprovider --noconftest tests/test_import_rules.py
 
 bench: setup
 	$(BIN)/python -m bench.run_all
