@@ -2,8 +2,8 @@
 loopback port, a synthetic load of concurrent streaming clients, and the live
 dashboard fed by the in-process bus (quit with ``q``).
 
-The sizes are small on purpose (a 64 MiB KV pool, --max-model-len 2048) so the
-pool fills, requests get preempted and prefix-cache hits show. When stdout is
+The sizes are small on purpose (a KV pool of 2,912 tokens, --max-model-len 2048:
+64 MiB in bf16, 128 MiB in the fp32 that AVX2-only CPUs run) so the pool fills, requests get preempted and prefix-cache hits show. When stdout is
 not a terminal (CI, a pipe) it runs headless for at most ``--duration`` seconds
 and prints a summary instead.
 """
@@ -30,6 +30,8 @@ from engine.server import EngineHost, ServerSettings
 from engine.workload import SummaryCollector, WorkloadRequest, make_workload, ordinary_token_ids, parse_range
 
 DEMO_MODEL = "smollm2-135m"
+# 182 blocks of 16: enough for one 2,048-token request, small enough to preempt under the demo's load.
+DEMO_POOL_TOKENS = 2912
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -40,7 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-len", default="32:256", metavar="A:B")
     p.add_argument("--output-len", default="16:128", metavar="A:B")
     p.add_argument("--shared-prefix-fraction", type=float, default=0.4, help="share of requests with a common prefix")
-    p.add_argument("--kv-cache-memory-bytes", default="64Mi", help="KV pool size (small, so preemptions show)")
+    p.add_argument("--kv-cache-memory-bytes", default=None,
+                   help=f"KV pool size (default: {DEMO_POOL_TOKENS:,} tokens in this CPU's dtype, small so preemptions show)")
     p.add_argument("--duration", type=float, default=45.0, help="headless: stop after this many seconds")
     p.add_argument("--headless", action="store_true", help="no dashboard, print a summary (default when not a tty)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
@@ -57,11 +60,26 @@ def free_port() -> int:
 def demo_config(args: argparse.Namespace) -> EngineConfig:
     from engine.memory import parse_bytes
 
-    return EngineConfig(
-        model=DEMO_MODEL, max_model_len=2048, kv_cache_memory_bytes=parse_bytes(args.kv_cache_memory_bytes,
-                                                                               "--kv-cache-memory-bytes"),
-        max_num_seqs=32, max_num_batched_tokens=1024, stats_interval=5.0, num_threads=args.threads,
-    )  # fmt: skip
+    config = EngineConfig(model=DEMO_MODEL, max_model_len=2048, max_num_seqs=32, max_num_batched_tokens=1024,
+                          stats_interval=5.0, num_threads=args.threads)
+    if args.kv_cache_memory_bytes is not None:
+        config.kv_cache_memory_bytes = parse_bytes(args.kv_cache_memory_bytes, "--kv-cache-memory-bytes")
+    else:
+        config.kv_cache_memory_bytes = demo_pool_bytes(config)
+    return config
+
+
+def demo_pool_bytes(config: EngineConfig) -> int:
+    """The default pool in bytes for :data:`DEMO_POOL_TOKENS` tokens in the dtype this
+    machine runs (``--dtype auto`` is by ISA), so the demo behaves alike everywhere."""
+    from engine.config import load_model_config
+    from engine.device import resolve_device
+    from engine.memory import bytes_per_kv_token
+    from engine.startup import resolve_dtype
+
+    model = load_model_config(config.model)
+    dtype = resolve_dtype(config, model, resolve_device(config.device)).dtype
+    return DEMO_POOL_TOKENS * bytes_per_kv_token(model, config.kv_cache_dtype, 1, dtype)
 
 
 class DemoLoad:
