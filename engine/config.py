@@ -325,7 +325,7 @@ class EngineConfig:
     log_prompts: bool = False
     events_path: str | None = None
     num_threads: int | None = None
-    quantization: str | None = None  # None | "int8" (weight-only)
+    quantization: str | None = "auto"  # auto (CPU: the GGUF's own blocks) | none/None | int8 | int4 (weight-only)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

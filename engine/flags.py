@@ -99,9 +99,10 @@ def add_engine_flags(p: argparse.ArgumentParser, positional_model: bool = False)
                    help="CPU: the memory budget's total (default: available system memory)")
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
     p.add_argument("--compile", action="store_true", help="CPU: torch.compile the decode step in phase F")
-    p.add_argument("-q", "--quantization", choices=["int8", "int4"], default=None,
+    p.add_argument("-q", "--quantization", choices=["auto", "none", "int8", "int4"], default="auto",
                    help="CPU: weight-only copies in 32-weight blocks (int8: Q8_0; int4: Q4_1, a GGUF's own "
-                        "blocks as they are) for decode-sized steps, through kvscope's GEMV kernels")
+                        "blocks as they are) for decode-sized steps, through kvscope's GEMV kernels; auto "
+                        "(default) uses a GGUF's own Q4_1/Q8_0 blocks (the same weights), none keeps floats only")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: skip CUDA-graph capture in phase F")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stats-interval", type=float, default=10.0, help="seconds between stats lines/events")

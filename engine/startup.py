@@ -151,7 +151,25 @@ def resolve_config(config: EngineConfig, model: ModelConfig, device: torch.devic
         raise UserError(f"--gpu-memory-utilization {resolved.gpu_memory_utilization}: must be in (0, 1]")
     if resolved.attention_backend == "auto":
         resolved.attention_backend = "triton" if device.type == "cuda" else "torch"
+    resolved.quantization = resolve_quantization(config, model, device)[0]
     return resolved
+
+
+def resolve_quantization(config: EngineConfig, model: ModelConfig, device: torch.device) -> tuple[str | None, str]:
+    """``--quantization`` as given (``none``: float weights), or for ``auto``: on CPU the
+    GGUF's own block format when the kernels read it as it is (a Q4_1 file decodes
+    through its 4-bit blocks, as llama.cpp does: the same weights, a quarter of the
+    bytes), else float weights."""
+    if config.quantization in (None, "none"):
+        return None, "--quantization none"
+    if config.quantization != "auto":
+        return config.quantization, f"--quantization {config.quantization}"
+    if device.type != "cpu":
+        return None, "auto: the GEMV kernels are CPU kernels"
+    from engine.model.loader import native_quantization
+
+    method, reason = native_quantization(model, config.load_format)
+    return method, f"auto: {reason}"
 
 
 def _model_summary(model: ModelConfig, dtype: str, bytes_per_token: int) -> dict[str, Any]:
@@ -196,6 +214,7 @@ def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, i
     model = load_model_config(config.model)
     caps = detect() if device.type == "cpu" else None
     dtype_choice = resolve_dtype(config, model, device, caps)
+    quantization_reason = resolve_quantization(config, model, device)[1]
     config = resolve_config(config, model, device)
     assert config.max_model_len is not None
     dtype = config.dtype
@@ -254,9 +273,11 @@ def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, i
         tokenizer = _tokenizer_for(model) if config.load_format != "dummy" else _dummy_tokenizer(model)
         c.data.update(weights_bytes=info.weights_bytes, load_seconds=info.load_seconds,
                       load_format=info.load_format, source=info.source, num_tensors=info.num_tensors,
-                      weights_cache=info.cache, quantization=config.quantization)
+                      weights_cache=info.cache, quantization=config.quantization,
+                      quantization_reason=quantization_reason)
         log.info(f"Model loading took {info.weights_bytes / GiB:.4f} GiB and {info.load_seconds:.2f} seconds"
                  + (f" (weights cache {info.cache})" if info.cache != "none" else ""))
+        log.info(f"quantization {config.quantization or 'none'} ({quantization_reason})")
 
     with phases.phase("D") as d:
         log.info(f"profile run: one forward of {config.max_num_batched_tokens:,} tokens over "

@@ -166,6 +166,29 @@ def gguf_tensor_table(path: Path) -> tuple[list[tuple[str, int, tuple[int, ...],
     return tensors, (pos + alignment - 1) // alignment * alignment
 
 
+_PROJECTION_SUFFIXES = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+                        "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+
+
+def native_quantization(config: ModelConfig, load_format: str = "auto") -> tuple[str | None, str]:
+    """``(method, reason)``: the ``--quantization`` whose blocks are exactly the GGUF's own
+    (every projection Q4_1 -> int4, every projection Q8_0 -> int8), so decode steps can
+    read the file's blocks with no error beyond the file's; None for other files/sources."""
+    if resolve_load_format(config, load_format) != "gguf":
+        return None, "not a GGUF source: float weights as loaded"
+    location = weights_location(config)
+    if location.is_dir():
+        return None, "not a GGUF file"
+    table, _ = gguf_tensor_table(location)
+    kinds = {kind for name, kind, _, _ in table if name.startswith("blk.") and name.endswith(_PROJECTION_SUFFIXES)}
+    formats = {GGUF_BLOCK_FORMATS[k][0] if k in GGUF_BLOCK_FORMATS else str(k) for k in kinds}
+    if formats == {"q4_1"}:
+        return "int4", "every projection in the GGUF is Q4_1: decode steps read its own blocks"
+    if formats == {"q8_0"}:
+        return "int8", "every projection in the GGUF is Q8_0: decode steps read its own blocks"
+    return None, f"GGUF projection types {sorted(formats)}: no kernel reads them as they are"
+
+
 def read_gguf_blocks(config: ModelConfig, load_format: str = "auto") -> dict[str, tuple[str, torch.Tensor]]:
     """HF name -> ``(format, uint8 [rows, row bytes])`` of each Q8_0/Q4_1 2-D tensor of the
     model's GGUF file, undequantized, with Q/K rows un-permuted like the floats (a row's
