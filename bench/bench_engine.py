@@ -74,6 +74,9 @@ def parse_variant(spec: str) -> Variant | str:
     for part in spec.split("+"):
         if part == "auto":
             continue
+        if part == "none":  # float weights only (--quantization none)
+            flags["quantization"] = "none"
+            continue
         if part.startswith("kv-"):
             kv = part.removeprefix("kv-")
             if kv not in getattr(memory, "KV_CACHE_DTYPE_CHOICES", ()):

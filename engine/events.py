@@ -1,6 +1,6 @@
 """Typed engine events, the event bus and the JSONL recording format.
 
-Events are the single source of truth (DESIGN.md principle 1): the monitor, the
+Events are the single source of truth (docs/architecture.md): the monitor, the
 Prometheus metrics, the periodic stats line, replay and the tests all read these
 records and nothing else. An event is a small slotted dataclass; serialisation
 happens only in sinks, so publishing with nobody listening costs almost nothing.

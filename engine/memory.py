@@ -1,4 +1,4 @@
-"""The memory budget: one formula, one place (DESIGN.md principle 3).
+"""The memory budget: one formula, one place (docs/architecture.md).
 
     bytes per KV token = 2 (K and V) x layers x (KV heads / TP) x (head dim x KV dtype bytes
                          + scale bytes: 4 for int8's per-(token, head) fp32 scale, else 0)

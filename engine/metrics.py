@@ -1,7 +1,7 @@
 """vLLM V1's Prometheus metrics, as a sink of the event stream.
 
 Names, types, label names and bucket lists are those vLLM V1 exports (0.8.5+,
-``vllm/v1/metrics/loggers.py``; see ../shared/reference/vllm-metrics.md), so a
+``vllm/v1/metrics/loggers.py``), so a
 dashboard or scraper built for vLLM reads kvscope unchanged. Every family
 carries ``model_name`` (the served model name) and ``engine`` (the data-parallel
 rank as a string, "0"); ``vllm:cache_config_info`` carries ``engine`` and the

@@ -1,6 +1,6 @@
 """EngineView: a fold of engine events into the engine's whole state.
 
-This is the event layer's reducer (DESIGN.md principle 1: events are the single
+This is the event layer's reducer (docs/architecture.md: events are the single
 source of truth). The monitor's widgets only render an :class:`EngineView`; they
 never look at events. The same reducer serves every source (in-process bus,
 HTTP ``/events``, JSONL replay) and the server's ``/events`` stream: the server
