@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     kernel_ok = cpu_gemv.load_kernel(print) is not None
     isa = torch.backends.cpu.get_cpu_capability()
-    kernel_isa = cpu_gemv.load_kernel().isa() if kernel_ok else f"unavailable ({cpu_gemv.UNAVAILABLE_REASON})"  # type: ignore[attr-defined]
+    kernel_isa = cpu_gemv.load_kernel().isa() if kernel_ok else f"unavailable ({cpu_gemv.unavailable_reason()})"  # type: ignore[attr-defined]
     for name in list(SHAPES):
         if name not in args.shapes.split(","):
             del SHAPES[name]

@@ -145,7 +145,7 @@ class ModelRunner:
         if self.device.type != "cpu" or not isinstance(self.backend, TorchAttentionBackend):
             return "only the torch backend on CPU uses it"
         if cpu_decode.load_kernel() is None:
-            return cpu_decode.UNAVAILABLE_REASON or "the kernel could not be built"
+            return cpu_decode.unavailable_reason() or "the kernel could not be built"
         self.backend.decode_kernel = cpu_decode.paged_decode
         return None
 

@@ -15,7 +15,7 @@ from engine.attention.torch_backend import TorchAttentionBackend
 def kernel() -> object:
     module = cpu_decode.load_kernel()
     if module is None:
-        pytest.skip(f"CPU decode kernel unavailable: {cpu_decode.UNAVAILABLE_REASON}")
+        pytest.skip(f"CPU decode kernel unavailable: {cpu_decode.unavailable_reason()}")
     return module
 
 

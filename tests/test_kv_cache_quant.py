@@ -128,7 +128,7 @@ def test_triton_backend_refuses_quantized_caches() -> None:
 def kernel() -> object:
     module = cpu_decode.load_kernel()
     if module is None:
-        pytest.skip(f"CPU decode kernel unavailable: {cpu_decode.UNAVAILABLE_REASON}")
+        pytest.skip(f"CPU decode kernel unavailable: {cpu_decode.unavailable_reason()}")
     return module
 
 

@@ -24,7 +24,7 @@ GGML_TYPES = {"q8_0": "Q8_0", "q4_1": "Q4_1"}
 def kernel() -> object:
     module = cpu_gemv.load_kernel()
     if module is None:
-        pytest.skip(f"CPU GEMV kernel unavailable: {cpu_gemv.UNAVAILABLE_REASON}")
+        pytest.skip(f"CPU GEMV kernel unavailable: {cpu_gemv.unavailable_reason()}")
     return module
 
 

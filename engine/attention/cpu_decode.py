@@ -15,19 +15,17 @@ With one byte per element the kernel streams a quarter of fp32's K/V bytes.
 It is compiled once per CPU type and torch version into kvscope's kernel cache
 (:mod:`engine.kernels.build`, shared by every checkout and venv). When no compiler or ninja is
 available, :func:`load_kernel` returns None and the torch path is used; the
-reason is kept in :data:`UNAVAILABLE_REASON` for the startup event.
+reason is :func:`unavailable_reason`, for the startup event.
 """
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 
-from engine.kernels.build import BuildReport, KernelSpec
-from engine.kernels.build import load_kernel as build_kernel
+from engine.kernels.build import BuildReport, CachedKernel, KernelSpec
 
 _CPP_SOURCE = r"""
 #include <torch/extension.h>
@@ -187,28 +185,19 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor kv_cache, torch::T
 
 SPEC = KernelSpec(name="kvscope_cpu_decode", source=_CPP_SOURCE, functions=("paged_decode",))
 
-_lock = threading.Lock()
-_kernel: object | None = None
-_tried = False
-UNAVAILABLE_REASON: str | None = None
-LAST_BUILD: BuildReport | None = None
+KERNEL = CachedKernel(SPEC, "KVSCOPE_CPU_DECODE_KERNEL")
 
 
-def load_kernel(log: Callable[[str], None] | None = None) -> object | None:
+def load_kernel(log: Callable[[str], None] | None = None) -> ModuleType | None:
     """The compiled module (with ``paged_decode``), or None when it cannot be built
     here or ``KVSCOPE_CPU_DECODE_KERNEL=0`` turns it off. Built once per CPU type
     and torch version into the shared kernel cache (engine/kernels/build.py)."""
-    global _kernel, _tried, UNAVAILABLE_REASON, LAST_BUILD
-    with _lock:
-        if _tried:
-            return _kernel
-        _tried = True
-        if os.environ.get("KVSCOPE_CPU_DECODE_KERNEL", "1") == "0":
-            UNAVAILABLE_REASON = "KVSCOPE_CPU_DECODE_KERNEL=0"
-            return None
-        _kernel, LAST_BUILD = build_kernel(SPEC, log)
-        UNAVAILABLE_REASON = LAST_BUILD.reason if _kernel is None else None
-        return _kernel
+    return KERNEL.get(log)
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`load_kernel` gave None (switched off, or the build's error)."""
+    return KERNEL.unavailable_reason
 
 
 _NO_TABLE = torch.empty(0)
@@ -226,8 +215,7 @@ def fp8_table(dtype: torch.dtype) -> torch.Tensor:
 def ensure_built(log: Callable[[str], None] | None = None) -> BuildReport | None:
     """Build or load the kernel now (startup's background thread, ``engine build-kernels``);
     None when it is switched off."""
-    load_kernel(log)
-    return LAST_BUILD
+    return KERNEL.ensure_built(log)
 
 
 def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,

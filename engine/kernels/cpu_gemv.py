@@ -29,14 +29,12 @@ interleaved medians). µs per call, fp32 F.linear -> q8_0 -> q4_1:
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 
-from engine.kernels.build import BuildReport, KernelSpec
-from engine.kernels.build import load_kernel as build_kernel
+from engine.kernels.build import BuildReport, CachedKernel, KernelSpec
 
 KERNEL_ENV = "KVSCOPE_CPU_GEMV_KERNEL"
 QK = 32  # weights per block
@@ -360,34 +358,24 @@ std::string isa() {
 
 SPEC = KernelSpec(name="kvscope_cpu_gemv", source=_CPP_SOURCE, functions=("gemv_q8_0", "gemv_q4_1", "isa"))
 
-_lock = threading.Lock()
-_kernel: object | None = None
-_tried = False
-UNAVAILABLE_REASON: str | None = None
-LAST_BUILD: BuildReport | None = None
+KERNEL = CachedKernel(SPEC, KERNEL_ENV)
 
 
-def load_kernel(log: Callable[[str], None] | None = None) -> object | None:
+def load_kernel(log: Callable[[str], None] | None = None) -> ModuleType | None:
     """The compiled module (``gemv_q8_0``, ``gemv_q4_1``, ``isa``), or None when it cannot
     be built here or ``KVSCOPE_CPU_GEMV_KERNEL=0`` turns it off (checked on every call)."""
-    global _kernel, _tried, UNAVAILABLE_REASON, LAST_BUILD
-    if os.environ.get(KERNEL_ENV, "1") == "0":
-        UNAVAILABLE_REASON = f"{KERNEL_ENV}=0"
-        return None
-    with _lock:
-        if not _tried:
-            _tried = True
-            _kernel, LAST_BUILD = build_kernel(SPEC, log)
-        UNAVAILABLE_REASON = LAST_BUILD.reason if _kernel is None and LAST_BUILD is not None else None
-        return _kernel
+    return KERNEL.get(log)
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`load_kernel` gave None (switched off, or the build's error)."""
+    return KERNEL.unavailable_reason
 
 
 def ensure_built(log: Callable[[str], None] | None = None) -> BuildReport | None:
     """Build or load the kernel now (startup's background thread, ``engine build-kernels``);
     None when it is switched off."""
-    if load_kernel(log) is None and os.environ.get(KERNEL_ENV, "1") == "0":
-        return None
-    return LAST_BUILD
+    return KERNEL.ensure_built(log)
 
 
 def gemv(x: torch.Tensor, blocks: torch.Tensor, fmt: str, int8_activations: bool = False) -> torch.Tensor:
@@ -395,7 +383,7 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, fmt: str, int8_activations: bool
     (or ``x``'s dtype) ``[rows, out]``. ``int8_activations`` quantizes ``x`` per 32-block
     first (:func:`quantize_activations_q8`). Needs the kernel (:func:`load_kernel`)."""
     kernel = load_kernel()
-    assert kernel is not None, UNAVAILABLE_REASON
+    assert kernel is not None, unavailable_reason()
     fn = kernel.gemv_q4_1 if fmt == "q4_1" else kernel.gemv_q8_0  # type: ignore[attr-defined]
     return fn(x, blocks, int(int8_activations))
 

@@ -278,7 +278,7 @@ class LlamaForCausalLM(nn.Module):
             return None
         kernel = cpu_gemv.load_kernel() if self.embed_tokens.device.type == "cpu" else None
         if kernel is None:
-            why = cpu_gemv.UNAVAILABLE_REASON if self.embed_tokens.device.type == "cpu" else "not on CPU"
+            why = cpu_gemv.unavailable_reason() if self.embed_tokens.device.type == "cpu" else "not on CPU"
             self.quantization_fallback = (f"CPU GEMV kernel unavailable ({why}): the quantized copies are "
                                           "unused, every step runs the float weights through torch F.linear")
             for q in entries:
