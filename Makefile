@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvscope-installed
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup demo test test-slow test-triton test-all lint bench bench-peers gpu-check clean
+.PHONY: setup demo test test-slow test-triton test-all lint typecheck bench bench-peers gpu-check clean
 
 setup: $(STAMP)
 
@@ -44,6 +44,14 @@ lint: setup
 	$(BIN)/ruff check engine monitor logparse tests bench
 	@# The package layering (engine never imports monitor/logparse, ...): AST only, no torch loaded.
 	$(BIN)/python -m pytest -q -p no:cacheprovider --noconftest tests/test_import_rules.py
+
+# The pure core, the event layer, the budget and the kernel cache (settings in pyproject.toml).
+TYPECHECKED := engine/request.py engine/block_pool.py engine/kv_cache.py engine/scheduler.py \
+	engine/events.py engine/step_events.py engine/block_table_fold.py engine/view.py engine/stats.py \
+	engine/metrics.py engine/memory.py engine/cpu_caps.py engine/kernels/build.py
+
+typecheck: setup
+	$(BIN)/mypy $(TYPECHECKED)
 
 bench: setup
 	$(BIN)/python -m bench.run_all

@@ -256,7 +256,8 @@ def plan_memory(
     per_token = bytes_per_kv_token(model, kv_cache_dtype, tensor_parallel_size, model_dtype)
     requested = total_bytes * gpu_memory_utilization
     overridden = kv_cache_memory_bytes is not None
-    pool = float(kv_cache_memory_bytes) if overridden else requested - weights - activation_peak - non_torch
+    pool = (float(kv_cache_memory_bytes) if kv_cache_memory_bytes is not None
+            else requested - weights - activation_peak - non_torch)
     block_bytes = block_size * per_token
     num_blocks = max(0, math.floor(pool / block_bytes)) if pool > 0 else 0
     tokens = num_blocks * block_size

@@ -409,7 +409,7 @@ class EngineView:
             )
             for k, p in state.get("phases", {}).items()
         }
-        self.ledger = dict.fromkeys(LEDGER_KEYS, 0) | dict(state.get("ledger", {}))
+        self.ledger = dict.fromkeys(LEDGER_KEYS, 0.0) | dict(state.get("ledger", {}))
         self.device = state.get("device")
         kv = state.get("kv", {})
         self.kv_used = int(kv.get("used", 0))
