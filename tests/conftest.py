@@ -85,3 +85,14 @@ def hf_gguf_tokenizer():
     if path is None:
         pytest.skip("bundled GGUF not installed")
     return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.fixture(scope="session")
+def cpu_decode_kernel() -> object:
+    """The compiled CPU paged-decode kernel (skips where no compiler can build it)."""
+    from engine.attention import cpu_decode
+
+    module = cpu_decode.load_kernel()
+    if module is None:
+        pytest.skip(f"CPU decode kernel unavailable: {cpu_decode.unavailable_reason()}")
+    return module

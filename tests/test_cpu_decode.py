@@ -11,14 +11,6 @@ from engine.attention.base import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 
 
-@pytest.fixture(scope="module")
-def kernel() -> object:
-    module = cpu_decode.load_kernel()
-    if module is None:
-        pytest.skip(f"CPU decode kernel unavailable: {cpu_decode.unavailable_reason()}")
-    return module
-
-
 def decode_batch(seq_lens: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int,
                  dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     gen = torch.Generator().manual_seed(seed)
@@ -53,7 +45,7 @@ def decode_batch(seq_lens: list[int], heads: int, kv_heads: int, head_dim: int, 
         ([700], 12, 3, 64, 16, torch.bfloat16),
     ],
 )
-def test_kernel_matches_the_torch_path(kernel: object, seq_lens: list[int], heads: int, kv_heads: int,
+def test_kernel_matches_the_torch_path(cpu_decode_kernel: object, seq_lens: list[int], heads: int, kv_heads: int,
                                        head_dim: int, block_size: int, dtype: torch.dtype) -> None:
     query, kv, meta = decode_batch(seq_lens, heads, kv_heads, head_dim, block_size, dtype, seed=len(seq_lens))
     reference = TorchAttentionBackend().forward(query, kv, meta, head_dim**-0.5)
@@ -63,7 +55,7 @@ def test_kernel_matches_the_torch_path(kernel: object, seq_lens: list[int], head
     assert torch.allclose(out.float(), reference.float(), atol=tolerance, rtol=tolerance)
 
 
-def test_backend_uses_the_kernel_only_for_pure_decode(kernel: object) -> None:
+def test_backend_uses_the_kernel_only_for_pure_decode(cpu_decode_kernel: object) -> None:
     backend = TorchAttentionBackend()
     backend.decode_kernel = cpu_decode.paged_decode
     query, kv, meta = decode_batch([40, 9], 9, 3, 64, 16, torch.float32, seed=3)
@@ -72,7 +64,7 @@ def test_backend_uses_the_kernel_only_for_pure_decode(kernel: object) -> None:
     assert torch.allclose(with_kernel, without, atol=1e-5)
 
 
-def test_mixed_batch_with_kernel_matches_the_padded_path(kernel: object) -> None:
+def test_mixed_batch_with_kernel_matches_the_padded_path(cpu_decode_kernel: object) -> None:
     """Prefill chunks (one from scratch, one on cached context) mixed with decodes."""
     gen = torch.Generator().manual_seed(11)
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16

@@ -124,12 +124,6 @@ def test_triton_backend_refuses_quantized_caches() -> None:
 
 
 # ---------------------------------------------------------------------- decode kernel
-@pytest.fixture(scope="module")
-def kernel() -> object:
-    module = cpu_decode.load_kernel()
-    if module is None:
-        pytest.skip(f"CPU decode kernel unavailable: {cpu_decode.unavailable_reason()}")
-    return module
 
 
 def _paged(seq_lens: list[int], query_lens: list[int], heads: int, kv_heads: int, head_dim: int,
@@ -169,7 +163,7 @@ def _paged(seq_lens: list[int], query_lens: list[int], heads: int, kv_heads: int
     ],
 )
 def test_kernel_on_quantized_cache_matches_torch_on_the_dequantized_values(
-        kernel: object, kv_dtype: torch.dtype, seq_lens: list[int], heads: int, kv_heads: int, head_dim: int,
+        cpu_decode_kernel: object, kv_dtype: torch.dtype, seq_lens: list[int], heads: int, kv_heads: int, head_dim: int,
         q_dtype: torch.dtype) -> None:
     query, cache, meta = _paged(seq_lens, [1] * len(seq_lens), heads, kv_heads, head_dim, kv_dtype, seed=len(seq_lens))
     query = query.to(q_dtype)
@@ -182,9 +176,9 @@ def test_kernel_on_quantized_cache_matches_torch_on_the_dequantized_values(
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
-def test_mixed_batch_on_quantized_cache_matches_the_dequantized_reference(kernel: object,
+def test_mixed_batch_on_quantized_cache_matches_the_dequantized_reference(cpu_decode_kernel: object,
                                                                           kv_dtype: torch.dtype) -> None:
-    """Prefill chunks (SDPA over dequantized blocks) and decodes (kernel) in one batch."""
+    """Prefill chunks (SDPA over dequantized blocks) and decodes (cpu_decode_kernel) in one batch."""
     query, cache, meta = _paged([50, 81, 37, 200], [50, 20, 1, 1], 9, 3, 64, kv_dtype, seed=11)
     backend = TorchAttentionBackend()
     backend.decode_kernel = cpu_decode.paged_decode

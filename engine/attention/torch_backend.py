@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionMetadata
-from engine.attention.kv_quant import dequantize_from_cache, is_quantized, quantize_for_cache
+from engine.attention.kv_quant import FP8_DTYPES, dequantize_from_cache, is_quantized, quantize_for_cache
 
 
 @dataclass(slots=True)
@@ -72,9 +72,12 @@ class TorchAttentionBackend:
         if self._slots_valid is not None:
             key, value = key[self._slots_valid], value[self._slots_valid]
         rows = kv_cache.view(-1, *kv_cache.shape[3:])
+        k_stored, v_stored = quantize_for_cache(key, kv_cache.dtype), quantize_for_cache(value, kv_cache.dtype)
+        if kv_cache.dtype in FP8_DTYPES:  # index_copy_ has no fp8 kernel on CPU: copy the bytes
+            rows, k_stored, v_stored = rows.view(torch.uint8), k_stored.view(torch.uint8), v_stored.view(torch.uint8)
         k_rows, v_rows = self._slot_rows
-        rows.index_copy_(0, k_rows, quantize_for_cache(key, kv_cache.dtype))
-        rows.index_copy_(0, v_rows, quantize_for_cache(value, kv_cache.dtype))
+        rows.index_copy_(0, k_rows, k_stored)
+        rows.index_copy_(0, v_rows, v_stored)
 
     # ------------------------------------------------------------------ attention
     def _plan_for(self, meta: AttentionMetadata, group: int, block_size: int) -> _BatchPlan:
