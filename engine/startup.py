@@ -132,15 +132,26 @@ def resolve_dtype(config: EngineConfig, model: ModelConfig, device: torch.device
     return DtypeChoice(half, f"CUDA: the checkpoint's {model.dtype}" if half == model.dtype else "CUDA: bf16")
 
 
-def resolve_config(config: EngineConfig, model: ModelConfig, device: torch.device) -> EngineConfig:
+@dataclass(frozen=True, slots=True)
+class ResolvedConfig:
+    """The flags with every ``auto`` filled in, and why each choice was made."""
+
+    config: EngineConfig
+    dtype_reason: str
+    quantization_reason: str
+
+
+def resolve_config(config: EngineConfig, model: ModelConfig, device: torch.device,
+                   caps: CpuCapabilities | None = None) -> ResolvedConfig:
     """A copy of ``config`` with every ``auto`` and device default filled in (the
-    caller's object is left as it was). Raises UserError for flag values that no
-    machine could run, before anything slow happens."""
+    caller's object is left as it was), each choice made once with its reason.
+    Raises UserError for flag values that no machine could run, before anything slow."""
     resolved = dataclasses.replace(config, cuda_graph_sizes=list(config.cuda_graph_sizes))
     resolved.device = device.type
     if device.type == "cpu" and config.max_num_batched_tokens == GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS:
         resolved.max_num_batched_tokens = CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS  # flag left at its GPU default
-    resolved.dtype = resolve_dtype(config, model, device).dtype
+    dtype_choice = resolve_dtype(config, model, device, caps)
+    resolved.dtype = dtype_choice.dtype
     if resolved.max_model_len is None:
         resolved.max_model_len = model.max_position_embeddings
     if resolved.max_model_len > model.max_position_embeddings:
@@ -151,8 +162,8 @@ def resolve_config(config: EngineConfig, model: ModelConfig, device: torch.devic
         raise UserError(f"--gpu-memory-utilization {resolved.gpu_memory_utilization}: must be in (0, 1]")
     if resolved.attention_backend == "auto":
         resolved.attention_backend = "triton" if device.type == "cuda" else "torch"
-    resolved.quantization = resolve_quantization(config, model, device)[0]
-    return resolved
+    resolved.quantization, quantization_reason = resolve_quantization(config, model, device)
+    return ResolvedConfig(resolved, dtype_choice.reason, quantization_reason)
 
 
 def resolve_quantization(config: EngineConfig, model: ModelConfig, device: torch.device) -> tuple[str | None, str]:
@@ -213,9 +224,8 @@ def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, i
         torch.set_num_threads(config.num_threads)
     model = load_model_config(config.model)
     caps = detect() if device.type == "cpu" else None
-    dtype_choice = resolve_dtype(config, model, device, caps)
-    quantization_reason = resolve_quantization(config, model, device)[1]
-    config = resolve_config(config, model, device)
+    resolution = resolve_config(config, model, device, caps)
+    config = resolution.config
     assert config.max_model_len is not None
     dtype = config.dtype
     per_token = bytes_per_kv_token(model, config.kv_cache_dtype, config.tensor_parallel_size, dtype)
@@ -230,7 +240,7 @@ def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, i
         a.data["total_bytes"] = reading.total
         a.data["free_bytes"] = reading.free
         a.data["dtype"] = dtype
-        a.data["dtype_reason"] = dtype_choice.reason
+        a.data["dtype_reason"] = resolution.dtype_reason
         log.info(f"device {device} ({reading.source}): {reading.total / GiB:.2f} GiB total, "
                  f"{reading.free / GiB:.2f} GiB free; torch {torch.__version__}, {torch.get_num_threads()} threads")
         if caps is not None:
@@ -239,7 +249,7 @@ def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, i
             # Compiling the CPU kernels (seconds to a minute, once per CPU type and
             # torch version) overlaps weight loading and the profile run.
             kernels = KernelBuilds.start(log)
-        log.info(f"dtype {dtype} ({dtype_choice.reason}); KV cache dtype {config.kv_cache_dtype}")
+        log.info(f"dtype {dtype} ({resolution.dtype_reason}); KV cache dtype {config.kv_cache_dtype}")
 
     with phases.phase("B") as b:
         requested = reading.total * config.gpu_memory_utilization
@@ -274,10 +284,10 @@ def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, i
         c.data.update(weights_bytes=info.weights_bytes, load_seconds=info.load_seconds,
                       load_format=info.load_format, source=info.source, num_tensors=info.num_tensors,
                       weights_cache=info.cache, quantization=config.quantization,
-                      quantization_reason=quantization_reason)
+                      quantization_reason=resolution.quantization_reason)
         log.info(f"Model loading took {info.weights_bytes / GiB:.4f} GiB and {info.load_seconds:.2f} seconds"
                  + (f" (weights cache {info.cache})" if info.cache != "none" else ""))
-        log.info(f"quantization {config.quantization or 'none'} ({quantization_reason})")
+        log.info(f"quantization {config.quantization or 'none'} ({resolution.quantization_reason})")
 
     with phases.phase("D") as d:
         log.info(f"profile run: one forward of {config.max_num_batched_tokens:,} tokens over "

@@ -66,7 +66,7 @@ def test_startup_resolves_auto_by_isa_and_leaves_the_callers_config_alone() -> N
     assert resolve_dtype(config, model, cpu, detect(ZEN4, "AVX512")).dtype == "bfloat16"
     explicit = EngineConfig(dtype="bfloat16")
     assert resolve_dtype(explicit, model, cpu, detect(ZEN3, "AVX2")).dtype == "bfloat16"
-    resolved = resolve_config(config, model, cpu)
+    resolved = resolve_config(config, model, cpu).config
     assert resolved.dtype == choose_cpu_dtype(detect()).dtype
     assert resolved.max_num_batched_tokens == 512 and resolved.max_model_len == model.max_position_embeddings
     assert (config.dtype, config.max_model_len, config.max_num_batched_tokens) == ("auto", None, 8192)
