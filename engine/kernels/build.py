@@ -235,24 +235,6 @@ def load_kernel(spec: KernelSpec, log: Callable[[str], None] | None = None,
         return None, BuildReport(spec.name, "unavailable", time.monotonic() - start, reason=reason)
 
 
-def prune_kernel_cache(keep: set[str], root: Path | None = None) -> list[Path]:
-    """Remove entries of kernels named like one in ``keep``'s owners but with other
-    keys (older sources or torch versions). ``keep`` holds current module names."""
-    base = root or kernel_cache_root()
-    removed: list[Path] = []
-    if not base.is_dir():
-        return removed
-    owners = {name.rsplit("_", 1)[0] for name in keep}
-    for entry in base.iterdir():
-        if not entry.is_dir() or entry.name in keep:
-            continue
-        if entry.name.rsplit("_", 1)[0] in owners:
-            with contextlib.suppress(OSError, BlockingIOError), build_lock(entry, timeout_s=0.0):
-                shutil.rmtree(entry, ignore_errors=True)
-                removed.append(entry)
-    return removed
-
-
 class CachedKernel:
     """One kernel's module for this process: built or loaded once on first use (thread
     safe), switched off by its environment variable, with the reason when unavailable."""
