@@ -204,28 +204,17 @@ def model_config_from_hf_folder(folder: Path) -> ModelConfig:
     return model_config_from_hf_dict(cfg, name=folder.name, path=str(folder))
 
 
-def _gguf_scalar(reader: Any, key: str, default: Any = None) -> Any:
-    field_ = reader.fields.get(key)
-    if field_ is None:
-        return default
-    value = field_.contents()
-    return value
-
-
 def model_config_from_gguf(path: Path) -> ModelConfig:
-    from gguf import GGUFReader
+    from engine.gguf_header import ArrayValue, read_gguf_header
 
-    try:
-        reader = GGUFReader(str(path))
-    except Exception as exc:  # gguf raises ValueError/struct errors/OSError on garbage
-        raise UserError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
-    arch = _gguf_scalar(reader, "general.architecture")
-    if arch is None:
+    header = read_gguf_header(path)  # milliseconds; GGUFReader takes seconds on the vocabulary
+    meta = header.metadata
+    arch = meta.get("general.architecture")
+    if not isinstance(arch, str):
         raise UserError(f"{path}: GGUF file has no general.architecture key")
-    arch = str(arch)
 
     def key(name: str, default: Any = None) -> Any:
-        return _gguf_scalar(reader, f"{arch}.{name}", default)
+        return meta.get(f"{arch}.{name}", default)
 
     try:
         hidden = int(key("embedding_length"))
@@ -236,11 +225,12 @@ def model_config_from_gguf(path: Path) -> ModelConfig:
         raise UserError(f"{path}: GGUF metadata lacks the {arch} shape keys") from exc
     kv_heads = int(key("attention.head_count_kv", heads))
     head_dim = int(key("attention.key_length", hidden // heads))
-    tokens_field = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = int(key("vocab_size") or (len(tokens_field.data) if tokens_field else 0))
-    tensor_names = {t.name for t in reader.tensors}
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab = int(key("vocab_size") or (tokens.count if isinstance(tokens, ArrayValue) else 0))
+    tensor_names = {t.name for t in header.tensors}
     stem = path.name.split(".")[0]
     name = BUNDLED_MODEL_NAME if path.name == BUNDLED_GGUF_FILE else stem.lower()
+    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
         name=name,
         num_layers=layers,
@@ -259,8 +249,8 @@ def model_config_from_gguf(path: Path) -> ModelConfig:
         architecture=arch,
         source="gguf",
         path=str(path),
-        bos_token_id=_gguf_scalar(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_gguf_scalar(reader, "tokenizer.ggml.eos_token_id"),
+        bos_token_id=int(bos) if isinstance(bos, int) else None,
+        eos_token_id=int(eos) if isinstance(eos, int) else None,
     )
 
 

@@ -53,3 +53,33 @@ def test_unknown_model_lists_what_was_looked_for() -> None:
 
 def test_aliases() -> None:
     assert load_model_config("meta-llama/Llama-3.1-8B-Instruct").name == "llama-3.1-8b"
+
+
+def test_gguf_header_agrees_with_gguf_reader() -> None:
+    """The fast header parser (startup reads shapes with it) against the gguf
+    package's reader, key by key and tensor by tensor, on the bundled file."""
+    from gguf import GGUFReader
+
+    from engine.gguf_header import ArrayValue, read_gguf_header
+
+    path = bundled_gguf_path()
+    assert path is not None
+    reader, header = GGUFReader(str(path)), read_gguf_header(path)
+    assert set(header.metadata) == set(reader.fields) - {k for k in reader.fields if k.startswith("GGUF.")}
+    for key, value in header.metadata.items():
+        field = reader.fields[key]
+        if isinstance(value, ArrayValue):
+            assert value.count == len(field.data), key
+        else:
+            assert value == pytest.approx(field.contents()) if isinstance(value, float) else value == field.contents()
+    assert [(t.name, t.dims) for t in header.tensors] == [(t.name, tuple(int(d) for d in t.shape)) for t in reader.tensors]
+    assert [header.data_start + t.offset for t in header.tensors] == [int(t.data_offset) for t in reader.tensors]
+
+
+def test_truncated_gguf_header_names_the_file(tmp_path: Path) -> None:
+    path = bundled_gguf_path()
+    assert path is not None
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:100_000])  # inside the vocabulary array
+    with pytest.raises(UserError, match=r"cut\.gguf"):
+        load_model_config(str(cut))

@@ -19,6 +19,7 @@ import torch
 
 from engine.config import ModelConfig, resolve_model_file
 from engine.errors import UserError
+from engine.gguf_header import read_gguf_header
 
 # (tensors done, tensors total) -> None; the engine turns it into a progress event.
 ProgressCallback = Callable[[int, int], None]
@@ -111,59 +112,10 @@ def iter_gguf_tensors(path: Path, config: ModelConfig) -> Iterator[tuple[str, np
 # GGUF tensor types (ggml type id -> name, bytes per 32-weight block) whose blocks the CPU
 # GEMV kernels read as they are (engine/kernels/cpu_gemv.py).
 GGUF_BLOCK_FORMATS = {8: ("q8_0", 34), 3: ("q4_1", 20)}
-# Bytes of each fixed-size GGUF metadata value type (8 = string, 9 = array are variable).
-_GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-
-
 def gguf_tensor_table(path: Path) -> tuple[list[tuple[str, int, tuple[int, ...], int]], int]:
-    """``([(name, ggml type, dims, offset)], data start)`` from a GGUF file's header.
-    ``GGUFReader`` takes seconds on this file (it wraps each of the ~100k vocabulary
-    strings in numpy views); skipping the metadata with ``struct`` takes milliseconds."""
-    import mmap
-    import struct
-
-    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", buf, 0)
-        if magic != b"GGUF" or version < 2:
-            raise UserError(f"{path}: not a GGUF v2+ file")
-        pos = 24
-        alignment = 32
-
-        def string(at: int) -> tuple[str, int]:
-            (size,) = struct.unpack_from("<Q", buf, at)
-            return bytes(buf[at + 8 : at + 8 + size]).decode("utf-8", errors="replace"), at + 8 + size
-
-        def skip(kind: int, at: int) -> int:
-            if kind in _GGUF_SCALAR_BYTES:
-                return at + _GGUF_SCALAR_BYTES[kind]
-            if kind == 8:
-                return at + 8 + struct.unpack_from("<Q", buf, at)[0]
-            if kind == 9:
-                item, count = struct.unpack_from("<IQ", buf, at)
-                at += 12
-                if item in _GGUF_SCALAR_BYTES:
-                    return at + count * _GGUF_SCALAR_BYTES[item]
-                for _ in range(count):
-                    at = skip(item, at)
-                return at
-            raise UserError(f"{path}: unknown GGUF metadata type {kind}")
-
-        for _ in range(n_kv):
-            key, pos = string(pos)
-            (kind,) = struct.unpack_from("<I", buf, pos)
-            pos += 4
-            if key == "general.alignment" and kind == 4:
-                (alignment,) = struct.unpack_from("<I", buf, pos)
-            pos = skip(kind, pos)
-        tensors = []
-        for _ in range(n_tensors):
-            name, pos = string(pos)
-            (n_dims,) = struct.unpack_from("<I", buf, pos)
-            dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
-            kind, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
-            pos += 4 + 8 * n_dims + 12
-            tensors.append((name, kind, tuple(int(d) for d in dims), int(offset)))
-    return tensors, (pos + alignment - 1) // alignment * alignment
+    """``([(name, ggml type, dims, offset)], data start)`` from a GGUF file's header."""
+    header = read_gguf_header(path)
+    return [(t.name, t.ggml_type, t.dims, t.offset) for t in header.tensors], header.data_start
 
 
 _PROJECTION_SUFFIXES = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
