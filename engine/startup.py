@@ -376,6 +376,8 @@ def _cpu_phase_f(f: PhaseHandle, runner: ModelRunner, config: EngineConfig, kern
                  + (f", waited {r.waited_s:.1f} s for another builder" if r.waited_s > 0.5 else "")
                  + (f"; {r.reason}" if r.reason else "") + ")")
     log.info(f"CPU paged-decode kernel: {unavailable or 'enabled'} (phase F waited {waited:.2f} s for builds)")
+    f.data["cpu_decode_layers"] = runner.model.fused_decode_status(runner.kv_cache_dtype)
+    log.info(f"CPU fused decode layers: {f.data['cpu_decode_layers']}")
     if config.compile:
         start = time.perf_counter()
         runner.compile()

@@ -15,7 +15,8 @@ from typing import Any
 from engine.kernels.build import BuildReport
 
 # Modules exposing ``ensure_built(log) -> BuildReport | None`` (None: switched off).
-CPU_KERNEL_MODULES = ("engine.attention.cpu_decode", "engine.kernels.cpu_gemv", "engine.kernels.cpu_norm")
+CPU_KERNEL_MODULES = ("engine.attention.cpu_decode", "engine.kernels.cpu_gemv", "engine.kernels.cpu_norm",
+                      "engine.kernels.cpu_layer")
 
 
 def build_all(log: Callable[[str], None] | None = None) -> list[BuildReport]:

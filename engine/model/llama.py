@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -155,6 +156,25 @@ class DecoderLayer(nn.Module):
 
         return self.mlp_block(hidden)
 
+    def fused_decode_args(self) -> tuple[tuple[object, ...], tuple[object, ...], int] | None:
+        """The fixed arguments of :func:`engine.kernels.cpu_layer` ``decode_layer`` for this
+        layer (before and after the per-step ones) and the most rows it serves, or None
+        when a projection has no quantized copy with a kernel or the weights are not float32."""
+        from engine.kernels.cpu_layer import FORMAT_CODES
+
+        entries = [self.quantized.get(name) for name in _PROJECTIONS]
+        if self.qkv_proj.dtype != torch.float32 or any(q is None or q.gemv is None or q.fmt not in FORMAT_CODES
+                                                        for q in entries):
+            return None
+        qkv, o, gate_up, down = entries
+        assert qkv is not None and o is not None and gate_up is not None and down is not None
+        bias = self.qkv_bias if self.qkv_bias is not None else torch.empty(0)
+        before = (self.input_layernorm, self.post_attention_layernorm, qkv.blocks, FORMAT_CODES[qkv.fmt], bias,
+                  o.blocks, FORMAT_CODES[o.fmt], gate_up.blocks, FORMAT_CODES[gate_up.fmt],
+                  down.blocks, FORMAT_CODES[down.fmt])
+        after = (self.num_heads, self.num_kv_heads, self.eps, 1.0 / math.sqrt(self.head_dim))
+        return before, after, min(q.max_rows for q in (qkv, o, gate_up, down))
+
     def mlp_block(self, hidden: torch.Tensor) -> torch.Tensor:
         """Norm, gate/up, SiLU-and-multiply, down, residual: the part ``torch.compile`` fuses."""
         x = rms_norm(hidden, self.post_attention_layernorm, self.eps)
@@ -190,6 +210,10 @@ class LlamaForCausalLM(nn.Module):
         self.quantized: dict[str, QuantizedLinear] = {}  # the LM head's, as "head"
         self.quantization_fallback: str | None = None  # why the quantized copies are not used
         self._gemv_pending = False  # quantized, kernel not resolved yet (first forward does it)
+        # Pure-decode steps of at most _fused_max_rows tokens run each layer as one C++
+        # call (engine/kernels/cpu_layer.py) when every layer qualifies; set by resolve_gemv.
+        self._fused_layers: list[tuple[tuple[object, ...], tuple[object, ...]]] = []
+        self._fused_max_rows = 0
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
@@ -205,9 +229,52 @@ class LlamaForCausalLM(nn.Module):
             self.resolve_gemv()
         hidden = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        layer_kernel = self._layer_kernel_for(meta, kv_caches)
+        if layer_kernel is not None:
+            tokens = hidden.shape[0]
+            cos2, sin2 = cos.view(tokens, -1), sin.view(tokens, -1)
+            slots = meta.slot_mapping.to(torch.int64)
+            for (before, after), kv_cache in zip(self._fused_layers, kv_caches, strict=True):
+                hidden = layer_kernel.decode_layer(hidden, *before, cos2, sin2, kv_cache, slots,
+                                                   meta.block_tables, meta.seq_lens, *after)
+            return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, kv_cache, meta, self.backend)
         return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+
+    def _layer_kernel_for(self, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> Any:
+        """The fused-layer kernel module when this step can use it: a pure decode of at
+        most ``_fused_max_rows`` tokens, the paged-decode kernel switched on (phase F),
+        a float32 or int8 cache, and the kernel built (else None: the op-by-op path)."""
+        if not self._fused_layers or not meta.is_pure_decode or meta.slot_mapping.shape[0] > self._fused_max_rows:
+            return None
+        from engine.kernels import cpu_layer
+
+        if getattr(self.backend, "decode_kernel", None) is None or kv_caches[0].dtype not in cpu_layer.KV_DTYPES:
+            return None
+
+        return cpu_layer.load_kernel()
+
+    def fused_decode_status(self, kv_cache_dtype: torch.dtype) -> str:
+        """Whether pure-decode steps run each layer as one C++ call, for phase F's event:
+        ``"enabled for pure-decode steps of <= N rows"`` or why not."""
+        from engine.kernels import cpu_layer
+
+        if self._gemv_pending:
+            self.resolve_gemv()
+        if not self._fused_layers:
+            if not self.quantized_linears():
+                return "off: no quantized projections (--quantization int8/int4 or a Q4_1/Q8_0 GGUF)"
+            if self.quantization_fallback is not None:
+                return "off: the CPU GEMV kernel is unavailable"
+            return f"off: {self.dtype} weights (the fused layer serves float32)"
+        if kv_cache_dtype not in cpu_layer.KV_DTYPES:
+            return f"off: {kv_cache_dtype} KV cache (the fused layer serves float32 and int8)"
+        if getattr(self.backend, "decode_kernel", None) is None:
+            return "off: the paged-decode kernel is not in use"
+        if cpu_layer.load_kernel() is None:
+            return f"off: {cpu_layer.KERNEL.unavailable_reason or 'the kernel could not be built'}"
+        return f"enabled for pure-decode steps of <= {self._fused_max_rows} rows"
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -273,6 +340,7 @@ class LlamaForCausalLM(nn.Module):
         from engine.kernels import cpu_gemv
 
         self._gemv_pending = False
+        self._fused_layers, self._fused_max_rows = [], 0
         entries = self.quantized_linears()
         if not entries:
             return None
@@ -294,6 +362,10 @@ class LlamaForCausalLM(nn.Module):
             q.gemv = lambda x, blocks, fn=fn: fn(x, blocks, 0)
             q.max_rows = limits["head" if q is self.quantized.get("head") else q.fmt]
         self.quantization_fallback = None
+        fused = [layer.fused_decode_args() for layer in self.layers]  # type: ignore[operator]
+        if fused and all(f is not None for f in fused):
+            self._fused_layers = [(f[0], f[1]) for f in fused if f is not None]
+            self._fused_max_rows = min(f[2] for f in fused if f is not None)
         return None
 
     def weights_bytes(self) -> int:
