@@ -38,6 +38,8 @@ MALFORMED_BODIES: tuple[bytes, ...] = (
     json.dumps({"prompt": "hello", "max_tokens": -3}).encode(),
     json.dumps({"prompt": "hello", "max_tokens": 1_000_000}).encode(),
     json.dumps({"prompt": "hello", "n": 2}).encode(),
+    b'{"prompt": "lone surrogate \\ud800"}',  # valid JSON, not valid Unicode
+    b'{"prompt": "hello", "temperature": NaN}',
 )
 
 
@@ -49,6 +51,7 @@ class LoadResult:
     accepted: int = 0  # streams that answered 200
     completed: int = 0  # streams read to [DONE]
     disconnected: int = 0  # streams the client closed after its first token
+    abandoned: int = 0  # non-streaming requests the client gave up on while they were queued
     retried_429: int = 0  # refusals by --max-waiting-requests, retried after Retry-After
     malformed_refused: int = 0
     output_tokens: int = 0  # content chunks received (one token each)
@@ -78,7 +81,8 @@ class LoadResult:
         tput = self.output_tokens / self.wall_s if self.wall_s else 0.0
         return [
             f"{self.clients} clients in {self.wall_s:.2f} s: statuses {dict(sorted(self.statuses.items()))}, "
-            f"{self.completed} completed, {self.disconnected} disconnected, {self.malformed_refused} malformed refused, "
+            f"{self.completed} completed, {self.disconnected} disconnected, {self.abandoned} abandoned while queued, "
+            f"{self.malformed_refused} malformed refused, "
             f"{self.retried_429} retries after 429",
             f"throughput {tput:.1f} output tok/s ({self.output_tokens} tokens), "
             f"{self.completed / self.wall_s if self.wall_s else 0:.1f} completed req/s",
@@ -148,26 +152,47 @@ async def _malformed_one(client: httpx.AsyncClient, url: str, body: bytes, resul
         result.errors.append(f"malformed body {body[:40]!r} got {response.status_code}")
 
 
+async def _abandon_one(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int, result: LoadResult,
+                       patience_s: float) -> None:
+    """A non-streaming request given up after ``patience_s`` (still queued behind the others)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+    try:
+        response = await client.post(url, json=body, timeout=patience_s)
+    except httpx.TimeoutException:
+        result.abandoned += 1
+        return
+    result.count(response.status_code)
+    if response.status_code == 200:
+        result.accepted += 1
+        result.completed += 1
+
+
 async def run_load(base_url: str, clients: int = 200, disconnect_fraction: float = 0.2,
                    malformed_fraction: float = 0.1, max_tokens: int = 8, api_key: str | None = None,
-                   seed: int = 0, timeout_s: float = 300.0) -> LoadResult:
-    """All ``clients`` start at once, each on its own connection."""
+                   seed: int = 0, timeout_s: float = 300.0, abandon_fraction: float = 0.0,
+                   abandon_after_s: float = 1.0) -> LoadResult:
+    """All ``clients`` start at once, each on its own connection: streams read to the end,
+    streams left after their first token, malformed bodies, and (``abandon_fraction``)
+    non-streaming requests abandoned after ``abandon_after_s`` while they wait."""
     rng = random.Random(seed)
     result = LoadResult(clients=clients)
     url = base_url.rstrip("/") + "/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=0)
     roles = ["malformed"] * round(clients * malformed_fraction) + ["leave"] * round(clients * disconnect_fraction)
+    roles += ["abandon"] * round(clients * abandon_fraction)
     roles += ["full"] * (clients - len(roles))
     rng.shuffle(roles)
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout_s) as client:
         tasks = []
         for i, role in enumerate(roles):
+            words = " ".join(rng.choice(("cache", "block", "token", "paged", "prefix", "queue")) for _ in range(8))
+            prompt = f"Client {i} asks about {words}:"
             if role == "malformed":
                 tasks.append(_malformed_one(client, url, MALFORMED_BODIES[i % len(MALFORMED_BODIES)], result))
+            elif role == "abandon":
+                tasks.append(_abandon_one(client, url, prompt, max_tokens, result, abandon_after_s))
             else:
-                words = " ".join(rng.choice(("cache", "block", "token", "paged", "prefix", "queue")) for _ in range(8))
-                prompt = f"Client {i} asks about {words}:"
                 tasks.append(_stream_one(client, url, prompt, max_tokens, role == "leave", result))
         start = time.perf_counter()
         outcomes = await asyncio.gather(*tasks, return_exceptions=True)

@@ -221,7 +221,6 @@ class AsyncEngine:
             await stream.accepted
         except asyncio.CancelledError:
             self.abort(request_id)
-            self._left_waiting(stream)
             raise
         return stream
 
@@ -233,6 +232,11 @@ class AsyncEngine:
                 yield output
 
     def abort(self, request_id: str) -> None:
+        """Abort a request (the engine thread frees its blocks at the next step boundary).
+        A request abandoned before its first token leaves the waiting count here: left
+        in it, a few client time-outs would hold ``--max-waiting-requests`` shut for good."""
+        with self._waiting_lock:
+            self._waiting.discard(request_id)
         self._commands.put(_Abort(request_id))
 
     def abort_all(self) -> None:

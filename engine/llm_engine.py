@@ -99,7 +99,15 @@ class LLMEngine:
         return self.startup.scheduler_config.max_model_len
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of ``prompt``. Text too long to fit ``--max-model-len`` even at the
+        vocabulary's longest token is refused before tokenising (a 10 MB prompt would
+        otherwise cost seconds of tokeniser time to learn the same thing)."""
         if isinstance(prompt, str):
+            size, longest = len(prompt.encode("utf-8", errors="surrogatepass")), self.tokenizer.max_token_bytes
+            if size > self.max_model_len * longest:
+                raise UserError(
+                    f"the prompt is {size:,} bytes: at least {-(-size // longest):,} tokens (no token covers more "
+                    f"than {longest} bytes), over --max-model-len {self.max_model_len:,}; shorten the prompt")
             return self.tokenizer.encode(prompt)
         return [int(t) for t in prompt]
 
@@ -124,6 +132,9 @@ class LLMEngine:
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise UserError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise UserError(f"stop_token_ids: {bad} is outside the vocabulary (0..{vocab - 1})")
         return max_tokens
 
     # ------------------------------------------------------------ requests

@@ -21,7 +21,13 @@ Where each value comes from:
   ``request_success_total{finished_reason}``: ``request.finished`` (aborted
   requests included, as vLLM);
 - ``cache_config_info``: ``engine.config`` plus the phase E ``startup.phase``
-  event's ``num_blocks`` / ``kv_cache_tokens``.
+  event's ``num_blocks`` / ``kv_cache_tokens``;
+- the V0-era ``avg_*_throughput_toks_per_s`` gauges: the ``stats`` event.
+
+The same fact is also exported under the other names vLLM serves or served
+(``request_time_per_output_token_seconds``, ``time_per_output_token_seconds``,
+``prompt_tokens_by_source``, ``num_requests_waiting_by_reason``, the request
+parameter histograms), so a tool that looks for any of them finds data.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from engine.events import (
     RequestFinished,
     RequestFirstToken,
     StartupPhase,
+    StatsEvent,
     StepEvent,
 )
 from engine.stats import TokenTally, kv_cache_usage
@@ -60,6 +67,10 @@ REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
 )  # fmt: skip
 # iteration_tokens (0.8.5+)
 ITERATION_TOKENS_BUCKETS: tuple[float, ...] = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+# request_params_n and request_num_preemptions (vllm/v1/metrics/buckets.py)
+REQUEST_PARAMS_N_BUCKETS: tuple[float, ...] = (1, 2, 5, 10, 20)
+REQUEST_PREEMPTION_BUCKETS: tuple[float, ...] = (1, 2, 3, 4, 5, 10, 20)
 
 # used only when neither the constructor nor an engine.config event gives one
 FALLBACK_MAX_MODEL_LEN = 8192
@@ -197,7 +208,49 @@ class PrometheusMetrics:
             "Histogram of number of tokens per engine_step.",
             ITERATION_TOKENS_BUCKETS,
         )
+        # Same facts under the other names vLLM serves or served, so tools that look for
+        # them (vllm-htop's *time_per_output_token*, V0-era dashboards) find data.
+        self.request_time_per_output_token = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            ITL_BUCKETS,
+        )
+        self.time_per_output_token = histogram(
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds (vLLM's old name of inter_token_latency).",
+            ITL_BUCKETS,
+        )
+        self.request_params_n = histogram("vllm:request_params_n", "Histogram of the n request parameter.",
+                                          REQUEST_PARAMS_N_BUCKETS)
+        self.request_num_preemptions = histogram(
+            "vllm:request_num_preemptions", "Number of preemptions per finished request.", REQUEST_PREEMPTION_BUCKETS
+        )
+        self.prompt_tokens_cached = counter(
+            "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local prefix-cache hits)."
+        )
+        by_source = Counter("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
+                            (*labels, "source"), registry=registry)
+        self.prompt_tokens_computed = by_source.labels(*values, "local_compute")
+        self.prompt_tokens_cache_hit = by_source.labels(*values, "local_cache_hit")
+        by_source.labels(*values, "external_kv_transfer")  # present at 0, as vLLM pre-creates it
+        waiting_by_reason = Gauge("vllm:num_requests_waiting_by_reason", "Number of requests waiting, by reason.",
+                                  (*labels, "reason"), registry=registry)
+        self.waiting_for_capacity = waiting_by_reason.labels(*values, "capacity")
+        waiting_by_reason.labels(*values, "deferred").set(0)  # kvscope defers nothing (no KV transfer)
+        self.avg_prompt_throughput = gauge(
+            "vllm:avg_prompt_throughput_toks_per_s",
+            "Average prefill throughput in tokens/s over the last stats interval (vLLM V0's gauge).",
+        )
+        self.avg_generation_throughput = gauge(
+            "vllm:avg_generation_throughput_toks_per_s",
+            "Average generation throughput in tokens/s over the last stats interval (vLLM V0's gauge).",
+        )
+        self._max_tokens: dict[str, int] = {}  # request id -> max_tokens, from arrival to finish
         self.request_prompt_tokens: Any = None
+        self.request_generation_tokens: Any = None
+        self.request_prefill_kv_computed_tokens: Any = None
+        self.request_max_num_generation_tokens: Any = None
+        self.request_params_max_tokens: Any = None
         self.request_generation_tokens: Any = None
         if max_model_len is not None:
             self._create_request_token_histograms(max_model_len)
@@ -212,7 +265,8 @@ class PrometheusMetrics:
         self.tokens = TokenTally()
         self._handlers: dict[type, Callable[[Any], None]] = {
             StepEvent: self._on_step,
-            RequestArrived: self.tokens.arrived,
+            RequestArrived: self._on_arrived,
+            StatsEvent: self._on_stats,
             RequestFirstToken: self._on_first_token,
             RequestFinished: self._on_finished,
             EngineConfigEvent: self._on_config,
@@ -233,6 +287,7 @@ class PrometheusMetrics:
     def _on_step(self, event: StepEvent) -> None:
         self.num_requests_running.set(event.num_running)
         self.num_requests_waiting.set(event.num_waiting)
+        self.waiting_for_capacity.set(event.num_waiting)
         self.kv_cache_usage_perc.set(kv_cache_usage(event))
         if event.prefix_queries_tokens:
             self.prefix_cache_queries.inc(event.prefix_queries_tokens)
@@ -244,6 +299,14 @@ class PrometheusMetrics:
         if generated:
             self.generation_tokens.inc(generated)
         self.iteration_tokens.observe(event.num_prefill_tokens + event.num_decode_tokens)
+
+    def _on_arrived(self, event: RequestArrived) -> None:
+        self.tokens.arrived(event)
+        self._max_tokens[event.request_id] = event.max_tokens
+
+    def _on_stats(self, event: StatsEvent) -> None:
+        self.avg_prompt_throughput.set(event.prompt_throughput)
+        self.avg_generation_throughput.set(event.generation_throughput)
 
     def _on_first_token(self, event: RequestFirstToken) -> None:
         prompt = self.tokens.first_token(event)
@@ -272,9 +335,26 @@ class PrometheusMetrics:
             self._create_request_token_histograms(FALLBACK_MAX_MODEL_LEN)
         self.request_prompt_tokens.observe(event.prompt_tokens)
         self.request_generation_tokens.observe(event.output_tokens)
+        self.request_max_num_generation_tokens.observe(event.output_tokens)  # n = 1: the one sequence
+        max_tokens = self._max_tokens.pop(event.request_id, None)
+        if max_tokens is not None:
+            self.request_params_max_tokens.observe(max_tokens)
+        self.request_params_n.observe(1)
+        self.request_num_preemptions.observe(event.num_preemptions)
+        if event.ttft_s is not None:  # the prefill ran: split its prompt by where the tokens came from
+            computed = max(0, event.prompt_tokens - event.prefix_hit_tokens)
+            self.request_prefill_kv_computed_tokens.observe(computed)
+            self.prompt_tokens_computed.inc(computed)
+            if event.prefix_hit_tokens:
+                self.prompt_tokens_cache_hit.inc(event.prefix_hit_tokens)
+                self.prompt_tokens_cached.inc(event.prefix_hit_tokens)
+        if event.output_tokens > 1:  # vLLM: decode time over the tokens after the first
+            self.request_time_per_output_token.observe(event.decode_time_s / (event.output_tokens - 1))
         observe_itl = self.inter_token_latency.observe
+        observe_tpot = self.time_per_output_token.observe
         for latency in event.inter_token_latencies_s:
             observe_itl(latency)
+            observe_tpot(latency)
 
     def _on_config(self, event: EngineConfigEvent) -> None:
         config = event.config
@@ -321,6 +401,16 @@ class PrometheusMetrics:
             registry=self.registry,
             buckets=buckets,
         ).labels(*values)
+        for attribute, name, doc in (
+            ("request_prefill_kv_computed_tokens", "vllm:request_prefill_kv_computed_tokens",
+             "Histogram of new KV tokens computed during prefill (excluding cached tokens)."),
+            ("request_max_num_generation_tokens", "vllm:request_max_num_generation_tokens",
+             "Histogram of maximum number of requested generation tokens."),
+            ("request_params_max_tokens", "vllm:request_params_max_tokens",
+             "Histogram of the max_tokens request parameter."),
+        ):
+            setattr(self, attribute, Histogram(name, doc, labels, registry=self.registry, buckets=buckets)
+                    .labels(*values))
 
     def _set_cache_config(self, **fields: Any) -> None:
         """Replace the single cache_config_info series (value 1) with updated labels;

@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, StrictBool, model_serializer
 
 from engine.errors import UserError
 from engine.sampler import SamplingParams
@@ -54,14 +54,18 @@ class APIError(Exception):
 
 # ---------------------------------------------------------------------- requests
 class StreamOptions(BaseModel):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
 
 
 class _SamplingFields(BaseModel):
-    """The sampling fields shared by completions and chat completions."""
+    """The sampling fields shared by completions and chat completions.
 
-    model_config = ConfigDict(extra="ignore")
+    Floats refuse NaN and infinity (``1e400`` parses to infinity), booleans are
+    strict (``"stream": "yes"`` is a 400, not True): a value kvscope would have to
+    guess at is refused with its field named."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
     temperature: float | None = None
@@ -71,20 +75,43 @@ class _SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     min_tokens: int = 0
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    ignore_eos: StrictBool = False
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
     n: int = 1
-    stream: bool = False
+    best_of: int | None = None
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logprobs: Any = None
     user: str | None = None
+    # Accepted only at their neutral value, so a client relying on them hears so.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         if self.n != 1:
             raise APIError(400, f"n={self.n}: kvscope returns one choice per request; send n=1", param="n")
+        if self.best_of not in (None, 1):
+            raise APIError(400, f"best_of={self.best_of}: kvscope samples one sequence per request; send 1 or "
+                                "omit it", param="best_of")
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise APIError(400, f"{name}: tool calling is not supported; omit the field", param=name)
+        if self.tool_choice not in (None, "none"):
+            raise APIError(400, "tool_choice: tool calling is not supported; omit the field", param="tool_choice")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise APIError(400, f"response_format {self.response_format.get('type')!r}: structured output is "
+                                "not supported; omit it or send {\"type\": \"text\"}", param="response_format")
+        if self.stop is not None and any(s == "" for s in ([self.stop] if isinstance(self.stop, str) else self.stop)):
+            raise APIError(400, "stop: an empty stop string would end every request at once; remove it",
+                           param="stop")
+        bad = next((t for t in self.stop_token_ids or [] if t < 0), None)
+        if bad is not None:
+            raise APIError(400, f"stop_token_ids: {bad} is not a token id (ids are >= 0)", param="stop_token_ids")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if value not in (None, 0, 0.0):
@@ -122,7 +149,7 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
-    echo: bool = False
+    echo: StrictBool = False
     suffix: str | None = None
 
     def single_prompt(self) -> str | list[int]:
@@ -165,7 +192,7 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # None: up to --max-model-len, as vLLM
     max_completion_tokens: int | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: StrictBool = True
 
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -13,6 +13,7 @@ see :class:`engine.model.tokenizer.IncrementalDetokenizer` for stop strings.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -50,6 +51,15 @@ class SamplingParams:
             raise UserError(f"max_tokens {self.max_tokens}: must be at least 1")
         if self.min_tokens < 0:
             raise UserError(f"min_tokens {self.min_tokens}: must be >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise UserError(f"min_tokens {self.min_tokens}: must be <= max_tokens ({self.max_tokens})")
+        if not all(math.isfinite(v) for v in (self.temperature, self.top_p)):
+            raise UserError(f"temperature {self.temperature} / top_p {self.top_p}: must be finite numbers")
+        if any(s == "" for s in self.stop):
+            raise UserError("stop: an empty stop string would end every request at once; remove it")
+        bad = next((t for t in self.stop_token_ids if t < 0), None)
+        if bad is not None:
+            raise UserError(f"stop_token_ids {bad}: token ids are >= 0")
 
     @property
     def greedy(self) -> bool:

@@ -48,6 +48,7 @@ from engine.openai_protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    ErrorResponse,
     ModelCard,
     ModelList,
     UsageInfo,
@@ -68,6 +69,12 @@ class ServerSettings:
     metrics_require_key: bool = False
     max_waiting_requests: int | None = None
     shutdown_timeout_s: float = 10.0
+    # CORS: origins a browser page may call from (vLLM's --allowed-origins; empty: no CORS headers).
+    allowed_origins: tuple[str, ...] = ()
+    # Host headers answered (None: any). A loopback server without an API key answers only
+    # loopback names, so a web page cannot reach it through DNS rebinding.
+    trusted_hosts: tuple[str, ...] | None = None
+    max_body_bytes: int | None = None  # None: derived from --max-model-len once the engine is up
 
 
 # ------------------------------------------------------------------ observers
@@ -240,6 +247,113 @@ def _sse(data: str) -> str:
     return f"data: {data}\n\n"
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
+# A request body holds the prompt (at most --max-model-len tokens of at most the longest
+# token's bytes each, JSON-escaped) and a little else.
+BODY_SLACK_BYTES = 1 << 20
+JSON_ESCAPE_FACTOR = 6  # "\\u00e9" is 6 bytes for one
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class BodyLimit:
+    """ASGI middleware: a body over ``limit()`` bytes gets 413 in OpenAI's error shape
+    before it is parsed, from Content-Length at once or while a chunked body streams in,
+    so a 10 MB upload costs neither the JSON parser nor the tokeniser any time."""
+
+    def __init__(self, app: Any, limit: Callable[[], int | None]) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        limit = self.limit() if scope["type"] == "http" else None
+        if limit is None:
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await self._refuse(send, limit)
+            return
+        seen = 0
+        started = False
+
+        async def counting_receive() -> Any:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise _BodyTooLarge
+            return message
+
+        async def tracking_send(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except _BodyTooLarge:
+            if not started:
+                await self._refuse(send, limit)
+
+    @staticmethod
+    async def _refuse(send: Send, limit: int) -> None:
+        body = json.dumps(APIError(413, f"the request body is over {limit:,} bytes (more than a prompt of "
+                                        "--max-model-len tokens can be); send a shorter prompt",
+                                   code="request_too_large").body()).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+# What any route may answer besides its own result, always in OpenAI's error shape.
+ERROR_STATUSES = {
+    "400": "Invalid request: a bad field, body or Host header",
+    "401": "Missing or wrong API key (when the server has one)",
+    "404": "Unknown model or path",
+    "405": "Method not allowed (see the Allow header)",
+    "413": "Request body too large",
+    "429": "Too many waiting requests (--max-waiting-requests; see Retry-After)",
+    "500": "Internal error",
+    "503": "The engine is not running or is shutting down",
+}
+
+
+def _openapi_errors_are_400(app: FastAPI) -> Callable[[], dict[str, Any]]:
+    """FastAPI documents its 422 validation error; this server answers 400 in OpenAI's
+    shape instead (on_validation_error), so the schema says that."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            error_ref = {"$ref": "#/components/schemas/ErrorResponse"}
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            components.update({name: definition for name, definition in
+                               ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+                               .pop("$defs", {}).items()})
+            components["ErrorResponse"] = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+            components["ErrorResponse"].pop("$defs", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                components.pop(name, None)
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():
+                    responses = operation.setdefault("responses", {})
+                    responses.pop("422", None)
+                    for status, why in ERROR_STATUSES.items():
+                        responses.setdefault(status, {"description": why,
+                                                      "content": {"application/json": {"schema": error_ref}}})
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    return openapi
+
+
 # ----------------------------------------------------------------------- app
 def build_app(host: EngineHost) -> FastAPI:
     settings = host.settings
@@ -254,6 +368,27 @@ def build_app(host: EngineHost) -> FastAPI:
 
     app = FastAPI(title="kvscope", lifespan=lifespan)
     app.state.host = host
+    app.openapi = _openapi_errors_are_400(app)  # type: ignore[method-assign]
+
+    def body_limit() -> int | None:
+        if settings.max_body_bytes is not None:
+            return settings.max_body_bytes
+        if not host.engine.ready:
+            return None
+        llm = host.llm
+        return BODY_SLACK_BYTES + JSON_ESCAPE_FACTOR * llm.max_model_len * llm.tokenizer.max_token_bytes
+
+    # Outermost first: the body limit answers before anything reads the body.
+    if settings.allowed_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials=False)
+    if settings.trusted_hosts is not None:
+        from starlette.middleware.trustedhost import TrustedHostMiddleware
+
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(settings.trusted_hosts))
+    app.add_middleware(BodyLimit, limit=body_limit)
 
     # ---------------------------------------------------------------- errors
     @app.exception_handler(APIError)
@@ -268,7 +403,13 @@ def build_app(host: EngineHost) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error(exc.status_code, str(exc.detail), type_=kind)
+        return _error(exc.status_code, str(exc.detail), type_=kind, headers=exc.headers)  # 405 keeps its Allow
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # A bug, not bad input: still an OpenAI-shaped body, and the connection stays open.
+        return _error(500, f"internal error ({type(exc).__name__}); the server log has the traceback",
+                      type_="internal_error")
 
     # ------------------------------------------------------------------ auth
     def require_key(request: Request) -> None:
@@ -292,14 +433,22 @@ def build_app(host: EngineHost) -> FastAPI:
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
                                 f"{settings.served_model_name!r}", param="model", code="model_not_found")
 
-    def prepare(prompt: str | list[int], params: SamplingParams) -> list[int]:
+    async def prepare(prompt: str | list[int], params: SamplingParams, param: str = "prompt") -> list[int]:
+        """Tokenise and check on a worker thread: a long prompt must not stall the event
+        loop (and with it /health, /metrics and every stream)."""
         llm = host.llm
-        try:
+
+        def encode_and_check() -> list[int]:
             prompt_ids = llm.encode_prompt(prompt)
             llm.check_prompt(prompt_ids, params)
+            return prompt_ids
+
+        try:
+            return await anyio.to_thread.run_sync(encode_and_check)
         except UserError as exc:
-            raise APIError(400, str(exc), param="prompt") from None
-        return prompt_ids
+            message = str(exc)
+            raise APIError(400, message, param="stop_token_ids" if message.startswith("stop_token_ids")
+                           else param) from None
 
     async def submit(prompt_ids: list[int], params: SamplingParams, prefix: str) -> RequestStream:
         request_id = new_id(prefix)
@@ -328,12 +477,15 @@ def build_app(host: EngineHost) -> FastAPI:
         assert last is not None and last.finished
         return last
 
-    @app.post("/v1/completions", dependencies=keyed, response_model=None)
+    streamed = {200: {"description": "The completion (JSON), or with stream=true its chunks as server-sent events",
+                      "content": {"text/event-stream": {"schema": {}}}}}
+
+    @app.post("/v1/completions", dependencies=keyed, response_model=None, responses=streamed)  # type: ignore[arg-type]
     async def completions(request: Request, body: CompletionRequest) -> Response:
         body.check_supported()
         check_model(body.model)
         params = body.sampling_params(body.max_tokens)
-        prompt_ids = prepare(body.single_prompt(), params)
+        prompt_ids = await prepare(body.single_prompt(), params)
         stream = await submit(prompt_ids, params, "cmpl")
         model = settings.served_model_name
         if body.stream:
@@ -352,17 +504,18 @@ def build_app(host: EngineHost) -> FastAPI:
 
         return await _unless_disconnected(request, collect())
 
-    @app.post("/v1/chat/completions", dependencies=keyed, response_model=None)
+    @app.post("/v1/chat/completions", dependencies=keyed, response_model=None, responses=streamed)  # type: ignore[arg-type]
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         body.check_supported()
         check_model(body.model)
         params = body.sampling_params(body.effective_max_tokens())
         try:
-            prompt = host.llm.tokenizer.apply_chat_template(body.conversation(),
-                                                            add_generation_prompt=body.add_generation_prompt)
+            prompt = await anyio.to_thread.run_sync(partial(
+                host.llm.tokenizer.apply_chat_template, body.conversation(),
+                add_generation_prompt=body.add_generation_prompt))
         except UserError as exc:
             raise APIError(400, str(exc), param="messages") from None
-        prompt_ids = prepare(str(prompt), params)
+        prompt_ids = await prepare(str(prompt), params, param="messages")
         stream = await submit(prompt_ids, params, "chatcmpl")
         model = settings.served_model_name
         if body.stream:
@@ -388,13 +541,18 @@ def build_app(host: EngineHost) -> FastAPI:
         return ModelList(data=[card]).model_dump()
 
     # --------------------------------------------------------- observability
-    @app.get("/health")
+    @app.get("/health", response_class=Response,
+             responses={200: {"description": "The engine is running (empty body)", "content": {}},
+                        503: {"description": "The engine is not running",
+                              "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}})
     async def health() -> Response:
         if host.engine.alive:
             return Response(status_code=200)
         return _error(503, "the engine is not running", type_="service_unavailable")
 
-    @app.get("/metrics", dependencies=[Depends(require_key_for_metrics)])
+    @app.get("/metrics", dependencies=[Depends(require_key_for_metrics)], response_class=Response,
+             responses={200: {"description": "Prometheus text exposition",
+                              "content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}})
     async def metrics() -> Response:
         return Response(host.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -405,7 +563,9 @@ def build_app(host: EngineHost) -> FastAPI:
                            "max_waiting_requests": settings.max_waiting_requests}
         return state
 
-    @app.get("/events", dependencies=keyed, response_model=None)
+    @app.get("/events", dependencies=keyed, response_model=None, response_class=Response,
+             responses={200: {"description": "Every event as server-sent events, a snapshot first",
+                              "content": {"text/event-stream": {"schema": {}}}}})
     async def events() -> Response:
         # Connect before the snapshot: an event folded after it reaches the queue.
         client = host.hub.connect(asyncio.get_running_loop())

@@ -35,6 +35,19 @@ EXPECTED_FAMILIES = {
     "vllm:request_generation_tokens": "histogram",
     "vllm:iteration_tokens_total": "histogram",
     "vllm:cache_config_info": "gauge",
+    # vLLM 0.32's other families for the same facts, and the names older tools look for
+    "vllm:request_time_per_output_token_seconds": "histogram",
+    "vllm:time_per_output_token_seconds": "histogram",
+    "vllm:request_prefill_kv_computed_tokens": "histogram",
+    "vllm:request_max_num_generation_tokens": "histogram",
+    "vllm:request_params_max_tokens": "histogram",
+    "vllm:request_params_n": "histogram",
+    "vllm:request_num_preemptions": "histogram",
+    "vllm:prompt_tokens_cached": "counter",
+    "vllm:prompt_tokens_by_source": "counter",
+    "vllm:num_requests_waiting_by_reason": "gauge",
+    "vllm:avg_prompt_throughput_toks_per_s": "gauge",
+    "vllm:avg_generation_throughput_toks_per_s": "gauge",
 }
 
 # Copied from ../shared/reference/vllm-metrics.md (V1, 0.8.5+), not from engine.metrics.
@@ -46,6 +59,8 @@ REFERENCE_BUCKETS = {
     "vllm:iteration_tokens_total": [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
     "vllm:request_prompt_tokens": [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000],  # 1-2-5 up to 2048
     "vllm:request_generation_tokens": [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000],
+    "vllm:request_params_n": [1, 2, 5, 10, 20],
+    "vllm:request_num_preemptions": [1, 2, 3, 4, 5, 10, 20],
 }  # fmt: skip
 REQUEST_LATENCY = [0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240, 480, 960, 1920, 7680]  # fmt: skip
 for _name in ("e2e_request_latency", "request_queue_time", "request_inference_time", "request_prefill_time",
@@ -144,6 +159,20 @@ def test_counts_agree_with_the_events(scripted) -> None:
     itl_count = sample_value(f, "vllm:inter_token_latency_seconds", "vllm:inter_token_latency_seconds_count")
     assert itl_count == totals.inter_token_latencies == 6
     assert sample_value(f, "vllm:iteration_tokens_total", "vllm:iteration_tokens_total_count") == totals.steps
+    # the old ITL name carries the same observations; the per-request TPOT one per request with 2+ tokens
+    assert sample_value(f, "vllm:time_per_output_token_seconds", "vllm:time_per_output_token_seconds_count") == 6
+    tpot = sample_value(f, "vllm:request_time_per_output_token_seconds",
+                        "vllm:request_time_per_output_token_seconds_count")
+    assert 1 <= tpot <= finished
+    assert sample_value(f, "vllm:request_params_n", "vllm:request_params_n_count") == finished
+    assert sample_value(f, "vllm:request_num_preemptions", "vllm:request_num_preemptions_sum") == totals.preemptions
+    computed = sample_value(f, "vllm:prompt_tokens_by_source", "vllm:prompt_tokens_by_source_total",
+                            source="local_compute")
+    hit = sample_value(f, "vllm:prompt_tokens_by_source", "vllm:prompt_tokens_by_source_total",
+                       source="local_cache_hit")
+    assert hit == sample_value(f, "vllm:prompt_tokens_cached", "vllm:prompt_tokens_cached_total")
+    assert computed == sample_value(f, "vllm:request_prefill_kv_computed_tokens",
+                                    "vllm:request_prefill_kv_computed_tokens_sum")
     assert (
         sample_value(f, "vllm:iteration_tokens_total", "vllm:iteration_tokens_total_sum")
         == totals.iteration_tokens

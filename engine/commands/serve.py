@@ -9,6 +9,7 @@ this terminal, fed by the in-process bus, while uvicorn serves from a thread.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import threading
@@ -19,7 +20,7 @@ from engine.config import BUNDLED_MODEL_NAME
 from engine.errors import UserError
 from engine.flags import add_engine_flags, engine_config_from_args, model_from_args
 from engine.logs import configure_logging, get_logger
-from engine.server import EngineHost, ServerSettings, build_app
+from engine.server import LOOPBACK_HOSTS, EngineHost, ServerSettings, build_app
 
 API_KEY_ENV = "KVSCOPE_API_KEY"
 
@@ -42,6 +43,9 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-require-key", action="store_true", help="require the API key on /metrics too")
     p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
                    help="on SIGINT/SIGTERM, seconds in-flight requests get to finish before they are aborted")
+    p.add_argument("--allowed-origins", default=None, metavar="JSON",
+                   help='CORS: origins browser pages may call from, as vLLM\'s flag (a JSON list, e.g. \'["*"]\', '
+                        "or comma-separated); default none (vLLM's default is [\"*\"])")
     p.add_argument("--monitor", action="store_true", help="show the live dashboard in this terminal")
 
 
@@ -57,8 +61,30 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         raise UserError(f"--metrics-require-key needs an API key: pass --api-key or set {API_KEY_ENV}")
     model = model_from_args(args)
     name = args.served_model_name or (model if model else BUNDLED_MODEL_NAME)
+    # Without a key, a loopback server answers only loopback Host names: a web page the
+    # user visits cannot reach it by rebinding its own DNS name to 127.0.0.1.
+    loopback = args.host in ("127.0.0.1", "localhost")  # (Starlette's host check cannot parse "[::1]:port")
+    trusted = LOOPBACK_HOSTS if loopback and not api_key else None
     return ServerSettings(served_model_name=name, api_key=api_key, metrics_require_key=args.metrics_require_key,
-                          max_waiting_requests=args.max_waiting_requests, shutdown_timeout_s=args.shutdown_timeout)
+                          max_waiting_requests=args.max_waiting_requests, shutdown_timeout_s=args.shutdown_timeout,
+                          allowed_origins=parse_allowed_origins(args.allowed_origins), trusted_hosts=trusted)
+
+
+def parse_allowed_origins(value: str | None) -> tuple[str, ...]:
+    """``--allowed-origins``: a JSON list of strings (vLLM's form) or comma-separated origins."""
+    if value is None or not value.strip():
+        return ()
+    text = value.strip()
+    if text.startswith("["):
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"--allowed-origins {value!r}: not a JSON list ({exc.msg}); "
+                            'give e.g. \'["http://localhost:3000"]\' or a comma-separated list') from None
+        if not isinstance(parsed, list) or not all(isinstance(o, str) and o for o in parsed):
+            raise UserError(f"--allowed-origins {value!r}: the JSON must be a list of non-empty strings")
+        return tuple(parsed)
+    return tuple(o.strip() for o in text.split(",") if o.strip())
 
 
 class KvscopeServer(uvicorn.Server):

@@ -76,6 +76,7 @@ class Tokenizer:
         add_bos_token: bool = False,
     ) -> None:
         self.backend = backend
+        self._max_token_bytes: int | None = None
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.chat_template = chat_template
@@ -190,9 +191,25 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def max_token_bytes(self) -> int:
+        """UTF-8 bytes of the longest vocabulary entry: no token covers more text than
+        that, so ``len(text.encode()) / max_token_bytes`` tokens is a floor for any text."""
+        if self._max_token_bytes is None:
+            self._max_token_bytes = max((len(t.encode("utf-8")) for t in self.backend.get_vocab(with_added_tokens=True)),
+                                        default=1)
+        return self._max_token_bytes
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Special-token strings in ``text`` (``<|im_start|>``) map to their ids, as in HF.
-        ``add_special_tokens`` prepends BOS when the model asks for it."""
+        ``add_special_tokens`` prepends BOS when the model asks for it. Text that is
+        not valid Unicode (a lone UTF-16 surrogate, which JSON's ``\\ud800`` can
+        carry) is a UserError naming the character's position."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise UserError(f"the text has a lone UTF-16 surrogate ({text[exc.start]!r}) at character {exc.start}: "
+                            "send valid Unicode (pair the surrogate or drop it)") from None
         ids = self.backend.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
