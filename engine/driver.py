@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from engine.events import EventBus
 from engine.request import Request
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from engine.step_events import publish_step_event
+from engine.step_loop import FixedTokenExecutor, run_step
 
 SAMPLED_TOKEN_ID = 7  # what the "model" always answers; never a stop token here
 
@@ -70,17 +70,13 @@ def background_workload(
 
 
 StepHook = Callable[[Scheduler, SchedulerOutput], None]
-_SAMPLED = [SAMPLED_TOKEN_ID]
+_EXECUTOR = FixedTokenExecutor(SAMPLED_TOKEN_ID)
 
 
 def driver_step(sched: Scheduler, bus: EventBus | None, now: float) -> tuple[SchedulerOutput, list[Request]]:
-    """One model-free step: schedule, "sample" the fixed token for every request
-    that completed its prompt, update, publish the step event."""
-    out = sched.schedule(now)
-    sampled = {s.request.request_id: _SAMPLED for s in out.scheduled if s.samples}
-    finished = sched.update_from_output(out, sampled, now)
-    publish_step_event(bus, out)
-    return out, finished
+    """One model-free step (engine/step_loop.py with the fixed-token executor)."""
+    result = run_step(sched, _EXECUTOR, bus, now)
+    return result.output, result.finished
 
 
 def run_driver(

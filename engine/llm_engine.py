@@ -26,7 +26,7 @@ from engine.sampler import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.startup import StartupResult, start_engine
 from engine.stats import StatsReporter
-from engine.step_events import publish_step_event
+from engine.step_loop import ExecutedStep, run_step
 
 
 @dataclass(slots=True)
@@ -169,15 +169,17 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        t0 = time.perf_counter()
-        out: SchedulerOutput = self.scheduler.schedule(self.now())
-        t1 = time.perf_counter()
+        result = run_step(self.scheduler, self, self.bus, self.now(), measure_host=True)
+        return self._outputs(result.output, result.executed, result.finished)
+
+    def execute(self, out: SchedulerOutput, now: float) -> ExecutedStep:
+        """The model executor (engine/step_loop.py): the runner samples one token per
+        sampling sequence, then the detokenisers find stop strings, which the scheduler's
+        update needs to decide who finished."""
         batch = [ScheduledSeq(s.request_id, s.token_ids, s.start_position, s.block_ids, s.samples,
                               s.request.sampling) for s in out.scheduled]
         sampled_ids = self.runner.execute(batch) if batch else {}
-        t2 = time.perf_counter()
         timings = self.runner.last_timings
-        # Stop strings need the text: detokenize before the scheduler decides who finished.
         deltas: dict[str, str] = {}
         stopped_by_string: set[str] = set()
         for rid, token in sampled_ids.items():
@@ -189,25 +191,18 @@ class LLMEngine:
                 stopped_by_string.add(rid)
             if self.config.log_prompts:
                 self.scheduler.requests[rid].output_text = detok.text
-        sampled = {rid: [tok] for rid, tok in sampled_ids.items()}
-        finished = self.scheduler.update_from_output(out, sampled, self.now(), stopped=stopped_by_string)
-        t3 = time.perf_counter()
-        publish_step_event(self.bus, out, {
-            "schedule_s": t1 - t0,
-            "forward_s": timings.prepare_s + timings.forward_s,
-            "sample_s": timings.sample_s,
-            "update_s": t3 - t2,
-            "duration_s": t3 - t0,
-        })
-        return self._outputs(out, sampled_ids, deltas, finished)
+        return ExecutedStep(
+            {rid: [tok] for rid, tok in sampled_ids.items()}, self.now(), stopped_by_string, deltas,
+            {"forward_s": timings.prepare_s + timings.forward_s, "sample_s": timings.sample_s},
+        )
 
-    def _outputs(self, out: SchedulerOutput, sampled_ids: dict[str, int], deltas: dict[str, str],
-                 finished: list[Request]) -> list[RequestOutput]:
+    def _outputs(self, out: SchedulerOutput, executed: ExecutedStep, finished: list[Request]) -> list[RequestOutput]:
+        sampled, deltas = executed.sampled, executed.text
         finished_by_id = {r.request_id: r for r in finished}
         results: list[RequestOutput] = []
         for s in out.scheduled:
             rid = s.request_id
-            if rid not in sampled_ids:
+            if rid not in sampled:
                 continue
             req = s.request
             detok = self._detok.get(rid)
@@ -219,7 +214,7 @@ class LLMEngine:
             results.append(RequestOutput(
                 request_id=rid,
                 prompt_token_ids=req.prompt_token_ids,
-                new_token_ids=[sampled_ids[rid]],
+                new_token_ids=sampled[rid],
                 delta_text=delta,
                 token_ids=req.output_token_ids,
                 text=detok.text if detok is not None else "",

@@ -46,8 +46,8 @@ from engine.events import (
 )
 from engine.memory import GiB
 from engine.request import Request, RequestStatus
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.step_events import build_step_event
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.step_loop import ExecutedStep, run_step
 
 STOP_TOKEN_ID = -1  # never a prompt id: the replay's "model" says stop with it
 FILLER_TOKEN_ID = SAMPLED_TOKEN_ID
@@ -280,20 +280,20 @@ class Replayer:
             elif isinstance(ev, RequestFinished):
                 sched.abort(ev.request_id, ev.t)
 
+    def execute(self, output: SchedulerOutput, now: float) -> ExecutedStep:
+        """The replay's executor: each sampling request answers the filler token, or
+        the stop token at the step where the recording stopped it."""
+        stops = self._stop_at.get(output.step_index, ())
+        return ExecutedStep({s.request.request_id: [STOP_TOKEN_ID if s.request.request_id in stops else FILLER_TOKEN_ID]
+                             for s in output.scheduled if s.samples}, now)
+
     def step(self) -> tuple[StepEvent, StepEvent]:
         """Replay the next recorded step: (recorded, replayed)."""
         recorded = self.steps[self.position]
         self._feed(recorded.inputs)
-        sched = self.scheduler
-        now = recorded.event.t
-        out = sched.schedule(now)
-        stops = self._stop_at.get(out.step_index, ())
-        sampled = {
-            s.request.request_id: [STOP_TOKEN_ID if s.request.request_id in stops else FILLER_TOKEN_ID]
-            for s in out.scheduled if s.samples
-        }
-        sched.update_from_output(out, sampled, now)
-        replayed = build_step_event(out)
+        result = run_step(self.scheduler, self, None, recorded.event.t, build_event=True)
+        replayed = result.event
+        assert replayed is not None
         self.position += 1
         self.last_replayed = replayed
         return recorded.event, replayed

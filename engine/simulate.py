@@ -37,7 +37,7 @@ from engine.request import Request
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sim_workload import TokenIdSource, WorkloadRequest
 from engine.stats import StatsReporter
-from engine.step_events import publish_step_event
+from engine.step_loop import ExecutedStep, run_step
 
 DEFAULT_MODEL = "llama-3.1-8b"
 DEFAULT_GPU = "h100-80gb"
@@ -374,9 +374,6 @@ class Simulation:
             publish_startup(bus, self.setup)
         sched = self.scheduler
         cfg = sched.config
-        cost = self.setup.cost
-        max_seqs = cfg.max_num_seqs
-        max_tokens_cap = cfg.max_num_batched_tokens
         result = SimResult(num_blocks=cfg.num_blocks)
         limit_steps = result.limit_steps
         ids = TokenIdSource()
@@ -391,7 +388,7 @@ class Simulation:
             pending = deque(sorted(workload, key=lambda w: w.arrival_time))
         in_flight = 0
         tick = 0
-        sampled_token = [SAMPLED_TOKEN_ID]
+        executor = CostModelExecutor(self, limit_steps)
         prompt_of: dict[str, int] = {}
 
         def admit(spec: WorkloadRequest, arrival_time: float) -> None:
@@ -428,25 +425,9 @@ class Simulation:
                 continue
 
             start = self.now
-            out = sched.schedule(start)
-            kv_read = 0
-            for s in out.scheduled:
-                kv_read += s.start_position + s.num_tokens
-            num_tokens = out.num_prefill_tokens + out.num_decode_tokens
-            if sched.waiting:
-                if out.preempted_req_ids:
-                    limit_steps[LIMIT_KV] += 1
-                elif len(sched.running) >= max_seqs:
-                    limit_steps[LIMIT_SEQS] += 1
-                elif num_tokens >= max_tokens_cap:
-                    limit_steps[LIMIT_TOKENS] += 1
-                else:
-                    limit_steps[LIMIT_KV] += 1
-            seconds = cost.step_seconds(num_tokens, kv_read)
-            self.now = start + seconds
-            sampled = {s.request.request_id: sampled_token for s in out.scheduled if s.samples}
-            finished = sched.update_from_output(out, sampled, self.now)
-            publish_step_event(bus, out, {"forward_s": seconds, "duration_s": seconds})
+            step = run_step(sched, executor, bus, start)
+            out, finished = step.output, step.finished
+            seconds = step.executed.timings["forward_s"] if step.executed.timings else 0.0
 
             result.steps += 1
             result.step_start_s.append(start)
@@ -481,6 +462,37 @@ class Simulation:
         result.sim_seconds = self.now
         result.wall_seconds = time.perf_counter() - wall_start
         return result
+
+
+class CostModelExecutor:
+    """The simulator's executor: a step takes the cost model's seconds for its tokens and
+    the KV it reads, the simulated clock advances by them (before the update, so the
+    finish events carry the step's end), and it counts which limit held the queue back."""
+
+    def __init__(self, sim: Simulation, limit_steps: dict[str, int]) -> None:
+        self.sim = sim
+        self.limit_steps = limit_steps
+        self._tokens = [SAMPLED_TOKEN_ID]
+
+    def execute(self, output: SchedulerOutput, now: float) -> ExecutedStep:
+        sched, cfg = self.sim.scheduler, self.sim.scheduler.config
+        kv_read = 0
+        for s in output.scheduled:
+            kv_read += s.start_position + s.num_tokens
+        num_tokens = output.num_prefill_tokens + output.num_decode_tokens
+        if sched.waiting:
+            if output.preempted_req_ids:
+                self.limit_steps[LIMIT_KV] += 1
+            elif len(sched.running) >= cfg.max_num_seqs:
+                self.limit_steps[LIMIT_SEQS] += 1
+            elif num_tokens >= cfg.max_num_batched_tokens:
+                self.limit_steps[LIMIT_TOKENS] += 1
+            else:
+                self.limit_steps[LIMIT_KV] += 1
+        seconds = self.sim.setup.cost.step_seconds(num_tokens, kv_read)
+        self.sim.now = now + seconds
+        sampled = {s.request.request_id: self._tokens for s in output.scheduled if s.samples}
+        return ExecutedStep(sampled, self.sim.now, timings={"forward_s": seconds, "duration_s": seconds})
 
 
 def simulate(setup: SimSetup, workload: Sequence[WorkloadRequest], bus: EventBus | None = None,

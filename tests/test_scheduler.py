@@ -5,6 +5,7 @@ from __future__ import annotations
 from engine.events import Event, EventBus
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.step_loop import FixedTokenExecutor, run_step
 
 
 def _config(**kw: object) -> SchedulerConfig:
@@ -23,11 +24,9 @@ def _recorder() -> tuple[EventBus, list[Event]]:
 
 
 def _step(sched: Scheduler, now: float, token: int = 7):
-    out = sched.schedule(now)
-    sampled = {s.request_id: [token] for s in out.scheduled if s.samples}
-    finished = sched.update_from_output(out, sampled, now)
+    result = run_step(sched, FixedTokenExecutor(token), None, now)
     sched.check_integrity()
-    return out, finished
+    return result.output, result.finished
 
 
 def test_rejects_requests_that_can_never_fit() -> None:
