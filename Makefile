@@ -47,7 +47,7 @@ lint: setup
 
 # The pure core, the event layer, the budget and the kernel cache (settings in pyproject.toml).
 TYPECHECKED := engine/request.py engine/block_pool.py engine/kv_cache.py engine/scheduler.py \
-	engine/events.py engine/step_events.py engine/block_table_fold.py engine/view.py engine/stats.py \
+	engine/events.py engine/step_events.py engine/step_loop.py engine/gguf_header.py engine/block_table_fold.py engine/view.py engine/stats.py \
 	engine/metrics.py engine/memory.py engine/cpu_caps.py engine/kernels/build.py
 
 typecheck: setup

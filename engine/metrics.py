@@ -251,7 +251,6 @@ class PrometheusMetrics:
         self.request_prefill_kv_computed_tokens: Any = None
         self.request_max_num_generation_tokens: Any = None
         self.request_params_max_tokens: Any = None
-        self.request_generation_tokens: Any = None
         if max_model_len is not None:
             self._create_request_token_histograms(max_model_len)
         self._cache_config_info = Gauge(
