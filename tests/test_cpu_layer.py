@@ -1,7 +1,7 @@
 """The fused decode layer (engine/kernels/cpu_layer.py) against the op-by-op path it
 replaces: the same real model, the same contexts, logits within float32 summation noise
-and the same greedy tokens; a QKV bias and an int8 KV cache included; steps it does not
-serve (prefill, more rows than the GEMV serves) still take the op-by-op path."""
+and the same greedy tokens; a QKV bias, an int8 KV cache and a batch past the GEMV's
+rows included; prefill steps stay on the op-by-op path (bit-equal logits)."""
 
 from __future__ import annotations
 
@@ -68,7 +68,8 @@ def test_fused_layer_matches_the_op_by_op_step(layer_kernel, smollm_config, smol
     """The bundled GGUF at int4 (its own Q4_1 blocks), 3 sequences x 12 decode steps.
     Measured (AVX2 Zen 3): identical greedy tokens, logits within 2.8e-5 of the op-by-op path."""
     runner = _runner(smollm_config)
-    assert runner.model.fused_decode_status(runner.kv_cache_dtype) == "enabled for pure-decode steps of <= 8 rows"
+    assert runner.model.fused_decode_status(runner.kv_cache_dtype) == (
+        "enabled for pure-decode steps of <= 256 sequences (GEMV up to 8 rows, float GEMM above)")
     prompts = [smollm_tokenizer.encode(p) for p in ("The capital of France is", "def add(a, b):", "Once upon")]
     _compare(runner, prompts, 12, monkeypatch, atol=2e-3)
 
@@ -96,16 +97,19 @@ def test_fused_layer_with_a_qkv_bias(layer_kernel, smollm_config, monkeypatch) -
     _compare(runner, [list(range(5, 40)), list(range(100, 117))], 6, monkeypatch, atol=1e-3)
 
 
-def test_steps_the_fused_layer_does_not_serve(layer_kernel, smollm_config, monkeypatch) -> None:
-    """Decodes of more rows than the GEMV serves take the op-by-op path (bit-equal to it),
-    and the status names why the fused layer is off for other caches and weights."""
+def test_batches_beyond_the_gemv_rows_use_float_gemm_inside_the_call(layer_kernel, smollm_config,
+                                                                     monkeypatch) -> None:
+    """12 sequences (more rows than the GEMV serves): each projection multiplies the float
+    weights with torch's GEMM inside the fused call, as F.linear does in the op-by-op path."""
     runner = _runner(smollm_config)
-    status = runner.model.fused_decode_status(runner.kv_cache_dtype)
-    rows = int(status.rsplit(" ", 2)[1])  # "... of <= 8 rows"
-    prompts = [[100 + i, 200 + i, 300 + i] for i in range(rows + 1)]
-    _, on = _decode(runner, prompts, 2, fused=True, monkeypatch=monkeypatch)
-    _, off = _decode(runner, prompts, 2, fused=False, monkeypatch=monkeypatch)
-    assert all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
+    prompts = [[100 + i, 200 + i, 300 + i, 400 + i] for i in range(12)]
+    _compare(runner, prompts, 3, monkeypatch, atol=2e-3)
+
+
+def test_status_names_why_the_fused_layer_is_off(layer_kernel, smollm_config, monkeypatch) -> None:
+    runner = _runner(smollm_config)
     assert runner.model.fused_decode_status(torch.bfloat16).startswith("off: torch.bfloat16 KV cache")
     monkeypatch.setenv(cpu_layer.KERNEL_ENV, "0")
     assert runner.model.fused_decode_status(torch.float32) == f"off: {cpu_layer.KERNEL_ENV}=0"
+    plain = ModelRunner(smollm_config, dtype="float32", quantization=None)
+    assert plain.model.fused_decode_status(torch.float32).startswith("off: no quantized projections")

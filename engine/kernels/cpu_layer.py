@@ -12,9 +12,12 @@ in the same order and arithmetic, in one call:
     h += (silu(x @ Wg) * (x @ Wu)) @ Wd
 
 It is compiled from the cpu_gemv, cpu_norm and cpu_decode sources plus the glue
-below, so there is one copy of each kernel's arithmetic. It serves float32
-activations (the CPU dtype on ISAs without native bf16) with a float32 or int8
-KV cache and q8_0/q4_1 projections; any other step takes the layer-by-op path.
+below, so there is one copy of each kernel's arithmetic. Each projection uses the
+GEMV for as many rows as it wins (``GEMV_MAX_ROWS``, 8 on AVX2) and torch's float
+GEMM (``at::mm_out`` over the float weight, as ``F.linear``) for more, so a decode
+batch of up to ``MAX_ROWS`` sequences saves its ~10 ms of dispatch too. It serves
+float32 activations (the CPU dtype on ISAs without native bf16) with a float32 or
+int8 KV cache and q8_0/q4_1 projections; any other step takes the layer-by-op path.
 """
 
 from __future__ import annotations
@@ -29,13 +32,25 @@ from engine.kernels import cpu_gemv, cpu_norm
 from engine.kernels.build import BuildReport, CachedKernel, KernelSpec
 
 KERNEL_ENV = "KVSCOPE_CPU_LAYER_KERNEL"
+# Pure-decode steps of up to this many sequences run fused (the scheduler's default
+# --max-num-seqs); each projection picks GEMV or float GEMM by rows inside the call.
+MAX_ROWS = 256
 FORMAT_CODES = {"q8_0": 0, "q4_1": 1}
 KV_DTYPES = (torch.float32, torch.int8)
 
 _GLUE = r"""
-// The gemv of one projection into y [M, N] (fmt 0: q8_0, 1: q4_1).
-static void project(const torch::Tensor& w, int64_t fmt, const float* x, int64_t M, int64_t K, float* y) {
+// One projection into y [M, N]: the GEMV over its blocks (fmt 0: q8_0, 1: q4_1) for at most
+// `limit` rows, where it wins; torch's float GEMM over the float weight for more.
+static void project(const torch::Tensor& w, int64_t fmt, const torch::Tensor& w_float, int64_t limit,
+                    const float* x, int64_t M, int64_t K, float* y) {
   const int64_t N = w.size(0);
+  if (M > limit) {
+    auto opts = torch::TensorOptions().dtype(torch::kFloat);
+    auto xt = torch::from_blob(const_cast<float*>(x), {M, K}, opts);
+    auto yt = torch::from_blob(y, {M, N}, opts);
+    at::mm_out(yt, xt, w_float.t());
+    return;
+  }
   if (fmt == 0) {
     TORCH_CHECK(w.size(1) == K / 32 * Q8_0::kBytes, "decode_layer: q8_0 weight width");
     gemv_rows<Q8_0>(w.data_ptr<uint8_t>(), N, K, x, M, y);
@@ -61,10 +76,14 @@ static inline void store_row(const float* src, void* dst, int64_t D, bool int8) 
 
 // hidden [M, H] float32 -> the layer's output [M, H]. cos/sin_signed [M, D]: the rotary
 // factors (x * cos + roll(x, D/2) * sin_signed). kv_cache [NB, 2, BS, KVH, W] float32 or int8.
+// Each projection comes as (blocks, format, float weight, GEMV row limit).
 torch::Tensor decode_layer(torch::Tensor hidden, torch::Tensor ln1, torch::Tensor ln2,
-                           torch::Tensor w_qkv, int64_t f_qkv, torch::Tensor qkv_bias,
-                           torch::Tensor w_o, int64_t f_o, torch::Tensor w_gate_up, int64_t f_gate_up,
-                           torch::Tensor w_down, int64_t f_down, torch::Tensor cos, torch::Tensor sin_signed,
+                           torch::Tensor w_qkv, int64_t f_qkv, torch::Tensor wf_qkv, int64_t l_qkv,
+                           torch::Tensor qkv_bias,
+                           torch::Tensor w_o, int64_t f_o, torch::Tensor wf_o, int64_t l_o,
+                           torch::Tensor w_gate_up, int64_t f_gate_up, torch::Tensor wf_gate_up, int64_t l_gate_up,
+                           torch::Tensor w_down, int64_t f_down, torch::Tensor wf_down, int64_t l_down,
+                           torch::Tensor cos, torch::Tensor sin_signed,
                            torch::Tensor kv_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
                            torch::Tensor seq_lens, int64_t num_heads, int64_t num_kv_heads, double eps,
                            double scale) {
@@ -91,7 +110,7 @@ torch::Tensor decode_layer(torch::Tensor hidden, torch::Tensor ln1, torch::Tenso
   const float e = static_cast<float>(eps);
 
   rms_rows<float>(hidden.data_ptr<float>(), ln1.data_ptr<float>(), xp, M, H, e);
-  project(w_qkv, f_qkv, xp, M, H, qkvp);
+  project(w_qkv, f_qkv, wf_qkv, l_qkv, xp, M, H, qkvp);
   if (qkv_bias.numel() > 0) {
     const float* b = qkv_bias.data_ptr<float>();
     for (int64_t m = 0; m < M; ++m)
@@ -135,19 +154,22 @@ torch::Tensor decode_layer(torch::Tensor hidden, torch::Tensor ln1, torch::Tenso
   }
   float* op = out.data_ptr<float>();
   const float* hp = hidden.data_ptr<float>();
-  project(w_o, f_o, attn.data_ptr<float>(), M, NQ, op);
+  project(w_o, f_o, wf_o, l_o, attn.data_ptr<float>(), M, NQ, op);
+#pragma omp simd
   for (int64_t i = 0; i < M * H; ++i) op[i] += hp[i];
   rms_rows<float>(op, ln2.data_ptr<float>(), xp, M, H, e);
   float* gup = gu.data_ptr<float>();
-  project(w_gate_up, f_gate_up, xp, M, H, gup);
+  project(w_gate_up, f_gate_up, wf_gate_up, l_gate_up, xp, M, H, gup);
   for (int64_t m = 0; m < M; ++m) {  // silu(gate) * up, into x [M, I]
     const float* g = gup + m * I2;
     float* a = xp + m * I;
-    for (int64_t i = 0; i < I; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
+#pragma omp simd
+    for (int64_t i = 0; i < I; ++i) a[i] = g[i] / (1.f + expf(-g[i])) * g[I + i];  // libmvec's vector expf
   }
   auto down = torch::empty({M, H}, opts);
   float* dp = down.data_ptr<float>();
-  project(w_down, f_down, xp, M, I, dp);
+  project(w_down, f_down, wf_down, l_down, xp, M, I, dp);
+#pragma omp simd
   for (int64_t i = 0; i < M * H; ++i) op[i] += dp[i];
   return out;
 }

@@ -158,9 +158,9 @@ class DecoderLayer(nn.Module):
 
     def fused_decode_args(self) -> tuple[tuple[object, ...], tuple[object, ...], int] | None:
         """The fixed arguments of :func:`engine.kernels.cpu_layer` ``decode_layer`` for this
-        layer (before and after the per-step ones) and the most rows it serves, or None
+        layer (before and after the per-step ones) and the most sequences it serves, or None
         when a projection has no quantized copy with a kernel or the weights are not float32."""
-        from engine.kernels.cpu_layer import FORMAT_CODES
+        from engine.kernels.cpu_layer import FORMAT_CODES, MAX_ROWS
 
         entries = [self.quantized.get(name) for name in _PROJECTIONS]
         if self.qkv_proj.dtype != torch.float32 or any(q is None or q.gemv is None or q.fmt not in FORMAT_CODES
@@ -169,11 +169,13 @@ class DecoderLayer(nn.Module):
         qkv, o, gate_up, down = entries
         assert qkv is not None and o is not None and gate_up is not None and down is not None
         bias = self.qkv_bias if self.qkv_bias is not None else torch.empty(0)
-        before = (self.input_layernorm, self.post_attention_layernorm, qkv.blocks, FORMAT_CODES[qkv.fmt], bias,
-                  o.blocks, FORMAT_CODES[o.fmt], gate_up.blocks, FORMAT_CODES[gate_up.fmt],
-                  down.blocks, FORMAT_CODES[down.fmt])
+        before = (self.input_layernorm, self.post_attention_layernorm,
+                  qkv.blocks, FORMAT_CODES[qkv.fmt], self.qkv_proj, qkv.max_rows, bias,
+                  o.blocks, FORMAT_CODES[o.fmt], self.o_proj, o.max_rows,
+                  gate_up.blocks, FORMAT_CODES[gate_up.fmt], self.gate_up_proj, gate_up.max_rows,
+                  down.blocks, FORMAT_CODES[down.fmt], self.down_proj, down.max_rows)
         after = (self.num_heads, self.num_kv_heads, self.eps, 1.0 / math.sqrt(self.head_dim))
-        return before, after, min(q.max_rows for q in (qkv, o, gate_up, down))
+        return before, after, MAX_ROWS
 
     def mlp_block(self, hidden: torch.Tensor) -> torch.Tensor:
         """Norm, gate/up, SiLU-and-multiply, down, residual: the part ``torch.compile`` fuses."""
@@ -274,7 +276,9 @@ class LlamaForCausalLM(nn.Module):
             return "off: the paged-decode kernel is not in use"
         if cpu_layer.load_kernel() is None:
             return f"off: {cpu_layer.KERNEL.unavailable_reason or 'the kernel could not be built'}"
-        return f"enabled for pure-decode steps of <= {self._fused_max_rows} rows"
+        return (f"enabled for pure-decode steps of <= {self._fused_max_rows} sequences "
+                f"(GEMV up to {min(q.max_rows for q in self.quantized_linears() if q is not self.quantized.get('head'))} "
+                "rows, float GEMM above)")
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
