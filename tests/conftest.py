@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -87,12 +88,38 @@ def hf_gguf_tokenizer():
     return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
+def _built_or_skip(kernel: Any, what: str) -> object:
+    """A compiled CPU kernel's module (an engine.kernels.build.CachedKernel), or a skip
+    that says why where no compiler can build it."""
+    module = kernel.get()
+    if module is None:
+        pytest.skip(f"{what} unavailable: {kernel.unavailable_reason}")
+    return module
+
+
 @pytest.fixture(scope="session")
 def cpu_decode_kernel() -> object:
-    """The compiled CPU paged-decode kernel (skips where no compiler can build it)."""
     from engine.attention import cpu_decode
 
-    module = cpu_decode.load_kernel()
-    if module is None:
-        pytest.skip(f"CPU decode kernel unavailable: {cpu_decode.unavailable_reason()}")
-    return module
+    return _built_or_skip(cpu_decode.KERNEL, "CPU decode kernel")
+
+
+@pytest.fixture(scope="session")
+def cpu_gemv_kernel() -> object:
+    from engine.kernels import cpu_gemv
+
+    return _built_or_skip(cpu_gemv.KERNEL, "CPU GEMV kernel")
+
+
+@pytest.fixture(scope="session")
+def cpu_norm_kernel() -> object:
+    from engine.kernels import cpu_norm
+
+    return _built_or_skip(cpu_norm.KERNEL, "CPU norm kernel")
+
+
+@pytest.fixture(scope="session")
+def cpu_layer_kernel(cpu_decode_kernel: object) -> object:
+    from engine.kernels import cpu_layer
+
+    return _built_or_skip(cpu_layer.KERNEL, "fused CPU layer kernel")

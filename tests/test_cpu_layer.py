@@ -17,14 +17,6 @@ from engine.sampler import SamplingParams
 GREEDY = SamplingParams(temperature=0.0)
 
 
-@pytest.fixture(scope="module")
-def layer_kernel(cpu_decode_kernel) -> object:
-    module = cpu_layer.load_kernel()
-    if module is None:
-        pytest.skip(f"fused CPU layer kernel unavailable: {cpu_layer.KERNEL.unavailable_reason}")
-    return module
-
-
 def _runner(config, kv_cache_dtype: str = "auto", **kwargs) -> ModelRunner:
     runner = ModelRunner(config, dtype="float32", quantization="int4", kv_cache_dtype=kv_cache_dtype, **kwargs)
     runner.load_weights()
@@ -64,7 +56,7 @@ def _compare(runner: ModelRunner, prompts: list[list[int]], steps: int, monkeypa
     assert any(not torch.equal(a, b) for a, b in zip(logits[1:], ref_logits[1:], strict=True))
 
 
-def test_fused_layer_matches_the_op_by_op_step(layer_kernel, smollm_config, smollm_tokenizer, monkeypatch) -> None:
+def test_fused_layer_matches_the_op_by_op_step(cpu_layer_kernel, smollm_config, smollm_tokenizer, monkeypatch) -> None:
     """The bundled GGUF at int4 (its own Q4_1 blocks), 3 sequences x 12 decode steps.
     Measured (AVX2 Zen 3): identical greedy tokens, logits within 2.8e-5 of the op-by-op path."""
     runner = _runner(smollm_config)
@@ -74,7 +66,7 @@ def test_fused_layer_matches_the_op_by_op_step(layer_kernel, smollm_config, smol
     _compare(runner, prompts, 12, monkeypatch, atol=2e-3)
 
 
-def test_fused_layer_with_an_int8_kv_cache(layer_kernel, smollm_config, smollm_tokenizer, monkeypatch) -> None:
+def test_fused_layer_with_an_int8_kv_cache(cpu_layer_kernel, smollm_config, smollm_tokenizer, monkeypatch) -> None:
     """The int8 cache rows (values and the fp32 scale after them) are written as kv_quant
     writes them, so both paths read the same cache. Measured (AVX2): identical tokens, max
     logit difference 3.0e-2 (a value on a rounding boundary can land one int8 step apart)."""
@@ -84,7 +76,7 @@ def test_fused_layer_with_an_int8_kv_cache(layer_kernel, smollm_config, smollm_t
     _compare(runner, prompts, 8, monkeypatch, atol=0.15)
 
 
-def test_fused_layer_with_a_qkv_bias(layer_kernel, smollm_config, monkeypatch) -> None:
+def test_fused_layer_with_a_qkv_bias(cpu_layer_kernel, smollm_config, monkeypatch) -> None:
     """Dummy weights packed to Q4_1, with a QKV bias (Qwen2's layout) and an untied head."""
     config = dataclasses.replace(smollm_config, num_layers=2, vocab_size=4096, tie_word_embeddings=False,
                                  attention_bias=True, source="preset", path=None)
@@ -97,7 +89,7 @@ def test_fused_layer_with_a_qkv_bias(layer_kernel, smollm_config, monkeypatch) -
     _compare(runner, [list(range(5, 40)), list(range(100, 117))], 6, monkeypatch, atol=1e-3)
 
 
-def test_batches_beyond_the_gemv_rows_use_float_gemm_inside_the_call(layer_kernel, smollm_config,
+def test_batches_beyond_the_gemv_rows_use_float_gemm_inside_the_call(cpu_layer_kernel, smollm_config,
                                                                      monkeypatch) -> None:
     """12 sequences (more rows than the GEMV serves): each projection multiplies the float
     weights with torch's GEMM inside the fused call, as F.linear does in the op-by-op path."""
@@ -106,7 +98,7 @@ def test_batches_beyond_the_gemv_rows_use_float_gemm_inside_the_call(layer_kerne
     _compare(runner, prompts, 3, monkeypatch, atol=2e-3)
 
 
-def test_status_names_why_the_fused_layer_is_off(layer_kernel, smollm_config, monkeypatch) -> None:
+def test_status_names_why_the_fused_layer_is_off(cpu_layer_kernel, smollm_config, monkeypatch) -> None:
     runner = _runner(smollm_config)
     assert runner.model.fused_decode_status(torch.bfloat16).startswith("off: torch.bfloat16 KV cache")
     monkeypatch.setenv(cpu_layer.KERNEL_ENV, "0")

@@ -10,11 +10,8 @@ from engine.kernels import cpu_norm
 
 
 @pytest.fixture(scope="module")
-def kernel():
-    module = cpu_norm.KERNEL.get()
-    if module is None:
-        pytest.skip(f"CPU norm kernel unavailable: {cpu_norm.KERNEL.unavailable_reason}")
-    return module
+def kernel(cpu_norm_kernel: object) -> object:
+    return cpu_norm_kernel
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -21,11 +21,8 @@ GGML_TYPES = {"q8_0": "Q8_0", "q4_1": "Q4_1"}
 
 
 @pytest.fixture(scope="module")
-def kernel() -> object:
-    module = cpu_gemv.load_kernel()
-    if module is None:
-        pytest.skip(f"CPU GEMV kernel unavailable: {cpu_gemv.unavailable_reason()}")
-    return module
+def kernel(cpu_gemv_kernel: object) -> object:
+    return cpu_gemv_kernel
 
 
 def _gguf_dequantize(blocks: torch.Tensor, fmt: str) -> np.ndarray:
