@@ -106,12 +106,6 @@ class _SamplingFields(BaseModel):
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
             raise APIError(400, f"response_format {self.response_format.get('type')!r}: structured output is "
                                 "not supported; omit it or send {\"type\": \"text\"}", param="response_format")
-        if self.stop is not None and any(s == "" for s in ([self.stop] if isinstance(self.stop, str) else self.stop)):
-            raise APIError(400, "stop: an empty stop string would end every request at once; remove it",
-                           param="stop")
-        bad = next((t for t in self.stop_token_ids or [] if t < 0), None)
-        if bad is not None:
-            raise APIError(400, f"stop_token_ids: {bad} is not a token id (ids are >= 0)", param="stop_token_ids")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if value not in (None, 0, 0.0):

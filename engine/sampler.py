@@ -56,7 +56,7 @@ class SamplingParams:
         if not all(math.isfinite(v) for v in (self.temperature, self.top_p)):
             raise UserError(f"temperature {self.temperature} / top_p {self.top_p}: must be finite numbers")
         if any(s == "" for s in self.stop):
-            raise UserError("stop: an empty stop string would end every request at once; remove it")
+            raise UserError(f"stop {self.stop!r}: an empty stop string would end every request at once; remove it")
         bad = next((t for t in self.stop_token_ids if t < 0), None)
         if bad is not None:
             raise UserError(f"stop_token_ids {bad}: token ids are >= 0")
