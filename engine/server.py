@@ -323,9 +323,10 @@ ERROR_STATUSES = {
 }
 
 
-def _openapi_errors_are_400(app: FastAPI) -> Callable[[], dict[str, Any]]:
+def _openapi_with_openai_errors(app: FastAPI) -> Callable[[], dict[str, Any]]:
     """FastAPI documents its 422 validation error; this server answers 400 in OpenAI's
-    shape instead (on_validation_error), so the schema says that."""
+    shape instead (on_validation_error), and every route may also answer the
+    ERROR_STATUSES in that shape, so the schema says that."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -334,11 +335,9 @@ def _openapi_errors_are_400(app: FastAPI) -> Callable[[], dict[str, Any]]:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             error_ref = {"$ref": "#/components/schemas/ErrorResponse"}
             components = schema.setdefault("components", {}).setdefault("schemas", {})
-            components.update({name: definition for name, definition in
-                               ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
-                               .pop("$defs", {}).items()})
-            components["ErrorResponse"] = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
-            components["ErrorResponse"].pop("$defs", None)
+            error_schema = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(error_schema.pop("$defs", {}))
+            components["ErrorResponse"] = error_schema
             for name in ("HTTPValidationError", "ValidationError"):
                 components.pop(name, None)
             for path in schema.get("paths", {}).values():
@@ -368,7 +367,7 @@ def build_app(host: EngineHost) -> FastAPI:
 
     app = FastAPI(title="kvscope", lifespan=lifespan)
     app.state.host = host
-    app.openapi = _openapi_errors_are_400(app)  # type: ignore[method-assign]
+    app.openapi = _openapi_with_openai_errors(app)  # type: ignore[method-assign]
 
     def body_limit() -> int | None:
         if settings.max_body_bytes is not None:

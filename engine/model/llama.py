@@ -156,11 +156,11 @@ class DecoderLayer(nn.Module):
 
         return self.mlp_block(hidden)
 
-    def fused_decode_args(self) -> tuple[tuple[object, ...], tuple[object, ...], int] | None:
+    def fused_decode_args(self) -> tuple[tuple[object, ...], tuple[object, ...]] | None:
         """The fixed arguments of :func:`engine.kernels.cpu_layer` ``decode_layer`` for this
-        layer (before and after the per-step ones) and the most sequences it serves, or None
-        when a projection has no quantized copy with a kernel or the weights are not float32."""
-        from engine.kernels.cpu_layer import FORMAT_CODES, MAX_ROWS
+        layer (before and after the per-step ones), or None when a projection has no
+        quantized copy with a kernel or the weights are not float32."""
+        from engine.kernels.cpu_layer import FORMAT_CODES
 
         entries = [self.quantized.get(name) for name in _PROJECTIONS]
         if self.qkv_proj.dtype != torch.float32 or any(q is None or q.gemv is None or q.fmt not in FORMAT_CODES
@@ -175,7 +175,7 @@ class DecoderLayer(nn.Module):
                   gate_up.blocks, FORMAT_CODES[gate_up.fmt], self.gate_up_proj, gate_up.max_rows,
                   down.blocks, FORMAT_CODES[down.fmt], self.down_proj, down.max_rows)
         after = (self.num_heads, self.num_kv_heads, self.eps, 1.0 / math.sqrt(self.head_dim))
-        return before, after, MAX_ROWS
+        return before, after
 
     def mlp_block(self, hidden: torch.Tensor) -> torch.Tensor:
         """Norm, gate/up, SiLU-and-multiply, down, residual: the part ``torch.compile`` fuses."""
@@ -212,10 +212,9 @@ class LlamaForCausalLM(nn.Module):
         self.quantized: dict[str, QuantizedLinear] = {}  # the LM head's, as "head"
         self.quantization_fallback: str | None = None  # why the quantized copies are not used
         self._gemv_pending = False  # quantized, kernel not resolved yet (first forward does it)
-        # Pure-decode steps of at most _fused_max_rows tokens run each layer as one C++
+        # Pure-decode steps of at most cpu_layer.MAX_ROWS sequences run each layer as one C++
         # call (engine/kernels/cpu_layer.py) when every layer qualifies; set by resolve_gemv.
         self._fused_layers: list[tuple[tuple[object, ...], tuple[object, ...]]] = []
-        self._fused_max_rows = 0
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
@@ -246,15 +245,14 @@ class LlamaForCausalLM(nn.Module):
 
     def _layer_kernel_for(self, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> Any:
         """The fused-layer kernel module when this step can use it: a pure decode of at
-        most ``_fused_max_rows`` tokens, the paged-decode kernel switched on (phase F),
+        most ``cpu_layer.MAX_ROWS`` sequences, the paged-decode kernel switched on (phase F),
         a float32 or int8 cache, and the kernel built (else None: the op-by-op path)."""
-        if not self._fused_layers or not meta.is_pure_decode or meta.slot_mapping.shape[0] > self._fused_max_rows:
-            return None
         from engine.kernels import cpu_layer
 
+        if not self._fused_layers or not meta.is_pure_decode or meta.slot_mapping.shape[0] > cpu_layer.MAX_ROWS:
+            return None
         if getattr(self.backend, "decode_kernel", None) is None or kv_caches[0].dtype not in cpu_layer.KV_DTYPES:
             return None
-
         return cpu_layer.load_kernel()
 
     def fused_decode_status(self, kv_cache_dtype: torch.dtype) -> str:
@@ -276,7 +274,7 @@ class LlamaForCausalLM(nn.Module):
             return "off: the paged-decode kernel is not in use"
         if cpu_layer.load_kernel() is None:
             return f"off: {cpu_layer.KERNEL.unavailable_reason or 'the kernel could not be built'}"
-        return (f"enabled for pure-decode steps of <= {self._fused_max_rows} sequences "
+        return (f"enabled for pure-decode steps of <= {cpu_layer.MAX_ROWS} sequences "
                 f"(GEMV up to {min(q.max_rows for q in self.quantized_linears() if q is not self.quantized.get('head'))} "
                 "rows, float GEMM above)")
 
@@ -344,7 +342,7 @@ class LlamaForCausalLM(nn.Module):
         from engine.kernels import cpu_gemv
 
         self._gemv_pending = False
-        self._fused_layers, self._fused_max_rows = [], 0
+        self._fused_layers = []
         entries = self.quantized_linears()
         if not entries:
             return None
@@ -368,8 +366,7 @@ class LlamaForCausalLM(nn.Module):
         self.quantization_fallback = None
         fused = [layer.fused_decode_args() for layer in self.layers]  # type: ignore[operator]
         if fused and all(f is not None for f in fused):
-            self._fused_layers = [(f[0], f[1]) for f in fused if f is not None]
-            self._fused_max_rows = min(f[2] for f in fused if f is not None)
+            self._fused_layers = [f for f in fused if f is not None]
         return None
 
     def weights_bytes(self) -> int:

@@ -112,6 +112,8 @@ def iter_gguf_tensors(path: Path, config: ModelConfig) -> Iterator[tuple[str, np
 # GGUF tensor types (ggml type id -> name, bytes per 32-weight block) whose blocks the CPU
 # GEMV kernels read as they are (engine/kernels/cpu_gemv.py).
 GGUF_BLOCK_FORMATS = {8: ("q8_0", 34), 3: ("q4_1", 20)}
+
+
 def gguf_tensor_table(path: Path) -> tuple[list[tuple[str, int, tuple[int, ...], int]], int]:
     """``([(name, ggml type, dims, offset)], data start)`` from a GGUF file's header."""
     header = read_gguf_header(path)
