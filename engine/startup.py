@@ -17,11 +17,12 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
+from engine import profile_cache
 from engine.config import EngineConfig, ModelConfig, load_model_config
 from engine.cpu_caps import CpuCapabilities, DtypeChoice, choose_cpu_dtype, detect
 from engine.cuda_graphs import DecodeGraphs, graphs_supported
@@ -290,19 +291,11 @@ def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, i
         log.info(f"quantization {config.quantization or 'none'} ({resolution.quantization_reason})")
 
     with phases.phase("D") as d:
-        log.info(f"profile run: one forward of {config.max_num_batched_tokens:,} tokens over "
-                 f"{min(config.max_num_seqs, config.max_num_batched_tokens)} sequences (the worst-case step) "
-                 f"and a sampler pass over {config.max_num_seqs} rows")
-        timings, peak = measure_peak(device, lambda: runner.profile_run(config.max_num_batched_tokens,
-                                                                        config.max_num_seqs))
-        d.data.update(activation_peak_bytes=peak.activation_peak_bytes, non_torch_bytes=peak.non_torch_bytes,
-                      method=peak.method, max_num_batched_tokens=config.max_num_batched_tokens,
-                      max_num_seqs=config.max_num_seqs, estimated=[], forward_s=timings.forward_s,
-                      sample_s=timings.sample_s)
-        log.info(f"profile run: {config.max_num_batched_tokens} tokens over {config.max_num_seqs} sequences; "
-                 f"activation peak {peak.activation_peak_bytes / GiB:.3f} GiB, non-torch "
-                 f"{peak.non_torch_bytes / GiB:.3f} GiB ({peak.method}); forward {timings.forward_s:.2f} s, "
-                 f"sampler {timings.sample_s:.2f} s")
+        profile = _profile_run(runner, config, model, device, log)
+        d.data.update(activation_peak_bytes=profile.activation_peak_bytes, non_torch_bytes=profile.non_torch_bytes,
+                      method=profile.method, max_num_batched_tokens=config.max_num_batched_tokens,
+                      max_num_seqs=config.max_num_seqs, estimated=[], forward_s=profile.forward_s,
+                      sample_s=profile.sample_s, cached=profile.cached, measured_at=profile.measured_at)
 
     with phases.phase("E") as e:
         kv_bytes = config.kv_cache_memory_bytes
@@ -311,8 +304,8 @@ def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, i
             model=model, total_bytes=reading.total, gpu_memory_utilization=config.gpu_memory_utilization,
             max_model_len=config.max_model_len, block_size=config.block_size,
             kv_cache_dtype=config.kv_cache_dtype, dtype=dtype, tensor_parallel_size=config.tensor_parallel_size,
-            weights=info.weights_bytes, activation_peak=peak.activation_peak_bytes,
-            non_torch=peak.non_torch_bytes, max_num_batched_tokens=config.max_num_batched_tokens,
+            weights=info.weights_bytes, activation_peak=profile.activation_peak_bytes,
+            non_torch=profile.non_torch_bytes, max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
         )
         plan = plan_memory(kv_cache_memory_bytes=kv_bytes, check_fits=False, **plan_kwargs)
@@ -358,6 +351,45 @@ def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, i
     scheduler_config = SchedulerConfig.from_flags(config.to_dict(), num_blocks=plan.num_blocks,
                                                   max_model_len=config.max_model_len)
     return StartupResult(config, model, device, runner, tokenizer, plan, scheduler_config, dict(phases.seconds))
+
+
+def _profile_key(config: EngineConfig, model: ModelConfig) -> str:
+    return profile_cache.profile_key({
+        "weights": profile_cache.weights_identity(model.path, asdict(model)), "dtype": config.dtype,
+        "quantization": config.quantization, "kv_cache_dtype": config.kv_cache_dtype,
+        "attention_backend": config.attention_backend, "block_size": config.block_size,
+        "load_format": config.load_format, "max_num_batched_tokens": config.max_num_batched_tokens,
+        "max_num_seqs": config.max_num_seqs, "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "isa": torch.backends.cpu.get_cpu_capability(),
+    })
+
+
+def _profile_run(runner: ModelRunner, config: EngineConfig, model: ModelConfig, device: torch.device,
+                 log: Any) -> profile_cache.ProfileResult:
+    """Phase D's measurement: the worst-case forward and sampler pass under the peak
+    tracker, or on CPU the stored result of the same measurement (engine/profile_cache.py)."""
+    key = _profile_key(config, model) if device.type == "cpu" else None
+    stored = profile_cache.load(key) if key is not None else None
+    if stored is not None:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(stored.measured_at))
+        log.info(f"profile run: reused the measurement of {when} for these weights, flags and sources: "
+                 f"activation peak {stored.activation_peak_bytes / GiB:.3f} GiB, "
+                 f"non-torch {stored.non_torch_bytes / GiB:.3f} GiB ({profile_cache.PROFILE_CACHE_ENV}=0 measures again)")
+        return stored
+    log.info(f"profile run: one forward of {config.max_num_batched_tokens:,} tokens over "
+             f"{min(config.max_num_seqs, config.max_num_batched_tokens)} sequences (the worst-case step) "
+             f"and a sampler pass over {config.max_num_seqs} rows")
+    timings, peak = measure_peak(device, lambda: runner.profile_run(config.max_num_batched_tokens,
+                                                                    config.max_num_seqs))
+    result = profile_cache.ProfileResult(peak.activation_peak_bytes, peak.non_torch_bytes, peak.method,
+                                         timings.forward_s, timings.sample_s, time.time())
+    log.info(f"profile run: {config.max_num_batched_tokens} tokens over {config.max_num_seqs} sequences; "
+             f"activation peak {peak.activation_peak_bytes / GiB:.3f} GiB, non-torch "
+             f"{peak.non_torch_bytes / GiB:.3f} GiB ({peak.method}); forward {timings.forward_s:.2f} s, "
+             f"sampler {timings.sample_s:.2f} s")
+    if key is not None:
+        profile_cache.store(key, result)
+    return result
 
 
 def _cpu_phase_f(f: PhaseHandle, runner: ModelRunner, config: EngineConfig, kernels: KernelBuilds | None,

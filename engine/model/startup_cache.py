@@ -100,7 +100,7 @@ def prune_cache(limit_bytes: int | None = None, root: Path | None = None, keep: 
     return removed
 
 
-def _atomic_write(target: Path, write: Any) -> None:
+def atomic_write(target: Path, write: Any) -> None:
     """Call ``write(tmp_path)`` then rename onto ``target``; a failure leaves nothing behind."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
@@ -146,7 +146,7 @@ def save_cached_weights(model: torch.nn.Module, path: Path) -> None:
     from safetensors.torch import save_file
 
     tensors = {name: p.detach().contiguous() for name, p in model.named_parameters()}
-    _atomic_write(path, lambda tmp: save_file(tensors, tmp))
+    atomic_write(path, lambda tmp: save_file(tensors, tmp))
     prune_cache(keep=path)
 
 
@@ -182,8 +182,8 @@ def cached_tokenizer(source: Path) -> Any:
                 "chat_template": tokenizer.chat_template, "stop_token_ids": tokenizer.stop_token_ids,
                 "add_bos_token": tokenizer.add_bos_token}
         try:
-            _atomic_write(paths[0], lambda tmp: tokenizer.backend.save(tmp))
-            _atomic_write(paths[1], lambda tmp: Path(tmp).write_text(json.dumps(meta)))
+            atomic_write(paths[0], lambda tmp: tokenizer.backend.save(tmp))
+            atomic_write(paths[1], lambda tmp: Path(tmp).write_text(json.dumps(meta)))
         except OSError:
             pass  # a read-only home still starts, just without the cache
     return tokenizer

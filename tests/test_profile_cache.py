@@ -1,0 +1,77 @@
+"""Phase D's stored measurement: a second start with the same inputs reuses it (and says
+so in its event), a changed input or a damaged entry measures again, and the switch
+turns it off."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine import profile_cache
+from engine.events import Event, EventBus, StartupPhase
+from engine.llm import LLM
+
+# A small step shape keeps each measured profile run short.
+SMALL = dict(max_model_len=256, kv_cache_memory_bytes=16 * 2**20, max_num_batched_tokens=64, max_num_seqs=4,
+             stats_interval=0.0)
+
+
+def phase_d(**flags: object) -> dict:
+    events: list[Event] = []
+    bus = EventBus()
+    bus.subscribe(events.append)
+    llm = LLM("smollm2-135m", bus=bus, **{**SMALL, **flags})
+    llm.close()
+    (d,) = [e for e in events if isinstance(e, StartupPhase) and e.phase == "D" and e.status == "end"]
+    return d.data
+
+
+def test_second_start_reuses_the_measurement_and_a_changed_flag_measures(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(profile_cache.PROFILE_CACHE_ENV, str(tmp_path))
+    first = phase_d()
+    assert first["cached"] is False and first["activation_peak_bytes"] > 0
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    second = phase_d()
+    assert second["cached"] is True
+    for name in ("activation_peak_bytes", "non_torch_bytes", "measured_at", "method"):
+        assert second[name] == first[name]
+    other = phase_d(max_num_batched_tokens=96)
+    assert other["cached"] is False
+    assert other["activation_peak_bytes"] > first["activation_peak_bytes"]
+    assert len(list(tmp_path.glob("*.json"))) == 2
+
+
+def test_damaged_entry_is_measured_again_and_rewritten(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(profile_cache.PROFILE_CACHE_ENV, str(tmp_path))
+    phase_d()
+    (entry,) = tmp_path.glob("*.json")
+    entry.write_text('{"activation_peak_bytes": ')
+    again = phase_d()
+    assert again["cached"] is False and again["activation_peak_bytes"] > 0
+    assert phase_d()["cached"] is True  # the measurement replaced the damaged entry
+
+
+def test_switched_off_always_measures(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(profile_cache.PROFILE_CACHE_ENV, "0")
+    assert profile_cache.profile_root() is None
+    assert phase_d()["cached"] is False
+
+
+def test_key_depends_on_every_part_and_on_the_sources() -> None:
+    parts = {"weights": "abc", "dtype": "float32", "max_num_batched_tokens": 512, "threads": 2}
+    key = profile_cache.profile_key(parts)
+    assert profile_cache.profile_key(dict(parts)) == key
+    for name, value in (("weights", "abd"), ("dtype", "bfloat16"), ("max_num_batched_tokens", 513), ("threads", 1)):
+        assert profile_cache.profile_key({**parts, name: value}) != key
+    assert len(profile_cache.source_hash()) == 16
+
+
+def test_weights_identity_follows_content_not_path(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    a.write_bytes(b"GGUF" + bytes(100))
+    b.write_bytes(b"GGUF" + bytes(100))
+    assert profile_cache.weights_identity(str(a), {}) == profile_cache.weights_identity(str(b), {})
+    b.write_bytes(b"GGUF" + bytes(101))
+    assert profile_cache.weights_identity(str(a), {}) != profile_cache.weights_identity(str(b), {})
