@@ -59,6 +59,38 @@ def test_kernel_matches_float_reference(kernel, fmt: str, out: int, inp: int) ->
     torch.testing.assert_close(got16.float(), (x16.double() @ dense.T).float(), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize(("out", "inp"), [(960, 576), (576, 1536), (40, 96), (8, 32)])
+def test_interleaved_q4_1_kernel_matches_the_int8_activation_reference(kernel, out: int, inp: int) -> None:
+    """q4_1x8: the same Q4_1 bytes reordered 8 rows at a time (a lossless shuffle), multiplied
+    with activations rounded per 32-block to int8 as llama.cpp does: equal, up to float32
+    summation order, to the rounded activations times the dequantized weights."""
+    gen = torch.Generator().manual_seed(out * 5 + inp)
+    weight = torch.randn(out, inp, generator=gen) * torch.linspace(0.01, 2.0, out)[:, None]
+    blocks = cpu_gemv.quantize_q4_1(weight)
+    interleaved = cpu_gemv.interleave_q4_1(blocks)
+    assert interleaved.shape == blocks.shape and not torch.equal(interleaved, blocks)
+    assert torch.equal(cpu_gemv.deinterleave_q4_1(interleaved), blocks)
+    dense = cpu_gemv.dequantize(interleaved, "q4_1x8").double()
+    assert torch.equal(dense, cpu_gemv.dequantize(blocks, "q4_1").double())
+    int8_activations = kernel.isa() != "scalar"  # type: ignore[attr-defined]
+    for rows in (*range(1, 10), 16, 33):  # every tail of the 4-row tiles
+        x = torch.randn(rows, inp, generator=gen)
+        got = cpu_gemv.gemv(x, interleaved, "q4_1x8")
+        assert got.dtype == torch.float32 and got.shape == (rows, out)
+        rounded = cpu_gemv.quantize_activations_q8(x).double() if int8_activations else x.double()
+        ref = rounded @ dense.T
+        bound = 2e-6 * (rounded.abs() @ dense.abs().T) + 1e-6
+        assert torch.all((got.double() - ref).abs() <= bound), (rows, float((got.double() - ref).abs().max()))
+
+
+def test_interleaving_needs_rows_in_eights(kernel) -> None:
+    blocks = cpu_gemv.quantize_q4_1(torch.randn(12, 64))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        cpu_gemv.interleave_q4_1(blocks)
+    with pytest.raises(RuntimeError, match="of 8"):
+        cpu_gemv.gemv(torch.randn(1, 64), blocks, "q4_1x8")
+
+
 def test_in_features_must_be_a_multiple_of_32(kernel) -> None:
     with pytest.raises(ValueError, match="multiple of 32"):
         cpu_gemv.quantize_q4_1(torch.randn(8, 48))
@@ -92,8 +124,14 @@ class _Runners(dict):
         self.config = config
 
     def __missing__(self, method: str) -> ModelRunner:
-        runner = ModelRunner(self.config, dtype="float32", quantization=method)
-        runner.load_weights()
+        """``method``, or ``"<method> float-activations"``: Q4_1 kept row by row and
+        multiplied with float32 activations (``KVSCOPE_CPU_INT8_ACTIVATIONS=0``)."""
+        name, _, variant = method.partition(" ")
+        runner = ModelRunner(self.config, dtype="float32", quantization=name)
+        with pytest.MonkeyPatch.context() as patch:
+            if variant == "float-activations":
+                patch.setenv(cpu_gemv.INT8_ACTIVATIONS_ENV, "0")
+            runner.load_weights()
         runner.allocate_kv_cache(64)
         self[method] = runner
         return runner
@@ -108,14 +146,15 @@ def test_int4_uses_the_gguf_blocks_exactly(smollm_config, quantized_runners) -> 
     """The repacked (fused, rotary-unpermuted) Q4_1/Q8_0 blocks dequantize, by gguf's own
     ``dequantize``, to exactly the float weights the loader made from the same file."""
     runner = quantized_runners["int4"]
-    assert runner.quantization_counts == {"q8_0 gguf": 1, "q4_1 gguf": 4 * smollm_config.num_layers}
+    assert runner.quantization_counts == {"q8_0 gguf": 1, "q4_1x8 gguf": 4 * smollm_config.num_layers}
     model = runner.model
     for module, name, weight in [(model, "head", model.embed_tokens),
                                  *((model.layers[i], n, getattr(model.layers[i], n))
                                    for i in (0, 17) for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))]:
         q = module.quantized[name]
-        assert q.fmt == ("q8_0" if name == "head" else "q4_1") and q.source == "gguf"
-        exact = _gguf_dequantize(q.blocks, q.fmt).reshape(weight.shape)
+        assert q.fmt == ("q8_0" if name == "head" else "q4_1x8") and q.source == "gguf"
+        rows = q.blocks if q.fmt == "q8_0" else cpu_gemv.deinterleave_q4_1(q.blocks)
+        exact = _gguf_dequantize(rows, q.fmt.removesuffix("x8")).reshape(weight.shape)
         assert np.array_equal(exact, weight.numpy()), name
         assert torch.equal(cpu_gemv.dequantize(q.blocks, q.fmt), weight)
     raw = read_gguf_blocks(smollm_config)
@@ -167,13 +206,16 @@ def fp32_reference(smollm_runner_fp32, smollm_tokenizer) -> tuple[list[list[int]
     return prompts, tokens, logits
 
 
-@pytest.mark.parametrize(("method", "min_agree", "min_cos"), [("int8", 0.9, 0.99), ("int4", 1.0, 0.9999)])
+@pytest.mark.parametrize(("method", "min_agree", "min_cos"),
+                         [("int8", 0.9, 0.99), ("int4", 1.0, 0.99), ("int4 float-activations", 1.0, 0.9999)])
 def test_decode_matches_fp32(quantized_runners, fp32_reference, method: str, min_agree: float,
                              min_cos: float) -> None:
     """Teacher-forced along fp32's greedy tokens, 3 prompts x 16 steps (decode steps are 3
     rows, through the kernel). Measured (AVX2): int8 (Q8_0 repacked from the Q4_1 floats)
-    47/48 tokens agree, min cosine 0.9973; int4 (the GGUF's Q4_1 + Q8_0 head: the fp32
-    model's exact weights, only the summation order differs) 48/48, min cosine 1.0000."""
+    47/48 tokens agree, min cosine 0.9973; int4 (the GGUF's Q4_1 + Q8_0 head, the fp32
+    model's exact weights; q4_1x8 rounds activations to int8 per 32 as llama.cpp does)
+    48/48, min cosine 0.9913; int4 with float activations (only the summation order
+    differs) 48/48, min cosine 1.0000."""
     prompts, ref_tokens, ref_logits = fp32_reference
     runner = quantized_runners[method]
     assert runner.model.resolve_gemv() is None  # the kernels are in use
@@ -215,7 +257,7 @@ def test_float_weights_are_packed_when_there_is_no_gguf(smollm_config, kernel) -
     plain.load_weights()
     quant = ModelRunner(config, dtype="float32", load_format="dummy", quantization="int4")
     quant.load_weights()
-    assert quant.quantization_counts == {"q4_1 packed": 7, "float": 2}
+    assert quant.quantization_counts == {"q4_1x8 packed": 7, "float": 2}
     assert "down_proj" not in quant.model.layers[0].quantized
     for runner in (plain, quant):
         runner.allocate_kv_cache(8)

@@ -29,6 +29,7 @@ interleaved medians). µs per call, fp32 F.linear -> q8_0 -> q4_1:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from types import ModuleType
 
@@ -37,9 +38,12 @@ import torch
 from engine.kernels.build import BuildReport, CachedKernel, KernelSpec
 
 KERNEL_ENV = "KVSCOPE_CPU_GEMV_KERNEL"
+# "0" keeps Q4_1 weights row by row with float32 activations (closest to fp32, slower).
+INT8_ACTIVATIONS_ENV = "KVSCOPE_CPU_INT8_ACTIVATIONS"
 QK = 32  # weights per block
-BLOCK_BYTES = {"q8_0": 2 + QK, "q4_1": 4 + QK // 2}
+BLOCK_BYTES = {"q8_0": 2 + QK, "q4_1": 4 + QK // 2, "q4_1x8": 4 + QK // 2}
 FORMATS = tuple(BLOCK_BYTES)
+X8_ROWS = 8  # rows interleaved by the q4_1x8 layout
 
 _CPP_SOURCE = r"""
 #include <torch/extension.h>
@@ -337,6 +341,118 @@ static torch::Tensor gemv(torch::Tensor x, torch::Tensor w, int64_t int8_activat
   return x.scalar_type() == torch::kFloat ? y : y.to(x.scalar_type());
 }
 
+// ---------------------------------------------------------------- Q4_1 interleaved by 8 rows ("q4_1x8")
+// The same Q4_1 blocks reordered so 8 output rows are one vector: for rows 8g..8g+7 and block b,
+// 160 bytes at ((g * nb) + b) * 160: the 8 rows' fp16 d, their 8 fp16 m, then 4 chunks of 32 bytes,
+// chunk c holding row i's quant bytes 4c..4c+3 at 4i (low nibbles: weights 4c.., high: 16 + 4c..).
+// A 32-bit lane is one row, so a broadcast of 4 activation bytes and one maddubs give all 8 rows'
+// partial dots without a horizontal sum. Activations are rounded per 32-block to int8 (ggml's
+// Q8_1: qa, da, sa = da * sum(qa)); y = sum_b d*da*dot(q, qa) + m*sa, 8 rows at a time.
+static constexpr int64_t kX8Bytes = 8 * 20;
+
+static inline void x8_scalar(const uint8_t* g, int64_t nb, const float* x, float* y, int64_t ldy, int64_t R,
+                             int64_t K) {
+  for (int64_t r = 0; r < R; ++r)
+    for (int i = 0; i < 8; ++i) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = g + b * kX8Bytes;
+        const float d = half_to_float(p + 2 * i), m = half_to_float(p + 16 + 2 * i);
+        const float* xb = x + r * K + b * 32;
+        for (int c = 0; c < 4; ++c)
+          for (int k = 0; k < 4; ++k) {
+            const uint8_t q = p[32 + 32 * c + 4 * i + k];
+            acc += (d * (float)(q & 15) + m) * xb[4 * c + k] + (d * (float)(q >> 4) + m) * xb[16 + 4 * c + k];
+          }
+      }
+      y[r * ldy + i] = acc;
+    }
+}
+
+#if defined(__AVX2__)
+static inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+template <int R>
+static inline void x8_tile(const uint8_t* g, int64_t nb, const int8_t* qa, const float* da, const float* sa,
+                           int64_t K, float* y, int64_t ldy) {
+  __m256 acc[R], accm[R];
+  for (int r = 0; r < R; ++r) acc[r] = accm[r] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = g + b * kX8Bytes;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16)));
+    __m256i wl[4], wh[4];
+    for (int c = 0; c < 4; ++c) {
+      const __m256i t = _mm256_loadu_si256((const __m256i*)(p + 32 + 32 * c));
+      wl[c] = _mm256_and_si256(t, low);
+      wh[c] = _mm256_and_si256(_mm256_srli_epi16(t, 4), low);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int8_t* a = qa + r * K + b * 32;
+      // 8 products of at most 15 * 127 * 2 each lane: the int16 sums stay below 32767.
+      __m256i s = _mm256_maddubs_epi16(wl[0], bcast4(a));
+      s = _mm256_add_epi16(s, _mm256_maddubs_epi16(wh[0], bcast4(a + 16)));
+      for (int c = 1; c < 4; ++c) {
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(wl[c], bcast4(a + 4 * c)));
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(wh[c], bcast4(a + 16 + 4 * c)));
+      }
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(da[r * nb + b])), dot, acc[r]);
+      accm[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sa[r * nb + b]), accm[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ldy, _mm256_add_ps(acc[r], accm[r]));
+}
+#endif
+
+static void gemv_rows_q4_1x8(const uint8_t* W, int64_t N, int64_t K, const float* x, int64_t M, float* y) {
+  const int64_t nb = K / 32, group_bytes = nb * kX8Bytes;
+#if defined(__AVX2__)
+  std::vector<int8_t> qa(M * K);
+  std::vector<float> da(M * nb), sa(M * nb);
+  quantize_rows_q8(x, M, K, qa.data(), da.data(), sa.data());
+  at::parallel_for(0, N / 8, 4, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* wg = W + g * group_bytes;
+      for (int64_t r = 0; r < M;) {
+        const int64_t left = M - r;
+        const int8_t* q = qa.data() + r * K;
+        const float *d = da.data() + r * nb, *s = sa.data() + r * nb;
+        float* yr = y + r * N + 8 * g;
+        if (left >= 4) { x8_tile<4>(wg, nb, q, d, s, K, yr, N); r += 4; }
+        else if (left == 3) { x8_tile<3>(wg, nb, q, d, s, K, yr, N); r += 3; }
+        else if (left == 2) { x8_tile<2>(wg, nb, q, d, s, K, yr, N); r += 2; }
+        else { x8_tile<1>(wg, nb, q, d, s, K, yr, N); r += 1; }
+      }
+    }
+  });
+#else
+  at::parallel_for(0, N / 8, 4, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) x8_scalar(W + g * group_bytes, nb, x, y + 8 * g, N, M, K);
+  });
+#endif
+}
+
+torch::Tensor gemv_q4_1x8(torch::Tensor x, torch::Tensor w, int64_t) {
+  TORCH_CHECK(x.dim() == 2, "gemv_q4_1x8: x must be [rows, in]");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8, "gemv_q4_1x8: weight blocks must be uint8 [out, bytes]");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(K % 32 == 0 && N % 8 == 0, "gemv_q4_1x8: in-features (", K, ") must be a multiple of 32 and out-features (",
+              N, ") of 8");
+  TORCH_CHECK(w.size(1) == K / 32 * 20, "gemv_q4_1x8: weight has ", w.size(1), " bytes a row, in-features ", K,
+              " need ", K / 32 * 20);
+  auto xf = x.to(torch::kFloat).contiguous();
+  w = w.contiguous();
+  auto y = torch::empty({M, N}, xf.options());
+  if (M > 0 && N > 0) gemv_rows_q4_1x8(w.data_ptr<uint8_t>(), N, K, xf.data_ptr<float>(), M, y.data_ptr<float>());
+  return x.scalar_type() == torch::kFloat ? y : y.to(x.scalar_type());
+}
+
 // int8_activations: 1 quantizes x per 32-block to int8 first (AVX2/AVX-512 builds; ignored by the scalar one)
 torch::Tensor gemv_q8_0(torch::Tensor x, torch::Tensor w, int64_t int8_activations) {
   return gemv<Q8_0>(x, w, int8_activations, "gemv_q8_0");
@@ -356,7 +472,7 @@ std::string isa() {
 }
 """
 
-SPEC = KernelSpec(name="kvscope_cpu_gemv", source=_CPP_SOURCE, functions=("gemv_q8_0", "gemv_q4_1", "isa"))
+SPEC = KernelSpec(name="kvscope_cpu_gemv", source=_CPP_SOURCE, functions=("gemv_q8_0", "gemv_q4_1", "gemv_q4_1x8", "isa"))
 
 KERNEL = CachedKernel(SPEC, KERNEL_ENV)
 
@@ -384,7 +500,7 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, fmt: str, int8_activations: bool
     first (:func:`quantize_activations_q8`). Needs the kernel (:func:`load_kernel`)."""
     kernel = load_kernel()
     assert kernel is not None, unavailable_reason()
-    fn = kernel.gemv_q4_1 if fmt == "q4_1" else kernel.gemv_q8_0  # type: ignore[attr-defined]
+    fn = getattr(kernel, f"gemv_{fmt}")
     return fn(x, blocks, int(int8_activations))
 
 
@@ -437,8 +553,40 @@ def quantize_q4_1(weight: torch.Tensor) -> torch.Tensor:
     return blocks.reshape(out, -1).contiguous()
 
 
+def int8_activations_enabled() -> bool:
+    return os.environ.get(INT8_ACTIVATIONS_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def interleave_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_1 blocks ``[out, in/32*20]`` (``out`` a multiple of 8) reordered into the kernel's
+    ``q4_1x8`` layout (same bytes, same shape): per 8 rows and block, the 8 ``d``, the 8
+    ``m``, then 4 chunks of the 8 rows' quant bytes 4c..4c+3."""
+    out, width = blocks.shape
+    if out % X8_ROWS or width % BLOCK_BYTES["q4_1"]:
+        raise ValueError(f"q4_1x8 needs [out, in/32*20] with out a multiple of {X8_ROWS}, got {tuple(blocks.shape)}")
+    nb = width // BLOCK_BYTES["q4_1"]
+    b = blocks.reshape(out // X8_ROWS, X8_ROWS, nb, 20).transpose(1, 2)  # [groups, nb, 8 rows, 20]
+    quants = b[..., 4:].reshape(*b.shape[:3], 4, 4).transpose(2, 3)  # [groups, nb, 4 chunks, 8 rows, 4]
+    parts = [b[..., 0:2].flatten(2), b[..., 2:4].flatten(2), quants.flatten(2)]
+    return torch.cat(parts, dim=-1).reshape(out, width).contiguous()
+
+
+def deinterleave_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`interleave_q4_1`: ggml's row-by-row Q4_1 blocks."""
+    out, width = blocks.shape
+    nb, groups = width // BLOCK_BYTES["q4_1"], out // X8_ROWS
+    g = blocks.reshape(groups, nb, X8_ROWS * 20)
+    d = g[..., 0:16].reshape(groups, nb, X8_ROWS, 2)
+    m = g[..., 16:32].reshape(groups, nb, X8_ROWS, 2)
+    quants = g[..., 32:].reshape(groups, nb, 4, X8_ROWS, 4).transpose(2, 3).reshape(groups, nb, X8_ROWS, 16)
+    rows = torch.cat([d, m, quants], dim=-1).transpose(1, 2)  # [groups, 8 rows, nb, 20]
+    return rows.reshape(out, width).contiguous()
+
+
 def dequantize(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
     """float32 ``[out, in]`` of ``fmt`` blocks (the torch reference and fallback)."""
+    if fmt == "q4_1x8":
+        return dequantize(deinterleave_q4_1(blocks), "q4_1")
     size = BLOCK_BYTES[fmt]
     out = blocks.shape[0]
     b = blocks.reshape(out, -1, size)

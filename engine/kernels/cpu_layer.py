@@ -17,7 +17,7 @@ GEMV for as many rows as it wins (``GEMV_MAX_ROWS``, 8 on AVX2) and torch's floa
 GEMM (``at::mm_out`` over the float weight, as ``F.linear``) for more, so a decode
 batch of up to ``MAX_ROWS`` sequences saves its ~10 ms of dispatch too. It serves
 float32 activations (the CPU dtype on ISAs without native bf16) with a float32 or
-int8 KV cache and q8_0/q4_1 projections; any other step takes the layer-by-op path.
+int8 KV cache and q8_0/q4_1/q4_1x8 projections; any other step takes the layer-by-op path.
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ KERNEL_ENV = "KVSCOPE_CPU_LAYER_KERNEL"
 # Pure-decode steps of up to this many sequences run fused (the scheduler's default
 # --max-num-seqs); each projection picks GEMV or float GEMM by rows inside the call.
 MAX_ROWS = 256
-FORMAT_CODES = {"q8_0": 0, "q4_1": 1}
+FORMAT_CODES = {"q8_0": 0, "q4_1": 1, "q4_1x8": 2}
 KV_DTYPES = (torch.float32, torch.int8)
 
 _GLUE = r"""
-// One projection into y [M, N]: the GEMV over its blocks (fmt 0: q8_0, 1: q4_1) for at most
+// One projection into y [M, N]: the GEMV over its blocks (fmt 0: q8_0, 1: q4_1, 2: q4_1x8) for at most
 // `limit` rows, where it wins; torch's float GEMM over the float weight for more.
 static void project(const torch::Tensor& w, int64_t fmt, const torch::Tensor& w_float, int64_t limit,
                     const float* x, int64_t M, int64_t K, float* y) {
@@ -54,6 +54,9 @@ static void project(const torch::Tensor& w, int64_t fmt, const torch::Tensor& w_
   if (fmt == 0) {
     TORCH_CHECK(w.size(1) == K / 32 * Q8_0::kBytes, "decode_layer: q8_0 weight width");
     gemv_rows<Q8_0>(w.data_ptr<uint8_t>(), N, K, x, M, y);
+  } else if (fmt == 2) {
+    TORCH_CHECK(w.size(1) == K / 32 * 20 && N % 8 == 0, "decode_layer: q4_1x8 weight shape");
+    gemv_rows_q4_1x8(w.data_ptr<uint8_t>(), N, K, x, M, y);
   } else {
     TORCH_CHECK(w.size(1) == K / 32 * Q4_1::kBytes, "decode_layer: q4_1 weight width");
     gemv_rows<Q4_1>(w.data_ptr<uint8_t>(), N, K, x, M, y);

@@ -37,17 +37,21 @@ _METHOD_FORMATS: dict[str, tuple[tuple[str, ...], str]] = {
     "int4": (("q4_1", "q8_0"), "q4_1"),
 }
 # Buffer suffix of each format (bench_engine.py finds quantized copies by ``_int<bits>``).
-_BUFFER_SUFFIX = {"q8_0": "int8", "q4_1": "int4"}
+_BUFFER_SUFFIX = {"q8_0": "int8", "q4_1": "int4", "q4_1x8": "int4"}
 # Token rows (a step's tokens) up to which the GEMV kernel beats torch's float32 GEMM, per
 # kernel ISA: per format for the projections, and for the LM head (49152 x 576, where float
 # GEMM is slowest per row). AVX2 (Zen 3, 1 thread, shared machine, bench/bench_gemv.py, µs
 # fp32 -> q4_1): 8 rows qkv 966 -> 275, down 1320 -> 719, head 70738 -> 15217; 16 rows
 # qkv 1010 -> 608, gate_up 3104 -> 1862 but down 618 -> 1281 (the kernel's FMAs grow with
-# rows, GEMM's do not), head 72022 -> 31841. AVX-512 is not measured yet: AVX2's limits.
+# rows, GEMM's do not), head 72022 -> 31841. q4_1x8 (int8 activations, 32 products per
+# maddubs) beats float GEMM at every step size: AVX2, 2 threads, weights streamed from
+# memory, fp32 -> q4_1x8 µs: gate_up 8 rows 1458 -> 165, 64 rows 2652 -> 1075, 512 rows
+# 14822 -> 9483; down 512 rows 6020 -> 4283. AVX-512 is not measured yet: AVX2's limits.
+_EVERY_STEP = 1 << 30
 GEMV_MAX_ROWS: dict[str, dict[str, int]] = {
-    "avx2": {"q8_0": 8, "q4_1": 8, "head": 16},
-    "avx512": {"q8_0": 8, "q4_1": 8, "head": 16},
-    "scalar": {"q8_0": 1, "q4_1": 1, "head": 1},
+    "avx2": {"q8_0": 8, "q4_1": 8, "q4_1x8": _EVERY_STEP, "head": 16},
+    "avx512": {"q8_0": 8, "q4_1": 8, "q4_1x8": _EVERY_STEP, "head": 16},
+    "scalar": {"q8_0": 1, "q4_1": 1, "q4_1x8": 1, "head": 1},
 }
 _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # HF tensors each fused projection is made of, in row order.
@@ -274,9 +278,10 @@ class LlamaForCausalLM(nn.Module):
             return "off: the paged-decode kernel is not in use"
         if cpu_layer.load_kernel() is None:
             return f"off: {cpu_layer.KERNEL.unavailable_reason or 'the kernel could not be built'}"
+        gemv_rows = min(q.max_rows for q in self.quantized_linears() if q is not self.quantized.get("head"))
         return (f"enabled for pure-decode steps of <= {cpu_layer.MAX_ROWS} sequences "
-                f"(GEMV up to {min(q.max_rows for q in self.quantized_linears() if q is not self.quantized.get('head'))} "
-                "rows, float GEMM above)")
+                + ("(GEMV at every batch size)" if gemv_rows >= cpu_layer.MAX_ROWS
+                   else f"(GEMV up to {gemv_rows} rows, float GEMM above)"))
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -325,6 +330,9 @@ class LlamaForCausalLM(nn.Module):
             if entry is None:
                 counts["float"] = counts.get("float", 0) + 1
                 continue
+            if entry.fmt == "q4_1" and weight.shape[0] % cpu_gemv.X8_ROWS == 0 and cpu_gemv.int8_activations_enabled():
+                # 8 rows interleaved: the kernel's int8 dot covers 8 rows per instruction.
+                entry = QuantizedLinear(cpu_gemv.interleave_q4_1(entry.blocks), "q4_1x8", entry.source)
             module.register_buffer(f"{name}_{_BUFFER_SUFFIX[entry.fmt]}", entry.blocks, persistent=False)
             module.quantized[name] = entry
             key = f"{entry.fmt} {entry.source}"
