@@ -46,9 +46,8 @@ lint: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider --noconftest tests/test_import_rules.py
 
 # The pure core, the event layer, the budget and the kernel cache (settings in pyproject.toml).
-TYPECHECKED := engine/request.py engine/block_pool.py engine/kv_cache.py engine/scheduler.py \
-	engine/events.py engine/step_events.py engine/step_loop.py engine/gguf_header.py engine/block_table_fold.py engine/view.py engine/stats.py \
-	engine/metrics.py engine/memory.py engine/cpu_caps.py engine/kernels/build.py
+TYPECHECKED := engine/core engine/events engine/budget/memory.py engine/model/gguf_header.py \
+	engine/model/cpu_caps.py engine/model/kernels/build.py engine/model/profile_cache.py
 
 typecheck: setup
 	$(BIN)/mypy $(TYPECHECKED)

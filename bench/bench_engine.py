@@ -67,7 +67,7 @@ class Variant:
 
 def parse_variant(spec: str) -> Variant | str:
     """The variant, or the reason this engine cannot run it (a skip line)."""
-    from engine import memory
+    from engine.budget import memory
     from engine.model import llama
 
     flags: dict[str, Any] = {}
@@ -125,7 +125,7 @@ class KvscopeEngine:
     def _subscribe_sinks(self) -> None:
         from prometheus_client import CollectorRegistry
 
-        from engine.metrics import PrometheusMetrics
+        from engine.events.metrics import PrometheusMetrics
 
         self.llm.engine.bus.subscribe(PrometheusMetrics(CollectorRegistry(), "smollm2"))
         self.llm.engine.bus.subscribe(self._count)
@@ -134,7 +134,7 @@ class KvscopeEngine:
         self.events_seen += 1
 
     def run(self, workload: Workload) -> RunResult:
-        from engine.sampler import SamplingParams
+        from engine.core.sampling_params import SamplingParams
 
         engine = self.llm.engine
         start = time.perf_counter()
@@ -159,7 +159,7 @@ class KvscopeEngine:
 
     def decode_step_s(self) -> float:
         """Median forward time of single-stream decode steps (runner timings)."""
-        from engine.sampler import SamplingParams
+        from engine.core.sampling_params import SamplingParams
 
         engine = self.llm.engine
         engine.add_request(list(range(2000, 2064)), SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True))
@@ -468,7 +468,7 @@ def start_engines(args: argparse.Namespace, variants: list[Variant]) -> tuple[li
     engines: list[Any] = list(filter(None, (start_kvscope(v, args.threads) for v in variants)))
     auto = engines[0] if engines else None
     if auto is not None:
-        print(f"kvscope --dtype auto chose {auto.dtype} on ISA {cpu_isa()} (engine/cpu_caps.py: "
+        print(f"kvscope --dtype auto chose {auto.dtype} on ISA {cpu_isa()} (engine/model/cpu_caps.py: "
               f"{cpu_dtype_reason()})", flush=True)
     if not args.no_hf:
         engines.append(HfEngine(args.threads))

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import cpu_gemv
+from engine.model.kernels import cpu_gemv
 
 SHAPES = {  # name -> (out, in)
     "qkv": (960, 576),
@@ -122,9 +122,9 @@ def gemv_table(rows_list: list[int], rounds: int, bandwidth: float, kernel_ok: b
 
 def decode_table(tokens: int, rounds: int, methods: list[str | None]) -> list[str]:
     """Single-stream greedy decode tok/s of the bundled model in float32, per quantization."""
-    from engine.config import load_model_config
-    from engine.runner import ModelRunner, ScheduledSeq
-    from engine.sampler import SamplingParams
+    from engine.budget.config import load_model_config
+    from engine.core.sampling_params import SamplingParams
+    from engine.model.runner import ModelRunner, ScheduledSeq
 
     config = load_model_config("smollm2-135m")
     runners = {}

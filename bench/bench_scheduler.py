@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.commands.bench_scheduler import run
+from engine.cli.commands.bench_scheduler import run
 
 
 def main() -> int:

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from engine.commands.demo import free_port
+from engine.cli.commands.demo import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -8,8 +8,8 @@ each sink alone, timing direct calls (the bus fan-out itself is not included):
 - ``seed-60``: the background's 60-request workload on a pool small enough to
   preempt.
 
-Sinks: a no-op baseline, :class:`engine.metrics.PrometheusMetrics`,
-:class:`engine.stats.StatsReporter` (10 s interval on a bus nobody else hears),
+Sinks: a no-op baseline, :class:`engine.events.metrics.PrometheusMetrics`,
+:class:`engine.events.stats.StatsReporter` (10 s interval on a bus nobody else hears),
 :class:`engine.events.JsonlSink` into memory, for comparison. Output: one JSON
 line per (trace, sink) with events/s, ns per event, µs per step event (the
 whole stream's time minus the time of the stream without step events) and the
@@ -26,11 +26,11 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 
-from engine.driver import DriverRequest, background_workload, run_driver
+from engine.core.scheduler import SchedulerConfig
 from engine.events import Event, EventBus, JsonlSink, RequestFinished, StepEvent
-from engine.metrics import PrometheusMetrics
-from engine.scheduler import SchedulerConfig
-from engine.stats import StatsReporter
+from engine.events.metrics import PrometheusMetrics
+from engine.events.stats import StatsReporter
+from engine.sim.driver import DriverRequest, background_workload, run_driver
 
 Sink = Callable[[Event], None]
 

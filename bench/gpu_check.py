@@ -6,7 +6,7 @@ run of at most ten minutes, with the results in one JSON file.
 3. runner: a dummy-weights Llama-3.1-8B-shaped ModelRunner on the Triton backend,
    a prefill step and decode steps, logits compared with the torch backend.
 4. engine_phases: HOOK: start the engine through all startup phases once
-   `engine serve` exists (engine/commands/serve.py); skipped until then.
+   `engine serve` exists (engine/cli/commands/serve.py); skipped until then.
 5. kernel_bench: Llama-3.1-8B attention shapes (32 query heads, 8 KV heads,
    head dim 128, bf16, 16-token blocks), Triton vs torch backend.
 
@@ -82,9 +82,9 @@ def runner_check(device: torch.device, smoke: bool) -> dict[str, Any]:
     """A dummy-weights model on the Triton backend: one prefill step of several
     prompts, then decode steps; the last step's logits are recomputed with the
     torch backend on the same weights and cache contents."""
-    from engine.attention.torch_backend import TorchAttentionBackend
-    from engine.config import load_model_config
-    from engine.runner import ModelRunner, ScheduledSeq
+    from engine.budget.config import load_model_config
+    from engine.model.attention.torch_backend import TorchAttentionBackend
+    from engine.model.runner import ModelRunner, ScheduledSeq
 
     config = load_model_config("smollm2-135m" if smoke else GPU_MODEL)
     dtype = "float32" if smoke else "bfloat16"
@@ -162,14 +162,14 @@ def engine_phases(device: torch.device, timeout_s: float = 300.0) -> dict[str, A
     """HOOK for the full engine: start a dummy-weights Llama-3.1-8B-shaped engine
     through startup phases A-G with the Triton backend and collect its log lines.
 
-    Until engine/commands/serve.py exists this reports "skipped". Once it does,
+    Until engine/cli/commands/serve.py exists this reports "skipped". Once it does,
     this starts `engine serve` on 127.0.0.1, waits for /health, and stops it;
     adjust the flags here if serve's differ."""
-    if importlib.util.find_spec("engine.commands.serve") is None:
+    if importlib.util.find_spec("engine.cli.commands.serve") is None:
         return {
             "ok": True,
             "status": "skipped",
-            "reason": "engine serve (engine/commands/serve.py) does not exist yet",
+            "reason": "engine serve (engine/cli/commands/serve.py) does not exist yet",
         }
     engine_bin = shutil.which("engine", path=str(Path(sys.executable).parent)) or "engine"
     port = 18123
@@ -255,9 +255,9 @@ def bench_case(
 ) -> dict[str, Any]:
     """One attention call's shape, random cache contents in a shuffled block
     layout; median time of Triton and torch backends and their largest difference."""
-    from engine.attention.base import AttentionMetadata
-    from engine.attention.torch_backend import TorchAttentionBackend
-    from engine.attention.triton_backend import TritonAttentionBackend
+    from engine.model.attention.base import AttentionMetadata
+    from engine.model.attention.torch_backend import TorchAttentionBackend
+    from engine.model.attention.triton_backend import TritonAttentionBackend
 
     num_heads, num_kv_heads, head_dim, block_size = (
         shape["num_heads"], shape["num_kv_heads"], shape["head_dim"], shape["block_size"],

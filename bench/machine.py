@@ -1,5 +1,5 @@
 """The machine a benchmark ran on, printed at the top of every report: CPU and ISA
-(engine/cpu_caps.py), load average, threads and torch version. Numbers from a
+(engine/model/cpu_caps.py), load average, threads and torch version. Numbers from a
 2-core machine shared with other work mean little without these lines.
 
 Also the machine's own limits that the engine benchmark measures itself against:
@@ -22,20 +22,20 @@ def load_average() -> str:
 
 def cpu_line() -> str:
     try:
-        from engine.cpu_caps import detect
+        from engine.model.cpu_caps import detect
     except ImportError:  # an old checkout without cpu_caps: say so rather than fail
-        return "unknown (engine.cpu_caps not importable)"
+        return "unknown (engine.model.cpu_caps not importable)"
     return detect().line()
 
 
 def cpu_isa() -> str:
-    from engine.cpu_caps import detect
+    from engine.model.cpu_caps import detect
 
     return detect().isa
 
 
 def cpu_dtype_reason() -> str:
-    from engine.cpu_caps import choose_cpu_dtype, detect
+    from engine.model.cpu_caps import choose_cpu_dtype, detect
 
     choice = choose_cpu_dtype(detect())
     return f"{choice.dtype}: {choice.reason}"

@@ -49,7 +49,7 @@ class HfEngine:
     def __init__(self, threads: int) -> None:
         from transformers import AutoModelForCausalLM
 
-        from engine.config import bundled_gguf_path
+        from engine.budget.config import bundled_gguf_path
 
         torch.set_num_threads(threads)
         path = Path(bundled_gguf_path())
@@ -92,7 +92,7 @@ class HfEngine:
 # ---------------------------------------------------------------------- vLLM CPU
 def vllm_dtype() -> str:
     """What kvscope's ``--dtype auto`` picks here: bf16 only where the CPU has it natively."""
-    from engine.cpu_caps import choose_cpu_dtype, detect
+    from engine.model.cpu_caps import choose_cpu_dtype, detect
 
     return choose_cpu_dtype(detect()).dtype
 
@@ -194,7 +194,7 @@ class LlamaCppEngine:
     supports = frozenset({"single", "prefill-500"})
 
     def __init__(self, threads: int) -> None:
-        from engine.config import bundled_gguf_path
+        from engine.budget.config import bundled_gguf_path
 
         args = json.dumps({"model": str(bundled_gguf_path()), "threads": threads})
         start = time.perf_counter()

@@ -42,7 +42,7 @@ REPRODUCE = """## How to reproduce
    for a quick look that decides nothing; `--variants auto,int8,...`, `--no-hf`, `--no-vllm`, `--no-llama`,
    `--json PATH`). A peer that is not installed or does not start is a skip line with the reason.
 
-Every section starts with the machine: CPU and ISA (engine/cpu_caps.py), load average, threads, torch.
+Every section starts with the machine: CPU and ISA (engine/model/cpu_caps.py), load average, threads, torch.
 The engine report has: medians and per-repetition values for each engine and workload (batch-16, batch-64:
 output tok/s; single: decode tok/s after the first token; prefill-500: prompt tok/s to the first token),
 kvscope/peer ratios per repetition, a verdict table (batch-16/64 output tok/s >= 1.0x vLLM-CPU, batch-64

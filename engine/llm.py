@@ -11,11 +11,11 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from engine.config import BUNDLED_MODEL_NAME, EngineConfig, parse_dtype
+from engine.budget.config import BUNDLED_MODEL_NAME, EngineConfig, parse_dtype
+from engine.core.sampling_params import SamplingParams
 from engine.errors import UserError
 from engine.events import EventBus
 from engine.llm_engine import LLMEngine, RequestOutput
-from engine.sampler import SamplingParams
 
 ChatMessages = Sequence[dict[str, str]]
 

@@ -15,18 +15,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.device import device_word
+from engine.budget.config import EngineConfig
+from engine.core.request import FINISH_REASONS, Request
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.step_loop import ExecutedStep, run_step
 from engine.errors import UserError
 from engine.events import EventBus, JsonlSink
+from engine.events.stats import StatsReporter
+from engine.model.device import device_word
+from engine.model.runner import ScheduledSeq
 from engine.model.tokenizer import IncrementalDetokenizer
-from engine.request import FINISH_REASONS, Request
-from engine.runner import ScheduledSeq
-from engine.sampler import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
 from engine.startup import StartupResult, start_engine
-from engine.stats import StatsReporter
-from engine.step_loop import ExecutedStep, run_step
 
 
 @dataclass(slots=True)
@@ -169,11 +169,11 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        result = run_step(self.scheduler, self, self.bus, self.now(), measure_host=True)
+        result = run_step(self.scheduler, self, self.bus, self.now(), host_clock=time.perf_counter)
         return self._outputs(result.output, result.executed, result.finished)
 
     def execute(self, out: SchedulerOutput, now: float) -> ExecutedStep:
-        """The model executor (engine/step_loop.py): the runner samples one token per
+        """The model executor (engine/core/step_loop.py): the runner samples one token per
         sampling sequence, then the detokenisers find stop strings, which the scheduler's
         update needs to decide who finished."""
         batch = [ScheduledSeq(s.request_id, s.token_ids, s.start_position, s.block_ids, s.samples,

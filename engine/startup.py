@@ -3,7 +3,7 @@
 A init (device, versions, memory snapshot) → B budget (requested = total ×
 utilization; refuse if less is free) → C load weights → D profile run (one
 dummy step at the worst-case shape; the activation peak is measured) → E KV
-cache (pool = requested − weights − peak − non-torch, through engine.memory) →
+cache (pool = requested − weights − peak − non-torch, through engine.budget.memory) →
 F graphs / compile → G ready.
 
 Each phase emits a ``begin`` and an ``end`` (or ``skipped`` / ``failed``) event
@@ -22,16 +22,8 @@ from typing import Any
 
 import torch
 
-from engine import profile_cache
-from engine.config import EngineConfig, ModelConfig, load_model_config
-from engine.cpu_caps import CpuCapabilities, DtypeChoice, choose_cpu_dtype, detect
-from engine.cuda_graphs import DecodeGraphs, graphs_supported
-from engine.device import MemoryReading, device_word, measure_peak, read_memory, resolve_device, versions
-from engine.errors import BudgetError, UserError
-from engine.events import PHASES, EngineConfigEvent, EventBus, StartupPhase
-from engine.kernels.background import KernelBuilds
-from engine.logs import get_logger
-from engine.memory import (
+from engine.budget.config import EngineConfig, ModelConfig, load_model_config
+from engine.budget.memory import (
     GiB,
     MemoryPlan,
     bytes_per_kv_token,
@@ -41,9 +33,24 @@ from engine.memory import (
     plan_memory,
     weights_bytes,
 )
+from engine.core.scheduler import SchedulerConfig
+from engine.errors import BudgetError, UserError
+from engine.events import PHASES, EngineConfigEvent, EventBus, StartupPhase
+from engine.logs import get_logger
+from engine.model import profile_cache
+from engine.model.cpu_caps import CpuCapabilities, DtypeChoice, choose_cpu_dtype, detect
+from engine.model.cuda_graphs import DecodeGraphs, graphs_supported
+from engine.model.device import (
+    MemoryReading,
+    device_word,
+    measure_peak,
+    read_memory,
+    resolve_device,
+    versions,
+)
+from engine.model.kernels.background import KernelBuilds
+from engine.model.runner import ModelRunner
 from engine.model.tokenizer import Tokenizer
-from engine.runner import ModelRunner
-from engine.scheduler import SchedulerConfig
 
 # vLLM's CPU backend sizes its pool from VLLM_CPU_KVCACHE_SPACE (4 GiB by
 # default) rather than from all of RAM; kvscope does the same when the user
@@ -123,7 +130,7 @@ class PhaseRecorder:
 def resolve_dtype(config: EngineConfig, model: ModelConfig, device: torch.device,
                   caps: CpuCapabilities | None = None) -> DtypeChoice:
     """``--dtype`` as given, or for ``auto`` the fastest correct dtype here: on CPU by
-    ISA (bf16 only where it is native, see engine/cpu_caps.py); on CUDA the
+    ISA (bf16 only where it is native, see engine/model/cpu_caps.py); on CUDA the
     checkpoint's half type."""
     if config.dtype != "auto":
         return DtypeChoice(config.dtype, "--dtype " + config.dtype)
@@ -367,7 +374,7 @@ def _profile_key(config: EngineConfig, model: ModelConfig) -> str:
 def _profile_run(runner: ModelRunner, config: EngineConfig, model: ModelConfig, device: torch.device,
                  log: Any) -> profile_cache.ProfileResult:
     """Phase D's measurement: the worst-case forward and sampler pass under the peak
-    tracker, or on CPU the stored result of the same measurement (engine/profile_cache.py)."""
+    tracker, or on CPU the stored result of the same measurement (engine/model/profile_cache.py)."""
     key = _profile_key(config, model) if device.type == "cpu" else None
     stored = profile_cache.load(key) if key is not None else None
     if stored is not None:
@@ -424,7 +431,7 @@ def _tokenizer_for(model: ModelConfig) -> Tokenizer:
     """A GGUF file's tokenizer comes from the startup cache (building its BPE takes seconds)."""
     from pathlib import Path
 
-    from engine.config import resolve_model_file
+    from engine.budget.config import resolve_model_file
     from engine.model.startup_cache import cached_tokenizer
 
     location = Path(model.path) if model.path else resolve_model_file(model.name)
@@ -436,7 +443,7 @@ def _tokenizer_for(model: ModelConfig) -> Tokenizer:
 def _dummy_tokenizer(model: ModelConfig) -> Tokenizer:
     """Dummy weights of a preset have no tokenizer file: use the bundled one
     when the vocabulary fits, so text in/out still works for benchmarks."""
-    from engine.config import BUNDLED_MODEL_NAME
+    from engine.budget.config import BUNDLED_MODEL_NAME
 
     bundled = load_model_config(BUNDLED_MODEL_NAME)
     return _tokenizer_for(bundled)

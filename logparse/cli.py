@@ -13,8 +13,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from engine.budget.memory import parse_gib
 from engine.errors import UserError
-from engine.memory import parse_gib
 from logparse.explain import Explanation, Options, explain
 from logparse.render import render_diff, render_json, render_markdown, render_terminal
 
@@ -76,7 +76,7 @@ def _load(path: str, options: Options, keep_records: bool = True) -> Explanation
     if not p.is_file():
         raise UserError(f"{path}: no such log file; give the path of a vLLM log")
     if options.gpu:
-        from engine.memory import gpu_preset
+        from engine.budget.memory import gpu_preset
 
         gpu_preset(options.gpu)  # fail early with the list of presets
     return explain(p, options, keep_records=keep_records)

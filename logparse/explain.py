@@ -1,7 +1,7 @@
 """From records to an explanation: ledger, budget, timeline, checks, failures with
 fixes, and kvscope's own plan (and optionally a real kvscope run) beside vLLM's.
 
-All budget arithmetic on kvscope's side comes from :mod:`engine.memory`; this
+All budget arithmetic on kvscope's side comes from :mod:`engine.budget.memory`; this
 module only reads vLLM's printed numbers and compares.
 
 Tolerance rule for checks: a number printed with d decimals is known to one
@@ -21,9 +21,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from engine.config import ModelConfig, load_model_config
+from engine.budget.config import ModelConfig, load_model_config
+from engine.budget.memory import GiB, MemoryPlan, bytes_per_kv_token, gpu_preset, plan_memory
 from engine.errors import UserError
-from engine.memory import GiB, MemoryPlan, bytes_per_kv_token, gpu_preset, plan_memory
 from logparse.parser import Record, iter_records
 from logparse.patterns import LEDGER_KEYS, PHASE_NAMES
 

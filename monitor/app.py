@@ -1,6 +1,6 @@
 """The monitor app: one layout for live engines and recordings.
 
-State lives in an :class:`~engine.view.EngineView`; widgets render it. In
+State lives in an :class:`~engine.events.view.EngineView`; widgets render it. In
 replay the view comes from a :class:`~monitor.state.Timeline` (seekable); live,
 events from a :class:`~monitor.sources.LiveFeed` are folded on a timer. The
 monitor only reads: nothing here can change the engine.
@@ -19,7 +19,7 @@ from textual.reactive import reactive
 from textual.widgets import Footer, Input, Label, Static, TabbedContent, TabPane
 
 from engine.events import EventBus
-from engine.view import EngineView
+from engine.events.view import EngineView
 from monitor.sources import BusFeed, LiveFeed
 from monitor.state import Timeline
 from monitor.widgets.block_map import BlockMap

@@ -1,6 +1,6 @@
 """The dashboard's entry point for the engine's ``--monitor`` flags.
 
-The engine never imports the monitor: ``engine.dashboard`` finds this function
+The engine never imports the monitor: ``engine.cli.dashboard`` finds this function
 through the ``kvscope.dashboard`` entry point group (pyproject.toml) and calls
 it in the main thread, which it then owns until the user quits.
 """

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine.config import ModelConfig, bundled_gguf_path, load_model_config
+from engine.budget.config import ModelConfig, bundled_gguf_path, load_model_config
 
 GreedyGenerate = Callable[[Sequence[Sequence[int]], int], list[list[int]]]
 
@@ -31,7 +31,7 @@ def smollm_tokenizer(smollm_config: ModelConfig):
 @pytest.fixture(scope="session")
 def smollm_runner_fp32(smollm_config: ModelConfig):
     """The bundled model in float32 on the torch backend, 256 KV blocks of 16 tokens."""
-    from engine.runner import ModelRunner
+    from engine.model.runner import ModelRunner
 
     runner = ModelRunner(smollm_config, dtype="float32", block_size=16, attention_backend="torch")
     runner.load_weights()
@@ -43,8 +43,8 @@ def smollm_runner_fp32(smollm_config: ModelConfig):
 def greedy_generate(smollm_runner_fp32) -> GreedyGenerate:
     """``generate(prompts, max_new_tokens)``: greedy, all prompts batched in every step
     (one prefill step, then batched decodes); blocks 8 per sequence from 0 up."""
-    from engine.runner import ScheduledSeq
-    from engine.sampler import SamplingParams
+    from engine.core.sampling_params import SamplingParams
+    from engine.model.runner import ScheduledSeq
 
     greedy = SamplingParams(temperature=0.0)
 
@@ -89,7 +89,7 @@ def hf_gguf_tokenizer():
 
 
 def _built_or_skip(kernel: Any, what: str) -> object:
-    """A compiled CPU kernel's module (an engine.kernels.build.CachedKernel), or a skip
+    """A compiled CPU kernel's module (an engine.model.kernels.build.CachedKernel), or a skip
     that says why where no compiler can build it."""
     module = kernel.get()
     if module is None:
@@ -99,27 +99,27 @@ def _built_or_skip(kernel: Any, what: str) -> object:
 
 @pytest.fixture(scope="session")
 def cpu_decode_kernel() -> object:
-    from engine.attention import cpu_decode
+    from engine.model.attention import cpu_decode
 
     return _built_or_skip(cpu_decode.KERNEL, "CPU decode kernel")
 
 
 @pytest.fixture(scope="session")
 def cpu_gemv_kernel() -> object:
-    from engine.kernels import cpu_gemv
+    from engine.model.kernels import cpu_gemv
 
     return _built_or_skip(cpu_gemv.KERNEL, "CPU GEMV kernel")
 
 
 @pytest.fixture(scope="session")
 def cpu_norm_kernel() -> object:
-    from engine.kernels import cpu_norm
+    from engine.model.kernels import cpu_norm
 
     return _built_or_skip(cpu_norm.KERNEL, "CPU norm kernel")
 
 
 @pytest.fixture(scope="session")
 def cpu_layer_kernel(cpu_decode_kernel: object) -> object:
-    from engine.kernels import cpu_layer
+    from engine.model.kernels import cpu_layer
 
     return _built_or_skip(cpu_layer.KERNEL, "fused CPU layer kernel")

@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from engine.driver import DriverRequest, run_driver
+from engine.core.scheduler import SchedulerConfig
 from engine.events import Event, EventBus, JsonlSink, StepEvent
-from engine.scheduler import SchedulerConfig
+from engine.sim.driver import DriverRequest, run_driver
 
 SAMPLE = Path(__file__).resolve().parent.parent / "samples" / "monitor_synthetic.jsonl"
 
@@ -22,7 +22,7 @@ def record_driver_run(path: Path, num_blocks: int = 36) -> Path:
         for i in range(24)
     ]
     bus = EventBus()
-    sink = JsonlSink(path, config={"source": "engine.driver", "num_blocks": num_blocks})
+    sink = JsonlSink(path, config={"source": "engine.sim.driver", "num_blocks": num_blocks})
     bus.subscribe(sink)
     run_driver(requests, SchedulerConfig(num_blocks=num_blocks, max_num_seqs=8, max_num_batched_tokens=96),
                bus=bus, step_time_s=0.01)

@@ -6,8 +6,8 @@ random (default_rng(123)) so prompts share no prefix.
 
 from __future__ import annotations
 
-from engine.driver import background_workload, run_driver
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.sim.driver import background_workload, run_driver
 
 
 def test_sixty_requests_on_the_h100_pool() -> None:

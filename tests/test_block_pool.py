@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_pool import BlockPool
+from engine.core.block_pool import BlockPool
 
 
 def test_new_blocks_come_from_the_head_in_id_order() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import MODEL_PRESETS, bundled_gguf_path, load_model_config
+from engine.budget.config import MODEL_PRESETS, bundled_gguf_path, load_model_config
 from engine.errors import UserError
 
 
@@ -60,7 +60,7 @@ def test_gguf_header_agrees_with_gguf_reader() -> None:
     package's reader, key by key and tensor by tensor, on the bundled file."""
     from gguf import GGUFReader
 
-    from engine.gguf_header import ArrayValue, read_gguf_header
+    from engine.model.gguf_header import ArrayValue, read_gguf_header
 
     path = bundled_gguf_path()
     assert path is not None

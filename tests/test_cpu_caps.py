@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineConfig, load_model_config
-from engine.cpu_caps import choose_cpu_dtype, detect, parse_cpuinfo
+from engine.budget.config import EngineConfig, load_model_config
+from engine.model.cpu_caps import choose_cpu_dtype, detect, parse_cpuinfo
 from engine.startup import resolve_config, resolve_dtype
 
 

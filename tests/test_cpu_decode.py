@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import cpu_decode
-from engine.attention.base import AttentionMetadata
-from engine.attention.torch_backend import TorchAttentionBackend
+from engine.model.attention import cpu_decode
+from engine.model.attention.base import AttentionMetadata
+from engine.model.attention.torch_backend import TorchAttentionBackend
 
 
 def decode_batch(seq_lens: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int,

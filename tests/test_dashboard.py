@@ -1,5 +1,5 @@
 """``--monitor`` opens the dashboard through the ``kvscope.dashboard`` entry point
-(engine/dashboard.py), so the engine never imports monitor/."""
+(engine/cli/dashboard.py), so the engine never imports monitor/."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-import engine.dashboard as dashboard
+import engine.cli.dashboard as dashboard
 import monitor.launch
-from engine.commands import run_workload, serve
+from engine.cli.commands import run_workload, serve
 from engine.errors import UserError
 from engine.events import EventBus, SnapshotEvent
 

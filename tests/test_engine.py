@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.block_table_fold import BlockTableState
-from engine.device import measure_peak
+from engine.core.sampling_params import SamplingParams
 from engine.errors import UserError
 from engine.events import Event, EventBus, StartupPhase, StepEvent, read_events
+from engine.events.block_table import BlockTableState
 from engine.llm import LLM
 from engine.logs import configure_logging
-from engine.sampler import SamplingParams
-from engine.workload import make_workload, ordinary_token_ids
+from engine.model.device import measure_peak
+from engine.sim.workload import make_workload, ordinary_token_ids
 from logparse.explain import Options, explain
 
 SMALL = dict(max_model_len=1024, kv_cache_memory_bytes=32 * 2**20, max_num_batched_tokens=512, max_num_seqs=32,

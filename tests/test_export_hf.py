@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.budget.config import load_model_config
 from engine.cli import main
-from engine.config import load_model_config
+from engine.model.runner import ModelRunner, ScheduledSeq
 from engine.model.tokenizer import Tokenizer
-from engine.runner import ModelRunner, ScheduledSeq
 
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -3,7 +3,7 @@ this runs in well under a second):
 
 * engine/ never imports monitor/ or logparse/: the engine publishes events, and
   ``--monitor`` finds the dashboard through the ``kvscope.dashboard`` entry point
-  (engine/dashboard.py), not by importing it.
+  (engine/cli/dashboard.py), not by importing it.
 * monitor/ imports from engine/ only the event layer: the events, the view
   folded from them (which carries the budget ledger) and the error type.
 * The pure scheduler modules import no torch/numpy, no clock and no I/O, and
@@ -23,29 +23,23 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# What monitor/ may import from engine/, measured: engine.events (the events
-# and the bus), engine.view (EngineView, the reducer the widgets render; the
-# budget ledger arrives in it through the startup.phase events) and
-# engine.errors (UserError for the CLI). engine.block_table_fold is the same
-# layer (the block-table fold engine.view uses). The rule: the monitor reads
-# events, the view and the budget, never scheduler/runner/model internals.
-# Not engine.config / engine.memory: config reads model files (gguf), and the
+# What monitor/ may import from engine/, measured: the event wing (engine.events: the
+# records and the bus; engine.events.view: EngineView, the reducer the widgets render,
+# the budget ledger arriving in it through startup.phase events; engine.events.block_table,
+# the fold the view uses) and engine.errors (UserError for the CLI). The rule: the
+# monitor reads events, the view and the budget, never core/model internals. Not
+# engine.budget.config / engine.budget.memory: config reads model files (gguf), and the
 # budget reaches the monitor as event data, not by recomputing it.
 MONITOR_MAY_IMPORT_FROM_ENGINE = (
     "engine.events",
-    "engine.view",
+    "engine.events.view",
     "engine.errors",
-    "engine.block_table_fold",
+    "engine.events.block_table",
 )
 
-# The scheduler core: deterministic functions of their inputs (time enters as
-# ``now`` arguments), so the property tests and the simulator can drive them.
-PURE_SCHEDULER_MODULES = (
-    "engine/scheduler.py",
-    "engine/block_pool.py",
-    "engine/kv_cache.py",
-    "engine/request.py",
-)
+# The core wing: deterministic functions of their inputs (time enters as ``now`` or a
+# clock argument), so the property tests and the simulator can drive them.
+PURE_SCHEDULER_MODULES = tuple(sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "engine" / "core").glob("*.py")))
 HEAVY_MODULES = ("torch", "numpy", "triton", "safetensors", "gguf", "tokenizers", "transformers")
 CLOCK_MODULES = ("time", "datetime")
 IO_MODULES = ("io", "os", "sys", "pathlib", "json", "logging", "structlog", "socket", "select",
@@ -119,7 +113,7 @@ def test_engine_never_imports_monitor_or_logparse() -> None:
             if top(mod) in ("monitor", "logparse"):
                 bad.setdefault(where(p, line), f"imports {mod}")
     assert not bad, ("engine/ must not import monitor/ or logparse/ (events are the interface; --monitor goes "
-                     "through engine.dashboard's entry point):" + listing(bad))
+                     "through engine.cli.dashboard's entry point):" + listing(bad))
 
 
 def _engine_module_of(mod: str) -> str | None:

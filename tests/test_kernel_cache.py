@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from engine.kernels import build
-from engine.kernels.build import KernelSpec, build_lock, load_kernel
+from engine.model.kernels import build
+from engine.model.kernels.build import KernelSpec, build_lock, load_kernel
 
 HOLD_LOCK = """
 import sys, time
 from pathlib import Path
-from engine.kernels.build import build_lock
+from engine.model.kernels.build import build_lock
 with build_lock(Path(sys.argv[1])):
     print("held", flush=True)
     time.sleep(float(sys.argv[2]))
@@ -77,7 +77,7 @@ TINY = KernelSpec("kvscope_test_tiny", "#include <torch/extension.h>\nint64_t an
 BUILD_TINY = """
 import sys
 from pathlib import Path
-from engine.kernels.build import KernelSpec, load_kernel
+from engine.model.kernels.build import KernelSpec, load_kernel
 spec = KernelSpec("kvscope_test_tiny", "#include <torch/extension.h>\\nint64_t answer() { return 42; }\\n",
                   ("answer",), cflags=("-O1",), ldflags=())
 load_kernel(spec, root=Path(sys.argv[1]))

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.kv_cache import KVCacheManager
-from engine.request import Request
+from engine.core.kv_cache import KVCacheManager
+from engine.core.request import Request
 
 
 def _admit(kv: KVCacheManager, req: Request) -> int:

@@ -23,22 +23,22 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from engine.attention import cpu_decode
-from engine.attention.base import AttentionMetadata
-from engine.attention.kv_quant import (
+from engine.budget.config import ModelConfig
+from engine.budget.memory import bytes_per_kv_token, kv_dtype_bytes
+from engine.core.sampling_params import SamplingParams
+from engine.errors import UserError
+from engine.events import Event, EventBus, StartupPhase
+from engine.model.attention import cpu_decode
+from engine.model.attention.base import AttentionMetadata
+from engine.model.attention.kv_quant import (
     dequantize_from_cache,
     int8_rows_scale,
     kv_cache_torch_dtype,
     quantize_for_cache,
     quantize_int8_rows,
 )
-from engine.attention.torch_backend import TorchAttentionBackend
-from engine.config import ModelConfig
-from engine.errors import UserError
-from engine.events import Event, EventBus, StartupPhase
-from engine.memory import bytes_per_kv_token, kv_dtype_bytes
-from engine.runner import ModelRunner, ScheduledSeq
-from engine.sampler import SamplingParams
+from engine.model.attention.torch_backend import TorchAttentionBackend
+from engine.model.runner import ModelRunner, ScheduledSeq
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 QUANTIZED = (torch.int8, *FP8)
@@ -115,7 +115,7 @@ def test_unknown_kv_cache_dtype_is_a_user_error_naming_the_choices(smollm_config
 
 def test_triton_backend_refuses_quantized_caches() -> None:
     pytest.importorskip("triton")
-    from engine.attention.triton_backend import TritonAttentionBackend
+    from engine.model.attention.triton_backend import TritonAttentionBackend
 
     for dtype in QUANTIZED:
         with pytest.raises(UserError, match="not supported by the Triton attention backend"):

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import MODEL_PRESETS, load_model_config
+from engine.budget.config import MODEL_PRESETS, load_model_config
 from engine.errors import UserError
 from engine.model.loader import gguf_to_hf_name, permute_rotary_rows, unpermute_rotary_rows
-from engine.runner import ModelRunner, ScheduledSeq
+from engine.model.runner import ModelRunner, ScheduledSeq
 
 
 def test_unpermute_inverts_llama_cpp_permutation() -> None:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import MODEL_PRESETS, load_model_config
-from engine.errors import BudgetError, UserError
-from engine.memory import (
+from engine.budget.config import MODEL_PRESETS, load_model_config
+from engine.budget.memory import (
     GiB,
     bytes_per_kv_token,
     kv_cache_size_line,
@@ -16,6 +15,7 @@ from engine.memory import (
     plan_memory,
     required_utilization,
 )
+from engine.errors import BudgetError, UserError
 
 LLAMA8 = MODEL_PRESETS["llama-3.1-8b"]
 LLAMA70 = MODEL_PRESETS["llama-3.1-70b"]

@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.events import Event, EventBus, RequestArrived, RequestFinished, RequestFirstToken
-from engine.metrics import PrometheusMetrics, build_1_2_5_buckets
+from engine.events.metrics import PrometheusMetrics, build_1_2_5_buckets
 from tests.scripted_events import MAX_MODEL_LEN, NUM_BLOCKS, new_bus, run_script
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -50,7 +50,7 @@ EXPECTED_FAMILIES = {
     "vllm:avg_generation_throughput_toks_per_s": "gauge",
 }
 
-# Copied from ../shared/reference/vllm-metrics.md (V1, 0.8.5+), not from engine.metrics.
+# Copied from ../shared/reference/vllm-metrics.md (V1, 0.8.5+), not from engine.events.metrics.
 REFERENCE_BUCKETS = {
     "vllm:time_to_first_token_seconds": [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5,
                                          5, 7.5, 10, 20, 40, 80, 160, 640, 2560],
@@ -284,8 +284,8 @@ def test_registries_are_independent() -> None:
 
 
 def test_driver_run_counts_agree_with_the_driver_result() -> None:
-    driver = pytest.importorskip("engine.driver")
-    from engine.scheduler import SchedulerConfig
+    driver = pytest.importorskip("engine.sim.driver")
+    from engine.core.scheduler import SchedulerConfig
 
     prefix = list(range(100, 132))  # two shared full blocks
     requests = [

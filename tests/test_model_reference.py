@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.runner import ScheduledSeq
+from engine.model.runner import ScheduledSeq
 
 # With the template's default system prompt this is 37 tokens.
 CHAT = [{"role": "user", "content": "Name three primary colors, please."}]

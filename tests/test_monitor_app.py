@@ -13,7 +13,7 @@ import pytest
 
 from engine.errors import UserError
 from engine.events import EventBus, StepEvent, dumps, read_events
-from engine.view import EngineView
+from engine.events.view import EngineView
 from monitor.app import MonitorApp
 from monitor.cli import main as monitor_main
 from monitor.sources import BusFeed, HttpFeed, load_timeline, parse_sse

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from engine.events import EventBus, SnapshotEvent, StepEvent, read_events
-from engine.view import EngineView
+from engine.events.view import EngineView
 from monitor.state import Timeline
 from tests.monitor_fixtures import SAMPLE, owners_at, record_driver_run
 

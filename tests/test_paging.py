@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from engine.attention.base import AttentionMetadata
-from engine.attention.torch_backend import TorchAttentionBackend
-from engine.runner import ScheduledSeq
+from engine.model.attention.base import AttentionMetadata
+from engine.model.attention.torch_backend import TorchAttentionBackend
+from engine.model.runner import ScheduledSeq
 
 PROMPTS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain gravity to a child.",

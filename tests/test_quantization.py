@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
+from engine.core.sampling_params import SamplingParams
 from engine.errors import UserError
-from engine.kernels import cpu_gemv
+from engine.model.kernels import cpu_gemv
 from engine.model.llama import GEMV_MAX_ROWS
 from engine.model.loader import read_gguf_blocks
-from engine.runner import ModelRunner, ScheduledSeq
-from engine.sampler import SamplingParams
+from engine.model.runner import ModelRunner, ScheduledSeq
 
 PACKERS = {"q8_0": cpu_gemv.quantize_q8_0, "q4_1": cpu_gemv.quantize_q4_1}
 GGML_TYPES = {"q8_0": "Q8_0", "q4_1": "Q4_1"}

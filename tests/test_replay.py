@@ -12,16 +12,16 @@ from pathlib import Path
 
 import pytest
 
+from engine.budget.config import EngineConfig
 from engine.cli import main
-from engine.config import EngineConfig
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler, SchedulerConfig
+from engine.core.step_events import publish_step_event
 from engine.errors import UserError
 from engine.events import EventBus, JsonlSink, RequestScheduled, StartupPhase, StepEvent, read_events
-from engine.replay import Replayer, load_recording
-from engine.request import Request
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sim_workload import WorkloadSpec, generate_workload
-from engine.simulate import Simulation, build_setup
-from engine.step_events import publish_step_event
+from engine.sim.replay import Replayer, load_recording
+from engine.sim.simulate import Simulation, build_setup
+from engine.sim.traffic import WorkloadSpec, generate_workload
 
 
 @pytest.fixture(scope="module")

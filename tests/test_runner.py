@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 
-from engine.config import MODEL_PRESETS
+from engine.budget.config import MODEL_PRESETS
+from engine.core.sampling_params import SamplingParams
 from engine.errors import UserError
-from engine.runner import ModelRunner, ScheduledSeq
-from engine.sampler import SamplingParams
+from engine.model.runner import ModelRunner, ScheduledSeq
 
 GREEDY = SamplingParams(temperature=0.0)
 

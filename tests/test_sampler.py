@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.core.sampling_params import SamplingParams
 from engine.errors import UserError
-from engine.sampler import Sampler, SamplingParams
+from engine.model.sampler import Sampler
 
 
 def logits_rows(rows: int, vocab: int = 50, seed: int = 0) -> torch.Tensor:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler, SchedulerConfig
+from engine.core.step_loop import FixedTokenExecutor, run_step
 from engine.events import Event, EventBus
-from engine.request import Request, RequestStatus
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.step_loop import FixedTokenExecutor, run_step
 
 
 def _config(**kw: object) -> SchedulerConfig:

@@ -13,11 +13,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine.block_table_fold import BlockTableState
+from engine.core.policy import POLICIES
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler, SchedulerConfig
+from engine.core.step_events import publish_step_event
 from engine.events import EventBus, StepEvent
-from engine.request import Request
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.step_events import publish_step_event
+from engine.events.block_table import BlockTableState
 
 STOP = 0
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12], [1, 2, 3, 4, 13, 14]]
@@ -33,7 +34,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_num_seqs=st.integers(1, 5),
         budget=st.integers(1, 24),
         threshold=st.sampled_from([0, 0, 3]),
-        policy=st.sampled_from(["fcfs", "priority"]),
+        policy=st.sampled_from(sorted(POLICIES)),
         caching=st.booleans(),
     )
     def setup(

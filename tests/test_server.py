@@ -20,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.bench_server import LoadResult, free_port, run_load, start_server, stop_server
-from engine.config import bundled_gguf_path
+from engine.budget.config import bundled_gguf_path
 from engine.events import read_events
 from monitor.sources import parse_sse
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from engine.budget.config import bundled_gguf_path
 from engine.cli import main
-from engine.config import bundled_gguf_path
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,8 +55,8 @@ def test_a_busy_port_is_refused_before_startup_begins(tmp_path: Path) -> None:
 def test_serve_accepts_the_gpu_check_flags() -> None:
     """bench/gpu_check.py starts serve with these; parsing must not change under it."""
     from engine.cli import build_parser
-    from engine.commands.serve import settings_from_args
-    from engine.flags import engine_config_from_args
+    from engine.cli.commands.serve import settings_from_args
+    from engine.cli.flags import engine_config_from_args
 
     args = build_parser().parse_args([
         "serve", "--model", "llama-3.1-8b", "--load-format", "dummy", "--device", "cuda", "--attention-backend",

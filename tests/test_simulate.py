@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from engine.budget.config import EngineConfig
 from engine.cli import main
-from engine.config import EngineConfig
 from engine.events import EventBus, RequestArrived, StartupPhase, StatsEvent, StepEvent, read_events
-from engine.sim_workload import WorkloadRequest, WorkloadSpec, generate_workload
-from engine.simulate import (
+from engine.events.view import EngineView
+from engine.sim.simulate import (
     LIMIT_KV,
     LIMIT_SEQS,
     Simulation,
@@ -27,7 +27,7 @@ from engine.simulate import (
     percentile,
     simulate,
 )
-from engine.view import EngineView
+from engine.sim.traffic import WorkloadRequest, WorkloadSpec, generate_workload
 
 BACKGROUND_POOL = 27_635  # background part 3: 442,160 tokens in blocks of 16
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.model.runner import ModelRunner
 from engine.model.startup_cache import (
     CACHE_ENV,
     cache_key,
@@ -15,7 +16,6 @@ from engine.model.startup_cache import (
     prune_cache,
     weights_path,
 )
-from engine.runner import ModelRunner
 
 
 def test_weights_cache_miss_then_hit_gives_identical_parameters(smollm_config, tmp_path: Path,

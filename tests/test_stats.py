@@ -11,8 +11,8 @@ import pytest
 
 from engine.errors import UserError
 from engine.events import Event, EventBus, StatsEvent
+from engine.events.stats import PrefixHitWindow, StatsReporter, format_stats_line
 from engine.logs import configure_logging
-from engine.stats import PrefixHitWindow, StatsReporter, format_stats_line
 from tests.scripted_events import NUM_BLOCKS, new_bus, run_script
 
 # vLLM 0.30+'s assembled line (vllm-log-catalog.md row 73), written as a regex here
@@ -148,8 +148,8 @@ def test_prefix_hit_rate_covers_the_most_recent_thousand_requests() -> None:
 
 
 def test_driver_run_token_totals_match_the_reports() -> None:
-    driver = pytest.importorskip("engine.driver")
-    from engine.scheduler import SchedulerConfig
+    driver = pytest.importorskip("engine.sim.driver")
+    from engine.core.scheduler import SchedulerConfig
 
     requests = [
         driver.DriverRequest(f"d{i}", [1000 + i] * (10 + i), output_tokens=30 + i % 5, arrival_step=i)

@@ -26,10 +26,10 @@ if not (INTERPRET or torch.cuda.is_available()):
         allow_module_level=True,
     )
 
-from engine.attention.base import AttentionMetadata, allocate_kv_cache  # noqa: E402
-from engine.attention.selector import get_attention_backend, resolve_backend_name  # noqa: E402
-from engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from engine.errors import UserError  # noqa: E402
+from engine.model.attention.base import AttentionMetadata, allocate_kv_cache  # noqa: E402
+from engine.model.attention.selector import get_attention_backend, resolve_backend_name  # noqa: E402
+from engine.model.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 
 pytestmark = pytest.mark.triton
 
@@ -335,8 +335,8 @@ def test_rejects_block_size_too_small_for_tl_dot() -> None:
 
 
 @pytest.mark.skipif(
-    importlib.util.find_spec("engine.attention.torch_backend") is None,
-    reason="engine/attention/torch_backend.py does not exist yet",
+    importlib.util.find_spec("engine.model.attention.torch_backend") is None,
+    reason="engine/model/attention/torch_backend.py does not exist yet",
 )
 @pytest.mark.parametrize("queries_per_kv", [1, 3])
 def test_matches_torch_backend(queries_per_kv: int) -> None:
@@ -380,7 +380,7 @@ def test_selector_refuses_triton_on_cpu_without_interpreter() -> None:
     # A fresh interpreter without TRITON_INTERPRET: the kernels compile for a GPU that is not there.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     probe = (
-        "from engine.attention.selector import get_attention_backend\n"
+        "from engine.model.attention.selector import get_attention_backend\n"
         "from engine.errors import UserError\n"
         "try:\n    get_attention_backend('triton', 'cpu')\nexcept UserError as e:\n    print(e)\n"
     )
@@ -401,7 +401,7 @@ def test_smollm2_logits_match_torch_backend(smollm_config, smollm_runner_fp32) -
     """End to end: the bundled SmolLM2 (GQA 3, head dim 64, 30 layers) in fp32,
     a prefill step then a step mixing a prefill chunk on cached context with a
     decode; the Triton backend's logits match the torch backend's."""
-    from engine.runner import ModelRunner, ScheduledSeq
+    from engine.model.runner import ModelRunner, ScheduledSeq
 
     triton_runner = ModelRunner(
         smollm_config, dtype="float32", block_size=16, device=str(DEVICE), attention_backend="triton"

@@ -2,14 +2,14 @@
 
 It runs ONE flattened batch of tokens from many sequences (prefill chunks and
 decodes mixed) and reads/writes the paged KV cache through an
-:class:`~engine.attention.base.AttentionBackend`. Q/K/V and gate/up projections
+:class:`~engine.model.attention.base.AttentionBackend`. Q/K/V and gate/up projections
 are fused into one matrix each at load time: on CPU every matmul call has a
 fixed cost, so 4 instead of 7 per layer matters at decode batch sizes.
 
 ``quantize_weights("int8" | "int4")`` adds weight-only copies of every projection and
 of the LM head in ggml's 32-weight blocks (Q8_0 / Q4_1; a GGUF's own blocks when it has
 them, so int4 on a Q4_1 GGUF adds no error): decode-sized steps multiply through the
-CPU GEMV kernels of :mod:`engine.kernels.cpu_gemv`, which stream 1.06 / 0.63 bytes a
+CPU GEMV kernels of :mod:`engine.model.kernels.cpu_gemv`, which stream 1.06 / 0.63 bytes a
 weight instead of 4; bigger steps keep the float weights, where torch's GEMM wins.
 """
 
@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention.base import AttentionBackend, AttentionMetadata
-from engine.config import ModelConfig
-from engine.kernels.cpu_norm import rms_norm
+from engine.budget.config import ModelConfig
+from engine.model.attention.base import AttentionBackend, AttentionMetadata
+from engine.model.kernels.cpu_norm import rms_norm
 
 QUANTIZATION_METHODS = ("int8", "int4")
 # method -> (GGUF block formats used as they are, the format float weights are packed into).
@@ -161,10 +161,10 @@ class DecoderLayer(nn.Module):
         return self.mlp_block(hidden)
 
     def fused_decode_args(self) -> tuple[tuple[object, ...], tuple[object, ...]] | None:
-        """The fixed arguments of :func:`engine.kernels.cpu_layer` ``decode_layer`` for this
+        """The fixed arguments of :func:`engine.model.kernels.cpu_layer` ``decode_layer`` for this
         layer (before and after the per-step ones), or None when a projection has no
         quantized copy with a kernel or the weights are not float32."""
-        from engine.kernels.cpu_layer import FORMAT_CODES
+        from engine.model.kernels.cpu_layer import FORMAT_CODES
 
         entries = [self.quantized.get(name) for name in _PROJECTIONS]
         if self.qkv_proj.dtype != torch.float32 or any(q is None or q.gemv is None or q.fmt not in FORMAT_CODES
@@ -217,7 +217,7 @@ class LlamaForCausalLM(nn.Module):
         self.quantization_fallback: str | None = None  # why the quantized copies are not used
         self._gemv_pending = False  # quantized, kernel not resolved yet (first forward does it)
         # Pure-decode steps of at most cpu_layer.MAX_ROWS sequences run each layer as one C++
-        # call (engine/kernels/cpu_layer.py) when every layer qualifies; set by resolve_gemv.
+        # call (engine/model/kernels/cpu_layer.py) when every layer qualifies; set by resolve_gemv.
         self._fused_layers: list[tuple[tuple[object, ...], tuple[object, ...]]] = []
 
     # ------------------------------------------------------------------ forward
@@ -251,7 +251,7 @@ class LlamaForCausalLM(nn.Module):
         """The fused-layer kernel module when this step can use it: a pure decode of at
         most ``cpu_layer.MAX_ROWS`` sequences, the paged-decode kernel switched on (phase F),
         a float32 or int8 cache, and the kernel built (else None: the op-by-op path)."""
-        from engine.kernels import cpu_layer
+        from engine.model.kernels import cpu_layer
 
         if not self._fused_layers or not meta.is_pure_decode or meta.slot_mapping.shape[0] > cpu_layer.MAX_ROWS:
             return None
@@ -262,7 +262,7 @@ class LlamaForCausalLM(nn.Module):
     def fused_decode_status(self, kv_cache_dtype: torch.dtype) -> str:
         """Whether pure-decode steps run each layer as one C++ call, for phase F's event:
         ``"enabled for pure-decode steps of <= N rows"`` or why not."""
-        from engine.kernels import cpu_layer
+        from engine.model.kernels import cpu_layer
 
         if self._gemv_pending:
             self.resolve_gemv()
@@ -300,7 +300,7 @@ class LlamaForCausalLM(nn.Module):
         weights are packed from the floats. The kernel is resolved at the first forward
         (startup builds it in the background meanwhile). Returns counts per
         ``"<format> <source>"`` (``"float"``: in-features not a multiple of 32, kept float)."""
-        from engine.kernels import cpu_gemv
+        from engine.model.kernels import cpu_gemv
 
         if method not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization {method!r}: use one of {', '.join(QUANTIZATION_METHODS)}")
@@ -347,7 +347,7 @@ class LlamaForCausalLM(nn.Module):
         """Point every quantized copy at its kernel, or record (and log) why the float
         weights keep running: no compiler, ``KVSCOPE_CPU_GEMV_KERNEL=0``, not on CPU.
         Returns that reason, or None when the kernels are in use."""
-        from engine.kernels import cpu_gemv
+        from engine.model.kernels import cpu_gemv
 
         self._gemv_pending = False
         self._fused_layers = []

@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.config import ModelConfig, resolve_model_file
+from engine.budget.config import ModelConfig, resolve_model_file
 from engine.errors import UserError
-from engine.gguf_header import read_gguf_header
+from engine.model.gguf_header import read_gguf_header
 
 # (tensors done, tensors total) -> None; the engine turns it into a progress event.
 ProgressCallback = Callable[[int, int], None]
@@ -110,7 +110,7 @@ def iter_gguf_tensors(path: Path, config: ModelConfig) -> Iterator[tuple[str, np
 
 
 # GGUF tensor types (ggml type id -> name, bytes per 32-weight block) whose blocks the CPU
-# GEMV kernels read as they are (engine/kernels/cpu_gemv.py).
+# GEMV kernels read as they are (engine/model/kernels/cpu_gemv.py).
 GGUF_BLOCK_FORMATS = {8: ("q8_0", 34), 3: ("q4_1", 20)}
 
 

@@ -16,7 +16,7 @@ from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import BPE
 
-from engine.config import ModelConfig, resolve_model_file
+from engine.budget.config import ModelConfig, resolve_model_file
 from engine.errors import UserError
 
 _CONTROL = 3  # llama.cpp token types

@@ -8,7 +8,7 @@ from textual.containers import Vertical
 from textual.widgets import Input, Static
 
 from engine.events import Event, dumps
-from engine.view import EngineView
+from engine.events.view import EngineView
 
 TYPE_STYLE = {"request.preempted": "bold red", "request.rejected": "red", "request.finished": "green",
               "request.arrived": "cyan", "startup.phase": "magenta", "log": "yellow"}

@@ -7,7 +7,7 @@ from rich.console import Group
 from rich.text import Text
 from textual.widgets import Static
 
-from engine.view import EngineView
+from engine.events.view import EngineView
 
 GiB = 1024**3
 SEGMENT_COLOURS = {

@@ -10,7 +10,7 @@ from textual.containers import Vertical
 from textual.message import Message
 from textual.widgets import DataTable, Label
 
-from engine.view import EngineView, RequestView
+from engine.events.view import EngineView, RequestView
 
 COLUMNS = ("id", "state", "prompt", "computed", "generated", "blocks", "prefix hit", "age s", "TTFT s", "preempt")
 

@@ -6,7 +6,7 @@ from rich.text import Text
 from textual.widgets import DataTable
 
 from engine.events import PHASES
-from engine.view import EngineView, PhaseView
+from engine.events.view import EngineView, PhaseView
 
 GiB = 1024**3
 STATUS_STYLE = {"end": "green", "running": "yellow", "skipped": "dim", "failed": "bold red", "pending": "dim"}

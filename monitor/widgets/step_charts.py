@@ -8,7 +8,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Label, Sparkline, Static
 
-from engine.view import EngineView
+from engine.events.view import EngineView
 
 CHARTS = (
     ("prefill", "prefill tokens"),

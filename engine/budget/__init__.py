@@ -1,0 +1,4 @@
+"""The memory budget: one formula (:mod:`~engine.budget.memory`: requested = total x
+utilization; KV pool = requested - weights - activation peak - non-torch) used by startup,
+``engine plan``, the simulator and logparse; model shapes, GPU and model presets, and the
+engine's flags as a config (:mod:`~engine.budget.config`)."""

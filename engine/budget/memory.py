@@ -1,0 +1,364 @@
+"""The memory budget: one formula, one place (docs/architecture.md).
+
+    bytes per KV token = 2 (K and V) x layers x (KV heads / TP) x (head dim x KV dtype bytes
+                         + scale bytes: 4 for int8's per-(token, head) fp32 scale, else 0)
+    requested          = total x --gpu-memory-utilization
+    KV pool            = requested - weights - activation peak - non-torch
+                         (or --kv-cache-memory-bytes, which overrides it)
+    blocks             = pool // (block size x bytes per token)
+    tokens             = blocks x block size
+    max concurrency    = tokens / max-model-len
+
+The engine's startup calls :func:`plan_memory` with measured inputs; ``engine
+plan`` and ``logparse`` call it with given or estimated ones. GiB is 2**30, as
+vLLM prints.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from engine.budget.config import DTYPE_BYTES, ModelConfig
+from engine.errors import BudgetError, UserError
+
+GiB = 1024**3
+MiB = 1024**2
+KiB = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class GpuPreset:
+    name: str
+    total_gib: float  # as torch.cuda.mem_get_info reports it
+    bandwidth_tbs: float  # peak memory bandwidth, TB/s (10^12 bytes/s)
+    bf16_tflops: float  # dense BF16 tensor-core peak, TFLOP/s
+    description: str = ""
+
+
+GPU_PRESETS: dict[str, GpuPreset] = {
+    p.name: p
+    for p in (
+        GpuPreset("h100-80gb", 79.6, 3.35, 989.0, "NVIDIA H100 SXM 80 GB"),
+        GpuPreset("h200", 139.8, 4.8, 989.0, "NVIDIA H200 141 GB"),
+        GpuPreset("a100-80gb", 79.2, 2.039, 312.0, "NVIDIA A100 SXM 80 GB"),
+        GpuPreset("a100-40gb", 39.4, 1.555, 312.0, "NVIDIA A100 40 GB"),
+        GpuPreset("l40s", 44.4, 0.864, 362.0, "NVIDIA L40S 48 GB"),
+        GpuPreset("l4", 22.0, 0.300, 121.0, "NVIDIA L4 24 GB"),
+        GpuPreset("rtx-4090", 23.6, 1.008, 165.0, "NVIDIA GeForce RTX 4090 24 GB"),
+        GpuPreset("rtx-3090", 23.6, 0.936, 71.0, "NVIDIA GeForce RTX 3090 24 GB"),
+    )
+}
+GPU_ALIASES = {"h100": "h100-80gb", "h100-sxm": "h100-80gb", "a100": "a100-80gb", "4090": "rtx-4090", "3090": "rtx-3090"}
+
+
+def gpu_preset(name: str) -> GpuPreset:
+    key = name.strip().lower()
+    key = GPU_ALIASES.get(key, key)
+    if key not in GPU_PRESETS:
+        raise UserError(f"--gpu {name!r}: unknown GPU preset; use one of {', '.join(GPU_PRESETS)} or --gpu-memory GiB")
+    return GPU_PRESETS[key]
+
+
+# --kv-cache-dtype values (vLLM's names plus kvscope's int8); aliases such as bf16 are accepted too.
+KV_CACHE_DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+_KV_DTYPE_ALIASES = ("bf16", "fp16", "half", "fp32")
+# int8 KV stores one fp32 scale per (token, KV head) for K and for V, in the cache
+# itself (engine/model/attention/kv_quant.py); fp8 uses vLLM's default scale 1.0 (none stored).
+INT8_KV_SCALE_BYTES = 4
+
+
+def parse_kv_cache_dtype(value: str, flag: str = "--kv-cache-dtype") -> str:
+    """The lower-cased name, or a UserError naming the valid choices."""
+    key = str(value).strip().lower()
+    if key not in KV_CACHE_DTYPE_CHOICES and key not in _KV_DTYPE_ALIASES:
+        raise UserError(f"{flag} {value!r}: use one of {', '.join(KV_CACHE_DTYPE_CHOICES)}")
+    return key
+
+
+def kv_dtype_bytes(kv_cache_dtype: str, model_dtype: str) -> float:
+    """Bytes per stored K/V element (``auto`` = the model dtype's), without scales."""
+    key = parse_kv_cache_dtype(kv_cache_dtype)
+    key = model_dtype.lower() if key == "auto" else key
+    try:
+        return DTYPE_BYTES[key]
+    except KeyError:
+        raise UserError(f"--dtype {model_dtype!r}: no byte size known for it") from None
+
+
+def kv_scale_bytes(kv_cache_dtype: str) -> int:
+    """Scale bytes stored per (token, KV head) for each of K and V."""
+    return INT8_KV_SCALE_BYTES if parse_kv_cache_dtype(kv_cache_dtype) == "int8" else 0
+
+
+def bytes_per_kv_token(model: ModelConfig, kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1,
+                       model_dtype: str | None = None) -> int:
+    """Exactly what the allocation holds per token (elements and, for int8, scales),
+    so the plan's token count and the real cache agree."""
+    if tensor_parallel_size < 1:
+        raise UserError(f"--tensor-parallel-size {tensor_parallel_size}: must be at least 1")
+    kv_heads_per_rank = max(1, model.num_kv_heads // tensor_parallel_size)
+    per_row = model.head_dim * kv_dtype_bytes(kv_cache_dtype, model_dtype or model.dtype)
+    per = 2 * model.num_layers * kv_heads_per_rank * (per_row + kv_scale_bytes(kv_cache_dtype))
+    return int(per)
+
+
+def weights_bytes(model: ModelConfig, dtype: str | None = None, tensor_parallel_size: int = 1) -> int:
+    per_param = DTYPE_BYTES[(dtype or model.dtype).lower()]
+    return int(model.num_parameters * per_param / tensor_parallel_size)
+
+
+def estimate_activation_peak_bytes(model: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int,
+                                   dtype: str | None = None, tensor_parallel_size: int = 1) -> int:
+    """A shape-based guess at phase D's spike (background part 3.1), used only
+    where nothing was measured: the larger of the forward's live tensors
+    (a few hidden-state copies plus the gate/up intermediate) and the sampler's
+    fp32 logits with temporaries."""
+    b = DTYPE_BYTES[(dtype or model.dtype).lower()]
+    tokens = max_num_batched_tokens
+    hidden = 4 * tokens * model.hidden_size * b
+    mlp = 3 * tokens * (model.intermediate_size / tensor_parallel_size) * b
+    qkv = tokens * (model.num_attention_heads + 2 * model.num_kv_heads) * model.head_dim * b / tensor_parallel_size
+    forward = hidden + mlp + qkv
+    sampler = 3 * max_num_seqs * model.vocab_size * 4
+    return int(max(forward, sampler))
+
+
+def estimate_non_torch_bytes(tensor_parallel_size: int = 1) -> int:
+    """CUDA context leftovers, cuBLAS/attention workspaces, NCCL when TP > 1."""
+    return int((0.3 if tensor_parallel_size == 1 else 0.7) * GiB)
+
+
+@dataclass(slots=True)
+class MemoryPlan:
+    total_bytes: int
+    gpu_memory_utilization: float
+    requested_bytes: int
+    weights_bytes: int
+    activation_peak_bytes: int
+    non_torch_bytes: int
+    kv_pool_bytes: int
+    bytes_per_token: int
+    block_size: int
+    num_blocks: int
+    kv_cache_tokens: int
+    max_model_len: int
+    max_concurrency: float
+    kv_pool_overridden: bool = False
+    estimated: list[str] = field(default_factory=list)  # which inputs were estimated
+    cuda_graph_bytes: int = 0
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_size * self.bytes_per_token
+
+    def gib(self, name: str) -> float:
+        return getattr(self, name) / GiB
+
+    def to_json(self) -> dict[str, Any]:
+        """The stable JSON shape of ``engine plan --json``."""
+        return {
+            "total_gib": self.total_bytes / GiB,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "requested_gib": self.requested_bytes / GiB,
+            "weights_gib": self.weights_bytes / GiB,
+            "activation_peak_gib": self.activation_peak_bytes / GiB,
+            "non_torch_gib": self.non_torch_bytes / GiB,
+            "kv_pool_gib": self.kv_pool_bytes / GiB,
+            "num_blocks": self.num_blocks,
+            "block_size": self.block_size,
+            "kv_cache_tokens": self.kv_cache_tokens,
+            "max_model_len": self.max_model_len,
+            "max_concurrency": self.max_concurrency,
+            "bytes_per_token": self.bytes_per_token,
+            "kv_pool_overridden": self.kv_pool_overridden,
+            "estimated": list(self.estimated),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def phase_data(self) -> dict[str, dict[str, Any]]:
+        """The numbers each startup phase reports, under the key names every
+        consumer (monitor, logparse, replay) reads from ``startup.phase`` events."""
+        return {
+            "B": {
+                "total_bytes": self.total_bytes,
+                "gpu_memory_utilization": self.gpu_memory_utilization,
+                "requested_bytes": self.requested_bytes,
+            },
+            "C": {"weights_bytes": self.weights_bytes},
+            "D": {
+                "activation_peak_bytes": self.activation_peak_bytes,
+                "non_torch_bytes": self.non_torch_bytes,
+                "estimated": list(self.estimated),
+            },
+            "E": {
+                "kv_pool_bytes": self.kv_pool_bytes,
+                "bytes_per_token": self.bytes_per_token,
+                "block_size": self.block_size,
+                "num_blocks": self.num_blocks,
+                "kv_cache_tokens": self.kv_cache_tokens,
+                "max_model_len": self.max_model_len,
+                "max_concurrency": self.max_concurrency,
+                "kv_pool_overridden": self.kv_pool_overridden,
+            },
+        }
+
+
+def required_utilization(plan: MemoryPlan, target_pool_bytes: int) -> float:
+    """The --gpu-memory-utilization that would give a pool of ``target_pool_bytes``."""
+    non_kv = plan.weights_bytes + plan.activation_peak_bytes + plan.non_torch_bytes
+    return (non_kv + target_pool_bytes) / plan.total_bytes
+
+
+def plan_memory(
+    *,
+    model: ModelConfig,
+    total_bytes: int,
+    gpu_memory_utilization: float,
+    max_model_len: int,
+    block_size: int = 16,
+    kv_cache_dtype: str = "auto",
+    dtype: str | None = None,
+    tensor_parallel_size: int = 1,
+    weights: int | None = None,
+    activation_peak: int | None = None,
+    non_torch: int | None = None,
+    kv_cache_memory_bytes: int | None = None,
+    max_num_batched_tokens: int = 8192,
+    max_num_seqs: int = 256,
+    check_fits: bool = True,
+) -> MemoryPlan:
+    """Compute the budget. Any of weights / activation_peak / non_torch left as
+    None is estimated from the shapes and listed in ``estimated``. Raises
+    :class:`BudgetError` (with the numbers and the flags that would fix it) when
+    the pool is negative or cannot hold one ``max_model_len`` request."""
+    if not 0 < gpu_memory_utilization <= 1:
+        raise UserError(f"--gpu-memory-utilization {gpu_memory_utilization}: must be in (0, 1]")
+    if block_size <= 0 or block_size & (block_size - 1):
+        raise UserError(f"--block-size {block_size}: must be a positive power of two (vLLM uses 16)")
+    if max_model_len <= 0:
+        raise UserError(f"--max-model-len {max_model_len}: must be positive")
+    model_dtype = dtype or model.dtype
+    estimated: list[str] = []
+    if weights is None:
+        weights = weights_bytes(model, model_dtype, tensor_parallel_size)
+    if activation_peak is None:
+        activation_peak = estimate_activation_peak_bytes(
+            model, max_num_batched_tokens, max_num_seqs, model_dtype, tensor_parallel_size
+        )
+        estimated.append("activation_peak")
+    if non_torch is None:
+        non_torch = estimate_non_torch_bytes(tensor_parallel_size)
+        estimated.append("non_torch")
+    per_token = bytes_per_kv_token(model, kv_cache_dtype, tensor_parallel_size, model_dtype)
+    requested = total_bytes * gpu_memory_utilization
+    overridden = kv_cache_memory_bytes is not None
+    pool = (float(kv_cache_memory_bytes) if kv_cache_memory_bytes is not None
+            else requested - weights - activation_peak - non_torch)
+    block_bytes = block_size * per_token
+    num_blocks = max(0, math.floor(pool / block_bytes)) if pool > 0 else 0
+    tokens = num_blocks * block_size
+    plan = MemoryPlan(
+        total_bytes=int(total_bytes),
+        gpu_memory_utilization=gpu_memory_utilization,
+        requested_bytes=int(requested),
+        weights_bytes=int(weights),
+        activation_peak_bytes=int(activation_peak),
+        non_torch_bytes=int(non_torch),
+        kv_pool_bytes=int(pool),
+        bytes_per_token=per_token,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        kv_cache_tokens=tokens,
+        max_model_len=max_model_len,
+        max_concurrency=tokens / max_model_len,
+        kv_pool_overridden=overridden,
+        estimated=estimated,
+    )
+    if check_fits:
+        check_plan_fits(plan)
+    return plan
+
+
+def check_plan_fits(plan: MemoryPlan) -> None:
+    """Refuse a plan whose pool holds no block or less than one ``--max-model-len``
+    request. The advice names only flags that change the outcome, with values that
+    work: when the pool size is fixed (``--kv-cache-memory-bytes``, or the CPU
+    default cap) utilization does not matter; a utilization above 1 is never advised."""
+    fixed_pool = plan.kv_pool_overridden
+    non_kv = plan.weights_bytes + plan.activation_peak_bytes + plan.non_torch_bytes
+    need_pool = -(-plan.max_model_len // plan.block_size) * plan.block_bytes
+    if plan.kv_pool_bytes <= 0 and not fixed_pool:
+        need_util = required_utilization(plan, need_pool)
+        fix = (f"raise --gpu-memory-utilization to at least {need_util:.2f}" if need_util <= 1 else
+               "it cannot fit at any --gpu-memory-utilization: use a smaller model, --dtype, "
+               "--quantization or --tensor-parallel-size")
+        raise BudgetError(
+            f"no memory left for the KV cache: requested {plan.requested_bytes / GiB:.2f} GiB "
+            f"({plan.total_bytes / GiB:.2f} GiB x {plan.gpu_memory_utilization}) but weights "
+            f"{plan.weights_bytes / GiB:.2f} + activation peak {plan.activation_peak_bytes / GiB:.2f} + "
+            f"non-torch {plan.non_torch_bytes / GiB:.2f} = {non_kv / GiB:.2f} GiB; {fix}"
+            + " or lower --max-num-batched-tokens / --max-num-seqs"
+        )
+    if plan.kv_cache_tokens < plan.max_model_len:
+        fits_len = plan.kv_cache_tokens
+        fixes = []
+        if fixed_pool:
+            fixes.append(f"raise --kv-cache-memory-bytes to at least {need_pool:,} ({need_pool / GiB:.3f} GiB)")
+        else:
+            need_util = required_utilization(plan, need_pool)
+            if need_util <= 1:
+                fixes.append(f"increasing --gpu-memory-utilization to {need_util:.2f} (needs "
+                             f"{need_pool / GiB:.2f} GiB of KV pool, have {plan.kv_pool_bytes / GiB:.2f})")
+        if fits_len >= plan.block_size:
+            fixes.append(f"decreasing --max-model-len to {fits_len:,} or less")
+        if not fixes:
+            fixes.append("a smaller model, --quantization or a larger device")
+        raise BudgetError(
+            f"the model's max seq len ({plan.max_model_len:,}) is larger than the maximum number of tokens "
+            f"that can be stored in KV cache ({plan.kv_cache_tokens:,}); try " + " or ".join(fixes)
+        )
+
+
+def parse_gib(value: str, flag: str) -> float:
+    """Parse a GiB amount given on the command line ("14.957"). Units are
+    refused on purpose: "12 GB" is ambiguous (10^9 or 2^30) and is the classic
+    source of a 7% error."""
+    text = str(value).strip()
+    try:
+        number = float(text)
+    except ValueError:
+        raise UserError(f"{flag} {value!r}: give a plain number of GiB (2^30 bytes), for example 14.957") from None
+    if not math.isfinite(number) or number < 0:
+        raise UserError(f"{flag} {value!r}: must be a non-negative number of GiB")
+    return number
+
+
+def parse_bytes(value: str, flag: str) -> int:
+    """Parse a byte count: a plain integer or with a binary suffix (K/M/G/Ki/Mi/Gi, all 2^10 steps)."""
+    text = str(value).strip().replace("_", "").replace(",", "")
+    mult = 1
+    for suffix, m in (("GIB", GiB), ("MIB", MiB), ("KIB", KiB), ("GI", GiB), ("MI", MiB), ("KI", KiB),
+                      ("G", GiB), ("M", MiB), ("K", KiB)):
+        if text.upper().endswith(suffix):
+            text, mult = text[: -len(suffix)], m
+            break
+    try:
+        number = float(text)
+    except ValueError:
+        raise UserError(f"{flag} {value!r}: give a byte count such as 53687091200 or 50GiB") from None
+    if not math.isfinite(number) or number <= 0:
+        raise UserError(f"{flag} {value!r}: must be a positive byte count")
+    return int(number * mult)
+
+
+def kv_cache_size_line(device_word: str, kv_cache_tokens: int) -> str:
+    """vLLM 0.30+'s line, device word first ("GPU KV cache size: 442,160 tokens")."""
+    return f"{device_word} KV cache size: {kv_cache_tokens:,} tokens"
+
+
+def max_concurrency_line(max_model_len: int, max_concurrency: float) -> str:
+    return f"Maximum concurrency for {max_model_len:,} tokens per request: {max_concurrency:.2f}x"

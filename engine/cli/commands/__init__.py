@@ -1,0 +1,1 @@
+"""One module per ``engine`` subcommand; see engine/cli/main.py."""

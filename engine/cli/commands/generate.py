@@ -1,0 +1,45 @@
+"""``engine generate``: one prompt through the real engine, text out."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from engine.cli.flags import add_engine_flags, engine_config_from_args
+from engine.core.sampling_params import SamplingParams
+from engine.llm_engine import LLMEngine
+from engine.logs import configure_logging
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text for one prompt with the real engine")
+    add_engine_flags(p, positional_model=True)
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.set_defaults(func=run, stats_interval=0.0)
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging(args.log_format)
+    config = engine_config_from_args(args)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed, stop=args.stop)
+    with LLMEngine(config) as engine:
+        prompt = args.prompt
+        if args.chat:
+            prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                          add_generation_prompt=True)
+        engine.add_request(prompt, params)
+        while engine.has_unfinished():
+            for out in engine.step():
+                sys.stdout.write(out.delta_text)
+                sys.stdout.flush()
+                if out.finished:
+                    sys.stdout.write("\n")
+                    print(f"[{len(out.token_ids)} tokens, finish reason {out.finish_reason}]", file=sys.stderr)
+    return 0

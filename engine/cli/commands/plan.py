@@ -1,0 +1,207 @@
+"""``engine plan``: the memory budget for a model on a GPU, before anything runs.
+
+Prints the lines a vLLM user knows ("GPU KV cache size: N tokens", "Maximum
+concurrency ..."), the ledger and a bar; ``--json`` prints the same as one
+object; ``--events`` writes the planned startup as events so consumers can be
+built before the engine runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.text import Text
+
+from engine.budget.config import ModelConfig, load_model_config
+from engine.budget.memory import (
+    GiB,
+    MemoryPlan,
+    gpu_preset,
+    kv_cache_size_line,
+    kv_dtype_bytes,
+    kv_scale_bytes,
+    max_concurrency_line,
+    plan_memory,
+)
+from engine.cli.flags import add_budget_flags, add_model_flags, add_scheduler_flags, gib_type, model_from_args
+from engine.errors import UserError
+from engine.events import PHASES, EngineConfigEvent, EventBus, JsonlSink, StartupPhase
+from engine.model.cpu_caps import choose_cpu_dtype, detect
+
+BAR_SEGMENTS: tuple[tuple[str, str], ...] = (
+    ("weights", "blue"),
+    ("non-torch", "grey50"),
+    ("activation peak", "dark_orange"),
+    ("KV cache pool", "green"),
+    ("outside budget", "red"),
+)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="compute the memory budget and KV cache size for a model on a GPU",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_flags(p)
+    add_budget_flags(p)
+    add_scheduler_flags(p)
+    p.add_argument("--gpu", default=None, help="GPU preset (h100-80gb, h200, a100-80gb, a100-40gb, l40s, l4, rtx-4090, rtx-3090)")
+    p.add_argument("--gpu-memory", type=gib_type("--gpu-memory"), default=None, metavar="GiB",
+                   help="total device memory in GiB, instead of --gpu")
+    p.add_argument("--weights", type=gib_type("--weights"), default=None, metavar="GiB",
+                   help="weights size (default: exact parameter count from the shapes x dtype bytes)")
+    p.add_argument("--activation-peak", type=gib_type("--activation-peak"), default=None, metavar="GiB",
+                   help="phase D peak (default: estimated from the shapes)")
+    p.add_argument("--non-torch", type=gib_type("--non-torch"), default=None, metavar="GiB",
+                   help="non-torch memory (default: estimated)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--events", default=None, metavar="PATH", help="write the planned startup as a JSONL event file")
+    p.set_defaults(func=run)
+
+
+def build_plan(args: argparse.Namespace) -> tuple[ModelConfig, MemoryPlan, str]:
+    model = load_model_config(model_from_args(args))
+    if args.gpu and args.gpu_memory is not None:
+        raise UserError("give either --gpu or --gpu-memory, not both")
+    if args.gpu_memory is not None:
+        if args.gpu_memory <= 0:
+            raise UserError(f"--gpu-memory {args.gpu_memory}: must be a positive number of GiB")
+        total, gpu_name = args.gpu_memory * GiB, f"{args.gpu_memory:g} GiB device"
+    else:
+        preset = gpu_preset(args.gpu or "h100-80gb")
+        total, gpu_name = preset.total_gib * GiB, f"{preset.name} ({preset.total_gib:g} GiB)"
+    dtype = model.dtype if args.dtype == "auto" else args.dtype
+    plan = plan_memory(
+        model=model,
+        total_bytes=int(total),
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=args.max_model_len or model.max_position_embeddings,
+        block_size=args.block_size,
+        kv_cache_dtype=args.kv_cache_dtype,
+        dtype=dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
+        weights=None if args.weights is None else int(args.weights * GiB),
+        activation_peak=None if args.activation_peak is None else int(args.activation_peak * GiB),
+        non_torch=None if args.non_torch is None else int(args.non_torch * GiB),
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+    )
+    return model, plan, gpu_name
+
+
+def plan_json(model: ModelConfig, plan: MemoryPlan, gpu_name: str) -> dict[str, Any]:
+    out = plan.to_json()
+    out["model"] = model.name
+    out["gpu"] = gpu_name
+    out["num_parameters"] = model.num_parameters
+    out["host_cpu"] = host_cpu_summary()
+    return out
+
+
+def host_cpu_summary() -> dict[str, Any]:
+    """This machine's CPU and what ``--dtype auto`` picks on it when the engine runs
+    without a GPU (the plan itself is for the device named by --gpu/--gpu-memory)."""
+    caps = detect()
+    choice = choose_cpu_dtype(caps)
+    return {**caps.summary(), "auto_dtype": choice.dtype, "auto_dtype_reason": choice.reason}
+
+
+def write_plan_events(path: str, model: ModelConfig, plan: MemoryPlan, args: argparse.Namespace) -> None:
+    flags = {k: v for k, v in vars(args).items() if k not in ("func", "json", "events")}
+    bus = EventBus(clock=lambda: 0.0)
+    sink = JsonlSink(path, config=flags)
+    bus.subscribe(sink)
+    try:
+        summary = model.summary()
+        summary["bytes_per_kv_token"] = plan.bytes_per_token
+        bus.publish(EngineConfigEvent(config=flags, model=summary, planned=True))
+        data = plan.phase_data()
+        for letter, name in PHASES.items():
+            if letter == "F":
+                bus.publish(StartupPhase(phase=letter, name=name, status="skipped", planned=True,
+                                         reason="plan mode: CUDA-graph memory is not measured"))
+                continue
+            bus.publish(StartupPhase(phase=letter, name=name, status="end", planned=True, data=data.get(letter, {})))
+    finally:
+        sink.close()
+
+
+def _row(label: str, gib: float, note: str = "") -> str:
+    return f"  {label:<32}{gib:>10.3f} GiB{('   ' + note) if note else ''}"
+
+
+def render_text(console: Console, model: ModelConfig, plan: MemoryPlan, gpu_name: str, args: argparse.Namespace) -> None:
+    def note(name: str, given: float | None) -> str:
+        if given is not None:
+            return "given"
+        return "estimated from shapes" if name in plan.estimated else "from shapes"
+
+    kv_b = kv_dtype_bytes(args.kv_cache_dtype, model.dtype if args.dtype == "auto" else args.dtype)
+    kv_heads = max(1, model.num_kv_heads // args.tensor_parallel_size)
+    console.print(f"[bold]kvscope plan[/]: {model.name} ({model.num_parameters:,} parameters) on {gpu_name}, "
+                  f"TP {args.tensor_parallel_size}", highlight=False)
+    scale = kv_scale_bytes(args.kv_cache_dtype)
+    row = f"({model.head_dim} head dim x {kv_b:g} B + {scale} B scale)" if scale else f"{model.head_dim} head dim x {kv_b:g} B"
+    console.print(f"  bytes per KV token = 2 x {model.num_layers} layers x {kv_heads} KV heads x "
+                  f"{row} = {plan.bytes_per_token:,} B ({plan.bytes_per_token / 1024:.1f} KiB)", highlight=False)
+    console.print()
+    lines = [
+        _row("total", plan.total_bytes / GiB),
+        _row(f"requested (x {plan.gpu_memory_utilization:g})", plan.requested_bytes / GiB),
+        _row("- weights", plan.weights_bytes / GiB, note("weights", args.weights)),
+        _row("- activation peak (phase D)", plan.activation_peak_bytes / GiB, note("activation_peak", args.activation_peak)),
+        _row("- non-torch", plan.non_torch_bytes / GiB, note("non_torch", args.non_torch)),
+        _row("= KV cache pool", plan.kv_pool_bytes / GiB,
+             "--kv-cache-memory-bytes" if plan.kv_pool_overridden else ""),
+        _row("outside the budget (1 - util)", (plan.total_bytes - plan.requested_bytes) / GiB),
+    ]
+    console.print("[bold]Memory ledger[/]", highlight=False)
+    for line in lines:
+        console.print(line, highlight=False)
+    console.print()
+    console.print(kv_cache_size_line("GPU", plan.kv_cache_tokens), highlight=False)
+    console.print(max_concurrency_line(plan.max_model_len, plan.max_concurrency), highlight=False)
+    console.print(f"  {plan.num_blocks:,} blocks of {plan.block_size} tokens "
+                  f"({plan.block_bytes / 1024 / 1024:.2f} MiB each); "
+                  f"{plan.kv_pool_bytes - plan.num_blocks * plan.block_bytes:,} bytes of pool left over", highlight=False)
+    console.print()
+    console.print(memory_bar(plan))
+    host = host_cpu_summary()
+    console.print()
+    console.print(f"  this machine's CPU (for a run without a GPU): {detect().line()}; --dtype auto there is "
+                  f"{host['auto_dtype']} ({host['auto_dtype_reason']})", highlight=False)
+
+
+def memory_bar(plan: MemoryPlan, width: int = 72) -> Text:
+    sizes = [
+        plan.weights_bytes,
+        plan.non_torch_bytes,
+        plan.activation_peak_bytes,
+        max(plan.kv_pool_bytes, 0),
+        plan.total_bytes - plan.requested_bytes,
+    ]
+    total = max(sum(sizes), 1)
+    bar = Text()
+    legend = Text()
+    for (label, colour), size in zip(BAR_SEGMENTS, sizes, strict=True):
+        cells = round(width * size / total)
+        if size > 0 and cells == 0:
+            cells = 1
+        bar.append("█" * cells, style=colour)
+        legend.append("■ ", style=colour)
+        legend.append(f"{label} {size / GiB:.2f}  ")
+    return Text.assemble("  ", bar, "\n  ", legend)
+
+
+def run(args: argparse.Namespace) -> int:
+    model, plan, gpu_name = build_plan(args)
+    if args.events:
+        write_plan_events(args.events, model, plan, args)
+    if args.json:
+        print(json.dumps(plan_json(model, plan, gpu_name)))
+        return 0
+    render_text(Console(file=sys.stdout, highlight=False, soft_wrap=True), model, plan, gpu_name, args)
+    return 0

@@ -1,0 +1,182 @@
+"""``engine serve [MODEL]``: the OpenAI-compatible server (see engine/serve/app.py).
+
+The port is bound first (a busy port is refused at once), then startup runs,
+then uvicorn starts answering on it: a client that sees /health answer 200 can
+send requests at once; one that connects during startup waits in the backlog. ``--monitor`` shows the live dashboard in
+this terminal, fed by the in-process bus, while uvicorn serves from a thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import threading
+
+import uvicorn
+
+from engine.budget.config import BUNDLED_MODEL_NAME
+from engine.cli.flags import add_engine_flags, engine_config_from_args, model_from_args
+from engine.errors import UserError
+from engine.logs import configure_logging, get_logger
+from engine.serve.app import LOOPBACK_HOSTS, EngineHost, ServerSettings, build_app
+
+API_KEY_ENV = "KVSCOPE_API_KEY"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve the OpenAI API, /metrics and the live /events stream")
+    add_engine_flags(p, positional_model=True)
+    add_server_flags(p)
+    p.set_defaults(func=run)
+
+
+def add_server_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1/*, /events, /debug/* (or set {API_KEY_ENV})")
+    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    p.add_argument("--max-waiting-requests", type=int, default=None, metavar="N",
+                   help="answer 429 (with Retry-After) at once when N requests already wait for a first token")
+    p.add_argument("--metrics-require-key", action="store_true", help="require the API key on /metrics too")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
+                   help="on SIGINT/SIGTERM, seconds in-flight requests get to finish before they are aborted")
+    p.add_argument("--allowed-origins", default=None, metavar="JSON",
+                   help='CORS: origins browser pages may call from, as vLLM\'s flag (a JSON list, e.g. \'["*"]\', '
+                        "or comma-separated); default none (vLLM's default is [\"*\"])")
+    p.add_argument("--monitor", action="store_true", help="show the live dashboard in this terminal")
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    if not 0 < args.port < 65536:
+        raise UserError(f"--port {args.port}: must be in 1..65535")
+    if args.shutdown_timeout < 0:
+        raise UserError(f"--shutdown-timeout {args.shutdown_timeout}: must be >= 0 seconds")
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
+        raise UserError(f"--max-waiting-requests {args.max_waiting_requests}: must be at least 1")
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if args.metrics_require_key and not api_key:
+        raise UserError(f"--metrics-require-key needs an API key: pass --api-key or set {API_KEY_ENV}")
+    model = model_from_args(args)
+    name = args.served_model_name or (model if model else BUNDLED_MODEL_NAME)
+    # Without a key, a loopback server answers only loopback Host names: a web page the
+    # user visits cannot reach it by rebinding its own DNS name to 127.0.0.1.
+    loopback = args.host in ("127.0.0.1", "localhost")  # (Starlette's host check cannot parse "[::1]:port")
+    trusted = LOOPBACK_HOSTS if loopback and not api_key else None
+    return ServerSettings(served_model_name=name, api_key=api_key, metrics_require_key=args.metrics_require_key,
+                          max_waiting_requests=args.max_waiting_requests, shutdown_timeout_s=args.shutdown_timeout,
+                          allowed_origins=parse_allowed_origins(args.allowed_origins), trusted_hosts=trusted)
+
+
+def parse_allowed_origins(value: str | None) -> tuple[str, ...]:
+    """``--allowed-origins``: a JSON list of strings (vLLM's form) or comma-separated origins."""
+    if value is None or not value.strip():
+        return ()
+    text = value.strip()
+    if text.startswith("["):
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"--allowed-origins {value!r}: not a JSON list ({exc.msg}); "
+                            'give e.g. \'["http://localhost:3000"]\' or a comma-separated list') from None
+        if not isinstance(parsed, list) or not all(isinstance(o, str) and o for o in parsed):
+            raise UserError(f"--allowed-origins {value!r}: the JSON must be a list of non-empty strings")
+        return tuple(parsed)
+    return tuple(o.strip() for o in text.split(",") if o.strip())
+
+
+class KvscopeServer(uvicorn.Server):
+    """uvicorn, plus: on SIGINT/SIGTERM stop taking requests and end /events
+    streams at once, so the graceful wait is only for real requests; when
+    ``--shutdown-timeout`` runs out, abort what is left in the engine so every
+    stream still ends properly (finish_reason "abort", then ``[DONE]``)."""
+
+    def __init__(self, config: uvicorn.Config, host: EngineHost) -> None:
+        super().__init__(config)
+        self.kvscope_host = host
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        if not self.should_exit:
+            self.kvscope_host.begin_shutdown()
+            timer = threading.Timer(self.kvscope_host.settings.shutdown_timeout_s, self.kvscope_host.engine.abort_all)
+            timer.daemon = True
+            timer.start()
+        super().handle_exit(sig, frame)  # type: ignore[arg-type]
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().shutdown(sockets)
+        # uvicorn re-raises a caught SIGTERM after shutdown (exit -15); a stop
+        # that drained and flushed everything is a success: exit 0.
+        captured = getattr(self, "_captured_signals", None)
+        if isinstance(captured, list):
+            captured.clear()
+
+
+def bind_listening_socket(bind: str, port: int) -> socket.socket:
+    """Bind and listen before anything slow runs, so a busy port is refused at once
+    (not after the weights and the profile run); uvicorn then serves on this socket."""
+    family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is no conflict
+    try:
+        sock.bind((bind, port))
+    except OSError as exc:
+        sock.close()
+        raise UserError(f"--host {bind} --port {port}: cannot listen there ({exc.strerror or exc}); "
+                        "pick another --port or stop the process that holds it") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def make_server(host: EngineHost, bind: str, port: int, log_level: str = "warning") -> KvscopeServer:
+    config = uvicorn.Config(build_app(host), host=bind, port=port, log_level=log_level, access_log=False,
+                            # a backstop: the abort timer in handle_exit normally ends every stream first
+                            timeout_graceful_shutdown=int(host.settings.shutdown_timeout_s) + 5,
+                            lifespan="on")
+    return KvscopeServer(config, host)
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    config = engine_config_from_args(args)
+    if args.monitor:
+        return _run_with_monitor(args, settings)
+    configure_logging(args.log_format)
+    log = get_logger("kvscope.serve")
+    listener = bind_listening_socket(args.host, args.port)
+    host = EngineHost.create(config, settings)
+    try:
+        host.engine.wait_ready()  # a startup UserError exits 2 here; no request was ever accepted
+    except BaseException:
+        listener.close()
+        raise
+    log.info(f"serving {settings.served_model_name} on http://{args.host}:{args.port} "
+             f"(OpenAI API under /v1, metrics /metrics, events /events)")
+    make_server(host, args.host, args.port).run(sockets=[listener])
+    log.info("server stopped; event log flushed")
+    return 0
+
+
+def _run_with_monitor(args: argparse.Namespace, settings: ServerSettings) -> int:
+    """Dashboard in the main thread (it owns the terminal), uvicorn in a thread;
+    the dashboard subscribes to the bus before startup so phases A–G show live."""
+    from engine.cli.dashboard import load_dashboard
+    from engine.events import EventBus
+
+    run_dashboard = load_dashboard()  # no dashboard installed: a UserError before anything binds
+    listener = bind_listening_socket(args.host, args.port)
+    configure_logging("json", level="warning", stream=open(os.devnull, "w"))  # noqa: SIM115
+    host = EngineHost.create(engine_config_from_args(args), settings, bus=EventBus())
+    # The view subscribed before startup: its snapshot holds every phase so far.
+    server = make_server(host, args.host, args.port)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, name="kvscope-http", daemon=True)
+    thread.start()
+    run_dashboard(host.bus, host.view.snapshot, f"serve http://{args.host}:{args.port}")
+    host.begin_shutdown()
+    server.should_exit = True
+    thread.join(timeout=settings.shutdown_timeout_s + 30)
+    host.engine.wait_ready()  # re-raises a startup failure the dashboard showed
+    return 0

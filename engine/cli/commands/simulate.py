@@ -1,0 +1,262 @@
+"""``engine simulate``: the real scheduler and KV cache manager on a simulated GPU.
+
+A roofline cost model replaces the forward pass: a step takes
+max(bytes read / (bandwidth x efficiency), FLOPs / (peak x efficiency)), where
+bytes = weights + the KV of every scheduled request's context and FLOPs =
+2 x parameters x tokens. The run publishes the real engine's events (startup
+phases marked simulated), so --events files open in the monitor and replay.
+
+Examples:
+  engine simulate --num-requests 60 --prompt-tokens 500:3000 --output-tokens 150:400
+  engine simulate --arrival poisson --rate 2 --arrival-unit s --num-requests 500
+  engine simulate --sweep max-num-batched-tokens=1024,2048,4096,8192,16384
+  engine simulate --sweep concurrency=1,2,4,8,16,32,64,128,256 --plot saturation.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from engine.budget.memory import GPU_PRESETS
+from engine.cli.flags import add_budget_flags, add_model_flags, add_scheduler_flags, engine_config_from_args
+from engine.errors import UserError
+from engine.events import EventBus, JsonlSink
+from engine.sim.simulate import (
+    DEFAULT_EFFICIENCY,
+    DEFAULT_GPU,
+    DEFAULT_MODEL,
+    SimResult,
+    SimSetup,
+    Simulation,
+    build_setup,
+    concurrency_crossover_tokens,
+    concurrency_sweep,
+    long_prompt_sweep,
+)
+from engine.sim.traffic import ARRIVALS, WorkloadSpec, generate_workload, load_trace, parse_range
+
+SWEEPS = ("max-num-batched-tokens", "concurrency")
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("simulate", help="simulate serving at GPU scale: real scheduler, roofline cost model",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_flags(p)
+    add_budget_flags(p)
+    add_scheduler_flags(p)
+    p.add_argument("--gpu", default=DEFAULT_GPU, help=f"GPU preset: {', '.join(GPU_PRESETS)} (default {DEFAULT_GPU})")
+    p.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY,
+                   help="fraction of peak bandwidth and FLOP/s the kernels reach (default 0.6)")
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None, metavar="N",
+                   help="fix the KV pool at N blocks instead of planning it")
+    w = p.add_argument_group("workload")
+    w.add_argument("--num-requests", type=int, default=60)
+    w.add_argument("--prompt-tokens", default="500:3000", help="LO:HI (HI exclusive) or one number (default 500:3000)")
+    w.add_argument("--output-tokens", default="150:400", help="LO:HI (HI exclusive) or one number (default 150:400)")
+    w.add_argument("--arrival", choices=ARRIVALS, default="at-once",
+                   help="at-once, uniform over --arrival-window, or poisson at --rate (default at-once)")
+    w.add_argument("--arrival-unit", choices=("step", "s"), default="step", help="arrivals by step or by seconds")
+    w.add_argument("--arrival-window", type=float, default=0.0, help="uniform arrivals: window length")
+    w.add_argument("--rate", type=float, default=0.0, help="poisson arrivals: requests per step or per second")
+    w.add_argument("--shared-prefix-fraction", type=float, default=0.0, help="fraction of requests sharing a prefix")
+    w.add_argument("--shared-prefix-tokens", type=int, default=0, help="length of that shared prefix")
+    w.add_argument("--concurrency", type=int, default=None, help="closed loop: this many requests in flight")
+    w.add_argument("--trace", default=None, metavar="PATH",
+                   help="JSONL trace: arrival_time (s), prompt_tokens, output_tokens per line")
+    w.add_argument("--workload-seed", type=int, default=0)
+    p.add_argument("--sweep", default=None, metavar="NAME=V1,V2,...",
+                   help="max-num-batched-tokens=... (16,000-token prompt vs others' ITL) or concurrency=...")
+    p.add_argument("--plot", default=None, metavar="PNG", help="draw the sweep (needs matplotlib: kvscope[plot])")
+    p.add_argument("--events", dest="events_path", default=None, metavar="PATH", help="record every event to JSONL")
+    p.add_argument("--stats-interval", type=float, default=10.0, help="simulated seconds between stats events")
+    p.add_argument("--json", action="store_true", help="print the summary (or sweep rows) as JSON")
+    p.set_defaults(func=run)
+
+
+def setup_from_args(args: argparse.Namespace) -> SimSetup:
+    if args.model is None:
+        args.model = DEFAULT_MODEL
+    engine = engine_config_from_args(args)
+    return build_setup(args.model, args.gpu, engine, efficiency=args.efficiency,
+                       num_gpu_blocks_override=args.num_gpu_blocks_override)
+
+
+def workload_from_args(args: argparse.Namespace) -> list:  # type: ignore[type-arg]
+    if args.trace:
+        return load_trace(args.trace)
+    spec = WorkloadSpec(
+        num_requests=args.num_requests,
+        prompt_range=parse_range(args.prompt_tokens, "--prompt-tokens"),
+        output_range=parse_range(args.output_tokens, "--output-tokens"),
+        arrival=args.arrival,
+        unit=args.arrival_unit,
+        window=args.arrival_window,
+        rate=args.rate,
+        shared_prefix_fraction=args.shared_prefix_fraction,
+        shared_prefix_tokens=args.shared_prefix_tokens,
+        seed=args.workload_seed,
+    )
+    return generate_workload(spec)
+
+
+def parse_sweep(text: str) -> tuple[str, list[int]]:
+    name, _, values = text.partition("=")
+    name = name.strip().lstrip("-")
+    if name not in SWEEPS or not values:
+        raise UserError(f"--sweep {text!r}: give max-num-batched-tokens=1024,2048,... or concurrency=1,2,4,...")
+    try:
+        levels = [int(v.replace("_", "")) for v in values.split(",") if v.strip()]
+    except ValueError:
+        raise UserError(f"--sweep {text!r}: the values must be whole numbers separated by commas") from None
+    if not levels or min(levels) < 1:
+        raise UserError(f"--sweep {text!r}: give positive values")
+    return name, levels
+
+
+def render_summary(setup: SimSetup, result: SimResult) -> str:
+    s = result.summary()
+    plan = setup.plan
+    lines = [
+        f"kvscope simulate: {setup.model.name} on {setup.gpu.name} (simulated; efficiency {setup.cost.efficiency:g})",
+        f"  KV pool {plan.num_blocks:,} blocks x {plan.block_size} = {plan.kv_cache_tokens:,} tokens; "
+        f"max-num-seqs {setup.scheduler.max_num_seqs}, max-num-batched-tokens {setup.scheduler.max_num_batched_tokens}",
+        f"  steps {s['steps']:,}   simulated {s['simulated_s']:.2f} s   ({s['steps_per_wall_s']:,.0f} steps/s of wall time)",
+        f"  requests finished {s['finished']:,}, rejected {s['rejected']:,}"
+        + ("" if result.completed else "   (stopped before every request finished)"),
+        f"  throughput: output {s['output_tokens_per_s']:,.0f} tok/s, prompt + output {s['total_tokens_per_s']:,.0f} tok/s",
+        f"  TTFT  p50 {s['ttft_p50_s'] * 1e3:,.1f} ms   p90 {s['ttft_p90_s'] * 1e3:,.1f} ms   p99 {s['ttft_p99_s'] * 1e3:,.1f} ms",
+        f"  ITL   p50 {s['itl_p50_s'] * 1e3:,.1f} ms   p90 {s['itl_p90_s'] * 1e3:,.1f} ms   p99 {s['itl_p99_s'] * 1e3:,.1f} ms"
+        f"   max {s['itl_max_s'] * 1e3:,.1f} ms",
+        f"  preemptions {s['preemptions']:,}   peak running {s['peak_running']}   peak waiting {s['peak_waiting']}   "
+        f"peak pool use {s['peak_pool_fraction'] * 100:.1f} %",
+        f"  binding limit: {s['binding_limit']}  (steps with requests waiting on: "
+        + ", ".join(f"{k} {v}" for k, v in s["limit_steps"].items())
+        + f"; KV pool binds above ~{concurrency_crossover_tokens(setup):,.0f} tokens per request)",
+    ]
+    return "\n".join(lines)
+
+
+def render_rows(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
+    head = "  ".join(f"{title:>{len(title) if len(title) > 10 else 10}}" for _, title, _ in columns)
+    out = [head]
+    for row in rows:
+        cells = []
+        for key, title, fmt in columns:
+            w = len(title) if len(title) > 10 else 10
+            cells.append(f"{format(row[key], fmt):>{w}}")
+        out.append("  ".join(cells))
+    return "\n".join(out)
+
+
+TOKENS_COLUMNS = [("max_num_batched_tokens", "max-num-batched-tokens", ",d"), ("ttft_steps", "TTFT steps", "d"),
+                  ("ttft_ms", "TTFT ms", ",.1f"), ("worst_itl_ms", "worst ITL others ms", ",.1f")]
+CONCURRENCY_COLUMNS = [("concurrency", "users", "d"), ("output_tokens_per_s", "output tok/s", ",.0f"),
+                       ("ttft_p50_ms", "TTFT p50 ms", ",.1f"), ("ttft_p99_ms", "TTFT p99 ms", ",.1f"),
+                       ("itl_p50_ms", "ITL p50 ms", ",.1f"), ("itl_p99_ms", "ITL p99 ms", ",.1f"),
+                       ("preemptions", "preemptions", "d")]
+
+
+def _with_ms(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for row in rows:
+        r = dict(row)
+        for key in list(row):
+            if key.endswith("_s") and isinstance(row[key], float):
+                r[key[:-2] + "_ms"] = row[key] * 1e3
+        if "worst_itl_others_s" in row:
+            r["worst_itl_ms"] = row["worst_itl_others_s"] * 1e3
+        out.append(r)
+    return out
+
+
+def plot_sweep(name: str, rows: list[dict[str, Any]], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError("--plot needs matplotlib: pip install 'kvscope[plot]'") from None
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 3.8))
+    if name == "max-num-batched-tokens":
+        labels = [str(r["max_num_batched_tokens"]) for r in rows]
+        a1.bar(labels, [r["ttft_ms"] for r in rows], color="#f28e2b")
+        a1.set_title(f"TTFT of a {rows[0]['long_prompt_tokens']:,}-token prompt")
+        a2.bar(labels, [r["worst_itl_ms"] for r in rows], color="#4e79a7")
+        a2.set_title("worst inter-token latency for everyone else")
+        for ax in (a1, a2):
+            ax.set_xlabel("--max-num-batched-tokens")
+            ax.set_ylabel("ms")
+    else:
+        users = [r["concurrency"] for r in rows]
+        a1.plot(users, [r["output_tokens_per_s"] for r in rows], "o-", color="#59a14f")
+        a1.set_ylabel("output tokens / s (all users)")
+        a1.set_title("throughput")
+        for key, style in (("ttft_p50_ms", "o-"), ("ttft_p99_ms", "o--"), ("itl_p50_ms", "s-"), ("itl_p99_ms", "s--")):
+            a2.plot(users, [r[key] for r in rows], style, label=key.replace("_ms", "").replace("_", " "))
+        a2.set_yscale("log")
+        a2.set_ylabel("ms")
+        a2.legend(fontsize=8)
+        a2.set_title("latency")
+        for ax in (a1, a2):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrent users")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    setup = setup_from_args(args)
+    if args.sweep:
+        name, levels = parse_sweep(args.sweep)
+        if args.plot:  # fail fast, before the sweep runs, when matplotlib is missing
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:
+                raise UserError("--plot needs matplotlib: pip install 'kvscope[plot]'") from None
+        if name == "max-num-batched-tokens":
+            rows = _with_ms(long_prompt_sweep(setup, levels))
+            columns = TOKENS_COLUMNS
+        else:
+            rows = _with_ms(concurrency_sweep(setup, levels, prompt_range=parse_range(args.prompt_tokens, "--prompt-tokens"),
+                                              output_range=parse_range(args.output_tokens, "--output-tokens"),
+                                              seed=args.workload_seed))
+            columns = CONCURRENCY_COLUMNS
+        if args.json:
+            for row in rows:
+                print(json.dumps(row))
+        else:
+            print(f"kvscope simulate --sweep {name}: {setup.model.name} on {setup.gpu.name} (simulated)")
+            print(render_rows(rows, columns))
+        if args.plot:
+            plot_sweep(name, rows, args.plot)
+            print(f"wrote {args.plot}")
+        return 0
+    if args.plot:
+        raise UserError("--plot draws a sweep: add --sweep max-num-batched-tokens=... or --sweep concurrency=...")
+    workload = workload_from_args(args)
+    bus: EventBus | None = None
+    sink: JsonlSink | None = None
+    if args.events_path:
+        bus = EventBus()
+        try:
+            sink = JsonlSink(args.events_path, config=setup.recording_config())
+        except OSError as exc:
+            raise UserError(f"--events {args.events_path}: cannot write ({exc.strerror})") from None
+        bus.subscribe(sink)
+    try:
+        result = Simulation(setup, bus, stats_interval=args.stats_interval if bus else 0.0).run(
+            workload, concurrency=args.concurrency)
+    finally:
+        if sink is not None:
+            sink.close()
+    if args.json:
+        print(json.dumps(result.summary()))
+    else:
+        print(render_summary(setup, result))
+        if args.events_path:
+            print(f"  events: {args.events_path}")
+    return 0

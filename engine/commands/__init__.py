@@ -1,1 +1,0 @@
-"""One module per ``engine`` subcommand; see engine/cli.py."""

@@ -1,0 +1,191 @@
+"""The KV cache manager: prefix lookup, slot allocation and freeing per request,
+on top of :class:`~engine.core.block_pool.BlockPool`.
+
+A block gets a hash once it is full: ``hash((parent_hash, tuple(its token ids)))``
+with the first block's parent ``NONE_HASH``, so equal hashes mean equal whole
+prefixes. Python's hash of a tuple of ints is deterministic across runs (it does
+not depend on PYTHONHASHSEED). Requests compute their block hashes lazily, only
+as far as they are needed.
+
+Prefix-cache statistics are counted in tokens, as vLLM does: each lookup adds the
+request's token count to the queries and the hit length to the hits.
+"""
+
+from __future__ import annotations
+
+from engine.core.block_pool import BlockDeltas, BlockPool
+from engine.core.request import Request
+
+NONE_HASH = 0x6B7673636F7065  # parent "hash" of a request's first block
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Per-request block tables over one :class:`BlockPool`.
+
+    A request's table is ``request.block_ids`` (positions in order).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, block_size, enable_caching)
+        self.prefix_query_tokens = 0  # totals since start, in tokens
+        self.prefix_hit_tokens = 0
+
+    # ------------------------------------------------------------------ hashing
+    def _extend_block_hashes(self, req: Request, num_full_blocks: int) -> list[int]:
+        hashes = req.block_hashes
+        if len(hashes) < num_full_blocks:
+            bs = self.block_size
+            tokens = req.token_ids
+            parent = hashes[-1] if hashes else NONE_HASH
+            for i in range(len(hashes), num_full_blocks):
+                parent = hash((parent, tuple(tokens[i * bs : (i + 1) * bs])))
+                hashes.append(parent)
+        return hashes
+
+    # ------------------------------------------------------------------ lookup
+    def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
+        """Longest cached run of the request's full blocks: (block ids, hit tokens).
+
+        Never the whole sequence: the last token is always recomputed so the model
+        produces logits for it. Statistics are not touched here (a request that
+        does not fit is looked up again next step); see :meth:`record_lookup`.
+        """
+        if not self.enable_caching:
+            return [], 0
+        num_tokens = len(req.token_ids)
+        max_hit_blocks = (num_tokens - 1) // self.block_size
+        hashes = self._extend_block_hashes(req, max_hit_blocks)
+        lookup = self.pool.cached_block_map.get
+        hits: list[int] = []
+        for i in range(max_hit_blocks):
+            b = lookup(hashes[i])
+            if b is None:
+                break
+            hits.append(b)
+        return hits, len(hits) * self.block_size
+
+    def record_lookup(self, num_tokens: int, hit_tokens: int) -> None:
+        """Count one admitted request's prefix lookup, in tokens (queries, hits)."""
+        if not self.enable_caching:
+            return
+        self.prefix_query_tokens += num_tokens
+        self.prefix_hit_tokens += hit_tokens
+        deltas = self.pool.deltas
+        deltas.prefix_query_tokens += num_tokens
+        deltas.prefix_hit_tokens += hit_tokens
+
+    # -------------------------------------------------------------- allocation
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        return cdiv(num_tokens, self.block_size) <= self.pool.num_blocks
+
+    def allocate_slots(
+        self,
+        req: Request,
+        num_new_tokens: int,
+        computed_blocks: list[int] | None = None,
+        num_computed_hit_tokens: int = 0,
+    ) -> list[int] | None:
+        """Make room for ``num_new_tokens`` more tokens of ``req``.
+
+        ``computed_blocks`` / ``num_computed_hit_tokens`` are a prefix hit from
+        :meth:`get_computed_blocks` for a request being admitted (its table must be
+        empty). Returns the blocks appended to the table (hits first), or None,
+        changing nothing, when the pool cannot supply them. Full blocks among the
+        tokens known after this step are registered in the prefix cache now, before
+        the forward pass, as vLLM does: a request admitted later in the same step
+        may hit them because the step writes all KV before attention reads it.
+        """
+        pool = self.pool
+        bs = self.block_size
+        table = req.block_ids
+        num_hits = len(computed_blocks) if computed_blocks else 0
+        computed = req.num_computed_tokens + num_computed_hit_tokens
+        num_needed = (computed + num_new_tokens + bs - 1) // bs - num_hits - len(table)
+        if num_hits:
+            assert computed_blocks is not None
+            ref_cnt = pool.ref_cnt
+            evictable_hits = sum(1 for b in computed_blocks if ref_cnt[b] == 0)
+            if num_needed + evictable_hits > pool.num_free:
+                return None
+            pool.touch(computed_blocks)
+            new_blocks = list(computed_blocks)
+            if num_needed > 0:
+                new_blocks += pool.get_new_blocks(num_needed)
+            table.extend(new_blocks)
+            # hit blocks are already registered in the cache
+            req.num_hashed_blocks = num_hits
+        elif num_needed > 0:
+            if num_needed > pool.num_free:
+                return None
+            new_blocks = pool.get_new_blocks(num_needed)
+            table.extend(new_blocks)
+        else:
+            new_blocks = []
+        if new_blocks:
+            allocated = pool.deltas.allocated
+            prior = allocated.get(req.request_id)
+            if prior is None:
+                allocated[req.request_id] = list(new_blocks)
+            else:
+                prior.extend(new_blocks)
+        if self.enable_caching:
+            num_tokens = len(req.token_ids)
+            known = computed + num_new_tokens
+            num_full = (known if known < num_tokens else num_tokens) // bs
+            if num_full > req.num_hashed_blocks:
+                self._cache_full_blocks(req, num_full)
+        return new_blocks
+
+    def _cache_full_blocks(self, req: Request, num_full_blocks: int) -> None:
+        hashes = self._extend_block_hashes(req, num_full_blocks)
+        table = req.block_ids
+        cache_block = self.pool.cache_block
+        block_hash = self.pool.block_hash
+        for i in range(req.num_hashed_blocks, num_full_blocks):
+            b = table[i]
+            if block_hash[b] is None:
+                cache_block(b, hashes[i])
+        req.num_hashed_blocks = num_full_blocks
+
+    # ------------------------------------------------------------------- free
+    def free(self, req: Request) -> list[int]:
+        """Release the request's blocks, tail first so its least-shared blocks are
+        evicted before its prefix. Returns the released table (position order)."""
+        table = req.block_ids
+        if not table:
+            return table
+        self.pool.free_blocks(reversed(table))
+        freed = self.pool.deltas.freed
+        prior = freed.get(req.request_id)
+        if prior is None:
+            freed[req.request_id] = table
+        else:
+            prior.extend(table)
+        req.block_ids = []
+        req.num_hashed_blocks = 0
+        return table
+
+    # ------------------------------------------------------------------ state
+    def take_deltas(self) -> BlockDeltas:
+        """Hand over the block changes recorded so far and start a new record."""
+        deltas = self.pool.deltas
+        self.pool.deltas = BlockDeltas()
+        return deltas
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0

@@ -1,0 +1,154 @@
+"""A request as the scheduler sees it: token ids, stop rules, status and timestamps.
+
+Pure data: no torch, no clock. Every time stamp is a ``now`` value handed in by
+the caller (wall seconds in the engine, simulated seconds in the simulator, the
+step index in the driver), so the same request runs identically everywhere.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+
+from engine.core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = frozenset(
+    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+)
+
+# The ``reason`` written in request.finished / step events.
+FINISH_REASONS: dict[RequestStatus, str] = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """One generation request.
+
+    Scheduler-owned state (read by everyone, written only by the scheduler and the
+    KV cache manager): ``status``, ``num_computed_tokens`` (tokens whose KV is in
+    the cache, advanced optimistically when a step is scheduled), ``block_ids``
+    (the request's block table, in position order), ``block_hashes`` (chained
+    hashes of its full blocks, filled lazily by the KV cache manager),
+    ``num_cached_tokens`` (prefix-cache hit on first admission; -1 until then),
+    ``num_preemptions``.
+
+    ``sampling`` (:class:`~engine.core.sampling_params.SamplingParams`) is the model
+    side's: temperature, top-p/top-k, seed and stop strings. The scheduler reads only
+    ``max_tokens``, ``stop_token_ids``, ``eos_token_id`` and ``ignore_eos``.
+    """
+
+    __slots__ = (
+        "arrival_order",
+        "arrival_time",
+        "block_hashes",
+        "block_ids",
+        "eos_token_id",
+        "finished_time",
+        "first_scheduled_time",
+        "first_token_time",
+        "ignore_eos",
+        "inter_token_latencies",
+        "last_token_time",
+        "max_tokens",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_hashed_blocks",
+        "num_preemptions",
+        "num_prompt_tokens",
+        "output_text",
+        "output_token_ids",
+        "priority",
+        "prompt_text",
+        "prompt_token_ids",
+        "request_id",
+        "sampling",
+        "status",
+        "stop_token_ids",
+        "token_ids",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        max_tokens: int = 16,
+        *,
+        stop_token_ids: Iterable[int] = (),
+        eos_token_id: int | None = None,
+        ignore_eos: bool = False,
+        arrival_time: float = 0.0,
+        priority: int = 0,
+        sampling: SamplingParams | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.max_tokens = max_tokens
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.eos_token_id = eos_token_id
+        self.ignore_eos = ignore_eos
+        self.arrival_time = arrival_time
+        self.arrival_order = 0  # set by the scheduler on arrival: breaks ties in arrival_time
+        self.priority = priority
+        self.sampling = sampling
+        # Text is carried into events only with --log-prompts; otherwise both stay None.
+        self.prompt_text: str | None = None
+        self.output_text: str | None = None
+
+        self.status = RequestStatus.WAITING
+        # prompt + output, the sequence the KV cache holds; appended to, never rewritten.
+        self.token_ids: list[int] = list(self.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []
+        self.num_hashed_blocks = 0  # leading blocks of block_ids already registered in the prefix cache
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finished_time: float | None = None
+        self.inter_token_latencies: list[float] = []
+
+    # ---------------------------------------------------------------- derived
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+            f"out={len(self.output_token_ids)}/{self.max_tokens}, computed={self.num_computed_tokens}, "
+            f"blocks={len(self.block_ids)})"
+        )

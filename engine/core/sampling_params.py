@@ -1,0 +1,56 @@
+"""A request's sampling parameters (OpenAI's and vLLM's names), checked once when made.
+
+Pure data: the scheduler and the request carry it, the torch sampler
+(:mod:`engine.model.sampler`) reads it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from engine.errors import UserError
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = no limit
+    seed: int | None = None
+    max_tokens: int | None = 16  # None = up to the model length
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.temperature < 0:
+            raise UserError(f"temperature {self.temperature}: must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"top_p {self.top_p}: must be in (0, 1]")
+        if self.top_k < -1:
+            raise UserError(f"top_k {self.top_k}: must be -1, 0 (no limit) or a positive count")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise UserError(f"max_tokens {self.max_tokens}: must be at least 1")
+        if self.min_tokens < 0:
+            raise UserError(f"min_tokens {self.min_tokens}: must be >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise UserError(f"min_tokens {self.min_tokens}: must be <= max_tokens ({self.max_tokens})")
+        if not all(math.isfinite(v) for v in (self.temperature, self.top_p)):
+            raise UserError(f"temperature {self.temperature} / top_p {self.top_p}: must be finite numbers")
+        if any(s == "" for s in self.stop):
+            raise UserError(f"stop {self.stop!r}: an empty stop string would end every request at once; remove it")
+        bad = next((t for t in self.stop_token_ids if t < 0), None)
+        if bad is not None:
+            raise UserError(f"stop_token_ids {bad}: token ids are >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS

@@ -1,0 +1,571 @@
+"""The continuous-batching scheduler, in vLLM V1's order.
+
+One token-budget loop covers every case; there are no prefill and decode phases,
+only requests whose ``num_computed_tokens`` catch up with their ``token_ids``:
+
+1. Running requests first, in admission order: each gets its next prompt chunk or
+   its one decode token. When the pool cannot supply a block, the most recently
+   admitted running request (with the priority policy: the worst priority, latest
+   arrival) is preempted — blocks freed, progress reset, put at the front of the
+   waiting queue — and the allocation retried. A request with nothing to compute
+   is skipped (``continue``, not ``break``), as in vLLM.
+2. Waiting requests, only if nothing was preempted this step, while budget,
+   ``max_num_seqs`` and blocks allow: prefix lookup, then as much of the prompt as
+   the budget (and ``long_prefill_token_threshold``) leaves: chunked prefill. The
+   first that does not fit stops admission (head-of-line).
+3. ``num_computed_tokens`` advances optimistically for everything scheduled; the
+   model runs; ``update_from_output`` appends the sampled tokens, applies stop
+   rules, finishes and frees.
+
+No torch, no clock, no I/O: time enters as ``now`` arguments (wall seconds in the
+engine, simulated seconds in the simulator, step indices in the driver) and
+lifecycle events go to an optional :class:`~engine.events.EventBus`. Nothing is
+built for events when the bus has no subscribers.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.core.block_pool import BlockDeltas
+from engine.core.kv_cache import KVCacheManager, cdiv
+from engine.core.policy import POLICIES, create_request_queue
+from engine.core.request import FINISH_REASONS, Request, RequestStatus
+from engine.events import (
+    EventBus,
+    RequestArrived,
+    RequestFinished,
+    RequestFirstToken,
+    RequestPreempted,
+    RequestRejected,
+    RequestScheduled,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """The scheduler's limits, under vLLM's flag names."""
+
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 8192
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int = 0  # 0 = off
+    policy: str = "fcfs"  # fcfs | priority
+
+    @classmethod
+    def from_flags(
+        cls, flags: Mapping[str, Any], *, num_blocks: int, block_size: int | None = None,
+        max_model_len: int | None = None,
+    ) -> SchedulerConfig:
+        """From engine flags under vLLM's names: an EngineConfig's ``to_dict()`` or a
+        recording header's config. Missing flags take the defaults above."""
+        defaults = cls(num_blocks=1)
+        return cls(
+            num_blocks=int(num_blocks),
+            block_size=int(block_size or flags.get("block_size") or defaults.block_size),
+            max_num_seqs=int(flags.get("max_num_seqs") or defaults.max_num_seqs),
+            max_num_batched_tokens=int(flags.get("max_num_batched_tokens") or defaults.max_num_batched_tokens),
+            max_model_len=int(max_model_len or flags.get("max_model_len") or defaults.max_model_len),
+            enable_prefix_caching=bool(flags.get("enable_prefix_caching", defaults.enable_prefix_caching)),
+            long_prefill_token_threshold=int(flags.get("long_prefill_token_threshold") or 0),
+            policy=str(flags.get("scheduling_policy") or flags.get("policy") or defaults.policy),
+        )
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"scheduling policy {self.policy!r}: use one of {', '.join(POLICIES)}")
+        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+class ScheduledRequest:
+    """What the model runner needs for one request in one step.
+
+    ``token_ids`` are the tokens to compute (positions ``start_position`` ..
+    ``start_position + num_tokens - 1``); ``block_ids`` is the request's whole
+    block table (a live list: valid until the next ``schedule``); ``samples`` is
+    True when this step reaches the end of the known tokens, so the runner must
+    sample one token for it (a prompt's last chunk or a decode step).
+    """
+
+    __slots__ = ("block_ids", "is_prefill", "num_tokens", "request", "samples", "start_position")
+
+    def __init__(
+        self, request: Request, start_position: int, num_tokens: int, is_prefill: bool, samples: bool
+    ) -> None:
+        self.request = request
+        self.start_position = start_position
+        self.num_tokens = num_tokens
+        self.is_prefill = is_prefill
+        self.samples = samples
+        self.block_ids = request.block_ids
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def token_ids(self) -> list[int]:
+        start = self.start_position
+        return self.request.token_ids[start : start + self.num_tokens]
+
+    @property
+    def kind(self) -> str:
+        return "prefill" if self.is_prefill else "decode"
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's decisions.
+
+    ``scheduled`` in batch order (running requests first, then admissions).
+    ``finished_req_ids`` are requests that finished or were aborted since the
+    previous step's output, so the runner can drop their state. ``deltas`` holds
+    this step's block changes; it keeps filling during ``update_from_output``
+    (finished requests free their blocks there) and is complete once that returns.
+    ``finished`` (request id -> reason) and the post-step counts (``num_running``,
+    ``num_waiting``, ``num_blocks_used``, ``num_blocks_cached_free``) are filled by
+    ``update_from_output``.
+    """
+
+    step_index: int
+    scheduled: list[ScheduledRequest]
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    new_req_ids: list[str]
+    resumed_req_ids: list[str]
+    preempted_req_ids: list[str]
+    finished_req_ids: list[str]
+    deltas: BlockDeltas
+    num_blocks_total: int
+    num_blocks_used_scheduled: int = 0  # blocks held during the forward pass
+    finished: dict[str, str] = field(default_factory=dict)
+    num_running: int = 0
+    num_waiting: int = 0
+    num_blocks_used: int = 0
+    num_blocks_cached_free: int = 0
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        return {s.request.request_id: s.num_tokens for s in self.scheduled}
+
+    @property
+    def allocated(self) -> dict[str, list[int]]:
+        return self.deltas.allocated
+
+    @property
+    def freed(self) -> dict[str, list[int]]:
+        return self.deltas.freed
+
+    @property
+    def cached(self) -> list[int]:
+        return list(self.deltas.cached)
+
+    @property
+    def evicted(self) -> list[int]:
+        return self.deltas.evicted
+
+    @property
+    def prefix_query_tokens(self) -> int:
+        return self.deltas.prefix_query_tokens
+
+    @property
+    def prefix_hit_tokens(self) -> int:
+        return self.deltas.prefix_hit_tokens
+
+
+class Scheduler:
+    """Continuous batching over a :class:`KVCacheManager`; see the module docstring."""
+
+    def __init__(self, config: SchedulerConfig, bus: EventBus | None = None) -> None:
+        self.config = config
+        self.bus = bus
+        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}  # unfinished requests
+        self.waiting = create_request_queue(config.policy)
+        self.running: list[Request] = []
+        self.step_index = 0
+        self.num_preemptions_total = 0
+        self._finished_since_schedule: list[str] = []
+        self._arrivals = itertools.count()
+
+    # ------------------------------------------------------------ properties
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv.usage
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def _publishing(self) -> bool:
+        return self.bus is not None and self.bus.has_subscribers
+
+    # --------------------------------------------------------------- arrival
+    def rejection_reason(self, req: Request) -> str | None:
+        """Why the request can never run here, or None if it can."""
+        cfg = self.config
+        total = req.num_prompt_tokens + req.max_tokens
+        if req.num_prompt_tokens == 0:
+            return "empty prompt"
+        if req.max_tokens < 1:
+            return f"max_tokens must be at least 1, got {req.max_tokens}"
+        if total > cfg.max_model_len:
+            return (
+                f"prompt ({req.num_prompt_tokens}) + max_tokens ({req.max_tokens}) = {total} tokens "
+                f"exceeds --max-model-len {cfg.max_model_len}"
+            )
+        if not self.kv.can_ever_fit(total):
+            return (
+                f"{total} tokens need {cdiv(total, cfg.block_size)} blocks but the KV pool has only "
+                f"{cfg.num_blocks}"
+            )
+        if req.request_id in self.requests:
+            return f"request id {req.request_id!r} is already in use"
+        return None
+
+    def add_request(self, req: Request, now: float) -> bool:
+        """Queue a request; False (and a ``request.rejected`` event) if it can never fit."""
+        reason = self.rejection_reason(req)
+        publishing = self._publishing()
+        if reason is not None:
+            req.status = RequestStatus.FINISHED_ABORTED
+            req.finished_time = now
+            if publishing:
+                assert self.bus is not None
+                self.bus.publish(
+                    RequestRejected(
+                        request_id=req.request_id,
+                        reason=reason,
+                        prompt_tokens=req.num_prompt_tokens,
+                        max_tokens=req.max_tokens,
+                    )
+                )
+            return False
+        req.status = RequestStatus.WAITING
+        req.arrival_order = next(self._arrivals)
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+        if publishing:
+            assert self.bus is not None
+            self.bus.publish(
+                RequestArrived(
+                    request_id=req.request_id,
+                    prompt_tokens=req.num_prompt_tokens,
+                    max_tokens=req.max_tokens,
+                    priority=req.priority,
+                    prompt=req.prompt_text,
+                )
+            )
+        return True
+
+    # -------------------------------------------------------------- schedule
+    def schedule(self, now: float) -> SchedulerOutput:
+        cfg = self.config
+        kv = self.kv
+        allocate_slots = kv.allocate_slots
+        budget = cfg.max_num_batched_tokens
+        threshold = cfg.long_prefill_token_threshold
+        publishing = self._publishing()
+        scheduled: list[ScheduledRequest] = []
+        scheduled_tokens: dict[str, int] = {}
+        preempted: list[str] = []
+        new_ids: list[str] = []
+        resumed_ids: list[str] = []
+        num_prefill = num_decode = 0
+
+        # 1. running requests, admission order
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            computed = req.num_computed_tokens
+            num_new = len(req.token_ids) - computed
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if num_new > budget:
+                num_new = budget
+            if num_new <= 0:
+                i += 1
+                continue
+            scheduled_self = True
+            while allocate_slots(req, num_new) is None:
+                victim = self._pick_victim()
+                victim_index = running.index(victim) if victim is not running[-1] else len(running) - 1
+                del running[victim_index]
+                if victim_index < i:
+                    i -= 1
+                given_back = scheduled_tokens.pop(victim.request_id, 0)
+                if given_back:  # priority policy: the victim was already scheduled this step
+                    budget += given_back
+                    for k, s in enumerate(scheduled):
+                        if s.request is victim:
+                            del scheduled[k]
+                            if s.is_prefill:
+                                num_prefill -= s.num_tokens
+                            else:
+                                num_decode -= s.num_tokens
+                            break
+                self._preempt(victim, now, publishing)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    scheduled_self = False
+                    break
+            if not scheduled_self:
+                continue  # req left running; the element now at i is the next one
+            total = len(req.token_ids)
+            is_prefill = not (num_new == 1 and computed == total - 1 and computed >= req.num_prompt_tokens)
+            scheduled.append(ScheduledRequest(req, computed, num_new, is_prefill, computed + num_new >= total))
+            scheduled_tokens[req.request_id] = num_new
+            if is_prefill:
+                num_prefill += num_new
+            else:
+                num_decode += num_new
+            budget -= num_new
+            i += 1
+
+        # 2. waiting requests, only if nothing was preempted
+        if not preempted:
+            waiting = self.waiting
+            max_seqs = cfg.max_num_seqs
+            while waiting and budget > 0 and len(running) < max_seqs:
+                req = waiting.peek()
+                hit_blocks, hit_tokens = kv.get_computed_blocks(req)
+                total = len(req.token_ids)
+                num_new = total - hit_tokens
+                if 0 < threshold < num_new:
+                    num_new = threshold
+                if num_new > budget:
+                    num_new = budget
+                if allocate_slots(req, num_new, hit_blocks, hit_tokens) is None:
+                    break
+                waiting.pop()
+                running.append(req)
+                kv.record_lookup(total, hit_tokens)
+                req.num_computed_tokens = hit_tokens
+                if req.status is RequestStatus.PREEMPTED:
+                    resumed_ids.append(req.request_id)
+                else:
+                    new_ids.append(req.request_id)
+                req.status = RequestStatus.RUNNING
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = hit_tokens
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = now
+                    if publishing:
+                        assert self.bus is not None
+                        self.bus.publish(
+                            RequestScheduled(
+                                request_id=req.request_id,
+                                queue_time_s=now - req.arrival_time,
+                                prefix_hit_tokens=hit_tokens,
+                            )
+                        )
+                scheduled.append(ScheduledRequest(req, hit_tokens, num_new, True, hit_tokens + num_new >= total))
+                scheduled_tokens[req.request_id] = num_new
+                num_prefill += num_new
+                budget -= num_new
+
+        # 3. optimistic advance: the KV of everything scheduled is written this step
+        for s in scheduled:
+            s.request.num_computed_tokens += s.num_tokens
+
+        assert num_prefill + num_decode <= cfg.max_num_batched_tokens, "token budget exceeded"
+        assert len(running) <= cfg.max_num_seqs, "max_num_seqs exceeded"
+        finished_ids = self._finished_since_schedule
+        self._finished_since_schedule = []
+        out = SchedulerOutput(
+            step_index=self.step_index,
+            scheduled=scheduled,
+            num_prefill_tokens=num_prefill,
+            num_decode_tokens=num_decode,
+            new_req_ids=new_ids,
+            resumed_req_ids=resumed_ids,
+            preempted_req_ids=preempted,
+            finished_req_ids=finished_ids,
+            deltas=kv.pool.deltas,  # keeps filling until update_from_output returns
+            num_blocks_total=cfg.num_blocks,
+            num_blocks_used_scheduled=cfg.num_blocks - kv.pool.num_free,
+        )
+        self.step_index += 1
+        return out
+
+    def _pick_victim(self) -> Request:
+        return self.waiting.pick_victim(self.running)
+
+    def _preempt(self, req: Request, now: float, publishing: bool) -> None:
+        lost = req.num_computed_tokens
+        freed = self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.prepend(req)
+        if publishing:
+            assert self.bus is not None
+            self.bus.publish(
+                RequestPreempted(
+                    request_id=req.request_id,
+                    computed_tokens_lost=lost,
+                    blocks_freed=len(freed),
+                    num_preemptions=req.num_preemptions,
+                )
+            )
+
+    # ---------------------------------------------------------------- update
+    def update_from_output(
+        self,
+        output: SchedulerOutput,
+        sampled: dict[str, list[int]],
+        now: float,
+        stopped: set[str] | frozenset[str] = frozenset(),
+    ) -> list[Request]:
+        """Apply a step's sampled tokens; finish and free requests that stop.
+
+        ``sampled`` maps request id -> token ids for every scheduled request whose
+        ``samples`` flag is set (mid-prefill chunks get none). ``stopped`` names
+        requests whose text matched a stop string (only the caller, who owns the
+        detokenizer, can tell): they finish with reason ``stop`` after their
+        tokens are appended. Requests aborted since ``schedule`` are skipped.
+        Returns the requests finished in this call and completes ``output``
+        (``finished``, post-step counts, block deltas).
+        """
+        publishing = self._publishing()
+        max_model_len = self.config.max_model_len
+        finished: list[Request] = []
+        for s in output.scheduled:
+            if not s.samples:
+                continue
+            req = s.request
+            if req.status is not RequestStatus.RUNNING:
+                continue  # aborted or preempted after the step was scheduled
+            tokens = sampled.get(req.request_id)
+            if not tokens:
+                raise KeyError(f"no sampled token for request {req.request_id!r}, which completed its prompt")
+            status = self._append_tokens(req, tokens, now, publishing, max_model_len)
+            if status is None and req.request_id in stopped:
+                status = RequestStatus.FINISHED_STOPPED
+            if status is not None:
+                req.status = status
+                finished.append(req)
+        if finished:
+            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+            for req in finished:
+                self._finish(req, now, publishing)
+                output.finished[req.request_id] = FINISH_REASONS[req.status]
+        output.num_running = len(self.running)
+        output.num_waiting = len(self.waiting)
+        pool = self.kv.pool
+        output.num_blocks_used = pool.num_blocks - pool.num_free
+        output.num_blocks_cached_free = pool.num_cached_free
+        # later frees (aborts between steps) belong to the next step
+        self.kv.take_deltas()
+        return finished
+
+    def _append_tokens(
+        self, req: Request, tokens: list[int], now: float, publishing: bool, max_model_len: int
+    ) -> RequestStatus | None:
+        for tok in tokens:
+            req.token_ids.append(tok)
+            req.output_token_ids.append(tok)
+            last = req.last_token_time
+            if last is None:
+                req.first_token_time = now
+                if publishing:
+                    assert self.bus is not None
+                    self.bus.publish(RequestFirstToken(request_id=req.request_id, ttft_s=now - req.arrival_time))
+            else:
+                req.inter_token_latencies.append(now - last)
+            req.last_token_time = now
+            if tok in req.stop_token_ids or (not req.ignore_eos and tok == req.eos_token_id):
+                return RequestStatus.FINISHED_STOPPED
+            if len(req.output_token_ids) >= req.max_tokens or len(req.token_ids) >= max_model_len:
+                return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, req: Request, now: float, publishing: bool) -> None:
+        self.kv.free(req)
+        req.finished_time = now
+        del self.requests[req.request_id]
+        self._finished_since_schedule.append(req.request_id)
+        if publishing:
+            assert self.bus is not None
+            self.bus.publish(finished_event(req))
+
+    # ----------------------------------------------------------------- abort
+    def abort(self, request_id: str, now: float) -> bool:
+        """Stop a request now and free everything it holds; False if unknown or done."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED_ABORTED
+        self._finish(req, now, self._publishing())
+        return True
+
+    # ----------------------------------------------------------- inspection
+    def block_table(self) -> dict[str, list[int]]:
+        """Request id -> block ids for every request holding blocks. For tests/snapshots."""
+        return {rid: list(r.block_ids) for rid, r in self.requests.items() if r.block_ids}
+
+    def check_integrity(self) -> None:
+        """Assert pool, table and queue invariants (O(pool); for tests)."""
+        self.kv.pool.check_integrity(r.block_ids for r in self.requests.values())
+        running_ids = {r.request_id for r in self.running}
+        waiting_ids = {r.request_id for r in self.waiting}
+        assert len(running_ids) == len(self.running), "a request is running twice"
+        assert not running_ids & waiting_ids, "a request is both running and waiting"
+        assert running_ids | waiting_ids == set(self.requests), "running + waiting != unfinished requests"
+        assert len(self.running) <= self.config.max_num_seqs, "more running requests than max_num_seqs"
+        for r in self.running:
+            assert r.status is RequestStatus.RUNNING, f"{r.request_id} in running with status {r.status}"
+            assert len(r.block_ids) * self.config.block_size >= r.num_computed_tokens, "computed tokens without slots"
+        for r in self.waiting:
+            assert not r.block_ids, f"waiting request {r.request_id} holds blocks"
+            assert r.num_computed_tokens == 0, f"waiting request {r.request_id} has computed tokens"
+
+
+def finished_event(req: Request) -> RequestFinished:
+    """The ``request.finished`` event with every latency of a finished request."""
+    end = req.finished_time if req.finished_time is not None else 0.0
+    arrival = req.arrival_time
+    start = req.first_scheduled_time
+    first = req.first_token_time
+    last = req.last_token_time
+    return RequestFinished(
+        request_id=req.request_id,
+        reason=FINISH_REASONS.get(req.status, "abort"),
+        prompt_tokens=req.num_prompt_tokens,
+        output_tokens=len(req.output_token_ids),
+        prefix_hit_tokens=max(req.num_cached_tokens, 0),
+        num_preemptions=req.num_preemptions,
+        queue_time_s=(start - arrival) if start is not None else end - arrival,
+        ttft_s=(first - arrival) if first is not None else None,
+        e2e_s=end - arrival,
+        prefill_time_s=(first - start) if first is not None and start is not None else 0.0,
+        decode_time_s=(last - first) if last is not None and first is not None else 0.0,
+        inference_time_s=(last - start) if last is not None and start is not None else 0.0,
+        inter_token_latencies_s=list(req.inter_token_latencies),
+        output_text=req.output_text,
+    )

@@ -1,0 +1,61 @@
+"""Build the ``step`` event from a finished step.
+
+The one place that turns a :class:`~engine.core.scheduler.SchedulerOutput` (completed
+by ``update_from_output``) and the step's timings into a
+:class:`~engine.events.StepEvent`; the deterministic driver, the real engine and
+the simulator all call it, so every producer writes the same record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from engine.core.scheduler import SchedulerOutput
+from engine.events import EventBus, StepEvent
+
+TIMING_KEYS = ("schedule_s", "forward_s", "sample_s", "update_s", "duration_s")
+
+
+def build_step_event(output: SchedulerOutput, timings: Mapping[str, float] | None = None) -> StepEvent:
+    """The step event for ``output``; call after ``update_from_output`` returned.
+
+    ``timings`` may hold any of ``schedule_s``, ``forward_s``, ``sample_s``,
+    ``update_s``, ``duration_s`` (seconds; missing ones are 0).
+    """
+    t = timings or {}
+    deltas = output.deltas
+    return StepEvent(
+        index=output.step_index,
+        scheduled={s.request.request_id: [s.num_tokens, "prefill" if s.is_prefill else "decode"] for s in output.scheduled},
+        num_prefill_tokens=output.num_prefill_tokens,
+        num_decode_tokens=output.num_decode_tokens,
+        num_running=output.num_running,
+        num_waiting=output.num_waiting,
+        kv_blocks_used=output.num_blocks_used,
+        kv_blocks_cached_free=output.num_blocks_cached_free,
+        kv_blocks_total=output.num_blocks_total,
+        allocated=deltas.allocated,
+        freed=deltas.freed,
+        cached=list(deltas.cached),
+        evicted=deltas.evicted,
+        new=output.new_req_ids,
+        resumed=output.resumed_req_ids,
+        preempted=output.preempted_req_ids,
+        finished=output.finished,
+        prefix_queries_tokens=deltas.prefix_query_tokens,
+        prefix_hits_tokens=deltas.prefix_hit_tokens,
+        duration_s=t.get("duration_s", 0.0),
+        schedule_s=t.get("schedule_s", 0.0),
+        forward_s=t.get("forward_s", 0.0),
+        sample_s=t.get("sample_s", 0.0),
+        update_s=t.get("update_s", 0.0),
+    )
+
+
+def publish_step_event(
+    bus: EventBus | None, output: SchedulerOutput, timings: Mapping[str, float] | None = None
+) -> StepEvent | None:
+    """Build and publish the step event, or do nothing when nobody listens."""
+    if bus is None or not bus.has_subscribers:
+        return None
+    return bus.publish(build_step_event(output, timings))  # type: ignore[return-value]

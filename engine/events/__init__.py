@@ -1,0 +1,46 @@
+"""The event wing: every decision the engine makes, as typed records, and everything
+folded from them.
+
+``engine.events`` itself is the schema's public face (the records, the bus, the JSONL
+sink and reader, from :mod:`engine.events.schema`); the folds live beside it:
+:mod:`~engine.events.block_table` (block deltas -> tables), :mod:`~engine.events.view`
+(``EngineView``, what /debug/state and the dashboard show), :mod:`~engine.events.stats`
+(the stats line) and :mod:`~engine.events.metrics` (vLLM's Prometheus families).
+"""
+
+from engine.events.schema import (
+    EVENT_TYPES,
+    PHASES,
+    SCHEMA_NAME,
+    SCHEMA_VERSION,
+    EngineConfigEvent,
+    Event,
+    EventBus,
+    JsonlSink,
+    LogEvent,
+    Recording,
+    RequestArrived,
+    RequestFinished,
+    RequestFirstToken,
+    RequestPreempted,
+    RequestRejected,
+    RequestScheduled,
+    SnapshotEvent,
+    StartupPhase,
+    StatsEvent,
+    StepEvent,
+    Subscriber,
+    dumps,
+    event_from_dict,
+    header,
+    iter_jsonl,
+    open_sink,
+    read_events,
+)
+
+__all__ = [
+    "EVENT_TYPES", "PHASES", "SCHEMA_NAME", "SCHEMA_VERSION", "EngineConfigEvent", "Event", "EventBus", "JsonlSink",
+    "LogEvent", "Recording", "RequestArrived", "RequestFinished", "RequestFirstToken", "RequestPreempted",
+    "RequestRejected", "RequestScheduled", "SnapshotEvent", "StartupPhase", "StatsEvent", "StepEvent", "Subscriber",
+    "dumps", "event_from_dict", "header", "iter_jsonl", "open_sink", "read_events",
+]

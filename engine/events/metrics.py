@@ -1,0 +1,423 @@
+"""vLLM V1's Prometheus metrics, as a sink of the event stream.
+
+Names, types, label names and bucket lists are those vLLM V1 exports (0.8.5+,
+``vllm/v1/metrics/loggers.py``), so a
+dashboard or scraper built for vLLM reads kvscope unchanged. Every family
+carries ``model_name`` (the served model name) and ``engine`` (the data-parallel
+rank as a string, "0"); ``vllm:cache_config_info`` carries ``engine`` and the
+cache config fields instead, as vLLM's info gauge does.
+
+Counters are created under vLLM's code names (``vllm:prompt_tokens``) and
+prometheus_client adds ``_total`` on the wire (``vllm:prompt_tokens_total``),
+exactly as in vLLM. Nothing here reads engine objects: each value comes from an
+event (DESIGN principle 1).
+
+Where each value comes from:
+- running / waiting / KV usage / prefix-cache queries and hits / preemptions /
+  iteration tokens: the ``step`` event;
+- prompt and generation tokens: :class:`engine.events.stats.TokenTally` (shared with
+  the stats line), vLLM's counting;
+- TTFT: ``request.first_token``; every other per-request histogram and
+  ``request_success_total{finished_reason}``: ``request.finished`` (aborted
+  requests included, as vLLM);
+- ``cache_config_info``: ``engine.config`` plus the phase E ``startup.phase``
+  event's ``num_blocks`` / ``kv_cache_tokens``;
+- the V0-era ``avg_*_throughput_toks_per_s`` gauges: the ``stats`` event.
+
+The same fact is also exported under the other names vLLM serves or served
+(``request_time_per_output_token_seconds``, ``time_per_output_token_seconds``,
+``prompt_tokens_by_source``, ``num_requests_waiting_by_reason``, the request
+parameter histograms), so a tool that looks for any of them finds data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from engine.events import (
+    EngineConfigEvent,
+    Event,
+    RequestArrived,
+    RequestFinished,
+    RequestFirstToken,
+    StartupPhase,
+    StatsEvent,
+    StepEvent,
+)
+from engine.events.stats import TokenTally, kv_cache_usage
+
+# ---------------------------------------------------------------- vLLM buckets
+# vllm/v1/metrics: time_to_first_token (0.8.4+)
+TTFT_BUCKETS: tuple[float, ...] = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+# inter_token_latency (0.10.2+; also time_per_output_token 0.8.4+)
+ITL_BUCKETS: tuple[float, ...] = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+# request_latency (0.8.4+): e2e, queue, inference, prefill, decode
+REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+# iteration_tokens (0.8.5+)
+ITERATION_TOKENS_BUCKETS: tuple[float, ...] = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+# request_params_n and request_num_preemptions (vllm/v1/metrics/buckets.py)
+REQUEST_PARAMS_N_BUCKETS: tuple[float, ...] = (1, 2, 5, 10, 20)
+REQUEST_PREEMPTION_BUCKETS: tuple[float, ...] = (1, 2, 3, 4, 5, 10, 20)
+
+# used only when neither the constructor nor an engine.config event gives one
+FALLBACK_MAX_MODEL_LEN = 8192
+
+# vLLM pre-creates a request_success series per FinishReason
+FINISHED_REASONS = ("stop", "length", "abort")
+
+# The cache_config_info labels of current vLLM (CacheConfig.metrics_info plus engine)
+CACHE_CONFIG_LABELS = (
+    "block_size",
+    "cache_dtype",
+    "enable_prefix_caching",
+    "engine",
+    "gpu_memory_utilization",
+    "kv_cache_size_tokens",
+    "num_gpu_blocks",
+    "prefix_caching_hash_algo",
+    "sliding_window",
+)
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """vLLM's request-token buckets: 1, 2, 5, 10, 20, 50, ... up to ``max_value``."""
+    buckets: list[int] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return buckets
+            buckets.append(value)
+        exponent += 1
+
+
+def _resolved_max_model_len(event: EngineConfigEvent) -> int | None:
+    value = event.config.get("max_model_len") or event.model.get("max_position_embeddings")
+    return int(value) if value else None
+
+
+class PrometheusMetrics:
+    """Bus subscriber that keeps vLLM V1's metric families in ``registry``.
+
+    ``model_name`` is the served model name (label ``model_name``);
+    ``engine_index`` the ``engine`` label. ``max_model_len`` sets the top of the
+    request-token histograms (vLLM's 1-2-5 series); without it they are created
+    when the engine.config event arrives. ``render()`` is the /metrics body.
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        model_name: str,
+        engine_index: str = "0",
+        max_model_len: int | None = None,
+    ) -> None:
+        self.registry = registry
+        self.model_name = model_name
+        self.engine_index = str(engine_index)
+        labels = ("model_name", "engine")
+        values = (model_name, self.engine_index)
+        self._label_names = labels
+        self._label_values = values
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(name, doc, labels, registry=registry).labels(*values)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, labels, registry=registry).labels(*values)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(name, doc, labels, registry=registry, buckets=buckets).labels(*values)
+
+        self.num_requests_running = gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches."
+        )
+        self.num_requests_waiting = gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed."
+        )
+        self.kv_cache_usage_perc = gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
+        )
+        self.prefix_cache_queries = counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self.prefix_cache_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
+        self.num_preemptions = counter(
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine."
+        )
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self._request_success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            (*labels, "finished_reason"),
+            registry=registry,
+        )
+        self._success_by_reason = {
+            reason: self._request_success.labels(*values, reason) for reason in FINISHED_REASONS
+        }
+        self.time_to_first_token = histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS
+        )
+        self.e2e_request_latency = histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_queue_time = histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_inference_time = histogram(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_prefill_time = histogram(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_decode_time = histogram(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            ITERATION_TOKENS_BUCKETS,
+        )
+        # Same facts under the other names vLLM serves or served, so tools that look for
+        # them (vllm-htop's *time_per_output_token*, V0-era dashboards) find data.
+        self.request_time_per_output_token = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            ITL_BUCKETS,
+        )
+        self.time_per_output_token = histogram(
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds (vLLM's old name of inter_token_latency).",
+            ITL_BUCKETS,
+        )
+        self.request_params_n = histogram("vllm:request_params_n", "Histogram of the n request parameter.",
+                                          REQUEST_PARAMS_N_BUCKETS)
+        self.request_num_preemptions = histogram(
+            "vllm:request_num_preemptions", "Number of preemptions per finished request.", REQUEST_PREEMPTION_BUCKETS
+        )
+        self.prompt_tokens_cached = counter(
+            "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local prefix-cache hits)."
+        )
+        by_source = Counter("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
+                            (*labels, "source"), registry=registry)
+        self.prompt_tokens_computed = by_source.labels(*values, "local_compute")
+        self.prompt_tokens_cache_hit = by_source.labels(*values, "local_cache_hit")
+        by_source.labels(*values, "external_kv_transfer")  # present at 0, as vLLM pre-creates it
+        waiting_by_reason = Gauge("vllm:num_requests_waiting_by_reason", "Number of requests waiting, by reason.",
+                                  (*labels, "reason"), registry=registry)
+        self.waiting_for_capacity = waiting_by_reason.labels(*values, "capacity")
+        waiting_by_reason.labels(*values, "deferred").set(0)  # kvscope defers nothing (no KV transfer)
+        self.avg_prompt_throughput = gauge(
+            "vllm:avg_prompt_throughput_toks_per_s",
+            "Average prefill throughput in tokens/s over the last stats interval (vLLM V0's gauge).",
+        )
+        self.avg_generation_throughput = gauge(
+            "vllm:avg_generation_throughput_toks_per_s",
+            "Average generation throughput in tokens/s over the last stats interval (vLLM V0's gauge).",
+        )
+        self._max_tokens: dict[str, int] = {}  # request id -> max_tokens, from arrival to finish
+        self.request_prompt_tokens: Any = None
+        self.request_generation_tokens: Any = None
+        self.request_prefill_kv_computed_tokens: Any = None
+        self.request_max_num_generation_tokens: Any = None
+        self.request_params_max_tokens: Any = None
+        if max_model_len is not None:
+            self._create_request_token_histograms(max_model_len)
+        self._cache_config_info = Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            CACHE_CONFIG_LABELS,
+            registry=registry,
+        )
+        self._cache_config: dict[str, str] | None = None
+
+        self.tokens = TokenTally()
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            StepEvent: self._on_step,
+            RequestArrived: self._on_arrived,
+            StatsEvent: self._on_stats,
+            RequestFirstToken: self._on_first_token,
+            RequestFinished: self._on_finished,
+            EngineConfigEvent: self._on_config,
+            StartupPhase: self._on_phase,
+        }
+
+    # ------------------------------------------------------------- subscriber
+    def __call__(self, event: Event) -> None:
+        handler = self._handlers.get(type(event))
+        if handler is not None:
+            handler(event)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of the registry (the /metrics body)."""
+        return generate_latest(self.registry)
+
+    # --------------------------------------------------------------- handlers
+    def _on_step(self, event: StepEvent) -> None:
+        self.num_requests_running.set(event.num_running)
+        self.num_requests_waiting.set(event.num_waiting)
+        self.waiting_for_capacity.set(event.num_waiting)
+        self.kv_cache_usage_perc.set(kv_cache_usage(event))
+        if event.prefix_queries_tokens:
+            self.prefix_cache_queries.inc(event.prefix_queries_tokens)
+        if event.prefix_hits_tokens:
+            self.prefix_cache_hits.inc(event.prefix_hits_tokens)
+        if event.preempted:
+            self.num_preemptions.inc(len(event.preempted))
+        generated = self.tokens.step(event)
+        if generated:
+            self.generation_tokens.inc(generated)
+        self.iteration_tokens.observe(event.num_prefill_tokens + event.num_decode_tokens)
+
+    def _on_arrived(self, event: RequestArrived) -> None:
+        self.tokens.arrived(event)
+        self._max_tokens[event.request_id] = event.max_tokens
+
+    def _on_stats(self, event: StatsEvent) -> None:
+        self.avg_prompt_throughput.set(event.prompt_throughput)
+        self.avg_generation_throughput.set(event.generation_throughput)
+
+    def _on_first_token(self, event: RequestFirstToken) -> None:
+        prompt = self.tokens.first_token(event)
+        if prompt:
+            self.prompt_tokens.inc(prompt)
+        self.generation_tokens.inc(1)
+        self.time_to_first_token.observe(event.ttft_s)
+
+    def _on_finished(self, event: RequestFinished) -> None:
+        prompt, generated = self.tokens.finished(event)
+        if prompt:
+            self.prompt_tokens.inc(prompt)
+        if generated:
+            self.generation_tokens.inc(generated)
+        success = self._success_by_reason.get(event.reason)
+        if success is None:
+            success = self._request_success.labels(*self._label_values, event.reason)
+            self._success_by_reason[event.reason] = success
+        success.inc()
+        self.e2e_request_latency.observe(event.e2e_s)
+        self.request_queue_time.observe(event.queue_time_s)
+        self.request_inference_time.observe(event.inference_time_s)
+        self.request_prefill_time.observe(event.prefill_time_s)
+        self.request_decode_time.observe(event.decode_time_s)
+        if self.request_prompt_tokens is None:
+            self._create_request_token_histograms(FALLBACK_MAX_MODEL_LEN)
+        self.request_prompt_tokens.observe(event.prompt_tokens)
+        self.request_generation_tokens.observe(event.output_tokens)
+        self.request_max_num_generation_tokens.observe(event.output_tokens)  # n = 1: the one sequence
+        max_tokens = self._max_tokens.pop(event.request_id, None)
+        if max_tokens is not None:
+            self.request_params_max_tokens.observe(max_tokens)
+        self.request_params_n.observe(1)
+        self.request_num_preemptions.observe(event.num_preemptions)
+        if event.ttft_s is not None:  # the prefill ran: split its prompt by where the tokens came from
+            computed = max(0, event.prompt_tokens - event.prefix_hit_tokens)
+            self.request_prefill_kv_computed_tokens.observe(computed)
+            self.prompt_tokens_computed.inc(computed)
+            if event.prefix_hit_tokens:
+                self.prompt_tokens_cache_hit.inc(event.prefix_hit_tokens)
+                self.prompt_tokens_cached.inc(event.prefix_hit_tokens)
+        if event.output_tokens > 1:  # vLLM: decode time over the tokens after the first
+            self.request_time_per_output_token.observe(event.decode_time_s / (event.output_tokens - 1))
+        observe_itl = self.inter_token_latency.observe
+        observe_tpot = self.time_per_output_token.observe
+        for latency in event.inter_token_latencies_s:
+            observe_itl(latency)
+            observe_tpot(latency)
+
+    def _on_config(self, event: EngineConfigEvent) -> None:
+        config = event.config
+        if self.request_prompt_tokens is None:
+            self._create_request_token_histograms(_resolved_max_model_len(event) or FALLBACK_MAX_MODEL_LEN)
+        self._set_cache_config(
+            block_size=config.get("block_size"),
+            cache_dtype=config.get("kv_cache_dtype", "auto"),
+            enable_prefix_caching=config.get("enable_prefix_caching"),
+            gpu_memory_utilization=config.get("gpu_memory_utilization"),
+            prefix_caching_hash_algo="builtin",  # Python's hash() of token tuples (engine.core.kv_cache)
+            sliding_window=None,
+        )
+
+    def _on_phase(self, event: StartupPhase) -> None:
+        if event.phase != "E" or event.status != "end":
+            return
+        data = event.data
+        fields: dict[str, Any] = {}
+        if "num_blocks" in data:
+            fields["num_gpu_blocks"] = data["num_blocks"]
+        if "kv_cache_tokens" in data:
+            fields["kv_cache_size_tokens"] = data["kv_cache_tokens"]
+        if "block_size" in data:
+            fields["block_size"] = data["block_size"]
+        if fields:
+            self._set_cache_config(**fields)
+
+    # ---------------------------------------------------------------- helpers
+    def _create_request_token_histograms(self, max_model_len: int) -> None:
+        buckets = tuple(float(b) for b in build_1_2_5_buckets(max_model_len))
+        labels, values = self._label_names, self._label_values
+        self.request_prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens",
+            "Number of prefill tokens processed.",
+            labels,
+            registry=self.registry,
+            buckets=buckets,
+        ).labels(*values)
+        self.request_generation_tokens = Histogram(
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
+            labels,
+            registry=self.registry,
+            buckets=buckets,
+        ).labels(*values)
+        for attribute, name, doc in (
+            ("request_prefill_kv_computed_tokens", "vllm:request_prefill_kv_computed_tokens",
+             "Histogram of new KV tokens computed during prefill (excluding cached tokens)."),
+            ("request_max_num_generation_tokens", "vllm:request_max_num_generation_tokens",
+             "Histogram of maximum number of requested generation tokens."),
+            ("request_params_max_tokens", "vllm:request_params_max_tokens",
+             "Histogram of the max_tokens request parameter."),
+        ):
+            setattr(self, attribute, Histogram(name, doc, labels, registry=self.registry, buckets=buckets)
+                    .labels(*values))
+
+    def _set_cache_config(self, **fields: Any) -> None:
+        """Replace the single cache_config_info series (value 1) with updated labels;
+        values are stringified as vLLM does (``str(value)``: "True", "None")."""
+        current = self._cache_config or {name: "None" for name in CACHE_CONFIG_LABELS}
+        for name, value in fields.items():
+            current[name] = str(value)
+        current["engine"] = self.engine_index
+        self._cache_config = current
+        self._cache_config_info.clear()
+        self._cache_config_info.labels(**current).set(1)

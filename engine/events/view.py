@@ -1,0 +1,450 @@
+"""EngineView: a fold of engine events into the engine's whole state.
+
+This is the event layer's reducer (docs/architecture.md: events are the single
+source of truth). The monitor's widgets only render an :class:`EngineView`; they
+never look at events. The same reducer serves every source (in-process bus,
+HTTP ``/events``, JSONL replay) and the server's ``/events`` stream: the server
+folds the events it has published through :meth:`EngineView.apply` and sends
+:meth:`EngineView.snapshot` as the first ``snapshot`` event to a new subscriber,
+which rebuilds the view with :meth:`EngineView.from_snapshot` (or simply
+``apply(SnapshotEvent(state=...))``).
+
+Snapshot dict format (``SNAPSHOT_VERSION`` 1), all plain JSON::
+
+    {
+      "version": 1,
+      "last_seq": int, "t": float, "step": int | None,   # last folded event/step
+      "config": {...}, "model": {...},                    # from engine.config
+      "phases": {"A": {"phase", "name", "status", "duration_s", "memory_delta",
+                       "reason", "data"}, ...},
+      "ledger": {"total_bytes", "gpu_memory_utilization", "weights_bytes",
+                 "non_torch_bytes", "activation_peak_bytes", "cuda_graph_bytes",
+                 "kv_pool_bytes", "num_blocks", "block_size"},   # ints, missing = 0
+      "device": {...} | null,                              # last memory reading
+      "kv": {"used", "cached_free", "total"},              # from the last step
+      "requests": {rid: {"state", "prompt_tokens", "max_tokens", "computed_tokens",
+                         "generated_tokens", "blocks": [int], "prefix_hit_tokens",
+                         "arrived_t", "ttft_s", "num_preemptions"}},
+      "cached": [int],                                     # blocks holding cached KV
+      "finished": int, "rejected": int, "preemptions": int,
+      "series": {"step": [...], "prefill": [...], "decode": [...], "running": [...],
+                 "waiting": [...], "kv_pct": [...], "step_ms": [...],
+                 "preempted": [...]},                      # last ``series_window`` steps
+      "recent": [event.to_dict(), ...]                     # last ``recent_window`` events
+    }
+
+Block owners are not stored: they are the union of every request's ``blocks``,
+so the snapshot cannot disagree with itself. The block table itself is folded
+by :class:`engine.events.block_table.BlockTableState`, the same fold replay and
+the tests use.
+
+Seeking a recording (snapshot checkpoints every N steps) is the monitor's
+:class:`monitor.state.Timeline`, built on this view.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.events import (
+    EngineConfigEvent,
+    Event,
+    LogEvent,
+    RequestArrived,
+    RequestFinished,
+    RequestFirstToken,
+    RequestPreempted,
+    RequestRejected,
+    RequestScheduled,
+    SnapshotEvent,
+    StartupPhase,
+    StatsEvent,
+    StepEvent,
+    event_from_dict,
+)
+from engine.events.block_table import BlockTableState
+
+SNAPSHOT_VERSION = 1
+SERIES_NAMES = ("step", "prefill", "decode", "running", "waiting", "kv_pct", "step_ms", "preempted")
+LEDGER_KEYS = (
+    "total_bytes",
+    "gpu_memory_utilization",
+    "weights_bytes",
+    "non_torch_bytes",
+    "activation_peak_bytes",
+    "cuda_graph_bytes",
+    "kv_pool_bytes",
+    "num_blocks",
+    "block_size",
+)
+RUNNING = "running"
+WAITING = "waiting"
+
+
+@dataclass(slots=True)
+class RequestView:
+    """One request still in the engine (running or waiting)."""
+
+    request_id: str
+    state: str = WAITING
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+    computed_tokens: int = 0
+    generated_tokens: int = 0
+    blocks: list[int] = field(default_factory=list)
+    prefix_hit_tokens: int = 0
+    arrived_t: float = 0.0
+    ttft_s: float | None = None
+    num_preemptions: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "state": self.state,
+            "prompt_tokens": self.prompt_tokens,
+            "max_tokens": self.max_tokens,
+            "computed_tokens": self.computed_tokens,
+            "generated_tokens": self.generated_tokens,
+            "blocks": list(self.blocks),
+            "prefix_hit_tokens": self.prefix_hit_tokens,
+            "arrived_t": self.arrived_t,
+            "ttft_s": self.ttft_s,
+            "num_preemptions": self.num_preemptions,
+        }
+
+    @classmethod
+    def from_dict(cls, request_id: str, data: dict[str, Any]) -> RequestView:
+        return cls(
+            request_id=request_id,
+            state=data.get("state", WAITING),
+            prompt_tokens=int(data.get("prompt_tokens", 0)),
+            max_tokens=int(data.get("max_tokens", 0)),
+            computed_tokens=int(data.get("computed_tokens", 0)),
+            generated_tokens=int(data.get("generated_tokens", 0)),
+            blocks=[int(b) for b in data.get("blocks", [])],
+            prefix_hit_tokens=int(data.get("prefix_hit_tokens", 0)),
+            arrived_t=float(data.get("arrived_t", 0.0)),
+            ttft_s=data.get("ttft_s"),
+            num_preemptions=int(data.get("num_preemptions", 0)),
+        )
+
+
+@dataclass(slots=True)
+class PhaseView:
+    """The latest known status of one startup phase."""
+
+    phase: str
+    name: str
+    status: str = "pending"
+    duration_s: float | None = None
+    memory_delta: int | None = None  # allocated bytes after - before, when both known
+    reason: str | None = None
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "phase": self.phase,
+            "name": self.name,
+            "status": self.status,
+            "duration_s": self.duration_s,
+            "memory_delta": self.memory_delta,
+            "reason": self.reason,
+            "data": dict(self.data),
+        }
+
+
+def _memory_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> int | None:
+    """Growth of the device's used memory across a phase (allocated when the
+    probe has it, otherwise total − free)."""
+    if not before or not after:
+        return None
+    for key in ("allocated", "used", "rss"):
+        if key in before and key in after:
+            return int(after[key]) - int(before[key])
+    if all(k in d for d in (before, after) for k in ("total", "free")):
+        return (int(after["total"]) - int(after["free"])) - (int(before["total"]) - int(before["free"]))
+    return None
+
+
+class EngineView:
+    """Everything the dashboard shows, folded from events by :meth:`apply`."""
+
+    def __init__(self, series_window: int = 4096, recent_window: int = 200) -> None:
+        self.series_window = series_window
+        self.recent_window = recent_window
+        self.last_seq = 0
+        self.t = 0.0
+        self.step: int | None = None
+        self.config: dict[str, Any] = {}
+        self.model: dict[str, Any] = {}
+        self.phases: dict[str, PhaseView] = {}
+        self.ledger: dict[str, float] = dict.fromkeys(LEDGER_KEYS, 0)
+        self.device: dict[str, Any] | None = None
+        self.kv_used = 0
+        self.kv_cached_free = 0
+        self.kv_total = 0
+        self.requests: dict[str, RequestView] = {}
+        self.table = BlockTableState()  # the shared fold of step block deltas
+        self._owners: dict[int, set[str]] | None = None
+        self.finished = 0
+        self.rejected = 0
+        self.preemptions = 0
+        self.series: dict[str, deque[float]] = {n: deque(maxlen=series_window) for n in SERIES_NAMES}
+        self.recent: deque[Event] = deque(maxlen=recent_window)
+        self.stats: StatsEvent | None = None
+
+    # ------------------------------------------------------------ derived views
+    @property
+    def cached(self) -> set[int]:
+        return self.table.cached
+
+    @property
+    def block_owners(self) -> dict[int, set[str]]:
+        """Block id -> ids of the requests holding it; rebuilt lazily, once per
+        render rather than once per folded step."""
+        if self._owners is None:
+            owners: dict[int, set[str]] = {}
+            for rid, blocks in self.table.tables.items():
+                for b in blocks:
+                    owners.setdefault(b, set()).add(rid)
+            self._owners = owners
+        return self._owners
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.kv_total or self.ledger.get("num_blocks", 0) or 0)
+
+    @property
+    def running(self) -> list[RequestView]:
+        return [r for r in self.requests.values() if r.state == RUNNING]
+
+    @property
+    def waiting(self) -> list[RequestView]:
+        return [r for r in self.requests.values() if r.state == WAITING]
+
+    def cached_free_blocks(self) -> set[int]:
+        """Blocks whose cached KV survives with no owner (reusable by a prefix hit)."""
+        return {b for b in self.cached if not self.block_owners.get(b)}
+
+    def owners_of(self, block: int) -> frozenset[str]:
+        return frozenset(self.block_owners.get(block, ()))
+
+    # ------------------------------------------------------------------- folding
+    def fold(self, events: Iterable[Event]) -> EngineView:
+        for event in events:
+            self.apply(event)
+        return self
+
+    def apply(self, event: Event) -> None:
+        """Fold one event into the view. Unknown event kinds only land in ``recent``."""
+        self.last_seq = max(self.last_seq, event.seq)
+        self.t = max(self.t, event.t)
+        handler = _HANDLERS.get(type(event))
+        if handler is not None:
+            handler(self, event)
+        if not isinstance(event, SnapshotEvent | StepEvent):
+            self.recent.append(event)
+
+    def _request(self, request_id: str) -> RequestView:
+        req = self.requests.get(request_id)
+        if req is None:
+            req = self.requests[request_id] = RequestView(request_id=request_id, arrived_t=self.t)
+        return req
+
+    def _on_config(self, ev: EngineConfigEvent) -> None:
+        self.config = dict(ev.config)
+        self.model = dict(ev.model)
+        for key in LEDGER_KEYS:  # a planned config may already carry the budget
+            if key in ev.config and isinstance(ev.config[key], int | float):
+                self.ledger[key] = ev.config[key]
+
+    def _on_phase(self, ev: StartupPhase) -> None:
+        view = self.phases.get(ev.phase)
+        if view is None:
+            view = self.phases[ev.phase] = PhaseView(phase=ev.phase, name=ev.name)
+        view.name = ev.name
+        view.status = "running" if ev.status == "begin" else ev.status
+        if ev.duration_s is not None:
+            view.duration_s = ev.duration_s
+        delta = _memory_delta(ev.memory_before, ev.memory_after)
+        if delta is not None:
+            view.memory_delta = delta
+        view.reason = ev.reason
+        view.data.update(ev.data)
+        for key in LEDGER_KEYS:
+            value = ev.data.get(key)
+            if isinstance(value, int | float):
+                self.ledger[key] = value
+        if ev.memory_after:
+            self.device = dict(ev.memory_after)
+
+    def _on_arrived(self, ev: RequestArrived) -> None:
+        req = self._request(ev.request_id)
+        req.prompt_tokens = ev.prompt_tokens
+        req.max_tokens = ev.max_tokens
+        req.arrived_t = ev.t
+
+    def _on_scheduled(self, ev: RequestScheduled) -> None:
+        if ev.request_id in self.requests:
+            self.requests[ev.request_id].prefix_hit_tokens = ev.prefix_hit_tokens
+
+    def _on_first_token(self, ev: RequestFirstToken) -> None:
+        if ev.request_id in self.requests:
+            self.requests[ev.request_id].ttft_s = ev.ttft_s
+
+    def _on_preempted(self, ev: RequestPreempted) -> None:
+        if ev.request_id in self.requests:
+            self.requests[ev.request_id].num_preemptions = ev.num_preemptions
+
+    def _on_finished(self, ev: RequestFinished) -> None:
+        # The step event usually retired it already; a lone finish (abort while
+        # waiting) still counts once.
+        if self.requests.pop(ev.request_id, None) is not None:
+            self.finished += 1
+
+    def _on_rejected(self, ev: RequestRejected) -> None:
+        self.requests.pop(ev.request_id, None)
+        self.rejected += 1
+
+    def _on_stats(self, ev: StatsEvent) -> None:
+        self.stats = ev
+
+    def _on_step(self, ev: StepEvent) -> None:
+        self.step = ev.index
+        # strict=False: a live monitor that missed an event should keep drawing.
+        self.table.apply(ev, strict=False)
+        self._owners = None
+        retired = ev.finished
+        for rid in (*ev.allocated, *ev.freed):
+            req = self.requests.get(rid)
+            if req is not None:
+                req.blocks = self.table.tables.get(rid, [])
+        for rid in ev.preempted:
+            req = self.requests.get(rid)
+            if req is not None:
+                req.state = WAITING
+                req.computed_tokens = 0
+        for rid, (num_tokens, kind) in ev.scheduled.items():
+            if rid in retired and rid not in self.requests:
+                continue  # its request.finished came first (the scheduler publishes it before the step)
+            req = self._request(rid)
+            req.state = RUNNING
+            req.blocks = self.table.tables.get(rid, [])
+            req.computed_tokens += int(num_tokens)
+            # A token is sampled once the whole context (prompt + output so far) is computed.
+            if kind == "decode" or req.computed_tokens >= req.prompt_tokens + req.generated_tokens:
+                req.generated_tokens += 1
+        for rid in retired:
+            if self.requests.pop(rid, None) is not None:
+                self.finished += 1
+        self.preemptions += len(ev.preempted)
+        self.kv_used = ev.kv_blocks_used
+        self.kv_cached_free = ev.kv_blocks_cached_free
+        self.kv_total = ev.kv_blocks_total or self.kv_total
+        s = self.series
+        s["step"].append(ev.index)
+        s["prefill"].append(ev.num_prefill_tokens)
+        s["decode"].append(ev.num_decode_tokens)
+        s["running"].append(ev.num_running)
+        s["waiting"].append(ev.num_waiting)
+        s["kv_pct"].append(100.0 * ev.kv_blocks_used / ev.kv_blocks_total if ev.kv_blocks_total else 0.0)
+        s["step_ms"].append(ev.duration_s * 1000.0)
+        s["preempted"].append(len(ev.preempted))
+
+    def _on_snapshot(self, ev: SnapshotEvent) -> None:
+        self._load(ev.state)
+
+    # ------------------------------------------------------------------ snapshot
+    def snapshot(self, series_window: int | None = None, recent_window: int | None = None) -> dict[str, Any]:
+        """The whole view as plain JSON (format in the module docstring)."""
+        n_series = self.series_window if series_window is None else series_window
+        n_recent = self.recent_window if recent_window is None else recent_window
+        return {
+            "version": SNAPSHOT_VERSION,
+            "last_seq": self.last_seq,
+            "t": self.t,
+            "step": self.step,
+            "config": dict(self.config),
+            "model": dict(self.model),
+            "phases": {k: p.to_dict() for k, p in self.phases.items()},
+            "ledger": dict(self.ledger),
+            "device": dict(self.device) if self.device else None,
+            "kv": {"used": self.kv_used, "cached_free": self.kv_cached_free, "total": self.kv_total},
+            "requests": {rid: r.to_dict() for rid, r in self.requests.items()},
+            "cached": sorted(self.cached),
+            "finished": self.finished,
+            "rejected": self.rejected,
+            "preemptions": self.preemptions,
+            "series": {k: list(v)[-n_series:] if n_series else [] for k, v in self.series.items()},
+            "recent": [e.to_dict() for e in list(self.recent)[-n_recent:]] if n_recent else [],
+        }
+
+    @classmethod
+    def from_snapshot(
+        cls, state: dict[str, Any], series_window: int = 4096, recent_window: int = 200
+    ) -> EngineView:
+        view = cls(series_window=series_window, recent_window=recent_window)
+        view._load(state)
+        return view
+
+    def _load(self, state: dict[str, Any]) -> None:
+        if int(state.get("version", SNAPSHOT_VERSION)) > SNAPSHOT_VERSION:
+            raise ValueError(f"snapshot version {state.get('version')} is newer than this monitor reads")
+        self.last_seq = int(state.get("last_seq", 0))
+        self.t = float(state.get("t", 0.0))
+        self.step = state.get("step")
+        self.config = dict(state.get("config", {}))
+        self.model = dict(state.get("model", {}))
+        self.phases = {
+            k: PhaseView(
+                phase=p.get("phase", k),
+                name=p.get("name", ""),
+                status=p.get("status", "pending"),
+                duration_s=p.get("duration_s"),
+                memory_delta=p.get("memory_delta"),
+                reason=p.get("reason"),
+                data=dict(p.get("data", {})),
+            )
+            for k, p in state.get("phases", {}).items()
+        }
+        self.ledger = dict.fromkeys(LEDGER_KEYS, 0.0) | dict(state.get("ledger", {}))
+        self.device = state.get("device")
+        kv = state.get("kv", {})
+        self.kv_used = int(kv.get("used", 0))
+        self.kv_cached_free = int(kv.get("cached_free", 0))
+        self.kv_total = int(kv.get("total", 0))
+        self.requests = {rid: RequestView.from_dict(rid, d) for rid, d in state.get("requests", {}).items()}
+        self.table = BlockTableState(
+            tables={rid: req.blocks for rid, req in self.requests.items() if req.blocks},
+            cached=set(state.get("cached", [])),
+            num_blocks=self.kv_total,
+            last_step=self.step if self.step is not None else -1,
+        )
+        self._owners = None
+        self.finished = int(state.get("finished", 0))
+        self.rejected = int(state.get("rejected", 0))
+        self.preemptions = int(state.get("preemptions", 0))
+        series = state.get("series", {})
+        self.series = {n: deque(series.get(n, []), maxlen=self.series_window) for n in SERIES_NAMES}
+        self.recent = deque(
+            (event_from_dict(d) for d in state.get("recent", [])), maxlen=self.recent_window
+        )
+
+
+_HANDLERS: dict[type, Any] = {
+    EngineConfigEvent: EngineView._on_config,
+    StartupPhase: EngineView._on_phase,
+    RequestArrived: EngineView._on_arrived,
+    RequestScheduled: EngineView._on_scheduled,
+    RequestFirstToken: EngineView._on_first_token,
+    RequestPreempted: EngineView._on_preempted,
+    RequestFinished: EngineView._on_finished,
+    RequestRejected: EngineView._on_rejected,
+    StepEvent: EngineView._on_step,
+    StatsEvent: EngineView._on_stats,
+    SnapshotEvent: EngineView._on_snapshot,
+    LogEvent: None,
+}
+_HANDLERS = {k: v for k, v in _HANDLERS.items() if v is not None}

@@ -1,0 +1,135 @@
+"""Phase D's measured result, kept on disk so a warm CPU start does not re-measure it.
+
+On a 2-core CPU the profile run (one forward of ``--max-num-batched-tokens`` under
+the tensor-bytes tracker plus a sampler pass over ``--max-num-seqs`` rows) is
+~2.4 s of a ~6.5 s start, and it measures the same peak every time for the same
+inputs. The entry is keyed by everything that decides that peak: the weights'
+content (not their path), dtype, quantization, KV cache dtype, attention backend,
+block size, the step shape (``max_num_batched_tokens``, ``max_num_seqs``), threads,
+torch version, ISA, and a hash of the source files that allocate during the run
+(everything under engine/model/). Change any of them and the run is
+measured again. CUDA always measures: free device memory is shared with other
+processes and the run also warms compiled kernels.
+
+An entry is one small JSON file under ``<cache dir>/profiles/`` (or the folder
+``KVSCOPE_PROFILE_CACHE`` names), written to a temporary name and renamed; an
+unreadable entry is a miss. ``KVSCOPE_PROFILE_CACHE=0`` (or ``KVSCOPE_CACHE_DIR=off``)
+always measures. The phase D event says which it
+was (``cached``) and when the reused figure was measured (``measured_at``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields, replace
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from engine.model.startup_cache import atomic_write, cache_dir, content_fingerprint
+
+PROFILE_CACHE_ENV = "KVSCOPE_PROFILE_CACHE"
+PROFILE_FORMAT_VERSION = 1
+MAX_ENTRIES = 64  # a few bytes each; the oldest go past this
+# Sources whose allocations the profile run measures: the whole model wing.
+_MODEL_ROOT = Path(__file__).resolve().parent
+
+
+@dataclass(slots=True, frozen=True)
+class ProfileResult:
+    activation_peak_bytes: int
+    non_torch_bytes: int
+    method: str
+    forward_s: float
+    sample_s: float
+    measured_at: float  # unix time of the measurement
+    cached: bool = False  # True when read back from the cache rather than measured now
+
+
+def profile_root() -> Path | None:
+    """``<cache dir>/profiles``, a folder ``KVSCOPE_PROFILE_CACHE`` names, or None when
+    it is ``0``/``off`` or the whole cache is off."""
+    value = os.environ.get(PROFILE_CACHE_ENV, "").strip()
+    if value.lower() in ("0", "off", "false", "no"):
+        return None
+    if value and value.lower() not in ("1", "on", "true", "yes"):
+        return Path(value).expanduser()
+    root = cache_dir()
+    return None if root is None else root / "profiles"
+
+
+@cache
+def source_hash() -> str:
+    """Hash of the engine sources that allocate during the profile run (engine/model/)."""
+    digest = hashlib.sha256()
+    for file in sorted(_MODEL_ROOT.rglob("*.py")):
+        digest.update(file.relative_to(_MODEL_ROOT).as_posix().encode())
+        digest.update(file.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def weights_identity(model_path: str | None, model_facts: Mapping[str, Any]) -> str:
+    """The weights' content fingerprint (GGUF file, or an HF folder's config and weight
+    files by size), or the model's shape facts when it has no files (dummy weights)."""
+    if model_path:
+        path = Path(model_path)
+        if path.is_file():
+            return content_fingerprint(path)
+        if path.is_dir():
+            digest = hashlib.sha256()
+            for file in sorted(path.iterdir()):
+                if file.suffix in (".json", ".safetensors", ".bin"):
+                    digest.update(f"{file.name}:{file.stat().st_size}".encode())
+            config = path / "config.json"
+            if config.is_file():
+                digest.update(config.read_bytes())
+            return digest.hexdigest()[:24]
+    return hashlib.sha256(json.dumps(dict(model_facts), sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def profile_key(parts: Mapping[str, Any]) -> str:
+    text = json.dumps({"format": PROFILE_FORMAT_VERSION, "source": source_hash(), **parts}, sort_keys=True,
+                      default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def _entry(key: str) -> Path | None:
+    root = profile_root()
+    return None if root is None else root / f"{key}.json"
+
+
+def load(key: str) -> ProfileResult | None:
+    """The stored result for ``key``, or None (disabled, absent or unreadable)."""
+    path = _entry(key)
+    if path is None or not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        result = ProfileResult(**{f.name: data[f.name] for f in fields(ProfileResult) if f.name != "cached"})
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if result.activation_peak_bytes <= 0 or result.non_torch_bytes < 0:
+        return None
+    with contextlib.suppress(OSError):
+        os.utime(path)
+    return replace(result, cached=True)
+
+
+def store(key: str, result: ProfileResult) -> None:
+    """Write the entry (best effort: a read-only cache still starts) and keep the newest
+    ``MAX_ENTRIES``."""
+    path = _entry(key)
+    if path is None:
+        return
+    try:
+        atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps({**asdict(result), "cached": False})))
+        entries = sorted(path.parent.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+        for old in entries[MAX_ENTRIES:]:
+            old.unlink(missing_ok=True)
+    except OSError:
+        pass
+

@@ -1,0 +1,305 @@
+"""ModelRunner: turns one step's plain batch description into model inputs, runs
+the forward over the flattened tokens, and samples for the sequences that need it.
+
+It knows nothing about the scheduler: a step is a list of :class:`ScheduledSeq`
+(which tokens to compute, from which position, into which blocks).
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.budget.config import CANONICAL_DTYPE, ModelConfig
+from engine.core.sampling_params import SamplingParams
+from engine.errors import UserError
+from engine.model.attention.base import AttentionMetadata, allocate_kv_cache
+from engine.model.attention.kv_quant import kv_cache_shape, kv_cache_torch_dtype
+from engine.model.attention.selector import get_attention_backend
+from engine.model.cuda_graphs import DecodeGraphs
+from engine.model.llama import QUANTIZATION_METHODS, LlamaForCausalLM
+from engine.model.loader import LoadInfo, ProgressCallback, load_weights_into, read_gguf_blocks
+from engine.model.sampler import Sampler
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One sequence's share of a step."""
+
+    request_id: str
+    token_ids: list[int]  # the tokens computed this step (a prefill chunk, or the last token for a decode)
+    start_position: int  # tokens already in the KV cache before this step
+    block_ids: list[int]  # the sequence's whole block table
+    needs_sample: bool = True  # True when this step reaches the end of the known tokens
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(slots=True)
+class StepTimings:
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+
+
+@dataclass(slots=True)
+class PreparedBatch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # [num_sampled] index of each sampled sequence's last token
+    sample_seqs: list[ScheduledSeq]
+    sample_positions: list[int]  # position of the token each sampled row produces
+
+
+def zeroed_lazy_cpu_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor on anonymous mmap pages: the OS hands them out zeroed on first
+    touch, so a 4 GiB KV pool costs nothing at startup (``torch.zeros`` writes
+    every byte: ~12 s on this machine) and still never holds garbage (NaN in an
+    unwritten slot would poison masked attention)."""
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with warnings.catch_warnings():  # "non-writable buffer": the mapping is writable; torch cannot tell
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    canonical = CANONICAL_DTYPE.get(name.strip().lower(), "bfloat16" if name == "auto" else None)
+    if canonical not in TORCH_DTYPES:
+        raise UserError(f"--dtype {name!r}: use one of auto, bfloat16, float16, float32")
+    return TORCH_DTYPES[canonical]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        dtype: str = "bfloat16",
+        block_size: int = 16,
+        device: str = "cpu",
+        attention_backend: str = "torch",
+        load_format: str = "auto",
+        seed: int = 0,
+        quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
+    ) -> None:
+        self.model_config = model_config
+        self.dtype = torch_dtype(dtype)
+        # The cache's storage dtype (auto = the model's); int8/fp8 are dequantized by the attention backend.
+        self.kv_cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, self.dtype)
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.load_format = load_format
+        self.seed = seed
+        if quantization is not None and quantization not in QUANTIZATION_METHODS:
+            raise UserError(f"--quantization {quantization!r}: use one of {', '.join(QUANTIZATION_METHODS)} (or omit it)")
+        self.quantization = quantization
+        self.quantization_counts: dict[str, int] = {}  # "<format> <source>" -> weights (load_weights)
+        self.backend = get_attention_backend(attention_backend, self.device)
+        self.backend.check_kv_cache_dtype(self.kv_cache_dtype)  # a UserError before any weights load
+        self.model = LlamaForCausalLM(model_config, self.backend, dtype=self.dtype, device=self.device)
+        self.sampler = Sampler(seed=seed)
+        self.kv_caches: list[torch.Tensor] = []
+        self.last_timings = StepTimings()
+        self.decode_graphs: DecodeGraphs | None = None  # captured in phase F on CUDA
+
+    # ------------------------------------------------------------------ setup
+    def load_weights(self, progress: ProgressCallback | None = None) -> LoadInfo:
+        """Load (and quantize, with ``quantization``); ``weights_bytes`` counts every copy held."""
+        info = load_weights_into(self.model, self.model_config, self.load_format, progress, seed=self.seed)
+        if self.quantization is not None:
+            # A GGUF's own Q4_1/Q8_0 blocks (read raw: the floats may come from the cache).
+            blocks = read_gguf_blocks(self.model_config, self.load_format) if self.device.type == "cpu" else {}
+            self.quantization_counts = self.model.quantize_weights(self.quantization, blocks)
+            info.weights_bytes = self.model.weights_bytes()
+        return info
+
+    def allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
+        c = self.model_config
+        if self.device.type == "cpu":
+            shape = kv_cache_shape(num_blocks, self.block_size, c.num_kv_heads, c.head_dim, self.kv_cache_dtype)
+            self.kv_caches = [zeroed_lazy_cpu_tensor(shape, self.kv_cache_dtype) for _ in range(c.num_layers)]
+        else:
+            self.kv_caches = allocate_kv_cache(
+                c.num_layers, num_blocks, self.block_size, c.num_kv_heads, c.head_dim, self.kv_cache_dtype,
+                self.device,
+            )
+        return self.kv_caches
+
+    def enable_cpu_decode_kernel(self) -> str | None:
+        """Route pure-decode attention through the compiled CPU kernel
+        (engine/model/attention/cpu_decode.py). Returns None when enabled, else why not."""
+        from engine.model.attention import cpu_decode
+        from engine.model.attention.torch_backend import TorchAttentionBackend
+
+        if self.device.type != "cpu" or not isinstance(self.backend, TorchAttentionBackend):
+            return "only the torch backend on CPU uses it"
+        if cpu_decode.load_kernel() is None:
+            return cpu_decode.unavailable_reason() or "the kernel could not be built"
+        self.backend.decode_kernel = cpu_decode.paged_decode
+        return None
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.kv_caches[0].shape[0]) if self.kv_caches else 0
+
+    # ------------------------------------------------------------------ one step
+    def prepare(self, batch: Sequence[ScheduledSeq]) -> PreparedBatch:
+        if not batch:
+            raise ValueError("empty batch")
+        bs = self.block_size
+        query_lens = [len(s.token_ids) for s in batch]
+        seq_lens = [s.start_position + n for s, n in zip(batch, query_lens, strict=True)]
+        for s, total in zip(batch, seq_lens, strict=True):
+            if len(s.block_ids) * bs < total:
+                raise ValueError(f"request {s.request_id}: {len(s.block_ids)} blocks cannot hold {total} tokens")
+        width = max(len(s.block_ids) for s in batch)
+        device = self.device
+        block_tables = torch.tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in batch], dtype=torch.int32)
+        input_ids = torch.tensor([t for s in batch for t in s.token_ids], dtype=torch.int64)
+        query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
+        starts = torch.zeros(len(batch) + 1, dtype=torch.int64)
+        torch.cumsum(query_lens_t, 0, out=starts[1:])
+        seq_index = torch.repeat_interleave(torch.arange(len(batch)), query_lens_t)
+        start_positions = torch.tensor([s.start_position for s in batch], dtype=torch.int64)
+        positions = start_positions[seq_index] + torch.arange(int(starts[-1])) - starts[seq_index]
+        slot_mapping = block_tables[seq_index, positions // bs].to(torch.int64) * bs + positions % bs
+
+        sample_seqs = [s for s in batch if s.needs_sample]
+        sample_rows = torch.tensor(
+            [int(starts[i + 1]) - 1 for i, s in enumerate(batch) if s.needs_sample], dtype=torch.int64
+        )
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping.to(device),
+            query_start_loc=starts.to(torch.int32).to(device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=block_tables.to(device),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+        )
+        return PreparedBatch(
+            input_ids=input_ids.to(device),
+            positions=positions.to(device),
+            meta=meta,
+            sample_rows=sample_rows.to(device),
+            sample_seqs=sample_seqs,
+            sample_positions=[s.start_position + len(s.token_ids) for s in sample_seqs],
+        )
+
+    def compute_logits(self, batch: Sequence[ScheduledSeq]) -> tuple[PreparedBatch, torch.Tensor]:
+        """Run the forward; logits ``[num_sampled, vocab]`` float32 for the sequences that need a sample."""
+        if not self.kv_caches:
+            raise RuntimeError("allocate_kv_cache() before execute()")
+        t0 = time.perf_counter()
+        prepared = self.prepare(batch)
+        t1 = time.perf_counter()
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.can_run(prepared.meta):
+            hidden = graphs.run(prepared.input_ids, prepared.positions, prepared.meta)
+        else:
+            hidden = self.model(prepared.input_ids, prepared.positions, self.kv_caches, prepared.meta)
+        logits = self.model.compute_logits(hidden[prepared.sample_rows])
+        t2 = time.perf_counter()
+        self.last_timings = StepTimings(prepare_s=t1 - t0, forward_s=t2 - t1)
+        return prepared, logits
+
+    def execute(self, batch: Sequence[ScheduledSeq]) -> dict[str, int]:
+        """One step: ``{request_id: sampled token id}`` for each sequence with ``needs_sample``."""
+        prepared, logits = self.compute_logits(batch)
+        t0 = time.perf_counter()
+        tokens = self.sampler.sample(
+            logits, [s.sampling for s in prepared.sample_seqs], prepared.sample_positions
+        ).tolist()
+        self.last_timings.sample_s = time.perf_counter() - t0
+        return {s.request_id: int(t) for s, t in zip(prepared.sample_seqs, tokens, strict=True)}
+
+    def logits_for(self, batch: Sequence[ScheduledSeq]) -> dict[str, torch.Tensor]:
+        """Like :meth:`execute` but returns each sampled sequence's logits (tests, scoring)."""
+        prepared, logits = self.compute_logits(batch)
+        return {s.request_id: logits[i] for i, s in enumerate(prepared.sample_seqs)}
+
+    # ------------------------------------------------------------------ compile
+    def compile(self, warmup_rows: Sequence[int] = (1, 16)) -> float:
+        """``torch.compile`` each layer's dense MLP block (norm, gate/up, SiLU*up,
+        down, residual), with dynamic token counts so every batch shape the engine
+        makes reuses one graph; attention stays eager (its shapes follow the block
+        tables). Warms up at ``warmup_rows`` tokens; returns the seconds spent."""
+        start = time.perf_counter()
+        hidden = self.model_config.hidden_size
+        for layer in self.model.layers:
+            layer.mlp_block = torch.compile(layer.mlp_block, dynamic=True)  # type: ignore[method-assign]
+        with torch.inference_mode():
+            for rows in warmup_rows:
+                x = torch.zeros(rows, hidden, dtype=self.dtype, device=self.device)
+                for layer in self.model.layers:
+                    layer.mlp_block(x)
+        return time.perf_counter() - start
+
+    # ------------------------------------------------------------------ warm-up
+    def warm_up(self, max_num_seqs: int) -> float:
+        """Run one step of each shape class the engine makes (one decode, a decode
+        batch, a prefill chunk beside decodes, a greedy and a top-k/top-p sample) so
+        lazily built state (first kernel calls, oneDNN primitives, allocator pools)
+        exists before the first request. It writes a few slots of the first blocks;
+        a request only ever reads slots it wrote itself, so they hold no stale data
+        anyone can see. Returns the seconds spent."""
+        start = time.perf_counter()
+        if not self.kv_caches:
+            return 0.0
+        blocks = [b % self.num_blocks for b in range(4)]
+        greedy = SamplingParams(temperature=0.0)
+        sampled = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
+        decodes = max(1, min(max_num_seqs, 8))
+        shapes = [
+            [ScheduledSeq("warm-0", [0], 15, blocks, True, greedy)],
+            [ScheduledSeq(f"warm-{i}", [0], 15 + i, blocks, True, sampled) for i in range(decodes)],
+            [ScheduledSeq("warm-prefill", [0] * 32, 0, blocks, True, greedy),
+             ScheduledSeq("warm-decode", [0], 40, blocks, True, sampled)],
+        ]
+        for batch in shapes:
+            self.execute(batch)
+        return time.perf_counter() - start
+
+    # ------------------------------------------------------------------ profiling
+    def profile_run(self, max_num_batched_tokens: int, max_num_seqs: int) -> StepTimings:
+        """One forward at the worst-case shape (``max_num_batched_tokens`` spread over
+        ``max_num_seqs`` sequences, as vLLM's dummy run) plus a sampler pass over
+        ``max_num_seqs x vocab`` logits with top-k/top-p on. Works with a KV cache
+        of a few blocks (the dummy sequences share them); allocates one block if
+        none exists yet and drops it after."""
+        temporary = not self.kv_caches
+        if temporary:
+            self.allocate_kv_cache(1)
+        try:
+            num_seqs = max(1, min(max_num_seqs, max_num_batched_tokens))
+            per_seq, extra = divmod(max_num_batched_tokens, num_seqs)
+            params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
+            batch = []
+            for i in range(num_seqs):
+                n = per_seq + (extra if i == num_seqs - 1 else 0)
+                blocks = [b % self.num_blocks for b in range(-(-n // self.block_size))]
+                batch.append(ScheduledSeq(f"profile-{i}", [0] * n, 0, blocks, True, params))
+            self.compute_logits(batch)
+            t0 = time.perf_counter()
+            dummy_logits = torch.randn(
+                max_num_seqs, self.model_config.vocab_size, dtype=torch.float32, device=self.device
+            )
+            self.sampler.sample(dummy_logits, [params] * max_num_seqs)
+            self.last_timings.sample_s = time.perf_counter() - t0
+            return self.last_timings
+        finally:
+            if temporary:
+                self.kv_caches = []

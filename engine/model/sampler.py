@@ -1,0 +1,76 @@
+"""The batched sampler (greedy, temperature, top-k, top-p, seeds).
+
+One call samples every row of the batch: temperature scaling, one descending
+sort shared by top-k and top-p, then the "exponential race" (argmax of
+``p / q`` with ``q ~ Exp(1)``, as vLLM does), which draws from ``p`` without a
+per-row ``multinomial``. Only rows with a seed get their own noise, from a
+generator seeded by ``(seed, position)``: the same request reproduces the same
+tokens whatever batch it lands in, and after a preemption's recompute too.
+
+Stop tokens, stop strings and max tokens belong to whoever owns the request;
+see :class:`engine.model.tokenizer.IncrementalDetokenizer` for stop strings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.core.sampling_params import SamplingParams
+
+
+def _seed_for(seed: int, position: int) -> int:
+    return (seed * 0x9E3779B1 + position * 0x85EBCA77) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+class Sampler:
+    """``sample(logits [n, vocab] float32, params, positions) -> token ids [n]``."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self._generator = torch.Generator(device="cpu").manual_seed(seed)
+        self._row_generator = torch.Generator(device="cpu")
+
+    @torch.inference_mode()
+    def sample(
+        self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """``positions[i]`` is the position of the token being sampled (seeds mix it in)."""
+        vocab = logits.shape[1]
+        greedy_tokens = logits.argmax(dim=-1)
+        if all(p.greedy for p in params):
+            return greedy_tokens
+        device = logits.device
+        temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+        logits = logits / temperature[:, None]
+
+        top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
+        top_p = [p.top_p for p in params]
+        if min(top_k) < vocab or min(top_p) < 1.0:
+            # When every row has a top-k limit, only the first max(k) ranks can
+            # survive: a partial top-k is O(vocab) where a full sort is O(vocab log vocab).
+            width = max(top_k)
+            if width < vocab:
+                sorted_logits, sorted_index = logits.topk(width, dim=-1, sorted=True)
+            else:
+                sorted_logits, sorted_index = logits.sort(dim=-1, descending=True)
+            ranks = torch.arange(width, device=device)[None, :]
+            drop = ranks >= torch.tensor(top_k, device=device)[:, None]
+            if min(top_p) < 1.0:
+                sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+                # Drop a token once the mass before it already reaches top_p (the top one always stays).
+                mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+                drop |= mass_before >= torch.tensor(top_p, device=device)[:, None]
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            logits = torch.full_like(logits, float("-inf")).scatter_(-1, sorted_index, sorted_logits)
+
+        probs = logits.softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_(generator=self._generator)
+        for row, p in enumerate(params):
+            if p.seed is not None and not p.greedy:
+                position = positions[row] if positions is not None else 0
+                self._row_generator.manual_seed(_seed_for(p.seed, position))
+                noise[row].exponential_(generator=self._row_generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        is_greedy = torch.tensor([p.greedy for p in params], device=device)
+        return torch.where(is_greedy, greedy_tokens, sampled)

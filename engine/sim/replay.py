@@ -1,0 +1,433 @@
+"""``engine replay``: re-run the scheduler from a recording and compare decisions.
+
+A recording (JSONL events, from the real engine or ``engine simulate``) holds the
+flags (header ``config``, phase E's ``num_blocks``), every arrival, abort and
+finish, and every step's decisions. Replay rebuilds a fresh
+:class:`~engine.core.scheduler.Scheduler` with those limits, feeds it the recorded
+arrivals and aborts at the recorded steps, and compares each step it takes with
+the recorded one: tokens per request, preemptions, block ids allocated, freed,
+cached and evicted, finishes, queue lengths and pool use.
+
+Events carry token counts, never token ids, so replay supplies the ids:
+
+- Sampled tokens: a filler id, except at a request's recorded finish step with
+  reason ``stop``, where it samples a stop id. ``length`` finishes are left to
+  the scheduler (max_tokens / max-model-len), so they are verified.
+- Prompt ids only matter to prefix caching. A request's first admission records
+  its hit length (``request.scheduled``) and the hit block ids (first entries of
+  its ``allocated``); those blocks were written by an earlier request, so the
+  replayed prompt starts with that request's first ``hit`` tokens and continues
+  with ids nobody else has. Limitation: hits of a resumed (preempted) request on
+  another request's blocks, and sharing longer than the recorded first hit, are
+  not reconstructed.
+
+A recording cut at any byte replays up to its last whole step and says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.budget.memory import GiB
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.core.step_loop import ExecutedStep, run_step
+from engine.errors import UserError
+from engine.events import (
+    Event,
+    Recording,
+    RequestArrived,
+    RequestFinished,
+    RequestRejected,
+    RequestScheduled,
+    StartupPhase,
+    StepEvent,
+    read_events,
+)
+from engine.sim.driver import SAMPLED_TOKEN_ID
+
+STOP_TOKEN_ID = -1  # never a prompt id: the replay's "model" says stop with it
+FILLER_TOKEN_ID = SAMPLED_TOKEN_ID
+
+# Fields of a step event that are decisions (compared), in the order shown.
+COMPARED_FIELDS = (
+    "index",
+    "scheduled",
+    "preempted",
+    "new",
+    "resumed",
+    "allocated",
+    "freed",
+    "cached",
+    "evicted",
+    "finished",
+    "num_prefill_tokens",
+    "num_decode_tokens",
+    "num_running",
+    "num_waiting",
+    "kv_blocks_used",
+    "kv_blocks_total",
+)
+_REQUEST_KEYED = ("scheduled", "allocated", "freed", "finished")
+_REQUEST_LISTS = ("preempted", "new", "resumed")
+
+
+def load_recording(path: str | Path) -> Recording:
+    """Read an event file for replay; a one-line :class:`UserError` when it is not one."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{path}: no such recording (give a JSONL event file from --events or engine simulate)")
+    try:
+        return read_events(p)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+
+def _phase_data(events: Iterable[Event]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for ev in events:
+        if isinstance(ev, StartupPhase) and ev.data:
+            out.setdefault(ev.phase, {}).update(ev.data)
+    return out
+
+
+def scheduler_config_from_recording(rec: Recording) -> SchedulerConfig:
+    """The scheduler limits a recording ran with: flags from the header's config,
+    pool size and block size from phase E (or the first step event)."""
+    cfg = dict(rec.config)
+    for ev in rec.events:
+        if ev.type == "engine.config" and not cfg:
+            cfg = dict(ev.config)  # type: ignore[attr-defined]
+    e = _phase_data(rec.events).get("E", {})
+    first_step = next((ev for ev in rec.events if isinstance(ev, StepEvent)), None)
+    num_blocks = e.get("num_blocks") or (cfg.get("simulation") or {}).get("num_blocks") or (
+        first_step.kv_blocks_total if first_step else 0
+    )
+    if not num_blocks:
+        raise UserError("the recording has no KV pool size (no phase E event and no step): nothing to replay")
+    try:
+        return SchedulerConfig.from_flags(cfg, num_blocks=int(num_blocks), block_size=e.get("block_size"),
+                                          max_model_len=e.get("max_model_len"))
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"the recording's config cannot drive a scheduler: {exc}") from None
+
+
+@dataclass(slots=True)
+class RecordedStep:
+    """One recorded step and the inputs that reached the scheduler before it."""
+
+    event: StepEvent
+    inputs: list[Event]
+
+
+@dataclass(slots=True)
+class Divergence:
+    """The first step where replay and recording disagree."""
+
+    position: int  # how many steps matched before this one
+    recorded: StepEvent
+    replayed: StepEvent
+    fields: list[str]
+    request_ids: list[str]
+
+
+@dataclass(slots=True)
+class ReplayReport:
+    steps_recorded: int
+    steps_replayed: int = 0
+    divergence: Divergence | None = None
+    line_cut: bool = False  # the file's last line was cut mid-way
+    tail_events: int = 0  # whole events after the last whole step (a step cut short)
+
+    @property
+    def ok(self) -> bool:
+        return self.divergence is None
+
+
+def split_steps(events: list[Event]) -> tuple[list[RecordedStep], int]:
+    """Group events into steps: the arrivals, aborts and out-of-band finishes
+    before each step event, which the replay feeds in before scheduling it.
+    Returns the steps and the number of events after the last step event."""
+    steps: list[RecordedStep] = []
+    pending: list[Event] = []
+    for ev in events:
+        if isinstance(ev, StepEvent):
+            step_finished = ev.finished
+            inputs = [
+                e for e in pending
+                if isinstance(e, RequestArrived | RequestRejected)
+                or (isinstance(e, RequestFinished) and (e.reason == "abort" or e.request_id not in step_finished))
+            ]
+            steps.append(RecordedStep(ev, inputs))
+            pending = []
+        elif isinstance(ev, RequestArrived | RequestRejected | RequestFinished):
+            pending.append(ev)
+    return steps, len(pending)
+
+
+class _PromptBuilder:
+    """Prompt ids that reproduce the recorded prefix-cache hits (see module doc)."""
+
+    def __init__(self, steps: list[RecordedStep], block_size: int, events: list[Event]) -> None:
+        self.block_size = block_size
+        self.prompt_tokens: dict[str, int] = {}
+        self.source: dict[str, tuple[str, int]] = {}  # request -> (request whose prefix it shares, tokens)
+        self._built: dict[str, list[int]] = {}
+        self._next_unique = 1_000_000
+        first_hit: dict[str, int] = {}
+        for ev in events:
+            if isinstance(ev, RequestArrived):
+                self.prompt_tokens[ev.request_id] = ev.prompt_tokens
+            elif isinstance(ev, RequestScheduled) and ev.prefix_hit_tokens > 0:
+                first_hit.setdefault(ev.request_id, ev.prefix_hit_tokens)
+        block_source: dict[int, tuple[str, int]] = {}  # block -> (request that wrote it, table position)
+        table_len: dict[str, int] = {}
+        admitted: set[str] = set()
+        for step in steps:
+            ev = step.event
+            for rid, blocks in ev.allocated.items():
+                start = table_len.get(rid, 0)
+                num_hit = 0
+                if rid not in admitted and rid in first_hit and start == 0:
+                    num_hit = min(first_hit[rid] // block_size, len(blocks))
+                    if num_hit:
+                        src = block_source.get(blocks[num_hit - 1])
+                        if src is not None and src[1] == num_hit - 1 and src[0] != rid:
+                            self.source[rid] = (src[0], num_hit * block_size)
+                admitted.add(rid)
+                for j in range(num_hit, len(blocks)):
+                    block_source[blocks[j]] = (rid, start + j)
+                table_len[rid] = start + len(blocks)
+            for rid in ev.freed:
+                table_len[rid] = 0
+
+    def prompt(self, request_id: str, num_tokens: int) -> list[int]:
+        built = self._built.get(request_id)
+        if built is not None:
+            return built
+        prefix: list[int] = []
+        src = self.source.get(request_id)
+        if src is not None:
+            other, hit = src
+            base = self.prompt(other, self.prompt_tokens.get(other, hit))
+            prefix = base[:hit]
+            if len(prefix) < hit:  # the shared prefix ran into the other request's output
+                prefix += [FILLER_TOKEN_ID] * (hit - len(prefix))
+            prefix = prefix[: max(num_tokens - 1, 0)]
+        start = self._next_unique
+        self._next_unique += num_tokens - len(prefix)
+        built = prefix + list(range(start, start + num_tokens - len(prefix)))
+        self._built[request_id] = built
+        return built
+
+
+def _diff_fields(recorded: StepEvent, replayed: StepEvent) -> list[str]:
+    out = []
+    for name in COMPARED_FIELDS:
+        a, b = getattr(recorded, name), getattr(replayed, name)
+        if name in ("cached", "evicted"):
+            a, b = sorted(a), sorted(b)
+        if a != b:
+            out.append(name)
+    return out
+
+
+def _involved(recorded: StepEvent, replayed: StepEvent, fields: list[str]) -> list[str]:
+    ids: dict[str, None] = {}
+    for name in fields:
+        a, b = getattr(recorded, name), getattr(replayed, name)
+        if name in _REQUEST_KEYED:
+            for rid in set(a) | set(b):
+                if a.get(rid) != b.get(rid):
+                    ids[rid] = None
+        elif name in _REQUEST_LISTS:
+            for rid in set(a) ^ set(b):
+                ids[rid] = None
+    return sorted(ids)
+
+
+class Replayer:
+    """Step-by-step replay of a recording; see the module docstring."""
+
+    def __init__(self, recording: Recording) -> None:
+        self.recording = recording
+        self.config = scheduler_config_from_recording(recording)
+        self.steps, self.tail_events = split_steps(recording.events)
+        self.phases = _phase_data(recording.events)
+        self.scheduler = Scheduler(self.config)
+        self._prompts = _PromptBuilder(self.steps, self.config.block_size, recording.events)
+        self._stop_at: dict[int, set[str]] = {}
+        for step in self.steps:
+            stops = {rid for rid, reason in step.event.finished.items() if reason == "stop"}
+            if stops:
+                self._stop_at.setdefault(step.event.index, set()).update(stops)
+        self.position = 0  # recorded steps replayed so far
+        self.last_replayed: StepEvent | None = None
+
+    def _feed(self, inputs: list[Event]) -> None:
+        sched = self.scheduler
+        for ev in inputs:
+            if isinstance(ev, RequestArrived | RequestRejected):
+                prompt = self._prompts.prompt(ev.request_id, ev.prompt_tokens)
+                sched.add_request(
+                    Request(ev.request_id, prompt, ev.max_tokens, stop_token_ids=(STOP_TOKEN_ID,),
+                            arrival_time=ev.t, priority=getattr(ev, "priority", 0)),
+                    ev.t,
+                )
+            elif isinstance(ev, RequestFinished):
+                sched.abort(ev.request_id, ev.t)
+
+    def execute(self, output: SchedulerOutput, now: float) -> ExecutedStep:
+        """The replay's executor: each sampling request answers the filler token, or
+        the stop token at the step where the recording stopped it."""
+        stops = self._stop_at.get(output.step_index, ())
+        return ExecutedStep({s.request.request_id: [STOP_TOKEN_ID if s.request.request_id in stops else FILLER_TOKEN_ID]
+                             for s in output.scheduled if s.samples}, now)
+
+    def step(self) -> tuple[StepEvent, StepEvent]:
+        """Replay the next recorded step: (recorded, replayed)."""
+        recorded = self.steps[self.position]
+        self._feed(recorded.inputs)
+        result = run_step(self.scheduler, self, None, recorded.event.t, build_event=True)
+        replayed = result.event
+        assert replayed is not None
+        self.position += 1
+        self.last_replayed = replayed
+        return recorded.event, replayed
+
+    def run(self, until_step: int | None = None, verify: bool = True) -> ReplayReport:
+        """Replay every recorded step (or through recorded index ``until_step``),
+        stopping at the first divergence when ``verify``."""
+        report = ReplayReport(steps_recorded=len(self.steps), line_cut=self.recording.truncated,
+                              tail_events=self.tail_events)
+        while self.position < len(self.steps):
+            if until_step is not None and self.steps[self.position].event.index > until_step:
+                break
+            before = self.position
+            recorded, replayed = self.step()
+            report.steps_replayed = self.position
+            if verify:
+                fields = _diff_fields(recorded, replayed)
+                if fields:
+                    report.divergence = Divergence(before, recorded, replayed, fields,
+                                                   _involved(recorded, replayed, fields))
+                    break
+        return report
+
+    # ------------------------------------------------------------- rendering
+    def describe_request(self, request_id: str) -> str:
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return f"  {request_id}: not in the replayed scheduler (finished, rejected or never arrived)"
+        return (
+            f"  {request_id}: {req.status.value}, prompt {req.num_prompt_tokens}, output "
+            f"{req.num_output_tokens}/{req.max_tokens}, computed {req.num_computed_tokens}, "
+            f"{len(req.block_ids)} blocks, {req.num_preemptions} preemptions"
+        )
+
+    def render_divergence(self, div: Divergence, width: int = 60) -> str:
+        rec, rep = div.recorded, div.replayed
+        lines = [
+            f"MISMATCH at step {rep.index} (recorded step index {rec.index}; {div.position} steps matched before it)",
+            f"  {'field':<20} {'recorded':<{width}} replayed",
+        ]
+        for name in div.fields:
+            a, b = getattr(rec, name), getattr(rep, name)
+            if name in _REQUEST_KEYED:
+                keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+                a = {k: a.get(k) for k in keys}
+                b = {k: b.get(k) for k in keys}
+            lines.append(f"  {name:<20} {_short(a, width):<{width}} {_short(b, width)}")
+        if rec.index != rep.index:
+            lines.append(f"  the recording has step {rec.index} where step {rep.index} was due: "
+                         "a step is missing from the recording (or it was reordered)")
+        if div.request_ids:
+            lines.append("requests involved (state in the replay after this step):")
+            lines.extend(self.describe_request(rid) for rid in div.request_ids[:20])
+            if len(div.request_ids) > 20:
+                lines.append(f"  ... and {len(div.request_ids) - 20} more")
+        return "\n".join(lines)
+
+    def render_state(self, max_runs: int = 60) -> str:
+        """Queues, a compact block-owner map and the memory ledger, now."""
+        sched = self.scheduler
+        cfg = self.config
+        step = self.last_replayed.index if self.last_replayed is not None else -1
+        lines = [f"state after step {step}"]
+        running = [f"{r.request_id}({r.num_computed_tokens}/{r.num_tokens} tok, {len(r.block_ids)} blk)"
+                   for r in sched.running]
+        waiting = [r.request_id + (" [preempted]" if r.status is RequestStatus.PREEMPTED else "") for r in sched.waiting]
+        lines.append(f"running ({len(running)}/{cfg.max_num_seqs}): " + (", ".join(running) or "-"))
+        lines.append(f"waiting ({len(waiting)}): " + (", ".join(waiting) or "-"))
+        lines.append("block owners (id range: owner; '+' marks shared blocks, 'cached' = free with prefix-cache content):")
+        lines.extend("  " + run for run in block_owner_runs(sched, max_runs))
+        lines.append("memory ledger:")
+        lines.extend("  " + row for row in self.ledger_rows())
+        return "\n".join(lines)
+
+    def ledger_rows(self) -> list[str]:
+        pool = self.scheduler.kv.pool
+        cfg = self.config
+        used = pool.num_blocks - pool.num_free
+        e = self.phases.get("E", {})
+        per_token = int(e.get("bytes_per_token") or 0)
+        rows: list[str] = []
+        names = (("total", "B", "total_bytes"), ("requested", "B", "requested_bytes"),
+                 ("weights", "C", "weights_bytes"), ("activation peak", "D", "activation_peak_bytes"),
+                 ("non-torch", "D", "non_torch_bytes"), ("KV cache pool", "E", "kv_pool_bytes"))
+        for label, phase, key in names:
+            value = self.phases.get(phase, {}).get(key)
+            if isinstance(value, int | float):
+                rows.append(f"{label:<18}{value / GiB:>10.3f} GiB")
+        block_bytes = per_token * cfg.block_size
+        kv_used = f" = {used * block_bytes / GiB:.3f} GiB" if block_bytes else ""
+        rows.append(f"{'KV blocks used':<18}{used:>10,} of {cfg.num_blocks:,} ({used / cfg.num_blocks * 100:.1f} %){kv_used}")
+        rows.append(f"{'free':<18}{pool.num_free:>10,} (of which {pool.num_cached_free:,} hold cached prefixes)")
+        return rows
+
+
+def block_owner_runs(sched: Scheduler, max_runs: int = 60) -> list[str]:
+    """Runs of consecutive block ids with the same owner: ``"0-62: r0"``."""
+    pool = sched.kv.pool
+    owner: dict[int, str] = {}
+    for rid, blocks in sched.block_table().items():
+        for b in blocks:
+            owner[b] = f"{owner[b]}+{rid}" if b in owner else rid
+    runs: list[str] = []
+    start = 0
+    current = None
+    count = 0
+    for b in range(pool.num_blocks + 1):
+        if b < pool.num_blocks:
+            label = owner.get(b)
+            if label is None:
+                label = "cached" if pool.block_hash[b] is not None else "free"
+        else:
+            label = None
+        if b == 0:
+            current = label
+            continue
+        if label != current or b == pool.num_blocks:
+            count += 1
+            if count <= max_runs:
+                end = b - 1
+                runs.append(f"{start}-{end}: {current}" if end > start else f"{start}: {current}")
+            start, current = b, label
+    if count > max_runs:
+        runs.append(f"... {count - max_runs} more runs")
+    return runs
+
+
+def _short(value: Any, width: int) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def verify_recording(path: str | Path) -> tuple[Replayer, ReplayReport]:
+    """Replay a whole recording with verification."""
+    replayer = Replayer(load_recording(path))
+    return replayer, replayer.run()
+

@@ -1,0 +1,573 @@
+"""``engine simulate``: the real scheduler and KV cache manager at GPU scale, with
+a roofline cost model in place of the forward pass (background parts 4 and 6).
+
+A step costs::
+
+    max(bytes read / (bandwidth x efficiency), FLOPs / (peak FLOP/s x efficiency))
+    bytes = weights + KV bytes of every scheduled request's context
+    FLOPs = 2 x parameters x tokens scheduled
+
+The simulation publishes the same events as the real engine (``engine.config``,
+``startup.phase`` A-G marked ``simulated`` with the planned memory numbers,
+``request.*``, ``step``, ``stats``) on an :class:`~engine.events.EventBus` whose
+clock is the simulated clock, so the monitor, the metrics sinks and ``engine
+replay`` read a simulation exactly like a real run.
+
+Arrivals come from a workload (:mod:`engine.sim.workload`): by scheduler tick (the
+background's "arrives at step k"), by simulated time, or closed-loop (``concurrency``
+users, each sending its next request when the previous one finishes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.budget.config import EngineConfig, ModelConfig, load_model_config
+from engine.budget.memory import GiB, GpuPreset, MemoryPlan, gpu_preset, plan_memory
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.core.step_loop import ExecutedStep, run_step
+from engine.errors import UserError
+from engine.events import PHASES, EngineConfigEvent, EventBus, StartupPhase
+from engine.events.stats import StatsReporter
+from engine.sim.driver import SAMPLED_TOKEN_ID
+from engine.sim.traffic import TokenIdSource, WorkloadRequest
+
+DEFAULT_MODEL = "llama-3.1-8b"
+DEFAULT_GPU = "h100-80gb"
+DEFAULT_EFFICIENCY = 0.6
+
+LIMIT_SEQS = "max-num-seqs"
+LIMIT_KV = "kv-pool"
+LIMIT_TOKENS = "max-num-batched-tokens"
+LIMITS = (LIMIT_SEQS, LIMIT_KV, LIMIT_TOKENS)
+
+
+# ------------------------------------------------------------------ cost model
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Roofline step time of a dense decoder on one GPU (background parts 4, 6)."""
+
+    weights_bytes: int
+    bytes_per_kv_token: int
+    num_parameters: int
+    bandwidth_bytes_s: float  # peak
+    peak_flops: float  # peak dense BF16
+    efficiency: float = DEFAULT_EFFICIENCY
+
+    def __post_init__(self) -> None:
+        if not 0 < self.efficiency <= 1:
+            raise UserError(f"--efficiency {self.efficiency}: must be in (0, 1], the fraction of peak kernels reach")
+
+    @classmethod
+    def for_gpu(cls, model: ModelConfig, gpu: GpuPreset, plan: MemoryPlan,
+                efficiency: float = DEFAULT_EFFICIENCY) -> CostModel:
+        return cls(
+            weights_bytes=plan.weights_bytes,
+            bytes_per_kv_token=plan.bytes_per_token,
+            num_parameters=model.num_parameters,
+            bandwidth_bytes_s=gpu.bandwidth_tbs * 1e12,
+            peak_flops=gpu.bf16_tflops * 1e12,
+            efficiency=efficiency,
+        )
+
+    def memory_seconds(self, kv_tokens_read: int) -> float:
+        return (self.weights_bytes + kv_tokens_read * self.bytes_per_kv_token) / (self.bandwidth_bytes_s * self.efficiency)
+
+    def compute_seconds(self, num_tokens: int) -> float:
+        return 2.0 * self.num_parameters * num_tokens / (self.peak_flops * self.efficiency)
+
+    def step_seconds(self, num_tokens: int, kv_tokens_read: int) -> float:
+        memory = self.memory_seconds(kv_tokens_read)
+        compute = self.compute_seconds(num_tokens)
+        return memory if memory > compute else compute
+
+    def decode_tokens_per_s(self, num_requests: int, context_tokens: int) -> float:
+        """Total output tokens/s of ``num_requests`` decoding at ``context_tokens`` each."""
+        return num_requests / self.step_seconds(num_requests, num_requests * context_tokens)
+
+
+# ----------------------------------------------------------------------- setup
+@dataclass(slots=True)
+class SimSetup:
+    """Everything a simulation runs on: presets, flags, the memory plan, the
+    scheduler's limits and the cost model."""
+
+    model: ModelConfig
+    gpu: GpuPreset
+    engine: EngineConfig
+    plan: MemoryPlan
+    scheduler: SchedulerConfig
+    cost: CostModel
+
+    def recording_config(self) -> dict[str, Any]:
+        """The header / ``engine.config`` flags: the EngineConfig dict plus what was simulated."""
+        cfg = self.engine.to_dict()
+        cfg["max_model_len"] = self.plan.max_model_len
+        cfg["simulation"] = {
+            "gpu": self.gpu.name,
+            "bandwidth_tbs": self.gpu.bandwidth_tbs,
+            "bf16_tflops": self.gpu.bf16_tflops,
+            "efficiency": self.cost.efficiency,
+            "num_blocks": self.scheduler.num_blocks,
+        }
+        return cfg
+
+
+def build_setup(
+    model: str | ModelConfig = DEFAULT_MODEL,
+    gpu: str | GpuPreset = DEFAULT_GPU,
+    engine: EngineConfig | None = None,
+    *,
+    efficiency: float = DEFAULT_EFFICIENCY,
+    num_gpu_blocks_override: int | None = None,
+) -> SimSetup:
+    """Plan memory for ``model`` on ``gpu`` with ``engine``'s flags (vLLM's names) and
+    derive the scheduler limits and the cost model. ``num_gpu_blocks_override``
+    fixes the pool size (vLLM's ``--num-gpu-blocks-override``)."""
+    model_cfg = model if isinstance(model, ModelConfig) else load_model_config(model)
+    gpu_cfg = gpu if isinstance(gpu, GpuPreset) else gpu_preset(gpu)
+    eng = dataclasses.replace(engine) if engine is not None else EngineConfig(model=model_cfg.name)
+    eng.model = model_cfg.name
+    dtype = model_cfg.dtype if eng.dtype == "auto" else eng.dtype
+    max_model_len = eng.max_model_len or model_cfg.max_position_embeddings
+    plan = plan_memory(
+        model=model_cfg,
+        total_bytes=int(gpu_cfg.total_gib * GiB),
+        gpu_memory_utilization=eng.gpu_memory_utilization,
+        max_model_len=max_model_len,
+        block_size=eng.block_size,
+        kv_cache_dtype=eng.kv_cache_dtype,
+        dtype=dtype,
+        tensor_parallel_size=eng.tensor_parallel_size,
+        kv_cache_memory_bytes=eng.kv_cache_memory_bytes,
+        max_num_batched_tokens=eng.max_num_batched_tokens,
+        max_num_seqs=eng.max_num_seqs,
+        check_fits=num_gpu_blocks_override is None,
+    )
+    if num_gpu_blocks_override is not None:
+        if num_gpu_blocks_override < 1:
+            raise UserError(f"--num-gpu-blocks-override {num_gpu_blocks_override}: must be at least 1")
+        tokens = num_gpu_blocks_override * plan.block_size
+        plan = dataclasses.replace(
+            plan,
+            num_blocks=num_gpu_blocks_override,
+            kv_cache_tokens=tokens,
+            kv_pool_bytes=num_gpu_blocks_override * plan.block_bytes,
+            max_concurrency=tokens / plan.max_model_len,
+            kv_pool_overridden=True,
+        )
+    try:
+        sched = SchedulerConfig.from_flags(eng.to_dict(), num_blocks=plan.num_blocks, block_size=plan.block_size,
+                                           max_model_len=plan.max_model_len)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    eng.max_model_len = plan.max_model_len
+    return SimSetup(model_cfg, gpu_cfg, eng, plan, sched, CostModel.for_gpu(model_cfg, gpu_cfg, plan, efficiency))
+
+
+def concurrency_limits(setup: SimSetup, tokens_per_request: int) -> dict[str, float]:
+    """The two limits on resident requests (background 5.2) for requests of
+    ``tokens_per_request`` tokens: ``max-num-seqs`` and KV pool tokens / length."""
+    return {
+        LIMIT_SEQS: float(setup.scheduler.max_num_seqs),
+        LIMIT_KV: setup.plan.kv_cache_tokens / tokens_per_request,
+    }
+
+
+def concurrency_crossover_tokens(setup: SimSetup) -> float:
+    """Request length (tokens) above which the KV pool, not max-num-seqs, binds."""
+    return setup.plan.kv_cache_tokens / setup.scheduler.max_num_seqs
+
+
+# ---------------------------------------------------------------- the startup
+def _reading(total: int, allocated: int, peak: int | None = None) -> dict[str, Any]:
+    return {"total": total, "free": total - allocated, "allocated": allocated, "reserved": allocated,
+            "peak": allocated if peak is None else peak, "source": "simulated"}
+
+
+def publish_startup(bus: EventBus, setup: SimSetup) -> None:
+    """``engine.config`` and phases A-G, every one marked simulated, with the plan's numbers."""
+    plan = setup.plan
+    summary = setup.model.summary()
+    summary["bytes_per_kv_token"] = plan.bytes_per_token
+    bus.publish(EngineConfigEvent(config=setup.recording_config(), model=summary))
+    data = plan.phase_data()
+    data["A"] = {"device": "cuda", "gpu": setup.gpu.name, "simulated": True}
+    total = plan.total_bytes
+    weights = plan.weights_bytes
+    allocated_after = {"A": 0, "B": 0, "C": weights, "D": weights, "E": weights + plan.kv_pool_bytes,
+                       "F": weights + plan.kv_pool_bytes, "G": weights + plan.kv_pool_bytes}
+    before = 0
+    for letter, name in PHASES.items():
+        after = allocated_after[letter]
+        peak = weights + plan.activation_peak_bytes if letter == "D" else after
+        bus.publish(StartupPhase(phase=letter, name=name, status="begin", simulated=True,
+                                 memory_before=_reading(total, before)))
+        if letter == "F":
+            bus.publish(StartupPhase(phase=letter, name=name, status="skipped", simulated=True, duration_s=0.0,
+                                     reason="simulated: no CUDA graphs are captured",
+                                     memory_before=_reading(total, before), memory_after=_reading(total, after)))
+        else:
+            bus.publish(StartupPhase(phase=letter, name=name, status="end", simulated=True, duration_s=0.0,
+                                     data=data.get(letter, {}), memory_before=_reading(total, before),
+                                     memory_after=_reading(total, after, peak)))
+        before = after
+
+
+# ------------------------------------------------------------------ the result
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default); 0.0 for no values."""
+    if not values:
+        return 0.0
+    import numpy as np
+
+    return float(np.percentile(np.asarray(values, dtype=float), q))
+
+
+@dataclass(slots=True)
+class SimResult:
+    """What a simulation measured. Per-step series are indexed by scheduler step;
+    ``*_tick`` dicts use the arrival tick counter (idle ticks included), so
+    ``first_token_tick - arrival_tick + 1`` is the background's TTFT in steps."""
+
+    steps: int = 0
+    sim_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    finished: int = 0
+    rejected: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    preemptions: int = 0
+    peak_running: int = 0
+    peak_waiting: int = 0
+    peak_blocks_used: int = 0
+    num_blocks: int = 0
+    limit_steps: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LIMITS, 0))
+    ttft_s: dict[str, float] = field(default_factory=dict)
+    itl_s: list[float] = field(default_factory=list)
+    arrival_tick: dict[str, int] = field(default_factory=dict)
+    first_token_tick: dict[str, int] = field(default_factory=dict)
+    step_start_s: list[float] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    step_prefill: list[int] = field(default_factory=list)
+    step_decode: list[int] = field(default_factory=list)
+    completed: bool = True
+
+    @property
+    def peak_pool_fraction(self) -> float:
+        return self.peak_blocks_used / self.num_blocks if self.num_blocks else 0.0
+
+    @property
+    def output_throughput(self) -> float:
+        return self.output_tokens / self.sim_seconds if self.sim_seconds > 0 else 0.0
+
+    @property
+    def total_throughput(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.sim_seconds if self.sim_seconds > 0 else 0.0
+
+    @property
+    def binding_limit(self) -> str:
+        """The concurrency limit that held requests in the waiting queue on the most
+        steps, or ``none``. The token budget only slows admission (prompts get in a
+        chunk at a time), so it is named only when neither concurrency limit ever held."""
+        steps = self.limit_steps
+        best = LIMIT_SEQS if steps[LIMIT_SEQS] >= steps[LIMIT_KV] else LIMIT_KV
+        if steps[best] > 0:
+            return best
+        return LIMIT_TOKENS if steps[LIMIT_TOKENS] > 0 else "none"
+
+    def ttft_steps(self) -> list[int]:
+        return [self.first_token_tick[r] - self.arrival_tick[r] + 1 for r in self.first_token_tick]
+
+    def decode_only_throughput(self) -> float:
+        """Output tokens/s over the steps with no prefill at all (steady decoding)."""
+        tokens = seconds = 0.0
+        for p, d, s in zip(self.step_prefill, self.step_decode, self.step_seconds, strict=True):
+            if p == 0 and d > 0:
+                tokens += d
+                seconds += s
+        return tokens / seconds if seconds > 0 else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        ttft = list(self.ttft_s.values())
+        return {
+            "steps": self.steps,
+            "simulated_s": self.sim_seconds,
+            "wall_s": self.wall_seconds,
+            "steps_per_wall_s": self.steps / self.wall_seconds if self.wall_seconds > 0 else 0.0,
+            "finished": self.finished,
+            "rejected": self.rejected,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "output_tokens_per_s": self.output_throughput,
+            "total_tokens_per_s": self.total_throughput,
+            "ttft_p50_s": percentile(ttft, 50),
+            "ttft_p90_s": percentile(ttft, 90),
+            "ttft_p99_s": percentile(ttft, 99),
+            "itl_p50_s": percentile(self.itl_s, 50),
+            "itl_p90_s": percentile(self.itl_s, 90),
+            "itl_p99_s": percentile(self.itl_s, 99),
+            "itl_max_s": max(self.itl_s, default=0.0),
+            "preemptions": self.preemptions,
+            "peak_running": self.peak_running,
+            "peak_waiting": self.peak_waiting,
+            "peak_blocks_used": self.peak_blocks_used,
+            "num_blocks": self.num_blocks,
+            "peak_pool_fraction": self.peak_pool_fraction,
+            "binding_limit": self.binding_limit,
+            "limit_steps": dict(self.limit_steps),
+            "completed": self.completed,
+        }
+
+
+StepHook = Callable[[Scheduler, SchedulerOutput], None]
+StopWhen = Callable[[Scheduler, SchedulerOutput], bool]
+
+
+# -------------------------------------------------------------- the simulation
+class Simulation:
+    """Runs a workload through a fresh :class:`Scheduler` under the cost model.
+
+    ``bus`` (optional) gets the simulated clock; subscribe sinks before
+    :meth:`run`. ``stats_interval`` > 0 adds a :class:`StatsReporter` that
+    publishes ``stats`` events on the simulated time axis (no log lines).
+    """
+
+    def __init__(self, setup: SimSetup, bus: EventBus | None = None, *, stats_interval: float = 0.0) -> None:
+        self.setup = setup
+        self.bus = bus
+        self.now = 0.0
+        if bus is not None:
+            bus.set_clock(self.clock)
+            if stats_interval > 0:
+                bus.subscribe(StatsReporter(bus, stats_interval, device_word="GPU", log=None))
+        self.scheduler = Scheduler(setup.scheduler, bus)
+
+    def clock(self) -> float:
+        return self.now
+
+    def run(
+        self,
+        workload: Sequence[WorkloadRequest],
+        *,
+        concurrency: int | None = None,
+        startup: bool = True,
+        max_steps: int = 50_000_000,
+        stop_when: StopWhen | None = None,
+        on_step: StepHook | None = None,
+    ) -> SimResult:
+        """Simulate until every request finished (or ``stop_when`` says stop).
+
+        ``concurrency`` switches to closed-loop arrivals: that many requests in
+        flight, the next one sent (in workload order) when one finishes.
+        """
+        wall_start = time.perf_counter()
+        bus = self.bus
+        if startup and bus is not None and bus.has_subscribers:
+            publish_startup(bus, self.setup)
+        sched = self.scheduler
+        cfg = sched.config
+        result = SimResult(num_blocks=cfg.num_blocks)
+        limit_steps = result.limit_steps
+        ids = TokenIdSource()
+        by_step = any(w.arrival_step is not None for w in workload)
+        if concurrency is not None and concurrency < 1:
+            raise UserError(f"concurrency {concurrency}: must be at least 1")
+        if concurrency is not None:
+            pending: deque[WorkloadRequest] = deque(workload)
+        elif by_step:
+            pending = deque(sorted(workload, key=lambda w: w.arrival_step or 0))
+        else:
+            pending = deque(sorted(workload, key=lambda w: w.arrival_time))
+        in_flight = 0
+        tick = 0
+        executor = CostModelExecutor(self, limit_steps)
+        prompt_of: dict[str, int] = {}
+
+        def admit(spec: WorkloadRequest, arrival_time: float) -> None:
+            nonlocal in_flight
+            req = Request(spec.request_id, ids.prompt(spec), spec.output_tokens, ignore_eos=True,
+                          arrival_time=arrival_time, priority=spec.priority)
+            if sched.add_request(req, self.now):
+                result.arrival_tick[spec.request_id] = tick
+                prompt_of[spec.request_id] = spec.prompt_tokens
+                in_flight += 1
+            else:
+                result.rejected += 1
+
+        while result.steps < max_steps:
+            if concurrency is not None:
+                while pending and in_flight < concurrency:
+                    admit(pending.popleft(), self.now)
+            elif by_step:
+                while pending and (pending[0].arrival_step or 0) <= tick:
+                    admit(pending.popleft(), self.now)
+            else:
+                while pending and pending[0].arrival_time <= self.now:
+                    spec = pending.popleft()
+                    admit(spec, spec.arrival_time)
+            if not sched.has_unfinished():
+                if not pending:
+                    break
+                if concurrency is not None:
+                    continue  # every finished request freed a slot; the loop admits more
+                if by_step:
+                    tick = max(tick + 1, pending[0].arrival_step or 0)
+                else:
+                    self.now = max(self.now, pending[0].arrival_time)
+                continue
+
+            start = self.now
+            step = run_step(sched, executor, bus, start)
+            out, finished = step.output, step.finished
+            seconds = step.executed.timings["forward_s"] if step.executed.timings else 0.0
+
+            result.steps += 1
+            result.step_start_s.append(start)
+            result.step_seconds.append(seconds)
+            result.step_prefill.append(out.num_prefill_tokens)
+            result.step_decode.append(out.num_decode_tokens)
+            result.preemptions += len(out.preempted_req_ids)
+            if out.num_running > result.peak_running:
+                result.peak_running = out.num_running
+            if out.num_waiting > result.peak_waiting:
+                result.peak_waiting = out.num_waiting
+            if out.num_blocks_used_scheduled > result.peak_blocks_used:
+                result.peak_blocks_used = out.num_blocks_used_scheduled
+            first_tick = result.first_token_tick
+            for s in out.scheduled:
+                if s.samples and len(s.request.output_token_ids) == 1 and s.request.request_id not in first_tick:
+                    first_tick[s.request.request_id] = tick
+            for req in finished:
+                result.finished += 1
+                in_flight -= 1
+                result.prompt_tokens += prompt_of.pop(req.request_id)
+                result.output_tokens += len(req.output_token_ids)
+                if req.first_token_time is not None:
+                    result.ttft_s[req.request_id] = req.first_token_time - req.arrival_time
+                result.itl_s.extend(req.inter_token_latencies)
+            if on_step is not None:
+                on_step(sched, out)
+            tick += 1
+            if stop_when is not None and stop_when(sched, out):
+                break
+        result.completed = not sched.has_unfinished() and not pending
+        result.sim_seconds = self.now
+        result.wall_seconds = time.perf_counter() - wall_start
+        return result
+
+
+class CostModelExecutor:
+    """The simulator's executor: a step takes the cost model's seconds for its tokens and
+    the KV it reads, the simulated clock advances by them (before the update, so the
+    finish events carry the step's end), and it counts which limit held the queue back."""
+
+    def __init__(self, sim: Simulation, limit_steps: dict[str, int]) -> None:
+        self.sim = sim
+        self.limit_steps = limit_steps
+        self._tokens = [SAMPLED_TOKEN_ID]
+
+    def execute(self, output: SchedulerOutput, now: float) -> ExecutedStep:
+        sched, cfg = self.sim.scheduler, self.sim.scheduler.config
+        kv_read = 0
+        for s in output.scheduled:
+            kv_read += s.start_position + s.num_tokens
+        num_tokens = output.num_prefill_tokens + output.num_decode_tokens
+        if sched.waiting:
+            if output.preempted_req_ids:
+                self.limit_steps[LIMIT_KV] += 1
+            elif len(sched.running) >= cfg.max_num_seqs:
+                self.limit_steps[LIMIT_SEQS] += 1
+            elif num_tokens >= cfg.max_num_batched_tokens:
+                self.limit_steps[LIMIT_TOKENS] += 1
+            else:
+                self.limit_steps[LIMIT_KV] += 1
+        seconds = self.sim.setup.cost.step_seconds(num_tokens, kv_read)
+        self.sim.now = now + seconds
+        sampled = {s.request.request_id: self._tokens for s in output.scheduled if s.samples}
+        return ExecutedStep(sampled, self.sim.now, timings={"forward_s": seconds, "duration_s": seconds})
+
+
+def simulate(setup: SimSetup, workload: Sequence[WorkloadRequest], bus: EventBus | None = None,
+             **kwargs: Any) -> SimResult:
+    """One-call form of :class:`Simulation`."""
+    return Simulation(setup, bus).run(workload, **kwargs)
+
+
+# ---------------------------------------------------------------------- sweeps
+def long_prompt_sweep(
+    setup: SimSetup,
+    caps: Sequence[int],
+    *,
+    long_prompt: int = 16_000,
+    num_decoders: int = 60,
+    decoder_prompt: int = 1500,
+    decoder_output: int = 400,
+) -> list[dict[str, Any]]:
+    """Background 6.1: ``num_decoders`` requests are decoding when a
+    ``long_prompt``-token prompt arrives. For each ``--max-num-batched-tokens``
+    cap: the long prompt's TTFT (seconds and steps) and the worst inter-token
+    gap everyone else sees while it is being prefilled."""
+    rows: list[dict[str, Any]] = []
+    for cap in caps:
+        eng = dataclasses.replace(setup.engine, max_num_batched_tokens=int(cap))
+        sched_cfg = dataclasses.replace(setup.scheduler, max_num_batched_tokens=int(cap))
+        point = dataclasses.replace(setup, engine=eng, scheduler=sched_cfg)
+        arrive = math.ceil(num_decoders * decoder_prompt / cap) + 2  # every decoder is decoding by then
+        workload = [WorkloadRequest(f"d{i}", decoder_prompt, decoder_output, arrival_step=0) for i in range(num_decoders)]
+        workload.append(WorkloadRequest("long", long_prompt, 1, arrival_step=arrive))
+        def long_done(sched: Scheduler, out: SchedulerOutput) -> bool:
+            return "long" in out.finished
+
+        result = Simulation(point).run(workload, stop_when=long_done)
+        # every tick runs a step here (the decoders never leave the engine idle): ticks are step indices
+        first = result.arrival_tick["long"]
+        last = result.first_token_tick["long"]
+        during = result.step_seconds[first : last + 1]
+        rows.append({
+            "max_num_batched_tokens": int(cap),
+            "long_prompt_tokens": long_prompt,
+            "ttft_s": result.ttft_s.get("long", float("nan")),
+            "ttft_steps": last - first + 1,
+            "worst_itl_others_s": max(during, default=0.0),
+        })
+    return rows
+
+
+def concurrency_sweep(
+    setup: SimSetup,
+    levels: Sequence[int],
+    *,
+    prompt_range: tuple[int, int] = (500, 3000),
+    output_range: tuple[int, int] = (150, 400),
+    requests_per_user: int = 4,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """The saturation curve: ``c`` closed-loop users for each level, each sending
+    ``requests_per_user`` requests back to back (draws as the background's)."""
+    from engine.sim.traffic import WorkloadSpec, generate_workload
+
+    rows: list[dict[str, Any]] = []
+    for c in levels:
+        n = max(int(c) * requests_per_user, 8)
+        workload = generate_workload(WorkloadSpec(n, prompt_range, output_range, seed=seed))
+        result = Simulation(setup).run(workload, concurrency=int(c))
+        s = result.summary()
+        rows.append({
+            "concurrency": int(c),
+            "requests": n,
+            "output_tokens_per_s": s["output_tokens_per_s"],
+            "ttft_p50_s": s["ttft_p50_s"],
+            "ttft_p99_s": s["ttft_p99_s"],
+            "itl_p50_s": s["itl_p50_s"],
+            "itl_p99_s": s["itl_p99_s"],
+            "preemptions": s["preemptions"],
+        })
+    return rows
