@@ -75,3 +75,18 @@ def test_weights_identity_follows_content_not_path(tmp_path: Path) -> None:
     assert profile_cache.weights_identity(str(a), {}) == profile_cache.weights_identity(str(b), {})
     b.write_bytes(b"GGUF" + bytes(101))
     assert profile_cache.weights_identity(str(a), {}) != profile_cache.weights_identity(str(b), {})
+
+
+def test_startup_panel_says_when_phase_d_reused_a_measurement() -> None:
+    import time
+
+    from engine.events.view import PhaseView
+    from monitor.widgets.startup_table import phase_detail
+
+    when = time.mktime((2026, 12, 1, 15, 5, 0, 0, 0, -1))
+    reused = PhaseView("D", "profile_run", "end", data={"activation_peak_bytes": 2**30, "cached": True,
+                                                        "measured_at": when})
+    assert phase_detail(reused) == "activation_peak 1.00 GiB, reused measurement of 2026-12-01 15:05"
+    measured = PhaseView("D", "profile_run", "end", data={"activation_peak_bytes": 2**30, "cached": False,
+                                                          "measured_at": when})
+    assert phase_detail(measured) == "activation_peak 1.00 GiB"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from rich.text import Text
 from textual.widgets import DataTable
 
@@ -18,6 +20,14 @@ def phase_detail(phase: PhaseView) -> str:
         return phase.reason
     parts = []
     for key, value in phase.data.items():
+        if key == "measured_at":
+            continue
+        if key == "cached":  # phase D: a stored measurement was reused instead of a new profile run
+            if value:
+                when = phase.data.get("measured_at")
+                stamp = time.strftime("%Y-%m-%d %H:%M", time.localtime(when)) if isinstance(when, int | float) else "?"
+                parts.append(f"reused measurement of {stamp}")
+            continue
         if key.endswith("_bytes") and isinstance(value, int | float):
             parts.append(f"{key[:-6]} {value / GiB:.2f} GiB")
         elif isinstance(value, float):
