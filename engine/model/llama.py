@@ -315,6 +315,7 @@ class LlamaForCausalLM(nn.Module):
                             tuple(f"model.layers.{index}.{part}" for part in _PROJECTION_PARTS[name]))
                            for name in _PROJECTIONS)
         counts: dict[str, int] = {}
+        interleave = cpu_gemv.int8_activations_enabled()
         for module, name, weight, parts in targets:
             found = [blocks_by_name.get(part) for part in parts]
             fmts = {f[0] for f in found if f is not None}
@@ -330,7 +331,7 @@ class LlamaForCausalLM(nn.Module):
             if entry is None:
                 counts["float"] = counts.get("float", 0) + 1
                 continue
-            if entry.fmt == "q4_1" and weight.shape[0] % cpu_gemv.X8_ROWS == 0 and cpu_gemv.int8_activations_enabled():
+            if entry.fmt == "q4_1" and interleave and weight.shape[0] % cpu_gemv.X8_ROWS == 0:
                 # 8 rows interleaved: the kernel's int8 dot covers 8 rows per instruction.
                 entry = QuantizedLinear(cpu_gemv.interleave_q4_1(entry.blocks), "q4_1x8", entry.source)
             module.register_buffer(f"{name}_{_BUFFER_SUFFIX[entry.fmt]}", entry.blocks, persistent=False)

@@ -20,7 +20,6 @@ was (``cached``) and when the reused figure was measured (``measured_at``).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -30,7 +29,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from engine.model.startup_cache import atomic_write, cache_dir, content_fingerprint
+from engine.model.startup_cache import atomic_write, cache_dir, content_fingerprint, touch
 
 PROFILE_CACHE_ENV = "KVSCOPE_PROFILE_CACHE"
 PROFILE_FORMAT_VERSION = 1
@@ -114,8 +113,7 @@ def load(key: str) -> ProfileResult | None:
         return None
     if result.activation_peak_bytes <= 0 or result.non_torch_bytes < 0:
         return None
-    with contextlib.suppress(OSError):
-        os.utime(path)
+    touch(path)
     return replace(result, cached=True)
 
 

@@ -70,7 +70,7 @@ def cache_limit_bytes() -> int:
     return int(max(gib, 0.0) * 1024**3)
 
 
-def _touch(path: Path) -> None:
+def touch(path: Path) -> None:
     """Mark an entry as just used (its mtime orders the pruning)."""
     with contextlib.suppress(OSError):
         os.utime(path)
@@ -123,7 +123,7 @@ def load_cached_weights(model: torch.nn.Module, path: Path) -> bool:
     """Fill ``model``'s parameters from a cache entry; False if absent or unusable."""
     if not path.is_file():
         return False
-    _touch(path)
+    touch(path)
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
@@ -167,8 +167,8 @@ def cached_tokenizer(source: Path) -> Any:
 
     paths = tokenizer_paths(source)
     if paths is not None and paths[0].is_file() and paths[1].is_file():
-        _touch(paths[0])
-        _touch(paths[1])
+        touch(paths[0])
+        touch(paths[1])
         try:
             meta = json.loads(paths[1].read_text())
             backend = BackendTokenizer.from_file(str(paths[0]))
