@@ -1,6 +1,10 @@
 """Monitor benchmark: block-map redraw on a 27,635-block pool and seek time on a
 100,000-step recording. Targets: ≥ 10 redraws/s, ≤ 200 ms per seek. Printed,
-not asserted (run: python -m bench.bench_monitor [--steps N])."""
+not asserted (run: python -m bench.bench_monitor [--steps N]).
+
+The event streams are ``engine simulate``'s: the real scheduler and KV cache
+manager under the roofline cost model (llama-3.1-8b on an H100 preset), with
+Poisson arrivals per step, collected in memory from an :class:`EventBus`."""
 
 from __future__ import annotations
 
@@ -10,23 +14,35 @@ import random
 import statistics
 import time
 
+from engine.budget.config import EngineConfig
 from engine.events import Event, EventBus
+from engine.sim.simulate import build_setup, simulate
+from engine.sim.traffic import WorkloadSpec, generate_workload
 from monitor.app import MonitorApp
 from monitor.state import Timeline
-from monitor.synthetic import SyntheticEngine
 from monitor.widgets.block_map import BlockMap
 
-H100_BLOCKS = 27_635
+H100_BLOCKS = 27_635  # the background's worked example: llama-3.1-8b on an 80 GB H100 at utilization 0.92
+MODEL = "llama-3.1-8b"
+GPU = "h100-80gb"
 
 
-def synthetic_events(steps: int, num_blocks: int, **kwargs: float) -> list[Event]:
+def simulated_events(steps: int, num_blocks: int, *, max_num_seqs: int, max_num_batched_tokens: int,
+                     rate: float, prompt_range: tuple[int, int], output_range: tuple[int, int],
+                     seed: int = 7) -> list[Event]:
+    """Every event of a ``steps``-step simulation on a ``num_blocks``-block pool:
+    startup phases A-G, then ``rate`` arrivals per step (a third of them sharing
+    a 512-token prefix), run until ``steps`` steps or the workload is done."""
+    engine = EngineConfig(model=MODEL, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                          max_model_len=8192)
+    setup = build_setup(MODEL, GPU, engine, num_gpu_blocks_override=num_blocks)
+    spec = WorkloadSpec(num_requests=int(rate * steps) + max_num_seqs, prompt_range=prompt_range,
+                        output_range=output_range, arrival="poisson", unit="step", rate=rate,
+                        shared_prefix_fraction=1 / 3, shared_prefix_tokens=512, seed=seed)
     events: list[Event] = []
     bus = EventBus()
     bus.subscribe(events.append)
-    engine = SyntheticEngine(bus, num_blocks=num_blocks, **kwargs)  # type: ignore[arg-type]
-    engine.startup()
-    for _ in range(steps):
-        engine.step()
+    simulate(setup, generate_workload(spec), bus, max_steps=steps)
     return events
 
 
@@ -50,12 +66,13 @@ async def redraw_rate(timeline: Timeline, size: tuple[int, int], rounds: int = 3
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=100_000)
+    parser.add_argument("--steps", type=int, default=100_000, help="steps of the seek recording (default 100,000)")
     parser.add_argument("--seeks", type=int, default=40)
     args = parser.parse_args(argv)
 
     t0 = time.perf_counter()
-    big = synthetic_events(1200, H100_BLOCKS, arrival_rate=20.0, max_num_seqs=256, token_budget=8192)
+    big = simulated_events(1200, H100_BLOCKS, max_num_seqs=256, max_num_batched_tokens=8192, rate=1.0,
+                           prompt_range=(500, 3000), output_range=(150, 400))
     big_timeline = Timeline(big, checkpoint_every=500)
     big_timeline.seek(len(big_timeline) - 40)
     used = big_timeline.view.kv_used
@@ -65,7 +82,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{per_cell} block(s) per cell")
 
     t0 = time.perf_counter()
-    events = synthetic_events(args.steps, 4096, arrival_rate=0.8, max_num_seqs=64, token_budget=2048)
+    events = simulated_events(args.steps, 4096, max_num_seqs=64, max_num_batched_tokens=2048, rate=0.7,
+                              prompt_range=(100, 1200), output_range=(8, 160))
     made = time.perf_counter() - t0
     t0 = time.perf_counter()
     timeline = Timeline(events, checkpoint_every=500)

@@ -1,5 +1,18 @@
-"""Recordings for the monitor tests: the bundled synthetic sample and a run of
-the real scheduler's deterministic driver, plus an independent block-table fold."""
+"""Recordings for the monitor tests: the bundled simulated sample and a run of
+the real scheduler's deterministic driver, plus an independent block-table fold.
+
+``SAMPLE`` (samples/monitor_sim.jsonl: 442 steps, 384 blocks, 55 requests, 13
+preemptions, shared-prefix hits) is ``engine simulate``'s recording, made from the
+repository root with::
+
+    engine simulate --model llama-3.1-8b --num-gpu-blocks-override 384 --max-model-len 4096
+    --max-num-seqs 32 --max-num-batched-tokens 1024 --num-requests 55 --prompt-tokens 100:900
+    --output-tokens 20:160 --arrival poisson --rate 0.25 --arrival-unit step
+    --shared-prefix-fraction 0.5 --shared-prefix-tokens 256 --workload-seed 7 --stats-interval 1
+    --events samples/monitor_sim.jsonl
+
+The simulated clock makes it byte-for-byte reproducible (the header records the
+``--events`` path, so keep that argument as written)."""
 
 from __future__ import annotations
 
@@ -10,7 +23,7 @@ from engine.core.scheduler import SchedulerConfig
 from engine.events import Event, EventBus, JsonlSink, StepEvent
 from engine.sim.driver import DriverRequest, run_driver
 
-SAMPLE = Path(__file__).resolve().parent.parent / "samples" / "monitor_synthetic.jsonl"
+SAMPLE = Path(__file__).resolve().parent.parent / "samples" / "monitor_sim.jsonl"
 
 
 def record_driver_run(path: Path, num_blocks: int = 36) -> Path:

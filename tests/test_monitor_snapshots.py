@@ -17,11 +17,11 @@ from tests.monitor_fixtures import SAMPLE
 os.environ["TZ"] = "UTC"
 time.tzset()
 SIZE = (160, 48)
-STEP = 240
+STEP = 199  # a preemption (r35), 14 running, 19 waiting, a prefix hit at 195
 
 
 def _app_at_step() -> MonitorApp:
-    app = MonitorApp(timeline=load_timeline(SAMPLE, checkpoint_every=50), source_name="samples/monitor_synthetic.jsonl")
+    app = MonitorApp(timeline=load_timeline(SAMPLE, checkpoint_every=50), source_name="samples/monitor_sim.jsonl")
     return app
 
 
