@@ -185,6 +185,43 @@ class SchedulerOutput:
         return self.deltas.prefix_hit_tokens
 
 
+@dataclass(slots=True)
+class _StepPlan:
+    """What one ``schedule`` call has decided so far."""
+
+    budget: int
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    tokens: dict[str, int] = field(default_factory=dict)
+    preempted: list[str] = field(default_factory=list)
+    new_ids: list[str] = field(default_factory=list)
+    resumed_ids: list[str] = field(default_factory=list)
+    num_prefill: int = 0
+    num_decode: int = 0
+
+    def add(self, s: ScheduledRequest) -> None:
+        self.scheduled.append(s)
+        self.tokens[s.request.request_id] = s.num_tokens
+        if s.is_prefill:
+            self.num_prefill += s.num_tokens
+        else:
+            self.num_decode += s.num_tokens
+        self.budget -= s.num_tokens
+
+    def withdraw(self, req: Request) -> None:
+        """Undo ``add`` for a request preempted after it was scheduled."""
+        if not self.tokens.pop(req.request_id, 0):
+            return
+        for k, s in enumerate(self.scheduled):
+            if s.request is req:
+                del self.scheduled[k]
+                self.budget += s.num_tokens
+                if s.is_prefill:
+                    self.num_prefill -= s.num_tokens
+                else:
+                    self.num_decode -= s.num_tokens
+                return
+
+
 class Scheduler:
     """Continuous batching over a :class:`KVCacheManager`; see the module docstring."""
 
@@ -279,131 +316,131 @@ class Scheduler:
 
     # -------------------------------------------------------------- schedule
     def schedule(self, now: float) -> SchedulerOutput:
-        cfg = self.config
-        kv = self.kv
-        allocate_slots = kv.allocate_slots
-        budget = cfg.max_num_batched_tokens
-        threshold = cfg.long_prefill_token_threshold
+        plan = _StepPlan(budget=self.config.max_num_batched_tokens)
         publishing = self._publishing()
-        scheduled: list[ScheduledRequest] = []
-        scheduled_tokens: dict[str, int] = {}
-        preempted: list[str] = []
-        new_ids: list[str] = []
-        resumed_ids: list[str] = []
-        num_prefill = num_decode = 0
+        self._schedule_running(plan, now, publishing)
+        if not plan.preempted:  # admission waits while the pool is short
+            self._admit_waiting(plan, now, publishing)
+        # optimistic advance: the KV of everything scheduled is written this step
+        for s in plan.scheduled:
+            s.request.num_computed_tokens += s.num_tokens
+        return self._output(plan)
 
-        # 1. running requests, admission order
+    def _chunk(self, remaining: int, budget: int) -> int:
+        """How many of ``remaining`` tokens fit this step (threshold, then budget)."""
+        threshold = self.config.long_prefill_token_threshold
+        if 0 < threshold < remaining:
+            remaining = threshold
+        return min(remaining, budget)
+
+    def _schedule_running(self, plan: _StepPlan, now: float, publishing: bool) -> None:
+        """Step 1: each running request, in admission order, gets its next chunk
+        or decode token, preempting others when the pool is short."""
         running = self.running
+        allocate_slots = self.kv.allocate_slots  # locals: this loop runs per request per step
+        chunk = self._chunk
+        add = plan.add
         i = 0
-        while i < len(running) and budget > 0:
+        while i < len(running) and plan.budget > 0:
             req = running[i]
             computed = req.num_computed_tokens
-            num_new = len(req.token_ids) - computed
-            if 0 < threshold < num_new:
-                num_new = threshold
-            if num_new > budget:
-                num_new = budget
+            total = len(req.token_ids)
+            num_new = chunk(total - computed, plan.budget)
             if num_new <= 0:
                 i += 1
                 continue
-            scheduled_self = True
-            while allocate_slots(req, num_new) is None:
-                victim = self._pick_victim()
-                victim_index = running.index(victim) if victim is not running[-1] else len(running) - 1
-                del running[victim_index]
-                if victim_index < i:
-                    i -= 1
-                given_back = scheduled_tokens.pop(victim.request_id, 0)
-                if given_back:  # priority policy: the victim was already scheduled this step
-                    budget += given_back
-                    for k, s in enumerate(scheduled):
-                        if s.request is victim:
-                            del scheduled[k]
-                            if s.is_prefill:
-                                num_prefill -= s.num_tokens
-                            else:
-                                num_decode -= s.num_tokens
-                            break
-                self._preempt(victim, now, publishing)
-                preempted.append(victim.request_id)
-                if victim is req:
-                    scheduled_self = False
-                    break
-            if not scheduled_self:
-                continue  # req left running; the element now at i is the next one
-            total = len(req.token_ids)
+            if allocate_slots(req, num_new) is None:
+                still_running, i = self._preempt_until_fits(req, num_new, i, plan, now, publishing)
+                if not still_running:
+                    continue  # req itself was preempted; the element now at i is the next one
             is_prefill = not (num_new == 1 and computed == total - 1 and computed >= req.num_prompt_tokens)
-            scheduled.append(ScheduledRequest(req, computed, num_new, is_prefill, computed + num_new >= total))
-            scheduled_tokens[req.request_id] = num_new
-            if is_prefill:
-                num_prefill += num_new
-            else:
-                num_decode += num_new
-            budget -= num_new
+            add(ScheduledRequest(req, computed, num_new, is_prefill, computed + num_new >= total))
             i += 1
 
-        # 2. waiting requests, only if nothing was preempted
-        if not preempted:
-            waiting = self.waiting
-            max_seqs = cfg.max_num_seqs
-            while waiting and budget > 0 and len(running) < max_seqs:
-                req = waiting.peek()
-                hit_blocks, hit_tokens = kv.get_computed_blocks(req)
-                total = len(req.token_ids)
-                num_new = total - hit_tokens
-                if 0 < threshold < num_new:
-                    num_new = threshold
-                if num_new > budget:
-                    num_new = budget
-                if allocate_slots(req, num_new, hit_blocks, hit_tokens) is None:
-                    break
-                waiting.pop()
-                running.append(req)
-                kv.record_lookup(total, hit_tokens)
-                req.num_computed_tokens = hit_tokens
-                if req.status is RequestStatus.PREEMPTED:
-                    resumed_ids.append(req.request_id)
-                else:
-                    new_ids.append(req.request_id)
-                req.status = RequestStatus.RUNNING
-                if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = hit_tokens
-                if req.first_scheduled_time is None:
-                    req.first_scheduled_time = now
-                    if publishing:
-                        assert self.bus is not None
-                        self.bus.publish(
-                            RequestScheduled(
-                                request_id=req.request_id,
-                                queue_time_s=now - req.arrival_time,
-                                prefix_hit_tokens=hit_tokens,
-                            )
-                        )
-                scheduled.append(ScheduledRequest(req, hit_tokens, num_new, True, hit_tokens + num_new >= total))
-                scheduled_tokens[req.request_id] = num_new
-                num_prefill += num_new
-                budget -= num_new
+    def _preempt_until_fits(
+        self, req: Request, num_new: int, index: int, plan: _StepPlan, now: float, publishing: bool
+    ) -> tuple[bool, int]:
+        """``req``'s slots did not fit: preempt the policy's victims until they do.
 
-        # 3. optimistic advance: the KV of everything scheduled is written this step
-        for s in scheduled:
-            s.request.num_computed_tokens += s.num_tokens
+        Returns whether ``req`` is still running and its index in ``running``
+        after the victims ahead of it were removed."""
+        running = self.running
+        while True:
+            victim = self._pick_victim()
+            victim_index = running.index(victim) if victim is not running[-1] else len(running) - 1
+            del running[victim_index]
+            if victim_index < index:
+                index -= 1
+            plan.withdraw(victim)  # priority policy: the victim may be scheduled already
+            self._preempt(victim, now, publishing)
+            plan.preempted.append(victim.request_id)
+            if victim is req:
+                return False, index
+            if self.kv.allocate_slots(req, num_new) is not None:
+                return True, index
 
-        assert num_prefill + num_decode <= cfg.max_num_batched_tokens, "token budget exceeded"
-        assert len(running) <= cfg.max_num_seqs, "max_num_seqs exceeded"
+    def _admit_waiting(self, plan: _StepPlan, now: float, publishing: bool) -> None:
+        """Step 2: waiting requests while budget, ``max_num_seqs`` and blocks
+        allow; the first that does not fit stops admission (head-of-line)."""
+        kv = self.kv
+        waiting = self.waiting
+        running = self.running
+        max_seqs = self.config.max_num_seqs
+        while waiting and plan.budget > 0 and len(running) < max_seqs:
+            req = waiting.peek()
+            hit_blocks, hit_tokens = kv.get_computed_blocks(req)
+            total = len(req.token_ids)
+            num_new = self._chunk(total - hit_tokens, plan.budget)
+            if kv.allocate_slots(req, num_new, hit_blocks, hit_tokens) is None:
+                break
+            waiting.pop()
+            running.append(req)
+            kv.record_lookup(total, hit_tokens)
+            self._start_running(req, hit_tokens, plan, now, publishing)
+            plan.add(ScheduledRequest(req, hit_tokens, num_new, True, hit_tokens + num_new >= total))
+
+    def _start_running(self, req: Request, hit_tokens: int, plan: _StepPlan, now: float, publishing: bool) -> None:
+        """A request leaves the waiting queue: new or resumed, first schedule time."""
+        req.num_computed_tokens = hit_tokens
+        if req.status is RequestStatus.PREEMPTED:
+            plan.resumed_ids.append(req.request_id)
+        else:
+            plan.new_ids.append(req.request_id)
+        req.status = RequestStatus.RUNNING
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = hit_tokens
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+            if publishing:
+                assert self.bus is not None
+                self.bus.publish(
+                    RequestScheduled(
+                        request_id=req.request_id,
+                        queue_time_s=now - req.arrival_time,
+                        prefix_hit_tokens=hit_tokens,
+                    )
+                )
+
+    def _output(self, plan: _StepPlan) -> SchedulerOutput:
+        """Step 3's record: what runs this step, for the executor and the step event."""
+        cfg = self.config
+        assert plan.num_prefill + plan.num_decode <= cfg.max_num_batched_tokens, "token budget exceeded"
+        assert len(self.running) <= cfg.max_num_seqs, "max_num_seqs exceeded"
         finished_ids = self._finished_since_schedule
         self._finished_since_schedule = []
+        pool = self.kv.pool
         out = SchedulerOutput(
             step_index=self.step_index,
-            scheduled=scheduled,
-            num_prefill_tokens=num_prefill,
-            num_decode_tokens=num_decode,
-            new_req_ids=new_ids,
-            resumed_req_ids=resumed_ids,
-            preempted_req_ids=preempted,
+            scheduled=plan.scheduled,
+            num_prefill_tokens=plan.num_prefill,
+            num_decode_tokens=plan.num_decode,
+            new_req_ids=plan.new_ids,
+            resumed_req_ids=plan.resumed_ids,
+            preempted_req_ids=plan.preempted,
             finished_req_ids=finished_ids,
-            deltas=kv.pool.deltas,  # keeps filling until update_from_output returns
+            deltas=pool.deltas,  # keeps filling until update_from_output returns
             num_blocks_total=cfg.num_blocks,
-            num_blocks_used_scheduled=cfg.num_blocks - kv.pool.num_free,
+            num_blocks_used_scheduled=cfg.num_blocks - pool.num_free,
         )
         self.step_index += 1
         return out
