@@ -14,14 +14,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from engine.budget.memory import parse_gib
+from engine.cli.program import program, run_program
 from engine.errors import UserError
 from logparse.explain import Explanation, Options, explain
 from logparse.render import render_diff, render_json, render_markdown, render_terminal
-
-
-class _ArgumentParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, no usage dump
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _add_output(p: argparse.ArgumentParser) -> None:
@@ -40,20 +36,22 @@ def _add_context(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _ArgumentParser(prog="logparse", description="Explain a vLLM startup log against kvscope's own plan.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_ArgumentParser)
+    parser, sub = program("logparse", "Explain a vLLM startup log against kvscope's own plan.")
     p = sub.add_parser("explain", help="every line: phase, meaning, numbers; ledger, checks, kvscope's plan")
     p.add_argument("log")
     _add_context(p)
     _add_output(p)
+    p.set_defaults(func=run)
     p = sub.add_parser("summary", help="ledger and checks only")
     p.add_argument("log")
     _add_context(p)
     _add_output(p)
+    p.set_defaults(func=run)
     p = sub.add_parser("diff", help="two startups side by side")
     p.add_argument("a")
     p.add_argument("b")
     _add_output(p)
+    p.set_defaults(func=run)
     return parser
 
 
@@ -101,20 +99,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not args.command:
-        parser.print_help()
-        return 2
-    try:
-        return run(args)
-    except UserError as exc:
-        print(f"logparse {args.command}: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except BrokenPipeError:  # `logparse explain big.log | head`
-        return 0
-    except KeyboardInterrupt:
-        return 130
+    return run_program(build_parser(), argv)
 
 
 if __name__ == "__main__":

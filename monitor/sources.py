@@ -79,7 +79,7 @@ class BusFeed(LiveFeed):
 def events_url(url: str) -> str:
     """``http://host:port`` or ``.../events`` -> the events endpoint."""
     if not url.startswith(("http://", "https://")):
-        raise UserError(f"monitor: {url!r} is not a server URL; pass http://HOST:PORT (or use `monitor replay FILE`)")
+        raise UserError(f"{url!r} is not a server URL; pass http://HOST:PORT (or use `monitor replay FILE`)")
     url = url.rstrip("/")
     return url if url.endswith("/events") else url + "/events"
 

@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # What monitor/ may import from engine/, measured: the event wing (engine.events: the
 # records and the bus; engine.events.view: EngineView, the reducer the widgets render,
 # the budget ledger arriving in it through startup.phase events; engine.events.block_table,
-# the fold the view uses) and engine.errors (UserError for the CLI). The rule: the
+# the fold the view uses), engine.errors (UserError for the CLI) and engine.cli.program
+# (the command-line style all three commands share). The rule: the
 # monitor reads events, the view and the budget, never core/model internals. Not
 # engine.budget.config / engine.budget.memory: config reads model files (gguf), and the
 # budget reaches the monitor as event data, not by recomputing it.
@@ -35,6 +36,7 @@ MONITOR_MAY_IMPORT_FROM_ENGINE = (
     "engine.events.view",
     "engine.errors",
     "engine.events.block_table",
+    "engine.cli.program",  # the one command-line style and exit convention shared by all three commands
 )
 
 # The core wing: deterministic functions of their inputs (time enters as ``now`` or a

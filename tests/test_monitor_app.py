@@ -222,7 +222,8 @@ def test_cli_bad_inputs_are_one_line_errors(tmp_path: Path, capsys: pytest.Captu
     assert monitor_main(["replay", str(bad)]) == 2
     assert monitor_main(["ftp://nowhere"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 3 and all(line.startswith("monitor: error:") for line in err)
+    assert len(err) == 3
+    assert [line.split(" error: ")[0] for line in err] == ["monitor replay:", "monitor replay:", "monitor follow:"]
     with pytest.raises(UserError):
         load_timeline(tmp_path / "missing.jsonl")
 

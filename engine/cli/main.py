@@ -1,7 +1,7 @@
 """The ``engine`` command. Each subcommand lives in its own module under
 ``engine/cli/commands/`` and exposes ``register(subparsers)``; the module's
-``run(args)`` does the work. This file only wires them together and turns
-:class:`~engine.errors.UserError` into a one-line message and exit code 2."""
+``run(args)`` does the work. This file only wires them together; how a command
+line runs and fails is :mod:`engine.cli.program`'s, shared with monitor and logparse."""
 
 from __future__ import annotations
 
@@ -12,17 +12,11 @@ import sys
 from collections.abc import Sequence
 
 import engine.cli.commands
-from engine.errors import UserError
-
-
-class _ArgumentParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse's default prints usage too; keep one line
-        self.exit(2, f"{self.prog}: error: {message}\n")
+from engine.cli.program import program, run_program
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _ArgumentParser(prog="engine", description="kvscope: an observability-first LLM inference engine")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_ArgumentParser)
+    parser, sub = program("engine", "kvscope: an observability-first LLM inference engine")
     for info in sorted(pkgutil.iter_modules(engine.cli.commands.__path__), key=lambda m: m.name):
         module = importlib.import_module(f"engine.cli.commands.{info.name}")
         register = getattr(module, "register", None)
@@ -32,18 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
-    try:
-        return int(args.func(args) or 0)
-    except UserError as exc:
-        print(f"engine {args.command}: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        return 130
+    return run_program(build_parser(), argv)
 
 
 if __name__ == "__main__":
