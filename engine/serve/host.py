@@ -1,0 +1,148 @@
+"""The engine side of the server, with no HTTP in it: :class:`ServerSettings`, the bus
+subscribers attached before the engine starts (:class:`LockedView` for ``/debug/state``,
+:class:`EventHub` for ``/events``, and
+:class:`~engine.events.metrics.PrometheusMetrics` for ``/metrics``) and
+:class:`EngineHost`, which holds them with the engine thread. The app stores one
+:class:`EngineHost` on ``app.state.host``; routes reach it through
+:func:`engine.serve.route_support.host_of`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from engine.budget.config import EngineConfig
+from engine.events import Event, EventBus, dumps
+from engine.events.metrics import PrometheusMetrics
+from engine.events.view import EngineView
+from engine.llm_engine import LLMEngine
+from engine.serve.async_engine import AsyncEngine
+
+SSE_CLIENT_MAX_QUEUE = 20_000  # events buffered for one slow /events client before it is dropped
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    served_model_name: str
+    api_key: str | None = None
+    metrics_require_key: bool = False
+    max_waiting_requests: int | None = None
+    shutdown_timeout_s: float = 10.0
+    # CORS: origins a browser page may call from (vLLM's --allowed-origins; empty: no CORS headers).
+    allowed_origins: tuple[str, ...] = ()
+    # Host headers answered (None: any). A loopback server without an API key answers only
+    # loopback names, so a web page cannot reach it through DNS rebinding.
+    trusted_hosts: tuple[str, ...] | None = None
+    max_body_bytes: int | None = None  # None: derived from --max-model-len once the engine is up
+
+
+# ------------------------------------------------------------------ observers
+class LockedView:
+    """An :class:`EngineView` folded on the engine thread and read by handlers."""
+
+    def __init__(self) -> None:
+        self.view = EngineView()
+        self._lock = threading.Lock()
+
+    def __call__(self, event: Event) -> None:
+        with self._lock:
+            self.view.apply(event)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return self.view.snapshot()
+
+
+class SseClient:
+    """One ``/events`` client: its queue of (seq, serialised event), fed from the engine thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[tuple[int, str] | None] = asyncio.Queue()
+        self.closed = False
+
+    def post(self, item: tuple[int, str] | None) -> None:
+        with contextlib.suppress(RuntimeError):  # loop closed at shutdown
+            self.loop.call_soon_threadsafe(self._put, item)
+
+    def _put(self, item: tuple[int, str] | None) -> None:
+        if self.closed:
+            return
+        if item is None or self.queue.qsize() >= SSE_CLIENT_MAX_QUEUE:
+            self.closed = True  # a client this far behind reconnects and gets a fresh snapshot
+            self.queue.put_nowait(None)
+            return
+        self.queue.put_nowait(item)
+
+
+class EventHub:
+    """Bus subscriber: serialises each event once and queues it for every
+    ``/events`` client on its event loop."""
+
+    def __init__(self) -> None:
+        self._clients: tuple[SseClient, ...] = ()
+        self._lock = threading.Lock()
+
+    def __call__(self, event: Event) -> None:
+        clients = self._clients
+        if not clients:
+            return
+        item = (event.seq, dumps(event.to_dict()))
+        for client in clients:
+            client.post(item)
+
+    def connect(self, loop: asyncio.AbstractEventLoop) -> SseClient:
+        client = SseClient(loop)
+        with self._lock:
+            self._clients = (*self._clients, client)
+        return client
+
+    def disconnect(self, client: SseClient) -> None:
+        with self._lock:
+            self._clients = tuple(c for c in self._clients if c is not client)
+
+    def close_all(self) -> None:
+        for client in self._clients:
+            client.post(None)
+
+
+@dataclass
+class EngineHost:
+    """The engine thread plus its subscribers and the server settings."""
+
+    settings: ServerSettings
+    bus: EventBus
+    engine: AsyncEngine
+    view: LockedView
+    metrics: PrometheusMetrics
+    hub: EventHub
+
+    @classmethod
+    def create(cls, config: EngineConfig, settings: ServerSettings,
+               registry: CollectorRegistry | None = None, bus: EventBus | None = None) -> EngineHost:
+        """Subscribe the observers, then start the engine thread (startup runs
+        there; ``engine.wait_ready()`` waits for it)."""
+        bus = bus or EventBus()
+        metrics = PrometheusMetrics(registry or CollectorRegistry(), settings.served_model_name,
+                                    max_model_len=config.max_model_len)
+        view = LockedView()
+        hub = EventHub()
+        for subscriber in (metrics, view, hub):
+            bus.subscribe(subscriber)
+        engine = AsyncEngine(config, bus, max_waiting_requests=settings.max_waiting_requests).start()
+        return cls(settings=settings, bus=bus, engine=engine, view=view, metrics=metrics, hub=hub)
+
+    @property
+    def llm(self) -> LLMEngine:
+        return self.engine.wait_ready()
+
+    def begin_shutdown(self) -> None:
+        """First half of a graceful stop: refuse new work, end /events streams."""
+        self.engine.stop_accepting()
+        self.hub.close_all()

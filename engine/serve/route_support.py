@@ -1,0 +1,103 @@
+"""What every route module shares: the :class:`~engine.serve.host.EngineHost` behind a
+request (:func:`host_of`), the API-key dependencies, OpenAI-shaped error responses,
+and server-sent-event streaming that notices a client leaving (and then aborts its
+request)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+from collections.abc import AsyncIterator, Awaitable
+
+import anyio
+from fastapi import Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from engine.serve.host import EngineHost
+from engine.serve.protocol import APIError
+
+
+def host_of(request: Request) -> EngineHost:
+    """The host :func:`engine.serve.app.build_app` stored on the app."""
+    return request.app.state.host  # type: ignore[no-any-return]
+
+
+# ------------------------------------------------------------------ auth
+def require_key(request: Request) -> None:
+    api_key = host_of(request).settings.api_key
+    if api_key is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), api_key):
+        raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                       code="invalid_api_key")
+
+
+def require_key_for_metrics(request: Request) -> None:
+    if host_of(request).settings.metrics_require_key:
+        require_key(request)
+
+
+KEYED = [Depends(require_key)]
+
+
+# ---------------------------------------------------------------- errors
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(APIError(status, message, type_, param, code).body(), status_code=status, headers=headers)
+
+
+# ------------------------------------------------------------- streaming
+class DisconnectAwareStreamingResponse(StreamingResponse):
+    """Streams while watching for the client leaving, whatever the ASGI spec
+    version, and closes the body iterator (which aborts the request) either way."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def stream_then_stop() -> None:
+                    with contextlib.suppress(OSError):
+                        await self.stream_response(send)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream_then_stop)
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+def streaming(body: AsyncIterator[str]) -> DisconnectAwareStreamingResponse:
+    return DisconnectAwareStreamingResponse(body, media_type="text/event-stream",
+                                            headers={"Cache-Control": "no-cache"})
+
+
+def sse(data: str) -> str:
+    return f"data: {data}\n\n"
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request: Request, work: Awaitable[Response]) -> Response:
+    """Run ``work``; if the client leaves first, cancel it (its stream aborts the request)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return Response(status_code=499)  # nginx's "client closed request"; nobody reads it

@@ -1,0 +1,89 @@
+"""The routes that show the engine rather than use it: ``GET /health``, vLLM's
+Prometheus ``GET /metrics``, ``GET /debug/state`` (the
+:class:`~engine.events.view.EngineView` snapshot plus the server's queue) and
+``GET /events`` (that snapshot, then every event, as server-sent events). Each reads
+a bus subscriber of :class:`~engine.serve.host.EngineHost`, never the engine."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from engine.events import SnapshotEvent, dumps
+from engine.serve.host import EngineHost, SseClient
+from engine.serve.route_support import (
+    KEYED,
+    error_response,
+    host_of,
+    require_key_for_metrics,
+    sse,
+    streaming,
+)
+
+SSE_KEEPALIVE_S = 15.0
+
+router = APIRouter()
+
+
+@router.get("/health", response_class=Response,
+            responses={200: {"description": "The engine is running (empty body)", "content": {}},
+                       503: {"description": "The engine is not running",
+                             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}})
+async def health(request: Request) -> Response:
+    if host_of(request).engine.alive:
+        return Response(status_code=200)
+    return error_response(503, "the engine is not running", type_="service_unavailable")
+
+
+@router.get("/metrics", dependencies=[Depends(require_key_for_metrics)], response_class=Response,
+            responses={200: {"description": "Prometheus text exposition",
+                             "content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}})
+async def metrics(request: Request) -> Response:
+    return Response(host_of(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/debug/state", dependencies=KEYED)
+async def debug_state(request: Request) -> dict[str, Any]:
+    host = host_of(request)
+    state = host.view.snapshot()
+    state["server"] = {"waiting_requests": host.engine.num_waiting(),
+                       "max_waiting_requests": host.settings.max_waiting_requests}
+    return state
+
+
+@router.get("/events", dependencies=KEYED, response_model=None, response_class=Response,
+            responses={200: {"description": "Every event as server-sent events, a snapshot first",
+                             "content": {"text/event-stream": {"schema": {}}}}})
+async def events(request: Request) -> Response:
+    host = host_of(request)
+    # Connect before the snapshot: an event folded after it reaches the queue.
+    client = host.hub.connect(asyncio.get_running_loop())
+    state = host.view.snapshot()
+    return streaming(_event_stream(host, client, state))
+
+
+async def _event_stream(host: EngineHost, client: SseClient, state: dict[str, Any]) -> AsyncIterator[str]:
+    """The snapshot as the first event, then every event queued after it, with a
+    keep-alive comment every SSE_KEEPALIVE_S quiet seconds, until the hub closes."""
+    last_seq = int(state.get("last_seq", 0))
+    try:
+        yield sse(dumps(SnapshotEvent(state=state, seq=last_seq, t=float(state.get("t", 0.0))).to_dict()))
+        while True:
+            try:
+                item = await asyncio.wait_for(client.queue.get(), SSE_KEEPALIVE_S)
+            except TimeoutError:
+                yield ": keep-alive\n\n"
+                continue
+            if item is None:
+                return
+            seq, data = item
+            if seq > last_seq:
+                yield sse(data)
+    finally:
+        host.hub.disconnect(client)
+

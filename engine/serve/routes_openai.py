@@ -1,0 +1,217 @@
+"""OpenAI's routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` and
+``GET /v1/models``, and the SSE bodies of their ``stream=true`` answers. A route
+validates, tokenises on a worker thread, submits through
+:class:`~engine.serve.async_engine.AsyncEngine` and either streams the outputs or
+collects the last one; it never touches the engine loop itself."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable
+from functools import partial
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.core.sampling_params import SamplingParams
+from engine.errors import UserError
+from engine.llm_engine import RequestOutput
+from engine.serve.async_engine import EngineDead, Overloaded, RequestStream
+from engine.serve.host import EngineHost
+from engine.serve.protocol import (
+    APIError,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+    UsageInfo,
+    new_id,
+)
+from engine.serve.route_support import KEYED, host_of, sse, streaming, unless_disconnected
+
+OVERLOAD_RETRY_AFTER_S = 1
+
+router = APIRouter()
+
+STREAMED = {200: {"description": "The completion (JSON), or with stream=true its chunks as server-sent events",
+                  "content": {"text/event-stream": {"schema": {}}}}}
+
+
+# ---------------------------------------------------------------- routes
+@router.post("/v1/completions", dependencies=KEYED, response_model=None, responses=STREAMED)  # type: ignore[arg-type]
+async def completions(request: Request, body: CompletionRequest) -> Response:
+    host = host_of(request)
+    body.check_supported()
+    _check_model(host, body.model)
+    params = body.sampling_params(body.max_tokens)
+    prompt_ids = await _prepare(host, body.single_prompt(), params)
+    stream = await _submit(host, prompt_ids, params, "cmpl")
+    model = host.settings.served_model_name
+    if body.stream:
+        return streaming(_completion_chunks(stream, model, body.include_usage,
+                                            body.stream_options is not None
+                                            and body.stream_options.continuous_usage_stats))
+    return await unless_disconnected(request, _collect_completion(stream, model))
+
+
+@router.post("/v1/chat/completions", dependencies=KEYED, response_model=None, responses=STREAMED)  # type: ignore[arg-type]
+async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+    host = host_of(request)
+    body.check_supported()
+    _check_model(host, body.model)
+    params = body.sampling_params(body.effective_max_tokens())
+    try:
+        prompt = await anyio.to_thread.run_sync(partial(
+            host.llm.tokenizer.apply_chat_template, body.conversation(),
+            add_generation_prompt=body.add_generation_prompt))
+    except UserError as exc:
+        raise APIError(400, str(exc), param="messages") from None
+    prompt_ids = await _prepare(host, str(prompt), params, param="messages")
+    stream = await _submit(host, prompt_ids, params, "chatcmpl")
+    model = host.settings.served_model_name
+    if body.stream:
+        return streaming(_chat_chunks(stream, model, body.include_usage,
+                                      body.stream_options is not None
+                                      and body.stream_options.continuous_usage_stats))
+    return await unless_disconnected(request, _collect_chat(stream, model))
+
+
+@router.get("/v1/models", dependencies=KEYED)
+async def models(request: Request) -> dict[str, Any]:
+    host = host_of(request)
+    llm = host.llm
+    card = ModelCard(id=host.settings.served_model_name, root=str(llm.config.model), max_model_len=llm.max_model_len)
+    return ModelList(data=[card]).model_dump()
+
+
+# -------------------------------------------------------------- requests
+def _check_model(host: EngineHost, name: str | None) -> None:
+    served = host.settings.served_model_name
+    if name is not None and name != served:
+        raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                            f"{served!r}", param="model", code="model_not_found")
+
+
+async def _prepare(host: EngineHost, prompt: str | list[int], params: SamplingParams,
+                   param: str = "prompt") -> list[int]:
+    """Tokenise and check on a worker thread: a long prompt must not stall the event
+    loop (and with it /health, /metrics and every stream)."""
+    llm = host.llm
+
+    def encode_and_check() -> list[int]:
+        prompt_ids = llm.encode_prompt(prompt)
+        llm.check_prompt(prompt_ids, params)
+        return prompt_ids
+
+    try:
+        return await anyio.to_thread.run_sync(encode_and_check)
+    except UserError as exc:
+        message = str(exc)
+        raise APIError(400, message, param="stop_token_ids" if message.startswith("stop_token_ids")
+                       else param) from None
+
+
+async def _submit(host: EngineHost, prompt_ids: list[int], params: SamplingParams, prefix: str) -> RequestStream:
+    request_id = new_id(prefix)
+    try:
+        return await host.engine.add_request(prompt_ids, params, request_id)
+    except Overloaded as exc:
+        if host.engine.draining:
+            raise APIError(503, str(exc), type_="service_unavailable") from None
+        # 429, not 5xx: the server is healthy, the client should back off (Retry-After).
+        raise APIError(429, str(exc), type_="rate_limit_exceeded", code="too_many_waiting_requests",
+                       headers={"Retry-After": str(OVERLOAD_RETRY_AFTER_S)}) from None
+    except UserError as exc:
+        raise APIError(400, str(exc)) from None
+    except EngineDead as exc:
+        raise APIError(503, str(exc), type_="service_unavailable") from None
+
+
+# --------------------------------------------------------- whole answers
+async def _final_output(stream: RequestStream) -> RequestOutput:
+    last: RequestOutput | None = None
+    async with contextlib.aclosing(stream.outputs()) as outputs:
+        async for output in outputs:
+            last = output
+    assert last is not None and last.finished
+    return last
+
+
+async def _collect_completion(stream: RequestStream, model: str) -> Response:
+    out = await _final_output(stream)
+    response = CompletionResponse(
+        id=stream.request_id, model=model,
+        choices=[CompletionChoice(text=out.text, finish_reason=out.finish_reason)],
+        usage=_usage(stream, out),
+    )
+    return JSONResponse(response.model_dump())
+
+
+async def _collect_chat(stream: RequestStream, model: str) -> Response:
+    out = await _final_output(stream)
+    response = ChatCompletionResponse(
+        id=stream.request_id, model=model,
+        choices=[ChatChoice(message=AssistantMessage(content=out.text), finish_reason=out.finish_reason)],
+        usage=_usage(stream, out),
+    )
+    return JSONResponse(response.model_dump())
+
+
+# ------------------------------------------------------------ stream bodies
+def _usage(stream: RequestStream, out: RequestOutput) -> UsageInfo:
+    return UsageInfo.of(len(stream.prompt_ids), len(out.token_ids))
+
+
+async def _stream_chunks(stream: RequestStream, include_usage: bool, continuous_usage: bool,
+                         chunk: Callable[[RequestOutput | None, UsageInfo | None], str],
+                         first: str | None = None) -> AsyncIterator[str]:
+    """The shared SSE framing of both endpoints: optional first chunk, one chunk
+    per output with text or a finish reason, the usage chunk, ``[DONE]``."""
+    last: RequestOutput | None = None
+    try:
+        if first is not None:
+            yield sse(first)
+        async with contextlib.aclosing(stream.outputs()) as outputs:
+            async for out in outputs:
+                last = out
+                if out.delta_text or out.finished:
+                    yield sse(chunk(out, _usage(stream, out) if continuous_usage else None))
+        if include_usage and last is not None:
+            yield sse(chunk(None, _usage(stream, last)))
+    except (EngineDead, UserError) as exc:
+        yield sse(json.dumps(APIError(500, str(exc), type_="internal_error").body()))
+    yield "data: [DONE]\n\n"
+
+
+def _completion_chunks(stream: RequestStream, model: str, include_usage: bool,
+                       continuous_usage: bool) -> AsyncIterator[str]:
+    def chunk(out: RequestOutput | None, usage: UsageInfo | None) -> str:
+        choices = [] if out is None else [CompletionChoice(text=out.delta_text, finish_reason=out.finish_reason)]
+        return CompletionResponse(id=stream.request_id, model=model, choices=choices, usage=usage).model_dump_json()
+
+    return _stream_chunks(stream, include_usage, continuous_usage, chunk)
+
+
+def _chat_chunks(stream: RequestStream, model: str, include_usage: bool,
+                 continuous_usage: bool) -> AsyncIterator[str]:
+    def chunk(out: RequestOutput | None, usage: UsageInfo | None) -> str:
+        choices = [] if out is None else [
+            ChatChunkChoice(delta=DeltaMessage(content=out.delta_text), finish_reason=out.finish_reason)
+        ]
+        return ChatCompletionChunk(id=stream.request_id, model=model, choices=choices,
+                                   usage=usage).model_dump_json()
+
+    first = ChatCompletionChunk(id=stream.request_id, model=model,
+                                choices=[ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
+    return _stream_chunks(stream, include_usage, continuous_usage, chunk, first=first.model_dump_json())
