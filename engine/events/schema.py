@@ -179,9 +179,10 @@ class StepEvent(Event):
     num_decode_tokens: int = 0
     num_running: int = 0
     num_waiting: int = 0
-    kv_blocks_used: int = 0
+    kv_blocks_used: int = 0  # after the step: finished requests' blocks already freed
     kv_blocks_cached_free: int = 0
     kv_blocks_total: int = 0
+    kv_blocks_used_forward: int = 0  # held during the forward pass (0 in recordings before it existed)
     allocated: dict[str, list[int]] = field(default_factory=dict)
     freed: dict[str, list[int]] = field(default_factory=dict)
     cached: list[int] = field(default_factory=list)

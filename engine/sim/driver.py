@@ -10,12 +10,13 @@ and publishes the step events, so tests, ``engine bench-scheduler`` and later
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.core.step_loop import FixedTokenExecutor, run_step
 from engine.events import EventBus
+from engine.events.tally import RunTally
 
 SAMPLED_TOKEN_ID = 7  # what the "model" always answers; never a stop token here
 
@@ -33,20 +34,11 @@ class DriverRequest:
 
 
 @dataclass(slots=True)
-class DriverResult:
-    steps: int = 0
-    preemptions: int = 0
-    peak_running: int = 0
-    peak_waiting: int = 0
-    peak_blocks_used: int = 0
-    finished: int = 0
-    rejected: int = 0
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-    prefix_query_tokens: int = 0
-    prefix_hit_tokens: int = 0
-    finish_step: dict[str, int] = field(default_factory=dict)
-    first_token_step: dict[str, int] = field(default_factory=dict)
+class DriverResult(RunTally):
+    """The run's tally (folded from its events), with the driver's own time axis:
+    ``finish_step`` and ``first_token_step`` count driver steps (idle steps
+    between arrivals included), which is also ``now / step_time_s``."""
+
     completed: bool = True  # False when max_steps ran out first
 
 
@@ -94,54 +86,41 @@ def run_driver(
     step's ``update_from_output`` (tests use it to check invariants). When a bus
     is given and its clock is not set by the caller, events carry the same time.
     """
+    if scheduler is not None and scheduler.bus is not None:
+        bus = scheduler.bus
+    elif bus is None:
+        bus = EventBus()  # private: the tally folds events even when nobody else listens
     sched = scheduler if scheduler is not None else Scheduler(config, bus)
+    sched.bus = bus
+    result = DriverResult()
+    bus.subscribe(result)
     by_step: dict[int, list[DriverRequest]] = {}
     for spec in requests:
         by_step.setdefault(spec.arrival_step, []).append(spec)
     last_arrival = max(by_step) if by_step else 0
-    result = DriverResult()
+    driver_step_of: dict[int, int] = {}  # scheduler step index -> driver step
     step = 0
-    while step < max_steps:
-        now = step * step_time_s
-        for spec in by_step.get(step, ()):
-            req = Request(
-                spec.request_id,
-                spec.prompt_token_ids,
-                spec.output_tokens,
-                ignore_eos=True,
-                arrival_time=now,
-                priority=spec.priority,
-            )
-            if not sched.add_request(req, now):
-                result.rejected += 1
-        if not sched.has_unfinished():
-            if step >= last_arrival:
-                break
+    try:
+        while step < max_steps:
+            now = step * step_time_s
+            for spec in by_step.get(step, ()):
+                sched.add_request(Request(spec.request_id, spec.prompt_token_ids, spec.output_tokens,
+                                          ignore_eos=True, arrival_time=now, priority=spec.priority), now)
+            if not sched.has_unfinished():
+                if step >= last_arrival:
+                    break
+                step += 1
+                continue
+            out, _ = driver_step(sched, bus, now)
+            driver_step_of[out.step_index] = step
+            if on_step is not None:
+                on_step(sched, out)
             step += 1
-            continue
-        out, finished = driver_step(sched, bus, now)
-
-        result.steps += 1
-        result.preemptions += len(out.preempted_req_ids)
-        result.num_prefill_tokens += out.num_prefill_tokens
-        result.num_decode_tokens += out.num_decode_tokens
-        result.prefix_query_tokens += out.deltas.prefix_query_tokens
-        result.prefix_hit_tokens += out.deltas.prefix_hit_tokens
-        if out.num_running > result.peak_running:
-            result.peak_running = out.num_running
-        if out.num_waiting > result.peak_waiting:
-            result.peak_waiting = out.num_waiting
-        if out.num_blocks_used_scheduled > result.peak_blocks_used:
-            result.peak_blocks_used = out.num_blocks_used_scheduled
-        for s in out.scheduled:
-            if s.samples and s.request.first_token_time == now and s.request.request_id not in result.first_token_step:
-                result.first_token_step[s.request.request_id] = step
-        for req in finished:
-            result.finish_step[req.request_id] = step
-        result.finished += len(finished)
-        if on_step is not None:
-            on_step(sched, out)
-        step += 1
-    else:
-        result.completed = not sched.has_unfinished()
+        else:
+            result.completed = not sched.has_unfinished()
+    finally:
+        bus.unsubscribe(result)
+    for times in (result.finish_step, result.first_token_step):
+        for request_id, index in times.items():
+            times[request_id] = driver_step_of[index]
     return result
