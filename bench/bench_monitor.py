@@ -17,7 +17,7 @@ import time
 from engine.budget.config import EngineConfig
 from engine.events import Event, EventBus
 from engine.sim.simulate import build_setup, simulate
-from engine.sim.traffic import WorkloadSpec, generate_workload
+from engine.sim.workload import WorkloadSpec, generate_workload
 from monitor.app import MonitorApp
 from monitor.state import Timeline
 from monitor.widgets.block_map import BlockMap

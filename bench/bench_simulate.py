@@ -12,7 +12,7 @@ import time
 
 from engine.events import EventBus, JsonlSink
 from engine.sim.simulate import Simulation, build_setup
-from engine.sim.traffic import WorkloadSpec, generate_workload
+from engine.sim.workload import WorkloadSpec, generate_workload
 
 NUM_REQUESTS = 10_000
 TARGET_S = 60.0

@@ -19,7 +19,7 @@ from engine.events.block_table import BlockTableState
 from engine.llm import LLM
 from engine.logs import configure_logging
 from engine.model.device import measure_peak
-from engine.sim.workload import make_workload, ordinary_token_ids
+from engine.sim.workload import VocabTokenIds, WorkloadSpec, generate_workload, ordinary_token_ids
 from logparse.explain import Options, explain
 
 SMALL = dict(max_model_len=1024, kv_cache_memory_bytes=32 * 2**20, max_num_batched_tokens=512, max_num_seqs=32,
@@ -148,11 +148,11 @@ def test_folding_events_rebuilds_the_block_table_at_every_step(recorded) -> None
 
     engine.bus.subscribe(record_truth)
     start = len(events)
-    vocab = ordinary_token_ids(engine.startup.model_config.vocab_size, set())
-    workload = make_workload(64, (24, 80), (8, 24), vocab, seed=3)
+    ids = VocabTokenIds(ordinary_token_ids(engine.startup.model_config.vocab_size, set()), seed=3)
+    workload = generate_workload(WorkloadSpec(64, (24, 81), (8, 25), seed=3))  # prompts 24-80, outputs 8-24 tokens
     try:
-        llm.generate([w.prompt_token_ids for w in workload],
-                     [SamplingParams(temperature=0.0, max_tokens=w.max_tokens, ignore_eos=True) for w in workload])
+        llm.generate([ids.prompt(w) for w in workload],
+                     [SamplingParams(temperature=0.0, max_tokens=w.output_tokens, ignore_eos=True) for w in workload])
     finally:
         engine.bus.unsubscribe(record_truth)
     state = BlockTableState()

@@ -21,7 +21,7 @@ from engine.errors import UserError
 from engine.events import EventBus, JsonlSink, RequestScheduled, StartupPhase, StepEvent, read_events
 from engine.sim.replay import Replayer, load_recording
 from engine.sim.simulate import Simulation, build_setup
-from engine.sim.traffic import WorkloadSpec, generate_workload
+from engine.sim.workload import WorkloadSpec, generate_workload
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +180,7 @@ def test_verify_on_a_real_engine_recording(tmp_path: Path, capsys: pytest.Captur
     """The bundled model on a 45-block pool (32 MiB of float32 KV: the same on every ISA): preemptions
     and prefix hits."""
     path = tmp_path / "real.jsonl"
-    code = main(["run-workload", "--num-requests", "8", "--prompt-len", "40:100", "--output-len", "30:70",
+    code = main(["run-workload", "--num-prompts", "8", "--random-input-len", "60:120", "--random-output-len", "30:70",
                  "--max-model-len", "512", "--kv-cache-memory-bytes", "32Mi", "--dtype", "float32",
                  "--shared-prefix-fraction", "0.5",
                  "--shared-prefix-len", "48", "--threads", "1", "--events", str(path), "--log-format", "json"])
@@ -214,8 +214,8 @@ def test_cli_verify_at_and_mismatch_exit_codes(sim_recording: Path, tmp_path: Pa
 
 def test_the_committed_simulation_sample_verifies() -> None:
     """samples/sim_h100_llama8b.jsonl (monitor fixture) was made with:
-    engine simulate --num-requests 150 --prompt-tokens 200:2500 --output-tokens 40:300 --arrival poisson
-    --rate 12 --arrival-unit s --shared-prefix-fraction 0.4 --shared-prefix-tokens 512 --max-num-seqs 64
+    engine simulate --num-prompts 150 --random-input-len 200:2500 --random-output-len 40:300 --arrival poisson
+    --request-rate 12 --arrival-unit s --shared-prefix-fraction 0.4 --shared-prefix-len 512 --max-num-seqs 64
     --num-gpu-blocks-override 2500 --max-model-len 8192 --workload-seed 11 --events samples/sim_h100_llama8b.jsonl"""
     path = Path(__file__).resolve().parent.parent / "samples" / "sim_h100_llama8b.jsonl"
     assert path.stat().st_size < 3 * 2**20

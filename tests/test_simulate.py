@@ -27,7 +27,7 @@ from engine.sim.simulate import (
     percentile,
     simulate,
 )
-from engine.sim.traffic import WorkloadRequest, WorkloadSpec, generate_workload
+from engine.sim.workload import WorkloadRequest, WorkloadSpec, generate_workload
 
 BACKGROUND_POOL = 27_635  # background part 3: 442,160 tokens in blocks of 16
 
@@ -169,7 +169,7 @@ def test_cli_summary_json_and_trace(tmp_path: Path, capsys: pytest.CaptureFixtur
                  "--max-model-len", "4096"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["finished"] == 10 and summary["output_tokens"] == 200 and summary["num_blocks"] == 5000
-    assert main(["simulate", "--num-requests", "5", "--max-model-len", "8192"]) == 0
+    assert main(["simulate", "--num-prompts", "5", "--max-model-len", "8192"]) == 0
     out = capsys.readouterr().out
     assert "binding limit" in out and "TTFT" in out and "requests finished 5," in out
 
@@ -177,8 +177,10 @@ def test_cli_summary_json_and_trace(tmp_path: Path, capsys: pytest.CaptureFixtur
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--prompt-tokens", "abc"], "--prompt-tokens"),
-        (["--arrival", "poisson"], "--rate"),
+        (["--random-input-len", "abc"], "--random-input-len"),
+        (["--prompt-tokens", "abc"], "--random-input-len"),  # the old spelling parses; the error names the flag
+        (["--random-output-len", "9:9"], "--random-output-len"),  # HI is exclusive: 9:9 is empty
+        (["--arrival", "poisson"], "--request-rate"),
         (["--sweep", "bogus=1,2"], "--sweep"),
         (["--plot", "x.png"], "--plot draws a sweep"),
         (["--efficiency", "1.5"], "--efficiency"),

@@ -1,5 +1,10 @@
 """Command-line flags under vLLM's names, defined once and shared by every
-``engine`` subcommand that builds or plans an engine."""
+``engine`` subcommand that builds, plans or loads an engine: the engine's own
+flags (``vllm serve``'s names) and the workload flags of ``run-workload``,
+``demo`` and ``simulate`` (``vllm bench serve``'s names where kvscope means the
+same thing). A flag that was spelled differently before keeps its old spelling
+as an alias of the same argument (:data:`RETIRED_SPELLINGS`); ``--help`` shows
+only the current one."""
 
 from __future__ import annotations
 
@@ -11,6 +16,19 @@ from engine.budget.config import BUNDLED_MODEL_NAME, EngineConfig, parse_dtype
 from engine.budget.memory import parse_bytes, parse_gib, parse_kv_cache_dtype
 from engine.core.policy import POLICIES
 from engine.errors import UserError
+from engine.sim.workload import ARRIVAL_UNITS, ARRIVALS, WorkloadSpec, parse_range
+
+# Old spelling -> the flag it is now an alias of (tests/test_cli_flags.py holds every
+# subcommand to this: an old spelling is never an argument of its own).
+RETIRED_SPELLINGS: dict[str, str] = {
+    "--num-requests": "--num-prompts",
+    "--prompt-len": "--random-input-len",
+    "--prompt-tokens": "--random-input-len",
+    "--output-len": "--random-output-len",
+    "--output-tokens": "--random-output-len",
+    "--rate": "--request-rate",
+    "--shared-prefix-tokens": "--shared-prefix-len",
+}
 
 
 def _positive_int(flag: str):
@@ -59,10 +77,12 @@ def bytes_type(flag: str) -> Callable[[str], int]:
     return _user_error_as_argparse(parse_bytes, flag)
 
 
-def add_model_flags(p: argparse.ArgumentParser, positional: bool = False) -> None:
+def add_model_flags(p: argparse.ArgumentParser, positional: bool = False,
+                    default_model: str = BUNDLED_MODEL_NAME) -> None:
+    """``default_model`` only words the help: the command resolves a missing ``--model`` itself."""
     if positional:
         p.add_argument("model_pos", nargs="?", metavar="MODEL", help="model preset, .gguf file or HF folder")
-    p.add_argument("--model", default=None, help=f"model preset, .gguf file or HF folder (default {BUNDLED_MODEL_NAME})")
+    p.add_argument("--model", default=None, help=f"model preset, .gguf file or HF folder (default {default_model})")
     p.add_argument("--dtype", default="auto", help="weights/activation dtype: auto, bfloat16, float16, float32")
     p.add_argument("--kv-cache-dtype", default="auto", type=_user_error_as_argparse(parse_kv_cache_dtype, "--kv-cache-dtype"),
                    help="auto (= --dtype), bfloat16, float16, float32, fp8 (= fp8_e4m3), fp8_e5m2 (vLLM's, scale 1.0), "
@@ -84,8 +104,8 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=_positive_int("--max-num-seqs"), default=256)
     p.add_argument("--max-num-batched-tokens", type=_positive_int("--max-num-batched-tokens"), default=8192)
     p.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    p.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=True)
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of prompt prefixes already computed (default on)")
     p.add_argument("--scheduling-policy", choices=list(POLICIES), default="fcfs",
                    help="waiting-queue order and preemption victim (engine/core/policy.py)")
 
@@ -106,13 +126,101 @@ def add_engine_flags(p: argparse.ArgumentParser, positional_model: bool = False)
                         "blocks as they are) for decode-sized steps, through kvscope's GEMV kernels; auto "
                         "(default) uses a GGUF's own Q4_1/Q8_0 blocks (the same weights), none keeps floats only")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: skip CUDA-graph capture in phase F")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the engine's sampling (temperature > 0)")
     p.add_argument("--stats-interval", type=float, default=10.0, help="seconds between stats lines/events")
     p.add_argument("--log-prompts", action="store_true", help="put prompt and output text in events and logs")
     p.add_argument("--events", dest="events_path", default=None, metavar="PATH", help="record every event to JSONL")
     p.add_argument("--log-format", choices=["auto", "console", "json"], default="auto")
-    p.add_argument("--threads", dest="num_threads", type=_positive_int("--threads"), default=None,
+    p.add_argument("--threads", dest="num_threads", type=_positive_int("--threads"), default=None, metavar="N",
                    help="CPU threads for torch (default: all cores)")
+
+
+def _add_aliased(p: argparse.ArgumentParser | argparse._ArgumentGroup, name: str, **kwargs: Any) -> argparse.Action:
+    """``name`` plus its retired spellings as one argument (one ``dest``). Only
+    ``name`` stays in the action's option strings, so ``--help``, the usage line
+    and argparse's errors show one spelling; the old ones still parse."""
+    old = [o for o, new in RETIRED_SPELLINGS.items() if new == name]
+    action = p.add_argument(name, *old, **kwargs)
+    action.option_strings = [name]
+    return action
+
+
+RANGE_HELP = ("Lengths are token counts: LO:HI draws each uniformly from LO to HI-1\n"
+              "(HI exclusive, like a Python slice); one number N means exactly N.")
+
+
+def add_workload_flags(
+    p: argparse.ArgumentParser,
+    *,
+    num_prompts: int | None,
+    input_len: str,
+    output_len: str,
+    request_rate: float,
+    shared_prefix_fraction: float = 0.0,
+    shared_prefix_len: int = 0,
+    simulated: bool = False,
+    num_prompts_help: str | None = None,
+) -> argparse._ArgumentGroup:
+    """The workload flags of ``run-workload``, ``demo`` and ``simulate``, in one
+    "workload" group, with each command's defaults. ``simulated`` adds the
+    arrival patterns only the simulator runs (uniform, by step, closed loop,
+    traces); the real engine's arrivals are Poisson in seconds at --request-rate."""
+    w = p.add_argument_group("workload", RANGE_HELP)
+    _add_aliased(w, "--num-prompts", type=_positive_int("--num-prompts"), default=num_prompts, metavar="N",
+                 help=num_prompts_help or f"requests in the workload (default {num_prompts})")
+    _add_aliased(w, "--random-input-len", default=input_len, metavar="LO:HI",
+                 help=f"prompt tokens per request (default {input_len})")
+    _add_aliased(w, "--random-output-len", default=output_len, metavar="LO:HI",
+                 help=f"tokens generated per request, EOS ignored (default {output_len})")
+    if simulated:
+        w.add_argument("--arrival", choices=ARRIVALS, default="at-once",
+                       help="at-once, uniform over --arrival-window, or poisson at --request-rate (default at-once)")
+        w.add_argument("--arrival-unit", choices=ARRIVAL_UNITS, default="step",
+                       help="arrivals by scheduler step or by simulated second (default step)")
+        w.add_argument("--arrival-window", type=float, default=0.0, metavar="T",
+                       help="uniform arrivals: the window, in steps or seconds as --arrival-unit says")
+    rate_help = ("poisson arrivals: requests per --arrival-unit" if simulated else
+                 f"requests per second, Poisson arrivals; inf sends them all at once (default {request_rate:g})")
+    _add_aliased(w, "--request-rate", type=float, default=request_rate, metavar="R", help=rate_help)
+    w.add_argument("--shared-prefix-fraction", type=float, default=shared_prefix_fraction, metavar="F",
+                   help=f"fraction of requests that start with one shared prefix (default {shared_prefix_fraction:g})")
+    _add_aliased(w, "--shared-prefix-len", type=int, default=shared_prefix_len, metavar="N",
+                 help=f"tokens in that shared prefix, at most a prompt's length minus one (default {shared_prefix_len})")
+    if simulated:
+        w.add_argument("--concurrency", type=_positive_int("--concurrency"), default=None, metavar="N",
+                       help="closed loop: N requests in flight, the next sent when one finishes (arrivals ignored)")
+        w.add_argument("--trace", default=None, metavar="PATH",
+                       help="JSONL trace instead of the draws: arrival_time (s) or arrival_step, prompt_tokens, "
+                            "output_tokens per line")
+    w.add_argument("--workload-seed", type=int, default=0, metavar="S",
+                   help="seed of the workload's draws (default 0)")
+    return w
+
+
+def workload_spec_from_args(args: argparse.Namespace) -> WorkloadSpec:
+    """The :class:`~engine.sim.workload.WorkloadSpec` the workload flags describe.
+    Without ``--arrival`` (the real engine's commands) arrivals are Poisson in
+    seconds at ``--request-rate``, or all at once when it is inf."""
+    rate = args.request_rate
+    arrival = getattr(args, "arrival", None)
+    if arrival is None:
+        if not rate > 0:
+            raise UserError(f"--request-rate {rate:g}: must be positive (inf sends every request at once)")
+        arrival, unit = ("at-once" if rate == float("inf") else "poisson"), "s"
+    else:
+        unit = args.arrival_unit
+    return WorkloadSpec(
+        num_requests=args.num_prompts,
+        prompt_range=parse_range(args.random_input_len, "--random-input-len"),
+        output_range=parse_range(args.random_output_len, "--random-output-len"),
+        arrival=arrival,
+        unit=unit,
+        window=getattr(args, "arrival_window", 0.0),
+        rate=rate,
+        shared_prefix_fraction=args.shared_prefix_fraction,
+        shared_prefix_tokens=args.shared_prefix_len,
+        seed=args.workload_seed,
+    )
 
 
 def model_from_args(args: argparse.Namespace) -> str:

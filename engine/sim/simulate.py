@@ -37,7 +37,7 @@ from engine.errors import UserError
 from engine.events import PHASES, EngineConfigEvent, EventBus, StartupPhase
 from engine.events.stats import StatsReporter
 from engine.sim.driver import SAMPLED_TOKEN_ID
-from engine.sim.traffic import TokenIdSource, WorkloadRequest
+from engine.sim.workload import TokenIdSource, WorkloadRequest
 
 DEFAULT_MODEL = "llama-3.1-8b"
 DEFAULT_GPU = "h100-80gb"
@@ -552,7 +552,7 @@ def concurrency_sweep(
 ) -> list[dict[str, Any]]:
     """The saturation curve: ``c`` closed-loop users for each level, each sending
     ``requests_per_user`` requests back to back (draws as the background's)."""
-    from engine.sim.traffic import WorkloadSpec, generate_workload
+    from engine.sim.workload import WorkloadSpec, generate_workload
 
     rows: list[dict[str, Any]] = []
     for c in levels:

@@ -1,74 +1,229 @@
-"""Synthetic workloads for ``engine run-workload`` and ``make demo``: random
-prompts drawn from the tokenizer's ordinary vocabulary, optional shared prefixes
-(to exercise prefix caching), Poisson arrivals in seconds."""
+"""Workloads: which requests arrive when, with how many prompt and output tokens,
+and the token ids that fill those counts. One generator for every command:
+``engine simulate`` (the cost model), ``engine run-workload`` and ``engine demo``
+(the real engine), the benchmarks and the tests.
+
+A workload is a list of :class:`WorkloadRequest` (token counts and an arrival,
+not text). It is drawn from a :class:`WorkloadSpec` (length ranges, arrival
+pattern, shared-prefix fraction) by :func:`generate_workload`, or read from a
+trace file by :func:`load_trace` (JSONL, one request per line:
+``{"arrival_time": 0.25, "prompt_tokens": 812, "output_tokens": 128}``).
+
+Draws follow the background's notebook exactly so its figures can be
+reproduced: lengths come from ``numpy.random.default_rng(seed)`` as
+``integers(lo, hi, n)`` prompts then ``integers(lo, hi, n)`` outputs, arrivals
+from a second ``default_rng(seed)``, the shared-prefix choice from
+``default_rng(seed + 1)``. Every length range is ``(lo, hi)`` with ``hi``
+exclusive, like numpy's ``integers`` and a Python slice; on the command line
+``LO:HI`` means the same and one number ``N`` means exactly ``N`` (``(N, N + 1)``).
+
+A request's counts become token ids through a :class:`TokenIds` source, the same
+way for both executors: :class:`TokenIdSource` (the simulator's synthetic ids,
+cheap ranges that never collide) or :class:`VocabTokenIds` (the real engine's:
+seeded draws from the tokenizer's ordinary vocabulary, :func:`ordinary_token_ids`).
+Either way the shared-prefix requests start with the same ids, so prefix caching
+hits, and no other two prompts share a prefix by design.
+
+:func:`drive_workload` feeds a workload to a real :class:`~engine.llm_engine.LLMEngine`
+at its arrival times and folds the run's events into a :class:`WorkloadSummary`
+(:class:`SummaryCollector`, also the demo's bus subscriber).
+"""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
 from engine.errors import UserError
 
+ARRIVALS = ("at-once", "uniform", "poisson")
+ARRIVAL_UNITS = ("step", "s")
+SHARED_PREFIX_FIRST_ID = 100  # the synthetic shared system prompt's token ids start here
+UNIQUE_FIRST_ID = 1_000_000  # each request's own synthetic token ids start above this
 
-@dataclass(slots=True)
+
+# ------------------------------------------------------------------ requests
+@dataclass(frozen=True, slots=True)
 class WorkloadRequest:
-    arrival_s: float
-    prompt_token_ids: list[int]
-    max_tokens: int
+    """One request of a workload, in token counts. ``arrival_step`` (scheduler
+    ticks, the simulator only) wins over ``arrival_time`` (seconds) when set;
+    the first ``shared_prefix_tokens`` prompt tokens are the shared prefix."""
+
+    request_id: str
+    prompt_tokens: int
+    output_tokens: int
+    arrival_time: float = 0.0
+    arrival_step: int | None = None
+    shared_prefix_tokens: int = 0
+    priority: int = 0
 
 
-def parse_range(text: str, flag: str, hi_exclusive: bool = False) -> tuple[int, int]:
-    """``"64:512"`` -> (64, 512); ``"128"`` -> (128, 128). With ``hi_exclusive``
-    (numpy's ``integers(lo, hi)``, as ``engine simulate`` draws the background's
-    workloads) ``"1000"`` -> (1000, 1001) and LO must be below HI."""
+@dataclass(frozen=True, slots=True)
+class WorkloadSpec:
+    """How to draw a workload. Ranges are ``(lo, hi)`` with ``hi`` exclusive (numpy's
+    ``integers``). ``arrival``: ``at-once`` | ``uniform`` (over ``window``) |
+    ``poisson`` (``rate`` per unit); ``unit``: ``step`` | ``s``. A
+    ``shared_prefix_fraction`` of the requests start with the same
+    ``shared_prefix_tokens`` tokens (cut to the prompt's length minus one)."""
+
+    num_requests: int
+    prompt_range: tuple[int, int]
+    output_range: tuple[int, int]
+    arrival: str = "at-once"
+    unit: str = "step"
+    window: float = 0.0
+    rate: float = 0.0
+    shared_prefix_fraction: float = 0.0
+    shared_prefix_tokens: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_requests < 1:
+            raise UserError(f"--num-prompts {self.num_requests}: give at least 1")
+        for flag, (lo, hi) in (("--random-input-len", self.prompt_range), ("--random-output-len", self.output_range)):
+            if lo < 1 or hi <= lo:
+                raise UserError(f"{flag} {lo}:{hi}: give LO:HI with 1 <= LO < HI (HI exclusive), or one number")
+        if self.arrival not in ARRIVALS:
+            raise UserError(f"--arrival {self.arrival!r}: use one of {', '.join(ARRIVALS)}")
+        if self.unit not in ARRIVAL_UNITS:
+            raise UserError(f"--arrival-unit {self.unit!r}: use step or s")
+        if self.arrival == "uniform" and self.window <= 0:
+            raise UserError("--arrival uniform needs --arrival-window > 0 (steps or seconds)")
+        if self.arrival == "poisson" and self.rate <= 0:
+            raise UserError("--arrival poisson needs --request-rate > 0 (requests per step or per second)")
+        if not 0.0 <= self.shared_prefix_fraction <= 1.0:
+            raise UserError(f"--shared-prefix-fraction {self.shared_prefix_fraction}: must be in [0, 1]")
+        if self.shared_prefix_fraction > 0 and self.shared_prefix_tokens < 1:
+            raise UserError("--shared-prefix-fraction needs --shared-prefix-len > 0")
+
+
+def parse_range(text: str, flag: str) -> tuple[int, int]:
+    """``"500:3000"`` -> (500, 3000), HI exclusive as numpy's ``integers`` draws;
+    ``"1000"`` -> (1000, 1001), exactly 1,000. Commas and underscores are ignored."""
     parts = str(text).replace(",", "").replace("_", "").split(":")
     try:
         values = [int(p) for p in parts] if len(parts) in (1, 2) else []
     except ValueError:
         values = []
     if len(values) == 1:
-        values.append(values[0] + 1 if hi_exclusive else values[0])
-    lo, hi = values if len(values) == 2 else (0, -1)
-    if lo < 1 or hi < lo or (hi_exclusive and hi == lo):
-        kind = "LO:HI with HI exclusive" if hi_exclusive else "A:B with 1 <= A <= B"
-        raise UserError(f"{flag} {text!r}: give a length or a range {kind}, for example 64:512")
+        values.append(values[0] + 1)
+    lo, hi = values if len(values) == 2 else (0, 0)
+    if lo < 1 or hi <= lo:
+        raise UserError(f"{flag} {text!r}: give a length N or a range LO:HI with 1 <= LO < HI "
+                        "(HI exclusive), for example 64:512")
     return lo, hi
 
 
-def make_workload(
-    num_requests: int,
-    prompt_len: tuple[int, int],
-    output_len: tuple[int, int],
-    vocab_ids: np.ndarray,
-    rate: float = float("inf"),
-    seed: int = 0,
-    shared_prefix_fraction: float = 0.0,
-    shared_prefix_len: int = 256,
-) -> list[WorkloadRequest]:
-    """``rate`` requests per second with exponential gaps (inf: all at time 0).
-    A ``shared_prefix_fraction`` of the requests start with the same
-    ``shared_prefix_len`` tokens (a system prompt), so prefix caching has hits."""
-    if num_requests < 1:
-        raise UserError(f"--num-requests {num_requests}: must be at least 1")
-    if not 0 <= shared_prefix_fraction <= 1:
-        raise UserError(f"--shared-prefix-fraction {shared_prefix_fraction}: must be in [0, 1]")
-    if rate <= 0:
-        raise UserError(f"--rate {rate}: must be positive (inf sends everything at once)")
-    rng = np.random.default_rng(seed)
-    prefix = rng.choice(vocab_ids, shared_prefix_len).tolist()
-    t = 0.0
+def generate_workload(spec: WorkloadSpec) -> list[WorkloadRequest]:
+    """Draw the workload ``spec`` describes (deterministic for its seed)."""
+    n = spec.num_requests
+    rng = np.random.default_rng(spec.seed)
+    prompts = rng.integers(*spec.prompt_range, n)
+    outputs = rng.integers(*spec.output_range, n)
+    arrival_rng = np.random.default_rng(spec.seed)
+    if spec.arrival == "at-once":
+        arrivals = np.zeros(n)
+    elif spec.arrival == "uniform":
+        if spec.unit == "step":
+            arrivals = np.sort(arrival_rng.integers(0, int(spec.window), n))
+        else:
+            arrivals = np.sort(arrival_rng.uniform(0.0, spec.window, n))
+    else:
+        gaps = arrival_rng.exponential(1.0 / spec.rate, n)
+        arrivals = np.cumsum(gaps) - gaps[0]
+        if spec.unit == "step":
+            arrivals = np.floor(arrivals)
+    shared = np.zeros(n, dtype=bool)
+    if spec.shared_prefix_fraction > 0:
+        shared = np.random.default_rng(spec.seed + 1).random(n) < spec.shared_prefix_fraction
     out: list[WorkloadRequest] = []
-    for _ in range(num_requests):
-        n = int(rng.integers(prompt_len[0], prompt_len[1] + 1))
-        m = int(rng.integers(output_len[0], output_len[1] + 1))
-        ids = rng.choice(vocab_ids, n).tolist()
-        if shared_prefix_fraction and rng.random() < shared_prefix_fraction:
-            ids = (prefix + ids)[: max(n, shared_prefix_len + 1)]
-        out.append(WorkloadRequest(arrival_s=t, prompt_token_ids=ids, max_tokens=m))
-        if rate != float("inf"):
-            t += float(rng.exponential(1.0 / rate))
+    for i in range(n):
+        prompt = int(prompts[i])
+        prefix = min(spec.shared_prefix_tokens, prompt - 1) if shared[i] else 0
+        at = float(arrivals[i])
+        out.append(
+            WorkloadRequest(
+                request_id=f"r{i}",
+                prompt_tokens=prompt,
+                output_tokens=int(outputs[i]),
+                arrival_time=0.0 if spec.unit == "step" else at,
+                arrival_step=int(at) if spec.unit == "step" else None,
+                shared_prefix_tokens=prefix,
+            )
+        )
     return out
+
+
+def load_trace(path: str | Path) -> list[WorkloadRequest]:
+    """Read a trace: one JSON object per line with ``arrival_time`` (seconds; or
+    ``arrival_step``), ``prompt_tokens``, ``output_tokens`` and optional
+    ``request_id``, ``shared_prefix_tokens``, ``priority``."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--trace {path}: no such file")
+    out: list[WorkloadRequest] = []
+    with p.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            try:
+                row = json.loads(line)
+                step = row.get("arrival_step")
+                req = WorkloadRequest(
+                    request_id=str(row.get("request_id", f"r{len(out)}")),
+                    prompt_tokens=int(row["prompt_tokens"]),
+                    output_tokens=int(row["output_tokens"]),
+                    arrival_time=float(row.get("arrival_time", 0.0)),
+                    arrival_step=None if step is None else int(step),
+                    shared_prefix_tokens=int(row.get("shared_prefix_tokens", 0)),
+                    priority=int(row.get("priority", 0)),
+                )
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise UserError(
+                    f"--trace {path}:{lineno}: each line must be a JSON object with arrival_time, "
+                    f"prompt_tokens and output_tokens ({type(exc).__name__}: {exc})"
+                ) from None
+            if req.prompt_tokens < 1 or req.output_tokens < 1:
+                raise UserError(f"--trace {path}:{lineno}: prompt_tokens and output_tokens must be at least 1")
+            out.append(req)
+    if not out:
+        raise UserError(f"--trace {path}: no requests in the file")
+    steps = {r.arrival_step is None for r in out}
+    if len(steps) > 1:
+        raise UserError(f"--trace {path}: give every line arrival_time or every line arrival_step, not a mix")
+    return out
+
+
+# ------------------------------------------------------------------ token ids
+class TokenIds(Protocol):
+    """Turns a request's counts into its prompt's token ids."""
+
+    def prompt(self, req: WorkloadRequest) -> list[int]: ...
+
+
+class TokenIdSource:
+    """The simulator's synthetic prompt token ids: a shared run for the shared
+    prefix, then ids no other request uses. Cheap (``range`` lists),
+    deterministic, never a stop id (no model reads them)."""
+
+    def __init__(self) -> None:
+        self._next_unique = UNIQUE_FIRST_ID
+
+    def unique(self, n: int) -> list[int]:
+        start = self._next_unique
+        self._next_unique += n
+        return list(range(start, start + n))
+
+    def prompt(self, req: WorkloadRequest) -> list[int]:
+        prefix = req.shared_prefix_tokens
+        shared = list(range(SHARED_PREFIX_FIRST_ID, SHARED_PREFIX_FIRST_ID + prefix))
+        return shared + self.unique(req.prompt_tokens - prefix)
 
 
 def ordinary_token_ids(vocab_size: int, special_ids: set[int]) -> np.ndarray:
@@ -79,6 +234,36 @@ def ordinary_token_ids(vocab_size: int, special_ids: set[int]) -> np.ndarray:
     return ids
 
 
+class VocabTokenIds:
+    """The real engine's prompt token ids: seeded draws from ``vocab_ids`` (the
+    tokenizer's ordinary vocabulary, :func:`ordinary_token_ids`). The shared
+    prefix is one fixed draw (``prefix[:k]`` is the same for every ``k``), each
+    prompt's remainder is drawn in the order prompts are asked for, so a
+    workload asked for in the same order gets the same ids for the same seed."""
+
+    def __init__(self, vocab_ids: Sequence[int] | np.ndarray, seed: int = 0) -> None:
+        self._vocab = np.asarray(vocab_ids)
+        if self._vocab.size == 0:
+            raise UserError("the tokenizer has no ordinary (non-special) token ids to draw prompts from")
+        self._prefix_rng = np.random.default_rng([seed, 1])
+        self._rng = np.random.default_rng([seed, 2])
+        self._prefix: list[int] = []
+
+    @classmethod
+    def for_engine(cls, engine: object, seed: int = 0) -> VocabTokenIds:
+        """Draws from a started :class:`~engine.llm_engine.LLMEngine`'s ordinary vocabulary."""
+        tok = engine.tokenizer  # type: ignore[attr-defined]
+        vocab_size = engine.startup.model_config.vocab_size  # type: ignore[attr-defined]
+        return cls(ordinary_token_ids(vocab_size, set(getattr(tok, "special_token_ids", set()))), seed)
+
+    def prompt(self, req: WorkloadRequest) -> list[int]:
+        k = req.shared_prefix_tokens
+        if k > len(self._prefix):
+            self._prefix += self._prefix_rng.choice(self._vocab, k - len(self._prefix)).tolist()
+        return self._prefix[:k] + self._rng.choice(self._vocab, req.prompt_tokens - k).tolist()
+
+
+# ------------------------------------------------------------------ the real engine
 @dataclass(slots=True)
 class WorkloadSummary:
     """Folded from ``request.finished`` / ``step`` events, like every other view."""
@@ -134,10 +319,12 @@ class SummaryCollector:
             s.preemptions += len(event.preempted)
 
 
-def drive_workload(engine: object, workload: list[WorkloadRequest], realtime: bool = True,
-                   should_stop: object = None) -> WorkloadSummary:
+def drive_workload(engine: object, workload: Sequence[WorkloadRequest], token_ids: TokenIds,
+                   realtime: bool = True, should_stop: object = None) -> WorkloadSummary:
     """Feed ``workload`` to an :class:`~engine.llm_engine.LLMEngine` at its arrival
-    times (``realtime``) or all at once, stepping until every request is done."""
+    times in seconds (``realtime``) or all at once, stepping until every request
+    is done. Prompts come from ``token_ids`` in arrival order; each request
+    generates exactly its ``output_tokens`` (greedy, EOS ignored)."""
     import time
 
     from engine.core.sampling_params import SamplingParams
@@ -146,7 +333,7 @@ def drive_workload(engine: object, workload: list[WorkloadRequest], realtime: bo
     assert isinstance(engine, LLMEngine)
     collector = SummaryCollector()
     engine.bus.subscribe(collector)
-    pending = sorted(workload, key=lambda r: r.arrival_s)
+    pending = sorted(workload, key=lambda r: r.arrival_time)
     start = time.monotonic()
     index = 0
     try:
@@ -154,15 +341,15 @@ def drive_workload(engine: object, workload: list[WorkloadRequest], realtime: bo
             if callable(should_stop) and should_stop():
                 break
             elapsed = time.monotonic() - start
-            while index < len(pending) and (not realtime or pending[index].arrival_s <= elapsed):
+            while index < len(pending) and (not realtime or pending[index].arrival_time <= elapsed):
                 req = pending[index]
-                engine.add_request(req.prompt_token_ids,
-                                   SamplingParams(temperature=0.0, max_tokens=req.max_tokens, ignore_eos=True))
+                engine.add_request(token_ids.prompt(req),
+                                   SamplingParams(temperature=0.0, max_tokens=req.output_tokens, ignore_eos=True))
                 index += 1
             if engine.has_unfinished():
                 engine.step()
             elif index < len(pending):
-                time.sleep(min(0.05, max(0.0, pending[index].arrival_s - elapsed)))
+                time.sleep(min(0.05, max(0.0, pending[index].arrival_time - elapsed)))
     finally:
         engine.bus.unsubscribe(collector)
     collector.summary.wall_s = time.monotonic() - start

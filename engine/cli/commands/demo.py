@@ -23,36 +23,39 @@ import httpx
 
 from engine.budget.config import EngineConfig
 from engine.cli.dashboard import load_dashboard
+from engine.cli.flags import add_workload_flags, bytes_type, workload_spec_from_args
 from engine.errors import UserError
 from engine.events import EventBus
 from engine.logs import configure_logging
 from engine.serve.app import EngineHost, ServerSettings
-from engine.sim.workload import (
-    SummaryCollector,
-    WorkloadRequest,
-    make_workload,
-    ordinary_token_ids,
-    parse_range,
-)
+from engine.sim.workload import SummaryCollector, TokenIds, VocabTokenIds, WorkloadRequest, generate_workload
 
 DEMO_MODEL = "smollm2-135m"
 # 182 blocks of 16: enough for one 2,048-token request, small enough to preempt under the demo's load.
 DEMO_POOL_TOKENS = 2912
 
 
+DESCRIPTION = f"""What make demo runs: {DEMO_MODEL} served on a free loopback port, streaming
+clients sending a synthetic load (random ordinary token ids, Poisson arrivals,
+a shared prefix for prefix-cache hits) and the live dashboard fed by the
+in-process bus (quit with q). The KV pool is small on purpose so it fills and
+requests get preempted. Without a terminal it runs headless for at most
+--duration seconds and prints a summary."""
+
+
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="the bundled model serving a synthetic load, with the live dashboard")
-    p.add_argument("--num-requests", type=int, default=None,
-                   help="requests the synthetic clients send (default 80 with the dashboard, 40 headless)")
-    p.add_argument("--rate", type=float, default=3.0, help="requests per second (Poisson arrivals)")
-    p.add_argument("--prompt-len", default="32:256", metavar="A:B")
-    p.add_argument("--output-len", default="16:128", metavar="A:B")
-    p.add_argument("--shared-prefix-fraction", type=float, default=0.4, help="share of requests with a common prefix")
-    p.add_argument("--kv-cache-memory-bytes", default=None,
-                   help=f"KV pool size (default: {DEMO_POOL_TOKENS:,} tokens in this CPU's dtype, small so preemptions show)")
-    p.add_argument("--duration", type=float, default=45.0, help="headless: stop after this many seconds")
+    p = sub.add_parser("demo", help="the bundled model serving a synthetic load, with the live dashboard",
+                       description=DESCRIPTION)
+    add_workload_flags(p, num_prompts=None, input_len="32:256", output_len="16:128", request_rate=3.0,
+                       shared_prefix_fraction=0.4, shared_prefix_len=192,
+                       num_prompts_help="requests the streaming clients send (default 80 with the dashboard, 40 headless)")
+    p.add_argument("--kv-cache-memory-bytes", type=bytes_type("--kv-cache-memory-bytes"), default=None,
+                   help=f"KV pool size in bytes, suffixes Ki/Mi/Gi allowed (default: {DEMO_POOL_TOKENS:,} tokens "
+                        "in this CPU's dtype, small so preemptions show)")
+    p.add_argument("--duration", type=float, default=45.0, help="headless: stop after this many seconds (default 45)")
     p.add_argument("--headless", action="store_true", help="no dashboard, print a summary (default when not a tty)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--threads", dest="num_threads", type=int, default=None, metavar="N",
+                   help="CPU threads for torch (default: all cores)")
     p.set_defaults(func=run)
 
 
@@ -64,12 +67,10 @@ def free_port() -> int:
 
 
 def demo_config(args: argparse.Namespace) -> EngineConfig:
-    from engine.budget.memory import parse_bytes
-
     config = EngineConfig(model=DEMO_MODEL, max_model_len=2048, max_num_seqs=32, max_num_batched_tokens=1024,
-                          stats_interval=5.0, num_threads=args.threads)
+                          stats_interval=5.0, num_threads=args.num_threads)
     if args.kv_cache_memory_bytes is not None:
-        config.kv_cache_memory_bytes = parse_bytes(args.kv_cache_memory_bytes, "--kv-cache-memory-bytes")
+        config.kv_cache_memory_bytes = args.kv_cache_memory_bytes
     else:
         config.kv_cache_memory_bytes = demo_pool_bytes(config)
     return config
@@ -89,12 +90,13 @@ def demo_pool_bytes(config: EngineConfig) -> int:
 
 
 class DemoLoad:
-    """Streaming clients that send ``workload`` at its arrival times; ``stop``
-    ends them (open streams are closed, which aborts their requests)."""
+    """Streaming clients that send ``workload`` at its arrival times, prompts from
+    ``token_ids``; ``stop`` ends them (open streams are closed, which aborts their requests)."""
 
-    def __init__(self, url: str, workload: list[WorkloadRequest]) -> None:
+    def __init__(self, url: str, workload: list[WorkloadRequest], token_ids: TokenIds) -> None:
         self.url = url + "/v1/completions"
         self.workload = workload
+        self.prompts = {req.request_id: token_ids.prompt(req) for req in workload}
         self.stop = threading.Event()
         self.done = threading.Event()
         self.sent = 0
@@ -118,8 +120,9 @@ class DemoLoad:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _one(self, client: httpx.AsyncClient, req: WorkloadRequest) -> None:
-        await asyncio.sleep(req.arrival_s)
-        body: dict[str, Any] = {"model": DEMO_MODEL, "prompt": req.prompt_token_ids, "max_tokens": req.max_tokens,
+        await asyncio.sleep(req.arrival_time)
+        body: dict[str, Any] = {"model": DEMO_MODEL, "prompt": self.prompts[req.request_id],
+                                "max_tokens": req.output_tokens,
                                 "temperature": 0.8, "stream": True, "ignore_eos": True}
         self.sent += 1
         async with client.stream("POST", self.url, json=body) as response:
@@ -136,8 +139,9 @@ def run(args: argparse.Namespace) -> int:
     from engine.cli.commands.serve import make_server
 
     headless = args.headless or not sys.stdout.isatty()
-    if args.num_requests is None:
-        args.num_requests = 40 if headless else 80
+    if args.num_prompts is None:
+        args.num_prompts = 40 if headless else 80
+    workload = generate_workload(workload_spec_from_args(args))  # bad workload flags fail before the server starts
     # No dashboard installed: a UserError before the engine starts.
     run_dashboard = None if headless else load_dashboard()
     if headless:
@@ -159,13 +163,7 @@ def run(args: argparse.Namespace) -> int:
         llm = host.engine.wait_ready()
         while not server.started and http_thread.is_alive():
             time.sleep(0.05)
-        tok = llm.tokenizer
-        vocab = ordinary_token_ids(llm.startup.model_config.vocab_size,
-                                   set(getattr(tok, "special_token_ids", set())))
-        workload = make_workload(args.num_requests, parse_range(args.prompt_len, "--prompt-len"),
-                                 parse_range(args.output_len, "--output-len"), vocab, rate=args.rate,
-                                 shared_prefix_fraction=args.shared_prefix_fraction, shared_prefix_len=192)
-        load = holder["load"] = DemoLoad(url, workload)
+        load = holder["load"] = DemoLoad(url, workload, VocabTokenIds.for_engine(llm, seed=args.workload_seed))
         load.run()
 
     http_thread.start()
@@ -174,8 +172,8 @@ def run(args: argparse.Namespace) -> int:
     start = time.monotonic()
     try:
         if headless:
-            print(f"engine demo: {DEMO_MODEL} on {url}, {args.num_requests} streaming requests at "
-                  f"{args.rate:g}/s (headless: at most {args.duration:g} s)", flush=True)
+            print(f"engine demo: {DEMO_MODEL} on {url}, {args.num_prompts} streaming requests at "
+                  f"{args.request_rate:g}/s (headless: at most {args.duration:g} s)", flush=True)
             while load_thread.is_alive() and time.monotonic() - start < args.duration:
                 load_thread.join(timeout=0.5)
         elif run_dashboard is not None:
@@ -192,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     if load is None:
         raise UserError("the demo load never started (the server did not come up)")
     state = host.view.snapshot()
-    print(f"sent {load.sent} of {args.num_requests} requests in {time.monotonic() - start:.1f} s; "
+    print(f"sent {load.sent} of {args.num_prompts} requests in {time.monotonic() - start:.1f} s; "
           f"KV pool {state['kv']['total']} blocks, {state['preemptions']} preemptions")
     summary.summary.wall_s = time.monotonic() - load.started  # the load's time, not the startup's
     for line in summary.summary.lines():

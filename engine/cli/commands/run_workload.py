@@ -8,47 +8,48 @@ import argparse
 import os
 import threading
 
-from engine.cli.flags import add_engine_flags, engine_config_from_args
+from engine.cli.flags import (
+    add_engine_flags,
+    add_workload_flags,
+    engine_config_from_args,
+    workload_spec_from_args,
+)
 from engine.events import EventBus
 from engine.llm_engine import LLMEngine
 from engine.logs import configure_logging
 from engine.sim.workload import (
+    VocabTokenIds,
+    WorkloadRequest,
     WorkloadSummary,
     drive_workload,
-    make_workload,
-    ordinary_token_ids,
-    parse_range,
+    generate_workload,
 )
+
+DESCRIPTION = """Run a synthetic workload through the real engine: prompts of random ordinary
+token ids (no special tokens), each generating exactly its output length (greedy,
+EOS ignored), sent at Poisson arrivals in seconds or all at once. Record it with
+--events run.jsonl for the monitor and replay; --monitor shows the live dashboard."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("run-workload", help="run a synthetic workload through the real engine and record it")
+    p = sub.add_parser("run-workload", help="run a synthetic workload through the real engine and record it",
+                       description=DESCRIPTION)
     add_engine_flags(p, positional_model=True)
-    add_workload_flags(p)
+    add_workload_flags(p, num_prompts=32, input_len="64:256", output_len="32:128", request_rate=float("inf"),
+                       shared_prefix_len=256)
     p.add_argument("--monitor", action="store_true", help="show the live dashboard in this terminal")
     p.set_defaults(func=run)
 
 
-def add_workload_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-requests", type=int, default=32)
-    p.add_argument("--prompt-len", default="64:256", metavar="A:B")
-    p.add_argument("--output-len", default="32:128", metavar="A:B")
-    p.add_argument("--rate", type=float, default=float("inf"), help="requests per second (default: all at once)")
-    p.add_argument("--shared-prefix-fraction", type=float, default=0.0)
-    p.add_argument("--shared-prefix-len", type=int, default=256)
-    p.add_argument("--workload-seed", type=int, default=0)
+def run_workload(args: argparse.Namespace, engine: LLMEngine, workload: list[WorkloadRequest], realtime: bool,
+                 should_stop: object = None) -> WorkloadSummary:
+    """Drive ``workload`` through ``engine``, its prompts drawn from the engine
+    tokenizer's ordinary vocabulary with the workload's seed."""
+    ids = VocabTokenIds.for_engine(engine, seed=args.workload_seed)
+    return drive_workload(engine, workload, ids, realtime=realtime, should_stop=should_stop)
 
 
-def build_workload(args: argparse.Namespace, engine: LLMEngine) -> list:
-    tok = engine.tokenizer
-    vocab = ordinary_token_ids(engine.startup.model_config.vocab_size, set(getattr(tok, "special_token_ids", set())))
-    return make_workload(args.num_requests, parse_range(args.prompt_len, "--prompt-len"),
-                         parse_range(args.output_len, "--output-len"), vocab, rate=args.rate,
-                         seed=args.workload_seed, shared_prefix_fraction=args.shared_prefix_fraction,
-                         shared_prefix_len=args.shared_prefix_len)
-
-
-def run_with_monitor(args: argparse.Namespace, title: str) -> WorkloadSummary | None:
+def run_with_monitor(args: argparse.Namespace, workload: list[WorkloadRequest], title: str) -> WorkloadSummary | None:
     """Engine on a worker thread, dashboard in the main thread; the monitor
     subscribes before startup so it shows phases A–G as they happen."""
     from engine.cli.dashboard import load_dashboard
@@ -62,8 +63,8 @@ def run_with_monitor(args: argparse.Namespace, title: str) -> WorkloadSummary | 
     def work() -> None:
         try:
             with LLMEngine(config, bus=bus) as engine:
-                result["summary"] = drive_workload(engine, build_workload(args, engine), realtime=True,
-                                                   should_stop=stop.is_set)
+                result["summary"] = run_workload(args, engine, workload, realtime=True,
+                                                 should_stop=stop.is_set)
         except Exception as exc:  # shown after the dashboard closes
             result["error"] = exc
 
@@ -80,14 +81,15 @@ def run_with_monitor(args: argparse.Namespace, title: str) -> WorkloadSummary | 
 
 
 def run(args: argparse.Namespace) -> int:
+    workload = generate_workload(workload_spec_from_args(args))  # bad workload flags fail before the engine starts
     if args.monitor:
         # The dashboard owns the terminal; it shows the same facts as events.
         configure_logging("json", level="warning", stream=open(os.devnull, "w"))  # noqa: SIM115
-        summary = run_with_monitor(args, "run-workload")
+        summary = run_with_monitor(args, workload, "run-workload")
     else:
         configure_logging(args.log_format)
         with LLMEngine(engine_config_from_args(args)) as engine:
-            summary = drive_workload(engine, build_workload(args, engine), realtime=args.rate != float("inf"))
+            summary = run_workload(args, engine, workload, realtime=args.request_rate != float("inf"))
     if summary is not None:
         for line in summary.lines():
             print(line)

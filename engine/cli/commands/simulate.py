@@ -1,4 +1,4 @@
-"""``engine simulate``: the real scheduler and KV cache manager on a simulated GPU.
+"""engine simulate: the real scheduler and KV cache manager on a simulated GPU.
 
 A roofline cost model replaces the forward pass: a step takes
 max(bytes read / (bandwidth x efficiency), FLOPs / (peak x efficiency)), where
@@ -7,8 +7,8 @@ bytes = weights + the KV of every scheduled request's context and FLOPs =
 phases marked simulated), so --events files open in the monitor and replay.
 
 Examples:
-  engine simulate --num-requests 60 --prompt-tokens 500:3000 --output-tokens 150:400
-  engine simulate --arrival poisson --rate 2 --arrival-unit s --num-requests 500
+  engine simulate --num-prompts 60 --random-input-len 500:3000 --random-output-len 150:400
+  engine simulate --arrival poisson --request-rate 2 --arrival-unit s --num-prompts 500
   engine simulate --sweep max-num-batched-tokens=1024,2048,4096,8192,16384
   engine simulate --sweep concurrency=1,2,4,8,16,32,64,128,256 --plot saturation.png
 """
@@ -20,7 +20,14 @@ import json
 from typing import Any
 
 from engine.budget.memory import GPU_PRESETS
-from engine.cli.flags import add_budget_flags, add_model_flags, add_scheduler_flags, engine_config_from_args
+from engine.cli.flags import (
+    add_budget_flags,
+    add_model_flags,
+    add_scheduler_flags,
+    add_workload_flags,
+    engine_config_from_args,
+    workload_spec_from_args,
+)
 from engine.errors import UserError
 from engine.events import EventBus, JsonlSink
 from engine.sim.simulate import (
@@ -35,7 +42,7 @@ from engine.sim.simulate import (
     concurrency_sweep,
     long_prompt_sweep,
 )
-from engine.sim.traffic import ARRIVALS, WorkloadSpec, generate_workload, load_trace, parse_range
+from engine.sim.workload import WorkloadRequest, generate_workload, load_trace, parse_range
 
 SWEEPS = ("max-num-batched-tokens", "concurrency")
 
@@ -43,34 +50,21 @@ SWEEPS = ("max-num-batched-tokens", "concurrency")
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("simulate", help="simulate serving at GPU scale: real scheduler, roofline cost model",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_flags(p)
+    add_model_flags(p, default_model=DEFAULT_MODEL)
     add_budget_flags(p)
     add_scheduler_flags(p)
     p.add_argument("--gpu", default=DEFAULT_GPU, help=f"GPU preset: {', '.join(GPU_PRESETS)} (default {DEFAULT_GPU})")
     p.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY,
-                   help="fraction of peak bandwidth and FLOP/s the kernels reach (default 0.6)")
+                   help=f"fraction of peak bandwidth and FLOP/s the kernels reach (default {DEFAULT_EFFICIENCY:g})")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None, metavar="N",
                    help="fix the KV pool at N blocks instead of planning it")
-    w = p.add_argument_group("workload")
-    w.add_argument("--num-requests", type=int, default=60)
-    w.add_argument("--prompt-tokens", default="500:3000", help="LO:HI (HI exclusive) or one number (default 500:3000)")
-    w.add_argument("--output-tokens", default="150:400", help="LO:HI (HI exclusive) or one number (default 150:400)")
-    w.add_argument("--arrival", choices=ARRIVALS, default="at-once",
-                   help="at-once, uniform over --arrival-window, or poisson at --rate (default at-once)")
-    w.add_argument("--arrival-unit", choices=("step", "s"), default="step", help="arrivals by step or by seconds")
-    w.add_argument("--arrival-window", type=float, default=0.0, help="uniform arrivals: window length")
-    w.add_argument("--rate", type=float, default=0.0, help="poisson arrivals: requests per step or per second")
-    w.add_argument("--shared-prefix-fraction", type=float, default=0.0, help="fraction of requests sharing a prefix")
-    w.add_argument("--shared-prefix-tokens", type=int, default=0, help="length of that shared prefix")
-    w.add_argument("--concurrency", type=int, default=None, help="closed loop: this many requests in flight")
-    w.add_argument("--trace", default=None, metavar="PATH",
-                   help="JSONL trace: arrival_time (s), prompt_tokens, output_tokens per line")
-    w.add_argument("--workload-seed", type=int, default=0)
+    add_workload_flags(p, num_prompts=60, input_len="500:3000", output_len="150:400", request_rate=0.0,
+                       simulated=True)
     p.add_argument("--sweep", default=None, metavar="NAME=V1,V2,...",
                    help="max-num-batched-tokens=... (16,000-token prompt vs others' ITL) or concurrency=...")
     p.add_argument("--plot", default=None, metavar="PNG", help="draw the sweep (needs matplotlib: kvscope[plot])")
     p.add_argument("--events", dest="events_path", default=None, metavar="PATH", help="record every event to JSONL")
-    p.add_argument("--stats-interval", type=float, default=10.0, help="simulated seconds between stats events")
+    p.add_argument("--stats-interval", type=float, default=10.0, help="simulated seconds between stats events (default 10)")
     p.add_argument("--json", action="store_true", help="print the summary (or sweep rows) as JSON")
     p.set_defaults(func=run)
 
@@ -83,22 +77,10 @@ def setup_from_args(args: argparse.Namespace) -> SimSetup:
                        num_gpu_blocks_override=args.num_gpu_blocks_override)
 
 
-def workload_from_args(args: argparse.Namespace) -> list:  # type: ignore[type-arg]
+def workload_from_args(args: argparse.Namespace) -> list[WorkloadRequest]:
     if args.trace:
         return load_trace(args.trace)
-    spec = WorkloadSpec(
-        num_requests=args.num_requests,
-        prompt_range=parse_range(args.prompt_tokens, "--prompt-tokens"),
-        output_range=parse_range(args.output_tokens, "--output-tokens"),
-        arrival=args.arrival,
-        unit=args.arrival_unit,
-        window=args.arrival_window,
-        rate=args.rate,
-        shared_prefix_fraction=args.shared_prefix_fraction,
-        shared_prefix_tokens=args.shared_prefix_tokens,
-        seed=args.workload_seed,
-    )
-    return generate_workload(spec)
+    return generate_workload(workload_spec_from_args(args))
 
 
 def parse_sweep(text: str) -> tuple[str, list[int]]:
@@ -221,8 +203,8 @@ def run(args: argparse.Namespace) -> int:
             rows = _with_ms(long_prompt_sweep(setup, levels))
             columns = TOKENS_COLUMNS
         else:
-            rows = _with_ms(concurrency_sweep(setup, levels, prompt_range=parse_range(args.prompt_tokens, "--prompt-tokens"),
-                                              output_range=parse_range(args.output_tokens, "--output-tokens"),
+            rows = _with_ms(concurrency_sweep(setup, levels, prompt_range=parse_range(args.random_input_len, "--random-input-len"),
+                                              output_range=parse_range(args.random_output_len, "--random-output-len"),
                                               seed=args.workload_seed))
             columns = CONCURRENCY_COLUMNS
         if args.json:
