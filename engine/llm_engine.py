@@ -152,8 +152,9 @@ class LLMEngine:
                       ignore_eos=params.ignore_eos, arrival_time=self.now(), priority=priority, sampling=params)
         if self.config.log_prompts:
             req.prompt_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
-        if not self.scheduler.add_request(req, req.arrival_time):
-            raise UserError(f"request {rid} rejected: {self.scheduler.rejection_reason(req) or 'cannot fit'}")
+        rejected = self.scheduler.submit(req, req.arrival_time)
+        if rejected is not None:
+            raise UserError(f"request {rid} rejected: {rejected}")
         self._detok[rid] = IncrementalDetokenizer(
             self.tokenizer, stop=params.stop, include_stop=params.include_stop_str_in_output,
             skip_special_tokens=params.skip_special_tokens, prompt_ids=prompt_ids,

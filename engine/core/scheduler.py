@@ -281,6 +281,12 @@ class Scheduler:
 
     def add_request(self, req: Request, now: float) -> bool:
         """Queue a request; False (and a ``request.rejected`` event) if it can never fit."""
+        return self.submit(req, now) is None
+
+    def submit(self, req: Request, now: float) -> str | None:
+        """Queue a request and return None, or return why it can never run here
+        (and publish ``request.rejected``): the one admission check, so a caller
+        that needs the message does not ask twice."""
         reason = self.rejection_reason(req)
         publishing = self._publishing()
         if reason is not None:
@@ -296,7 +302,7 @@ class Scheduler:
                         max_tokens=req.max_tokens,
                     )
                 )
-            return False
+            return reason
         req.status = RequestStatus.WAITING
         req.arrival_order = next(self._arrivals)
         self.requests[req.request_id] = req
@@ -312,7 +318,7 @@ class Scheduler:
                     prompt=req.prompt_text,
                 )
             )
-        return True
+        return None
 
     # -------------------------------------------------------------- schedule
     def schedule(self, now: float) -> SchedulerOutput:
