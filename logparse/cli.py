@@ -95,7 +95,13 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(render_markdown(exp, summary=summary))
     else:
         render_terminal(exp, summary=summary)
-    return 0
+    return failed_status(exp)
+
+
+def failed_status(exp: Explanation) -> int:
+    """1 when a check failed or a failure was recognised (so CI pipelines stop), else 0;
+    warnings and checks the log lacked figures for do not count."""
+    return 1 if any(c.ok is False and c.kind != "warning" for c in exp.checks) else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

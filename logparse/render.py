@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any, TextIO
 
 from rich.console import Console
@@ -72,9 +73,20 @@ def budget_rows(exp: Explanation) -> list[tuple[str, Any, Any, str]]:
 
 
 # ------------------------------------------------------------------ terminal
+PIPE_WIDTH = 200  # tables on a pipe or in a file: wide enough that no log line wraps
+
+
+def _console(out: TextIO | None) -> Console:
+    """A terminal keeps its own width; a pipe (``| grep``, ``> file``) gets PIPE_WIDTH
+    instead of rich's 80 columns, and long text lines never wrap there."""
+    if out is None and sys.stdout.isatty():
+        return Console(highlight=False, soft_wrap=False)
+    return Console(file=out, highlight=False, soft_wrap=True, width=PIPE_WIDTH)
+
+
 def render_terminal(exp: Explanation, out: TextIO | None = None, summary: bool = False,
                     max_lines: int = 2000) -> None:
-    console = Console(file=out, highlight=False, soft_wrap=False, width=140 if out is not None else None)
+    console = _console(out)
     title = Text(f"logparse: {exp.path}", style="bold")
     title.append(f"   vLLM {exp.facts.get('vllm_version') or '?'}   model {exp.facts.get('model') or '?'}   "
                  f"{exp.record_count:,} records, {exp.unrecognised:,} unrecognised", style="dim")
@@ -215,7 +227,7 @@ def render_diff(a: Explanation, b: Explanation, out: TextIO | None = None, as_js
             delta = fmt(vb - va) if isinstance(va, int | float) and isinstance(vb, int | float) else ""
             lines.append(f"| {k} | {fmt(va)} | {fmt(vb)} | {delta} |")
         return "\n".join(lines) + "\n"
-    console = Console(file=out, highlight=False, width=140 if out is not None else None)
+    console = _console(out)
     table = Table(title="two startups side by side")
     for col in ("item", a.path, b.path, "Δ"):
         table.add_column(col, overflow="fold")

@@ -85,8 +85,10 @@ ROWS = _index_rows()
 @pytest.mark.skipif(not ROWS, reason="tests/data/vllm-logs is missing")
 @pytest.mark.parametrize("row", ROWS, ids=[r["file"][:60] for r in ROWS])
 def test_corpus_json_ledger_matches_index(row: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["explain", str(CORPUS / row["file"]), "--json"]) == 0
+    status = main(["explain", str(CORPUS / row["file"]), "--json"])
     out = json.loads(capsys.readouterr().out)
+    failed = [c["id"] for c in out["checks"] if c["ok"] is False and c["kind"] != "warning"]
+    assert status == (1 if failed else 0), f"exit {status} with failed checks {failed}"
     assert set(out) == {"records", "checks", "plan", "ledger"}
     assert tuple(out["ledger"]) == LEDGER_KEYS
     ledger = out["ledger"]
@@ -336,3 +338,27 @@ def test_sample_is_a_complete_real_startup(capsys: pytest.CaptureFixture[str]) -
     assert {"A", "C", "E", "F"} <= phases
     assert out["ledger"]["kv_cache_tokens"] == 349_520
     assert {c["id"]: c["ok"] for c in out["checks"]}["concurrency"] is True
+
+
+def test_cli_exit_status_follows_the_checks(part8: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # a startup that died for lack of KV memory exits 1 (CI pipelines stop); a healthy one 0
+    failed = CORPUS / "v0.7.x-deepseek-r1-distill-qwen-14b-2x-rtx4090-tp2-kvfail.log"
+    if not failed.exists():
+        pytest.skip("tests/data/vllm-logs is missing")
+    assert main(["summary", str(failed), "--json"]) == 1
+    checks = json.loads(capsys.readouterr().out)["checks"]
+    assert any(c["kind"] == "failure" and c["ok"] is False for c in checks)
+    assert main(["summary", str(part8)]) == 0
+
+
+def test_piped_output_is_not_wrapped_at_80_columns(part8: Path) -> None:
+    import subprocess
+    import sys
+
+    run = [sys.executable, "-m", "logparse.cli", "explain", str(part8), "--gpu", "h100"]
+    lines = subprocess.run(run, capture_output=True, text=True, check=True).stdout.splitlines()
+    checks = json.loads(subprocess.run([*run, "--json"], capture_output=True, text=True, check=True).stdout)["checks"]
+    long_details = [f"{c['title']}  {c['detail']}" for c in checks if len(c["title"] + c["detail"]) > 80]
+    assert long_details, "the sample needs a check line longer than 80 columns"
+    for detail in long_details:  # each whole on one line, as grep would want it
+        assert any(detail in line for line in lines), detail
