@@ -36,6 +36,7 @@ from engine.core.step_loop import ExecutedStep, run_step
 from engine.errors import UserError
 from engine.events import PHASES, EngineConfigEvent, EventBus, StartupPhase
 from engine.events.stats import StatsReporter
+from engine.events.tally import RunTally
 from engine.sim.driver import SAMPLED_TOKEN_ID
 from engine.sim.workload import TokenIdSource, WorkloadRequest
 
@@ -260,6 +261,24 @@ class SimResult:
     step_decode: list[int] = field(default_factory=list)
     completed: bool = True
 
+    def add_tally(self, tally: RunTally, tick_of_step: dict[int, int]) -> None:
+        """Take the run's counts from the fold of its events; ticks from the simulator."""
+        self.steps = tally.steps
+        self.finished = tally.finished
+        self.rejected = tally.rejected
+        self.prompt_tokens = tally.prompt_tokens
+        self.output_tokens = tally.output_tokens
+        self.preemptions = tally.preemptions
+        self.peak_running = tally.peak_running
+        self.peak_waiting = tally.peak_waiting
+        self.peak_blocks_used = tally.peak_blocks_used
+        self.ttft_s = tally.ttft_s
+        self.itl_s = tally.itl_s
+        self.first_token_tick = {r: tick_of_step[i] for r, i in tally.first_token_step.items()}
+        self.step_seconds = tally.step_forward_s
+        self.step_prefill = tally.step_prefill
+        self.step_decode = tally.step_decode
+
     @property
     def peak_pool_fraction(self) -> float:
         return self.peak_blocks_used / self.num_blocks if self.num_blocks else 0.0
@@ -342,13 +361,13 @@ class Simulation:
 
     def __init__(self, setup: SimSetup, bus: EventBus | None = None, *, stats_interval: float = 0.0) -> None:
         self.setup = setup
-        self.bus = bus
         self.now = 0.0
-        if bus is not None:
-            bus.set_clock(self.clock)
-            if stats_interval > 0:
-                bus.subscribe(StatsReporter(bus, stats_interval, device_word="GPU", log=None))
-        self.scheduler = Scheduler(setup.scheduler, bus)
+        # without a caller's bus, a private one: the result is a fold of the events
+        self.bus = bus if bus is not None else EventBus()
+        self.bus.set_clock(self.clock)
+        if bus is not None and stats_interval > 0:
+            bus.subscribe(StatsReporter(bus, stats_interval, device_word="GPU", log=None))
+        self.scheduler = Scheduler(setup.scheduler, self.bus)
 
     def clock(self) -> float:
         return self.now
@@ -370,7 +389,7 @@ class Simulation:
         """
         wall_start = time.perf_counter()
         bus = self.bus
-        if startup and bus is not None and bus.has_subscribers:
+        if startup and bus.has_subscribers:
             publish_startup(bus, self.setup)
         sched = self.scheduler
         cfg = sched.config
@@ -389,7 +408,8 @@ class Simulation:
         in_flight = 0
         tick = 0
         executor = CostModelExecutor(self, limit_steps)
-        prompt_of: dict[str, int] = {}
+        tally = RunTally()
+        tick_of_step: dict[int, int] = {}  # scheduler step index -> arrival tick
 
         def admit(spec: WorkloadRequest, arrival_time: float) -> None:
             nonlocal in_flight
@@ -397,67 +417,43 @@ class Simulation:
                           arrival_time=arrival_time, priority=spec.priority)
             if sched.add_request(req, self.now):
                 result.arrival_tick[spec.request_id] = tick
-                prompt_of[spec.request_id] = spec.prompt_tokens
                 in_flight += 1
-            else:
-                result.rejected += 1
 
-        while result.steps < max_steps:
-            if concurrency is not None:
-                while pending and in_flight < concurrency:
-                    admit(pending.popleft(), self.now)
-            elif by_step:
-                while pending and (pending[0].arrival_step or 0) <= tick:
-                    admit(pending.popleft(), self.now)
-            else:
-                while pending and pending[0].arrival_time <= self.now:
-                    spec = pending.popleft()
-                    admit(spec, spec.arrival_time)
-            if not sched.has_unfinished():
-                if not pending:
-                    break
+        bus.subscribe(tally)
+        try:
+            while tally.steps < max_steps:
                 if concurrency is not None:
-                    continue  # every finished request freed a slot; the loop admits more
-                if by_step:
-                    tick = max(tick + 1, pending[0].arrival_step or 0)
+                    while pending and in_flight < concurrency:
+                        admit(pending.popleft(), self.now)
+                elif by_step:
+                    while pending and (pending[0].arrival_step or 0) <= tick:
+                        admit(pending.popleft(), self.now)
                 else:
-                    self.now = max(self.now, pending[0].arrival_time)
-                continue
-
-            start = self.now
-            step = run_step(sched, executor, bus, start)
-            out, finished = step.output, step.finished
-            seconds = step.executed.timings["forward_s"] if step.executed.timings else 0.0
-
-            result.steps += 1
-            result.step_start_s.append(start)
-            result.step_seconds.append(seconds)
-            result.step_prefill.append(out.num_prefill_tokens)
-            result.step_decode.append(out.num_decode_tokens)
-            result.preemptions += len(out.preempted_req_ids)
-            if out.num_running > result.peak_running:
-                result.peak_running = out.num_running
-            if out.num_waiting > result.peak_waiting:
-                result.peak_waiting = out.num_waiting
-            if out.num_blocks_used_scheduled > result.peak_blocks_used:
-                result.peak_blocks_used = out.num_blocks_used_scheduled
-            first_tick = result.first_token_tick
-            for s in out.scheduled:
-                if s.samples and len(s.request.output_token_ids) == 1 and s.request.request_id not in first_tick:
-                    first_tick[s.request.request_id] = tick
-            for req in finished:
-                result.finished += 1
-                in_flight -= 1
-                result.prompt_tokens += prompt_of.pop(req.request_id)
-                result.output_tokens += len(req.output_token_ids)
-                if req.first_token_time is not None:
-                    result.ttft_s[req.request_id] = req.first_token_time - req.arrival_time
-                result.itl_s.extend(req.inter_token_latencies)
-            if on_step is not None:
-                on_step(sched, out)
-            tick += 1
-            if stop_when is not None and stop_when(sched, out):
-                break
+                    while pending and pending[0].arrival_time <= self.now:
+                        spec = pending.popleft()
+                        admit(spec, spec.arrival_time)
+                if not sched.has_unfinished():
+                    if not pending:
+                        break
+                    if concurrency is not None:
+                        continue  # every finished request freed a slot; the loop admits more
+                    if by_step:
+                        tick = max(tick + 1, pending[0].arrival_step or 0)
+                    else:
+                        self.now = max(self.now, pending[0].arrival_time)
+                    continue
+                result.step_start_s.append(self.now)
+                step = run_step(sched, executor, bus, self.now)
+                tick_of_step[step.output.step_index] = tick
+                in_flight -= len(step.finished)
+                if on_step is not None:
+                    on_step(sched, step.output)
+                tick += 1
+                if stop_when is not None and stop_when(sched, step.output):
+                    break
+        finally:
+            bus.unsubscribe(tally)
+        result.add_tally(tally, tick_of_step)
         result.completed = not sched.has_unfinished() and not pending
         result.sim_seconds = self.now
         result.wall_seconds = time.perf_counter() - wall_start
