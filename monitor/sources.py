@@ -166,7 +166,7 @@ def load_timeline(path: str | Path, checkpoint_every: int = 500) -> Timeline:
     """Open a JSONL recording for replay; bad files become a one-line UserError."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"{path}: no such recording; pass a .jsonl file written by the engine (--events-file)")
+        raise UserError(f"{path}: no such recording; pass a .jsonl file written by the engine (engine ... --events FILE)")
     try:
         recording = read_events(path)
     except ValueError as exc:

@@ -6,9 +6,9 @@ preemptions, shared-prefix hits) is ``engine simulate``'s recording, made from t
 repository root with::
 
     engine simulate --model llama-3.1-8b --num-gpu-blocks-override 384 --max-model-len 4096
-    --max-num-seqs 32 --max-num-batched-tokens 1024 --num-requests 55 --prompt-tokens 100:900
-    --output-tokens 20:160 --arrival poisson --rate 0.25 --arrival-unit step
-    --shared-prefix-fraction 0.5 --shared-prefix-tokens 256 --workload-seed 7 --stats-interval 1
+    --max-num-seqs 32 --max-num-batched-tokens 1024 --num-prompts 55 --random-input-len 100:900
+    --random-output-len 20:160 --arrival poisson --request-rate 0.25 --arrival-unit step
+    --shared-prefix-fraction 0.5 --shared-prefix-len 256 --workload-seed 7 --stats-interval 1
     --events samples/monitor_sim.jsonl
 
 The simulated clock makes it byte-for-byte reproducible (the header records the
@@ -24,6 +24,12 @@ from engine.events import Event, EventBus, JsonlSink, StepEvent
 from engine.sim.driver import DriverRequest, run_driver
 
 SAMPLE = Path(__file__).resolve().parent.parent / "samples" / "monitor_sim.jsonl"
+SAMPLE_COMMAND = (  # the docstring's command, which tests/test_replay.py re-runs and compares
+    "simulate --model llama-3.1-8b --num-gpu-blocks-override 384 --max-model-len 4096 --max-num-seqs 32 "
+    "--max-num-batched-tokens 1024 --num-prompts 55 --random-input-len 100:900 --random-output-len 20:160 "
+    "--arrival poisson --request-rate 0.25 --arrival-unit step --shared-prefix-fraction 0.5 "
+    "--shared-prefix-len 256 --workload-seed 7 --stats-interval 1"
+).split()
 
 
 def record_driver_run(path: Path, num_blocks: int = 36) -> Path:

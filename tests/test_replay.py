@@ -224,3 +224,17 @@ def test_the_committed_simulation_sample_verifies() -> None:
     assert report.ok and report.steps_replayed == 1067
     steps = [s.event for s in replayer.steps]
     assert sum(len(s.preempted) for s in steps) == 8 and sum(s.prefix_hits_tokens for s in steps) > 0
+
+
+def test_the_monitor_sample_is_reproduced_by_its_command_and_verifies(tmp_path: Path) -> None:
+    """samples/monitor_sim.jsonl is exactly what tests/monitor_fixtures.py's command records
+    (byte for byte once the output path is the committed one), and it replays."""
+    from tests.monitor_fixtures import SAMPLE, SAMPLE_COMMAND
+
+    out = tmp_path / "monitor_sim.jsonl"
+    assert main([*SAMPLE_COMMAND, "--events", str(out)]) == 0
+    # the header and the engine.config event record the --events path the command was given
+    recorded = out.read_text().replace(str(out), "samples/monitor_sim.jsonl").splitlines()
+    assert recorded == SAMPLE.read_text().splitlines()
+    report = Replayer(load_recording(SAMPLE)).run()
+    assert report.ok and report.steps_replayed == 442
