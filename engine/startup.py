@@ -7,7 +7,10 @@ cache (pool = requested − weights − peak − non-torch, through engine.budge
 F graphs / compile → G ready.
 
 Each phase emits a ``begin`` and an ``end`` (or ``skipped`` / ``failed``) event
-with its duration and device memory before and after, plus a log line.
+with its duration and device memory before and after, plus a log line. Its
+numbers are the phase's record from engine/events/phase_data.py, published as
+``record.to_dict()``. ``prepare_startup`` does everything before phase A (the
+device, the model, ``resolve_config``); ``start_engine`` runs one function per phase.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -36,6 +39,15 @@ from engine.budget.memory import (
 from engine.core.scheduler import SchedulerConfig
 from engine.errors import BudgetError, UserError
 from engine.events import PHASES, EngineConfigEvent, EventBus, StartupPhase
+from engine.events.phase_data import (
+    BudgetData,
+    GraphsCompileData,
+    InitData,
+    LoadWeightsData,
+    PhaseData,
+    ProfileRunData,
+    ReadyData,
+)
 from engine.logs import get_logger
 from engine.model import profile_cache
 from engine.model.cpu_caps import CpuCapabilities, DtypeChoice, choose_cpu_dtype, detect
@@ -49,6 +61,7 @@ from engine.model.device import (
     versions,
 )
 from engine.model.kernels.background import KernelBuilds
+from engine.model.loader import LoadInfo
 from engine.model.runner import ModelRunner
 from engine.model.tokenizer import Tokenizer
 
@@ -64,10 +77,14 @@ CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 
 @dataclass(slots=True)
 class PhaseHandle:
-    """What a phase body fills in: its numbers, or a skip reason."""
+    """What a phase body fills in: its numbers (engine/events/phase_data.py), or a skip reason.
+    A phase that fails publishes the record it had set by then."""
 
-    data: dict[str, Any] = field(default_factory=dict)
+    record: PhaseData | None = None
     skipped: str | None = None
+
+    def data(self) -> dict[str, Any]:
+        return self.record.to_dict() if self.record is not None else {}
 
 
 @dataclass(slots=True)
@@ -114,7 +131,7 @@ class PhaseRecorder:
             reason = str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}"
             self.bus.publish(StartupPhase(phase=letter, name=name, status="failed", duration_s=duration,
                                           memory_before=before, memory_after=self.reading().to_dict(),
-                                          data=handle.data, reason=reason))
+                                          data=handle.data(), reason=reason))
             self.log.error(f"phase {letter} ({name}) failed", reason=reason)
             raise
         duration = time.perf_counter() - start
@@ -122,7 +139,7 @@ class PhaseRecorder:
         status = "skipped" if handle.skipped else "end"
         self.bus.publish(StartupPhase(phase=letter, name=name, status=status, duration_s=duration,
                                       memory_before=before, memory_after=self.reading().to_dict(),
-                                      data=handle.data, reason=handle.skipped))
+                                      data=handle.data(), reason=handle.skipped))
         self.log.info(f"phase {letter} {name} {'skipped' if handle.skipped else 'done'} in {duration:.2f} s",
                       **({"reason": handle.skipped} if handle.skipped else {}))
 
@@ -151,26 +168,30 @@ class ResolvedConfig:
 
 def resolve_config(config: EngineConfig, model: ModelConfig, device: torch.device,
                    caps: CpuCapabilities | None = None) -> ResolvedConfig:
-    """A copy of ``config`` with every ``auto`` and device default filled in (the
-    caller's object is left as it was), each choice made once with its reason.
-    Raises UserError for flag values that no machine could run, before anything slow."""
-    resolved = dataclasses.replace(config, cuda_graph_sizes=list(config.cuda_graph_sizes))
-    resolved.device = device.type
-    if device.type == "cpu" and config.max_num_batched_tokens == GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS:
-        resolved.max_num_batched_tokens = CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS  # flag left at its GPU default
+    """A new config: ``config`` with every ``auto`` and device default filled in (one
+    ``dataclasses.replace``; the caller's object is never changed), each choice made
+    once with its reason. Raises UserError for flag values that no machine could run,
+    before anything slow (the GGUF tensor table ``--quantization auto`` reads)."""
     dtype_choice = resolve_dtype(config, model, device, caps)
-    resolved.dtype = dtype_choice.dtype
-    if resolved.max_model_len is None:
-        resolved.max_model_len = model.max_position_embeddings
-    if resolved.max_model_len > model.max_position_embeddings:
-        raise UserError(f"--max-model-len {resolved.max_model_len:,} is beyond the model's maximum "
+    max_model_len = model.max_position_embeddings if config.max_model_len is None else config.max_model_len
+    if max_model_len > model.max_position_embeddings:
+        raise UserError(f"--max-model-len {max_model_len:,} is beyond the model's maximum "
                         f"({model.max_position_embeddings:,} positions); lower it to "
                         f"{model.max_position_embeddings:,} or less")
-    if not 0 < resolved.gpu_memory_utilization <= 1:
-        raise UserError(f"--gpu-memory-utilization {resolved.gpu_memory_utilization}: must be in (0, 1]")
-    if resolved.attention_backend == "auto":
-        resolved.attention_backend = "triton" if device.type == "cuda" else "torch"
-    resolved.quantization, quantization_reason = resolve_quantization(config, model, device)
+    if not 0 < config.gpu_memory_utilization <= 1:
+        raise UserError(f"--gpu-memory-utilization {config.gpu_memory_utilization}: must be in (0, 1]")
+    quantization, quantization_reason = resolve_quantization(config, model, device)
+    batched = config.max_num_batched_tokens
+    if device.type == "cpu" and batched == GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS:
+        batched = CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS  # flag left at its GPU default
+    backend = config.attention_backend
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" else "torch"
+    resolved = dataclasses.replace(
+        config, device=device.type, max_num_batched_tokens=batched, dtype=dtype_choice.dtype,
+        max_model_len=max_model_len, attention_backend=backend, quantization=quantization,
+        cuda_graph_sizes=list(config.cuda_graph_sizes),
+    )
     return ResolvedConfig(resolved, dtype_choice.reason, quantization_reason)
 
 
@@ -221,143 +242,197 @@ def check_fixed_pool(config: EngineConfig, bytes_per_token: int) -> None:
     )
 
 
-def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, int], None] | None = None) -> StartupResult:
-    """Resolve the flags (``config`` itself is not changed), then run phases A–G.
-    Raises UserError (after a ``failed`` phase event) when the budget does not fit,
-    with the numbers and the flags that would fix it; everything the flags alone
-    decide is refused in phase B, before weights load."""
-    log = get_logger("kvscope.startup")
+@dataclass(frozen=True, slots=True)
+class StartupInputs:
+    """What the phases start from: the resolved flags, the model, the device and its CPU facts."""
+
+    resolution: ResolvedConfig
+    model: ModelConfig
+    device: torch.device
+    caps: CpuCapabilities | None
+    bytes_per_token: int
+    log: Any
+
+    @property
+    def config(self) -> EngineConfig:
+        """The resolved flags: no ``auto`` left (a new object, not the caller's)."""
+        return self.resolution.config
+
+    @property
+    def max_model_len(self) -> int:
+        assert self.config.max_model_len is not None  # resolve_config fills it
+        return self.config.max_model_len
+
+
+def prepare_startup(config: EngineConfig, log: Any) -> StartupInputs:
+    """Before phase A: the device (and ``--num-threads``), the model's shapes and the
+    resolved flags. Raises UserError for flags no machine could run."""
     device = resolve_device(config.device)
     if device.type == "cpu" and config.num_threads:
         torch.set_num_threads(config.num_threads)
     model = load_model_config(config.model)
     caps = detect() if device.type == "cpu" else None
     resolution = resolve_config(config, model, device, caps)
-    config = resolution.config
-    assert config.max_model_len is not None
-    dtype = config.dtype
-    per_token = bytes_per_kv_token(model, config.kv_cache_dtype, config.tensor_parallel_size, dtype)
-    bus.publish(EngineConfigEvent(config=config.to_dict(), model=_model_summary(model, dtype, per_token)))
-    phases = PhaseRecorder(bus, device, config.device_memory_gib, log)
-    kernels: KernelBuilds | None = None
+    resolved = resolution.config
+    per_token = bytes_per_kv_token(model, resolved.kv_cache_dtype, resolved.tensor_parallel_size, resolved.dtype)
+    return StartupInputs(resolution, model, device, caps, per_token, log)
 
+
+def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, int], None] | None = None) -> StartupResult:
+    """Resolve the flags (``config`` itself is not changed), then run phases A–G.
+    Raises UserError (after a ``failed`` phase event) when the budget does not fit,
+    with the numbers and the flags that would fix it; everything the flags alone
+    decide is refused in phase B, before weights load."""
+    log = get_logger("kvscope.startup")
+    s = prepare_startup(config, log)
+    bus.publish(EngineConfigEvent(config=s.config.to_dict(),
+                                  model=_model_summary(s.model, s.config.dtype, s.bytes_per_token)))
+    phases = PhaseRecorder(bus, s.device, s.config.device_memory_gib, log)
     with phases.phase("A") as a:
         reading = phases.reading()
-        a.data.update(versions(device))
-        a.data["memory_source"] = reading.source
-        a.data["total_bytes"] = reading.total
-        a.data["free_bytes"] = reading.free
-        a.data["dtype"] = dtype
-        a.data["dtype_reason"] = resolution.dtype_reason
-        log.info(f"device {device} ({reading.source}): {reading.total / GiB:.2f} GiB total, "
-                 f"{reading.free / GiB:.2f} GiB free; torch {torch.__version__}, {torch.get_num_threads()} threads")
-        if caps is not None:
-            a.data["cpu"] = caps.summary()
-            log.info(f"CPU: {caps.line()}")
-            # Compiling the CPU kernels (seconds to a minute, once per CPU type and
-            # torch version) overlaps weight loading and the profile run.
-            kernels = KernelBuilds.start(log)
-        log.info(f"dtype {dtype} ({resolution.dtype_reason}); KV cache dtype {config.kv_cache_dtype}")
-
+        kernels = _phase_init(a, s, reading)
     with phases.phase("B") as b:
-        requested = reading.total * config.gpu_memory_utilization
-        b.data.update(total_bytes=reading.total, gpu_memory_utilization=config.gpu_memory_utilization,
-                      requested_bytes=int(requested), free_bytes=reading.free, memory_source=reading.source)
-        check_fixed_pool(config, per_token)
-        if config.kv_cache_memory_bytes is None and reading.free < requested:
-            raise BudgetError(
-                f"free memory on device ({reading.free / GiB:.2f}/{reading.total / GiB:.2f} GiB) is less than "
-                f"desired memory utilization ({config.gpu_memory_utilization}, {requested / GiB:.2f} GiB); "
-                f"lower --gpu-memory-utilization to {reading.free / reading.total:.2f} or less"
-                + (", or give --device-memory GiB" if device.type == "cpu" else ", or free the device")
-            )
-        needed_weights = weights_bytes(model, dtype)
-        if config.kv_cache_memory_bytes is None and needed_weights > requested:
-            raise BudgetError(
-                f"the weights ({needed_weights / GiB:.2f} GiB in {dtype}) do not fit the requested "
-                f"{requested / GiB:.2f} GiB ({reading.total / GiB:.2f} GiB x {config.gpu_memory_utilization}); "
-                f"raise --gpu-memory-utilization to at least {needed_weights / reading.total:.2f}"
-                + (" or --device-memory" if device.type == "cpu" else "")
-            )
-        log.info(f"budget: requested {requested / GiB:.2f} GiB = {reading.total / GiB:.2f} GiB x "
-                 f"{config.gpu_memory_utilization}")
-
+        _phase_budget(b, s, reading)
     with phases.phase("C") as c:
-        runner = ModelRunner(model, dtype=dtype, block_size=config.block_size, device=str(device),
-                             attention_backend=config.attention_backend, load_format=config.load_format,
-                             seed=config.seed, quantization=config.quantization,
-                             kv_cache_dtype=config.kv_cache_dtype)
-        info = runner.load_weights(progress)
-        tokenizer = _tokenizer_for(model) if config.load_format != "dummy" else _dummy_tokenizer(model)
-        c.data.update(weights_bytes=info.weights_bytes, load_seconds=info.load_seconds,
-                      load_format=info.load_format, source=info.source, num_tensors=info.num_tensors,
-                      weights_cache=info.cache, quantization=config.quantization,
-                      quantization_reason=resolution.quantization_reason)
-        log.info(f"Model loading took {info.weights_bytes / GiB:.4f} GiB and {info.load_seconds:.2f} seconds"
-                 + (f" (weights cache {info.cache})" if info.cache != "none" else ""))
-        log.info(f"quantization {config.quantization or 'none'} ({resolution.quantization_reason})")
-
+        runner, tokenizer, info = _phase_load_weights(c, s, progress)
     with phases.phase("D") as d:
-        profile = _profile_run(runner, config, model, device, log)
-        d.data.update(activation_peak_bytes=profile.activation_peak_bytes, non_torch_bytes=profile.non_torch_bytes,
-                      method=profile.method, max_num_batched_tokens=config.max_num_batched_tokens,
-                      max_num_seqs=config.max_num_seqs, estimated=[], forward_s=profile.forward_s,
-                      sample_s=profile.sample_s, cached=profile.cached, measured_at=profile.measured_at)
-
+        profile = _profile_run(runner, s.config, s.model, s.device, log)
+        d.record = ProfileRunData(
+            activation_peak_bytes=profile.activation_peak_bytes, non_torch_bytes=profile.non_torch_bytes,
+            method=profile.method, max_num_batched_tokens=s.config.max_num_batched_tokens,
+            max_num_seqs=s.config.max_num_seqs, estimated=(), forward_s=profile.forward_s,
+            sample_s=profile.sample_s, cached=profile.cached, measured_at=profile.measured_at)
     with phases.phase("E") as e:
-        kv_bytes = config.kv_cache_memory_bytes
-        capped = False
-        plan_kwargs: dict[str, Any] = dict(
-            model=model, total_bytes=reading.total, gpu_memory_utilization=config.gpu_memory_utilization,
-            max_model_len=config.max_model_len, block_size=config.block_size,
-            kv_cache_dtype=config.kv_cache_dtype, dtype=dtype, tensor_parallel_size=config.tensor_parallel_size,
-            weights=info.weights_bytes, activation_peak=profile.activation_peak_bytes,
-            non_torch=profile.non_torch_bytes, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs,
-        )
-        plan = plan_memory(kv_cache_memory_bytes=kv_bytes, check_fits=False, **plan_kwargs)
-        if (device.type == "cpu" and kv_bytes is None and config.device_memory_gib is None
-                and plan.kv_pool_bytes > CPU_DEFAULT_KV_SPACE_GIB * GiB):
-            plan = plan_memory(kv_cache_memory_bytes=int(CPU_DEFAULT_KV_SPACE_GIB * GiB), check_fits=False,
-                               **plan_kwargs)
-            capped = True
-        e.data.update(plan.phase_data()["E"])
-        e.data["cpu_default_cap"] = capped
-        check_plan_fits(plan)
-        runner.allocate_kv_cache(plan.num_blocks)
-        word = device_word(device)
-        if capped:
-            log.info(f"CPU KV pool capped at the default {CPU_DEFAULT_KV_SPACE_GIB:g} GiB "
-                     "(give --device-memory or --kv-cache-memory-bytes to size it)")
-        log.info(f"{word} KV cache pool: {plan.kv_pool_bytes / GiB:.2f} GiB, {plan.num_blocks:,} blocks of "
-                 f"{plan.block_size}")
-        log.info(kv_cache_size_line(word, plan.kv_cache_tokens))
-        log.info(max_concurrency_line(plan.max_model_len, plan.max_concurrency))
-
+        plan = _phase_kv_cache(e, s, reading, info.weights_bytes, profile, runner)
     with phases.phase("F") as f:
-        if device.type == "cuda":
-            reason = graphs_supported(device, config.enforce_eager)
-            if reason is not None:
-                f.skipped = reason
-            else:
-                graphs = DecodeGraphs(runner.model, runner.kv_caches, config.block_size, config.max_model_len, device)
-                sizes = [s for s in config.cuda_graph_sizes if s <= config.max_num_seqs]
-                report = graphs.capture(sizes)
-                runner.decode_graphs = graphs
-                f.data.update(cuda_graph_bytes=report.graph_bytes, batch_sizes=report.batch_sizes,
-                              capture_seconds=report.seconds)
-                log.info(f"Graph capturing finished in {report.seconds:.0f} secs, took "
-                         f"{report.graph_bytes / GiB:.2f} GiB")
+        if s.device.type == "cuda":
+            _cuda_phase_f(f, s, runner)
         else:
-            _cpu_phase_f(f, runner, config, kernels, log)
-
+            _cpu_phase_f(f, s, runner, kernels)
     with phases.phase("G") as g:
-        g.data["startup_seconds"] = sum(phases.seconds.values())
-        g.data["pid"] = os.getpid()
+        g.record = ReadyData(startup_seconds=sum(phases.seconds.values()), pid=os.getpid())
+    scheduler_config = SchedulerConfig.from_flags(s.config.to_dict(), num_blocks=plan.num_blocks,
+                                                  max_model_len=s.max_model_len)
+    return StartupResult(s.config, s.model, s.device, runner, tokenizer, plan, scheduler_config,
+                         dict(phases.seconds))
 
-    scheduler_config = SchedulerConfig.from_flags(config.to_dict(), num_blocks=plan.num_blocks,
-                                                  max_model_len=config.max_model_len)
-    return StartupResult(config, model, device, runner, tokenizer, plan, scheduler_config, dict(phases.seconds))
+
+def _phase_init(a: PhaseHandle, s: StartupInputs, reading: MemoryReading) -> KernelBuilds | None:
+    """Phase A: versions, the first memory reading and the dtype; on CPU the kernel
+    builds start here, to overlap weight loading and the profile run."""
+    config, log = s.config, s.log
+    a.record = InitData(**versions(s.device), memory_source=reading.source, total_bytes=reading.total,
+                        free_bytes=reading.free, dtype=config.dtype, dtype_reason=s.resolution.dtype_reason)
+    log.info(f"device {s.device} ({reading.source}): {reading.total / GiB:.2f} GiB total, "
+             f"{reading.free / GiB:.2f} GiB free; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    kernels: KernelBuilds | None = None
+    if s.caps is not None:
+        a.record = dataclasses.replace(a.record, cpu=s.caps.summary())
+        log.info(f"CPU: {s.caps.line()}")
+        # Compiling the CPU kernels (seconds to a minute, once per CPU type and
+        # torch version) overlaps weight loading and the profile run.
+        kernels = KernelBuilds.start(log)
+    log.info(f"dtype {config.dtype} ({s.resolution.dtype_reason}); KV cache dtype {config.kv_cache_dtype}")
+    return kernels
+
+
+def _phase_budget(b: PhaseHandle, s: StartupInputs, reading: MemoryReading) -> None:
+    """Phase B: requested = total × utilization; refuse a fixed pool too small for one
+    request, less free memory than requested, or weights beyond the request."""
+    config, device = s.config, s.device
+    requested = reading.total * config.gpu_memory_utilization
+    b.record = BudgetData(total_bytes=reading.total, gpu_memory_utilization=config.gpu_memory_utilization,
+                          requested_bytes=int(requested), free_bytes=reading.free, memory_source=reading.source)
+    check_fixed_pool(config, s.bytes_per_token)
+    if config.kv_cache_memory_bytes is None and reading.free < requested:
+        raise BudgetError(
+            f"free memory on device ({reading.free / GiB:.2f}/{reading.total / GiB:.2f} GiB) is less than "
+            f"desired memory utilization ({config.gpu_memory_utilization}, {requested / GiB:.2f} GiB); "
+            f"lower --gpu-memory-utilization to {reading.free / reading.total:.2f} or less"
+            + (", or give --device-memory GiB" if device.type == "cpu" else ", or free the device")
+        )
+    needed_weights = weights_bytes(s.model, config.dtype)
+    if config.kv_cache_memory_bytes is None and needed_weights > requested:
+        raise BudgetError(
+            f"the weights ({needed_weights / GiB:.2f} GiB in {config.dtype}) do not fit the requested "
+            f"{requested / GiB:.2f} GiB ({reading.total / GiB:.2f} GiB x {config.gpu_memory_utilization}); "
+            f"raise --gpu-memory-utilization to at least {needed_weights / reading.total:.2f}"
+            + (" or --device-memory" if device.type == "cpu" else "")
+        )
+    s.log.info(f"budget: requested {requested / GiB:.2f} GiB = {reading.total / GiB:.2f} GiB x "
+               f"{config.gpu_memory_utilization}")
+
+
+def _phase_load_weights(c: PhaseHandle, s: StartupInputs, progress: Callable[[int, int], None] | None
+                        ) -> tuple[ModelRunner, Tokenizer, LoadInfo]:
+    """Phase C: build the runner, load the weights and the tokenizer."""
+    config, model, log = s.config, s.model, s.log
+    runner = ModelRunner(model, dtype=config.dtype, block_size=config.block_size, device=str(s.device),
+                         attention_backend=config.attention_backend, load_format=config.load_format,
+                         seed=config.seed, quantization=config.quantization,
+                         kv_cache_dtype=config.kv_cache_dtype)
+    info = runner.load_weights(progress)
+    tokenizer = _tokenizer_for(model) if config.load_format != "dummy" else _dummy_tokenizer(model)
+    quantization_reason = s.resolution.quantization_reason
+    c.record = LoadWeightsData(weights_bytes=info.weights_bytes, load_seconds=info.load_seconds,
+                               load_format=info.load_format, source=info.source, num_tensors=info.num_tensors,
+                               weights_cache=info.cache, quantization=config.quantization,
+                               quantization_reason=quantization_reason)
+    log.info(f"Model loading took {info.weights_bytes / GiB:.4f} GiB and {info.load_seconds:.2f} seconds"
+             + (f" (weights cache {info.cache})" if info.cache != "none" else ""))
+    log.info(f"quantization {config.quantization or 'none'} ({quantization_reason})")
+    return runner, tokenizer, info
+
+
+def _phase_kv_cache(e: PhaseHandle, s: StartupInputs, reading: MemoryReading, weights: int,
+                    profile: profile_cache.ProfileResult, runner: ModelRunner) -> MemoryPlan:
+    """Phase E: the pool from the budget formula (on CPU capped at the default unless
+    sized by a flag), refused when it cannot hold one request, then allocated."""
+    config, device, log = s.config, s.device, s.log
+    kv_bytes = config.kv_cache_memory_bytes
+    capped = False
+    plan_kwargs: dict[str, Any] = dict(
+        model=s.model, total_bytes=reading.total, gpu_memory_utilization=config.gpu_memory_utilization,
+        max_model_len=s.max_model_len, block_size=config.block_size,
+        kv_cache_dtype=config.kv_cache_dtype, dtype=config.dtype, tensor_parallel_size=config.tensor_parallel_size,
+        weights=weights, activation_peak=profile.activation_peak_bytes,
+        non_torch=profile.non_torch_bytes, max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs,
+    )
+    plan = plan_memory(kv_cache_memory_bytes=kv_bytes, check_fits=False, **plan_kwargs)
+    if (device.type == "cpu" and kv_bytes is None and config.device_memory_gib is None
+            and plan.kv_pool_bytes > CPU_DEFAULT_KV_SPACE_GIB * GiB):
+        plan = plan_memory(kv_cache_memory_bytes=int(CPU_DEFAULT_KV_SPACE_GIB * GiB), check_fits=False,
+                           **plan_kwargs)
+        capped = True
+    e.record = dataclasses.replace(plan.kv_cache_data(), cpu_default_cap=capped)
+    check_plan_fits(plan)
+    runner.allocate_kv_cache(plan.num_blocks)
+    word = device_word(device)
+    if capped:
+        log.info(f"CPU KV pool capped at the default {CPU_DEFAULT_KV_SPACE_GIB:g} GiB "
+                 "(give --device-memory or --kv-cache-memory-bytes to size it)")
+    log.info(f"{word} KV cache pool: {plan.kv_pool_bytes / GiB:.2f} GiB, {plan.num_blocks:,} blocks of "
+             f"{plan.block_size}")
+    log.info(kv_cache_size_line(word, plan.kv_cache_tokens))
+    log.info(max_concurrency_line(plan.max_model_len, plan.max_concurrency))
+    return plan
+
+
+def _cuda_phase_f(f: PhaseHandle, s: StartupInputs, runner: ModelRunner) -> None:
+    """CUDA phase F: capture the decode graphs (or say why not)."""
+    config = s.config
+    reason = graphs_supported(s.device, config.enforce_eager)
+    if reason is not None:
+        f.skipped = reason
+        return
+    graphs = DecodeGraphs(runner.model, runner.kv_caches, config.block_size, s.max_model_len, s.device)
+    sizes = [size for size in config.cuda_graph_sizes if size <= config.max_num_seqs]
+    report = graphs.capture(sizes)
+    runner.decode_graphs = graphs
+    f.record = GraphsCompileData(cuda_graph_bytes=report.graph_bytes, batch_sizes=tuple(report.batch_sizes),
+                                 capture_seconds=report.seconds)
+    s.log.info(f"Graph capturing finished in {report.seconds:.0f} secs, took {report.graph_bytes / GiB:.2f} GiB")
 
 
 def _profile_key(config: EngineConfig, model: ModelConfig) -> str:
@@ -399,31 +474,32 @@ def _profile_run(runner: ModelRunner, config: EngineConfig, model: ModelConfig, 
     return result
 
 
-def _cpu_phase_f(f: PhaseHandle, runner: ModelRunner, config: EngineConfig, kernels: KernelBuilds | None,
-                 log: Any) -> None:
+def _cpu_phase_f(f: PhaseHandle, s: StartupInputs, runner: ModelRunner, kernels: KernelBuilds | None) -> None:
     """CPU phase F: join the kernel builds started in phase A, route decode
     attention through the kernel, ``--compile`` if asked, then warm every step
     shape class the runner uses so the first real step runs at speed."""
+    config, log = s.config, s.log
     waited = kernels.join() if kernels is not None else 0.0
     reports = kernels.reports() if kernels is not None else []
     unavailable = runner.enable_cpu_decode_kernel()
-    f.data["cpu_decode_kernel"] = unavailable or "enabled"
-    f.data["kernel_seconds"] = waited
-    f.data["kernels"] = [r.to_dict() for r in reports]
+    f.record = GraphsCompileData(cpu_decode_kernel=unavailable or "enabled", kernel_seconds=waited,
+                                 kernels=tuple(r.to_dict() for r in reports))
     for r in reports:
         log.info(f"CPU kernel {r.name}: {r.status} ({r.seconds:.2f} s"
                  + (f", waited {r.waited_s:.1f} s for another builder" if r.waited_s > 0.5 else "")
                  + (f"; {r.reason}" if r.reason else "") + ")")
     log.info(f"CPU paged-decode kernel: {unavailable or 'enabled'} (phase F waited {waited:.2f} s for builds)")
-    f.data["cpu_decode_layers"] = runner.model.fused_decode_status(runner.kv_cache_dtype)
-    log.info(f"CPU fused decode layers: {f.data['cpu_decode_layers']}")
+    layers = runner.model.fused_decode_status(runner.kv_cache_dtype)
+    f.record = dataclasses.replace(f.record, cpu_decode_layers=layers)
+    log.info(f"CPU fused decode layers: {layers}")
     if config.compile:
         start = time.perf_counter()
         runner.compile()
-        f.data["compile_seconds"] = time.perf_counter() - start
-        log.info(f"torch.compile of the decode step took {f.data['compile_seconds']:.2f} s")
+        compile_seconds = time.perf_counter() - start
+        f.record = dataclasses.replace(f.record, compile_seconds=compile_seconds)
+        log.info(f"torch.compile of the decode step took {compile_seconds:.2f} s")
     warm = runner.warm_up(config.max_num_seqs)
-    f.data["warmup_seconds"] = warm
+    f.record = dataclasses.replace(f.record, warmup_seconds=warm)
     log.info(f"warmed decode and mixed step shapes in {warm:.2f} s")
 
 

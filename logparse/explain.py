@@ -24,6 +24,7 @@ from typing import Any
 from engine.budget.config import ModelConfig, load_model_config
 from engine.budget.memory import GiB, MemoryPlan, bytes_per_kv_token, gpu_preset, plan_memory
 from engine.errors import UserError
+from engine.events.phase_data import KvCacheData, LoadWeightsData, PhaseData, ProfileRunData, phase_record
 from logparse.parser import Record, iter_records
 from logparse.patterns import LEDGER_KEYS, PHASE_NAMES
 
@@ -620,14 +621,15 @@ def _preemption(v0: int, v1: int, line: int | None, facts: dict[str, Any]) -> Ch
 
 
 # ------------------------------------------------------------------ kvscope recording
-_PROFILE_KEYS = (
-    ("C", "weights_bytes", "weights_gib", GiB),
-    ("D", "activation_peak_bytes", "peak_activation_gib", GiB),
-    ("D", "non_torch_bytes", "non_torch_gib", GiB),
-    ("E", "kv_pool_bytes", "kv_cache_gib", GiB),
-    ("E", "num_blocks", "gpu_blocks", 1),
-    ("E", "kv_cache_tokens", "kv_cache_tokens", 1),
-    ("E", "max_concurrency", "max_concurrency", 1),
+# (the phase's record in engine/events/phase_data.py, its field, vLLM's fact, scale)
+_PROFILE_KEYS: tuple[tuple[type[PhaseData], str, str, int], ...] = (
+    (LoadWeightsData, "weights_bytes", "weights_gib", GiB),
+    (ProfileRunData, "activation_peak_bytes", "peak_activation_gib", GiB),
+    (ProfileRunData, "non_torch_bytes", "non_torch_gib", GiB),
+    (KvCacheData, "kv_pool_bytes", "kv_cache_gib", GiB),
+    (KvCacheData, "num_blocks", "gpu_blocks", 1),
+    (KvCacheData, "kv_cache_tokens", "kv_cache_tokens", 1),
+    (KvCacheData, "max_concurrency", "max_concurrency", 1),
 )
 _VLLM_DURATIONS = {"C": ("load_model_s", "load_weights_s"), "D": ("profile_s",), "F": ("graph_capture_s", "init_engine_s")}
 
@@ -646,15 +648,16 @@ def compare_profile(path: str, facts: dict[str, Any]) -> list[dict[str, Any]]:
             phases[event.phase] = event
     rows: list[dict[str, Any]] = []
     for letter in STARTUP_PHASES:
-        event = phases.get(letter)
-        if event is None:
+        last = phases.get(letter)
+        if last is None:
             continue
         vllm_s = next((facts[k] for k in _VLLM_DURATIONS.get(letter, ()) if k in facts), None)
-        rows.append({"phase": letter, "item": "duration_s", "kvscope": event.duration_s, "vllm": vllm_s,
-                     "status": event.status})
-        for phase, key, ledger_key, scale in _PROFILE_KEYS:
-            if phase == letter and key in event.data:
-                value = event.data[key]
+        rows.append({"phase": letter, "item": "duration_s", "kvscope": last.duration_s, "vllm": vllm_s,
+                     "status": last.status})
+        record = phase_record(last)
+        for kind, key, ledger_key, scale in _PROFILE_KEYS:
+            if isinstance(record, kind) and key in record.reported:
+                value = getattr(record, key)
                 rows.append({"phase": letter, "item": ledger_key,
                              "kvscope": value / scale if scale != 1 else value, "vllm": facts.get(ledger_key)})
     return rows

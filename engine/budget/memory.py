@@ -22,6 +22,7 @@ from typing import Any
 
 from engine.budget.config import DTYPE_BYTES, ModelConfig
 from engine.errors import BudgetError, UserError
+from engine.events.phase_data import BudgetData, KvCacheData, LoadWeightsData, PhaseData, ProfileRunData
 
 GiB = 1024**3
 MiB = 1024**2
@@ -180,31 +181,30 @@ class MemoryPlan:
         return asdict(self)
 
     def phase_data(self) -> dict[str, dict[str, Any]]:
-        """The numbers each startup phase reports, under the key names every
-        consumer (monitor, logparse, replay) reads from ``startup.phase`` events."""
-        return {
-            "B": {
-                "total_bytes": self.total_bytes,
-                "gpu_memory_utilization": self.gpu_memory_utilization,
-                "requested_bytes": self.requested_bytes,
-            },
-            "C": {"weights_bytes": self.weights_bytes},
-            "D": {
-                "activation_peak_bytes": self.activation_peak_bytes,
-                "non_torch_bytes": self.non_torch_bytes,
-                "estimated": list(self.estimated),
-            },
-            "E": {
-                "kv_pool_bytes": self.kv_pool_bytes,
-                "bytes_per_token": self.bytes_per_token,
-                "block_size": self.block_size,
-                "num_blocks": self.num_blocks,
-                "kv_cache_tokens": self.kv_cache_tokens,
-                "max_model_len": self.max_model_len,
-                "max_concurrency": self.max_concurrency,
-                "kv_pool_overridden": self.kv_pool_overridden,
-            },
-        }
+        """The JSON ``data`` of the phases the plan knows (B, C, D, E): ``phase_records()``
+        as dicts, for producers that publish plain dicts (engine simulate)."""
+        return {letter: record.to_dict() for letter, record in self.phase_records().items()}
+
+    def phase_records(self) -> dict[str, PhaseData]:
+        """What ``engine plan`` and ``engine simulate`` report for phases B–E, as the
+        records of engine/events/phase_data.py (a real start reports more in each)."""
+        return {"B": self.budget_data(), "C": LoadWeightsData(weights_bytes=self.weights_bytes),
+                "D": self.profile_run_data(), "E": self.kv_cache_data()}
+
+    def budget_data(self) -> BudgetData:
+        return BudgetData(total_bytes=self.total_bytes, gpu_memory_utilization=self.gpu_memory_utilization,
+                          requested_bytes=self.requested_bytes)
+
+    def profile_run_data(self) -> ProfileRunData:
+        return ProfileRunData(activation_peak_bytes=self.activation_peak_bytes, non_torch_bytes=self.non_torch_bytes,
+                              estimated=tuple(self.estimated))
+
+    def kv_cache_data(self) -> KvCacheData:
+        """Phase E's numbers; a real start adds ``cpu_default_cap``."""
+        return KvCacheData(kv_pool_bytes=self.kv_pool_bytes, bytes_per_token=self.bytes_per_token,
+                           block_size=self.block_size, num_blocks=self.num_blocks,
+                           kv_cache_tokens=self.kv_cache_tokens, max_model_len=self.max_model_len,
+                           max_concurrency=self.max_concurrency, kv_pool_overridden=self.kv_pool_overridden)
 
 
 def required_utilization(plan: MemoryPlan, target_pool_bytes: int) -> float:

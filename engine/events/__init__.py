@@ -2,7 +2,8 @@
 folded from them.
 
 ``engine.events`` itself is the schema's public face (the records, the bus, the JSONL
-sink and reader, from :mod:`engine.events.schema`); the folds live beside it:
+sink and reader, from :mod:`engine.events.schema`); :mod:`~engine.events.phase_data` types
+each startup phase's ``data`` (one frozen record per phase A–G); the folds live beside it:
 :mod:`~engine.events.block_table` (block deltas -> tables), :mod:`~engine.events.view`
 (``EngineView``, what /debug/state and the dashboard show), :mod:`~engine.events.stats`
 (the stats line) and :mod:`~engine.events.metrics` (vLLM's Prometheus families).

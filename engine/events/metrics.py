@@ -47,6 +47,7 @@ from engine.events import (
     StatsEvent,
     StepEvent,
 )
+from engine.events.phase_data import KvCacheData, read_phase
 from engine.events.stats import TokenTally, kv_cache_usage
 
 # ---------------------------------------------------------------- vLLM buckets
@@ -369,16 +370,16 @@ class PrometheusMetrics:
         )
 
     def _on_phase(self, event: StartupPhase) -> None:
-        if event.phase != "E" or event.status != "end":
+        kv = read_phase(event, KvCacheData) if event.status == "end" else None
+        if kv is None:
             return
-        data = event.data
         fields: dict[str, Any] = {}
-        if "num_blocks" in data:
-            fields["num_gpu_blocks"] = data["num_blocks"]
-        if "kv_cache_tokens" in data:
-            fields["kv_cache_size_tokens"] = data["kv_cache_tokens"]
-        if "block_size" in data:
-            fields["block_size"] = data["block_size"]
+        if kv.num_blocks is not None:
+            fields["num_gpu_blocks"] = kv.num_blocks
+        if kv.kv_cache_tokens is not None:
+            fields["kv_cache_size_tokens"] = kv.kv_cache_tokens
+        if kv.block_size is not None:
+            fields["block_size"] = kv.block_size
         if fields:
             self._set_cache_config(**fields)
 

@@ -74,8 +74,11 @@ class StartupPhase(Event):
     status: ``begin`` | ``end`` | ``skipped`` | ``failed``. ``memory_before`` /
     ``memory_after`` hold device readings in bytes (total, free, allocated,
     reserved, peak, source). ``data`` holds the phase's own numbers (weights
-    bytes, measured activation peak, KV pool bytes/blocks/tokens, concurrency...).
-    ``planned`` marks numbers from ``engine plan``; ``simulated`` from ``engine simulate``.
+    bytes, measured activation peak, KV pool bytes/blocks/tokens, concurrency...) in
+    their JSON form; engine/events/phase_data.py declares them, one record per phase
+    (``phase_record(event)``, ``read_phase(event, KvCacheData)``; producers publish
+    ``record.to_dict()``). ``planned`` marks numbers from ``engine plan``;
+    ``simulated`` from ``engine simulate``.
     """
 
     type: ClassVar[str] = "startup.phase"

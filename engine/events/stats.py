@@ -38,6 +38,7 @@ from engine.events import (
     StatsEvent,
     StepEvent,
 )
+from engine.events.phase_data import InitData
 from engine.logs import get_logger
 
 # vLLM's CachingMetrics window (max_recent_requests)
@@ -68,7 +69,12 @@ def kv_cache_usage(step: StepEvent) -> float:
 
 def device_word_from_config(config: dict[str, Any]) -> str | None:
     """The device word (CPU or GPU) when a config's ``device`` says which, else None."""
-    device = str(config.get("device") or "").lower()
+    return device_word_of(config.get("device"))
+
+
+def device_word_of(device_name: object) -> str | None:
+    """The device word (CPU or GPU) of a device name ("cpu", "cuda:0", "gpu"), else None."""
+    device = str(device_name or "").lower()
     if device.startswith("cpu"):
         return "CPU"
     if device.startswith("cuda") or device.startswith("gpu"):
@@ -286,8 +292,8 @@ class StatsReporter:
             return
         if isinstance(event, EngineConfigEvent) and self._device_word is None:
             self._device_word = device_word_from_config(event.config)
-        elif isinstance(event, StartupPhase) and self._device_word is None and event.phase == "A":
-            self._device_word = device_word_from_config(event.data)
+        elif isinstance(event, StartupPhase) and self._device_word is None and event.phase == InitData.phase:
+            self._device_word = device_word_of(InitData.from_dict(event.data).device)
         acc = self._acc
         acc.observe(event)
         start = acc.interval_start

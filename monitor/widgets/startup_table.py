@@ -8,6 +8,7 @@ from rich.text import Text
 from textual.widgets import DataTable
 
 from engine.events import PHASES
+from engine.events.phase_data import ProfileRunData
 from engine.events.view import EngineView, PhaseView
 
 GiB = 1024**3
@@ -19,12 +20,13 @@ def phase_detail(phase: PhaseView) -> str:
     if phase.reason:
         return phase.reason
     parts = []
+    profile = ProfileRunData.from_dict(phase.data)  # phase D says when it reused a stored measurement
     for key, value in phase.data.items():
         if key == "measured_at":
             continue
         if key == "cached":  # phase D: a stored measurement was reused instead of a new profile run
-            if value:
-                when = phase.data.get("measured_at")
+            if profile.cached:
+                when = profile.measured_at
                 stamp = time.strftime("%Y-%m-%d %H:%M", time.localtime(when)) if isinstance(when, int | float) else "?"
                 parts.append(f"reused measurement of {stamp}")
             continue

@@ -118,13 +118,15 @@ def write_plan_events(path: str, model: ModelConfig, plan: MemoryPlan, args: arg
         summary = model.summary()
         summary["bytes_per_kv_token"] = plan.bytes_per_token
         bus.publish(EngineConfigEvent(config=flags, model=summary, planned=True))
-        data = plan.phase_data()
+        records = plan.phase_records()
         for letter, name in PHASES.items():
             if letter == "F":
                 bus.publish(StartupPhase(phase=letter, name=name, status="skipped", planned=True,
                                          reason="plan mode: CUDA-graph memory is not measured"))
                 continue
-            bus.publish(StartupPhase(phase=letter, name=name, status="end", planned=True, data=data.get(letter, {})))
+            record = records.get(letter)
+            bus.publish(StartupPhase(phase=letter, name=name, status="end", planned=True,
+                                     data=record.to_dict() if record is not None else {}))
     finally:
         sink.close()
 
