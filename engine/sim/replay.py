@@ -47,6 +47,7 @@ from engine.events import (
     StepEvent,
     read_events,
 )
+from engine.events.phase_data import KvCacheData
 from engine.sim.driver import SAMPLED_TOKEN_ID
 
 STOP_TOKEN_ID = -1  # never a prompt id: the replay's "model" says stop with it
@@ -101,16 +102,16 @@ def scheduler_config_from_recording(rec: Recording) -> SchedulerConfig:
     for ev in rec.events:
         if ev.type == "engine.config" and not cfg:
             cfg = dict(ev.config)  # type: ignore[attr-defined]
-    e = _phase_data(rec.events).get("E", {})
+    kv = KvCacheData.from_dict(_phase_data(rec.events).get("E", {}))
     first_step = next((ev for ev in rec.events if isinstance(ev, StepEvent)), None)
-    num_blocks = e.get("num_blocks") or (cfg.get("simulation") or {}).get("num_blocks") or (
+    num_blocks = kv.num_blocks or (cfg.get("simulation") or {}).get("num_blocks") or (
         first_step.kv_blocks_total if first_step else 0
     )
     if not num_blocks:
         raise UserError("the recording has no KV pool size (no phase E event and no step): nothing to replay")
     try:
-        return SchedulerConfig.from_flags(cfg, num_blocks=int(num_blocks), block_size=e.get("block_size"),
-                                          max_model_len=e.get("max_model_len"))
+        return SchedulerConfig.from_flags(cfg, num_blocks=int(num_blocks), block_size=kv.block_size,
+                                          max_model_len=kv.max_model_len)
     except (TypeError, ValueError) as exc:
         raise UserError(f"the recording's config cannot drive a scheduler: {exc}") from None
 

@@ -35,6 +35,7 @@ from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.core.step_loop import ExecutedStep, run_step
 from engine.errors import UserError
 from engine.events import PHASES, EngineConfigEvent, EventBus, StartupPhase
+from engine.events.phase_data import InitData
 from engine.events.stats import StatsReporter
 from engine.events.tally import RunTally
 from engine.sim.driver import SAMPLED_TOKEN_ID
@@ -199,8 +200,8 @@ def publish_startup(bus: EventBus, setup: SimSetup) -> None:
     summary = setup.model.summary()
     summary["bytes_per_kv_token"] = plan.bytes_per_token
     bus.publish(EngineConfigEvent(config=setup.recording_config(), model=summary))
-    data = plan.phase_data()
-    data["A"] = {"device": "cuda", "gpu": setup.gpu.name, "simulated": True}
+    records = plan.phase_records()
+    records["A"] = InitData(device="cuda", gpu=setup.gpu.name, simulated=True)
     total = plan.total_bytes
     weights = plan.weights_bytes
     allocated_after = {"A": 0, "B": 0, "C": weights, "D": weights, "E": weights + plan.kv_pool_bytes,
@@ -217,7 +218,8 @@ def publish_startup(bus: EventBus, setup: SimSetup) -> None:
                                      memory_before=_reading(total, before), memory_after=_reading(total, after)))
         else:
             bus.publish(StartupPhase(phase=letter, name=name, status="end", simulated=True, duration_s=0.0,
-                                     data=data.get(letter, {}), memory_before=_reading(total, before),
+                                     data=records[letter].to_dict() if letter in records else {},
+                                     memory_before=_reading(total, before),
                                      memory_after=_reading(total, after, peak)))
         before = after
 
