@@ -4,16 +4,19 @@ dashboard fed by the in-process bus (quit with ``q``).
 
 The sizes are small on purpose (a KV pool of 2,912 tokens, --max-model-len 2048:
 64 MiB in bf16, 128 MiB in the fp32 that AVX2-only CPUs run) so the pool fills, requests get preempted and prefix-cache hits show. When stdout is
-not a terminal (CI, a pipe) it runs headless for at most ``--duration`` seconds
-and prints a summary instead.
+not a terminal (CI, a pipe) it runs headless: ``--duration`` seconds of load from
+the moment the server is ready, sized to the machine as it runs (a request is sent
+only if the measured latencies say it finishes in time), then a summary.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import os
 import socket
+import statistics
 import sys
 import threading
 import time
@@ -39,8 +42,8 @@ DESCRIPTION = f"""What make demo runs: {DEMO_MODEL} served on a free loopback po
 clients sending a synthetic load (random ordinary token ids, Poisson arrivals,
 a shared prefix for prefix-cache hits) and the live dashboard fed by the
 in-process bus (quit with q). The KV pool is small on purpose so it fills and
-requests get preempted. Without a terminal it runs headless for at most
---duration seconds and prints a summary."""
+requests get preempted. Without a terminal it runs headless: --duration
+seconds of load from ready, sized to the machine, then a summary."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -52,7 +55,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-memory-bytes", type=bytes_type("--kv-cache-memory-bytes"), default=None,
                    help=f"KV pool size in bytes, suffixes Ki/Mi/Gi allowed (default: {DEMO_POOL_TOKENS:,} tokens "
                         "in this CPU's dtype, small so preemptions show)")
-    p.add_argument("--duration", type=float, default=45.0, help="headless: stop after this many seconds (default 45)")
+    p.add_argument("--duration", type=float, default=45.0,
+                   help="headless: seconds of load after the server is ready (default 45); requests that would "
+                        "not finish in time are not sent")
     p.add_argument("--headless", action="store_true", help="no dashboard, print a summary (default when not a tty)")
     p.add_argument("--threads", dest="num_threads", type=int, default=None, metavar="N",
                    help="CPU threads for torch (default: all cores)")
@@ -89,48 +94,110 @@ def demo_pool_bytes(config: EngineConfig) -> int:
     return DEMO_POOL_TOKENS * bytes_per_kv_token(model, config.kv_cache_dtype, 1, dtype)
 
 
+MAX_IN_FLIGHT = 16  # half of --max-num-seqs: the small pool still preempts, queues stay short
+PROBE_IN_FLIGHT = 4  # headless: requests sent before the first measurements
+DRAIN_GRACE_S = 30.0  # headless: how long past --duration the last streams may take before they are cut
+
+
 class DemoLoad:
     """Streaming clients that send ``workload`` at its arrival times, prompts from
-    ``token_ids``; ``stop`` ends them (open streams are closed, which aborts their requests)."""
+    ``token_ids``, at most ``max_in_flight`` at once; ``stop`` ends them (open streams
+    are closed, which aborts their requests).
 
-    def __init__(self, url: str, workload: list[WorkloadRequest], token_ids: TokenIds) -> None:
+    With a ``duration`` (headless), the load is sized to this machine as it runs: a
+    request is sent only if the TTFT and inter-token time measured on the open streams
+    say it will finish by then, so the summary covers requests that completed
+    rather than ones cut off."""
+
+    def __init__(self, url: str, workload: list[WorkloadRequest], token_ids: TokenIds,
+                 max_in_flight: int = MAX_IN_FLIGHT, duration: float | None = None) -> None:
         self.url = url + "/v1/completions"
         self.workload = workload
         self.prompts = {req.request_id: token_ids.prompt(req) for req in workload}
+        self.max_in_flight = max_in_flight
+        self.duration = duration
         self.stop = threading.Event()
         self.done = threading.Event()
         self.sent = 0
-        self.started = time.monotonic()
+        self.skipped = 0  # not sent: they would not have finished within the duration
+        self.completed = 0
+        self.in_flight = 0
+        self.ttft_last: float | None = None  # measured on the streams, for headless sizing
+        self.itl_recent: float | None = None
+        self.gaps: collections.deque[float] = collections.deque(maxlen=256)
+        self.started = time.monotonic()  # reset when run() begins: after the server is ready
         self.failed: list[str] = []
 
     def run(self) -> None:
+        self.started = time.monotonic()
         try:
             asyncio.run(self._main())
         finally:
             self.done.set()
 
+    def _fits(self, req: WorkloadRequest) -> bool:
+        """Headless: will ``req`` finish by the end of the duration? Its estimate is the
+        last measured TTFT plus its output tokens at the measured inter-token time,
+        scaled for one more sequence in the batch. Until tokens have been measured,
+        only a probe of PROBE_IN_FLIGHT requests goes out."""
+        if self.duration is None:
+            return True
+        if self.itl_recent is None:
+            return self.in_flight < PROBE_IN_FLIGHT
+        crowding = (self.in_flight + 1) / max(self.in_flight, 1)
+        estimate = (self.ttft_last or 0.0) + req.output_tokens * self.itl_recent * crowding
+        return time.monotonic() + estimate <= self.started + self.duration
+
+    def _observe(self, ttft: float | None, gap: float | None) -> None:
+        if ttft is not None:
+            self.ttft_last = ttft
+        if gap is not None:  # the median of recent gaps: a preemption's stall is no trend
+            self.gaps.append(gap)
+            self.itl_recent = statistics.median(self.gaps)
+
     async def _main(self) -> None:
-        limits = httpx.Limits(max_connections=len(self.workload) + 4)
+        limits = httpx.Limits(max_connections=self.max_in_flight + 4)
+        slots = asyncio.Semaphore(self.max_in_flight)
         async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0), limits=limits) as client:
-            tasks = [asyncio.create_task(self._one(client, req)) for req in self.workload]
+            tasks = [asyncio.create_task(self._one(client, slots, req)) for req in self.workload]
             while not self.stop.is_set() and not all(t.done() for t in tasks):
                 await asyncio.sleep(0.1)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _one(self, client: httpx.AsyncClient, req: WorkloadRequest) -> None:
+    async def _one(self, client: httpx.AsyncClient, slots: asyncio.Semaphore, req: WorkloadRequest) -> None:
         await asyncio.sleep(req.arrival_time)
-        body: dict[str, Any] = {"model": DEMO_MODEL, "prompt": self.prompts[req.request_id],
-                                "max_tokens": req.output_tokens,
-                                "temperature": 0.8, "stream": True, "ignore_eos": True}
-        self.sent += 1
+        async with slots:
+            while not self._fits(req):
+                if self.itl_recent is not None or self.duration is None:
+                    self.skipped += 1
+                    return
+                await asyncio.sleep(0.2)  # wait for the probe's first measurements
+            body: dict[str, Any] = {"model": DEMO_MODEL, "prompt": self.prompts[req.request_id],
+                                    "max_tokens": req.output_tokens,
+                                    "temperature": 0.8, "stream": True, "ignore_eos": True}
+            self.sent += 1
+            self.in_flight += 1
+            try:
+                await self._stream(client, body)
+            finally:
+                self.in_flight -= 1
+
+    async def _stream(self, client: httpx.AsyncClient, body: dict[str, Any]) -> None:
+        sent_at = last = time.monotonic()
+        first = True
         async with client.stream("POST", self.url, json=body) as response:
             if response.status_code != 200:
                 self.failed.append(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
                 return
-            async for _ in response.aiter_lines():
-                pass
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                now = time.monotonic()
+                self._observe(now - sent_at if first else None, None if first else now - last)
+                first, last = False, now
+        self.completed += 1
 
 
 def run(args: argparse.Namespace) -> int:
@@ -163,7 +230,8 @@ def run(args: argparse.Namespace) -> int:
         llm = host.engine.wait_ready()
         while not server.started and http_thread.is_alive():
             time.sleep(0.05)
-        load = holder["load"] = DemoLoad(url, workload, VocabTokenIds.for_engine(llm, seed=args.workload_seed))
+        load = holder["load"] = DemoLoad(url, workload, VocabTokenIds.for_engine(llm, seed=args.workload_seed),
+                                         duration=args.duration if headless else None)
         load.run()
 
     http_thread.start()
@@ -173,8 +241,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         if headless:
             print(f"engine demo: {DEMO_MODEL} on {url}, {args.num_prompts} streaming requests at "
-                  f"{args.request_rate:g}/s (headless: at most {args.duration:g} s)", flush=True)
-            while load_thread.is_alive() and time.monotonic() - start < args.duration:
+                  f"{args.request_rate:g}/s (headless: {args.duration:g} s of load once ready)", flush=True)
+            # --duration counts from ready (startup's time is its own); streams still open
+            # DRAIN_GRACE_S after it are cut
+            while load_thread.is_alive():
+                load = holder.get("load")
+                if load is not None and time.monotonic() - load.started > args.duration + DRAIN_GRACE_S:
+                    break
                 load_thread.join(timeout=0.5)
         elif run_dashboard is not None:
             run_dashboard(bus, host.view.snapshot, f"engine demo {url}")
@@ -190,7 +263,9 @@ def run(args: argparse.Namespace) -> int:
     if load is None:
         raise UserError("the demo load never started (the server did not come up)")
     state = host.view.snapshot()
-    print(f"sent {load.sent} of {args.num_prompts} requests in {time.monotonic() - start:.1f} s; "
+    not_sent = f" ({load.skipped} not sent: they would not have finished within --duration)" if load.skipped else ""
+    print(f"ready after {load.started - start:.1f} s; sent {load.sent} of {args.num_prompts} requests{not_sent}, "
+          f"{load.completed} completed in {time.monotonic() - load.started:.1f} s; "
           f"KV pool {state['kv']['total']} blocks, {state['preemptions']} preemptions")
     summary.summary.wall_s = time.monotonic() - load.started  # the load's time, not the startup's
     for line in summary.summary.lines():
