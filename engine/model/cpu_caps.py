@@ -12,7 +12,9 @@ these facts carries its reason, for phase A's event and ``engine plan``.
 from __future__ import annotations
 
 import functools
+import os
 import platform
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,13 +86,32 @@ def parse_cpuinfo(text: str) -> tuple[str, frozenset[str]]:
     return model, flags
 
 
-def _torch_capability() -> str:
+def _torch_capability(flags: frozenset[str] = frozenset()) -> str:
+    """torch's own answer when torch is loaded already; otherwise the same answer read
+    from the flags (ATen's dispatch rule), so a calculator like ``engine plan`` does
+    not pay two seconds of ``import torch`` for one word."""
+    if "torch" not in sys.modules and flags:
+        return inferred_torch_capability(flags)
     try:
         import torch
 
         return str(torch.backends.cpu.get_cpu_capability())
     except Exception:  # torch missing or too old to say: the flags still decide
         return "unknown"
+
+
+def inferred_torch_capability(flags: frozenset[str]) -> str:
+    """The kernel set ATen dispatches to on an x86 CPU with ``flags`` (its cpuinfo
+    checks): AVX512 needs F, BW, VL and DQ; AVX2 needs AVX2 and FMA. An
+    ``ATEN_CPU_CAPABILITY`` override is honoured, as torch honours it."""
+    override = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().upper()
+    if override:
+        return override
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        return "AVX512"
+    if {"avx2", "fma"} <= flags:
+        return "AVX2"
+    return "DEFAULT"
 
 
 def detect(cpuinfo_text: str | None = None, torch_capability: str | None = None) -> CpuCapabilities:
@@ -110,7 +131,7 @@ def _detect_here() -> CpuCapabilities:
     model, flags = parse_cpuinfo(text)
     if model == "unknown CPU":
         model = platform.processor() or model
-    return CpuCapabilities(model, _torch_capability(), flags, platform.machine())
+    return CpuCapabilities(model, _torch_capability(flags), flags, platform.machine())
 
 
 @dataclass(frozen=True, slots=True)

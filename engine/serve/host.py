@@ -1,4 +1,4 @@
-"""The engine side of the server, with no HTTP in it: :class:`ServerSettings`, the bus
+"""The engine side of the server, with no HTTP in it: the bus
 subscribers attached before the engine starts (:class:`LockedView` for ``/debug/state``,
 :class:`EventHub` for ``/events``, and
 :class:`~engine.events.metrics.PrometheusMetrics` for ``/metrics``) and
@@ -22,24 +22,11 @@ from engine.events.metrics import PrometheusMetrics
 from engine.events.view import EngineView
 from engine.llm_engine import LLMEngine
 from engine.serve.async_engine import AsyncEngine
+from engine.serve.settings import LOOPBACK_HOSTS, ServerSettings
+
+__all__ = ["LOOPBACK_HOSTS", "EngineHost", "EventHub", "LockedView", "ServerSettings", "SseClient"]
 
 SSE_CLIENT_MAX_QUEUE = 20_000  # events buffered for one slow /events client before it is dropped
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
-
-
-@dataclass(slots=True)
-class ServerSettings:
-    served_model_name: str
-    api_key: str | None = None
-    metrics_require_key: bool = False
-    max_waiting_requests: int | None = None
-    shutdown_timeout_s: float = 10.0
-    # CORS: origins a browser page may call from (vLLM's --allowed-origins; empty: no CORS headers).
-    allowed_origins: tuple[str, ...] = ()
-    # Host headers answered (None: any). A loopback server without an API key answers only
-    # loopback names, so a web page cannot reach it through DNS rebinding.
-    trusted_hosts: tuple[str, ...] | None = None
-    max_body_bytes: int | None = None  # None: derived from --max-model-len once the engine is up
 
 
 # ------------------------------------------------------------------ observers

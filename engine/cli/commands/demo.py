@@ -20,9 +20,7 @@ import statistics
 import sys
 import threading
 import time
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any
 
 from engine.budget.config import EngineConfig
 from engine.cli.dashboard import load_dashboard
@@ -30,8 +28,11 @@ from engine.cli.flags import add_workload_flags, bytes_type, workload_spec_from_
 from engine.errors import UserError
 from engine.events import EventBus
 from engine.logs import configure_logging
-from engine.serve.app import EngineHost, ServerSettings
+from engine.serve.settings import ServerSettings
 from engine.sim.workload import SummaryCollector, TokenIds, VocabTokenIds, WorkloadRequest, generate_workload
+
+if TYPE_CHECKING:
+    import httpx
 
 DEMO_MODEL = "smollm2-135m"
 # 182 blocks of 16: enough for one 2,048-token request, small enough to preempt under the demo's load.
@@ -156,6 +157,8 @@ class DemoLoad:
             self.itl_recent = statistics.median(self.gaps)
 
     async def _main(self) -> None:
+        import httpx
+
         limits = httpx.Limits(max_connections=self.max_in_flight + 4)
         slots = asyncio.Semaphore(self.max_in_flight)
         async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0), limits=limits) as client:
@@ -204,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from engine.cli.commands.serve import make_server
+    from engine.serve.host import EngineHost
 
     headless = args.headless or not sys.stdout.isatty()
     if args.num_prompts is None:

@@ -12,9 +12,6 @@ from typing import Any
 
 from engine.budget.config import ModelConfig, load_model_config
 from engine.errors import UserError
-from engine.model.loader import load_hf_state_dict
-from engine.model.runner import torch_dtype
-from engine.model.tokenizer import Tokenizer
 
 _HF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
 
@@ -54,6 +51,10 @@ def export_hf(model: str, out: Path, dtype: str = "float32") -> Path:
         raise UserError(f"model {model!r} is a preset without weights; export needs a .gguf file or HF folder")
     if out.exists() and any(out.iterdir()):
         raise UserError(f"{out}: folder exists and is not empty; choose a new OUT folder")
+    from engine.model.loader import load_hf_state_dict  # torch loads only once the arguments are checked
+    from engine.model.runner import torch_dtype
+    from engine.model.tokenizer import Tokenizer
+
     canonical = str(torch_dtype(dtype)).removeprefix("torch.")
     tokenizer = Tokenizer.for_model(config)
     state = load_hf_state_dict(config, dtype=torch_dtype(dtype))

@@ -7,7 +7,6 @@ import sys
 
 from engine.cli.flags import add_engine_flags, engine_config_from_args
 from engine.core.sampling_params import SamplingParams
-from engine.llm_engine import LLMEngine
 from engine.logs import configure_logging
 
 
@@ -29,6 +28,8 @@ def run(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed, stop=args.stop)
+    from engine.llm_engine import LLMEngine  # torch loads only once the flags are checked
+
     with LLMEngine(config) as engine:
         prompt = args.prompt
         if args.chat:

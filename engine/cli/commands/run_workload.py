@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import threading
+from typing import TYPE_CHECKING
 
 from engine.cli.flags import (
     add_engine_flags,
@@ -15,7 +16,6 @@ from engine.cli.flags import (
     workload_spec_from_args,
 )
 from engine.events import EventBus
-from engine.llm_engine import LLMEngine
 from engine.logs import configure_logging
 from engine.sim.workload import (
     VocabTokenIds,
@@ -24,6 +24,9 @@ from engine.sim.workload import (
     drive_workload,
     generate_workload,
 )
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
 
 DESCRIPTION = """Run a synthetic workload through the real engine: prompts of random ordinary
 token ids (no special tokens), each generating exactly its output length (greedy,
@@ -61,6 +64,8 @@ def run_with_monitor(args: argparse.Namespace, workload: list[WorkloadRequest], 
     stop = threading.Event()
 
     def work() -> None:
+        from engine.llm_engine import LLMEngine
+
         try:
             with LLMEngine(config, bus=bus) as engine:
                 result["summary"] = run_workload(args, engine, workload, realtime=True,
@@ -88,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
         summary = run_with_monitor(args, workload, "run-workload")
     else:
         configure_logging(args.log_format)
+        from engine.llm_engine import LLMEngine  # torch loads only once the flags are checked
+
         with LLMEngine(engine_config_from_args(args)) as engine:
             summary = run_workload(args, engine, workload, realtime=args.request_rate != float("inf"))
     if summary is not None:

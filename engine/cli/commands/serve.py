@@ -13,6 +13,7 @@ import json
 import os
 import socket
 import threading
+from typing import TYPE_CHECKING
 
 import uvicorn
 
@@ -20,7 +21,10 @@ from engine.budget.config import BUNDLED_MODEL_NAME
 from engine.cli.flags import add_engine_flags, engine_config_from_args, model_from_args
 from engine.errors import UserError
 from engine.logs import configure_logging, get_logger
-from engine.serve.app import LOOPBACK_HOSTS, EngineHost, ServerSettings, build_app
+from engine.serve.settings import LOOPBACK_HOSTS, ServerSettings
+
+if TYPE_CHECKING:  # the app and the engine load torch: only once the flags are checked
+    from engine.serve.host import EngineHost
 
 API_KEY_ENV = "KVSCOPE_API_KEY"
 
@@ -132,6 +136,8 @@ def bind_listening_socket(bind: str, port: int) -> socket.socket:
 
 
 def make_server(host: EngineHost, bind: str, port: int, log_level: str = "warning") -> KvscopeServer:
+    from engine.serve.app import build_app
+
     config = uvicorn.Config(build_app(host), host=bind, port=port, log_level=log_level, access_log=False,
                             # a backstop: the abort timer in handle_exit normally ends every stream first
                             timeout_graceful_shutdown=int(host.settings.shutdown_timeout_s) + 5,
@@ -147,6 +153,8 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_format)
     log = get_logger("kvscope.serve")
     listener = bind_listening_socket(args.host, args.port)
+    from engine.serve.host import EngineHost
+
     host = EngineHost.create(config, settings)
     try:
         host.engine.wait_ready()  # a startup UserError exits 2 here; no request was ever accepted
@@ -165,6 +173,7 @@ def _run_with_monitor(args: argparse.Namespace, settings: ServerSettings) -> int
     the dashboard subscribes to the bus before startup so phases A–G show live."""
     from engine.cli.dashboard import load_dashboard
     from engine.events import EventBus
+    from engine.serve.host import EngineHost
 
     run_dashboard = load_dashboard()  # no dashboard installed: a UserError before anything binds
     listener = bind_listening_socket(args.host, args.port)

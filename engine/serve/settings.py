@@ -1,0 +1,23 @@
+"""What the server is told on its command line (``ServerSettings``), in a module that
+loads no torch, so ``engine serve --help`` and flag errors answer at once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    served_model_name: str
+    api_key: str | None = None
+    metrics_require_key: bool = False
+    max_waiting_requests: int | None = None
+    shutdown_timeout_s: float = 10.0
+    # CORS: origins a browser page may call from (vLLM's --allowed-origins; empty: no CORS headers).
+    allowed_origins: tuple[str, ...] = ()
+    # Host headers answered (None: any). A loopback server without an API key answers only
+    # loopback names, so a web page cannot reach it through DNS rebinding.
+    trusted_hosts: tuple[str, ...] | None = None
+    max_body_bytes: int | None = None  # None: derived from --max-model-len once the engine is up
