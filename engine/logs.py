@@ -1,4 +1,5 @@
-"""structlog, configured once: a console renderer on a tty, JSON lines otherwise.
+"""structlog, configured once: vLLM's line format on a tty and a pipe alike
+(``INFO 12-01 07:30:22 [startup.py:120] message``), JSON lines with ``--log-format json``.
 
 Log lines are a sink of the same facts the events carry; the vLLM-format lines
 ("CPU KV cache size: N tokens", the periodic stats line) are emitted as the
@@ -16,25 +17,40 @@ import structlog
 _configured: str | None = None
 
 
+LOG_FORMATS = ("auto", "text", "json")  # "console" is kept as another name for "text"
+_CALLSITE = structlog.processors.CallsiteParameterAdder(
+    [structlog.processors.CallsiteParameter.FILENAME, structlog.processors.CallsiteParameter.LINENO]
+)
+
+
+def vllm_line(_logger: Any, _method: str, event_dict: dict[str, Any]) -> str:
+    """``LEVEL MM-DD HH:MM:SS [file.py:line] message key=value ...``: vLLM's own layout,
+    so operators' greps and logparse read kvscope's logs as they read vLLM's."""
+    level = str(event_dict.pop("level", "info")).upper()
+    stamp = event_dict.pop("timestamp", "")
+    where = f"{event_dict.pop('filename', '?')}:{event_dict.pop('lineno', 0)}"
+    message = str(event_dict.pop("event", ""))
+    extras = " ".join(f"{k}={v}" for k, v in event_dict.items() if not k.startswith("_"))
+    return f"{level} {stamp} [{where}] {message}" + (f" {extras}" if extras else "")
+
+
 def configure_logging(fmt: str = "auto", level: str = "info", stream: Any = None) -> None:
-    """``fmt``: ``auto`` (console on a tty, JSON otherwise), ``console`` or ``json``.
-    Safe to call again; the latest call wins."""
+    """``fmt``: ``auto`` or ``text`` (vLLM's line format, on a tty and a pipe alike) or
+    ``json`` (one JSON object per line, ISO timestamps). Safe to call again; the
+    latest call wins."""
     global _configured
     stream = stream or sys.stderr
-    if fmt == "auto":
-        fmt = "console" if getattr(stream, "isatty", lambda: False)() else "json"
-    if fmt not in ("console", "json"):
-        raise ValueError(f"--log-format {fmt!r}: use auto, console or json")
-    renderer: Any = (
-        structlog.dev.ConsoleRenderer(colors=True) if fmt == "console" else structlog.processors.JSONRenderer()
-    )
+    if fmt in ("auto", "console"):
+        fmt = "text"
+    if fmt not in LOG_FORMATS:
+        raise ValueError(f"--log-format {fmt!r}: use text or json")
+    if fmt == "json":
+        processors: list[Any] = [structlog.processors.TimeStamper(fmt="iso", utc=False),
+                                 structlog.processors.JSONRenderer()]
+    else:
+        processors = [structlog.processors.TimeStamper(fmt="%m-%d %H:%M:%S", utc=False), _CALLSITE, vllm_line]
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=False),
-            renderer,
-        ],
+        processors=[structlog.contextvars.merge_contextvars, structlog.processors.add_log_level, *processors],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
         logger_factory=structlog.PrintLoggerFactory(file=stream),
         cache_logger_on_first_use=False,

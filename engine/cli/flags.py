@@ -18,7 +18,7 @@ from engine.core.policy import POLICIES
 from engine.errors import UserError
 from engine.sim.workload import ARRIVAL_UNITS, ARRIVALS, WorkloadSpec, parse_range
 
-# Old spelling -> the flag it is now an alias of (tests/test_cli_flags.py holds every
+# Old spelling -> the flag it is now an alias of (tests/cli/test_cli_flags.py holds every
 # subcommand to this: an old spelling is never an argument of its own).
 RETIRED_SPELLINGS: dict[str, str] = {
     "--num-requests": "--num-prompts",
@@ -130,7 +130,9 @@ def add_engine_flags(p: argparse.ArgumentParser, positional_model: bool = False)
     p.add_argument("--stats-interval", type=float, default=10.0, help="seconds between stats lines/events")
     p.add_argument("--log-prompts", action="store_true", help="put prompt and output text in events and logs")
     p.add_argument("--events", dest="events_path", default=None, metavar="PATH", help="record every event to JSONL")
-    p.add_argument("--log-format", choices=["auto", "console", "json"], default="auto")
+    p.add_argument("--log-format", choices=["auto", "text", "console", "json"], default="auto",
+                   help="text: vLLM's line format, INFO MM-DD HH:MM:SS [file.py:line] message (default, on a "
+                        "terminal and a pipe alike; console is another name for it); json: one object per line")
     p.add_argument("--threads", dest="num_threads", type=_positive_int("--threads"), default=None, metavar="N",
                    help="CPU threads for torch (default: all cores)")
 
