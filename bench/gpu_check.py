@@ -2,7 +2,7 @@
 run of at most ten minutes, with the results in one JSON file.
 
 1. device: name, compute capability, memory (torch.cuda).
-2. kernel_tests: tests/test_triton_attention.py natively (no interpreter).
+2. kernel_tests: tests/model/test_triton_attention.py natively (no interpreter).
 3. runner: a dummy-weights Llama-3.1-8B-shaped ModelRunner on the Triton backend,
    a prefill step and decode steps, logits compared with the torch backend.
 4. engine_phases: HOOK: start the engine through all startup phases once
@@ -64,7 +64,7 @@ def kernel_tests(device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         env.pop("TRITON_INTERPRET", None)  # native kernels
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "triton", "-p", "no:cacheprovider"]
-    cmd.append("tests/test_triton_attention.py")
+    cmd.append("tests/model/test_triton_attention.py")
     start = time.perf_counter()
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     lines = (result.stdout + result.stderr).strip().splitlines()

@@ -22,9 +22,12 @@ from pathlib import Path
 from engine.core.scheduler import SchedulerConfig
 from engine.events import Event, EventBus, JsonlSink, StepEvent
 from engine.sim.driver import DriverRequest, run_driver
+from tests.paths import SAMPLES
 
-SAMPLE = Path(__file__).resolve().parent.parent / "samples" / "monitor_sim.jsonl"
-SAMPLE_COMMAND = (  # the docstring's command, which tests/test_replay.py re-runs and compares
+SAMPLE = SAMPLES / "monitor_sim.jsonl"
+# The docstring's command, which tests/sim/test_replay.py re-runs and compares; kept as the
+# command line a person types, hence a split string rather than a list literal.
+SAMPLE_COMMAND = (  # noqa: SIM905
     "simulate --model llama-3.1-8b --num-gpu-blocks-override 384 --max-model-len 4096 --max-num-seqs 32 "
     "--max-num-batched-tokens 1024 --num-prompts 55 --random-input-len 100:900 --random-output-len 20:160 "
     "--arrival poisson --request-rate 0.25 --arrival-unit step --shared-prefix-fraction 0.5 "

@@ -21,7 +21,7 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.paths import ROOT
 
 # What monitor/ may import from engine/, measured: the event wing (engine.events: the
 # records and the bus; engine.events.view: EngineView, the reducer the widgets render,

@@ -3,7 +3,7 @@
 The monitor, replay and the tests use this to turn an event stream back into the
 pool's state: which request holds which blocks (in position order) and which
 blocks hold prefix-cache content. Applying every step event of a run in order
-reproduces the scheduler's own table exactly (tests/test_step_events.py checks
+reproduces the scheduler's own table exactly (tests/core/test_step_events.py checks
 this step by step).
 
 An abort frees a request's blocks between steps; those frees travel in the next

@@ -13,9 +13,10 @@ from hypothesis import strategies as st
 from logparse.cli import main
 from logparse.explain import Options, explain
 from logparse.render import render_json, render_markdown
+from tests.paths import DATA, SAMPLES
 
-CORPUS = Path(__file__).resolve().parent / "data" / "vllm-logs"  # kept in the repo: a clone runs every test
-SAMPLE = Path(__file__).resolve().parents[1] / "samples" / "vllm-startup.log"
+CORPUS = DATA / "vllm-logs"  # kept in the repo: a clone runs every test
+SAMPLE = SAMPLES / "vllm-startup.log"
 LOGS = sorted(CORPUS.glob("*.log")) or [SAMPLE]
 REAL_LINES = [line for log in LOGS for line in log.read_bytes().splitlines(keepends=True)]
 

@@ -11,8 +11,7 @@ import pytest
 
 from engine.budget.config import bundled_gguf_path
 from engine.cli import main
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.paths import ROOT
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ from engine.events import EventBus, JsonlSink, RequestScheduled, StartupPhase, S
 from engine.sim.replay import Replayer, load_recording
 from engine.sim.simulate import Simulation, build_setup
 from engine.sim.workload import WorkloadSpec, generate_workload
+from tests.paths import SAMPLES
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +218,7 @@ def test_the_committed_simulation_sample_verifies() -> None:
     engine simulate --num-prompts 150 --random-input-len 200:2500 --random-output-len 40:300 --arrival poisson
     --request-rate 12 --arrival-unit s --shared-prefix-fraction 0.4 --shared-prefix-len 512 --max-num-seqs 64
     --num-gpu-blocks-override 2500 --max-model-len 8192 --workload-seed 11 --events samples/sim_h100_llama8b.jsonl"""
-    path = Path(__file__).resolve().parent.parent / "samples" / "sim_h100_llama8b.jsonl"
+    path = SAMPLES / "sim_h100_llama8b.jsonl"
     assert path.stat().st_size < 3 * 2**20
     replayer = Replayer(load_recording(path))
     report = replayer.run()

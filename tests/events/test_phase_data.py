@@ -23,8 +23,9 @@ from engine.events.phase_data import (
     read_phase,
 )
 from engine.events.view import LEDGER_KEYS
+from tests import paths
 
-SAMPLES = sorted((Path(__file__).resolve().parent.parent / "samples").glob("*.jsonl"))
+SAMPLES = sorted(paths.SAMPLES.glob("*.jsonl"))
 
 
 def field_names(cls: type[PhaseData]) -> list[str]:

@@ -15,9 +15,10 @@ from logparse.cli import main
 from logparse.explain import Options, explain
 from logparse.parser import iter_records
 from logparse.patterns import LEDGER_KEYS, PATTERNS
+from tests.paths import DATA, SAMPLES
 
-CORPUS = Path(__file__).resolve().parent / "data" / "vllm-logs"  # kept in the repo: a clone runs every test
-SAMPLE = Path(__file__).resolve().parents[1] / "samples" / "vllm-startup.log"
+CORPUS = DATA / "vllm-logs"  # kept in the repo: a clone runs every test
+SAMPLE = SAMPLES / "vllm-startup.log"
 
 # The background notebook's part 8 log, notebook annotations ("← Part 3 ...") removed.
 PART8_LOG = """\

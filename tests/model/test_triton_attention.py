@@ -1,7 +1,7 @@
 """Triton attention kernels against a plain-torch reference.
 
 Runs natively on a CUDA device, or on CPU under the Triton interpreter:
-``TRITON_INTERPRET=1 .venv/bin/python -m pytest -m triton tests/test_triton_attention.py``
+``TRITON_INTERPRET=1 .venv/bin/python -m pytest -m triton tests/model/test_triton_attention.py``
 (``make test-triton``). The interpreter is slow (about 0.5 ms per program and
 1-3 ms per ``tl.dot``), so the shapes are small but keep every edge the kernels
 have: ragged lengths, block boundaries, random block tables, GQA groups that

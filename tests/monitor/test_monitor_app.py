@@ -22,6 +22,7 @@ from monitor.widgets.events_log import EventsLog
 from monitor.widgets.queues import RequestTable
 from monitor.widgets.replay_bar import ReplayBar
 from tests.monitor_fixtures import SAMPLE, owners_at, record_driver_run
+from tests.paths import SAMPLES
 
 SIZE = (160, 50)
 
@@ -228,9 +229,6 @@ def test_cli_bad_inputs_are_one_line_errors(tmp_path: Path, capsys: pytest.Captu
         load_timeline(tmp_path / "missing.jsonl")
 
 
-SAMPLES_DIR = Path(__file__).resolve().parent.parent / "samples"
-
-
 @pytest.mark.parametrize(
     ("name", "steps"),
     [("smollm2_run.jsonl", (12, 150, 290)), ("sim_h100_llama8b.jsonl", (5, 200, 380))],
@@ -238,7 +236,7 @@ SAMPLES_DIR = Path(__file__).resolve().parent.parent / "samples"
 async def test_committed_recordings_seek_to_the_independent_block_table(name: str, steps: tuple[int, ...]) -> None:
     """The real bundled-model run (with preemptions) and the large simulated
     H100 run: after "go to step K" the map shows exactly the table at K."""
-    path = SAMPLES_DIR / name
+    path = SAMPLES / name
     events = read_events(path).events
     last_step = max(e.index for e in events if isinstance(e, StepEvent))
     app = MonitorApp(timeline=load_timeline(path), source_name=name)

@@ -1,0 +1,1 @@
+"""Tests of engine/budget/: the memory formula and model configs."""

@@ -1,0 +1,1 @@
+"""Tests of engine/core/: the scheduler, KV cache manager, block pool and step events."""

@@ -1,0 +1,1 @@
+"""Tests of engine/events/: the bus and recording format, metrics, the stats line, phase data."""

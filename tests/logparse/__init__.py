@@ -1,0 +1,1 @@
+"""Tests of logparse/: the vLLM log parser and explain."""

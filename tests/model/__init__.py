@@ -1,0 +1,1 @@
+"""Tests of engine/model/: tensors, kernels, loader, runner, sampler, tokenizer, caches."""

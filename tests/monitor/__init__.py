@@ -1,0 +1,1 @@
+"""Tests of monitor/: the Textual dashboard, its state and SVG snapshots."""

@@ -1,0 +1,1 @@
+"""Tests of engine/serve/: the HTTP server against a real `engine serve`."""
