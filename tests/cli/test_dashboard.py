@@ -31,11 +31,14 @@ def test_no_dashboard_installed_is_a_user_error() -> None:
 
 
 @pytest.mark.usefixtures("no_dashboard")
-@pytest.mark.parametrize("start", [serve._run_with_monitor, run_workload.run_with_monitor])
+@pytest.mark.parametrize("start", [
+    lambda args: serve._run_with_monitor(args, None),
+    lambda args: run_workload.run_with_monitor(args, [], "run-workload"),
+], ids=["serve", "run_workload"])
 def test_commands_refuse_monitor_before_starting_anything(start: Any) -> None:
     # The namespace is empty: the check comes before any argument is read.
     with pytest.raises(UserError, match="--monitor needs"):
-        start(argparse.Namespace(), None)
+        start(argparse.Namespace())
 
 
 def test_launch_feeds_the_bus_and_snapshot_to_the_app(monkeypatch: pytest.MonkeyPatch) -> None:
