@@ -41,7 +41,7 @@ class GpuPreset:
 GPU_PRESETS: dict[str, GpuPreset] = {
     p.name: p
     for p in (
-        GpuPreset("h100-80gb", 79.6, 3.35, 989.0, "NVIDIA H100 SXM 80 GB"),
+        GpuPreset("h100-80gb", 79.22, 3.35, 989.0, "NVIDIA H100 SXM 80 GB"),  # as vLLM logs it: total_gpu_memory (79.22GiB)
         GpuPreset("h200", 139.8, 4.8, 989.0, "NVIDIA H200 141 GB"),
         GpuPreset("a100-80gb", 79.2, 2.039, 312.0, "NVIDIA A100 SXM 80 GB"),
         GpuPreset("a100-40gb", 39.4, 1.555, 312.0, "NVIDIA A100 40 GB"),

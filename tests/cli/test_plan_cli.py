@@ -12,7 +12,9 @@ import pytest
 from engine.events import StartupPhase, read_events
 
 ENGINE = [sys.executable, "-m", "engine.cli"]
-WORKED = ["plan", "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--gpu-memory-utilization", "0.92",
+# The background's worked example. Its H100 reads 79.6 GiB; the h100-80gb preset is 79.22 GiB,
+# what CUDA reports and vLLM logs (total_gpu_memory (79.22GiB)), so the example names its total.
+WORKED = ["plan", "--model", "llama-3.1-8b", "--gpu-memory", "79.6", "--gpu-memory-utilization", "0.92",
           "--max-model-len", "32768", "--activation-peak", "4.0", "--non-torch", "0.3"]
 
 
@@ -88,3 +90,9 @@ def test_file_that_is_not_gguf(tmp_path: Path) -> None:
 def test_folder_without_config(tmp_path: Path) -> None:
     out = run_engine("plan", "--model", str(tmp_path))
     assert out.returncode == 2 and "config.json" in out.stderr
+
+
+def test_h100_preset_is_the_total_vllm_logs_on_an_h100() -> None:
+    # tests/data/vllm-logs: "total_gpu_memory (79.22GiB)" on an H100 80 GB
+    data = json.loads(run_engine("plan", "--model", "llama-3.1-8b", "--gpu", "h100", "--json").stdout)
+    assert data["total_gib"] == pytest.approx(79.22)

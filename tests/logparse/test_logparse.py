@@ -145,7 +145,8 @@ def test_part8_log_explained_with_the_background_figures(part8: Path) -> None:
 
 
 def test_part8_against_kvscope_plan_on_an_h100(part8: Path) -> None:
-    exp = explain(part8, Options(gpu="h100", gpu_memory_utilization=0.92))
+    # the notebook's H100 reads 79.6 GiB (the h100 preset is CUDA's 79.22): the log does not print it
+    exp = explain(part8, Options(gpu_memory_gib=79.6, gpu_memory_utilization=0.92))
     checks = {c.id: c for c in exp.checks}
     assert exp.budget["requested_gib"] == pytest.approx(73.23, abs=0.01)
     assert checks["kv_remainder"].ok is True  # 73.23 - 19.3 = 53.93 against 53.9
