@@ -70,3 +70,32 @@ def test_startup_resolves_auto_by_isa_and_leaves_the_callers_config_alone() -> N
     assert resolved.dtype == choose_cpu_dtype(detect()).dtype
     assert resolved.max_num_batched_tokens == 512 and resolved.max_model_len == model.max_position_embeddings
     assert (config.dtype, config.max_model_len, config.max_num_batched_tokens) == ("auto", None, 8192)
+
+
+def test_capability_read_from_flags_is_torchs_on_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pathlib import Path
+
+    from engine.model.cpu_caps import inferred_torch_capability
+
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    _, flags = parse_cpuinfo(Path("/proc/cpuinfo").read_text())
+    assert inferred_torch_capability(flags) == str(torch.backends.cpu.get_cpu_capability())
+
+
+@pytest.mark.parametrize(
+    ("flags", "capability"),
+    [
+        ("avx2 fma avx512f avx512bw avx512vl avx512dq avx512_bf16", "AVX512"),  # Zen 4
+        ("avx2 fma avx512f", "AVX2"),  # AVX-512 foundation alone is not ATen's AVX512 set
+        ("avx2 fma f16c", "AVX2"),  # Zen 3
+        ("avx2", "DEFAULT"),  # no FMA: ATen's AVX2 kernels need it
+        ("sse4_2", "DEFAULT"),
+    ],
+)
+def test_capability_from_flags_follows_atens_rule(flags: str, capability: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.model.cpu_caps import inferred_torch_capability
+
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    assert inferred_torch_capability(frozenset(flags.split())) == capability
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    assert inferred_torch_capability(frozenset(flags.split())) == "DEFAULT"
