@@ -5,7 +5,8 @@ folded from them.
 sink and reader, from :mod:`engine.events.schema`); :mod:`~engine.events.phase_data` types
 each startup phase's ``data`` (one frozen record per phase A–G); the folds live beside it:
 :mod:`~engine.events.block_table` (block deltas -> tables), :mod:`~engine.events.view`
-(``EngineView``, what /debug/state and the dashboard show), :mod:`~engine.events.stats`
+(``EngineView``, what /debug/state and the dashboard show), :mod:`~engine.events.tally`
+(a run's totals and peaks, for the driver and the simulator), :mod:`~engine.events.stats`
 (the stats line) and :mod:`~engine.events.metrics` (vLLM's Prometheus families).
 """
 

@@ -1,5 +1,5 @@
 """Model-free executors of the same step loop and the workloads they run:
 :mod:`~engine.sim.simulate` (a roofline cost model's seconds), :mod:`~engine.sim.replay`
 (a recording's own stops, ``--verify``), :mod:`~engine.sim.driver` (fixed tokens, for
-tests and ``engine bench-scheduler``); :mod:`~engine.sim.workload` and
-:mod:`~engine.sim.traffic` generate requests."""
+tests and ``engine bench-scheduler``); :mod:`~engine.sim.workload` generates the
+requests all of them (and the real engine's run-workload and demo) run."""
