@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import engine.cli.commands
 from engine.cli.program import program, run_program
+from engine.cli.vllm_flags import explain_unknown
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_program(build_parser(), argv)
+    return run_program(build_parser(), argv, explain_unknown=explain_unknown)
 
 
 if __name__ == "__main__":

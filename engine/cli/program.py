@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from engine.errors import UserError
 
@@ -27,9 +27,16 @@ def program(prog: str, description: str) -> tuple[ArgumentParser, argparse._SubP
     return parser, sub
 
 
-def run_program(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
-    """Parse ``argv``, run the chosen subcommand's ``func`` and map failures to exit codes."""
-    args = parser.parse_args(argv)
+def run_program(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
+                explain_unknown: Callable[[Sequence[str]], str | None] | None = None) -> int:
+    """Parse ``argv``, run the chosen subcommand's ``func`` and map failures to exit codes.
+    ``explain_unknown`` may word the error for arguments the parser does not know."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        message = (explain_unknown(unknown) if explain_unknown else None) or (
+            f"unrecognized arguments: {' '.join(unknown)}")
+        where = f"{parser.prog} {args.command}" if getattr(args, "command", None) else parser.prog
+        parser.exit(2, f"{where}: error: {message}\n")
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()

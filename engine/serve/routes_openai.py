@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from engine.core.sampling_params import SamplingParams
 from engine.errors import UserError
 from engine.llm_engine import RequestOutput
+from engine.logs import get_logger
 from engine.serve.async_engine import EngineDead, Overloaded, RequestStream
 from engine.serve.host import EngineHost
 from engine.serve.protocol import (
@@ -96,6 +97,15 @@ async def models(request: Request) -> dict[str, Any]:
 
 
 # -------------------------------------------------------------- requests
+def _log_request(host: EngineHost, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    """vLLM's request line (``Received request ...``), cut to ``--max-log-len``."""
+    limit = host.settings.max_log_len
+    ids = prompt_ids if limit is None else prompt_ids[:limit]
+    get_logger("kvscope.requests").info(f"Received request {request_id}: params: {params!r}, prompt_token_ids: {ids}"
+                      f"{'' if len(ids) == len(prompt_ids) else f' ... ({len(prompt_ids):,} in all)'}, "
+                      "lora_request: None.")
+
+
 def _check_model(host: EngineHost, name: str | None) -> None:
     served = host.settings.served_model_name
     if name is not None and name != served:
@@ -124,6 +134,8 @@ async def _prepare(host: EngineHost, prompt: str | list[int], params: SamplingPa
 
 async def _submit(host: EngineHost, prompt_ids: list[int], params: SamplingParams, prefix: str) -> RequestStream:
     request_id = new_id(prefix)
+    if host.settings.log_requests:
+        _log_request(host, request_id, prompt_ids, params)
     try:
         return await host.engine.add_request(prompt_ids, params, request_id)
     except Overloaded as exc:

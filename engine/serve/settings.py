@@ -21,3 +21,6 @@ class ServerSettings:
     # loopback names, so a web page cannot reach it through DNS rebinding.
     trusted_hosts: tuple[str, ...] | None = None
     max_body_bytes: int | None = None  # None: derived from --max-model-len once the engine is up
+    log_requests: bool = False  # vLLM's --enable-log-requests: one line per request received
+    max_log_len: int | None = None  # prompt token ids such a line shows (None: all)
+    chat_template: str | None = None  # --chat-template: replaces the model's own

@@ -13,6 +13,7 @@ import json
 import os
 import socket
 import threading
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import uvicorn
@@ -51,6 +52,25 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
                    help='CORS: origins browser pages may call from, as vLLM\'s flag (a JSON list, e.g. \'["*"]\', '
                         "or comma-separated); default none (vLLM's default is [\"*\"])")
     p.add_argument("--monitor", action="store_true", help="show the live dashboard in this terminal")
+    vllm = p.add_argument_group("vLLM serve flags", "accepted so a `vllm serve ...` command line runs unchanged")
+    vllm.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                      help="a Jinja chat template (a file, or the template itself) instead of the model's own")
+    vllm.add_argument("--tokenizer", default=None, metavar="PATH",
+                      help="kvscope reads the tokenizer from the model file or folder; only the model itself is accepted")
+    vllm.add_argument("--trust-remote-code", action="store_true",
+                      help="accepted; changes nothing (kvscope runs no code from a model repository)")
+    logs = vllm.add_mutually_exclusive_group()
+    logs.add_argument("--enable-log-requests", dest="log_requests", action="store_true", default=False,
+                      help="log one 'Received request ...' line per request, as vLLM does")
+    logs.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
+                      help="no per-request lines (the default, as in vLLM >= 0.10)")
+    vllm.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                      help="prompt token ids shown per request line (default: all)")
+    vllm.add_argument("--uvicorn-log-level", default="info",
+                      choices=["critical", "error", "warning", "info", "debug", "trace"],
+                      help="uvicorn's own log level; at info (the default) it prints vLLM's access lines, "
+                           '127.0.0.1:PORT - "POST /v1/completions HTTP/1.1" 200')
+    vllm.add_argument("--disable-uvicorn-access-log", action="store_true", help="no per-request access lines")
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
@@ -69,9 +89,47 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     # user visits cannot reach it by rebinding its own DNS name to 127.0.0.1.
     loopback = args.host in ("127.0.0.1", "localhost")  # (Starlette's host check cannot parse "[::1]:port")
     trusted = LOOPBACK_HOSTS if loopback and not api_key else None
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise UserError(f"--max-log-len {args.max_log_len}: must be >= 0")
+    check_tokenizer_flag(args.tokenizer, model)
     return ServerSettings(served_model_name=name, api_key=api_key, metrics_require_key=args.metrics_require_key,
                           max_waiting_requests=args.max_waiting_requests, shutdown_timeout_s=args.shutdown_timeout,
-                          allowed_origins=parse_allowed_origins(args.allowed_origins), trusted_hosts=trusted)
+                          allowed_origins=parse_allowed_origins(args.allowed_origins), trusted_hosts=trusted,
+                          log_requests=args.log_requests, max_log_len=args.max_log_len,
+                          chat_template=load_chat_template(args.chat_template))
+
+
+def check_tokenizer_flag(tokenizer: str | None, model: str) -> None:
+    """vLLM's --tokenizer: kvscope's tokenizer is the model's own (GGUF metadata or the
+    HF folder's files), so only a value naming the model itself is accepted."""
+    if tokenizer is None:
+        return
+    same = tokenizer == model or (os.path.exists(tokenizer) and os.path.exists(model)
+                                  and os.path.samefile(tokenizer, model))
+    if not same:
+        raise UserError(f"--tokenizer {tokenizer}: kvscope reads the tokenizer from the model ({model}); "
+                        "leave --tokenizer out, or point --model at a folder that holds both")
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """vLLM's --chat-template: a file's text, or the template given inline; compiled
+    here so a broken template fails before startup."""
+    if value is None:
+        return None
+    template = value
+    if "{" not in value:
+        try:
+            template = Path(value).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise UserError(f"--chat-template {value}: cannot read it ({exc.strerror or exc}); "
+                            "give a Jinja file or the template itself") from None
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise UserError(f"--chat-template: not a Jinja template (line {exc.lineno}: {exc.message})") from None
+    return template
 
 
 def parse_allowed_origins(value: str | None) -> tuple[str, ...]:
@@ -135,10 +193,11 @@ def bind_listening_socket(bind: str, port: int) -> socket.socket:
     return sock
 
 
-def make_server(host: EngineHost, bind: str, port: int, log_level: str = "warning") -> KvscopeServer:
+def make_server(host: EngineHost, bind: str, port: int, log_level: str = "warning",
+                access_log: bool = False) -> KvscopeServer:
     from engine.serve.app import build_app
 
-    config = uvicorn.Config(build_app(host), host=bind, port=port, log_level=log_level, access_log=False,
+    config = uvicorn.Config(build_app(host), host=bind, port=port, log_level=log_level, access_log=access_log,
                             # a backstop: the abort timer in handle_exit normally ends every stream first
                             timeout_graceful_shutdown=int(host.settings.shutdown_timeout_s) + 5,
                             lifespan="on")
@@ -161,9 +220,15 @@ def run(args: argparse.Namespace) -> int:
     except BaseException:
         listener.close()
         raise
+    if settings.chat_template is not None:
+        host.llm.tokenizer.chat_template = settings.chat_template
+        log.info("chat template from --chat-template replaces the model's own")
+    if args.trust_remote_code:
+        log.info("--trust-remote-code changes nothing: kvscope runs no code from a model repository")
     log.info(f"serving {settings.served_model_name} on http://{args.host}:{args.port} "
              f"(OpenAI API under /v1, metrics /metrics, events /events)")
-    make_server(host, args.host, args.port).run(sockets=[listener])
+    make_server(host, args.host, args.port, log_level=args.uvicorn_log_level,
+                access_log=not args.disable_uvicorn_access_log).run(sockets=[listener])
     log.info("server stopped; event log flushed")
     return 0
 
