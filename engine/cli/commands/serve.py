@@ -37,6 +37,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+class EnableDisable(argparse.Action):
+    """vLLM's ``--enable-X`` / ``--disable-X`` pair as one argument (one destination)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kwargs)  # type: ignore[arg-type]
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, bool(option_string and option_string.startswith("--enable-")))
+
+
 def add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
@@ -59,11 +70,9 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
                       help="kvscope reads the tokenizer from the model file or folder; only the model itself is accepted")
     vllm.add_argument("--trust-remote-code", action="store_true",
                       help="accepted; changes nothing (kvscope runs no code from a model repository)")
-    logs = vllm.add_mutually_exclusive_group()
-    logs.add_argument("--enable-log-requests", dest="log_requests", action="store_true", default=False,
-                      help="log one 'Received request ...' line per request, as vLLM does")
-    logs.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
-                      help="no per-request lines (the default, as in vLLM >= 0.10)")
+    vllm.add_argument("--enable-log-requests", "--disable-log-requests", dest="log_requests", action=EnableDisable,
+                      default=False, help="one 'Received request ...' line per request, as vLLM logs it "
+                                          "(off by default, as in vLLM >= 0.10)")
     vllm.add_argument("--max-log-len", type=int, default=None, metavar="N",
                       help="prompt token ids shown per request line (default: all)")
     vllm.add_argument("--uvicorn-log-level", default="info",
