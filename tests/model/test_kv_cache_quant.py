@@ -113,6 +113,7 @@ def test_unknown_kv_cache_dtype_is_a_user_error_naming_the_choices(smollm_config
             call()
 
 
+@pytest.mark.triton  # importing triton leaves nanobind's leak report at exit: `make test-triton` runs it
 def test_triton_backend_refuses_quantized_caches() -> None:
     pytest.importorskip("triton")
     from engine.model.attention.triton_backend import TritonAttentionBackend

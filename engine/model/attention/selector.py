@@ -3,6 +3,8 @@ auto means Triton on CUDA and torch elsewhere."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from engine.errors import UserError
@@ -27,11 +29,18 @@ def get_attention_backend(name: str, device: torch.device | str) -> AttentionBac
 
         return TorchAttentionBackend()
 
+    device_type = torch.device(device).type
+    # Without CUDA the kernels can only run interpreted, which Triton fixes at import
+    # from TRITON_INTERPRET: refuse before importing triton at all when it is unset.
+    if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise UserError(
+            f"--attention-backend triton needs a CUDA device (got {device_type}); use --attention-backend torch, "
+            "or set TRITON_INTERPRET=1 before starting to run the kernels in the (slow) Triton interpreter"
+        )
     # Imported here so that choosing torch never needs triton to import.
     from engine.model.attention.triton_backend import TritonAttentionBackend
     from engine.model.attention.triton_kernels import kernels_interpreted
 
-    device_type = torch.device(device).type
     if device_type != "cuda" and not kernels_interpreted():
         raise UserError(
             f"--attention-backend triton needs a CUDA device (got {device_type}); use --attention-backend torch, "
