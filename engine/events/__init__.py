@@ -29,6 +29,7 @@ from engine.events.schema import (
     RequestScheduled,
     SnapshotEvent,
     StartupPhase,
+    StartupProgress,
     StatsEvent,
     StepEvent,
     Subscriber,
@@ -43,6 +44,6 @@ from engine.events.schema import (
 __all__ = [
     "EVENT_TYPES", "PHASES", "SCHEMA_NAME", "SCHEMA_VERSION", "EngineConfigEvent", "Event", "EventBus", "JsonlSink",
     "LogEvent", "Recording", "RequestArrived", "RequestFinished", "RequestFirstToken", "RequestPreempted",
-    "RequestRejected", "RequestScheduled", "SnapshotEvent", "StartupPhase", "StatsEvent", "StepEvent", "Subscriber",
+    "RequestRejected", "RequestScheduled", "SnapshotEvent", "StartupPhase", "StartupProgress", "StatsEvent", "StepEvent", "Subscriber",
     "dumps", "event_from_dict", "header", "iter_jsonl", "open_sink", "read_events",
 ]

@@ -94,6 +94,20 @@ class StartupPhase(Event):
     simulated: bool = False
 
 
+@dataclass(slots=True)
+class StartupProgress(Event):
+    """How far a long phase has got: ``done`` of ``total`` ``unit`` (total None when
+    unknown) of ``what`` (``weights``, ``profile run``, ``kernels``, ``warm-up``), so
+    the console, the dashboard and a recording show a phase that is moving."""
+
+    type: ClassVar[str] = "startup.progress"
+    phase: str = "C"
+    what: str = ""
+    done: float = 0.0
+    total: float | None = None
+    unit: str = ""
+
+
 # --------------------------------------------------------------------- requests
 @dataclass(slots=True)
 class RequestArrived(Event):
@@ -241,6 +255,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
     for cls in (
         EngineConfigEvent,
         StartupPhase,
+        StartupProgress,
         RequestArrived,
         RequestScheduled,
         RequestFirstToken,
