@@ -22,7 +22,9 @@ from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.step_loop import ExecutedStep, run_step
 from engine.errors import UserError
 from engine.events import EventBus, JsonlSink
+from engine.events.progress import ProgressPrinter
 from engine.events.stats import StatsReporter
+from engine.logs import console_stream, get_logger
 from engine.model.device import device_word
 from engine.model.runner import ScheduledSeq
 from engine.model.tokenizer import IncrementalDetokenizer
@@ -63,11 +65,15 @@ class LLMEngine:
         if config.events_path:
             self._sink = JsonlSink(config.events_path, config=config.to_dict())
             self.bus.subscribe(self._sink)
+        # long phases show progress where the log lines go (a bar on a terminal)
+        printer = self.bus.subscribe(ProgressPrinter(console_stream(), get_logger("kvscope.startup").info))
         try:
             self.startup: StartupResult = start_engine(config, self.bus, progress)
         except BaseException:
             self.close()
             raise
+        finally:
+            self.bus.unsubscribe(printer)
         self.tokenizer = self.startup.tokenizer
         self.runner = self.startup.runner
         self.scheduler = Scheduler(self.startup.scheduler_config, self.bus)

@@ -15,6 +15,7 @@ from typing import Any
 import structlog
 
 _configured: str | None = None
+_stream: Any = None  # where log lines go (the dashboard points it at os.devnull)
 
 
 LOG_FORMATS = ("auto", "text", "json")  # "console" is kept as another name for "text"
@@ -38,8 +39,9 @@ def configure_logging(fmt: str = "auto", level: str = "info", stream: Any = None
     """``fmt``: ``auto`` or ``text`` (vLLM's line format, on a tty and a pipe alike) or
     ``json`` (one JSON object per line, ISO timestamps). Safe to call again; the
     latest call wins."""
-    global _configured
+    global _configured, _stream
     stream = stream or sys.stderr
+    _stream = stream
     if fmt in ("auto", "console"):
         fmt = "text"
     if fmt not in LOG_FORMATS:
@@ -56,6 +58,11 @@ def configure_logging(fmt: str = "auto", level: str = "info", stream: Any = None
         cache_logger_on_first_use=False,
     )
     _configured = fmt
+
+
+def console_stream() -> Any:
+    """The stream log lines go to (stderr unless configured otherwise)."""
+    return _stream if _stream is not None else sys.stderr
 
 
 def get_logger(name: str = "kvscope") -> Any:

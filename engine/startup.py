@@ -38,7 +38,7 @@ from engine.budget.memory import (
 )
 from engine.core.scheduler import SchedulerConfig
 from engine.errors import BudgetError, UserError
-from engine.events import PHASES, EngineConfigEvent, EventBus, StartupPhase
+from engine.events import PHASES, EngineConfigEvent, EventBus, StartupPhase, StartupProgress
 from engine.events.phase_data import (
     BudgetData,
     GraphsCompileData,
@@ -294,9 +294,11 @@ def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, i
     with phases.phase("B") as b:
         _phase_budget(b, s, reading)
     with phases.phase("C") as c:
-        runner, tokenizer, info = _phase_load_weights(c, s, progress)
+        runner, tokenizer, info = _phase_load_weights(c, s, _progress_events(bus, "C", "weights", "tensors", progress))
     with phases.phase("D") as d:
+        bus.publish(StartupProgress(phase="D", what="profile run", done=0, total=1, unit="steps"))
         profile = _profile_run(runner, s.config, s.model, s.device, log)
+        bus.publish(StartupProgress(phase="D", what="profile run", done=1, total=1, unit="steps"))
         d.record = ProfileRunData(
             activation_peak_bytes=profile.activation_peak_bytes, non_torch_bytes=profile.non_torch_bytes,
             method=profile.method, max_num_batched_tokens=s.config.max_num_batched_tokens,
@@ -308,7 +310,7 @@ def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, i
         if s.device.type == "cuda":
             _cuda_phase_f(f, s, runner)
         else:
-            _cpu_phase_f(f, s, runner, kernels)
+            _cpu_phase_f(f, s, runner, kernels, bus)
     with phases.phase("G") as g:
         g.record = ReadyData(startup_seconds=sum(phases.seconds.values()), pid=os.getpid())
     scheduler_config = SchedulerConfig.from_flags(s.config.to_dict(), num_blocks=plan.num_blocks,
@@ -474,12 +476,34 @@ def _profile_run(runner: ModelRunner, config: EngineConfig, model: ModelConfig, 
     return result
 
 
-def _cpu_phase_f(f: PhaseHandle, s: StartupInputs, runner: ModelRunner, kernels: KernelBuilds | None) -> None:
+def _progress_events(bus: EventBus, phase: str, what: str, unit: str,
+                     chained: Callable[[int, int], None] | None = None) -> Callable[[int, int], None]:
+    """A (done, total) callback that publishes ``startup.progress`` at most every 2 % (and
+    at the end), and calls ``chained`` too."""
+    last = [-1.0]
+
+    def report(done: int, total: int) -> None:
+        if chained is not None:
+            chained(done, total)
+        if done >= total or total <= 0 or (done - last[0]) / total >= 0.02:
+            last[0] = done
+            bus.publish(StartupProgress(phase=phase, what=what, done=done, total=total or None, unit=unit))
+
+    return report
+
+
+def _cpu_phase_f(f: PhaseHandle, s: StartupInputs, runner: ModelRunner, kernels: KernelBuilds | None,
+                 bus: EventBus) -> None:
     """CPU phase F: join the kernel builds started in phase A, route decode
     attention through the kernel, ``--compile`` if asked, then warm every step
     shape class the runner uses so the first real step runs at speed."""
     config, log = s.config, s.log
+    building = kernels is not None and not kernels.done()
+    if building:
+        bus.publish(StartupProgress(phase="F", what="kernel builds", done=0, total=1, unit="waits"))
     waited = kernels.join() if kernels is not None else 0.0
+    if building:
+        bus.publish(StartupProgress(phase="F", what="kernel builds", done=1, total=1, unit="waits"))
     reports = kernels.reports() if kernels is not None else []
     unavailable = runner.enable_cpu_decode_kernel()
     f.record = GraphsCompileData(cpu_decode_kernel=unavailable or "enabled", kernel_seconds=waited,
@@ -498,7 +522,7 @@ def _cpu_phase_f(f: PhaseHandle, s: StartupInputs, runner: ModelRunner, kernels:
         compile_seconds = time.perf_counter() - start
         f.record = dataclasses.replace(f.record, compile_seconds=compile_seconds)
         log.info(f"torch.compile of the decode step took {compile_seconds:.2f} s")
-    warm = runner.warm_up(config.max_num_seqs)
+    warm = runner.warm_up(config.max_num_seqs, _progress_events(bus, "F", "warm-up", "step shapes"))
     f.record = dataclasses.replace(f.record, warmup_seconds=warm)
     log.info(f"warmed decode and mixed step shapes in {warm:.2f} s")
 

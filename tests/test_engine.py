@@ -230,3 +230,24 @@ def test_text_reaches_events_only_with_log_prompts(recorded) -> None:
     arrived = next(e for e in events[start:] if e.type == "request.arrived")
     finished = next(e for e in events[start:] if e.type == "request.finished")
     assert arrived.prompt == "The sky is" and finished.output_text == out.text
+
+
+def test_long_phases_publish_progress_inside_their_phase(recorded) -> None:
+    from engine.events import StartupProgress
+
+    _, events, log, _ = recorded
+    open_phase = None
+    seen: dict[tuple[str, str], list[StartupProgress]] = {}
+    for e in events:
+        if isinstance(e, StartupPhase):
+            open_phase = e.phase if e.status == "begin" else None
+        elif isinstance(e, StartupProgress):
+            assert e.phase == open_phase, f"progress of {e.phase} outside its phase"
+            seen.setdefault((e.phase, e.what), []).append(e)
+    weights = seen[("C", "weights")]
+    assert weights[-1].done == weights[-1].total == 272 and weights[-1].unit == "tensors"
+    assert [p.done for p in weights] == sorted(p.done for p in weights)
+    assert [p.done for p in seen[("D", "profile run")]] == [0, 1]
+    assert seen[("F", "warm-up")][-1].done == seen[("F", "warm-up")][-1].total == 3
+    # the log is not a terminal here: progress arrives as log lines, the last one complete
+    assert "phase C weights: 272/272 tensors (100%)" in log

@@ -249,7 +249,7 @@ class ModelRunner:
         return time.perf_counter() - start
 
     # ------------------------------------------------------------------ warm-up
-    def warm_up(self, max_num_seqs: int) -> float:
+    def warm_up(self, max_num_seqs: int, progress: ProgressCallback | None = None) -> float:
         """Run one step of each shape class the engine makes (one decode, a decode
         batch, a prefill chunk beside decodes, a greedy and a top-k/top-p sample) so
         lazily built state (first kernel calls, oneDNN primitives, allocator pools)
@@ -269,8 +269,10 @@ class ModelRunner:
             [ScheduledSeq("warm-prefill", [0] * 32, 0, blocks, True, greedy),
              ScheduledSeq("warm-decode", [0], 40, blocks, True, sampled)],
         ]
-        for batch in shapes:
+        for done, batch in enumerate(shapes, 1):
             self.execute(batch)
+            if progress:
+                progress(done, len(shapes))
         return time.perf_counter() - start
 
     # ------------------------------------------------------------------ profiling

@@ -58,6 +58,9 @@ class KernelBuilds:
         except BaseException as exc:  # reported by join(); the engine falls back to torch paths
             self._error = exc
 
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
     def join(self) -> float:
         """Wait for the builds; returns the seconds this call waited."""
         start = time.perf_counter()
