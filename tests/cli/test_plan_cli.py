@@ -96,3 +96,13 @@ def test_h100_preset_is_the_total_vllm_logs_on_an_h100() -> None:
     # tests/data/vllm-logs: "total_gpu_memory (79.22GiB)" on an H100 80 GB
     data = json.loads(run_engine("plan", "--model", "llama-3.1-8b", "--gpu", "h100", "--json").stdout)
     assert data["total_gib"] == pytest.approx(79.22)
+
+
+def test_tensor_parallel_figures_are_labelled_per_gpu_with_units() -> None:
+    out = run_engine("plan", "--model", "llama-3.1-70b", "--gpu", "h100", "-tp", "4").stdout
+    assert "Memory ledger (per GPU: each of the 4 ranks holds 1/4" in out
+    assert "2 KV heads" in out and "(the engine's: every rank holds its heads of these tokens)" in out
+    legend = next(line for line in out.splitlines() if "■ weights" in line)
+    assert legend.count(" GiB") == 5 and legend.rstrip().endswith("(per GPU)")
+    single = run_engine("plan", "--model", "llama-3.1-8b", "--gpu", "h100").stdout
+    assert "per GPU" not in single and "■ weights 14.96 GiB" in single

@@ -160,24 +160,27 @@ def render_text(console: Console, model: ModelConfig, plan: MemoryPlan, gpu_name
              "--kv-cache-memory-bytes" if plan.kv_pool_overridden else ""),
         _row("outside the budget (1 - util)", (plan.total_bytes - plan.requested_bytes) / GiB),
     ]
-    console.print("[bold]Memory ledger[/]", highlight=False)
+    tp = args.tensor_parallel_size
+    console.print("[bold]Memory ledger[/]" + (f" (per GPU: each of the {tp} ranks holds 1/{tp} of the weights "
+                                              "and of every token's KV heads)" if tp > 1 else ""), highlight=False)
     for line in lines:
         console.print(line, highlight=False)
     console.print()
-    console.print(kv_cache_size_line("GPU", plan.kv_cache_tokens), highlight=False)
+    console.print(kv_cache_size_line("GPU", plan.kv_cache_tokens)
+                  + ("   (the engine's: every rank holds its heads of these tokens)" if tp > 1 else ""), highlight=False)
     console.print(max_concurrency_line(plan.max_model_len, plan.max_concurrency), highlight=False)
     console.print(f"  {plan.num_blocks:,} blocks of {plan.block_size} tokens "
                   f"({plan.block_bytes / 1024 / 1024:.2f} MiB each); "
                   f"{plan.kv_pool_bytes - plan.num_blocks * plan.block_bytes:,} bytes of pool left over", highlight=False)
     console.print()
-    console.print(memory_bar(plan))
+    console.print(memory_bar(plan, per_gpu=tp > 1))
     host = host_cpu_summary()
     console.print()
     console.print(f"  this machine's CPU (for a run without a GPU): {detect().line()}; --dtype auto there is "
                   f"{host['auto_dtype']} ({host['auto_dtype_reason']})", highlight=False)
 
 
-def memory_bar(plan: MemoryPlan, width: int = 72) -> Text:
+def memory_bar(plan: MemoryPlan, width: int = 72, per_gpu: bool = False) -> Text:
     sizes = [
         plan.weights_bytes,
         plan.non_torch_bytes,
@@ -194,8 +197,8 @@ def memory_bar(plan: MemoryPlan, width: int = 72) -> Text:
             cells = 1
         bar.append("█" * cells, style=colour)
         legend.append("■ ", style=colour)
-        legend.append(f"{label} {size / GiB:.2f}  ")
-    return Text.assemble("  ", bar, "\n  ", legend)
+        legend.append(f"{label} {size / GiB:.2f} GiB  ")
+    return Text.assemble("  ", bar, "\n  ", legend, "(per GPU)" if per_gpu else "")
 
 
 def run(args: argparse.Namespace) -> int:
