@@ -15,8 +15,9 @@ from textual import on
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Vertical
+from textual.css.query import NoMatches
 from textual.reactive import reactive
-from textual.widgets import Footer, Input, Label, Static, TabbedContent, TabPane
+from textual.widgets import Footer, Input, Label, TabbedContent, TabPane
 
 from engine.events import EventBus
 from engine.events.view import EngineView
@@ -29,6 +30,7 @@ from monitor.widgets.queues import Queues
 from monitor.widgets.replay_bar import ReplayBar
 from monitor.widgets.startup_table import StartupTable
 from monitor.widgets.step_charts import StepCharts
+from monitor.widgets.title_bar import TitleBar
 
 SPEEDS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0)
 TICK_S = 0.1
@@ -80,7 +82,7 @@ class MonitorApp(App[None]):
         return self.feed is not None
 
     def compose(self) -> ComposeResult:
-        yield Static(f"kvscope monitor · {self.source_name}", id="title")
+        yield TitleBar(id="title")
         yield MemoryBar(id="memory")
         with TabbedContent(initial="blocks"):
             with TabPane("Blocks [1]", id="blocks"), Vertical(id="blocks-pane"):
@@ -124,17 +126,25 @@ class MonitorApp(App[None]):
 
     def _update_bar(self) -> None:
         tl = self.timeline
+        connection = self.feed.connection if self.feed is not None else None
+        self.query_one(TitleBar).show(self.source_name, connection)
         self.query_one(ReplayBar).show(
             source=self.source_name, step=self.view.step, position=tl.position if tl else 0,
             length=len(tl) if tl else 0, playing=self.playing, speed=self.speed, live=self.live,
+            connection=connection,
         )
 
     def _tick(self) -> None:
         if self.feed is not None:
             events = self.feed.drain()
-            if events:
-                self.view.fold(events)
-                self.refresh_view()
+            try:
+                if events:
+                    self.view.fold(events)
+                    self.refresh_view()
+                else:
+                    self._update_bar()  # the connection (and a retry's countdown) moves without events
+            except NoMatches:  # a tick that lands while the screen is torn down
+                return
         elif self.playing and self.timeline is not None:
             self._budget += self.speed * TICK_S
             steps = int(self._budget)

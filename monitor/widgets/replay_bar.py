@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+from rich.text import Text
 from textual.widgets import Static
+
+from monitor.sources import Connection
+from monitor.widgets.title_bar import BADGE
 
 
 class ReplayBar(Static):
     def show(self, *, source: str, step: int | None, position: int, length: int, playing: bool,
-             speed: float, live: bool) -> None:
+             speed: float, live: bool, connection: Connection | None = None) -> None:
         if live:
-            self.update(f"● LIVE  {source}  ·  step {step if step is not None else '-'}")
+            word, style = BADGE.get(connection.state, ("● LIVE", "")) if connection else BADGE["live"]
+            text = Text(word, style=style)
+            text.append(f"  {source}  ·  step {step if step is not None else '-'}")
+            self.update(text)
             return
         state = "▶ playing" if playing else "⏸ paused"
         self.update(

@@ -1,0 +1,44 @@
+"""The title line: what the monitor shows and, live, whether the feed is connected."""
+
+from __future__ import annotations
+
+import time
+
+from rich.text import Text
+from textual.widgets import Static
+
+from monitor.sources import CONNECTING, DISCONNECTED, LIVE, REFUSED, Connection
+
+BADGE = {
+    CONNECTING: ("◌ CONNECTING", "bold yellow"),
+    LIVE: ("● LIVE", "bold green"),
+    REFUSED: ("✕ REFUSED", "bold red"),
+    DISCONNECTED: ("○ DISCONNECTED", "bold red"),
+}
+
+
+def connection_text(connection: Connection, now: float | None = None) -> Text:
+    """``● LIVE``, ``✕ REFUSED 401: pass --api-key``, ``○ DISCONNECTED the server
+    dropped the stream · retry 2 in 3 s``..."""
+    word, style = BADGE.get(connection.state, (connection.state.upper(), "bold"))
+    text = Text(word, style=style)
+    if connection.reason:
+        text.append(f" {connection.reason}")
+    if connection.state == DISCONNECTED:
+        if connection.retry_at is None:
+            text.append(" · reconnecting…", style="dim")
+        else:
+            wait = max(0.0, connection.retry_at - (time.monotonic() if now is None else now))
+            text.append(f" · retry {connection.attempt} in {wait:.0f} s", style="dim")
+    return text
+
+
+class TitleBar(Static):
+    """``kvscope monitor · SOURCE`` and, for a live feed, its connection badge."""
+
+    def show(self, source: str, connection: Connection | None) -> None:
+        text = Text(f"kvscope monitor · {source}")
+        if connection is not None:
+            text.append("  ")
+            text.append_text(connection_text(connection))
+        self.update(text)
