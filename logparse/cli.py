@@ -32,7 +32,8 @@ def _add_context(p: argparse.ArgumentParser) -> None:
     gpu.add_argument("--gpu", help="GPU preset (h100, a100-40gb, l40s, rtx-4090 ...) when the log lacks the total")
     gpu.add_argument("--gpu-memory", help="device memory in GiB when the log lacks the total")
     p.add_argument("--gpu-memory-utilization", type=float, help="when the log does not print it")
-    p.add_argument("--profile", help="a kvscope events.jsonl recording to compare phase by phase")
+    p.add_argument("--profile", help="a kvscope events.jsonl recording to compare phase by phase (a warning when "
+                                     "it ran another model than the log's)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_context(p)
     _add_output(p)
     p.set_defaults(func=run)
-    p = sub.add_parser("diff", help="two startups side by side")
+    p = sub.add_parser("diff", help="two startups side by side: each figure under the phrase vLLM prints it with, "
+                                    "the file names as column heads")
     p.add_argument("a")
     p.add_argument("b")
     _add_output(p)

@@ -21,12 +21,21 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from engine.budget.config import ModelConfig, load_model_config
+from engine.budget.config import ModelConfig, load_model_config, resolve_preset_name
 from engine.budget.memory import GiB, MemoryPlan, bytes_per_kv_token, gpu_preset, plan_memory
 from engine.errors import UserError
-from engine.events.phase_data import KvCacheData, LoadWeightsData, PhaseData, ProfileRunData, phase_record
+from engine.events import Recording
+from engine.events.phase_data import (
+    BudgetData,
+    GraphsCompileData,
+    KvCacheData,
+    LoadWeightsData,
+    PhaseData,
+    ProfileRunData,
+    phase_record,
+)
 from logparse.parser import Record, iter_records
-from logparse.patterns import LEDGER_KEYS, PHASE_NAMES
+from logparse.patterns import FIGURE_NAMES, LEDGER_KEYS, PHASE_NAMES
 
 STARTUP_PHASES = "ABCDEFG"
 
@@ -202,11 +211,18 @@ def explain(source: str | Path | Iterable[bytes | str], options: Options | None 
     kv_plan, plan_json = _kvscope_plan(facts, budget, model, model_note, options)
     checks = _derived_checks(facts, printed, fact_lines, budget, model)
     for record, phase in failures:
-        checks.append(_failure(record, phase, facts, budget, model, kv_plan))
+        check = _failure(record, phase, facts, budget, model, kv_plan)
+        if check.id == "no_cache_blocks" and any(c.id == check.id for c in checks):
+            continue  # '# GPU blocks: 0' and the ValueError after it report one failure
+        checks.append(check)
     if preemptions_v0 or preemptions_v1:
         checks.append(_preemption(preemptions_v0, preemptions_v1, preemption_line, facts))
     if options.profile:
-        plan_json["profile"] = compare_profile(options.profile, facts)
+        recording = read_profile(options.profile)
+        plan_json["profile"] = compare_profile(recording, facts)
+        model_check = profile_model_check(recording, facts, fact_lines)
+        if model_check is not None:
+            checks.append(model_check)
     return Explanation(
         path=str(source) if isinstance(source, str | Path) else "<stream>",
         records=records,
@@ -552,27 +568,90 @@ def _failure(record: Record, phase: str, facts: dict[str, Any], budget: dict[str
                      + (f" ({_gib(need)} needed, {_gib(avail)} available)" if need is not None and avail is not None else ""),
                      kind="failure", line=record.line, fix=fixes)
     if kind == "no_cache_blocks":
-        fixes = []
-        non_kv, req = budget["non_kv_gib"], budget["requested_gib"]
-        if plan is not None:
-            need_util = (plan.weights_bytes + plan.activation_peak_bytes + plan.non_torch_bytes
-                         + plan.max_model_len * plan.bytes_per_token) / plan.total_bytes
-            fixes.append(f"kvscope's plan: --gpu-memory-utilization {need_util:.3f} fits non-KV plus one "
-                         f"{plan.max_model_len:,}-token request" + (" (beyond 1.0: more GPUs or a smaller model)"
-                                                                    if need_util > 1 else ""))
-        elif non_kv is not None and req is not None:
-            fixes.append(f"non-KV {_gib(non_kv)} exceeds the requested {_gib(req)}: raise utilization by at least "
-                         f"{_gib(non_kv - req)} / total")
-        fixes.append("lower --max-num-batched-tokens / --max-num-seqs to shrink the profiled activation peak, or "
-                     "quantise / add --tensor-parallel-size to shrink weights per GPU")
-        return Check("no_cache_blocks", "no memory left for the KV cache", False,
-                     "weights + activation peak + non-torch used up the whole requested budget",
-                     kind="failure", line=record.line, fix=fixes)
+        return _no_cache_blocks(record, facts, budget, model, plan)
     if kind in ("oom", "oom_sampler"):
         return _oom(record, phase, facts, total)
     return Check(kind or "error", "memory profiling error", False,
                  "free memory grew while vLLM profiled: another process released GPU memory", kind="failure",
                  line=record.line, fix=["run vLLM alone on the GPU (or in its own container) so the profile is stable"])
+
+
+SWAP_SPACE_DEFAULT_GIB = 4  # vLLM V0's --swap-space default: the CPU pool the '# CPU blocks' count divides
+
+
+def _one_request_kv(facts: dict[str, Any], model: ModelConfig | None) -> tuple[str, float | None] | None:
+    """What one max-model-len request needs of the KV pool: a sentence with its blocks (and
+    GiB where the block size in bytes is known: from the model, else from the CPU pool)."""
+    max_len = facts.get("max_model_len")
+    if not isinstance(max_len, int) or max_len <= 0:
+        return None
+    block = int(facts.get("block_size", 16))
+    blocks = -(-max_len // block)
+    per_token = kv_bytes_per_token(facts, model)
+    cpu_blocks = facts.get("cpu_blocks")
+    if per_token:
+        block_bytes: float = block * per_token
+        how = f"{model.name if model else 'the model'}: {per_token / 1024:g} KiB per token"
+    elif isinstance(cpu_blocks, int) and cpu_blocks > 0:
+        block_bytes = SWAP_SPACE_DEFAULT_GIB * GiB / cpu_blocks
+        how = (f"if --swap-space is vLLM's default {SWAP_SPACE_DEFAULT_GIB} GiB, its {cpu_blocks:,} CPU blocks make "
+               f"a block {block_bytes / 2**20:.2f} MiB; pass --model for the exact size")
+    else:
+        return (f"one {max_len:,}-token request needs {blocks:,} blocks of {block} tokens (pass --model for their "
+                "size in GiB)"), None
+    need = blocks * block_bytes / GiB
+    return (f"one {max_len:,}-token request needs {blocks:,} blocks of {block} tokens = {_gib(need)} of KV memory "
+            f"({how})"), need
+
+
+def _no_cache_blocks(record: Record, facts: dict[str, Any], budget: dict[str, Any], model: ModelConfig | None,
+                     plan: MemoryPlan | None) -> Check:
+    fixes = []
+    non_kv, req = budget["non_kv_gib"], budget["requested_gib"]
+    total, util = budget["total_gib"], budget["gpu_memory_utilization"]
+    request = _one_request_kv(facts, model)
+    need = request[1] if request else None
+    if request:
+        fixes.append(request[0])
+    beyond = " (beyond 1.0: more GPUs or a smaller model)"
+    if plan is not None:
+        need_util = (plan.weights_bytes + plan.activation_peak_bytes + plan.non_torch_bytes
+                     + plan.max_model_len * plan.bytes_per_token) / plan.total_bytes
+        if util is not None and need_util <= util:
+            fixes.append(f"kvscope's plan needs only --gpu-memory-utilization {need_util:.3f} for non-KV plus one "
+                         f"{plan.max_model_len:,}-token request, yet vLLM found no room at {util:g}: the device had "
+                         "less free than its total (another process?) or the model is not "
+                         f"{model.name if model else 'the one planned'}, so that figure is a floor, not a fix")
+        else:
+            fixes.append(f"kvscope's plan: --gpu-memory-utilization {need_util:.3f} fits non-KV plus one "
+                         f"{plan.max_model_len:,}-token request" + (beyond if need_util > 1 else ""))
+    elif need is not None and total and non_kv is not None:
+        need_util = (non_kv + need) / total
+        fixes.append(f"--gpu-memory-utilization {need_util:.3f} fits vLLM's non-KV {_gib(non_kv)} plus that request "
+                     f"on {total} GiB" + (beyond if need_util > 1 else ""))
+    elif non_kv is not None and req is not None:
+        fixes.append(f"non-KV {_gib(non_kv)} exceeds the requested {_gib(req)}: raise utilization by at least "
+                     f"{_gib(non_kv - req)} / total")
+    elif need is not None and total and util is not None:
+        need_util = util + need / total
+        fixes.append(f"--gpu-memory-utilization {need_util:.3f} at least (now {util:g}): the budget needs those "
+                     f"{_gib(need)} more" + (beyond if need_util > 1 else ""))
+    elif need is not None and total:
+        fixes.append(f"raise --gpu-memory-utilization by at least {need / total:.3f} ({_gib(need)} of {total} GiB)")
+    elif need is not None:
+        fixes.append(f"raise --gpu-memory-utilization by at least {_gib(need)} / the device's total "
+                     "(pass --gpu or --gpu-memory for the figure)")
+    fixes.append("lower --max-num-batched-tokens / --max-num-seqs to shrink the profiled activation peak, or "
+                 "quantise / add --tensor-parallel-size to shrink weights per GPU")
+    used_up = "weights + activation peak + non-torch used up the whole requested budget"
+    if record.pattern is not None and record.pattern.id == "zero_gpu_blocks":
+        cpu = record.fields.get("cpu_blocks")
+        detail = ("vLLM sized the KV pool at 0 GPU blocks" + (f" ({cpu:,} CPU blocks)" if isinstance(cpu, int) else "")
+                  + f": {used_up}")
+    else:
+        detail = used_up
+    return Check("no_cache_blocks", "no memory left for the KV cache", False, detail, kind="failure",
+                 line=record.line, fix=fixes)
 
 
 def _oom(record: Record, phase: str, facts: dict[str, Any], total: float | None) -> Check:
@@ -621,27 +700,40 @@ def _preemption(v0: int, v1: int, line: int | None, facts: dict[str, Any]) -> Ch
 
 
 # ------------------------------------------------------------------ kvscope recording
-# (the phase's record in engine/events/phase_data.py, its field, vLLM's fact, scale)
-_PROFILE_KEYS: tuple[tuple[type[PhaseData], str, str, int], ...] = (
-    (LoadWeightsData, "weights_bytes", "weights_gib", GiB),
-    (ProfileRunData, "activation_peak_bytes", "peak_activation_gib", GiB),
-    (ProfileRunData, "non_torch_bytes", "non_torch_gib", GiB),
-    (KvCacheData, "kv_pool_bytes", "kv_cache_gib", GiB),
-    (KvCacheData, "num_blocks", "gpu_blocks", 1),
-    (KvCacheData, "kv_cache_tokens", "kv_cache_tokens", 1),
-    (KvCacheData, "max_concurrency", "max_concurrency", 1),
+# The phase records' fields compared with vLLM's figures; which figure each one is, is
+# FIGURE_NAMES' kvscope column (bytes there, GiB in the log).
+_PROFILE_FIELDS: tuple[tuple[type[PhaseData], str], ...] = (
+    (BudgetData, "total_bytes"),
+    (BudgetData, "gpu_memory_utilization"),
+    (BudgetData, "requested_bytes"),
+    (LoadWeightsData, "weights_bytes"),
+    (ProfileRunData, "activation_peak_bytes"),
+    (ProfileRunData, "non_torch_bytes"),
+    (KvCacheData, "kv_pool_bytes"),
+    (KvCacheData, "num_blocks"),
+    (KvCacheData, "kv_cache_tokens"),
+    (KvCacheData, "max_concurrency"),
+    (GraphsCompileData, "cuda_graph_bytes"),
 )
+_FIGURE_OF_FIELD = {name.kvscope: key for key, name in FIGURE_NAMES.items() if name.kvscope}
 _VLLM_DURATIONS = {"C": ("load_model_s", "load_weights_s"), "D": ("profile_s",), "F": ("graph_capture_s", "init_engine_s")}
 
 
-def compare_profile(path: str, facts: dict[str, Any]) -> list[dict[str, Any]]:
-    """Phase-by-phase rows: a kvscope recording's StartupPhase numbers beside vLLM's."""
-    from engine.events import StartupPhase, read_events
+def read_profile(path: str) -> Recording:
+    from engine.events import read_events
 
     try:
-        recording = read_events(path)
+        return read_events(path)
     except (OSError, ValueError) as exc:
         raise UserError(f"--profile {path}: {exc}") from exc
+
+
+def compare_profile(recording: Recording | str, facts: dict[str, Any]) -> list[dict[str, Any]]:
+    """Phase-by-phase rows: a kvscope recording's StartupPhase numbers beside vLLM's."""
+    from engine.events import StartupPhase
+
+    if isinstance(recording, str):
+        recording = read_profile(recording)
     phases: dict[str, StartupPhase] = {}
     for event in recording.events:
         if isinstance(event, StartupPhase) and event.status in ("end", "skipped", "failed"):
@@ -655,9 +747,53 @@ def compare_profile(path: str, facts: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append({"phase": letter, "item": "duration_s", "kvscope": last.duration_s, "vllm": vllm_s,
                      "status": last.status})
         record = phase_record(last)
-        for kind, key, ledger_key, scale in _PROFILE_KEYS:
+        for kind, key in _PROFILE_FIELDS:
             if isinstance(record, kind) and key in record.reported:
                 value = getattr(record, key)
-                rows.append({"phase": letter, "item": ledger_key,
-                             "kvscope": value / scale if scale != 1 else value, "vllm": facts.get(ledger_key)})
+                if key.endswith("_bytes") and isinstance(value, int | float):
+                    value = value / GiB
+                figure = _FIGURE_OF_FIELD[key]
+                rows.append({"phase": letter, "item": figure, "kvscope": value, "vllm": facts.get(figure)})
     return rows
+
+
+def _model_key(name: str) -> str:
+    """One spelling per model: the preset a name resolves to, else its last path part."""
+    preset = resolve_preset_name(name)
+    if preset is not None:
+        return preset
+    return name.strip().rstrip("/").rsplit("/", 1)[-1].lower()
+
+
+def recording_models(recording: Recording) -> dict[str, str]:
+    """The models a recording names: its engine.config event's ``config.model`` and
+    ``model.name`` (the header's config.model when the event is missing)."""
+    from engine.events import EngineConfigEvent
+
+    event = next((e for e in recording.events if isinstance(e, EngineConfigEvent)), None)
+    config = event.config if event is not None else recording.config
+    found = {"config.model": config.get("model"), "model.name": (event.model if event is not None else {}).get("name")}
+    return {where: value for where, value in found.items() if isinstance(value, str) and value}
+
+
+def profile_model_check(recording: Recording, facts: dict[str, Any], lines: dict[str, int]) -> Check | None:
+    """A warning when the log's model is not the one the --profile recording ran."""
+    ran = recording_models(recording)
+    logged = facts.get("model")
+    if not ran:
+        return None
+    if len(set(ran.values())) == 1:
+        ran_text = f"{next(iter(ran.values()))!r}"
+    else:
+        ran_text = ", ".join(f"{where} {value!r}" for where, value in ran.items())
+    if not logged:
+        return Check("profile_model", "the log names no model to compare with the recording's", None,
+                     f"the recording ran {ran_text}; the log does not say which model vLLM served", kind="warning")
+    if _model_key(str(logged)) in {_model_key(n) for n in ran.values()}:
+        return None
+    return Check("profile_model", "the recording's model is not the log's", False,
+                 f"vLLM served {str(logged)!r}, the --profile recording ran {ran_text}: "
+                 "the phase-by-phase rows compare two different models",
+                 kind="warning", line=lines.get("model"),
+                 fix=[f"record a kvscope run of {logged} (engine serve --model {logged} --events events.jsonl) "
+                      "and pass that to --profile"])

@@ -51,6 +51,52 @@ LEDGER_KEYS: tuple[str, ...] = (
     "gpu_memory_utilization",
 )
 
+
+
+@dataclass(frozen=True)
+class FigureName:
+    """What a figure is called where people read it.
+
+    ``vllm`` is the phrase vLLM prints the figure after (what one greps a log for), as
+    most releases print it ("…" where the figure or other words sit); ``unit`` its unit; ``kvscope`` the same quantity's
+    name in kvscope's phase records (engine/events/phase_data.py, also the keys of
+    EngineView's ledger), where kvscope has it, in bytes where the log has GiB."""
+
+    vllm: str
+    unit: str = ""
+    kvscope: str | None = None
+
+
+# Every figure logparse shows beside another (``diff``, ``--profile``): the ledger, the
+# budget lines around it, and the durations vLLM prints.
+FIGURE_NAMES: dict[str, FigureName] = {
+    "vllm_version": FigureName("vLLM API server version"),
+    "weights_gib": FigureName("Model loading took", "GiB", "weights_bytes"),
+    "peak_activation_gib": FigureName("PyTorch activation peak memory", "GiB", "activation_peak_bytes"),
+    "non_torch_gib": FigureName("non_torch_memory", "GiB", "non_torch_bytes"),
+    "kv_cache_gib": FigureName("Available KV cache memory", "GiB", "kv_pool_bytes"),
+    "kv_cache_tokens": FigureName("GPU KV cache size", "tokens", "kv_cache_tokens"),
+    "gpu_blocks": FigureName("# GPU blocks", "blocks", "num_blocks"),
+    "cpu_blocks": FigureName("# CPU blocks", "blocks"),
+    "max_concurrency": FigureName("Maximum concurrency", "x", "max_concurrency"),
+    "cuda_graph_gib": FigureName("Graph capturing finished … took", "GiB", "cuda_graph_bytes"),
+    "max_model_len": FigureName("max_seq_len", "tokens", "max_model_len"),
+    "gpu_memory_utilization": FigureName("gpu_memory_utilization", "", "gpu_memory_utilization"),
+    "total_gib": FigureName("total_gpu_memory", "GiB", "total_bytes"),
+    "requested_gib": FigureName("the current vLLM instance can use", "GiB", "requested_bytes"),
+    "non_kv_gib": FigureName("Total non KV cache memory", "GiB"),
+    "load_weights_s": FigureName("Loading weights took", "s"),
+    "load_model_s": FigureName("Model loading took … seconds", "s"),
+    "profile_s": FigureName("Memory profiling takes", "s"),
+    "dynamo_s": FigureName("Dynamo bytecode transform time", "s"),
+    "compile_s": FigureName("Compiling a graph for … takes", "s"),
+    "load_compiled_s": FigureName("Directly load the compiled graph(s) … took", "s"),
+    "torch_compile_s": FigureName("torch.compile takes … in total", "s"),
+    "graph_capture_s": FigureName("Graph capturing finished in", "s"),
+    "init_engine_s": FigureName("init engine (profile, create kv cache, warmup model) took", "s"),
+    "compilation_s": FigureName("init engine … (compilation:", "s"),
+}
+
 # Fields kept as text even when they look like a number.
 TEXT_FIELDS = frozenset({"vllm_version", "model", "dtype", "kv_cache_dtype", "quantization", "device",
                          "backend", "platform", "url", "graph_mode", "architecture", "oom_unit",
@@ -277,6 +323,10 @@ PATTERNS: tuple[LinePattern, ...] = (
       r"Maximum concurrency for <max_model_len:int> tokens per request: <max_concurrency:num>x",
       "How many max-model-len requests fit in the pool at once = tokens / max-model-len (0.9.2+ counts "
       "per-request blocks, which differs for sliding-window/hybrid models)."),
+    P("zero_gpu_blocks", "E", "0.2–0.10.2", "blocks: 0",
+      r"(?:# )?(?P<device>GPU|CUDA|cuda) blocks: (?P<gpu_blocks>0)(?![\d.])(?:, # CPU blocks: <cpu_blocks:int>)?",
+      "The pool came out at zero blocks: weights + activation peak + non-torch left nothing of total x util "
+      "(V0 raises 'No available memory for the cache blocks' next).", failure="no_cache_blocks"),
     P("v0_blocks", "E", "0.4.0–0.10.2", "blocks: ",
       r"(?:# )?(?P<device>GPU|CUDA|cuda) blocks: <gpu_blocks:int>, # CPU blocks: <cpu_blocks:int>",
       "V0 pool in blocks: GPU = (total x util - peak) / block bytes, min over ranks; CPU = swap space "

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, TextIO
+from pathlib import PurePath
+from typing import Any, NamedTuple, TextIO
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from logparse.explain import Check, Explanation
-from logparse.patterns import LEDGER_KEYS, PHASE_NAMES
+from logparse.patterns import FIGURE_NAMES, LEDGER_KEYS, PHASE_NAMES
 
 PHASE_STYLES = {
     "A": "cyan", "B": "bright_blue", "C": "green", "D": "magenta", "E": "bright_green",
@@ -40,7 +41,20 @@ def fmt(value: Any) -> str:
     return str(value)
 
 
+def figure_label(key: str) -> tuple[str, str]:
+    """(vLLM's phrase for the figure, its unit); the key itself for a figure not in the table."""
+    name = FIGURE_NAMES.get(key)
+    return (name.vllm, name.unit) if name else (key, "")
+
+
+def profile_label(item: str) -> tuple[str, str]:
+    return ("phase duration", "s") if item == "duration_s" else figure_label(item)
+
+
 def mark(check: Check) -> str:
+    """✓ held, ✗ failed, ! a warning, – not judged (the log lacks a figure)."""
+    if check.kind == "warning" and check.ok is False:
+        return "!"
     return {True: "✓", False: "✗", None: "–"}[check.ok]
 
 
@@ -135,16 +149,16 @@ def render_terminal(exp: Explanation, out: TextIO | None = None, summary: bool =
     if exp.plan.get("profile"):
         console.rule("kvscope run (--profile) beside vLLM")
         prof = Table(show_edge=False)
-        for col in ("phase", "item", "vLLM", "kvscope"):
+        for col in ("phase", "vLLM prints", "unit", "vLLM", "kvscope"):
             prof.add_column(col)
         for row in exp.plan["profile"]:
-            prof.add_row(row["phase"], row["item"], fmt(row["vllm"]), fmt(row["kvscope"]))
+            prof.add_row(row["phase"], *profile_label(row["item"]), fmt(row["vllm"]), fmt(row["kvscope"]))
         console.print(prof)
     console.rule("checks")
     if not exp.checks:
         console.print(Text("no check possible: the log lacks the figures they need", style="dim"))
     for check in exp.checks:
-        style = {True: "green", False: "red", None: "yellow"}[check.ok]
+        style = "yellow" if check.kind == "warning" else {True: "green", False: "red", None: "yellow"}[check.ok]
         line = Text(f"{mark(check)} ", style=style)
         line.append(check.title, style="bold")
         line.append(f"  {check.detail}" + (f"  (line {check.line})" if check.line else ""))
@@ -178,6 +192,12 @@ def render_markdown(exp: Explanation, summary: bool = False) -> str:
         out.append(f"| {label} | {fmt(theirs)} | {fmt(mine)} | {_md(note)} |")
     if exp.plan.get("unavailable"):
         out += ["", f"_{exp.plan['unavailable']}_"]
+    if exp.plan.get("profile"):
+        out += ["", "## kvscope run (--profile) beside vLLM", "",
+                "| phase | vLLM prints | unit | vLLM | kvscope |", "|:-:|---|---|---:|---:|"]
+        for row in exp.plan["profile"]:
+            label, unit_ = profile_label(row["item"])
+            out.append(f"| {row['phase']} | {_md(label)} | {unit_} | {fmt(row['vllm'])} | {fmt(row['kvscope'])} |")
     out += ["", "## Checks", ""]
     for c in exp.checks:
         out.append(f"- {mark(c)} **{c.title}**: {c.detail}")
@@ -197,7 +217,20 @@ def render_json(exp: Explanation, summary: bool = False) -> str:
 
 
 # ------------------------------------------------------------------ diff
-def diff_rows(a: Explanation, b: Explanation) -> list[tuple[str, Any, Any]]:
+class DiffRow(NamedTuple):
+    item: str  # the ledger key, or PHASE:duration key
+    label: str  # what vLLM prints before the figure
+    unit: str
+    a: Any
+    b: Any
+
+    @property
+    def difference(self) -> float | int | None:
+        numbers = isinstance(self.a, int | float) and isinstance(self.b, int | float)
+        return self.b - self.a if numbers and not isinstance(self.a, bool) and not isinstance(self.b, bool) else None
+
+
+def diff_rows(a: Explanation, b: Explanation) -> list[DiffRow]:
     keys = list(LEDGER_KEYS) + [k for k in ("total_gib", "requested_gib", "non_kv_gib") if k not in LEDGER_KEYS]
     rows = []
     for key in keys:
@@ -205,34 +238,51 @@ def diff_rows(a: Explanation, b: Explanation) -> list[tuple[str, Any, Any]]:
         vb = b.facts.get(key, b.budget.get(key))
         if va is None and vb is None:
             continue
-        rows.append((key, va, vb))
-    for span_a in a.timeline:
-        for name, value in span_a.durations.items():
-            other = next((s.durations.get(name) for s in b.timeline if name in s.durations), None)
-            rows.append((f"{span_a.phase}:{name}", value, other))
+        rows.append(DiffRow(key, *figure_label(key), va, vb))
+    seen: set[str] = set()
+    for first, second, first_is_a in ((a, b, True), (b, a, False)):
+        for span in first.timeline:
+            for name, value in span.durations.items():
+                if name in seen:
+                    continue
+                seen.add(name)
+                other = next((s.durations[name] for s in second.timeline if name in s.durations), None)
+                va, vb = (value, other) if first_is_a else (other, value)
+                rows.append(DiffRow(f"{span.phase}:{name}", *figure_label(name), va, vb))
     return rows
+
+
+def short_names(a: str, b: str) -> tuple[str, str]:
+    """The file names as column heads; as many folders above them as it takes to tell two
+    files of the same name apart."""
+    pa, pb = PurePath(a).parts or (a,), PurePath(b).parts or (b,)
+    n = 1
+    while n < max(len(pa), len(pb)) and pa[-n:] == pb[-n:]:
+        n += 1
+    return str(PurePath(*pa[-n:])), str(PurePath(*pb[-n:]))
 
 
 def render_diff(a: Explanation, b: Explanation, out: TextIO | None = None, as_json: bool = False,
                 markdown: bool = False) -> str | None:
     rows = diff_rows(a, b)
+    name_a, name_b = short_names(a.path, b.path)
     if as_json:
-        return json.dumps({"a": a.path, "b": b.path, "rows": [
-            {"item": k, "a": va, "b": vb,
-             "difference": (vb - va) if isinstance(va, int | float) and isinstance(vb, int | float) else None}
-            for k, va, vb in rows]}, indent=1, default=str)
+        return json.dumps({"a": a.path, "b": b.path, "a_name": name_a, "b_name": name_b, "rows": [
+            {"item": r.item, "label": r.label, "unit": r.unit, "a": r.a, "b": r.b, "difference": r.difference}
+            for r in rows]}, indent=1, default=str, ensure_ascii=False)
+    paths = "" if (name_a, name_b) == (a.path, b.path) else f"{name_a}: {a.path}   {name_b}: {b.path}"
     if markdown:
-        lines = [f"| item | `{a.path}` | `{b.path}` | Δ |", "|---|---:|---:|---:|"]
-        for k, va, vb in rows:
-            delta = fmt(vb - va) if isinstance(va, int | float) and isinstance(vb, int | float) else ""
-            lines.append(f"| {k} | {fmt(va)} | {fmt(vb)} | {delta} |")
+        lines = [f"_{_md(paths)}_", ""] if paths else []
+        lines += [f"| vLLM prints | unit | `{_md(name_a)}` | `{_md(name_b)}` | Δ |", "|---|---|---:|---:|---:|"]
+        for r in rows:
+            delta = fmt(r.difference) if r.difference is not None else ""
+            lines.append(f"| {_md(r.label)} | {r.unit} | {fmt(r.a)} | {fmt(r.b)} | {delta} |")
         return "\n".join(lines) + "\n"
     console = _console(out)
-    table = Table(title="two startups side by side")
-    for col in ("item", a.path, b.path, "Δ"):
+    table = Table(title="two startups side by side", caption=paths or None)
+    for col in ("vLLM prints", "unit", name_a, name_b, "Δ"):
         table.add_column(col, overflow="fold")
-    for k, va, vb in rows:
-        delta = fmt(vb - va) if isinstance(va, int | float) and isinstance(vb, int | float) else ""
-        table.add_row(k, fmt(va), fmt(vb), delta)
+    for r in rows:
+        table.add_row(r.label, r.unit, fmt(r.a), fmt(r.b), fmt(r.difference) if r.difference is not None else "")
     console.print(table)
     return None

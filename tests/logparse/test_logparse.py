@@ -4,17 +4,21 @@ failure logs; the CLI end to end."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import re
 from pathlib import Path
 
 import pytest
 
-from engine.events import EventBus, JsonlSink, StartupPhase
+from engine.events import EngineConfigEvent, EventBus, JsonlSink, StartupPhase
+from engine.events.phase_data import PhaseData
+from engine.events.view import LEDGER_KEYS as VIEW_LEDGER_KEYS
 from logparse.cli import main
 from logparse.explain import Options, explain
 from logparse.parser import iter_records
-from logparse.patterns import LEDGER_KEYS, PATTERNS
+from logparse.patterns import FIGURE_NAMES, LEDGER_KEYS, PATTERNS
+from logparse.render import short_names
 from tests.paths import DATA, SAMPLES
 
 CORPUS = DATA / "vllm-logs"  # kept in the repo: a clone runs every test
@@ -212,6 +216,48 @@ def test_wrapped_error_lines_are_joined() -> None:
     assert "4.26 GiB needed, 4.25 GiB available" in check.detail
 
 
+ZERO_BLOCKS = "v0.3.x-qwen-7b-rtx3090-tp1-docker-nocacheblocks.log"
+
+
+def test_zero_gpu_blocks_is_no_cache_blocks_with_the_fix_in_numbers(capsys: pytest.CaptureFixture[str]) -> None:
+    # the log: max_seq_len=4096, then '# GPU blocks: 0, # CPU blocks: 256'; the ValueError itself was cut
+    check = _failure(ZERO_BLOCKS, "no_cache_blocks")
+    assert check.ok is False and check.kind == "failure" and check.line == 2
+    assert "0 GPU blocks (256 CPU blocks)" in check.detail
+    # 4,096 / 16 = 256 blocks; vLLM's default 4 GiB swap over 256 CPU blocks = 16 MiB a block
+    assert "one 4,096-token request needs 256 blocks of 16 tokens = 4.00 GiB" in check.fix[0]
+    assert "16.00 MiB" in check.fix[0] and "--swap-space" in check.fix[0]
+    sized = _failure(ZERO_BLOCKS, "no_cache_blocks", Options(gpu_memory_gib=24.0, gpu_memory_utilization=0.9))
+    assert "--gpu-memory-utilization 1.067 at least (now 0.9)" in sized.fix[1]  # 0.9 + 4.00 / 24
+    assert "beyond 1.0" in sized.fix[1]
+    planned = _failure(ZERO_BLOCKS, "no_cache_blocks",
+                       Options(model="qwen2.5-7b", gpu_memory_gib=24.0, gpu_memory_utilization=0.9))
+    # 28 layers x 2 x 4 KV heads x 128 x 2 B = 56 KiB a token: 4,096 tokens = 0.22 GiB
+    assert "= 0.22 GiB of KV memory (qwen2.5-7b: 56 KiB per token)" in planned.fix[0]
+    # kvscope's plan fits below the 0.9 vLLM failed at: said as a floor, not offered as the fix
+    assert "yet vLLM found no room at 0.9" in planned.fix[1] and "floor, not a fix" in planned.fix[1]
+    assert main(["summary", str(CORPUS / ZERO_BLOCKS), "--json"]) == 1
+    checks = json.loads(capsys.readouterr().out)["checks"]
+    assert [c["id"] for c in checks if c["kind"] == "failure"] == ["no_cache_blocks"]
+
+
+def test_zero_gpu_blocks_and_the_error_after_it_are_one_failure(tmp_path: Path) -> None:
+    log = tmp_path / "v0-full.log"
+    log.write_bytes((CORPUS / ZERO_BLOCKS).read_bytes() + b"ValueError: No available memory for the cache blocks. "
+                    b"Try increasing `gpu_memory_utilization` when initializing the engine.\n")
+    failures = [c for c in explain(log).checks if c.kind == "failure"]
+    assert [(c.id, c.line) for c in failures] == [("no_cache_blocks", 2)]
+
+
+def test_no_cache_blocks_corpus_logs() -> None:
+    # V1's ValueError, visible only as the echoed source line inside the traceback
+    check = _failure("v0.11.0-gpt-oss-120b-h100-tp1-nocacheblocks-v1.log", "no_cache_blocks")
+    assert check.ok is False and check.line == 7
+    # a pool of 1,952 blocks is no failure
+    ok = explain(CORPUS / "v0.6.4-llama3.1-8b-rtx3090-tp1-20k-ok.log")
+    assert ok.facts["gpu_blocks"] == 1952 and "no_cache_blocks" not in {c.id for c in ok.checks}
+
+
 def test_preemption_warning_v0_and_v1(tmp_path: Path) -> None:
     check = _failure("v0.6.3dev-unknown-model-unknowngpu-runtime-preemption.log", "preemption")
     assert check.kind == "warning" and "1 preemption" in check.detail
@@ -301,6 +347,55 @@ def test_profile_comparison_phase_by_phase(part8: Path, tmp_path: Path) -> None:
     assert rows[("D", "peak_activation_gib")]["vllm"] == 4.0
     assert rows[("E", "kv_cache_tokens")]["kvscope"] == 442_368
     assert rows[("E", "kv_cache_tokens")]["vllm"] == 442_160
+    # the header's model 'llama-3.1-8b' is the preset the log's meta-llama/Llama-3.1-8B-Instruct names
+    assert "profile_model" not in {c.id for c in exp.checks}
+
+
+MODEL_LOG = CORPUS / "v0.11.0-qwen2.5-0.5b-arm-cpu-backend-offline-complete.log"  # 'model': 'Qwen/Qwen2.5-0.5B-Instruct'
+
+
+def _recording(path: Path, config_model: str, model_name: str) -> Path:
+    sink = JsonlSink(path, {"model": config_model})
+    bus = EventBus(clock=lambda: 1.0)
+    bus.subscribe(sink)
+    bus.publish(EngineConfigEvent(config={"model": config_model}, model={"name": model_name}))
+    bus.publish(StartupPhase(phase="E", name="kv_cache", status="end", duration_s=0.2,
+                             data={"kv_pool_bytes": 2**30, "num_blocks": 512, "kv_cache_tokens": 8192}))
+    sink.close()
+    return path
+
+
+def test_profile_of_another_model_is_a_warning_in_every_view(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    if not MODEL_LOG.is_file():
+        pytest.skip("tests/data/vllm-logs is missing")
+    events = _recording(tmp_path / "events.jsonl", "HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m")
+    names = ("'Qwen/Qwen2.5-0.5B-Instruct'", "config.model 'HuggingFaceTB/SmolLM2-135M-Instruct'",
+             "model.name 'smollm2-135m'")
+    status = main(["summary", str(MODEL_LOG), "--profile", str(events), "--json"])
+    out = json.loads(capsys.readouterr().out)
+    warning = {c["id"]: c for c in out["checks"]}["profile_model"]
+    assert warning["kind"] == "warning" and warning["ok"] is False and warning["line"] == 2
+    assert all(name in warning["detail"] for name in names), warning["detail"]
+    assert status == 0  # a warning does not fail the run
+    assert out["plan"]["profile"]  # the rows are still there, with the warning beside them
+    for argv in (["explain", str(MODEL_LOG)], ["explain", str(MODEL_LOG), "--markdown"],
+                 ["summary", str(MODEL_LOG)], ["summary", str(MODEL_LOG), "--markdown"]):
+        assert main([*argv, "--profile", str(events)]) == 0
+        text = capsys.readouterr().out
+        line = next(line for line in text.splitlines() if "the recording's model is not the log's" in line)
+        assert line.lstrip("- ").startswith("!") and all(name in line for name in names), line
+        assert "Available KV cache memory" in text  # the --profile rows under vLLM's names
+
+
+def test_profile_of_the_same_model_is_quiet(tmp_path: Path) -> None:
+    if not MODEL_LOG.is_file():
+        pytest.skip("tests/data/vllm-logs is missing")
+    for config_model, name in (("Qwen/Qwen2.5-0.5B-Instruct", "Qwen2.5-0.5B-Instruct"),
+                               ("/models/qwen2.5-0.5b-instruct/", "qwen2.5-0.5b-instruct")):
+        events = _recording(tmp_path / "same.jsonl", config_model, name)
+        exp = explain(MODEL_LOG, Options(profile=str(events)))
+        assert exp.plan["profile"] and "profile_model" not in {c.id for c in exp.checks}, config_model
 
 
 # ------------------------------------------------------------------ CLI
@@ -321,6 +416,75 @@ def test_cli_diff(part8: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert main(["diff", str(part8), str(other), "--json"]) == 0
     rows = {r["item"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
     assert rows["kv_cache_gib"]["difference"] == pytest.approx(-3.8)
+
+
+V0_LOG = CORPUS / "v0.6.4-llama3.1-8b-rtx3090-tp1-20k-ok.log"
+V1_LOG = CORPUS / "v0.10.2-qwen3-235b-a22b-fp8-8xl40s-tp8-ep-slice.log"
+DIFF_LABELS = {
+    "kv_cache_gib": "Available KV cache memory", "kv_cache_tokens": "GPU KV cache size",
+    "max_concurrency": "Maximum concurrency", "weights_gib": "Model loading took", "gpu_blocks": "# GPU blocks",
+    "cuda_graph_gib": "Graph capturing finished … took",
+}
+
+
+def test_cli_diff_under_vllms_names_and_file_names(capsys: pytest.CaptureFixture[str]) -> None:
+    if not (V0_LOG.is_file() and V1_LOG.is_file()):
+        pytest.skip("tests/data/vllm-logs is missing")
+    assert main(["diff", str(V0_LOG), str(V1_LOG), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["a"], out["b"], out["a_name"], out["b_name"]) == (str(V0_LOG), str(V1_LOG), V0_LOG.name, V1_LOG.name)
+    rows = {r["item"]: r for r in out["rows"]}
+    assert {key: rows[key]["label"] for key in DIFF_LABELS} == DIFF_LABELS
+    assert rows["kv_cache_gib"]["unit"] == "GiB" and rows["kv_cache_gib"]["a"] == 3.81
+    assert rows["kv_cache_gib"]["b"] == 10.64 and rows["kv_cache_gib"]["difference"] == pytest.approx(6.83)
+    assert (rows["gpu_blocks"]["a"], rows["gpu_blocks"]["b"]) == (1952, None)
+    assert (rows["cuda_graph_gib"]["a"], rows["cuda_graph_gib"]["b"]) == (None, 3.45)
+    # a duration only B prints is a row too
+    assert rows["F:graph_capture_s"] == {"item": "F:graph_capture_s", "label": "Graph capturing finished in",
+                                         "unit": "s", "a": None, "b": 53, "difference": None}
+    for view in ([], ["--markdown"]):
+        assert main(["diff", str(V0_LOG), str(V1_LOG), *view]) == 0
+        text = capsys.readouterr().out
+        head = next(line for line in text.splitlines() if "vLLM prints" in line)
+        assert V0_LOG.name in head and V1_LOG.name in head and str(CORPUS) not in head, head
+        for key, label in DIFF_LABELS.items():
+            row = next((line for line in text.splitlines() if label in line), None)
+            assert row is not None, (view, label)
+            assert key not in text, (view, key)
+        assert str(V0_LOG) in text  # the whole paths once, under (terminal) or above (markdown) the table
+
+
+def test_diff_heads_tell_two_files_of_one_name_apart(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    if not (V0_LOG.is_file() and V1_LOG.is_file()):
+        pytest.skip("tests/data/vllm-logs is missing")
+    for folder, log in (("before", V0_LOG), ("after", V1_LOG)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "startup.log").write_bytes(log.read_bytes())
+    assert main(["diff", str(tmp_path / "before/startup.log"), str(tmp_path / "after/startup.log"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["a_name"], out["b_name"]) == ("before/startup.log", "after/startup.log")
+    assert short_names("a.log", "a.log") == ("a.log", "a.log")
+
+
+def test_every_figure_shown_beside_another_has_vllms_name() -> None:
+    fields = {name for p in PATTERNS for name in p.field_names}
+    shown = set(LEDGER_KEYS) | {"total_gib", "requested_gib", "non_kv_gib"} | {f for f in fields if f.endswith("_s")}
+    assert shown <= set(FIGURE_NAMES), shown - set(FIGURE_NAMES)
+    # each phrase is vLLM's: printed in a real log, or in a catalogued format
+    corpus = "\n".join(p.read_text(errors="replace") for p in CORPUS.glob("*.log"))
+    formats = "\n".join(t.replace("\\", "") for p in PATTERNS for t in (p.template, *p.extract))
+    for key, name in FIGURE_NAMES.items():
+        for part in filter(None, (x.strip() for x in name.vllm.split("…"))):
+            assert part in corpus or part in formats, (key, part)
+
+
+def test_figure_names_use_the_engines_ledger_names() -> None:
+    # one vocabulary (issue 15): logparse's kvscope column is the phase records' fields, which
+    # are EngineView's ledger keys
+    record_fields = {f.name for cls in PhaseData.__subclasses__() for f in dataclasses.fields(cls)}
+    kvscope = {name.kvscope for name in FIGURE_NAMES.values() if name.kvscope}
+    assert kvscope <= record_fields, kvscope - record_fields
+    assert set(VIEW_LEDGER_KEYS) - {"block_size"} <= kvscope, set(VIEW_LEDGER_KEYS) - kvscope
 
 
 def test_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
