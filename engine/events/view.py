@@ -16,7 +16,7 @@ Snapshot dict format (``SNAPSHOT_VERSION`` 1), all plain JSON::
       "last_seq": int, "t": float, "step": int | None,   # last folded event/step
       "config": {...}, "model": {...},                    # from engine.config
       "phases": {"A": {"phase", "name", "status", "duration_s", "memory_delta",
-                       "reason", "data"}, ...},
+                       "reason", "data", "memory_measure"}, ...},
       "ledger": {"total_bytes", "gpu_memory_utilization", "weights_bytes",
                  "non_torch_bytes", "activation_peak_bytes", "cuda_graph_bytes",
                  "kv_pool_bytes", "num_blocks", "block_size"},   # ints, missing = 0
@@ -139,9 +139,10 @@ class PhaseView:
     name: str
     status: str = "pending"
     duration_s: float | None = None
-    memory_delta: int | None = None  # allocated bytes after - before, when both known
+    memory_delta: int | None = None  # used bytes after - before (_memory_delta), when both known
     reason: str | None = None
     data: dict[str, Any] = field(default_factory=dict)
+    memory_measure: str | None = None  # what memory_delta measured: allocated, rss (CPU), used
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -152,19 +153,30 @@ class PhaseView:
             "memory_delta": self.memory_delta,
             "reason": self.reason,
             "data": dict(self.data),
+            "memory_measure": self.memory_measure,
         }
 
 
-def _memory_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> int | None:
-    """Growth of the device's used memory across a phase (allocated when the
-    probe has it, otherwise total − free)."""
+# What a phase's memory delta measures, by where the reading came from: on CUDA the
+# bytes torch's live tensors hold; on CPU torch reports no allocations (always 0), so
+# the process's resident memory (``process_used``, also in ``reserved``) is what moves.
+DEVICE_MEASURES = ("allocated", "used", "rss")
+CPU_MEASURES = ("process_used", "rss", "reserved", "allocated")
+
+
+def _memory_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> tuple[int, str] | None:
+    """Growth of the used memory across a phase and what it measured: allocated
+    bytes on a device that has them, process RSS on CPU, otherwise total − free."""
     if not before or not after:
         return None
-    for key in ("allocated", "used", "rss"):
-        if key in before and key in after:
-            return int(after[key]) - int(before[key])
+    on_cpu = str(after.get("device") or before.get("device") or "").startswith("cpu")
+    for key in CPU_MEASURES if on_cpu else DEVICE_MEASURES:
+        if before.get(key) is not None and after.get(key) is not None:
+            measure = "rss" if on_cpu and key in ("process_used", "reserved") else key
+            return int(after[key]) - int(before[key]), measure
     if all(k in d for d in (before, after) for k in ("total", "free")):
-        return (int(after["total"]) - int(after["free"])) - (int(before["total"]) - int(before["free"]))
+        used = (int(after["total"]) - int(after["free"])) - (int(before["total"]) - int(before["free"]))
+        return used, "used"
     return None
 
 
@@ -270,7 +282,7 @@ class EngineView:
             view.duration_s = ev.duration_s
         delta = _memory_delta(ev.memory_before, ev.memory_after)
         if delta is not None:
-            view.memory_delta = delta
+            view.memory_delta, view.memory_measure = delta
         view.reason = ev.reason
         view.data.update(ev.data)
         for key in LEDGER_KEYS:
@@ -406,6 +418,7 @@ class EngineView:
                 memory_delta=p.get("memory_delta"),
                 reason=p.get("reason"),
                 data=dict(p.get("data", {})),
+                memory_measure=p.get("memory_measure"),
             )
             for k, p in state.get("phases", {}).items()
         }

@@ -1,5 +1,6 @@
-"""The "who owns what" memory bar: outside the budget, weights, non-torch,
-activation peak, graphs, and the KV pool split into used / cached-free / free."""
+"""The "who owns what" memory bar, scaled to the device's total: outside the
+budget, weights, non-torch, activation peak, graphs, the KV pool split into
+used / cached-free / free, and the part of the budget nothing holds."""
 
 from __future__ import annotations
 
@@ -19,11 +20,17 @@ SEGMENT_COLOURS = {
     "KV used": "#59a14f",
     "KV cached-free": "#5fafd7",
     "KV free": "#2e4a2e",
+    "budget unused": "#262626",
 }
+ALWAYS_SHOWN = frozenset({"outside budget", "KV used", "KV cached-free", "KV free", "budget unused"})
 
 
 def memory_segments(view: EngineView) -> list[tuple[str, float]]:
-    """(label, bytes) of every slice, left to right; empty until the budget is known."""
+    """(label, bytes) of every slice, left to right; empty until the budget is known.
+
+    The slices add up to the device total (more only when the budget's holders
+    overrun it): ``budget unused`` is what the budget (total × utilization) leaves
+    after weights, non-torch, activation peak, graphs and the KV pool."""
     ledger = view.ledger
     total = float(ledger.get("total_bytes") or 0)
     if not total:
@@ -31,18 +38,64 @@ def memory_segments(view: EngineView) -> list[tuple[str, float]]:
     util = float(ledger.get("gpu_memory_utilization") or 1.0)
     pool = float(ledger.get("kv_pool_bytes") or 0)
     blocks = view.num_blocks
-    used_frac = view.kv_used / blocks if blocks else 0.0
-    cached_frac = view.kv_cached_free / blocks if blocks else 0.0
-    return [
-        ("outside budget", total * (1.0 - util)),
+    per_block = pool / blocks if blocks else 0.0
+    free_blocks = max(0, blocks - view.kv_used - view.kv_cached_free) if blocks else 0
+    held = [
         ("weights", float(ledger.get("weights_bytes") or 0)),
         ("non-torch", float(ledger.get("non_torch_bytes") or 0)),
         ("activation peak", float(ledger.get("activation_peak_bytes") or 0)),
         ("graphs", float(ledger.get("cuda_graph_bytes") or 0)),
-        ("KV used", pool * used_frac),
-        ("KV cached-free", pool * cached_frac),
-        ("KV free", pool * max(0.0, 1.0 - used_frac - cached_frac)),
+        ("KV used", per_block * view.kv_used),
+        ("KV cached-free", per_block * view.kv_cached_free),
+        ("KV free", per_block * free_blocks if blocks else pool),
     ]
+    budget = total * util
+    return [
+        ("outside budget", total * (1.0 - util)),
+        *held,
+        ("budget unused", max(0.0, budget - sum(b for _, b in held))),
+    ]
+
+
+def bar_cells(sizes: list[float], width: int) -> list[int]:
+    """Cells per slice for a bar ``width`` wide scaled to ``sum(sizes)``: largest
+    remainder, and at least one cell for every slice that holds anything (taken
+    from the widest), so a small slice never vanishes."""
+    total = sum(sizes)
+    if total <= 0 or width <= 0:
+        return [0] * len(sizes)
+    exact = [width * s / total for s in sizes]
+    cells = [max(1 if s > 0 else 0, int(e)) for s, e in zip(sizes, exact, strict=True)]
+    by_remainder = sorted(range(len(sizes)), key=lambda i: exact[i] - int(exact[i]), reverse=True)
+    for i in by_remainder:
+        if sum(cells) >= width:
+            break
+        if sizes[i] > 0:
+            cells[i] += 1
+    while sum(cells) > width:
+        widest = max(range(len(cells)), key=lambda i: cells[i])
+        if cells[widest] <= 1:
+            break
+        cells[widest] -= 1
+    return cells
+
+
+def legend_lines(items: list[tuple[str, float]], width: int) -> list[Text]:
+    """``■ weights 14.96 GiB`` per slice, wrapped between items, never inside one."""
+    lines: list[Text] = []
+    line = Text()
+    for label, size in items:
+        item = Text("■ ", style=SEGMENT_COLOURS[label])
+        item.append(f"{label} {size / GiB:.2f} GiB")
+        if line.cell_len and line.cell_len + 2 + item.cell_len > width:
+            lines.append(line)
+            line = Text()
+        if line.cell_len:
+            line.append("  ")
+        line.append_text(item)
+    if line.cell_len:
+        lines.append(line)
+    return lines
 
 
 class MemoryBar(Static):
@@ -67,31 +120,23 @@ class MemoryBar(Static):
         segments = memory_segments(view)
         if not segments:
             return Text("memory: waiting for the budget (phase B)", style="dim")
-        total = sum(b for _, b in segments)
         width = max(10, (self.size.width or 100) - 2)
         bar = Text()
-        used_cells = 0
-        for i, (label, size) in enumerate(segments):
-            cells = round(width * size / total) if i < len(segments) - 1 else width - used_cells
-            cells = max(0, min(cells, width - used_cells))
-            used_cells += cells
+        for (label, _), cells in zip(segments, bar_cells([b for _, b in segments], width), strict=True):
             bar.append("█" * cells, style=SEGMENT_COLOURS[label])
-        legend = Text()
-        for label, size in segments:
-            legend.append("■ ", style=SEGMENT_COLOURS[label])
-            legend.append(f"{label} {size / GiB:.2f} GiB  ")
+        shown = [(label, size) for label, size in segments if size > 0 or label in ALWAYS_SHOWN]
+        legend = legend_lines(shown, width)
         ledger = view.ledger
         info = Text(
-            f"total {float(ledger['total_bytes']) / GiB:.1f} GiB × util {float(ledger['gpu_memory_utilization'] or 1):.2f}"
+            f"total {float(ledger['total_bytes']) / GiB:.2f} GiB × util {float(ledger['gpu_memory_utilization'] or 1):.2f}"
             f" · KV {view.kv_used}/{view.num_blocks} blocks used, {view.kv_cached_free} cached-free",
             style="dim",
         )
-        if view.device:
-            dev = view.device
-            if "total" in dev and "free" in dev:
-                info.append(
-                    f" · device ({dev.get('source', 'probe')}): {(dev['total'] - dev['free']) / GiB:.2f} GiB in use"
-                )
-            elif "rss" in dev:
-                info.append(f" · process RSS {dev['rss'] / GiB:.2f} GiB")
-        return Group(bar, legend, info)
+        dev = view.device or {}
+        if str(dev.get("device", "")).startswith("cpu") and ("process_used" in dev or "reserved" in dev):
+            info.append(f" · process RSS {float(dev.get('process_used', dev.get('reserved', 0))) / GiB:.2f} GiB")
+        elif "total" in dev and "free" in dev:
+            info.append(f" · device ({dev.get('source', 'probe')}): {(dev['total'] - dev['free']) / GiB:.2f} GiB in use")
+        elif "rss" in dev:
+            info.append(f" · process RSS {dev['rss'] / GiB:.2f} GiB")
+        return Group(bar, *legend, info)

@@ -14,6 +14,14 @@ from engine.events.view import EngineView, PhaseView
 GiB = 1024**3
 STATUS_STYLE = {"end": "green", "running": "yellow", "skipped": "dim", "failed": "bold red", "pending": "dim"}
 STATUS_WORD = {"end": "done"}
+MEASURE_SUFFIX = {"rss": " RSS", "used": " used"}  # allocated bytes (CUDA, simulated) need no word
+
+
+def memory_delta_text(phase: PhaseView) -> str:
+    """``+14.96`` (allocated), ``+0.28 RSS`` (CPU: the process's resident memory)."""
+    if phase.memory_delta is None:
+        return "-"
+    return f"{phase.memory_delta / GiB:+.2f}{MEASURE_SUFFIX.get(phase.memory_measure or '', '')}"
 
 
 def phase_detail(phase: PhaseView) -> str:
@@ -51,5 +59,4 @@ class StartupTable(DataTable[object]):
             phase = view.phases.get(letter, PhaseView(phase=letter, name=name))
             status = Text(STATUS_WORD.get(phase.status, phase.status), style=STATUS_STYLE.get(phase.status, ""))
             duration = f"{phase.duration_s:.2f}" if phase.duration_s is not None else "-"
-            delta = f"{phase.memory_delta / GiB:+.2f}" if phase.memory_delta is not None else "-"
-            self.add_row(letter, phase.name, status, duration, delta, phase_detail(phase), key=letter)
+            self.add_row(letter, phase.name, status, duration, memory_delta_text(phase), phase_detail(phase), key=letter)
