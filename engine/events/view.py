@@ -338,12 +338,16 @@ class EngineView:
             if req is not None:
                 req.state = WAITING
                 req.computed_tokens = 0
+        admitted = {*ev.new, *ev.resumed}
         for rid, (num_tokens, kind) in ev.scheduled.items():
             if rid in retired and rid not in self.requests:
                 continue  # its request.finished came first (the scheduler publishes it before the step)
             req = self._request(rid)
             req.state = RUNNING
             req.blocks = self.table.tables.get(rid, [])
+            if rid in admitted:  # as vLLM's num_computed_tokens: prefix-cache hits count as computed
+                req.computed_tokens = self._hit_tokens(req, rid in ev.resumed, len(ev.allocated.get(rid, ())),
+                                                       int(num_tokens))
             req.computed_tokens += int(num_tokens)
             # A token is sampled once the whole context (prompt + output so far) is computed.
             if kind == "decode" or req.computed_tokens >= req.prompt_tokens + req.generated_tokens:
@@ -364,6 +368,21 @@ class EngineView:
         s["kv_pct"].append(100.0 * ev.kv_blocks_used / ev.kv_blocks_total if ev.kv_blocks_total else 0.0)
         s["step_ms"].append(ev.duration_s * 1000.0)
         s["preempted"].append(len(ev.preempted))
+
+    def _hit_tokens(self, req: RequestView, resumed: bool, num_allocated: int, num_new: int) -> int:
+        """Prefix-cache hit tokens of a request admitted this step: ``request.scheduled``
+        says for a first admission; a resumption after preemption publishes none, so
+        they follow from its fresh table. A hit is whole blocks and the step's tokens
+        fill the blocks after it, so ``hit + num_new`` lies in the table's last
+        block: ``hit`` is the one multiple of the block size in
+        ``((num_allocated - 1) * bs - num_new, num_allocated * bs - num_new]``."""
+        if not resumed:
+            return req.prefix_hit_tokens
+        bs = int(self.ledger.get("block_size") or self.config.get("block_size") or 0)
+        if bs <= 0 or num_allocated <= 0:
+            return 0
+        hit = (num_allocated * bs - num_new) // bs * bs
+        return max(0, hit)
 
     def _on_snapshot(self, ev: SnapshotEvent) -> None:
         self._load(ev.state)

@@ -103,3 +103,41 @@ def test_timeline_navigation_targets(tmp_path: Path) -> None:
     assert timeline.position_of_index(10**9) == len(timeline) - 1
     bus = EventBus()  # an empty recording still gives a view
     assert Timeline([]).view.step is None and bus.has_subscribers is False
+
+
+def test_computed_and_generated_tokens_are_the_schedulers_own_every_step() -> None:
+    """vLLM counts prefix-cache hits as computed (num_computed_tokens); so does the
+    view, on first admission and on resumption after a preemption."""
+    from engine.core.scheduler import SchedulerConfig
+    from engine.events import EngineConfigEvent
+    from engine.sim.driver import DriverRequest, run_driver
+
+    config = SchedulerConfig(num_blocks=36, max_num_seqs=8, max_num_batched_tokens=96)
+    shared = list(range(100, 164))  # 4 full blocks every request starts with
+    requests = [
+        DriverRequest(f"r{i:02d}", shared + [i] * (10 + 7 * (i % 5)), output_tokens=40 + 9 * (i % 4), arrival_step=i)
+        for i in range(24)
+    ]
+    bus = EventBus()
+    view = EngineView()
+    bus.subscribe(view.apply)
+    bus.publish(EngineConfigEvent(config={"block_size": config.block_size}))
+    checked = {"hits": 0, "resumed_hits": 0, "steps": 0}
+
+    def compare(sched, out) -> None:  # type: ignore[no-untyped-def]
+        checked["steps"] += 1
+        for rid, req in sched.requests.items():
+            shown = view.requests[rid]
+            assert (shown.computed_tokens, shown.generated_tokens) == (
+                req.num_computed_tokens, req.num_output_tokens), (out.step_index, rid)
+            if shown.prefix_hit_tokens and shown.state == "running":
+                checked["hits"] += 1
+        for item in out.scheduled:
+            rid = item.request.request_id
+            if rid in out.resumed_req_ids and rid in view.requests:
+                checked["resumed_hits"] += view.requests[rid].computed_tokens > item.num_tokens
+
+    run_driver(requests, config, bus=bus, on_step=compare)
+    assert checked["steps"] > 50 and checked["hits"] > 0
+    assert checked["resumed_hits"] > 0, "a resumption must start from its prefix hits"
+    assert view.preemptions > 0
