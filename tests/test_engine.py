@@ -72,6 +72,7 @@ def test_measured_peak_is_positive_and_kv_tokens_are_exact(recorded) -> None:
     assert by_phase["C"].data["weights_bytes"] > 100 * 2**20
 
 
+@pytest.mark.slow  # a second engine start at 4x the batch: ~15 s on 2 cores (make test-slow)
 def test_peak_grows_with_max_num_batched_tokens(recorded) -> None:
     llm, _, _, _ = recorded
     runner = llm.engine.runner

@@ -255,6 +255,7 @@ def fp32_and_int8_runners(smollm_config: ModelConfig) -> tuple[ModelRunner, Mode
     return runners[0], runners[1]
 
 
+@pytest.mark.slow  # 1,000 teacher-forced tokens twice: ~25 s on 2 cores (make test-slow)
 def test_int8_kv_greedy_agrees_with_fp32_kv(fp32_and_int8_runners, smollm_tokenizer) -> None:
     fp32, int8 = fp32_and_int8_runners
     assert int8.kv_caches[0].dtype == torch.int8 and fp32.kv_caches[0].dtype == torch.float32
