@@ -8,6 +8,7 @@ monitor only reads: nothing here can change the engine.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -21,7 +22,7 @@ from textual.widgets import Footer, Input, Label, TabbedContent, TabPane
 
 from engine.events import EventBus
 from engine.events.view import EngineView
-from monitor.sources import BusFeed, LiveFeed
+from monitor.sources import LIVE, BusFeed, LiveFeed
 from monitor.state import Timeline
 from monitor.widgets.block_map import BlockMap
 from monitor.widgets.events_log import EventsLog
@@ -34,6 +35,7 @@ from monitor.widgets.title_bar import TitleBar
 
 SPEEDS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0)
 TICK_S = 0.1
+CLOCK_REFRESH_S = 0.5  # how often queue ages move between events
 REPLAY_ACTIONS = {"toggle_play", "step", "goto", "next_preemption", "next_arrival", "faster", "slower", "home", "end"}
 
 
@@ -66,7 +68,8 @@ class MonitorApp(App[None]):
     speed: reactive[float] = reactive(10.0)
 
     def __init__(self, *, timeline: Timeline | None = None, feed: LiveFeed | None = None,
-                 source_name: str = "", autoplay: bool = False) -> None:
+                 source_name: str = "", autoplay: bool = False,
+                 wall_clock: Callable[[], float] = time.monotonic) -> None:
         if (timeline is None) == (feed is None):
             raise ValueError("MonitorApp needs exactly one of timeline= or feed=")
         super().__init__()
@@ -76,6 +79,9 @@ class MonitorApp(App[None]):
         self.view: EngineView = timeline.view if timeline is not None else EngineView()
         self._autoplay = autoplay
         self._budget = 0.0  # fractional steps owed to the player
+        self._wall_clock = wall_clock
+        self._clock_anchor: tuple[float, float] | None = None  # (view.t, wall clock when it arrived)
+        self._clock_rendered = 0.0  # wall clock of the last render of clock-driven cells
 
     @property
     def live(self) -> bool:
@@ -113,12 +119,25 @@ class MonitorApp(App[None]):
         if self.feed is not None:
             self.feed.stop()
 
+    # ------------------------------------------------------------------- clock
+    def engine_now(self) -> float:
+        """The engine's clock as the dashboard shows it. Replay: the recording's time
+        (the latest folded event's ``t``). Live: that time plus the wall time since
+        the event arrived, so ages keep moving through a long step; frozen while the
+        feed is not live (the engine's time is unknown then)."""
+        view_t = self.view.t
+        anchor = self._clock_anchor
+        if self.feed is None or self.feed.connection.state != LIVE or anchor is None or anchor[0] != view_t:
+            return view_t
+        return view_t + max(0.0, self._wall_clock() - anchor[1])
+
     # ------------------------------------------------------------------ render
     def refresh_view(self) -> None:
         view = self.view
+        self._clock_rendered = self._wall_clock()
         self.query_one(BlockMap).update_view(view)
         self.query_one(MemoryBar).update_view(view)
-        self.query_one(Queues).update_view(view)
+        self.query_one(Queues).update_view(view, self.engine_now())
         self.query_one(StepCharts).update_view(view)
         self.query_one(StartupTable).update_view(view)
         self.query_one(EventsLog).update_view(view)
@@ -131,7 +150,7 @@ class MonitorApp(App[None]):
         self.query_one(ReplayBar).show(
             source=self.source_name, step=self.view.step, position=tl.position if tl else 0,
             length=len(tl) if tl else 0, playing=self.playing, speed=self.speed, live=self.live,
-            connection=connection,
+            connection=connection, now=self.engine_now(),
         )
 
     def _tick(self) -> None:
@@ -140,9 +159,15 @@ class MonitorApp(App[None]):
             try:
                 if events:
                     self.view.fold(events)
+                    if self._clock_anchor is None or self._clock_anchor[0] != self.view.t:
+                        self._clock_anchor = (self.view.t, self._wall_clock())
                     self.refresh_view()
                 else:
-                    self._update_bar()  # the connection (and a retry's countdown) moves without events
+                    # The connection, a retry's countdown and the engine clock move without events.
+                    self._update_bar()
+                    if self._wall_clock() - self._clock_rendered >= CLOCK_REFRESH_S:
+                        self._clock_rendered = self._wall_clock()
+                        self.query_one(Queues).update_view(self.view, self.engine_now())
             except NoMatches:  # a tick that lands while the screen is torn down
                 return
         elif self.playing and self.timeline is not None:

@@ -16,10 +16,12 @@ COLUMNS = ("id", "state", "prompt", "computed", "generated", "blocks", "prefix h
 
 
 def request_row(req: RequestView, now: float) -> tuple[object, ...]:
-    ttft = f"{req.ttft_s:.3f}" if req.ttft_s is not None else "-"
+    """One row; ``now`` is the engine clock (the app's :meth:`engine_now`), so ages
+    move while a long step runs. TTFT is blank until a token exists."""
+    ttft = f"{req.ttft_s:.3f}" if req.ttft_s is not None and req.generated_tokens > 0 else ""
     return (
         req.request_id, req.state, req.prompt_tokens, req.computed_tokens, req.generated_tokens,
-        len(req.blocks), req.prefix_hit_tokens, round(now - req.arrived_t, 2), ttft, req.num_preemptions,
+        len(req.blocks), req.prefix_hit_tokens, round(max(0.0, now - req.arrived_t), 2), ttft, req.num_preemptions,
     )
 
 
@@ -36,14 +38,28 @@ class RequestTable(DataTable[object]):
             self.add_column(name, key=name)
 
     def show(self, requests: list[RequestView], now: float) -> None:
+        rows = {req.request_id: request_row(req, now) for req in requests}
+        if rows.keys() == {key.value for key in self.rows}:
+            self._update_in_place(rows)  # the same requests: no flicker, scroll and cursor stay
+            return
         selected = self._selected_key()
         self.clear()
-        for req in requests:
-            self.add_row(*request_row(req, now), key=req.request_id)
+        for rid, row in rows.items():
+            self.add_row(*row, key=rid)
         if self.sort_column is not None:
             self.sort(self.sort_column, reverse=self.sort_reverse, key=_sort_key)
         if selected is not None and selected in self.rows:
             self.move_cursor(row=self.get_row_index(selected), animate=False)
+
+    def _update_in_place(self, rows: dict[str, tuple[object, ...]]) -> None:
+        changed = False
+        for rid, row in rows.items():
+            for name, value in zip(COLUMNS, row, strict=True):
+                if self.get_cell(rid, name) != value:
+                    self.update_cell(rid, name, value, update_width=True)
+                    changed = changed or name == self.sort_column
+        if changed and self.sort_column is not None:
+            self.sort(self.sort_column, reverse=self.sort_reverse, key=_sort_key)
 
     def _selected_key(self) -> str | None:
         if not self.row_count:
@@ -62,7 +78,7 @@ class RequestTable(DataTable[object]):
 
 
 def _sort_key(value: object) -> tuple[int, object]:
-    # Numbers before text so "-" (no TTFT yet) sorts last instead of raising.
+    # Numbers before text so "" (no TTFT yet) sorts last instead of raising.
     return (0, value) if isinstance(value, int | float) else (1, str(value))
 
 
@@ -80,14 +96,16 @@ class Queues(Vertical):
         yield Label("waiting", classes="queue-title")
         yield RequestTable(id="waiting-table")
 
-    def update_view(self, view: EngineView) -> None:
+    def update_view(self, view: EngineView, now: float | None = None) -> None:
+        """``now``: the engine clock (default: the latest event's time)."""
+        now = view.t if now is None else now
         running, waiting = view.running, view.waiting
         self.query_one("#queue-counts", Label).update(
             f"running {len(running)} · waiting {len(waiting)} · finished {view.finished}"
             f" · rejected {view.rejected} · preemptions {view.preemptions}"
         )
-        self.query_one("#running-table", RequestTable).show(running, view.t)
-        self.query_one("#waiting-table", RequestTable).show(waiting, view.t)
+        self.query_one("#running-table", RequestTable).show(running, now)
+        self.query_one("#waiting-table", RequestTable).show(waiting, now)
 
     @on(DataTable.RowHighlighted)
     def _highlighted(self, event: DataTable.RowHighlighted) -> None:
