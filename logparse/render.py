@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from engine.budget.ledger import label as ledger_label
 from logparse.explain import Check, Explanation
 from logparse.patterns import FIGURE_NAMES, LEDGER_KEYS, PHASE_NAMES
 
@@ -19,12 +20,13 @@ PHASE_STYLES = {
     "A": "cyan", "B": "bright_blue", "C": "green", "D": "magenta", "E": "bright_green",
     "F": "yellow", "G": "blue", "R": "white", "X": "bold red",
 }
-BUDGET_ROWS = (
-    ("total_gib", "device total"), ("gpu_memory_utilization", "utilization"), ("requested_gib", "requested"),
-    ("weights_gib", "weights"), ("peak_activation_gib", "activation peak"), ("non_torch_gib", "non-torch"),
-    ("non_kv_gib", "non-KV"), ("cuda_graph_gib", "CUDA graphs"), ("kv_cache_gib", "KV pool"),
-    ("kv_cache_tokens", "KV tokens"), ("gpu_blocks", "GPU blocks"), ("max_concurrency", "max concurrency"),
-)
+_BUDGET_KEYS = ("total_gib", "gpu_memory_utilization", "requested_gib", "weights_gib", "peak_activation_gib",
+                "non_torch_gib", "non_kv_gib", "cuda_graph_gib", "kv_cache_gib", "kv_cache_tokens", "gpu_blocks",
+                "max_concurrency")
+# (logparse key, label): the label of the same quantity in engine/budget/ledger.py, which every
+# kvscope screen uses; "non-KV" is vLLM's own sum and has no kvscope counterpart
+BUDGET_ROWS = tuple((key, ledger_label(FIGURE_NAMES[key].kvscope or "") if FIGURE_NAMES[key].kvscope else "non-KV")
+                    for key in _BUDGET_KEYS)
 
 
 def fmt(value: Any) -> str:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.budget.ledger import LEDGER
 from engine.budget.memory import GiB
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -376,13 +377,10 @@ class Replayer:
         e = self.phases.get("E", {})
         per_token = int(e.get("bytes_per_token") or 0)
         rows: list[str] = []
-        names = (("total", "B", "total_bytes"), ("requested", "B", "requested_bytes"),
-                 ("weights", "C", "weights_bytes"), ("activation peak", "D", "activation_peak_bytes"),
-                 ("non-torch", "D", "non_torch_bytes"), ("KV cache pool", "E", "kv_pool_bytes"))
-        for label, phase, key in names:
-            value = self.phases.get(phase, {}).get(key)
-            if isinstance(value, int | float):
-                rows.append(f"{label:<18}{value / GiB:>10.3f} GiB")
+        for item in LEDGER:
+            value = self.phases.get(item.phase, {}).get(item.name)
+            if item.unit == "bytes" and item.name != "bytes_per_token" and isinstance(value, int | float):
+                rows.append(f"{item.label:<18}{value / GiB:>10.3f} GiB")
         block_bytes = per_token * cfg.block_size
         kv_used = f" = {used * block_bytes / GiB:.3f} GiB" if block_bytes else ""
         rows.append(f"{'KV blocks used':<18}{used:>10,} of {cfg.num_blocks:,} ({used / cfg.num_blocks * 100:.1f} %){kv_used}")

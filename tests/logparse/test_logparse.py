@@ -528,3 +528,20 @@ def test_piped_output_is_not_wrapped_at_80_columns(part8: Path) -> None:
     assert long_details, "the sample needs a check line longer than 80 columns"
     for detail in long_details:  # each whole on one line, as grep would want it
         assert any(detail in line for line in lines), detail
+
+
+def test_figures_kvscope_knows_use_the_one_ledger_table() -> None:
+    # engine/budget/ledger.py names each quantity once: logparse's vLLM phrase and its screen
+    # label for a figure kvscope also has are the table's
+    from engine.budget.ledger import BY_NAME
+    from logparse.patterns import FIGURE_NAMES
+    from logparse.render import BUDGET_ROWS
+
+    mapped = {key: f for key, f in FIGURE_NAMES.items() if f.kvscope}
+    assert len(mapped) >= 10
+    for key, figure in mapped.items():
+        item = BY_NAME[figure.kvscope or ""]
+        assert figure.vllm == item.vllm_phrase, key
+    labels = dict(BUDGET_ROWS)
+    assert labels["kv_cache_gib"] == BY_NAME["kv_pool_bytes"].label == "KV cache pool"
+    assert labels["peak_activation_gib"] == BY_NAME["activation_peak_bytes"].label

@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.text import Text
 
 from engine.budget.config import ModelConfig, load_model_config
+from engine.budget.ledger import label
 from engine.budget.memory import (
     GiB,
     MemoryPlan,
@@ -33,10 +34,10 @@ from engine.events import PHASES, EngineConfigEvent, EventBus, JsonlSink, Startu
 from engine.model.cpu_caps import choose_cpu_dtype, detect
 
 BAR_SEGMENTS: tuple[tuple[str, str], ...] = (
-    ("weights", "blue"),
-    ("non-torch", "grey50"),
-    ("activation peak", "dark_orange"),
-    ("KV cache pool", "green"),
+    (label("weights_bytes"), "blue"),
+    (label("non_torch_bytes"), "grey50"),
+    (label("activation_peak_bytes"), "dark_orange"),
+    (label("kv_pool_bytes"), "green"),
     ("outside budget", "red"),
 )
 
@@ -151,12 +152,13 @@ def render_text(console: Console, model: ModelConfig, plan: MemoryPlan, gpu_name
                   f"{row} = {plan.bytes_per_token:,} B ({plan.bytes_per_token / 1024:.1f} KiB)", highlight=False)
     console.print()
     lines = [
-        _row("total", plan.total_bytes / GiB),
-        _row(f"requested (x {plan.gpu_memory_utilization:g})", plan.requested_bytes / GiB),
-        _row("- weights", plan.weights_bytes / GiB, note("weights", args.weights)),
-        _row("- activation peak (phase D)", plan.activation_peak_bytes / GiB, note("activation_peak", args.activation_peak)),
-        _row("- non-torch", plan.non_torch_bytes / GiB, note("non_torch", args.non_torch)),
-        _row("= KV cache pool", plan.kv_pool_bytes / GiB,
+        _row(label("total_bytes"), plan.total_bytes / GiB),
+        _row(f"{label('requested_bytes')} (x {plan.gpu_memory_utilization:g})", plan.requested_bytes / GiB),
+        _row(f"- {label('weights_bytes')}", plan.weights_bytes / GiB, note("weights", args.weights)),
+        _row(f"- {label('activation_peak_bytes')} (phase D)", plan.activation_peak_bytes / GiB,
+             note("activation_peak", args.activation_peak)),
+        _row(f"- {label('non_torch_bytes')}", plan.non_torch_bytes / GiB, note("non_torch", args.non_torch)),
+        _row(f"= {label('kv_pool_bytes')}", plan.kv_pool_bytes / GiB,
              "--kv-cache-memory-bytes" if plan.kv_pool_overridden else ""),
         _row("outside the budget (1 - util)", (plan.total_bytes - plan.requested_bytes) / GiB),
     ]
@@ -191,13 +193,13 @@ def memory_bar(plan: MemoryPlan, width: int = 72, per_gpu: bool = False) -> Text
     total = max(sum(sizes), 1)
     bar = Text()
     legend = Text()
-    for (label, colour), size in zip(BAR_SEGMENTS, sizes, strict=True):
+    for (name, colour), size in zip(BAR_SEGMENTS, sizes, strict=True):
         cells = round(width * size / total)
         if size > 0 and cells == 0:
             cells = 1
         bar.append("█" * cells, style=colour)
         legend.append("■ ", style=colour)
-        legend.append(f"{label} {size / GiB:.2f} GiB  ")
+        legend.append(f"{name} {size / GiB:.2f} GiB  ")
     return Text.assemble("  ", bar, "\n  ", legend, "(per GPU)" if per_gpu else "")
 
 

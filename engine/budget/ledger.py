@@ -1,0 +1,46 @@
+"""The memory ledger's quantities, named once for every consumer.
+
+``name`` is the field of the phase records (engine/events/phase_data.py) and of
+``EngineView``'s ledger, in bytes or counts; ``label`` is what kvscope's screens
+(``engine plan``, ``engine replay --at``, the dashboard, logparse) call it;
+``vllm_phrase`` is what vLLM prints before the figure in its log (logparse's
+diff and comparison show it). Imports nothing, so the events layer, the budget
+formula and logparse can all read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerItem:
+    name: str
+    phase: str  # the startup phase whose record reports it
+    label: str
+    unit: str  # bytes | tokens | blocks | x | "" (a fraction)
+    vllm_phrase: str = ""
+
+
+LEDGER: tuple[LedgerItem, ...] = (
+    LedgerItem("total_bytes", "B", "device total", "bytes", "total_gpu_memory"),
+    LedgerItem("gpu_memory_utilization", "B", "utilization", "", "gpu_memory_utilization"),
+    LedgerItem("requested_bytes", "B", "requested", "bytes", "the current vLLM instance can use"),
+    LedgerItem("weights_bytes", "C", "weights", "bytes", "Model loading took"),
+    LedgerItem("activation_peak_bytes", "D", "activation peak", "bytes", "PyTorch activation peak memory"),
+    LedgerItem("non_torch_bytes", "D", "non-torch", "bytes", "non_torch_memory"),
+    LedgerItem("cuda_graph_bytes", "F", "CUDA graphs", "bytes", "Graph capturing finished … took"),
+    LedgerItem("kv_pool_bytes", "E", "KV cache pool", "bytes", "Available KV cache memory"),
+    LedgerItem("num_blocks", "E", "KV blocks", "blocks", "# GPU blocks"),
+    LedgerItem("block_size", "E", "block size", "tokens"),
+    LedgerItem("kv_cache_tokens", "E", "KV tokens", "tokens", "GPU KV cache size"),
+    LedgerItem("max_model_len", "E", "max model len", "tokens", "max_seq_len"),
+    LedgerItem("max_concurrency", "E", "max concurrency", "x", "Maximum concurrency"),
+    LedgerItem("bytes_per_token", "E", "bytes per KV token", "bytes"),
+)
+BY_NAME: dict[str, LedgerItem] = {item.name: item for item in LEDGER}
+
+
+def label(name: str) -> str:
+    """The screen label of ledger quantity ``name``."""
+    return BY_NAME[name].label
