@@ -139,7 +139,7 @@ class MonitorApp(App[None]):
         self.query_one(MemoryBar).update_view(view)
         self.query_one(Queues).update_view(view, self.engine_now())
         self.query_one(StepCharts).update_view(view)
-        self.query_one(StartupTable).update_view(view)
+        self.query_one(StartupTable).update_view(view, self.engine_now())
         self.query_one(EventsLog).update_view(view)
         self._update_bar()
 
@@ -167,7 +167,9 @@ class MonitorApp(App[None]):
                     self._update_bar()
                     if self._wall_clock() - self._clock_rendered >= CLOCK_REFRESH_S:
                         self._clock_rendered = self._wall_clock()
-                        self.query_one(Queues).update_view(self.view, self.engine_now())
+                        now = self.engine_now()
+                        self.query_one(Queues).update_view(self.view, now)
+                        self.query_one(StartupTable).update_view(self.view, now)
             except NoMatches:  # a tick that lands while the screen is torn down
                 return
         elif self.playing and self.timeline is not None:

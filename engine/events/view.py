@@ -16,7 +16,8 @@ Snapshot dict format (``SNAPSHOT_VERSION`` 1), all plain JSON::
       "last_seq": int, "t": float, "step": int | None,   # last folded event/step
       "config": {...}, "model": {...},                    # from engine.config
       "phases": {"A": {"phase", "name", "status", "duration_s", "memory_delta",
-                       "reason", "data", "memory_measure"}, ...},
+                       "reason", "data", "memory_measure", "started_t",
+                       "progress": {"what", "done", "total", "unit", "t"} | null}, ...},
       "ledger": {"total_bytes", "gpu_memory_utilization", "weights_bytes",
                  "non_torch_bytes", "activation_peak_bytes", "cuda_graph_bytes",
                  "kv_pool_bytes", "num_blocks", "block_size"},   # ints, missing = 0
@@ -50,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.events import (
+    PHASES,
     EngineConfigEvent,
     Event,
     LogEvent,
@@ -61,6 +63,7 @@ from engine.events import (
     RequestScheduled,
     SnapshotEvent,
     StartupPhase,
+    StartupProgress,
     StatsEvent,
     StepEvent,
     event_from_dict,
@@ -143,6 +146,10 @@ class PhaseView:
     reason: str | None = None
     data: dict[str, Any] = field(default_factory=dict)
     memory_measure: str | None = None  # what memory_delta measured: allocated, rss (CPU), used
+    started_t: float | None = None  # the bus time of its begin
+    # The latest startup.progress of this phase: {"what", "done", "total", "unit", "t"}
+    # (total None when unknown); cleared when the phase begins again.
+    progress: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -154,6 +161,8 @@ class PhaseView:
             "reason": self.reason,
             "data": dict(self.data),
             "memory_measure": self.memory_measure,
+            "started_t": self.started_t,
+            "progress": dict(self.progress) if self.progress is not None else None,
         }
 
 
@@ -272,12 +281,19 @@ class EngineView:
             if key in ev.config and isinstance(ev.config[key], int | float):
                 self.ledger[key] = ev.config[key]
 
-    def _on_phase(self, ev: StartupPhase) -> None:
-        view = self.phases.get(ev.phase)
+    def _phase(self, phase: str, name: str | None = None) -> PhaseView:
+        view = self.phases.get(phase)
         if view is None:
-            view = self.phases[ev.phase] = PhaseView(phase=ev.phase, name=ev.name)
+            view = self.phases[phase] = PhaseView(phase=phase, name=name or PHASES.get(phase, phase))
+        return view
+
+    def _on_phase(self, ev: StartupPhase) -> None:
+        view = self._phase(ev.phase, ev.name)
         view.name = ev.name
         view.status = "running" if ev.status == "begin" else ev.status
+        if ev.status == "begin":
+            view.started_t = ev.t
+            view.progress = None
         if ev.duration_s is not None:
             view.duration_s = ev.duration_s
         delta = _memory_delta(ev.memory_before, ev.memory_after)
@@ -291,6 +307,12 @@ class EngineView:
                 self.ledger[key] = value
         if ev.memory_after:
             self.device = dict(ev.memory_after)
+
+    def _on_progress(self, ev: StartupProgress) -> None:
+        view = self._phase(ev.phase)
+        if view.status == "pending":  # progress before its begin (a late subscriber): it is running
+            view.status = "running"
+        view.progress = {"what": ev.what, "done": ev.done, "total": ev.total, "unit": ev.unit, "t": ev.t}
 
     def _on_arrived(self, ev: RequestArrived) -> None:
         req = self._request(ev.request_id)
@@ -438,6 +460,8 @@ class EngineView:
                 reason=p.get("reason"),
                 data=dict(p.get("data", {})),
                 memory_measure=p.get("memory_measure"),
+                started_t=p.get("started_t"),
+                progress=dict(p["progress"]) if p.get("progress") is not None else None,
             )
             for k, p in state.get("phases", {}).items()
         }
@@ -468,6 +492,7 @@ class EngineView:
 _HANDLERS: dict[type, Any] = {
     EngineConfigEvent: EngineView._on_config,
     StartupPhase: EngineView._on_phase,
+    StartupProgress: EngineView._on_progress,
     RequestArrived: EngineView._on_arrived,
     RequestScheduled: EngineView._on_scheduled,
     RequestFirstToken: EngineView._on_first_token,

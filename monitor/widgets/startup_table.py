@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from rich.text import Text
 from textual.widgets import DataTable
@@ -24,7 +25,37 @@ def memory_delta_text(phase: PhaseView) -> str:
     return f"{phase.memory_delta / GiB:+.2f}{MEASURE_SUFFIX.get(phase.memory_measure or '', '')}"
 
 
-def phase_detail(phase: PhaseView) -> str:
+BAR_CELLS = 12
+
+
+def _amount(value: float, unit: str) -> str:
+    return f"{value / GiB:.2f}" if unit == "bytes" else f"{value:,.0f}"
+
+
+def progress_text(progress: dict[str, Any]) -> Text:
+    """``weights 112/272 tensors (41%) ████░░░░░░░░``; without a total ``weights 112 tensors``."""
+    done, total = float(progress.get("done") or 0), progress.get("total")
+    unit = str(progress.get("unit") or "")
+    shown_unit = " GiB" if unit == "bytes" else f" {unit}" if unit else ""
+    text = Text(f"{progress.get('what') or 'progress'} ")
+    if total:
+        fraction = max(0.0, min(1.0, done / float(total)))
+        text.append(f"{_amount(done, unit)}/{_amount(float(total), unit)}{shown_unit} ({fraction:.0%}) ")
+        filled = int(BAR_CELLS * fraction)
+        text.append("█" * filled, style="yellow")
+        text.append("░" * (BAR_CELLS - filled), style="dim")
+    else:
+        text.append(f"{_amount(done, unit)}{shown_unit}")
+    return text
+
+
+def phase_detail(phase: PhaseView) -> str | Text:
+    """A running (or failed) phase with progress shows how far it got; otherwise its numbers."""
+    if phase.progress is not None and phase.status in ("running", "failed"):
+        text = progress_text(phase.progress)
+        if phase.reason:
+            text.append(f"  {phase.reason}")
+        return text
     if phase.reason:
         return phase.reason
     parts = []
@@ -53,10 +84,17 @@ class StartupTable(DataTable[object]):
         for name in ("phase", "name", "status", "duration s", "memory Δ GiB", "details"):
             self.add_column(name, key=name)
 
-    def update_view(self, view: EngineView) -> None:
+    def update_view(self, view: EngineView, now: float | None = None) -> None:
+        """``now``: the engine clock, for a running phase's elapsed time (default: the view's)."""
+        now = view.t if now is None else now
         self.clear()
         for letter, name in PHASES.items():
             phase = view.phases.get(letter, PhaseView(phase=letter, name=name))
             status = Text(STATUS_WORD.get(phase.status, phase.status), style=STATUS_STYLE.get(phase.status, ""))
-            duration = f"{phase.duration_s:.2f}" if phase.duration_s is not None else "-"
+            if phase.duration_s is not None:
+                duration: str | Text = f"{phase.duration_s:.2f}"
+            elif phase.status == "running" and phase.started_t is not None:
+                duration = Text(f"{max(0.0, now - phase.started_t):.1f}…", style="yellow")
+            else:
+                duration = "-"
             self.add_row(letter, phase.name, status, duration, memory_delta_text(phase), phase_detail(phase), key=letter)
