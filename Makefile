@@ -46,8 +46,9 @@ lint: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider --noconftest tests/test_import_rules.py
 
 # The pure core, the event layer, the budget and the kernel cache (settings in pyproject.toml).
-TYPECHECKED := engine/core engine/events engine/budget/memory.py engine/model/gguf_header.py \
-	engine/model/cpu_caps.py engine/model/kernels/build.py engine/model/profile_cache.py
+TYPECHECKED := engine/core engine/events engine/budget/memory.py engine/budget/ledger.py \
+	engine/model/gguf_header.py engine/model/cpu_caps.py engine/model/kernels/build.py \
+	engine/model/profile_cache.py engine/cli/program.py engine/cli/vllm_flags.py
 
 typecheck: setup
 	$(BIN)/mypy $(TYPECHECKED)

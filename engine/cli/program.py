@@ -11,12 +11,13 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from engine.errors import UserError
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse's default prints the usage too; keep one line
+    def error(self, message: str) -> NoReturn:  # argparse's default prints the usage too; keep one line
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
