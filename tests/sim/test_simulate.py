@@ -202,3 +202,10 @@ def test_plot_without_matplotlib_says_what_to_install(tmp_path: Path, capsys: py
         assert code == 2 and "pip install 'kvscope[plot]'" in capsys.readouterr().err
     else:
         assert code == 0 and out.stat().st_size > 1000
+
+
+def test_sweep_plot_works_out_of_the_box(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    png = tmp_path / "saturation.png"
+    assert main(["simulate", "--sweep", "concurrency=1,4,16", "--plot", str(png)]) == 0
+    assert f"wrote {png}" in capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

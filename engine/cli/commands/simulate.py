@@ -62,7 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                        simulated=True)
     p.add_argument("--sweep", default=None, metavar="NAME=V1,V2,...",
                    help="max-num-batched-tokens=... (16,000-token prompt vs others' ITL) or concurrency=...")
-    p.add_argument("--plot", default=None, metavar="PNG", help="draw the sweep (needs matplotlib: kvscope[plot])")
+    p.add_argument("--plot", default=None, metavar="PNG", help="draw the sweep into a PNG (throughput, TTFT and ITL against the swept value)")
     p.add_argument("--events", dest="events_path", default=None, metavar="PATH", help="record every event to JSONL")
     p.add_argument("--stats-interval", type=float, default=10.0, help="simulated seconds between stats events (default 10)")
     p.add_argument("--json", action="store_true", help="print the summary (or sweep rows) as JSON")
@@ -160,7 +160,7 @@ def plot_sweep(name: str, rows: list[dict[str, Any]], path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise UserError("--plot needs matplotlib: pip install 'kvscope[plot]'") from None
+        raise UserError("--plot needs matplotlib, which `make setup` installs: run make setup") from None
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 3.8))
     if name == "max-num-batched-tokens":
         labels = [str(r["max_num_batched_tokens"]) for r in rows]
