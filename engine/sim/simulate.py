@@ -235,51 +235,25 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 @dataclass(slots=True)
-class SimResult:
-    """What a simulation measured. Per-step series are indexed by scheduler step;
-    ``*_tick`` dicts use the arrival tick counter (idle ticks included), so
-    ``first_token_tick - arrival_tick + 1`` is the background's TTFT in steps."""
+class SimResult(RunTally):
+    """What a simulation measured: the run's tally (folded from its events; the
+    simulator subscribes the result itself to the bus) plus the simulator's own
+    clock. Per-step series are indexed by scheduler step; ``*_tick`` dicts use the
+    arrival tick counter (idle ticks included), so ``first_token_tick - arrival_tick
+    + 1`` is the background's TTFT in steps."""
 
-    steps: int = 0
     sim_seconds: float = 0.0
     wall_seconds: float = 0.0
-    finished: int = 0
-    rejected: int = 0
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    preemptions: int = 0
-    peak_running: int = 0
-    peak_waiting: int = 0
-    peak_blocks_used: int = 0
     num_blocks: int = 0
     limit_steps: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LIMITS, 0))
-    ttft_s: dict[str, float] = field(default_factory=dict)
-    itl_s: list[float] = field(default_factory=list)
     arrival_tick: dict[str, int] = field(default_factory=dict)
     first_token_tick: dict[str, int] = field(default_factory=dict)
     step_start_s: list[float] = field(default_factory=list)
-    step_seconds: list[float] = field(default_factory=list)
-    step_prefill: list[int] = field(default_factory=list)
-    step_decode: list[int] = field(default_factory=list)
     completed: bool = True
 
-    def add_tally(self, tally: RunTally, tick_of_step: dict[int, int]) -> None:
-        """Take the run's counts from the fold of its events; ticks from the simulator."""
-        self.steps = tally.steps
-        self.finished = tally.finished
-        self.rejected = tally.rejected
-        self.prompt_tokens = tally.prompt_tokens
-        self.output_tokens = tally.output_tokens
-        self.preemptions = tally.preemptions
-        self.peak_running = tally.peak_running
-        self.peak_waiting = tally.peak_waiting
-        self.peak_blocks_used = tally.peak_blocks_used
-        self.ttft_s = tally.ttft_s
-        self.itl_s = tally.itl_s
-        self.first_token_tick = {r: tick_of_step[i] for r, i in tally.first_token_step.items()}
-        self.step_seconds = tally.step_forward_s
-        self.step_prefill = tally.step_prefill
-        self.step_decode = tally.step_decode
+    @property
+    def step_seconds(self) -> list[float]:
+        return self.step_forward_s
 
     @property
     def peak_pool_fraction(self) -> float:
@@ -410,7 +384,6 @@ class Simulation:
         in_flight = 0
         tick = 0
         executor = CostModelExecutor(self, limit_steps)
-        tally = RunTally()
         tick_of_step: dict[int, int] = {}  # scheduler step index -> arrival tick
 
         def admit(spec: WorkloadRequest, arrival_time: float) -> None:
@@ -421,9 +394,9 @@ class Simulation:
                 result.arrival_tick[spec.request_id] = tick
                 in_flight += 1
 
-        bus.subscribe(tally)
+        bus.subscribe(result)
         try:
-            while tally.steps < max_steps:
+            while result.steps < max_steps:
                 if concurrency is not None:
                     while pending and in_flight < concurrency:
                         admit(pending.popleft(), self.now)
@@ -454,8 +427,8 @@ class Simulation:
                 if stop_when is not None and stop_when(sched, step.output):
                     break
         finally:
-            bus.unsubscribe(tally)
-        result.add_tally(tally, tick_of_step)
+            bus.unsubscribe(result)
+        result.first_token_tick = {r: tick_of_step[i] for r, i in result.first_token_step.items()}
         result.completed = not sched.has_unfinished() and not pending
         result.sim_seconds = self.now
         result.wall_seconds = time.perf_counter() - wall_start
