@@ -36,6 +36,10 @@ from monitor.widgets.title_bar import TitleBar
 SPEEDS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0)
 TICK_S = 0.1
 CLOCK_REFRESH_S = 0.5  # how often queue ages move between events
+STEP_1 = Binding.Group("±1 step")
+STEP_100 = Binding.Group("±100")
+NEXT = Binding.Group("next preempt/arrival")
+SPEED = Binding.Group("speed")
 REPLAY_ACTIONS = {"toggle_play", "step", "goto", "next_preemption", "next_arrival", "faster", "slower", "home", "end"}
 
 
@@ -44,24 +48,26 @@ class MonitorApp(App[None]):
 
     CSS_PATH = "app.tcss"
     TITLE = "kvscope monitor"
+    # Footer names are the keys a person presses (".", not Textual's "period"), and
+    # related keys share one description, so the whole footer fits at 120 columns.
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("space", "toggle_play", "Play/Pause"),
-        Binding("period", "step(1)", "+1"),
-        Binding("comma", "step(-1)", "-1"),
-        Binding("right_square_bracket", "step(100)", "+100"),
-        Binding("left_square_bracket", "step(-100)", "-100"),
-        Binding("g", "goto", "Go to step"),
-        Binding("n", "next_preemption", "Next preempt"),
-        Binding("a", "next_arrival", "Next arrival"),
-        Binding("f", "faster", "Faster"),
-        Binding("s", "slower", "Slower"),
+        Binding("space", "toggle_play", "play/pause", key_display="space"),
+        Binding("period", "step(1)", "±1", key_display=".", group=STEP_1),
+        Binding("comma", "step(-1)", "±1", key_display=",", group=STEP_1),
+        Binding("right_square_bracket", "step(100)", "±100", key_display="]", group=STEP_100),
+        Binding("left_square_bracket", "step(-100)", "±100", key_display="[", group=STEP_100),
+        Binding("g", "goto", "go to step"),
+        Binding("n", "next_preemption", "next preempt/arrival", group=NEXT),
+        Binding("a", "next_arrival", "next preempt/arrival", group=NEXT),
+        Binding("f", "faster", "speed", group=SPEED),
+        Binding("s", "slower", "speed", group=SPEED),
         Binding("home", "home", "Start", show=False),
         Binding("end", "end", "End", show=False),
         Binding("1", "show_tab('blocks')", "Blocks", show=False),
         Binding("2", "show_tab('steps')", "Steps", show=False),
         Binding("3", "show_tab('startup')", "Startup", show=False),
         Binding("4", "show_tab('events')", "Events", show=False),
-        Binding("q", "quit", "Quit"),
+        Binding("q", "quit", "quit"),
     ]
 
     playing: reactive[bool] = reactive(False)
@@ -104,7 +110,7 @@ class MonitorApp(App[None]):
                 yield EventsLog(id="events-log")
         yield Input(placeholder="go to step index, Enter to jump, Esc to cancel", id="goto", type="integer")
         yield ReplayBar(id="replay-bar")
-        yield Footer()
+        yield Footer(show_command_palette=False)
 
     def on_mount(self) -> None:
         if self.feed is not None:

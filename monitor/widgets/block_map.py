@@ -13,7 +13,8 @@ from typing import ClassVar
 
 from rich.segment import Segment
 from rich.style import Style
-from textual.binding import BindingType
+from rich.text import Text
+from textual.binding import Binding, BindingType
 from textual.geometry import Size
 from textual.message import Message
 from textual.reactive import reactive
@@ -33,6 +34,8 @@ FREE_CHAR = "·"
 CACHED_CHAR = "○"
 USED_CHAR = "■"
 SELECTED_STYLE = Style(color="#000000", bgcolor="#ffff5f", bold=True)
+GROUP_USED_STYLE = Style(color="#59a14f")
+ZOOM = Binding.Group("zoom")
 
 
 def request_colour(request_id: str) -> str:
@@ -43,13 +46,17 @@ def request_colour(request_id: str) -> str:
 class BlockMap(ScrollView, can_focus=True):
     """Cells coloured by owner; cached-free ○, free ·; groups shaded by occupancy."""
 
-    BINDINGS: ClassVar[list[BindingType]] = [("plus,equals_sign", "zoom_in", "Zoom in"), ("minus", "zoom_out", "Zoom out")]
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("plus,equals_sign", "zoom_in", "zoom", key_display="+", group=ZOOM),
+        Binding("minus", "zoom_out", "zoom", key_display="-", group=ZOOM),
+    ]
 
     @dataclass
     class LegendChanged(Message):
-        """The scale or pool size changed; the text says what a cell stands for."""
+        """The scale, pool size or width changed; the text says what a cell stands for
+        and shows every mark and colour the map draws."""
 
-        legend: str
+        legend: Text
 
     blocks_per_cell: reactive[int] = reactive(0)  # 0 = fit the pool to the visible area
     selected: reactive[str | None] = reactive(None)
@@ -78,9 +85,41 @@ class BlockMap(ScrollView, can_focus=True):
         return per_cell
 
     def legend(self) -> str:
+        return self.legend_text().plain
+
+    def legend_items(self) -> list[Text]:
+        """One item per mark the map draws, in its own style."""
         per = self.effective_blocks_per_cell
-        cell = "1 cell = 1 block" if per == 1 else f"1 cell = {per} blocks, shade = occupancy"
-        return f"{cell} · {self._num_blocks:,} blocks\n{USED_CHAR} used  {CACHED_CHAR} cached-free  {FREE_CHAR} free"
+        items = [Text(f"1 cell = {per} block{'s' if per > 1 else ''} · {self._num_blocks:,} blocks")]
+        if per == 1:
+            used = Text()
+            for colour in PALETTE[:3]:
+                used.append(USED_CHAR, style=Style(color=colour))
+            used.append(" used (colour = request)")
+            items.append(used)
+        else:
+            items.append(Text.assemble((SHADES, GROUP_USED_STYLE), " share of the cell's blocks used"))
+        items += [
+            Text.assemble((USED_CHAR if per == 1 else SHADES[-1], SELECTED_STYLE), " selected request"),
+            Text.assemble((CACHED_CHAR, CACHED_STYLE), " cached-free"),
+            Text.assemble((FREE_CHAR, FREE_STYLE), " free"),
+        ]
+        return items
+
+    def legend_text(self, width: int | None = None) -> Text:
+        """The legend wrapped to ``width`` (the map's) between items, never inside one."""
+        width = width or self._columns()
+        lines: list[Text] = []
+        line = Text()
+        for item in self.legend_items():
+            if line.cell_len and line.cell_len + 2 + item.cell_len > width:
+                lines.append(line)
+                line = Text()
+            if line.cell_len:
+                line.append("  ")
+            line.append_text(item)
+        lines.append(line)
+        return Text("\n").join(lines)
 
     def owners_by_block(self) -> dict[int, frozenset[str]]:
         """What the map shows: block -> owning request ids (tests compare this)."""
@@ -136,7 +175,7 @@ class BlockMap(ScrollView, can_focus=True):
                     cells.append((FREE_CHAR, FREE_STYLE))
         else:
             selected_blocks = set(view.requests[selected].blocks) if selected in view.requests else set()
-            used_style = Style(color="#59a14f")
+            used_style = GROUP_USED_STYLE
             for start in range(0, self._num_blocks, per):
                 stop = min(start + per, self._num_blocks)
                 used = sum(1 for b in range(start, stop) if b in owners)
@@ -150,9 +189,9 @@ class BlockMap(ScrollView, can_focus=True):
                 else:
                     cells.append((FREE_CHAR, FREE_STYLE))
         self._cells = cells
-        legend = self.legend()
-        if legend != self._legend:
-            self._legend = legend
+        legend = self.legend_text()
+        if legend.markup != self._legend:
+            self._legend = legend.markup
             self.post_message(self.LegendChanged(legend))
         columns = self._columns()
         self.virtual_size = Size(columns, -(-len(cells) // columns))

@@ -12,7 +12,29 @@ from textual.widgets import DataTable, Label
 
 from engine.events.view import EngineView, RequestView
 
-COLUMNS = ("id", "state", "prompt", "computed", "generated", "blocks", "prefix hit", "age s", "TTFT s", "preempt")
+# (key, header): keys name the columns for sorting and tests; headers are short so
+# every column fits beside the block map at 120 columns. The table's title says the state.
+COLUMN_HEADERS = (
+    ("id", "id"),
+    ("prompt", "prompt"),
+    ("computed", "computed"),  # as vLLM's num_computed_tokens: prefix-cache hits included
+    ("generated", "gen"),
+    ("blocks", "blocks"),
+    ("prefix hit", "hit"),  # prefix-cache hit tokens at admission
+    ("age s", "age s"),
+    ("TTFT s", "TTFT s"),
+    ("preempt", "preempt"),
+)
+COLUMNS = tuple(key for key, _ in COLUMN_HEADERS)
+ID_WIDTH = 14  # server ids (cmpl-<32 hex>) show as cmpl-…<8 hex>
+
+
+def short_id(request_id: str, width: int = ID_WIDTH) -> str:
+    """``cmpl-0f3a…`` ids cut in the middle to ``width``: the head says what kind, the tail tells them apart."""
+    if len(request_id) <= width:
+        return request_id
+    head = min(5, width // 2)
+    return request_id[:head] + "…" + request_id[-(width - head - 1):]
 
 
 def request_row(req: RequestView, now: float) -> tuple[object, ...]:
@@ -20,7 +42,7 @@ def request_row(req: RequestView, now: float) -> tuple[object, ...]:
     move while a long step runs. TTFT is blank until a token exists."""
     ttft = f"{req.ttft_s:.3f}" if req.ttft_s is not None and req.generated_tokens > 0 else ""
     return (
-        req.request_id, req.state, req.prompt_tokens, req.computed_tokens, req.generated_tokens,
+        short_id(req.request_id), req.prompt_tokens, req.computed_tokens, req.generated_tokens,
         len(req.blocks), req.prefix_hit_tokens, round(max(0.0, now - req.arrived_t), 2), ttft, req.num_preemptions,
     )
 
@@ -34,8 +56,8 @@ class RequestTable(DataTable[object]):
         self.sort_reverse = False
 
     def on_mount(self) -> None:
-        for name in COLUMNS:
-            self.add_column(name, key=name)
+        for key, header in COLUMN_HEADERS:
+            self.add_column(header, key=key)
 
     def show(self, requests: list[RequestView], now: float) -> None:
         rows = {req.request_id: request_row(req, now) for req in requests}

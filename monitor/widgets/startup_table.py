@@ -7,10 +7,12 @@ from typing import Any
 
 from rich.text import Text
 from textual.widgets import DataTable
+from textual.widgets.data_table import ColumnKey
 
 from engine.events import PHASES
 from engine.events.phase_data import ProfileRunData
 from engine.events.view import EngineView, PhaseView
+from monitor.widgets.numbers import number
 
 GiB = 1024**3
 STATUS_STYLE = {"end": "green", "running": "yellow", "skipped": "dim", "failed": "bold red", "pending": "dim"}
@@ -71,21 +73,44 @@ def phase_detail(phase: PhaseView) -> str | Text:
             continue
         if key.endswith("_bytes") and isinstance(value, int | float):
             parts.append(f"{key[:-6]} {value / GiB:.2f} GiB")
-        elif isinstance(value, float):
-            parts.append(f"{key} {value:.4g}")
-        elif isinstance(value, int | str | bool):
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            parts.append(f"{key} {number(value)}")
+        elif isinstance(value, str | bool):
             parts.append(f"{key} {value}")
     return ", ".join(parts)
 
 
+# Fixed widths for the short columns; details takes the rest and wraps, so a phase's
+# numbers are all on screen at 120 columns.
+FIXED_COLUMNS = (("phase", 5), ("name", 14), ("status", 7), ("duration s", 10), ("memory Δ GiB", 12))
+MIN_DETAILS_WIDTH = 24
+
+
 class StartupTable(DataTable[object]):
+    _view: EngineView | None = None
+    _now: float | None = None
+
     def on_mount(self) -> None:
         self.cursor_type = "row"
-        for name in ("phase", "name", "status", "duration s", "memory Δ GiB", "details"):
-            self.add_column(name, key=name)
+        for name, width in FIXED_COLUMNS:
+            self.add_column(name, key=name, width=width)
+        self.add_column("details", key="details", width=self._details_width())
+
+    def _details_width(self) -> int:
+        fixed = sum(width + 2 * self.cell_padding for _, width in FIXED_COLUMNS)
+        available = (self.size.width or 120) - fixed - 2 * self.cell_padding - 1  # 1: the vertical scrollbar
+        return max(MIN_DETAILS_WIDTH, available)
+
+    def on_resize(self) -> None:
+        details = self.columns.get(ColumnKey("details"))
+        if details is not None and details.width != self._details_width():
+            details.width = self._details_width()
+            if self._view is not None:
+                self.update_view(self._view, self._now)
 
     def update_view(self, view: EngineView, now: float | None = None) -> None:
         """``now``: the engine clock, for a running phase's elapsed time (default: the view's)."""
+        self._view, self._now = view, now
         now = view.t if now is None else now
         self.clear()
         for letter, name in PHASES.items():
@@ -97,4 +122,5 @@ class StartupTable(DataTable[object]):
                 duration = Text(f"{max(0.0, now - phase.started_t):.1f}…", style="yellow")
             else:
                 duration = "-"
-            self.add_row(letter, phase.name, status, duration, memory_delta_text(phase), phase_detail(phase), key=letter)
+            self.add_row(letter, phase.name, status, duration, memory_delta_text(phase), phase_detail(phase),
+                         key=letter, height=None)

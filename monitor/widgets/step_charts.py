@@ -1,14 +1,19 @@
 """Per-step charts: prefill vs decode tokens, running and waiting, KV usage %,
-step time, with preemptions marked on a ruler under the charts."""
+step time, with preemptions marked on a ruler under the charts.
+
+Every chart has a y axis (its lowest and highest value shown, which are what the
+sparkline spans) and one column per step, so the preemption ruler and the step
+axis under the charts line up with the bars."""
 
 from __future__ import annotations
 
 from rich.text import Text
 from textual.app import ComposeResult
-from textual.containers import Vertical
+from textual.containers import Horizontal, Vertical
 from textual.widgets import Label, Sparkline, Static
 
 from engine.events.view import EngineView
+from monitor.widgets.numbers import number
 
 CHARTS = (
     ("prefill", "prefill tokens"),
@@ -18,7 +23,13 @@ CHARTS = (
     ("kv_pct", "KV usage %"),
     ("step_ms", "step time ms"),
 )
-LABEL_WIDTH = 24
+AXIS_WIDTH = 9  # "  1,013 ┤"
+
+
+def y_axis(low: float, high: float) -> Text:
+    """Two lines: the chart's top value, then its bottom value, right-aligned before a tick."""
+    width = AXIS_WIDTH - 2
+    return Text(f"{number(high):>{width}} ┤\n{number(low):>{width}} ┤", style="dim", no_wrap=True)
 
 
 class StepCharts(Vertical):
@@ -27,25 +38,44 @@ class StepCharts(Vertical):
     def compose(self) -> ComposeResult:
         for key, _title in CHARTS:
             yield Label("", id=f"chart-label-{key}", classes="chart-label")
-            yield Sparkline([], id=f"chart-{key}", classes="chart", summary_function=max)
+            with Horizontal(classes="chart-row"):
+                yield Static("", id=f"chart-axis-{key}", classes="chart-y")
+                yield Sparkline([], id=f"chart-{key}", classes="chart", summary_function=max)
         yield Static("", id="chart-preemptions")
         yield Static("", id="chart-axis")
 
+    _view: EngineView | None = None
+
+    def on_resize(self) -> None:
+        if self._view is not None:
+            self.update_view(self._view)
+
     def update_view(self, view: EngineView) -> None:
-        width = max(10, (self.size.width or 100) - 2)
+        self._view = view
+        width = max(10, (self.size.width or 100) - AXIS_WIDTH - 1)
         series = view.series
         for key, title in CHARTS:
             values = list(series[key])[-width:]
             latest = values[-1] if values else 0
-            peak = max(values) if values else 0
-            self.query_one(f"#chart-label-{key}", Label).update(f"{title}: {latest:.4g} (max {peak:.4g})")
-            self.query_one(f"#chart-{key}", Sparkline).data = values or [0.0]
+            low, high = (min(values), max(values)) if values else (0, 0)
+            label = Text(f"{title}  ", style="bold")
+            label.append(f"now {number(latest)}")
+            self.query_one(f"#chart-label-{key}", Label).update(label)
+            self.query_one(f"#chart-axis-{key}", Static).update(y_axis(low, high))
+            spark = self.query_one(f"#chart-{key}", Sparkline)
+            spark.styles.width = max(1, len(values))  # one column per step, also while there are few
+            spark.data = values or [0.0]
+        pad = " " * AXIS_WIDTH
         preempted = list(series["preempted"])[-width:]
-        ruler = Text()
+        ruler = Text(pad)
         for count in preempted:
             ruler.append("▲" if count else "─", style="bold red" if count else "dim")
-        ruler.append(f"  preemptions: {sum(1 for c in preempted if c)} steps shown")
+        ruler.append(f"  preemptions in {sum(1 for c in preempted if c)} of these steps")
         self.query_one("#chart-preemptions", Static).update(ruler)
         steps = list(series["step"])[-width:]
-        axis = f"steps {int(steps[0])} … {int(steps[-1])}" if steps else "no steps yet"
-        self.query_one("#chart-axis", Static).update(Text(axis, style="dim"))
+        if steps:
+            first, last = f"step {int(steps[0])}", f"{int(steps[-1])}"
+            axis = pad + first + " " * max(1, len(steps) - len(first) - len(last)) + last
+        else:
+            axis = pad + "no steps yet"
+        self.query_one("#chart-axis", Static).update(Text(axis, style="dim", no_wrap=True))

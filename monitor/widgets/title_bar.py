@@ -33,12 +33,24 @@ def connection_text(connection: Connection, now: float | None = None) -> Text:
     return text
 
 
+def middle_cut(text: str, width: int) -> str:
+    """``text`` in at most ``width`` cells, cut in the middle (``http://…:8000/events``)."""
+    if len(text) <= width:
+        return text
+    if width <= 1:
+        return "…"[:width]
+    head = (width - 1) // 2
+    return text[:head] + "…" + text[len(text) - (width - 1 - head):]
+
+
 class TitleBar(Static):
-    """``kvscope monitor · SOURCE`` and, for a live feed, its connection badge."""
+    """``kvscope monitor · SOURCE`` and, for a live feed, its connection badge. When
+    the line is too long the source is cut in its middle, never the badge or why."""
 
     def show(self, source: str, connection: Connection | None) -> None:
-        text = Text(f"kvscope monitor · {source}")
-        if connection is not None:
-            text.append("  ")
-            text.append_text(connection_text(connection))
+        badge = Text("  ").append_text(connection_text(connection)) if connection is not None else Text()
+        width = (self.content_region.width or self.size.width or 200)
+        room = width - len("kvscope monitor · ") - badge.cell_len
+        text = Text(f"kvscope monitor · {middle_cut(source, max(12, room))}")
+        text.append_text(badge)
         self.update(text)

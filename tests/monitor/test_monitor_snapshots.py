@@ -1,4 +1,6 @@
-"""SVG snapshots of every panel at a fixed size and step (pytest-textual-snapshot).
+"""SVG snapshots of every panel at a fixed step (pytest-textual-snapshot): at 160x48
+(the README's screenshots are copies of these) and at the two sizes every panel must
+be complete at, 120x40 and 200x50 (tests/monitor/test_monitor_layout.py checks that).
 
 Deterministic by construction: the sample recording's simulated clock, a paused
 player, no wall-clock widgets. Update with ``pytest --snapshot-update``."""
@@ -17,6 +19,9 @@ from tests.monitor_fixtures import SAMPLE
 os.environ["TZ"] = "UTC"
 time.tzset()
 SIZE = (160, 48)
+LAYOUT_SIZES = [(120, 40), (200, 50)]
+TABS = ["1", "2", "3", "4"]
+TAB_IDS = ["blocks", "steps", "startup", "events"]
 STEP = 199  # a preemption (r35), 14 running, 19 waiting, a prefix hit at 195
 
 
@@ -30,9 +35,15 @@ async def _seek(pilot) -> None:  # type: ignore[no-untyped-def]
     await pilot.pause()
 
 
-@pytest.mark.parametrize("tab", ["1", "2", "3", "4"], ids=["blocks", "steps", "startup", "events"])
+@pytest.mark.parametrize("tab", TABS, ids=TAB_IDS)
 def test_panel_snapshot(snap_compare, tab: str) -> None:  # type: ignore[no-untyped-def]
     assert snap_compare(_app_at_step(), terminal_size=SIZE, press=[tab], run_before=_seek)
+
+
+@pytest.mark.parametrize("tab", TABS, ids=TAB_IDS)
+@pytest.mark.parametrize("size", LAYOUT_SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_panel_snapshot_at_size(snap_compare, size: tuple[int, int], tab: str) -> None:  # type: ignore[no-untyped-def]
+    assert snap_compare(_app_at_step(), terminal_size=size, press=[tab], run_before=_seek)
 
 
 def test_block_map_zoomed_out_with_selection_snapshot(snap_compare) -> None:  # type: ignore[no-untyped-def]
