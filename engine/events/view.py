@@ -50,6 +50,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.budget.ledger import LEDGER
 from engine.events import (
     PHASES,
     EngineConfigEvent,
@@ -72,17 +73,11 @@ from engine.events.block_table import BlockTableState
 
 SNAPSHOT_VERSION = 1
 SERIES_NAMES = ("step", "prefill", "decode", "running", "waiting", "kv_pct", "step_ms", "preempted")
-LEDGER_KEYS = (
-    "total_bytes",
-    "gpu_memory_utilization",
-    "weights_bytes",
-    "non_torch_bytes",
-    "activation_peak_bytes",
-    "cuda_graph_bytes",
-    "kv_pool_bytes",
-    "num_blocks",
-    "block_size",
-)
+# The ledger the dashboard draws: the quantities of engine/budget/ledger.py's one table
+# that the memory bar and the KV pool need, under that table's names.
+LEDGER_KEYS = tuple(item.name for item in LEDGER if item.name in {
+    "total_bytes", "gpu_memory_utilization", "weights_bytes", "non_torch_bytes", "activation_peak_bytes",
+    "cuda_graph_bytes", "kv_pool_bytes", "num_blocks", "block_size"})
 RUNNING = "running"
 WAITING = "waiting"
 

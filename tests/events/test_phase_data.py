@@ -104,7 +104,10 @@ def test_plan_and_simulate_report_the_same_keys_as_before() -> None:
 def test_the_ledger_and_logparse_read_declared_fields() -> None:
     declared = {name for cls in PHASE_DATA.values() for name in field_names(cls)}
     assert set(LEDGER_KEYS) <= declared
-    from logparse.explain import _PROFILE_KEYS
+    from engine.budget.ledger import LEDGER
+    from logparse.explain import _PROFILE_FIELDS
 
-    for cls, name, _, _ in _PROFILE_KEYS:
+    for cls, name in _PROFILE_FIELDS:
         assert name in field_names(cls), (cls.__name__, name)
+    for item in LEDGER:  # the one ledger table names fields its phase's record declares
+        assert item.name in field_names(PHASE_DATA[item.phase]), (item.phase, item.name)
