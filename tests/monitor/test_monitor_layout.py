@@ -193,6 +193,12 @@ async def test_the_title_bar_cuts_the_source_never_the_connection_state() -> Non
         assert len(line) <= 120
         assert line.endswith("○ DISCONNECTED connection refused (is the server running?) · reconnecting…")
         assert line.startswith("kvscope monitor · http://a-") and "…" in line.split("○")[0]
+        # the live state hides the replay keys: the footer recomposes, which can take more than
+        # 0.2 s on a loaded machine; wait (at most 5 s) until it has laid its keys out again
+        for _ in range(50):
+            if all(key.region.width > 0 for key in app.query(FooterKey)):
+                break
+            await pilot.pause(0.1)
         _assert_footer_complete(app, 120, replay=False)
         footer = " ".join(widget_lines(app.query_one(Footer)))
         assert "±1 step" not in footer  # replay keys are hidden while live
