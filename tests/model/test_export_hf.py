@@ -13,6 +13,8 @@ from engine.cli import main
 from engine.model.runner import ModelRunner, ScheduledSeq
 from engine.model.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.slow  # a full HF export and a transformers load: ~15 s on 2 cores (make test-slow)
+
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 
 

@@ -3,6 +3,7 @@ loading of the same file, both in float32."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.model.runner import ScheduledSeq
@@ -29,6 +30,7 @@ def test_logits_match_transformers_within_1e3(smollm_runner_fp32, smollm_tokeniz
     assert (ours - reference).abs().max().item() < 1e-3
 
 
+@pytest.mark.slow  # 40 greedy tokens in both engines: ~15 s on 2 cores (make test-slow); the logits test stays
 def test_greedy_40_tokens_identical_to_transformers(greedy_generate, smollm_tokenizer, hf_gguf_model) -> None:
     ids = chat_ids(smollm_tokenizer, CHAT)
     ours = greedy_generate([ids], 40)[0]

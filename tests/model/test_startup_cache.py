@@ -18,6 +18,7 @@ from engine.model.startup_cache import (
 )
 
 
+@pytest.mark.slow  # two cold weight loads: ~15 s on 2 cores (make test-slow)
 def test_weights_cache_miss_then_hit_gives_identical_parameters(smollm_config, tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
