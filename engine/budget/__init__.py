@@ -1,4 +1,5 @@
 """The memory budget: one formula (:mod:`~engine.budget.memory`: requested = total x
 utilization; KV pool = requested - weights - activation peak - non-torch) used by startup,
-``engine plan``, the simulator and logparse; model shapes, GPU and model presets, and the
-engine's flags as a config (:mod:`~engine.budget.config`)."""
+``engine plan``, the simulator and logparse; the one ledger table naming each quantity
+(:mod:`~engine.budget.ledger`); model shapes, GPU and model presets, and the engine's
+flags as a config (:mod:`~engine.budget.config`)."""
