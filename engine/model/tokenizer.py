@@ -230,11 +230,15 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        chat_template: str | None = None,
         **extra: Any,
     ) -> str | list[int]:
-        if not self.chat_template:
+        """Render ``messages`` with ``chat_template`` (the server's --chat-template) or the
+        model's own template."""
+        source = chat_template or self.chat_template
+        if not source:
             raise UserError("this model has no chat template; send a plain prompt instead")
-        template = _compile_template(self.chat_template)
+        template = _compile_template(source)
         text = template.render(
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,

@@ -75,7 +75,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     try:
         prompt = await anyio.to_thread.run_sync(partial(
             host.llm.tokenizer.apply_chat_template, body.conversation(),
-            add_generation_prompt=body.add_generation_prompt))
+            add_generation_prompt=body.add_generation_prompt, chat_template=host.settings.chat_template))
     except UserError as exc:
         raise APIError(400, str(exc), param="messages") from None
     prompt_ids = await _prepare(host, str(prompt), params, param="messages")

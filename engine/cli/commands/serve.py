@@ -229,8 +229,7 @@ def run(args: argparse.Namespace) -> int:
     except BaseException:
         listener.close()
         raise
-    if settings.chat_template is not None:
-        host.llm.tokenizer.chat_template = settings.chat_template
+    if settings.chat_template is not None:  # the chat route renders with it (also under --monitor)
         log.info("chat template from --chat-template replaces the model's own")
     if args.trust_remote_code:
         log.info("--trust-remote-code changes nothing: kvscope runs no code from a model repository")
