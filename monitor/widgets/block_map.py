@@ -22,6 +22,7 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from engine.events.view import EngineView
+from monitor.widgets.legend import wrap_items
 
 PALETTE = (
     "#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f",
@@ -108,18 +109,7 @@ class BlockMap(ScrollView, can_focus=True):
 
     def legend_text(self, width: int | None = None) -> Text:
         """The legend wrapped to ``width`` (the map's) between items, never inside one."""
-        width = width or self._columns()
-        lines: list[Text] = []
-        line = Text()
-        for item in self.legend_items():
-            if line.cell_len and line.cell_len + 2 + item.cell_len > width:
-                lines.append(line)
-                line = Text()
-            if line.cell_len:
-                line.append("  ")
-            line.append_text(item)
-        lines.append(line)
-        return Text("\n").join(lines)
+        return Text("\n").join(wrap_items(self.legend_items(), width or self._columns()))
 
     def owners_by_block(self) -> dict[int, frozenset[str]]:
         """What the map shows: block -> owning request ids (tests compare this)."""

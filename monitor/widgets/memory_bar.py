@@ -9,6 +9,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from engine.events.view import EngineView
+from monitor.widgets.legend import wrap_items
 
 GiB = 1024**3
 SEGMENT_COLOURS = {
@@ -82,20 +83,8 @@ def bar_cells(sizes: list[float], width: int) -> list[int]:
 
 def legend_lines(items: list[tuple[str, float]], width: int) -> list[Text]:
     """``■ weights 14.96 GiB`` per slice, wrapped between items, never inside one."""
-    lines: list[Text] = []
-    line = Text()
-    for label, size in items:
-        item = Text("■ ", style=SEGMENT_COLOURS[label])
-        item.append(f"{label} {size / GiB:.2f} GiB")
-        if line.cell_len and line.cell_len + 2 + item.cell_len > width:
-            lines.append(line)
-            line = Text()
-        if line.cell_len:
-            line.append("  ")
-        line.append_text(item)
-    if line.cell_len:
-        lines.append(line)
-    return lines
+    return wrap_items((Text(f"■ {label} {size / GiB:.2f} GiB", style=SEGMENT_COLOURS[label])
+                       for label, size in items), width)
 
 
 class MemoryBar(Static):
