@@ -25,8 +25,12 @@ _BUDGET_KEYS = ("total_gib", "gpu_memory_utilization", "requested_gib", "weights
                 "max_concurrency")
 # (logparse key, label): the label of the same quantity in engine/budget/ledger.py, which every
 # kvscope screen uses; "non-KV" is vLLM's own sum and has no kvscope counterpart
-BUDGET_ROWS = tuple((key, ledger_label(FIGURE_NAMES[key].kvscope or "") if FIGURE_NAMES[key].kvscope else "non-KV")
-                    for key in _BUDGET_KEYS)
+def _budget_label(key: str) -> str:
+    name = FIGURE_NAMES[key].kvscope
+    return ledger_label(name) if name else "non-KV"
+
+
+BUDGET_ROWS = tuple((key, _budget_label(key)) for key in _BUDGET_KEYS)
 
 
 def fmt(value: Any) -> str:

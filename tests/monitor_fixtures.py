@@ -70,3 +70,13 @@ def owners_at(events: Iterable[Event], step_index: int) -> dict[int, frozenset[s
         for b in blocks:
             owners.setdefault(b, set()).add(rid)
     return {b: frozenset(o) for b, o in owners.items()}
+
+
+class ManualClock:
+    """A clock a test sets by hand (``clock.now = 12.5``)."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now

@@ -8,17 +8,9 @@ from engine.events import EventBus, RequestArrived, RequestFirstToken, RequestSc
 from monitor.app import MonitorApp
 from monitor.sources import DISCONNECTED, BusFeed, Connection, load_timeline
 from monitor.widgets.queues import RequestTable
-from tests.monitor_fixtures import SAMPLE
+from tests.monitor_fixtures import SAMPLE, ManualClock
 
 SIZE = (160, 50)
-
-
-class _Clock:
-    def __init__(self, now: float = 0.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _cells(app: MonitorApp, table_id: str, rid: str) -> dict[str, str]:
@@ -34,8 +26,8 @@ async def _settle(pilot, done) -> None:  # type: ignore[no-untyped-def]
 
 
 async def test_live_ages_advance_between_events_and_ttft_waits_for_a_token() -> None:
-    engine_t = _Clock(10.0)
-    wall = _Clock(1000.0)
+    engine_t = ManualClock(10.0)
+    wall = ManualClock(1000.0)
     bus = EventBus(clock=engine_t)
     app = MonitorApp(feed=BusFeed(bus), wall_clock=wall)
     async with app.run_test(size=SIZE) as pilot:
@@ -70,7 +62,7 @@ async def test_live_ages_advance_between_events_and_ttft_waits_for_a_token() -> 
 
 
 async def test_the_clock_stops_while_the_feed_is_not_live() -> None:
-    wall = _Clock(0.0)
+    wall = ManualClock(0.0)
     bus = EventBus(clock=lambda: 3.0)
     feed = BusFeed(bus)
     app = MonitorApp(feed=feed, wall_clock=wall)
@@ -84,7 +76,7 @@ async def test_the_clock_stops_while_the_feed_is_not_live() -> None:
 
 
 async def test_replay_ages_are_the_recordings_time_and_ttft_is_blank_before_a_token() -> None:
-    wall = _Clock(0.0)
+    wall = ManualClock(0.0)
     app = MonitorApp(timeline=load_timeline(SAMPLE, checkpoint_every=50), wall_clock=wall)
     async with app.run_test(size=SIZE) as pilot:
         app.seek_index(199)

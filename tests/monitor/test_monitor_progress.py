@@ -10,19 +10,12 @@ from engine.events.view import EngineView
 from monitor.app import MonitorApp
 from monitor.sources import BusFeed
 from monitor.widgets.startup_table import StartupTable, progress_text
+from tests.monitor_fixtures import ManualClock
 
 SIZE = (160, 50)
 
 
-class _Clock:
-    def __init__(self, now: float = 0.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def _publish_loading(bus: EventBus, clock: _Clock) -> None:
+def _publish_loading(bus: EventBus, clock: ManualClock) -> None:
     clock.now = 1.0
     bus.publish(StartupPhase(phase="A", name="init", status="begin"))
     clock.now = 1.5
@@ -34,7 +27,7 @@ def _publish_loading(bus: EventBus, clock: _Clock) -> None:
 
 
 def test_the_view_keeps_the_latest_progress_per_phase_and_snapshots_it() -> None:
-    clock = _Clock()
+    clock = ManualClock()
     bus = EventBus(clock=clock)
     view = EngineView()
     bus.subscribe(view.apply)
@@ -65,8 +58,8 @@ def test_progress_text() -> None:
 
 
 async def test_the_startup_panel_draws_progress_next_to_the_running_phase() -> None:
-    clock = _Clock()
-    wall = _Clock(50.0)
+    clock = ManualClock()
+    wall = ManualClock(50.0)
     bus = EventBus(clock=clock)
     app = MonitorApp(feed=BusFeed(bus), wall_clock=wall)
     async with app.run_test(size=SIZE) as pilot:

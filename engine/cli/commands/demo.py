@@ -173,7 +173,7 @@ class DemoLoad:
         await asyncio.sleep(req.arrival_time)
         async with slots:
             while not self._fits(req):
-                if self.itl_recent is not None or self.duration is None:
+                if self.itl_recent is not None:  # measured: it will not finish in time
                     self.skipped += 1
                     return
                 await asyncio.sleep(0.2)  # wait for the probe's first measurements
