@@ -19,7 +19,9 @@ from engine.events.schema import (
     Event,
     EventBus,
     JsonlSink,
+    KvEventBatch,
     LogEvent,
+    MetricsScrape,
     Recording,
     RequestArrived,
     RequestFinished,
@@ -43,7 +45,7 @@ from engine.events.schema import (
 
 __all__ = [
     "EVENT_TYPES", "PHASES", "SCHEMA_NAME", "SCHEMA_VERSION", "EngineConfigEvent", "Event", "EventBus", "JsonlSink",
-    "LogEvent", "Recording", "RequestArrived", "RequestFinished", "RequestFirstToken", "RequestPreempted",
+    "KvEventBatch", "LogEvent", "MetricsScrape", "Recording", "RequestArrived", "RequestFinished", "RequestFirstToken", "RequestPreempted",
     "RequestRejected", "RequestScheduled", "SnapshotEvent", "StartupPhase", "StartupProgress", "StatsEvent", "StepEvent", "Subscriber",
     "dumps", "event_from_dict", "header", "iter_jsonl", "open_sink", "read_events",
 ]

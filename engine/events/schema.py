@@ -250,6 +250,33 @@ class LogEvent(Event):
     data: dict[str, Any] = field(default_factory=dict)
 
 
+# ------------------------------------------------------- other engines' streams
+@dataclass(slots=True)
+class MetricsScrape(Event):
+    """One scrape of another server's Prometheus ``/metrics`` (a vLLM replica, or a
+    kvscope one watched through its vLLM families): ``text`` is the exposition text
+    as served, less comment and ``_created`` lines, so a recording replays through
+    the same parser the live monitor uses."""
+
+    type: ClassVar[str] = "metrics.scrape"
+    source: str = ""
+    text: str = ""
+
+
+@dataclass(slots=True)
+class KvEventBatch(Event):
+    """One vLLM KV-cache ``EventBatch`` as received from its ZMQ publisher:
+    ``batch_seq`` the publisher's sequence number, ``ts`` its timestamp, ``events``
+    the BlockStored / BlockRemoved / AllBlocksCleared maps (each tagged ``type``)."""
+
+    type: ClassVar[str] = "kv.events"
+    source: str = ""
+    batch_seq: int = 0
+    ts: float = 0.0
+    events: list[dict[str, Any]] = field(default_factory=list)
+    data_parallel_rank: int | None = None
+
+
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.type: cls
     for cls in (
@@ -266,6 +293,8 @@ EVENT_TYPES: dict[str, type[Event]] = {
         StatsEvent,
         SnapshotEvent,
         LogEvent,
+        MetricsScrape,
+        KvEventBatch,
     )
 }
 
