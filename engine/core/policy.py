@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 from typing import ClassVar
 
 from engine.core.request import Request
+from engine.events.schema import PREEMPTION_KV_FULL, PREEMPTION_PRIORITY
 
 
 class RequestQueue:
@@ -43,6 +44,11 @@ class RequestQueue:
 
     def pick_victim(self, running: Sequence[Request]) -> Request:
         raise NotImplementedError
+
+    def preemption_reason(self, victim: Request, needing: Request) -> str:
+        """Why ``victim`` gives way when ``needing`` found no free block (the ``reason``
+        of ``request.preempted``, vLLM's ``num_preemptions_by_reason``): the pool ran out."""
+        return PREEMPTION_KV_FULL
 
 
 class FCFSQueue(RequestQueue):
@@ -114,6 +120,13 @@ class PriorityQueue(RequestQueue):
 
     def pick_victim(self, running: Sequence[Request]) -> Request:
         return max(running, key=lambda r: (r.priority, r.arrival_time, r.arrival_order))
+
+    def preemption_reason(self, victim: Request, needing: Request) -> str:
+        """``priority`` when a lower-priority request makes room for a higher-priority
+        one; ``kv_full`` when the victim is ``needing`` itself or an equal (FCFS among equals)."""
+        if victim is not needing and victim.priority > needing.priority:
+            return PREEMPTION_PRIORITY
+        return PREEMPTION_KV_FULL
 
 
 POLICIES: dict[str, type[RequestQueue]] = {queue.name: queue for queue in (FCFSQueue, PriorityQueue)}

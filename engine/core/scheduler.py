@@ -161,6 +161,15 @@ class SchedulerOutput:
         return {s.request.request_id: s.num_tokens for s in self.scheduled}
 
     @property
+    def kv_tokens_read(self) -> int:
+        """KV entries the step's attention reads: each scheduled request's context up
+        to the end of its new tokens (what the cost model's memory traffic counts)."""
+        total = 0
+        for s in self.scheduled:
+            total += s.start_position + s.num_tokens
+        return total
+
+    @property
     def allocated(self) -> dict[str, list[int]]:
         return self.deltas.allocated
 
@@ -378,7 +387,7 @@ class Scheduler:
             if victim_index < index:
                 index -= 1
             plan.withdraw(victim)  # priority policy: the victim may be scheduled already
-            self._preempt(victim, now, publishing)
+            self._preempt(victim, now, publishing, self.waiting.preemption_reason(victim, req))
             plan.preempted.append(victim.request_id)
             if victim is req:
                 return False, index
@@ -454,7 +463,7 @@ class Scheduler:
     def _pick_victim(self) -> Request:
         return self.waiting.pick_victim(self.running)
 
-    def _preempt(self, req: Request, now: float, publishing: bool) -> None:
+    def _preempt(self, req: Request, now: float, publishing: bool, reason: str) -> None:
         lost = req.num_computed_tokens
         freed = self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
@@ -470,6 +479,7 @@ class Scheduler:
                     computed_tokens_lost=lost,
                     blocks_freed=len(freed),
                     num_preemptions=req.num_preemptions,
+                    reason=reason,
                 )
             )
 

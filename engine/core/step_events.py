@@ -35,6 +35,7 @@ def build_step_event(output: SchedulerOutput, timings: Mapping[str, float] | Non
         kv_blocks_cached_free=output.num_blocks_cached_free,
         kv_blocks_total=output.num_blocks_total,
         kv_blocks_used_forward=output.num_blocks_used_scheduled,
+        kv_tokens_read=output.kv_tokens_read,
         allocated=deltas.allocated,
         freed=deltas.freed,
         cached=list(deltas.cached),

@@ -136,13 +136,24 @@ class RequestFirstToken(Event):
     ttft_s: float = 0.0
 
 
+# Why a running request was preempted (vLLM's num_preemptions_by_reason label values).
+PREEMPTION_KV_FULL = "kv_full"  # no free KV block for a running request
+PREEMPTION_PRIORITY = "priority"  # --scheduling-policy priority: a lower priority made room for a higher one
+PREEMPTION_REASONS = (PREEMPTION_KV_FULL, PREEMPTION_PRIORITY)
+
+
 @dataclass(slots=True)
 class RequestPreempted(Event):
+    """A running request lost its blocks (recompute later). ``reason`` is one of
+    :data:`PREEMPTION_REASONS`; recordings made before it existed read as ``kv_full``,
+    the only reason there was."""
+
     type: ClassVar[str] = "request.preempted"
     request_id: str = ""
     computed_tokens_lost: int = 0
     blocks_freed: int = 0
     num_preemptions: int = 0
+    reason: str = PREEMPTION_KV_FULL
 
 
 @dataclass(slots=True)
@@ -200,6 +211,7 @@ class StepEvent(Event):
     kv_blocks_cached_free: int = 0
     kv_blocks_total: int = 0
     kv_blocks_used_forward: int = 0  # held during the forward pass (0 in recordings before it existed)
+    kv_tokens_read: int = 0  # KV entries attention read: each scheduled context to its new tokens' end (0: older recording)
     allocated: dict[str, list[int]] = field(default_factory=dict)
     freed: dict[str, list[int]] = field(default_factory=dict)
     cached: list[int] = field(default_factory=list)
