@@ -1,5 +1,6 @@
 """``engine simulate``: the real scheduler and KV cache manager at GPU scale, with
-a roofline cost model in place of the forward pass (background parts 4 and 6).
+a roofline cost model in place of the forward pass (background parts 4 and 6; the
+work it counts is engine/budget/roofline.py's, shared with /metrics' MFU estimates).
 
 A step costs::
 
@@ -30,6 +31,7 @@ from typing import Any
 
 from engine.budget.config import EngineConfig, ModelConfig, load_model_config
 from engine.budget.memory import GiB, GpuPreset, MemoryPlan, gpu_preset, plan_memory
+from engine.budget.roofline import Roofline
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.core.step_loop import ExecutedStep, run_step
@@ -63,9 +65,12 @@ class CostModel:
     peak_flops: float  # peak dense BF16
     efficiency: float = DEFAULT_EFFICIENCY
 
+    roofline: Roofline = field(init=False, repr=False, compare=False)  # the work counted (engine/budget/roofline.py)
+
     def __post_init__(self) -> None:
         if not 0 < self.efficiency <= 1:
             raise UserError(f"--efficiency {self.efficiency}: must be in (0, 1], the fraction of peak kernels reach")
+        object.__setattr__(self, "roofline", Roofline(self.num_parameters, self.weights_bytes, self.bytes_per_kv_token))
 
     @classmethod
     def for_gpu(cls, model: ModelConfig, gpu: GpuPreset, plan: MemoryPlan,
@@ -80,10 +85,10 @@ class CostModel:
         )
 
     def memory_seconds(self, kv_tokens_read: int) -> float:
-        return (self.weights_bytes + kv_tokens_read * self.bytes_per_kv_token) / (self.bandwidth_bytes_s * self.efficiency)
+        return self.roofline.read_bytes(kv_tokens_read) / (self.bandwidth_bytes_s * self.efficiency)
 
     def compute_seconds(self, num_tokens: int) -> float:
-        return 2.0 * self.num_parameters * num_tokens / (self.peak_flops * self.efficiency)
+        return self.roofline.flops(num_tokens) / (self.peak_flops * self.efficiency)
 
     def step_seconds(self, num_tokens: int, kv_tokens_read: int) -> float:
         memory = self.memory_seconds(kv_tokens_read)
@@ -447,9 +452,7 @@ class CostModelExecutor:
 
     def execute(self, output: SchedulerOutput, now: float) -> ExecutedStep:
         sched, cfg = self.sim.scheduler, self.sim.scheduler.config
-        kv_read = 0
-        for s in output.scheduled:
-            kv_read += s.start_position + s.num_tokens
+        kv_read = output.kv_tokens_read
         num_tokens = output.num_prefill_tokens + output.num_decode_tokens
         if sched.waiting:
             if output.preempted_req_ids:
