@@ -106,6 +106,19 @@ class RotaryEmbedding:
                 torch.cat((-sin, sin), dim=-1)[:, None, :].to(dtype))
 
 
+def _unreduced(x: torch.Tensor) -> torch.Tensor:
+    """One rank holds the whole projection: its output is already the sum."""
+    return x
+
+
+def dummy_fill(name: str, param: torch.Tensor, generator: torch.Generator) -> None:
+    """A dummy weight in place: norms 1, everything else uniform in +-0.02."""
+    if param.dim() == 1 and "bias" not in name:
+        param.fill_(1.0)
+    else:
+        param.uniform_(-0.02, 0.02, generator=generator)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """Rotate ``x [tokens, heads, head_dim]`` by its positions' angles (neox/HF half split)."""
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
@@ -123,6 +136,9 @@ class DecoderLayer(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.eps = config.rms_norm_eps
         self.quantized: dict[str, QuantizedLinear] = {}
+        # Sums the row-parallel O and down outputs over the tensor-parallel ranks
+        # (engine/model/parallel_llama.py); one rank's are already whole.
+        self.reduce_rows: Callable[[torch.Tensor], torch.Tensor] = _unreduced
 
         def empty(*shape: int) -> nn.Parameter:
             return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
@@ -156,7 +172,8 @@ class DecoderLayer(nn.Module):
         v = qkv[:, qk_width:].view(tokens, self.num_kv_heads, self.head_dim)
         backend.write_kv(k, v, kv_cache, meta.slot_mapping)
         attn = backend.forward(q, kv_cache, meta, 1.0 / math.sqrt(self.head_dim))
-        hidden = residual + linear_maybe_quantized(self, attn.reshape(tokens, self.q_size), "o_proj", self.o_proj)
+        hidden = residual + self.reduce_rows(
+            linear_maybe_quantized(self, attn.reshape(tokens, self.q_size), "o_proj", self.o_proj))
 
         return self.mlp_block(hidden)
 
@@ -185,7 +202,7 @@ class DecoderLayer(nn.Module):
         """Norm, gate/up, SiLU-and-multiply, down, residual: the part ``torch.compile`` fuses."""
         x = rms_norm(hidden, self.post_attention_layernorm, self.eps)
         gate, up = linear_maybe_quantized(self, x, "gate_up_proj", self.gate_up_proj).split(self.intermediate_size, dim=-1)
-        return hidden + linear_maybe_quantized(self, F.silu(gate) * up, "down_proj", self.down_proj)
+        return hidden + self.reduce_rows(linear_maybe_quantized(self, F.silu(gate) * up, "down_proj", self.down_proj))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -232,7 +249,7 @@ class LlamaForCausalLM(nn.Module):
         """``input_ids``/``positions`` ``[num_tokens]`` -> final-normed hidden ``[num_tokens, hidden]``."""
         if self._gemv_pending:
             self.resolve_gemv()
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = self.embed(input_ids)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
         layer_kernel = self._layer_kernel_for(meta, kv_caches)
         if layer_kernel is not None:
@@ -246,6 +263,9 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, kv_cache, meta, self.backend)
         return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed_tokens)
 
     def _layer_kernel_for(self, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> Any:
         """The fused-layer kernel module when this step can use it: a pure decode of at
@@ -467,9 +487,6 @@ class LlamaForCausalLM(nn.Module):
         generator = torch.Generator(device="cpu").manual_seed(seed)
         count = 0
         for name, param in self.named_parameters():
-            if param.dim() == 1 and "bias" not in name:
-                param.fill_(1.0)
-            else:
-                param.uniform_(-0.02, 0.02, generator=generator)
+            dummy_fill(name, param, generator)
             count += 1
         return count

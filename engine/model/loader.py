@@ -270,7 +270,10 @@ def load_weights_into(
         cache_path = weights_path(location, model.dtype) if fmt == "gguf" and location.is_file() else None  # type: ignore[arg-type]
         if fmt == "gguf":
             cache = "off" if cache_path is None else "miss"
-        if cache_path is not None and load_cached_weights(model, cache_path):
+        # A tensor-parallel rank holds slices: it reads the whole model's entry and never writes one.
+        sliced = hasattr(model, "load_cached_slices")
+        if cache_path is not None and (model.load_cached_slices(cache_path) if sliced  # type: ignore[operator]
+                                       else load_cached_weights(model, cache_path)):
             cache = "hit"
             count = len(model.hf_names())  # type: ignore[operator]
             if progress:
@@ -287,7 +290,7 @@ def load_weights_into(
             missing = model.missing_hf_names(seen)  # type: ignore[operator]
             if missing:
                 raise UserError(f"{source}: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
-            if cache_path is not None:
+            if cache_path is not None and not sliced:
                 try:
                     save_cached_weights(model, cache_path)
                 except OSError:

@@ -25,6 +25,7 @@ from engine.model.attention.selector import get_attention_backend
 from engine.model.cuda_graphs import DecodeGraphs
 from engine.model.llama import QUANTIZATION_METHODS, LlamaForCausalLM
 from engine.model.loader import LoadInfo, ProgressCallback, load_weights_into, read_gguf_blocks
+from engine.model.parallel import TensorParallel
 from engine.model.sampler import Sampler
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -93,8 +94,12 @@ class ModelRunner:
         seed: int = 0,
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
+        parallel: TensorParallel | None = None,
     ) -> None:
+        """``parallel``: this rank's process group when ``--tensor-parallel-size`` > 1; the
+        model is then this rank's slice and only rank 0 gets logits and samples."""
         self.model_config = model_config
+        self.parallel = parallel
         self.dtype = torch_dtype(dtype)
         # The cache's storage dtype (auto = the model's); int8/fp8 are dequantized by the attention backend.
         self.kv_cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, self.dtype)
@@ -108,7 +113,13 @@ class ModelRunner:
         self.quantization_counts: dict[str, int] = {}  # "<format> <source>" -> weights (load_weights)
         self.backend = get_attention_backend(attention_backend, self.device)
         self.backend.check_kv_cache_dtype(self.kv_cache_dtype)  # a UserError before any weights load
-        self.model = LlamaForCausalLM(model_config, self.backend, dtype=self.dtype, device=self.device)
+        if parallel is not None and parallel.world_size > 1:
+            from engine.model.parallel_llama import TensorParallelLlama
+
+            self.model: LlamaForCausalLM = TensorParallelLlama(model_config, self.backend, parallel, dtype=self.dtype,
+                                                               device=self.device)
+        else:
+            self.model = LlamaForCausalLM(model_config, self.backend, dtype=self.dtype, device=self.device)
         self.sampler = Sampler(seed=seed)
         self.kv_caches: list[torch.Tensor] = []
         self.last_timings = StepTimings()
@@ -126,7 +137,7 @@ class ModelRunner:
         return info
 
     def allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
-        c = self.model_config
+        c = self.model.config  # this rank's KV heads under tensor parallelism
         if self.device.type == "cpu":
             shape = kv_cache_shape(num_blocks, self.block_size, c.num_kv_heads, c.head_dim, self.kv_cache_dtype)
             self.kv_caches = [zeroed_lazy_cpu_tensor(shape, self.kv_cache_dtype) for _ in range(c.num_layers)]
@@ -199,8 +210,9 @@ class ModelRunner:
             sample_positions=[s.start_position + len(s.token_ids) for s in sample_seqs],
         )
 
-    def compute_logits(self, batch: Sequence[ScheduledSeq]) -> tuple[PreparedBatch, torch.Tensor]:
-        """Run the forward; logits ``[num_sampled, vocab]`` float32 for the sequences that need a sample."""
+    def compute_logits(self, batch: Sequence[ScheduledSeq]) -> tuple[PreparedBatch, torch.Tensor | None]:
+        """Run the forward; logits ``[num_sampled, vocab]`` float32 for the sequences that need a
+        sample (None on tensor-parallel ranks other than 0, which only lend their slices)."""
         if not self.kv_caches:
             raise RuntimeError("allocate_kv_cache() before execute()")
         t0 = time.perf_counter()
@@ -219,6 +231,8 @@ class ModelRunner:
     def execute(self, batch: Sequence[ScheduledSeq]) -> dict[str, int]:
         """One step: ``{request_id: sampled token id}`` for each sequence with ``needs_sample``."""
         prepared, logits = self.compute_logits(batch)
+        if logits is None:
+            return {}
         t0 = time.perf_counter()
         tokens = self.sampler.sample(
             logits, [s.sampling for s in prepared.sample_seqs], prepared.sample_positions
@@ -229,6 +243,8 @@ class ModelRunner:
     def logits_for(self, batch: Sequence[ScheduledSeq]) -> dict[str, torch.Tensor]:
         """Like :meth:`execute` but returns each sampled sequence's logits (tests, scoring)."""
         prepared, logits = self.compute_logits(batch)
+        if logits is None:
+            return {}
         return {s.request_id: logits[i] for i, s in enumerate(prepared.sample_seqs)}
 
     # ------------------------------------------------------------------ compile
