@@ -11,6 +11,7 @@ The ``gguf`` package stays the reader of tensor data.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import struct
 from dataclasses import dataclass
@@ -51,7 +52,19 @@ class GGUFHeader:
 
 
 def read_gguf_header(path: Path) -> GGUFHeader:
-    """Parse ``path``'s header; a UserError names the file when it is not GGUF v2+."""
+    """Parse ``path``'s header; a UserError names the file when it is not GGUF v2+.
+    Startup reads it from three places (config, quantization choice, raw blocks), so
+    the parse is kept per file identity (path, size, mtime): a changed file is re-read."""
+    try:
+        stat = Path(path).stat()
+    except OSError as exc:
+        raise UserError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+    return _read_cached(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_cached(path_text: str, size: int, mtime_ns: int) -> GGUFHeader:
+    path = Path(path_text)
     try:
         with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             return _parse(buf, path)
@@ -81,6 +94,11 @@ def _parse(buf: mmap.mmap, path: Path) -> GGUFHeader:
             at += 12
             if item in _SCALAR_FORMATS:
                 return at + count * struct.calcsize(_SCALAR_FORMATS[item])
+            if item == _STRING:  # a vocabulary: ~100k strings, so one tight loop, no recursion
+                unpack_length = struct.Struct("<Q").unpack_from
+                for _ in range(count):
+                    at += 8 + unpack_length(buf, at)[0]
+                return at
             for _ in range(count):
                 at = skip(item, at)
             return at

@@ -104,3 +104,21 @@ def test_prune_removes_least_recently_used_entries_first(tmp_path: Path) -> None
     removed = prune_cache(limit_bytes=0, root=tmp_path, keep=tmp_path / "new.safetensors")
     assert removed == [tmp_path / "middle.safetensors"]
     assert (tmp_path / "new.safetensors").is_file() and (tmp_path / "kernels").is_dir()
+
+
+def test_mapped_safetensors_reads_every_tensor_without_copying(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from engine.model.startup_cache import mapped_safetensors
+
+    tensors = {"a": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(5, dtype=torch.bfloat16),
+               "scalar": torch.tensor(2.5)}
+    path = tmp_path / "w.safetensors"
+    save_file(tensors, str(path))
+    mapped = mapped_safetensors(path)
+    assert set(mapped) == set(tensors)
+    for name, tensor in tensors.items():
+        assert mapped[name].dtype == tensor.dtype and torch.equal(mapped[name], tensor), name
+    # One mapping of the whole file backs every tensor: the load copied nothing.
+    storages = {t.untyped_storage().data_ptr() for t in mapped.values()}
+    assert len(storages) == 1 and mapped["a"].untyped_storage().nbytes() == path.stat().st_size
