@@ -111,6 +111,22 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         rope_theta=1000000.0, rms_norm_eps=1e-6, attention_bias=True, architecture="qwen2",
         bos_token_id=151643, eos_token_id=151645,
     ),
+    # Vision-language models: the text LLM's shapes here (config.json's text part), the
+    # vision tower's in engine/budget/vision.py's VISION_PRESETS under the same name.
+    "qwen2.5-vl-7b": _llama(
+        "qwen2.5-vl-7b", num_layers=28, hidden_size=3584, intermediate_size=18944, vocab_size=152064,
+        num_attention_heads=28, num_kv_heads=4, head_dim=128, max_position_embeddings=128000,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, attention_bias=True, architecture="qwen2_5_vl",
+        bos_token_id=151643, eos_token_id=151645,
+    ),
+    # Llama-3.2-11B-Vision's text_config has 40 layers: Llama-3.1-8B's 32 self-attention layers
+    # (the only ones with a KV cache per token) and 8 cross-attention layers, counted with the
+    # vision weights as the adapter that reads the image.
+    "llama-3.2-11b-vision": _llama(
+        "llama-3.2-11b-vision", num_layers=32, hidden_size=4096, intermediate_size=14336, vocab_size=128256,
+        num_attention_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=131072,
+        rope_theta=500000.0, architecture="mllama", bos_token_id=128000, eos_token_id=128009,
+    ),
     # Shapes as in the bundled GGUF; loading the name reads the real file when present.
     BUNDLED_MODEL_NAME: _llama(
         BUNDLED_MODEL_NAME, num_layers=30, hidden_size=576, intermediate_size=1536, vocab_size=49152,
@@ -129,6 +145,10 @@ MODEL_ALIASES = {
     "meta-llama/meta-llama-3.1-70b-instruct": "llama-3.1-70b",
     "qwen/qwen2.5-7b-instruct": "qwen2.5-7b",
     "qwen/qwen2.5-7b": "qwen2.5-7b",
+    "qwen/qwen2.5-vl-7b-instruct": "qwen2.5-vl-7b",
+    "meta-llama/llama-3.2-11b-vision-instruct": "llama-3.2-11b-vision",
+    "meta-llama/llama-3.2-11b-vision": "llama-3.2-11b-vision",
+    "unsloth/llama-3.2-11b-vision-instruct": "llama-3.2-11b-vision",
 }
 
 

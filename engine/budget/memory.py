@@ -9,6 +9,11 @@
     tokens             = blocks x block size
     max concurrency    = tokens / max-model-len
 
+A vision-language model (engine/budget/vision.py) adds its vision weights to the
+weights and its encoder to the activation peak (``max(encoder activations,
+encoder cache + LLM activations)``, or the LLM's alone with ``--skip-mm-profiling``);
+the formula itself does not change.
+
 The engine's startup calls :func:`plan_memory` with measured inputs; ``engine
 plan`` and ``logparse`` call it with given or estimated ones. GiB is 2**30, as
 vLLM prints.
@@ -21,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from engine.budget.config import DTYPE_BYTES, ModelConfig
+from engine.budget.vision import MultimodalBudget
 from engine.errors import BudgetError, UserError
 from engine.events.phase_data import BudgetData, KvCacheData, LoadWeightsData, PhaseData, ProfileRunData
 
@@ -149,6 +155,8 @@ class MemoryPlan:
     kv_pool_overridden: bool = False
     estimated: list[str] = field(default_factory=list)  # which inputs were estimated
     cuda_graph_bytes: int = 0
+    multimodal: MultimodalBudget | None = None  # a vision-language model's encoder budget
+    llm_activation_peak_bytes: int = 0  # the text step's share of activation_peak_bytes
 
     @property
     def block_bytes(self) -> int:
@@ -175,6 +183,8 @@ class MemoryPlan:
             "bytes_per_token": self.bytes_per_token,
             "kv_pool_overridden": self.kv_pool_overridden,
             "estimated": list(self.estimated),
+            **({"multimodal": {**self.multimodal.to_json(), "llm_activation_peak_bytes": self.llm_activation_peak_bytes}}
+               if self.multimodal is not None else {}),
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -188,16 +198,30 @@ class MemoryPlan:
     def phase_records(self) -> dict[str, PhaseData]:
         """What ``engine plan`` and ``engine simulate`` report for phases B–E, as the
         records of engine/events/phase_data.py (a real start reports more in each)."""
-        return {"B": self.budget_data(), "C": LoadWeightsData(weights_bytes=self.weights_bytes),
+        return {"B": self.budget_data(), "C": self.load_weights_data(),
                 "D": self.profile_run_data(), "E": self.kv_cache_data()}
+
+    def load_weights_data(self) -> LoadWeightsData:
+        mm = self.multimodal
+        if mm is None:
+            return LoadWeightsData(weights_bytes=self.weights_bytes)
+        return LoadWeightsData(weights_bytes=self.weights_bytes, vision_weights_bytes=mm.vision_weights_bytes)
 
     def budget_data(self) -> BudgetData:
         return BudgetData(total_bytes=self.total_bytes, gpu_memory_utilization=self.gpu_memory_utilization,
                           requested_bytes=self.requested_bytes)
 
     def profile_run_data(self) -> ProfileRunData:
+        mm = self.multimodal
+        if mm is None:
+            return ProfileRunData(activation_peak_bytes=self.activation_peak_bytes, non_torch_bytes=self.non_torch_bytes,
+                                  estimated=tuple(self.estimated))
         return ProfileRunData(activation_peak_bytes=self.activation_peak_bytes, non_torch_bytes=self.non_torch_bytes,
-                              estimated=tuple(self.estimated))
+                              estimated=tuple(self.estimated),
+                              encoder_activation_peak_bytes=mm.encoder_activation_peak_bytes,
+                              encoder_cache_tokens=mm.encoder_budget_tokens, encoder_cache_bytes=mm.encoder_cache_bytes,
+                              mm_items_profiled=mm.items_profiled, mm_modality=mm.modality,
+                              skip_mm_profiling=mm.skip_profiling)
 
     def kv_cache_data(self) -> KvCacheData:
         """Phase E's numbers; a real start adds ``cpu_default_cap``."""
@@ -230,9 +254,13 @@ def plan_memory(
     max_num_batched_tokens: int = 8192,
     max_num_seqs: int = 256,
     check_fits: bool = True,
+    multimodal: MultimodalBudget | None = None,
 ) -> MemoryPlan:
     """Compute the budget. Any of weights / activation_peak / non_torch left as
-    None is estimated from the shapes and listed in ``estimated``. Raises
+    None is estimated from the shapes and listed in ``estimated``; ``multimodal``
+    (a VL model's :func:`~engine.budget.vision.plan_multimodal`) adds the vision
+    weights and the encoder's share of the profile to those estimates (a given or
+    measured figure already holds them). Raises
     :class:`BudgetError` (with the numbers and the flags that would fix it) when
     the pool is negative or cannot hold one ``max_model_len`` request."""
     if not 0 < gpu_memory_utilization <= 1:
@@ -245,10 +273,14 @@ def plan_memory(
     estimated: list[str] = []
     if weights is None:
         weights = weights_bytes(model, model_dtype, tensor_parallel_size)
+        if multimodal is not None:
+            weights += multimodal.vision_weights_bytes
+    llm_peak = 0
     if activation_peak is None:
-        activation_peak = estimate_activation_peak_bytes(
+        llm_peak = estimate_activation_peak_bytes(
             model, max_num_batched_tokens, max_num_seqs, model_dtype, tensor_parallel_size
         )
+        activation_peak = llm_peak if multimodal is None else multimodal.profile_peak_bytes(llm_peak)
         estimated.append("activation_peak")
     if non_torch is None:
         non_torch = estimate_non_torch_bytes(tensor_parallel_size)
@@ -277,6 +309,8 @@ def plan_memory(
         max_concurrency=tokens / max_model_len,
         kv_pool_overridden=overridden,
         estimated=estimated,
+        multimodal=multimodal,
+        llm_activation_peak_bytes=int(llm_peak),
     )
     if check_fits:
         check_plan_fits(plan)

@@ -14,6 +14,7 @@ from typing import Any
 
 from engine.budget.config import BUNDLED_MODEL_NAME, EngineConfig, parse_dtype
 from engine.budget.memory import parse_bytes, parse_gib, parse_kv_cache_dtype
+from engine.budget.vision import parse_item_size
 from engine.core.policy import POLICIES
 from engine.errors import UserError
 from engine.sim.workload import ARRIVAL_UNITS, ARRIVALS, WorkloadSpec, parse_range
@@ -108,6 +109,31 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
                    help="reuse the KV blocks of prompt prefixes already computed (default on)")
     p.add_argument("--scheduling-policy", choices=list(POLICIES), default="fcfs",
                    help="waiting-queue order and preemption victim (engine/core/policy.py)")
+
+
+def add_multimodal_flags(p: argparse.ArgumentParser) -> None:
+    """A vision-language preset's items (engine/budget/vision.py): vLLM's
+    --limit-mm-per-prompt and --skip-mm-profiling, and the largest item's size."""
+    g = p.add_argument_group("multimodal (vision-language presets: qwen2.5-vl-7b, llama-3.2-11b-vision)")
+    g.add_argument("--limit-mm-per-prompt", default=None, metavar="SPEC",
+                   help="items per prompt: image=N[,video=M] or vLLM's JSON '{\"image\": 2}' (an item may be "
+                        "{\"count\": N, \"width\": W, \"height\": H, \"num_frames\": F}); default 1 of each modality")
+    g.add_argument("--skip-mm-profiling", action="store_true",
+                   help="leave the encoder and its cache out of the profile run (a larger KV pool, unbudgeted encoder)")
+    g.add_argument("--mm-image-size", type=_user_error_as_argparse(parse_item_size, "--mm-image-size"), default=None,
+                   metavar="WxH", help="largest image in pixels (default: the processor's maximum)")
+    g.add_argument("--mm-video-size", type=_user_error_as_argparse(parse_item_size, "--mm-video-size"), default=None,
+                   metavar="WxH", help="a video frame's size in pixels")
+    g.add_argument("--mm-video-frames", type=_positive_int("--mm-video-frames"), default=None, metavar="N",
+                   help="frames per video (Qwen2.5-VL groups 2 per temporal patch)")
+
+
+def multimodal_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The multimodal flags as :func:`engine.budget.vision.multimodal_from_flags` takes them."""
+    return {"limit_mm_per_prompt": getattr(args, "limit_mm_per_prompt", None),
+            "image_size": getattr(args, "mm_image_size", None), "video_size": getattr(args, "mm_video_size", None),
+            "video_frames": getattr(args, "mm_video_frames", None),
+            "skip_mm_profiling": bool(getattr(args, "skip_mm_profiling", False))}
 
 
 def add_engine_flags(p: argparse.ArgumentParser, positional_model: bool = False) -> None:

@@ -139,6 +139,7 @@ class LoadWeightsData(PhaseData):
     weights_cache: str | None = NOT_REPORTED  # GGUF: "hit", "miss" or "off"; else "none"
     quantization: str | None = NOT_REPORTED  # the resolved --quantization; null for float weights
     quantization_reason: str | None = NOT_REPORTED
+    vision_weights_bytes: int | None = NOT_REPORTED  # VL models: the part of weights_bytes the vision tower holds
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +159,13 @@ class ProfileRunData(PhaseData):
     sample_s: float | None = NOT_REPORTED
     cached: bool | None = NOT_REPORTED
     measured_at: float | None = NOT_REPORTED
+    # VL models (engine/budget/vision.py): what the encoder adds to the profile
+    encoder_activation_peak_bytes: int | None = NOT_REPORTED  # the tower's run on the profiled items
+    encoder_cache_tokens: int | None = NOT_REPORTED  # the encoder cache budget: min(compute budget, cache size)
+    encoder_cache_bytes: int | None = NOT_REPORTED
+    mm_items_profiled: int | None = NOT_REPORTED
+    mm_modality: str | None = NOT_REPORTED  # the modality profiled (the most tokens per item)
+    skip_mm_profiling: bool | None = NOT_REPORTED
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ from engine.budget.ledger import label
 from engine.budget.memory import (
     GiB,
     MemoryPlan,
+    MiB,
     gpu_preset,
     kv_cache_size_line,
     kv_dtype_bytes,
@@ -28,7 +29,16 @@ from engine.budget.memory import (
     max_concurrency_line,
     plan_memory,
 )
-from engine.cli.flags import add_budget_flags, add_model_flags, add_scheduler_flags, gib_type, model_from_args
+from engine.budget.vision import MultimodalBudget, encoder_cache_line, multimodal_from_flags
+from engine.cli.flags import (
+    add_budget_flags,
+    add_model_flags,
+    add_multimodal_flags,
+    add_scheduler_flags,
+    gib_type,
+    model_from_args,
+    multimodal_flags,
+)
 from engine.errors import UserError
 from engine.events import PHASES, EngineConfigEvent, EventBus, JsonlSink, StartupPhase
 from engine.model.cpu_caps import choose_cpu_dtype, detect
@@ -48,6 +58,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_flags(p)
     add_budget_flags(p)
     add_scheduler_flags(p)
+    add_multimodal_flags(p)
     p.add_argument("--gpu", default=None, help="GPU preset (h100-80gb, h200, a100-80gb, a100-40gb, l40s, l4, rtx-4090, rtx-3090)")
     p.add_argument("--gpu-memory", type=gib_type("--gpu-memory"), default=None, metavar="GiB",
                    help="total device memory in GiB, instead of --gpu")
@@ -62,7 +73,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def build_plan(args: argparse.Namespace) -> tuple[ModelConfig, MemoryPlan, str]:
+def build_plan(args: argparse.Namespace, *, text_only: bool = False) -> tuple[ModelConfig, MemoryPlan, str]:
+    """The plan for the flags; ``text_only`` leaves a VL model's vision tower out (the
+    comparison that shows what the encoder costs)."""
     model = load_model_config(model_from_args(args))
     if args.gpu and args.gpu_memory is not None:
         raise UserError("give either --gpu or --gpu-memory, not both")
@@ -74,6 +87,9 @@ def build_plan(args: argparse.Namespace) -> tuple[ModelConfig, MemoryPlan, str]:
         preset = gpu_preset(args.gpu or "h100-80gb")
         total, gpu_name = preset.total_gib * GiB, f"{preset.name} ({preset.total_gib:g} GiB)"
     dtype = model.dtype if args.dtype == "auto" else args.dtype
+    multimodal = None if text_only else multimodal_from_flags(
+        model, **multimodal_flags(args), max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs, dtype=dtype, tensor_parallel_size=args.tensor_parallel_size)
     plan = plan_memory(
         model=model,
         total_bytes=int(total),
@@ -89,6 +105,8 @@ def build_plan(args: argparse.Namespace) -> tuple[ModelConfig, MemoryPlan, str]:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
+        multimodal=multimodal,
+        check_fits=not text_only,
     )
     return model, plan, gpu_name
 
@@ -144,7 +162,10 @@ def render_text(console: Console, model: ModelConfig, plan: MemoryPlan, gpu_name
 
     kv_b = kv_dtype_bytes(args.kv_cache_dtype, model.dtype if args.dtype == "auto" else args.dtype)
     kv_heads = max(1, model.num_kv_heads // args.tensor_parallel_size)
-    console.print(f"[bold]kvscope plan[/]: {model.name} ({model.num_parameters:,} parameters) on {gpu_name}, "
+    mm = plan.multimodal
+    params = (f"{model.num_parameters:,} parameters" if mm is None else
+              f"{model.num_parameters:,} LLM + {mm.vision_parameters:,} vision parameters")
+    console.print(f"[bold]kvscope plan[/]: {model.name} ({params}) on {gpu_name}, "
                   f"TP {args.tensor_parallel_size}", highlight=False)
     scale = kv_scale_bytes(args.kv_cache_dtype)
     row = f"({model.head_dim} head dim x {kv_b:g} B + {scale} B scale)" if scale else f"{model.head_dim} head dim x {kv_b:g} B"
@@ -162,24 +183,84 @@ def render_text(console: Console, model: ModelConfig, plan: MemoryPlan, gpu_name
              "--kv-cache-memory-bytes" if plan.kv_pool_overridden else ""),
         _row("outside the budget (1 - util)", (plan.total_bytes - plan.requested_bytes) / GiB),
     ]
+    if mm is not None:
+        lines[2:4] = multimodal_ledger_rows(plan, mm, args)
     tp = args.tensor_parallel_size
     console.print("[bold]Memory ledger[/]" + (f" (per GPU: each of the {tp} ranks holds 1/{tp} of the weights "
                                               "and of every token's KV heads)" if tp > 1 else ""), highlight=False)
     for line in lines:
         console.print(line, highlight=False)
     console.print()
+    if mm is not None:
+        console.print(encoder_cache_line(mm), highlight=False)
     console.print(kv_cache_size_line("GPU", plan.kv_cache_tokens)
                   + ("   (the engine's: every rank holds its heads of these tokens)" if tp > 1 else ""), highlight=False)
     console.print(max_concurrency_line(plan.max_model_len, plan.max_concurrency), highlight=False)
     console.print(f"  {plan.num_blocks:,} blocks of {plan.block_size} tokens "
                   f"({plan.block_bytes / 1024 / 1024:.2f} MiB each); "
                   f"{plan.kv_pool_bytes - plan.num_blocks * plan.block_bytes:,} bytes of pool left over", highlight=False)
+    if mm is not None:
+        for line in multimodal_effect_lines(plan, mm, args):
+            console.print(line, highlight=False)
     console.print()
     console.print(memory_bar(plan, per_gpu=tp > 1))
     host = host_cpu_summary()
     console.print()
     console.print(f"  this machine's CPU (for a run without a GPU): {detect().line()}; --dtype auto there is "
                   f"{host['auto_dtype']} ({host['auto_dtype_reason']})", highlight=False)
+
+
+def multimodal_ledger_rows(plan: MemoryPlan, mm: MultimodalBudget, args: argparse.Namespace) -> list[str]:
+    """The weights and phase D rows of a VL model: what the vision tower and the
+    encoder add, each marked given, from shapes or estimated."""
+    given_weights, given_peak = args.weights is not None, args.activation_peak is not None
+    encoder = f"{mm.items_profiled} {mm.modality} items of {mm.tokens_per_item:,} tokens ({mm.item})"
+    cache = f"{mm.encoder_budget_tokens:,} tokens x {mm.embedding_bytes_per_token:,} B"
+    rows = [
+        _row(f"- {label('weights_bytes')}", plan.weights_bytes / GiB, "given" if given_weights else "from shapes"),
+        _row(f"    {label('vision_weights_bytes')}", mm.vision_weights_bytes / GiB,
+             f"from shapes ({mm.vision_parameters:,} parameters)" + ("; inside the given weights" if given_weights else "")),
+    ]
+    if mm.skip_profiling:
+        rows += [
+            _row(f"- {label('activation_peak_bytes')} (phase D)", plan.activation_peak_bytes / GiB,
+                 "given" if given_peak else "estimated from shapes: the text step only (--skip-mm-profiling)"),
+            _row(f"    {label('encoder_activation_peak_bytes')}", mm.encoder_activation_peak_bytes / GiB,
+                 f"estimated, NOT budgeted: {encoder} at runtime"),
+            _row(f"    {label('encoder_cache_bytes')}", mm.encoder_cache_bytes / GiB, f"NOT budgeted: {cache}"),
+        ]
+        return rows
+    peak_note = ("given (a measured peak holds the encoder's share)" if given_peak else
+                 "estimated from shapes: max(encoder, encoder cache + LLM)")
+    rows += [_row(f"- {label('activation_peak_bytes')} (phase D)", plan.activation_peak_bytes / GiB, peak_note)]
+    if not given_peak:
+        rows.append(_row("    LLM activation peak", plan.llm_activation_peak_bytes / GiB, "estimated from shapes"))
+    rows += [
+        _row(f"    {label('encoder_activation_peak_bytes')}", mm.encoder_activation_peak_bytes / GiB,
+             f"estimated from shapes: {encoder}"),
+        _row(f"    {label('encoder_cache_bytes')}", mm.encoder_cache_bytes / GiB,
+             f"{cache} (min of compute budget {mm.encoder_compute_budget:,} and cache size {mm.encoder_cache_size:,})"),
+    ]
+    return rows
+
+
+def multimodal_effect_lines(plan: MemoryPlan, mm: MultimodalBudget, args: argparse.Namespace) -> list[str]:
+    """What the encoder costs the KV pool and concurrency against the same LLM as a
+    text model, and what one prompt's items hold in KV."""
+    _, text, _ = build_plan(args, text_only=True)
+    lines = [f"  versus the text model alone: KV pool {text.kv_pool_bytes / GiB:.2f} -> {plan.kv_pool_bytes / GiB:.2f} GiB "
+             f"({(plan.kv_pool_bytes - text.kv_pool_bytes) / GiB:+.2f} GiB, "
+             f"{plan.kv_cache_tokens - text.kv_cache_tokens:+,} tokens), max concurrency "
+             f"{text.max_concurrency:.2f}x -> {plan.max_concurrency:.2f}x"]
+    items = ", ".join(f"{n} {m}" for m, n in mm.items_per_prompt.items() if n)
+    if mm.image_tokens_in_kv:
+        kv = mm.tokens_per_prompt * plan.bytes_per_token
+        lines.append(f"  a prompt with {items} item(s) carries {mm.tokens_per_prompt:,} image tokens = "
+                     f"{kv / MiB:,.1f} MiB of KV ({plan.bytes_per_token / 1024:.0f} KiB each), before its text")
+    else:
+        lines.append(f"  a prompt with {items} item(s): {mm.tokens_per_prompt:,} image states read through "
+                     "cross-attention, outside the per-token KV of the text")
+    return lines
 
 
 def memory_bar(plan: MemoryPlan, width: int = 72, per_gpu: bool = False) -> Text:
