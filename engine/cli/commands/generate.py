@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
+from engine.cli.exporters import add_exporter_flags, attach_exporters
 from engine.cli.flags import add_engine_flags, engine_config_from_args
 from engine.core.sampling_params import SamplingParams
 from engine.logs import configure_logging
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -20,6 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    add_exporter_flags(p)
     p.set_defaults(func=run, stats_interval=0.0)
 
 
@@ -28,9 +34,23 @@ def run(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed, stop=args.stop)
+    from engine.events import EventBus
+
+    bus = EventBus()
+    exporters = attach_exporters(args, bus)  # a bad exporter flag is refused before torch loads
     from engine.llm_engine import LLMEngine  # torch loads only once the flags are checked
 
-    with LLMEngine(config) as engine:
+    try:
+        _generate(args, LLMEngine(config, bus=bus), params)
+    finally:
+        exporters.close()
+    for line in exporters.written:
+        print(f"wrote {line}", file=sys.stderr)
+    return 0
+
+
+def _generate(args: argparse.Namespace, engine: LLMEngine, params: SamplingParams) -> None:
+    with engine:
         prompt = args.prompt
         if args.chat:
             prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
@@ -43,4 +63,3 @@ def run(args: argparse.Namespace) -> int:
                 if out.finished:
                     sys.stdout.write("\n")
                     print(f"[{len(out.token_ids)} tokens, finish reason {out.finish_reason}]", file=sys.stderr)
-    return 0

@@ -5,6 +5,11 @@
                                        printed side by side
   engine replay run.jsonl --at STEP    the state after STEP: queues, block owners,
                                        memory ledger
+  engine replay run.jsonl --trace-out trace.json
+                                       a Perfetto / Chrome timeline of the recording
+                                       (--trace is the same flag here)
+  engine replay run.jsonl --otlp URL   its startup and request spans, sent to an
+                                       OTLP endpoint with their original times
 
 Works on recordings of the real engine (--events) and of engine simulate; a
 recording cut at any byte is replayed up to its last whole step.
@@ -14,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 
+from engine.cli.exporters import add_exporter_flags, build_exporters, recording_wall_start
 from engine.errors import UserError
+from engine.events import Recording
 from engine.sim.replay import Replayer, ReplayReport, load_recording
 
 
@@ -24,7 +31,22 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("recording", help="JSONL event file")
     p.add_argument("--verify", action="store_true", help="compare every step with the recording (default)")
     p.add_argument("--at", type=int, default=None, metavar="STEP", help="print the state after this step")
+    add_exporter_flags(p, replay=True)
     p.set_defaults(func=run)
+
+
+def export(args: argparse.Namespace, recording: Recording) -> None:
+    """Hand the recording's events to the exporters the flags ask for, as a live run would."""
+    last_t = recording.events[-1].t if recording.events else 0.0
+    wall_start, note = recording_wall_start(recording.header, args.recording, last_t)
+    exporters = build_exporters(args, wall_start, model_name=recording.config.get("served_model_name")
+                                or recording.config.get("model"))
+    if note and args.otlp_traces_endpoint:
+        print(note)
+    exporters.feed(recording.events)
+    exporters.close()
+    for line in exporters.written:
+        print(f"wrote {line}")
 
 
 def _cut_note(report: ReplayReport, replayer: Replayer) -> str | None:
@@ -38,7 +60,12 @@ def _cut_note(report: ReplayReport, replayer: Replayer) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    replayer = Replayer(load_recording(args.recording))
+    recording = load_recording(args.recording)
+    if args.trace_out or args.otlp_traces_endpoint or args.collect_detailed_traces:
+        export(args, recording)
+        if not args.verify and args.at is None:
+            return 0
+    replayer = Replayer(recording)
     if not replayer.steps:
         note = "the recording has no whole step event: nothing to replay"
         if args.at is not None:

@@ -9,6 +9,7 @@ import os
 import threading
 from typing import TYPE_CHECKING
 
+from engine.cli.exporters import add_exporter_flags, attach_exporters
 from engine.cli.flags import (
     add_engine_flags,
     add_workload_flags,
@@ -41,6 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_workload_flags(p, num_prompts=32, input_len="64:256", output_len="32:128", request_rate=float("inf"),
                        shared_prefix_len=256)
     p.add_argument("--monitor", action="store_true", help="show the live dashboard in this terminal")
+    add_exporter_flags(p)
     p.set_defaults(func=run)
 
 
@@ -52,14 +54,15 @@ def run_workload(args: argparse.Namespace, engine: LLMEngine, workload: list[Wor
     return drive_workload(engine, workload, ids, realtime=realtime, should_stop=should_stop)
 
 
-def run_with_monitor(args: argparse.Namespace, workload: list[WorkloadRequest], title: str) -> WorkloadSummary | None:
+def run_with_monitor(args: argparse.Namespace, workload: list[WorkloadRequest], title: str,
+                     bus: EventBus | None = None) -> WorkloadSummary | None:
     """Engine on a worker thread, dashboard in the main thread; the monitor
     subscribes before startup so it shows phases A–G as they happen."""
     from engine.cli.dashboard import load_dashboard
 
     run_dashboard = load_dashboard()  # no dashboard installed: a UserError before the engine starts
     config = engine_config_from_args(args)
-    bus = EventBus()
+    bus = bus or EventBus()
     result: dict[str, object] = {}
     stop = threading.Event()
 
@@ -87,19 +90,29 @@ def run_with_monitor(args: argparse.Namespace, workload: list[WorkloadRequest], 
 
 def run(args: argparse.Namespace) -> int:
     workload = generate_workload(workload_spec_from_args(args))  # bad workload flags fail before the engine starts
-    if args.monitor:
-        # The dashboard owns the terminal; it shows the same facts as events.
-        configure_logging("json", level="warning", stream=open(os.devnull, "w"))  # noqa: SIM115
-        summary = run_with_monitor(args, workload, "run-workload")
-    else:
-        configure_logging(args.log_format)
-        from engine.llm_engine import LLMEngine  # torch loads only once the flags are checked
-
-        with LLMEngine(engine_config_from_args(args)) as engine:
-            summary = run_workload(args, engine, workload, realtime=args.request_rate != float("inf"))
+    bus = EventBus()
+    exporters = attach_exporters(args, bus)  # and bad exporter flags too
+    try:
+        summary = _run(args, workload, bus)
+    finally:
+        exporters.close()
     if summary is not None:
         for line in summary.lines():
             print(line)
         if args.events_path:
             print(f"recorded to {args.events_path}: replay with `monitor replay {args.events_path}`")
+    for line in exporters.written:
+        print(f"wrote {line}")
     return 0
+
+
+def _run(args: argparse.Namespace, workload: list[WorkloadRequest], bus: EventBus) -> WorkloadSummary | None:
+    if args.monitor:
+        # The dashboard owns the terminal; it shows the same facts as events.
+        configure_logging("json", level="warning", stream=open(os.devnull, "w"))  # noqa: SIM115
+        return run_with_monitor(args, workload, "run-workload", bus)
+    configure_logging(args.log_format)
+    from engine.llm_engine import LLMEngine  # torch loads only once the flags are checked
+
+    with LLMEngine(engine_config_from_args(args), bus=bus) as engine:
+        return run_workload(args, engine, workload, realtime=args.request_rate != float("inf"))

@@ -19,12 +19,15 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from engine.budget.config import BUNDLED_MODEL_NAME
+from engine.cli.exporters import add_exporter_flags, attach_exporters
 from engine.cli.flags import add_engine_flags, engine_config_from_args, model_from_args
 from engine.errors import UserError
 from engine.logs import configure_logging, get_logger
 from engine.serve.settings import LOOPBACK_HOSTS, ServerSettings
 
 if TYPE_CHECKING:  # the app and the engine load torch: only once the flags are checked
+    from engine.budget.config import EngineConfig
+    from engine.events import EventBus
     from engine.serve.host import EngineHost
 
 API_KEY_ENV = "KVSCOPE_API_KEY"
@@ -34,6 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI API, /metrics and the live /events stream")
     add_engine_flags(p, positional_model=True)
     add_server_flags(p)
+    add_exporter_flags(p)
     p.set_defaults(func=run)
 
 
@@ -216,14 +220,23 @@ def make_server(host: EngineHost, bind: str, port: int, log_level: str = "warnin
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     config = engine_config_from_args(args)
-    if args.monitor:
-        return _run_with_monitor(args, settings)
+    from engine.events import EventBus
+
+    bus = EventBus()
+    exporters = attach_exporters(args, bus)  # a bad exporter flag is refused before the port is bound
+    try:
+        return _run_with_monitor(args, settings, bus) if args.monitor else _serve(args, settings, config, bus)
+    finally:
+        exporters.close()  # the trace file is written, queued spans are sent
+
+
+def _serve(args: argparse.Namespace, settings: ServerSettings, config: EngineConfig, bus: EventBus) -> int:
     configure_logging(args.log_format)
     log = get_logger("kvscope.serve")
     listener = bind_listening_socket(args.host, args.port)
     from engine.serve.host import EngineHost
 
-    host = EngineHost.create(config, settings)
+    host = EngineHost.create(config, settings, bus=bus)
     try:
         host.engine.wait_ready()  # a startup UserError exits 2 here; no request was ever accepted
     except BaseException:
@@ -241,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_with_monitor(args: argparse.Namespace, settings: ServerSettings) -> int:
+def _run_with_monitor(args: argparse.Namespace, settings: ServerSettings, bus: EventBus | None = None) -> int:
     """Dashboard in the main thread (it owns the terminal), uvicorn in a thread;
     the dashboard subscribes to the bus before startup so phases A–G show live."""
     from engine.cli.dashboard import load_dashboard
@@ -251,7 +264,7 @@ def _run_with_monitor(args: argparse.Namespace, settings: ServerSettings) -> int
     run_dashboard = load_dashboard()  # no dashboard installed: a UserError before anything binds
     listener = bind_listening_socket(args.host, args.port)
     configure_logging("json", level="warning", stream=open(os.devnull, "w"))  # noqa: SIM115
-    host = EngineHost.create(engine_config_from_args(args), settings, bus=EventBus())
+    host = EngineHost.create(engine_config_from_args(args), settings, bus=bus or EventBus())
     # The view subscribed before startup: its snapshot holds every phase so far.
     server = make_server(host, args.host, args.port)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, name="kvscope-http", daemon=True)

@@ -20,6 +20,7 @@ import json
 from typing import Any
 
 from engine.budget.memory import GPU_PRESETS
+from engine.cli.exporters import Exporters, add_exporter_flags, attach_exporters
 from engine.cli.flags import (
     add_budget_flags,
     add_model_flags,
@@ -64,6 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="max-num-batched-tokens=... (16,000-token prompt vs others' ITL) or concurrency=...")
     p.add_argument("--plot", default=None, metavar="PNG", help="draw the sweep into a PNG (throughput, TTFT and ITL against the swept value)")
     p.add_argument("--events", dest="events_path", default=None, metavar="PATH", help="record every event to JSONL")
+    add_exporter_flags(p)
     p.add_argument("--stats-interval", type=float, default=10.0, help="simulated seconds between stats events (default 10)")
     p.add_argument("--json", action="store_true", help="print the summary (or sweep rows) as JSON")
     p.set_defaults(func=run)
@@ -193,6 +195,8 @@ def plot_sweep(name: str, rows: list[dict[str, Any]], path: str) -> None:
 def run(args: argparse.Namespace) -> int:
     setup = setup_from_args(args)
     if args.sweep:
+        if args.otlp_traces_endpoint or args.trace_out:
+            raise UserError("--otlp-traces-endpoint and --trace-out trace one run: drop --sweep, or run one level")
         name, levels = parse_sweep(args.sweep)
         if args.plot:  # fail fast, before the sweep runs, when matplotlib is missing
             try:
@@ -222,8 +226,11 @@ def run(args: argparse.Namespace) -> int:
     workload = workload_from_args(args)
     bus: EventBus | None = None
     sink: JsonlSink | None = None
-    if args.events_path:
+    exporters = Exporters()
+    if args.events_path or args.otlp_traces_endpoint or args.trace_out or args.collect_detailed_traces:
         bus = EventBus()
+        exporters = attach_exporters(args, bus)
+    if args.events_path:
         try:
             sink = JsonlSink(args.events_path, config=setup.recording_config())
         except OSError as exc:
@@ -235,10 +242,13 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if sink is not None:
             sink.close()
+        exporters.close()
     if args.json:
         print(json.dumps(result.summary()))
     else:
         print(render_summary(setup, result))
         if args.events_path:
             print(f"  events: {args.events_path}")
+        for line in exporters.written:
+            print(f"  {line}")
     return 0

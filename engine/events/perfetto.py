@@ -1,0 +1,288 @@
+"""A run's events as a Chrome / Perfetto trace (Trace Event Format JSON).
+
+:class:`PerfettoTrace` is an event subscriber like the JSONL sink: it folds the
+events it sees into trace records and :meth:`~PerfettoTrace.write` saves them as a
+file that opens in ui.perfetto.dev and chrome://tracing. ``engine replay run.jsonl
+--trace-out trace.json`` folds a recording the same way. Timestamps are the bus
+clock's seconds (since engine start; simulated seconds for ``engine simulate``) in
+microseconds, as the format wants.
+
+Tracks (pid/tid and their names as ``M`` metadata records, so the UI shows words):
+
+- process "kvscope engine": thread "startup phases" (one ``X`` slice per phase
+  A–G, with vLLM's span name, status and memory), thread "steps" (one ``X`` slice
+  per step, named by its mix: prefill, decode or mixed; token counts, running,
+  waiting and KV blocks as args), and counter tracks (``C``): KV cache usage %,
+  running, waiting, prefill tokens, decode tokens, preemptions (running total);
+- process "requests": one thread per request, in arrival order: ``queued`` until
+  its first step, a ``prefill`` slice per chunk, one ``decode`` slice over its
+  consecutive decode steps, ``preempted`` / ``first token`` / ``finished`` instants
+  (``i``), ``queued (preempted)`` until it runs again.
+
+Only complete slices (``X``) are written, so there is no begin/end pairing to get
+wrong; each track's records are in time order.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.events.phase_names import span_name
+from engine.events.schema import (
+    Event,
+    RequestArrived,
+    RequestFinished,
+    RequestFirstToken,
+    RequestPreempted,
+    StartupPhase,
+    StepEvent,
+)
+
+ENGINE_PID = 1
+REQUESTS_PID = 2
+STARTUP_TID = 1
+STEPS_TID = 2
+QUEUED = "queued"
+QUEUED_AFTER_PREEMPTION = "queued (preempted)"
+DECODE = "decode"
+
+# counter track name -> what it reads from a step event
+COUNTERS = ("KV cache usage %", "running", "waiting", "prefill tokens", "decode tokens", "preemptions")
+
+
+def _us(seconds: float) -> float:
+    """Trace Event Format timestamps are microseconds; 3 decimals keep nanoseconds."""
+    return round(seconds * 1e6, 3)
+
+
+@dataclass(slots=True)
+class _OpenSlice:
+    name: str
+    start: float
+    end: float
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _RequestTrack:
+    """One request's track while it is followed: the slice still growing, and a
+    finish that waits for the step that carried its last token."""
+
+    tid: int
+    open: _OpenSlice | None = None
+    finish: tuple[float, dict[str, Any]] | None = None
+
+
+class PerfettoTrace:
+    """Event subscriber that folds events into Trace Event Format records; with a
+    ``path``, :meth:`close` writes them there (the file is written once, at the end)."""
+
+    def __init__(self, path: str | Path | None = None) -> None:
+        self.path = path
+        self._records: list[dict[str, Any]] = []
+        self._metadata: list[dict[str, Any]] = []
+        self._phase_begin: dict[str, StartupPhase] = {}
+        self._startup_end = 0.0
+        self._requests: dict[str, _RequestTrack] = {}  # followed now: arrived, not finished
+        self._tracks = 0
+        self._finishing: list[str] = []
+        self._preemptions = 0
+        self._last_step_end = 0.0
+        self.steps = 0
+        self._name_process(ENGINE_PID, "kvscope engine", 0)
+        self._name_thread(ENGINE_PID, STARTUP_TID, "startup phases")
+        self._name_thread(ENGINE_PID, STEPS_TID, "steps")
+        self._name_process(REQUESTS_PID, "requests", 1)
+
+    # ------------------------------------------------------------ metadata
+    def _name_process(self, pid: int, name: str, order: int) -> None:
+        self._metadata.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}})
+        self._metadata.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0,
+                               "args": {"sort_index": order}})
+
+    def _name_thread(self, pid: int, tid: int, name: str) -> None:
+        self._metadata.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}})
+        self._metadata.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid,
+                               "args": {"sort_index": tid}})
+
+    # -------------------------------------------------------------- records
+    def _slice(self, pid: int, tid: int, name: str, start: float, end: float, args: dict[str, Any]) -> None:
+        self._records.append({"ph": "X", "name": name, "pid": pid, "tid": tid, "ts": _us(start),
+                              "dur": _us(max(end - start, 0.0)), "args": args})
+
+    def _instant(self, tid: int, name: str, t: float, args: dict[str, Any]) -> None:
+        self._records.append({"ph": "i", "s": "t", "name": name, "pid": REQUESTS_PID, "tid": tid, "ts": _us(t),
+                              "args": args})
+
+    def _counter(self, name: str, t: float, value: float) -> None:
+        self._records.append({"ph": "C", "name": name, "pid": ENGINE_PID, "tid": 0, "ts": _us(t),
+                              "args": {"value": value}})
+
+    # ------------------------------------------------------------- the fold
+    def __call__(self, event: Event) -> None:
+        if isinstance(event, StepEvent):
+            self._step(event)
+        elif isinstance(event, RequestArrived):
+            self._track(event.request_id, event.t, {"prompt_tokens": event.prompt_tokens,
+                                                    "max_tokens": event.max_tokens})
+        elif isinstance(event, RequestPreempted):
+            self._preempted(event)
+        elif isinstance(event, RequestFirstToken):
+            track = self._requests.get(event.request_id)
+            if track is not None:
+                self._instant(track.tid, "first token", event.t, {"ttft_s": event.ttft_s})
+        elif isinstance(event, RequestFinished):
+            self._finished(event)
+        elif isinstance(event, StartupPhase):
+            self._phase(event)
+
+    def _phase(self, event: StartupPhase) -> None:
+        if event.status == "begin":
+            self._phase_begin[event.phase] = event
+            return
+        begin = self._phase_begin.pop(event.phase, None)
+        # Phases run one after another; simulated ones all sit at t=0 with their
+        # modelled durations, so each starts where the one before ended.
+        start = max(begin.t if begin is not None else event.t - (event.duration_s or 0.0), self._startup_end)
+        end = max(event.t, start + (event.duration_s or 0.0))
+        args: dict[str, Any] = {"phase": event.phase, "status": event.status, "vllm_span": span_name(event.phase),
+                                "duration_s": event.duration_s}
+        memory_before = event.memory_before or (begin.memory_before if begin is not None else None)
+        for label, memory in (("before", memory_before), ("after", event.memory_after)):
+            if memory:
+                args[f"allocated_bytes_{label}"] = memory.get("allocated")
+                args[f"free_bytes_{label}"] = memory.get("free")
+        if event.reason:
+            args["reason"] = event.reason
+        self._slice(ENGINE_PID, STARTUP_TID, f"{event.phase} {event.name}", start, end, args)
+        self._startup_end = end
+
+    def _track(self, request_id: str, t: float, args: dict[str, Any]) -> _RequestTrack:
+        track = self._requests.get(request_id)
+        if track is None:
+            self._tracks += 1  # a track per request, never reused
+            track = self._requests[request_id] = _RequestTrack(tid=self._tracks)
+            self._name_thread(REQUESTS_PID, track.tid, request_id)
+            track.open = _OpenSlice(QUEUED, t, t, args)
+        return track
+
+    def _close(self, track: _RequestTrack, end: float | None = None) -> float:
+        """Write the track's growing slice (ending at ``end``, or where it last grew)
+        and return where it ended."""
+        piece = track.open
+        if piece is None:
+            return 0.0
+        track.open = None
+        stop = piece.end if end is None else max(end, piece.start)
+        self._slice(REQUESTS_PID, track.tid, piece.name, piece.start, stop, piece.args)
+        return stop
+
+    def _preempted(self, event: RequestPreempted) -> None:
+        self._preemptions += 1
+        track = self._requests.get(event.request_id)
+        if track is None:
+            return
+        self._close(track)
+        self._instant(track.tid, "preempted", event.t, {"computed_tokens_lost": event.computed_tokens_lost,
+                                                         "num_preemptions": event.num_preemptions})
+        track.open = _OpenSlice(QUEUED_AFTER_PREEMPTION, event.t, event.t)
+
+    def _finished(self, event: RequestFinished) -> None:
+        track = self._requests.get(event.request_id)
+        if track is None:
+            return
+        args = {"reason": event.reason, "output_tokens": event.output_tokens, "e2e_s": event.e2e_s}
+        if track.open is not None and track.open.name in (QUEUED, QUEUED_AFTER_PREEMPTION):
+            # never ran again (an abort while waiting): it ends here
+            self._close(track, event.t)
+            self._end(event.request_id, track, event.t, args)
+            return
+        # The step that sampled its last token is published after this event:
+        # that step closes the decode slice.
+        track.finish = (event.t, args)
+        self._finishing.append(event.request_id)
+
+    def _end(self, request_id: str, track: _RequestTrack, t: float, args: dict[str, Any]) -> None:
+        self._instant(track.tid, "finished", t, args)
+        del self._requests[request_id]
+
+    def _step(self, event: StepEvent) -> None:
+        self.steps += 1
+        end = event.t
+        # t - duration_s lands a float's breadth before the last step's end: clamp, so
+        # slices on the steps track follow and never overlap
+        start = min(max(end - event.duration_s, self._last_step_end), end)
+        self._last_step_end = end
+        for request_id, (num_tokens, kind) in event.scheduled.items():
+            track = self._track(request_id, start, {})
+            piece = track.open
+            if piece is not None and piece.name != DECODE:
+                self._close(track, start)
+                piece = None
+            if kind == DECODE:
+                if piece is None:
+                    track.open = _OpenSlice(DECODE, start, end, {"tokens": num_tokens})
+                else:
+                    piece.end = end
+                    piece.args["tokens"] += num_tokens
+            else:
+                if piece is not None:
+                    self._close(track)
+                self._slice(REQUESTS_PID, track.tid, "prefill", start, end, {"tokens": num_tokens})
+        for request_id in self._finishing:
+            track = self._requests.get(request_id)
+            if track is not None and track.finish is not None:
+                stop = self._close(track)
+                self._end(request_id, track, max(end, stop), track.finish[1])
+        self._finishing.clear()
+        mix = ("mixed" if event.num_prefill_tokens and event.num_decode_tokens
+               else "prefill" if event.num_prefill_tokens else "decode" if event.num_decode_tokens else "idle")
+        self._slice(ENGINE_PID, STEPS_TID, mix, start, end, {
+            "index": event.index, "prefill_tokens": event.num_prefill_tokens,
+            "decode_tokens": event.num_decode_tokens, "running": event.num_running,
+            "waiting": event.num_waiting, "kv_blocks_used": event.kv_blocks_used,
+            "kv_blocks_total": event.kv_blocks_total, "preempted": len(event.preempted),
+            "finished": len(event.finished)})
+        usage = 100.0 * event.kv_blocks_used / event.kv_blocks_total if event.kv_blocks_total else 0.0
+        for name, value in zip(COUNTERS, (round(usage, 3), event.num_running, event.num_waiting,
+                                          event.num_prefill_tokens, event.num_decode_tokens, self._preemptions),
+                               strict=True):
+            self._counter(name, end, value)
+
+    # --------------------------------------------------------------- output
+    def trace(self) -> dict[str, Any]:
+        """The Trace Event Format object: metadata first, then every record in time
+        order (so each track's are too). Requests still open (a recording cut mid-run)
+        end where they last grew."""
+        for request_id in list(self._finishing):
+            track = self._requests.get(request_id)
+            if track is not None and track.finish is not None:
+                stop = self._close(track)
+                self._end(request_id, track, max(track.finish[0], stop), track.finish[1])
+        self._finishing.clear()
+        for track in self._requests.values():
+            self._close(track)
+        self._requests.clear()
+        self._records.sort(key=lambda record: record["ts"])
+        return {"traceEvents": [*self._metadata, *self._records], "displayTimeUnit": "ms",
+                "otherData": {"producer": "kvscope", "clock": "seconds since engine start, in microseconds"}}
+
+    def write(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.trace(), separators=(",", ":")), encoding="utf-8")
+
+    def close(self) -> None:
+        """The sink's end (as JsonlSink's): write the file given to the constructor."""
+        if self.path is not None:
+            self.write(self.path)
+
+
+def trace_of(events: Iterable[Event]) -> dict[str, Any]:
+    """Fold ``events`` (a recording's) into one Trace Event Format object."""
+    builder = PerfettoTrace()
+    for event in events:
+        builder(event)
+    return builder.trace()
