@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from logparse.patterns import PATTERNS, TEXT_FIELDS, LinePattern
+from logparse.patterns import BLANK, BULK_MARKERS, NOISE, PATTERNS, TEXT_FIELDS, LinePattern
 
 MAX_LINE_BYTES = 1 << 20  # a longer physical line keeps its first MiB; the rest is skipped
 MATCH_CHARS = 8192  # patterns see at most this much of a message (config lines are ~3-5 kB)
@@ -68,6 +68,8 @@ def _anchor_table() -> list[tuple[str, tuple[int, ...]]]:
 
 
 _ANCHOR_TABLE = _anchor_table()
+_NOISE_ANCHORS = [(noise.anchors, noise) for noise in NOISE]
+_TRACEBACK_CODE = re.compile(r"^\s+\S")  # the code line Python prints under a frame, indented
 
 
 @dataclass(slots=True)
@@ -88,6 +90,7 @@ class Record:
     repeated: int = 1
     duplicate_of: int | None = None
     has_prefix: bool = False
+    noise: str | None = None  # the source of a line vLLM did not write (NOISE), when no pattern matched
 
     @property
     def phase(self) -> str | None:
@@ -106,7 +109,7 @@ class Record:
         }
         if self.end_line != self.line:
             out["end_line"] = self.end_line
-        for name in ("level", "time", "process", "source", "duplicate_of"):
+        for name in ("level", "time", "process", "source", "duplicate_of", "noise"):
             value = getattr(self, name)
             if value is not None:
                 out[name] = value
@@ -151,6 +154,17 @@ def match_message(text: str) -> tuple[LinePattern | None, dict[str, Any], dict[s
                         printed[name] = value
         return pattern, fields, printed
     return None, {}, {}
+
+
+def match_noise(text: str) -> str | None:
+    """The source of a message vLLM did not write (``NOISE``), ``BLANK`` for an empty one."""
+    if not text.strip():
+        return BLANK
+    probe = text[:MATCH_CHARS]
+    for anchors, noise in _NOISE_ANCHORS:
+        if any(anchor in probe for anchor in anchors) and noise.regex.search(probe):
+            return noise.source
+    return None
 
 
 @dataclass(slots=True)
@@ -280,14 +294,20 @@ def iter_physical_lines(source: str | Path | BinaryIO | Iterable[bytes | str]) -
     else:
         chunks = source
     for number, chunk in enumerate(chunks, 1):
-        text = chunk.decode("utf-8", errors="replace") if isinstance(chunk, bytes | bytearray) else chunk
-        text = text.rstrip("\r\n")
-        if "\r" in text:
-            for piece in text.split("\r"):
-                if piece.strip():
-                    yield number, piece
-            continue
-        yield number, text
+        yield from decode_physical(number, chunk)
+
+
+def decode_physical(number: int, chunk: bytes | str) -> Iterator[tuple[int, str]]:
+    """One physical line as the parser sees it: decoded, its newline dropped, a ``\\r``
+    redraw split into its non-empty pieces."""
+    text = chunk.decode("utf-8", errors="replace") if isinstance(chunk, bytes | bytearray) else chunk
+    text = text.rstrip("\r\n")
+    if "\r" in text:
+        for piece in text.split("\r"):
+            if piece.strip():
+                yield number, piece
+        return
+    yield number, text
 
 
 def _bounded_lines(fh: BinaryIO) -> Iterator[bytes]:
@@ -305,24 +325,40 @@ def _bounded_lines(fh: BinaryIO) -> Iterator[bytes]:
 
 def iter_records(source: str | Path | BinaryIO | Iterable[bytes | str]) -> Iterator[Record]:
     """Parse a log into :class:`Record` objects, one pending record at a time."""
-    pending: Record | None = None
-    previous_len = 0
-    seen: dict[tuple[str, str], tuple[int, str | None]] = {}
+    assembler = RecordAssembler()
     for number, physical in iter_physical_lines(source):
+        yield from assembler.feed(number, physical)
+    yield from assembler.finish()
+
+
+class RecordAssembler:
+    """Physical lines in, records out: a record is held until the next line shows it is
+    not continued (an indented line, or the rest of a line a terminal hard-wrapped).
+    :func:`iter_records` feeds it every line; the fast summary (logparse/fastscan.py)
+    feeds it every line it does not count in a run."""
+
+    def __init__(self) -> None:
+        self.pending: Record | None = None
+        self.previous_len = 0
+        self.seen: dict[tuple[str, str], tuple[int, str | None]] = {}
+        self.frame_process: str | bool | None = False  # the process whose traceback frame came last (False: none)
+
+    def feed(self, number: int, physical: str) -> Iterator[Record]:
         for piece in _split_glued(physical):
             prefix = strip_prefix(piece)
             text = prefix.text
             pattern, fields, printed = match_message(text) if text else (None, {}, {})
+            pending = self.pending
             joinable = (
                 pending is not None
                 and not prefix.has_prefix
                 and pattern is None
                 and text
                 # indented: a continuation line; long unmatched previous line: a terminal hard wrap
-                and (prefix.indented or (previous_len >= WRAP_MIN_CHARS and pending.pattern is None))
+                and (prefix.indented or (self.previous_len >= WRAP_MIN_CHARS and pending.pattern is None))
                 and len(pending.text) < MAX_RECORD_CHARS
             )
-            previous_len = len(piece)
+            self.previous_len = len(piece)
             if joinable:
                 assert pending is not None
                 pending.text = (pending.text + (" " if prefix.indented else "") + text)[:MAX_RECORD_CHARS]
@@ -330,8 +366,8 @@ def iter_records(source: str | Path | BinaryIO | Iterable[bytes | str]) -> Itera
                 pending.pattern, pending.fields, pending.printed = match_message(pending.text)
                 continue
             if pending is not None:
-                yield _mark_duplicate(pending, seen)
-            pending = Record(
+                yield self._close(pending)
+            self.pending = Record(
                 line=number,
                 end_line=number,
                 text=text[:MAX_RECORD_CHARS],
@@ -346,14 +382,29 @@ def iter_records(source: str | Path | BinaryIO | Iterable[bytes | str]) -> Itera
                 repeated=prefix.repeated,
                 has_prefix=prefix.has_prefix,
             )
-    if pending is not None:
-        yield _mark_duplicate(pending, seen)
+
+    def finish(self) -> Iterator[Record]:
+        """The record still held (the log's last); the assembler is empty afterwards."""
+        if self.pending is not None:
+            yield self._close(self.pending)
+        self.pending = None
+
+    def _close(self, record: Record) -> Record:
+        if record.pattern is None:
+            record.noise = match_noise(record.text)
+            if record.noise is None and self.frame_process == record.process and _TRACEBACK_CODE.match(record.text):
+                record.noise = "traceback"  # the code line under a frame, printed with its own log prefix
+            self.frame_process = record.process if record.noise == "traceback" else False
+        elif not (self.frame_process == record.process and _TRACEBACK_CODE.match(record.text)):
+            self.frame_process = False  # an echoed source line that a pattern knows keeps the traceback open
+        return _mark_duplicate(record, self.seen)
 
 
 def _mark_duplicate(record: Record, seen: dict[tuple[str, str], tuple[int, str | None]]) -> Record:
     """Worker lines print once per TP/PP rank: the same message under another
-    process prefix is marked as a duplicate of the first."""
-    if record.pattern is None or record.process is None:
+    process prefix is marked as a duplicate of the first. The API server's periodic
+    lines (:data:`BULK_MARKERS`) are never per-rank copies, so they are not tracked."""
+    if record.pattern is None or record.process is None or record.pattern.id in BULK_MARKERS:
         return record
     key = (record.pattern.id, record.text)
     first = seen.get(key)

