@@ -22,6 +22,18 @@ Where each value comes from:
   requests included, as vLLM);
 - ``cache_config_info``: ``engine.config`` plus the phase E ``startup.phase``
   event's ``num_blocks`` / ``kv_cache_tokens``;
+- ``num_preemptions_by_reason{reason}``: each ``request.preempted`` event's reason
+  (kv_full | priority; the reasons sum to ``num_preemptions``);
+- the MFU estimates (``estimated_flops_per_gpu_total``, ``estimated_read_bytes_per_gpu_total``,
+  ``estimated_write_bytes_per_gpu_total``): each step event's tokens and
+  ``kv_tokens_read`` through the cost model's one formula
+  (:class:`engine.budget.roofline.Roofline`), sized by ``engine.config``'s model
+  summary (parameters, KV bytes per token, tensor parallelism) and phase C's weights;
+  counted once those three facts have arrived;
+- with ``kv_cache_metrics`` (``--kv-cache-metrics``) the block residency histograms
+  (``kv_block_lifetime_seconds``, ``kv_block_idle_before_evict_seconds``,
+  ``kv_block_reuse_gap_seconds``): the step events' block deltas folded by
+  :class:`engine.events.block_residency.BlockResidency`, every block observed;
 - the V0-era ``avg_*_throughput_toks_per_s`` gauges: the ``stats`` event.
 
 The same fact is also exported under the other names vLLM serves or served
@@ -37,17 +49,21 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from engine.budget.roofline import Roofline
 from engine.events import (
     EngineConfigEvent,
     Event,
     RequestArrived,
     RequestFinished,
     RequestFirstToken,
+    RequestPreempted,
     StartupPhase,
     StatsEvent,
     StepEvent,
 )
-from engine.events.phase_data import KvCacheData, read_phase
+from engine.events.block_residency import BlockResidency
+from engine.events.phase_data import KvCacheData, LoadWeightsData, read_phase
+from engine.events.schema import PREEMPTION_REASONS
 from engine.events.stats import TokenTally, kv_cache_usage
 
 # ---------------------------------------------------------------- vLLM buckets
@@ -72,6 +88,10 @@ ITERATION_TOKENS_BUCKETS: tuple[float, ...] = (1, 8, 16, 32, 64, 128, 256, 512, 
 # request_params_n and request_num_preemptions (vllm/v1/metrics/buckets.py)
 REQUEST_PARAMS_N_BUCKETS: tuple[float, ...] = (1, 2, 5, 10, 20)
 REQUEST_PREEMPTION_BUCKETS: tuple[float, ...] = (1, 2, 3, 4, 5, 10, 20)
+# kv_cache_residency (vllm/v1/metrics/buckets.py): ms-scale reuse gaps to 30-minute lifetimes
+KV_CACHE_RESIDENCY_BUCKETS: tuple[float, ...] = (
+    0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800,
+)  # fmt: skip
 
 # used only when neither the constructor nor an engine.config event gives one
 FALLBACK_MAX_MODEL_LEN = 8192
@@ -117,7 +137,9 @@ class PrometheusMetrics:
     ``model_name`` is the served model name (label ``model_name``);
     ``engine_index`` the ``engine`` label. ``max_model_len`` sets the top of the
     request-token histograms (vLLM's 1-2-5 series); without it they are created
-    when the engine.config event arrives. ``render()`` is the /metrics body.
+    when the engine.config event arrives. ``kv_cache_metrics`` adds the block
+    residency histograms (vLLM's ``--kv-cache-metrics``; off, they cost nothing).
+    ``render()`` is the /metrics body.
     """
 
     def __init__(
@@ -126,6 +148,7 @@ class PrometheusMetrics:
         model_name: str,
         engine_index: str = "0",
         max_model_len: int | None = None,
+        kv_cache_metrics: bool = False,
     ) -> None:
         self.registry = registry
         self.model_name = model_name
@@ -162,6 +185,11 @@ class PrometheusMetrics:
         self.num_preemptions = counter(
             "vllm:num_preemptions", "Cumulative number of preemption from the engine."
         )
+        by_reason = Counter("vllm:num_preemptions_by_reason",
+                            "Cumulative number of preemptions by reason (kv_full, priority).",
+                            (*labels, "reason"), registry=registry)
+        self._preemptions_by_reason = {reason: by_reason.labels(*values, reason) for reason in PREEMPTION_REASONS}
+        self._preemptions_by_reason_family = by_reason
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         self._request_success = Counter(
@@ -229,6 +257,10 @@ class PrometheusMetrics:
         self.prompt_tokens_cached = counter(
             "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local prefix-cache hits)."
         )
+        # vLLM counts here cached tokens computed again because a hit covered the whole prompt
+        # (the last token must run to give logits). Local lookups stop one token short of the
+        # prompt, in kvscope as in vLLM, so only an external KV source could move it: 0.
+        counter("vllm:prompt_tokens_recomputed", "Number of cached tokens recomputed for forward pass.")
         by_source = Counter("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
                             (*labels, "source"), registry=registry)
         self.prompt_tokens_computed = by_source.labels(*values, "local_compute")
@@ -238,6 +270,36 @@ class PrometheusMetrics:
                                   (*labels, "reason"), registry=registry)
         self.waiting_for_capacity = waiting_by_reason.labels(*values, "capacity")
         waiting_by_reason.labels(*values, "deferred").set(0)  # kvscope defers nothing (no KV transfer)
+        # MFU estimates: vLLM's counters (vllm/v1/metrics/perf.py), named with _total in code
+        # as there, so the wire names are the same; counted from the cost model's formula.
+        self.estimated_flops = counter(
+            "vllm:estimated_flops_per_gpu_total",
+            "Estimated number of floating point operations per GPU (for Model Flops Utilization calculations).",
+        )
+        self.estimated_read_bytes = counter(
+            "vllm:estimated_read_bytes_per_gpu_total",
+            "Estimated number of bytes read from memory per GPU (for Model Flops Utilization calculations).",
+        )
+        self.estimated_write_bytes = counter(
+            "vllm:estimated_write_bytes_per_gpu_total",
+            "Estimated number of bytes written to memory per GPU (for Model Flops Utilization calculations).",
+        )
+        self.roofline: Roofline | None = None  # known once engine.config and phase C have arrived
+        self._model_summary: dict[str, Any] = {}
+        self._tensor_parallel_size = 1
+        self._weights_bytes: int | None = None
+        self.block_residency: BlockResidency | None = None
+        if kv_cache_metrics:
+            residency = [
+                histogram(name, doc, KV_CACHE_RESIDENCY_BUCKETS).observe
+                for name, doc in (
+                    ("vllm:kv_block_lifetime_seconds", "KV cache block lifetime from allocation to eviction."),
+                    ("vllm:kv_block_idle_before_evict_seconds",
+                     "Idle time before KV cache block eviction (since its last prefix-cache hit)."),
+                    ("vllm:kv_block_reuse_gap_seconds", "Time between consecutive KV cache block accesses."),
+                )
+            ]
+            self.block_residency = BlockResidency(*residency)
         self.avg_prompt_throughput = gauge(
             "vllm:avg_prompt_throughput_toks_per_s",
             "Average prefill throughput in tokens/s over the last stats interval (vLLM V0's gauge).",
@@ -265,6 +327,7 @@ class PrometheusMetrics:
         self.tokens = TokenTally()
         self._handlers: dict[type, Callable[[Any], None]] = {
             StepEvent: self._on_step,
+            RequestPreempted: self._on_preempted,
             RequestArrived: self._on_arrived,
             StatsEvent: self._on_stats,
             RequestFirstToken: self._on_first_token,
@@ -298,7 +361,22 @@ class PrometheusMetrics:
         generated = self.tokens.step(event)
         if generated:
             self.generation_tokens.inc(generated)
-        self.iteration_tokens.observe(event.num_prefill_tokens + event.num_decode_tokens)
+        num_tokens = event.num_prefill_tokens + event.num_decode_tokens
+        self.iteration_tokens.observe(num_tokens)
+        roofline = self.roofline
+        if roofline is not None and num_tokens:
+            self.estimated_flops.inc(roofline.flops(num_tokens))
+            self.estimated_read_bytes.inc(roofline.read_bytes(event.kv_tokens_read))
+            self.estimated_write_bytes.inc(roofline.write_bytes(num_tokens))
+        if self.block_residency is not None:
+            self.block_residency.apply(event)
+
+    def _on_preempted(self, event: RequestPreempted) -> None:
+        counter = self._preemptions_by_reason.get(event.reason)
+        if counter is None:  # a reason a newer recording names
+            counter = self._preemptions_by_reason[event.reason] = self._preemptions_by_reason_family.labels(
+                *self._label_values, event.reason)
+        counter.inc()
 
     def _on_arrived(self, event: RequestArrived) -> None:
         self.tokens.arrived(event)
@@ -358,6 +436,9 @@ class PrometheusMetrics:
 
     def _on_config(self, event: EngineConfigEvent) -> None:
         config = event.config
+        self._model_summary = event.model
+        self._tensor_parallel_size = int(config.get("tensor_parallel_size") or 1)
+        self._size_roofline()
         if self.request_prompt_tokens is None:
             self._create_request_token_histograms(_resolved_max_model_len(event) or FALLBACK_MAX_MODEL_LEN)
         self._set_cache_config(
@@ -370,7 +451,13 @@ class PrometheusMetrics:
         )
 
     def _on_phase(self, event: StartupPhase) -> None:
-        kv = read_phase(event, KvCacheData) if event.status == "end" else None
+        if event.status != "end":
+            return
+        weights = read_phase(event, LoadWeightsData)
+        if weights is not None and weights.weights_bytes is not None:
+            self._weights_bytes = weights.weights_bytes
+            self._size_roofline()
+        kv = read_phase(event, KvCacheData)
         if kv is None:
             return
         fields: dict[str, Any] = {}
@@ -384,6 +471,16 @@ class PrometheusMetrics:
             self._set_cache_config(**fields)
 
     # ---------------------------------------------------------------- helpers
+    def _size_roofline(self) -> None:
+        """The per-GPU roofline once the model summary and the weights are known: each
+        tensor-parallel rank holds 1/tp of the parameters (the weights and the KV bytes
+        per token the events carry are per rank already)."""
+        parameters = self._model_summary.get("num_parameters")
+        kv_bytes = self._model_summary.get("bytes_per_kv_token")
+        if parameters is None or kv_bytes is None or self._weights_bytes is None:
+            return
+        self.roofline = Roofline(int(parameters) // self._tensor_parallel_size, self._weights_bytes, int(kv_bytes))
+
     def _create_request_token_histograms(self, max_model_len: int) -> None:
         buckets = tuple(float(b) for b in build_1_2_5_buckets(max_model_len))
         labels, values = self._label_names, self._label_values
