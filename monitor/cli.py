@@ -1,5 +1,7 @@
-"""``monitor follow URL`` follows a server (``monitor URL`` for short);
-``monitor replay FILE.jsonl`` replays a recording."""
+"""``monitor follow URL`` follows a server (``monitor URL`` for short; several URLs: the
+fleet view); ``monitor vllm URL`` watches a vLLM server through its /metrics and KV
+events; ``monitor record URL... --out FILE`` records them; ``monitor replay FILE.jsonl``
+replays a recording (kvscope's, or one ``monitor record`` made)."""
 
 from __future__ import annotations
 
@@ -7,20 +9,38 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from engine.cli.program import program, run_program
 from engine.errors import UserError
 
-SUBCOMMANDS = ("follow", "replay")
+SUBCOMMANDS = ("follow", "replay", "vllm", "record")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser, sub = program("monitor", "The kvscope dashboard: follow a server live, or replay a recording.")
-    p = sub.add_parser("follow", help="follow a running server's /events stream")
-    p.add_argument("url", help="server address, e.g. http://127.0.0.1:8000")
+    p = sub.add_parser("follow", help="follow a running server's /events stream (several URLs: the fleet view)")
+    p.add_argument("url", nargs="+", help="server address, e.g. http://127.0.0.1:8000 (kvscope or vLLM)")
     p.add_argument("--api-key", default=os.environ.get("KVSCOPE_API_KEY"),
                    help="bearer token if the server was started with --api-key")
+    _add_polling(p)
     p.set_defaults(func=follow)
+    p = sub.add_parser("vllm", help="watch a vLLM server: its /metrics and, with --kv-events, its KV cache events")
+    p.add_argument("url", help="the vLLM server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--kv-events", metavar="ENDPOINT",
+                   help="its KV-event publisher, e.g. tcp://127.0.0.1:5557 (vLLM's --kv-events-config endpoint)")
+    p.add_argument("--kv-replay", metavar="ENDPOINT",
+                   help="its replay endpoint (replay_endpoint), to fill gaps, e.g. tcp://127.0.0.1:5558")
+    _add_polling(p)
+    p.set_defaults(func=watch_vllm)
+    p = sub.add_parser("record", help="record servers' /metrics (and KV events) as a JSONL recording")
+    p.add_argument("url", nargs="+", help="servers to scrape, e.g. http://127.0.0.1:8000")
+    p.add_argument("--out", required=True, help="the recording to write, e.g. fleet.jsonl")
+    p.add_argument("--kv-events", metavar="ENDPOINT", help="the first server's KV-event publisher (tcp://HOST:5557)")
+    p.add_argument("--kv-replay", metavar="ENDPOINT", help="its replay endpoint (tcp://HOST:5558)")
+    p.add_argument("--duration", type=float, help="seconds to record (default: until Ctrl-C)")
+    _add_polling(p)
+    p.set_defaults(func=record)
     p = sub.add_parser("replay", help="replay a JSONL recording (engine ... --events FILE)")
     p.add_argument("file", help="a JSONL event recording (engine ... --events FILE)")
     p.add_argument("--play", action="store_true", help="start playing instead of paused")
@@ -29,20 +49,127 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_polling(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between /metrics polls (default 1)")
+    p.add_argument("--timeout", type=float, default=2.0, help="seconds a poll may take before the replica is down")
+    p.add_argument("--gpu-readings", metavar="FILE",
+                   help="NVML readings recorded as JSON instead of this machine's NVML (monitor/gpu.py's format)")
+    p.add_argument("--no-gpu", action="store_true", help="do not read NVML")
+
+
+def _check_polling(args: argparse.Namespace) -> None:
+    if args.interval <= 0 or args.timeout <= 0:
+        raise UserError(f"--interval {args.interval:g} / --timeout {args.timeout:g}: both must be positive seconds")
+
+
+def _gpu_reader(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from monitor.gpu import NvmlReader, RecordedGpuReader
+
+    if getattr(args, "no_gpu", False):
+        return None
+    return RecordedGpuReader.load(args.gpu_readings) if getattr(args, "gpu_readings", None) else NvmlReader()
+
+
+def _kv(args: argparse.Namespace, source: str) -> list:  # type: ignore[type-arg]
+    from monitor.external import KvEndpoint
+    from monitor.kv_events import check_endpoint
+
+    if not args.kv_events:
+        if args.kv_replay:
+            raise UserError("--kv-replay needs --kv-events (the publisher's endpoint)")
+        return []
+    return [KvEndpoint(source, check_endpoint(args.kv_events), check_endpoint(args.kv_replay) if args.kv_replay else None)]
+
+
 def follow(args: argparse.Namespace) -> int:
+    from monitor.poller import KVSCOPE, VLLM, base_url, detect_kinds
+
+    _check_polling(args)
+    urls = [base_url(u) for u in args.url]
+    kinds = detect_kinds(urls, timeout_s=args.timeout)
+    if len(urls) == 1 and kinds[urls[0]] != VLLM:
+        # kvscope (or nothing answering yet: kvscope's feed reconnects with its reason on screen)
+        return _follow_kvscope(urls[0], args.api_key)
+    if len(urls) == 1:
+        return _run_fleet(args, urls, kinds, detail=urls[0])
+    return _run_fleet(args, urls, {u: k for u, k in kinds.items() if k in (KVSCOPE, VLLM)})
+
+
+def _follow_kvscope(url: str, api_key: str | None) -> int:
     from monitor.app import MonitorApp  # Textual loads only once arguments parse
     from monitor.sources import HttpFeed
 
-    MonitorApp(feed=HttpFeed(args.url, api_key=args.api_key)).run()
+    MonitorApp(feed=HttpFeed(url, api_key=api_key)).run()
+    return 0
+
+
+def _run_fleet(args: argparse.Namespace, urls: list[str], kinds: dict[str, str], detail: str | None = None,
+               kv: list | None = None) -> int:  # type: ignore[type-arg]
+    """The fleet view; Enter on a kvscope replica opens its full dashboard, and quitting
+    that comes back to the fleet (its states kept, its pollers restarted)."""
+    from monitor.external import ExternalFeed
+    from monitor.fleet_app import FleetApp
+
+    states = None
+    gpu = _gpu_reader(args)
+    while True:
+        feed = ExternalFeed(urls, kv=kv or [], interval_s=args.interval, timeout_s=args.timeout)
+        app = FleetApp(feed=feed, gpu=gpu, detail=detail, states=states, kinds=kinds)
+        chosen = app.run()
+        if not chosen:
+            return 0
+        states, detail = app.states, None
+        _follow_kvscope(chosen, getattr(args, "api_key", None))
+
+
+def watch_vllm(args: argparse.Namespace) -> int:
+    from monitor.poller import VLLM, base_url
+
+    _check_polling(args)
+    url = base_url(args.url)
+    return _run_fleet(args, [url], {url: VLLM}, detail=url, kv=_kv(args, url))
+
+
+def record(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from monitor.record import record as record_sources
+
+    _check_polling(args)
+    if args.duration is not None and args.duration <= 0:
+        raise UserError(f"--duration {args.duration:g}: must be positive seconds")
+    out = Path(args.out)
+    if not out.parent.is_dir():
+        raise UserError(f"--out {out}: no such folder {out.parent}")
+    kv = _kv(args, args.url[0])
+
+    def progress(count: int) -> None:
+        print(f"\r{out}: {count} events", end="", file=sys.stderr, flush=True)
+
+    try:
+        count = asyncio.run(record_sources(args.url, out, kv=kv, interval_s=args.interval, timeout_s=args.timeout,
+                                           duration_s=args.duration, progress=progress))
+    except KeyboardInterrupt:
+        print(f"\n{out}: stopped", file=sys.stderr)
+        return 0
+    print(f"\n{out}: {count} events from {len(args.url)} source(s)", file=sys.stderr)
     return 0
 
 
 def replay(args: argparse.Namespace) -> int:
     from monitor.app import MonitorApp
+    from monitor.external import load_external_timeline
     from monitor.sources import load_timeline
 
     if args.checkpoint_every < 1:
         raise UserError(f"--checkpoint-every {args.checkpoint_every}: must be at least 1")
+    external = load_external_timeline(args.file)
+    if external is not None:  # a recording `monitor record` made: the fleet view, seekable
+        from monitor.fleet_app import FleetApp
+
+        detail = external.sources[0] if len(external.sources) == 1 else None
+        FleetApp(timeline=external, detail=detail, source_name=str(args.file)).run()
+        return 0
     timeline = load_timeline(args.file, checkpoint_every=args.checkpoint_every)
     MonitorApp(timeline=timeline, source_name=str(args.file), autoplay=args.play).run()
     return 0

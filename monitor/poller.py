@@ -127,3 +127,20 @@ class MetricsPoller:
         finally:
             if own:
                 await client.aclose()
+
+
+def detect_kinds(urls: list[str], timeout_s: float = 2.0) -> dict[str, str]:
+    """Each server's kind (``kvscope``, ``vllm``), asked concurrently; ``?`` for one
+    that does not answer or serves neither (the fleet polls it anyway)."""
+
+    async def ask_all() -> dict[str, str]:
+        async with httpx.AsyncClient(timeout=timeout_s) as client:
+            async def one(url: str) -> str:
+                try:
+                    return await detect_kind(client, url)
+                except UserError:
+                    return "?"
+            kinds = await asyncio.gather(*(one(u) for u in urls))
+        return dict(zip(urls, kinds, strict=True))
+
+    return asyncio.run(ask_all())

@@ -66,7 +66,7 @@ class ReplicaState:
     """Everything the monitor knows about one replica at source ``source``."""
 
     source: str
-    kind: str = "vllm"  # vllm | kvscope
+    kind: str = "?"  # vllm | kvscope, once detected
     status: str = CONNECTING
     reason: str = ""
     scrapes: int = 0

@@ -1,0 +1,245 @@
+"""The fleet dashboard: replicas polled over /metrics (vLLM or kvscope, mixed), one row
+each, Enter into one replica's dashboard; live or from a ``monitor record`` recording.
+
+The app only renders :class:`~monitor.replica.ReplicaState` (folded from the feed's
+events on a timer, or taken from a :class:`~monitor.external.ReplicaTimeline`) and
+the GPU reader's snapshots. Enter on a kvscope replica ends the app with its URL
+(``exit`` result), so the command opens kvscope's own full dashboard on its
+``/events`` stream and comes back to the fleet after it; a vLLM replica opens
+:class:`ReplicaScreen` (metrics, cached prefixes, GPU) in place.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import ClassVar
+
+from rich.text import Text
+from textual.app import App, ComposeResult
+from textual.binding import Binding, BindingType
+from textual.screen import Screen
+from textual.widgets import DataTable, Footer, Static
+
+from monitor.external import ExternalFeed, ReplicaTimeline, fold_into
+from monitor.gpu import GpuReader, GpuSnapshot
+from monitor.poller import KVSCOPE
+from monitor.replica import LIVE, ReplicaState
+from monitor.widgets.fleet_table import FleetSummary, FleetTable
+from monitor.widgets.gpu_panel import GpuPanel
+from monitor.widgets.prefix_map import PrefixMap
+from monitor.widgets.replica_panel import ReplicaPanel
+from monitor.widgets.title_bar import middle_cut
+
+TICK_S = 0.25
+GPU_EVERY_S = 1.0
+GPU_HISTORY = 60
+
+
+class ReplicaScreen(Screen[None]):
+    """One replica's dashboard from outside: its metrics, its cached prefixes, the GPUs."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "app.pop_screen", "fleet"),
+                                              Binding("q", "app.quit", "quit")]
+
+    def __init__(self, source: str) -> None:
+        super().__init__()
+        self.source = source
+
+    def compose(self) -> ComposeResult:
+        yield Static("", id="replica-title", classes="title")
+        yield ReplicaPanel(id="replica-panel")
+        yield PrefixMap(id="prefix-map")
+        yield GpuPanel(id="replica-gpu")
+        yield Footer(show_command_palette=False)
+
+    def on_mount(self) -> None:
+        self.app.refresh_screens()  # type: ignore[attr-defined]
+
+
+class FleetApp(App[str | None]):
+    """``FleetApp(states, feed=...)`` live; ``FleetApp(states, timeline=...)`` replays.
+    ``detail`` opens that replica's screen at once (``monitor vllm URL``)."""
+
+    CSS = """
+    .title { height: 1; background: $primary-background; padding: 0 1; }
+    FleetTable { height: auto; max-height: 60%; }
+    FleetSummary { height: auto; padding: 0 1; }
+    GpuPanel { height: auto; padding: 0 1; }
+    ReplicaPanel { height: auto; padding: 0 1; }
+    PrefixMap { height: 1fr; padding: 0 1; }
+    #fleet-note { height: auto; padding: 0 1; color: $text-muted; }
+    """
+    TITLE = "kvscope monitor"
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("period", "step(1)", "±1 scrape", key_display="."),
+        Binding("comma", "step(-1)", "±1 scrape", key_display=",", show=False),
+        Binding("home", "seek_to(0)", "start", show=False),
+        Binding("end", "seek_to(-1)", "end", show=False),
+        Binding("q", "quit", "quit"),
+    ]
+
+    def __init__(self, sources: list[str] | None = None, *, feed: ExternalFeed | None = None,
+                 timeline: ReplicaTimeline | None = None, gpu: GpuReader | None = None,
+                 ledger: dict[str, float] | None = None, detail: str | None = None,
+                 states: dict[str, ReplicaState] | None = None, kinds: dict[str, str] | None = None,
+                 source_name: str = "") -> None:
+        if (feed is None) == (timeline is None):
+            raise ValueError("FleetApp needs exactly one of feed= or timeline=")
+        super().__init__()
+        self.feed = feed
+        self.timeline = timeline
+        names = sources or (feed.urls if feed is not None else timeline.sources)  # type: ignore[union-attr]
+        self.states: dict[str, ReplicaState] = states if states is not None else (
+            timeline.states if timeline is not None else {s: ReplicaState(source=s) for s in names})
+        for source, kind in (kinds or {}).items():
+            if source in self.states:
+                self.states[source].kind = kind
+        self.gpu = gpu
+        self.ledger = ledger
+        self.detail = detail
+        self.source_name = source_name or (f"fleet of {len(self.states)}" if len(self.states) > 1 else names[0])
+        self.gpu_snapshot = GpuSnapshot(unavailable="not read yet") if gpu is not None else None
+        self.gpu_history: dict[int, deque[float]] = {}
+        self._gpu_due = 0.0
+
+    @property
+    def live(self) -> bool:
+        return self.feed is not None
+
+    def compose(self) -> ComposeResult:
+        yield Static("", id="fleet-title", classes="title")
+        yield FleetTable(id="fleet")
+        yield FleetSummary(id="fleet-summary")
+        yield Static("", id="fleet-note")
+        yield GpuPanel(id="fleet-gpu")
+        yield Footer(show_command_palette=False)
+
+    def on_mount(self) -> None:
+        if self.feed is not None:
+            self.feed.start()
+        self.set_interval(TICK_S, self._tick)
+        self.query_one(FleetTable).focus()
+        self._read_gpu(force=True)
+        self.refresh_screens()
+        if self.detail is not None:
+            self.push_screen(ReplicaScreen(self.detail))
+
+    async def on_unmount(self) -> None:
+        if self.feed is not None:
+            await self.feed.stop()
+
+    # ------------------------------------------------------------------- data
+    def _tick(self) -> None:
+        changed = False
+        if self.feed is not None:
+            changed = fold_into(self.states, self.feed.drain())
+        changed = self._read_gpu() or changed
+        if changed:
+            self.refresh_screens()
+
+    def _read_gpu(self, force: bool = False) -> bool:
+        if self.gpu is None:
+            return False
+        import time
+
+        now = time.monotonic()
+        if not force and now < self._gpu_due:
+            return False
+        self._gpu_due = now + GPU_EVERY_S
+        self.gpu_snapshot = self.gpu.read()
+        for device in self.gpu_snapshot.devices:
+            history = self.gpu_history.setdefault(device.index, deque(maxlen=GPU_HISTORY))
+            history.append(device.utilization_pct or 0.0)
+        return True
+
+    # ----------------------------------------------------------------- render
+    def _title(self) -> Text:
+        states = list(self.states.values())
+        live = sum(1 for s in states if s.status == LIVE)
+        text = Text(f"kvscope monitor · {middle_cut(self.source_name, 60)}  ")
+        if self.timeline is not None:
+            text.append(f"replay scrape {self.timeline.position + 1}/{len(self.timeline)} · t={self.timeline.t:.1f} s",
+                        style="bold cyan")
+        else:
+            text.append(f"● {live}/{len(states)} live", style="bold green" if live == len(states) else "bold yellow")
+        return text
+
+    def refresh_screens(self) -> None:
+        states = list(self.states.values())
+        screen = self.screen
+        gpu_ledger_source = "" if self.ledger else "vLLM's /metrics"
+        if isinstance(screen, ReplicaScreen):
+            state = self.states.get(screen.source)
+            if state is None:
+                return
+            screen.query_one("#replica-title", Static).update(
+                Text(f"kvscope monitor · {middle_cut(state.source, 60)} · {state.kind} · {state.status}"
+                     + (f" ({state.reason})" if state.reason else "")).append("   Esc: fleet", style="dim"))
+            screen.query_one(ReplicaPanel).update_state(state)
+            kv_source = self.feed.kv_sources.get(state.source) if self.feed is not None else (
+                "recorded" if state.kv_batches else None)
+            screen.query_one(PrefixMap).update_state(state, kv_source)
+            self._update_gpu(screen.query_one(GpuPanel), gpu_ledger_source)
+            return
+        if not screen.query("#fleet"):
+            return
+        screen.query_one("#fleet-title", Static).update(self._title())
+        screen.query_one(FleetTable).update_states(states)
+        screen.query_one(FleetSummary).update_states(states)
+        screen.query_one("#fleet-note", Static).update(
+            Text("Enter: a replica's dashboard (kvscope: its own full dashboard) · K kvscope, V vLLM · "
+                 "a DP rank (vLLM's engine label) is a row of its own", style="dim"))
+        self._update_gpu(screen.query_one(GpuPanel), gpu_ledger_source)
+
+    def _update_gpu(self, panel: GpuPanel, ledger_source: str) -> None:
+        if self.gpu_snapshot is None:
+            panel.update(Text("GPU (NVML)  not read (--no-gpu)", style="dim"))
+            return
+        panel.update_snapshot(self.gpu_snapshot, self.ledger, ledger_source,
+                              {i: list(h) for i, h in self.gpu_history.items()})
+
+    def on_screen_resume(self) -> None:
+        self.refresh_screens()
+
+    # ---------------------------------------------------------------- actions
+    def action_open(self) -> None:
+        table = self.query_one(FleetTable)
+        if table.row_count == 0:
+            return
+        key = table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value or ""
+        source = key.split("#engine=", 1)[0]
+        state = self.states.get(source)
+        if state is None:
+            return
+        if state.kind == KVSCOPE and self.live:
+            self.exit(source)
+        else:
+            self.push_screen(ReplicaScreen(source))
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        self.action_open()
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action in ("step", "seek_to"):
+            return self.timeline is not None
+        return True
+
+    def action_step(self, delta: int) -> None:
+        if self.timeline is not None:
+            self._show(self.timeline.position + delta)
+
+    def action_seek_to(self, position: int) -> None:
+        if self.timeline is not None:
+            self._show(position if position >= 0 else len(self.timeline) - 1)
+
+    def seek(self, position: int) -> None:
+        """Show the recording at scrape ``position`` (clamped)."""
+        self._show(position)
+
+    def _show(self, position: int) -> None:
+        assert self.timeline is not None
+        states = self.timeline.seek(position)
+        for source, state in states.items():
+            state.kind = self.states[source].kind if source in self.states else state.kind
+        self.states = states
+        self.refresh_screens()
