@@ -13,7 +13,7 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.budget.config import EngineConfig
 from engine.core.request import FINISH_REASONS, Request
@@ -29,6 +29,11 @@ from engine.model.device import device_word
 from engine.model.runner import ScheduledSeq
 from engine.model.tokenizer import IncrementalDetokenizer
 from engine.startup import StartupResult, start_engine
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from engine.events.kv_publisher import KVEventsSink
 
 
 @dataclass(slots=True)
@@ -57,14 +62,24 @@ class LLMEngine:
     calls through the engine thread)."""
 
     def __init__(self, config: EngineConfig, bus: EventBus | None = None,
-                 progress: Callable[[int, int], None] | None = None) -> None:
+                 progress: Callable[[int, int], None] | None = None,
+                 metrics_registry: CollectorRegistry | None = None) -> None:
+        """``metrics_registry``: where sinks that count their own losses register those
+        counters (the server's ``/metrics``); None keeps them private."""
         self.config = config
         self.bus = bus or EventBus()
         self.stats: StatsReporter | None = None
         self._sink: JsonlSink | None = None
+        self.kv_events: KVEventsSink | None = None
         if config.events_path:
             self._sink = JsonlSink(config.events_path, config=config.to_dict())
             self.bus.subscribe(self._sink)
+        if config.kv_events_config is not None and config.kv_events_config.publishes:
+            from engine.events.kv_publisher import KVEventsSink  # zmq and msgspec load only when asked
+
+            self.kv_events = KVEventsSink(config.kv_events_config, registry=metrics_registry,
+                                          model_name=config.served_model_name or config.model)
+            self.bus.subscribe(self.kv_events)
         # long phases show progress where the log lines go (a bar on a terminal)
         printer = self.bus.subscribe(ProgressPrinter(console_stream(), get_logger("kvscope.startup").info))
         try:
@@ -239,6 +254,10 @@ class LLMEngine:
         if self._sink is not None:
             self._sink.close()
             self._sink = None
+        if self.kv_events is not None:
+            self.bus.unsubscribe(self.kv_events)
+            self.kv_events.close()
+            self.kv_events = None
 
     def __enter__(self) -> LLMEngine:
         return self

@@ -13,9 +13,12 @@ import importlib.util
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from engine.errors import UserError
+
+if TYPE_CHECKING:
+    from engine.events.kv_events_config import KVEventsConfig
 
 DTYPE_BYTES: dict[str, float] = {
     "float32": 4,
@@ -336,9 +339,18 @@ class EngineConfig:
     events_path: str | None = None
     num_threads: int | None = None
     quantization: str | None = "auto"  # auto (CPU: the GGUF's own blocks) | none/None | int8 | int4 (weight-only)
+    kv_events_config: KVEventsConfig | None = None  # --kv-events-config (vLLM's KVEventsConfig)
+
+    # Optional features' settings, written by to_dict only when given, so the config of a
+    # run without them (a recording's header) is what it was before they existed.
+    WRITTEN_WHEN_SET: ClassVar[tuple[str, ...]] = ("kv_events_config",)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        for name in self.WRITTEN_WHEN_SET:
+            if out[name] is None:
+                del out[name]
+        return out
 
 
 def parse_dtype(value: str, flag: str = "--dtype") -> str:

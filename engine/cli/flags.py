@@ -17,6 +17,7 @@ from engine.budget.memory import parse_bytes, parse_gib, parse_kv_cache_dtype
 from engine.budget.vision import parse_item_size
 from engine.core.policy import POLICIES
 from engine.errors import UserError
+from engine.events.kv_events_config import parse_kv_events_config
 from engine.sim.workload import ARRIVAL_UNITS, ARRIVALS, WorkloadSpec, parse_range
 
 # Old spelling -> the flag it is now an alias of (tests/cli/test_cli_flags.py holds every
@@ -136,6 +137,15 @@ def multimodal_flags(args: argparse.Namespace) -> dict[str, Any]:
             "skip_mm_profiling": bool(getattr(args, "skip_mm_profiling", False))}
 
 
+def add_kv_events_flag(p: argparse.ArgumentParser) -> None:
+    """vLLM's --kv-events-config (engine/events/kv_events_config.py), checked as it parses."""
+    p.add_argument("--kv-events-config", type=_user_error_as_argparse(parse_kv_events_config, "--kv-events-config"),
+                   default=None, metavar="JSON",
+                   help="vLLM's KVEventsConfig as JSON, e.g. '{\"enable_kv_cache_events\": true, \"endpoint\": "
+                        "\"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv-events\"}': "
+                        "publish BlockStored/BlockRemoved over ZMQ as vLLM does (publisher null: only record them)")
+
+
 def add_engine_flags(p: argparse.ArgumentParser, positional_model: bool = False) -> None:
     """All flags of a real engine (generate, serve, run-workload)."""
     add_model_flags(p, positional=positional_model)
@@ -156,6 +166,7 @@ def add_engine_flags(p: argparse.ArgumentParser, positional_model: bool = False)
     p.add_argument("--stats-interval", type=float, default=10.0, help="seconds between stats lines/events")
     p.add_argument("--log-prompts", action="store_true", help="put prompt and output text in events and logs")
     p.add_argument("--events", dest="events_path", default=None, metavar="PATH", help="record every event to JSONL")
+    add_kv_events_flag(p)
     p.add_argument("--log-format", choices=["auto", "text", "console", "json"], default="auto",
                    help="text: vLLM's line format, INFO MM-DD HH:MM:SS [file.py:line] message (default, on a "
                         "terminal and a pipe alike; console is another name for it); json: one object per line")
@@ -263,6 +274,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> Engin
         "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
         "enable_prefix_caching", "scheduling_policy", "load_format", "device", "attention_backend", "compile",
         "enforce_eager", "seed", "stats_interval", "log_prompts", "events_path", "num_threads", "quantization",
+        "kv_events_config",
     ):
         if hasattr(args, name):
             setattr(cfg, name, getattr(args, name))

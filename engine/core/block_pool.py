@@ -18,12 +18,20 @@ Unlike vLLM, block 0 is not reserved as a null block (there is no sliding
 window here), so all ``num_blocks`` are usable.
 
 Every change that a block-table consumer must see is written into ``deltas``
-(see :class:`BlockDeltas`); the scheduler swaps in a fresh one per step.
+(see :class:`BlockDeltas`); the scheduler swaps in a fresh one per step. With
+``record_contents`` (vLLM's ``enable_kv_cache_events``) the deltas also say what
+each newly cached block holds and which hash each evicted block lost, so a KV
+cache events sink can be a fold of step events.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+
+# What a block holds once it enters the prefix cache: (its hash, its parent's hash or None
+# for a request's first block, its token ids). Recorded only when asked (vLLM's
+# enable_kv_cache_events), for the KV cache events sink.
+BlockContents = tuple[int, int | None, list[int]]
 
 
 class BlockDeltas:
@@ -32,39 +40,50 @@ class BlockDeltas:
     ``allocated`` request id -> block ids appended to its table (prefix hits
     first, then new blocks); ``freed`` request id -> block ids it released;
     ``cached`` block ids that are cached at the end of the step but were not
-    registered before it (an ordered set); ``evicted`` block ids that were cached
-    before the step and lost that content during it. Folding applies ``evicted``
-    before ``cached`` and ``allocated`` before ``freed``; with these net sets that
-    order reproduces the pool exactly even when one block is evicted and
-    re-cached within a step.
+    registered before it (an ordered set; with ``record_contents`` each maps to its
+    :data:`BlockContents`, else to None); ``evicted`` block ids that were cached
+    before the step and lost that content during it (with ``record_contents``,
+    ``evicted_hashes`` holds the hash each lost, in the same order). Folding
+    applies ``evicted`` before ``cached`` and ``allocated`` before ``freed``; with
+    these net sets that order reproduces the pool exactly even when one block is
+    evicted and re-cached within a step.
     """
 
-    __slots__ = ("allocated", "cached", "evicted", "freed", "prefix_hit_tokens", "prefix_query_tokens")
+    __slots__ = ("allocated", "cached", "evicted", "evicted_hashes", "freed", "prefix_hit_tokens",
+                 "prefix_query_tokens")
 
-    def __init__(self) -> None:
+    def __init__(self, record_contents: bool = False) -> None:
         self.allocated: dict[str, list[int]] = {}
         self.freed: dict[str, list[int]] = {}
-        self.cached: dict[int, None] = {}
+        self.cached: dict[int, BlockContents | None] = {}
         self.evicted: list[int] = []
+        self.evicted_hashes: list[int] | None = [] if record_contents else None
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
 
-    def record_cached(self, block_id: int) -> None:
-        self.cached[block_id] = None
+    @property
+    def records_contents(self) -> bool:
+        return self.evicted_hashes is not None
 
-    def record_evicted(self, block_id: int) -> None:
+    def record_cached(self, block_id: int, contents: BlockContents | None = None) -> None:
+        self.cached[block_id] = contents
+
+    def record_evicted(self, block_id: int, block_hash: int) -> None:
         if block_id in self.cached:
             # cached and evicted inside this step: net effect on the fold is nothing new
             del self.cached[block_id]
         else:
             self.evicted.append(block_id)
+            if self.evicted_hashes is not None:
+                self.evicted_hashes.append(block_hash)
 
 
 class BlockPool:
     """``num_blocks`` blocks of ``block_size`` tokens with reference counts and a
     hash -> block map for prefix caching."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 record_contents: bool = False) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         if block_size <= 0:
@@ -72,6 +91,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.record_contents = record_contents
         self.ref_cnt: list[int] = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.cached_block_map: dict[int, int] = {}  # block hash -> block id
@@ -82,7 +102,7 @@ class BlockPool:
         self._in_free_queue: list[bool] = [True] * num_blocks
         self.num_free = num_blocks
         self.num_cached_free = 0  # free blocks still holding a hash (evictable hits)
-        self.deltas = BlockDeltas()
+        self.deltas = BlockDeltas(record_contents)
 
     # ------------------------------------------------------------ free queue
     def _unlink(self, block_id: int) -> None:
@@ -136,7 +156,7 @@ class BlockPool:
             del self.cached_block_map[block_hash]
         self.block_hash[block_id] = None
         self.num_cached_free -= 1
-        self.deltas.record_evicted(block_id)
+        self.deltas.record_evicted(block_id, block_hash)
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Take a reference on prefix-hit blocks; a free cached one leaves the free queue."""
@@ -161,15 +181,16 @@ class BlockPool:
                 if block_hash[b] is not None:
                     self.num_cached_free += 1
 
-    def cache_block(self, block_id: int, block_hash: int) -> bool:
-        """Register a full, in-use block under its chained hash. Returns False (and
+    def cache_block(self, block_id: int, block_hash: int, contents: BlockContents | None = None) -> bool:
+        """Register a full, in-use block under its chained hash (``contents``: what the
+        step event reports it holds, when contents are recorded). Returns False (and
         leaves the block uncached) when another block already holds that content:
         two requests that computed the same prefix in the same step."""
         if block_hash in self.cached_block_map:
             return False
         self.cached_block_map[block_hash] = block_id
         self.block_hash[block_id] = block_hash
-        self.deltas.record_cached(block_id)
+        self.deltas.record_cached(block_id, contents)
         return True
 
     def lookup(self, block_hash: int) -> int | None:

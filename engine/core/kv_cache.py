@@ -29,10 +29,13 @@ class KVCacheManager:
     A request's table is ``request.block_ids`` (positions in order).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 record_block_contents: bool = False) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, block_size, enable_caching)
+        # vLLM's enable_kv_cache_events: step events say what each cached block holds
+        self.record_block_contents = record_block_contents
+        self.pool = BlockPool(num_blocks, block_size, enable_caching, record_block_contents)
         self.prefix_query_tokens = 0  # totals since start, in tokens
         self.prefix_hit_tokens = 0
 
@@ -147,10 +150,16 @@ class KVCacheManager:
         table = req.block_ids
         cache_block = self.pool.cache_block
         block_hash = self.pool.block_hash
+        record = self.record_block_contents
+        bs = self.block_size
         for i in range(req.num_hashed_blocks, num_full_blocks):
             b = table[i]
             if block_hash[b] is None:
-                cache_block(b, hashes[i])
+                if record:
+                    parent = hashes[i - 1] if i else None
+                    cache_block(b, hashes[i], (hashes[i], parent, req.token_ids[i * bs : (i + 1) * bs]))
+                else:
+                    cache_block(b, hashes[i])
         req.num_hashed_blocks = num_full_blocks
 
     # ------------------------------------------------------------------- free
@@ -175,7 +184,7 @@ class KVCacheManager:
     def take_deltas(self) -> BlockDeltas:
         """Hand over the block changes recorded so far and start a new record."""
         deltas = self.pool.deltas
-        self.pool.deltas = BlockDeltas()
+        self.pool.deltas = BlockDeltas(self.record_block_contents)
         return deltas
 
     @property

@@ -57,6 +57,9 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0  # 0 = off
     policy: str = "fcfs"  # fcfs | priority
+    # vLLM's KVEventsConfig.enable_kv_cache_events: step events carry each cached block's
+    # hash, parent hash and token ids and each evicted block's hash (the KV events sink's facts)
+    enable_kv_cache_events: bool = False
 
     @classmethod
     def from_flags(
@@ -75,6 +78,7 @@ class SchedulerConfig:
             enable_prefix_caching=bool(flags.get("enable_prefix_caching", defaults.enable_prefix_caching)),
             long_prefill_token_threshold=int(flags.get("long_prefill_token_threshold") or 0),
             policy=str(flags.get("scheduling_policy") or flags.get("policy") or defaults.policy),
+            enable_kv_cache_events=bool((flags.get("kv_events_config") or {}).get("enable_kv_cache_events")),
         )
 
     def __post_init__(self) -> None:
@@ -237,7 +241,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, bus: EventBus | None = None) -> None:
         self.config = config
         self.bus = bus
-        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
+                                 record_block_contents=config.enable_kv_cache_events)
         self.requests: dict[str, Request] = {}  # unfinished requests
         self.waiting = create_request_queue(config.policy)
         self.running: list[Request] = []

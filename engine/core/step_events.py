@@ -9,11 +9,22 @@ the simulator all call it, so every producer writes the same record.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
+from engine.core.block_pool import BlockDeltas
 from engine.core.scheduler import SchedulerOutput
 from engine.events import EventBus, StepEvent
 
 TIMING_KEYS = ("schedule_s", "forward_s", "sample_s", "update_s", "duration_s")
+
+
+def cached_block_contents(deltas: BlockDeltas) -> list[dict[str, Any]]:
+    """The step event's ``cached_blocks``: what each newly cached block holds, in
+    ``cached`` order; empty unless the pool records contents."""
+    if not deltas.records_contents:
+        return []
+    return [{"block_id": b, "hash": c[0], "parent_hash": c[1], "token_ids": c[2]}
+            for b, c in deltas.cached.items() if c is not None]
 
 
 def build_step_event(output: SchedulerOutput, timings: Mapping[str, float] | None = None) -> StepEvent:
@@ -40,6 +51,8 @@ def build_step_event(output: SchedulerOutput, timings: Mapping[str, float] | Non
         freed=deltas.freed,
         cached=list(deltas.cached),
         evicted=deltas.evicted,
+        cached_blocks=cached_block_contents(deltas),
+        evicted_hashes=deltas.evicted_hashes or [],
         new=output.new_req_ids,
         resumed=output.resumed_req_ids,
         preempted=output.preempted_req_ids,

@@ -34,13 +34,21 @@ class Event:
     """Base of every event. ``type`` is a class constant, the wire name."""
 
     type: ClassVar[str] = "event"
+    # Fields written only when non-empty: facts recorded only when a feature asks for
+    # them (the KV cache events' block contents), so a recording made without it is
+    # byte for byte what it was before the field existed.
+    written_when_set: ClassVar[frozenset[str]] = frozenset()
     seq: int = field(default=0, kw_only=True)
     t: float = field(default=0.0, kw_only=True)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": self.type}
+        optional = self.written_when_set
         for name in _field_names(type(self)):
-            out[name] = getattr(self, name)
+            value = getattr(self, name)
+            if optional and not value and name in optional:
+                continue
+            out[name] = value
         return out
 
 
@@ -198,9 +206,18 @@ class StepEvent(Event):
     ids it released (finish, abort or preemption), ``cached`` block ids that became
     full and hashed this step, ``evicted`` block ids whose cached contents were
     dropped to be reused.
+
+    With vLLM's ``enable_kv_cache_events`` (``--kv-events-config``) the step also says
+    what the prefix cache gained and lost, the facts of vLLM's KV cache events:
+    ``cached_blocks`` one ``{"block_id", "hash", "parent_hash", "token_ids"}`` per
+    block of ``cached`` (same order; ``parent_hash`` null for a request's first
+    block) and ``evicted_hashes`` the hash each block of ``evicted`` lost. Hashes are
+    kvscope's (engine/core/kv_cache.py). Both are absent otherwise and in older
+    recordings (read as empty).
     """
 
     type: ClassVar[str] = "step"
+    written_when_set: ClassVar[frozenset[str]] = frozenset({"cached_blocks", "evicted_hashes"})
     index: int = 0
     scheduled: dict[str, list[Any]] = field(default_factory=dict)
     num_prefill_tokens: int = 0
@@ -216,6 +233,8 @@ class StepEvent(Event):
     freed: dict[str, list[int]] = field(default_factory=dict)
     cached: list[int] = field(default_factory=list)
     evicted: list[int] = field(default_factory=list)
+    cached_blocks: list[dict[str, Any]] = field(default_factory=list)
+    evicted_hashes: list[int] = field(default_factory=list)
     new: list[str] = field(default_factory=list)
     resumed: list[str] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)

@@ -21,6 +21,8 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+from prometheus_client import CollectorRegistry
+
 from engine.budget.config import EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.errors import UserError
@@ -128,9 +130,11 @@ class AsyncEngine:
     """Owns the engine thread. ``start()`` begins startup; ``wait_ready()``
     blocks until phase G (re-raising a startup failure)."""
 
-    def __init__(self, config: EngineConfig, bus: EventBus, max_waiting_requests: int | None = None) -> None:
+    def __init__(self, config: EngineConfig, bus: EventBus, max_waiting_requests: int | None = None,
+                 metrics_registry: CollectorRegistry | None = None) -> None:
         self.config = config
         self.bus = bus
+        self.metrics_registry = metrics_registry  # the engine's sinks register their own counters there
         self.max_waiting_requests = max_waiting_requests
         self.engine: LLMEngine | None = None
         self._commands: queue.SimpleQueue[_Add | _Abort | _AbortAll | _Stop] = queue.SimpleQueue()
@@ -250,7 +254,7 @@ class AsyncEngine:
     # ---------------------------------------------------------- engine thread
     def _run(self) -> None:
         try:
-            self.engine = LLMEngine(self.config, bus=self.bus)
+            self.engine = LLMEngine(self.config, bus=self.bus, metrics_registry=self.metrics_registry)
         except BaseException as exc:  # re-raised by wait_ready in the caller's thread
             self._startup_error = exc
             self._stopped.set()

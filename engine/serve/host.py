@@ -117,12 +117,13 @@ class EngineHost:
         there; ``engine.wait_ready()`` waits for it)."""
         bus = bus or EventBus()
         metrics = PrometheusMetrics(registry or CollectorRegistry(), settings.served_model_name,
-                                    max_model_len=config.max_model_len)
+                                    max_model_len=config.max_model_len, kv_cache_metrics=settings.kv_cache_metrics)
         view = LockedView()
         hub = EventHub()
         for subscriber in (metrics, view, hub):
             bus.subscribe(subscriber)
-        engine = AsyncEngine(config, bus, max_waiting_requests=settings.max_waiting_requests).start()
+        engine = AsyncEngine(config, bus, max_waiting_requests=settings.max_waiting_requests,
+                             metrics_registry=metrics.registry).start()
         return cls(settings=settings, bus=bus, engine=engine, view=view, metrics=metrics, hub=hub)
 
     @property

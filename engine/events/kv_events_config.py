@@ -1,0 +1,109 @@
+"""``--kv-events-config``: vLLM's ``KVEventsConfig`` (``vllm/config/kv_events.py``),
+same field names, same defaults, parsed from the flag's JSON with an error that
+names what to change.
+
+Standard library only: the flag is checked before torch, msgspec or zmq load.
+``enable_kv_cache_events`` turns on the facts (step events carry what each cached
+block holds, see :class:`~engine.events.StepEvent`); ``publisher`` says where they go:
+``zmq`` (the default once events are enabled) publishes them
+(:mod:`engine.events.kv_publisher`), ``null`` only records them (``--events``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from engine.errors import UserError
+
+PUBLISHERS = ("null", "zmq")
+ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
+FLAG = "--kv-events-config"
+
+
+@dataclass(slots=True)
+class KVEventsConfig:
+    """vLLM's KV event publishing settings (the docstrings are vLLM's meanings)."""
+
+    enable_kv_cache_events: bool = False  # record block stored/removed facts and publish them
+    publisher: str | None = None  # "null" | "zmq"; None: "zmq" when events are enabled, else "null"
+    endpoint: str = "tcp://*:5557"  # PUB address: bound when it holds "*" or "::" or is ipc/inproc, else connected
+    replay_endpoint: str | None = None  # ROUTER address answering replay requests (None: no replay socket)
+    buffer_steps: int = 10_000  # batches (one per step with changes) kept for replay
+    hwm: int = 100_000  # ZMQ send high-water mark of the PUB socket: beyond it a slow subscriber loses messages
+    max_queue_size: int = 100_000  # batches waiting for the publisher thread; beyond it they are dropped (counted)
+    topic: str = ""  # first frame of every message; subscribers filter on it
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            self.publisher = "zmq" if self.enable_kv_cache_events else "null"
+
+    @property
+    def publishes(self) -> bool:
+        """True when a ZMQ publisher must run."""
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_TYPES: dict[str, tuple[type, ...]] = {
+    "enable_kv_cache_events": (bool,),
+    "publisher": (str, type(None)),
+    "endpoint": (str,),
+    "replay_endpoint": (str, type(None)),
+    "buffer_steps": (int,),
+    "hwm": (int,),
+    "max_queue_size": (int,),
+    "topic": (str,),
+}
+
+
+def _type_word(types: tuple[type, ...]) -> str:
+    names = {bool: "true or false", str: "a string", int: "a whole number", type(None): "null"}
+    return " or ".join(names[t] for t in types)
+
+
+def parse_kv_events_config(text: str, flag: str = FLAG) -> KVEventsConfig:
+    """The config ``text`` (a JSON object) describes; a :class:`UserError` naming the
+    field and what it must be otherwise."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{flag}: not valid JSON ({exc.msg} at character {exc.pos}); give an object such as "
+                        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\'') from None
+    if not isinstance(data, dict):
+        raise UserError(f"{flag}: must be a JSON object of KVEventsConfig fields, got {type(data).__name__}")
+    return kv_events_config_from_dict(data, flag)
+
+
+def kv_events_config_from_dict(data: dict[str, Any], flag: str = FLAG) -> KVEventsConfig:
+    """Checked construction from a mapping (the flag's JSON, or a recording's config)."""
+    unknown = sorted(set(data) - set(_TYPES))
+    if unknown:
+        raise UserError(f"{flag}: unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                        f"KVEventsConfig has {', '.join(_TYPES)}")
+    for name, value in data.items():
+        types = _TYPES[name]
+        # bool is an int in Python: a count given as true is refused, not read as 1
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            raise UserError(f"{flag}: {name} must be {_type_word(types)}, got {json.dumps(value)}")
+    config = KVEventsConfig(**data)
+    if config.publisher not in PUBLISHERS:
+        raise UserError(f"{flag}: publisher {config.publisher!r}: use one of {', '.join(PUBLISHERS)}")
+    for name in ("endpoint", "replay_endpoint"):
+        endpoint = getattr(config, name)
+        if endpoint is not None and not endpoint.startswith(ENDPOINT_SCHEMES):
+            raise UserError(f"{flag}: {name} {endpoint!r}: a ZMQ address such as tcp://*:5557 "
+                            f"(schemes {', '.join(ENDPOINT_SCHEMES)})")
+    for name in ("buffer_steps", "max_queue_size"):
+        if getattr(config, name) <= 0:
+            raise UserError(f"{flag}: {name} must be positive, got {getattr(config, name)}")
+    if config.hwm < 0:
+        raise UserError(f"{flag}: hwm must be 0 (no limit) or positive, got {config.hwm}")
+    # the same address twice cannot be bound twice (a wildcard port ":*" binds two free ports)
+    if config.publishes and config.replay_endpoint == config.endpoint and not config.endpoint.endswith(":*"):
+        raise UserError(f"{flag}: endpoint and replay_endpoint are both {config.endpoint!r}; give two addresses")
+    return config

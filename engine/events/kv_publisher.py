@@ -1,0 +1,197 @@
+"""The KV cache events sink: :class:`~engine.events.kv_events.KVEventFold`'s batches
+published over ZMQ exactly as vLLM's ``ZmqEventPublisher`` does.
+
+- PUB socket at ``endpoint``: every message is three frames, the topic (UTF-8), the
+  batch's sequence number (8 bytes, big-endian, from 0, one per batch sent) and the
+  msgpack payload. Bound when the address holds ``*`` or ``::`` or is ipc/inproc
+  (``tcp://127.0.0.1:*`` binds a free port: :attr:`ZmqEventPublisher.endpoint` is the
+  one bound), else connected, as vLLM decides.
+- ROUTER socket at ``replay_endpoint`` (optional): a request ``[identity, b"",
+  start_seq (8 B BE)]`` is answered with one ``[identity, b"", seq, payload]`` per
+  buffered batch from ``start_seq`` on (the last ``buffer_steps`` batches), then the
+  end marker ``[identity, b"", seq -1, b""]``. A DEALER that sends ``[b"", start_seq]``
+  receives ``[b"", seq, payload]`` frames.
+
+The engine thread only folds and enqueues (``put_nowait`` on a queue of
+``max_queue_size`` batches); encoding, sending and replay run on the publisher's own
+thread, so no subscriber (slow, absent or stuck) ever blocks a step. A batch that
+finds the queue full is dropped and counted: ``kvscope:kv_events_dropped_total``
+(and ``kvscope:kv_events_published_total`` for those sent) on ``/metrics`` when the
+server's registry is given. Like vLLM, sequence numbers count batches sent, so a
+drop leaves no gap; beyond ``hwm`` queued messages ZMQ itself drops for a slow
+subscriber (uncounted, as in vLLM; the replay socket serves what it missed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import msgspec
+import zmq
+from prometheus_client import CollectorRegistry, Counter
+
+from engine.errors import UserError
+from engine.events import Event
+from engine.events.kv_events import EventBatch, KVEventFold
+from engine.events.kv_events_config import FLAG, KVEventsConfig
+from engine.logs import get_logger
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's end marker
+POLL_S = 0.02  # the publisher thread's longest wait before it looks at the replay socket again
+SHUTDOWN_S = 2.0  # close() waits this long for queued batches to go out
+
+
+def binds(endpoint: str) -> bool:
+    """vLLM's rule: bind a stable address (wildcard, IPv6 any, ipc, inproc), connect otherwise."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+class ZmqEventPublisher:
+    """PUB (+ optional ROUTER replay) sockets and the thread that feeds them; see the module docstring."""
+
+    def __init__(self, config: KVEventsConfig, on_sent: Callable[[], None] | None = None) -> None:
+        self._queue: queue.Queue[EventBatch | None] = queue.Queue(maxsize=config.max_queue_size)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self._topic = config.topic.encode("utf-8")
+        self._on_sent = on_sent
+        self._stopping = False
+        self.sent = 0  # batches sent, which is the next sequence number
+        context = zmq.Context.instance()
+        self._pub = context.socket(zmq.PUB)
+        self._replay: zmq.Socket | None = None
+        try:
+            self._pub.setsockopt(zmq.LINGER, 0)
+            self._pub.set_hwm(config.hwm)
+            self.endpoint = self._open(self._pub, config.endpoint, "endpoint")
+            self.replay_endpoint: str | None = None
+            if config.replay_endpoint is not None:
+                self._replay = context.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                self.replay_endpoint = self._open(self._replay, config.replay_endpoint, "replay_endpoint", bind=True)
+        except BaseException:
+            self._close_sockets()
+            raise
+        # Sockets made here are used only by the thread from now on (ZMQ allows a socket to
+        # move between threads with a memory barrier, which Thread.start is).
+        self._thread = threading.Thread(target=self._run, name="kvscope-kv-events", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _open(socket: zmq.Socket, address: str, name: str, bind: bool | None = None) -> str:
+        try:
+            if bind if bind is not None else binds(address):
+                socket.bind(address)
+                return socket.getsockopt_string(zmq.LAST_ENDPOINT)
+            socket.connect(address)
+            return address
+        except zmq.ZMQError as exc:
+            raise UserError(f"{FLAG}: {name} {address!r}: {exc} (give a free port, or tcp://127.0.0.1:* for any)") from None
+
+    def publish(self, batch: EventBatch) -> bool:
+        """Queue ``batch`` for the thread; False (nothing waits) when the queue is full."""
+        try:
+            self._queue.put_nowait(batch)
+        except queue.Full:
+            return False
+        return True
+
+    def _run(self) -> None:
+        encode = msgspec.msgpack.Encoder().encode
+        get = self._queue.get
+        while True:
+            if self._replay is not None and self._replay.poll(0):
+                self._serve_replay()
+            try:
+                batch = get(timeout=POLL_S)
+            except queue.Empty:
+                if self._stopping:
+                    return
+                continue
+            if batch is None:
+                return
+            payload = encode(batch)
+            seq = self.sent
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
+            self._buffer.append((seq, payload))
+            self.sent = seq + 1
+            if self._on_sent is not None:
+                self._on_sent()
+
+    def _serve_replay(self) -> None:
+        assert self._replay is not None
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+            get_logger("kvscope.kv_events").warning(
+                f"KV events replay: ignored a request of {len(frames)} frames; expected [identity, b'', start_seq "
+                f"as 8 bytes big-endian]")
+            return
+        identity, _, start = frames
+        start_seq = int.from_bytes(start, "big")
+        send = self._replay.send_multipart
+        for seq, payload in self._buffer:
+            if seq >= start_seq:
+                send((identity, b"", seq.to_bytes(8, "big"), payload))
+        send((identity, b"", END_SEQ, b""))
+
+    def wait_sent(self, count: int, timeout: float = 5.0) -> bool:
+        """Wait until ``count`` batches have gone out (tests, benchmarks, shutdown)."""
+        deadline = time.monotonic() + timeout
+        while self.sent < count:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                return False
+            time.sleep(0.001)
+        return True
+
+    def close(self) -> None:
+        """Send what is queued (at most :data:`SHUTDOWN_S`), stop the thread, close the sockets."""
+        self._stopping = True
+        with contextlib.suppress(queue.Full):
+            self._queue.put_nowait(None)  # a full queue: the thread stops once it is empty
+        self._thread.join(SHUTDOWN_S)
+        if not self._thread.is_alive():
+            self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for socket in (self._pub, self._replay):
+            if socket is not None:
+                socket.close(linger=0)
+
+
+class KVEventsSink:
+    """Bus subscriber: folds each event (:class:`KVEventFold`) and hands the step's batch
+    to the publisher thread; counts what the full queue refused."""
+
+    def __init__(self, config: KVEventsConfig, *, registry: CollectorRegistry | None = None,
+                 model_name: str = "", data_parallel_rank: int = 0,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.fold = KVEventFold(data_parallel_rank, clock)
+        self.registry = registry or CollectorRegistry()
+        labels = {"model_name": model_name, "engine": str(data_parallel_rank)}
+        self._dropped = Counter("kvscope:kv_events_dropped", "KV cache event batches dropped because the "
+                                "publisher's queue (max_queue_size) was full", list(labels),
+                                registry=self.registry).labels(**labels)
+        self._published = Counter("kvscope:kv_events_published", "KV cache event batches sent on the ZMQ PUB "
+                                  "socket", list(labels), registry=self.registry).labels(**labels)
+        self.dropped = 0
+        self.batches = 0  # batches the fold made: sent + dropped + still queued
+        self.publisher = ZmqEventPublisher(config, on_sent=self._published.inc)
+        log = get_logger("kvscope.kv_events")
+        replay = f", replay on {self.publisher.replay_endpoint}" if self.publisher.replay_endpoint else ""
+        log.info(f"KV cache events: publishing on {self.publisher.endpoint} (topic {config.topic!r}){replay}")
+
+    def __call__(self, event: Event) -> None:
+        batch = self.fold.apply(event)
+        if batch is None:
+            return
+        self.batches += 1
+        if not self.publisher.publish(batch):
+            self.dropped += 1
+            self._dropped.inc()
+
+    def close(self) -> None:
+        self.publisher.close()
