@@ -10,10 +10,16 @@ each sink alone, timing direct calls (the bus fan-out itself is not included):
 
 Sinks: a no-op baseline, :class:`engine.events.metrics.PrometheusMetrics`,
 :class:`engine.events.stats.StatsReporter` (10 s interval on a bus nobody else hears),
-:class:`engine.events.JsonlSink` into memory, for comparison. Output: one JSON
-line per (trace, sink) with events/s, ns per event, µs per step event (the
-whole stream's time minus the time of the stream without step events) and the
-whole stream's µs per generated token.
+:class:`engine.events.JsonlSink` into memory, for comparison,
+:class:`engine.events.otel.OtlpTraceSink` (the SDK's span building and batch
+processor; the exporter discards, so no network is timed) and
+:class:`engine.events.perfetto.PerfettoTrace` (the fold; the file is written once at
+the end, not timed). Output: one JSON line per (trace, sink) with events/s, ns per
+event, µs per step event (the whole stream's time minus the time of the stream
+without step events) and the whole stream's µs per generated token; then, per
+exporter, the driver's steps/s with it subscribed and without, in ``--pairs``
+interleaved runs of seed-60 (order alternating; process CPU time, so other load on
+a shared machine does not count), the median of the pairs' ratios and best against best.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import statistics
 import time
 from collections.abc import Callable
 
@@ -29,6 +36,7 @@ from prometheus_client import CollectorRegistry
 from engine.core.scheduler import SchedulerConfig
 from engine.events import Event, EventBus, JsonlSink, RequestFinished, StepEvent
 from engine.events.metrics import PrometheusMetrics
+from engine.events.perfetto import PerfettoTrace
 from engine.events.stats import StatsReporter
 from engine.sim.driver import DriverRequest, background_workload, run_driver
 
@@ -64,13 +72,60 @@ def _noop(_event: Event) -> None:
     return None
 
 
+def _otlp_sink() -> Sink:
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+    from engine.events.otel import OtlpTraceSink
+
+    class Discard(SpanExporter):
+        def export(self, spans: object) -> SpanExportResult:
+            return SpanExportResult.SUCCESS
+
+    return OtlpTraceSink(Discard(), wall_start_unix=time.time())
+
+
 def sink_factories() -> dict[str, Callable[[], Sink]]:
     return {
         "none": lambda: _noop,
         "metrics": lambda: PrometheusMetrics(CollectorRegistry(), "bench", max_model_len=4096),
         "stats": lambda: StatsReporter(EventBus(), 10.0, log=None),
         "jsonl": lambda: JsonlSink(io.StringIO()),
+        "otlp": _otlp_sink,
+        "perfetto": PerfettoTrace,
     }
+
+
+EXPORTERS = ("otlp", "perfetto")  # the sinks of issue 18 parts 2-3, measured on the step loop too
+
+
+def steps_per_s_interleaved(make: Callable[[], Sink], pairs: int) -> dict[str, object]:
+    """The driver's steps/s on seed-60 without and with ``make()``'s sink on its bus,
+    ``pairs`` times, alternating which runs first so drift hits both sides."""
+    requests = background_workload(60, (500, 3000), (150, 400))
+    config = SchedulerConfig(num_blocks=2000, max_num_seqs=64, max_num_batched_tokens=4096)
+
+    def run(with_sink: bool) -> float:
+        bus = EventBus()
+        sink = make() if with_sink else None
+        if sink is not None:
+            bus.subscribe(sink)
+        start = time.process_time()  # this process's CPU seconds: other load on the machine does not count
+        result = run_driver(requests, config, bus=bus)
+        elapsed = time.process_time() - start
+        close = getattr(sink, "close", None)
+        if close is not None:
+            close()
+        return result.steps / elapsed
+
+    off: list[float] = []
+    on: list[float] = []
+    for pair in range(pairs):
+        for with_sink in ((False, True) if pair % 2 == 0 else (True, False)):
+            (on if with_sink else off).append(run(with_sink))
+    ratios = [b / a for a, b in zip(off, on, strict=True)]
+    return {"steps_per_s_off": round(statistics.median(off)), "steps_per_s_on": round(statistics.median(on)),
+            "median_ratio": round(statistics.median(ratios), 4), "best_ratio": round(max(on) / max(off), 4),
+            "pairs": pairs, "clock": "process CPU time"}
 
 
 def time_sink(make: Callable[[], Sink], events: list[Event], repeats: int) -> float:
@@ -81,6 +136,9 @@ def time_sink(make: Callable[[], Sink], events: list[Event], repeats: int) -> fl
         for event in events:
             sink(event)
         best = min(best, time.perf_counter() - start)
+        close = getattr(sink, "close", None)  # the OTLP sink's processor thread ends
+        if close is not None:
+            close()
     return best
 
 
@@ -113,9 +171,13 @@ def measure(repeats: int = 3) -> list[dict[str, object]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--pairs", type=int, default=5, help="interleaved with/without runs per exporter")
     args = parser.parse_args(argv)
     for row in measure(args.repeats):
         print(json.dumps(row))
+    for name in EXPORTERS:
+        print(json.dumps({"trace": "seed-60", "sink": name, **steps_per_s_interleaved(sink_factories()[name],
+                                                                                  args.pairs)}))
     return 0
 
 

@@ -50,8 +50,10 @@ QUEUED = "queued"
 QUEUED_AFTER_PREEMPTION = "queued (preempted)"
 DECODE = "decode"
 
-# counter track name -> what it reads from a step event
 COUNTERS = ("KV cache usage %", "running", "waiting", "prefill tokens", "decode tokens", "preemptions")
+# a step slice's args, in the order the fold stores them
+STEP_ARGS = ("index", "prefill_tokens", "decode_tokens", "running", "waiting", "kv_blocks_used", "kv_blocks_total",
+             "preempted", "finished")
 
 
 def _us(seconds: float) -> float:
@@ -65,6 +67,7 @@ class _OpenSlice:
     start: float
     end: float
     args: dict[str, Any] = field(default_factory=dict)
+    tokens: int = 0  # a decode slice's tokens, counted as it grows
 
 
 @dataclass(slots=True)
@@ -83,7 +86,8 @@ class PerfettoTrace:
 
     def __init__(self, path: str | Path | None = None) -> None:
         self.path = path
-        self._records: list[dict[str, Any]] = []
+        self._records: list[tuple[Any, ...]] = []
+        self._counter_values: dict[str, float] = {}
         self._metadata: list[dict[str, Any]] = []
         self._phase_begin: dict[str, StartupPhase] = {}
         self._startup_end = 0.0
@@ -110,17 +114,31 @@ class PerfettoTrace:
                                "args": {"sort_index": tid}})
 
     # -------------------------------------------------------------- records
+    # Records are kept as tuples in seconds, (start, ph, name, pid, tid, duration,
+    # args), and become the format's dicts (microseconds) only in trace(): the fold
+    # runs on the engine thread once per event, the conversion once per file.
     def _slice(self, pid: int, tid: int, name: str, start: float, end: float, args: dict[str, Any]) -> None:
-        self._records.append({"ph": "X", "name": name, "pid": pid, "tid": tid, "ts": _us(start),
-                              "dur": _us(max(end - start, 0.0)), "args": args})
+        self._records.append((start, "X", name, pid, tid, max(end - start, 0.0), args))
 
     def _instant(self, tid: int, name: str, t: float, args: dict[str, Any]) -> None:
-        self._records.append({"ph": "i", "s": "t", "name": name, "pid": REQUESTS_PID, "tid": tid, "ts": _us(t),
-                              "args": args})
+        self._records.append((t, "i", name, REQUESTS_PID, tid, None, args))
 
     def _counter(self, name: str, t: float, value: float) -> None:
-        self._records.append({"ph": "C", "name": name, "pid": ENGINE_PID, "tid": 0, "ts": _us(t),
-                              "args": {"value": value}})
+        """A counter holds its value until the next sample: one only when it changes."""
+        if self._counter_values.get(name) != value:
+            self._counter_values[name] = value
+            self._records.append((t, "C", name, ENGINE_PID, 0, None, {"value": value}))
+
+    @staticmethod
+    def _record(start: float, ph: str, name: str, pid: int, tid: int, duration: float | None,
+                args: dict[str, Any] | tuple[int, ...]) -> dict[str, Any]:
+        record: dict[str, Any] = {"ph": ph, "name": name, "pid": pid, "tid": tid, "ts": _us(start)}
+        if duration is not None:
+            record["dur"] = _us(duration)
+        if ph == "i":
+            record["s"] = "t"  # an instant on its thread's track
+        record["args"] = dict(zip(STEP_ARGS, args, strict=True)) if isinstance(args, tuple) else args
+        return record
 
     # ------------------------------------------------------------- the fold
     def __call__(self, event: Event) -> None:
@@ -178,7 +196,8 @@ class PerfettoTrace:
             return 0.0
         track.open = None
         stop = piece.end if end is None else max(end, piece.start)
-        self._slice(REQUESTS_PID, track.tid, piece.name, piece.start, stop, piece.args)
+        args = {**piece.args, "tokens": piece.tokens} if piece.tokens else piece.args
+        self._slice(REQUESTS_PID, track.tid, piece.name, piece.start, stop, args)
         return stop
 
     def _preempted(self, event: RequestPreempted) -> None:
@@ -217,21 +236,19 @@ class PerfettoTrace:
         # slices on the steps track follow and never overlap
         start = min(max(end - event.duration_s, self._last_step_end), end)
         self._last_step_end = end
+        requests = self._requests
         for request_id, (num_tokens, kind) in event.scheduled.items():
-            track = self._track(request_id, start, {})
+            track = requests.get(request_id) or self._track(request_id, start, {})
             piece = track.open
-            if piece is not None and piece.name != DECODE:
-                self._close(track, start)
-                piece = None
+            if piece is not None and kind == DECODE and piece.name == DECODE:  # most entries: one more token
+                piece.end = end
+                piece.tokens += num_tokens
+                continue
+            if piece is not None:
+                self._close(track, start if piece.name != DECODE else None)
             if kind == DECODE:
-                if piece is None:
-                    track.open = _OpenSlice(DECODE, start, end, {"tokens": num_tokens})
-                else:
-                    piece.end = end
-                    piece.args["tokens"] += num_tokens
+                track.open = _OpenSlice(DECODE, start, end, tokens=num_tokens)
             else:
-                if piece is not None:
-                    self._close(track)
                 self._slice(REQUESTS_PID, track.tid, "prefill", start, end, {"tokens": num_tokens})
         for request_id in self._finishing:
             track = self._requests.get(request_id)
@@ -241,12 +258,9 @@ class PerfettoTrace:
         self._finishing.clear()
         mix = ("mixed" if event.num_prefill_tokens and event.num_decode_tokens
                else "prefill" if event.num_prefill_tokens else "decode" if event.num_decode_tokens else "idle")
-        self._slice(ENGINE_PID, STEPS_TID, mix, start, end, {
-            "index": event.index, "prefill_tokens": event.num_prefill_tokens,
-            "decode_tokens": event.num_decode_tokens, "running": event.num_running,
-            "waiting": event.num_waiting, "kv_blocks_used": event.kv_blocks_used,
-            "kv_blocks_total": event.kv_blocks_total, "preempted": len(event.preempted),
-            "finished": len(event.finished)})
+        self._records.append((start, "X", mix, ENGINE_PID, STEPS_TID, end - start, (
+            event.index, event.num_prefill_tokens, event.num_decode_tokens, event.num_running, event.num_waiting,
+            event.kv_blocks_used, event.kv_blocks_total, len(event.preempted), len(event.finished))))
         usage = 100.0 * event.kv_blocks_used / event.kv_blocks_total if event.kv_blocks_total else 0.0
         for name, value in zip(COUNTERS, (round(usage, 3), event.num_running, event.num_waiting,
                                           event.num_prefill_tokens, event.num_decode_tokens, self._preemptions),
@@ -267,8 +281,9 @@ class PerfettoTrace:
         for track in self._requests.values():
             self._close(track)
         self._requests.clear()
-        self._records.sort(key=lambda record: record["ts"])
-        return {"traceEvents": [*self._metadata, *self._records], "displayTimeUnit": "ms",
+        self._records.sort(key=lambda record: record[0])
+        records = [self._record(*record) for record in self._records]
+        return {"traceEvents": [*self._metadata, *records], "displayTimeUnit": "ms",
                 "otherData": {"producer": "kvscope", "clock": "seconds since engine start, in microseconds"}}
 
     def write(self, path: str | Path) -> None:
