@@ -5,9 +5,12 @@ loopback, which decodes ExportTraceServiceRequest with opentelemetry-proto."""
 from __future__ import annotations
 
 import gzip
+import json
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +27,7 @@ from engine.cli import main
 from engine.cli.exporters import recording_wall_start
 from engine.events import Recording, read_events
 from engine.events.otel import REQUEST_SPAN, STARTUP_SPAN, OtlpTraceSink, check_endpoint
+from tests.events.test_perfetto import check_trace_event_format
 from tests.paths import SAMPLES
 
 WALL_START = 1_780_000_000.0  # any wall-clock zero: span times are it plus each event's t
@@ -134,7 +138,7 @@ class _OtlpReceiver(BaseHTTPRequestHandler):
 def otlp_receiver() -> Iterator[ThreadingHTTPServer]:
     server = ThreadingHTTPServer(("127.0.0.1", 0), _OtlpReceiver)
     server.received = []  # type: ignore[attr-defined]
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     yield server
     server.shutdown()
@@ -185,3 +189,27 @@ def test_bad_exporter_settings_are_refused_before_anything_runs(monkeypatch: pyt
     assert check_endpoint("localhost:4317", "grpc") == "localhost:4317"
     with pytest.raises(ValueError, match="give a URL such as"):
         check_endpoint("localhost:4318", "http/protobuf")
+
+
+def test_a_live_run_sends_spans_and_writes_its_trace_as_it_goes(
+        otlp_receiver: ThreadingHTTPServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """engine simulate publishes the real engine's events on a live bus: the exporters
+    subscribe to it before phase A, as they do under serve, run-workload and generate."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+    url = f"http://127.0.0.1:{otlp_receiver.server_address[1]}/v1/traces"
+    trace_file = tmp_path / "sim.json"
+    before = time.time()
+    assert main(["simulate", "--num-prompts", "3", "--random-input-len", "64:128", "--random-output-len", "4:8",
+                 "--otlp-traces-endpoint", url, "--collect-detailed-traces", "all", "--trace-out",
+                 str(trace_file)]) == 0
+    assert "Perfetto trace" in capsys.readouterr().out
+    spans, _ = _received_spans(otlp_receiver)
+    requests = [s for s in spans if s.name == REQUEST_SPAN]
+    assert len(requests) == 3
+    assert all(s.start_time_unix_nano >= before * 1e9 for s in spans)
+    keys = {a.key for a in requests[0].attributes}
+    assert {"gen_ai.latency.time_in_model_forward", "gen_ai.latency.time_in_model_execute"} <= keys
+    assert sum(s.name in ("Init device", "Load model", "Compile/warmup") for s in spans) == 3
+    records = check_trace_event_format(json.loads(trace_file.read_text()))
+    assert sum(r["name"] == "finished" for r in records) == 3
