@@ -6,6 +6,10 @@ this runs in well under a second):
   (engine/cli/dashboard.py), not by importing it.
 * monitor/ imports from engine/ only the event layer: the events, the view
   folded from them (which carries the budget ledger) and the error type.
+* doctor/ (rules over events) is reached by the engine only through the
+  ``kvscope.doctor`` entry point; the part of it the monitor's Diagnosis panel
+  imports (the fold, the rules, the budget replan) reads from engine/ only the
+  event layer, the budget formula and the error type, and loads no torch/numpy.
 * The pure scheduler modules import no torch/numpy, no clock and no I/O, and
   load no torch through the engine modules they import; neither do the engine
   modules the monitor may import.
@@ -38,6 +42,13 @@ MONITOR_MAY_IMPORT_FROM_ENGINE = (
     "engine.events.block_table",
     "engine.cli.program",  # the one command-line style and exit convention shared by all three commands
 )
+
+# doctor/'s modules the monitor may import (the Diagnosis panel runs the same rules live),
+# and what they may import from engine/: the event layer, the budget formula (pure
+# arithmetic over the phase records) and the error type. The simulator's what-if
+# (doctor.remedies), the inputs and the CLI are engine doctor's alone.
+MONITOR_MAY_IMPORT_FROM_DOCTOR = ("doctor.facts", "doctor.rules", "doctor.budget")
+DOCTOR_RULES_MAY_IMPORT_FROM_ENGINE = (*MONITOR_MAY_IMPORT_FROM_ENGINE, "engine.budget.memory", "engine.budget.config")
 
 # The core wing: deterministic functions of their inputs (time enters as ``now`` or a
 # clock argument), so the property tests and the simulator can drive them.
@@ -112,10 +123,10 @@ def test_engine_never_imports_monitor_or_logparse() -> None:
     bad: dict[str, str] = {}
     for p in python_files("engine"):
         for line, mod in imports(p):
-            if top(mod) in ("monitor", "logparse"):
+            if top(mod) in ("monitor", "logparse", "doctor"):
                 bad.setdefault(where(p, line), f"imports {mod}")
-    assert not bad, ("engine/ must not import monitor/ or logparse/ (events are the interface; --monitor goes "
-                     "through engine.cli.dashboard's entry point):" + listing(bad))
+    assert not bad, ("engine/ must not import monitor/, logparse/ or doctor/ (events are the interface; --monitor "
+                     "and engine doctor go through entry points, engine/cli/plugins.py):" + listing(bad))
 
 
 def _engine_module_of(mod: str) -> str | None:
@@ -138,6 +149,40 @@ def test_monitor_imports_only_the_event_layer_from_engine() -> None:
     assert not bad, ("monitor/ may import from engine/ only " + ", ".join(MONITOR_MAY_IMPORT_FROM_ENGINE)
                      + " (it reads events, the view and the budget, never scheduler/runner internals):"
                      + listing(bad))
+
+
+def _under(mod: str, allowed: tuple[str, ...]) -> bool:
+    return any(mod == a or mod.startswith(a + ".") for a in allowed)
+
+
+def test_monitor_imports_only_the_rules_from_doctor() -> None:
+    bad: dict[str, str] = {}
+    for p in python_files("monitor"):
+        for line, mod in imports(p):
+            if top(mod) == "doctor" and mod != "doctor" and not _under(mod, MONITOR_MAY_IMPORT_FROM_DOCTOR):
+                bad.setdefault(where(p, line), f"imports {mod}")
+    assert not bad, ("monitor/ may import from doctor/ only " + ", ".join(MONITOR_MAY_IMPORT_FROM_DOCTOR)
+                     + " (the simulator's what-if and the inputs are engine doctor's):" + listing(bad))
+
+
+def test_doctor_rules_read_events_and_the_budget_only() -> None:
+    """What the Diagnosis panel imports stays as light as the monitor: no scheduler,
+    simulator, logparse or monitor, and no torch/numpy through its engine imports."""
+    bad: dict[str, str] = {}
+    start = []
+    for mod in MONITOR_MAY_IMPORT_FROM_DOCTOR:
+        p = ROOT / Path(*mod.split(".")).with_suffix(".py")
+        start.append((p, mod))
+        for line, imported in imports(p):
+            package = top(imported)
+            allowed = {"engine": DOCTOR_RULES_MAY_IMPORT_FROM_ENGINE, "doctor": MONITOR_MAY_IMPORT_FROM_DOCTOR}
+            forbidden = package in ("monitor", "logparse", *HEAVY_MODULES) or (
+                package in allowed and imported != package and not _under(imported, allowed[package]))
+            if forbidden:
+                bad.setdefault(where(p, line), f"imports {imported}")
+    bad.update(heavy_imports_reachable(start))
+    assert not bad, ("doctor's rules may import from engine/ only " + ", ".join(DOCTOR_RULES_MAY_IMPORT_FROM_ENGINE)
+                     + ", nothing heavy:" + listing(bad))
 
 
 def test_pure_scheduler_modules_import_no_torch_clock_or_io() -> None:

@@ -10,10 +10,9 @@ concern (tests/test_import_rules.py keeps it that way).
 from __future__ import annotations
 
 from collections.abc import Callable
-from importlib.metadata import entry_points
 from typing import Any
 
-from engine.errors import UserError
+from engine.cli.plugins import load_plugin
 from engine.events import EventBus
 
 ENTRY_POINT_GROUP = "kvscope.dashboard"
@@ -21,11 +20,7 @@ ENTRY_POINT_GROUP = "kvscope.dashboard"
 
 def load_dashboard() -> Callable[[EventBus, Callable[[], dict[str, Any]] | None, str], None]:
     """The registered dashboard launcher; a UserError when none is installed."""
-    found = sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name)
-    if not found:
-        raise UserError(f"--monitor needs the kvscope monitor package (no {ENTRY_POINT_GROUP!r} entry point "
-                        "is installed; run `pip install -e .` in the kvscope checkout)")
-    return found[0].load()
+    return load_plugin(ENTRY_POINT_GROUP, "--monitor needs the kvscope monitor package")  # type: ignore[no-any-return]
 
 
 def run_dashboard(bus: EventBus, snapshot_fn: Callable[[], dict[str, Any]] | None, title: str) -> None:

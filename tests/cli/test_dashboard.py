@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 import engine.cli.dashboard as dashboard
+import engine.cli.plugins as plugins
 import monitor.launch
 from engine.cli.commands import run_workload, serve
 from engine.errors import UserError
@@ -21,7 +22,7 @@ def test_the_textual_dashboard_is_registered() -> None:
 
 @pytest.fixture
 def no_dashboard(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(dashboard, "entry_points", lambda group: [])
+    monkeypatch.setattr(plugins, "entry_points", lambda group: [])
 
 
 @pytest.mark.usefixtures("no_dashboard")

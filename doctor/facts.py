@@ -1,0 +1,210 @@
+"""What a run did, folded from its events: the doctor's only input.
+
+:class:`RunFacts` is a bus subscriber (a callable) and a fold: a recording's
+events, a live ``/events`` stream or the in-process bus go through the same
+``__call__``, so ``engine doctor`` and the monitor's Diagnosis panel judge the
+same numbers. It keeps per step only what the rules read (a :class:`StepRow`),
+per request its arrival, admission, preemptions, first token and finish, and
+the startup phases as published; nothing is read from the scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.events import (
+    EngineConfigEvent,
+    Event,
+    LogEvent,
+    RequestArrived,
+    RequestFinished,
+    RequestFirstToken,
+    RequestPreempted,
+    RequestScheduled,
+    SnapshotEvent,
+    StartupPhase,
+    StepEvent,
+    event_from_dict,
+)
+from engine.events.phase_data import KvCacheData
+
+
+@dataclass(slots=True)
+class StepRow:
+    """One step as the rules need it. ``prefills`` maps the requests that ran a
+    prompt chunk in this step to the chunk's tokens."""
+
+    index: int
+    t: float
+    duration_s: float
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefills: dict[str, int]
+    preempted: list[str]
+    evicted: list[int]
+    num_finished: int
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+
+@dataclass(slots=True)
+class RequestFacts:
+    """One request's life in events; steps are ``StepEvent.index`` values."""
+
+    request_id: str
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+    arrival_t: float = 0.0
+    arrival_step: int | None = None  # the first step after it arrived
+    queue_time_s: float | None = None
+    prefix_hit_tokens: int = 0
+    preempted_at: list[int] = field(default_factory=list)
+    tokens_lost: int = 0
+    first_token_step: int | None = None
+    ttft_s: float | None = None
+    finish_step: int | None = None
+    output_tokens: int | None = None
+    finish_reason: str | None = None
+
+    @property
+    def total_tokens(self) -> int:
+        """Prompt plus output: what the request holds in the KV pool at its end."""
+        return self.prompt_tokens + (self.output_tokens if self.output_tokens is not None else self.max_tokens)
+
+
+@dataclass(slots=True)
+class RunFacts:
+    """Subscribe it to a bus or call it with each event; read the fields."""
+
+    config: dict[str, Any] = field(default_factory=dict)
+    model: dict[str, Any] = field(default_factory=dict)
+    phases: dict[str, StartupPhase] = field(default_factory=dict)  # letter -> its latest end/failed/skipped
+    failed_phase: StartupPhase | None = None
+    steps: list[StepRow] = field(default_factory=list)
+    requests: dict[str, RequestFacts] = field(default_factory=dict)
+    errors: list[LogEvent] = field(default_factory=list)  # log events at warning level or above
+    # block ids that served a prefix-cache hit (the first blocks of an admission that hit)
+    prefix_blocks: set[int] = field(default_factory=set)
+    events: int = 0
+    # request events of a step arrive during its update, before the step event itself
+    _pending_first: list[str] = field(default_factory=list)
+    _pending_finish: list[str] = field(default_factory=list)
+    _unstepped: list[str] = field(default_factory=list)
+
+    def __call__(self, event: Event) -> None:
+        self.events += 1
+        if isinstance(event, StepEvent):
+            self._step(event)
+        elif isinstance(event, RequestArrived):
+            req = self.requests.setdefault(event.request_id, RequestFacts(event.request_id))
+            req.prompt_tokens, req.max_tokens, req.arrival_t = event.prompt_tokens, event.max_tokens, event.t
+            self._unstepped.append(event.request_id)
+        elif isinstance(event, RequestScheduled):
+            req = self._request(event.request_id)
+            req.queue_time_s, req.prefix_hit_tokens = event.queue_time_s, event.prefix_hit_tokens
+        elif isinstance(event, RequestPreempted):
+            self._request(event.request_id).tokens_lost += event.computed_tokens_lost
+        elif isinstance(event, RequestFirstToken):
+            self._request(event.request_id).ttft_s = event.ttft_s
+            self._pending_first.append(event.request_id)
+        elif isinstance(event, RequestFinished):
+            req = self._request(event.request_id)
+            req.output_tokens, req.finish_reason = event.output_tokens, event.reason
+            req.prompt_tokens = req.prompt_tokens or event.prompt_tokens
+            if req.ttft_s is None:
+                req.ttft_s = event.ttft_s
+            self._pending_finish.append(event.request_id)
+        elif isinstance(event, StartupPhase):
+            if event.status != "begin":
+                self.phases[event.phase] = event
+            if event.status == "failed":
+                self.failed_phase = event
+        elif isinstance(event, EngineConfigEvent):
+            self.config, self.model = dict(event.config), dict(event.model)
+        elif isinstance(event, LogEvent):
+            if event.level in ("warning", "error", "critical"):
+                self.errors.append(event)
+        elif isinstance(event, SnapshotEvent):
+            self._snapshot(event.state)
+
+    def _request(self, request_id: str) -> RequestFacts:
+        return self.requests.setdefault(request_id, RequestFacts(request_id))
+
+    def _step(self, e: StepEvent) -> None:
+        prefills = {rid: int(v[0]) for rid, v in e.scheduled.items() if len(v) > 1 and v[1] == "prefill"}
+        self.steps.append(StepRow(
+            index=e.index, t=e.t, duration_s=e.duration_s or e.forward_s,
+            num_prefill_tokens=e.num_prefill_tokens, num_decode_tokens=e.num_decode_tokens,
+            num_running=e.num_running, num_waiting=e.num_waiting,
+            kv_blocks_used=e.kv_blocks_used_forward or e.kv_blocks_used, kv_blocks_total=e.kv_blocks_total,
+            prefills=prefills, preempted=list(e.preempted), evicted=list(e.evicted), num_finished=len(e.finished)))
+        for rid in e.new:
+            hit_blocks = self._request(rid).prefix_hit_tokens // self.block_size
+            self.prefix_blocks.update(e.allocated.get(rid, [])[:hit_blocks])
+        for rid in e.preempted:
+            self._request(rid).preempted_at.append(e.index)
+        for rid in self._unstepped:
+            self.requests[rid].arrival_step = e.index
+        for rid in self._pending_first:
+            req = self._request(rid)
+            if req.first_token_step is None:
+                req.first_token_step = e.index
+        for rid in self._pending_finish:
+            self._request(rid).finish_step = e.index
+        self._unstepped.clear()
+        self._pending_first.clear()
+        self._pending_finish.clear()
+
+    def _snapshot(self, state: dict[str, Any]) -> None:
+        """A live stream starts with the server's view: its flags, phases and the
+        recent events it kept (older steps are gone; the rules say so by range)."""
+        self.config = dict(state.get("config", {})) or self.config
+        self.model = dict(state.get("model", {})) or self.model
+        for letter, phase in (state.get("phases") or {}).items():
+            if phase.get("status") in ("end", "failed", "skipped"):
+                event = StartupPhase(phase=letter, name=phase.get("name", ""), status=phase["status"],
+                                     duration_s=phase.get("duration_s"), data=dict(phase.get("data") or {}),
+                                     reason=phase.get("reason"))
+                self(event)
+        for row in state.get("recent") or []:
+            try:
+                self(event_from_dict(row))
+            except (ValueError, TypeError):
+                continue  # a record this version does not know: the live events that follow still count
+
+    # ---------------------------------------------------------------- readings
+    @property
+    def kv_cache(self) -> KvCacheData | None:
+        """Phase E's pool, when the run reported it."""
+        event = self.phases.get("E")
+        return KvCacheData.from_dict(event.data) if event is not None and event.data else None
+
+    def flag(self, name: str, default: Any = None) -> Any:
+        """A flag under vLLM's underscored name, as the run's ``engine.config`` recorded it."""
+        value = self.config.get(name)
+        return default if value is None else value
+
+    @property
+    def block_size(self) -> int:
+        kv = self.kv_cache
+        return int(kv.block_size) if kv is not None and kv.block_size else int(self.flag("block_size", 16))
+
+    @property
+    def pool_tokens(self) -> int:
+        """Tokens the KV pool holds: phase E's figure, else the steps' block total."""
+        kv = self.kv_cache
+        if kv is not None and kv.kv_cache_tokens:
+            return int(kv.kv_cache_tokens)
+        total = max((s.kv_blocks_total for s in self.steps), default=0)
+        return total * self.block_size

@@ -1,0 +1,81 @@
+"""What ``engine doctor`` reads: a kvscope recording (``.jsonl``, or gzipped), a live
+kvscope server (its ``/events`` stream, through the monitor's own SSE client) or a
+vLLM log (through logparse). The kind is told by the argument, not by a flag: an
+``http(s)://`` URL is live, a file starting with the kvscope events header (plain or
+gzip) is a recording, any other file is a log.
+"""
+
+from __future__ import annotations
+
+import gzip
+import time
+from pathlib import Path
+
+from doctor.facts import RunFacts
+from engine.errors import UserError
+from engine.events import SCHEMA_NAME, read_events
+from monitor.sources import LIVE, REFUSED, HttpFeed
+
+RECORDING = "recording"
+LIVE_URL = "live"
+VLLM_LOG = "vllm-log"
+GZIP_MAGIC = b"\x1f\x8b"
+
+
+class InputError(UserError):
+    """The input cannot be read; ``engine doctor`` exits 3 so scripts tell it from a critical finding (2)."""
+
+    exit_code = 3
+
+
+def kind_of(source: str) -> str:
+    if source.startswith(("http://", "https://")):
+        return LIVE_URL
+    path = Path(source)
+    if not path.is_file():
+        raise InputError(f"{source}: no such file; pass a recording (.jsonl), a vLLM log or http://HOST:PORT")
+    with path.open("rb") as fh:
+        head = fh.read(64)
+    if head.startswith(GZIP_MAGIC):
+        return RECORDING
+    return RECORDING if SCHEMA_NAME.encode() in head else VLLM_LOG
+
+
+def facts_from_recording(path: str | Path) -> RunFacts:
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+        recording = read_events(gzip.decompress(raw) if raw.startswith(GZIP_MAGIC) else path)
+    except (OSError, EOFError, ValueError) as exc:
+        raise InputError(f"{path}: {exc}") from None
+    facts = RunFacts()
+    for event in recording.events:
+        facts(event)
+    return facts
+
+
+def facts_from_server(url: str, duration_s: float, api_key: str | None = None,
+                      connect_timeout_s: float = 5.0) -> RunFacts:
+    """Follow a server's ``/events`` for ``duration_s`` seconds (its snapshot first: flags,
+    startup phases and the recent events it kept) and fold what arrived."""
+    feed = HttpFeed(url, api_key=api_key, retry_s=connect_timeout_s, connect_timeout_s=connect_timeout_s)
+    facts = RunFacts()
+    feed.start()
+    try:
+        if not feed.connected.wait(connect_timeout_s):
+            state = feed.connection
+            raise InputError(f"{feed.url}: {state.reason or state.state}")
+        deadline = time.monotonic() + duration_s
+        while True:
+            for event in feed.drain():
+                facts(event)
+            if feed.connection.state == REFUSED:
+                raise InputError(f"{feed.url}: refused, {feed.connection.reason}")
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        if feed.connection.state != LIVE and not facts.events:
+            raise InputError(f"{feed.url}: {feed.connection.reason or 'no events arrived'}")
+    finally:
+        feed.stop()
+    return facts

@@ -1,0 +1,525 @@
+"""The doctor's rules: each reads a :class:`~doctor.facts.RunFacts` and returns
+the findings it sees, with the evidence (steps, requests, numbers from the
+events), the likely cause and the fix computed through the budget formula
+(:mod:`doctor.budget`). The monitor's Diagnosis panel runs these same rules on
+its live fold; ``engine doctor`` adds the simulator's what-if to each fix
+(:mod:`doctor.remedies`).
+
+The rules follow the background's operations guide (failure modes and the five
+metrics that cover most diagnoses): startup refused because the context does not
+fit, out of memory at startup, the pool binds (KV usage near 1.0 with
+preemptions), ``--max-num-seqs`` binds (queue grows with low KV usage), latency
+spikes when long documents arrive, decode starved by prefill, TTFT rising while
+the token budget binds, and a low prefix-cache hit rate with a shared prefix.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from doctor.budget import replan
+from doctor.facts import RequestFacts, RunFacts, StepRow
+from engine.budget.memory import GiB, required_utilization
+
+WARNING = "warning"
+CRITICAL = "critical"
+SEVERITY_ORDER = {WARNING: 1, CRITICAL: 2}
+
+KV_LOW = 0.80  # KV usage below this while requests wait: the pool is not what binds
+KV_FULL = 0.95  # preemptions at or above this usage: the pool binds
+MIN_BINDING_STEPS = 5  # a limit must hold the queue back this many steps in a row to count
+SPIKE_FACTOR = 3.0  # a step this many times the decode-only median is a latency spike
+STARVED_SHARE = 0.10  # this share of decode tokens (ITL p90) in prefill-slowed steps: decode starved
+STARVED_FACTOR = 2.0  # ... where a step is at least this many times the decode-only median
+STORM_REPEATS = 3  # one request preempted this often is a storm (critical)
+TTFT_RISE = 2.0  # last third's median TTFT over the first third's
+MAX_UTILIZATION_ADVISED = 0.95  # above this, graph capture and other processes run out of room
+
+
+@dataclass(slots=True)
+class Fix:
+    """A flag change with the numbers that justify it. ``effect`` is the simulator's
+    what-if (filled by :mod:`doctor.remedies`), ``None`` until then."""
+
+    flag: str
+    current: Any
+    proposed: Any
+    why: str
+    effect: str | None = None
+    numbers: dict[str, Any] = field(default_factory=dict)
+
+    def text(self) -> str:
+        if self.proposed is None:
+            head = f"{self.flag}"
+        elif self.current is None:
+            head = f"{self.flag} {self.proposed}"
+        else:
+            head = f"{self.flag} {self.current} -> {self.proposed}"
+        return f"{head}: {self.why}" + (f"; {self.effect}" if self.effect else "")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"flag": self.flag, "current": self.current, "proposed": self.proposed, "why": self.why,
+                "effect": self.effect, "numbers": dict(self.numbers)}
+
+
+@dataclass(slots=True)
+class Finding:
+    """One diagnosis. ``first_step``/``last_step`` are ``StepEvent.index`` values
+    (None for startup findings); ``numbers`` holds the figures the evidence quotes."""
+
+    rule: str
+    severity: str
+    title: str
+    evidence: list[str]
+    cause: str
+    fixes: list[Fix] = field(default_factory=list)
+    first_step: int | None = None
+    last_step: int | None = None
+    numbers: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def where(self) -> str:
+        if self.first_step is None:
+            return "startup"
+        if self.last_step is None or self.last_step == self.first_step:
+            return f"step {self.first_step}"
+        return f"steps {self.first_step}–{self.last_step}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rule": self.rule, "severity": self.severity, "title": self.title, "where": self.where,
+                "first_step": self.first_step, "last_step": self.last_step, "evidence": list(self.evidence),
+                "cause": self.cause, "fixes": [f.to_json() for f in self.fixes], "numbers": dict(self.numbers)}
+
+
+Rule = Callable[[RunFacts], Iterable[Finding]]
+
+
+# ------------------------------------------------------------------ helpers
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.0f} ms"
+
+
+def _steps(first: int, last: int) -> str:
+    return f"step {first}" if first == last else f"steps {first}–{last}"
+
+
+def _runs(steps: list[StepRow], holds: Callable[[StepRow], bool]) -> list[list[StepRow]]:
+    """Maximal runs of consecutive steps for which ``holds`` is true."""
+    runs: list[list[StepRow]] = []
+    current: list[StepRow] = []
+    for step in steps:
+        if holds(step):
+            current.append(step)
+        elif current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    return runs
+
+
+def decode_baseline_s(facts: RunFacts) -> float | None:
+    """Median duration of decode-only steps: what one token costs without prefill in the way."""
+    durations = [s.duration_s for s in facts.steps if s.num_prefill_tokens == 0 and s.num_decode_tokens > 0]
+    return statistics.median(durations) if durations else None
+
+
+def _mean_request_tokens(facts: RunFacts) -> float:
+    done = [r.total_tokens for r in facts.requests.values() if r.total_tokens > 0]
+    return statistics.fmean(done) if done else 0.0
+
+
+def _fp8_fix(facts: RunFacts, need_tokens: int) -> Fix | None:
+    if str(facts.flag("kv_cache_dtype", "auto")).startswith("fp8"):
+        return None
+    plan = replan(facts, kv_cache_dtype="fp8")
+    if plan is None:
+        return None
+    holds = "holds" if plan.kv_cache_tokens >= need_tokens else "still short of"
+    return Fix("--kv-cache-dtype", facts.flag("kv_cache_dtype", "auto"), "fp8",
+               f"{plan.bytes_per_token // 1024:,} KiB per token instead of {2 * plan.bytes_per_token // 1024:,}: "
+               f"the same pool holds {plan.kv_cache_tokens:,} tokens, {holds} the {need_tokens:,} needed "
+               "(measure accuracy on your evaluation set)",
+               numbers={"kv_cache_tokens": plan.kv_cache_tokens})
+
+
+def _utilization_fix(facts: RunFacts, need_tokens: int) -> Fix | None:
+    plan = replan(facts)
+    if plan is None or plan.kv_pool_overridden:
+        return None
+    need_util = required_utilization(plan, need_tokens * plan.bytes_per_token)
+    current = plan.gpu_memory_utilization
+    if need_util <= current:
+        return None
+    if need_util > MAX_UTILIZATION_ADVISED:
+        return Fix("--gpu-memory-utilization", current, None,
+                   f"would need {need_util:.2f} for {need_tokens:,} tokens (non-KV "
+                   f"{(plan.total_bytes * current - plan.kv_pool_bytes) / GiB:.2f} GiB plus "
+                   f"{need_tokens * plan.bytes_per_token / GiB:.2f} GiB of KV on {plan.total_bytes / GiB:.2f} GiB): "
+                   "beyond a safe cap, so a bigger GPU or --tensor-parallel-size 2",
+                   numbers={"required_utilization": need_util})
+    proposed = math.ceil(need_util * 100) / 100
+    return Fix("--gpu-memory-utilization", current, f"{proposed:.2f}",
+               f"the pool grows to {need_tokens:,} tokens ({need_tokens * plan.bytes_per_token / GiB:.2f} GiB of KV)",
+               numbers={"required_utilization": need_util})
+
+
+# ------------------------------------------------------------------ startup
+# The budget check words its advice "raise ... or lower ... to 16 or less": split before each verb.
+_OPTION_SPLIT = re.compile(r" or (?=(?:raise|lower|increasing|decreasing|use|a smaller|add)\b)")
+
+
+def startup_refused(facts: RunFacts) -> Iterable[Finding]:
+    """Startup refuses because the context does not fit (phase B/E's budget check)."""
+    failed = facts.failed_phase
+    if failed is None or not failed.reason or "out of memory" in failed.reason.lower():
+        return
+    reason = failed.reason
+    if failed.phase not in ("B", "E") and "kv cache" not in reason.lower():
+        return
+    fixes = []
+    _, _, advice = reason.partition("; try ")
+    if not advice:
+        _, _, advice = reason.rpartition("; ")
+    for option in filter(None, (part.strip() for part in _OPTION_SPLIT.split(advice))):
+        flag = next((w for w in option.split() if w.startswith("--")), option)
+        fixes.append(Fix(flag, None, None, option))
+    kv = facts.kv_cache
+    numbers: dict[str, Any] = {"phase": failed.phase}
+    if kv is not None and kv.kv_cache_tokens is not None:
+        numbers["kv_cache_tokens"] = kv.kv_cache_tokens
+    yield Finding("startup_refused", CRITICAL, "startup refused: the context does not fit the KV pool",
+                  [f"phase {failed.phase} ({failed.name}) failed: {reason}"],
+                  "the pool cannot hold one --max-model-len request: lower the context, raise the memory cap, "
+                  "use an fp8 KV cache or add tensor parallelism", fixes, numbers=numbers)
+
+
+_OOM_WHERE = {"C": "while loading the weights", "D": "in the profile run (the worst-case step)",
+              "E": "allocating the KV pool", "F": "at CUDA-graph capture", "G": "at the first large batch (warm-up)"}
+
+
+def startup_oom(facts: RunFacts) -> Iterable[Finding]:
+    """Out of memory at graph capture or the first large batch."""
+    failed = facts.failed_phase
+    if failed is None or not failed.reason or "out of memory" not in failed.reason.lower():
+        return
+    evidence = [f"phase {failed.phase} ({failed.name}) failed: {failed.reason}"]
+    reading = failed.memory_before or {}
+    numbers: dict[str, Any] = {"phase": failed.phase}
+    total, free, reserved = reading.get("total"), reading.get("free"), reading.get("reserved")
+    others = None
+    if total and free is not None and reserved is not None:
+        others = max(0, total - free - reserved)
+        numbers["held_by_others_bytes"] = others
+        evidence.append(f"before phase {failed.phase}: {free / GiB:.2f} of {total / GiB:.2f} GiB free, "
+                        f"{reserved / GiB:.2f} GiB this engine's, {others / GiB:.2f} GiB held by other processes")
+    util = float(facts.flag("gpu_memory_utilization", 0.9))
+    fixes = []
+    if failed.phase == "F":
+        sizes = facts.flag("cuda_graph_sizes") or []
+        fixes.append(Fix("--enforce-eager", None, None, "skips CUDA-graph capture and its memory (slower decode)"))
+        if len(sizes) > 1:
+            fixes.append(Fix("--cuda-graph-sizes", max(sizes), max(sizes) // 2,
+                             f"capture {len(sizes) - 1} sizes instead of {len(sizes)}: the largest graph's buffers go"))
+    if failed.phase == "D":
+        tokens = int(facts.flag("max_num_batched_tokens", 8192))
+        fixes.append(Fix("--max-num-batched-tokens", tokens, tokens // 2,
+                         "halves the profile run's activations"))
+    backed_off = max(0.05, util - 0.05 - (others / total if others and total else 0.0))
+    fixes.append(Fix("--gpu-memory-utilization", util, f"{math.floor(backed_off * 100) / 100:.2f}",
+                     "leaves room outside the budget" + (" and for the other processes' memory" if others else "")))
+    yield Finding("startup_oom", CRITICAL, f"out of memory {_OOM_WHERE.get(failed.phase, 'at startup')}", evidence,
+                  "another process holds device memory, or the cap is too close to 1.0: give the engine the device "
+                  "to itself and back the cap off by a few points", fixes, numbers=numbers)
+
+
+# ------------------------------------------------------------------ concurrency limits
+def pool_binds(facts: RunFacts) -> Iterable[Finding]:
+    """KV usage near 1.0 with preemptions: the pool is what binds (preemption storms)."""
+    at = [s for s in facts.steps if s.preempted]
+    if not at:
+        return
+    preempted = sorted((r for r in facts.requests.values() if r.preempted_at),
+                       key=lambda r: (-len(r.preempted_at), r.preempted_at[0]))
+    total = sum(len(s.preempted) for s in at)
+    usage = [s.kv_usage for s in at]
+    worst = preempted[0]
+    storm = len(worst.preempted_at) >= STORM_REPEATS or total >= 0.2 * max(1, len(facts.requests))
+    evidence = [f"{total} preemptions of {len(preempted)} requests at {_steps(at[0].index, at[-1].index)}, "
+                f"KV usage {min(usage) * 100:.0f}–{max(usage) * 100:.0f} % when they happened"]
+    for req in preempted[:3]:
+        times = "once" if len(req.preempted_at) == 1 else f"{len(req.preempted_at)} times"
+        evidence.append(f"request {req.request_id} was preempted {times} at "
+                        f"{_steps(req.preempted_at[0], req.preempted_at[-1])}"
+                        + (f" ({req.tokens_lost:,} computed tokens recomputed)" if req.tokens_lost else ""))
+    lost = sum(r.tokens_lost for r in preempted)
+    pool = facts.pool_tokens
+    mean_tokens = _mean_request_tokens(facts)
+    peak_running = max(s.num_running for s in facts.steps)
+    need = int(peak_running * mean_tokens)
+    seqs = int(facts.flag("max_num_seqs", 256))
+    fits = max(1, int(pool // mean_tokens)) if mean_tokens else seqs
+    numbers = {"preemptions": total, "requests_preempted": len(preempted), "worst_request": worst.request_id,
+               "worst_preemptions": len(worst.preempted_at), "tokens_recomputed": lost,
+               "pool_tokens": pool, "peak_running": peak_running, "mean_request_tokens": round(mean_tokens),
+               "need_ratio": need / pool if pool else 0.0}
+    cause = (f"too many long requests admitted at once: {peak_running} running requests of {mean_tokens:,.0f} "
+             f"tokens on average need {need:,} tokens, {need / pool:.1f}x the pool's {pool:,}" if pool else
+             "the running set outgrew the KV pool")
+    fixes = []
+    if fits < min(seqs, peak_running):
+        fixes.append(Fix("--max-num-seqs", seqs, fits,
+                         f"the pool's {pool:,} tokens hold {fits} requests of the mean {mean_tokens:,.0f} tokens; "
+                         "put admission control in front so overload becomes fast rejections",
+                         numbers={"fits": fits}))
+    for fix in (_fp8_fix(facts, need), _utilization_fix(facts, need)):
+        if fix is not None:
+            fixes.append(fix)
+    yield Finding("pool_binds", CRITICAL if storm else WARNING,
+                  "preemption storm: the KV pool binds" if storm else "the KV pool binds: requests were preempted",
+                  evidence, cause, fixes, at[0].index, at[-1].index, numbers)
+
+
+def max_num_seqs_binds(facts: RunFacts) -> Iterable[Finding]:
+    """The queue grows while KV usage stays low: ``--max-num-seqs`` is the limit."""
+    seqs = int(facts.flag("max_num_seqs", 256))
+    # a step's running count is taken after its finished requests left: they held a slot during it
+    runs = [r for r in _runs(facts.steps, lambda s: s.num_waiting > 0 and s.num_running + s.num_finished >= seqs
+                             and s.kv_usage < KV_LOW) if len(r) >= MIN_BINDING_STEPS]
+    if not runs:
+        return
+    longest = max(runs, key=len)
+    held = sum(len(r) for r in runs)
+    peak = max(longest, key=lambda s: s.num_waiting)
+    usage = max(s.kv_usage for r in runs for s in r)
+    queued = [r for r in facts.requests.values() if r.queue_time_s]
+    slowest = max(queued, key=lambda r: r.queue_time_s or 0.0, default=None)
+    evidence = [f"{held} steps with requests waiting while all {seqs} sequence slots were busy, the longest run "
+                f"{_steps(longest[0].index, longest[-1].index)}; the queue peaked at {peak.num_waiting} at step "
+                f"{peak.index}", f"KV usage stayed at or below {usage * 100:.0f} % meanwhile"]
+    if slowest is not None and slowest.queue_time_s:
+        evidence.append(f"request {slowest.request_id} waited {slowest.queue_time_s:,.2f} s in the queue")
+    pool = facts.pool_tokens
+    mean_tokens = _mean_request_tokens(facts)
+    fits = int(pool // mean_tokens) if mean_tokens else 0
+    demand = max(s.num_running + s.num_finished + s.num_waiting for r in runs for s in r)
+    proposed = min(fits, demand)
+    fixes = []
+    if proposed > seqs:
+        fixes.append(Fix("--max-num-seqs", seqs, proposed,
+                         f"room for the peak demand of {demand} requests (running and waiting); the pool's {pool:,} "
+                         f"tokens hold {fits:,} requests of the mean {mean_tokens:,.0f} tokens "
+                         f"(KV usage peaked at {usage * 100:.0f} %)", numbers={"fits": fits, "demand": demand}))
+    yield Finding("max_num_seqs_binds", WARNING, "--max-num-seqs binds: the queue grows with KV to spare", evidence,
+                  f"requests are short: {seqs} sequences use at most {usage * 100:.0f} % of the pool, so the sequence "
+                  "limit, not memory, keeps the rest waiting", fixes, longest[0].index, longest[-1].index,
+                  {"steps_bound": held, "peak_waiting": peak.num_waiting, "max_kv_usage": usage,
+                   "max_num_seqs": seqs, "fits": fits})
+
+
+# ------------------------------------------------------------------ latency
+def _chunk_cost_per_token(steps: list[StepRow], baseline: float) -> float:
+    """Seconds each prefill token adds to a step, from the steps themselves."""
+    costs = [(s.duration_s - baseline) / s.num_prefill_tokens for s in steps
+             if s.num_prefill_tokens > 0 and s.duration_s > baseline]
+    return statistics.median(costs) if costs else 0.0
+
+
+MIN_ADVISED_BUDGET = 512  # below this, prompts take too many steps to start answering
+
+
+def _budget_for(baseline: float, per_token: float, current: int) -> int:
+    """The largest power-of-two token budget whose chunk step stays under the spike
+    threshold (``SPIKE_FACTOR`` x the decode-only step), from the measured cost per token."""
+    if per_token <= 0:
+        return max(MIN_ADVISED_BUDGET, current // 2)
+    tokens = max(MIN_ADVISED_BUDGET, int((SPIKE_FACTOR * baseline - baseline) / per_token))
+    return max(MIN_ADVISED_BUDGET, min(current // 2, 2 ** int(math.log2(tokens))))
+
+
+def long_prompt_spikes(facts: RunFacts) -> Iterable[Finding]:
+    """Latency spikes when long documents arrive: their prefill chunks make every decode wait."""
+    baseline = decode_baseline_s(facts)
+    if not baseline:
+        return
+    budget = int(facts.flag("max_num_batched_tokens", 8192))
+    spikes = [s for s in facts.steps if s.num_decode_tokens > 0 and s.prefills
+              and s.duration_s >= SPIKE_FACTOR * baseline]
+    by_request: dict[str, list[StepRow]] = {}
+    for step in spikes:
+        rid, chunk = max(step.prefills.items(), key=lambda kv: kv[1])
+        req = facts.requests.get(rid)
+        if req is not None and req.prompt_tokens >= budget // 2 and chunk >= step.num_prefill_tokens // 2:
+            by_request.setdefault(rid, []).append(step)
+    if not by_request:
+        return
+    worst = max((s for steps in by_request.values() for s in steps), key=lambda s: s.duration_s)
+    evidence = []
+    ranked = sorted(by_request.items(), key=lambda kv: -max(s.duration_s for s in kv[1]))
+    for rid, steps in ranked[:3]:
+        req = facts.requests[rid]
+        slowest = max(steps, key=lambda s: s.duration_s)
+        evidence.append(f"request {rid} ({req.prompt_tokens:,}-token prompt) arrived at step {req.arrival_step}; "
+                        f"its prefill chunks at {_steps(steps[0].index, steps[-1].index)} made "
+                        f"{slowest.num_decode_tokens} decoding requests wait {_ms(slowest.duration_s)} for a token "
+                        f"(decode-only steps take {_ms(baseline)})")
+    if len(ranked) > 3:
+        evidence.append(f"and {len(ranked) - 3} more long prompts")
+    per_token = _chunk_cost_per_token(spikes, baseline)
+    proposed = _budget_for(baseline, per_token, budget)
+    fixes = [Fix("--max-num-batched-tokens", budget, proposed,
+                 f"a prompt chunk costs {per_token * 1e6:,.1f} µs per token here, so a {proposed:,}-token chunk keeps "
+                 f"a step near {_ms(baseline + proposed * per_token)} instead of {_ms(worst.duration_s)}",
+                 numbers={"per_token_s": per_token}),
+             Fix("route long-context traffic to its own replicas", None, None,
+                 f"{len(ranked)} prompts of at least {budget // 2:,} tokens shared steps with streaming requests")]
+    first = min(steps[0].index for steps in by_request.values())
+    last = max(steps[-1].index for steps in by_request.values())
+    yield Finding("long_prompt_spikes", WARNING, "latency spikes when long prompts arrive", evidence,
+                  f"big prefill chunks (up to {budget:,} tokens a step) delay every decode in the same step", fixes,
+                  first, last, {"worst_itl_s": worst.duration_s, "worst_step": worst.index, "baseline_itl_s": baseline,
+                                "long_prompts": len(ranked), "max_num_batched_tokens": budget})
+
+
+def decode_starved(facts: RunFacts) -> Iterable[Finding]:
+    """Decode starved by prefill: a large share of tokens waited on prefill-heavy steps."""
+    baseline = decode_baseline_s(facts)
+    decode_total = sum(s.num_decode_tokens for s in facts.steps)
+    if not baseline or not decode_total:
+        return
+    budget = int(facts.flag("max_num_batched_tokens", 8192))
+
+    def long_prompt_in(step: StepRow) -> bool:  # those steps are long_prompt_spikes' finding
+        return any(facts.requests[r].prompt_tokens >= budget // 2 for r in step.prefills if r in facts.requests)
+
+    slowed = [s for s in facts.steps if s.num_decode_tokens > 0 and s.num_prefill_tokens > 0
+              and s.duration_s >= STARVED_FACTOR * baseline and not long_prompt_in(s)]
+    share = sum(s.num_decode_tokens for s in slowed) / decode_total
+    if share < STARVED_SHARE or len(slowed) < MIN_BINDING_STEPS:
+        return
+    typical = statistics.median(s.duration_s for s in slowed)
+    prefill_share = sum(s.num_prefill_tokens for s in slowed) / sum(s.num_tokens for s in slowed)
+    per_token = _chunk_cost_per_token(slowed, baseline)
+    proposed = _budget_for(baseline, per_token, budget)
+    evidence = [f"{share * 100:.0f} % of the {decode_total:,} decode tokens were produced in {len(slowed)} steps "
+                f"carrying prefill ({_steps(slowed[0].index, slowed[-1].index)}), whose median step took "
+                f"{_ms(typical)} against {_ms(baseline)} for decode-only steps",
+                f"prefill was {prefill_share * 100:.0f} % of the tokens in those steps"]
+    fixes = [Fix("--max-num-batched-tokens", budget, proposed,
+                 f"smaller chunks: a step near {_ms(baseline + proposed * per_token)} at {per_token * 1e6:,.1f} µs "
+                 "per prompt token")]
+    threshold = int(facts.flag("long_prefill_token_threshold", 0))
+    if not threshold:
+        fixes.append(Fix("--long-prefill-token-threshold", 0, proposed // 2,
+                         "caps each prompt's chunk so several prompts share a step's budget"))
+    yield Finding("decode_starved", WARNING, "decode starved by prefill", evidence,
+                  "prompts keep the step budget full of prefill, so every streaming request's next token waits",
+                  fixes, slowed[0].index, slowed[-1].index,
+                  {"starved_share": share, "slowed_steps": len(slowed), "median_slowed_s": typical,
+                   "baseline_itl_s": baseline})
+
+
+def _thirds(requests: list[RequestFacts]) -> tuple[float, float] | None:
+    ttfts = [r.ttft_s for r in sorted(requests, key=lambda r: r.arrival_t) if r.ttft_s is not None]
+    if len(ttfts) < 9:
+        return None
+    third = len(ttfts) // 3
+    return statistics.median(ttfts[:third]), statistics.median(ttfts[-third:])
+
+
+def ttft_token_budget(facts: RunFacts) -> Iterable[Finding]:
+    """TTFT rises while every step's token budget is full and prompts wait."""
+    budget = int(facts.flag("max_num_batched_tokens", 8192))
+    seqs = int(facts.flag("max_num_seqs", 256))
+    full = [s for s in facts.steps if s.num_waiting > 0 and s.num_tokens >= budget * 0.98
+            and s.num_running < seqs and not s.preempted and s.kv_usage < KV_FULL]
+    thirds = _thirds(list(facts.requests.values()))
+    if len(full) < MIN_BINDING_STEPS or thirds is None or thirds[1] < TTFT_RISE * max(thirds[0], 1e-9):
+        return
+    first_ttft, last_ttft = thirds
+    numbers: dict[str, Any] = {"full_steps": len(full), "ttft_first_third_s": first_ttft,
+                               "ttft_last_third_s": last_ttft}
+    why = "each step admits twice the prompt tokens"
+    fixes = []
+    plan_now, plan_new = replan(facts), replan(facts, max_num_batched_tokens=budget * 2)
+    if plan_now is not None and plan_new is not None:
+        grows = (plan_new.activation_peak_bytes - plan_now.activation_peak_bytes) / GiB
+        why += (f"; the activation peak grows {grows:.2f} GiB, so the pool goes from {plan_now.kv_cache_tokens:,} "
+                f"to {plan_new.kv_cache_tokens:,} tokens" if plan_new.kv_cache_tokens != plan_now.kv_cache_tokens
+                else f"; the budget formula keeps the pool at {plan_now.kv_cache_tokens:,} tokens")
+        numbers["pool_tokens_after"] = plan_new.kv_cache_tokens
+    evidence = [f"the {budget:,}-token step budget was full on {len(full)} steps with prompts waiting "
+                f"({_steps(full[0].index, full[-1].index)})",
+                f"median TTFT rose from {first_ttft:,.2f} s (first third of arrivals) to {last_ttft:,.2f} s (last third)"]
+    fixes.append(Fix("--max-num-batched-tokens", budget, budget * 2, why))
+    fixes.append(Fix("or add a replica", None, None,
+                     "where steps are compute-bound a bigger budget only makes them longer: the arrival rate then "
+                     "exceeds what one engine prefills (the what-if above tells which)"))
+    yield Finding("ttft_token_budget", WARNING, "TTFT rising: the token budget binds", evidence,
+                  "prompts arrive faster than the step budget lets them in; they queue for a chunk",
+                  fixes, full[0].index, full[-1].index, numbers)
+
+
+def prefix_cache_low(facts: RunFacts) -> Iterable[Finding]:
+    """A shared prefix exists (requests hit it) but its blocks were evicted, so later requests recompute it."""
+    if not facts.flag("enable_prefix_caching", True) or not facts.prefix_blocks:
+        return
+    block = facts.block_size
+    hits = [r for r in facts.requests.values() if r.prefix_hit_tokens >= block]
+    evictions = [(s, [b for b in s.evicted if b in facts.prefix_blocks]) for s in facts.steps]
+    evictions = [(s, blocks) for s, blocks in evictions if blocks]
+    prompt_tokens = sum(r.prompt_tokens for r in facts.requests.values() if r.arrival_step is not None)
+    hit_tokens = sum(r.prefix_hit_tokens for r in facts.requests.values())
+    if len(hits) < 2 or not evictions or not prompt_tokens:
+        return
+    rate = hit_tokens / prompt_tokens
+    shared = statistics.median(r.prefix_hit_tokens for r in hits)
+    first_evict = evictions[0][0].index
+    after = [r for r in facts.requests.values()
+             if r.arrival_step is not None and r.arrival_step > first_evict and r.prefix_hit_tokens < block]
+    evicted_blocks = sum(len(b) for _, b in evictions)
+    usage = max(s.kv_usage for s, _ in evictions)
+    evidence = [f"{len(hits)} requests reused a shared prefix of about {shared:,.0f} tokens, yet the hit rate is "
+                f"{rate * 100:.0f} % of {prompt_tokens:,} prompt tokens",
+                f"{evicted_blocks} blocks that had served prefix hits were evicted at "
+                f"{_steps(first_evict, evictions[-1][0].index)} (KV usage up to {usage * 100:.0f} %)",
+                f"{len(after)} requests that arrived after the first eviction hit nothing"]
+    fixes = []
+    peak = max(s.kv_blocks_used for s in facts.steps) * block
+    need = peak + int(shared)
+    for fix in (_fp8_fix(facts, need), _utilization_fix(facts, need)):
+        if fix is not None:
+            fixes.append(fix)
+    seqs = int(facts.flag("max_num_seqs", 256))
+    mean_tokens = _mean_request_tokens(facts)
+    pool = facts.pool_tokens
+    keeps = int((pool - shared) // mean_tokens) if mean_tokens else 0
+    if 0 < keeps < min(seqs, max(s.num_running for s in facts.steps)):
+        fixes.append(Fix("--max-num-seqs", seqs, keeps,
+                         f"the pool's {pool:,} tokens hold the {shared:,.0f}-token prefix plus {keeps} requests of the "
+                         f"mean {mean_tokens:,.0f} tokens, so the prefix's blocks stay cached"))
+    yield Finding("prefix_cache_low", WARNING, "low prefix-cache hit rate: the shared prefix is evicted", evidence,
+                  "the pool is too full to keep the shared prefix's cached blocks, so they are reused for other "
+                  "requests and recomputed later", fixes, first_evict, evictions[-1][0].index,
+                  {"hit_rate": rate, "shared_prefix_tokens": shared, "evicted_prefix_blocks": evicted_blocks,
+                   "missed_after_eviction": len(after)})
+
+
+RULES: tuple[Rule, ...] = (startup_refused, startup_oom, pool_binds, max_num_seqs_binds, long_prompt_spikes,
+                           decode_starved, ttft_token_budget, prefix_cache_low)
+
+
+def diagnose(facts: RunFacts) -> list[Finding]:
+    """Every rule's findings, critical first, then by the step they started."""
+    found = [finding for rule in RULES for finding in rule(facts)]
+    return sorted(found, key=lambda f: (-SEVERITY_ORDER[f.severity], f.first_step if f.first_step is not None else -1))
+
+
+def exit_status(findings: Iterable[Finding]) -> int:
+    """0 healthy, 1 warnings, 2 critical (``engine doctor``'s exit status)."""
+    return max((SEVERITY_ORDER[f.severity] for f in findings), default=0)

@@ -1,0 +1,112 @@
+"""Each rule against a recording that exhibits its failure (tests/doctor/recordings.py
+has the commands): the finding, its evidence (steps, request ids) and its numbers,
+the fix computed through the budget formula; and silence on a healthy run."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+
+from doctor.budget import replan
+from doctor.facts import RunFacts
+from doctor.inputs import facts_from_recording
+from doctor.rules import CRITICAL, WARNING, Finding, diagnose, exit_status
+from tests.doctor.recordings import path_of
+
+
+@cache
+def facts(name: str) -> RunFacts:
+    return facts_from_recording(path_of(name))
+
+
+def finding(name: str, rule: str) -> Finding:
+    found = {f.rule: f for f in diagnose(facts(name))}
+    assert rule in found, f"{name}: expected {rule}, found {sorted(found)}"
+    return found[rule]
+
+
+def fix_for(f: Finding, flag: str):  # type: ignore[no-untyped-def]
+    return next(x for x in f.fixes if x.flag == flag)
+
+
+def test_healthy_run_has_no_findings() -> None:
+    assert diagnose(facts("healthy")) == []
+    assert exit_status([]) == 0
+
+
+def test_preemption_storm_names_requests_steps_and_the_pool() -> None:
+    f = finding("pool_binds", "pool_binds")
+    assert f.severity == CRITICAL and (f.first_step, f.last_step) == (132, 361)
+    assert f.evidence[0] == "16 preemptions of 11 requests at steps 132–361, KV usage 95–98 % when they happened"
+    assert f.evidence[1] == "request r28 was preempted 3 times at steps 169–357 (1,278 computed tokens recomputed)"
+    assert f.numbers["worst_request"] == "r28" and f.numbers["worst_preemptions"] == 3
+    assert f.numbers["pool_tokens"] == 10_992 and f.numbers["peak_running"] == 32
+    assert "need 19,295 tokens, 1.8x the pool's 10,992" in f.cause
+    seqs = fix_for(f, "--max-num-seqs")
+    assert (seqs.current, seqs.proposed) == (256, 10_992 // 603)
+    fp8 = fix_for(f, "--kv-cache-dtype")
+    assert fp8.proposed == "fp8" and fp8.numbers["kv_cache_tokens"] == replan(facts("pool_binds"), kv_cache_dtype="fp8").kv_cache_tokens == 21_984
+    util = fix_for(f, "--gpu-memory-utilization")
+    assert (util.current, util.proposed) == (0.8, "0.85")
+    assert replan(facts("pool_binds"), gpu_memory_utilization=0.85).kv_cache_tokens >= 19_295
+
+
+def test_max_num_seqs_binds_with_kv_to_spare() -> None:
+    f = finding("max_num_seqs_binds", "max_num_seqs_binds")
+    assert f.severity == WARNING and (f.first_step, f.last_step) == (0, 580)
+    assert f.numbers["peak_waiting"] == 40 and f.numbers["max_kv_usage"] < 0.02
+    assert "request r47 waited 4.75 s in the queue" in f.evidence
+    fix = fix_for(f, "--max-num-seqs")
+    assert (fix.current, fix.proposed) == (8, 48) and fix.numbers["fits"] > 1000
+
+
+def test_long_prompts_cause_latency_spikes() -> None:
+    f = finding("long_prompts", "long_prompt_spikes")
+    assert (f.first_step, f.last_step) == (74, 116)
+    assert f.evidence[0].startswith("request doc1 (16,000-token prompt) arrived at step 74; its prefill chunks at "
+                                    "steps 74–75 made 24 decoding requests wait 222 ms")
+    assert f.numbers["worst_itl_s"] > 20 * f.numbers["baseline_itl_s"]
+    assert fix_for(f, "--max-num-batched-tokens").proposed == 512
+
+
+def test_decode_starved_by_prefill() -> None:
+    f = finding("decode_starved", "decode_starved")
+    assert 0.2 < f.numbers["starved_share"] < 0.3 and f.numbers["slowed_steps"] == 30
+    assert f.numbers["median_slowed_s"] > 3 * f.numbers["baseline_itl_s"]
+    assert {x.flag for x in f.fixes} == {"--max-num-batched-tokens", "--long-prefill-token-threshold"}
+
+
+def test_ttft_rises_while_the_token_budget_is_full() -> None:
+    f = finding("ttft_token_budget", "ttft_token_budget")
+    assert f.numbers["full_steps"] == 167
+    assert f.numbers["ttft_last_third_s"] > 4 * f.numbers["ttft_first_third_s"]
+    fix = fix_for(f, "--max-num-batched-tokens")
+    assert (fix.current, fix.proposed) == (512, 1024)
+
+
+def test_shared_prefix_evicted() -> None:
+    f = finding("prefix_evicted", "prefix_cache_low")
+    assert f.numbers["shared_prefix_tokens"] == 512 and f.numbers["evicted_prefix_blocks"] > 0
+    assert f.evidence[0].startswith("37 requests reused a shared prefix of about 512 tokens")
+    assert fix_for(f, "--max-num-seqs").proposed == (2_560 - 512) // 825
+
+
+def test_startup_refused_from_a_real_start() -> None:
+    (f,) = diagnose(facts("startup_refused"))
+    assert f.rule == "startup_refused" and f.severity == CRITICAL and f.where == "startup"
+    assert "phase B (budget) failed" in f.evidence[0]
+    assert [x.why for x in f.fixes] == ["raise --kv-cache-memory-bytes to at least 377,487,360 (0.352 GiB)",
+                                        "lower --max-model-len to 16 or less"]
+    assert exit_status([f]) == 2
+
+
+@pytest.mark.parametrize("name", [pytest.param("pool_binds", marks=pytest.mark.slow),
+                                  pytest.param("max_num_seqs_binds", marks=pytest.mark.slow), "long_prompts"])
+def test_findings_are_the_same_on_a_remade_recording(name: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The recordings are reproducible: the committed command gives the same diagnosis."""
+    from tests.doctor.recordings import simulate_recording
+
+    again = tmp_path / f"{name}.jsonl.gz"
+    again.write_bytes(simulate_recording(name))
+    assert [f.to_json() for f in diagnose(facts_from_recording(again))] == [f.to_json() for f in diagnose(facts(name))]
