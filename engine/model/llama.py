@@ -354,10 +354,56 @@ class LlamaForCausalLM(nn.Module):
             if entry.fmt == "q4_1" and interleave and weight.shape[0] % cpu_gemv.X8_ROWS == 0:
                 # 8 rows interleaved: the kernel's int8 dot covers 8 rows per instruction.
                 entry = QuantizedLinear(cpu_gemv.interleave_q4_1(entry.blocks), "q4_1x8", entry.source)
-            module.register_buffer(f"{name}_{_BUFFER_SUFFIX[entry.fmt]}", entry.blocks, persistent=False)
-            module.quantized[name] = entry
-            key = f"{entry.fmt} {entry.source}"
-            counts[key] = counts.get(key, 0) + 1
+            self._install_quantized(module, name, entry, counts)
+        self._gemv_pending = True
+        return counts
+
+    @staticmethod
+    def _install_quantized(module: nn.Module, name: str, entry: QuantizedLinear, counts: dict[str, int]) -> None:
+        module.register_buffer(f"{name}_{_BUFFER_SUFFIX[entry.fmt]}", entry.blocks, persistent=False)
+        module.quantized[name] = entry  # type: ignore[index, operator]
+        key = f"{entry.fmt} {entry.source}"
+        counts[key] = counts.get(key, 0) + 1
+
+    def _quantized_modules(self) -> dict[str, nn.Module]:
+        return {"": self, **{f"layers.{i}.": layer for i, layer in enumerate(self.layers)}}
+
+    def quantized_state(self, counts: Mapping[str, int]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """The quantized copies as flat tensors (``"layers.3.qkv_proj"``) and their
+        ``"<format> <source>"`` per name, plus the weights kept float: what the startup
+        cache stores so a warm start skips reading, concatenating and interleaving blocks."""
+        tensors: dict[str, torch.Tensor] = {}
+        formats = {"float": str(counts.get("float", 0))}
+        for prefix, module in self._quantized_modules().items():
+            for name, q in module.quantized.items():  # type: ignore[operator]
+                tensors[prefix + name] = q.blocks
+                formats[prefix + name] = f"{q.fmt} {q.source}"
+        return tensors, formats
+
+    def restore_quantized(self, tensors: Mapping[str, torch.Tensor], formats: Mapping[str, str]) -> dict[str, int] | None:
+        """Install copies saved by :meth:`quantized_state`; None, with nothing installed,
+        when they do not fit this model (another shape or an older layout)."""
+        from engine.model.kernels import cpu_gemv
+
+        plan: list[tuple[nn.Module, str, QuantizedLinear]] = []
+        for prefix, module in self._quantized_modules().items():
+            for name in ("head",) if prefix == "" else _PROJECTIONS:
+                key = prefix + name
+                if key not in tensors:
+                    continue
+                fmt, _, source = formats.get(key, "").partition(" ")
+                weight = (self.embed_tokens if self.lm_head is None else self.lm_head) if name == "head" \
+                    else getattr(module, name)
+                blocks = tensors[key]
+                expected = (weight.shape[0], weight.shape[1] // cpu_gemv.QK * cpu_gemv.BLOCK_BYTES.get(fmt, 0))
+                if fmt not in _BUFFER_SUFFIX or blocks.dtype != torch.uint8 or tuple(blocks.shape) != expected:
+                    return None
+                plan.append((module, name, QuantizedLinear(blocks, fmt, source)))
+        if len(plan) + int(formats.get("float", "0")) != 1 + len(self.layers) * len(_PROJECTIONS):
+            return None
+        counts: dict[str, int] = {"float": int(formats["float"])} if int(formats.get("float", "0")) else {}
+        for module, name, entry in plan:
+            self._install_quantized(module, name, entry, counts)
         self._gemv_pending = True
         return counts
 

@@ -7,6 +7,7 @@ It knows nothing about the scheduler: a step is a list of :class:`ScheduledSeq`
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import time
@@ -130,11 +131,36 @@ class ModelRunner:
         """Load (and quantize, with ``quantization``); ``weights_bytes`` counts every copy held."""
         info = load_weights_into(self.model, self.model_config, self.load_format, progress, seed=self.seed)
         if self.quantization is not None:
-            # A GGUF's own Q4_1/Q8_0 blocks (read raw: the floats may come from the cache).
-            blocks = read_gguf_blocks(self.model_config, self.load_format) if self.device.type == "cpu" else {}
-            self.quantization_counts = self.model.quantize_weights(self.quantization, blocks)
+            self.quantization_counts = self._quantize(self.quantization)
             info.weights_bytes = self.model.weights_bytes()
         return info
+
+    def _quantize(self, method: str) -> dict[str, int]:
+        """The quantized copies: from the startup cache when a GGUF's were stored for this
+        shape and layout (mapped, ~0.3 s of reading, concatenating and interleaving saved),
+        else a GGUF's own Q4_1/Q8_0 blocks (read raw: the floats may come from the cache)."""
+        from engine.model.kernels import cpu_gemv
+        from engine.model.loader import resolve_load_format, weights_location
+        from engine.model.startup_cache import load_cached_tensors, quantized_path, save_cached_tensors
+
+        on_cpu_gguf = self.device.type == "cpu" and resolve_load_format(self.model_config, self.load_format) == "gguf"
+        entry = None
+        if on_cpu_gguf:
+            c = self.model.config
+            layout = (f"x8={int(cpu_gemv.int8_activations_enabled())} heads={c.num_attention_heads}/{c.num_kv_heads} "
+                      f"hidden={c.hidden_size} ffn={c.intermediate_size} vocab={c.vocab_size}")
+            entry = quantized_path(weights_location(self.model_config), self.dtype, method, layout)
+        cached = load_cached_tensors(entry) if entry is not None else None
+        if cached is not None:
+            counts = self.model.restore_quantized(*cached)
+            if counts is not None:
+                return counts
+        blocks = read_gguf_blocks(self.model_config, self.load_format) if self.device.type == "cpu" else {}
+        counts = self.model.quantize_weights(method, blocks)
+        if entry is not None:
+            with contextlib.suppress(OSError):  # a read-only cache folder: the next start quantizes again
+                save_cached_tensors(entry, *self.model.quantized_state(counts))
+        return counts
 
     def allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
         c = self.model.config  # this rank's KV heads under tensor parallelism

@@ -267,3 +267,28 @@ def test_float_weights_are_packed_when_there_is_no_gguf(smollm_config, kernel) -
     cos = torch.nn.functional.cosine_similarity(torch.cat(ref_logits), torch.cat(logits), dim=-1)
     assert float(cos.min()) > 0.99 and not torch.equal(ref_logits[1], logits[1])
     assert set(GEMV_MAX_ROWS) == {"avx2", "avx512", "scalar"}
+
+
+def test_quantized_copies_round_trip_through_the_startup_cache_layout(smollm_config, tmp_path) -> None:
+    """What a warm start restores (mapped from the cache entry) is what quantizing made:
+    the same blocks, formats and counts, the float-kept weights included; an entry made
+    for another shape is refused whole."""
+    from engine.model.startup_cache import load_cached_tensors, save_cached_tensors
+
+    config = dataclasses.replace(smollm_config, num_layers=2, vocab_size=4096, intermediate_size=200,
+                                 tie_word_embeddings=False, source="preset", path=None)
+    made = ModelRunner(config, dtype="float32", load_format="dummy", quantization="int4")
+    made.load_weights()
+    entry = tmp_path / "quantized.safetensors"
+    save_cached_tensors(entry, *made.model.quantized_state(made.quantization_counts))
+    cached = load_cached_tensors(entry)
+    assert cached is not None
+
+    fresh = ModelRunner(config, dtype="float32", load_format="dummy")
+    fresh.load_weights()
+    tensors, formats = cached
+    other_shape = {**tensors, "layers.1.o_proj": tensors["layers.1.o_proj"][:8]}
+    assert fresh.model.restore_quantized(other_shape, formats) is None and not fresh.model.quantized_linears()
+    assert fresh.model.restore_quantized(tensors, formats) == made.quantization_counts == {"q4_1x8 packed": 7, "float": 2}
+    for a, b in zip(made.model.quantized_linears(), fresh.model.quantized_linears(), strict=True):
+        assert (a.fmt, a.source) == (b.fmt, b.source) and torch.equal(a.blocks, b.blocks)
