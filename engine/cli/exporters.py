@@ -6,8 +6,9 @@ OpenTelemetry spans (engine/events/otel.py); ``--collect-detailed-traces`` (vLLM
 ``model`` | ``worker`` | ``all``) adds forward / execute seconds to each request span;
 ``--trace-out PATH`` writes a Perfetto / Chrome trace (engine/events/perfetto.py) when
 the run ends. ``--trace`` stays the simulator's workload *input*; the output flag has
-its own name everywhere. All are off unless given; opentelemetry is imported only when
-``--otlp-traces-endpoint`` is.
+its own name everywhere. ``--enable-logging-iteration-details`` (vLLM's) logs one
+``Iteration(N): ...`` line per step (engine/events/iteration_details.py). All are off
+unless given; opentelemetry is imported only when ``--otlp-traces-endpoint`` is.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ def add_exporter_flags(p: argparse.ArgumentParser, *, replay: bool = False) -> N
     g.add_argument(*out, dest="trace_out", default=None, metavar="PATH",
                    help="write a Perfetto / Chrome trace (Trace Event Format JSON) of the run here; open it in "
                         "ui.perfetto.dev")
+    p.add_argument("--enable-logging-iteration-details", action="store_true",
+                   help="as vLLM: log each step's context and generation requests and tokens and its model time "
+                        "(Iteration(N): ... iteration elapsed time: X ms)")
 
 
 class _Sink(Protocol):
@@ -105,6 +109,11 @@ def build_exporters(args: argparse.Namespace, wall_start_unix: float, model_name
         exporters.sinks.append(OtlpTraceSink(exporter, wall_start_unix=wall_start_unix, model_name=model_name,
                                              forward_times=forward, execute_times=execute))
         exporters.written.append(f"OpenTelemetry spans: {endpoint} ({protocol})")
+    if getattr(args, "enable_logging_iteration_details", False):
+        from engine.events.iteration_details import IterationDetailsLog
+        from engine.logs import get_logger
+
+        exporters.sinks.append(IterationDetailsLog(get_logger("kvscope.core").info))
     return exporters
 
 

@@ -71,3 +71,6 @@ class IterationDetailsLog:
         self._log(iteration_details_line(self._iteration, (context_requests, context_tokens),
                                          (generation_requests, generation_tokens), event.forward_s + event.sample_s))
         self._iteration += 1
+
+    def close(self) -> None:
+        """Nothing to flush: each line is logged as its step arrives (the exporters' sink protocol)."""

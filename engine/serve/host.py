@@ -117,7 +117,7 @@ class EngineHost:
         there; ``engine.wait_ready()`` waits for it)."""
         bus = bus or EventBus()
         metrics = PrometheusMetrics(registry or CollectorRegistry(), settings.served_model_name,
-                                    max_model_len=config.max_model_len)
+                                    max_model_len=config.max_model_len, kv_cache_metrics=settings.kv_cache_metrics)
         view = LockedView()
         hub = EventHub()
         for subscriber in (metrics, view, hub):

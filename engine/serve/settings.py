@@ -24,3 +24,4 @@ class ServerSettings:
     log_requests: bool = False  # vLLM's --enable-log-requests: one line per request received
     max_log_len: int | None = None  # prompt token ids such a line shows (None: all)
     chat_template: str | None = None  # --chat-template: replaces the model's own
+    kv_cache_metrics: bool = False  # vLLM's --kv-cache-metrics: the block residency histograms on /metrics

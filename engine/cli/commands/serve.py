@@ -84,6 +84,23 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
                       help="uvicorn's own log level; at info (the default) it prints vLLM's access lines, "
                            '127.0.0.1:PORT - "POST /v1/completions HTTP/1.1" 200')
     vllm.add_argument("--disable-uvicorn-access-log", action="store_true", help="no per-request access lines")
+    vllm.add_argument("--kv-cache-metrics", action="store_true",
+                      help="serve the KV block residency histograms (vllm:kv_block_lifetime_seconds, "
+                           "_idle_before_evict_seconds, _reuse_gap_seconds) on /metrics, for every block")
+    vllm.add_argument("--kv-cache-metrics-sample", type=_sample_rate, default=0.01, metavar="RATE",
+                      help="vLLM's sampling rate of those histograms, in (0, 1]; accepted for compatibility: "
+                           "kvscope folds them from the step events and records every block")
+
+
+def _sample_rate(text: str) -> float:
+    """--kv-cache-metrics-sample as vLLM checks it (a rate in (0, 1])."""
+    try:
+        rate = float(text)
+    except ValueError:
+        rate = float("nan")
+    if not 0 < rate <= 1:
+        raise argparse.ArgumentTypeError(f"--kv-cache-metrics-sample {text!r}: must be a fraction in (0, 1], e.g. 0.01")
+    return rate
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
@@ -109,7 +126,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
                           max_waiting_requests=args.max_waiting_requests, shutdown_timeout_s=args.shutdown_timeout,
                           allowed_origins=parse_allowed_origins(args.allowed_origins), trusted_hosts=trusted,
                           log_requests=args.log_requests, max_log_len=args.max_log_len,
-                          chat_template=load_chat_template(args.chat_template))
+                          chat_template=load_chat_template(args.chat_template),
+                          kv_cache_metrics=args.kv_cache_metrics)
 
 
 def check_tokenizer_flag(tokenizer: str | None, model: str) -> None:

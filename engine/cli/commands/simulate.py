@@ -227,7 +227,8 @@ def run(args: argparse.Namespace) -> int:
     bus: EventBus | None = None
     sink: JsonlSink | None = None
     exporters = Exporters()
-    if args.events_path or args.otlp_traces_endpoint or args.trace_out or args.collect_detailed_traces:
+    if (args.events_path or args.otlp_traces_endpoint or args.trace_out or args.collect_detailed_traces
+            or args.enable_logging_iteration_details):
         bus = EventBus()
         exporters = attach_exporters(args, bus)
     if args.events_path:
