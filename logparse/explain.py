@@ -34,8 +34,11 @@ from engine.events.phase_data import (
     ProfileRunData,
     phase_record,
 )
+from engine.events.phase_names import PHASE_SPANS, vllm_group
+from logparse.fastscan import BulkRun, iter_summary
 from logparse.parser import Record, iter_records
-from logparse.patterns import FIGURE_NAMES, LEDGER_KEYS, PHASE_NAMES
+from logparse.patterns import FIGURE_NAMES, LEDGER_KEYS, NOISE_SOURCES, PHASE_NAMES
+from logparse.tracebacks import PLACE_PHASES, TracebackTracker
 
 STARTUP_PHASES = "ABCDEFG"
 
@@ -102,10 +105,19 @@ class PhaseSpan:
             return None
         return (b - a).total_seconds()
 
+    @property
+    def span_name(self) -> str:
+        """The phase under vLLM's startup span name (engine/events/phase_names.py), so a
+        timeline read from a log and a trace of the same start use the same words; R and X,
+        which no span covers, keep logparse's own names."""
+        span = PHASE_SPANS.get(self.phase)
+        return span.span_name if span else PHASE_NAMES.get(self.phase, self.phase)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "phase": self.phase,
-            "name": PHASE_NAMES.get(self.phase, self.phase),
+            "name": self.span_name,
+            "vllm_span": vllm_group(self.phase) if self.phase in PHASE_SPANS else None,
             "first_line": self.first_line,
             "last_line": self.last_line,
             "first_time": self.first_time,
@@ -117,11 +129,46 @@ class PhaseSpan:
 
 
 @dataclass(slots=True)
+class Coverage:
+    """How much of a log logparse explains: records a catalogue pattern recognised,
+    records classed as another program's (``noise``, by source), and the unknown rest
+    with their first lines (at most :data:`UNKNOWN_LINES_KEPT`)."""
+
+    recognised: int = 0
+    noise: dict[str, int] = field(default_factory=lambda: dict.fromkeys(NOISE_SOURCES, 0))
+    unknown: int = 0
+    unknown_lines: list[int] = field(default_factory=list)
+
+    @property
+    def records(self) -> int:
+        return self.recognised + sum(self.noise.values()) + self.unknown
+
+    def add(self, record: Record) -> None:
+        if record.pattern is not None:
+            self.recognised += 1
+        elif record.noise is not None:
+            self.noise[record.noise] += 1
+        else:
+            self.unknown += 1
+            if len(self.unknown_lines) < UNKNOWN_LINES_KEPT:
+                self.unknown_lines.append(record.line)
+
+    def to_json(self) -> dict[str, Any]:
+        total = self.records or 1
+        return {"records": self.records, "recognised": self.recognised, "noise": sum(self.noise.values()),
+                "unknown": self.unknown, "unknown_share": round(self.unknown / total, 6),
+                "noise_by_source": {k: v for k, v in self.noise.items() if v}, "unknown_lines": list(self.unknown_lines)}
+
+
+UNKNOWN_LINES_KEPT = 200
+
+
+@dataclass(slots=True)
 class Explanation:
     path: str
     records: list[Record]
     record_count: int
-    unrecognised: int
+    unrecognised: int  # records neither recognised nor classed as noise
     facts: dict[str, Any]
     printed: dict[str, str]
     fact_lines: dict[str, int]
@@ -130,6 +177,7 @@ class Explanation:
     budget: dict[str, Any]
     plan: dict[str, Any]
     kvscope_plan: MemoryPlan | None = None
+    coverage: Coverage = field(default_factory=Coverage)
 
     @property
     def ledger(self) -> dict[str, Any]:
@@ -141,6 +189,8 @@ class Explanation:
             "checks": [c.to_json() for c in self.checks],
             "plan": self.plan,
             "ledger": self.ledger,
+            "coverage": self.coverage.to_json(),
+            "timeline": [span.to_json() for span in self.timeline],
         }
 
 
@@ -158,60 +208,29 @@ def unit(printed: str | None) -> float:
 
 def explain(source: str | Path | Iterable[bytes | str], options: Options | None = None,
             keep_records: bool = True) -> Explanation:
+    """Fold a log's records into an explanation. Without ``keep_records`` a file is read by
+    the fast summary (logparse/fastscan.py), which counts runs of stats and access lines
+    instead of reading each; both fold the same records."""
     options = options or Options()
-    records: list[Record] = []
-    facts: dict[str, Any] = {}
-    printed: dict[str, str] = {}
-    fact_lines: dict[str, int] = {}
-    spans: dict[str, PhaseSpan] = {}
-    failures: list[tuple[Record, str]] = []  # (record, last startup phase before it)
-    preemptions_v0 = 0
-    preemptions_v1 = 0
-    preemption_line: int | None = None
-    last_phase = "A"
-    count = unrecognised = 0
-    for record in iter_records(source):
-        count += 1
-        if keep_records:
-            records.append(record)
-        pattern = record.pattern
-        if pattern is None:
-            unrecognised += 1
-            continue
-        for name, value in record.fields.items():
-            if name not in facts:
-                facts[name] = value
-                fact_lines[name] = record.line
-                if name in record.printed:
-                    printed[name] = record.printed[name]
-        span = spans.get(pattern.phase)
-        if span is None:
-            span = spans[pattern.phase] = PhaseSpan(pattern.phase, record.line, record.line, record.time, record.time)
-        span.last_line = record.line
-        span.records += 1
-        if record.time:
-            span.first_time = span.first_time or record.time
-            span.last_time = record.time
-        for name, value in record.fields.items():
-            if name.endswith("_s") and isinstance(value, int | float) and name not in span.durations:
-                span.durations[name] = float(value)
-        if pattern.failure == "preemption":
-            preemptions_v0 = max(preemptions_v0, int(record.fields.get("preemptions_total", 1)))
-            preemption_line = preemption_line or record.line
-        elif pattern.failure and record.duplicate_of is None:
-            failures.append((record, last_phase))
-        if "preemptions" in record.fields:
-            preemptions_v1 += int(record.fields["preemptions"])
-            preemption_line = preemption_line or record.line
-        if pattern.phase in STARTUP_PHASES:
-            last_phase = pattern.phase
+    fold = _Fold(keep_records)
+    items: Iterable[Record | BulkRun] = (
+        iter_summary(source) if not keep_records and isinstance(source, str | Path) else iter_records(source))
+    for item in items:
+        if isinstance(item, BulkRun):
+            fold.add_run(item)
+        else:
+            fold.add(item)
+    facts, printed, fact_lines, spans = fold.facts, fold.printed, fold.fact_lines, fold.spans
+    failures, count = fold.failures, fold.coverage.records
+    preemptions_v0, preemptions_v1, preemption_line = fold.preemptions_v0, fold.preemptions_v1, fold.preemption_line
     timeline = sorted(spans.values(), key=lambda s: s.first_line)
     model, model_note = _identify_model(options, facts)
     budget = _vllm_budget(facts, printed, options)
     kv_plan, plan_json = _kvscope_plan(facts, budget, model, model_note, options)
     checks = _derived_checks(facts, printed, fact_lines, budget, model)
     for record, phase in failures:
-        check = _failure(record, phase, facts, budget, model, kv_plan)
+        check = _failure(record, phase, facts, budget, model, kv_plan, fold.tracebacks.place_of(record),
+                         plan_json.get("inputs"))
         if check.id == "no_cache_blocks" and any(c.id == check.id for c in checks):
             continue  # '# GPU blocks: 0' and the ValueError after it report one failure
         checks.append(check)
@@ -225,9 +244,9 @@ def explain(source: str | Path | Iterable[bytes | str], options: Options | None 
             checks.append(model_check)
     return Explanation(
         path=str(source) if isinstance(source, str | Path) else "<stream>",
-        records=records,
+        records=fold.records,
         record_count=count,
-        unrecognised=unrecognised,
+        unrecognised=fold.coverage.unknown,
         facts=facts,
         printed=printed,
         fact_lines=fact_lines,
@@ -236,7 +255,86 @@ def explain(source: str | Path | Iterable[bytes | str], options: Options | None 
         budget=budget,
         plan=plan_json,
         kvscope_plan=kv_plan,
+        coverage=fold.coverage,
     )
+
+
+class _Fold:
+    """What explain keeps of the records as they stream past: the first value of each
+    startup figure (runtime readings, phase R, are series and stay with their records),
+    the phase spans, the failures with the startup phase before each, preemptions, the
+    coverage and the tracebacks' frames."""
+
+    def __init__(self, keep_records: bool) -> None:
+        self.keep_records = keep_records
+        self.records: list[Record] = []
+        self.facts: dict[str, Any] = {}
+        self.printed: dict[str, str] = {}
+        self.fact_lines: dict[str, int] = {}
+        self.spans: dict[str, PhaseSpan] = {}
+        self.failures: list[tuple[Record, str]] = []  # (record, last startup phase before it)
+        self.preemptions_v0 = self.preemptions_v1 = 0
+        self.preemption_line: int | None = None
+        self.last_phase = "A"
+        self.coverage = Coverage()
+        self.tracebacks = TracebackTracker()
+
+    def add(self, record: Record) -> None:
+        if self.keep_records:
+            self.records.append(record)
+        self.coverage.add(record)
+        self.tracebacks.add(record)
+        pattern = record.pattern
+        if pattern is None:
+            return
+        if pattern.phase != "R":
+            for name, value in record.fields.items():
+                if name not in self.facts:
+                    self.facts[name] = value
+                    self.fact_lines[name] = record.line
+                    if name in record.printed:
+                        self.printed[name] = record.printed[name]
+        span = self._span(pattern.phase, record.line, record.time)
+        span.last_line = record.line
+        span.records += 1
+        if record.time:
+            span.first_time = span.first_time or record.time
+            span.last_time = record.time
+        for name, value in record.fields.items():
+            if name.endswith("_s") and isinstance(value, int | float) and name not in span.durations:
+                span.durations[name] = float(value)
+        if pattern.failure == "preemption":
+            self.preemptions_v0 = max(self.preemptions_v0, int(record.fields.get("preemptions_total", 1)))
+            self.preemption_line = self.preemption_line or record.line
+        elif pattern.failure and record.duplicate_of is None:
+            self.failures.append((record, self.last_phase))
+        if "preemptions" in record.fields:
+            self.preemptions_v1 += int(record.fields["preemptions"])
+            self.preemption_line = self.preemption_line or record.line
+        if pattern.phase in STARTUP_PHASES:
+            self.last_phase = pattern.phase
+
+    def add_run(self, run: BulkRun) -> None:
+        """A run of stats/access lines (phase R, no durations, no failures), counted."""
+        self.coverage.recognised += run.records
+        self.tracebacks.interrupt()
+        for pattern in run.patterns:
+            span = self._span(pattern.phase, run.first_line, run.first_time)
+            span.last_line = max(span.last_line, run.last_line)
+            span.records += run.counts[pattern.id]
+            if run.first_time:
+                span.first_time = span.first_time or run.first_time
+            if run.last_time:
+                span.last_time = run.last_time
+        if run.preemption_line is not None:
+            self.preemptions_v1 += run.preemptions
+            self.preemption_line = self.preemption_line or run.preemption_line
+
+    def _span(self, phase: str, line: int, time: str | None) -> PhaseSpan:
+        span = self.spans.get(phase)
+        if span is None:
+            span = self.spans[phase] = PhaseSpan(phase, line, line, time, time)
+        return span
 
 
 # ------------------------------------------------------------------ vLLM's own budget
@@ -520,7 +618,8 @@ def _fp8_and_tp_fixes(facts: dict[str, Any], model: ModelConfig | None, pool_gib
 
 
 def _failure(record: Record, phase: str, facts: dict[str, Any], budget: dict[str, Any],
-             model: ModelConfig | None, plan: MemoryPlan | None) -> Check:
+             model: ModelConfig | None, plan: MemoryPlan | None, place: str | None = None,
+             plan_inputs: dict[str, Any] | None = None) -> Check:
     kind = record.pattern.failure if record.pattern else None
     f = record.fields
     total = budget["total_gib"]
@@ -569,8 +668,10 @@ def _failure(record: Record, phase: str, facts: dict[str, Any], budget: dict[str
                      kind="failure", line=record.line, fix=fixes)
     if kind == "no_cache_blocks":
         return _no_cache_blocks(record, facts, budget, model, plan)
+    if kind == "oom" and place == "graph_capture":
+        return _oom_graph_capture(record, facts, budget, model if plan is not None else None, plan_inputs or {})
     if kind in ("oom", "oom_sampler"):
-        return _oom(record, phase, facts, total)
+        return _oom(record, PLACE_PHASES.get(place or "", phase), facts, total)
     return Check(kind or "error", "memory profiling error", False,
                  "free memory grew while vLLM profiled: another process released GPU memory", kind="failure",
                  line=record.line, fix=["run vLLM alone on the GPU (or in its own container) so the profile is stable"])
@@ -684,6 +785,81 @@ def _oom(record: Record, phase: str, facts: dict[str, Any], total: float | None)
     return Check("oom", f"CUDA out of memory during {where}", False,
                  f"tried to allocate {tried_gib:.2f} GiB" if tried_gib is not None else "allocation failed",
                  kind="failure", line=record.line, fix=fixes)
+
+
+DEFAULT_MAX_CAPTURE_SIZE = 512  # vLLM's largest CUDA-graph batch when --max-cudagraph-capture-size is not given
+
+
+def _oom_graph_capture(record: Record, facts: dict[str, Any], budget: dict[str, Any], model: ModelConfig | None,
+                       plan_inputs: dict[str, Any]) -> Check:
+    """Out of memory while CUDA graphs were captured (the frames say so): the graph pool did
+    not fit beside the KV pool. The fixes in the log's own numbers: the utilization that
+    leaves the pool outside the budget (and the KV pool that remains, through
+    engine/budget's formula when the model is known), --enforce-eager, fewer capture sizes."""
+    total, util = budget["total_gib"], budget["gpu_memory_utilization"]
+    kv, tokens, max_len = facts.get("kv_cache_gib"), facts.get("kv_cache_tokens"), facts.get("max_model_len")
+    need, need_src = facts.get("cuda_graph_gib"), "the CUDA-graph estimate the log printed"
+    f = record.fields
+    if "oom_tried" in f:
+        scale = {"GiB": 1.0, "MiB": 1 / 1024, "KiB": 1 / 1024**2}
+        tried = f["oom_tried"] * scale.get(f.get("oom_unit", "GiB"), 1.0)
+        free = f.get("oom_free", 0.0) * scale.get(f.get("oom_free_unit", "GiB"), 1.0)
+        if need is None or tried - free > need:
+            need, need_src = tried - free, "the allocation that failed less what was free"
+    fixes: list[str] = []
+    if need is not None and total and util is not None:
+        new_util = math.floor((util - need / total) * 100) / 100
+        fix = (f"--gpu-memory-utilization {new_util:.2f} (now {util:g}) leaves {_gib(util * total - new_util * total)} "
+               f"of {total:g} GiB outside the budget for the graph pool ({_gib(need)}: {need_src})")
+        fix += _kv_after_lowering(new_util, util, total, kv, tokens, max_len, model, plan_inputs)
+        fixes.append(fix)
+    elif need is not None:
+        fixes.append(f"lower --gpu-memory-utilization by {_gib(need)} / the device's total ({need_src}; pass --gpu "
+                     "or --gpu-memory for the figure)")
+    else:
+        fixes.append("lower --gpu-memory-utilization by the graph pool's size (the log prints no estimate; vLLM "
+                     "0.21+ prints 'Estimated CUDA graph memory')")
+    fixes.append("--enforce-eager captures no graphs" + (f" and frees the whole {_gib(need)} pool" if need else "")
+                 + "; decode steps of small batches get slower (one kernel launch per op)")
+    largest = facts.get("max_cudagraph_capture_size") or facts.get("capture_size_capped")
+    largest_src = "the log" if largest else f"vLLM's default {DEFAULT_MAX_CAPTURE_SIZE}"
+    largest = int(largest or DEFAULT_MAX_CAPTURE_SIZE)
+    fixes.append(f"--max-cudagraph-capture-size {max(1, largest // 2)} (largest now {largest}, from {largest_src}): "
+                 "the pool grows with the largest captured batch, so about half of it; larger batches run eager")
+    return Check("oom_graph_capture", "CUDA out of memory during CUDA-graph capture", False,
+                 "the traceback's frames are CUDA-graph capture (capture_model / torch.cuda.graph): the graph pool "
+                 "did not fit beside the KV pool" + (f" ({_gib(kv)})" if kv is not None else ""),
+                 kind="failure", line=record.line, fix=fixes)
+
+
+def _kv_after_lowering(new_util: float, util: float, total: float, kv: float | None, tokens: int | None,
+                       max_len: int | None, model: ModelConfig | None, inputs: dict[str, Any]) -> str:
+    """What a lower utilization leaves of the KV pool: kvscope's plan (engine/budget's one
+    formula) at the new utilization when the model is known, else the log's own tokens per GiB."""
+    if model is not None and inputs:
+        try:
+            lowered = plan_memory(
+                model=model, total_bytes=int(inputs["total_gib"] * GiB), gpu_memory_utilization=new_util,
+                max_model_len=inputs["max_model_len"], block_size=inputs["block_size"],
+                kv_cache_dtype=inputs["kv_cache_dtype"], dtype=inputs["dtype"],
+                tensor_parallel_size=inputs["tensor_parallel_size"],
+                max_num_batched_tokens=inputs["max_num_batched_tokens"], max_num_seqs=inputs["max_num_seqs"],
+                check_fits=False)
+        except UserError:
+            lowered = None
+        if lowered is not None:
+            return (f"; kvscope's plan of {model.name} at {new_util:.2f}: KV pool "
+                    f"{_gib(lowered.kv_pool_bytes / GiB)}, {lowered.kv_cache_tokens:,} tokens, "
+                    f"{lowered.max_concurrency:.2f}x at {lowered.max_model_len:,}")
+    if kv is None or kv <= 0:
+        return ""
+    new_kv = kv - (util - new_util) * total
+    out = f"; the KV pool shrinks from {_gib(kv)} to {_gib(max(new_kv, 0.0))}"
+    if tokens:
+        new_tokens = int(tokens * max(new_kv, 0.0) / kv)
+        out += f" ({new_tokens:,} tokens at the log's {tokens / kv:,.0f} tokens per GiB"
+        out += f", {new_tokens / max_len:.2f}x at {max_len:,})" if isinstance(max_len, int) and max_len else ")"
+    return out
 
 
 def _preemption(v0: int, v1: int, line: int | None, facts: dict[str, Any]) -> Check:

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import ahocorasick
+
 from logparse.patterns import BLANK, BULK_MARKERS, NOISE, PATTERNS, TEXT_FIELDS, LinePattern
 
 MAX_LINE_BYTES = 1 << 20  # a longer physical line keeps its first MiB; the rest is skipped
@@ -67,8 +69,20 @@ def _anchor_table() -> list[tuple[str, tuple[int, ...]]]:
     return [(anchor, tuple(indices)) for anchor, indices in table.items()]
 
 
+def _prefilter(table: list[tuple[str, tuple[int, ...]]]) -> ahocorasick.Automaton:
+    """One Aho-Corasick automaton over every anchor: a single pass over a message yields
+    each anchor it holds with the table positions that anchor admits, so a message costs
+    one scan however many patterns the catalogue has."""
+    automaton = ahocorasick.Automaton()
+    for anchor, indices in table:
+        automaton.add_word(anchor, indices)
+    automaton.make_automaton()
+    return automaton
+
+
 _ANCHOR_TABLE = _anchor_table()
-_NOISE_ANCHORS = [(noise.anchors, noise) for noise in NOISE]
+_PREFILTER = _prefilter(_ANCHOR_TABLE)
+_NOISE_PREFILTER = _prefilter([(anchor, (i,)) for i, noise in enumerate(NOISE) for anchor in noise.anchors])
 _TRACEBACK_CODE = re.compile(r"^\s+\S")  # the code line Python prints under a frame, indented
 
 
@@ -133,7 +147,7 @@ def match_message(text: str) -> tuple[LinePattern | None, dict[str, Any], dict[s
     """The first catalogue pattern (in table order) that matches ``text``, with its
     fields (numbers converted) and the numbers as printed (for their precision)."""
     probe = text[:MATCH_CHARS]
-    candidates = [i for anchor, indices in _ANCHOR_TABLE if anchor in probe for i in indices]
+    candidates = [i for _, indices in _PREFILTER.iter(probe) for i in indices]
     if len(candidates) > 1:
         candidates = sorted(set(candidates))
     for i in candidates:
@@ -161,9 +175,9 @@ def match_noise(text: str) -> str | None:
     if not text.strip():
         return BLANK
     probe = text[:MATCH_CHARS]
-    for anchors, noise in _NOISE_ANCHORS:
-        if any(anchor in probe for anchor in anchors) and noise.regex.search(probe):
-            return noise.source
+    for i in sorted({i for _, (i,) in _NOISE_PREFILTER.iter(probe)}):
+        if NOISE[i].regex.search(probe):
+            return NOISE[i].source
     return None
 
 

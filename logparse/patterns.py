@@ -165,6 +165,7 @@ _CONFIG_KEYS = (
     r"quantization=<quantization:word>,",
     r"enforce_eager=<enforce_eager:word>,",
     r"enable_prefix_caching=<enable_prefix_caching:word>,",
+    r"'max_cudagraph_capture_size': <max_cudagraph_capture_size:int>",
 )
 _ARGS_KEYS = (
     r"'model': '<model:text>'",
@@ -675,9 +676,10 @@ NOISE_SOURCES: tuple[str, ...] = (*dict.fromkeys(n.source for n in NOISE), BLANK
 
 # Lines that repeat by the million in a long-running server's log (periodic stats, access lines). The
 # fast summary (logparse/fastscan.py) counts a run of them without reading each: every line of the run
-# must hold each marker of its pattern once. Their records are phase R and are never per-rank duplicates.
+# must hold each marker of its pattern once (every vLLM release's stats line that holds the first one
+# matches "stats"). Their records are phase R and are never per-rank duplicates.
 BULK_MARKERS: dict[str, tuple[bytes, ...]] = {
-    "stats": (b"Avg prompt throughput: ", b" tokens/s, Avg generation throughput: "),
+    "stats": (b"Avg prompt throughput: ",),
     "uvicorn_access": (b' HTTP/1.1" ', b"INFO:     "),
 }
 

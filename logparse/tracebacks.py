@@ -1,0 +1,74 @@
+"""Where in startup a failure happened, read from the traceback printed with it.
+
+A vLLM failure usually arrives as a traceback: ``Traceback (most recent call last):``,
+frames (``File "…/gpu_model_runner.py", line 5684, in capture_model``) with their code
+lines, and the exception last (``torch.AcceleratorError: CUDA error: out of memory``).
+The exception's words say *what* failed; the frames say *where*: the same "out of
+memory" means a graph pool that did not fit when a frame is CUDA-graph capture, an
+activation peak when it is the profiling run. :class:`TracebackTracker` keeps each
+process's frames since its last ``Traceback`` line and, when a failure line arrives,
+records the place its frames show.
+"""
+
+from __future__ import annotations
+
+from logparse.parser import Record
+
+# (place, words a frame of that place contains), most specific first: a capture runs
+# _dummy_run too, so capture is decided before profiling.
+PLACES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("graph_capture", ("capture_model", "_capture_cudagraphs", "torch/cuda/graphs.py", "capture_begin",
+                       "capture_end", "cuda_graph.py", "_warmup_and_capture", "capture_graph")),
+    ("sampler_warmup", ("_dummy_sampler_run",)),
+    ("kv_allocation", ("initialize_kv_cache", "_allocate_kv_cache", "initialize_from_config", "_reshape_kv_cache")),
+    ("profiling", ("profile_run", "determine_available_memory", "determine_num_available_blocks")),
+    ("loading", ("load_model", "load_weights")),
+)
+# the startup phase (engine/events/phase_names.py letters) each place belongs to
+PLACE_PHASES = {"graph_capture": "F", "sampler_warmup": "F", "kv_allocation": "E", "profiling": "D", "loading": "C"}
+MAX_FRAMES = 400  # per process; a longer traceback keeps its last frames, where the failure is
+MAX_PROCESSES = 64
+
+
+def place_in(frames: list[str]) -> str | None:
+    """The first place of :data:`PLACES` any frame names (frames of the innermost call last)."""
+    text = "\n".join(frames)
+    for place, words in PLACES:
+        if any(word in text for word in words):
+            return place
+    return None
+
+
+class TracebackTracker:
+    """Feed it every record in order; ask :meth:`place_of` for a failure record."""
+
+    def __init__(self) -> None:
+        self.frames: dict[str | None, list[str]] = {}
+        self.places: dict[int, str] = {}  # failure record's line -> place
+
+    def add(self, record: Record) -> None:
+        process = record.process
+        if record.noise == "traceback":
+            if "Traceback (most recent call last)" in record.text or process not in self.frames:
+                if len(self.frames) >= MAX_PROCESSES:
+                    self.frames.clear()
+                self.frames[process] = []
+            frames = self.frames[process]
+            frames.append(record.text)
+            del frames[:-MAX_FRAMES]
+            return
+        pattern = record.pattern
+        if pattern is not None and pattern.failure:
+            # a record joined from an unprefixed traceback carries its frames in its own text
+            place = place_in([*self.frames.get(process, []), record.text])
+            if place is not None:
+                self.places[record.line] = place
+        elif pattern is not None:
+            self.frames.pop(process, None)  # the process went on: its traceback is over
+
+    def interrupt(self) -> None:
+        """Lines the tracker did not see (a counted run) end every open traceback."""
+        self.frames.clear()
+
+    def place_of(self, record: Record) -> str | None:
+        return self.places.get(record.line)
