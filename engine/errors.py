@@ -12,3 +12,10 @@ class UserError(Exception):
 
 class BudgetError(UserError):
     """The memory budget does not fit; the message carries the numbers."""
+
+
+class ReplicaError(UserError):
+    """A tensor-parallel rank died or failed, so its replica stopped; the message names
+    the rank, how it ended and its last startup phase."""
+
+    exit_code = 1

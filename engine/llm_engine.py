@@ -29,6 +29,7 @@ from engine.model.device import device_word
 from engine.model.runner import ScheduledSeq
 from engine.model.tokenizer import IncrementalDetokenizer
 from engine.startup import StartupResult, start_engine
+from engine.workers import WorkerGroup
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -70,6 +71,7 @@ class LLMEngine:
         self.bus = bus or EventBus()
         self.stats: StatsReporter | None = None
         self._sink: JsonlSink | None = None
+        self.workers: WorkerGroup | None = None  # ranks 1..N-1 under --tensor-parallel-size N
         self.kv_events: KVEventsSink | None = None
         if config.events_path:
             self._sink = JsonlSink(config.events_path, config=config.to_dict())
@@ -83,7 +85,20 @@ class LLMEngine:
         # long phases show progress where the log lines go (a bar on a terminal)
         printer = self.bus.subscribe(ProgressPrinter(console_stream(), get_logger("kvscope.startup").info))
         try:
-            self.startup: StartupResult = start_engine(config, self.bus, progress)
+            if config.tensor_parallel_size > 1:
+                self.workers = WorkerGroup(config)
+                self.workers.relay_to(self.bus)
+            self.startup: StartupResult = start_engine(config, self.bus, progress,
+                                                       rank=self.workers.driver_layout if self.workers else None)
+            if self.workers is not None:
+                self.workers.parallel = self.startup.parallel
+                self.workers.wait_ready()
+        except Exception as exc:
+            failure = self.workers.failure(exc) if self.workers is not None else exc
+            self.close()
+            if failure is not exc:
+                raise failure from exc
+            raise
         except BaseException:
             self.close()
             raise
@@ -200,7 +215,11 @@ class LLMEngine:
         update needs to decide who finished."""
         batch = [ScheduledSeq(s.request_id, s.token_ids, s.start_position, s.block_ids, s.samples,
                               s.request.sampling) for s in out.scheduled]
-        sampled_ids = self.runner.execute(batch) if batch else {}
+        collectives: dict[str, float] = {}
+        if self.workers is not None and batch:
+            sampled_ids, collectives = self.workers.execute(self.runner, batch)
+        else:
+            sampled_ids = self.runner.execute(batch) if batch else {}
         timings = self.runner.last_timings
         deltas: dict[str, str] = {}
         stopped_by_string: set[str] = set()
@@ -215,7 +234,7 @@ class LLMEngine:
                 self.scheduler.requests[rid].output_text = detok.text
         return ExecutedStep(
             {rid: [tok] for rid, tok in sampled_ids.items()}, self.now(), stopped_by_string, deltas,
-            {"forward_s": timings.prepare_s + timings.forward_s, "sample_s": timings.sample_s},
+            {"forward_s": timings.prepare_s + timings.forward_s, "sample_s": timings.sample_s, **collectives},
         )
 
     def _outputs(self, out: SchedulerOutput, executed: ExecutedStep, finished: list[Request]) -> list[RequestOutput]:
@@ -248,6 +267,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------- shutdown
     def close(self) -> None:
+        if self.workers is not None:  # first: no worker outlives the replica, whatever else fails
+            self.workers.close()
         if self.stats is not None:
             with contextlib.suppress(Exception):  # a final stats line is best effort at shutdown
                 self.stats.report(self.now())

@@ -62,6 +62,7 @@ from engine.model.device import (
 )
 from engine.model.kernels.background import KernelBuilds
 from engine.model.loader import LoadInfo
+from engine.model.parallel import RankLayout, TensorParallel, check_shardable, replica_free_bytes
 from engine.model.runner import ModelRunner
 from engine.model.tokenizer import Tokenizer
 
@@ -97,6 +98,7 @@ class StartupResult:
     plan: MemoryPlan
     scheduler_config: SchedulerConfig
     phase_seconds: dict[str, float]
+    parallel: TensorParallel | None = None  # this rank's group under --tensor-parallel-size > 1
 
     @property
     def startup_seconds(self) -> float:
@@ -106,8 +108,10 @@ class StartupResult:
 class PhaseRecorder:
     """Emits the begin/end events of each phase with memory readings around it."""
 
-    def __init__(self, bus: EventBus, device: torch.device, device_memory_gib: float | None, log: Any) -> None:
+    def __init__(self, bus: EventBus, device: torch.device, device_memory_gib: float | None, log: Any,
+                 rank: int = 0) -> None:
         self.bus = bus
+        self.rank = rank  # every event says whose phase it is (tensor parallelism: every rank runs A-G)
         self.device = device
         self.device_memory_gib = device_memory_gib
         self.log = log
@@ -120,7 +124,7 @@ class PhaseRecorder:
     def phase(self, letter: str) -> Iterator[PhaseHandle]:
         name = PHASES[letter]
         before = self.reading().to_dict()
-        self.bus.publish(StartupPhase(phase=letter, name=name, status="begin", memory_before=before))
+        self.bus.publish(StartupPhase(phase=letter, name=name, status="begin", memory_before=before, rank=self.rank))
         handle = PhaseHandle()
         start = time.perf_counter()
         try:
@@ -131,7 +135,7 @@ class PhaseRecorder:
             reason = str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}"
             self.bus.publish(StartupPhase(phase=letter, name=name, status="failed", duration_s=duration,
                                           memory_before=before, memory_after=self.reading().to_dict(),
-                                          data=handle.data(), reason=reason))
+                                          data=handle.data(), reason=reason, rank=self.rank))
             self.log.error(f"phase {letter} ({name}) failed", reason=reason)
             raise
         duration = time.perf_counter() - start
@@ -139,7 +143,7 @@ class PhaseRecorder:
         status = "skipped" if handle.skipped else "end"
         self.bus.publish(StartupPhase(phase=letter, name=name, status=status, duration_s=duration,
                                       memory_before=before, memory_after=self.reading().to_dict(),
-                                      data=handle.data(), reason=handle.skipped))
+                                      data=handle.data(), reason=handle.skipped, rank=self.rank))
         self.log.info(f"phase {letter} {name} {'skipped' if handle.skipped else 'done'} in {duration:.2f} s",
                       **({"reason": handle.skipped} if handle.skipped else {}))
 
@@ -180,6 +184,10 @@ def resolve_config(config: EngineConfig, model: ModelConfig, device: torch.devic
                         f"{model.max_position_embeddings:,} or less")
     if not 0 < config.gpu_memory_utilization <= 1:
         raise UserError(f"--gpu-memory-utilization {config.gpu_memory_utilization}: must be in (0, 1]")
+    check_shardable(model, config.tensor_parallel_size)
+    if config.tensor_parallel_size > 1 and config.compile:
+        raise UserError("--compile with --tensor-parallel-size > 1: the compiled MLP block would hold the "
+                        "all-reduce; drop --compile or run one rank")
     quantization, quantization_reason = resolve_quantization(config, model, device)
     batched = config.max_num_batched_tokens
     if device.type == "cpu" and batched == GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS:
@@ -202,6 +210,13 @@ def resolve_quantization(config: EngineConfig, model: ModelConfig, device: torch
     bytes), else float weights."""
     if config.quantization in (None, "none"):
         return None, "--quantization none"
+    if config.tensor_parallel_size > 1:
+        if config.quantization != "auto":
+            raise UserError(f"--quantization {config.quantization} with --tensor-parallel-size "
+                            f"{config.tensor_parallel_size}: the GEMV kernels' 32-weight blocks are not sharded "
+                            "yet; tensor parallelism runs float weights (--quantization none)")
+        return None, (f"auto: --tensor-parallel-size {config.tensor_parallel_size} runs float weights "
+                      "(the GEMV kernels' blocks are not sharded yet)")
     if config.quantization != "auto":
         return config.quantization, f"--quantization {config.quantization}"
     if device.type != "cpu":
@@ -270,6 +285,9 @@ def prepare_startup(config: EngineConfig, log: Any) -> StartupInputs:
     device = resolve_device(config.device)
     if device.type == "cpu" and config.num_threads:
         torch.set_num_threads(config.num_threads)
+    elif device.type == "cpu" and config.tensor_parallel_size > 1:
+        # The ranks share the host's cores: N ranks of all-core thread pools would spin against each other.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
     model = load_model_config(config.model)
     caps = detect() if device.type == "cpu" else None
     resolution = resolve_config(config, model, device, caps)
@@ -278,8 +296,11 @@ def prepare_startup(config: EngineConfig, log: Any) -> StartupInputs:
     return StartupInputs(resolution, model, device, caps, per_token, log)
 
 
-def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, int], None] | None = None) -> StartupResult:
+def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, int], None] | None = None,
+                 rank: RankLayout | None = None) -> StartupResult:
     """Resolve the flags (``config`` itself is not changed), then run phases A–G.
+    ``rank``: this process's place in a tensor-parallel replica (engine/workers.py
+    starts the others); phase A joins the replica's group, B and E agree across ranks.
     Raises UserError (after a ``failed`` phase event) when the budget does not fit,
     with the numbers and the flags that would fix it; everything the flags alone
     decide is refused in phase B, before weights load."""
@@ -287,17 +308,23 @@ def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, i
     s = prepare_startup(config, log)
     bus.publish(EngineConfigEvent(config=s.config.to_dict(),
                                   model=_model_summary(s.model, s.config.dtype, s.bytes_per_token)))
-    phases = PhaseRecorder(bus, s.device, s.config.device_memory_gib, log)
+    phases = PhaseRecorder(bus, s.device, s.config.device_memory_gib, log, rank=rank.rank if rank else 0)
+    parallel: TensorParallel | None = None
     with phases.phase("A") as a:
+        if rank is not None:
+            parallel = TensorParallel.join(rank, s.device)
         reading = phases.reading()
         kernels = _phase_init(a, s, reading)
     with phases.phase("B") as b:
+        if parallel is not None:  # the replica has what its emptiest rank has
+            reading = dataclasses.replace(reading, free=replica_free_bytes(parallel.all_gather(reading.free)))
         _phase_budget(b, s, reading)
     with phases.phase("C") as c:
-        runner, tokenizer, info = _phase_load_weights(c, s, _progress_events(bus, "C", "weights", "tensors", progress))
+        runner, tokenizer, info = _phase_load_weights(c, s, _progress_events(bus, "C", "weights", "tensors", progress),
+                                                      parallel)
     with phases.phase("D") as d:
         bus.publish(StartupProgress(phase="D", what="profile run", done=0, total=1, unit="steps"))
-        profile = _profile_run(runner, s.config, s.model, s.device, log)
+        profile = _profile_run(runner, s.config, s.model, s.device, log, shared=parallel is not None)
         bus.publish(StartupProgress(phase="D", what="profile run", done=1, total=1, unit="steps"))
         d.record = ProfileRunData(
             activation_peak_bytes=profile.activation_peak_bytes, non_torch_bytes=profile.non_torch_bytes,
@@ -305,7 +332,7 @@ def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, i
             max_num_seqs=s.config.max_num_seqs, estimated=(), forward_s=profile.forward_s,
             sample_s=profile.sample_s, cached=profile.cached, measured_at=profile.measured_at)
     with phases.phase("E") as e:
-        plan = _phase_kv_cache(e, s, reading, info.weights_bytes, profile, runner)
+        plan = _phase_kv_cache(e, s, reading, info.weights_bytes, profile, runner, parallel)
     with phases.phase("F") as f:
         if s.device.type == "cuda":
             _cuda_phase_f(f, s, runner)
@@ -316,7 +343,7 @@ def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, i
     scheduler_config = SchedulerConfig.from_flags(s.config.to_dict(), num_blocks=plan.num_blocks,
                                                   max_model_len=s.max_model_len)
     return StartupResult(s.config, s.model, s.device, runner, tokenizer, plan, scheduler_config,
-                         dict(phases.seconds))
+                         dict(phases.seconds), parallel)
 
 
 def _phase_init(a: PhaseHandle, s: StartupInputs, reading: MemoryReading) -> KernelBuilds | None:
@@ -353,7 +380,7 @@ def _phase_budget(b: PhaseHandle, s: StartupInputs, reading: MemoryReading) -> N
             f"lower --gpu-memory-utilization to {reading.free / reading.total:.2f} or less"
             + (", or give --device-memory GiB" if device.type == "cpu" else ", or free the device")
         )
-    needed_weights = weights_bytes(s.model, config.dtype)
+    needed_weights = weights_bytes(s.model, config.dtype, config.tensor_parallel_size)
     if config.kv_cache_memory_bytes is None and needed_weights > requested:
         raise BudgetError(
             f"the weights ({needed_weights / GiB:.2f} GiB in {config.dtype}) do not fit the requested "
@@ -365,14 +392,14 @@ def _phase_budget(b: PhaseHandle, s: StartupInputs, reading: MemoryReading) -> N
                f"{config.gpu_memory_utilization}")
 
 
-def _phase_load_weights(c: PhaseHandle, s: StartupInputs, progress: Callable[[int, int], None] | None
-                        ) -> tuple[ModelRunner, Tokenizer, LoadInfo]:
-    """Phase C: build the runner, load the weights and the tokenizer."""
+def _phase_load_weights(c: PhaseHandle, s: StartupInputs, progress: Callable[[int, int], None] | None,
+                        parallel: TensorParallel | None = None) -> tuple[ModelRunner, Tokenizer, LoadInfo]:
+    """Phase C: build the runner (this rank's slice under tensor parallelism), load the weights and the tokenizer."""
     config, model, log = s.config, s.model, s.log
     runner = ModelRunner(model, dtype=config.dtype, block_size=config.block_size, device=str(s.device),
                          attention_backend=config.attention_backend, load_format=config.load_format,
                          seed=config.seed, quantization=config.quantization,
-                         kv_cache_dtype=config.kv_cache_dtype)
+                         kv_cache_dtype=config.kv_cache_dtype, parallel=parallel)
     info = runner.load_weights(progress)
     tokenizer = _tokenizer_for(model) if config.load_format != "dummy" else _dummy_tokenizer(model)
     quantization_reason = s.resolution.quantization_reason
@@ -387,7 +414,8 @@ def _phase_load_weights(c: PhaseHandle, s: StartupInputs, progress: Callable[[in
 
 
 def _phase_kv_cache(e: PhaseHandle, s: StartupInputs, reading: MemoryReading, weights: int,
-                    profile: profile_cache.ProfileResult, runner: ModelRunner) -> MemoryPlan:
+                    profile: profile_cache.ProfileResult, runner: ModelRunner,
+                    parallel: TensorParallel | None = None) -> MemoryPlan:
     """Phase E: the pool from the budget formula (on CPU capped at the default unless
     sized by a flag), refused when it cannot hold one request, then allocated."""
     config, device, log = s.config, s.device, s.log
@@ -407,6 +435,11 @@ def _phase_kv_cache(e: PhaseHandle, s: StartupInputs, reading: MemoryReading, we
         plan = plan_memory(kv_cache_memory_bytes=int(CPU_DEFAULT_KV_SPACE_GIB * GiB), check_fits=False,
                            **plan_kwargs)
         capped = True
+    if parallel is not None:
+        # One block table serves every rank: each pool holds the blocks of the rank with the fewest.
+        fewest = min(parallel.all_gather(plan.num_blocks))
+        if fewest < plan.num_blocks:
+            plan = plan_memory(kv_cache_memory_bytes=fewest * plan.block_bytes, check_fits=False, **plan_kwargs)
     e.record = dataclasses.replace(plan.kv_cache_data(), cpu_default_cap=capped)
     check_plan_fits(plan)
     runner.allocate_kv_cache(plan.num_blocks)
@@ -449,10 +482,12 @@ def _profile_key(config: EngineConfig, model: ModelConfig) -> str:
 
 
 def _profile_run(runner: ModelRunner, config: EngineConfig, model: ModelConfig, device: torch.device,
-                 log: Any) -> profile_cache.ProfileResult:
+                 log: Any, shared: bool = False) -> profile_cache.ProfileResult:
     """Phase D's measurement: the worst-case forward and sampler pass under the peak
-    tracker, or on CPU the stored result of the same measurement (engine/model/profile_cache.py)."""
-    key = _profile_key(config, model) if device.type == "cpu" else None
+    tracker, or on CPU the stored result of the same measurement (engine/model/profile_cache.py).
+    ``shared`` (tensor parallelism): the forward is collective, so every rank measures
+    (one rank reusing a stored result would leave the others waiting in its all-reduces)."""
+    key = _profile_key(config, model) if device.type == "cpu" and not shared else None
     stored = profile_cache.load(key) if key is not None else None
     if stored is not None:
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(stored.measured_at))

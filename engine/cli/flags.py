@@ -171,7 +171,10 @@ def add_engine_flags(p: argparse.ArgumentParser, positional_model: bool = False)
                    help="text: vLLM's line format, INFO MM-DD HH:MM:SS [file.py:line] message (default, on a "
                         "terminal and a pipe alike; console is another name for it); json: one object per line")
     p.add_argument("--threads", dest="num_threads", type=_positive_int("--threads"), default=None, metavar="N",
-                   help="CPU threads for torch (default: all cores)")
+                   help="CPU threads for torch (default: all cores; with --tensor-parallel-size N, cores / N per rank)")
+    p.add_argument("--distributed-executor-backend", choices=["mp"], default="mp",
+                   help="how --tensor-parallel-size > 1 runs its ranks: mp (the only one), one process per rank "
+                        "started by torch.multiprocessing, rank 0 in this process (engine/workers.py)")
 
 
 def _add_aliased(p: argparse.ArgumentParser | argparse._ArgumentGroup, name: str, **kwargs: Any) -> argparse.Action:

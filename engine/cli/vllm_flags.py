@@ -13,7 +13,6 @@ VLLM_ONLY_FLAGS: dict[str, str] = {
     "-pp": "one process per engine",
     "--data-parallel-size": "run one server per replica",
     "-dp": "run one server per replica",
-    "--distributed-executor-backend": "",
     "--swap-space": "preemption is by recompute; nothing is swapped to CPU memory",
     "--cpu-offload-gb": "",
     "--enable-chunked-prefill": "prefills are always chunked, as vLLM V1 does by default",

@@ -64,6 +64,9 @@ def build_step_event(output: SchedulerOutput, timings: Mapping[str, float] | Non
         forward_s=t.get("forward_s", 0.0),
         sample_s=t.get("sample_s", 0.0),
         update_s=t.get("update_s", 0.0),
+        collective_s=t.get("collective_s", 0.0),
+        collective_bytes=int(t.get("collective_bytes", 0)),
+        collective_calls=int(t.get("collective_calls", 0)),
     )
 
 

@@ -86,10 +86,13 @@ class StartupPhase(Event):
     their JSON form; engine/events/phase_data.py declares them, one record per phase
     (``phase_record(event)``, ``read_phase(event, KvCacheData)``; producers publish
     ``record.to_dict()``). ``planned`` marks numbers from ``engine plan``;
-    ``simulated`` from ``engine simulate``.
+    ``simulated`` from ``engine simulate``. ``rank``: the tensor-parallel rank whose
+    phase it is (every rank runs A–G; rank 0 publishes the others' phases too); written
+    only when not 0, so a one-rank recording is what it always was.
     """
 
     type: ClassVar[str] = "startup.phase"
+    written_when_set: ClassVar[frozenset[str]] = frozenset({"rank"})
     phase: str = "A"
     name: str = "init"
     status: str = "begin"
@@ -100,6 +103,7 @@ class StartupPhase(Event):
     reason: str | None = None
     planned: bool = False
     simulated: bool = False
+    rank: int = 0
 
 
 @dataclass(slots=True)
@@ -217,7 +221,8 @@ class StepEvent(Event):
     """
 
     type: ClassVar[str] = "step"
-    written_when_set: ClassVar[frozenset[str]] = frozenset({"cached_blocks", "evicted_hashes"})
+    written_when_set: ClassVar[frozenset[str]] = frozenset({"cached_blocks", "evicted_hashes", "collective_s",
+                                                            "collective_bytes", "collective_calls"})
     index: int = 0
     scheduled: dict[str, list[Any]] = field(default_factory=dict)
     num_prefill_tokens: int = 0
@@ -246,6 +251,12 @@ class StepEvent(Event):
     forward_s: float = 0.0
     sample_s: float = 0.0
     update_s: float = 0.0
+    # Tensor parallelism (rank 0's view): seconds in the layers' all-reduces and the
+    # logits gather, the bytes rank 0 contributed to them, and how many there were
+    # (2 per layer + the embedding's + the gather). Absent with one rank.
+    collective_s: float = 0.0
+    collective_bytes: int = 0
+    collective_calls: int = 0
 
 
 @dataclass(slots=True)

@@ -25,6 +25,7 @@ import dataclasses
 import datetime
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,12 +33,18 @@ import torch
 import torch.distributed as dist
 
 from engine.budget.config import ModelConfig
-from engine.errors import UserError
+from engine.budget.memory import GiB
+from engine.errors import BudgetError, UserError
 
 # Collectives wait this long for a peer that is alive but silent (an idle server's workers
 # wait in the control broadcast for the next step); a peer that dies closes its sockets,
 # which gloo reports at once, so this bounds only a hung peer.
 COLLECTIVE_TIMEOUT = datetime.timedelta(days=1)
+# Phase B refuses a replica whose emptiest rank has less than 90 % of the fullest one's
+# free memory (mini-sglang's and SGLang's check): every rank gets the pool the emptiest
+# one can hold, so the others' difference would sit idle, and it usually means another
+# process holds a device.
+RANK_MEMORY_MARGIN = 0.10
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +84,19 @@ def check_shardable(model: ModelConfig, tp: int) -> None:
                  and (model.num_kv_heads % n == 0 or n % model.num_kv_heads == 0) and model.intermediate_size % n == 0]
         raise UserError(f"--tensor-parallel-size {tp} does not divide {model.name}'s " + ", ".join(problems)
                         + f"; use one of {', '.join(map(str, sizes))}")
+
+
+def replica_free_bytes(per_rank_free: Sequence[int], margin: float = RANK_MEMORY_MARGIN) -> int:
+    """The replica's free memory: its emptiest rank's, or a BudgetError with each rank's
+    numbers when they differ by more than ``margin`` of the largest."""
+    low, high = min(per_rank_free), max(per_rank_free)
+    if high > 0 and high - low > margin * high:
+        listing = ", ".join(f"rank {r} {free / GiB:.2f} GiB" for r, free in enumerate(per_rank_free))
+        emptiest = list(per_rank_free).index(low)
+        raise BudgetError(f"free memory differs across the tensor-parallel ranks by more than {margin:.0%}: "
+                          f"{listing}; every rank would get the pool rank {emptiest} can hold. Free the busier "
+                          "device (another process holds it?) or run the replica on devices with equal free memory")
+    return low
 
 
 def vocab_shard_rows(vocab_size: int, tp: int) -> int:
@@ -127,9 +147,10 @@ class TensorParallel:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(layout.rank)
-        if not dist.is_initialized():
-            dist.init_process_group(backend, init_method=layout.init_method, rank=layout.rank,
-                                    world_size=layout.world_size, timeout=COLLECTIVE_TIMEOUT)
+        if dist.is_initialized():
+            raise RuntimeError("this process already holds a tensor-parallel group: one replica per process")
+        dist.init_process_group(backend, init_method=layout.init_method, rank=layout.rank,
+                                world_size=layout.world_size, timeout=COLLECTIVE_TIMEOUT)
         return cls(layout, device)
 
     @property
