@@ -89,17 +89,17 @@ def follow(args: argparse.Namespace) -> int:
     kinds = detect_kinds(urls, timeout_s=args.timeout)
     if len(urls) == 1 and kinds[urls[0]] != VLLM:
         # kvscope (or nothing answering yet: kvscope's feed reconnects with its reason on screen)
-        return _follow_kvscope(urls[0], args.api_key)
+        return _follow_kvscope(urls[0], args.api_key, _gpu_reader(args))
     if len(urls) == 1:
         return _run_fleet(args, urls, kinds, detail=urls[0])
     return _run_fleet(args, urls, {u: k for u, k in kinds.items() if k in (KVSCOPE, VLLM)})
 
 
-def _follow_kvscope(url: str, api_key: str | None) -> int:
+def _follow_kvscope(url: str, api_key: str | None, gpu=None) -> int:  # type: ignore[no-untyped-def]
     from monitor.app import MonitorApp  # Textual loads only once arguments parse
     from monitor.sources import HttpFeed
 
-    MonitorApp(feed=HttpFeed(url, api_key=api_key)).run()
+    MonitorApp(feed=HttpFeed(url, api_key=api_key), gpu=gpu).run()
     return 0
 
 
@@ -119,7 +119,7 @@ def _run_fleet(args: argparse.Namespace, urls: list[str], kinds: dict[str, str],
         if not chosen:
             return 0
         states, detail = app.states, None
-        _follow_kvscope(chosen, getattr(args, "api_key", None))
+        _follow_kvscope(chosen, getattr(args, "api_key", None), gpu)
 
 
 def watch_vllm(args: argparse.Namespace) -> int:

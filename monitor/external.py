@@ -62,14 +62,16 @@ class ExternalFeed:
     (one thread each) into one queue. :meth:`start` runs inside the app's event loop."""
 
     def __init__(self, urls: Sequence[str], *, kv: Sequence[KvEndpoint] = (), interval_s: float = 1.0,
-                 timeout_s: float = 2.0, deliver: Callable[[Event], None] | None = None) -> None:
+                 timeout_s: float = 2.0, max_retry_s: float = 10.0,
+                 deliver: Callable[[Event], None] | None = None) -> None:
         """``deliver`` (optional) takes each event as it arrives instead of the queue
         (``monitor record`` writes them)."""
         self.urls = [base_url(u) for u in urls]
         self._queue: deque[Event] = deque()
         self._lock = threading.Lock()
         target = deliver or self.push
-        self.pollers = [MetricsPoller(u, target, interval_s=interval_s, timeout_s=timeout_s) for u in self.urls]
+        self.pollers = [MetricsPoller(u, target, interval_s=interval_s, timeout_s=timeout_s, max_retry_s=max_retry_s)
+                        for u in self.urls]
         self.subscribers = [KvEventSubscriber(k.endpoint, target, replay=k.replay, source=base_url(k.source))
                             for k in kv]
         self.kv_sources = {base_url(k.source): k.endpoint for k in kv}

@@ -11,7 +11,6 @@ the GPU reader's snapshots. Enter on a kvscope replica ends the app with its URL
 
 from __future__ import annotations
 
-from collections import deque
 from typing import ClassVar
 
 from rich.text import Text
@@ -21,18 +20,16 @@ from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Static
 
 from monitor.external import ExternalFeed, ReplicaTimeline, fold_into
-from monitor.gpu import GpuReader, GpuSnapshot
+from monitor.gpu import GpuReader
 from monitor.poller import KVSCOPE
 from monitor.replica import LIVE, ReplicaState
 from monitor.widgets.fleet_table import FleetSummary, FleetTable
-from monitor.widgets.gpu_panel import GpuPanel
+from monitor.widgets.gpu_panel import GpuPanel, no_ledger
 from monitor.widgets.prefix_map import PrefixMap
 from monitor.widgets.replica_panel import ReplicaPanel
 from monitor.widgets.title_bar import middle_cut
 
 TICK_S = 0.25
-GPU_EVERY_S = 1.0
-GPU_HISTORY = 60
 
 
 class ReplicaScreen(Screen[None]):
@@ -41,15 +38,17 @@ class ReplicaScreen(Screen[None]):
     BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "app.pop_screen", "fleet"),
                                               Binding("q", "app.quit", "quit")]
 
-    def __init__(self, source: str) -> None:
+    def __init__(self, source: str, gpu: GpuReader | None = None, kind: str = "") -> None:
         super().__init__()
         self.source = source
+        self.gpu = gpu
+        self.ledger_why = "kvscope's own dashboard has it" if kind == KVSCOPE else "vLLM's /metrics carries none"
 
     def compose(self) -> ComposeResult:
         yield Static("", id="replica-title", classes="title")
         yield ReplicaPanel(id="replica-panel")
         yield PrefixMap(id="prefix-map")
-        yield GpuPanel(id="replica-gpu")
+        yield GpuPanel(self.gpu, no_ledger(self.ledger_why), id="replica-gpu")
         yield Footer(show_command_palette=False)
 
     def on_mount(self) -> None:
@@ -79,8 +78,7 @@ class FleetApp(App[str | None]):
     ]
 
     def __init__(self, sources: list[str] | None = None, *, feed: ExternalFeed | None = None,
-                 timeline: ReplicaTimeline | None = None, gpu: GpuReader | None = None,
-                 ledger: dict[str, float] | None = None, detail: str | None = None,
+                 timeline: ReplicaTimeline | None = None, gpu: GpuReader | None = None, detail: str | None = None,
                  states: dict[str, ReplicaState] | None = None, kinds: dict[str, str] | None = None,
                  source_name: str = "") -> None:
         if (feed is None) == (timeline is None):
@@ -95,12 +93,8 @@ class FleetApp(App[str | None]):
             if source in self.states:
                 self.states[source].kind = kind
         self.gpu = gpu
-        self.ledger = ledger
         self.detail = detail
         self.source_name = source_name or (f"fleet of {len(self.states)}" if len(self.states) > 1 else names[0])
-        self.gpu_snapshot = GpuSnapshot(unavailable="not read yet") if gpu is not None else None
-        self.gpu_history: dict[int, deque[float]] = {}
-        self._gpu_due = 0.0
 
     @property
     def live(self) -> bool:
@@ -111,7 +105,7 @@ class FleetApp(App[str | None]):
         yield FleetTable(id="fleet")
         yield FleetSummary(id="fleet-summary")
         yield Static("", id="fleet-note")
-        yield GpuPanel(id="fleet-gpu")
+        yield GpuPanel(self.gpu, no_ledger("a fleet has one per replica: open a kvscope one"), id="fleet-gpu")
         yield Footer(show_command_palette=False)
 
     def on_mount(self) -> None:
@@ -119,10 +113,9 @@ class FleetApp(App[str | None]):
             self.feed.start()
         self.set_interval(TICK_S, self._tick)
         self.query_one(FleetTable).focus()
-        self._read_gpu(force=True)
         self.refresh_screens()
         if self.detail is not None:
-            self.push_screen(ReplicaScreen(self.detail))
+            self._open_screen(self.detail)
 
     async def on_unmount(self) -> None:
         if self.feed is not None:
@@ -130,27 +123,12 @@ class FleetApp(App[str | None]):
 
     # ------------------------------------------------------------------- data
     def _tick(self) -> None:
-        changed = False
-        if self.feed is not None:
-            changed = fold_into(self.states, self.feed.drain())
-        changed = self._read_gpu() or changed
-        if changed:
+        if self.feed is not None and fold_into(self.states, self.feed.drain()):
             self.refresh_screens()
 
-    def _read_gpu(self, force: bool = False) -> bool:
-        if self.gpu is None:
-            return False
-        import time
-
-        now = time.monotonic()
-        if not force and now < self._gpu_due:
-            return False
-        self._gpu_due = now + GPU_EVERY_S
-        self.gpu_snapshot = self.gpu.read()
-        for device in self.gpu_snapshot.devices:
-            history = self.gpu_history.setdefault(device.index, deque(maxlen=GPU_HISTORY))
-            history.append(device.utilization_pct or 0.0)
-        return True
+    def _open_screen(self, source: str) -> None:
+        kind = self.states[source].kind if source in self.states else ""
+        self.push_screen(ReplicaScreen(source, self.gpu, kind))
 
     # ----------------------------------------------------------------- render
     def _title(self) -> Text:
@@ -167,7 +145,6 @@ class FleetApp(App[str | None]):
     def refresh_screens(self) -> None:
         states = list(self.states.values())
         screen = self.screen
-        gpu_ledger_source = "" if self.ledger else "vLLM's /metrics"
         if isinstance(screen, ReplicaScreen):
             state = self.states.get(screen.source)
             if state is None:
@@ -179,7 +156,6 @@ class FleetApp(App[str | None]):
             kv_source = self.feed.kv_sources.get(state.source) if self.feed is not None else (
                 "recorded" if state.kv_batches else None)
             screen.query_one(PrefixMap).update_state(state, kv_source)
-            self._update_gpu(screen.query_one(GpuPanel), gpu_ledger_source)
             return
         if not screen.query("#fleet"):
             return
@@ -189,14 +165,6 @@ class FleetApp(App[str | None]):
         screen.query_one("#fleet-note", Static).update(
             Text("Enter: a replica's dashboard (kvscope: its own full dashboard) · K kvscope, V vLLM · "
                  "a DP rank (vLLM's engine label) is a row of its own", style="dim"))
-        self._update_gpu(screen.query_one(GpuPanel), gpu_ledger_source)
-
-    def _update_gpu(self, panel: GpuPanel, ledger_source: str) -> None:
-        if self.gpu_snapshot is None:
-            panel.update(Text("GPU (NVML)  not read (--no-gpu)", style="dim"))
-            return
-        panel.update_snapshot(self.gpu_snapshot, self.ledger, ledger_source,
-                              {i: list(h) for i, h in self.gpu_history.items()})
 
     def on_screen_resume(self) -> None:
         self.refresh_screens()
@@ -214,7 +182,7 @@ class FleetApp(App[str | None]):
         if state.kind == KVSCOPE and self.live:
             self.exit(source)
         else:
-            self.push_screen(ReplicaScreen(source))
+            self._open_screen(source)
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         self.action_open()

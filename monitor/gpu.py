@@ -72,23 +72,35 @@ class GpuSnapshot:
 
 
 class GpuReader(Protocol):
+    every_s: float  # how often a panel should read it
+
     def read(self) -> GpuSnapshot: ...
 
 
 def ledger_gap(device: GpuDevice, ledger: dict[str, float] | None) -> tuple[list[tuple[str, int]], int | None]:
     """The ledger's parts that hold bytes and what the device uses beyond them
-    ("outside the ledger"; None without a ledger)."""
+    ("outside the ledger"; None without a ledger). A ledger larger than the used
+    memory (the engine is on another device, or not started) is no split either."""
     if not ledger:
         return [], None
     parts = [(label, int(ledger.get(key) or 0)) for key, label in LEDGER_PARTS if ledger.get(key)]
-    if not parts:
+    outside = device.memory_used - sum(b for _, b in parts)
+    if not parts or outside < 0:
         return [], None
-    return parts, device.memory_used - sum(b for _, b in parts)
+    return parts, outside
+
+
+def device_index(name: str | None) -> int:
+    """``cuda:1`` -> 1; the first device for ``cuda`` or anything else."""
+    tail = (name or "").rpartition(":")[2]
+    return int(tail) if tail.isdigit() else 0
 
 
 class NvmlReader:
     """The machine's GPUs through pynvml. NVML is initialised once, on the first read;
     every failure becomes the snapshot's ``unavailable`` reason, never an exception."""
+
+    every_s = 1.0
 
     def __init__(self) -> None:
         self._nvml: Any = None
@@ -164,21 +176,25 @@ def _maybe(read: Any, default: Any = None) -> Any:
 
 class RecordedGpuReader:
     """Readings saved as JSON (``{"snapshots": [GpuSnapshot.to_dict(), ...]}``), one per
-    :meth:`read`, the last repeated."""
+    :meth:`read`, the last repeated; ``every_s`` the pace they were taken at."""
 
-    def __init__(self, snapshots: list[GpuSnapshot]) -> None:
+    def __init__(self, snapshots: list[GpuSnapshot], every_s: float = 1.0) -> None:
         if not snapshots:
             raise ValueError("a recorded GPU reader needs at least one snapshot")
         self.snapshots = snapshots
+        self.every_s = every_s
         self.position = 0
 
     @classmethod
-    def load(cls, path: str | Path) -> RecordedGpuReader:
+    def load(cls, path: str | Path, every_s: float = 1.0) -> RecordedGpuReader:
         try:
             data = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise UserError(f"{path}: cannot read GPU readings ({exc}); pass a JSON file of NVML snapshots") from exc
-        return cls([GpuSnapshot.from_dict(s) for s in data.get("snapshots", [])])
+        snapshots = [GpuSnapshot.from_dict(s) for s in data.get("snapshots", [])]
+        if not snapshots:
+            raise UserError(f"{path}: no snapshots; pass a JSON file {{\"snapshots\": [...]}} of NVML readings")
+        return cls(snapshots, every_s)
 
     def read(self) -> GpuSnapshot:
         snapshot = self.snapshots[min(self.position, len(self.snapshots) - 1)]

@@ -18,7 +18,7 @@ from monitor.widgets.numbers import number
 from monitor.widgets.spark import spark
 from monitor.widgets.title_bar import middle_cut
 
-COLUMNS = ("replica", "status", "run", "wait", "KV %", "tok/s", "TTFT p50", "p99", "preempt/min", "hit %", "tok/s trend")
+COLUMNS = ("replica", "status", "run", "wait", "KV %", "tok/s", "TTFT p50", "p99", "pre/min", "hit %", "tok/s trend")
 STATUS = {LIVE: ("● live", "green"), CONNECTING: ("◌ connecting", "yellow"),
           DISCONNECTED: ("○ down", "bold red"), REFUSED: ("✕ refused", "bold red")}
 
@@ -46,8 +46,10 @@ class FleetTable(DataTable[Text | str]):
             self.add_column(column, key=column)
 
     def update_states(self, states: Sequence[ReplicaState]) -> None:
-        width = self.size.width or 120
-        self.name_width = max(16, min(40, width - 100))
+        # The fixed columns take about 100 cells; the name and the trend share the rest.
+        spare = max(0, (self.size.width or 120) - 100)
+        self.name_width = 14 + min(26, spare // 2)
+        self.trend_width = 8 + min(32, spare - min(26, spare // 2))
         rows: list[tuple[str, list[Text | str]]] = []
         for state in states:
             rows.append((state.source, self._replica_row(state)))
@@ -69,7 +71,7 @@ class FleetTable(DataTable[Text | str]):
         word, style = STATUS.get(state.status, (state.status, "bold"))
         text = Text(word, style=style)
         if state.status != LIVE and state.reason:
-            text.append(f" {middle_cut(state.reason, 18)}", style="dim")
+            text.append(f" {middle_cut(state.reason, 12)}", style="dim")
         return text
 
     def _replica_row(self, state: ReplicaState) -> list[Text | str]:

@@ -4,13 +4,18 @@ processes holding memory; or why there are no readings."""
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
 from rich.text import Text
 from textual.widgets import Static
 
-from monitor.gpu import GpuDevice, GpuSnapshot, ledger_gap
+from monitor.gpu import GpuDevice, GpuReader, GpuSnapshot, ledger_gap
 from monitor.widgets.spark import spark
 
 GIB = 1024**3
+HISTORY = 60  # utilisation readings kept for the sparkline
 LEDGER_STYLES = ("blue", "magenta", "green", "yellow", "cyan")
 
 
@@ -22,13 +27,50 @@ def _maybe(value: float | None, unit: str, fmt: str = ".0f") -> str:
     return "n/a" if value is None else f"{value:{fmt}}{unit}"
 
 
+LedgerFn = Callable[[], tuple[dict[str, float] | None, str, int]]
+
+
+def no_ledger(why: str) -> LedgerFn:
+    return lambda: (None, why, 0)
+
+
 class GpuPanel(Static):
-    """``update_snapshot(snapshot, ledger, history)``: ``ledger`` is the engine's
-    memory ledger when the source has one (kvscope), None otherwise (vLLM's
-    metrics carry none); ``history`` maps device index to recent utilisation."""
+    """Reads ``reader`` at its pace (``reader.every_s``; once at mount; never without
+    a reader) and draws each device. ``ledger`` returns the engine's memory ledger when
+    the source has one (kvscope's EngineView), the reason when it has none (vLLM's
+    metrics carry none), and the device index the engine runs on."""
+
+    def __init__(self, reader: GpuReader | None = None, ledger: LedgerFn | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.reader = reader
+        self.ledger = ledger or no_ledger("none from this source")
+        self.snapshot: GpuSnapshot | None = None
+        self.history: dict[int, deque[float]] = {}
+
+    def on_mount(self) -> None:
+        if self.reader is None:
+            self.update(Text("GPU (NVML)  not read (--no-gpu)", style="dim"))
+            return
+        self.poll()
+        self.set_interval(self.reader.every_s, self.poll)
+
+    def poll(self) -> None:
+        assert self.reader is not None
+        self.snapshot = self.reader.read()
+        for device in self.snapshot.devices:
+            self.history.setdefault(device.index, deque(maxlen=HISTORY)).append(device.utilization_pct or 0.0)
+        self.redraw()
+
+    def redraw(self) -> None:
+        """Draw the last reading again (the ledger may have changed)."""
+        if self.snapshot is None:
+            return
+        ledger, why, on_device = self.ledger()
+        self.update_snapshot(self.snapshot, ledger, why, {i: list(h) for i, h in self.history.items()}, on_device)
 
     def update_snapshot(self, snapshot: GpuSnapshot, ledger: dict[str, float] | None,
-                        ledger_source: str = "", history: dict[int, list[float]] | None = None) -> None:
+                        ledger_source: str = "", history: dict[int, list[float]] | None = None,
+                        ledger_device: int = 0) -> None:
         width = max(40, (self.size.width or 120) - 4)
         text = Text("GPU (NVML)  ", style="bold")
         if snapshot.unavailable is not None:
@@ -38,7 +80,9 @@ class GpuPanel(Static):
         text.append(f"driver {snapshot.driver} · {len(snapshot.devices)} device(s)", style="dim")
         for device in snapshot.devices:
             text.append("\n")
-            text.append_text(self._device(device, ledger, ledger_source, width, (history or {}).get(device.index, [])))
+            own = ledger if device.index == ledger_device else None
+            why = ledger_source if device.index == ledger_device else "the engine runs on another device"
+            text.append_text(self._device(device, own, why, width, (history or {}).get(device.index, [])))
         self.update(text)
 
     @staticmethod
@@ -72,8 +116,8 @@ class GpuPanel(Static):
             text.append("▓" * cells, style="white")
             drawn += cells
             legend.append("▓ used  ", style="white")
-            legend.append("no engine ledger from this source" + (f" ({ledger_source})" if ledger_source else "")
-                          + ": the used memory cannot be split", style="dim")
+            legend.append(f"no engine ledger ({ledger_source or 'none from this source'}): "
+                          "the used memory cannot be split", style="dim")
         text.append("░" * max(0, bar_width - drawn), style="dim")
         text.append("\n").append_text(legend)
         if device.processes:

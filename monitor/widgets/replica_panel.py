@@ -26,12 +26,12 @@ class ReplicaPanel(Static):
     def update_state(self, state: ReplicaState) -> None:
         width = max(40, (self.size.width or 120) - 4)
         out = Table.grid(padding=(0, 2))
-        out.add_column(no_wrap=True)
+        out.add_column()
         if not state.engines:
             why = state.reason or "waiting for the first scrape"
             self.update(Text(f"{state.source}: {state.status}, {why}", style="bold red" if state.status != LIVE else ""))
             return
-        spark_width = max(8, min(40, width - 70))
+        spark_width = max(8, min(40, (width - 2) // 3 - 6))
         head = Text(f"{state.kind} · {state.model_name or 'model ?'} · {len(state.engines)} engine(s) · "
                     f"{state.scrapes} scrapes", style="bold")
         out.add_row(head)
@@ -79,7 +79,7 @@ class ReplicaPanel(Static):
         hits = sum(e.latest.prefix_hits for e in state.engines.values() if e.latest)
         queries = sum(e.latest.prefix_queries for e in state.engines.values() if e.latest)
         text = Text("prefix cache  ", style="bold")
-        text.append(f"hit rate {percent(state.hit_rate())}% over the window · {number(hits)} of {number(queries)} "
-                    "queried tokens hit since start  ")
+        text.append(f"hit rate {percent(state.hit_rate())}% over the window, {number(hits)}/{number(queries)} "
+                    "tokens since start ")
         text.append(spark(state.series("hit_pct"), spark_width), style="green")
         return text
