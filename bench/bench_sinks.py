@@ -8,7 +8,10 @@ each sink alone, timing direct calls (the bus fan-out itself is not included):
 - ``seed-60``: the background's 60-request workload on a pool small enough to
   preempt.
 
-Sinks: a no-op baseline, :class:`engine.events.metrics.PrometheusMetrics`,
+Sinks: a no-op baseline, :class:`engine.events.metrics.PrometheusMetrics` (``metrics``:
+as a recording without ``engine.config`` feeds it; ``metrics-all``: sized by a
+llama-3.1-8b ``engine.config`` and phase C, so the MFU counters move, and with
+``kv_cache_metrics``, so every block's residency is folded),
 :class:`engine.events.stats.StatsReporter` (10 s interval on a bus nobody else hears),
 :class:`engine.events.JsonlSink` into memory, for comparison,
 :class:`engine.events.otel.OtlpTraceSink` (the SDK's span building and batch
@@ -33,10 +36,21 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 
+from engine.budget.config import MODEL_PRESETS
+from engine.budget.memory import bytes_per_kv_token, weights_bytes
 from engine.core.scheduler import SchedulerConfig
-from engine.events import Event, EventBus, JsonlSink, RequestFinished, StepEvent
+from engine.events import (
+    EngineConfigEvent,
+    Event,
+    EventBus,
+    JsonlSink,
+    RequestFinished,
+    StartupPhase,
+    StepEvent,
+)
 from engine.events.metrics import PrometheusMetrics
 from engine.events.perfetto import PerfettoTrace
+from engine.events.phase_data import LoadWeightsData
 from engine.events.stats import StatsReporter
 from engine.sim.driver import DriverRequest, background_workload, run_driver
 
@@ -84,10 +98,24 @@ def _otlp_sink() -> Sink:
     return OtlpTraceSink(Discard(), wall_start_unix=time.time())
 
 
+def _metrics_all() -> Sink:
+    """Every family of issue 18 part 4 live: the MFU roofline sized as a real startup
+    sizes it, and the block residency fold on."""
+    metrics = PrometheusMetrics(CollectorRegistry(), "bench", max_model_len=4096, kv_cache_metrics=True)
+    model = MODEL_PRESETS["llama-3.1-8b"]
+    metrics(EngineConfigEvent(config={"tensor_parallel_size": 1},
+                              model={**model.summary(), "bytes_per_kv_token": bytes_per_kv_token(model)}))
+    metrics(StartupPhase(phase="C", name="load_weights", status="end",
+                         data=LoadWeightsData(weights_bytes=weights_bytes(model)).to_dict()))
+    assert metrics.roofline is not None
+    return metrics
+
+
 def sink_factories() -> dict[str, Callable[[], Sink]]:
     return {
         "none": lambda: _noop,
         "metrics": lambda: PrometheusMetrics(CollectorRegistry(), "bench", max_model_len=4096),
+        "metrics-all": _metrics_all,
         "stats": lambda: StatsReporter(EventBus(), 10.0, log=None),
         "jsonl": lambda: JsonlSink(io.StringIO()),
         "otlp": _otlp_sink,
@@ -95,7 +123,7 @@ def sink_factories() -> dict[str, Callable[[], Sink]]:
     }
 
 
-EXPORTERS = ("otlp", "perfetto")  # the sinks of issue 18 parts 2-3, measured on the step loop too
+EXPORTERS = ("otlp", "perfetto", "metrics-all")  # the sinks of issue 18 parts 2-4, measured on the step loop too
 
 
 def steps_per_s_interleaved(make: Callable[[], Sink], pairs: int) -> dict[str, object]:

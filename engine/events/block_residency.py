@@ -69,8 +69,7 @@ class BlockResidency:
                         accesses[block] = [now]
                     else:
                         hits.append(now)
-                else:
+                else:  # a block with hits was cached, so its eviction already dropped them
                     birth[block] = now
-                    accesses.pop(block, None)
                     handed_out.add(block)
         cached.update(event.cached)
