@@ -111,6 +111,10 @@ class ZmqEventPublisher:
             except queue.Empty:
                 if self._stopping:
                     return
+                # Let the PUB socket take in new subscribers' subscriptions now: ZMQ reads them
+                # only when the socket is used, so the first batch after a quiet spell would
+                # otherwise go out before a subscriber that joined during it is known.
+                self._pub.getsockopt(zmq.EVENTS)
                 continue
             if batch is None:
                 return
