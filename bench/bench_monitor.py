@@ -100,6 +100,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"seek: median {statistics.median(seeks) * 1000:.1f} ms, max {max(seeks) * 1000:.1f} ms "
           f"over {args.seeks} random seeks (target ≤ 200 ms)")
 
+    from bench.bench_fleet import report as fleet_report  # 8 replicas polled, KV events while drawing
+
+    fleet_report()
+
 
 if __name__ == "__main__":
     main()
