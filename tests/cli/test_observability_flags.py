@@ -41,6 +41,7 @@ def test_serve_kv_cache_metrics_flags() -> None:
     args = build_parser().parse_args(["serve", "--kv-cache-metrics", "--kv-cache-metrics-sample", "0.05"])
     assert settings_from_args(args).kv_cache_metrics is True
     assert settings_from_args(build_parser().parse_args(["serve"])).kv_cache_metrics is False
+    build_parser().parse_args(["serve", "--enable-mfu-metrics"])  # a vllm serve line keeps it; always on here
 
 
 @pytest.mark.parametrize("rate", ["0", "1.5", "often"])

@@ -90,6 +90,9 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     vllm.add_argument("--kv-cache-metrics-sample", type=_sample_rate, default=0.01, metavar="RATE",
                       help="vLLM's sampling rate of those histograms, in (0, 1]; accepted for compatibility: "
                            "kvscope folds them from the step events and records every block")
+    vllm.add_argument("--enable-mfu-metrics", action="store_true",
+                      help="accepted: kvscope always serves the MFU estimates (vllm:estimated_flops_per_gpu_total, "
+                           "_read_bytes_, _write_bytes_), the cost model's work of each step")
 
 
 def _sample_rate(text: str) -> float:
