@@ -9,6 +9,8 @@ run of at most ten minutes, with the results in one JSON file.
    `engine serve` exists (engine/cli/commands/serve.py); skipped until then.
 5. kernel_bench: Llama-3.1-8B attention shapes (32 query heads, 8 KV heads,
    head dim 128, bf16, 16-token blocks), Triton vs torch backend.
+6. nvml: the monitor's NVML reader (monitor/gpu.py) on the real library, its
+   memory total against CUDA's; the snapshot is kept for the GPU panel's tests.
 
 ``bench/gpu_check.sh`` calls this only when a GPU is present. ``--device cpu``
 (with TRITON_INTERPRET=1 and ``--smoke``) runs the same code on tiny shapes so
@@ -333,6 +335,28 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# ------------------------------------------------------------------------------ 6. nvml
+def nvml_check(device: torch.device) -> dict[str, Any]:
+    """The monitor's GPU panel reader (monitor/gpu.py NvmlReader) on the real library:
+    every device read, memory total as CUDA reports it; the readings are kept, in the
+    format RecordedGpuReader replays (tests/data/nvml)."""
+    from monitor.gpu import NvmlReader
+
+    snapshot = NvmlReader().read()
+    if device.type != "cuda":
+        return {"ok": True, "status": "skipped", "reason": f"not on a GPU; NVML says: {snapshot.unavailable}"}
+    if snapshot.unavailable is not None:
+        return {"ok": False, "error": f"NVML unavailable on a CUDA machine: {snapshot.unavailable}"}
+    _, total = torch.cuda.mem_get_info(device)
+    first = snapshot.devices[0]
+    return {
+        "ok": abs(first.memory_total - total) <= 0.01 * total and first.utilization_pct is not None,
+        "devices": len(snapshot.devices), "driver": snapshot.driver,
+        "memory_total_nvml": first.memory_total, "memory_total_cuda": total,
+        "snapshot": snapshot.to_dict(),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"results file (default {DEFAULT_OUT})")
@@ -347,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         ("runner", lambda: runner_check(device, args.smoke)),
         ("engine_phases", lambda: engine_phases(device)),
         ("kernel_bench", lambda: kernel_bench(device, args.smoke)),
+        ("nvml", lambda: nvml_check(device)),
     ]
     report: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "device": device_info(device)}
     wall = time.perf_counter()
