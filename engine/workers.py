@@ -94,7 +94,7 @@ class WorkerGroup:
         self._messages = context.Queue()
         self.ranks = [RankState(rank, context.Process(target=worker_main, name=f"kvscope-tp-rank{rank}", daemon=True,
                                                       args=(RankLayout(rank, size, init_method), config,
-                                                            self._messages)))
+                                                            self._messages, os.getpid())))
                       for rank in range(1, size)]
         for state in self.ranks:
             state.process.start()
@@ -234,16 +234,20 @@ class WorkerGroup:
         return [s.process.pid for s in self.ranks]
 
 
-def _die_with_parent() -> None:
-    """Linux: the kernel sends this process SIGKILL when rank 0's process ends."""
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: the kernel sends this process SIGKILL when rank 0's process ends. Rank 0 may
+    have ended already, while this process was still importing (seconds on a busy
+    machine): then no signal will come, so leave now."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:
+        os._exit(1)
 
 
-def worker_main(layout: Any, config: EngineConfig, messages: Any) -> None:
+def worker_main(layout: Any, config: EngineConfig, messages: Any, parent_pid: int) -> None:
     """A worker: phases A–G on its rank (events to rank 0), then steps until told to stop."""
-    _die_with_parent()
+    _die_with_parent(parent_pid)
     from engine.logs import configure_logging
 
     configure_logging(level="warning")  # rank 0 logs the replica; a worker's events carry its numbers

@@ -96,6 +96,33 @@ def test_a_ranks_phase_says_its_rank_and_a_single_rank_recording_is_unchanged() 
     assert not {"collective_s", "collective_bytes", "collective_calls"} & set(step.to_dict())
 
 
+def test_the_view_keeps_each_ranks_phases_and_ledger_beside_rank_0s() -> None:
+    from engine.events.view import EngineView
+    from monitor.widgets.memory_bar import rank_ledger_lines
+    from monitor.widgets.startup_table import rank_row
+
+    bus = EventBus()
+    view = EngineView()
+    bus.subscribe(view.apply)
+    for rank, seconds, weights in ((0, 1.5, 300 << 20), (1, 2.5, 200 << 20)):
+        for letter in PHASES:
+            data = {"weights_bytes": weights} if letter == "C" else {"kv_pool_bytes": 64 << 20, "num_blocks": 96} \
+                if letter == "E" else {}
+            bus.publish(StartupPhase(phase=letter, name=PHASES[letter], status="begin", rank=rank))
+            bus.publish(StartupPhase(phase=letter, name=PHASES[letter], status="end", rank=rank, data=data,
+                                     duration_s=seconds if letter == "C" else 0.0))
+    assert view.phases["C"].duration_s == 1.5 and view.ledger["weights_bytes"] == 300 << 20  # rank 0's: the replica's
+    assert view.rank_phases[1]["C"].duration_s == 2.5 and view.rank_ledgers[1]["weights_bytes"] == 200 << 20
+    again = EngineView.from_snapshot(view.snapshot())
+    assert again.rank_phases[1]["C"].duration_s == 2.5 and again.rank_ledgers == view.rank_ledgers
+    row = rank_row(1, view.rank_phases[1], view)
+    assert row[:2] == ("r1", "rank 1") and row[3] == "2.50"
+    assert row[5].startswith("A 0.00 B 0.00 C 2.50") and row[5].endswith("slowest: rank 1 (2.50 s, the replica's startup)")
+    assert [line.plain for line in rank_ledger_lines(view)] == [
+        "rank 1: weights 0.20 GiB · activation peak 0.00 GiB · KV pool 0.06 GiB (96 blocks)"]
+    assert "ranks" not in EngineView().snapshot()
+
+
 # ------------------------------------------------------------- real replicas
 def _tiny_model(folder: Path) -> str:
     folder.mkdir(parents=True, exist_ok=True)

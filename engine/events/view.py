@@ -31,8 +31,9 @@ Snapshot dict format (``SNAPSHOT_VERSION`` 1), all plain JSON::
       "series": {"step": [...], "prefill": [...], "decode": [...], "running": [...],
                  "waiting": [...], "kv_pct": [...], "step_ms": [...],
                  "preempted": [...]},                      # last ``series_window`` steps
-      "recent": [event.to_dict(), ...]                     # last ``recent_window`` events
-    }
+      "recent": [event.to_dict(), ...],                    # last ``recent_window`` events
+      "ranks": {"1": {"phases": {...}, "ledger": {...}}, ...}  # tensor parallelism: the other
+    }                                                      # ranks' (absent with one rank)
 
 Block owners are not stored: they are the union of every request's ``blocks``,
 so the snapshot cannot disagree with itself. The block table itself is folded
@@ -161,6 +162,25 @@ class PhaseView:
         }
 
 
+def _phase_views(phases: dict[str, Any]) -> dict[str, PhaseView]:
+    """A snapshot's phases (one rank's) as views."""
+    return {
+        k: PhaseView(
+            phase=p.get("phase", k),
+            name=p.get("name", ""),
+            status=p.get("status", "pending"),
+            duration_s=p.get("duration_s"),
+            memory_delta=p.get("memory_delta"),
+            reason=p.get("reason"),
+            data=dict(p.get("data", {})),
+            memory_measure=p.get("memory_measure"),
+            started_t=p.get("started_t"),
+            progress=dict(p["progress"]) if p.get("progress") is not None else None,
+        )
+        for k, p in phases.items()
+    }
+
+
 # What a phase's memory delta measures, by where the reading came from: on CUDA the
 # bytes torch's live tensors hold; on CPU torch reports no allocations (always 0), so
 # the process's resident memory (``process_used``, also in ``reserved``) is what moves.
@@ -197,6 +217,10 @@ class EngineView:
         self.model: dict[str, Any] = {}
         self.phases: dict[str, PhaseView] = {}
         self.ledger: dict[str, float] = dict.fromkeys(LEDGER_KEYS, 0)
+        # Tensor parallelism: the other ranks' phases and ledgers (rank 0's are ``phases``
+        # and ``ledger``, the replica's); empty with one rank.
+        self.rank_phases: dict[int, dict[str, PhaseView]] = {}
+        self.rank_ledgers: dict[int, dict[str, float]] = {}
         self.device: dict[str, Any] | None = None
         self.kv_used = 0
         self.kv_cached_free = 0
@@ -276,14 +300,16 @@ class EngineView:
             if key in ev.config and isinstance(ev.config[key], int | float):
                 self.ledger[key] = ev.config[key]
 
-    def _phase(self, phase: str, name: str | None = None) -> PhaseView:
-        view = self.phases.get(phase)
+    def _phase(self, phase: str, name: str | None = None, rank: int = 0) -> PhaseView:
+        phases = self.rank_phases.setdefault(rank, {}) if rank else self.phases
+        view = phases.get(phase)
         if view is None:
-            view = self.phases[phase] = PhaseView(phase=phase, name=name or PHASES.get(phase, phase))
+            view = phases[phase] = PhaseView(phase=phase, name=name or PHASES.get(phase, phase))
         return view
 
     def _on_phase(self, ev: StartupPhase) -> None:
-        view = self._phase(ev.phase, ev.name)
+        view = self._phase(ev.phase, ev.name, ev.rank)
+        ledger = self.rank_ledgers.setdefault(ev.rank, dict.fromkeys(LEDGER_KEYS, 0)) if ev.rank else self.ledger
         view.name = ev.name
         view.status = "running" if ev.status == "begin" else ev.status
         if ev.status == "begin":
@@ -299,8 +325,8 @@ class EngineView:
         for key in LEDGER_KEYS:
             value = ev.data.get(key)
             if isinstance(value, int | float):
-                self.ledger[key] = value
-        if ev.memory_after:
+                ledger[key] = value
+        if ev.memory_after and not ev.rank:
             self.device = dict(ev.memory_after)
 
     def _on_progress(self, ev: StartupProgress) -> None:
@@ -427,7 +453,9 @@ class EngineView:
             "preemptions": self.preemptions,
             "series": {k: list(v)[-n_series:] if n_series else [] for k, v in self.series.items()},
             "recent": [e.to_dict() for e in list(self.recent)[-n_recent:]] if n_recent else [],
-        }
+        } | ({"ranks": {str(rank): {"phases": {k: p.to_dict() for k, p in phases.items()},
+                                    "ledger": dict(self.rank_ledgers.get(rank, {}))}
+                        for rank, phases in sorted(self.rank_phases.items())}} if self.rank_phases else {})
 
     @classmethod
     def from_snapshot(
@@ -445,22 +473,12 @@ class EngineView:
         self.step = state.get("step")
         self.config = dict(state.get("config", {}))
         self.model = dict(state.get("model", {}))
-        self.phases = {
-            k: PhaseView(
-                phase=p.get("phase", k),
-                name=p.get("name", ""),
-                status=p.get("status", "pending"),
-                duration_s=p.get("duration_s"),
-                memory_delta=p.get("memory_delta"),
-                reason=p.get("reason"),
-                data=dict(p.get("data", {})),
-                memory_measure=p.get("memory_measure"),
-                started_t=p.get("started_t"),
-                progress=dict(p["progress"]) if p.get("progress") is not None else None,
-            )
-            for k, p in state.get("phases", {}).items()
-        }
+        self.phases = _phase_views(state.get("phases", {}))
         self.ledger = dict.fromkeys(LEDGER_KEYS, 0.0) | dict(state.get("ledger", {}))
+        ranks = state.get("ranks", {})
+        self.rank_phases = {int(r): _phase_views(s.get("phases", {})) for r, s in ranks.items()}
+        self.rank_ledgers = {int(r): dict.fromkeys(LEDGER_KEYS, 0.0) | dict(s.get("ledger", {}))
+                             for r, s in ranks.items()}
         self.device = state.get("device")
         kv = state.get("kv", {})
         self.kv_used = int(kv.get("used", 0))

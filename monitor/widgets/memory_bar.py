@@ -87,6 +87,19 @@ def legend_lines(items: list[tuple[str, float]], width: int) -> list[Text]:
                        for label, size in items), width)
 
 
+def rank_ledger_lines(view: EngineView) -> list[Text]:
+    """Tensor parallelism: each rank's own ledger (the bar above is rank 0's, per device)."""
+    lines = []
+    for rank in sorted(view.rank_ledgers):
+        ledger = view.rank_ledgers[rank]
+        lines.append(Text(
+            f"rank {rank}: weights {float(ledger.get('weights_bytes') or 0) / GiB:.2f} GiB · activation peak "
+            f"{float(ledger.get('activation_peak_bytes') or 0) / GiB:.2f} GiB · KV pool "
+            f"{float(ledger.get('kv_pool_bytes') or 0) / GiB:.2f} GiB ({int(ledger.get('num_blocks') or 0):,} blocks)",
+            style="dim"))
+    return lines
+
+
 class MemoryBar(Static):
     """A stacked bar sized to the widget, with a GiB legend and the device reading."""
 
@@ -128,4 +141,4 @@ class MemoryBar(Static):
             info.append(f" · device ({dev.get('source', 'probe')}): {(dev['total'] - dev['free']) / GiB:.2f} GiB in use")
         elif "rss" in dev:
             info.append(f" · process RSS {dev['rss'] / GiB:.2f} GiB")
-        return Group(bar, *legend, info)
+        return Group(bar, *legend, info, *rank_ledger_lines(view))

@@ -124,3 +124,24 @@ class StartupTable(DataTable[object]):
                 duration = "-"
             self.add_row(letter, phase.name, status, duration, memory_delta_text(phase), phase_detail(phase),
                          key=letter, height=None)
+        for rank, phases in sorted(view.rank_phases.items()):
+            self.add_row(*rank_row(rank, phases, view), key=f"rank{rank}", height=None)
+
+
+def rank_row(rank: int, phases: dict[str, PhaseView], view: EngineView) -> tuple[str | Text, ...]:
+    """Tensor parallelism: one row per other rank (rank 0's are the rows above): its
+    phases' durations, and which rank is the slowest, whose startup is the replica's."""
+    latest = next((phases[letter] for letter in reversed(PHASES) if letter in phases), None)
+    status_word = latest.status if latest is not None else "pending"
+    status = Text(STATUS_WORD.get(status_word, status_word), style=STATUS_STYLE.get(status_word, ""))
+    total = sum(p.duration_s or 0.0 for p in phases.values())
+    totals = {0: sum(p.duration_s or 0.0 for p in view.phases.values())} | {
+        r: sum(p.duration_s or 0.0 for p in ps.values()) for r, ps in view.rank_phases.items()}
+    slowest = max(totals, key=lambda r: totals[r])
+    detail = " ".join(f"{letter} {phases[letter].duration_s:.2f}" for letter in PHASES
+                      if letter in phases and phases[letter].duration_s is not None)
+    if latest is not None and latest.status == "failed" and latest.reason:
+        detail += f"; {latest.phase} failed: {latest.reason}"
+    elif rank == max(view.rank_phases):
+        detail += f"; slowest: rank {slowest} ({totals[slowest]:.2f} s, the replica's startup)"
+    return f"r{rank}", f"rank {rank}", status, f"{total:.2f}", "", detail
