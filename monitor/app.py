@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 from textual import on
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
-from textual.containers import Vertical
+from textual.containers import Vertical, VerticalScroll
 from textual.css.query import NoMatches
 from textual.reactive import reactive
 from textual.widgets import Footer, Input, Label, TabbedContent, TabPane
@@ -25,6 +25,7 @@ from engine.events.view import EngineView
 from monitor.sources import LIVE, BusFeed, LiveFeed
 from monitor.state import Timeline
 from monitor.widgets.block_map import BlockMap
+from monitor.widgets.diagnosis import Diagnosis
 from monitor.widgets.events_log import EventsLog
 from monitor.widgets.memory_bar import MemoryBar
 from monitor.widgets.queues import Queues
@@ -67,6 +68,7 @@ class MonitorApp(App[None]):
         Binding("2", "show_tab('steps')", "Steps", show=False),
         Binding("3", "show_tab('startup')", "Startup", show=False),
         Binding("4", "show_tab('events')", "Events", show=False),
+        Binding("5", "show_tab('diagnosis')", "Diagnosis", show=False),
         Binding("q", "quit", "quit"),
     ]
 
@@ -108,6 +110,8 @@ class MonitorApp(App[None]):
                 yield StartupTable(id="startup-table")
             with TabPane("Events [4]", id="events"):
                 yield EventsLog(id="events-log")
+            with TabPane("Diagnosis [5]", id="diagnosis"), VerticalScroll():
+                yield Diagnosis(id="diagnosis-panel")
         yield Input(placeholder="go to step index, Enter to jump, Esc to cancel", id="goto", type="integer")
         yield ReplayBar(id="replay-bar")
         yield Footer(show_command_palette=False)
@@ -147,6 +151,10 @@ class MonitorApp(App[None]):
         self.query_one(StepCharts).update_view(view)
         self.query_one(StartupTable).update_view(view, self.engine_now())
         self.query_one(EventsLog).update_view(view)
+        tl = self.timeline
+        if tl is not None:  # live, _tick hands the panel the events it drains
+            end = tl.step_positions[tl.position] + 1 if tl.step_positions else len(tl.events)
+            self.query_one(Diagnosis).show_until(tl.events, end)
         self._update_bar()
 
     def _update_bar(self) -> None:
@@ -165,6 +173,7 @@ class MonitorApp(App[None]):
             try:
                 if events:
                     self.view.fold(events)
+                    self.query_one(Diagnosis).fold(events)
                     if self._clock_anchor is None or self._clock_anchor[0] != self.view.t:
                         self._clock_anchor = (self.view.t, self._wall_clock())
                     self.refresh_view()

@@ -12,7 +12,10 @@ from doctor.budget import replan
 from doctor.facts import RunFacts
 from doctor.inputs import facts_from_recording
 from doctor.rules import CRITICAL, WARNING, Finding, diagnose, exit_status
+from doctor.vllm_log import diagnose_log
+from engine.events import EngineConfigEvent, EventBus, StartupPhase
 from tests.doctor.recordings import path_of
+from tests.paths import DATA
 
 
 @cache
@@ -110,3 +113,29 @@ def test_findings_are_the_same_on_a_remade_recording(name: str, tmp_path) -> Non
     again = tmp_path / f"{name}.jsonl.gz"
     again.write_bytes(simulate_recording(name))
     assert [f.to_json() for f in diagnose(facts_from_recording(again))] == [f.to_json() for f in diagnose(facts(name))]
+
+
+def test_oom_at_graph_capture_with_another_process_on_the_device() -> None:
+    """Phase F failing with CUDA's out-of-memory, as the engine's PhaseRecorder publishes it
+    (a CPU machine cannot run out of device memory, so the events are published here)."""
+    bus, run = EventBus(), RunFacts()
+    bus.subscribe(run)
+    gib = 2**30
+    bus.publish(EngineConfigEvent(config={"gpu_memory_utilization": 0.92, "cuda_graph_sizes": [1, 2, 4, 8, 256]}))
+    before = {"total": 80 * gib, "free": 4 * gib, "allocated": 66 * gib, "reserved": 68 * gib}
+    bus.publish(StartupPhase(phase="F", name="graphs_compile", status="failed", memory_before=before,
+                             reason="OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"))
+    (f,) = diagnose(run)
+    assert (f.rule, f.severity, f.title) == ("startup_oom", CRITICAL, "out of memory at CUDA-graph capture")
+    assert f.numbers["held_by_others_bytes"] == 8 * gib
+    assert "8.00 GiB held by other processes" in f.evidence[1]
+    fixes = {x.flag: x for x in f.fixes}
+    assert fixes["--cuda-graph-sizes"].proposed == 128 and "--enforce-eager" in fixes
+    assert fixes["--gpu-memory-utilization"].proposed == "0.77"  # 0.92 - 0.05 - 8/80
+
+
+def test_free_memory_below_the_request_in_a_vllm_log() -> None:
+    (f,) = diagnose_log(DATA / "vllm-logs" / "v0.15dev-ci-l4-tp1-ansi-caret-freemem-fail.log")
+    assert (f.rule, f.severity) == ("startup_oom", CRITICAL)
+    assert f.evidence[0] == "line 1: only 1.54 of 22.05 GiB free at startup, but 0.9 x 22.05 = 19.84 GiB requested"
+    assert f.fixes[0].why.startswith("--gpu-memory-utilization 0.06 fits the 1.54 GiB free now")
