@@ -3,11 +3,15 @@ long-running server prints by the million (periodic stats, access lines:
 :data:`~logparse.patterns.BULK_MARKERS`) are counted, not read.
 
 A window of whole lines is *certified* when its lines hold as many first markers of
-the bulk patterns as there are lines (so each line is one of them: a line a pattern
-matches is never joined to its neighbour, whatever its indentation or prefix), each
-further marker of a pattern as often as its first, and no byte that changes how a
-line becomes records: a ``\\r`` redraw, or a ``]`` beyond each stats line's
-``[file:line]`` (a tqdm bar a record could be glued to has one). Such lines are records of their pattern, phase R, with their own prefix, never
+the bulk patterns as there are lines, each line starts with a prefix
+(:data:`~logparse.patterns.BULK_LINE_STARTS`), each further marker of a pattern occurs
+as often as its first, and no byte changes how a line becomes records: a ``\\r``
+redraw, or a ``]`` beyond each stats line's ``[file:line]`` (a tqdm bar a record could
+be glued to has one). A line a pattern matches is never joined to its neighbour, so
+each certified line is one record of its pattern. The counts cannot see *which* line
+holds a marker; the prefix and bracket tests are what make a line that lost its
+newline (two markers) beside a marker-less line fail: such a line would need a prefix
+and no bracket, which no vLLM or uvicorn line of a run has. Such lines are records of their pattern, phase R, with their own prefix, never
 joined to a neighbour and never per-rank duplicates, so the fold needs only how many
 there were, the first and last line, the first and last time, and their
 ``Preemptions: N``: :class:`BulkRun` carries those. Counting uses ``bytes.count``
@@ -30,11 +34,12 @@ from pathlib import Path
 from typing import BinaryIO
 
 from logparse.parser import MAX_LINE_BYTES, Record, RecordAssembler, decode_physical, strip_prefix
-from logparse.patterns import BULK_MARKERS, PATTERNS_BY_ID, LinePattern
+from logparse.patterns import BULK_LINE_STARTS, BULK_MARKERS, PATTERNS_BY_ID, LinePattern
 
 CHUNK_BYTES = 8 << 20  # read size; lines are never split across chunks
 MIN_WINDOW = 4096  # a window this small that does not certify is read line by line
 MAX_WINDOW = MAX_LINE_BYTES  # so no line of a certified window can be longer than the parser keeps
+_STARTS = tuple(b"\n" + start for start in BULK_LINE_STARTS)  # a line's start, after the newline before it
 _PREEMPTIONS = re.compile(rb"Preemptions: (\d[\d,]*)")
 _BULK = tuple((PATTERNS_BY_ID[pattern_id], markers) for pattern_id, markers in BULK_MARKERS.items())
 _TIMED_MARKER = BULK_MARKERS["stats"][0]  # the bulk lines that carry a vLLM time (access lines do not)
@@ -148,6 +153,11 @@ def _certify(chunk: bytes, start: int, end: int, first_number: int) -> BulkRun |
     if sum(counts.values()) != lines:
         return None
     if chunk.count(b"\r", start, end) or chunk.count(b"]", start, end) != counts["stats"]:
+        return None
+    starts = sum(chunk.count(mark, max(start - 1, 0), end - 1) for mark in _STARTS)
+    if start == 0 and chunk.startswith(BULK_LINE_STARTS):
+        starts += 1  # the file's first line has no newline before it
+    if starts != lines:
         return None
     for pattern, markers in _BULK:
         if any(chunk.count(marker, start, end) != counts[pattern.id] for marker in markers[1:]):

@@ -610,6 +610,21 @@ PATTERNS: tuple[LinePattern, ...] = (
     P("model_kernel_warmup", "F", "0.2x–0.33", "Warming up", r"^Warming up <model_family:word> Triton kernels",
       "A model-specific kernel warm-up before serving."),
     P("request_added", "R", "0.4–0.10 (DEBUG)", "Added request", r"^Added request <request_id:word>", "A request entered the queue."),
+    P("cpu_torch_threads_reduced", "A", "0.32–0.33", "Reducing Torch threads from",
+      r"Reducing Torch threads from <torch_threads_before:int> to <torch_threads:int> for serving",
+      "CPU backend: one intra-op thread per rank while serving unless OMP_NUM_THREADS says otherwise."),
+    P("shm_broadcast_wait", "F", "0.9–0.33", "No available shared memory broadcast block",
+      r"No available shared memory broadcast block found in <wait_s_total:int> seconds",
+      "The engine waited this long for its workers: they are busy (compiling, loading, quantising) or hung."),
+    P("aot_compile_saved", "F", "0.31–0.33", "saved AOT compiled function",
+      r"saved AOT compiled function to <path:word>", "torch.compile's ahead-of-time artefact written to the "
+      "compile cache: the next start of the same model and flags loads it instead of compiling."),
+    P("aot_compile_load_failed", "F", "0.31–0.33", "Compiling model again due to a load failure",
+      r"Compiling model again due to a load failure from <path:word>",
+      "The compile cache held an artefact that did not load: the start compiles again (minutes on a CPU)."),
+    P("aot_compile_loaded", "F", "0.31–0.33", "loaded AOT compiled function|Directly load AOT",
+      r"(?:loaded AOT compiled function|Directly load AOT compilation) from <path:word>",
+      "Compile cache hit: the ahead-of-time artefact loaded, no compile."),
     P("cuda_error_oom", "X", "torch", "CUDA error: out of memory",
       r"CUDA error: out of memory", "A CUDA call (not the caching allocator) found no memory: inside graph capture "
       "this is the graph pool not fitting beside the KV pool.", failure="oom"),
@@ -676,12 +691,14 @@ NOISE_SOURCES: tuple[str, ...] = (*dict.fromkeys(n.source for n in NOISE), BLANK
 
 # Lines that repeat by the million in a long-running server's log (periodic stats, access lines). The
 # fast summary (logparse/fastscan.py) counts a run of them without reading each: every line of the run
-# must hold each marker of its pattern once (every vLLM release's stats line that holds the first one
-# matches "stats"). Their records are phase R and are never per-rank duplicates.
+# must start with one of BULK_LINE_STARTS and hold each marker of its pattern once (every vLLM
+# release's stats line that holds the first one matches "stats"). Their records are phase R and are
+# never per-rank duplicates.
 BULK_MARKERS: dict[str, tuple[bytes, ...]] = {
     "stats": (b"Avg prompt throughput: ",),
     "uvicorn_access": (b' HTTP/1.1" ', b"INFO:     "),
 }
+BULK_LINE_STARTS: tuple[bytes, ...] = (b"(", b"INFO")  # a process prefix, or a level (vLLM's or uvicorn's)
 
 FIELD_MEANINGS: dict[str, str] = {
     "vllm_version": "vLLM release",

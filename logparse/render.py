@@ -14,7 +14,7 @@ from rich.text import Text
 
 from engine.budget.ledger import label as ledger_label
 from logparse.explain import Check, Explanation
-from logparse.patterns import FIGURE_NAMES, LEDGER_KEYS, PHASE_NAMES
+from logparse.patterns import FIGURE_NAMES, LEDGER_KEYS
 
 PHASE_STYLES = {
     "A": "cyan", "B": "bright_blue", "C": "green", "D": "magenta", "E": "bright_green",
@@ -31,6 +31,15 @@ def _budget_label(key: str) -> str:
 
 
 BUDGET_ROWS = tuple((key, _budget_label(key)) for key in _BUDGET_KEYS)
+
+
+def coverage_line(exp: Explanation) -> str:
+    """'N records: R recognised, K noise (sources), U unrecognised' for a view's header."""
+    cov = exp.coverage
+    noise = {k: v for k, v in cov.noise.items() if v}
+    sources = f" ({', '.join(f'{k} {v}' for k, v in noise.items())})" if noise else ""
+    return (f"{exp.record_count:,} records: {cov.recognised:,} recognised, {sum(noise.values()):,} noise{sources}, "
+            f"{cov.unknown:,} unrecognised")
 
 
 def fmt(value: Any) -> str:
@@ -109,7 +118,7 @@ def render_terminal(exp: Explanation, out: TextIO | None = None, summary: bool =
     console = _console(out)
     title = Text(f"logparse: {exp.path}", style="bold")
     title.append(f"   vLLM {exp.facts.get('vllm_version') or '?'}   model {exp.facts.get('model') or '?'}   "
-                 f"{exp.record_count:,} records, {exp.unrecognised:,} unrecognised", style="dim")
+                 f"{coverage_line(exp)}", style="dim")
     console.print(title)
     if not summary:
         console.rule("lines")
@@ -119,12 +128,14 @@ def render_terminal(exp: Explanation, out: TextIO | None = None, summary: bool =
                 console.print(Text(f"… {exp.record_count - shown:,} more records (use --json for all)", style="dim"))
                 break
             shown += 1
-            phase = record.phase or "?"
+            phase = record.phase or ("~" if record.noise else "?")
             line = Text(f"{record.line:>6} ", style="dim")
             line.append(f"{phase} ", style=PHASE_STYLES.get(phase, "dim"))
             line.append(record.text[:160] or "(prefix only)", style=PHASE_STYLES.get(phase, "dim") if record.pattern else "dim")
             console.print(line)
             if record.pattern is None:
+                if record.noise:
+                    console.print(Text(f"         not vLLM's: {record.noise}", style="dim"))
                 continue
             if record.duplicate_of is not None:
                 console.print(Text(f"         same as line {record.duplicate_of} (another rank)", style="dim"))
@@ -139,7 +150,7 @@ def render_terminal(exp: Explanation, out: TextIO | None = None, summary: bool =
         for col in ("phase", "lines", "from", "to", "span s", "durations printed"):
             timeline.add_column(col)
         for span in exp.timeline:
-            timeline.add_row(Text(f"{span.phase} {PHASE_NAMES.get(span.phase, '')}", style=PHASE_STYLES.get(span.phase, "")),
+            timeline.add_row(Text(f"{span.phase} {span.span_name}", style=PHASE_STYLES.get(span.phase, "")),
                              f"{span.first_line}–{span.last_line}", span.first_time or "—", span.last_time or "—",
                              fmt(span.span_s), ", ".join(f"{k}={fmt(v)}" for k, v in span.durations.items()))
         console.print(timeline)
@@ -177,11 +188,13 @@ def render_terminal(exp: Explanation, out: TextIO | None = None, summary: bool =
 def render_markdown(exp: Explanation, summary: bool = False) -> str:
     out = [f"# logparse: `{exp.path}`", "",
            f"vLLM {exp.facts.get('vllm_version') or '?'} · model {exp.facts.get('model') or '?'} · "
-           f"{exp.record_count:,} records, {exp.unrecognised:,} unrecognised", ""]
+           f"{coverage_line(exp)}", ""]
     if not summary:
         out += ["## Lines", "", "| line | phase | pattern | fields | meaning |", "|---:|:-:|---|---|---|"]
         for r in exp.records:
-            if r.pattern is None:
+            if r.pattern is None and r.noise:
+                out.append(f"| {r.line} | ~ | not vLLM's: {r.noise} | `{_md(r.text[:80])}` | |")
+            elif r.pattern is None:
                 out.append(f"| {r.line} | ? | unrecognised | `{_md(r.text[:80])}` | |")
             elif r.duplicate_of is not None:
                 out.append(f"| {r.line} | {r.phase} | {r.pattern.id} | | same as line {r.duplicate_of} |")
@@ -190,7 +203,7 @@ def render_markdown(exp: Explanation, summary: bool = False) -> str:
                 out.append(f"| {r.line} | {r.phase} | {r.pattern.id} | {_md(fields)} | {_md(r.pattern.meaning)} |")
         out += ["", "## Timeline", "", "| phase | lines | from | to | span s | durations |", "|---|---|---|---|---:|---|"]
         for s in exp.timeline:
-            out.append(f"| {s.phase} {PHASE_NAMES.get(s.phase, '')} | {s.first_line}–{s.last_line} | "
+            out.append(f"| {s.phase} {s.span_name} | {s.first_line}–{s.last_line} | "
                        f"{s.first_time or '—'} | {s.last_time or '—'} | {fmt(s.span_s)} | "
                        + ", ".join(f"{k}={fmt(v)}" for k, v in s.durations.items()) + " |")
     out += ["", "## Memory ledger", "", "| item | vLLM | kvscope plan | note |", "|---|---:|---:|---|"]
