@@ -285,6 +285,7 @@ class MultimodalBudget:
     tokens_per_item: int
     items_per_prompt: dict[str, int]
     tokens_per_prompt: int  # the most a prompt's items can carry
+    tokens_by_modality: dict[str, int]  # one item's tokens at the planned size
     encoder_compute_budget: int  # tokens the encoder may produce per step
     encoder_cache_size: int  # tokens the cache may hold
     items_profiled: int
@@ -293,6 +294,10 @@ class MultimodalBudget:
     embedding_bytes_per_token: int  # one encoder output in the LLM's hidden size
     skip_profiling: bool
     image_tokens_in_kv: bool  # Qwen: image tokens are prompt tokens; mllama: cross-attention states
+
+    def prompt_items(self) -> tuple[tuple[str, int], ...]:
+        """(modality, tokens) of every item a prompt carries at the limits, images first."""
+        return tuple((m, self.tokens_by_modality[m]) for m, n in self.items_per_prompt.items() for _ in range(n))
 
     @property
     def encoder_budget_tokens(self) -> int:
@@ -386,6 +391,7 @@ def plan_multimodal(
         tokens_per_item=per_item,
         items_per_prompt=per_prompt,
         tokens_per_prompt=sum(tokens[m] * per_prompt[m] for m in active),
+        tokens_by_modality=tokens,
         encoder_compute_budget=compute_budget,
         encoder_cache_size=cache_size,
         items_profiled=items,

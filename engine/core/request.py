@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 
+from engine.core.encoder_cache import MultimodalInput
 from engine.core.sampling_params import SamplingParams
 
 
@@ -52,6 +53,10 @@ class Request:
     ``sampling`` (:class:`~engine.core.sampling_params.SamplingParams`) is the model
     side's: temperature, top-p/top-k, seed and stop strings. The scheduler reads only
     ``max_tokens``, ``stop_token_ids``, ``eos_token_id`` and ``ignore_eos``.
+
+    ``mm_inputs`` (vision-language requests): each image's or video's placeholder run
+    in the prompt, in position order; the scheduler runs the encoder on one before a
+    chunk covers it (engine/core/encoder_cache.py).
     """
 
     __slots__ = (
@@ -67,6 +72,7 @@ class Request:
         "inter_token_latencies",
         "last_token_time",
         "max_tokens",
+        "mm_inputs",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_hashed_blocks",
@@ -96,6 +102,7 @@ class Request:
         arrival_time: float = 0.0,
         priority: int = 0,
         sampling: SamplingParams | None = None,
+        mm_inputs: tuple[MultimodalInput, ...] = (),
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -108,6 +115,7 @@ class Request:
         self.arrival_order = 0  # set by the scheduler on arrival: breaks ties in arrival_time
         self.priority = priority
         self.sampling = sampling
+        self.mm_inputs = mm_inputs
         # Text is carried into events only with --log-prompts; otherwise both stay None.
         self.prompt_text: str | None = None
         self.output_text: str | None = None

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.core.block_pool import BlockDeltas
+from engine.core.encoder_cache import EncoderCacheManager
 from engine.core.kv_cache import KVCacheManager, cdiv
 from engine.core.policy import POLICIES, create_request_queue
 from engine.core.request import FINISH_REASONS, Request, RequestStatus
@@ -57,6 +58,10 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0  # 0 = off
     policy: str = "fcfs"  # fcfs | priority
+    # vision-language models (engine/core/encoder_cache.py): embeddings the encoder may
+    # produce per step and the cache may hold; 0 = a text model
+    encoder_compute_budget: int = 0
+    encoder_cache_size: int = 0
     # vLLM's KVEventsConfig.enable_kv_cache_events: step events carry each cached block's
     # hash, parent hash and token ids and each evicted block's hash (the KV events sink's facts)
     enable_kv_cache_events: bool = False
@@ -155,6 +160,12 @@ class SchedulerOutput:
     num_waiting: int = 0
     num_blocks_used: int = 0
     num_blocks_cached_free: int = 0
+    # vision-language models: (request id, item index, tokens) encoded this step, the items
+    # freed after it (consumed, preempted or finished), and the cache after the step
+    encoder_inputs: list[tuple[str, int, int]] = field(default_factory=list)
+    encoder_freed: list[tuple[str, int]] = field(default_factory=list)
+    encoder_cache_used: int = 0
+    encoder_cache_capacity: int = 0
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -210,6 +221,8 @@ class _StepPlan:
     resumed_ids: list[str] = field(default_factory=list)
     num_prefill: int = 0
     num_decode: int = 0
+    encoder_budget: int = 0
+    encoder_inputs: list[tuple[Request, int, int]] = field(default_factory=list)
 
     def add(self, s: ScheduledRequest) -> None:
         self.scheduled.append(s)
@@ -224,6 +237,9 @@ class _StepPlan:
         """Undo ``add`` for a request preempted after it was scheduled."""
         if not self.tokens.pop(req.request_id, 0):
             return
+        for item in [e for e in self.encoder_inputs if e[0] is req]:
+            self.encoder_inputs.remove(item)
+            self.encoder_budget += item[2]
         for k, s in enumerate(self.scheduled):
             if s.request is req:
                 del self.scheduled[k]
@@ -243,6 +259,8 @@ class Scheduler:
         self.bus = bus
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
                                  record_block_contents=config.enable_kv_cache_events)
+        self.encoder_cache = EncoderCacheManager(config.encoder_cache_size)
+        self._encoder_freed: list[tuple[str, int]] = []
         self.requests: dict[str, Request] = {}  # unfinished requests
         self.waiting = create_request_queue(config.policy)
         self.running: list[Request] = []
@@ -291,6 +309,11 @@ class Scheduler:
             )
         if req.request_id in self.requests:
             return f"request id {req.request_id!r} is already in use"
+        encoder_limit = min(cfg.encoder_compute_budget, cfg.encoder_cache_size)
+        for item in req.mm_inputs:
+            if item.length > encoder_limit:
+                return (f"a {item.modality} of {item.length} tokens exceeds the encoder budget ({encoder_limit} tokens)"
+                        if encoder_limit else f"a {item.modality} input, but this model has no encoder")
         return None
 
     def add_request(self, req: Request, now: float) -> bool:
@@ -336,11 +359,13 @@ class Scheduler:
 
     # -------------------------------------------------------------- schedule
     def schedule(self, now: float) -> SchedulerOutput:
-        plan = _StepPlan(budget=self.config.max_num_batched_tokens)
+        plan = _StepPlan(budget=self.config.max_num_batched_tokens, encoder_budget=self.config.encoder_compute_budget)
         publishing = self._publishing()
         self._schedule_running(plan, now, publishing)
         if not plan.preempted:  # admission waits while the pool is short
             self._admit_waiting(plan, now, publishing)
+        for req, index, tokens in plan.encoder_inputs:  # the encoder runs before the forward that reads it
+            self.encoder_cache.allocate(req.request_id, index, tokens)
         # optimistic advance: the KV of everything scheduled is written this step
         for s in plan.scheduled:
             s.request.num_computed_tokens += s.num_tokens
@@ -352,6 +377,27 @@ class Scheduler:
         if 0 < threshold < remaining:
             remaining = threshold
         return min(remaining, budget)
+
+    def _fit_encoder_inputs(self, req: Request, computed: int, num_new: int,
+                            plan: _StepPlan) -> tuple[int, list[tuple[Request, int, int]]]:
+        """vLLM's ``_try_schedule_encoder_inputs``: the items a chunk of ``num_new``
+        tokens from ``computed`` reaches that are not cached yet, within the step's
+        encoder compute budget and the cache's free room. The first that does not fit
+        cuts the chunk before its placeholders (possibly to 0: not scheduled)."""
+        items: list[tuple[Request, int, int]] = []
+        budget = plan.encoder_budget
+        room = self.encoder_cache.capacity - self.encoder_cache.used - sum(e[2] for e in plan.encoder_inputs)
+        for index, item in enumerate(req.mm_inputs):
+            if item.offset >= computed + num_new:
+                break  # beyond this chunk
+            if item.end <= computed or self.encoder_cache.holds(req.request_id, index):
+                continue  # consumed already, or its embeddings are parked
+            if item.length > budget or item.length > room:
+                return item.offset - computed, items
+            budget -= item.length
+            room -= item.length
+            items.append((req, index, item.length))
+        return num_new, items
 
     def _schedule_running(self, plan: _StepPlan, now: float, publishing: bool) -> None:
         """Step 1: each running request, in admission order, gets its next chunk
@@ -366,6 +412,9 @@ class Scheduler:
             computed = req.num_computed_tokens
             total = len(req.token_ids)
             num_new = chunk(total - computed, plan.budget)
+            encoded: list[tuple[Request, int, int]] = []
+            if req.mm_inputs and num_new > 0:
+                num_new, encoded = self._fit_encoder_inputs(req, computed, num_new, plan)
             if num_new <= 0:
                 i += 1
                 continue
@@ -373,6 +422,7 @@ class Scheduler:
                 still_running, i = self._preempt_until_fits(req, num_new, i, plan, now, publishing)
                 if not still_running:
                     continue  # req itself was preempted; the element now at i is the next one
+            self._plan_encoder_inputs(plan, encoded)
             is_prefill = not (num_new == 1 and computed == total - 1 and computed >= req.num_prompt_tokens)
             add(ScheduledRequest(req, computed, num_new, is_prefill, computed + num_new >= total))
             i += 1
@@ -411,13 +461,24 @@ class Scheduler:
             hit_blocks, hit_tokens = kv.get_computed_blocks(req)
             total = len(req.token_ids)
             num_new = self._chunk(total - hit_tokens, plan.budget)
+            encoded: list[tuple[Request, int, int]] = []
+            if req.mm_inputs:
+                num_new, encoded = self._fit_encoder_inputs(req, hit_tokens, num_new, plan)
+                if num_new <= 0:
+                    break  # its first item does not fit the encoder's budget this step
             if kv.allocate_slots(req, num_new, hit_blocks, hit_tokens) is None:
                 break
+            self._plan_encoder_inputs(plan, encoded)
             waiting.pop()
             running.append(req)
             kv.record_lookup(total, hit_tokens)
             self._start_running(req, hit_tokens, plan, now, publishing)
             plan.add(ScheduledRequest(req, hit_tokens, num_new, True, hit_tokens + num_new >= total))
+
+    @staticmethod
+    def _plan_encoder_inputs(plan: _StepPlan, encoded: list[tuple[Request, int, int]]) -> None:
+        plan.encoder_inputs.extend(encoded)
+        plan.encoder_budget -= sum(e[2] for e in encoded)
 
     def _start_running(self, req: Request, hit_tokens: int, plan: _StepPlan, now: float, publishing: bool) -> None:
         """A request leaves the waiting queue: new or resumed, first schedule time."""
@@ -461,6 +522,8 @@ class Scheduler:
             deltas=pool.deltas,  # keeps filling until update_from_output returns
             num_blocks_total=cfg.num_blocks,
             num_blocks_used_scheduled=cfg.num_blocks - pool.num_free,
+            encoder_inputs=[(r.request_id, index, tokens) for r, index, tokens in plan.encoder_inputs],
+            encoder_cache_capacity=cfg.encoder_cache_size,
         )
         self.step_index += 1
         return out
@@ -471,6 +534,7 @@ class Scheduler:
     def _preempt(self, req: Request, now: float, publishing: bool, reason: str) -> None:
         lost = req.num_computed_tokens
         freed = self.kv.free(req)
+        self._encoder_freed.extend((req.request_id, i) for i in self.encoder_cache.free_request(req.request_id))
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -529,6 +593,15 @@ class Scheduler:
             for req in finished:
                 self._finish(req, now, publishing)
                 output.finished[req.request_id] = FINISH_REASONS[req.status]
+        if self.config.encoder_cache_size:
+            cache = self.encoder_cache
+            for s in output.scheduled:
+                req = s.request
+                if req.mm_inputs and not req.is_finished:
+                    freed_items = cache.free_consumed(req.request_id, req.mm_inputs, req.num_computed_tokens)
+                    self._encoder_freed.extend((req.request_id, i) for i in freed_items)
+            output.encoder_freed, self._encoder_freed = self._encoder_freed, []
+            output.encoder_cache_used = cache.used
         output.num_running = len(self.running)
         output.num_waiting = len(self.waiting)
         pool = self.kv.pool
@@ -561,6 +634,7 @@ class Scheduler:
 
     def _finish(self, req: Request, now: float, publishing: bool) -> None:
         self.kv.free(req)
+        self._encoder_freed.extend((req.request_id, i) for i in self.encoder_cache.free_request(req.request_id))
         req.finished_time = now
         del self.requests[req.request_id]
         self._finished_since_schedule.append(req.request_id)

@@ -14,6 +14,7 @@ from typing import Any
 from engine.core.block_pool import BlockDeltas
 from engine.core.scheduler import SchedulerOutput
 from engine.events import EventBus, StepEvent
+from engine.events.schema import EncoderStepEvent
 
 TIMING_KEYS = ("schedule_s", "forward_s", "sample_s", "update_s", "duration_s")
 
@@ -70,10 +71,27 @@ def build_step_event(output: SchedulerOutput, timings: Mapping[str, float] | Non
     )
 
 
+def build_encoder_event(output: SchedulerOutput, timings: Mapping[str, float] | None = None) -> EncoderStepEvent:
+    """The ``encoder.step`` event of a step of a model with an encoder (``encode_s``
+    from the timings; 0 when the executor did not time it)."""
+    return EncoderStepEvent(
+        index=output.step_index,
+        encoded=[[rid, index, tokens] for rid, index, tokens in output.encoder_inputs],
+        freed=[[rid, index] for rid, index in output.encoder_freed],
+        encoder_tokens=sum(tokens for _, _, tokens in output.encoder_inputs),
+        cache_used_tokens=output.encoder_cache_used,
+        cache_capacity_tokens=output.encoder_cache_capacity,
+        encode_s=(timings or {}).get("encode_s", 0.0),
+    )
+
+
 def publish_step_event(
     bus: EventBus | None, output: SchedulerOutput, timings: Mapping[str, float] | None = None
 ) -> StepEvent | None:
-    """Build and publish the step event, or do nothing when nobody listens."""
+    """Build and publish the step event, or do nothing when nobody listens. A model
+    with an encoder publishes the step's ``encoder.step`` event first."""
     if bus is None or not bus.has_subscribers:
         return None
+    if output.encoder_cache_capacity:
+        bus.publish(build_encoder_event(output, timings))
     return bus.publish(build_step_event(output, timings))  # type: ignore[return-value]

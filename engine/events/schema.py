@@ -260,6 +260,26 @@ class StepEvent(Event):
 
 
 @dataclass(slots=True)
+class EncoderStepEvent(Event):
+    """A vision-language step's encoder work and encoder-cache occupancy, published
+    just before the step's ``step`` event (``index`` is the same) and only by runs of a
+    model with an encoder, so text recordings stay as they were. ``encoded``: [request
+    id, item index, tokens] the encoder produced this step; ``freed``: [request id,
+    item index] whose embeddings left the cache after it (consumed by the prefill,
+    preempted or finished); ``cache_used_tokens`` of ``cache_capacity_tokens`` after
+    the step (vLLM's encoder cache budget)."""
+
+    type: ClassVar[str] = "encoder.step"
+    index: int = 0
+    encoded: list[list[Any]] = field(default_factory=list)
+    freed: list[list[Any]] = field(default_factory=list)
+    encoder_tokens: int = 0
+    cache_used_tokens: int = 0
+    cache_capacity_tokens: int = 0
+    encode_s: float = 0.0
+
+
+@dataclass(slots=True)
 class StatsEvent(Event):
     """The periodic summary vLLM prints every --stats-interval seconds."""
 
@@ -332,6 +352,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
         RequestFinished,
         RequestRejected,
         StepEvent,
+        EncoderStepEvent,
         StatsEvent,
         SnapshotEvent,
         LogEvent,

@@ -32,6 +32,8 @@ from typing import Any
 from engine.budget.config import EngineConfig, ModelConfig, load_model_config
 from engine.budget.memory import GiB, GpuPreset, MemoryPlan, gpu_preset, plan_memory
 from engine.budget.roofline import Roofline
+from engine.budget.vision import multimodal_from_flags, vision_preset
+from engine.core.encoder_cache import MultimodalInput
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.core.step_loop import ExecutedStep, run_step
@@ -64,6 +66,9 @@ class CostModel:
     bandwidth_bytes_s: float  # peak
     peak_flops: float  # peak dense BF16
     efficiency: float = DEFAULT_EFFICIENCY
+    vision_weights_bytes: int = 0  # a VL model's encoder: read once per step that encodes
+    vision_parameters: int = 0
+    encoder_positions_per_token: int = 1  # patches per output embedding (Qwen: 2x2 merged)
 
     roofline: Roofline = field(init=False, repr=False, compare=False)  # the work counted (engine/budget/roofline.py)
 
@@ -75,8 +80,13 @@ class CostModel:
     @classmethod
     def for_gpu(cls, model: ModelConfig, gpu: GpuPreset, plan: MemoryPlan,
                 efficiency: float = DEFAULT_EFFICIENCY) -> CostModel:
+        mm = plan.multimodal
+        vision = vision_preset(model.name)
         return cls(
-            weights_bytes=plan.weights_bytes,
+            vision_weights_bytes=mm.vision_weights_bytes if mm else 0,
+            vision_parameters=mm.vision_parameters if mm else 0,
+            encoder_positions_per_token=vision.spatial_merge_size**2 if vision else 1,
+            weights_bytes=plan.weights_bytes - (mm.vision_weights_bytes if mm else 0),  # a step reads the LLM's
             bytes_per_kv_token=plan.bytes_per_token,
             num_parameters=model.num_parameters,
             bandwidth_bytes_s=gpu.bandwidth_tbs * 1e12,
@@ -94,6 +104,16 @@ class CostModel:
         memory = self.memory_seconds(kv_tokens_read)
         compute = self.compute_seconds(num_tokens)
         return memory if memory > compute else compute
+
+    def encoder_seconds(self, tokens: int) -> float:
+        """The vision tower on ``tokens`` output embeddings: its weights read once, 2 FLOPs
+        per parameter per patch position (0 when the step encodes nothing)."""
+        if tokens <= 0:
+            return 0.0
+        memory = self.vision_weights_bytes / (self.bandwidth_bytes_s * self.efficiency)
+        compute = 2.0 * self.vision_parameters * tokens * self.encoder_positions_per_token / (
+            self.peak_flops * self.efficiency)
+        return max(memory, compute)
 
     def decode_tokens_per_s(self, num_requests: int, context_tokens: int) -> float:
         """Total output tokens/s of ``num_requests`` decoding at ``context_tokens`` each."""
@@ -134,16 +154,22 @@ def build_setup(
     *,
     efficiency: float = DEFAULT_EFFICIENCY,
     num_gpu_blocks_override: int | None = None,
+    multimodal: dict[str, Any] | None = None,
 ) -> SimSetup:
     """Plan memory for ``model`` on ``gpu`` with ``engine``'s flags (vLLM's names) and
     derive the scheduler limits and the cost model. ``num_gpu_blocks_override``
-    fixes the pool size (vLLM's ``--num-gpu-blocks-override``)."""
+    fixes the pool size (vLLM's ``--num-gpu-blocks-override``); ``multimodal``
+    (``engine.cli.flags.multimodal_flags``) plans a VL preset's encoder, whose
+    budgets become the scheduler's second limit."""
     model_cfg = model if isinstance(model, ModelConfig) else load_model_config(model)
     gpu_cfg = gpu if isinstance(gpu, GpuPreset) else gpu_preset(gpu)
     eng = dataclasses.replace(engine) if engine is not None else EngineConfig(model=model_cfg.name)
     eng.model = model_cfg.name
     dtype = model_cfg.dtype if eng.dtype == "auto" else eng.dtype
     max_model_len = eng.max_model_len or model_cfg.max_position_embeddings
+    mm = multimodal_from_flags(model_cfg, **(multimodal or {}), max_num_batched_tokens=eng.max_num_batched_tokens,
+                               max_num_seqs=eng.max_num_seqs, dtype=dtype,
+                               tensor_parallel_size=eng.tensor_parallel_size)
     plan = plan_memory(
         model=model_cfg,
         total_bytes=int(gpu_cfg.total_gib * GiB),
@@ -157,6 +183,7 @@ def build_setup(
         max_num_batched_tokens=eng.max_num_batched_tokens,
         max_num_seqs=eng.max_num_seqs,
         check_fits=num_gpu_blocks_override is None,
+        multimodal=mm,
     )
     if num_gpu_blocks_override is not None:
         if num_gpu_blocks_override < 1:
@@ -175,6 +202,9 @@ def build_setup(
                                            max_model_len=plan.max_model_len)
     except ValueError as exc:
         raise UserError(str(exc)) from None
+    if mm is not None:
+        sched = dataclasses.replace(sched, encoder_compute_budget=mm.encoder_compute_budget,
+                                    encoder_cache_size=mm.encoder_cache_size)
     eng.max_model_len = plan.max_model_len
     return SimSetup(model_cfg, gpu_cfg, eng, plan, sched, CostModel.for_gpu(model_cfg, gpu_cfg, plan, efficiency))
 
@@ -394,7 +424,7 @@ class Simulation:
         def admit(spec: WorkloadRequest, arrival_time: float) -> None:
             nonlocal in_flight
             req = Request(spec.request_id, ids.prompt(spec), spec.output_tokens, ignore_eos=True,
-                          arrival_time=arrival_time, priority=spec.priority)
+                          arrival_time=arrival_time, priority=spec.priority, mm_inputs=mm_inputs(spec))
             if sched.add_request(req, self.now):
                 result.arrival_tick[spec.request_id] = tick
                 in_flight += 1
@@ -464,9 +494,24 @@ class CostModelExecutor:
             else:
                 self.limit_steps[LIMIT_KV] += 1
         seconds = self.sim.setup.cost.step_seconds(num_tokens, kv_read)
+        timings = {"forward_s": seconds, "duration_s": seconds}
+        if output.encoder_inputs:  # the encoder runs first, then the forward that reads its outputs
+            encode = self.sim.setup.cost.encoder_seconds(sum(tokens for _, _, tokens in output.encoder_inputs))
+            seconds += encode
+            timings = {"forward_s": timings["forward_s"], "encode_s": encode, "duration_s": seconds}
         self.sim.now = now + seconds
         sampled = {s.request.request_id: self._tokens for s in output.scheduled if s.samples}
-        return ExecutedStep(sampled, self.sim.now, timings={"forward_s": seconds, "duration_s": seconds})
+        return ExecutedStep(sampled, self.sim.now, timings=timings)
+
+
+def mm_inputs(spec: WorkloadRequest) -> tuple[MultimodalInput, ...]:
+    """A request's items as placeholder runs, one after another after its shared prefix."""
+    out: list[MultimodalInput] = []
+    offset = spec.shared_prefix_tokens
+    for modality, tokens in spec.mm_items:
+        out.append(MultimodalInput(offset, tokens, modality))
+        offset += tokens
+    return tuple(out)
 
 
 def simulate(setup: SimSetup, workload: Sequence[WorkloadRequest], bus: EventBus | None = None,

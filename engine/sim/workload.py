@@ -31,6 +31,7 @@ at its arrival times and folds the run's events into a :class:`WorkloadSummary`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -61,6 +62,15 @@ class WorkloadRequest:
     arrival_step: int | None = None
     shared_prefix_tokens: int = 0
     priority: int = 0
+    # vision-language requests: (modality, tokens) of each item, counted in prompt_tokens and
+    # placed right after the shared prefix (a system prompt, the images, then the question)
+    mm_items: tuple[tuple[str, int], ...] = ()
+
+
+def with_mm_items(workload: Sequence[WorkloadRequest], items: tuple[tuple[str, int], ...]) -> list[WorkloadRequest]:
+    """Every request of ``workload`` carrying ``items`` (their tokens added to its prompt)."""
+    extra = sum(tokens for _, tokens in items)
+    return [dataclasses.replace(w, prompt_tokens=w.prompt_tokens + extra, mm_items=items) for w in workload]
 
 
 @dataclass(frozen=True, slots=True)
