@@ -74,7 +74,9 @@ class LLMEngine:
         self.workers: WorkerGroup | None = None  # ranks 1..N-1 under --tensor-parallel-size N
         self.kv_events: KVEventsSink | None = None
         if config.events_path:
-            self._sink = JsonlSink(config.events_path, config=config.to_dict())
+            # the header's started_unix lets a replay put spans at their original times
+            self._sink = JsonlSink(config.events_path, config=config.to_dict(),
+                                   started_unix=time.time() - self.bus.now())
             self.bus.subscribe(self._sink)
         if config.kv_events_config is not None and config.kv_events_config.publishes:
             from engine.events.kv_publisher import KVEventsSink  # zmq and msgspec load only when asked

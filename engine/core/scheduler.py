@@ -353,6 +353,8 @@ class Scheduler:
                     max_tokens=req.max_tokens,
                     priority=req.priority,
                     prompt=req.prompt_text,
+                    sampling=({"temperature": req.sampling.temperature, "top_p": req.sampling.top_p}
+                              if req.sampling is not None else None),
                 )
             )
         return None

@@ -296,12 +296,11 @@ class OtlpTraceSink:
         if arrived is not None:
             attributes[SpanAttributes.GEN_AI_REQUEST_MAX_TOKENS] = arrived.max_tokens
             attributes["kvscope.priority"] = arrived.priority
-            # sampling settings reach the span once the arrival event carries them
-            for name, key in (("temperature", SpanAttributes.GEN_AI_REQUEST_TEMPERATURE),
-                              ("top_p", SpanAttributes.GEN_AI_REQUEST_TOP_P)):
-                value = getattr(arrived, name, None)
-                if value is not None:
-                    attributes[key] = value
+            if arrived.sampling:  # the real engine's requests (the simulator's have none)
+                for name, key in (("temperature", SpanAttributes.GEN_AI_REQUEST_TEMPERATURE),
+                                  ("top_p", SpanAttributes.GEN_AI_REQUEST_TOP_P)):
+                    if name in arrived.sampling:
+                        attributes[key] = arrived.sampling[name]
         if self.forward_times:
             attributes[SpanAttributes.GEN_AI_LATENCY_TIME_IN_MODEL_FORWARD] = state.forward_s
         if self.execute_times:

@@ -123,12 +123,18 @@ class StartupProgress(Event):
 # --------------------------------------------------------------------- requests
 @dataclass(slots=True)
 class RequestArrived(Event):
+    """A request entered the waiting queue. ``sampling``: its temperature and top_p
+    when it has sampling settings (the real engine; the simulator's have none, and
+    then the key is not written)."""
+
     type: ClassVar[str] = "request.arrived"
+    written_when_set: ClassVar[frozenset[str]] = frozenset({"sampling"})
     request_id: str = ""
     prompt_tokens: int = 0
     max_tokens: int = 0
     priority: int = 0
     prompt: str | None = None  # only with --log-prompts
+    sampling: dict[str, float] | None = None
 
 
 @dataclass(slots=True)
@@ -461,8 +467,14 @@ def dumps(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"), default=_json_default, ensure_ascii=False)
 
 
-def header(config: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"schema": SCHEMA_NAME, "version": SCHEMA_VERSION, "config": config or {}}
+def header(config: dict[str, Any] | None = None, started_unix: float | None = None) -> dict[str, Any]:
+    """The first line of a recording. ``started_unix``: the wall-clock time of the bus
+    clock's zero (an event at ``t`` happened at ``started_unix + t``), written when
+    known, so a replay can re-emit spans at their original times."""
+    out: dict[str, Any] = {"schema": SCHEMA_NAME, "version": SCHEMA_VERSION, "config": config or {}}
+    if started_unix is not None:
+        out["started_unix"] = started_unix
+    return out
 
 
 class JsonlSink:
@@ -473,7 +485,8 @@ class JsonlSink:
     loses at most the last line.
     """
 
-    def __init__(self, path: str | Path | TextIO, config: dict[str, Any] | None = None) -> None:
+    def __init__(self, path: str | Path | TextIO, config: dict[str, Any] | None = None,
+                 started_unix: float | None = None) -> None:
         if isinstance(path, str | Path):
             self._file: TextIO = open(path, "w", encoding="utf-8")  # noqa: SIM115
             self._owns = True
@@ -481,7 +494,7 @@ class JsonlSink:
             self._file = path
             self._owns = False
         self._lock = threading.Lock()
-        self._write_line(dumps(header(config)))
+        self._write_line(dumps(header(config, started_unix)))
         self._file.flush()
 
     def _write_line(self, line: str) -> None:

@@ -213,3 +213,33 @@ def test_a_live_run_sends_spans_and_writes_its_trace_as_it_goes(
     assert sum(s.name in ("Init device", "Load model", "Compile/warmup") for s in spans) == 3
     records = check_trace_event_format(json.loads(trace_file.read_text()))
     assert sum(r["name"] == "finished" for r in records) == 3
+
+
+def test_sampling_settings_and_the_wall_clock_start_reach_spans_through_events(tmp_path: Path) -> None:
+    from engine.core.request import Request
+    from engine.core.sampling_params import SamplingParams
+    from engine.core.scheduler import Scheduler, SchedulerConfig
+    from engine.events import EventBus, JsonlSink, RequestFinished
+
+    bus = EventBus()
+    sink_path = tmp_path / "run.jsonl"
+    jsonl = JsonlSink(sink_path, started_unix=WALL_START)
+    bus.subscribe(jsonl)
+    scheduler = Scheduler(SchedulerConfig(num_blocks=8), bus)
+    scheduler.add_request(Request("greedy", [1, 2, 3], 4, sampling=SamplingParams(temperature=0.0, top_p=0.9)), 0.0)
+    scheduler.add_request(Request("simulated", [1, 2, 3], 4), 0.0)
+    for request_id in ("greedy", "simulated"):
+        bus.publish(RequestFinished(request_id=request_id, prompt_tokens=3, output_tokens=4))
+    jsonl.close()
+    recording = read_events(sink_path)
+    assert recording_wall_start(recording.header, sink_path, 99.0) == (WALL_START, None)
+    arrived = [e.to_dict() for e in recording.events if e.type == "request.arrived"]
+    assert arrived[0]["sampling"] == {"temperature": 0.0, "top_p": 0.9} and "sampling" not in arrived[1]
+    exporter = InMemorySpanExporter()
+    sink = OtlpTraceSink(exporter, wall_start_unix=WALL_START)
+    for event in recording.events:
+        sink(event)
+    sink.close()
+    spans = {s.attributes["gen_ai.request.id"]: s.attributes for s in exporter.get_finished_spans()}
+    assert (spans["greedy"]["gen_ai.request.temperature"], spans["greedy"]["gen_ai.request.top_p"]) == (0.0, 0.9)
+    assert "gen_ai.request.temperature" not in spans["simulated"]
