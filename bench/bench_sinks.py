@@ -20,7 +20,8 @@ processor; the exporter discards, so no network is timed) and
 the end, not timed). Output: one JSON line per (trace, sink) with events/s, ns per
 event, µs per step event (the whole stream's time minus the time of the stream
 without step events) and the whole stream's µs per generated token; then, per
-exporter, the driver's steps/s with it subscribed and without, in ``--pairs``
+exporter (and the KV cache events sink, :class:`engine.events.kv_publisher.KVEventsSink`,
+with block contents recorded), the driver's steps/s with it subscribed and without, in ``--pairs``
 interleaved runs of seed-60 (order alternating; process CPU time, so other load on
 a shared machine does not count), the median of the pairs' ratios and best against best.
 """
@@ -28,6 +29,7 @@ a shared machine does not count), the median of the pairs' ratios and best again
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import json
 import statistics
@@ -126,9 +128,20 @@ def sink_factories() -> dict[str, Callable[[], Sink]]:
 EXPORTERS = ("otlp", "perfetto", "metrics-all")  # the sinks of issue 18 parts 2-4, measured on the step loop too
 
 
-def steps_per_s_interleaved(make: Callable[[], Sink], pairs: int) -> dict[str, object]:
+def _kv_events_sink() -> Sink:
+    """vLLM's KV cache events on a loopback PUB socket nobody subscribes to: the fold,
+    the queue and the publisher thread's encoding and sends (ZMQ drops them unread)."""
+    from engine.events.kv_events_config import KVEventsConfig
+    from engine.events.kv_publisher import KVEventsSink
+
+    return KVEventsSink(KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*"))
+
+
+def steps_per_s_interleaved(make: Callable[[], Sink], pairs: int, kv_cache_events: bool = False) -> dict[str, object]:
     """The driver's steps/s on seed-60 without and with ``make()``'s sink on its bus,
-    ``pairs`` times, alternating which runs first so drift hits both sides."""
+    ``pairs`` times, alternating which runs first so drift hits both sides.
+    ``kv_cache_events``: the runs with the sink also record block contents in the step
+    events (vLLM's enable_kv_cache_events), part of what that sink costs."""
     requests = background_workload(60, (500, 3000), (150, 400))
     config = SchedulerConfig(num_blocks=2000, max_num_seqs=64, max_num_batched_tokens=4096)
 
@@ -137,8 +150,12 @@ def steps_per_s_interleaved(make: Callable[[], Sink], pairs: int) -> dict[str, o
         sink = make() if with_sink else None
         if sink is not None:
             bus.subscribe(sink)
+        run_config = dataclasses.replace(config, enable_kv_cache_events=True) if sink and kv_cache_events else config
         start = time.process_time()  # this process's CPU seconds: other load on the machine does not count
-        result = run_driver(requests, config, bus=bus)
+        result = run_driver(requests, run_config, bus=bus)
+        flush = getattr(sink, "flush", None)  # a sink's own thread finishes the run's work inside the timing
+        if flush is not None:
+            flush()
         elapsed = time.process_time() - start
         close = getattr(sink, "close", None)
         if close is not None:
@@ -206,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in EXPORTERS:
         print(json.dumps({"trace": "seed-60", "sink": name, **steps_per_s_interleaved(sink_factories()[name],
                                                                                   args.pairs)}))
+    # not in the per-event table: its facts exist only in runs that record block contents
+    print(json.dumps({"trace": "seed-60", "sink": "kv-events",
+                      **steps_per_s_interleaved(_kv_events_sink, args.pairs, kv_cache_events=True)}))
     return 0
 
 

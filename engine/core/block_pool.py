@@ -28,10 +28,43 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-# What a block holds once it enters the prefix cache: (its hash, its parent's hash or None
-# for a request's first block, its token ids). Recorded only when asked (vLLM's
-# enable_kv_cache_events), for the KV cache events sink.
-BlockContents = tuple[int, int | None, list[int]]
+
+class StoredRun:
+    """Consecutive blocks of one request that entered the prefix cache in one step (vLLM's
+    ``BlockStored``): their ids and hashes, the hash of the block before the first (None
+    for a request's first block) and their token ids, ``block_size`` per block. Recorded
+    only when asked (vLLM's ``enable_kv_cache_events``), one run per request and step, so
+    a step with many cached blocks makes a few lists rather than a few per block."""
+
+    __slots__ = ("block_ids", "dropped", "hashes", "parent_hash", "token_ids")
+
+    def __init__(self, parent_hash: int | None) -> None:
+        self.block_ids: list[int] = []
+        self.hashes: list[int] = []
+        self.parent_hash = parent_hash
+        self.token_ids: list[int] = []
+        self.dropped: list[int] = []  # positions evicted again within the step
+
+    def pieces(self) -> list[StoredRun]:
+        """The run without the blocks evicted again within the step, cut where they were
+        (a piece after a cut names the evicted block's hash as its parent)."""
+        if not self.dropped:
+            return [self] if self.block_ids else []
+        size = len(self.token_ids) // len(self.block_ids)
+        out: list[StoredRun] = []
+        piece: StoredRun | None = None
+        dropped = set(self.dropped)
+        for i, (block_id, block_hash) in enumerate(zip(self.block_ids, self.hashes, strict=True)):
+            if i in dropped:
+                piece = None
+                continue
+            if piece is None:
+                piece = StoredRun(self.hashes[i - 1] if i else self.parent_hash)
+                out.append(piece)
+            piece.block_ids.append(block_id)
+            piece.hashes.append(block_hash)
+            piece.token_ids.extend(self.token_ids[i * size : (i + 1) * size])
+        return out
 
 
 class BlockDeltas:
@@ -40,23 +73,25 @@ class BlockDeltas:
     ``allocated`` request id -> block ids appended to its table (prefix hits
     first, then new blocks); ``freed`` request id -> block ids it released;
     ``cached`` block ids that are cached at the end of the step but were not
-    registered before it (an ordered set; with ``record_contents`` each maps to its
-    :data:`BlockContents`, else to None); ``evicted`` block ids that were cached
-    before the step and lost that content during it (with ``record_contents``,
-    ``evicted_hashes`` holds the hash each lost, in the same order). Folding
+    registered before it (an ordered set); ``evicted`` block ids that were cached
+    before the step and lost that content during it. With ``record_contents``,
+    ``stored`` holds what the newly cached blocks hold (:class:`StoredRun`, in
+    ``cached`` order) and ``evicted_hashes`` the hash each evicted block lost. Folding
     applies ``evicted`` before ``cached`` and ``allocated`` before ``freed``; with
     these net sets that order reproduces the pool exactly even when one block is
     evicted and re-cached within a step.
     """
 
-    __slots__ = ("allocated", "cached", "evicted", "evicted_hashes", "freed", "prefix_hit_tokens",
-                 "prefix_query_tokens")
+    __slots__ = ("_stored_at", "allocated", "cached", "evicted", "evicted_hashes", "freed", "prefix_hit_tokens",
+                 "prefix_query_tokens", "stored")
 
     def __init__(self, record_contents: bool = False) -> None:
         self.allocated: dict[str, list[int]] = {}
         self.freed: dict[str, list[int]] = {}
-        self.cached: dict[int, BlockContents | None] = {}
+        self.cached: dict[int, None] = {}
         self.evicted: list[int] = []
+        self.stored: list[StoredRun] | None = [] if record_contents else None
+        self._stored_at: dict[int, tuple[StoredRun, int]] = {}  # block id -> its run and position
         self.evicted_hashes: list[int] | None = [] if record_contents else None
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -65,13 +100,27 @@ class BlockDeltas:
     def records_contents(self) -> bool:
         return self.evicted_hashes is not None
 
-    def record_cached(self, block_id: int, contents: BlockContents | None = None) -> None:
-        self.cached[block_id] = contents
+    def start_run(self, parent_hash: int | None) -> StoredRun:
+        """A new run of stored blocks (only when recording contents)."""
+        assert self.stored is not None
+        run = StoredRun(parent_hash)
+        self.stored.append(run)
+        return run
+
+    def record_cached(self, block_id: int, block_hash: int, run: StoredRun | None = None) -> None:
+        self.cached[block_id] = None
+        if run is not None:
+            self._stored_at[block_id] = (run, len(run.block_ids))
+            run.block_ids.append(block_id)
+            run.hashes.append(block_hash)
 
     def record_evicted(self, block_id: int, block_hash: int) -> None:
         if block_id in self.cached:
             # cached and evicted inside this step: net effect on the fold is nothing new
             del self.cached[block_id]
+            slot = self._stored_at.pop(block_id, None)
+            if slot is not None:
+                slot[0].dropped.append(slot[1])
         else:
             self.evicted.append(block_id)
             if self.evicted_hashes is not None:
@@ -181,16 +230,16 @@ class BlockPool:
                 if block_hash[b] is not None:
                     self.num_cached_free += 1
 
-    def cache_block(self, block_id: int, block_hash: int, contents: BlockContents | None = None) -> bool:
-        """Register a full, in-use block under its chained hash (``contents``: what the
-        step event reports it holds, when contents are recorded). Returns False (and
+    def cache_block(self, block_id: int, block_hash: int, run: StoredRun | None = None) -> bool:
+        """Register a full, in-use block under its chained hash (``run``: the stored run
+        it extends, when contents are recorded). Returns False (and
         leaves the block uncached) when another block already holds that content:
         two requests that computed the same prefix in the same step."""
         if block_hash in self.cached_block_map:
             return False
         self.cached_block_map[block_hash] = block_id
         self.block_hash[block_id] = block_hash
-        self.deltas.record_cached(block_id, contents)
+        self.deltas.record_cached(block_id, block_hash, run)
         return True
 
     def lookup(self, block_hash: int) -> int | None:

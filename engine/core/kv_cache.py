@@ -150,16 +150,34 @@ class KVCacheManager:
         table = req.block_ids
         cache_block = self.pool.cache_block
         block_hash = self.pool.block_hash
-        record = self.record_block_contents
-        bs = self.block_size
+        if self.record_block_contents:
+            self._cache_and_record(req, hashes, num_full_blocks)
+            return
         for i in range(req.num_hashed_blocks, num_full_blocks):
             b = table[i]
             if block_hash[b] is None:
-                if record:
-                    parent = hashes[i - 1] if i else None
-                    cache_block(b, hashes[i], (hashes[i], parent, req.token_ids[i * bs : (i + 1) * bs]))
-                else:
-                    cache_block(b, hashes[i])
+                cache_block(b, hashes[i])
+        req.num_hashed_blocks = num_full_blocks
+
+    def _cache_and_record(self, req: Request, hashes: list[int], num_full_blocks: int) -> None:
+        """:meth:`_cache_full_blocks` recording what the blocks hold: one run of the
+        request's consecutive new blocks, cut where a block is not cached by it (already
+        hashed, or its content held by another block)."""
+        table, tokens, bs = req.block_ids, req.token_ids, self.block_size
+        pool = self.pool
+        block_hash = pool.block_hash
+        run = None
+        for i in range(req.num_hashed_blocks, num_full_blocks):
+            b = table[i]
+            if block_hash[b] is not None:
+                run = None
+                continue
+            if run is None:
+                run = pool.deltas.start_run(hashes[i - 1] if i else None)
+            if pool.cache_block(b, hashes[i], run):
+                run.token_ids.extend(tokens[i * bs : (i + 1) * bs])
+            else:
+                run = None
         req.num_hashed_blocks = num_full_blocks
 
     # ------------------------------------------------------------------- free

@@ -17,7 +17,8 @@ Wire format (msgpack, encoded with msgspec): a batch is positional,
   the fold never produces it; the type is here so the format is whole).
 
 Every field is written (vLLM omits those at their default, so its consumers accept
-both). Within a batch removals come first: the step event's evictions are folded
+both). The structs are not tracked by Python's garbage collector (as vLLM's), which
+would otherwise scan every batch a busy step loop makes. Within a batch removals come first: the step event's evictions are folded
 before its stores, which reproduces the cache even when a block is evicted and
 re-filled in one step.
 
@@ -32,7 +33,7 @@ read from phase A's ``device``; ``block_size`` from ``engine.config``.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -47,7 +48,7 @@ KV_CACHE_SPEC_KIND = "full_attention"  # every layer of kvscope's models attends
 DEFAULT_BLOCK_SIZE = 16  # a stream without engine.config (kvscope's and vLLM's default)
 
 
-class BlockStored(msgspec.Struct, tag=True):
+class BlockStored(msgspec.Struct, tag=True, gc=False):
     block_hashes: list[int]
     parent_block_hash: int | None
     token_ids: list[int]
@@ -61,20 +62,20 @@ class BlockStored(msgspec.Struct, tag=True):
     kv_cache_spec_sliding_window: int | None
 
 
-class BlockRemoved(msgspec.Struct, tag=True):
+class BlockRemoved(msgspec.Struct, tag=True, gc=False):
     block_hashes: list[int]
     medium: str | None
     group_idx: int | None
 
 
-class AllBlocksCleared(msgspec.Struct, tag=True):
+class AllBlocksCleared(msgspec.Struct, tag=True, gc=False):
     pass
 
 
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-class EventBatch(msgspec.Struct, array_like=True):
+class EventBatch(msgspec.Struct, array_like=True, gc=False):
     ts: float  # wall-clock seconds since the epoch, as vLLM's time.time()
     events: list[KVCacheEvent]
     data_parallel_rank: int | None
@@ -87,19 +88,6 @@ def external_hash(block_hash: int) -> int:
 
 def medium_of(device: str | None) -> str:
     return MEDIUM_CPU if device is not None and device.startswith("cpu") else MEDIUM_GPU
-
-
-def stored_runs(cached_blocks: Iterable[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    """Split a step's newly cached blocks into chains: a block continues the run
-    before it when its parent is that run's last block (one request's consecutive
-    blocks, as one vLLM ``BlockStored``)."""
-    runs: list[list[dict[str, Any]]] = []
-    for block in cached_blocks:
-        if runs and block["parent_hash"] is not None and block["parent_hash"] == runs[-1][-1]["hash"]:
-            runs[-1].append(block)
-        else:
-            runs.append([block])
-    return runs
 
 
 class KVEventFold:
@@ -115,7 +103,7 @@ class KVEventFold:
 
     def apply(self, event: Event) -> EventBatch | None:
         if isinstance(event, StepEvent):
-            if not event.cached_blocks and not event.evicted_hashes:
+            if not event.cached_runs and not event.evicted_hashes:
                 return None
             return EventBatch(ts=self._clock(), events=self.step_events(event),
                               data_parallel_rank=self.data_parallel_rank)
@@ -130,19 +118,20 @@ class KVEventFold:
     def step_events(self, step: StepEvent) -> list[KVCacheEvent]:
         events: list[KVCacheEvent] = []
         if step.evicted_hashes:
-            events.append(BlockRemoved(block_hashes=[external_hash(h) for h in step.evicted_hashes],
+            events.append(BlockRemoved(block_hashes=[h & U64_MASK for h in step.evicted_hashes],
                                        medium=self.medium, group_idx=0))
-        for run in stored_runs(step.cached_blocks):
-            parent = run[0]["parent_hash"]
+        for run in step.cached_runs:  # one request's consecutive blocks: one BlockStored
+            parent = run["parent_hash"]
+            hashes = run["hashes"]
             events.append(BlockStored(
-                block_hashes=[external_hash(b["hash"]) for b in run],
+                block_hashes=[h & U64_MASK for h in hashes],  # external_hash, inline: the hot loop
                 parent_block_hash=None if parent is None else external_hash(parent),
-                token_ids=[t for b in run for t in b["token_ids"]],
+                token_ids=run["token_ids"],
                 block_size=self.block_size,
                 lora_id=None,
                 medium=self.medium,
                 lora_name=None,
-                extra_keys=[None] * len(run),  # no multimodal inputs, LoRA or cache salt enter kvscope's hash
+                extra_keys=[None] * len(hashes),  # no multimodal inputs, LoRA or cache salt enter kvscope's hash
                 group_idx=0,
                 kv_cache_spec_kind=KV_CACHE_SPEC_KIND,
                 kv_cache_spec_sliding_window=None,

@@ -12,9 +12,11 @@ published over ZMQ exactly as vLLM's ``ZmqEventPublisher`` does.
   end marker ``[identity, b"", seq -1, b""]``. A DEALER that sends ``[b"", start_seq]``
   receives ``[b"", seq, payload]`` frames.
 
-The engine thread only folds and enqueues (``put_nowait`` on a queue of
-``max_queue_size`` batches); encoding, sending and replay run on the publisher's own
-thread, so no subscriber (slow, absent or stuck) ever blocks a step. A batch that
+The engine thread only folds and appends to a queue of at most ``max_queue_size``
+batches; encoding, sending and replay run on the publisher's own thread, which wakes
+every :data:`POLL_S` and sends everything queued, so no subscriber (slow, absent or
+stuck) ever blocks a step, and a step pays no thread hand-off (waking a waiting thread
+per batch cost the driver's model-free loop more than the encoding). A batch that
 finds the queue full is dropped and counted: ``kvscope:kv_events_dropped_total``
 (and ``kvscope:kv_events_published_total`` for those sent) on ``/metrics`` when the
 server's registry is given. Like vLLM, sequence numbers count batches sent, so a
@@ -24,8 +26,6 @@ subscriber (uncounted, as in vLLM; the replay socket serves what it missed).
 
 from __future__ import annotations
 
-import contextlib
-import queue
 import threading
 import time
 from collections import deque
@@ -42,7 +42,7 @@ from engine.events.kv_events_config import FLAG, KVEventsConfig
 from engine.logs import get_logger
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's end marker
-POLL_S = 0.02  # the publisher thread's longest wait before it looks at the replay socket again
+POLL_S = 0.01  # the publisher thread's sleep between rounds: the most a batch waits to be sent
 SHUTDOWN_S = 2.0  # close() waits this long for queued batches to go out
 
 
@@ -55,7 +55,10 @@ class ZmqEventPublisher:
     """PUB (+ optional ROUTER replay) sockets and the thread that feeds them; see the module docstring."""
 
     def __init__(self, config: KVEventsConfig, on_sent: Callable[[], None] | None = None) -> None:
-        self._queue: queue.Queue[EventBatch | None] = queue.Queue(maxsize=config.max_queue_size)
+        # one producer (the engine thread appends) and one consumer (this thread pops): a
+        # deque's append and popleft are atomic, so neither side takes a lock
+        self._pending: deque[EventBatch] = deque()
+        self._max_pending = config.max_queue_size
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._topic = config.topic.encode("utf-8")
         self._on_sent = on_sent
@@ -94,37 +97,36 @@ class ZmqEventPublisher:
 
     def publish(self, batch: EventBatch) -> bool:
         """Queue ``batch`` for the thread; False (nothing waits) when the queue is full."""
-        try:
-            self._queue.put_nowait(batch)
-        except queue.Full:
+        if len(self._pending) >= self._max_pending:
             return False
+        self._pending.append(batch)
         return True
 
     def _run(self) -> None:
         encode = msgspec.msgpack.Encoder().encode
-        get = self._queue.get
+        pending = self._pending
         while True:
             if self._replay is not None and self._replay.poll(0):
                 self._serve_replay()
-            try:
-                batch = get(timeout=POLL_S)
-            except queue.Empty:
-                if self._stopping:
-                    return
-                # Let the PUB socket take in new subscribers' subscriptions now: ZMQ reads them
-                # only when the socket is used, so the first batch after a quiet spell would
-                # otherwise go out before a subscriber that joined during it is known.
-                self._pub.getsockopt(zmq.EVENTS)
+            if pending:
+                while pending:
+                    self._send(encode(pending.popleft()))
                 continue
-            if batch is None:
+            if self._stopping:
                 return
-            payload = encode(batch)
-            seq = self.sent
-            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
-            self._buffer.append((seq, payload))
-            self.sent = seq + 1
-            if self._on_sent is not None:
-                self._on_sent()
+            # Let the PUB socket take in new subscribers' subscriptions now: ZMQ reads them
+            # only when the socket is used, so the first batch after a quiet spell would
+            # otherwise go out before a subscriber that joined during it is known.
+            self._pub.getsockopt(zmq.EVENTS)
+            time.sleep(POLL_S)
+
+    def _send(self, payload: bytes) -> None:
+        seq = self.sent
+        self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
+        self._buffer.append((seq, payload))
+        self.sent = seq + 1
+        if self._on_sent is not None:
+            self._on_sent()
 
     def _serve_replay(self) -> None:
         assert self._replay is not None
@@ -153,9 +155,7 @@ class ZmqEventPublisher:
 
     def close(self) -> None:
         """Send what is queued (at most :data:`SHUTDOWN_S`), stop the thread, close the sockets."""
-        self._stopping = True
-        with contextlib.suppress(queue.Full):
-            self._queue.put_nowait(None)  # a full queue: the thread stops once it is empty
+        self._stopping = True  # the thread sends what is queued, then returns
         self._thread.join(SHUTDOWN_S)
         if not self._thread.is_alive():
             self._close_sockets()
@@ -196,6 +196,10 @@ class KVEventsSink:
         if not self.publisher.publish(batch):
             self.dropped += 1
             self._dropped.inc()
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every batch the queue took has been sent."""
+        return self.publisher.wait_sent(self.batches - self.dropped, timeout)
 
     def close(self) -> None:
         self.publisher.close()

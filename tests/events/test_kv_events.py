@@ -20,6 +20,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from engine.budget.config import EngineConfig
 from engine.cli.main import main
+from engine.core.block_pool import BlockPool
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.errors import UserError
 from engine.events import Event, EventBus, StepEvent, dumps, event_from_dict
@@ -158,21 +159,23 @@ def test_step_events_carry_block_contents_only_when_asked(recorded: tuple[list[E
     steps_on = [e for e in with_contents if isinstance(e, StepEvent)]
     steps_off = [e for e in without if isinstance(e, StepEvent)]
     # off: the recording is what it always was (no new keys); on: the same decisions plus the contents
-    assert all("cached_blocks" not in e.to_dict() and "evicted_hashes" not in e.to_dict() for e in steps_off)
+    assert all("cached_runs" not in e.to_dict() and "evicted_hashes" not in e.to_dict() for e in steps_off)
     def decisions(event: StepEvent, leave_out: tuple[str, ...] = ()) -> dict[str, Any]:
         return {k: v for k, v in event.to_dict().items() if k not in ("t", *leave_out)}  # t: the wall clock
 
-    assert [decisions(e, ("cached_blocks", "evicted_hashes")) for e in steps_on] == [decisions(e) for e in steps_off]
+    assert [decisions(e, ("cached_runs", "evicted_hashes")) for e in steps_on] == [decisions(e) for e in steps_off]
     assert sum(len(e.evicted) for e in steps_on) > 0 and sum(len(e.preempted) for e in steps_on) > 0
     for event in steps_on:
-        assert [b["block_id"] for b in event.cached_blocks] == event.cached
+        assert [b for run in event.cached_runs for b in run["block_ids"]] == event.cached
+        assert all(len(run["token_ids"]) == BLOCK_SIZE * len(run["hashes"]) == BLOCK_SIZE * len(run["block_ids"])
+                   for run in event.cached_runs)
         assert len(event.evicted_hashes) == len(event.evicted)
         again = event_from_dict(json.loads(dumps(event.to_dict())))
         assert again == event  # the JSONL form reads back whole
-    first_step = steps_on[0]
-    assert first_step.cached_blocks[0]["parent_hash"] is None
-    assert first_step.cached_blocks[0]["token_ids"] == SHARED_PREFIX[:BLOCK_SIZE]
-    assert first_step.cached_blocks[1]["parent_hash"] == first_step.cached_blocks[0]["hash"]
+    (first_run,) = steps_on[0].cached_runs  # r00's four full prompt blocks
+    assert first_run["parent_hash"] is None and first_run["token_ids"] == SHARED_PREFIX
+    later = [run for e in steps_on[1:] for run in e.cached_runs]
+    assert any(run["parent_hash"] == first_run["hashes"][-1] for run in later), "r01 chains onto the shared prefix"
 
 
 def test_a_protocol_subscriber_mirrors_the_cache_and_replay_fills_what_it_missed(
@@ -215,7 +218,7 @@ def test_a_stuck_subscriber_never_blocks_a_step_and_drops_are_counted(
     recorded: tuple[list[Event], Scheduler],
 ) -> None:
     events, _ = recorded
-    steps = [e for e in events if isinstance(e, StepEvent) and (e.cached_blocks or e.evicted_hashes)]
+    steps = [e for e in events if isinstance(e, StepEvent) and (e.cached_runs or e.evicted_hashes)]
     sink = KVEventsSink(_config(max_queue_size=2, hwm=1), model_name="m")
     stuck = zmq.Context.instance().socket(zmq.SUB)  # connected, subscribed, never reads
     stuck.setsockopt(zmq.RCVHWM, 1)
@@ -290,3 +293,17 @@ def test_an_endpoint_in_use_is_a_clear_error() -> None:
             KVEventsSink(_config(endpoint=f"tcp://*:{port}"))
     finally:
         first.close()
+
+
+def test_a_block_stored_and_evicted_within_one_step_is_reported_as_neither() -> None:
+    pool = BlockPool(num_blocks=4, block_size=2, record_contents=True)
+    blocks = pool.get_new_blocks(3)
+    run = pool.deltas.start_run(None)
+    for i, (block, block_hash) in enumerate(zip(blocks, (11, 12, 13), strict=True)):
+        assert pool.cache_block(block, block_hash, run)
+        run.token_ids.extend([2 * i, 2 * i + 1])
+    pool.free_blocks(blocks[1:2])  # the middle block alone goes free, still cached ...
+    pool.get_new_blocks(2)  # ... and the truly free block, then it, are taken: evicted again
+    assert pool.deltas.evicted == [] and list(pool.deltas.cached) == [blocks[0], blocks[2]]
+    pieces = [(p.block_ids, p.hashes, p.parent_hash, p.token_ids) for p in run.pieces()]
+    assert pieces == [([blocks[0]], [11], None, [0, 1]), ([blocks[2]], [13], 12, [4, 5])]
