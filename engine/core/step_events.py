@@ -19,13 +19,13 @@ from engine.events.schema import EncoderStepEvent
 TIMING_KEYS = ("schedule_s", "forward_s", "sample_s", "update_s", "duration_s")
 
 
-def cached_block_contents(deltas: BlockDeltas) -> list[dict[str, Any]]:
-    """The step event's ``cached_blocks``: what each newly cached block holds, in
-    ``cached`` order; empty unless the pool records contents."""
-    if not deltas.records_contents:
+def cached_runs(deltas: BlockDeltas) -> list[dict[str, Any]]:
+    """The step event's ``cached_runs``: what the newly cached blocks hold, in ``cached``
+    order; empty unless the pool records contents."""
+    if deltas.stored is None:
         return []
-    return [{"block_id": b, "hash": c[0], "parent_hash": c[1], "token_ids": c[2]}
-            for b, c in deltas.cached.items() if c is not None]
+    return [{"block_ids": run.block_ids, "hashes": run.hashes, "parent_hash": run.parent_hash,
+             "token_ids": run.token_ids} for stored in deltas.stored for run in stored.pieces()]
 
 
 def build_step_event(output: SchedulerOutput, timings: Mapping[str, float] | None = None) -> StepEvent:
@@ -52,7 +52,7 @@ def build_step_event(output: SchedulerOutput, timings: Mapping[str, float] | Non
         freed=deltas.freed,
         cached=list(deltas.cached),
         evicted=deltas.evicted,
-        cached_blocks=cached_block_contents(deltas),
+        cached_runs=cached_runs(deltas),
         evicted_hashes=deltas.evicted_hashes or [],
         new=output.new_req_ids,
         resumed=output.resumed_req_ids,

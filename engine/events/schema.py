@@ -219,15 +219,17 @@ class StepEvent(Event):
 
     With vLLM's ``enable_kv_cache_events`` (``--kv-events-config``) the step also says
     what the prefix cache gained and lost, the facts of vLLM's KV cache events:
-    ``cached_blocks`` one ``{"block_id", "hash", "parent_hash", "token_ids"}`` per
-    block of ``cached`` (same order; ``parent_hash`` null for a request's first
-    block) and ``evicted_hashes`` the hash each block of ``evicted`` lost. Hashes are
-    kvscope's (engine/core/kv_cache.py). Both are absent otherwise and in older
-    recordings (read as empty).
+    ``cached_runs`` the blocks of ``cached`` (same order) as runs of one request's
+    consecutive blocks, ``{"block_ids", "hashes", "parent_hash", "token_ids"}``
+    (``parent_hash``: the hash of the block before the run's first, null for a
+    request's first block; ``token_ids``: block_size per block), and
+    ``evicted_hashes`` the hash each block of ``evicted`` lost. Hashes are kvscope's
+    (engine/core/kv_cache.py). Both are absent otherwise and in older recordings
+    (read as empty).
     """
 
     type: ClassVar[str] = "step"
-    written_when_set: ClassVar[frozenset[str]] = frozenset({"cached_blocks", "evicted_hashes", "collective_s",
+    written_when_set: ClassVar[frozenset[str]] = frozenset({"cached_runs", "evicted_hashes", "collective_s",
                                                             "collective_bytes", "collective_calls"})
     index: int = 0
     scheduled: dict[str, list[Any]] = field(default_factory=dict)
@@ -244,7 +246,7 @@ class StepEvent(Event):
     freed: dict[str, list[int]] = field(default_factory=dict)
     cached: list[int] = field(default_factory=list)
     evicted: list[int] = field(default_factory=list)
-    cached_blocks: list[dict[str, Any]] = field(default_factory=list)
+    cached_runs: list[dict[str, Any]] = field(default_factory=list)
     evicted_hashes: list[int] = field(default_factory=list)
     new: list[str] = field(default_factory=list)
     resumed: list[str] = field(default_factory=list)
