@@ -61,8 +61,6 @@ VLLM_ONLY_FLAGS: dict[str, str] = {
     "--enable-prompt-tokens-details": "",
     "--enable-force-include-usage": "stream_options.include_usage per request",
     "--disable-frontend-multiprocessing": "one process already",
-    "--otlp-traces-endpoint": "",
-    "--collect-detailed-traces": "",
     "--num-scheduler-steps": "",
     "--preemption-mode": "preemption is by recompute",
     "--scheduler-delay-factor": "",
