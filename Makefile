@@ -41,7 +41,7 @@ test-slow: setup
 test-all: test test-triton test-slow
 
 lint: setup
-	$(BIN)/ruff check engine monitor logparse tests bench
+	$(BIN)/ruff check engine monitor logparse doctor tests bench
 	@# The package layering (engine never imports monitor/logparse, ...): AST only, no torch loaded.
 	$(BIN)/python -m pytest -q -p no:cacheprovider --noconftest tests/test_import_rules.py
 
