@@ -23,6 +23,7 @@ from typing import Any
 
 from engine.budget.config import ModelConfig, load_model_config, resolve_preset_name
 from engine.budget.memory import GiB, MemoryPlan, bytes_per_kv_token, gpu_preset, plan_memory
+from engine.budget.vision import multimodal_from_flags
 from engine.errors import UserError
 from engine.events import Recording
 from engine.events.phase_data import (
@@ -458,6 +459,9 @@ def _kvscope_plan(facts: dict[str, Any], budget: dict[str, Any], model: ModelCon
             dtype=inputs["dtype"], tensor_parallel_size=inputs["tensor_parallel_size"],
             max_num_batched_tokens=inputs["max_num_batched_tokens"], max_num_seqs=inputs["max_num_seqs"],
             check_fits=False,
+            multimodal=multimodal_from_flags(  # a VL preset's vision weights and encoder; None for text models
+                model, max_num_batched_tokens=inputs["max_num_batched_tokens"], max_num_seqs=inputs["max_num_seqs"],
+                dtype=inputs["dtype"], tensor_parallel_size=inputs["tensor_parallel_size"]),
         )
     except UserError as exc:
         out["unavailable"] = f"kvscope plan: {exc}"

@@ -82,6 +82,9 @@ FIGURE_NAMES: dict[str, FigureName] = {
     "cuda_graph_gib": FigureName("Graph capturing finished … took", "GiB", "cuda_graph_bytes"),
     "max_model_len": FigureName("max_seq_len", "tokens", "max_model_len"),
     "gpu_memory_utilization": FigureName("gpu_memory_utilization", "", "gpu_memory_utilization"),
+    "encoder_cache_tokens": FigureName("Encoder cache will be initialized with a budget of", "tokens",
+                                       "encoder_cache_tokens"),
+    "encoder_profile_items": FigureName("profiled with", "", "mm_items_profiled"),
     "total_gib": FigureName("total_gpu_memory", "GiB", "total_bytes"),
     "requested_gib": FigureName("the current vLLM instance can use", "GiB", "requested_bytes"),
     "non_kv_gib": FigureName("Total non KV cache memory", "GiB"),
@@ -294,6 +297,11 @@ PATTERNS: tuple[LinePattern, ...] = (
       r"Available KV cache memory: <kv_cache_gib:num> GiB",
       "KV pool = requested - non-KV (weights + activation peak + non-torch; since v0.21 also the CUDA-graph "
       "estimate). Per worker in 0.9.1–0.13."),
+    P("skip_mm_profiling", "D", "0.10.2–0.33", "Skipping memory profiling for multimodal",
+      r"Skipping memory profiling for multimodal encoder and encoder cache",
+      "--skip-mm-profiling: the vision encoder and its cache are left out of the measured peak, so the KV pool is "
+      "larger and the encoder's runtime memory is unbudgeted (safe only with limited image sizes and counts; "
+      "kvscope: engine plan --model qwen2.5-vl-7b --skip-mm-profiling)."),
     P("initial_free_memory", "D", "0.10.1–0.33 (DEBUG)", "Initial free memory",
       r"Initial free memory:? <init_free_gib:num> GiB[;,] (?:Requested memory: <gpu_memory_utilization:num> "
       r"\(util\), <requested_gib:num> GiB|free memory: <free_gib:num> GiB, requested GPU memory: "

@@ -34,7 +34,7 @@ LEDGER: tuple[LedgerItem, ...] = (
     LedgerItem("encoder_cache_tokens", "D", "encoder cache budget", "tokens",
                "Encoder cache will be initialized with a budget of"),
     LedgerItem("encoder_cache_bytes", "D", "encoder cache", "bytes"),
-    LedgerItem("mm_items_profiled", "D", "multimodal items profiled", "", "and profiled with"),
+    LedgerItem("mm_items_profiled", "D", "multimodal items profiled", "", "profiled with"),
     LedgerItem("cuda_graph_bytes", "F", "CUDA graphs", "bytes", "Graph capturing finished … took"),
     LedgerItem("kv_pool_bytes", "E", "KV cache pool", "bytes", "Available KV cache memory"),
     LedgerItem("num_blocks", "E", "KV blocks", "blocks", "# GPU blocks"),
