@@ -152,7 +152,10 @@ def _certify(chunk: bytes, start: int, end: int, first_number: int) -> BulkRun |
         counts[pattern.id] = chunk.count(markers[0], start, end)
     if sum(counts.values()) != lines:
         return None
-    if chunk.count(b"\r", start, end) or chunk.count(b"]", start, end) != counts["stats"]:
+    # find (memchr) where absence is the test; count where a number must match
+    if chunk.find(b"\r", start, end) >= 0:
+        return None
+    if (chunk.count(b"]", start, end) if counts["stats"] else chunk.find(b"]", start, end) + 1) != counts["stats"]:
         return None
     starts = sum(chunk.count(mark, max(start - 1, 0), end - 1) for mark in _STARTS)
     if start == 0 and chunk.startswith(BULK_LINE_STARTS):
@@ -170,7 +173,7 @@ def _certify(chunk: bytes, start: int, end: int, first_number: int) -> BulkRun |
             if chunk.find(markers[0], line_start, line_end) >= 0:
                 inner[pattern.id] -= 1
     preemptions, preemption_line = 0, None
-    if chunk.count(b"Preemptions: ", first_end, last_start):
+    if inner["stats"] and chunk.count(b"Preemptions: ", first_end, last_start):
         for m in _PREEMPTIONS.finditer(chunk, first_end, last_start):
             preemptions += int(m.group(1).replace(b",", b""))
             if preemption_line is None:  # the fold marks the first line that prints the field
