@@ -137,12 +137,12 @@ def _mean_request_tokens(facts: RunFacts) -> float:
 def _fp8_fix(facts: RunFacts, need_tokens: int) -> Fix | None:
     if str(facts.flag("kv_cache_dtype", "auto")).startswith("fp8"):
         return None
-    plan = replan(facts, kv_cache_dtype="fp8")
-    if plan is None:
+    now, plan = replan(facts), replan(facts, kv_cache_dtype="fp8")
+    if now is None or plan is None:
         return None
     holds = "holds" if plan.kv_cache_tokens >= need_tokens else "still short of"
     return Fix("--kv-cache-dtype", facts.flag("kv_cache_dtype", "auto"), "fp8",
-               f"{plan.bytes_per_token // 1024:,} KiB per token instead of {2 * plan.bytes_per_token // 1024:,}: "
+               f"{plan.bytes_per_token / 1024:,.1f} KiB per token instead of {now.bytes_per_token / 1024:,.1f}: "
                f"the same pool holds {plan.kv_cache_tokens:,} tokens, {holds} the {need_tokens:,} needed "
                "(measure accuracy on your evaluation set)",
                numbers={"kv_cache_tokens": plan.kv_cache_tokens})
