@@ -25,6 +25,7 @@ BENCHMARKS: list[tuple[str, list[str], int]] = [
     ("bench.bench_monitor", [], 600),
     ("bench.bench_simulate", [], 600),
     ("bench.bench_server", [], 900),
+    ("bench.bench_tp", [], 1800),
     ("bench.bench_engine", [], 3600),
 ]
 
