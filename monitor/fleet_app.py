@@ -16,6 +16,7 @@ from typing import ClassVar
 from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
+from textual.containers import VerticalScroll
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Static
 
@@ -46,9 +47,10 @@ class ReplicaScreen(Screen[None]):
 
     def compose(self) -> ComposeResult:
         yield Static("", id="replica-title", classes="title")
-        yield ReplicaPanel(id="replica-panel")
-        yield PrefixMap(id="prefix-map")
-        yield GpuPanel(self.gpu, no_ledger(self.ledger_why), id="replica-gpu")
+        with VerticalScroll():  # at 120x40 the GPU devices lie below the fold
+            yield ReplicaPanel(id="replica-panel")
+            yield PrefixMap(id="prefix-map")
+            yield GpuPanel(self.gpu, no_ledger(self.ledger_why), id="replica-gpu")
         yield Footer(show_command_palette=False)
 
     def on_mount(self) -> None:
@@ -65,7 +67,7 @@ class FleetApp(App[str | None]):
     FleetSummary { height: auto; padding: 0 1; }
     GpuPanel { height: auto; padding: 0 1; }
     ReplicaPanel { height: auto; padding: 0 1; }
-    PrefixMap { height: 1fr; padding: 0 1; }
+    PrefixMap { height: auto; padding: 0 1; }
     #fleet-note { height: auto; padding: 0 1; color: $text-muted; }
     """
     TITLE = "kvscope monitor"
