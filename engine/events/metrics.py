@@ -20,8 +20,9 @@ Where each value comes from:
 - TTFT: ``request.first_token``; every other per-request histogram and
   ``request_success_total{finished_reason}``: ``request.finished`` (aborted
   requests included, as vLLM);
-- ``cache_config_info``: ``engine.config`` plus the phase E ``startup.phase``
-  event's ``num_blocks`` / ``kv_cache_tokens``;
+- ``cache_config_info``: ``engine.config`` (``--kv-cache-memory-bytes`` among the
+  flags) plus the phase E ``startup.phase`` event's ``num_blocks`` /
+  ``kv_cache_tokens`` / ``max_concurrency``, under vLLM's CacheConfig field names;
 - ``num_preemptions_by_reason{reason}``: each ``request.preempted`` event's reason
   (kv_full | priority; the reasons sum to ``num_preemptions``);
 - the MFU estimates (``estimated_flops_per_gpu_total``, ``estimated_read_bytes_per_gpu_total``,
@@ -106,6 +107,8 @@ CACHE_CONFIG_LABELS = (
     "enable_prefix_caching",
     "engine",
     "gpu_memory_utilization",
+    "kv_cache_max_concurrency",
+    "kv_cache_memory_bytes",
     "kv_cache_size_tokens",
     "num_gpu_blocks",
     "prefix_caching_hash_algo",
@@ -446,6 +449,7 @@ class PrometheusMetrics:
             cache_dtype=config.get("kv_cache_dtype", "auto"),
             enable_prefix_caching=config.get("enable_prefix_caching"),
             gpu_memory_utilization=config.get("gpu_memory_utilization"),
+            kv_cache_memory_bytes=config.get("kv_cache_memory_bytes"),
             prefix_caching_hash_algo="builtin",  # Python's hash() of token tuples (engine.core.kv_cache)
             sliding_window=None,
         )
@@ -465,6 +469,8 @@ class PrometheusMetrics:
             fields["num_gpu_blocks"] = kv.num_blocks
         if kv.kv_cache_tokens is not None:
             fields["kv_cache_size_tokens"] = kv.kv_cache_tokens
+        if kv.max_concurrency is not None:
+            fields["kv_cache_max_concurrency"] = kv.max_concurrency
         if kv.block_size is not None:
             fields["block_size"] = kv.block_size
         if fields:

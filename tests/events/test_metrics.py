@@ -238,6 +238,8 @@ def test_cache_config_info_carries_the_cache_config() -> None:
         "enable_prefix_caching": "True",
         "engine": "0",
         "gpu_memory_utilization": "0.9",
+        "kv_cache_max_concurrency": "None",  # the script's phase E does not report it
+        "kv_cache_memory_bytes": "None",  # nor does its config give --kv-cache-memory-bytes
         "kv_cache_size_tokens": str(NUM_BLOCKS * 16),
         "num_gpu_blocks": str(NUM_BLOCKS),
         "prefix_caching_hash_algo": "builtin",

@@ -5,14 +5,17 @@ run's events say."""
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 
 import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.events import RequestFinished, RequestPreempted, StepEvent
+from engine.events import EngineConfigEvent, RequestFinished, RequestPreempted, StartupPhase, StepEvent
 from engine.events.metrics import KV_CACHE_RESIDENCY_BUCKETS, PrometheusMetrics
+from engine.events.phase_data import KvCacheData
+from tests.paths import DATA
 from tests.preempting_run import SERVED_NAME, PreemptingRun, preempting_run
 
 RESIDENCY = ("vllm:kv_block_lifetime_seconds", "vllm:kv_block_idle_before_evict_seconds",
@@ -118,3 +121,48 @@ def test_iteration_details_lines_are_vllms_and_count_every_computed_token(run) -
         words = rest.replace(",", "").split()
         total += int(words[3]) + int(words[9])
     assert total == sum(s.num_prefill_tokens + s.num_decode_tokens for s in busy)
+
+
+def real_vllm_samples() -> dict[str, set[str]]:
+    """Sample name -> label names in a real vLLM 0.32 /metrics (tests/data/vllm-0.32-cpu)."""
+    out: dict[str, set[str]] = {}
+    text = (DATA / "vllm-0.32-cpu" / "metrics-3.txt").read_text()
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, set()).update(s.labels)
+    return out
+
+
+def test_families_real_vllm_serves_have_its_sample_names_labels_and_buckets(families) -> None:
+    real = real_vllm_samples()
+    ours = {s.name: s for f in families.values() for s in f.samples}
+    for family in ("vllm:estimated_flops_per_gpu", "vllm:estimated_read_bytes_per_gpu",
+                   "vllm:estimated_write_bytes_per_gpu", "vllm:request_num_preemptions",
+                   "vllm:request_prefill_kv_computed_tokens", "vllm:prompt_tokens_cached"):
+        names = {s.name for s in families[family].samples if not s.name.endswith("_created")}
+        assert names <= set(real), (family, names - set(real))
+        for name in names:
+            assert set(ours[name].labels) == real[name], name
+    text = (DATA / "vllm-0.32-cpu" / "metrics-3.txt").read_text()
+    real_bounds = sorted({float(m) for m in re.findall(r'vllm:request_num_preemptions_bucket\{[^}]*le="([\d.]+)"', text)})
+    ours_bounds = [float(s.labels["le"]) for s in families["vllm:request_num_preemptions"].samples
+                   if s.name.endswith("_bucket") and s.labels["le"] != "+Inf"]
+    assert ours_bounds == real_bounds
+    # every cache_config_info label kvscope sets is one of vLLM's CacheConfig fields (or engine)
+    assert set(ours["vllm:cache_config_info"].labels) <= real["vllm:cache_config_info"]
+
+
+def test_cache_config_info_reports_the_pool_size_and_concurrency_phase_e_measured() -> None:
+    metrics = PrometheusMetrics(CollectorRegistry(), SERVED_NAME)
+    metrics(EngineConfigEvent(config={"block_size": 32, "kv_cache_memory_bytes": 2**30}))
+    metrics(StartupPhase(phase="E", name="kv_cache", status="end",
+                         data=KvCacheData(num_blocks=728, block_size=32, kv_cache_tokens=23296,
+                                          max_concurrency=22.75).to_dict()))
+    [info] = [s for f in text_string_to_metric_families(metrics.render().decode()) if f.name == "vllm:cache_config_info"
+              for s in f.samples]
+    assert info.value == 1.0
+    # the same values real vLLM 0.32 serves for this pool (tests/data/vllm-0.32-cpu/metrics-3.txt)
+    assert {k: info.labels[k] for k in ("block_size", "num_gpu_blocks", "kv_cache_size_tokens",
+                                        "kv_cache_max_concurrency", "kv_cache_memory_bytes")} == {
+        "block_size": "32", "num_gpu_blocks": "728", "kv_cache_size_tokens": "23296",
+        "kv_cache_max_concurrency": "22.75", "kv_cache_memory_bytes": "1073741824"}
