@@ -22,6 +22,7 @@ from textual.widgets import Footer, Input, Label, TabbedContent, TabPane
 
 from engine.events import EventBus
 from engine.events.view import EngineView
+from monitor.gpu import GpuReader
 from monitor.sources import LIVE, BusFeed, LiveFeed
 from monitor.state import Timeline
 from monitor.widgets.block_map import BlockMap
@@ -69,6 +70,7 @@ class MonitorApp(App[None]):
         Binding("3", "show_tab('startup')", "Startup", show=False),
         Binding("4", "show_tab('events')", "Events", show=False),
         Binding("5", "show_tab('diagnosis')", "Diagnosis", show=False),
+        Binding("G", "gpu", "GPU", show=False),  # a screen of its own: the tab row and footer stay as they are
         Binding("q", "quit", "quit"),
     ]
 
@@ -77,7 +79,7 @@ class MonitorApp(App[None]):
 
     def __init__(self, *, timeline: Timeline | None = None, feed: LiveFeed | None = None,
                  source_name: str = "", autoplay: bool = False,
-                 wall_clock: Callable[[], float] = time.monotonic) -> None:
+                 wall_clock: Callable[[], float] = time.monotonic, gpu: GpuReader | None = None) -> None:
         if (timeline is None) == (feed is None):
             raise ValueError("MonitorApp needs exactly one of timeline= or feed=")
         super().__init__()
@@ -90,6 +92,7 @@ class MonitorApp(App[None]):
         self._wall_clock = wall_clock
         self._clock_anchor: tuple[float, float] | None = None  # (view.t, wall clock when it arrived)
         self._clock_rendered = 0.0  # wall clock of the last render of clock-driven cells
+        self.gpu = gpu  # NVML (monitor/gpu.py) unless a test or --gpu-readings gives another reader
 
     @property
     def live(self) -> bool:
@@ -272,6 +275,12 @@ class MonitorApp(App[None]):
         goto.add_class("visible")
         goto.value = ""
         goto.focus()
+
+    def action_gpu(self) -> None:
+        from monitor.gpu import NvmlReader
+        from monitor.gpu_screen import GpuScreen
+
+        self.push_screen(GpuScreen(self.gpu or NvmlReader(), lambda: self.view, replay=not self.live))
 
     def action_show_tab(self, tab: str) -> None:
         self.query_one(TabbedContent).active = tab
