@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -23,7 +24,8 @@ from engine.cli.main import main
 from engine.core.block_pool import BlockPool
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.errors import UserError
-from engine.events import Event, EventBus, StepEvent, dumps, event_from_dict
+from engine.events import Event, EventBus, StepEvent, dumps, event_from_dict, read_events
+from engine.events.kv_events import KVEventFold
 from engine.events.kv_events_config import KVEventsConfig, parse_kv_events_config
 from engine.events.kv_publisher import KVEventsSink
 from engine.sim.driver import DriverRequest, run_driver
@@ -307,3 +309,22 @@ def test_a_block_stored_and_evicted_within_one_step_is_reported_as_neither() -> 
     assert pool.deltas.evicted == [] and list(pool.deltas.cached) == [blocks[0], blocks[2]]
     pieces = [(p.block_ids, p.hashes, p.parent_hash, p.token_ids) for p in run.pieces()]
     assert pieces == [([blocks[0]], [11], None, [0, 1]), ([blocks[2]], [13], 12, [4, 5])]
+
+
+def test_a_simulated_recording_carries_the_facts_and_folds_offline(tmp_path: Path) -> None:
+    """``publisher: "null"`` records without publishing; the recording's step events fold
+    into the same stream a subscriber would have seen (medium GPU: a simulated GPU)."""
+    out = tmp_path / "sim.jsonl"
+    assert main(["simulate", "--model", "llama-3.1-8b", "--num-gpu-blocks-override", "64", "--max-model-len", "2048",
+                 "--num-prompts", "12", "--random-input-len", "100:400", "--random-output-len", "20:60",
+                 "--shared-prefix-fraction", "0.5", "--shared-prefix-len", "64", "--events", str(out),
+                 "--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "null"}']) == 0
+    recording = read_events(out)
+    assert recording.header["config"]["kv_events_config"]["publisher"] == "null"
+    fold = KVEventFold(clock=lambda: 1.8e9)
+    mirror = CacheMirror()
+    for event in recording.events:
+        batch = fold.apply(event)
+        if batch is not None:
+            mirror.apply(msgspec.msgpack.encode(batch))
+    assert mirror.stored_events > 0 and mirror.removed_events > 0 and mirror.chained_stores > 0

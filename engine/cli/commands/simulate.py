@@ -23,6 +23,7 @@ from engine.budget.memory import GPU_PRESETS
 from engine.cli.exporters import Exporters, add_exporter_flags, attach_exporters
 from engine.cli.flags import (
     add_budget_flags,
+    add_kv_events_flag,
     add_model_flags,
     add_scheduler_flags,
     add_workload_flags,
@@ -65,6 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="max-num-batched-tokens=... (16,000-token prompt vs others' ITL) or concurrency=...")
     p.add_argument("--plot", default=None, metavar="PNG", help="draw the sweep into a PNG (throughput, TTFT and ITL against the swept value)")
     p.add_argument("--events", dest="events_path", default=None, metavar="PATH", help="record every event to JSONL")
+    add_kv_events_flag(p)
     add_exporter_flags(p)
     p.add_argument("--stats-interval", type=float, default=10.0, help="simulated seconds between stats events (default 10)")
     p.add_argument("--json", action="store_true", help="print the summary (or sweep rows) as JSON")
@@ -228,9 +230,15 @@ def run(args: argparse.Namespace) -> int:
     sink: JsonlSink | None = None
     exporters = Exporters()
     if (args.events_path or args.otlp_traces_endpoint or args.trace_out or args.collect_detailed_traces
-            or args.enable_logging_iteration_details):
+            or args.enable_logging_iteration_details or args.kv_events_config):
         bus = EventBus()
         exporters = attach_exporters(args, bus)
+    kv_events = None
+    if args.kv_events_config is not None and args.kv_events_config.publishes:
+        from engine.events.kv_publisher import KVEventsSink  # zmq and msgspec load only when asked
+
+        kv_events = KVEventsSink(args.kv_events_config, model_name=setup.model.name)
+        bus.subscribe(kv_events)
     if args.events_path:
         try:
             sink = JsonlSink(args.events_path, config=setup.recording_config())
@@ -243,6 +251,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if sink is not None:
             sink.close()
+        if kv_events is not None:
+            kv_events.close()
         exporters.close()
     if args.json:
         print(json.dumps(result.summary()))
@@ -252,4 +262,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"  events: {args.events_path}")
         for line in exporters.written:
             print(f"  {line}")
+        if kv_events is not None:
+            print(f"  KV cache events: {kv_events.batches - kv_events.dropped:,} batches on "
+                  f"{kv_events.publisher.endpoint} ({kv_events.dropped:,} dropped)")
     return 0
