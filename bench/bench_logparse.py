@@ -97,7 +97,7 @@ def summary_rss(path: Path, size: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mb", type=float, default=1024.0)
-    parser.add_argument("--stream-mb", type=float, default=64.0, help="how much of the file the full record stream reads")
+    parser.add_argument("--stream-mb", type=float, default=16.0, help="how much of the file the full record stream reads")
     parser.add_argument("--keep", help="write the built log here instead of a temporary file")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

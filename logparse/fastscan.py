@@ -3,11 +3,11 @@ long-running server prints by the million (periodic stats, access lines:
 :data:`~logparse.patterns.BULK_MARKERS`) are counted, not read.
 
 A window of whole lines is *certified* when its lines hold as many first markers of
-the bulk patterns as there are lines, each line starts with a prefix
-(:data:`~logparse.patterns.BULK_LINE_STARTS`), each further marker of a pattern occurs
-as often as its first, and no byte changes how a line becomes records: a ``\\r``
-redraw, or a ``]`` beyond each stats line's ``[file:line]`` (a tqdm bar a record could
-be glued to has one). A line a pattern matches is never joined to its neighbour, so
+the bulk patterns as there are lines, as many lines start as each pattern's lines do
+(:data:`~logparse.patterns.BULK_LINE_STARTS`) as hold its markers, each further marker of
+a pattern occurs as often as its first, and no byte changes how a line becomes records:
+a ``\\r`` redraw, or a ``]`` beyond each stats line's ``[file:line]`` (a tqdm bar a
+record could be glued to has one). A line a pattern matches is never joined to its neighbour, so
 each certified line is one record of its pattern. The counts cannot see *which* line
 holds a marker; the prefix and bracket tests are what make a line that lost its
 newline (two markers) beside a marker-less line fail: such a line would need a prefix
@@ -39,9 +39,10 @@ from logparse.patterns import BULK_LINE_STARTS, BULK_MARKERS, PATTERNS_BY_ID, Li
 CHUNK_BYTES = 8 << 20  # read size; lines are never split across chunks
 MIN_WINDOW = 4096  # a window this small that does not certify is read line by line
 MAX_WINDOW = MAX_LINE_BYTES  # so no line of a certified window can be longer than the parser keeps
-_STARTS = tuple(b"\n" + start for start in BULK_LINE_STARTS)  # a line's start, after the newline before it
 _PREEMPTIONS = re.compile(rb"Preemptions: (\d[\d,]*)")
 _BULK = tuple((PATTERNS_BY_ID[pattern_id], markers) for pattern_id, markers in BULK_MARKERS.items())
+# a line's start, found after the newline before it
+_STARTS = tuple((pattern, b"\n" + BULK_LINE_STARTS[pattern.id]) for pattern, _ in _BULK)
 _TIMED_MARKER = BULK_MARKERS["stats"][0]  # the bulk lines that carry a vLLM time (access lines do not)
 
 
@@ -157,11 +158,12 @@ def _certify(chunk: bytes, start: int, end: int, first_number: int) -> BulkRun |
         return None
     if (chunk.count(b"]", start, end) if counts["stats"] else chunk.find(b"]", start, end) + 1) != counts["stats"]:
         return None
-    starts = sum(chunk.count(mark, max(start - 1, 0), end - 1) for mark in _STARTS)
-    if start == 0 and chunk.startswith(BULK_LINE_STARTS):
-        starts += 1  # the file's first line has no newline before it
-    if starts != lines:
-        return None
+    for pattern, mark in _STARTS:
+        starts = chunk.count(mark, max(start - 1, 0), end - 1)
+        if start == 0 and chunk.startswith(mark[1:]):
+            starts += 1  # the file's first line has no newline before it
+        if starts != counts[pattern.id]:
+            return None
     for pattern, markers in _BULK:
         if any(chunk.count(marker, start, end) != counts[pattern.id] for marker in markers[1:]):
             return None

@@ -699,14 +699,17 @@ NOISE_SOURCES: tuple[str, ...] = (*dict.fromkeys(n.source for n in NOISE), BLANK
 
 # Lines that repeat by the million in a long-running server's log (periodic stats, access lines). The
 # fast summary (logparse/fastscan.py) counts a run of them without reading each: every line of the run
-# must start with one of BULK_LINE_STARTS and hold each marker of its pattern once (every vLLM
-# release's stats line that holds the first one matches "stats"). Their records are phase R and are
-# never per-rank duplicates.
+# must start as BULK_LINE_STARTS says and hold each marker of its pattern once (every vLLM release's
+# stats line that holds the first one matches "stats"). Their records are phase R and are never
+# per-rank duplicates.
 BULK_MARKERS: dict[str, tuple[bytes, ...]] = {
     "stats": (b"Avg prompt throughput: ",),
-    "uvicorn_access": (b' HTTP/1.1" ', b"INFO:     "),
+    "uvicorn_access": (b' HTTP/1.1" ',),
 }
-BULK_LINE_STARTS: tuple[bytes, ...] = (b"(APIServer pid=", b"INFO:     ")  # the API server prints both (long: fast to count)
+# How each bulk pattern's lines start in 0.31+ (the API server's prefix; uvicorn's level alone): a run is
+# counted only when as many lines start so as hold the pattern's marker. Older layouts (uvicorn lines
+# under the process prefix, no prefix at all) are read line by line: the same records, slower.
+BULK_LINE_STARTS: dict[str, bytes] = {"stats": b"(APIServer pid=", "uvicorn_access": b"INFO:     "}
 
 FIELD_MEANINGS: dict[str, str] = {
     "vllm_version": "vLLM release",
