@@ -195,3 +195,22 @@ def test_sample_reader_agrees_with_prometheus_client() -> None:
         assert sorted((n, sorted(labels.items()), v) for n, labels, v in iter_samples(text)) == expected
     with pytest.raises(ValueError, match="sample"):
         parse_metrics('vllm:num_requests_running{engine="0"}\n')
+
+
+def test_kind_detection_and_cli_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from monitor.cli import main as monitor_main
+    from monitor.poller import VLLM, detect_kinds
+
+    server = MetricsServer(vllm_metrics_texts()[-1:]).start()
+    try:
+        dead = "http://127.0.0.1:9"
+        assert detect_kinds([server.url, dead], timeout_s=1.0) == {server.url: VLLM, dead: "?"}
+    finally:
+        server.stop()
+    assert monitor_main(["vllm", "http://127.0.0.1:8000", "--kv-events", "tcp://*:5557"]) == 2
+    assert monitor_main(["vllm", "http://127.0.0.1:8000", "--kv-replay", "tcp://127.0.0.1:5558"]) == 2
+    assert monitor_main(["record", "http://127.0.0.1:8000", "--out", str(tmp_path / "no" / "f.jsonl")]) == 2
+    assert monitor_main(["record", "http://127.0.0.1:8000", "--out", str(tmp_path / "f.jsonl"), "--interval", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "bind address" in err and "--kv-replay needs --kv-events" in err and "no such folder" in err
+    assert "must be positive" in err
