@@ -62,7 +62,7 @@ class Exporters:
     queued spans are exported); ``feed`` hands them a recording's events."""
 
     sinks: list[_Sink] = field(default_factory=list)
-    written: list[str] = field(default_factory=list)
+    summary: list[str] = field(default_factory=list)  # one line per sink, printed when the run ends
 
     def __bool__(self) -> bool:
         return bool(self.sinks)
@@ -96,7 +96,7 @@ def build_exporters(args: argparse.Namespace, wall_start_unix: float, model_name
         except OSError as exc:
             raise UserError(f"--trace-out {trace_out}: cannot write ({exc.strerror})") from None
         exporters.sinks.append(PerfettoTrace(path))
-        exporters.written.append(f"Perfetto trace: {trace_out} (open in ui.perfetto.dev)")
+        exporters.summary.append(f"wrote the Perfetto trace {trace_out} (open it in ui.perfetto.dev)")
     if endpoint:
         from engine.events.otel import OtlpTraceSink, span_exporter, traces_protocol
 
@@ -108,7 +108,8 @@ def build_exporters(args: argparse.Namespace, wall_start_unix: float, model_name
         forward, execute = DETAILED_TRACES.get(detailed or "", (False, False))
         exporters.sinks.append(OtlpTraceSink(exporter, wall_start_unix=wall_start_unix, model_name=model_name,
                                              forward_times=forward, execute_times=execute))
-        exporters.written.append(f"OpenTelemetry spans: {endpoint} ({protocol})")
+        # delivery failures are the SDK's to report (its log names each one)
+        exporters.summary.append(f"sent OpenTelemetry spans to {endpoint} ({protocol})")
     if getattr(args, "enable_logging_iteration_details", False):
         from engine.events.iteration_details import IterationDetailsLog
         from engine.logs import get_logger

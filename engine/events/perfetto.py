@@ -20,7 +20,10 @@ Tracks (pid/tid and their names as ``M`` metadata records, so the UI shows words
   (``i``), ``queued (preempted)`` until it runs again.
 
 Only complete slices (``X``) are written, so there is no begin/end pairing to get
-wrong; each track's records are in time order.
+wrong; each track's records are in time order. The records stay in memory until the
+file is written (roughly 100-200 bytes per step and per request slice): meant for a
+run of bounded length (a workload, a replay, a serve session under test), not for a
+server left up for days.
 """
 
 from __future__ import annotations

@@ -163,7 +163,7 @@ def test_replay_sends_a_recordings_spans_over_otlp_http_with_their_original_time
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
     url = f"http://127.0.0.1:{otlp_receiver.server_address[1]}"  # no path: /v1/traces is added
     assert main(["replay", str(path), "--otlp", url]) == 0
-    assert f"OpenTelemetry spans: {url} (http/protobuf)" in capsys.readouterr().out
+    assert f"sent OpenTelemetry spans to {url} (http/protobuf)" in capsys.readouterr().out
     spans, services = _received_spans(otlp_receiver)
     assert services == {"kvscope"}
     recording = read_events(path)

@@ -113,7 +113,7 @@ def test_replay_writes_the_trace_file_and_a_bad_path_is_refused_first(tmp_path: 
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "trace.json"
     assert main(["replay", str(SAMPLES / "monitor_sim.jsonl"), "--trace", str(out)]) == 0
-    assert "wrote Perfetto trace" in capsys.readouterr().out
+    assert f"wrote the Perfetto trace {out}" in capsys.readouterr().out
     live = PerfettoTrace()  # the sink a live run subscribes folds the same events the same way
     for event in read_events(SAMPLES / "monitor_sim.jsonl").events:
         live(event)

@@ -44,8 +44,8 @@ def run(args: argparse.Namespace) -> int:
         _generate(args, LLMEngine(config, bus=bus), params)
     finally:
         exporters.close()
-    for line in exporters.written:
-        print(f"wrote {line}", file=sys.stderr)
+    for line in exporters.summary:
+        print(line, file=sys.stderr)
     return 0
 
 

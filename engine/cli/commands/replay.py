@@ -45,8 +45,8 @@ def export(args: argparse.Namespace, recording: Recording) -> None:
         print(note)
     exporters.feed(recording.events)
     exporters.close()
-    for line in exporters.written:
-        print(f"wrote {line}")
+    for line in exporters.summary:
+        print(line)
 
 
 def _cut_note(report: ReplayReport, replayer: Replayer) -> str | None:

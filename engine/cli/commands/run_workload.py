@@ -101,8 +101,8 @@ def run(args: argparse.Namespace) -> int:
             print(line)
         if args.events_path:
             print(f"recorded to {args.events_path}: replay with `monitor replay {args.events_path}`")
-    for line in exporters.written:
-        print(f"wrote {line}")
+    for line in exporters.summary:
+        print(line)
     return 0
 
 

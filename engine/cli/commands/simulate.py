@@ -260,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
         print(render_summary(setup, result))
         if args.events_path:
             print(f"  events: {args.events_path}")
-        for line in exporters.written:
+        for line in exporters.summary:
             print(f"  {line}")
         if kv_events is not None:
             print(f"  KV cache events: {kv_events.batches - kv_events.dropped:,} batches on "
