@@ -36,9 +36,12 @@ def kind_of(source: str) -> str:
         raise InputError(f"{source}: no such file; pass a recording (.jsonl), a vLLM log or http://HOST:PORT")
     with path.open("rb") as fh:
         head = fh.read(64)
-    if head.startswith(GZIP_MAGIC):
+    if head.startswith(GZIP_MAGIC) or SCHEMA_NAME.encode() in head:
         return RECORDING
-    return RECORDING if SCHEMA_NAME.encode() in head else VLLM_LOG
+    if path.suffix in (".jsonl", ".json"):
+        raise InputError(f"{source}: not a kvscope event file (its first line must be the {SCHEMA_NAME} header); "
+                         "record one with --events FILE")
+    return VLLM_LOG
 
 
 def facts_from_recording(path: str | Path) -> RunFacts:

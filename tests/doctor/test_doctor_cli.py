@@ -82,6 +82,10 @@ def test_failing_vllm_log(capsys: pytest.CaptureFixture[str]) -> None:
 def test_unreadable_inputs_exit_three(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
     assert main(["doctor", str(tmp_path / "missing.jsonl")]) == 3
     assert "no such file" in capsys.readouterr().err
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"not": "kvscope"}\n')
+    assert main(["doctor", str(other)]) == 3
+    assert "not a kvscope event file" in capsys.readouterr().err
     broken = tmp_path / "cut.jsonl.gz"
     broken.write_bytes(gzip.compress(b"not a recording\n")[:10])
     assert main(["doctor", str(broken)]) == 3
