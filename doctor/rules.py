@@ -31,7 +31,7 @@ CRITICAL = "critical"
 SEVERITY_ORDER = {WARNING: 1, CRITICAL: 2}
 
 KV_LOW = 0.80  # KV usage below this while requests wait: the pool is not what binds
-KV_FULL = 0.95  # preemptions at or above this usage: the pool binds
+KV_FULL = 0.95  # at or above this usage the pool, not the token budget, is what holds prompts back
 MIN_BINDING_STEPS = 5  # a limit must hold the queue back this many steps in a row to count
 SPIKE_FACTOR = 3.0  # a step this many times the decode-only median is a latency spike
 STARVED_SHARE = 0.10  # this share of decode tokens (ITL p90) in prefill-slowed steps: decode starved
