@@ -211,7 +211,7 @@ class OtlpTraceSink:
     def _end_finished(self) -> None:
         """The spans of requests that finished in the step just counted."""
         for finished in self._finishing:
-            self._request_span(finished, self._requests.pop(finished.request_id, None) or _RequestState())
+            self._request_span(finished, self._requests.pop(finished.request_id, None))
         self._finishing.clear()
 
     # --------------------------------------------------------------- startup
@@ -269,9 +269,10 @@ class OtlpTraceSink:
             # and its forward seconds belong to the request: that step ends the span
             self._finishing.append(event)
             return
-        self._request_span(event, self._requests.pop(event.request_id, None) or _RequestState())
+        self._request_span(event, self._requests.pop(event.request_id, None))
 
-    def _request_span(self, event: RequestFinished, state: _RequestState) -> None:
+    def _request_span(self, event: RequestFinished, state: _RequestState | None) -> None:
+        state = state or _RequestState()  # a recording that begins after this request arrived
         arrived = state.arrived
         start = arrived.t if arrived is not None else event.t - event.e2e_s
         attributes: dict[str, Any] = {

@@ -254,10 +254,10 @@ class PerfettoTrace:
             else:
                 self._slice(REQUESTS_PID, track.tid, "prefill", start, end, {"tokens": num_tokens})
         for request_id in self._finishing:
-            track = self._requests.get(request_id)
-            if track is not None and track.finish is not None:
-                stop = self._close(track)
-                self._end(request_id, track, max(end, stop), track.finish[1])
+            finishing = self._requests.get(request_id)
+            if finishing is not None and finishing.finish is not None:
+                stop = self._close(finishing)
+                self._end(request_id, finishing, max(end, stop), finishing.finish[1])
         self._finishing.clear()
         mix = ("mixed" if event.num_prefill_tokens and event.num_decode_tokens
                else "prefill" if event.num_prefill_tokens else "decode" if event.num_decode_tokens else "idle")
