@@ -128,7 +128,10 @@ _BATCH_DECODER = msgspec.msgpack.Decoder(_Batch)
 
 
 def _hashes(values: list[WireHash]) -> list[BlockHash]:
-    return values if not values or isinstance(values[0], int) else [_hash(h) for h in values]  # type: ignore[misc]
+    """Int hashes as they are (the common case, no copy); bytes as hex."""
+    if not values or isinstance(values[0], int):
+        return values  # type: ignore[return-value]  # every element is an int: one encoder wrote them all
+    return [h.hex() if isinstance(h, bytes) else h for h in values]
 
 
 def _from_struct(event: _Stored | _Removed | _Cleared) -> dict[str, Any]:
@@ -300,7 +303,7 @@ class KvEventSubscriber:
         self.bad = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._context = zmq.Context.instance()
+        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="monitor-kv-events", daemon=True)
@@ -327,6 +330,9 @@ class KvEventSubscriber:
         sub.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
         sub.connect(self.endpoint)
+        if self.replay is not None:
+            # Joining a running server: what is cached now was stored before we subscribed.
+            self._fill_gap(0, None, count_missed=False)
         try:
             while not self._stop.is_set():
                 if not sub.poll(100):
@@ -337,8 +343,7 @@ class KvEventSubscriber:
                     continue
                 seq = int.from_bytes(frames[1], "big", signed=True)
                 if self.last_seq is None and self.replay is not None and seq > 0:
-                    # Joining a running server: what is cached now was stored before we subscribed.
-                    self._fill_gap(0, seq, count_missed=False)
+                    self._fill_gap(0, seq, count_missed=False)  # published before our subscription took
                 elif self.last_seq is not None and seq > self.last_seq + 1:
                     self._fill_gap(self.last_seq + 1, seq)
                 if self.last_seq is not None and seq <= self.last_seq:
@@ -348,20 +353,20 @@ class KvEventSubscriber:
         finally:
             sub.close()
 
-    def _fill_gap(self, first: int, upto: int, count_missed: bool = True) -> None:
-        """Ask the replay socket for batches ``first`` .. ``upto - 1``."""
+    def _fill_gap(self, first: int, upto: int | None, count_missed: bool = True) -> None:
+        """Ask the replay socket for batches ``first`` .. ``upto - 1`` (all it has: None)."""
         if self.replay is None:
-            self.missed += upto - first
+            self.missed += (upto or first) - first
             return
         got = 0
         for seq, payload in self.request_replay(first):
-            if seq >= upto:
+            if upto is not None and seq >= upto:
                 continue  # the live socket delivers it
             if self.last_seq is None or seq > self.last_seq:
                 self._batch(seq, payload)
                 got += 1
         self.replayed += got
-        if count_missed:
+        if count_missed and upto is not None:
             self.missed += max(0, (upto - first) - got)
 
     def request_replay(self, start_seq: int) -> list[tuple[int, bytes]]:

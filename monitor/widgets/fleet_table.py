@@ -57,8 +57,8 @@ class FleetTable(DataTable[Text | str]):
                 for label, engine in state.engines.items():
                     rows.append((f"{state.source}#engine={label}", self._engine_row(label, engine)))
         keep = {key for key, _ in rows}
-        for key in [k.value for k in list(self.rows) if k.value not in keep]:
-            self.remove_row(key)
+        for row_key in [k for k in list(self.rows) if k.value not in keep]:
+            self.remove_row(row_key)
         existing = {k.value for k in self.rows}
         for key, cells in rows:
             if key in existing:
