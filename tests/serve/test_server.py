@@ -220,6 +220,10 @@ def test_metrics_names_labels_and_counts(server: Server, client: openai.OpenAI) 
     for family in ("vllm:e2e_request_latency_seconds", "vllm:request_generation_tokens",
                    "vllm:request_queue_time_seconds"):
         assert value(after, family, family + "_count") == finished, family  # every finished request observed once
+    # the MFU estimates are sized by the real startup's engine.config and phase C: the 6 steps moved them
+    for family in ("vllm:estimated_flops_per_gpu", "vllm:estimated_read_bytes_per_gpu",
+                   "vllm:estimated_write_bytes_per_gpu"):
+        assert value(after, family, family + "_total") > value(before, family, family + "_total"), family
 
 
 # ---------------------------------------------------------------------- events
