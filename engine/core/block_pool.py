@@ -82,7 +82,7 @@ class BlockDeltas:
     evicted and re-cached within a step.
     """
 
-    __slots__ = ("_stored_at", "allocated", "cached", "evicted", "evicted_hashes", "freed", "prefix_hit_tokens",
+    __slots__ = ("allocated", "cached", "evicted", "evicted_hashes", "freed", "prefix_hit_tokens",
                  "prefix_query_tokens", "stored")
 
     def __init__(self, record_contents: bool = False) -> None:
@@ -91,7 +91,6 @@ class BlockDeltas:
         self.cached: dict[int, None] = {}
         self.evicted: list[int] = []
         self.stored: list[StoredRun] | None = [] if record_contents else None
-        self._stored_at: dict[int, tuple[StoredRun, int]] = {}  # block id -> its run and position
         self.evicted_hashes: list[int] | None = [] if record_contents else None
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -110,17 +109,25 @@ class BlockDeltas:
     def record_cached(self, block_id: int, block_hash: int, run: StoredRun | None = None) -> None:
         self.cached[block_id] = None
         if run is not None:
-            self._stored_at[block_id] = (run, len(run.block_ids))
             run.block_ids.append(block_id)
             run.hashes.append(block_hash)
+
+    def _drop_stored(self, block_id: int) -> None:
+        """Mark the block's latest stored position as evicted again (rare: a scan
+        here costs less than indexing every stored block)."""
+        assert self.stored is not None
+        for run in reversed(self.stored):
+            for i in range(len(run.block_ids) - 1, -1, -1):
+                if run.block_ids[i] == block_id and i not in run.dropped:
+                    run.dropped.append(i)
+                    return
 
     def record_evicted(self, block_id: int, block_hash: int) -> None:
         if block_id in self.cached:
             # cached and evicted inside this step: net effect on the fold is nothing new
             del self.cached[block_id]
-            slot = self._stored_at.pop(block_id, None)
-            if slot is not None:
-                slot[0].dropped.append(slot[1])
+            if self.stored is not None:
+                self._drop_stored(block_id)
         else:
             self.evicted.append(block_id)
             if self.evicted_hashes is not None:

@@ -167,17 +167,19 @@ class KVCacheManager:
         pool = self.pool
         block_hash = pool.block_hash
         run = None
+        start = 0  # the run's first position; its tokens are one slice once it ends
         for i in range(req.num_hashed_blocks, num_full_blocks):
             b = table[i]
-            if block_hash[b] is not None:
+            if block_hash[b] is None:
+                if run is None:
+                    run, start = pool.deltas.start_run(hashes[i - 1] if i else None), i
+                if pool.cache_block(b, hashes[i], run):
+                    continue
+            if run is not None:
+                run.token_ids = tokens[start * bs : i * bs]
                 run = None
-                continue
-            if run is None:
-                run = pool.deltas.start_run(hashes[i - 1] if i else None)
-            if pool.cache_block(b, hashes[i], run):
-                run.token_ids.extend(tokens[i * bs : (i + 1) * bs])
-            else:
-                run = None
+        if run is not None:
+            run.token_ids = tokens[start * bs : num_full_blocks * bs]
         req.num_hashed_blocks = num_full_blocks
 
     # ------------------------------------------------------------------- free
