@@ -48,7 +48,8 @@ VLLM_ONLY_FLAGS: dict[str, str] = {
     "--generation-config": "",
     "--override-generation-config": "",
     "--max-logprobs": "logprobs are not returned",
-    "--limit-mm-per-prompt": "text models only",
+    "--limit-mm-per-prompt": "engine serve runs text models; engine plan and engine simulate take it for the "
+                             "vision-language presets",
     "--mm-processor-kwargs": "text models only",
     "--enable-sleep-mode": "",
     "--ssl-keyfile": "serve behind a TLS proxy",

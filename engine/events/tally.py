@@ -14,7 +14,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.events.schema import Event, RequestFinished, RequestFirstToken, RequestRejected, StepEvent
+from engine.events.schema import (
+    EncoderStepEvent,
+    Event,
+    RequestFinished,
+    RequestFirstToken,
+    RequestRejected,
+    StepEvent,
+)
 
 
 @dataclass(slots=True)
@@ -45,6 +52,12 @@ class RunTally:
     step_prefill: list[int] = field(default_factory=list)
     step_decode: list[int] = field(default_factory=list)
     step_forward_s: list[float] = field(default_factory=list)
+    # vision-language runs (encoder.step events): items and embeddings encoded, the cache's high-water mark
+    encoder_items: int = 0
+    encoder_tokens: int = 0
+    encoder_items_freed: int = 0
+    peak_encoder_cache_tokens: int = 0
+    encoder_cache_capacity: int = 0
     # request events of a step are published during its update, before its step event
     _first_tokens: list[str] = field(default_factory=list)
     _finishes: list[str] = field(default_factory=list)
@@ -58,6 +71,14 @@ class RunTally:
             self._finish(event)
         elif isinstance(event, RequestRejected):
             self.rejected += 1
+        elif isinstance(event, EncoderStepEvent):
+            self.encoder_items += len(event.encoded)
+            self.encoder_tokens += event.encoder_tokens
+            self.encoder_items_freed += len(event.freed)
+            self.encoder_cache_capacity = event.cache_capacity_tokens
+            # the cache holds this step's items while the forward reads them, before any leave
+            held = event.cache_used_tokens + sum(int(item[2]) for item in event.encoded if [item[0], item[1]] in event.freed)
+            self.peak_encoder_cache_tokens = max(self.peak_encoder_cache_tokens, held)
 
     def _step(self, e: StepEvent) -> None:
         self.steps += 1

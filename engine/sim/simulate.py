@@ -354,6 +354,9 @@ class SimResult(RunTally):
             "binding_limit": self.binding_limit,
             "limit_steps": dict(self.limit_steps),
             "completed": self.completed,
+            **({"encoder_items": self.encoder_items, "encoder_tokens": self.encoder_tokens,
+                "peak_encoder_cache_tokens": self.peak_encoder_cache_tokens,
+                "encoder_cache_capacity": self.encoder_cache_capacity} if self.encoder_cache_capacity else {}),
         }
 
 

@@ -73,3 +73,18 @@ def test_a_larger_budget_encodes_several_items_in_a_step(tmp_path) -> None:
     sink.close()
     back = [e for e in read_events(str(path)).events if isinstance(e, EncoderStepEvent)]
     assert [e.to_dict() for e in back] == [e.to_dict() for e in enc]
+
+
+def test_engine_simulate_takes_the_multimodal_flags(capsys) -> None:
+    import json
+
+    from engine.cli.main import main
+
+    args = ["simulate", "--model", "qwen2.5-vl-7b", "--limit-mm-per-prompt", "image=2", "--mm-image-size", "1280x720",
+            "--num-prompts", "6", "--random-input-len", "100", "--random-output-len", "8", "--max-model-len", "8192",
+            "--max-num-batched-tokens", "2048", "--json"]
+    assert main(args) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["finished"] == 6 and s["prompt_tokens"] == 6 * (100 + 2 * IMAGE)
+    assert (s["encoder_items"], s["encoder_tokens"]) == (12, 12 * IMAGE)
+    assert s["peak_encoder_cache_tokens"] == IMAGE and s["encoder_cache_capacity"] == 2048

@@ -25,9 +25,11 @@ from engine.cli.flags import (
     add_budget_flags,
     add_kv_events_flag,
     add_model_flags,
+    add_multimodal_flags,
     add_scheduler_flags,
     add_workload_flags,
     engine_config_from_args,
+    multimodal_flags,
     workload_spec_from_args,
 )
 from engine.errors import UserError
@@ -44,7 +46,7 @@ from engine.sim.simulate import (
     concurrency_sweep,
     long_prompt_sweep,
 )
-from engine.sim.workload import WorkloadRequest, generate_workload, load_trace, parse_range
+from engine.sim.workload import WorkloadRequest, generate_workload, load_trace, parse_range, with_mm_items
 
 SWEEPS = ("max-num-batched-tokens", "concurrency")
 
@@ -55,6 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     add_model_flags(p, default_model=DEFAULT_MODEL)
     add_budget_flags(p)
     add_scheduler_flags(p)
+    add_multimodal_flags(p)
     p.add_argument("--gpu", default=DEFAULT_GPU, help=f"GPU preset: {', '.join(GPU_PRESETS)} (default {DEFAULT_GPU})")
     p.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY,
                    help=f"fraction of peak bandwidth and FLOP/s the kernels reach (default {DEFAULT_EFFICIENCY:g})")
@@ -78,7 +81,7 @@ def setup_from_args(args: argparse.Namespace) -> SimSetup:
         args.model = DEFAULT_MODEL
     engine = engine_config_from_args(args)
     return build_setup(args.model, args.gpu, engine, efficiency=args.efficiency,
-                       num_gpu_blocks_override=args.num_gpu_blocks_override)
+                       num_gpu_blocks_override=args.num_gpu_blocks_override, multimodal=multimodal_flags(args))
 
 
 def workload_from_args(args: argparse.Namespace) -> list[WorkloadRequest]:
@@ -121,6 +124,9 @@ def render_summary(setup: SimSetup, result: SimResult) -> str:
         + ", ".join(f"{k} {v}" for k, v in s["limit_steps"].items())
         + f"; KV pool binds above ~{concurrency_crossover_tokens(setup):,.0f} tokens per request)",
     ]
+    if result.encoder_cache_capacity:
+        lines.append(f"  encoder: {result.encoder_items:,} items ({result.encoder_tokens:,} tokens) encoded; encoder "
+                     f"cache peak {result.peak_encoder_cache_tokens:,} of {result.encoder_cache_capacity:,} tokens")
     return "\n".join(lines)
 
 
@@ -226,6 +232,8 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         raise UserError("--plot draws a sweep: add --sweep max-num-batched-tokens=... or --sweep concurrency=...")
     workload = workload_from_args(args)
+    if setup.plan.multimodal is not None:  # every request carries the items --limit-mm-per-prompt allows
+        workload = with_mm_items(workload, setup.plan.multimodal.prompt_items())
     bus: EventBus | None = None
     sink: JsonlSink | None = None
     exporters = Exporters()
