@@ -16,7 +16,10 @@ The engine thread only folds and appends to a queue of at most ``max_queue_size`
 batches; encoding, sending and replay run on the publisher's own thread, which wakes
 every :data:`POLL_S` and sends everything queued, so no subscriber (slow, absent or
 stuck) ever blocks a step, and a step pays no thread hand-off (waking a waiting thread
-per batch cost the driver's model-free loop more than the encoding). A batch that
+per batch cost the driver's model-free loop more than the encoding). The step batches
+queued within one round go out as one message (their events in order, the last one's
+``ts``; at most :data:`MERGE_LIMIT`): a ZMQ send costs more than the fold and the
+encoding together, and a subscriber reads the same events either way. A batch that
 finds the queue full is dropped and counted: ``kvscope:kv_events_dropped_total``
 (and ``kvscope:kv_events_published_total`` for those sent) on ``/metrics`` when the
 server's registry is given. Like vLLM, sequence numbers count batches sent, so a
@@ -43,6 +46,7 @@ from engine.logs import get_logger
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's end marker
 POLL_S = 0.01  # the publisher thread's sleep between rounds: the most a batch waits to be sent
+MERGE_LIMIT = 64  # step batches sent as one message at most
 SHUTDOWN_S = 2.0  # close() waits this long for queued batches to go out
 
 
@@ -54,7 +58,8 @@ def binds(endpoint: str) -> bool:
 class ZmqEventPublisher:
     """PUB (+ optional ROUTER replay) sockets and the thread that feeds them; see the module docstring."""
 
-    def __init__(self, config: KVEventsConfig, on_sent: Callable[[], None] | None = None) -> None:
+    def __init__(self, config: KVEventsConfig, on_sent: Callable[[int], None] | None = None) -> None:
+        """``on_sent(n)``: called on the thread after a message of ``n`` step batches went out."""
         # one producer (the engine thread appends) and one consumer (this thread pops): a
         # deque's append and popleft are atomic, so neither side takes a lock
         self._pending: deque[EventBatch] = deque()
@@ -63,7 +68,8 @@ class ZmqEventPublisher:
         self._topic = config.topic.encode("utf-8")
         self._on_sent = on_sent
         self._stopping = False
-        self.sent = 0  # batches sent, which is the next sequence number
+        self.sent = 0  # messages sent, which is the next sequence number
+        self.batches_sent = 0  # step batches in them
         context = zmq.Context.instance()
         self._pub = context.socket(zmq.PUB)
         self._replay: zmq.Socket | None = None
@@ -110,7 +116,8 @@ class ZmqEventPublisher:
                 self._serve_replay()
             if pending:
                 while pending:
-                    self._send(encode(pending.popleft()))
+                    batch, merged = self._take(pending)
+                    self._send(encode(batch), merged)
                 continue
             if self._stopping:
                 return
@@ -120,13 +127,28 @@ class ZmqEventPublisher:
             self._pub.getsockopt(zmq.EVENTS)
             time.sleep(POLL_S)
 
-    def _send(self, payload: bytes) -> None:
+    @staticmethod
+    def _take(pending: deque[EventBatch]) -> tuple[EventBatch, int]:
+        """The next message: the oldest queued batch, with those queued after it merged in."""
+        first = pending.popleft()
+        if not pending:
+            return first, 1
+        events = list(first.events)
+        last, merged = first, 1
+        while pending and merged < MERGE_LIMIT:
+            last = pending.popleft()
+            events.extend(last.events)
+            merged += 1
+        return EventBatch(ts=last.ts, events=events, data_parallel_rank=first.data_parallel_rank), merged
+
+    def _send(self, payload: bytes, merged: int) -> None:
         seq = self.sent
         self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
         self._buffer.append((seq, payload))
         self.sent = seq + 1
+        self.batches_sent += merged
         if self._on_sent is not None:
-            self._on_sent()
+            self._on_sent(merged)
 
     def _serve_replay(self) -> None:
         assert self._replay is not None
@@ -145,9 +167,9 @@ class ZmqEventPublisher:
         send((identity, b"", END_SEQ, b""))
 
     def wait_sent(self, count: int, timeout: float = 5.0) -> bool:
-        """Wait until ``count`` batches have gone out (tests, benchmarks, shutdown)."""
+        """Wait until ``count`` step batches have gone out (tests, benchmarks, shutdown)."""
         deadline = time.monotonic() + timeout
-        while self.sent < count:
+        while self.batches_sent < count:
             if time.monotonic() > deadline or not self._thread.is_alive():
                 return False
             time.sleep(0.001)
@@ -179,8 +201,9 @@ class KVEventsSink:
         self._dropped = Counter("kvscope:kv_events_dropped", "KV cache event batches dropped because the "
                                 "publisher's queue (max_queue_size) was full", list(labels),
                                 registry=self.registry).labels(**labels)
-        self._published = Counter("kvscope:kv_events_published", "KV cache event batches sent on the ZMQ PUB "
-                                  "socket", list(labels), registry=self.registry).labels(**labels)
+        self._published = Counter("kvscope:kv_events_published", "KV cache event batches (one per step that "
+                                  "changed the prefix cache) sent on the ZMQ PUB socket", list(labels),
+                                  registry=self.registry).labels(**labels)
         self.dropped = 0
         self.batches = 0  # batches the fold made: sent + dropped + still queued
         self.publisher = ZmqEventPublisher(config, on_sent=self._published.inc)
