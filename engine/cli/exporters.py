@@ -78,6 +78,16 @@ class Exporters:
         self.sinks.clear()
 
 
+# the argparse dests of the flags above: any of them given means a sink to build
+EXPORTER_DESTS = ("otlp_traces_endpoint", "collect_detailed_traces", "trace_out", "enable_logging_iteration_details")
+
+
+def exporters_asked(args: argparse.Namespace) -> bool:
+    """Whether any exporter flag was given (simulate and replay build a bus or feed a
+    recording only then)."""
+    return any(getattr(args, dest, None) for dest in EXPORTER_DESTS)
+
+
 def build_exporters(args: argparse.Namespace, wall_start_unix: float, model_name: str | None = None) -> Exporters:
     """The sinks ``args`` ask for, their flags checked before anything slow runs.
     ``wall_start_unix``: the wall-clock time of the bus clock's zero."""

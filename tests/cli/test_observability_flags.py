@@ -1,5 +1,6 @@
 """vLLM's observability flags of issue 18 part 4 through the real command line:
---enable-logging-iteration-details logs vLLM's line per step of a simulation, and
+--enable-logging-iteration-details logs vLLM's line per step of a simulation and of
+a replayed recording, and
 serve's --kv-cache-metrics reaches the server settings, its sample rate checked
 as vLLM checks it."""
 
@@ -12,7 +13,9 @@ import pytest
 
 from engine.cli.commands.serve import settings_from_args
 from engine.cli.main import build_parser, main
+from engine.events import StepEvent, read_events
 from engine.logs import configure_logging
+from tests.monitor_fixtures import SAMPLE
 
 LINE = re.compile(r"^INFO \d\d-\d\d \d\d:\d\d:\d\d \[iteration_details\.py:\d+\] Iteration\((\d+)\): (\d+) context "
                   r"requests, (\d+) context tokens, (\d+) generation requests, (\d+) generation tokens, iteration "
@@ -35,6 +38,21 @@ def test_simulate_logs_one_vllm_iteration_line_per_step(capsys) -> None:
     assert sum(int(m[3]) for m in lines) == 3 * 40
     assert sum(int(m[5]) for m in lines) == 3 * (4 - 1)
     assert float(lines[0][6]) > 0  # the cost model's seconds for the step
+
+
+def test_replay_logs_a_recordings_iteration_lines(capsys) -> None:
+    recording = read_events(SAMPLE)
+    busy = [e for e in recording.events if isinstance(e, StepEvent) and e.num_prefill_tokens + e.num_decode_tokens]
+    stream = io.StringIO()
+    configure_logging("text", stream=stream)
+    try:
+        assert main(["replay", str(SAMPLE), "--enable-logging-iteration-details"]) == 0
+    finally:
+        configure_logging("text")
+    capsys.readouterr()
+    lines = [LINE.match(line) for line in stream.getvalue().splitlines() if "Iteration(" in line]
+    assert len(lines) == len(busy) and all(lines)
+    assert sum(int(m[3]) + int(m[5]) for m in lines) == sum(e.num_prefill_tokens + e.num_decode_tokens for e in busy)
 
 
 def test_serve_kv_cache_metrics_flags() -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.cli.exporters import add_exporter_flags, build_exporters, recording_wall_start
+from engine.cli.exporters import add_exporter_flags, build_exporters, exporters_asked, recording_wall_start
 from engine.errors import UserError
 from engine.events import Recording
 from engine.sim.replay import Replayer, ReplayReport, load_recording
@@ -61,7 +61,7 @@ def _cut_note(report: ReplayReport, replayer: Replayer) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     recording = load_recording(args.recording)
-    if args.trace_out or args.otlp_traces_endpoint or args.collect_detailed_traces:
+    if exporters_asked(args):
         export(args, recording)
         if not args.verify and args.at is None:
             return 0

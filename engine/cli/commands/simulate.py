@@ -20,7 +20,7 @@ import json
 from typing import Any
 
 from engine.budget.memory import GPU_PRESETS
-from engine.cli.exporters import Exporters, add_exporter_flags, attach_exporters
+from engine.cli.exporters import Exporters, add_exporter_flags, attach_exporters, exporters_asked
 from engine.cli.flags import (
     add_budget_flags,
     add_kv_events_flag,
@@ -237,8 +237,7 @@ def run(args: argparse.Namespace) -> int:
     bus: EventBus | None = None
     sink: JsonlSink | None = None
     exporters = Exporters()
-    if (args.events_path or args.otlp_traces_endpoint or args.trace_out or args.collect_detailed_traces
-            or args.enable_logging_iteration_details or args.kv_events_config):
+    if args.events_path or args.kv_events_config or exporters_asked(args):
         bus = EventBus()
         exporters = attach_exporters(args, bus)
     kv_events = None
