@@ -120,13 +120,14 @@ def weights_path(source: Path, dtype: torch.dtype) -> Path | None:
     return None if root is None else root / f"{cache_key(source, str(dtype))}.safetensors"
 
 
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "U8": torch.uint8}
 
 
-def mapped_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def mapped_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Every tensor of a safetensors file as a view of one private, read-only-by-use
-    mapping of it: nothing is copied, pages come from the page cache as the first
-    forward touches them (a 538 MB fp32 entry: ~0.3 s of ``copy_`` saved per start)."""
+    mapping of it, and the file's string metadata: nothing is copied, pages come from
+    the page cache as the first forward touches them (a 538 MB fp32 entry: ~0.3 s of
+    ``copy_`` saved per start)."""
     with path.open("rb") as handle:
         (header_len,) = struct.unpack("<Q", handle.read(8))
         header = json.loads(handle.read(header_len))
@@ -135,6 +136,7 @@ def mapped_safetensors(path: Path) -> dict[str, torch.Tensor]:
     storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size)
     flat = torch.empty(0, dtype=torch.uint8).set_(storage)
     out: dict[str, torch.Tensor] = {}
+    metadata = {str(k): str(v) for k, v in (header.get("__metadata__") or {}).items()}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
@@ -144,7 +146,7 @@ def mapped_safetensors(path: Path) -> dict[str, torch.Tensor]:
             raise ValueError(f"{path}: tensor {name}: dtype {entry['dtype']} or offsets {begin}..{end} unusable")
         raw = flat[data_start + begin : data_start + end]
         out[name] = raw.view(dtype).view(entry["shape"]) if entry["shape"] else raw.view(dtype).reshape(())
-    return out
+    return out, metadata
 
 
 def load_cached_weights(model: torch.nn.Module, path: Path) -> bool:
@@ -154,7 +156,7 @@ def load_cached_weights(model: torch.nn.Module, path: Path) -> bool:
     touch(path)
     params = dict(model.named_parameters())
     try:
-        tensors = mapped_safetensors(path)
+        tensors, _ = mapped_safetensors(path)
         if set(tensors) != set(params):
             return False
         if any(tensors[n].shape != p.shape or tensors[n].dtype != p.dtype for n, p in params.items()):
@@ -171,6 +173,33 @@ def save_cached_weights(model: torch.nn.Module, path: Path) -> None:
 
     tensors = {name: p.detach().contiguous() for name, p in model.named_parameters()}
     atomic_write(path, lambda tmp: save_file(tensors, tmp))
+    prune_cache(keep=path)
+
+
+# ---------------------------------------------------------------------- quantized blocks
+def quantized_path(source: Path, dtype: torch.dtype, method: str, layout: str) -> Path | None:
+    """The entry of a GGUF's quantized copies (``layout`` names what changes their bytes:
+    the interleaving and the kernel layout version)."""
+    root = cache_dir()
+    return None if root is None else root / f"{cache_key(source, str(dtype), 'quantized', method, layout)}.safetensors"
+
+
+def load_cached_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
+    """A mapped entry and its metadata, or None when absent or unreadable (a miss)."""
+    if not path.is_file():
+        return None
+    touch(path)
+    try:
+        return mapped_safetensors(path)
+    except Exception:
+        return None
+
+
+def save_cached_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    flat = {name: t.contiguous() for name, t in tensors.items()}
+    atomic_write(path, lambda tmp: save_file(flat, tmp, metadata=metadata))
     prune_cache(keep=path)
 
 

@@ -114,9 +114,9 @@ def test_mapped_safetensors_reads_every_tensor_without_copying(tmp_path: Path) -
     tensors = {"a": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(5, dtype=torch.bfloat16),
                "scalar": torch.tensor(2.5)}
     path = tmp_path / "w.safetensors"
-    save_file(tensors, str(path))
-    mapped = mapped_safetensors(path)
-    assert set(mapped) == set(tensors)
+    save_file(tensors, str(path), metadata={"layout": "x8"})
+    mapped, metadata = mapped_safetensors(path)
+    assert set(mapped) == set(tensors) and metadata == {"layout": "x8"}
     for name, tensor in tensors.items():
         assert mapped[name].dtype == tensor.dtype and torch.equal(mapped[name], tensor), name
     # One mapping of the whole file backs every tensor: the load copied nothing.
