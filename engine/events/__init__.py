@@ -7,7 +7,10 @@ each startup phase's ``data`` (one frozen record per phase A–G); the folds liv
 :mod:`~engine.events.block_table` (block deltas -> tables), :mod:`~engine.events.view`
 (``EngineView``, what /debug/state and the dashboard show), :mod:`~engine.events.tally`
 (a run's totals and peaks, for the driver and the simulator), :mod:`~engine.events.stats`
-(the stats line) and :mod:`~engine.events.metrics` (vLLM's Prometheus families).
+(the stats line) and :mod:`~engine.events.metrics` (vLLM's Prometheus families), with
+:mod:`~engine.events.block_residency` (each block's birth, hits and eviction, for the
+residency histograms) and :mod:`~engine.events.iteration_details` (vLLM's per-step
+iteration line).
 """
 
 from engine.events.schema import (
