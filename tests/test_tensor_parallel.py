@@ -123,6 +123,21 @@ def test_the_view_keeps_each_ranks_phases_and_ledger_beside_rank_0s() -> None:
     assert "ranks" not in EngineView().snapshot()
 
 
+def test_metrics_take_the_replicas_pool_from_rank_0() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from engine.events.metrics import PrometheusMetrics
+
+    bus = EventBus()
+    metrics = PrometheusMetrics(CollectorRegistry(), model_name="m")
+    bus.subscribe(metrics)
+    for rank, blocks in ((0, 96), (1, 95)):  # a rank's own numbers never replace the replica's
+        bus.publish(StartupPhase(phase="E", name=PHASES["E"], status="end", rank=rank,
+                                 data={"num_blocks": blocks, "block_size": 16}))
+    body = metrics.render().decode()
+    assert 'num_gpu_blocks="96"' in body and 'num_gpu_blocks="95"' not in body
+
+
 # ------------------------------------------------------------- real replicas
 def _tiny_model(folder: Path) -> str:
     folder.mkdir(parents=True, exist_ok=True)

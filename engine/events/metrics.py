@@ -455,7 +455,7 @@ class PrometheusMetrics:
         )
 
     def _on_phase(self, event: StartupPhase) -> None:
-        if event.status != "end":
+        if event.status != "end" or event.rank:  # the replica's numbers are rank 0's (every rank's pool is alike)
             return
         weights = read_phase(event, LoadWeightsData)
         if weights is not None and weights.weights_bytes is not None:

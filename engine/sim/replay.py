@@ -91,7 +91,7 @@ def load_recording(path: str | Path) -> Recording:
 def _phase_data(events: Iterable[Event]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for ev in events:
-        if isinstance(ev, StartupPhase) and ev.data:
+        if isinstance(ev, StartupPhase) and ev.data and not ev.rank:  # rank 0's: the replica's
             out.setdefault(ev.phase, {}).update(ev.data)
     return out
 
