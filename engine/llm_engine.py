@@ -81,8 +81,12 @@ class LLMEngine:
         if config.kv_events_config is not None and config.kv_events_config.publishes:
             from engine.events.kv_publisher import KVEventsSink  # zmq and msgspec load only when asked
 
-            self.kv_events = KVEventsSink(config.kv_events_config, registry=metrics_registry,
-                                          model_name=config.served_model_name or config.model)
+            try:
+                self.kv_events = KVEventsSink(config.kv_events_config, registry=metrics_registry,
+                                              model_name=config.served_model_name or config.model)
+            except BaseException:  # an endpoint in use: the recording opened above is closed
+                self.close()
+                raise
             self.bus.subscribe(self.kv_events)
         # long phases show progress where the log lines go (a bar on a terminal)
         printer = self.bus.subscribe(ProgressPrinter(console_stream(), get_logger("kvscope.startup").info))
