@@ -33,7 +33,9 @@ Snapshot dict format (``SNAPSHOT_VERSION`` 1), all plain JSON::
                  "preempted": [...]},                      # last ``series_window`` steps
       "recent": [event.to_dict(), ...],                    # last ``recent_window`` events
       "ranks": {"1": {"phases": {...}, "ledger": {...}}, ...}  # tensor parallelism: the other
-    }                                                      # ranks' (absent with one rank)
+                                                           # ranks' (absent with one rank)
+      "encoder_cache": {"used", "capacity"},               # tokens, from the last encoder.step
+    }                                                      # (vision-language runs only)
 
 Block owners are not stored: they are the union of every request's ``blocks``,
 so the snapshot cannot disagree with itself. The block table itself is folded
@@ -71,6 +73,7 @@ from engine.events import (
     event_from_dict,
 )
 from engine.events.block_table import BlockTableState
+from engine.events.schema import EncoderStepEvent
 
 SNAPSHOT_VERSION = 1
 SERIES_NAMES = ("step", "prefill", "decode", "running", "waiting", "kv_pct", "step_ms", "preempted")
@@ -225,6 +228,9 @@ class EngineView:
         self.kv_used = 0
         self.kv_cached_free = 0
         self.kv_total = 0
+        # vision-language runs (encoder.step events): the encoder cache beside the KV pool, in tokens
+        self.encoder_cache_used = 0
+        self.encoder_cache_capacity = 0
         self.requests: dict[str, RequestView] = {}
         self.table = BlockTableState()  # the shared fold of step block deltas
         self._owners: dict[int, set[str]] | None = None
@@ -284,7 +290,7 @@ class EngineView:
         handler = _HANDLERS.get(type(event))
         if handler is not None:
             handler(self, event)
-        if not isinstance(event, SnapshotEvent | StepEvent):
+        if not isinstance(event, SnapshotEvent | StepEvent | EncoderStepEvent):
             self.recent.append(event)
 
     def _request(self, request_id: str) -> RequestView:
@@ -427,6 +433,10 @@ class EngineView:
         hit = (num_allocated * bs - num_new) // bs * bs
         return max(0, hit)
 
+    def _on_encoder_step(self, ev: EncoderStepEvent) -> None:
+        self.encoder_cache_used = ev.cache_used_tokens
+        self.encoder_cache_capacity = ev.cache_capacity_tokens
+
     def _on_snapshot(self, ev: SnapshotEvent) -> None:
         self._load(ev.state)
 
@@ -455,7 +465,9 @@ class EngineView:
             "recent": [e.to_dict() for e in list(self.recent)[-n_recent:]] if n_recent else [],
         } | ({"ranks": {str(rank): {"phases": {k: p.to_dict() for k, p in phases.items()},
                                     "ledger": dict(self.rank_ledgers.get(rank, {}))}
-                        for rank, phases in sorted(self.rank_phases.items())}} if self.rank_phases else {})
+                        for rank, phases in sorted(self.rank_phases.items())}} if self.rank_phases else {}) \
+          | ({"encoder_cache": {"used": self.encoder_cache_used, "capacity": self.encoder_cache_capacity}}
+             if self.encoder_cache_capacity else {})
 
     @classmethod
     def from_snapshot(
@@ -484,6 +496,9 @@ class EngineView:
         self.kv_used = int(kv.get("used", 0))
         self.kv_cached_free = int(kv.get("cached_free", 0))
         self.kv_total = int(kv.get("total", 0))
+        encoder = state.get("encoder_cache", {})
+        self.encoder_cache_used = int(encoder.get("used", 0))
+        self.encoder_cache_capacity = int(encoder.get("capacity", 0))
         self.requests = {rid: RequestView.from_dict(rid, d) for rid, d in state.get("requests", {}).items()}
         self.table = BlockTableState(
             tables={rid: req.blocks for rid, req in self.requests.items() if req.blocks},
@@ -513,6 +528,7 @@ _HANDLERS: dict[type, Any] = {
     RequestFinished: EngineView._on_finished,
     RequestRejected: EngineView._on_rejected,
     StepEvent: EngineView._on_step,
+    EncoderStepEvent: EngineView._on_encoder_step,
     StatsEvent: EngineView._on_stats,
     SnapshotEvent: EngineView._on_snapshot,
     LogEvent: None,

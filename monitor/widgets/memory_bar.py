@@ -134,6 +134,8 @@ class MemoryBar(Static):
             f" · KV {view.kv_used}/{view.num_blocks} blocks used, {view.kv_cached_free} cached-free",
             style="dim",
         )
+        if view.encoder_cache_capacity:  # a vision-language model's second budget, beside the KV pool
+            info.append(f" · encoder cache {view.encoder_cache_used:,}/{view.encoder_cache_capacity:,} tokens")
         dev = view.device or {}
         if str(dev.get("device", "")).startswith("cpu") and ("process_used" in dev or "reserved" in dev):
             info.append(f" · process RSS {float(dev.get('process_used', dev.get('reserved', 0))) / GiB:.2f} GiB")
