@@ -100,6 +100,9 @@ def scheduler_config_from_recording(rec: Recording) -> SchedulerConfig:
     """The scheduler limits a recording ran with: flags from the header's config,
     pool size and block size from phase E (or the first step event)."""
     cfg = dict(rec.config)
+    if any(ev.type == "encoder.step" for ev in rec.events):
+        raise UserError("the recording is of a vision-language model (it has encoder.step events): engine replay "
+                        "does not rebuild its requests' images yet; simulate it again with engine simulate instead")
     for ev in rec.events:
         if ev.type == "engine.config" and not cfg:
             cfg = dict(ev.config)  # type: ignore[attr-defined]

@@ -3,6 +3,8 @@ the scheduler respects, and ``encoder.step`` events show it fill and free."""
 
 from __future__ import annotations
 
+import pytest
+
 from engine.budget.config import EngineConfig
 from engine.events import EventBus, read_events
 from engine.events.schema import EncoderStepEvent, Event, StepEvent
@@ -73,6 +75,12 @@ def test_a_larger_budget_encodes_several_items_in_a_step(tmp_path) -> None:
     sink.close()
     back = [e for e in read_events(str(path)).events if isinstance(e, EncoderStepEvent)]
     assert [e.to_dict() for e in back] == [e.to_dict() for e in enc]
+    # engine replay cannot rebuild the images' placeholder runs: it says so instead of diverging
+    from engine.errors import UserError
+    from engine.sim.replay import load_recording, scheduler_config_from_recording
+
+    with pytest.raises(UserError, match="vision-language model"):
+        scheduler_config_from_recording(load_recording(path))
 
 
 def test_engine_simulate_takes_the_multimodal_flags(capsys) -> None:
