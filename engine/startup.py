@@ -185,6 +185,9 @@ def resolve_config(config: EngineConfig, model: ModelConfig, device: torch.devic
     if not 0 < config.gpu_memory_utilization <= 1:
         raise UserError(f"--gpu-memory-utilization {config.gpu_memory_utilization}: must be in (0, 1]")
     check_shardable(model, config.tensor_parallel_size)
+    if device.type == "cuda" and config.tensor_parallel_size > torch.cuda.device_count():
+        raise UserError(f"--tensor-parallel-size {config.tensor_parallel_size}: one GPU per rank, and torch sees "
+                        f"{torch.cuda.device_count()}; lower it or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
     if config.tensor_parallel_size > 1 and config.compile:
         raise UserError("--compile with --tensor-parallel-size > 1: the compiled MLP block would hold the "
                         "all-reduce; drop --compile or run one rank")
