@@ -44,7 +44,7 @@ class PreemptingRun:
     num_parameters: int
 
 
-def _requests() -> list[DriverRequest]:
+def requests() -> list[DriverRequest]:
     first, second = list(range(1000, 1032)), list(range(2000, 2032))  # two 2-block prefixes
     requests = []
     for i in range(10):
@@ -54,16 +54,26 @@ def _requests() -> list[DriverRequest]:
     return requests
 
 
+CONFIG = SchedulerConfig(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_num_seqs=6, max_num_batched_tokens=64,
+                         max_model_len=1024, policy="priority")
+
+
+def new_scheduler() -> Scheduler:
+    """The run's scheduler on a bus whose clock is its step count times STEP_S (a step
+    event's ``t`` is the end of its step: the count has already moved on)."""
+    holder: list[Scheduler] = []
+    scheduler = Scheduler(CONFIG, EventBus(clock=lambda: holder[0].step_index * STEP_S if holder else 0.0))
+    holder.append(scheduler)
+    return scheduler
+
+
 @functools.cache
 def preempting_run() -> PreemptingRun:
     model = MODEL_PRESETS[MODEL]
     weights, kv_bytes = weights_bytes(model, "bfloat16"), bytes_per_kv_token(model, "auto", model_dtype="bfloat16")
-    config = SchedulerConfig(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_num_seqs=6, max_num_batched_tokens=64,
-                             max_model_len=1024, policy="priority")
-    holder: list[Scheduler] = []
-    bus = EventBus(clock=lambda: holder[0].step_index * STEP_S if holder else 0.0)
-    scheduler = Scheduler(config, bus)
-    holder.append(scheduler)
+    scheduler = new_scheduler()
+    bus = scheduler.bus
+    assert bus is not None
     metrics = PrometheusMetrics(CollectorRegistry(), SERVED_NAME, kv_cache_metrics=True)
     events: list[Event] = []
     lines: list[str] = []
@@ -75,6 +85,6 @@ def preempting_run() -> PreemptingRun:
                                           "scheduling_policy": "priority"}, model=summary))
     bus.publish(StartupPhase(phase="C", name="load_weights", status="end", duration_s=0.0,
                              data=LoadWeightsData(weights_bytes=weights).to_dict()))
-    result = run_driver(_requests(), config, scheduler=scheduler, step_time_s=STEP_S)
+    result = run_driver(requests(), CONFIG, scheduler=scheduler, step_time_s=STEP_S)
     assert result.completed
     return PreemptingRun(metrics, events, lines, weights, kv_bytes, model.num_parameters)

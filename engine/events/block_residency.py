@@ -13,9 +13,13 @@ than vLLM's 1 % sample (``vllm/v1/core/kv_cache_metrics.py``):
 
 The step event says all of this without engine state: ``evicted`` blocks lose their
 content, and an ``allocated`` block is a hit when it was cached before the step
-(``cached``, not evicted since) or was already handed to another request this step
-(a prefix registered and shared within one schedule); otherwise it is born. A block
-that never held a hash is simply born again on its next allocation, as in vLLM.
+(``cached``, not evicted since), or is held by a request that keeps it through the step
+(only a hit can hand out a block in use: its content was registered in this schedule,
+say, when the holder's chunk filled it), or was already handed out this step (a
+prefix registered and shared within one schedule); otherwise it came fresh from the
+free queue (a block freed by a preemption this step and handed out again is fresh
+unless still cached). A block that never held a hash is simply born again on its next
+allocation, as in vLLM. Holders are folded from ``allocated`` and ``freed``.
 Times are the step's start (``t - duration_s``: allocation and eviction happen when
 the step is scheduled) on the bus clock.
 """
@@ -34,7 +38,7 @@ class BlockResidency:
     """Feeds ``lifetime``, ``idle_before_evict`` and ``reuse_gap`` with seconds as
     step events are applied (:meth:`apply`)."""
 
-    __slots__ = ("_accesses", "_birth", "_cached", "_idle", "_lifetime", "_reuse_gap")
+    __slots__ = ("_accesses", "_birth", "_cached", "_holders", "_idle", "_lifetime", "_reuse_gap")
 
     def __init__(self, lifetime: Observe, idle_before_evict: Observe, reuse_gap: Observe) -> None:
         self._lifetime = lifetime
@@ -43,6 +47,7 @@ class BlockResidency:
         self._birth: dict[int, float] = {}  # block id -> when it was last handed out fresh
         self._accesses: dict[int, list[float]] = {}  # block id -> its prefix hits since birth
         self._cached: set[int] = set()  # blocks holding prefix-cache content now
+        self._holders: dict[int, int] = {}  # block id -> requests holding it (absent: none)
 
     def apply(self, event: StepEvent) -> None:
         now = event.t - event.duration_s
@@ -60,10 +65,12 @@ class BlockResidency:
             if hits:
                 for earlier, later in pairwise(hits):
                     self._reuse_gap(later - earlier)
+        holders = self._holders
+        freed_now = {block for blocks in event.freed.values() for block in blocks} if event.freed else ()
         handed_out: set[int] = set()
         for blocks in event.allocated.values():
             for block in blocks:
-                if block in cached or block in handed_out:
+                if block in cached or block in handed_out or (block in holders and block not in freed_now):
                     hits = accesses.get(block)
                     if hits is None:
                         accesses[block] = [now]
@@ -72,4 +79,14 @@ class BlockResidency:
                 else:  # a block with hits was cached, so its eviction already dropped them
                     birth[block] = now
                     handed_out.add(block)
+        for blocks in event.allocated.values():
+            for block in blocks:
+                holders[block] = holders.get(block, 0) + 1
+        for blocks in event.freed.values():
+            for block in blocks:
+                left = holders.get(block, 0) - 1
+                if left > 0:
+                    holders[block] = left
+                else:
+                    holders.pop(block, None)
         cached.update(event.cached)
