@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -40,10 +41,11 @@ DUMMY_LLAMA = {"model_type": "llama", "hidden_size": 768, "intermediate_size": 2
                "bos_token_id": 1, "eos_token_id": 2}
 
 
-def run_replica(model: str, tp: int, load_format: str, prompts: list[list[int]], output_len: int) -> dict[str, object]:
+def run_replica(model: str, tp: int, load_format: str, prompts: list[list[int]], output_len: int,
+                threads: int | None = None) -> dict[str, object]:
     config = EngineConfig(model=model, tensor_parallel_size=tp, dtype="float32", quantization="none",
                           load_format=load_format, max_model_len=1024, max_num_batched_tokens=512, max_num_seqs=64,
-                          kv_cache_memory_bytes=256 << 20, stats_interval=0.0)
+                          kv_cache_memory_bytes=256 << 20, stats_interval=0.0, num_threads=threads)
     events: list[Event] = []
     bus = EventBus()
     bus.subscribe(events.append)
@@ -65,7 +67,7 @@ def run_replica(model: str, tp: int, load_format: str, prompts: list[list[int]],
     layers = load_model_config(model).num_layers
     median = statistics.median
     return {
-        "model": Path(model).name, "tp": tp, "startup_s": round(ready - launched, 2), "phases_s_by_rank": per_rank,
+        "model": Path(model).name, "tp": tp, "threads_per_rank": threads or max(1, (os.cpu_count() or 1) // tp), "startup_s": round(ready - launched, 2), "phases_s_by_rank": per_rank,
         "output_tok_s": round(generated / ran, 1), "run_s": round(ran, 2), "steps": len(steps),
         "decode_step_ms": round(median(s.duration_s for s in decodes) * 1e3, 1) if decodes else None,
         "decode_collective_ms": round(median(s.collective_s for s in decodes) * 1e3, 1) if decodes else None,
@@ -82,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--only", choices=["smollm", "dummy"], default=None)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads per rank (default: all cores at TP=1, cores / N per rank at TP=N)")
     args = parser.parse_args(argv)
     for line in header_lines():
         print(line)
@@ -100,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.only in (None, "dummy"):
             replicas += [(str(dummy), 1, "dummy"), (str(dummy), 2, "dummy")]
         for model, tp, load_format in replicas:
-            row = run_replica(model, tp, load_format, prompts, args.output_len)
+            row = run_replica(model, tp, load_format, prompts, args.output_len, args.threads)
             rows.append(row)
             print(json.dumps(row))
     print()
