@@ -70,7 +70,7 @@ class ZmqEventPublisher:
         self._stopping = False
         self.sent = 0  # messages sent, which is the next sequence number
         self.batches_sent = 0  # step batches in them
-        context = zmq.Context.instance()
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._pub = context.socket(zmq.PUB)
         self._replay: zmq.Socket | None = None
         try:
