@@ -11,6 +11,7 @@ recording with ``metrics.scrape`` events), with checkpoints every
 from __future__ import annotations
 
 import asyncio
+import bisect
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -115,6 +116,7 @@ class ReplicaTimeline:
         if not self.sources:
             raise ValueError("the recording holds no metrics.scrape events (record one with `monitor record URL`)")
         self.positions = [i for i, e in enumerate(self.events) if isinstance(e, MetricsScrape)]
+        self.times = [self.events[i].t for i in self.positions]
         self.checkpoint_every = max(1, checkpoint_every)
         self._checkpoints: dict[int, dict[str, ReplicaState]] = {}
         states = self._fresh()
@@ -136,6 +138,10 @@ class ReplicaTimeline:
     @property
     def t(self) -> float:
         return self.events[self.positions[self.position]].t
+
+    def position_at(self, t: float) -> int:
+        """The last scrape at or before time ``t``."""
+        return max(0, bisect.bisect_right(self.times, t) - 1)
 
     def seek(self, k: int) -> dict[str, ReplicaState]:
         k = max(0, min(k, len(self.positions) - 1))

@@ -31,6 +31,7 @@ from monitor.widgets.replica_panel import ReplicaPanel
 from monitor.widgets.title_bar import middle_cut
 
 TICK_S = 0.25
+PLAY_SPEED = 10.0  # recorded seconds per second of replay (kvscope's replay starts at 10 steps/s)
 
 
 class ReplicaScreen(Screen[None]):
@@ -72,10 +73,12 @@ class FleetApp(App[str | None]):
     """
     TITLE = "kvscope monitor"
     BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("space", "toggle_play", "play/pause", key_display="space"),
         Binding("period", "step(1)", "±1 scrape", key_display="."),
         Binding("comma", "step(-1)", "±1 scrape", key_display=",", show=False),
-        Binding("home", "seek_to(0)", "start", show=False),
-        Binding("end", "seek_to(-1)", "end", show=False),
+        # priority: the fleet table would take home/end to scroll itself
+        Binding("home", "seek_to(0)", "start", show=False, priority=True),
+        Binding("end", "seek_to(-1)", "end", show=False, priority=True),
         Binding("q", "quit", "quit"),
     ]
 
@@ -96,6 +99,8 @@ class FleetApp(App[str | None]):
                 self.states[source].kind = kind
         self.gpu = gpu
         self.detail = detail
+        self.playing = False  # replay: advancing through the recording at PLAY_SPEED times its pace
+        self._play_t = 0.0  # the playback clock, in recorded seconds
         self.source_name = source_name or (f"fleet of {len(self.states)}" if len(self.states) > 1 else names[0])
 
     @property
@@ -127,6 +132,14 @@ class FleetApp(App[str | None]):
     def _tick(self) -> None:
         if self.feed is not None and fold_into(self.states, self.feed.drain()):
             self.refresh_screens()
+        elif self.playing and self.timeline is not None:
+            # PLAY_SPEED times the recording's own pace, on a playback clock of recorded time.
+            self._play_t = max(self._play_t, self.timeline.t) + TICK_S * PLAY_SPEED
+            target = self.timeline.position_at(self._play_t)
+            if self.timeline.position >= len(self.timeline) - 1:
+                self.playing = False
+            elif target > self.timeline.position:
+                self._show(target)
 
     def _open_screen(self, source: str) -> None:
         kind = self.states[source].kind if source in self.states else ""
@@ -138,8 +151,8 @@ class FleetApp(App[str | None]):
         live = sum(1 for s in states if s.status == LIVE)
         text = Text(f"kvscope monitor · {middle_cut(self.source_name, 60)}  ")
         if self.timeline is not None:
-            text.append(f"replay scrape {self.timeline.position + 1}/{len(self.timeline)} · t={self.timeline.t:.1f} s",
-                        style="bold cyan")
+            text.append(f"{'▶ playing' if self.playing else '⏸ replay'} scrape {self.timeline.position + 1}/"
+                        f"{len(self.timeline)} · t={self.timeline.t:.1f} s", style="bold cyan")
         else:
             text.append(f"● {live}/{len(states)} live", style="bold green" if live == len(states) else "bold yellow")
         return text
@@ -190,9 +203,14 @@ class FleetApp(App[str | None]):
         self.action_open()
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if action in ("step", "seek_to"):
+        if action in ("step", "seek_to", "toggle_play"):
             return self.timeline is not None
         return True
+
+    def action_toggle_play(self) -> None:
+        self.playing = not self.playing
+        if self.playing and self.timeline is not None:
+            self._play_t = self.timeline.t
 
     def action_step(self, delta: int) -> None:
         if self.timeline is not None:

@@ -186,3 +186,23 @@ def test_gpu_screen_against_the_ledger_snapshot(snap_compare, size: tuple[int, i
     """kvscope's dashboard, key G: the recording's ledger (llama-3.1-8b on an H100) set
     against device 0's used memory; device 1 has no ledger."""
     assert snap_compare(_gpu_screen_app(), terminal_size=size, press=["G"])
+
+
+def test_recording_plays_and_seeks() -> None:
+    timeline = _recorded_fleet()  # scrapes 0, 20.4, 47.6 and 73.2 s apart, gpu-c down at 60 s
+    app = FleetApp(timeline=timeline, gpu=None, source_name="fleet.jsonl")
+
+    async def run() -> None:
+        async with app.run_test(size=(120, 40)) as pilot:
+            await pilot.press("end")
+            assert timeline.position == len(timeline) - 1 and app.states["http://gpu-a:8000"].scrapes == 4
+            await pilot.press("home", "period")
+            assert timeline.position == 1 and app.states["http://gpu-a:8000"].scrapes == 1
+            await pilot.press("space")  # 10x the recording's pace: 2.5 recorded seconds a tick
+            await until(pilot, lambda: timeline.position == 2, timeout_s=5)  # t 0.1 -> 0.2 s
+            assert app.playing
+            await pilot.press("end", "comma")  # the last scrape but one (73.2 s): it plays to the end and stops
+            await until(pilot, lambda: not app.playing, timeout_s=5)
+            assert timeline.position == len(timeline) - 1
+
+    asyncio.run(run())
