@@ -10,9 +10,14 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.cli.program import program, run_program
 from engine.errors import UserError
+
+if TYPE_CHECKING:  # the monitor's modules load only once arguments parse
+    from monitor.external import KvEndpoint
+    from monitor.gpu import GpuReader
 
 SUBCOMMANDS = ("follow", "replay", "vllm", "record")
 
@@ -62,7 +67,7 @@ def _check_polling(args: argparse.Namespace) -> None:
         raise UserError(f"--interval {args.interval:g} / --timeout {args.timeout:g}: both must be positive seconds")
 
 
-def _gpu_reader(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _gpu_reader(args: argparse.Namespace) -> GpuReader | None:
     from monitor.gpu import NvmlReader, RecordedGpuReader
 
     if getattr(args, "no_gpu", False):
@@ -70,7 +75,7 @@ def _gpu_reader(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return RecordedGpuReader.load(args.gpu_readings) if getattr(args, "gpu_readings", None) else NvmlReader()
 
 
-def _kv(args: argparse.Namespace, source: str) -> list:  # type: ignore[type-arg]
+def _kv(args: argparse.Namespace, source: str) -> list[KvEndpoint]:
     from monitor.external import KvEndpoint
     from monitor.kv_events import check_endpoint
 
@@ -95,7 +100,7 @@ def follow(args: argparse.Namespace) -> int:
     return _run_fleet(args, urls, {u: k for u, k in kinds.items() if k in (KVSCOPE, VLLM)})
 
 
-def _follow_kvscope(url: str, api_key: str | None, gpu=None) -> int:  # type: ignore[no-untyped-def]
+def _follow_kvscope(url: str, api_key: str | None, gpu: GpuReader | None = None) -> int:
     from monitor.app import MonitorApp  # Textual loads only once arguments parse
     from monitor.sources import HttpFeed
 
@@ -104,7 +109,7 @@ def _follow_kvscope(url: str, api_key: str | None, gpu=None) -> int:  # type: ig
 
 
 def _run_fleet(args: argparse.Namespace, urls: list[str], kinds: dict[str, str], detail: str | None = None,
-               kv: list | None = None) -> int:  # type: ignore[type-arg]
+               kv: list[KvEndpoint] | None = None) -> int:
     """The fleet view; Enter on a kvscope replica opens its full dashboard, and quitting
     that comes back to the fleet (its states kept, its pollers restarted)."""
     from monitor.external import ExternalFeed

@@ -37,7 +37,7 @@ PLAY_SPEED = 10.0  # recorded seconds per second of replay (kvscope's replay sta
 class ReplicaScreen(Screen[None]):
     """One replica's dashboard from outside: its metrics, its cached prefixes, the GPUs."""
 
-    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "app.pop_screen", "fleet"),
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "app.fleet", "fleet"),
                                               Binding("q", "app.quit", "quit")]
 
     def __init__(self, source: str, gpu: GpuReader | None = None, kind: str = "") -> None:
@@ -181,7 +181,9 @@ class FleetApp(App[str | None]):
             Text("Enter: a replica's dashboard (kvscope: its own full dashboard) · K kvscope, V vLLM · "
                  "a DP rank (vLLM's engine label) is a row of its own", style="dim"))
 
-    def on_screen_resume(self) -> None:
+    def action_fleet(self) -> None:
+        """From a replica's screen back to the fleet, drawn at once (a replay has no tick to wait for)."""
+        self.pop_screen()
         self.refresh_screens()
 
     # ---------------------------------------------------------------- actions

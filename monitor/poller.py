@@ -55,7 +55,7 @@ async def detect_kind(client: httpx.AsyncClient, url: str) -> str:
                 return KVSCOPE
         r = await client.get(url + "/metrics")
     except httpx.HTTPError as exc:
-        raise UserError(f"{url}: {_reason(exc, 5.0)}") from exc
+        raise UserError(f"{url}: {_reason(exc, client.timeout.connect or 0.0)}") from exc
     if r.status_code == 200 and has_vllm_families(r.text):
         return VLLM
     raise UserError(f"{url}: neither a kvscope /events stream nor vLLM's families at /metrics (HTTP {r.status_code})")
