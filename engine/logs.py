@@ -35,12 +35,24 @@ def vllm_line(_logger: Any, _method: str, event_dict: dict[str, Any]) -> str:
     return f"{level} {stamp} [{where}] {message}" + (f" {extras}" if extras else "")
 
 
+class _CurrentStderr:
+    """Whatever ``sys.stderr`` is when a line is written, not when logging was set up:
+    a redirected or replaced stderr (a test's capture, a daemon's reopen) is followed,
+    and a closed one left behind is never written to."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(fmt: str = "auto", level: str = "info", stream: Any = None) -> None:
     """``fmt``: ``auto`` or ``text`` (vLLM's line format, on a tty and a pipe alike) or
     ``json`` (one JSON object per line, ISO timestamps). Safe to call again; the
     latest call wins."""
     global _configured, _stream
-    stream = stream or sys.stderr
+    stream = stream or _CurrentStderr()
     _stream = stream
     if fmt in ("auto", "console"):
         fmt = "text"
@@ -62,7 +74,7 @@ def configure_logging(fmt: str = "auto", level: str = "info", stream: Any = None
 
 def console_stream() -> Any:
     """The stream log lines go to (stderr unless configured otherwise)."""
-    return _stream if _stream is not None else sys.stderr
+    return sys.stderr if _stream is None or isinstance(_stream, _CurrentStderr) else _stream
 
 
 def get_logger(name: str = "kvscope") -> Any:
