@@ -11,6 +11,7 @@ the GPU reader's snapshots. Enter on a kvscope replica ends the app with its URL
 
 from __future__ import annotations
 
+import time
 from typing import ClassVar
 
 from rich.text import Text
@@ -31,6 +32,9 @@ from monitor.widgets.replica_panel import ReplicaPanel
 from monitor.widgets.title_bar import middle_cut
 
 TICK_S = 0.25
+# Live screens redraw at most this often: eight replicas' scrapes arrive spread over each second,
+# and a redraw per arrival was most of the fleet view's CPU.
+REFRESH_S = 1.0
 PLAY_SPEED = 10.0  # recorded seconds per second of replay (kvscope's replay starts at 10 steps/s)
 
 
@@ -85,7 +89,7 @@ class FleetApp(App[str | None]):
     def __init__(self, sources: list[str] | None = None, *, feed: ExternalFeed | None = None,
                  timeline: ReplicaTimeline | None = None, gpu: GpuReader | None = None, detail: str | None = None,
                  states: dict[str, ReplicaState] | None = None, kinds: dict[str, str] | None = None,
-                 source_name: str = "") -> None:
+                 source_name: str = "", refresh_s: float = REFRESH_S) -> None:
         if (feed is None) == (timeline is None):
             raise ValueError("FleetApp needs exactly one of feed= or timeline=")
         super().__init__()
@@ -99,6 +103,9 @@ class FleetApp(App[str | None]):
                 self.states[source].kind = kind
         self.gpu = gpu
         self.detail = detail
+        self.refresh_s = refresh_s
+        self._dirty = False  # live: folded events not drawn yet
+        self._drawn_at = 0.0
         self.playing = False  # replay: advancing through the recording at PLAY_SPEED times its pace
         self._play_t = 0.0  # the playback clock, in recorded seconds
         self.source_name = source_name or (f"fleet of {len(self.states)}" if len(self.states) > 1 else names[0])
@@ -130,8 +137,12 @@ class FleetApp(App[str | None]):
 
     # ------------------------------------------------------------------- data
     def _tick(self) -> None:
-        if self.feed is not None and fold_into(self.states, self.feed.drain()):
-            self.refresh_screens()
+        if self.feed is not None:
+            self._dirty = fold_into(self.states, self.feed.drain()) or self._dirty
+            now = time.monotonic()
+            if self._dirty and now - self._drawn_at >= self.refresh_s:
+                self._dirty, self._drawn_at = False, now
+                self.refresh_screens()
         elif self.playing and self.timeline is not None:
             # PLAY_SPEED times the recording's own pace, on a playback clock of recorded time.
             self._play_t = max(self._play_t, self.timeline.t) + TICK_S * PLAY_SPEED

@@ -107,6 +107,14 @@ class EngineMetrics:
         return int(value) if value.isdigit() else 0
 
 
+# Every sample name parse_metrics reads; the rest of an exposition is skipped unparsed.
+READ_NAMES = frozenset(
+    [name for names in (*GAUGES.values(), *COUNTERS.values()) for name in names]
+    + [f"{base}_{part}" for base in HISTOGRAMS.values() for part in ("bucket", "sum", "count")]
+    + ["vllm:cache_config_info"]
+)
+
+
 def has_vllm_families(text: str) -> bool:
     """Whether ``text`` is a Prometheus exposition with vLLM's families in it."""
     return "vllm:num_requests_running" in text or "vllm:num_requests_waiting" in text
@@ -126,16 +134,19 @@ def strip_exposition(text: str) -> str:
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
-def iter_samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
+def iter_samples(text: str, names: frozenset[str] | None = None) -> Iterator[tuple[str, dict[str, str], float]]:
     """(name, labels, value) of every ``vllm:`` sample line, in order. A plain line
     reader (the exposition's sample grammar: ``name{k="v",...} value [timestamp]``):
     prometheus_client's parser builds a family object per metric and costs about ten
-    times as much, which is most of a fleet's polling CPU. Raises ``ValueError`` with
-    the line for a sample that does not parse."""
+    times as much, which is most of a fleet's polling CPU. ``names`` (optional) keeps
+    only those samples, unparsed lines of other families skipped. Raises ``ValueError``
+    with the line for a sample that does not parse."""
     for line in text.splitlines():
         if not line.startswith(VLLM_PREFIX):
             continue
         brace = line.find("{")
+        if names is not None and (line[:brace] if brace >= 0 else line.split(" ", 1)[0]) not in names:
+            continue  # a family nobody reads: skip its labels
         if brace >= 0:
             close = line.rfind("}")
             if close < brace:
@@ -165,9 +176,7 @@ def parse_metrics(text: str) -> dict[str, EngineMetrics]:
     counter_names = {name: key for key, names in COUNTERS.items() for name in names}
     histogram_names = {name: key for key, name in HISTOGRAMS.items()}
     seen: dict[tuple[str, str], str] = {}  # (engine, field) -> the wire name that set it
-    for name, labels, value in iter_samples(text):
-        if name.endswith("_created"):
-            continue
+    for name, labels, value in iter_samples(text, READ_NAMES):
         engine_label = labels.get("engine", DEFAULT_ENGINE)
         metrics = engines.get(engine_label)
         if metrics is None:

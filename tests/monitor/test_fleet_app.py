@@ -65,7 +65,8 @@ def test_fleet_live_vllm_dashboard_and_a_replica_down_and_back() -> None:
     publisher = KvPublisher()
     feed = ExternalFeed([vllm.url, kvscope.url], interval_s=0.1, timeout_s=0.5, max_retry_s=0.2,
                         kv=[KvEndpoint(vllm.url, publisher.endpoint, publisher.replay_endpoint)])
-    app = FleetApp(feed=feed, kinds={vllm.url: VLLM, kvscope.url: KVSCOPE}, gpu=RecordedGpuReader.load(NVML_READINGS))
+    app = FleetApp(feed=feed, kinds={vllm.url: VLLM, kvscope.url: KVSCOPE}, gpu=RecordedGpuReader.load(NVML_READINGS),
+                   refresh_s=0.25)
 
     async def run() -> None:
         async with app.run_test(size=(200, 50)) as pilot:
