@@ -108,6 +108,8 @@ class FleetApp(App[str | None]):
         self._drawn_at = 0.0
         self.playing = False  # replay: advancing through the recording at PLAY_SPEED times its pace
         self._play_t = 0.0  # the playback clock, in recorded seconds
+        if not self.states:
+            raise ValueError("FleetApp needs at least one source")
         self.source_name = source_name or (f"fleet of {len(self.states)}" if len(self.states) > 1 else names[0])
 
     @property
