@@ -136,6 +136,7 @@ def test_too_long_prompt_fails_before_compute_with_the_numbers(recorded) -> None
     assert not any(isinstance(e, StepEvent) for e in events[before:])
 
 
+@pytest.mark.slow  # ~20 s of folding every step's table; tests/events and the monitor's seek tests fold recordings in the default suite
 def test_folding_events_rebuilds_the_block_table_at_every_step(recorded) -> None:
     """64 requests on a pool too small for them all: preemptions happen, and at
     every step the fold of the events equals the KV manager's own table."""

@@ -128,4 +128,10 @@ def _parse(buf: mmap.mmap, path: Path) -> GGUFHeader:
     alignment = metadata.get("general.alignment", 32)
     if not isinstance(alignment, int) or alignment <= 0:
         raise UserError(f"{path}: GGUF general.alignment is {alignment!r}, not a positive integer")
-    return GGUFHeader(metadata, tensors, (pos + alignment - 1) // alignment * alignment)
+    data_start = (pos + alignment - 1) // alignment * alignment
+    if tensors:
+        last = max(tensors, key=lambda t: t.offset)
+        if data_start + last.offset >= len(buf):
+            raise UserError(f"{path}: cut short: {len(buf):,} bytes, but tensor {last.name} starts at byte "
+                            f"{data_start + last.offset:,}; copy or download the file again")
+    return GGUFHeader(metadata, tensors, data_start)

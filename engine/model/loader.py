@@ -88,6 +88,7 @@ def iter_gguf_tensors(path: Path, config: ModelConfig) -> Iterator[tuple[str, np
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
+    read_gguf_header(path)  # milliseconds: a cut-short file is named before GGUFReader's seconds
     try:
         reader = GGUFReader(str(path))
     except Exception as exc:  # the reader raises ValueError/struct.error/OSError on garbage

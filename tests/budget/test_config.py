@@ -55,6 +55,7 @@ def test_aliases() -> None:
     assert load_model_config("meta-llama/Llama-3.1-8B-Instruct").name == "llama-3.1-8b"
 
 
+@pytest.mark.slow  # gguf.GGUFReader itself takes ~7 s on the vocabulary
 def test_gguf_header_agrees_with_gguf_reader() -> None:
     """The fast header parser (startup reads shapes with it) against the gguf
     package's reader, key by key and tensor by tensor, on the bundled file."""

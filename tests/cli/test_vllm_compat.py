@@ -71,6 +71,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.skipif(bundled_gguf_path() is None, reason="the bundled SmolLM2 GGUF is not installed")
+@pytest.mark.slow  # a server of its own, ~15 s; tests/test_logs.py checks the line format
 def test_served_with_vllm_flags_logs_like_vllm(tmp_path: Path, smollm_tokenizer) -> None:  # type: ignore[no-untyped-def]
     template = tmp_path / "chat.jinja"
     template.write_text(TEMPLATE)

@@ -6,6 +6,8 @@ random (default_rng(123)) so prompts share no prefix.
 
 from __future__ import annotations
 
+import pytest
+
 from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sim.driver import background_workload, run_driver
 
@@ -21,6 +23,7 @@ def test_sixty_requests_on_the_h100_pool() -> None:
     assert round(result.peak_blocks_used / cfg.num_blocks * 100, 1) == 26.1
 
 
+@pytest.mark.slow  # ~7 s; tests/sim/test_simulate.py runs the same forty requests through the simulator
 def test_forty_long_requests_on_a_small_pool_preempt_but_all_finish() -> None:
     cfg = SchedulerConfig(
         num_blocks=20_000, block_size=16, max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=32_768

@@ -64,6 +64,7 @@ def test_mixed_prefill_and_decode_step_matches_separate_steps(smollm_runner_fp32
     assert (mixed["b"] - alone_b).abs().max().item() < TOLERANCE
 
 
+@pytest.mark.slow  # 17 greedy generations, ~16 s; the mixed-batch tests above cover batching in the default suite
 def test_batch_of_16_matches_each_alone_greedy(greedy_generate, smollm_tokenizer) -> None:
     prompts = [chat(smollm_tokenizer, p) for p in PROMPTS]
     batched = greedy_generate(prompts, 8)

@@ -196,7 +196,8 @@ async def test_the_title_bar_cuts_the_source_never_the_connection_state() -> Non
         # the live state hides the replay keys: the footer recomposes, which can take more than
         # 0.2 s on a loaded machine; wait (at most 5 s) until it has laid its keys out again
         for _ in range(50):
-            if all(key.region.width > 0 for key in app.query(FooterKey)):
+            keys = list(app.query(FooterKey))
+            if keys and all(key.region.width > 0 for key in keys):  # recomposing: no keys at all for a moment
                 break
             await pilot.pause(0.1)
         _assert_footer_complete(app, 120, replay=False)
