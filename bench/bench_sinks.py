@@ -24,6 +24,9 @@ exporter (and the KV cache events sink, :class:`engine.events.kv_publisher.KVEve
 with block contents recorded), the driver's steps/s with it subscribed and without, in ``--pairs``
 interleaved runs of seed-60 (order alternating; process CPU time, so other load on
 a shared machine does not count), the median of the pairs' ratios and best against best.
+Last (``--engine-pairs``, 0 to skip): the issue's real goal, every sink on together
+(JSONL, metrics-all, stats, OTLP, Perfetto, KV cache events on a PUB socket) against all
+off on the real engine (the bundled model, 8 requests decoding 32 tokens), interleaved.
 """
 
 from __future__ import annotations
@@ -213,10 +216,65 @@ def measure(repeats: int = 3) -> list[dict[str, object]]:
     return rows
 
 
+def _all_sinks() -> list[Sink]:
+    return [make() for name, make in sink_factories().items() if name not in ("none", "metrics")] + [_kv_events_sink()]
+
+
+def engine_pairs(pairs: int) -> dict[str, object]:
+    """The real engine's steps/s (wall clock: run it on a quiet machine) with every sink
+    subscribed and with none, ``pairs`` times, alternating which runs first. Block
+    contents are recorded in both (vLLM's enable_kv_cache_events, with no publisher of the
+    engine's own), so the pair differs only by the sinks."""
+    from engine.core.sampling_params import SamplingParams
+    from engine.events.kv_events_config import KVEventsConfig
+    from engine.llm import LLM
+
+    llm = LLM(threads=2, stats_interval=0.0, kv_cache_memory_bytes=1 << 28, max_model_len=1024,
+              kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"))
+    prompts = [" ".join(f"word{i}-{j}" for j in range(24)) for i in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    llm.generate(prompts[:2], params)  # warm
+
+    def run(with_sinks: bool) -> float:
+        steps = [0]
+
+        def count(event: Event) -> None:
+            if isinstance(event, StepEvent):
+                steps[0] += 1
+
+        sinks = [*(_all_sinks() if with_sinks else []), count]
+        for sink in sinks:
+            llm.engine.bus.subscribe(sink)
+        start = time.perf_counter()
+        llm.generate(prompts, params)
+        for sink in sinks:
+            flush = getattr(sink, "flush", None)
+            if flush is not None:
+                flush()
+        elapsed = time.perf_counter() - start
+        for sink in sinks:
+            llm.engine.bus.unsubscribe(sink)
+            close = getattr(sink, "close", None)
+            if close is not None:
+                close()
+        return steps[0] / elapsed
+
+    off: list[float] = []
+    on: list[float] = []
+    for pair in range(pairs):
+        for with_sinks in ((False, True) if pair % 2 == 0 else (True, False)):
+            (on if with_sinks else off).append(run(with_sinks))
+    ratios = [b / a for a, b in zip(off, on, strict=True)]
+    return {"steps_per_s_off": round(statistics.median(off), 2), "steps_per_s_on": round(statistics.median(on), 2),
+            "per_pair_ratios": [round(r, 4) for r in ratios], "median_ratio": round(statistics.median(ratios), 4),
+            "pairs": pairs, "clock": "wall", "goal": ">= 0.99"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--pairs", type=int, default=5, help="interleaved with/without runs per exporter")
+    parser.add_argument("--engine-pairs", type=int, default=5, help="all sinks on/off pairs on the real engine")
     args = parser.parse_args(argv)
     for row in measure(args.repeats):
         print(json.dumps(row))
@@ -226,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     # not in the per-event table: its facts exist only in runs that record block contents
     print(json.dumps({"trace": "seed-60", "sink": "kv-events",
                       **steps_per_s_interleaved(_kv_events_sink, args.pairs, kv_cache_events=True)}))
+    if args.engine_pairs:
+        print(json.dumps({"trace": "engine 8x32 tokens", "sink": "all on vs all off", **engine_pairs(args.engine_pairs)}))
     return 0
 
 
