@@ -56,6 +56,10 @@ def replan(facts: RunFacts, **changes: Any) -> MemoryPlan | None:
     new_tokens = int(flags["max_num_batched_tokens"] or old_tokens)
     seqs = int(flags["max_num_seqs"] or 256)
     activation = profile.activation_peak_bytes if profile is not None else None
+    weights_measured = weights.weights_bytes if weights is not None else None
+    if tp != int(facts.flag("tensor_parallel_size", 1) or 1):
+        # The run measured one rank's slice: another split is estimated from the shapes (and says so).
+        weights_measured = activation = None
     if activation is not None and new_tokens != old_tokens:
         old_est = estimate_activation_peak_bytes(model, old_tokens, seqs, dtype, tp)
         activation = int(activation * estimate_activation_peak_bytes(model, new_tokens, seqs, dtype, tp) / old_est)
@@ -66,6 +70,6 @@ def replan(facts: RunFacts, **changes: Any) -> MemoryPlan | None:
         gpu_memory_utilization=float(flags["gpu_memory_utilization"] or budget.gpu_memory_utilization or 0.9),
         max_model_len=int(kv.max_model_len or facts.flag("max_model_len") or model.max_position_embeddings),
         block_size=facts.block_size, kv_cache_dtype=str(flags["kv_cache_dtype"] or "auto"), dtype=dtype,
-        tensor_parallel_size=tp, weights=weights.weights_bytes if weights is not None else None,
+        tensor_parallel_size=tp, weights=weights_measured,
         activation_peak=activation, non_torch=profile.non_torch_bytes if profile is not None else None,
         kv_cache_memory_bytes=fixed_pool, max_num_batched_tokens=new_tokens, max_num_seqs=seqs, check_fits=False)

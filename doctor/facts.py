@@ -48,6 +48,8 @@ class StepRow:
     preempted: list[str]
     evicted: list[int]
     num_finished: int
+    collective_s: float = 0.0  # tensor parallelism: all-reduce/gather time inside the step
+    collective_bytes: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -148,7 +150,8 @@ class RunFacts:
             num_prefill_tokens=e.num_prefill_tokens, num_decode_tokens=e.num_decode_tokens,
             num_running=e.num_running, num_waiting=e.num_waiting,
             kv_blocks_used=e.kv_blocks_used_forward or e.kv_blocks_used, kv_blocks_total=e.kv_blocks_total,
-            prefills=prefills, preempted=list(e.preempted), evicted=list(e.evicted), num_finished=len(e.finished)))
+            prefills=prefills, preempted=list(e.preempted), evicted=list(e.evicted), num_finished=len(e.finished),
+            collective_s=e.collective_s, collective_bytes=e.collective_bytes))
         for rid in e.new:
             hit_blocks = self._request(rid).prefix_hit_tokens // self.block_size
             self.prefix_blocks.update(e.allocated.get(rid, [])[:hit_blocks])

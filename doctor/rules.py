@@ -10,7 +10,8 @@ metrics that cover most diagnoses): startup refused because the context does not
 fit, out of memory at startup, the pool binds (KV usage near 1.0 with
 preemptions), ``--max-num-seqs`` binds (queue grows with low KV usage), latency
 spikes when long documents arrive, decode starved by prefill, TTFT rising while
-the token budget binds, and a low prefix-cache hit rate with a shared prefix.
+the token budget binds, a low prefix-cache hit rate with a shared prefix, and poor
+scaling with tensor parallelism (collectives dominating the step).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ STARVED_FACTOR = 2.0  # ... where a step is at least this many times the decode-
 STORM_REPEATS = 3  # one request preempted this often is a storm (critical)
 TTFT_RISE = 2.0  # last third's median TTFT over the first third's
 MAX_UTILIZATION_ADVISED = 0.95  # above this, graph capture and other processes run out of room
+TP_COLLECTIVE_SHARE = 0.25  # collectives taking this share of step time: the split costs more than it saves
 
 
 @dataclass(slots=True)
@@ -510,8 +512,57 @@ def prefix_cache_low(facts: RunFacts) -> Iterable[Finding]:
                    "missed_after_eviction": len(after)})
 
 
+# ------------------------------------------------------------------ tensor parallelism
+def _divisors_below(n: int) -> list[int]:
+    return [k for k in range(1, n) if n % k == 0]
+
+
+def tp_scaling(facts: RunFacts) -> Iterable[Finding]:
+    """Poor scaling with tensor parallelism: the per-layer all-reduces take a large share
+    of every step (a slow interconnect, or a model too small to split). The fix is the
+    background's rule, the smallest tensor-parallel size that fits, found through the
+    budget formula."""
+    tp = int(facts.flag("tensor_parallel_size", 1) or 1)
+    steps = [s for s in facts.steps if s.collective_s > 0 and s.duration_s > 0]
+    if tp < 2 or len(steps) < MIN_BINDING_STEPS:
+        return
+    total = sum(s.duration_s for s in steps)
+    share = sum(s.collective_s for s in steps) / total
+    if share < TP_COLLECTIVE_SHARE:
+        return
+    median_collective = statistics.median(s.collective_s for s in steps)
+    median_step = statistics.median(s.duration_s for s in steps)
+    median_kib = statistics.median(s.collective_bytes for s in steps) / 1024
+    evidence = [f"{_steps(steps[0].index, steps[-1].index)}: collectives took {share:.0%} of step time at "
+                f"--tensor-parallel-size {tp} (median {_ms(median_collective)} of a {_ms(median_step)} step, "
+                f"{median_kib:,.0f} KiB exchanged per step)"]
+    fixes: list[Fix] = []
+    max_len = int(facts.kv_cache.max_model_len) if facts.kv_cache is not None and facts.kv_cache.max_model_len else 0
+    for k in _divisors_below(tp):
+        plan = replan(facts, tensor_parallel_size=k)
+        if plan is None:
+            break
+        if plan.kv_cache_tokens >= max(max_len, 1) and plan.kv_pool_bytes > 0:
+            fixes.append(Fix("--tensor-parallel-size", tp, k,
+                             f"the smallest size that fits: {plan.weights_bytes / GiB:,.2f} GiB of weights per "
+                             f"device (from the shapes) and a pool of {plan.kv_cache_tokens:,} tokens, "
+                             f"{plan.max_concurrency:,.2f}x --max-model-len {plan.max_model_len:,}; run "
+                             f"{tp // k} replicas of it (data parallel) instead of one split {tp} ways",
+                             numbers={"kv_cache_tokens": plan.kv_cache_tokens, "weights_bytes": plan.weights_bytes}))
+            break
+    if not fixes:
+        fixes.append(Fix("--tensor-parallel-size", tp, None,
+                         "no smaller size holds one --max-model-len request here: keep the split and give it a "
+                         "faster link between devices (NVLink rather than PCIe or host memory)"))
+    yield Finding("tp_scaling", WARNING, "tensor parallelism scales poorly: collectives dominate the step",
+                  evidence, "every layer ends in an all-reduce across the ranks; when the link is slow or each "
+                  "rank's share of the work is small, the exchange costs more than the split saves",
+                  fixes, steps[0].index, steps[-1].index,
+                  {"collective_share": share, "tensor_parallel_size": tp, "median_collective_s": median_collective})
+
+
 RULES: tuple[Rule, ...] = (startup_refused, startup_oom, pool_binds, max_num_seqs_binds, long_prompt_spikes,
-                           decode_starved, ttft_token_budget, prefix_cache_low)
+                           decode_starved, ttft_token_budget, prefix_cache_low, tp_scaling)
 
 
 def diagnose(facts: RunFacts) -> list[Finding]:

@@ -139,3 +139,36 @@ def test_free_memory_below_the_request_in_a_vllm_log() -> None:
     assert (f.rule, f.severity) == ("startup_oom", CRITICAL)
     assert f.evidence[0] == "line 1: only 1.54 of 22.05 GiB free at startup, but 0.9 x 22.05 = 19.84 GiB requested"
     assert f.fixes[0].why.startswith("--gpu-memory-utilization 0.06 fits the 1.54 GiB free now")
+
+
+def test_tp_scaling_proposes_the_smallest_size_that_fits() -> None:
+    """A healthy run's facts as if split two ways with the collectives taking 40 % of
+    every step (what `make bench`'s TP=2 on this CPU shows): the finding quotes the share
+    and the bytes, and the fix is TP=1 through the budget formula, because it fits."""
+    import copy
+    import dataclasses
+
+    split = copy.deepcopy(facts("healthy"))
+    split.config["tensor_parallel_size"] = 2
+    split.steps = [dataclasses.replace(s, collective_s=0.4 * s.duration_s, collective_bytes=700 * 1024)
+                   for s in split.steps]
+    f = finding_in(split, "tp_scaling")
+    assert f.severity == WARNING and f.numbers["tensor_parallel_size"] == 2
+    assert abs(f.numbers["collective_share"] - 0.4) < 1e-9
+    assert "collectives took 40% of step time at --tensor-parallel-size 2" in f.evidence[0]
+    assert "700 KiB exchanged per step" in f.evidence[0]
+    tp = fix_for(f, "--tensor-parallel-size")
+    one = replan(split, tensor_parallel_size=1)
+    assert (tp.current, tp.proposed) == (2, 1) and tp.numbers["kv_cache_tokens"] == one.kv_cache_tokens > 0
+    assert "activation_peak" in one.estimated  # another split: the rank's measured peak is not reused
+    # the same run with cheap collectives, or unsplit, says nothing
+    cheap = copy.deepcopy(split)
+    cheap.steps = [dataclasses.replace(s, collective_s=0.05 * s.duration_s) for s in split.steps]
+    assert "tp_scaling" not in {x.rule for x in diagnose(cheap)}
+    assert "tp_scaling" not in {x.rule for x in diagnose(facts("healthy"))}
+
+
+def finding_in(run: RunFacts, rule: str) -> Finding:
+    found = {f.rule: f for f in diagnose(run)}
+    assert rule in found, f"expected {rule}, found {sorted(found)}"
+    return found[rule]
