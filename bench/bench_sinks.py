@@ -26,7 +26,7 @@ interleaved runs of seed-60 (order alternating; process CPU time, so other load 
 a shared machine does not count), the median of the pairs' ratios and best against best.
 Last (``--engine-pairs``, 0 to skip): the issue's real goal, every sink on together
 (JSONL, metrics-all, stats, OTLP, Perfetto, KV cache events on a PUB socket) against all
-off on the real engine (the bundled model, 8 requests decoding 32 tokens), interleaved.
+off on the real engine (the bundled model, 16 requests decoding 64 tokens), interleaved.
 """
 
 from __future__ import annotations
@@ -231,9 +231,9 @@ def engine_pairs(pairs: int) -> dict[str, object]:
 
     llm = LLM(threads=2, stats_interval=0.0, kv_cache_memory_bytes=1 << 28, max_model_len=1024,
               kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"))
-    prompts = [" ".join(f"word{i}-{j}" for j in range(24)) for i in range(8)]
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    llm.generate(prompts[:2], params)  # warm
+    prompts = [" ".join(f"word{i}-{j}" for j in range(24)) for i in range(16)]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    llm.generate(prompts, params)  # warm: the first full batch pays one-off allocations
 
     def run(with_sinks: bool) -> float:
         steps = [0]
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"trace": "seed-60", "sink": "kv-events",
                       **steps_per_s_interleaved(_kv_events_sink, args.pairs, kv_cache_events=True)}))
     if args.engine_pairs:
-        print(json.dumps({"trace": "engine 8x32 tokens", "sink": "all on vs all off", **engine_pairs(args.engine_pairs)}))
+        print(json.dumps({"trace": "engine 16x64 tokens", "sink": "all on vs all off", **engine_pairs(args.engine_pairs)}))
     return 0
 
 
