@@ -18,6 +18,7 @@ from logparse.patterns import FIGURE_NAMES
 # logparse's check ids under the doctor's rule names (the same failure, read from a log).
 RULE_OF_CHECK = {"max_seq_len_exceeds_kv": "startup_refused", "no_cache_blocks": "startup_refused",
                  "free_below_request": "startup_oom", "oom": "startup_oom", "oom_sampler": "startup_oom",
+                 "oom_graph_capture": "startup_oom",
                  "preemption": "pool_binds"}
 CAUSES = {"startup_refused": "the pool cannot hold one --max-model-len request: lower the context, raise the memory "
                              "cap, use an fp8 KV cache or add tensor parallelism",

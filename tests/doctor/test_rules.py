@@ -172,3 +172,14 @@ def finding_in(run: RunFacts, rule: str) -> Finding:
     found = {f.rule: f for f in diagnose(run)}
     assert rule in found, f"expected {rule}, found {sorted(found)}"
     return found[rule]
+
+
+def test_engine_doctor_reads_the_graph_capture_oom_as_its_startup_oom_rule(tmp_path) -> None:
+    from tests.logparse.test_vllm_0_3x import GRAPH_OOM
+
+    log = tmp_path / "graph-oom.log"
+    log.write_text(GRAPH_OOM)
+    (finding,) = [f for f in diagnose_log(log) if f.numbers["check"] == "oom_graph_capture"]
+    assert finding.rule == "startup_oom" and finding.severity == "critical"
+    assert [fix.flag for fix in finding.fixes] == ["--gpu-memory-utilization", "--enforce-eager",
+                                                   "--max-cudagraph-capture-size"]
