@@ -45,10 +45,13 @@ lint: setup
 	@# The package layering (engine never imports monitor/logparse, ...): AST only, no torch loaded.
 	$(BIN)/python -m pytest -q -p no:cacheprovider --noconftest tests/test_import_rules.py
 
-# The pure core, the event layer, the budget and the kernel cache (settings in pyproject.toml).
+# The pure core, the event layer, the budget, the kernel cache, the doctor's rules and the monitor's
+# readers of other servers (settings in pyproject.toml).
 TYPECHECKED := engine/core engine/events engine/budget/memory.py engine/budget/ledger.py \
 	engine/model/gguf_header.py engine/model/cpu_caps.py engine/model/kernels/build.py \
-	engine/model/profile_cache.py engine/cli/program.py engine/cli/vllm_flags.py
+	engine/model/profile_cache.py engine/cli/program.py engine/cli/vllm_flags.py \
+	doctor/facts.py doctor/rules.py doctor/budget.py \
+	monitor/prometheus.py monitor/kv_events.py monitor/replica.py monitor/poller.py monitor/gpu.py
 
 typecheck: setup
 	$(BIN)/mypy $(TYPECHECKED)

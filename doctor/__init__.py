@@ -1,0 +1,10 @@
+"""``engine doctor``: findings with the fix in numbers, over events, live servers and vLLM logs.
+
+- ``facts``: the fold of events into ``RunFacts`` (what the rules read)
+- ``rules``: one function per failure mode, and ``diagnose``
+- ``budget``: the run's memory plan rebuilt from its startup events, with changed flags
+- ``remedies``: the simulator's what-if for each fix
+- ``inputs``: recordings, live ``/events`` streams, vLLM logs as ``RunFacts``
+- ``vllm_log``: logparse's checks worded as findings
+- ``report``, ``cli``: the text/JSON report and the command behind the ``kvscope.doctor`` entry point
+"""
