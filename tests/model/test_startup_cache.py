@@ -50,6 +50,7 @@ def test_cache_off_reads_the_file(smollm_config, monkeypatch: pytest.MonkeyPatch
     assert weights_path(Path(smollm_config.path), torch.float32) is None
 
 
+@pytest.mark.slow  # a cold BPE build from the GGUF vocabulary, ~7 s; every start reads the cached one
 def test_cached_tokenizer_matches_the_gguf_build(smollm_config, smollm_tokenizer, tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))

@@ -22,6 +22,7 @@ MESSAGES = [
 ]
 
 
+@pytest.mark.slow  # transformers' own GGUF tokenizer takes ~9 s to build (make test-slow)
 @pytest.mark.parametrize("text", TRICKY)
 def test_encoding_matches_transformers(text: str, smollm_tokenizer, hf_gguf_tokenizer) -> None:
     ours = smollm_tokenizer.encode(text)
@@ -34,6 +35,7 @@ def test_digits_are_single_tokens_as_in_smollm2s_own_tokenizer(smollm_tokenizer)
     assert [smollm_tokenizer.id_to_token(i) for i in ids] == ["2", "0", "2", "4"]
 
 
+@pytest.mark.slow  # transformers' GGUF tokenizer, as above
 def test_chat_template_matches_transformers(smollm_tokenizer, hf_gguf_tokenizer) -> None:
     for add in (True, False):
         ours = smollm_tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=add)
