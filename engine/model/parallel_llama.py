@@ -130,21 +130,18 @@ class TensorParallelLlama(LlamaForCausalLM):
         """Fill this rank's slices from the dequantized-weights cache entry a one-rank
         start wrote (whole fused tensors); False when absent or of other shapes. A
         sharded model never writes the cache: the entry stays the whole model's."""
-        from safetensors import safe_open
+        from engine.model.startup_cache import load_cached_tensors
 
-        if not path.is_file():
+        cached = load_cached_tensors(path)
+        if cached is None:
             return False
+        tensors, _ = cached
         whole, parts = self._whole_parameter_parts()
         shapes = {n: tuple(p.shape) for n, p in whole.named_parameters()}
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                if set(handle.keys()) != set(shapes):
-                    return False
-                for name, shape in shapes.items():
-                    tensor = handle.get_tensor(name)
-                    if tuple(tensor.shape) != shape or tensor.dtype != self.dtype:
-                        return False
-                    self._load_whole_parameter(parts[name], tensor)
-        except Exception:  # a corrupt entry is a cache miss, never a failed start
+        if set(tensors) != set(shapes):
             return False
+        if any(tuple(tensors[n].shape) != shape or tensors[n].dtype != self.dtype for n, shape in shapes.items()):
+            return False
+        for name in shapes:
+            self._load_whole_parameter(parts[name], tensors[name])
         return True

@@ -149,41 +149,6 @@ def mapped_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, s
     return out, metadata
 
 
-def load_cached_weights(model: torch.nn.Module, path: Path) -> bool:
-    """Point ``model``'s parameters at a cache entry's mapped tensors; False if absent or unusable."""
-    if not path.is_file():
-        return False
-    touch(path)
-    params = dict(model.named_parameters())
-    try:
-        tensors, _ = mapped_safetensors(path)
-        if set(tensors) != set(params):
-            return False
-        if any(tensors[n].shape != p.shape or tensors[n].dtype != p.dtype for n, p in params.items()):
-            return False
-        for name, param in params.items():
-            param.data = tensors[name]
-    except Exception:  # a corrupt entry is a cache miss, never a failed start
-        return False
-    return True
-
-
-def save_cached_weights(model: torch.nn.Module, path: Path) -> None:
-    from safetensors.torch import save_file
-
-    tensors = {name: p.detach().contiguous() for name, p in model.named_parameters()}
-    atomic_write(path, lambda tmp: save_file(tensors, tmp))
-    prune_cache(keep=path)
-
-
-# ---------------------------------------------------------------------- quantized blocks
-def quantized_path(source: Path, dtype: torch.dtype, method: str, layout: str) -> Path | None:
-    """The entry of a GGUF's quantized copies (``layout`` names what changes their bytes:
-    the interleaving and the kernel layout version)."""
-    root = cache_dir()
-    return None if root is None else root / f"{cache_key(source, str(dtype), 'quantized', method, layout)}.safetensors"
-
-
 def load_cached_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
     """A mapped entry and its metadata, or None when absent or unreadable (a miss)."""
     if not path.is_file():
@@ -191,7 +156,7 @@ def load_cached_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, 
     touch(path)
     try:
         return mapped_safetensors(path)
-    except Exception:
+    except Exception:  # a corrupt entry is a cache miss, never a failed start
         return None
 
 
@@ -201,6 +166,34 @@ def save_cached_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: 
     flat = {name: t.contiguous() for name, t in tensors.items()}
     atomic_write(path, lambda tmp: save_file(flat, tmp, metadata=metadata))
     prune_cache(keep=path)
+
+
+def load_cached_weights(model: torch.nn.Module, path: Path) -> bool:
+    """Point ``model``'s parameters at a cache entry's mapped tensors; False if absent or unusable."""
+    cached = load_cached_tensors(path)
+    if cached is None:
+        return False
+    tensors, _ = cached
+    params = dict(model.named_parameters())
+    if set(tensors) != set(params):
+        return False
+    if any(tensors[n].shape != p.shape or tensors[n].dtype != p.dtype for n, p in params.items()):
+        return False
+    for name, param in params.items():
+        param.data = tensors[name]
+    return True
+
+
+def save_cached_weights(model: torch.nn.Module, path: Path) -> None:
+    save_cached_tensors(path, {name: p.detach() for name, p in model.named_parameters()}, {})
+
+
+# ---------------------------------------------------------------------- quantized blocks
+def quantized_path(source: Path, dtype: torch.dtype, method: str, layout: str) -> Path | None:
+    """The entry of a GGUF's quantized copies (``layout`` names what changes their bytes:
+    the interleaving and the kernel layout version)."""
+    root = cache_dir()
+    return None if root is None else root / f"{cache_key(source, str(dtype), 'quantized', method, layout)}.safetensors"
 
 
 # ---------------------------------------------------------------------- tokenizer
