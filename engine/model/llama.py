@@ -303,12 +303,16 @@ class LlamaForCausalLM(nn.Module):
                 + ("(GEMV at every batch size)" if gemv_rows >= cpu_layer.MAX_ROWS
                    else f"(GEMV up to {gemv_rows} rows, float GEMM above)"))
 
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The LM head: the embedding itself when the model ties them."""
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._gemv_pending:
             self.resolve_gemv()
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return linear_maybe_quantized(self, hidden, "head", head).float()
+        return linear_maybe_quantized(self, hidden, "head", self.head_weight).float()
 
     # ------------------------------------------------------------------ quantization
     @torch.no_grad()
@@ -328,7 +332,7 @@ class LlamaForCausalLM(nn.Module):
         blocks_by_name = gguf_blocks or {}
         head_name = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
         targets: list[tuple[nn.Module, str, torch.Tensor, tuple[str, ...]]] = [
-            (self, "head", self.embed_tokens if self.lm_head is None else self.lm_head, (head_name,))
+            (self, "head", self.head_weight, (head_name,))
         ]
         for index, layer in enumerate(self.layers):
             targets.extend((layer, name, getattr(layer, name),
@@ -392,16 +396,16 @@ class LlamaForCausalLM(nn.Module):
                 if key not in tensors:
                     continue
                 fmt, _, source = formats.get(key, "").partition(" ")
-                weight = (self.embed_tokens if self.lm_head is None else self.lm_head) if name == "head" \
-                    else getattr(module, name)
+                weight = self.head_weight if name == "head" else getattr(module, name)
                 blocks = tensors[key]
                 expected = (weight.shape[0], weight.shape[1] // cpu_gemv.QK * cpu_gemv.BLOCK_BYTES.get(fmt, 0))
                 if fmt not in _BUFFER_SUFFIX or blocks.dtype != torch.uint8 or tuple(blocks.shape) != expected:
                     return None
                 plan.append((module, name, QuantizedLinear(blocks, fmt, source)))
-        if len(plan) + int(formats.get("float", "0")) != 1 + len(self.layers) * len(_PROJECTIONS):
+        kept_float = int(formats.get("float", "0"))
+        if len(plan) + kept_float != 1 + len(self.layers) * len(_PROJECTIONS):
             return None
-        counts: dict[str, int] = {"float": int(formats["float"])} if int(formats.get("float", "0")) else {}
+        counts: dict[str, int] = {"float": kept_float} if kept_float else {}
         for module, name, entry in plan:
             self._install_quantized(module, name, entry, counts)
         self._gemv_pending = True

@@ -65,8 +65,7 @@ class TensorParallelLlama(LlamaForCausalLM):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
         """Rank 0: ``[rows, vocab]`` float32, every rank's columns gathered; other ranks: None."""
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        logits = self.tp.gather_to_driver(F.linear(hidden, head).float())
+        logits = self.tp.gather_to_driver(F.linear(hidden, self.head_weight).float())
         return None if logits is None else logits[:, : self.full_config.vocab_size]
 
     # ------------------------------------------------------------------ weights
