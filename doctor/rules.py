@@ -537,12 +537,11 @@ def tp_scaling(facts: RunFacts) -> Iterable[Finding]:
                 f"--tensor-parallel-size {tp} (median {_ms(median_collective)} of a {_ms(median_step)} step, "
                 f"{median_kib:,.0f} KiB exchanged per step)"]
     fixes: list[Fix] = []
-    max_len = int(facts.kv_cache.max_model_len) if facts.kv_cache is not None and facts.kv_cache.max_model_len else 0
     for k in _divisors_below(tp):
         plan = replan(facts, tensor_parallel_size=k)
         if plan is None:
             break
-        if plan.kv_cache_tokens >= max(max_len, 1) and plan.kv_pool_bytes > 0:
+        if plan.kv_cache_tokens >= max(plan.max_model_len, 1):
             fixes.append(Fix("--tensor-parallel-size", tp, k,
                              f"the smallest size that fits: {plan.weights_bytes / GiB:,.2f} GiB of weights per "
                              f"device (from the shapes) and a pool of {plan.kv_cache_tokens:,} tokens, "
