@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, TextIO
 
+import msgspec
+
 SCHEMA_NAME = "kvscope.events"
 SCHEMA_VERSION = 1
 
@@ -456,17 +458,23 @@ class EventBus:
 
 # ------------------------------------------------------------------------ JSONL
 def _json_default(obj: Any) -> Any:
+    """What msgspec cannot encode by itself (it does dicts, lists, tuples, sets,
+    dataclasses): paths as strings, numpy/torch scalars as numbers, the rest as text."""
     if isinstance(obj, Path):
         return str(obj)
-    if isinstance(obj, set | frozenset | tuple):
-        return list(obj)
-    if hasattr(obj, "item"):  # numpy / torch scalars
+    if hasattr(obj, "item"):
         return obj.item()
     return str(obj)
 
 
+# msgspec, not json: a step event with a full batch encodes ~5x faster, and every sink
+# that writes events (the JSONL file, the server's /events history) pays it per event.
+# Compact, UTF-8 as is, floats in shortest round-trip form; a NaN becomes null.
+_ENCODER = msgspec.json.Encoder(enc_hook=_json_default)
+
+
 def dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"), default=_json_default, ensure_ascii=False)
+    return _ENCODER.encode(obj).decode()
 
 
 def header(config: dict[str, Any] | None = None, started_unix: float | None = None) -> dict[str, Any]:

@@ -4,11 +4,13 @@ real event stream and read back with prometheus_client's own text parser."""
 from __future__ import annotations
 
 import pytest
-from prometheus_client import CollectorRegistry
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.events import Event, EventBus, RequestArrived, RequestFinished, RequestFirstToken
-from engine.events.metrics import PrometheusMetrics, build_1_2_5_buckets
+from engine.events.metrics import PrometheusMetrics, build_1_2_5_buckets, observe_many
 from tests.scripted_events import MAX_MODEL_LEN, NUM_BLOCKS, new_bus, run_script
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -336,3 +338,28 @@ def test_driver_run_counts_agree_with_the_driver_result() -> None:
     assert sample_value(f, "vllm:num_requests_running", "vllm:num_requests_running") == 0
     assert sample_value(f, "vllm:kv_cache_usage_perc", "vllm:kv_cache_usage_perc") == 0
     assert metrics.tokens.num_live == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(min_value=0.0, max_value=2e3, allow_nan=False), max_size=80))
+def test_observe_many_is_observe_of_each_value(latencies: list[float]) -> None:
+    """The batched observe behind the inter-token latency histograms renders the same
+    buckets and count as prometheus_client's observe of each value (the sum to rounding),
+    including values on a bucket's bound and past the last finite one."""
+    buckets = (0.01, 0.025, 0.05, 0.1, 1.0, 2.5)
+    latencies = [*latencies, 0.05, 2.5, 0.0]  # on bounds: `le` includes the bound
+    one_by_one, batched = CollectorRegistry(), CollectorRegistry()
+    single = Histogram("itl", "d", ["m"], registry=one_by_one, buckets=buckets).labels("x")
+    many = Histogram("itl", "d", ["m"], registry=batched, buckets=buckets).labels("x")
+    for value in latencies:
+        single.observe(value)
+    observe_many(many, latencies)
+
+    def samples(registry: CollectorRegistry) -> dict[tuple[str, str], float]:
+        return {(s.name, s.labels.get("le", "")): s.value for f in registry.collect() for s in f.samples
+                if not s.name.endswith("_created")}
+
+    expected, got = samples(one_by_one), samples(batched)
+    assert expected.keys() == got.keys()
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, rel=1e-9, abs=1e-9), key
