@@ -249,6 +249,33 @@ def test_a_stuck_subscriber_never_blocks_a_step_and_drops_are_counted(
         sink.close()
 
 
+def test_an_idle_publisher_is_woken_by_the_next_batch_and_answers_replays(
+    recorded: tuple[list[Event], Scheduler],
+) -> None:
+    """An idle publisher thread sleeps in its poll (no periodic wake-ups); the next batch
+    wakes it through the pipe, long before its idle timeout would, and a replay request
+    that arrives while it sleeps is answered."""
+    from engine.events.kv_publisher import IDLE_POLL_MS
+
+    events, _ = recorded
+    steps = [e for e in events if isinstance(e, StepEvent) and e.cached_runs]
+    sink = KVEventsSink(_config(replay_endpoint="tcp://127.0.0.1:*"), model_name="m")
+    try:
+        sink(steps[0])
+        assert sink.flush()
+        time.sleep(0.2)  # idle now: without the wake, the next batch would wait for the timeout
+        start = time.perf_counter()
+        sink(steps[1])
+        assert sink.publisher.wait_sent(2, timeout=IDLE_POLL_MS / 1000 * 0.6), "the idle thread was not woken"
+        assert time.perf_counter() - start < IDLE_POLL_MS / 1000 * 0.6
+        replay_endpoint = sink.publisher.replay_endpoint
+        assert replay_endpoint is not None
+        assert [seq for seq, _ in _replay(replay_endpoint, 0)] == [0, 1]
+    finally:
+        sink.close()
+    assert not sink.publisher._thread.is_alive(), "close() stops a sleeping thread"
+
+
 def test_kv_events_config_takes_vllm_names_and_defaults() -> None:
     default = KVEventsConfig()
     assert (default.enable_kv_cache_events, default.publisher, default.endpoint, default.replay_endpoint,
