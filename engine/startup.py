@@ -48,6 +48,7 @@ from engine.events.phase_data import (
     ProfileRunData,
     ReadyData,
 )
+from engine.gc_policy import restore_collections
 from engine.logs import get_logger
 from engine.model import profile_cache
 from engine.model.cpu_caps import CpuCapabilities, DtypeChoice, choose_cpu_dtype, detect
@@ -343,6 +344,7 @@ def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, i
             _cpu_phase_f(f, s, runner, kernels, bus)
     with phases.phase("G") as g:
         g.record = ReadyData(startup_seconds=sum(phases.seconds.values()), pid=os.getpid())
+    restore_collections()  # the objects startup made are made: collect at the usual rate again
     scheduler_config = SchedulerConfig.from_flags(s.config.to_dict(), num_blocks=plan.num_blocks,
                                                   max_model_len=s.max_model_len)
     return StartupResult(s.config, s.model, s.device, runner, tokenizer, plan, scheduler_config,

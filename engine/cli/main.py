@@ -11,9 +11,13 @@ import pkgutil
 import sys
 from collections.abc import Sequence
 
-import engine.cli.commands
-from engine.cli.program import program, run_program
-from engine.cli.vllm_flags import explain_unknown
+from engine.gc_policy import defer_collections
+
+defer_collections()  # before a command loads torch: see engine/gc_policy.py
+
+import engine.cli.commands  # noqa: E402
+from engine.cli.program import program, run_program  # noqa: E402
+from engine.cli.vllm_flags import explain_unknown  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

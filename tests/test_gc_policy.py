@@ -1,0 +1,36 @@
+"""engine/gc_policy.py: collections are deferred while starting, never turned off,
+and the thresholds come back exactly."""
+
+from __future__ import annotations
+
+import gc
+
+from engine.gc_policy import STARTUP_GEN0_THRESHOLD, defer_collections, restore_collections
+
+
+def test_deferring_raises_only_the_young_threshold_and_restoring_puts_it_back() -> None:
+    restore_collections()  # importing engine.llm or engine.cli.main deferred them already
+    before = gc.get_threshold()
+    try:
+        defer_collections()
+        defer_collections()  # idempotent: the second call must not save the raised values
+        assert gc.get_threshold() == (max(STARTUP_GEN0_THRESHOLD, before[0]), before[1], before[2])
+        assert gc.isenabled()
+        restore_collections()
+        assert gc.get_threshold() == before
+        restore_collections()  # nothing deferred: a no-op
+        assert gc.get_threshold() == before
+    finally:
+        gc.set_threshold(*before)
+
+
+def test_an_engine_start_restores_the_thresholds() -> None:
+    """The entry points defer collection before torch loads; phase G's end restores it."""
+    from engine.llm import LLM
+
+    restore_collections()
+    default = gc.get_threshold()
+    defer_collections()
+    llm = LLM(load_format="dummy", max_model_len=256, kv_cache_memory_bytes=1 << 24, stats_interval=0.0)
+    assert llm.engine is not None
+    assert gc.get_threshold() == default
