@@ -48,7 +48,7 @@ The engine report has: medians and per-repetition values for each engine and wor
 output tok/s; single: decode tok/s after the first token; prefill-500: prompt tok/s to the first token),
 kvscope/peer ratios per repetition, a verdict table (batch-16/64 output tok/s >= 1.0x vLLM-CPU, batch-64
 TTFT p99 <= vLLM-CPU's, single-stream decode >= 1.0x llama.cpp on the same Q4_1 GGUF, warm startup to
-ready <= 3 s), warm startup (fresh processes, caches warm: the second of two starts, launch to ready with
+ready <= 3 s), warm startup (fresh processes, caches warm: the median of five starts after a first, launch to ready with
 the interpreter and imports included), and the distance to the limit (decode step vs weight bytes read /
 measured read bandwidth; prefill vs FLOPs / measured GEMM peak in the dtype used, fp32 and bf16 both
 measured). kvscope runs `--dtype auto` (fp32 on AVX2, bf16 where the CPU has AVX512-BF16/AMX) and vLLM-CPU
