@@ -26,7 +26,8 @@ interleaved runs of seed-60 (order alternating; process CPU time, so other load 
 a shared machine does not count), the median of the pairs' ratios and best against best.
 Last (``--engine-pairs``, 0 to skip): the issue's real goal, every sink on together
 (JSONL, metrics-all, stats, OTLP, Perfetto, KV cache events on a PUB socket) against all
-off on the real engine (the bundled model, 16 requests decoding 64 tokens), interleaved.
+off on the real engine (the bundled model, 16 requests decoding 64 tokens), interleaved,
+at each of ``--engine-threads``, with the cost bound of :func:`engine_pairs`.
 """
 
 from __future__ import annotations
@@ -254,13 +255,15 @@ def engine_pairs(pairs: int, threads: int = 2, requests: int = 16, output_len: i
     enable_kv_cache_events, with no publisher of the engine's own), so a pair differs
     only by the sinks.
 
-    Three readings of the same runs: steps per wall second (what a user sees; on a shared
-    2-core machine its run-to-run noise is several percent, larger than the effect),
-    steps per process CPU second (every thread of the process, the sinks' own publisher
-    and exporter threads included; with ``threads=1`` torch has no spinning pool threads
-    and this clock's noise is a fraction of a percent) and, in the runs with sinks, the
-    engine-thread seconds spent inside each sink, whose share of the run bounds what
-    the sinks cost the step loop."""
+    Three readings of the same runs: steps per wall second (what a user sees), steps per
+    process CPU second (every thread of the process, the sinks' own publisher and exporter
+    threads included) and, in the runs with sinks, what the sinks themselves cost: the
+    engine-thread seconds inside each sink plus the CPU seconds of the threads the sinks
+    started (the OTLP batch processor, the KV events publisher, ZMQ's I/O threads).
+    ``cost_bounds``: per run with sinks, one minus those seconds over the run's wall time,
+    the step loop's speed if every one of them had been taken from it. On a shared 2-core
+    machine both on/off ratios move with the machine's speed, by up to 15 % from one run
+    to the next at either thread count, far more than the effect; the bound does not."""
     from engine.core.sampling_params import SamplingParams
     from engine.events.kv_events_config import KVEventsConfig
     from engine.llm import LLM

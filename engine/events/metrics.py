@@ -136,7 +136,6 @@ def _resolved_max_model_len(event: EngineConfigEvent) -> int | None:
     return int(value) if value else None
 
 
-
 def observe_many(histogram: Histogram, amounts: Sequence[float]) -> None:
     """``histogram.observe(a)`` for every ``a``, the same counts and sum, with each bucket
     touched once: prometheus_client's observe walks the bounds and takes two locks per
@@ -148,6 +147,7 @@ def observe_many(histogram: Histogram, amounts: Sequence[float]) -> None:
     for index, count in collections.Counter(bisect.bisect_left(bounds, a) for a in amounts).items():
         histogram._buckets[index].inc(count)
     histogram._sum.inc(sum(amounts))
+
 
 class PrometheusMetrics:
     """Bus subscriber that keeps vLLM V1's metric families in ``registry``.
