@@ -44,7 +44,8 @@ class Sampler:
         temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
         logits = logits / temperature[:, None]
 
-        top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
+        # A top_k past the vocabulary means no limit (vLLM clamps it too): never a wider tensor than the logits.
+        top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
         top_p = [p.top_p for p in params]
         if min(top_k) < vocab or min(top_p) < 1.0:
             # When every row has a top-k limit, only the first max(k) ranks can

@@ -40,6 +40,11 @@ class EngineDead(Exception):
     """The engine thread stopped (a crash or shutdown)."""
 
 
+class RequestFailed(Exception):
+    """This request failed inside the engine (its sampling or detokenising raised);
+    the engine goes on with every other request."""
+
+
 class RequestStream:
     """One request's outputs, delivered on the event loop that submitted it.
 
@@ -170,6 +175,11 @@ class AsyncEngine:
     @property
     def alive(self) -> bool:
         return self.ready and self._thread.is_alive()
+
+    @property
+    def error(self) -> BaseException | None:
+        """What stopped the engine thread after startup (None while it runs or after a clean stop)."""
+        return self._error
 
     @property
     def draining(self) -> bool:

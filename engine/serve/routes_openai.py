@@ -20,7 +20,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.errors import UserError
 from engine.llm_engine import RequestOutput
 from engine.logs import get_logger
-from engine.serve.async_engine import EngineDead, Overloaded, RequestStream
+from engine.serve.async_engine import EngineDead, Overloaded, RequestFailed, RequestStream
 from engine.serve.host import EngineHost
 from engine.serve.protocol import (
     APIError,
@@ -153,9 +153,12 @@ async def _submit(host: EngineHost, prompt_ids: list[int], params: SamplingParam
 # --------------------------------------------------------- whole answers
 async def _final_output(stream: RequestStream) -> RequestOutput:
     last: RequestOutput | None = None
-    async with contextlib.aclosing(stream.outputs()) as outputs:
-        async for output in outputs:
-            last = output
+    try:
+        async with contextlib.aclosing(stream.outputs()) as outputs:
+            async for output in outputs:
+                last = output
+    except RequestFailed as exc:  # this request only: the engine serves the others on
+        raise APIError(500, str(exc), type_="internal_error") from None
     assert last is not None and last.finished
     return last
 
@@ -201,7 +204,7 @@ async def _stream_chunks(stream: RequestStream, include_usage: bool, continuous_
                     yield sse(chunk(out, _usage(stream, out) if continuous_usage else None))
         if include_usage and last is not None:
             yield sse(chunk(None, _usage(stream, last)))
-    except (EngineDead, UserError) as exc:
+    except (EngineDead, RequestFailed, UserError) as exc:
         yield sse(json.dumps(APIError(500, str(exc), type_="internal_error").body()))
     yield "data: [DONE]\n\n"
 
