@@ -1,7 +1,8 @@
 """``engine replay``: re-run the scheduler from a recording and compare decisions.
 
 A recording (JSONL events, from the real engine or ``engine simulate``) holds the
-flags (header ``config``, phase E's ``num_blocks``), every arrival, abort and
+flags (the ``engine.config`` event's, resolved; the header's as given), phase E's
+``num_blocks``, every arrival, abort and
 finish, and every step's decisions. Replay rebuilds a fresh
 :class:`~engine.core.scheduler.Scheduler` with those limits, feeds it the recorded
 arrivals and aborts at the recorded steps, and compares each step it takes with
@@ -38,6 +39,7 @@ from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.core.step_loop import ExecutedStep, run_step
 from engine.errors import UserError
 from engine.events import (
+    EngineConfigEvent,
     Event,
     Recording,
     RequestArrived,
@@ -96,16 +98,27 @@ def _phase_data(events: Iterable[Event]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def recorded_flags(rec: Recording) -> dict[str, Any]:
+    """The flags the recorded run used. The header's config holds the flags as given
+    (the sink writes it before startup resolves them); the ``engine.config`` event holds
+    them resolved, every ``auto`` and device default filled in (on CPU
+    ``max_num_batched_tokens`` 512, not the flag's 8,192), so its values win. Recordings
+    without that event (scripted scheduler runs) keep the header's."""
+    flags = dict(rec.config)
+    resolved = next((ev for ev in rec.events if isinstance(ev, EngineConfigEvent)), None)
+    if resolved is not None:
+        flags.update(resolved.config)
+    return flags
+
+
 def scheduler_config_from_recording(rec: Recording) -> SchedulerConfig:
-    """The scheduler limits a recording ran with: flags from the header's config,
-    pool size and block size from phase E (or the first step event)."""
-    cfg = dict(rec.config)
+    """The scheduler limits a recording ran with: the resolved flags
+    (:func:`recorded_flags`), pool size and block size from phase E (or the first
+    step event)."""
     if any(ev.type == "encoder.step" for ev in rec.events):
         raise UserError("the recording is of a vision-language model (it has encoder.step events): engine replay "
                         "does not rebuild its requests' images yet; simulate it again with engine simulate instead")
-    for ev in rec.events:
-        if ev.type == "engine.config" and not cfg:
-            cfg = dict(ev.config)  # type: ignore[attr-defined]
+    cfg = recorded_flags(rec)
     kv = KvCacheData.from_dict(_phase_data(rec.events).get("E", {}))
     first_step = next((ev for ev in rec.events if isinstance(ev, StepEvent)), None)
     num_blocks = kv.num_blocks or (cfg.get("simulation") or {}).get("num_blocks") or (
@@ -265,10 +278,11 @@ class Replayer:
         self.scheduler = Scheduler(self.config)
         self._prompts = _PromptBuilder(self.steps, self.config.block_size, recording.events)
         self._stop_at: dict[int, set[str]] = {}
+        self._fail_at: dict[int, set[str]] = {}  # requests whose own sampling/detokenising raised
         for step in self.steps:
-            stops = {rid for rid, reason in step.event.finished.items() if reason == "stop"}
-            if stops:
-                self._stop_at.setdefault(step.event.index, set()).update(stops)
+            for rid, reason in step.event.finished.items():
+                if reason in ("stop", "error"):
+                    (self._stop_at if reason == "stop" else self._fail_at).setdefault(step.event.index, set()).add(rid)
         self.position = 0  # recorded steps replayed so far
         self.last_replayed: StepEvent | None = None
 
@@ -287,10 +301,13 @@ class Replayer:
 
     def execute(self, output: SchedulerOutput, now: float) -> ExecutedStep:
         """The replay's executor: each sampling request answers the filler token, or
-        the stop token at the step where the recording stopped it."""
+        the stop token at the step where the recording stopped it, or fails where the
+        recording's request failed (finish reason ``error``)."""
         stops = self._stop_at.get(output.step_index, ())
+        fails = self._fail_at.get(output.step_index, ())
         return ExecutedStep({s.request.request_id: [STOP_TOKEN_ID if s.request.request_id in stops else FILLER_TOKEN_ID]
-                             for s in output.scheduled if s.samples}, now)
+                             for s in output.scheduled if s.samples},
+                            now, failed={rid: "recorded" for rid in fails})
 
     def step(self) -> tuple[StepEvent, StepEvent]:
         """Replay the next recorded step: (recorded, replayed)."""
