@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from engine.budget.config import EngineConfig
-from engine.core.request import FINISH_REASONS, Request
+from engine.core.request import FINISH_REASONS, Request, RequestStatus
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.step_loop import ExecutedStep, run_step
@@ -24,7 +24,7 @@ from engine.errors import UserError
 from engine.events import EventBus, JsonlSink
 from engine.events.progress import ProgressPrinter
 from engine.events.stats import StatsReporter
-from engine.logs import console_stream, get_logger
+from engine.logs import console_stream, get_logger, log_failure
 from engine.model.device import device_word
 from engine.model.runner import ScheduledSeq
 from engine.model.tokenizer import IncrementalDetokenizer
@@ -51,6 +51,7 @@ class RequestOutput:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None  # finish_reason "error": what failed (this request only)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -194,13 +195,16 @@ class LLMEngine:
                       ignore_eos=params.ignore_eos, arrival_time=self.now(), priority=priority, sampling=params)
         if self.config.log_prompts:
             req.prompt_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
-        rejected = self.scheduler.submit(req, req.arrival_time)
-        if rejected is not None:
-            raise UserError(f"request {rid} rejected: {rejected}")
-        self._detok[rid] = IncrementalDetokenizer(
+        # Everything that can fail is built before the scheduler holds the request: a
+        # failure here leaves no state behind.
+        detok = IncrementalDetokenizer(
             self.tokenizer, stop=params.stop, include_stop=params.include_stop_str_in_output,
             skip_special_tokens=params.skip_special_tokens, prompt_ids=prompt_ids,
         )
+        rejected = self.scheduler.submit(req, req.arrival_time)
+        if rejected is not None:
+            raise UserError(f"request {rid} rejected: {rejected}")
+        self._detok[rid] = detok
         return rid
 
     def abort(self, request_id: str) -> bool:
@@ -227,20 +231,28 @@ class LLMEngine:
         else:
             sampled_ids = self.runner.execute(batch) if batch else {}
         timings = self.runner.last_timings
+        failed = dict(self.runner.last_failed)
         deltas: dict[str, str] = {}
         stopped_by_string: set[str] = set()
         for rid, token in sampled_ids.items():
             detok = self._detok.get(rid)
             if detok is None:
                 continue
-            deltas[rid] = detok.add(token)
+            try:
+                deltas[rid] = detok.add(token)
+            except Exception as exc:  # this request's text only: the batch goes on
+                failed[rid] = f"detokenising failed: {type(exc).__name__}: {exc}"
+                log_failure("kvscope.engine", f"detokenising request {rid} failed; it ends with "
+                            "finish_reason 'error' and the rest of the batch goes on")
+                continue
             if detok.stop_reason is not None:
                 stopped_by_string.add(rid)
             if self.config.log_prompts:
                 self.scheduler.requests[rid].output_text = detok.text
         return ExecutedStep(
-            {rid: [tok] for rid, tok in sampled_ids.items()}, self.now(), stopped_by_string, deltas,
-            {"forward_s": timings.prepare_s + timings.forward_s, "sample_s": timings.sample_s, **collectives},
+            {rid: [tok] for rid, tok in sampled_ids.items() if rid not in failed}, self.now(), stopped_by_string,
+            deltas, {"forward_s": timings.prepare_s + timings.forward_s, "sample_s": timings.sample_s,
+                     **collectives}, failed=failed,
         )
 
     def _outputs(self, out: SchedulerOutput, executed: ExecutedStep, finished: list[Request]) -> list[RequestOutput]:
@@ -249,27 +261,39 @@ class LLMEngine:
         results: list[RequestOutput] = []
         for s in out.scheduled:
             rid = s.request_id
-            if rid not in sampled:
+            if rid not in sampled and rid not in executed.failed:
                 continue
             req = s.request
             detok = self._detok.get(rid)
             delta = deltas.get(rid, "")
             done = rid in finished_by_id
             if done and detok is not None:
-                delta += detok.finish()
                 self._detok.pop(rid, None)
+                if req.status is not RequestStatus.FINISHED_ERROR:
+                    delta += self._release_held_text(req, detok)
             results.append(RequestOutput(
                 request_id=rid,
                 prompt_token_ids=req.prompt_token_ids,
-                new_token_ids=sampled[rid],
+                new_token_ids=sampled.get(rid, []),
                 delta_text=delta,
                 token_ids=req.output_token_ids,
                 text=detok.text if detok is not None else "",
                 finished=done,
                 finish_reason=FINISH_REASONS.get(req.status) if done else None,
                 num_cached_tokens=max(req.num_cached_tokens, 0),
+                error=req.error if done else None,
             ))
         return results
+
+    @staticmethod
+    def _release_held_text(req: Request, detok: IncrementalDetokenizer) -> str:
+        """The text a finished request's detokeniser held back; a failure here loses only
+        that tail, logged (the request already finished with its tokens)."""
+        try:
+            return detok.finish()
+        except Exception:
+            log_failure("kvscope.engine", f"releasing the last text of request {req.request_id} failed")
+            return ""
 
     # ------------------------------------------------------------- shutdown
     def close(self) -> None:

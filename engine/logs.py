@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import traceback
 from typing import Any
 
 import structlog
@@ -81,3 +82,9 @@ def get_logger(name: str = "kvscope") -> Any:
     if _configured is None:
         configure_logging()
     return structlog.get_logger(name)
+
+
+def log_failure(name: str, message: str) -> None:
+    """An error line with the traceback of the exception being handled under it, as
+    vLLM's logger.exception prints it (a contained failure: the process goes on)."""
+    get_logger(name).error(f"{message}\n{traceback.format_exc().rstrip()}")

@@ -21,6 +21,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"  # this request's sampling or detokenising raised; the others go on
 
     @property
     def is_finished(self) -> bool:
@@ -28,7 +29,8 @@ class RequestStatus(enum.Enum):
 
 
 _FINISHED = frozenset(
-    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
+     RequestStatus.FINISHED_ERROR}
 )
 
 # The ``reason`` written in request.finished / step events.
@@ -36,6 +38,7 @@ FINISH_REASONS: dict[RequestStatus, str] = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",  # vLLM V1's FinishReason.ERROR
 }
 
 
@@ -65,6 +68,7 @@ class Request:
         "block_hashes",
         "block_ids",
         "eos_token_id",
+        "error",
         "finished_time",
         "first_scheduled_time",
         "first_token_time",
@@ -135,6 +139,7 @@ class Request:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.finished_time: float | None = None
+        self.error: str | None = None  # why it finished with reason "error"
         self.inter_token_latencies: list[float] = []
 
     # ---------------------------------------------------------------- derived

@@ -561,6 +561,7 @@ class Scheduler:
         sampled: dict[str, list[int]],
         now: float,
         stopped: set[str] | frozenset[str] = frozenset(),
+        failed: Mapping[str, str] | None = None,
     ) -> list[Request]:
         """Apply a step's sampled tokens; finish and free requests that stop.
 
@@ -568,7 +569,10 @@ class Scheduler:
         ``samples`` flag is set (mid-prefill chunks get none). ``stopped`` names
         requests whose text matched a stop string (only the caller, who owns the
         detokenizer, can tell): they finish with reason ``stop`` after their
-        tokens are appended. Requests aborted since ``schedule`` are skipped.
+        tokens are appended. ``failed`` maps the requests whose sampling or
+        detokenising raised to why: they finish with reason ``error`` (no token of
+        theirs is appended) and free their blocks; the rest of the batch goes on.
+        Requests aborted since ``schedule`` are skipped.
         Returns the requests finished in this call and completes ``output``
         (``finished``, post-step counts, block deltas).
         """
@@ -581,6 +585,11 @@ class Scheduler:
             req = s.request
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted after the step was scheduled
+            if failed and req.request_id in failed:
+                req.error = failed[req.request_id]
+                req.status = RequestStatus.FINISHED_ERROR
+                finished.append(req)
+                continue
             tokens = sampled.get(req.request_id)
             if not tokens:
                 raise KeyError(f"no sampled token for request {req.request_id!r}, which completed its prompt")
@@ -702,4 +711,5 @@ def finished_event(req: Request) -> RequestFinished:
         inference_time_s=(last - start) if last is not None and start is not None else 0.0,
         inter_token_latencies_s=list(req.inter_token_latencies),
         output_text=req.output_text,
+        error=req.error,
     )

@@ -36,6 +36,7 @@ class ExecutedStep:
     stopped: set[str] = field(default_factory=set)  # finished by a stop string
     text: dict[str, str] = field(default_factory=dict)  # request id -> new text (model executors)
     timings: Mapping[str, float] | None = None  # forward_s, sample_s, ... for the step event
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why its own sampling/detokenising raised
 
 
 class Executor(Protocol):
@@ -62,7 +63,8 @@ def run_step(scheduler: Scheduler, executor: Executor, bus: EventBus | None, now
     t1 = host_clock() if host_clock else 0.0
     executed = executor.execute(output, now)
     t2 = host_clock() if host_clock else 0.0
-    finished = scheduler.update_from_output(output, executed.sampled, executed.now, stopped=executed.stopped)
+    finished = scheduler.update_from_output(output, executed.sampled, executed.now, stopped=executed.stopped,
+                                           failed=executed.failed)
     timings = executed.timings
     if host_clock is not None:
         t3 = host_clock()

@@ -100,7 +100,7 @@ KV_CACHE_RESIDENCY_BUCKETS: tuple[float, ...] = (
 FALLBACK_MAX_MODEL_LEN = 8192
 
 # vLLM pre-creates a request_success series per FinishReason
-FINISHED_REASONS = ("stop", "length", "abort")
+FINISHED_REASONS = ("stop", "length", "abort", "error")
 
 # The cache_config_info labels of current vLLM (CacheConfig.metrics_info plus engine)
 CACHE_CONFIG_LABELS = (

@@ -178,9 +178,11 @@ class RequestPreempted(Event):
 
 @dataclass(slots=True)
 class RequestFinished(Event):
-    """A request left the engine. reason: ``stop`` | ``length`` | ``abort``."""
+    """A request left the engine. reason: ``stop`` | ``length`` | ``abort`` | ``error``
+    (its own sampling or detokenising raised; ``error`` says what)."""
 
     type: ClassVar[str] = "request.finished"
+    written_when_set: ClassVar[frozenset[str]] = frozenset({"error"})
     request_id: str = ""
     reason: str = "stop"
     prompt_tokens: int = 0
@@ -195,6 +197,7 @@ class RequestFinished(Event):
     inference_time_s: float = 0.0
     inter_token_latencies_s: list[float] = field(default_factory=list)
     output_text: str | None = None  # only with --log-prompts
+    error: str | None = None  # reason "error": the exception, in one line
 
 
 @dataclass(slots=True)

@@ -20,6 +20,7 @@ import torch
 from engine.budget.config import CANONICAL_DTYPE, ModelConfig
 from engine.core.sampling_params import SamplingParams
 from engine.errors import UserError
+from engine.logs import log_failure
 from engine.model.attention.base import AttentionMetadata, allocate_kv_cache
 from engine.model.attention.kv_quant import kv_cache_shape, kv_cache_torch_dtype
 from engine.model.attention.selector import get_attention_backend
@@ -124,6 +125,7 @@ class ModelRunner:
         self.sampler = Sampler(seed=seed)
         self.kv_caches: list[torch.Tensor] = []
         self.last_timings = StepTimings()
+        self.last_failed: dict[str, str] = {}  # request id -> why its sampling raised (the last execute)
         self.decode_graphs: DecodeGraphs | None = None  # captured in phase F on CUDA
 
     # ------------------------------------------------------------------ setup
@@ -260,11 +262,31 @@ class ModelRunner:
         if logits is None:
             return {}
         t0 = time.perf_counter()
-        tokens = self.sampler.sample(
-            logits, [s.sampling for s in prepared.sample_seqs], prepared.sample_positions
-        ).tolist()
+        seqs = prepared.sample_seqs
+        self.last_failed = {}
+        try:
+            tokens = self.sampler.sample(logits, [s.sampling for s in seqs], prepared.sample_positions).tolist()
+            sampled = {s.request_id: int(t) for s, t in zip(seqs, tokens, strict=True)}
+        except Exception:  # one row's parameters broke the batch: find it, keep the others
+            sampled = self._sample_rows_alone(logits, prepared)
         self.last_timings.sample_s = time.perf_counter() - t0
-        return {s.request_id: int(t) for s, t in zip(prepared.sample_seqs, tokens, strict=True)}
+        return sampled
+
+    def _sample_rows_alone(self, logits: torch.Tensor, prepared: PreparedBatch) -> dict[str, int]:
+        """Sample each row by itself after the batched call raised: a row that raises alone
+        goes into ``last_failed`` (request id -> the error in one line) and gets no token;
+        every other row is sampled as the batch would have sampled it."""
+        sampled: dict[str, int] = {}
+        for row, seq in enumerate(prepared.sample_seqs):
+            try:
+                token = self.sampler.sample(logits[row:row + 1], [seq.sampling],
+                                            prepared.sample_positions[row:row + 1])
+                sampled[seq.request_id] = int(token[0])
+            except Exception as exc:
+                self.last_failed[seq.request_id] = f"sampling failed: {type(exc).__name__}: {exc}"
+                log_failure("kvscope.engine", f"sampling request {seq.request_id} failed; it ends with "
+                            "finish_reason 'error' and the rest of the batch goes on")
+        return sampled
 
     def logits_for(self, batch: Sequence[ScheduledSeq]) -> dict[str, torch.Tensor]:
         """Like :meth:`execute` but returns each sampled sequence's logits (tests, scoring)."""

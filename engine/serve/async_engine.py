@@ -28,6 +28,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.errors import UserError
 from engine.events import EventBus
 from engine.llm_engine import LLMEngine, RequestOutput
+from engine.logs import log_failure
 
 IDLE_WAIT_S = 0.05  # how long an idle engine thread blocks on its command queue
 
@@ -319,6 +320,10 @@ class AsyncEngine:
             except UserError as exc:
                 stream.post_accepted(exc)
                 return False
+            except Exception as exc:  # a bug this request's input reached: it fails, the engine goes on
+                log_failure("kvscope.engine", f"adding request {stream.request_id} failed; the engine goes on")
+                stream.post_accepted(RequestFailed(f"the request could not be added: {type(exc).__name__}: {exc}"))
+                return False
             self._streams[stream.request_id] = stream
             stream.post_accepted(None)
             return False
@@ -338,7 +343,8 @@ class AsyncEngine:
                 continue
             if output.finished:
                 del self._streams[output.request_id]
-            stream.post(output)
+            stream.post(RequestFailed(f"the request failed in the engine ({output.error}); other requests "
+                                      "are unaffected") if output.error is not None else output)
 
 
 def _aborted_output(request_id: str, stream: RequestStream) -> RequestOutput:

@@ -148,6 +148,8 @@ async def _submit(host: EngineHost, prompt_ids: list[int], params: SamplingParam
         raise APIError(400, str(exc)) from None
     except EngineDead as exc:
         raise APIError(503, str(exc), type_="service_unavailable") from None
+    except RequestFailed as exc:  # this request only: the engine serves the others on
+        raise APIError(500, str(exc), type_="internal_error") from None
 
 
 # --------------------------------------------------------- whole answers
