@@ -301,7 +301,8 @@ class IncrementalDetokenizer:
     step, and holds back text ending in an incomplete UTF-8 sequence or in what
     could be the start of a stop string (:meth:`finish` releases it). After
     :meth:`add`, ``stop_reason`` is the matched stop string (the text is cut
-    there, the stop string kept only with ``include_stop``) or None.
+    there, the stop string kept only with ``include_stop``) or None. Stop strings
+    are found by a :class:`StopMatcher`, whose cost per token follows the new text.
     """
 
     def __init__(
@@ -314,6 +315,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
+        self.matcher = StopMatcher(self.stop) if self.stop else None
         self.include_stop = include_stop
         self.skip_special_tokens = skip_special_tokens
         # Seed the window with a few prompt tokens so a leading space decodes as in context.
@@ -338,29 +340,20 @@ class IncrementalDetokenizer:
             return ""
         delta = full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        before = len(self.text)
         self.text += delta
-        match = find_stop_string(self.text, self.stop, before)
+        if self.matcher is None:
+            return self._emit(len(self.text))
+        match = self.matcher.feed(self.text)
         if match is not None:
             index, stop = match
             self.stop_reason = stop
             self.text = self.text[: index + len(stop)] if self.include_stop else self.text[:index]
             return self._emit(len(self.text))
-        return self._emit(len(self.text) - self._partial_stop_suffix())
+        return self._emit(len(self.text) - self.matcher.held)
 
     def finish(self) -> str:
         """The text held back as a possible stop-string start; call when the request ends."""
         return self._emit(len(self.text))
-
-    def _partial_stop_suffix(self) -> int:
-        """Length of the longest tail of the text that could begin a stop string."""
-        longest = 0
-        for stop in self.stop:
-            for k in range(min(len(stop) - 1, len(self.text)), longest, -1):
-                if self.text.endswith(stop[:k]):
-                    longest = k
-                    break
-        return longest
 
     def _emit(self, end: int) -> str:
         if end <= self.emitted:
@@ -369,12 +362,73 @@ class IncrementalDetokenizer:
         return delta
 
 
-def find_stop_string(text: str, stops: Sequence[str], new_from: int = 0) -> tuple[int, str] | None:
-    """The earliest stop string in ``text`` that ends after ``new_from`` (where the new
-    text began), as ``(index, stop)``; stop strings may straddle the boundary."""
-    best: tuple[int, str] | None = None
-    for stop in stops:
-        index = text.find(stop, max(0, new_from - len(stop) + 1))
-        if index != -1 and (best is None or index < best[0]):
-            best = (index, stop)
-    return best
+class StopMatcher:
+    """Finds stop strings in a text that grows piece by piece, at a cost per piece that
+    follows the piece's length, not the number of stop strings.
+
+    One Aho-Corasick automaton (pyahocorasick, in C) over the stop strings. ``held`` is
+    the automaton's state after the text so far: the length of the longest tail of the
+    text that is a proper prefix of some stop string, which the caller holds back
+    because the next piece may complete it. A stop string that ends in a new piece
+    begins inside that tail or the piece, so :meth:`feed` searches only ``held`` + the
+    new piece and returns the earliest stop string that ends in the piece (lowest
+    start; on a tie the one listed first) as ``(index, stop)``, or None.
+
+    pyahocorasick does not expose its state, and its resumable search
+    (``AutomatonSearchIter.set``) corrupts the heap when the pieces mix BMP and astral
+    characters (an emoji after ASCII text; pyahocorasick issue #221, open in 2.3.1), so
+    each piece is searched by a fresh ``iter`` over that window and the new state is
+    found among the tails of the window, longest first, one trie walk each
+    (``longest_prefix``, in C). A tail that fails shortens ``held + new`` by one, so
+    the walks over a whole text number at most its length plus one per piece.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        stops = [s for s in stops if s]
+        if not stops:
+            raise ValueError("StopMatcher needs at least one non-empty stop string")
+        self.automaton = compile_stop_strings(tuple(stops))
+        self._max_held = max(len(s) for s in stops) - 1
+        self.fed = 0  # characters of the text searched so far
+        self.held = 0
+
+    def feed(self, text: str) -> tuple[int, str] | None:
+        """Search the part of ``text`` not fed yet (``text`` is the whole text so far:
+        earlier pieces unchanged, the new one appended)."""
+        end, old_end = len(text), self.fed
+        if end <= old_end:
+            return None
+        self.fed = end
+        window_start = old_end - self.held
+        window = text[window_start:]
+        best: tuple[int, int, str] | None = None
+        for last, (order, stop) in self.automaton.iter(window):
+            start = window_start + last - len(stop) + 1
+            if window_start + last >= old_end and (best is None or (start, order) < best[:2]):
+                best = (start, order, stop)
+        if best is not None:
+            return best[0], best[2]
+        longest_prefix = self.automaton.longest_prefix
+        held = 0
+        for begin in range(max(window_start, end - self._max_held), end):
+            if longest_prefix(text[begin:]) == end - begin:
+                held = end - begin
+                break
+        self.held = held
+        return None
+
+
+@lru_cache(maxsize=16)
+def compile_stop_strings(stops: tuple[str, ...]) -> Any:
+    """The Aho-Corasick automaton of ``stops`` (each word's value: ``(order, stop)``, the
+    first listing of a duplicate kept). Cached by the list, so a route can build it on a
+    worker thread before the engine thread needs it, and a list clients send with every
+    request is built once; read-only once built, so requests share it."""
+    import ahocorasick
+
+    automaton = ahocorasick.Automaton()
+    for order, stop in enumerate(stops):
+        if stop and not automaton.exists(stop):
+            automaton.add_word(stop, (order, stop))
+    automaton.make_automaton()
+    return automaton

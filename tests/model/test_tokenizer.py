@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.model.tokenizer import IncrementalDetokenizer, find_stop_string
+from engine.model.tokenizer import IncrementalDetokenizer, StopMatcher
 
 TRICKY = [
     "Hello world", "  leading spaces", "trailing spaces   ", "tabs\tand\nnewlines\r\n\n\n",
@@ -73,10 +73,11 @@ def test_stop_string_straddling_tokens_cuts_the_text(smollm_tokenizer, include: 
     assert detok.text == emitted == expected
 
 
-def test_find_stop_string_earliest_and_only_in_new_text() -> None:
-    assert find_stop_string("abcSTOPxyEND", ["END", "STOP"]) == (3, "STOP")
-    assert find_stop_string("STOP then more", ["STOP"], new_from=10) is None
-    assert find_stop_string("xxST" + "OP", ["STOP"], new_from=4) == (2, "STOP")
+def test_stop_matcher_finds_the_earliest_stop_and_holds_a_possible_start() -> None:
+    assert StopMatcher(["END", "STOP"]).feed("abcSTOPxyEND") == (3, "STOP")
+    matcher = StopMatcher(["STOP"])
+    assert matcher.feed("xxST") is None and matcher.held == 2
+    assert matcher.feed("xxSTOP") == (2, "STOP")  # straddles the two pieces
 
 
 def test_text_that_may_start_a_stop_string_is_held_until_finish(smollm_tokenizer) -> None:
