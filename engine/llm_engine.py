@@ -178,6 +178,9 @@ class LLMEngine:
         bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise UserError(f"stop_token_ids: {bad} is outside the vocabulary (0..{vocab - 1})")
+        bad = next((t for t in params.logit_bias if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise UserError(f"logit_bias: token id {bad} is outside the vocabulary (0..{vocab - 1})")
         return max_tokens
 
     # ------------------------------------------------------------ requests

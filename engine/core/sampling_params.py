@@ -13,6 +13,15 @@ from engine.errors import UserError
 
 _GREEDY_EPS = 1e-5
 
+# logit_bias: OpenAI's range for a bias, and the most entries one request may carry. The
+# sampler turns a row's map into index and value tensors every step (one index_add per
+# batch), so its cost follows the entries; 1024 covers banning or boosting any realistic
+# set of words (a word is a few tokens) at a cost of microseconds, where the vocabulary
+# size (49,152 for SmolLM2, 128,256 for Llama 3) would let one request make every step
+# build a vocabulary-sized tensor.
+LOGIT_BIAS_LIMIT = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -27,6 +36,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # token id -> bias added to its logit before sampling (greedy too), as OpenAI's
+    # logit_bias; the engine checks the ids against the vocabulary (LLMEngine.check_prompt)
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -50,6 +62,21 @@ class SamplingParams:
         bad = next((t for t in self.stop_token_ids if t < 0), None)
         if bad is not None:
             raise UserError(f"stop_token_ids {bad}: token ids are >= 0")
+        self._check_logit_bias()
+
+    def _check_logit_bias(self) -> None:
+        if self.logit_bias is None:
+            self.logit_bias = {}
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise UserError(f"logit_bias has {len(self.logit_bias):,} entries; at most {MAX_LOGIT_BIAS_ENTRIES:,} "
+                            "are accepted")
+        for token, bias in self.logit_bias.items():
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise UserError(f"logit_bias key {token!r}: keys are token ids (integers >= 0)")
+            if isinstance(bias, bool) or not isinstance(bias, int | float) or not math.isfinite(bias) \
+                    or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise UserError(f"logit_bias value {bias!r} for token {token}: biases are finite numbers in "
+                                f"[{-LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
 
     @property
     def greedy(self) -> bool:

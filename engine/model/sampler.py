@@ -1,6 +1,8 @@
-"""The batched sampler (greedy, temperature, top-k, top-p, seeds).
+"""The batched sampler (logit bias, greedy, temperature, top-k, top-p, seeds).
 
-One call samples every row of the batch: temperature scaling, one descending
+One call samples every row of the batch: OpenAI's ``logit_bias`` added first (to the
+rows that have one: a copy of those rows and one ``index_add_`` for the whole batch;
+greedy rows take their argmax after it), temperature scaling, one descending
 sort shared by top-k and top-p, then the "exponential race" (argmax of
 ``p / q`` with ``q ~ Exp(1)``, as vLLM does), which draws from ``p`` without a
 per-row ``multinomial``. Only rows with a seed get their own noise, from a
@@ -20,6 +22,23 @@ import torch
 from engine.core.sampling_params import SamplingParams
 
 
+def _biased_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(rows, their logits + bias)`` for the rows whose request has a ``logit_bias``;
+    ``(empty, None)`` when none has. The caller's ``logits`` are not written (a failed
+    batch is sampled again row by row from them)."""
+    rows = [row for row, p in enumerate(params) if p.logit_bias]
+    if not rows:
+        return torch.empty(0, dtype=torch.long), None
+    device, vocab = logits.device, logits.shape[1]
+    row_index = torch.tensor(rows, device=device)
+    biased = logits.index_select(0, row_index)  # a copy of the biased rows only
+    tokens = torch.cat([torch.tensor(list(params[row].logit_bias), dtype=torch.long) + i * vocab
+                        for i, row in enumerate(rows)])
+    values = torch.cat([torch.tensor(list(params[row].logit_bias.values()), dtype=logits.dtype) for row in rows])
+    biased.view(-1).index_add_(0, tokens.to(device), values.to(device))
+    return row_index, biased
+
+
 def _seed_for(seed: int, position: int) -> int:
     return (seed * 0x9E3779B1 + position * 0x85EBCA77) & 0x7FFF_FFFF_FFFF_FFFF
 
@@ -37,12 +56,17 @@ class Sampler:
     ) -> torch.Tensor:
         """``positions[i]`` is the position of the token being sampled (seeds mix it in)."""
         vocab = logits.shape[1]
+        device = logits.device
+        biased_rows, biased = _biased_rows(logits, params)
         greedy_tokens = logits.argmax(dim=-1)
+        if biased is not None:
+            greedy_tokens[biased_rows] = biased.argmax(dim=-1)
         if all(p.greedy for p in params):
             return greedy_tokens
-        device = logits.device
         temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
         logits = logits / temperature[:, None]
+        if biased is not None:
+            logits[biased_rows] = biased / temperature[biased_rows, None]
 
         # A top_k past the vocabulary means no limit (vLLM clamps it too): never a wider tensor than the logits.
         top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]

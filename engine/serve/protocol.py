@@ -1,21 +1,28 @@
 """The OpenAI wire format the server speaks: request bodies, responses,
 streaming chunks, usage and errors, as pydantic models.
 
-Only what kvscope implements is accepted with a value that changes anything;
-fields OpenAI clients commonly send at their neutral value (``n=1``,
-``presence_penalty=0``, ``logprobs=null``, ``user``) are accepted so unmodified
-clients work, and a non-neutral value is a 400 that names the field.
+Only what kvscope implements is accepted with a value that changes anything. Every
+field of OpenAI's completions and chat completions requests (openai 3.57's
+``completion_create_params``) and vLLM's extensions that change the output is either
+implemented or accepted at its neutral value only (``n=1``, ``presence_penalty=0``,
+``store=false``, ``min_p=0``: :data:`NEUTRAL_ONLY`), so unmodified clients work and a
+client relying on something kvscope lacks gets a 400 that names the field. Fields
+that only label or route a request (``user``, ``metadata``, ``safety_identifier``,
+``prompt_cache_key``, ...) are accepted at any value: the answer is the same. A field
+neither OpenAI nor kvscope defines is ignored, as vLLM ignores it, and named in one
+warning line per request (:meth:`_SamplingFields.ignored_fields`).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, StrictBool, model_serializer
 
-from engine.core.sampling_params import SamplingParams
+from engine.core.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams
 from engine.errors import UserError
 
 
@@ -53,9 +60,75 @@ class APIError(Exception):
 
 
 # ---------------------------------------------------------------------- requests
+# Bounds on what one request may ask the shared engine thread to do for every token.
+# vLLM has none; there, 10,000 stop strings of 100 characters (a 1 MB body) slowed
+# every other stream on the engine ~3.5x while the old matcher ran. The automaton
+# (engine/model/tokenizer.py::StopMatcher) makes a token's cost follow its text, but
+# building it and its memory (~40 bytes per character) still grow with the list, and
+# no client needs more: OpenAI accepts 4 stop strings; these are generous.
+MAX_STOP_STRINGS = 256
+MAX_STOP_STRING_CHARS = 256
+# stop_token_ids become a set (an O(1) test per token); the bound keeps the validation
+# and the request log line small.
+MAX_STOP_TOKEN_IDS = 1024
+
+
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False
+    include_obfuscation: StrictBool = True  # accepted: kvscope pads no chunk, the content is the same
+
+
+def _neutral(*values: Any) -> Callable[[Any], bool]:
+    # ``is`` for the singletons, so 0 does not pass for False nor 1 for True
+    def test(value: Any) -> bool:
+        return any(value is v if v is None or isinstance(v, bool) else
+                   (value == v and not isinstance(value, bool)) for v in values)
+    return test
+
+
+# Fields kvscope does not implement, accepted only at the value that asks for nothing:
+# name -> (is the value neutral, what kvscope lacks, what to send instead). OpenAI's
+# request fields first, then vLLM's extensions that change the output.
+NEUTRAL_ONLY: dict[str, tuple[Callable[[Any], bool], str, str]] = {
+    "top_logprobs": (_neutral(None, 0), "logprobs are not supported", "send 0 or omit it"),
+    "function_call": (_neutral(None, "none"), "function calling is not supported", "omit it"),
+    "store": (_neutral(None, False), "kvscope does not store completions", "send false or omit it"),
+    "audio": (_neutral(None), "audio output is not supported", "omit it"),
+    "modalities": (_neutral(None, ["text"]), "only text output is supported", 'send ["text"] or omit it'),
+    "prediction": (_neutral(None), "predicted outputs are not supported", "omit it"),
+    "reasoning_effort": (_neutral(None), "this model does not reason", "omit it"),
+    "verbosity": (_neutral(None), "verbosity control is not supported", "omit it"),
+    "web_search_options": (_neutral(None), "web search is not supported", "omit it"),
+    "service_tier": (_neutral(None, "auto", "default"), "kvscope has one service tier",
+                     'send "auto", "default" or omit it'),
+    "moderation": (_neutral(None), "moderation is not supported", "omit it"),
+    # vLLM's sampling and output extensions
+    "min_p": (_neutral(None, 0), "min_p is not supported", "send 0 or omit it"),
+    "repetition_penalty": (_neutral(None, 1), "penalties are not supported", "send 1 or omit it"),
+    "length_penalty": (_neutral(None, 1), "beam search is not supported", "send 1 or omit it"),
+    "use_beam_search": (_neutral(None, False), "beam search is not supported", "send false or omit it"),
+    "allowed_token_ids": (_neutral(None), "allowed_token_ids is not supported", "use logit_bias or omit it"),
+    "bad_words": (_neutral(None, []), "bad_words is not supported", "use logit_bias or omit it"),
+    "prompt_logprobs": (_neutral(None, 0), "logprobs are not supported", "omit it"),
+    "truncate_prompt_tokens": (_neutral(None), "prompts are never truncated", "shorten the prompt and omit it"),
+    "guided_json": (_neutral(None), "structured output is not supported", "omit it"),
+    "guided_regex": (_neutral(None), "structured output is not supported", "omit it"),
+    "guided_choice": (_neutral(None), "structured output is not supported", "omit it"),
+    "guided_grammar": (_neutral(None), "structured output is not supported", "omit it"),
+    "structural_tag": (_neutral(None), "structured output is not supported", "omit it"),
+    "structured_outputs": (_neutral(None), "structured output is not supported", "omit it"),
+    "logits_processors": (_neutral(None, []), "logits processors are not supported", "omit it"),
+    "return_tokens_as_token_ids": (_neutral(None, False), "logprobs are not supported", "omit it"),
+    "spaces_between_special_tokens": (_neutral(None, True), "special tokens are always decoded without spaces "
+                                      "between them", "send true or omit it"),
+    "priority": (_neutral(None, 0), "per-request priority is not supported through the API", "send 0 or omit it"),
+}
+# Accepted at any value: they label, route or cache a request and change no answer
+# (parallel_tool_calls: tools are refused, so there is nothing to run in parallel).
+ANY_VALUE = ("user", "metadata", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+             "prompt_cache_options", "parallel_tool_calls")
+IGNORED_FIELDS_SHOWN = 20  # names in the warning line; the rest are counted
 
 
 class _SamplingFields(BaseModel):
@@ -65,7 +138,7 @@ class _SamplingFields(BaseModel):
     strict (``"stream": "yes"`` is a 400, not True): a value kvscope would have to
     guess at is refused with its field named."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # unknown fields: see ignored_fields()
 
     model: str | None = None
     temperature: float | None = None
@@ -85,7 +158,44 @@ class _SamplingFields(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logprobs: Any = None
+    logit_bias: dict[str, Any] | None = None
     user: str | None = None
+    metadata: Any = None
+    safety_identifier: Any = None
+    prompt_cache_key: Any = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
+    parallel_tool_calls: Any = None
+    # NEUTRAL_ONLY's fields: any JSON, so every non-neutral value is refused by name
+    top_logprobs: Any = None
+    function_call: Any = None
+    store: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    service_tier: Any = None
+    moderation: Any = None
+    min_p: Any = None
+    repetition_penalty: Any = None
+    length_penalty: Any = None
+    use_beam_search: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    prompt_logprobs: Any = None
+    truncate_prompt_tokens: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structural_tag: Any = None
+    structured_outputs: Any = None
+    logits_processors: Any = None
+    return_tokens_as_token_ids: Any = None
+    spaces_between_special_tokens: Any = None
+    priority: Any = None
     # Accepted only at their neutral value, so a client relying on them hears so.
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -110,10 +220,55 @@ class _SamplingFields(BaseModel):
             value = getattr(self, name)
             if value not in (None, 0, 0.0):
                 raise APIError(400, f"{name}={value}: penalties are not supported; send 0 or omit it", param=name)
-        if self.logprobs not in (None, False, 0):
-            raise APIError(400, "logprobs are not supported; omit the field", param="logprobs")
+        if not self._logprobs_neutral():
+            raise APIError(400, f"logprobs={_shown(self.logprobs)}: logprobs are not supported; omit the field",
+                           param="logprobs")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+        for name, (is_neutral, lacks, instead) in NEUTRAL_ONLY.items():
+            value = getattr(self, name)
+            if not is_neutral(value):
+                raise APIError(400, f"{name}={_shown(value)}: {lacks}; {instead}", param=name)
+        self._check_bounds()
+
+    def _logprobs_neutral(self) -> bool:
+        return _neutral(None, False)(self.logprobs)  # chat's boolean; completions' count says otherwise
+
+    def _check_bounds(self) -> None:
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        limits = (f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_STRING_CHARS} characters "
+                  "each are accepted")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise APIError(400, f"stop has {len(stops):,} strings; {limits}", param="stop")
+        longest = max(stops, key=len, default="")
+        if len(longest) > MAX_STOP_STRING_CHARS:
+            raise APIError(400, f"stop has a string of {len(longest):,} characters; {limits}", param="stop")
+        if self.stop_token_ids is not None and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise APIError(400, f"stop_token_ids has {len(self.stop_token_ids):,} ids; at most "
+                                f"{MAX_STOP_TOKEN_IDS:,} are accepted", param="stop_token_ids")
+
+    def ignored_fields(self) -> list[str]:
+        """The fields of the body neither OpenAI nor kvscope defines (vLLM ignores them
+        too, with a warning; the route logs one)."""
+        return sorted(self.model_extra or {})
+
+    def _logit_bias(self) -> dict[int, float]:
+        """OpenAI's map (token ids as JSON string keys) as ``{id: bias}``; the bias range
+        is SamplingParams' check, the vocabulary the engine's."""
+        raw = self.logit_bias or {}
+        if len(raw) > MAX_LOGIT_BIAS_ENTRIES:
+            raise APIError(400, f"logit_bias has {len(raw):,} entries; at most {MAX_LOGIT_BIAS_ENTRIES:,} are "
+                                "accepted", param="logit_bias")
+        bias: dict[int, float] = {}
+        for key, value in raw.items():
+            if not (key.isascii() and key.isdigit() and len(key) <= 12):
+                raise APIError(400, f"logit_bias key {_shown(key)}: keys are token ids written as integers, "
+                                    'as in {"28": -100}', param="logit_bias")
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise APIError(400, f"logit_bias value {_shown(value)} for token {key}: biases are numbers in "
+                                    "[-100, 100]", param="logit_bias")
+            bias[int(key)] = float(value)
+        return bias
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         """A :class:`SamplingParams`; its validation errors become HTTP 400."""
@@ -131,6 +286,7 @@ class _SamplingFields(BaseModel):
                 ignore_eos=self.ignore_eos,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
+                logit_bias=self._logit_bias(),
             )
         except UserError as exc:
             raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
@@ -140,11 +296,21 @@ class _SamplingFields(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+def _shown(value: Any) -> str:
+    """A refused value in a message: its JSON-ish repr, cut to 60 characters."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: StrictBool = False
     suffix: str | None = None
+
+    def _logprobs_neutral(self) -> bool:
+        # completions' logprobs is a count, and 0 asks for the sampled token's logprob
+        return self.logprobs is None
 
     def single_prompt(self) -> str | list[int]:
         """kvscope serves one prompt per request; a one-element batch is unwrapped."""
@@ -187,6 +353,26 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = None  # None: up to --max-model-len, as vLLM
     max_completion_tokens: int | None = None
     add_generation_prompt: StrictBool = True
+    # vLLM's chat extensions, neutral only
+    echo: Any = None
+    continue_final_message: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    documents: Any = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        for name, is_neutral, lacks in (
+            ("echo", _neutral(None, False), "echo is not supported"),
+            ("continue_final_message", _neutral(None, False), "continuing the last message is not supported"),
+            ("chat_template", _neutral(None), "a request's own chat template is not accepted (the server's "
+                                              "--chat-template is)"),
+            ("chat_template_kwargs", _neutral(None, {}), "chat template arguments are not supported"),
+            ("documents", _neutral(None, []), "documents are not supported"),
+        ):
+            value = getattr(self, name)
+            if not is_neutral(value):
+                raise APIError(400, f"{name}={_shown(value)}: {lacks}; omit it", param=name)
 
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -20,9 +20,11 @@ from engine.core.sampling_params import SamplingParams
 from engine.errors import UserError
 from engine.llm_engine import RequestOutput
 from engine.logs import get_logger
+from engine.model.tokenizer import StopMatcher
 from engine.serve.async_engine import EngineDead, Overloaded, RequestFailed, RequestStream
 from engine.serve.host import EngineHost
 from engine.serve.protocol import (
+    IGNORED_FIELDS_SHOWN,
     APIError,
     AssistantMessage,
     ChatChoice,
@@ -55,6 +57,7 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
     host = host_of(request)
     body.check_supported()
     _check_model(host, body.model)
+    _warn_ignored(body)
     params = body.sampling_params(body.max_tokens)
     prompt_ids = await _prepare(host, body.single_prompt(), params)
     stream = await _submit(host, prompt_ids, params, "cmpl")
@@ -71,6 +74,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     host = host_of(request)
     body.check_supported()
     _check_model(host, body.model)
+    _warn_ignored(body)
     params = body.sampling_params(body.effective_max_tokens())
     try:
         prompt = await anyio.to_thread.run_sync(partial(
@@ -106,6 +110,16 @@ def _log_request(host: EngineHost, request_id: str, prompt_ids: list[int], param
                       "lora_request: None.")
 
 
+def _warn_ignored(body: CompletionRequest | ChatCompletionRequest) -> None:
+    """vLLM's warning for the fields it ignores, one line per request."""
+    names = body.ignored_fields()
+    if names:
+        shown = ", ".join(repr(n[:40]) for n in names[:IGNORED_FIELDS_SHOWN])
+        more = f", ... ({len(names):,} in all)" if len(names) > IGNORED_FIELDS_SHOWN else ""
+        get_logger("kvscope.serve").warning(
+            f"The following fields were present in the request but ignored: {{{shown}{more}}}")
+
+
 def _check_model(host: EngineHost, name: str | None) -> None:
     served = host.settings.served_model_name
     if name is not None and name != served:
@@ -122,14 +136,16 @@ async def _prepare(host: EngineHost, prompt: str | list[int], params: SamplingPa
     def encode_and_check() -> list[int]:
         prompt_ids = llm.encode_prompt(prompt)
         llm.check_prompt(prompt_ids, params)
+        if params.stop:  # build the stop strings' automaton here; the engine thread finds it cached
+            StopMatcher(params.stop)
         return prompt_ids
 
     try:
         return await anyio.to_thread.run_sync(encode_and_check)
     except UserError as exc:
         message = str(exc)
-        raise APIError(400, message, param="stop_token_ids" if message.startswith("stop_token_ids")
-                       else param) from None
+        named = next((field for field in ("stop_token_ids", "logit_bias") if message.startswith(field)), param)
+        raise APIError(400, message, param=named) from None
 
 
 async def _submit(host: EngineHost, prompt_ids: list[int], params: SamplingParams, prefix: str) -> RequestStream:
