@@ -48,9 +48,11 @@ def facts_from_recording(path: str | Path) -> RunFacts:
     path = Path(path)
     try:
         raw = path.read_bytes()
-        recording = read_events(gzip.decompress(raw) if raw.startswith(GZIP_MAGIC) else path)
-    except (OSError, EOFError, ValueError) as exc:
+        recording = read_events(gzip.decompress(raw) if raw.startswith(GZIP_MAGIC) else raw, name=str(path))
+    except (OSError, EOFError) as exc:
         raise InputError(f"{path}: {exc}") from None
+    except ValueError as exc:  # read_events names the file, the line and the field
+        raise InputError(str(exc)) from None
     facts = RunFacts()
     for event in recording.events:
         facts(event)

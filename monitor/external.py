@@ -160,10 +160,14 @@ def load_external_timeline(path: str | Path, checkpoint_every: int = 50) -> Repl
         return None  # load_timeline words the error
     with path.open(encoding="utf-8", errors="replace") as fh:
         first = next(iter_jsonl(fh), None)
-    if not first or first.get("config", {}).get("source") != RECORDER:
-        return None
+    config = first.get("config") if first else None
+    if not isinstance(config, dict) or config.get("source") != RECORDER:
+        return None  # a damaged header is load_timeline's to word
     try:
         recording = read_events(path)
+    except ValueError as exc:  # read_events names the file, the line and the field
+        raise UserError(str(exc)) from None
+    try:
         return ReplicaTimeline(recording.events, checkpoint_every=checkpoint_every)
     except ValueError as exc:
         raise UserError(f"{path}: {exc}") from exc

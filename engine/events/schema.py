@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import io
-import json
 import os
 import threading
 import time
@@ -386,14 +385,13 @@ def _field_names(cls: type) -> tuple[str, ...]:
 
 
 def event_from_dict(data: dict[str, Any]) -> Event:
-    """Rebuild a typed event from its JSON form; unknown keys are ignored so
-    older readers survive newer writers."""
-    kind = data.get("type")
-    cls = EVENT_TYPES.get(kind)  # type: ignore[arg-type]
-    if cls is None:
-        raise ValueError(f"unknown event type {kind!r}")
-    names = _field_names(cls)
-    return cls(**{k: v for k, v in data.items() if k in names})
+    """Rebuild a typed event from its JSON form, each field checked against its
+    declared type (engine/events/validate.py); unknown keys are ignored so older
+    readers survive newer writers. ValueError (a ``SchemaError`` naming the field)
+    when a value is of the wrong type or the ``type`` is unknown."""
+    from engine.events.validate import event_from_row  # it imports this module's classes
+
+    return event_from_row(data)
 
 
 # -------------------------------------------------------------------------- bus
@@ -545,56 +543,63 @@ class Recording:
 def iter_jsonl(source: str | Path | TextIO) -> Iterator[dict[str, Any] | None]:
     """Yield each JSON object of an event file; ``None`` for a line that does not
     parse (a line cut by a crash or a partial copy)."""
+    for _, row in _numbered_rows(source):
+        yield row
+
+
+def _numbered_rows(source: str | Path | TextIO) -> Iterator[tuple[int, dict[str, Any] | None]]:
+    """(line number, JSON object or None) for each non-blank line."""
+    from engine.events.validate import decode_object
+
     if isinstance(source, str | Path):
         with open(source, encoding="utf-8", errors="replace") as fh:
-            yield from iter_jsonl(fh)
+            yield from _numbered_rows(fh)
         return
-    for line in source:
+    for number, line in enumerate(source, start=1):
         line = line.strip()
-        if not line:
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            yield None
-            continue
-        yield obj if isinstance(obj, dict) else None
+        if line:
+            yield number, decode_object(line)
 
 
-def read_events(source: str | Path | TextIO | bytes) -> Recording:
+def read_events(source: str | Path | TextIO | bytes, name: str | None = None) -> Recording:
     """Read a JSONL recording, tolerating a truncated last line.
 
-    Raises ``ValueError`` with the file named when the header is missing or of
-    another schema; a bad line that is not the last one is also an error,
-    because only a cut tail is expected.
+    Raises ``ValueError`` naming the file (``name``, else the path) and the line when
+    the header is missing or of another schema, when a line that is not the last one
+    does not parse (only a cut tail is expected), and when a field of the header or of
+    an event is not of its declared type (engine/events/validate.py: the field is named).
     """
-    name = str(source) if isinstance(source, str | Path) else "<stream>"
+    from engine.events.validate import SchemaError, check_header, event_from_row
+
+    name = name or (str(source) if isinstance(source, str | Path) else "<stream>")
     if isinstance(source, bytes):
         source = io.StringIO(source.decode("utf-8", errors="replace"))
-    rows = list(iter_jsonl(source))
-    if not rows or rows[0] is None or rows[0].get("schema") != SCHEMA_NAME:
+    rows = list(_numbered_rows(source))
+    head = rows[0][1] if rows else None
+    if head is None or head.get("schema") != SCHEMA_NAME:
         raise ValueError(f"{name}: not a kvscope event file (first line must be the {SCHEMA_NAME} header)")
-    head = rows[0]
-    if int(head.get("version", 0)) > SCHEMA_VERSION:
+    try:
+        check_header(head)
+    except SchemaError as exc:
+        raise ValueError(f"{name}: line {rows[0][0]}: the header's {exc}") from None
+    if head.get("version", 0) > SCHEMA_VERSION:
         raise ValueError(
             f"{name}: schema version {head.get('version')} is newer than this kvscope reads ({SCHEMA_VERSION})"
         )
     events: list[Event] = []
     truncated = False
     body = rows[1:]
-    for i, row in enumerate(body):
-        if row is None or row.get("type") not in EVENT_TYPES:
+    for i, (number, row) in enumerate(body):
+        kind = row.get("type") if row is not None else None
+        if row is None or not isinstance(kind, str) or kind not in EVENT_TYPES:
             if i == len(body) - 1:
                 truncated = True
                 break
-            raise ValueError(f"{name}: line {i + 2} is not a valid event")
+            raise ValueError(f"{name}: line {number} is not a valid event")
         try:
-            events.append(event_from_dict(row))
-        except TypeError as exc:
-            if i == len(body) - 1:
-                truncated = True
-                break
-            raise ValueError(f"{name}: line {i + 2}: {exc}") from exc
+            events.append(event_from_row(row))
+        except SchemaError as exc:  # a whole line with a value of the wrong type: damage, not a cut
+            raise ValueError(f"{name}: line {number}: {kind} event's {exc}") from None
     return Recording(header=head, events=events, truncated=truncated)
 
 
