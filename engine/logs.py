@@ -21,7 +21,8 @@ _stream: Any = None  # where log lines go (the dashboard points it at os.devnull
 
 LOG_FORMATS = ("auto", "text", "json")  # "console" is kept as another name for "text"
 _CALLSITE = structlog.processors.CallsiteParameterAdder(
-    [structlog.processors.CallsiteParameter.FILENAME, structlog.processors.CallsiteParameter.LINENO]
+    [structlog.processors.CallsiteParameter.FILENAME, structlog.processors.CallsiteParameter.LINENO],
+    additional_ignores=[__name__],  # log_failure's lines name its caller, not this module
 )
 
 

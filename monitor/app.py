@@ -163,7 +163,7 @@ class MonitorApp(App[None]):
     def _update_bar(self) -> None:
         tl = self.timeline
         connection = self.feed.connection if self.feed is not None else None
-        self.query_one(TitleBar).show(self.source_name, connection)
+        self.query_one(TitleBar).show(self.source_name, connection, self.view.failed_sinks)
         self.query_one(ReplayBar).show(
             source=self.source_name, step=self.view.step, position=tl.position if tl else 0,
             length=len(tl) if tl else 0, playing=self.playing, speed=self.speed, live=self.live,

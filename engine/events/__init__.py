@@ -32,6 +32,7 @@ from engine.events.schema import (
     RequestPreempted,
     RequestRejected,
     RequestScheduled,
+    SinkFailed,
     SnapshotEvent,
     StartupPhase,
     StartupProgress,
@@ -44,11 +45,12 @@ from engine.events.schema import (
     iter_jsonl,
     open_sink,
     read_events,
+    sink_name,
 )
 
 __all__ = [
     "EVENT_TYPES", "PHASES", "SCHEMA_NAME", "SCHEMA_VERSION", "EngineConfigEvent", "Event", "EventBus", "JsonlSink",
     "KvEventBatch", "LogEvent", "MetricsScrape", "Recording", "RequestArrived", "RequestFinished", "RequestFirstToken", "RequestPreempted",
-    "RequestRejected", "RequestScheduled", "SnapshotEvent", "StartupPhase", "StartupProgress", "StatsEvent", "StepEvent", "Subscriber",
-    "dumps", "event_from_dict", "header", "iter_jsonl", "open_sink", "read_events",
+    "RequestRejected", "RequestScheduled", "SinkFailed", "SnapshotEvent", "StartupPhase", "StartupProgress", "StatsEvent", "StepEvent", "Subscriber",
+    "dumps", "event_from_dict", "header", "iter_jsonl", "open_sink", "read_events", "sink_name",
 ]

@@ -60,6 +60,7 @@ from engine.events import (
     RequestFinished,
     RequestFirstToken,
     RequestPreempted,
+    SinkFailed,
     StartupPhase,
     StatsEvent,
     StepEvent,
@@ -208,6 +209,9 @@ class PrometheusMetrics:
                             (*labels, "reason"), registry=registry)
         self._preemptions_by_reason = {reason: by_reason.labels(*values, reason) for reason in PREEMPTION_REASONS}
         self._preemptions_by_reason_family = by_reason
+        self._sink_failures = Counter("kvscope:event_sink_failures",
+                                      "Event sinks (recording, exporters, folds) that raised and were stopped; "
+                                      "the engine went on without them.", (*labels, "sink"), registry=registry)
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         self._request_success = Counter(
@@ -352,6 +356,7 @@ class PrometheusMetrics:
             RequestFinished: self._on_finished,
             EngineConfigEvent: self._on_config,
             StartupPhase: self._on_phase,
+            SinkFailed: self._on_sink_failed,
         }
 
     # ------------------------------------------------------------- subscriber
@@ -365,6 +370,9 @@ class PrometheusMetrics:
         return generate_latest(self.registry)
 
     # --------------------------------------------------------------- handlers
+    def _on_sink_failed(self, event: SinkFailed) -> None:
+        self._sink_failures.labels(*self._label_values, event.sink).inc()
+
     def _on_step(self, event: StepEvent) -> None:
         self.num_requests_running.set(event.num_running)
         self.num_requests_waiting.set(event.num_waiting)

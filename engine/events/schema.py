@@ -14,6 +14,7 @@ for the real engine, simulated seconds for ``engine simulate``).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import io
 import os
@@ -25,6 +26,8 @@ from pathlib import Path
 from typing import Any, ClassVar, TextIO
 
 import msgspec
+
+from engine.logs import log_failure
 
 SCHEMA_NAME = "kvscope.events"
 SCHEMA_VERSION = 1
@@ -324,6 +327,18 @@ class LogEvent(Event):
     data: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(slots=True)
+class SinkFailed(Event):
+    """A subscriber of the bus (the recording, an exporter, a metrics fold) raised: the
+    bus stopped delivering to it and the engine went on. ``sink`` names it, ``error``
+    is the exception in one line, ``at_event`` the type of the event it failed on."""
+
+    type: ClassVar[str] = "sink.failed"
+    sink: str = ""
+    error: str = ""
+    at_event: str = ""
+
+
 # ------------------------------------------------------- other engines' streams
 @dataclass(slots=True)
 class MetricsScrape(Event):
@@ -368,6 +383,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
         StatsEvent,
         SnapshotEvent,
         LogEvent,
+        SinkFailed,
         MetricsScrape,
         KvEventBatch,
     )
@@ -406,6 +422,11 @@ class EventBus:
     An event published by a subscriber while an event is being delivered (the
     stats reporter's ``stats`` event) is queued and delivered right after it, so
     every subscriber sees events in ``seq`` order.
+
+    A subscriber that raises never stops the publisher: it is unsubscribed, the
+    failure is logged once with its traceback, kept in ``failed_sinks`` and
+    published as a :class:`SinkFailed` event to the subscribers left (the metrics
+    count it, the view and ``/health`` show it), and delivery goes on.
     """
 
     def __init__(self, clock: Callable[[], float] | None = None) -> None:
@@ -416,6 +437,7 @@ class EventBus:
         self._seq = 0
         self._delivering = False
         self._queued: collections.deque[Event] = collections.deque()
+        self.failed_sinks: dict[str, str] = {}  # sink name -> the error that stopped it
 
     @property
     def has_subscribers(self) -> bool:
@@ -445,16 +467,46 @@ class EventBus:
             return event
         self._delivering = True
         try:
-            for fn in self._subscribers:
-                fn(event)
+            self._deliver(event)
             queued = self._queued
             while queued:
-                later = queued.popleft()
-                for fn in self._subscribers:
-                    fn(later)
+                self._deliver(queued.popleft())
         finally:
             self._delivering = False
         return event
+
+    def _deliver(self, event: Event) -> None:
+        for fn in self._subscribers:
+            try:
+                fn(event)
+            except Exception as exc:
+                self._stop_failed(fn, event, exc)
+
+    def _stop_failed(self, fn: Subscriber, event: Event, exc: Exception) -> None:
+        """Unsubscribe a subscriber that raised; say so once (a log line with the traceback,
+        a ``sink.failed`` event queued for the subscribers left)."""
+        self.unsubscribe(fn)
+        name = sink_name(fn)
+        error = f"{type(exc).__name__}: {exc}"
+        self.failed_sinks[name] = error
+        log_failure("kvscope.events", f"event sink {name} failed on a {event.type} event and is stopped; "
+                                      "the engine goes on without it")
+        failed = SinkFailed(sink=name, error=error, at_event=event.type)
+        self._seq += 1
+        failed.seq, failed.t = self._seq, self._clock()
+        self._queued.append(failed)
+
+
+def sink_name(fn: Subscriber) -> str:
+    """What the logs, ``/health`` and the metrics call a subscriber: its ``sink_name``
+    attribute when it has one, else its class or function name."""
+    named = getattr(fn, "sink_name", None)
+    if isinstance(named, str):
+        return named
+    owner = getattr(fn, "__self__", None)  # a bound method: its object's name
+    if owner is not None:
+        return sink_name(owner)
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
 
 
 # ------------------------------------------------------------------------ JSONL
@@ -493,20 +545,27 @@ class JsonlSink:
 
     Each line is written whole with a single ``write`` and flushed per step,
     phase and request lifecycle event, so a reader of a file cut at any byte
-    loses at most the last line.
+    loses at most the last line. A write that fails (a full disk) cuts the file
+    back to its last whole line, closes it and raises: the bus stops this sink and
+    the engine goes on; the recording stays readable up to that line.
     """
+
+    sink_name = "jsonl"
 
     def __init__(self, path: str | Path | TextIO, config: dict[str, Any] | None = None,
                  started_unix: float | None = None) -> None:
         if isinstance(path, str | Path):
             self._file: TextIO = open(path, "w", encoding="utf-8")  # noqa: SIM115
             self._owns = True
+            self.sink_name = f"jsonl {path}"
         else:
             self._file = path
             self._owns = False
         self._lock = threading.Lock()
-        self._write_line(dumps(header(config, started_unix)))
+        first = dumps(header(config, started_unix))
+        self._write_line(first)
         self._file.flush()
+        self._whole_lines_end = len(first.encode("utf-8")) + 1  # bytes that are whole lines (an owned file)
 
     def _write_line(self, line: str) -> None:
         self._file.write(line + "\n")
@@ -516,8 +575,30 @@ class JsonlSink:
         with self._lock:
             if self._file.closed:
                 return
-            self._write_line(line)
-            self._file.flush()
+            try:
+                self._write_line(line)
+                self._file.flush()
+            except OSError:
+                self._cut_to_whole_lines()
+                raise
+            if self._owns:
+                self._whole_lines_end += len(line.encode("utf-8", "surrogatepass")) + 1
+
+    def _cut_to_whole_lines(self) -> None:
+        """After a failed write: drop the part-written line (and whatever the buffer still
+        holds, which a later flush would append mid-line), then close the file."""
+        if not self._owns:
+            return
+        with contextlib.suppress(OSError, ValueError):
+            os.ftruncate(self._file.fileno(), self._whole_lines_end)
+        buffer = getattr(self._file, "buffer", None)
+        with contextlib.suppress(OSError, ValueError):
+            # closing the raw file directly: the text and byte buffers would retry the write
+            raw = getattr(buffer, "raw", None)
+            if raw is not None:
+                raw.close()
+        with contextlib.suppress(OSError, ValueError):
+            self._file.close()
 
     def close(self) -> None:
         with self._lock:

@@ -28,6 +28,7 @@ Snapshot dict format (``SNAPSHOT_VERSION`` 1), all plain JSON::
                          "arrived_t", "ttft_s", "num_preemptions"}},
       "cached": [int],                                     # blocks holding cached KV
       "finished": int, "rejected": int, "preemptions": int,
+      "failed_sinks": {sink: error},                       # sinks the bus stopped (sink.failed)
       "series": {"step": [...], "prefill": [...], "decode": [...], "running": [...],
                  "waiting": [...], "kv_pct": [...], "step_ms": [...],
                  "preempted": [...]},                      # last ``series_window`` steps
@@ -65,6 +66,7 @@ from engine.events import (
     RequestPreempted,
     RequestRejected,
     RequestScheduled,
+    SinkFailed,
     SnapshotEvent,
     StartupPhase,
     StartupProgress,
@@ -237,6 +239,7 @@ class EngineView:
         self.finished = 0
         self.rejected = 0
         self.preemptions = 0
+        self.failed_sinks: dict[str, str] = {}  # sink name -> the error that stopped it (sink.failed)
         self.series: dict[str, deque[float]] = {n: deque(maxlen=series_window) for n in SERIES_NAMES}
         self.recent: deque[Event] = deque(maxlen=recent_window)
         self.stats: StatsEvent | None = None
@@ -298,6 +301,9 @@ class EngineView:
         if req is None:
             req = self.requests[request_id] = RequestView(request_id=request_id, arrived_t=self.t)
         return req
+
+    def _on_sink_failed(self, ev: SinkFailed) -> None:
+        self.failed_sinks[ev.sink] = ev.error
 
     def _on_config(self, ev: EngineConfigEvent) -> None:
         self.config = dict(ev.config)
@@ -461,6 +467,7 @@ class EngineView:
             "finished": self.finished,
             "rejected": self.rejected,
             "preemptions": self.preemptions,
+            "failed_sinks": dict(self.failed_sinks),
             "series": {k: list(v)[-n_series:] if n_series else [] for k, v in self.series.items()},
             "recent": [e.to_dict() for e in list(self.recent)[-n_recent:]] if n_recent else [],
         } | ({"ranks": {str(rank): {"phases": {k: p.to_dict() for k, p in phases.items()},
@@ -510,6 +517,7 @@ class EngineView:
         self.finished = int(state.get("finished", 0))
         self.rejected = int(state.get("rejected", 0))
         self.preemptions = int(state.get("preemptions", 0))
+        self.failed_sinks = {str(k): str(v) for k, v in dict(state.get("failed_sinks") or {}).items()}
         series = state.get("series", {})
         self.series = {n: deque(series.get(n, []), maxlen=self.series_window) for n in SERIES_NAMES}
         self.recent = deque(
@@ -531,6 +539,7 @@ _HANDLERS: dict[type, Any] = {
     EncoderStepEvent: EngineView._on_encoder_step,
     StatsEvent: EngineView._on_stats,
     SnapshotEvent: EngineView._on_snapshot,
+    SinkFailed: EngineView._on_sink_failed,
     LogEvent: None,
 }
 _HANDLERS = {k: v for k, v in _HANDLERS.items() if v is not None}

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.events import SnapshotEvent, dumps
@@ -31,12 +31,24 @@ router = APIRouter()
 
 
 @router.get("/health", response_class=Response,
-            responses={200: {"description": "The engine is running (empty body)", "content": {}},
-                       503: {"description": "The engine is not running",
+            responses={200: {"description": "The engine is running: an empty body, or, when an event sink "
+                                            "(the recording, an exporter) was stopped by a failure, "
+                                            '{"status": "degraded", "failed_sinks": {sink: error}}',
+                             "content": {}},
+                       503: {"description": "The engine is not running (starting, stopping, or stopped by a "
+                                            "failure the message names)",
                              "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}})
 async def health(request: Request) -> Response:
-    if host_of(request).engine.alive:
+    host = host_of(request)
+    engine = host.engine
+    if engine.alive:
+        failed = host.bus.failed_sinks
+        if failed:  # serving goes on (200), but a recording or an exporter stopped: say which and why
+            return JSONResponse({"status": "degraded", "failed_sinks": dict(failed)})
         return Response(status_code=200)
+    if engine.error is not None:  # the thread died after startup; the server is on its way out (exit 1)
+        return error_response(503, f"the engine stopped: {type(engine.error).__name__}: {engine.error}",
+                              type_="service_unavailable", code="engine_dead")
     return error_response(503, "the engine is not running", type_="service_unavailable")
 
 

@@ -16,7 +16,8 @@ from engine.events.view import EngineView
 from monitor.widgets.numbers import number
 
 TYPE_STYLE = {"request.preempted": "bold red", "request.rejected": "red", "request.finished": "green",
-              "request.arrived": "cyan", "startup.phase": "magenta", "log": "yellow"}
+              "request.arrived": "cyan", "startup.phase": "magenta", "log": "yellow",
+              "sink.failed": "bold red"}
 
 
 LIST_SHOWN = 8  # longer lists of numbers (inter-token latencies) are summarised

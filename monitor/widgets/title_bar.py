@@ -44,11 +44,14 @@ def middle_cut(text: str, width: int) -> str:
 
 
 class TitleBar(Static):
-    """``kvscope monitor · SOURCE`` and, for a live feed, its connection badge. When
-    the line is too long the source is cut in its middle, never the badge or why."""
+    """``kvscope monitor · SOURCE`` and, for a live feed, its connection badge, then any
+    event sink the engine stopped (``sink.failed``: a full disk under ``--events``). When
+    the line is too long the source is cut in its middle, never the badges or why."""
 
-    def show(self, source: str, connection: Connection | None) -> None:
+    def show(self, source: str, connection: Connection | None, failed_sinks: dict[str, str] | None = None) -> None:
         badge = Text("  ").append_text(connection_text(connection)) if connection is not None else Text()
+        if failed_sinks:  # the engine serves on, but a recording or an exporter has stopped
+            badge.append("  ⚠ STOPPED ", style="bold red").append(", ".join(sorted(failed_sinks)))
         width = (self.content_region.width or self.size.width or 200)
         room = width - len("kvscope monitor · ") - badge.cell_len
         text = Text(f"kvscope monitor · {middle_cut(source, max(12, room))}")

@@ -173,3 +173,28 @@ def test_a_request_whose_detokenising_raises_gets_an_in_stream_error(server: Ser
     failed = [e for e in server.events if isinstance(e, RequestFinished) and e.reason == "error"]
     assert any("detokenising failed: UnicodeDecodeError" in (e.error or "") for e in failed), failed
     assert server.complete({"max_tokens": 2}).status_code == 200
+
+
+class _FailingExporter:
+    """An exporter whose every write raises, as one on a full disk or a dead collector would."""
+
+    sink_name = "failing-exporter"
+
+    def __call__(self, event: Event) -> None:
+        raise OSError(28, "No space left on device")
+
+
+def test_a_sink_that_raises_on_every_write_leaves_serving_unaffected(server: Server) -> None:
+    server.host.bus.subscribe(_FailingExporter())
+    responses = [server.complete({"max_tokens": 4}) for _ in range(3)]
+    assert [r.status_code for r in responses] == [200, 200, 200]
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    failures = {s.labels["sink"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "kvscope:event_sink_failures_total"}
+    assert failures == {"failing-exporter": 1.0}
+    state = httpx.get(server.url + "/debug/state", timeout=10).json()
+    assert state["failed_sinks"] == {"failing-exporter": "OSError: [Errno 28] No space left on device"}
+    assert any(e.get("type") == "sink.failed" for e in state["recent"])
+    health = httpx.get(server.url + "/health", timeout=10)
+    assert health.status_code == 200  # serving goes on: a supervisor must not restart it
+    assert health.json()["failed_sinks"] == {"failing-exporter": "OSError: [Errno 28] No space left on device"}
