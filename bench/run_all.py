@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS: list[tuple[str, list[str], int]] = [
     ("bench.bench_scheduler", [], 600),
     ("bench.bench_sinks", [], 600),
+    ("bench.bench_stop_strings", [], 900),
     ("bench.bench_logparse", [], 600),
     ("bench.bench_monitor", [], 600),
     ("bench.bench_simulate", [], 600),
