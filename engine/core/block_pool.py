@@ -14,8 +14,15 @@ freed cached block survives (and can be hit) until every block freed before it
 has been reused: LRU eviction. A collections.deque cannot remove from the middle
 in O(1), which a prefix hit on a free cached block needs.
 
-Unlike vLLM, block 0 is not reserved as a null block (there is no sliding
-window here), so all ``num_blocks`` are usable.
+Unlike vLLM, block 0 is reserved as the null block only when a sliding-window
+group needs one (``reserve_null_block``): a full-attention pool uses all
+``num_blocks``, as it always has. The null block stands in a sliding-window
+group's table for positions that lie outside the window; it is never free,
+never hashed and never counted as used.
+
+With several KV cache groups (engine/core/kv_cache_groups.py) one pool serves all
+of them: a block id belongs to one group at a time, and the prefix cache is keyed
+by (hash, group) as vLLM's ``BlockHashWithGroupId``, one hash map per group.
 
 Every change that a block-table consumer must see is written into ``deltas``
 (see :class:`BlockDeltas`); the scheduler swaps in a fresh one per step. With
@@ -36,9 +43,10 @@ class StoredRun:
     only when asked (vLLM's ``enable_kv_cache_events``), one run per request and step, so
     a step with many cached blocks makes a few lists rather than a few per block."""
 
-    __slots__ = ("block_ids", "dropped", "hashes", "parent_hash", "token_ids")
+    __slots__ = ("block_ids", "dropped", "group", "hashes", "parent_hash", "token_ids")
 
-    def __init__(self, parent_hash: int | None) -> None:
+    def __init__(self, parent_hash: int | None, group: int = 0) -> None:
+        self.group = group  # the KV cache group whose blocks these are
         self.block_ids: list[int] = []
         self.hashes: list[int] = []
         self.parent_hash = parent_hash
@@ -59,7 +67,7 @@ class StoredRun:
                 piece = None
                 continue
             if piece is None:
-                piece = StoredRun(self.hashes[i - 1] if i else self.parent_hash)
+                piece = StoredRun(self.hashes[i - 1] if i else self.parent_hash, self.group)
                 out.append(piece)
             piece.block_ids.append(block_id)
             piece.hashes.append(block_hash)
@@ -80,34 +88,71 @@ class BlockDeltas:
     applies ``evicted`` before ``cached`` and ``allocated`` before ``freed``; with
     these net sets that order reproduces the pool exactly even when one block is
     evicted and re-cached within a step.
+
+    With ``num_groups`` (a hybrid pool: several KV cache groups or a window) the
+    per-request changes are kept per group instead: ``allocated_by_group`` /
+    ``freed_by_group`` request id -> one block list per group, and
+    ``window_freed_by_group`` the blocks a sliding-window group released because
+    they left the window (not a finish). ``cached`` maps each block to its group;
+    ``evicted_groups`` is the group each evicted block was cached in.
     """
 
-    __slots__ = ("allocated", "cached", "evicted", "evicted_hashes", "freed", "prefix_hit_tokens",
-                 "prefix_query_tokens", "stored")
+    __slots__ = ("allocated", "allocated_by_group", "cached", "evicted", "evicted_groups", "evicted_hashes", "freed",
+                 "freed_by_group", "num_groups", "prefix_hit_tokens", "prefix_query_tokens", "stored",
+                 "window_freed_by_group")
 
-    def __init__(self, record_contents: bool = False) -> None:
+    def __init__(self, record_contents: bool = False, num_groups: int = 0) -> None:
         self.allocated: dict[str, list[int]] = {}
         self.freed: dict[str, list[int]] = {}
-        self.cached: dict[int, None] = {}
+        self.cached: dict[int, int] = {}  # block -> the group whose hash it now holds
         self.evicted: list[int] = []
         self.stored: list[StoredRun] | None = [] if record_contents else None
         self.evicted_hashes: list[int] | None = [] if record_contents else None
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        self.num_groups = num_groups  # 0: one full-attention group, the flat dicts above
+        self.allocated_by_group: dict[str, list[list[int]]] = {}
+        self.freed_by_group: dict[str, list[list[int]]] = {}
+        self.window_freed_by_group: dict[str, list[list[int]]] = {}
+        self.evicted_groups: list[int] = []
+
+    def _group_lists(self, by_group: dict[str, list[list[int]]], request_id: str) -> list[list[int]]:
+        lists = by_group.get(request_id)
+        if lists is None:
+            lists = by_group[request_id] = [[] for _ in range(self.num_groups)]
+        return lists
+
+    def record_allocated(self, request_id: str, group: int, block_ids: list[int]) -> None:
+        self._group_lists(self.allocated_by_group, request_id)[group].extend(block_ids)
+
+    def record_freed(self, request_id: str, group: int, block_ids: list[int]) -> None:
+        self._group_lists(self.freed_by_group, request_id)[group].extend(block_ids)
+
+    def record_window_freed(self, request_id: str, group: int, block_ids: list[int]) -> None:
+        self._group_lists(self.window_freed_by_group, request_id)[group].extend(block_ids)
+
+    def all_allocated(self) -> dict[str, list[int]]:
+        """Request id -> blocks appended to its tables: a hybrid pool's every group's,
+        group order (what ``allocated`` holds for one full-attention group)."""
+        return flatten_groups(self.allocated_by_group) if self.num_groups else self.allocated
+
+    def all_freed(self) -> dict[str, list[int]]:
+        """Request id -> blocks released by a finish, abort or preemption (every group's)."""
+        return flatten_groups(self.freed_by_group) if self.num_groups else self.freed
 
     @property
     def records_contents(self) -> bool:
         return self.evicted_hashes is not None
 
-    def start_run(self, parent_hash: int | None) -> StoredRun:
+    def start_run(self, parent_hash: int | None, group: int = 0) -> StoredRun:
         """A new run of stored blocks (only when recording contents)."""
         assert self.stored is not None
-        run = StoredRun(parent_hash)
+        run = StoredRun(parent_hash, group)
         self.stored.append(run)
         return run
 
-    def record_cached(self, block_id: int, block_hash: int, run: StoredRun | None = None) -> None:
-        self.cached[block_id] = None
+    def record_cached(self, block_id: int, block_hash: int, run: StoredRun | None = None, group: int = 0) -> None:
+        self.cached[block_id] = group
         if run is not None:
             run.block_ids.append(block_id)
             run.hashes.append(block_hash)
@@ -122,7 +167,7 @@ class BlockDeltas:
                     run.dropped.append(i)
                     return
 
-    def record_evicted(self, block_id: int, block_hash: int) -> None:
+    def record_evicted(self, block_id: int, block_hash: int, group: int = 0) -> None:
         if block_id in self.cached:
             # cached and evicted inside this step: net effect on the fold is nothing new
             del self.cached[block_id]
@@ -130,8 +175,19 @@ class BlockDeltas:
                 self._drop_stored(block_id)
         else:
             self.evicted.append(block_id)
+            if self.num_groups:
+                self.evicted_groups.append(group)
             if self.evicted_hashes is not None:
                 self.evicted_hashes.append(block_hash)
+
+
+def flatten_groups(by_group: dict[str, list[list[int]]]) -> dict[str, list[int]]:
+    return {rid: [b for blocks in lists for b in blocks] for rid, lists in by_group.items()}
+
+
+def group_counts(by_group: dict[str, list[list[int]]]) -> dict[str, list[int]]:
+    """Request id -> how many of its flattened blocks belong to each group."""
+    return {rid: [len(blocks) for blocks in lists] for rid, lists in by_group.items()}
 
 
 class BlockPool:
@@ -139,9 +195,11 @@ class BlockPool:
     hash -> block map for prefix caching."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 record_contents: bool = False) -> None:
-        if num_blocks <= 0:
-            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+                 record_contents: bool = False, *, num_groups: int = 1, reserve_null_block: bool = False,
+                 group_deltas: bool = False) -> None:
+        if num_blocks <= (1 if reserve_null_block else 0):
+            raise ValueError(f"num_blocks must be positive{' beyond the null block' if reserve_null_block else ''}, "
+                             f"got {num_blocks}")
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.num_blocks = num_blocks
@@ -150,7 +208,12 @@ class BlockPool:
         self.record_contents = record_contents
         self.ref_cnt: list[int] = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
-        self.cached_block_map: dict[int, int] = {}  # block hash -> block id
+        # one (block hash -> block id) map per KV cache group: vLLM keys by (hash, group)
+        self.cached_block_maps: list[dict[int, int]] = [{} for _ in range(num_groups)]
+        self.cached_block_map = self.cached_block_maps[0]
+        self.block_group: list[int] = [0] * num_blocks  # the group whose hash a cached block holds
+        # a hybrid pool's deltas say which group each block change belongs to
+        self.delta_groups = num_groups if (group_deltas or num_groups > 1 or reserve_null_block) else 0
         head = num_blocks  # sentinel
         # initial queue 0, 1, ..., n-1 so the lowest ids are handed out first
         self._next: list[int] = [*range(1, num_blocks + 1), 0]
@@ -158,7 +221,17 @@ class BlockPool:
         self._in_free_queue: list[bool] = [True] * num_blocks
         self.num_free = num_blocks
         self.num_cached_free = 0  # free blocks still holding a hash (evictable hits)
-        self.deltas = BlockDeltas(record_contents)
+        self.null_block: int | None = None
+        if reserve_null_block:  # vLLM's null block: block 0, taken once and never returned
+            self._unlink(0)
+            self.ref_cnt[0] = 1
+            self.null_block = 0
+        self.num_usable = num_blocks - (1 if reserve_null_block else 0)
+        self.deltas = BlockDeltas(record_contents, self.delta_groups)
+
+    def new_deltas(self) -> BlockDeltas:
+        """A fresh record of block changes, shaped for this pool."""
+        return BlockDeltas(self.record_contents, self.delta_groups)
 
     # ------------------------------------------------------------ free queue
     def _unlink(self, block_id: int) -> None:
@@ -208,11 +281,13 @@ class BlockPool:
         return out
 
     def _evict(self, block_id: int, block_hash: int) -> None:
-        if self.cached_block_map.get(block_hash) == block_id:
-            del self.cached_block_map[block_hash]
+        group = self.block_group[block_id]
+        cached = self.cached_block_maps[group]
+        if cached.get(block_hash) == block_id:
+            del cached[block_hash]
         self.block_hash[block_id] = None
         self.num_cached_free -= 1
-        self.deltas.record_evicted(block_id, block_hash)
+        self.deltas.record_evicted(block_id, block_hash, group)
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Take a reference on prefix-hit blocks; a free cached one leaves the free queue."""
@@ -237,31 +312,34 @@ class BlockPool:
                 if block_hash[b] is not None:
                     self.num_cached_free += 1
 
-    def cache_block(self, block_id: int, block_hash: int, run: StoredRun | None = None) -> bool:
-        """Register a full, in-use block under its chained hash (``run``: the stored run
-        it extends, when contents are recorded). Returns False (and
-        leaves the block uncached) when another block already holds that content:
-        two requests that computed the same prefix in the same step."""
-        if block_hash in self.cached_block_map:
+    def cache_block(self, block_id: int, block_hash: int, run: StoredRun | None = None, group: int = 0) -> bool:
+        """Register a full, in-use block of KV cache group ``group`` under its chained
+        hash (``run``: the stored run it extends, when contents are recorded). Returns
+        False (and leaves the block uncached) when another block of the group already
+        holds that content: two requests that computed the same prefix in the same step."""
+        cached = self.cached_block_maps[group]
+        if block_hash in cached:
             return False
-        self.cached_block_map[block_hash] = block_id
+        cached[block_hash] = block_id
         self.block_hash[block_id] = block_hash
-        self.deltas.record_cached(block_id, block_hash, run)
+        self.block_group[block_id] = group
+        self.deltas.record_cached(block_id, block_hash, run, group)
         return True
 
-    def lookup(self, block_hash: int) -> int | None:
-        return self.cached_block_map.get(block_hash)
+    def lookup(self, block_hash: int, group: int = 0) -> int | None:
+        return self.cached_block_maps[group].get(block_hash)
 
     # ------------------------------------------------------------------ state
     @property
     def num_used(self) -> int:
-        return self.num_blocks - self.num_free
+        """Blocks referenced by requests (the null block is neither used nor free)."""
+        return self.num_usable - self.num_free
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks referenced; cached-but-free blocks count as free
-        (vLLM's kv_cache_usage_perc)."""
-        return (self.num_blocks - self.num_free) / self.num_blocks
+        """Fraction of usable blocks referenced; cached-but-free blocks count as free
+        (vLLM's kv_cache_usage_perc, which leaves the null block out too)."""
+        return (self.num_usable - self.num_free) / self.num_usable
 
     def cached_block_ids(self) -> set[int]:
         """Blocks currently holding a prefix-cache hash. O(pool); for tests and snapshots."""
@@ -269,7 +347,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash; only allowed when no block is in use."""
-        if self.num_free != self.num_blocks:
+        if self.num_free != self.num_usable:
             return False
         for b, h in enumerate(self.block_hash):
             if h is not None:
@@ -286,23 +364,31 @@ class BlockPool:
         holds a block twice. O(pool); for tests.
         """
         order = self.free_queue_order()
+        null = self.null_block
         assert len(order) == len(set(order)), "a block is in the free queue twice"
         assert len(order) == self.num_free, f"free queue has {len(order)} blocks, counter says {self.num_free}"
         zero = {b for b, c in enumerate(self.ref_cnt) if c == 0}
         assert set(order) == zero, "free queue differs from the blocks with reference count 0"
         assert all(c >= 0 for c in self.ref_cnt), "negative reference count"
-        referenced = self.num_blocks - len(zero)
-        assert self.num_free + referenced == self.num_blocks, "free + referenced != total"
-        for h, b in self.cached_block_map.items():
-            assert self.block_hash[b] == h, f"hash map points at block {b} which holds another hash"
-        mapped = set(self.cached_block_map.values())
+        referenced = self.num_usable - len(zero)
+        assert self.num_free + referenced == self.num_usable, "free + referenced != usable"
+        assert null is None or (null not in zero and self.block_hash[null] is None), "the null block left its place"
+        mapped: set[int] = set()
+        for group, cached in enumerate(self.cached_block_maps):
+            for h, b in cached.items():
+                assert self.block_hash[b] == h, f"hash map points at block {b} which holds another hash"
+                assert self.block_group[b] == group, f"block {b} is cached under group {group} but says another"
+                mapped.add(b)
         hashed = {b for b, h in enumerate(self.block_hash) if h is not None}
         assert hashed == mapped, "a block holds a hash that the hash map does not point to"
         assert self.num_cached_free == len(hashed & zero), "cached-free counter is wrong"
         if owners is not None:
             counts = [0] * self.num_blocks
             for table in owners:
-                assert len(table) == len(set(table)), "a request holds the same block twice"
-                for b in table:
+                real = [b for b in table if b != null]
+                assert len(real) == len(set(real)), "a request holds the same block twice"
+                for b in real:
                     counts[b] += 1
+            if null is not None:
+                counts[null] = self.ref_cnt[null]
             assert counts == self.ref_cnt, "reference counts differ from the request tables"

@@ -84,6 +84,10 @@ class KVCacheManager:
         deltas.prefix_hit_tokens += hit_tokens
 
     # -------------------------------------------------------------- allocation
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks a request of ``num_tokens`` tokens holds at its longest."""
+        return cdiv(num_tokens, self.block_size)
+
     def can_ever_fit(self, num_tokens: int) -> bool:
         return cdiv(num_tokens, self.block_size) <= self.pool.num_blocks
 

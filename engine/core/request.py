@@ -50,7 +50,8 @@ class Request:
     the cache, advanced optimistically when a step is scheduled), ``block_ids``
     (the request's block table, in position order), ``block_hashes`` (chained
     hashes of its full blocks, filled lazily by the KV cache manager),
-    ``num_cached_tokens`` (prefix-cache hit on first admission; -1 until then),
+    ``group_block_ids`` (a hybrid KV cache's tables, one per group; ``block_tables``
+    reads either form), ``num_cached_tokens`` (prefix-cache hit on first admission; -1 until then),
     ``num_preemptions``.
 
     ``sampling`` (:class:`~engine.core.sampling_params.SamplingParams`) is the model
@@ -72,6 +73,7 @@ class Request:
         "finished_time",
         "first_scheduled_time",
         "first_token_time",
+        "group_block_ids",
         "ignore_eos",
         "inter_token_latencies",
         "last_token_time",
@@ -130,6 +132,8 @@ class Request:
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
+        # a hybrid KV cache (several groups): one table per group, block_ids is group 0's
+        self.group_block_ids: tuple[list[int], ...] = ()
         self.block_hashes: list[int] = []
         self.num_hashed_blocks = 0  # leading blocks of block_ids already registered in the prefix cache
         self.num_cached_tokens = -1
@@ -146,6 +150,12 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def block_tables(self) -> tuple[list[int], ...]:
+        """One block table per KV cache group (a single full-attention group: ``block_ids``).
+        A sliding-window group's table holds the null block where positions left the window."""
+        return self.group_block_ids or (self.block_ids,)
 
     @property
     def num_output_tokens(self) -> int:

@@ -32,7 +32,8 @@ from typing import Any
 
 from engine.core.block_pool import BlockDeltas
 from engine.core.encoder_cache import EncoderCacheManager
-from engine.core.kv_cache import KVCacheManager, cdiv
+from engine.core.hybrid_kv_cache import KVCache, create_kv_cache_manager
+from engine.core.kv_cache_groups import KVCacheGroup, groups_from_config
 from engine.core.policy import POLICIES, create_request_queue
 from engine.core.request import FINISH_REASONS, Request, RequestStatus
 from engine.events import (
@@ -65,6 +66,9 @@ class SchedulerConfig:
     # vLLM's KVEventsConfig.enable_kv_cache_events: step events carry each cached block's
     # hash, parent hash and token ids and each evicted block's hash (the KV events sink's facts)
     enable_kv_cache_events: bool = False
+    # the model's KV cache groups (engine/core/kv_cache_groups.py); () = one full-attention
+    # group, today's single block table
+    kv_cache_groups: tuple[KVCacheGroup, ...] = ()
 
     @classmethod
     def from_flags(
@@ -72,7 +76,8 @@ class SchedulerConfig:
         max_model_len: int | None = None,
     ) -> SchedulerConfig:
         """From engine flags under vLLM's names: an EngineConfig's ``to_dict()`` or a
-        recording header's config. Missing flags take the defaults above."""
+        recording header's config (``kv_cache_groups``: ``engine.config``'s, a hybrid
+        model's groups). Missing flags take the defaults above."""
         defaults = cls(num_blocks=1)
         return cls(
             num_blocks=int(num_blocks),
@@ -84,6 +89,7 @@ class SchedulerConfig:
             long_prefill_token_threshold=int(flags.get("long_prefill_token_threshold") or 0),
             policy=str(flags.get("scheduling_policy") or flags.get("policy") or defaults.policy),
             enable_kv_cache_events=bool((flags.get("kv_events_config") or {}).get("enable_kv_cache_events")),
+            kv_cache_groups=groups_from_config(flags.get("kv_cache_groups")),
         )
 
     def __post_init__(self) -> None:
@@ -99,7 +105,10 @@ class ScheduledRequest:
 
     ``token_ids`` are the tokens to compute (positions ``start_position`` ..
     ``start_position + num_tokens - 1``); ``block_ids`` is the request's whole
-    block table (a live list: valid until the next ``schedule``); ``samples`` is
+    block table (a live list: valid until the next ``schedule``), group 0's with a
+    hybrid KV cache, whose every group's table ``block_tables`` gives (one per KV
+    cache group, in the config's group order; the null block where a sliding window
+    freed a position); ``samples`` is
     True when this step reaches the end of the known tokens, so the runner must
     sample one token for it (a prompt's last chunk or a decode step).
     """
@@ -119,6 +128,11 @@ class ScheduledRequest:
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def block_tables(self) -> tuple[list[int], ...]:
+        """One block table per KV cache group (live lists, valid until the next ``schedule``)."""
+        return self.request.block_tables
 
     @property
     def token_ids(self) -> list[int]:
@@ -186,11 +200,11 @@ class SchedulerOutput:
 
     @property
     def allocated(self) -> dict[str, list[int]]:
-        return self.deltas.allocated
+        return self.deltas.all_allocated()
 
     @property
     def freed(self) -> dict[str, list[int]]:
-        return self.deltas.freed
+        return self.deltas.all_freed()
 
     @property
     def cached(self) -> list[int]:
@@ -257,8 +271,9 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, bus: EventBus | None = None) -> None:
         self.config = config
         self.bus = bus
-        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
-                                 record_block_contents=config.enable_kv_cache_events)
+        self.kv: KVCache = create_kv_cache_manager(
+            config.kv_cache_groups, config.num_blocks, config.block_size, config.enable_prefix_caching,
+            record_block_contents=config.enable_kv_cache_events, max_num_batched_tokens=config.max_num_batched_tokens)
         self.encoder_cache = EncoderCacheManager(config.encoder_cache_size)
         self._encoder_freed: list[tuple[str, int]] = []
         self.requests: dict[str, Request] = {}  # unfinished requests
@@ -304,8 +319,8 @@ class Scheduler:
             )
         if not self.kv.can_ever_fit(total):
             return (
-                f"{total} tokens need {cdiv(total, cfg.block_size)} blocks but the KV pool has only "
-                f"{cfg.num_blocks}"
+                f"{total} tokens need {self.kv.blocks_needed(total)} blocks but the KV pool has only "
+                f"{self.kv.pool.num_usable}"
             )
         if req.request_id in self.requests:
             return f"request id {req.request_id!r} is already in use"
@@ -523,7 +538,7 @@ class Scheduler:
             finished_req_ids=finished_ids,
             deltas=pool.deltas,  # keeps filling until update_from_output returns
             num_blocks_total=cfg.num_blocks,
-            num_blocks_used_scheduled=cfg.num_blocks - pool.num_free,
+            num_blocks_used_scheduled=pool.num_used,
             encoder_inputs=[(r.request_id, index, tokens) for r, index, tokens in plan.encoder_inputs],
             encoder_cache_capacity=cfg.encoder_cache_size,
         )
@@ -616,7 +631,7 @@ class Scheduler:
         output.num_running = len(self.running)
         output.num_waiting = len(self.waiting)
         pool = self.kv.pool
-        output.num_blocks_used = pool.num_blocks - pool.num_free
+        output.num_blocks_used = pool.num_used
         output.num_blocks_cached_free = pool.num_cached_free
         # later frees (aborts between steps) belong to the next step
         self.kv.take_deltas()
@@ -669,12 +684,19 @@ class Scheduler:
 
     # ----------------------------------------------------------- inspection
     def block_table(self) -> dict[str, list[int]]:
-        """Request id -> block ids for every request holding blocks. For tests/snapshots."""
-        return {rid: list(r.block_ids) for rid, r in self.requests.items() if r.block_ids}
+        """Request id -> block ids for every request holding blocks (a hybrid KV cache:
+        every group's real blocks, group order). For tests/snapshots."""
+        null = self.kv.pool.null_block
+        out: dict[str, list[int]] = {}
+        for rid, r in self.requests.items():
+            blocks = [b for table in r.block_tables for b in table if b != null]
+            if blocks:
+                out[rid] = blocks
+        return out
 
     def check_integrity(self) -> None:
         """Assert pool, table and queue invariants (O(pool); for tests)."""
-        self.kv.pool.check_integrity(r.block_ids for r in self.requests.values())
+        self.kv.pool.check_integrity(table for r in self.requests.values() for table in r.block_tables)
         running_ids = {r.request_id for r in self.running}
         waiting_ids = {r.request_id for r in self.waiting}
         assert len(running_ids) == len(self.running), "a request is running twice"
@@ -683,9 +705,10 @@ class Scheduler:
         assert len(self.running) <= self.config.max_num_seqs, "more running requests than max_num_seqs"
         for r in self.running:
             assert r.status is RequestStatus.RUNNING, f"{r.request_id} in running with status {r.status}"
-            assert len(r.block_ids) * self.config.block_size >= r.num_computed_tokens, "computed tokens without slots"
+            for table in r.block_tables:
+                assert len(table) * self.config.block_size >= r.num_computed_tokens, "computed tokens without slots"
         for r in self.waiting:
-            assert not r.block_ids, f"waiting request {r.request_id} holds blocks"
+            assert not any(r.block_tables), f"waiting request {r.request_id} holds blocks"
             assert r.num_computed_tokens == 0, f"waiting request {r.request_id} has computed tokens"
 
 
