@@ -4,7 +4,8 @@ Prometheus metrics, the live event stream and the health check.
 :func:`build_app` only assembles: it stores the :class:`~engine.serve.host.EngineHost`
 on ``app.state.host``, includes the routers of :mod:`~engine.serve.routes_openai` and
 :mod:`~engine.serve.routes_observability`, and adds the middleware (CORS, trusted
-hosts, the body limit), the OpenAI-shaped error handlers and the OpenAPI schema that
+hosts, and :class:`~engine.serve.http_limits.BoundedBody`: the body's size and time
+bounds), the OpenAI-shaped error handlers and the OpenAPI schema that
 documents them. Everything observable is a bus subscriber attached before the engine
 starts (see :mod:`~engine.serve.host`); handlers never touch the engine: they submit
 through :class:`~engine.serve.async_engine.AsyncEngine`.
@@ -13,7 +14,6 @@ through :class:`~engine.serve.async_engine.AsyncEngine`.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
@@ -23,10 +23,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
 
 from engine.serve import routes_observability, routes_openai
 from engine.serve.host import LOOPBACK_HOSTS, EngineHost, EventHub, LockedView, ServerSettings
+from engine.serve.http_limits import BoundedBody
 from engine.serve.protocol import APIError, ErrorResponse
 from engine.serve.route_support import error_response
 
@@ -55,7 +55,9 @@ def build_app(host: EngineHost) -> FastAPI:
         from starlette.middleware.trustedhost import TrustedHostMiddleware
 
         app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(settings.trusted_hosts))
-    app.add_middleware(BodyLimit, limit=partial(_body_limit, host))
+    # Reads every body under the size and time bounds before any route runs (413/408).
+    app.add_middleware(BoundedBody, limit=partial(_body_limit, host), idle_timeout_s=settings.body_idle_timeout_s,
+                       timeout_s=settings.body_timeout_s)
 
     for exc_class, handler in EXCEPTION_HANDLERS:
         app.add_exception_handler(exc_class, handler)
@@ -127,62 +129,6 @@ def _body_limit(host: EngineHost) -> int | None:
     return BODY_SLACK_BYTES + JSON_ESCAPE_FACTOR * llm.max_model_len * llm.tokenizer.max_token_bytes
 
 
-class _BodyTooLarge(Exception):
-    pass
-
-
-class BodyLimit:
-    """ASGI middleware: a body over ``limit()`` bytes gets 413 in OpenAI's error shape
-    before it is parsed, from Content-Length at once or while a chunked body streams in,
-    so a 10 MB upload costs neither the JSON parser nor the tokeniser any time."""
-
-    def __init__(self, app: Any, limit: Callable[[], int | None]) -> None:
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        limit = self.limit() if scope["type"] == "http" else None
-        if limit is None:
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            await self._refuse(send, limit)
-            return
-        seen = 0
-        started = False
-
-        async def counting_receive() -> Any:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > limit:
-                    raise _BodyTooLarge
-            return message
-
-        async def tracking_send(message: Any) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, counting_receive, tracking_send)
-        except _BodyTooLarge:
-            if not started:
-                await self._refuse(send, limit)
-
-    @staticmethod
-    async def _refuse(send: Send, limit: int) -> None:
-        body = json.dumps(APIError(413, f"the request body is over {limit:,} bytes (more than a prompt of "
-                                        "--max-model-len tokens can be); send a shorter prompt",
-                                   code="request_too_large").body()).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
-
-
 # --------------------------------------------------------------- OpenAPI
 # What any route may answer besides its own result, always in OpenAI's error shape.
 ERROR_STATUSES = {
@@ -190,7 +136,9 @@ ERROR_STATUSES = {
     "401": "Missing or wrong API key (when the server has one)",
     "404": "Unknown model or path",
     "405": "Method not allowed (see the Allow header)",
-    "413": "Request body too large",
+    "408": "The request's headers or body did not arrive in time (--timeout-headers, --timeout-body-idle, "
+           "--timeout-body); the connection is closed",
+    "413": "Request body too large (from Content-Length, or while a chunked body arrives)",
     "429": "Too many waiting requests (--max-waiting-requests; see Retry-After)",
     "500": "Internal error",
     "503": "The engine is not running or is shutting down",

@@ -25,3 +25,10 @@ class ServerSettings:
     max_log_len: int | None = None  # prompt token ids such a line shows (None: all)
     chat_template: str | None = None  # --chat-template: replaces the model's own
     kv_cache_metrics: bool = False  # vLLM's --kv-cache-metrics: the block residency histograms on /metrics
+    # How long a client may hold a connection without giving the server a whole request
+    # (engine/serve/http_limits.py): idle with no request, a request's line and headers
+    # from its first byte, no body byte, the whole body from the end of the headers.
+    timeout_keep_alive_s: float = 5.0  # vLLM's --timeout-keep-alive (uvicorn's default)
+    header_timeout_s: float = 10.0
+    body_idle_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0

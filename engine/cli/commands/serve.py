@@ -67,6 +67,20 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
                    help='CORS: origins browser pages may call from, as vLLM\'s flag (a JSON list, e.g. \'["*"]\', '
                         "or comma-separated); default none (vLLM's default is [\"*\"])")
     p.add_argument("--monitor", action="store_true", help="show the live dashboard in this terminal")
+    timeouts = p.add_argument_group(
+        "connection timeouts", "how long a client may hold a connection without giving the server a whole request; "
+                               "past each bound the server answers 408 (in OpenAI's error shape) or just closes")
+    timeouts.add_argument("--timeout-keep-alive", type=_seconds, default=5.0, metavar="S",
+                          help="close a connection idle for S seconds between requests, or fresh and silent "
+                               "(uvicorn's flag and default: 5)")
+    timeouts.add_argument("--timeout-headers", type=_seconds, default=10.0, metavar="S",
+                          help="a request's line and headers must be complete S seconds after its first byte, "
+                               "else 408 and close (slow-header clients, slowloris; default 10)")
+    timeouts.add_argument("--timeout-body-idle", type=_seconds, default=10.0, metavar="S",
+                          help="408 and close when no byte of a request body arrives for S seconds (default 10)")
+    timeouts.add_argument("--timeout-body", type=_seconds, default=30.0, metavar="S",
+                          help="408 and close when a request body is not complete S seconds after its headers, "
+                               "however steadily it trickles (default 30)")
     vllm = p.add_argument_group("vLLM serve flags", "accepted so a `vllm serve ...` command line runs unchanged")
     vllm.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                       help="a Jinja chat template (a file, or the template itself) instead of the model's own")
@@ -106,6 +120,17 @@ def _sample_rate(text: str) -> float:
     return rate
 
 
+def _seconds(text: str) -> float:
+    """A timeout flag: a positive number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a positive number of seconds, e.g. 10")
+    return value
+
+
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     if not 0 < args.port < 65536:
         raise UserError(f"--port {args.port}: must be in 1..65535")
@@ -130,7 +155,9 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
                           allowed_origins=parse_allowed_origins(args.allowed_origins), trusted_hosts=trusted,
                           log_requests=args.log_requests, max_log_len=args.max_log_len,
                           chat_template=load_chat_template(args.chat_template),
-                          kv_cache_metrics=args.kv_cache_metrics)
+                          kv_cache_metrics=args.kv_cache_metrics, timeout_keep_alive_s=args.timeout_keep_alive,
+                          header_timeout_s=args.timeout_headers, body_idle_timeout_s=args.timeout_body_idle,
+                          body_timeout_s=args.timeout_body)
 
 
 def check_tokenizer_flag(tokenizer: str | None, model: str) -> None:
@@ -230,11 +257,16 @@ def bind_listening_socket(bind: str, port: int) -> socket.socket:
 def make_server(host: EngineHost, bind: str, port: int, log_level: str = "warning",
                 access_log: bool = False) -> KvscopeServer:
     from engine.serve.app import build_app
+    from engine.serve.http_limits import protocol_with_header_timeout
 
+    settings = host.settings
     config = uvicorn.Config(build_app(host), host=bind, port=port, log_level=log_level, access_log=access_log,
                             # a backstop: the abort timer in handle_exit normally ends every stream first
-                            timeout_graceful_shutdown=int(host.settings.shutdown_timeout_s) + 5,
-                            lifespan="on")
+                            timeout_graceful_shutdown=int(settings.shutdown_timeout_s) + 5,
+                            lifespan="on",
+                            # h11 pinned (not httptools when installed): the header deadline lives in its protocol
+                            http=protocol_with_header_timeout(settings.header_timeout_s),
+                            timeout_keep_alive=settings.timeout_keep_alive_s)  # type: ignore[arg-type]
     return KvscopeServer(config, host)
 
 
