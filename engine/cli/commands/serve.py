@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import socket
+import sys
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -214,11 +215,27 @@ class KvscopeServer(uvicorn.Server):
     """uvicorn, plus: on SIGINT/SIGTERM stop taking requests and end /events
     streams at once, so the graceful wait is only for real requests; when
     ``--shutdown-timeout`` runs out, abort what is left in the engine so every
-    stream still ends properly (finish_reason "abort", then ``[DONE]``)."""
+    stream still ends properly (finish_reason "abort", then ``[DONE]``).
+
+    When the engine thread dies after startup, the server stops the same way and
+    ``engine_failure`` holds the cause: a process that can no longer answer a
+    request exits 1, so its supervisor restarts it (a server left up would answer
+    503 for good)."""
 
     def __init__(self, config: uvicorn.Config, host: EngineHost) -> None:
         super().__init__(config)
         self.kvscope_host = host
+        self.engine_failure: BaseException | None = None
+
+    async def on_tick(self, counter: int) -> bool:
+        error = self.kvscope_host.engine.error
+        if error is not None and self.engine_failure is None:
+            self.engine_failure = error
+            get_logger("kvscope.serve").error(f"the engine thread stopped ({engine_failure_reason(error)}); "
+                                              "stopping the server, exit status 1")
+            self.kvscope_host.begin_shutdown()
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame: object) -> None:
         if not self.should_exit:
@@ -235,6 +252,10 @@ class KvscopeServer(uvicorn.Server):
         captured = getattr(self, "_captured_signals", None)
         if isinstance(captured, list):
             captured.clear()
+
+
+def engine_failure_reason(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
 
 
 def bind_listening_socket(bind: str, port: int) -> socket.socket:
@@ -301,8 +322,13 @@ def _serve(args: argparse.Namespace, settings: ServerSettings, config: EngineCon
         log.info("--trust-remote-code changes nothing: kvscope runs no code from a model repository")
     log.info(f"serving {settings.served_model_name} on http://{args.host}:{args.port} "
              f"(OpenAI API under /v1, metrics /metrics, events /events)")
-    make_server(host, args.host, args.port, log_level=args.uvicorn_log_level,
-                access_log=not args.disable_uvicorn_access_log).run(sockets=[listener])
+    server = make_server(host, args.host, args.port, log_level=args.uvicorn_log_level,
+                         access_log=not args.disable_uvicorn_access_log)
+    server.run(sockets=[listener])
+    if server.engine_failure is not None:
+        log.error(f"server stopped: the engine thread died ({engine_failure_reason(server.engine_failure)}); "
+                  "exit status 1 so a supervisor restarts it")
+        return 1
     log.info("server stopped; event log flushed")
     return 0
 
@@ -327,4 +353,11 @@ def _run_with_monitor(args: argparse.Namespace, settings: ServerSettings, bus: E
     server.should_exit = True
     thread.join(timeout=settings.shutdown_timeout_s + 30)
     host.engine.wait_ready()  # re-raises a startup failure the dashboard showed
+    # The HTTP server stopped itself when the engine died (its on_tick); the dashboard
+    # (a plug-in with no stop hook) stays until the user quits it, then this exits 1.
+    failure = server.engine_failure or host.engine.error
+    if failure is not None:
+        print(f"engine serve: the engine thread died ({engine_failure_reason(failure)}); exit status 1",
+              file=sys.stderr)
+        return 1
     return 0
