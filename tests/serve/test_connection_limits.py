@@ -30,7 +30,7 @@ KEEP_ALIVE_S = 1.0
 HEADERS_S = 1.5
 BODY_IDLE_S = 1.0
 BODY_S = 2.5
-SLACK_S = 0.6  # a loaded 2-core machine: timer, event loop and this test's own polling
+SLACK_S = 1.0  # a loaded 2-core machine: timer, event loop and this test's own polling
 
 
 class Server:
@@ -171,23 +171,39 @@ def test_a_trickled_body_gets_408_within_its_bound(server: Server, interval_s: f
 
 
 def test_idle_keep_alive_and_silent_fresh_connections_are_closed(server: Server) -> None:
+    """One connection answered once and then left idle, one opened and never used:
+    both closed by the server --timeout-keep-alive later, not before."""
     kept = server.connect()
+    kept.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     silent = server.connect()
     opened = time.monotonic()
+    selector = selectors.DefaultSelector()
+    selector.register(kept, selectors.EVENT_READ, "kept")
+    selector.register(silent, selectors.EVENT_READ, "silent")
+    received = b""
+    answered = None
+    closed: dict[str, float] = {}
     try:
-        kept.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-        kept.settimeout(10)
-        first = kept.recv(65536)
-        answered = time.monotonic()
-        assert first.startswith(b"HTTP/1.1 200"), first
-        rest, kept_closed = _read_until_closed(kept, KEEP_ALIVE_S + 5)
-        _, silent_closed = _read_until_closed(silent, 1)  # already closed by now: returns at once
+        while len(closed) < 2 and time.monotonic() < opened + KEEP_ALIVE_S + 5:
+            for key, _ in selector.select(timeout=0.05):
+                try:
+                    chunk = key.fileobj.recv(65536)  # type: ignore[union-attr]
+                except ConnectionResetError:
+                    chunk = b""
+                if chunk:
+                    received += chunk
+                    answered = answered or time.monotonic()
+                else:
+                    closed[key.data] = time.monotonic()
+                    selector.unregister(key.fileobj)
     finally:
+        selector.close()
         kept.close()
         silent.close()
-    assert rest == b""
-    assert KEEP_ALIVE_S - 0.1 <= kept_closed - answered <= KEEP_ALIVE_S + SLACK_S
-    assert silent_closed - opened <= KEEP_ALIVE_S + SLACK_S + (kept_closed - opened)  # closed, not held
+    assert received.startswith(b"HTTP/1.1 200"), received
+    assert set(closed) == {"kept", "silent"}, closed
+    assert answered is not None and KEEP_ALIVE_S - 0.1 <= closed["kept"] - answered <= KEEP_ALIVE_S + SLACK_S
+    assert KEEP_ALIVE_S - 0.1 <= closed["silent"] - opened <= KEEP_ALIVE_S + SLACK_S
 
 
 def test_over_limit_bodies_get_413_chunked_or_not(server: Server) -> None:
