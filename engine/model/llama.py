@@ -28,13 +28,16 @@ from engine.budget.config import ModelConfig
 from engine.model.attention.base import AttentionBackend, AttentionMetadata
 from engine.model.kernels.cpu_norm import rms_norm
 
-QUANTIZATION_METHODS = ("int8", "int4")
+QUANTIZATION_METHODS = ("int8", "int4", "native")
 # method -> (GGUF block formats used as they are, the format float weights are packed into).
 # int4 keeps a Q8_0 tensor (SmolLM2's tied embedding/LM head) as Q8_0: requantizing it
-# to 4 bits would add error the GGUF does not have.
-_METHOD_FORMATS: dict[str, tuple[tuple[str, ...], str]] = {
+# to 4 bits would add error the GGUF does not have. native (chosen by --quantization auto
+# for a file whose types the kernels read only in part, Gemma 3): the GGUF's own Q8_0/Q4_1
+# blocks where it has them, nothing packed (every other weight stays float).
+_METHOD_FORMATS: dict[str, tuple[tuple[str, ...], str | None]] = {
     "int8": (("q8_0",), "q8_0"),
     "int4": (("q4_1", "q8_0"), "q4_1"),
+    "native": (("q4_1", "q8_0"), None),
 }
 # Buffer suffix of each format (bench_engine.py finds quantized copies by ``_int<bits>``).
 _BUFFER_SUFFIX = {"q8_0": "int8", "q4_1": "int4", "q4_1x8": "int4"}
@@ -220,7 +223,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Parameter(
             torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device), requires_grad=False
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(self._make_layer(index, config, dtype, device) for index in range(config.num_layers))
         self.norm = nn.Parameter(torch.empty(config.hidden_size, dtype=dtype, device=device), requires_grad=False)
         self.lm_head = (
             None
@@ -236,6 +239,11 @@ class LlamaForCausalLM(nn.Module):
         # Pure-decode steps of at most cpu_layer.MAX_ROWS sequences run each layer as one C++
         # call (engine/model/kernels/cpu_layer.py) when every layer qualifies; set by resolve_gemv.
         self._fused_layers: list[tuple[tuple[object, ...], tuple[object, ...]]] = []
+
+    def _make_layer(self, index: int, config: ModelConfig, dtype: torch.dtype,
+                    device: torch.device | str) -> nn.Module:
+        """Layer ``index`` (a model family's subclass builds its own kind)."""
+        return DecoderLayer(config, dtype, device)
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
@@ -349,7 +357,7 @@ class LlamaForCausalLM(nn.Module):
                 blocks = torch.cat([f[1] for f in found if f is not None]).to(weight.device)
                 if blocks.shape == (weight.shape[0], weight.shape[1] // cpu_gemv.QK * cpu_gemv.BLOCK_BYTES[fmt]):
                     entry = QuantizedLinear(blocks.contiguous(), fmt, "gguf")
-            if entry is None and weight.shape[1] % cpu_gemv.QK == 0:
+            if entry is None and packed_fmt is not None and weight.shape[1] % cpu_gemv.QK == 0:
                 pack = cpu_gemv.quantize_q8_0 if packed_fmt == "q8_0" else cpu_gemv.quantize_q4_1
                 entry = QuantizedLinear(pack(weight), packed_fmt, "packed")
             if entry is None:

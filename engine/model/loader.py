@@ -1,5 +1,5 @@
-"""Weights for a Llama-family model: from a GGUF file, an HF safetensors folder,
-or random ("dummy") weights of a config's shapes.
+"""Weights for a model (Llama family, Gemma 3): from a GGUF file, an HF safetensors
+folder, or random ("dummy") weights of a config's shapes.
 
 Every source is read into HF parameter names (``model.layers.0.self_attn.q_proj.weight``)
 so one model class and one exporter serve them all; the model fuses QKV and
@@ -45,6 +45,19 @@ _GGUF_GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+# Gemma 3 has four norms per layer and Q/K norms; llama.cpp's ffn_norm is its pre-MLP norm.
+_GGUF_GEMMA3_LAYER_NAMES = {
+    **{k: v for k, v in _GGUF_LAYER_NAMES.items() if not k.endswith(".bias")},
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+_GGUF_LAYER_NAMES_BY_ARCH = {"gemma3": _GGUF_GEMMA3_LAYER_NAMES}
+# llama.cpp's converter interleaves the rotary halves of Q/K rows for Llama only; Gemma's
+# GGUF keeps HF's order (its rope is the NeoX kind).
+_ARCHES_WITHOUT_ROTARY_PERMUTATION = frozenset({"gemma3"})
 
 
 @dataclass(slots=True)
@@ -59,13 +72,18 @@ class LoadInfo:
     cache: str = "none"  # GGUF: "hit", "miss" (read the file, cache written) or "off"; else "none"
 
 
-def gguf_to_hf_name(name: str) -> str | None:
+def gguf_to_hf_name(name: str, architecture: str = "llama") -> str | None:
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
+    layer_names = _GGUF_LAYER_NAMES_BY_ARCH.get(architecture, _GGUF_LAYER_NAMES)
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
     return None
+
+
+def _rotary_rows_permuted(config: ModelConfig) -> bool:
+    return config.architecture not in _ARCHES_WITHOUT_ROTARY_PERMUTATION
 
 
 def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -94,8 +112,9 @@ def iter_gguf_tensors(path: Path, config: ModelConfig) -> Iterator[tuple[str, np
     except Exception as exc:  # the reader raises ValueError/struct.error/OSError on garbage
         raise UserError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
     total = len(reader.tensors)
+    permuted = _rotary_rows_permuted(config)
     for tensor in reader.tensors:
-        hf_name = gguf_to_hf_name(tensor.name)
+        hf_name = gguf_to_hf_name(tensor.name, config.architecture)
         if hf_name is None:
             continue  # e.g. rope_freqs: recomputed from rope_theta
         try:
@@ -103,7 +122,9 @@ def iter_gguf_tensors(path: Path, config: ModelConfig) -> Iterator[tuple[str, np
         except Exception as exc:
             raise UserError(f"{path}: tensor {tensor.name} cannot be decoded ({exc})") from exc
         array = array.reshape([int(d) for d in reversed(tensor.shape)])
-        if hf_name.endswith("q_proj.weight") or hf_name.endswith("q_proj.bias"):
+        if not permuted:
+            pass
+        elif hf_name.endswith("q_proj.weight") or hf_name.endswith("q_proj.bias"):
             array = unpermute_rotary_rows(array, config.num_attention_heads)
         elif hf_name.endswith("k_proj.weight") or hf_name.endswith("k_proj.bias"):
             array = unpermute_rotary_rows(array, config.num_kv_heads)
@@ -128,13 +149,22 @@ _PROJECTION_SUFFIXES = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn
 def native_quantization(config: ModelConfig, load_format: str = "auto") -> tuple[str | None, str]:
     """``(method, reason)``: the ``--quantization`` whose blocks are exactly the GGUF's own
     (every projection Q4_1 -> int4, every projection Q8_0 -> int8), so decode steps can
-    read the file's blocks with no error beyond the file's; None for other files/sources."""
+    read the file's blocks with no error beyond the file's; None for other files/sources.
+    Gemma 3: ``native`` when its tied LM head is Q8_0/Q4_1 (the head is 262,144 rows:
+    the kernel streams its blocks at a quarter of fp32's bytes; other weights stay float)."""
     if resolve_load_format(config, load_format) != "gguf":
         return None, "not a GGUF source: float weights as loaded"
     location = weights_location(config)
     if location.is_dir():
         return None, "not a GGUF file"
     table, _ = gguf_tensor_table(location)
+    if config.is_gemma3:
+        head = "token_embd.weight" if config.tie_word_embeddings else "output.weight"
+        kind = next((k for name, k, _, _ in table if name == head), None)
+        if kind in GGUF_BLOCK_FORMATS:
+            return "native", (f"the LM head is {GGUF_BLOCK_FORMATS[kind][0].upper()} in the GGUF: decode steps read "
+                              "its own blocks; the other weights (no kernel reads their types) stay float")
+        return None, "the GGUF's LM head type has no kernel: float weights"
     kinds = {kind for name, kind, _, _ in table if name.startswith("blk.") and name.endswith(_PROJECTION_SUFFIXES)}
     formats = {GGUF_BLOCK_FORMATS[k][0] if k in GGUF_BLOCK_FORMATS else str(k) for k in kinds}
     if formats == {"q4_1"}:
@@ -157,15 +187,18 @@ def read_gguf_blocks(config: ModelConfig, load_format: str = "auto") -> dict[str
     table, data_start = gguf_tensor_table(location)
     data = np.memmap(location, dtype=np.uint8, mode="r")
     out: dict[str, tuple[str, torch.Tensor]] = {}
+    permuted = _rotary_rows_permuted(config)
     for name, kind, dims, offset in table:
-        hf_name = gguf_to_hf_name(name)
+        hf_name = gguf_to_hf_name(name, config.architecture)
         if kind not in GGUF_BLOCK_FORMATS or hf_name is None or len(dims) != 2 or dims[0] % 32:
             continue
         fmt, block_bytes = GGUF_BLOCK_FORMATS[kind]
         row_bytes = dims[0] // 32 * block_bytes  # dims are ggml's (in, out): in varies fastest
         start = data_start + offset
         raw = data[start : start + dims[1] * row_bytes].reshape(dims[1], row_bytes)
-        if hf_name.endswith("q_proj.weight"):
+        if not permuted:
+            pass
+        elif hf_name.endswith("q_proj.weight"):
             raw = unpermute_rotary_rows(raw, config.num_attention_heads)
         elif hf_name.endswith("k_proj.weight"):
             raw = unpermute_rotary_rows(raw, config.num_kv_heads)

@@ -121,7 +121,10 @@ class ModelRunner:
             self.model: LlamaForCausalLM = TensorParallelLlama(model_config, self.backend, parallel, dtype=self.dtype,
                                                                device=self.device)
         else:
-            self.model = LlamaForCausalLM(model_config, self.backend, dtype=self.dtype, device=self.device)
+            from engine.model.families import model_class_for
+
+            self.model = model_class_for(model_config)(model_config, self.backend, dtype=self.dtype,
+                                                       device=self.device)
         self.sampler = Sampler(seed=seed)
         self.kv_caches: list[torch.Tensor] = []
         self.last_timings = StepTimings()

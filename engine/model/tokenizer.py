@@ -1,6 +1,8 @@
-"""Tokenizer: byte-level BPE through the ``tokenizers`` library, built from an HF
-``tokenizer.json`` or from a GGUF file's vocabulary and merges; the chat template
-(GGUF metadata or tokenizer_config.json) rendered with jinja2 the way HF does;
+"""Tokenizer through the ``tokenizers`` library, built from an HF ``tokenizer.json``
+or from a GGUF file's vocabulary: byte-level BPE (``tokenizer.ggml.model = gpt2``, with
+the file's merges) or Gemma's SentencePiece BPE with byte fallback (``llama``, merges
+derived from the vocabulary's order); the chat template (GGUF metadata,
+tokenizer_config.json, or Gemma's standard one) rendered with jinja2 the way HF does;
 BOS/EOS/stop tokens; and an incremental detokenizer that checks stop strings.
 """
 
@@ -12,7 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import BPE
 
@@ -60,6 +62,99 @@ def _pre_tokenizer_for(pre: str | None) -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
 
 
+# SentencePiece's word-boundary mark: the vocabulary spells a space as this.
+SPIECE_SPACE = "\u2581"
+# Gemma 3's chat template (google/gemma-3-270m-it's tokenizer_config.json), for GGUF files
+# that carry none (llama.cpp's converter leaves it out of some): turns are
+# <start_of_turn>user|model ... <end_of_turn>, a system message is folded into the first user turn.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}\n"
+    "{%- if messages[0]['role'] == 'system' -%}\n"
+    "    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}\n"
+    "    {%- endif -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n"
+    "{%- else -%}\n"
+    "    {%- set first_user_prefix = \"\" -%}\n"
+    "    {%- set loop_messages = messages -%}\n"
+    "{%- endif -%}\n"
+    "{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    "    {%- endif -%}\n"
+    "    {%- if (message['role'] == 'assistant') -%}\n"
+    "        {%- set role = \"model\" -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set role = message['role'] -%}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n"
+    "        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n"
+    "        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'image' -%}\n"
+    "                {{ '<start_of_image>' }}\n"
+    "            {%- elif item['type'] == 'text' -%}\n"
+    "                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n"
+    "        {%- endfor -%}\n"
+    "    {%- else -%}\n"
+    "        {{ raise_exception(\"Invalid content type\") }}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<end_of_turn>\n' }}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "    {{'<start_of_turn>model\n'}}\n"
+    "{%- endif -%}\n"
+)
+# A Gemma model ends its turn with this token: a stop token beside <eos>, as in
+# google/gemma-3-270m-it's generation_config.json (eos_token_id [1, 106]).
+GEMMA_END_OF_TURN = "<end_of_turn>"
+
+
+def merges_from_vocab_order(tokens: Sequence[str]) -> list[tuple[str, str]]:
+    """BPE merges implied by a vocabulary that lists no merges: every split of a token into
+    two vocabulary pieces, best first by the token's place in the vocabulary (Gemma's
+    scores do not follow its merge order; the order of the tokens does), then the longer
+    left and right pieces first (transformers' ``generate_merges``)."""
+    vocab = {token: index for index, token in enumerate(tokens)}
+    ranked: list[tuple[int, int, int, str, str]] = []
+    for token, index in vocab.items():
+        local = [(token[:cut], token[cut:]) for cut in range(1, len(token))
+                 if token[:cut] in vocab and token[cut:] in vocab]
+        local.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
+        ranked.extend((-index, len(left), len(right), left, right) for left, right in local)
+    # Python's sort is stable: reverse=True keeps equal keys in insertion order, as transformers' does.
+    ranked.sort(key=lambda m: (m[0], m[1], m[2]), reverse=True)
+    return [(left, right) for _, _, _, left, right in ranked]
+
+
+def sentencepiece_bpe(tokens: Sequence[str], types: Sequence[int]) -> BackendTokenizer:
+    """Gemma's SentencePiece vocabulary as a ``tokenizers`` BPE with byte fallback: spaces
+    become ``▁`` before the model sees the text, and no other pre-tokenization (Gemma's
+    own tokenizer.json: a normalizer Replace(" ", "▁"), a Split on " " that then never
+    matches). Tokens that are runs of spaces are stored as real spaces in the GGUF and
+    respelled with ``▁``. Control tokens are special added tokens; user-defined ones
+    (newline runs, ``[multimodal]``) are added tokens matched whole."""
+    respelled = [SPIECE_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {token: index for index, token in enumerate(respelled)}
+    bpe = BPE(vocab=vocab, merges=merges_from_vocab_order(respelled), unk_token="<unk>", fuse_unk=True,
+              byte_fallback=True)
+    backend = BackendTokenizer(bpe)
+    backend.normalizer = normalizers.Replace(" ", SPIECE_SPACE)
+    backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+    backend.decoder = decoders.Sequence([decoders.Replace(SPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, kind in zip(tokens, types, strict=True) if kind == _CONTROL])
+    user = [AddedToken(t, special=False, normalized=False)
+            for t, kind in zip(tokens, types, strict=True) if kind == _USER_DEFINED and t in vocab]
+    if user:
+        backend.add_tokens(user)
+    return backend
+
+
 def _gguf_field(reader: Any, key: str) -> Any:
     field = reader.fields.get(key)
     return None if field is None else field.contents()
@@ -98,8 +193,11 @@ class Tokenizer:
         except Exception as exc:
             raise UserError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
         model = _gguf_field(reader, "tokenizer.ggml.model")
+        if model == "llama":
+            return cls._from_gguf_sentencepiece(reader, path)
         if model != "gpt2":
-            raise UserError(f"{path}: tokenizer type {model!r} is not supported; only byte-level BPE ('gpt2')")
+            raise UserError(f"{path}: tokenizer type {model!r} is not supported; byte-level BPE ('gpt2') or "
+                            "SentencePiece ('llama', Gemma 3's)")
         tokens: list[str] = _gguf_field(reader, "tokenizer.ggml.tokens")
         types: list[int] = _gguf_field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
         merges: list[str] = _gguf_field(reader, "tokenizer.ggml.merges") or []
@@ -142,6 +240,28 @@ class Tokenizer:
             chat_template=_gguf_field(reader, "tokenizer.chat_template"),
             extra_stop_token_ids=[eot] if eot is not None else [],
             add_bos_token=bool(_gguf_field(reader, "tokenizer.ggml.add_bos_token") or False),
+        )
+
+    @classmethod
+    def _from_gguf_sentencepiece(cls, reader: Any, path: Path) -> Tokenizer:
+        """A SentencePiece vocabulary (Gemma 3's), with Gemma's chat template when the file has none."""
+        architecture = _gguf_field(reader, "general.architecture")
+        if architecture not in ("gemma3",):
+            raise UserError(f"{path}: a SentencePiece ('llama') vocabulary is supported for Gemma 3 files; "
+                            f"this one's architecture is {architecture!r}")
+        tokens: list[str] = _gguf_field(reader, "tokenizer.ggml.tokens")
+        types: list[int] = _gguf_field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+        backend = sentencepiece_bpe(tokens, types)
+        end_of_turn = backend.token_to_id(GEMMA_END_OF_TURN)
+        eot = _gguf_field(reader, "tokenizer.ggml.eot_token_id")
+        add_bos = _gguf_field(reader, "tokenizer.ggml.add_bos_token")
+        return cls(
+            backend,
+            bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+            eos_token_id=_gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+            chat_template=_gguf_field(reader, "tokenizer.chat_template") or GEMMA3_CHAT_TEMPLATE,
+            extra_stop_token_ids=[t for t in (eot, end_of_turn) if t is not None],
+            add_bos_token=True if add_bos is None else bool(add_bos),  # llama.cpp's default for SentencePiece
         )
 
     @classmethod

@@ -75,8 +75,11 @@ class AttentionBackend(Protocol):
         ...
 
     def forward(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """``query`` ``[num_tokens, num_heads, head_dim]`` -> output of the same shape.
-        GQA: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``."""
+        GQA: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+        ``sliding_window`` W (a sliding-window layer): a query at position p sees the keys at
+        positions p - W + 1 ... p only (transformers' and vLLM's rule); None: every earlier key."""
         ...

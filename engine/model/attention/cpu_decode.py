@@ -5,7 +5,8 @@ cache (``kv_cache[block_tables]``) in every layer and then runs SDPA over the
 copy; with 16 sequences of 600 tokens that gather plus SDPA is ~60% of a decode
 step. This kernel reads K and V in place through the block table, one
 (sequence, KV head) pair per task on torch's intra-op thread pool, and never
-copies the context.
+copies the context. A sliding-window layer's call reads only the window's
+positions (the older keys are never touched, not just masked).
 
 Quantized caches (engine/model/attention/kv_quant.py) are read in place too: int8 rows
 are widened and multiplied by the fp32 scale stored right after them, fp8 bytes
@@ -69,7 +70,8 @@ struct TableRow {  // fp8 (scale 1.0): each byte's float value from a 256-entry 
 template <typename kv_t, typename q_t, typename Row>
 static void decode_kernel(const q_t* q, const kv_t* kv, const int32_t* block_tables, const int32_t* seq_lens,
                           q_t* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                          int64_t block_size, int64_t max_blocks, float scale, Row load_row) {
+                          int64_t block_size, int64_t max_blocks, float scale, Row load_row,
+                          int64_t window = 0) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row_width = head_dim + Row::kExtra;      // one head's stored row
   const int64_t token_stride = num_kv_heads * row_width;  // next slot in a block
@@ -85,7 +87,10 @@ static void decode_kernel(const q_t* q, const kv_t* kv, const int32_t* block_tab
     std::vector<float> qf(rows * head_dim), acc(rows * head_dim), row(heads_per_task * head_dim), scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / tasks_per_seq, h0 = (task % tasks_per_seq) * heads_per_task;
-      const int64_t len = seq_lens[s];
+      // A sliding-window layer (window > 0) reads only the last `window` positions: the query
+      // sits at seq_len - 1 and sees keys first ... seq_len - 1.
+      const int64_t first = window > 0 ? std::max<int64_t>(0, seq_lens[s] - window) : 0;
+      const int64_t len = seq_lens[s] - first;
       const int32_t* table = block_tables + s * max_blocks;
       scores.assign(rows * std::max<int64_t>(len, 1), 0.f);
       // query rows of heads h0*group ... (h0+heads_per_task)*group - 1, in order
@@ -93,7 +98,8 @@ static void decode_kernel(const q_t* q, const kv_t* kv, const int32_t* block_tab
         for (int64_t d = 0; d < head_dim; ++d)
           qf[r * head_dim + d] = static_cast<float>(q[(s * num_heads + h0 * group + r) * head_dim + d]) * scale;
       for (int64_t t = 0; t < len; ++t) {
-        const kv_t* k = kv + table[t / block_size] * block_stride + (t % block_size) * token_stride + h0 * row_width;
+        const int64_t p = first + t;  // the key's position
+        const kv_t* k = kv + table[p / block_size] * block_stride + (p % block_size) * token_stride + h0 * row_width;
         for (int64_t h = 0; h < heads_per_task; ++h) load_row(k + h * row_width, row.data() + h * head_dim, head_dim);
         for (int64_t r = 0; r < rows; ++r) {
           const float* qr = qf.data() + r * head_dim;
@@ -121,7 +127,8 @@ static void decode_kernel(const q_t* q, const kv_t* kv, const int32_t* block_tab
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {
-        const kv_t* v = kv + table[t / block_size] * block_stride + kv_stride + (t % block_size) * token_stride +
+        const int64_t p = first + t;
+        const kv_t* v = kv + table[p / block_size] * block_stride + kv_stride + (p % block_size) * token_stride +
                         h0 * row_width;
         for (int64_t h = 0; h < heads_per_task; ++h) load_row(v + h * row_width, row.data() + h * head_dim, head_dim);
         for (int64_t r = 0; r < rows; ++r) {
@@ -143,7 +150,7 @@ static void decode_kernel(const q_t* q, const kv_t* kv, const int32_t* block_tab
 // scale per row; fp8 e4m3/e5m2 [NB,2,BS,KVH,D] decoded through fp8_table (256 floats). Quantized caches
 // keep the query's dtype for the query and the output.
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
-                           torch::Tensor seq_lens, double scale, torch::Tensor fp8_table) {
+                           torch::Tensor seq_lens, double scale, torch::Tensor fp8_table, int64_t window) {
   TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5, "query [S,H,D], kv_cache [NB,2,BS,KVH,W]");
   const auto kv_type = kv_cache.scalar_type();
   const bool is_int8 = kv_type == at::ScalarType::Char;
@@ -163,7 +170,7 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor kv_cache, torch::T
   if (is_int8) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_int8", [&] {
       decode_kernel<int8_t, scalar_t>(query.data_ptr<scalar_t>(), kv_cache.data_ptr<int8_t>(), tables, lens,
-                                      out.data_ptr<scalar_t>(), S, H, KVH, D, BS, MB, sc, Int8Row{});
+                                      out.data_ptr<scalar_t>(), S, H, KVH, D, BS, MB, sc, Int8Row{}, window);
     });
   } else if (is_fp8) {
     TORCH_CHECK(fp8_table.scalar_type() == at::kFloat && fp8_table.numel() == 256, "fp8_table: 256 floats");
@@ -171,12 +178,12 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor kv_cache, torch::T
     const auto* bytes = static_cast<const uint8_t*>(kv_cache.data_ptr());
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_fp8", [&] {
       decode_kernel<uint8_t, scalar_t>(query.data_ptr<scalar_t>(), bytes, tables, lens, out.data_ptr<scalar_t>(),
-                                       S, H, KVH, D, BS, MB, sc, TableRow{table.data_ptr<float>()});
+                                       S, H, KVH, D, BS, MB, sc, TableRow{table.data_ptr<float>()}, window);
     });
   } else {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv_type, "paged_decode", [&] {
       decode_kernel<scalar_t, scalar_t>(query.data_ptr<scalar_t>(), kv_cache.data_ptr<scalar_t>(), tables, lens,
-                                        out.data_ptr<scalar_t>(), S, H, KVH, D, BS, MB, sc, CastRow<scalar_t>{});
+                                        out.data_ptr<scalar_t>(), S, H, KVH, D, BS, MB, sc, CastRow<scalar_t>{}, window);
     });
   }
   return out;
@@ -219,10 +226,12 @@ def ensure_built(log: Callable[[str], None] | None = None) -> BuildReport | None
 
 
 def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of one query row per sequence over its paged context. A plain
-    cache returns its own dtype; an int8/fp8 cache returns the query's dtype."""
+                 seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """Attention of one query row per sequence over its paged context (only its last
+    ``sliding_window`` positions for a sliding-window layer). A plain cache returns its
+    own dtype; an int8/fp8 cache returns the query's dtype."""
     kernel = load_kernel()
     assert kernel is not None
     table = fp8_table(kv_cache.dtype) if kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else _NO_TABLE
-    return kernel.paged_decode(query, kv_cache, block_tables, seq_lens, scale, table)  # type: ignore[attr-defined]
+    return kernel.paged_decode(query, kv_cache, block_tables, seq_lens, scale, table,  # type: ignore[attr-defined]
+                               sliding_window or 0)

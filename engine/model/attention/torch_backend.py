@@ -10,8 +10,11 @@ GQA without repeating K/V: the ``group`` query heads that share a KV head are
 folded into the query-length axis, so SDPA sees ``[seqs, kv_heads, group *
 q_len, head_dim]`` against ``[seqs, kv_heads, context, head_dim]``.
 
-The masks and index tensors depend only on the batch, not the layer, so they
-are built once per :class:`AttentionMetadata` and reused by all layers.
+The masks and index tensors depend only on the batch and the layer's sliding
+window (None for full attention), so they are built once per
+:class:`AttentionMetadata` and window and reused by all layers of that kind. A
+sliding-window layer (``sliding_window`` W) hides the keys older than its window:
+a query at position p sees positions p - W + 1 ... p, as in transformers and vLLM.
 """
 
 from __future__ import annotations
@@ -47,8 +50,7 @@ class TorchAttentionBackend:
         # compiled kernel that reads the paged cache in place for pure decodes.
         self.decode_kernel: Callable[..., torch.Tensor] | None = None
         self._plan_meta: AttentionMetadata | None = None
-        self._plan_group = 0
-        self._plan: _BatchPlan | None = None
+        self._plans: dict[tuple[int, int | None], _BatchPlan] = {}  # (group, window) -> plan of _plan_meta
         self._slots_key: torch.Tensor | None = None
         self._slots_valid: torch.Tensor | None = None
         self._slot_rows: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
@@ -85,16 +87,26 @@ class TorchAttentionBackend:
         rows.index_copy_(0, v_rows, v_stored)
 
     # ------------------------------------------------------------------ attention
-    def _plan_for(self, meta: AttentionMetadata, group: int, block_size: int) -> _BatchPlan:
-        if meta is self._plan_meta and group == self._plan_group and self._plan is not None:
-            return self._plan
+    def _plan_for(self, meta: AttentionMetadata, group: int, block_size: int,
+                  window: int | None = None) -> _BatchPlan:
+        if meta is not self._plan_meta:
+            self._plan_meta, self._plans = meta, {}
+        plan = self._plans.get((group, window))
+        if plan is None:
+            plan = self._plans[(group, window)] = self._build_plan(meta, group, block_size, window)
+        return plan
+
+    @staticmethod
+    def _build_plan(meta: AttentionMetadata, group: int, block_size: int, window: int | None) -> _BatchPlan:
         device = meta.seq_lens.device
         seq_lens = meta.seq_lens.to(torch.int64)
         num_blocks = -(-meta.max_seq_len // block_size)
         context = torch.arange(num_blocks * block_size, device=device)
         if meta.is_pure_decode:
-            mask = (context[None, :] < seq_lens[:, None])[:, None, None, :]
-            plan = _BatchPlan(num_blocks, mask, None, None)
+            mask = context[None, :] < seq_lens[:, None]
+            if window is not None:  # the query sits at seq_len - 1
+                mask &= context[None, :] >= seq_lens[:, None] - window
+            plan = _BatchPlan(num_blocks, mask[:, None, None, :], None, None)
         else:
             starts = meta.query_start_loc.to(torch.int64)
             query_lens = starts[1:] - starts[:-1]
@@ -104,13 +116,15 @@ class TorchAttentionBackend:
             # Row i of sequence b sits at absolute position (seq_len - q_len + i).
             row_pos = (seq_lens - query_lens)[:, None] + torch.arange(meta.max_query_len, device=device)[None, :]
             mask = (context[None, None, :] <= row_pos[:, :, None]) & (context[None, None, :] < seq_lens[:, None, None])
+            if window is not None:
+                mask &= context[None, None, :] > row_pos[:, :, None] - window
             mask = mask[:, None].expand(-1, group, -1, -1).reshape(len(query_lens), 1, group * meta.max_query_len, -1)
             plan = _BatchPlan(num_blocks, mask, seq_index, row_index)
-        self._plan_meta, self._plan_group, self._plan = meta, group, plan
         return plan
 
     def forward(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = query.shape
         block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -119,10 +133,11 @@ class TorchAttentionBackend:
         out_dtype = query.dtype
         if self.decode_kernel is not None:
             if meta.is_pure_decode:
-                return self.decode_kernel(query, kv_cache, meta.block_tables, meta.seq_lens, scale).to(out_dtype)
+                return self._decode(query, kv_cache, meta.block_tables, meta.seq_lens, scale,
+                                    sliding_window).to(out_dtype)
             if meta.query_lens_cpu is not None and meta.seq_lens_cpu is not None:
-                return self._mixed_with_kernel(query, kv_cache, meta, scale, group).to(out_dtype)
-        plan = self._plan_for(meta, group, block_size)
+                return self._mixed_with_kernel(query, kv_cache, meta, scale, group, sliding_window).to(out_dtype)
+        plan = self._plan_for(meta, group, block_size, sliding_window)
 
         # [seqs, blocks, 2, block_size, kv_heads, width] -> K, V as [seqs, kv_heads, context, head_dim]
         gathered = kv_cache[meta.block_tables[:, : plan.num_blocks].to(torch.int64)]
@@ -148,13 +163,24 @@ class TorchAttentionBackend:
         out = out.reshape(seqs, max_q, num_heads, head_dim)
         return out[plan.seq_index, plan.row_index].to(out_dtype)
 
+    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                seq_lens: torch.Tensor, scale: float, sliding_window: int | None) -> torch.Tensor:
+        """The decode kernel, told the window only when there is one (a kernel set by a test
+        may take the five arguments of full attention alone)."""
+        assert self.decode_kernel is not None
+        if sliding_window is None:
+            return self.decode_kernel(query, kv_cache, block_tables, seq_lens, scale)
+        return self.decode_kernel(query, kv_cache, block_tables, seq_lens, scale, sliding_window)
+
     def _mixed_with_kernel(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, group: int
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, group: int,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """A batch with prefill chunks: decodes go through the kernel together;
         each prefill chunk gets its own SDPA over exactly its context, so no
         padded [seqs, max_q, max_context] mask is built (causal within the chunk,
-        all cached context visible)."""
+        all cached context visible; a sliding-window layer reads only the blocks
+        its window reaches and masks the older keys of those)."""
         assert self.decode_kernel is not None and meta.query_lens_cpu is not None and meta.seq_lens_cpu is not None
         block_size, num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[3], query.shape[2]
         quantized = is_quantized(kv_cache.dtype)
@@ -168,27 +194,34 @@ class TorchAttentionBackend:
         if decodes:
             index = torch.tensor(decodes, device=query.device)
             rows = torch.tensor([starts[i] for i in decodes], device=query.device)
-            out[rows] = self.decode_kernel(query[rows], kv_cache, meta.block_tables[index], meta.seq_lens[index],
-                                           scale)
+            out[rows] = self._decode(query[rows], kv_cache, meta.block_tables[index], meta.seq_lens[index],
+                                     scale, sliding_window)
         for i, n in enumerate(meta.query_lens_cpu):
             if n == 1:
                 continue
             context = meta.seq_lens_cpu[i]
-            blocks = meta.block_tables[i, : -(-context // block_size)].to(torch.int64)
+            # The first key any row of the chunk sees: 0, or the first row's window start.
+            first = 0 if sliding_window is None else max(0, context - n - sliding_window + 1)
+            first_block = first // block_size
+            blocks = meta.block_tables[i, first_block : -(-context // block_size)].to(torch.int64)
             kv = kv_cache[blocks]  # [blocks, 2, block_size, kv_heads, width]
             if quantized:
                 kv = dequantize_from_cache(kv, query.dtype)
+            skipped = first_block * block_size  # positions before the gathered blocks
             # 4-D [1, heads, len, head_dim] with enable_gqa: torch's fused CPU kernel takes only
             # 4-D inputs; 3-D ones fall back to the math path (AVX2 Zen 3, 512 new rows over a
             # 1,024-token context, 9 heads: 54.5 -> 13.0 ms; causal 512 x 512: 14.1 -> 6.5 ms).
-            key = kv[:, 0].reshape(-1, num_kv_heads, head_dim)[:context].transpose(0, 1)[None]
-            value = kv[:, 1].reshape(-1, num_kv_heads, head_dim)[:context].transpose(0, 1)[None]
+            key = kv[:, 0].reshape(-1, num_kv_heads, head_dim)[: context - skipped].transpose(0, 1)[None]
+            value = kv[:, 1].reshape(-1, num_kv_heads, head_dim)[: context - skipped].transpose(0, 1)[None]
             q = query[starts[i] : starts[i] + n].transpose(0, 1)[None]  # [1, heads, n, head_dim]
-            if context == n:
+            if context == n and (sliding_window is None or n <= sliding_window):
                 o = F.scaled_dot_product_attention(q, key, value, is_causal=True, scale=scale, enable_gqa=group > 1)
-            else:  # row r sits at absolute position context - n + r and sees everything up to it
+            else:  # row r sits at absolute position context - n + r and sees everything up to it (in its window)
                 rows_pos = torch.arange(context - n, context, device=query.device)[:, None]
-                mask = torch.arange(context, device=query.device)[None, :] <= rows_pos
+                key_pos = torch.arange(skipped, context, device=query.device)[None, :]
+                mask = key_pos <= rows_pos
+                if sliding_window is not None:
+                    mask &= key_pos > rows_pos - sliding_window
                 o = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale, enable_gqa=group > 1)
             out[starts[i] : starts[i] + n] = o[0].transpose(0, 1)
         return out

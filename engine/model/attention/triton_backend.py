@@ -17,6 +17,7 @@ from engine.errors import UserError
 from engine.model.attention.base import AttentionMetadata
 from engine.model.attention.kv_quant import is_quantized
 from engine.model.attention.triton_kernels import (
+    NO_WINDOW,
     kernels_interpreted,
     paged_attention_kernel,
     paged_decode_split_kernel,
@@ -110,7 +111,8 @@ class TritonAttentionBackend:
         return meta.is_pure_decode and meta.max_seq_len >= self.split_k_min_seq_len and self.num_splits > 1
 
     def forward(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         num_tokens, num_heads = query.shape[0], query.shape[1]
         out = torch.empty_like(query)
@@ -125,10 +127,11 @@ class TritonAttentionBackend:
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         query = _unit_last_stride(query)
+        window = sliding_window or NO_WINDOW
         if self.uses_split_k(meta):
-            self._decode_split_k(out, query, kv_cache, meta, scale)
+            self._decode_split_k(out, query, kv_cache, meta, scale, window)
         else:
-            self._paged_attention(out, query, kv_cache, meta, scale)
+            self._paged_attention(out, query, kv_cache, meta, scale, window)
         return out
 
     def _paged_attention(
@@ -138,6 +141,7 @@ class TritonAttentionBackend:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = NO_WINDOW,
     ) -> None:
         num_heads, head_dim = query.shape[1], query.shape[2]
         block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -165,6 +169,7 @@ class TritonAttentionBackend:
             stride_head,
             scale * LOG2_E,
             head_dim,
+            window,
             QUERIES_PER_KV=queries_per_kv,
             BLOCK_Q=block_q,
             BLOCK_M=block_m,
@@ -180,6 +185,7 @@ class TritonAttentionBackend:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = NO_WINDOW,
     ) -> None:
         num_heads, head_dim = query.shape[1], query.shape[2]
         block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -211,6 +217,7 @@ class TritonAttentionBackend:
             scale * LOG2_E,
             head_dim,
             num_heads,
+            window,
             QUERIES_PER_KV=queries_per_kv,
             BLOCK_M=max(MIN_DOT_SIZE, _next_pow2(queries_per_kv)),
             NUM_SPLITS=self.num_splits,

@@ -21,6 +21,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# The ``window`` of full attention: wider than any context.
+NO_WINDOW = 1 << 30
+
 
 @triton.jit
 def reshape_and_cache_kernel(
@@ -85,6 +88,7 @@ def _attend_kv_blocks(
     kv_head,
     query_pos,
     seq_len,
+    window,
     block_lo,
     block_hi,
     stride_cache_block,
@@ -99,7 +103,8 @@ def _attend_kv_blocks(
 ):
     """Online-softmax attention of the query tile over logical KV blocks
     ``[block_lo, block_hi)`` of one sequence. A key at position ``p`` is visible
-    to a row whose query sits at ``query_pos`` when ``p <= query_pos`` (causal;
+    to a row whose query sits at ``query_pos`` when ``query_pos - window < p <= query_pos``
+    (causal, and within a sliding window; ``window`` is NO_WINDOW for full attention;
     padded rows carry ``query_pos = -1`` and see nothing)."""
     offs_slot = tl.arange(0, BLOCK_SIZE)
     kv_offsets = offs_slot[:, None] * stride_cache_slot + offs_dim[None, :]
@@ -116,7 +121,8 @@ def _attend_kv_blocks(
             value = value.to(tl.float32)
 
         scores = tl.dot(query, tl.trans(key), input_precision="ieee") * qk_scale_log2
-        visible = (key_pos[None, :] <= query_pos[:, None]) & in_seq[None, :]
+        visible = ((key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] > query_pos[:, None] - window)
+                   & in_seq[None, :])
         scores = tl.where(visible, scores, float("-inf"))
 
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))
@@ -149,6 +155,7 @@ def paged_attention_kernel(
     stride_cache_head,
     qk_scale_log2,
     head_dim,
+    window,
     QUERIES_PER_KV: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -207,6 +214,7 @@ def paged_attention_kernel(
             kv_head,
             query_pos,
             seq_len,
+            window,
             0,
             block_hi,
             stride_cache_block,
@@ -247,6 +255,7 @@ def paged_decode_split_kernel(
     qk_scale_log2,
     head_dim,
     num_heads,
+    window,
     QUERIES_PER_KV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -299,6 +308,7 @@ def paged_decode_split_kernel(
         kv_head,
         query_pos,
         seq_len,
+        window,
         block_lo,
         block_hi,
         stride_cache_block,

@@ -1,0 +1,173 @@
+"""Gemma 3 (text) in plain torch, on the same paged KV cache and attention backends as Llama.
+
+What differs from :mod:`engine.model.llama`, each as transformers' ``Gemma3ForCausalLM``
+computes it:
+
+* layers alternate by ``config.layer_types``: ``sliding_attention`` layers attend to the
+  last ``sliding_window`` positions only and rotate with their own rope base
+  (``rope_local_base_freq``, 10,000); ``full_attention`` layers see everything and use
+  ``rope_theta`` (1e6);
+* Q and K are RMS-normed per head before the rotation (QK-norm), and the attention scale
+  is ``query_pre_attn_scalar ** -0.5``;
+* four RMSNorms per layer: before and after attention, before and after the MLP, each
+  output norm applied before its residual add;
+* the MLP's gate is GELU with the tanh approximation;
+* embeddings are multiplied by ``sqrt(hidden_size)`` (in the weights' dtype), and the LM
+  head is the embedding (tied).
+
+Gemma's RMSNorm multiplies by ``(1 + w)``. llama.cpp's converter stores ``1 + w`` in the
+GGUF (transformers subtracts the 1 when it reads the file and adds it back in the norm);
+the norm weights here hold the file's ``1 + w`` as they are, so every norm is the plain
+RMSNorm kernel, with no add per step.
+
+Every layer writes today's full-attention paged cache (one block table for all layers);
+a layer's ``kv_cache_group`` says which KV cache group's metadata it reads, so the
+hybrid KV cache manager can hand sliding layers their own block tables and slot
+mappings later: :meth:`Gemma3ForCausalLM.forward` takes one metadata for every layer,
+or a sequence indexed by group.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.budget.config import ModelConfig
+from engine.model.attention.base import AttentionBackend, AttentionMetadata
+from engine.model.kernels.cpu_norm import rms_norm
+from engine.model.llama import DecoderLayer, LlamaForCausalLM, RotaryEmbedding, apply_rotary, linear_maybe_quantized
+
+# Per-layer tensors beyond Llama's (HF names under model.layers.N.).
+_EXTRA_LAYER_TENSORS = ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight",
+                        "self_attn.q_norm.weight", "self_attn.k_norm.weight")
+
+
+class Gemma3DecoderLayer(DecoderLayer):
+    """One Gemma 3 layer. Parameter names follow transformers' (``post_attention_layernorm``
+    is the norm of the attention output here, not Llama's pre-MLP norm)."""
+
+    def __init__(self, config: ModelConfig, index: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__(config, dtype, device)
+        h = config.hidden_size
+
+        def empty(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+        self.pre_feedforward_layernorm = empty(h)
+        self.post_feedforward_layernorm = empty(h)
+        self.q_norm = empty(self.head_dim)
+        self.k_norm = empty(self.head_dim)
+        self.is_sliding = config.layer_is_sliding(index)
+        self.sliding_window = config.sliding_window if self.is_sliding else None
+        self.kv_cache_group = 0  # which KV cache group's block table and slots this layer reads
+        self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def forward(  # type: ignore[override]
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        x = rms_norm(hidden, self.input_layernorm, self.eps)
+        qkv = linear_maybe_quantized(self, x, "qkv_proj", self.qkv_proj)
+        q = rms_norm(qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim), self.q_norm, self.eps)
+        k = rms_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim),
+                     self.k_norm, self.eps)
+        v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
+        qk = apply_rotary(torch.cat((q, k), dim=1), cos, sin)  # one rotary call for both
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        backend.write_kv(k, v, kv_cache, meta.slot_mapping)
+        attn = backend.forward(q, kv_cache, meta, self.scale, sliding_window=self.sliding_window)
+        attn_out = linear_maybe_quantized(self, attn.reshape(tokens, self.q_size), "o_proj", self.o_proj)
+        hidden = hidden + rms_norm(attn_out, self.post_attention_layernorm, self.eps)
+        return self.mlp_block(hidden)
+
+    def mlp_block(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Pre-norm, gate/up, GELU(tanh)-and-multiply, down, post-norm, residual."""
+        x = rms_norm(hidden, self.pre_feedforward_layernorm, self.eps)
+        gate, up = linear_maybe_quantized(self, x, "gate_up_proj", self.gate_up_proj).split(self.intermediate_size,
+                                                                                            dim=-1)
+        down = linear_maybe_quantized(self, F.gelu(gate, approximate="tanh") * up, "down_proj", self.down_proj)
+        return hidden + rms_norm(down, self.post_feedforward_layernorm, self.eps)
+
+    def fused_decode_args(self) -> None:  # type: ignore[override]
+        """The fused C++ decode layer is Llama's shape (no QK-norm, two norms): never here."""
+        return None
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """Gemma 3's text model. Loading, quantized copies (the tied head's Q8_0 blocks), the
+    startup cache and the runner are Llama's; the layers, the embedding scale and the
+    two rotary bases are Gemma's."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = "cpu") -> None:
+        if config.layer_types is None or len(config.layer_types) != config.num_layers:
+            raise ValueError(f"{config.name}: Gemma 3 needs layer_types for its {config.num_layers} layers")
+        super().__init__(config, backend, dtype, device)
+        self.rotary_local = RotaryEmbedding(config.head_dim, config.rope_local_base_freq or config.rope_theta)
+        # sqrt(hidden) rounded to the weights' dtype first, as transformers' scaled embedding does.
+        self.embed_scale = float(torch.tensor(math.sqrt(config.hidden_size), dtype=dtype))
+
+    def _make_layer(self, index: int, config: ModelConfig, dtype: torch.dtype,
+                    device: torch.device | str) -> nn.Module:
+        return Gemma3DecoderLayer(config, index, dtype, device)
+
+    @property
+    def kv_cache_groups(self) -> list[int]:
+        """Each layer's KV cache group (all 0 until the hybrid manager hands out groups)."""
+        return [layer.kv_cache_group for layer in self.layers]  # type: ignore[misc]
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata | Sequence[AttentionMetadata],
+    ) -> torch.Tensor:
+        """``meta``: one metadata for every layer, or one per KV cache group (a layer reads
+        ``meta[layer.kv_cache_group]``)."""
+        if self._gemv_pending:
+            self.resolve_gemv()
+        hidden = self.embed(input_ids)
+        cos_sin = {False: self.rotary.cos_sin(positions, self.dtype),
+                   True: self.rotary_local.cos_sin(positions, self.dtype)}
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            layer_meta = meta if isinstance(meta, AttentionMetadata) else meta[layer.kv_cache_group]
+            cos, sin = cos_sin[layer.is_sliding]
+            hidden = layer(hidden, cos, sin, kv_cache, layer_meta, self.backend)
+        return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed_tokens) * self.embed_scale
+
+    def fused_decode_status(self, kv_cache_dtype: torch.dtype) -> str:
+        return "off: the fused C++ layer is Llama's shape (Gemma 3 runs its layers op by op)"
+
+    # ------------------------------------------------------------------ weights
+    def _fused_target(self, hf_name: str) -> tuple[torch.Tensor, int, int] | None:
+        prefix, _, rest = hf_name.partition("model.layers.")
+        if not prefix and rest:
+            index_str, _, tail = rest.partition(".")
+            if tail in _EXTRA_LAYER_TENSORS and int(index_str) < len(self.layers):
+                layer = self.layers[int(index_str)]
+                param = getattr(layer, tail.removeprefix("self_attn.").removesuffix(".weight"))
+                return param, 0, param.shape[0]
+            if tail.endswith(".bias"):
+                return None  # Gemma's projections have no bias
+        return super()._fused_target(hf_name)
+
+    def hf_names(self) -> list[str]:
+        names = super().hf_names()
+        for i in range(len(self.layers)):
+            names.extend(f"model.layers.{i}.{n}" for n in _EXTRA_LAYER_TENSORS)
+        return names
