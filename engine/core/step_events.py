@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from engine.core.block_pool import BlockDeltas
+from engine.core.block_pool import BlockDeltas, flatten_groups, group_counts
 from engine.core.scheduler import SchedulerOutput
 from engine.events import EventBus, StepEvent
 from engine.events.schema import EncoderStepEvent
@@ -24,8 +24,26 @@ def cached_runs(deltas: BlockDeltas) -> list[dict[str, Any]]:
     order; empty unless the pool records contents."""
     if deltas.stored is None:
         return []
+    if deltas.num_groups:  # a hybrid KV cache: each run's group
+        return [{"block_ids": run.block_ids, "hashes": run.hashes, "parent_hash": run.parent_hash,
+                 "token_ids": run.token_ids, "group_idx": run.group}
+                for stored in deltas.stored for run in stored.pieces()]
     return [{"block_ids": run.block_ids, "hashes": run.hashes, "parent_hash": run.parent_hash,
              "token_ids": run.token_ids} for stored in deltas.stored for run in stored.pieces()]
+
+
+def group_fields(deltas: BlockDeltas) -> dict[str, Any]:
+    """A hybrid KV cache's per-group step fields (none for one full-attention group)."""
+    if not deltas.num_groups:
+        return {}
+    return {
+        "allocated_groups": group_counts(deltas.allocated_by_group),
+        "freed_groups": group_counts(deltas.freed_by_group),
+        "cached_groups": list(deltas.cached.values()),
+        "evicted_groups": list(deltas.evicted_groups),
+        "freed_by_window": flatten_groups(deltas.window_freed_by_group),
+        "freed_by_window_groups": group_counts(deltas.window_freed_by_group),
+    }
 
 
 def build_step_event(output: SchedulerOutput, timings: Mapping[str, float] | None = None) -> StepEvent:
@@ -48,8 +66,8 @@ def build_step_event(output: SchedulerOutput, timings: Mapping[str, float] | Non
         kv_blocks_total=output.num_blocks_total,
         kv_blocks_used_forward=output.num_blocks_used_scheduled,
         kv_tokens_read=output.kv_tokens_read,
-        allocated=deltas.allocated,
-        freed=deltas.freed,
+        allocated=deltas.all_allocated(),
+        freed=deltas.all_freed(),
         cached=list(deltas.cached),
         evicted=deltas.evicted,
         cached_runs=cached_runs(deltas),
@@ -68,6 +86,7 @@ def build_step_event(output: SchedulerOutput, timings: Mapping[str, float] | Non
         collective_s=t.get("collective_s", 0.0),
         collective_bytes=int(t.get("collective_bytes", 0)),
         collective_calls=int(t.get("collective_calls", 0)),
+        **group_fields(deltas),
     )
 
 

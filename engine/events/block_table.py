@@ -6,6 +6,14 @@ blocks hold prefix-cache content. Applying every step event of a run in order
 reproduces the scheduler's own table exactly (tests/core/test_step_events.py checks
 this step by step).
 
+A hybrid KV cache (several groups; engine/core/hybrid_kv_cache.py) folds per group:
+``group_tables`` request id -> one list of real blocks per group (the null block a
+sliding window leaves at freed positions is not listed), split by the step's
+``allocated_groups`` counts; ``freed_by_window`` (folded before ``allocated``) takes blocks out of a running
+request's table and marks them ``window_freed`` (left by the window, not by a finish)
+until a request takes them again. ``tables`` stays every request's blocks, group after
+group, so owners and counts read the same for either kind of pool.
+
 An abort frees a request's blocks between steps; those frees travel in the next
 step event, and there may be none (the last request aborted). So the fold also
 reads ``request.finished`` with reason ``abort``: the request's table is dropped
@@ -34,6 +42,8 @@ class BlockTableState:
     cached: set[int] = field(default_factory=set)
     num_blocks: int = 0
     last_step: int = -1
+    group_tables: dict[str, list[list[int]]] = field(default_factory=dict)  # hybrid pools only
+    window_freed: set[int] = field(default_factory=set)  # free blocks last released by a window
     _aborted: dict[str, list[int]] = field(default_factory=dict)
 
     def apply_event(self, event: Event, strict: bool = True) -> None:
@@ -41,6 +51,7 @@ class BlockTableState:
         if isinstance(event, StepEvent):
             self.apply(event, strict)
         elif isinstance(event, RequestFinished) and event.reason == "abort":
+            self.group_tables.pop(event.request_id, None)
             table = self.tables.pop(event.request_id, None)
             if table is not None:
                 self._aborted[event.request_id] = table
@@ -56,16 +67,52 @@ class BlockTableState:
         self.cached.difference_update(event.evicted)
         self.cached.update(event.cached)
         tables = self.tables
-        for rid, blocks in event.allocated.items():
-            table = tables.get(rid)
-            if table is None:
-                tables[rid] = list(blocks)
-            else:
-                table.extend(blocks)
+        if event.allocated_groups or event.freed_by_window or event.freed_groups:
+            self._apply_groups(event, strict)
+        else:
+            for rid, blocks in event.allocated.items():
+                table = tables.get(rid)
+                if table is None:
+                    tables[rid] = list(blocks)
+                else:
+                    table.extend(blocks)
         for rid, blocks in event.freed.items():
+            self.group_tables.pop(rid, None)
             held = self._aborted.pop(rid, []) + tables.pop(rid, [])
             if strict and held != list(blocks):
                 raise FoldError(f"step {event.index}: {rid} freed {len(blocks)} blocks but held {len(held)}")
+
+    def _apply_groups(self, event: StepEvent, strict: bool) -> None:
+        """A hybrid pool's window frees, then its allocations, group by group: a block
+        leaves a window only after the step that computed past it, so a block freed by
+        a window in this step may be taken again in it, never the other way round."""
+        window_freed = self.window_freed
+        for rid, blocks in event.freed_by_window.items():
+            groups = self.group_tables.get(rid)
+            if groups is None:
+                if strict:
+                    raise FoldError(f"step {event.index}: {rid} left the window with blocks it does not hold")
+                continue
+            gone = set(blocks)
+            for table in groups:
+                table[:] = [b for b in table if b not in gone]
+            window_freed.update(blocks)
+            self.tables[rid] = [b for table in groups for b in table]
+        for rid, blocks in event.allocated.items():
+            counts = event.allocated_groups.get(rid) or [len(blocks)]
+            groups = self.group_tables.get(rid)
+            if groups is None:
+                groups = self.group_tables[rid] = [[] for _ in counts]
+            start = 0
+            for table, count in zip(groups, counts, strict=False):
+                table.extend(blocks[start : start + count])
+                start += count
+            window_freed.difference_update(blocks)
+            self.tables[rid] = [b for table in groups for b in table]
+
+    def block_groups(self) -> dict[int, int]:
+        """Block id -> the KV cache group whose table holds it (hybrid pools; {} otherwise)."""
+        return {b: g for groups in self.group_tables.values() for g, table in enumerate(groups) for b in table}
 
     def owners(self) -> dict[int, list[str]]:
         """Block id -> request ids holding it (shared prefix blocks have several)."""

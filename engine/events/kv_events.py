@@ -28,6 +28,13 @@ Hashes: kvscope's block hash is Python's hash of ``(parent hash, token ids)``
 u64 integers. Equal prefixes give equal hashes within kvscope, never equal to vLLM's.
 ``medium`` is ``"GPU"`` on CUDA (and in ``engine simulate``) and ``"CPU"`` on CPU,
 read from phase A's ``device``; ``block_size`` from ``engine.config``.
+
+A hybrid KV cache (engine/core/hybrid_kv_cache.py) caches each group's blocks under
+(hash, group), as vLLM does: a ``BlockStored`` names its run's ``group_idx`` and that
+group's spec (``kv_cache_spec_kind`` ``"full_attention"`` or ``"sliding_window"``,
+``kv_cache_spec_sliding_window`` the window), read from ``engine.config``'s
+``kv_cache_groups``; removals are one ``BlockRemoved`` per group. A stream without
+groups is one full-attention group 0, as before.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ from engine.events.phase_data import InitData, read_phase
 U64_MASK = (1 << 64) - 1
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
-KV_CACHE_SPEC_KIND = "full_attention"  # every layer of kvscope's models attends to the whole context
+KV_CACHE_SPEC_KIND = "full_attention"  # vLLM's kind of a full-attention group (a stream without kv_cache_groups)
 DEFAULT_BLOCK_SIZE = 16  # a stream without engine.config (kvscope's and vLLM's default)
 
 
@@ -99,7 +106,13 @@ class KVEventFold:
         self.data_parallel_rank = data_parallel_rank
         self.block_size = DEFAULT_BLOCK_SIZE
         self.medium = MEDIUM_GPU
+        # each KV cache group's (kind, sliding window), from engine.config; none: one full group
+        self.group_specs: list[tuple[str, int | None]] = []
         self._clock = clock
+
+    def group_spec(self, group: int) -> tuple[str, int | None]:
+        specs = self.group_specs
+        return specs[group] if group < len(specs) else (KV_CACHE_SPEC_KIND, None)
 
     def apply(self, event: Event) -> EventBatch | None:
         if isinstance(event, StepEvent):
@@ -109,6 +122,9 @@ class KVEventFold:
                               data_parallel_rank=self.data_parallel_rank)
         if isinstance(event, EngineConfigEvent):
             self.block_size = int(event.config.get("block_size") or DEFAULT_BLOCK_SIZE)
+            self.group_specs = [(str(g.get("kind") or KV_CACHE_SPEC_KIND),
+                                 int(g["sliding_window"]) if g.get("sliding_window") else None)
+                                for g in event.config.get("kv_cache_groups") or ()]
         elif isinstance(event, StartupPhase) and event.phase == "A" and event.status == "end":
             init = read_phase(event, InitData)
             if init is not None and init.device is not None:
@@ -118,11 +134,21 @@ class KVEventFold:
     def step_events(self, step: StepEvent) -> list[KVCacheEvent]:
         events: list[KVCacheEvent] = []
         if step.evicted_hashes:
-            events.append(BlockRemoved(block_hashes=[h & U64_MASK for h in step.evicted_hashes],
-                                       medium=self.medium, group_idx=0))
+            groups = step.evicted_groups
+            if not groups:
+                events.append(BlockRemoved(block_hashes=[h & U64_MASK for h in step.evicted_hashes],
+                                           medium=self.medium, group_idx=0))
+            else:  # one BlockRemoved per group, in the order each group first lost a block
+                by_group: dict[int, list[int]] = {}
+                for h, group in zip(step.evicted_hashes, groups, strict=True):
+                    by_group.setdefault(group, []).append(h & U64_MASK)
+                events.extend(BlockRemoved(block_hashes=hashes, medium=self.medium, group_idx=group)
+                              for group, hashes in by_group.items())
         for run in step.cached_runs:  # one request's consecutive blocks: one BlockStored
             parent = run["parent_hash"]
             hashes = run["hashes"]
+            group = int(run.get("group_idx") or 0)
+            kind, window = self.group_spec(group)
             events.append(BlockStored(
                 block_hashes=[h & U64_MASK for h in hashes],  # external_hash, inline: the hot loop
                 parent_block_hash=None if parent is None else external_hash(parent),
@@ -132,8 +158,8 @@ class KVEventFold:
                 medium=self.medium,
                 lora_name=None,
                 extra_keys=[None] * len(hashes),  # no multimodal inputs, LoRA or cache salt enter kvscope's hash
-                group_idx=0,
-                kv_cache_spec_kind=KV_CACHE_SPEC_KIND,
-                kv_cache_spec_sliding_window=None,
+                group_idx=group,
+                kv_cache_spec_kind=kind,
+                kv_cache_spec_sliding_window=window,
             ))
         return events

@@ -233,11 +233,24 @@ class StepEvent(Event):
     ``evicted_hashes`` the hash each block of ``evicted`` lost. Hashes are kvscope's
     (engine/core/kv_cache.py). Both are absent otherwise and in older recordings
     (read as empty).
+
+    A hybrid KV cache (several KV cache groups, or a sliding window;
+    engine/core/hybrid_kv_cache.py) says which group each block change belongs to:
+    ``allocated`` and ``freed`` list every group's blocks, group after group, and
+    ``allocated_groups`` / ``freed_groups`` request id -> how many of them each group
+    has; ``cached_groups`` / ``evicted_groups`` the group of each ``cached`` /
+    ``evicted`` block. ``freed_by_window`` request id -> the blocks a sliding-window
+    group released because they left the window while the request ran (never in
+    ``freed``), ``freed_by_window_groups`` their counts per group. A ``cached_runs``
+    entry carries its ``group_idx``. All absent for one full-attention group.
     """
 
     type: ClassVar[str] = "step"
     written_when_set: ClassVar[frozenset[str]] = frozenset({"cached_runs", "evicted_hashes", "collective_s",
-                                                            "collective_bytes", "collective_calls"})
+                                                            "collective_bytes", "collective_calls",
+                                                            "allocated_groups", "freed_groups", "cached_groups",
+                                                            "evicted_groups", "freed_by_window",
+                                                            "freed_by_window_groups"})
     index: int = 0
     scheduled: dict[str, list[Any]] = field(default_factory=dict)
     num_prefill_tokens: int = 0
@@ -272,6 +285,13 @@ class StepEvent(Event):
     collective_s: float = 0.0
     collective_bytes: int = 0
     collective_calls: int = 0
+    # A hybrid KV cache's groups (see the docstring); absent with one full-attention group.
+    allocated_groups: dict[str, list[int]] = field(default_factory=dict)
+    freed_groups: dict[str, list[int]] = field(default_factory=dict)
+    cached_groups: list[int] = field(default_factory=list)
+    evicted_groups: list[int] = field(default_factory=list)
+    freed_by_window: dict[str, list[int]] = field(default_factory=dict)
+    freed_by_window_groups: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -20,7 +20,9 @@ Events carry token counts, never token ids, so replay supplies the ids:
   replayed prompt starts with that request's first ``hit`` tokens and continues
   with ids nobody else has. Limitation: hits of a resumed (preempted) request on
   another request's blocks, and sharing longer than the recorded first hit, are
-  not reconstructed.
+  not reconstructed. A hybrid KV cache's groups come from ``engine.config``'s
+  ``kv_cache_groups``; its hits are read in a full-attention group (a model of
+  sliding windows only has its hits not reconstructed).
 
 A recording cut at any byte replays up to its last whole step and says so.
 """
@@ -64,7 +66,10 @@ COMPARED_FIELDS = (
     "new",
     "resumed",
     "allocated",
+    "allocated_groups",
     "freed",
+    "freed_groups",
+    "freed_by_window",
     "cached",
     "evicted",
     "finished",
@@ -75,7 +80,7 @@ COMPARED_FIELDS = (
     "kv_blocks_used",
     "kv_blocks_total",
 )
-_REQUEST_KEYED = ("scheduled", "allocated", "freed", "finished")
+_REQUEST_KEYED = ("scheduled", "allocated", "allocated_groups", "freed", "freed_groups", "freed_by_window", "finished")
 _REQUEST_LISTS = ("preempted", "new", "resumed")
 
 
@@ -189,7 +194,8 @@ def split_steps(events: list[Event]) -> tuple[list[RecordedStep], int]:
 class _PromptBuilder:
     """Prompt ids that reproduce the recorded prefix-cache hits (see module doc)."""
 
-    def __init__(self, steps: list[RecordedStep], block_size: int, events: list[Event]) -> None:
+    def __init__(self, steps: list[RecordedStep], block_size: int, events: list[Event],
+                 hit_group: int | None = 0) -> None:
         self.block_size = block_size
         self.prompt_tokens: dict[str, int] = {}
         self.source: dict[str, tuple[str, int]] = {}  # request -> (request whose prefix it shares, tokens)
@@ -207,6 +213,12 @@ class _PromptBuilder:
         for step in steps:
             ev = step.event
             for rid, blocks in ev.allocated.items():
+                counts = ev.allocated_groups.get(rid)
+                if counts is not None:  # a hybrid pool: the hits are read in a full-attention group's table
+                    if hit_group is None:
+                        continue
+                    offset = sum(counts[:hit_group])
+                    blocks = blocks[offset : offset + counts[hit_group]]
                 start = table_len.get(rid, 0)
                 num_hit = 0
                 if rid not in admitted and rid in first_hit and start == 0:
@@ -276,7 +288,11 @@ class Replayer:
         self.steps, self.tail_events = split_steps(recording.events)
         self.phases = _phase_data(recording.events)
         self.scheduler = Scheduler(self.config)
-        self._prompts = _PromptBuilder(self.steps, self.config.block_size, recording.events)
+        # a hybrid pool's hits are reconstructed from its first full-attention group (positions
+        # from 0, no null block); with windows only they are not (see the module docstring)
+        groups = self.config.kv_cache_groups
+        hit_group = next((i for i, g in enumerate(groups) if not g.spec.is_sliding), None) if groups else 0
+        self._prompts = _PromptBuilder(self.steps, self.config.block_size, recording.events, hit_group)
         self._stop_at: dict[int, set[str]] = {}
         self._fail_at: dict[int, set[str]] = {}  # requests whose own sampling/detokenising raised
         for step in self.steps:
@@ -393,7 +409,7 @@ class Replayer:
     def ledger_rows(self) -> list[str]:
         pool = self.scheduler.kv.pool
         cfg = self.config
-        used = pool.num_blocks - pool.num_free
+        used = pool.num_used
         e = self.phases.get("E", {})
         per_token = int(e.get("bytes_per_token") or 0)
         rows: list[str] = []
@@ -423,7 +439,7 @@ def block_owner_runs(sched: Scheduler, max_runs: int = 60) -> list[str]:
         if b < pool.num_blocks:
             label = owner.get(b)
             if label is None:
-                label = "cached" if pool.block_hash[b] is not None else "free"
+                label = "null" if b == pool.null_block else "cached" if pool.block_hash[b] is not None else "free"
         else:
             label = None
         if b == 0:

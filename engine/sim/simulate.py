@@ -34,6 +34,13 @@ from engine.budget.memory import GiB, GpuPreset, MemoryPlan, gpu_preset, plan_me
 from engine.budget.roofline import Roofline
 from engine.budget.vision import multimodal_from_flags, vision_preset
 from engine.core.encoder_cache import MultimodalInput
+from engine.core.kv_cache_groups import (
+    KVCacheGroup,
+    groups_to_config,
+    is_hybrid,
+    kv_cache_groups,
+    parse_layer_pattern,
+)
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.core.step_loop import ExecutedStep, run_step
@@ -144,7 +151,35 @@ class SimSetup:
             "efficiency": self.cost.efficiency,
             "num_blocks": self.scheduler.num_blocks,
         }
+        if self.scheduler.kv_cache_groups:  # a hybrid KV cache: replay and the KV events read the groups
+            cfg["kv_cache_groups"] = groups_to_config(self.scheduler.kv_cache_groups)
         return cfg
+
+
+def model_kv_cache_groups(model: ModelConfig, layer_pattern: str | None = None,
+                          sliding_window: int | None = None) -> tuple[KVCacheGroup, ...]:
+    """The model's KV cache groups: its own ``layer_types`` (a Gemma 3 preset), or
+    ``layer_pattern`` (``"5:1"``: five sliding layers then one full, repeated) with
+    ``sliding_window`` laid over a preset's layers; () for full attention everywhere."""
+    window = sliding_window or getattr(model, "sliding_window", None)
+    layer_types = parse_layer_pattern(layer_pattern, model.num_layers) if layer_pattern else getattr(
+        model, "layer_types", None)
+    if layer_pattern and not window:
+        raise UserError(f"--layer-pattern {layer_pattern}: give --sliding-window too (the model has none)")
+    try:
+        groups = kv_cache_groups(layer_types, window, model.num_layers)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    return groups if is_hybrid(groups) else ()
+
+
+def hybrid_num_blocks(plan: MemoryPlan, num_layers: int, groups: Sequence[KVCacheGroup]) -> int:
+    """Blocks of a hybrid pool (vLLM's uniform page size): a block is one page per layer of a
+    group, ``block_size`` tokens x one layer's bytes per token x the group's layer count,
+    so the same pool holds ``num_layers / group size`` times the full-attention blocks."""
+    layers_per_group = max(len(g.layers) for g in groups)
+    block_bytes = plan.block_size * (plan.bytes_per_token // num_layers) * layers_per_group
+    return max(1, plan.kv_pool_bytes // block_bytes)
 
 
 def build_setup(
@@ -155,12 +190,16 @@ def build_setup(
     efficiency: float = DEFAULT_EFFICIENCY,
     num_gpu_blocks_override: int | None = None,
     multimodal: dict[str, Any] | None = None,
+    layer_pattern: str | None = None,
+    sliding_window: int | None = None,
 ) -> SimSetup:
     """Plan memory for ``model`` on ``gpu`` with ``engine``'s flags (vLLM's names) and
     derive the scheduler limits and the cost model. ``num_gpu_blocks_override``
     fixes the pool size (vLLM's ``--num-gpu-blocks-override``); ``multimodal``
     (``engine.cli.flags.multimodal_flags``) plans a VL preset's encoder, whose
-    budgets become the scheduler's second limit."""
+    budgets become the scheduler's second limit. A model with sliding-window layers (its
+    ``layer_types``, or ``layer_pattern`` and ``sliding_window`` laid over a preset) runs
+    the hybrid KV cache manager on a pool of :func:`hybrid_num_blocks`."""
     model_cfg = model if isinstance(model, ModelConfig) else load_model_config(model)
     gpu_cfg = gpu if isinstance(gpu, GpuPreset) else gpu_preset(gpu)
     eng = dataclasses.replace(engine) if engine is not None else EngineConfig(model=model_cfg.name)
@@ -197,11 +236,17 @@ def build_setup(
             max_concurrency=tokens / plan.max_model_len,
             kv_pool_overridden=True,
         )
+    groups = model_kv_cache_groups(model_cfg, layer_pattern, sliding_window)
+    if groups and num_gpu_blocks_override is None:
+        num_blocks = hybrid_num_blocks(plan, model_cfg.num_layers, groups)
+        plan = dataclasses.replace(plan, num_blocks=num_blocks, kv_cache_tokens=num_blocks * plan.block_size)
     try:
         sched = SchedulerConfig.from_flags(eng.to_dict(), num_blocks=plan.num_blocks, block_size=plan.block_size,
                                            max_model_len=plan.max_model_len)
     except ValueError as exc:
         raise UserError(str(exc)) from None
+    if groups:
+        sched = dataclasses.replace(sched, kv_cache_groups=groups)
     if mm is not None:
         sched = dataclasses.replace(sched, encoder_compute_budget=mm.encoder_compute_budget,
                                     encoder_cache_size=mm.encoder_cache_size)

@@ -63,6 +63,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help=f"fraction of peak bandwidth and FLOP/s the kernels reach (default {DEFAULT_EFFICIENCY:g})")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None, metavar="N",
                    help="fix the KV pool at N blocks instead of planning it")
+    p.add_argument("--layer-pattern", default=None, metavar="SLIDING:FULL",
+                   help="lay sliding-window layers over the model's: 5:1 = five sliding then one full, repeated "
+                        "(Gemma 3), or one 'sliding'/'full' per layer, comma-separated; runs the hybrid KV cache manager")
+    p.add_argument("--sliding-window", type=int, default=None, metavar="W",
+                   help="the sliding layers' window in tokens (with --layer-pattern; default: the model's)")
     add_workload_flags(p, num_prompts=60, input_len="500:3000", output_len="150:400", request_rate=0.0,
                        simulated=True)
     p.add_argument("--sweep", default=None, metavar="NAME=V1,V2,...",
@@ -81,7 +86,8 @@ def setup_from_args(args: argparse.Namespace) -> SimSetup:
         args.model = DEFAULT_MODEL
     engine = engine_config_from_args(args)
     return build_setup(args.model, args.gpu, engine, efficiency=args.efficiency,
-                       num_gpu_blocks_override=args.num_gpu_blocks_override, multimodal=multimodal_flags(args))
+                       num_gpu_blocks_override=args.num_gpu_blocks_override, multimodal=multimodal_flags(args),
+                       layer_pattern=args.layer_pattern, sliding_window=args.sliding_window)
 
 
 def workload_from_args(args: argparse.Namespace) -> list[WorkloadRequest]:
