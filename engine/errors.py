@@ -9,6 +9,10 @@ class UserError(Exception):
 
     exit_code = 2
 
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param  # the request field to change, when one is to blame (the server's 400 names it)
+
 
 class BudgetError(UserError):
     """The memory budget does not fit; the message carries the numbers."""

@@ -159,28 +159,30 @@ class LLMEngine:
         n = len(prompt_ids)
         limit = self.max_model_len
         if n == 0:
-            raise UserError("the prompt is empty; give at least one token")
+            raise UserError("the prompt is empty; give at least one token", param="prompt")
         if n >= limit:
             raise UserError(
                 f"the prompt is {n:,} tokens but --max-model-len is {limit:,}; it leaves no room for output "
-                f"(shorten the prompt or raise --max-model-len)"
+                f"(shorten the prompt or raise --max-model-len)", param="prompt"
             )
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
         if n + max_tokens > limit:
             raise UserError(
                 f"prompt ({n:,} tokens) + max_tokens ({max_tokens:,}) = {n + max_tokens:,} exceeds "
-                f"--max-model-len {limit:,}; lower max_tokens to {limit - n:,} or shorten the prompt"
-            )
+                f"--max-model-len {limit:,}; lower max_tokens to {limit - n:,} or shorten the prompt",
+                param="max_tokens")
         vocab = self.startup.model_config.vocab_size
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise UserError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})")
+            raise UserError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt")
         bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise UserError(f"stop_token_ids: {bad} is outside the vocabulary (0..{vocab - 1})")
+            raise UserError(f"stop_token_ids: {bad} is outside the vocabulary (0..{vocab - 1})",
+                            param="stop_token_ids")
         bad = next((t for t in params.logit_bias if not 0 <= t < vocab), None)
         if bad is not None:
-            raise UserError(f"logit_bias: token id {bad} is outside the vocabulary (0..{vocab - 1})")
+            raise UserError(f"logit_bias: token id {bad} is outside the vocabulary (0..{vocab - 1})",
+                            param="logit_bias")
         return max_tokens
 
     # ------------------------------------------------------------ requests

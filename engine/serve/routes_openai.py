@@ -143,9 +143,9 @@ async def _prepare(host: EngineHost, prompt: str | list[int], params: SamplingPa
     try:
         return await anyio.to_thread.run_sync(encode_and_check)
     except UserError as exc:
-        message = str(exc)
-        named = next((field for field in ("stop_token_ids", "logit_bias") if message.startswith(field)), param)
-        raise APIError(400, message, param=named) from None
+        # "prompt" errors name the chat route's field ("messages"); others name their own
+        named = param if exc.param in (None, "prompt") else exc.param
+        raise APIError(400, str(exc), param=named) from None
 
 
 async def _submit(host: EngineHost, prompt_ids: list[int], params: SamplingParams, prefix: str) -> RequestStream:

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from bench.bench_server import free_port, start_server, stop_server
 from engine.budget.config import bundled_gguf_path
@@ -210,3 +212,44 @@ def test_a_maximal_stop_list_is_served_and_still_stops(server: Server) -> None:
     stops = [f"{i:03d}" + "z" * (MAX_STOP_STRING_CHARS - 3) for i in range(MAX_STOP_STRINGS - 1)] + [word]
     answer = complete(server, max_tokens=8, stop=stops)
     assert text_of(answer) == plain[: plain.index(word)] and answer["choices"][0]["finish_reason"] == "stop"
+
+
+# ------------------------------------------------ every sampling field at its edges
+_EDGE_FLOATS = st.sampled_from([0.0, -0.0, 1e-300, 1e-6, 0.5, 1.0, 1.5, 2.0, -1.0, 1e30, 1e308, -1e308])
+_EDGE_INTS = st.sampled_from([0, 1, 2, 40, VOCAB - 1, VOCAB, VOCAB + 1, 50_000, 2**31, 2**62, 2**64, -1, -2, -2**63])
+_SAMPLING_FIELDS: dict[str, st.SearchStrategy[Any]] = {
+    "temperature": st.one_of(_EDGE_FLOATS, st.floats(-2, 5, allow_nan=False)),
+    "top_p": st.one_of(_EDGE_FLOATS, st.floats(-0.5, 1.5, allow_nan=False)),
+    "top_k": st.one_of(_EDGE_INTS, st.integers(-3, 60_000)),
+    "min_p": _EDGE_FLOATS,
+    "presence_penalty": _EDGE_FLOATS,
+    "frequency_penalty": _EDGE_FLOATS,
+    "repetition_penalty": _EDGE_FLOATS,
+    "seed": st.one_of(_EDGE_INTS, st.integers()),
+    "n": st.sampled_from([0, 1, 2, -1]),
+    "stop": st.one_of(st.text(max_size=6), st.lists(st.text(max_size=6), max_size=4),
+                      st.just(["x"] * (MAX_STOP_STRINGS + 1))),
+    "stop_token_ids": st.lists(_EDGE_INTS, max_size=3),
+    "logit_bias": st.dictionaries(st.one_of(st.integers(-2, VOCAB + 2).map(str), st.sampled_from(["x", "1.5", ""])),
+                                  st.one_of(_EDGE_FLOATS, st.integers(-200, 200)), max_size=3),
+    "max_tokens": st.sampled_from([-1, 0, 1, 3, 10**9]),
+    "min_tokens": st.sampled_from([-1, 0, 1, 2, 5]),
+}
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(fields=st.fixed_dictionaries({}, optional=_SAMPLING_FIELDS), stream=st.booleans())
+def test_every_sampling_field_at_its_edges_is_served_or_refused_by_name(
+        server: Server, fields: dict[str, Any], stream: bool) -> None:
+    """Each request either gets an answer or a 400 naming one of the fields it sent, and
+    the engine answers the next request either way (issue 30, item 9)."""
+    body = {"prompt": PROMPT, "max_tokens": 3, **fields, "stream": stream}
+    r = server.post("/v1/completions", body, timeout=60)
+    if r.status_code == 400:
+        param = r.json()["error"]["param"]
+        assert param is not None and param.split(".")[0].split("[")[0] in fields, (fields, r.text)
+    else:
+        assert r.status_code == 200, (fields, r.text)
+        if stream:
+            assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text, (fields, r.text[-500:])
+    still_serves(server)
