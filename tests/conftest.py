@@ -9,8 +9,28 @@ import pytest
 import torch
 
 from engine.budget.config import ModelConfig, bundled_gguf_path, load_model_config
+from engine.events import EventBus, sink_name
 
 GreedyGenerate = Callable[[Sequence[Sequence[int]], int], list[list[int]]]
+
+
+@pytest.fixture(autouse=True)
+def _contained_sink_failures_fail_the_test(request: pytest.FixtureRequest,
+                                           monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The bus stops a subscriber that raises and goes on (issue 30). In a test that would
+    hide an assertion made inside a subscriber, so a contained failure fails the test,
+    unless the test is marked ``sink_failures_expected``."""
+    contained: list[str] = []
+    stop_failed = EventBus._stop_failed
+
+    def record(bus: EventBus, fn: Any, event: Any, exc: Exception) -> None:
+        contained.append(f"{sink_name(fn)} on a {event.type} event: {type(exc).__name__}: {exc}")
+        stop_failed(bus, fn, event, exc)
+
+    monkeypatch.setattr(EventBus, "_stop_failed", record)
+    yield
+    if contained and request.node.get_closest_marker("sink_failures_expected") is None:
+        pytest.fail("an event subscriber raised (the bus stopped it and went on): " + "; ".join(contained))
 
 
 @pytest.fixture(scope="session")

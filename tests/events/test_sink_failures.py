@@ -28,6 +28,7 @@ class _AlwaysFails:
         raise OSError(28, "No space left on device")
 
 
+@pytest.mark.sink_failures_expected
 def test_a_raising_subscriber_is_stopped_once_and_the_rest_get_every_event() -> None:
     bus = EventBus()
     before: list[Event] = []
@@ -51,6 +52,7 @@ def test_a_raising_subscriber_is_stopped_once_and_the_rest_get_every_event() -> 
     assert EngineView.from_snapshot(view.snapshot()).failed_sinks == view.failed_sinks
 
 
+@pytest.mark.sink_failures_expected
 def test_a_subscriber_that_fails_on_a_queued_event_is_stopped_too() -> None:
     """The stats reporter publishes while an event is being delivered; a failure on such a
     queued event must be contained the same way."""

@@ -184,6 +184,7 @@ class _FailingExporter:
         raise OSError(28, "No space left on device")
 
 
+@pytest.mark.sink_failures_expected
 def test_a_sink_that_raises_on_every_write_leaves_serving_unaffected(server: Server) -> None:
     server.host.bus.subscribe(_FailingExporter())
     responses = [server.complete({"max_tokens": 4}) for _ in range(3)]
