@@ -20,7 +20,7 @@ from textual.css.query import NoMatches
 from textual.reactive import reactive
 from textual.widgets import Footer, Input, Label, TabbedContent, TabPane
 
-from engine.events import EventBus
+from engine.events import EngineStopped, EventBus
 from engine.events.view import EngineView
 from monitor.gpu import GpuReader
 from monitor.sources import LIVE, BusFeed, LiveFeed
@@ -79,7 +79,8 @@ class MonitorApp(App[None]):
 
     def __init__(self, *, timeline: Timeline | None = None, feed: LiveFeed | None = None,
                  source_name: str = "", autoplay: bool = False,
-                 wall_clock: Callable[[], float] = time.monotonic, gpu: GpuReader | None = None) -> None:
+                 wall_clock: Callable[[], float] = time.monotonic, gpu: GpuReader | None = None,
+                 exit_when_engine_stops: bool = False) -> None:
         if (timeline is None) == (feed is None):
             raise ValueError("MonitorApp needs exactly one of timeline= or feed=")
         super().__init__()
@@ -93,6 +94,9 @@ class MonitorApp(App[None]):
         self._clock_anchor: tuple[float, float] | None = None  # (view.t, wall clock when it arrived)
         self._clock_rendered = 0.0  # wall clock of the last render of clock-driven cells
         self.gpu = gpu  # NVML (monitor/gpu.py) unless a test or --gpu-readings gives another reader
+        # In-process (`engine serve --monitor`): the engine thread's death ends the dashboard,
+        # so the command can exit non-zero and a supervisor restart it.
+        self.exit_when_engine_stops = exit_when_engine_stops
 
     @property
     def live(self) -> bool:
@@ -163,7 +167,7 @@ class MonitorApp(App[None]):
     def _update_bar(self) -> None:
         tl = self.timeline
         connection = self.feed.connection if self.feed is not None else None
-        self.query_one(TitleBar).show(self.source_name, connection, self.view.failed_sinks)
+        self.query_one(TitleBar).show(self.source_name, connection, self.view.failed_sinks, self.view.engine_error)
         self.query_one(ReplayBar).show(
             source=self.source_name, step=self.view.step, position=tl.position if tl else 0,
             length=len(tl) if tl else 0, playing=self.playing, speed=self.speed, live=self.live,
@@ -173,6 +177,9 @@ class MonitorApp(App[None]):
     def _tick(self) -> None:
         if self.feed is not None:
             events = self.feed.drain()
+            if self.exit_when_engine_stops and any(isinstance(e, EngineStopped) for e in events):
+                self.exit(return_code=1)
+                return
             try:
                 if events:
                     self.view.fold(events)

@@ -16,10 +16,11 @@ from monitor.sources import BusFeed
 
 
 def run_dashboard(bus: EventBus, snapshot_fn: Callable[[], dict[str, Any]] | None, title: str) -> None:
-    """Show the live dashboard for ``bus`` until the user quits.
+    """Show the live dashboard for ``bus`` until the user quits or the engine thread dies
+    (an ``engine.stopped`` event).
 
     ``snapshot_fn`` (optional) returns the current ``EngineView.snapshot()``, so a
     dashboard opened after events were published starts from the present state;
     without it the dashboard folds only what the bus publishes from now on.
     """
-    MonitorApp(feed=BusFeed(bus, snapshot_fn=snapshot_fn), source_name=title).run()
+    MonitorApp(feed=BusFeed(bus, snapshot_fn=snapshot_fn), source_name=title, exit_when_engine_stops=True).run()

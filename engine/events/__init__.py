@@ -19,6 +19,7 @@ from engine.events.schema import (
     SCHEMA_NAME,
     SCHEMA_VERSION,
     EngineConfigEvent,
+    EngineStopped,
     Event,
     EventBus,
     JsonlSink,
@@ -49,7 +50,7 @@ from engine.events.schema import (
 )
 
 __all__ = [
-    "EVENT_TYPES", "PHASES", "SCHEMA_NAME", "SCHEMA_VERSION", "EngineConfigEvent", "Event", "EventBus", "JsonlSink",
+    "EVENT_TYPES", "PHASES", "SCHEMA_NAME", "SCHEMA_VERSION", "EngineConfigEvent", "EngineStopped", "Event", "EventBus", "JsonlSink",
     "KvEventBatch", "LogEvent", "MetricsScrape", "Recording", "RequestArrived", "RequestFinished", "RequestFirstToken", "RequestPreempted",
     "RequestRejected", "RequestScheduled", "SinkFailed", "SnapshotEvent", "StartupPhase", "StartupProgress", "StatsEvent", "StepEvent", "Subscriber",
     "dumps", "event_from_dict", "header", "iter_jsonl", "open_sink", "read_events", "sink_name",

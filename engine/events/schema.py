@@ -348,6 +348,15 @@ class LogEvent(Event):
 
 
 @dataclass(slots=True)
+class EngineStopped(Event):
+    """The engine loop raised out of a step: its own state is unknown, so it stopped (the
+    server answers /health 503 and exits 1). ``error`` is the exception in one line."""
+
+    type: ClassVar[str] = "engine.stopped"
+    error: str = ""
+
+
+@dataclass(slots=True)
 class SinkFailed(Event):
     """A subscriber of the bus (the recording, an exporter, a metrics fold) raised: the
     bus stopped delivering to it and the engine went on. ``sink`` names it, ``error``
@@ -403,6 +412,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
         StatsEvent,
         SnapshotEvent,
         LogEvent,
+        EngineStopped,
         SinkFailed,
         MetricsScrape,
         KvEventBatch,

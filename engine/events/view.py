@@ -29,6 +29,7 @@ Snapshot dict format (``SNAPSHOT_VERSION`` 1), all plain JSON::
       "cached": [int],                                     # blocks holding cached KV
       "finished": int, "rejected": int, "preemptions": int,
       "failed_sinks": {sink: error},                       # sinks the bus stopped (sink.failed)
+      "engine_error": str | null,                          # why the engine loop stopped (engine.stopped)
       "series": {"step": [...], "prefill": [...], "decode": [...], "running": [...],
                  "waiting": [...], "kv_pct": [...], "step_ms": [...],
                  "preempted": [...]},                      # last ``series_window`` steps
@@ -58,6 +59,7 @@ from engine.budget.ledger import LEDGER
 from engine.events import (
     PHASES,
     EngineConfigEvent,
+    EngineStopped,
     Event,
     LogEvent,
     RequestArrived,
@@ -240,6 +242,7 @@ class EngineView:
         self.rejected = 0
         self.preemptions = 0
         self.failed_sinks: dict[str, str] = {}  # sink name -> the error that stopped it (sink.failed)
+        self.engine_error: str | None = None  # engine.stopped: why the engine loop stopped
         self.series: dict[str, deque[float]] = {n: deque(maxlen=series_window) for n in SERIES_NAMES}
         self.recent: deque[Event] = deque(maxlen=recent_window)
         self.stats: StatsEvent | None = None
@@ -304,6 +307,9 @@ class EngineView:
 
     def _on_sink_failed(self, ev: SinkFailed) -> None:
         self.failed_sinks[ev.sink] = ev.error
+
+    def _on_engine_stopped(self, ev: EngineStopped) -> None:
+        self.engine_error = ev.error
 
     def _on_config(self, ev: EngineConfigEvent) -> None:
         self.config = dict(ev.config)
@@ -468,6 +474,7 @@ class EngineView:
             "rejected": self.rejected,
             "preemptions": self.preemptions,
             "failed_sinks": dict(self.failed_sinks),
+            "engine_error": self.engine_error,
             "series": {k: list(v)[-n_series:] if n_series else [] for k, v in self.series.items()},
             "recent": [e.to_dict() for e in list(self.recent)[-n_recent:]] if n_recent else [],
         } | ({"ranks": {str(rank): {"phases": {k: p.to_dict() for k, p in phases.items()},
@@ -518,6 +525,7 @@ class EngineView:
         self.rejected = int(state.get("rejected", 0))
         self.preemptions = int(state.get("preemptions", 0))
         self.failed_sinks = {str(k): str(v) for k, v in dict(state.get("failed_sinks") or {}).items()}
+        self.engine_error = state.get("engine_error")
         series = state.get("series", {})
         self.series = {n: deque(series.get(n, []), maxlen=self.series_window) for n in SERIES_NAMES}
         self.recent = deque(
@@ -540,6 +548,7 @@ _HANDLERS: dict[type, Any] = {
     StatsEvent: EngineView._on_stats,
     SnapshotEvent: EngineView._on_snapshot,
     SinkFailed: EngineView._on_sink_failed,
+    EngineStopped: EngineView._on_engine_stopped,
     LogEvent: None,
 }
 _HANDLERS = {k: v for k, v in _HANDLERS.items() if v is not None}

@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry
 from engine.budget.config import EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.errors import UserError
-from engine.events import EventBus
+from engine.events import EngineStopped, EventBus
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.logs import log_failure
 
@@ -279,6 +279,8 @@ class AsyncEngine:
             self._error = exc
             for stream in list(self._streams.values()):
                 stream.post(EngineDead(f"the engine stopped: {exc}"))
+            # the recording, the dashboard and the metrics hear why (before close() ends the recording)
+            self.bus.publish(EngineStopped(error=f"{type(exc).__name__}: {exc}"))
             raise
         finally:
             self._stopped.set()

@@ -48,8 +48,11 @@ class TitleBar(Static):
     event sink the engine stopped (``sink.failed``: a full disk under ``--events``). When
     the line is too long the source is cut in its middle, never the badges or why."""
 
-    def show(self, source: str, connection: Connection | None, failed_sinks: dict[str, str] | None = None) -> None:
+    def show(self, source: str, connection: Connection | None, failed_sinks: dict[str, str] | None = None,
+             engine_error: str | None = None) -> None:
         badge = Text("  ").append_text(connection_text(connection)) if connection is not None else Text()
+        if engine_error:
+            badge.append("  ✕ ENGINE STOPPED ", style="bold red").append(engine_error)
         if failed_sinks:  # the engine serves on, but a recording or an exporter has stopped
             badge.append("  ⚠ STOPPED ", style="bold red").append(", ".join(sorted(failed_sinks)))
         width = (self.content_region.width or self.size.width or 200)

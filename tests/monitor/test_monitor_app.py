@@ -12,7 +12,7 @@ from typing import ClassVar
 import pytest
 
 from engine.errors import UserError
-from engine.events import EventBus, StepEvent, dumps, read_events
+from engine.events import EngineStopped, EventBus, LogEvent, SinkFailed, StepEvent, dumps, read_events
 from engine.events.view import EngineView
 from monitor.app import MonitorApp
 from monitor.cli import main as monitor_main
@@ -247,3 +247,30 @@ async def test_committed_recordings_seek_to_the_independent_block_table(name: st
             await pilot.pause()
             assert app.view.step == k
             assert app.query_one(BlockMap).owners_by_block() == owners_at(events, k)
+
+
+async def test_an_engine_that_stops_shows_why_and_ends_the_in_process_dashboard() -> None:
+    """`engine serve --monitor`: the engine thread's engine.stopped event ends the dashboard
+    with return code 1 (the command then exits 1 for a supervisor); a dashboard of another
+    process's stream keeps showing the stopped engine instead."""
+    for exits in (True, False):
+        bus = EventBus()
+        app = MonitorApp(feed=BusFeed(bus), exit_when_engine_stops=exits)
+        async with app.run_test(size=SIZE) as pilot:
+            bus.publish(SinkFailed(sink="jsonl run.jsonl", error="OSError: [Errno 28] No space left on device"))
+            bus.publish(LogEvent(message="still running"))
+            for _ in range(100):
+                await pilot.pause(0.05)
+                if app.view.failed_sinks:
+                    break
+            assert "STOPPED jsonl run.jsonl" in str(app.query_one("#title").render())
+            bus.publish(EngineStopped(error="RuntimeError: step failed"))
+            for _ in range(100):
+                await pilot.pause(0.05)
+                if app.return_code is not None or app.view.engine_error:
+                    break
+            if exits:
+                assert app.return_code == 1
+            else:
+                assert app.return_code is None and app.view.engine_error == "RuntimeError: step failed"
+                assert "ENGINE STOPPED RuntimeError: step failed" in str(app.query_one("#title").render())

@@ -106,6 +106,8 @@ def test_health_names_what_stopped_the_engine(in_process_server: tuple[str, Any]
     assert health.status_code == 503
     error = health.json()["error"]
     assert error["code"] == "engine_dead" and f"RuntimeError: {FAULT}" in error["message"], error
+    # the event stream says why too: the recording, /debug/state and the dashboard read it
+    assert host.view.snapshot()["engine_error"] == f"RuntimeError: {FAULT}"
 
 
 def test_engine_serve_exits_1_naming_the_cause(tmp_path: Path) -> None:

@@ -353,8 +353,8 @@ def _run_with_monitor(args: argparse.Namespace, settings: ServerSettings, bus: E
     server.should_exit = True
     thread.join(timeout=settings.shutdown_timeout_s + 30)
     host.engine.wait_ready()  # re-raises a startup failure the dashboard showed
-    # The HTTP server stopped itself when the engine died (its on_tick); the dashboard
-    # (a plug-in with no stop hook) stays until the user quits it, then this exits 1.
+    # The HTTP server stopped itself when the engine died (its on_tick), and the dashboard
+    # ended on the engine.stopped event the engine thread published; this exits 1.
     failure = server.engine_failure or host.engine.error
     if failure is not None:
         print(f"engine serve: the engine thread died ({engine_failure_reason(failure)}); exit status 1",
