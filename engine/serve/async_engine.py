@@ -54,9 +54,10 @@ class RequestStream:
     """
 
     def __init__(self, engine: AsyncEngine, request_id: str, prompt_ids: list[int],
-                 params: SamplingParams, loop: asyncio.AbstractEventLoop) -> None:
+                 params: SamplingParams, loop: asyncio.AbstractEventLoop, priority: int = 0) -> None:
         self.engine = engine
         self.request_id = request_id
+        self.priority = priority
         self.prompt_ids = prompt_ids
         self.params = params
         self.loop = loop
@@ -216,7 +217,7 @@ class AsyncEngine:
             return f"{prefix}-{self._ids}"
 
     async def add_request(self, prompt_ids: Sequence[int], params: SamplingParams,
-                          request_id: str) -> RequestStream:
+                          request_id: str, priority: int = 0) -> RequestStream:
         """Queue a request; returns once the engine accepted it. Raises
         :class:`Overloaded` (too many waiting / shutting down), :class:`UserError`
         (the engine refused it: the message says why) or :class:`EngineDead`."""
@@ -224,7 +225,7 @@ class AsyncEngine:
             raise EngineDead("the engine is not running")
         if self._draining:
             raise Overloaded("the server is shutting down")
-        stream = RequestStream(self, request_id, list(prompt_ids), params, asyncio.get_running_loop())
+        stream = RequestStream(self, request_id, list(prompt_ids), params, asyncio.get_running_loop(), priority)
         with self._waiting_lock:
             limit = self.max_waiting_requests
             if limit is not None and len(self._waiting) >= limit:
@@ -318,7 +319,8 @@ class AsyncEngine:
         if isinstance(command, _Add):
             stream = command.stream
             try:
-                engine.add_request(stream.prompt_ids, stream.params, request_id=stream.request_id)
+                engine.add_request(stream.prompt_ids, stream.params, request_id=stream.request_id,
+                                   priority=stream.priority)
             except UserError as exc:
                 stream.post_accepted(exc)
                 return False

@@ -122,7 +122,6 @@ NEUTRAL_ONLY: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "return_tokens_as_token_ids": (_neutral(None, False), "logprobs are not supported", "omit it"),
     "spaces_between_special_tokens": (_neutral(None, True), "special tokens are always decoded without spaces "
                                       "between them", "send true or omit it"),
-    "priority": (_neutral(None, 0), "per-request priority is not supported through the API", "send 0 or omit it"),
 }
 # Accepted at any value: they label, route or cache a request and change no answer
 # (parallel_tool_calls: tools are refused, so there is nothing to run in parallel).
@@ -195,7 +194,8 @@ class _SamplingFields(BaseModel):
     logits_processors: Any = None
     return_tokens_as_token_ids: Any = None
     spaces_between_special_tokens: Any = None
-    priority: Any = None
+    # vLLM's: lower runs first under --scheduling-policy priority (refused otherwise, as vLLM does)
+    priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
     # Accepted only at their neutral value, so a client relying on them hears so.
     tools: list[Any] | None = None
     tool_choice: Any = None

@@ -60,7 +60,7 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
     _warn_ignored(body)
     params = body.sampling_params(body.max_tokens)
     prompt_ids = await _prepare(host, body.single_prompt(), params)
-    stream = await _submit(host, prompt_ids, params, "cmpl")
+    stream = await _submit(host, prompt_ids, params, "cmpl", body.priority)
     model = host.settings.served_model_name
     if body.stream:
         return streaming(_completion_chunks(stream, model, body.include_usage,
@@ -83,7 +83,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     except UserError as exc:
         raise APIError(400, str(exc), param="messages") from None
     prompt_ids = await _prepare(host, str(prompt), params, param="messages")
-    stream = await _submit(host, prompt_ids, params, "chatcmpl")
+    stream = await _submit(host, prompt_ids, params, "chatcmpl", body.priority)
     model = host.settings.served_model_name
     if body.stream:
         return streaming(_chat_chunks(stream, model, body.include_usage,
@@ -148,12 +148,16 @@ async def _prepare(host: EngineHost, prompt: str | list[int], params: SamplingPa
         raise APIError(400, str(exc), param=named) from None
 
 
-async def _submit(host: EngineHost, prompt_ids: list[int], params: SamplingParams, prefix: str) -> RequestStream:
+async def _submit(host: EngineHost, prompt_ids: list[int], params: SamplingParams, prefix: str,
+                  priority: int = 0) -> RequestStream:
+    if priority != 0 and host.llm.startup.scheduler_config.policy != "priority":
+        raise APIError(400, f"priority {priority}: priority scheduling is not enabled; start the server with "
+                            "--scheduling-policy priority, or send 0", param="priority")
     request_id = new_id(prefix)
     if host.settings.log_requests:
         _log_request(host, request_id, prompt_ids, params)
     try:
-        return await host.engine.add_request(prompt_ids, params, request_id)
+        return await host.engine.add_request(prompt_ids, params, request_id, priority=priority)
     except Overloaded as exc:
         if host.engine.draining:
             raise APIError(503, str(exc), type_="service_unavailable") from None

@@ -30,7 +30,7 @@ from bench.bench_server import free_port
 from engine.budget.config import bundled_gguf_path
 from engine.cli.commands.serve import make_server
 from engine.core.sampling_params import SamplingParams
-from engine.events import Event, RequestFinished
+from engine.events import Event, RequestArrived, RequestFinished
 from engine.llm import engine_config
 from engine.model.tokenizer import IncrementalDetokenizer
 from engine.serve.host import EngineHost, ServerSettings
@@ -103,7 +103,7 @@ def server() -> Iterator[Server]:
     patch = pytest.MonkeyPatch()
     patch.setattr(llm_engine_module, "IncrementalDetokenizer", _FaultyDetokenizer)
     config = engine_config("smollm2-135m", max_model_len=512, kv_cache_memory_bytes=48 * 2**20, max_num_seqs=4,
-                           stats_interval=0.0, dtype="float32", threads=1)
+                           stats_interval=0.0, dtype="float32", threads=1, scheduling_policy="priority")
     host = EngineHost.create(config, ServerSettings(served_model_name="smollm2", shutdown_timeout_s=2.0))
     runner = host.engine.wait_ready().runner
     runner.sampler = _FaultySampler(runner.sampler)  # type: ignore[assignment]
@@ -199,3 +199,16 @@ def test_a_sink_that_raises_on_every_write_leaves_serving_unaffected(server: Ser
     health = httpx.get(server.url + "/health", timeout=10)
     assert health.status_code == 200  # serving goes on: a supervisor must not restart it
     assert health.json()["failed_sinks"] == {"failing-exporter": "OSError: [Errno 28] No space left on device"}
+
+
+def test_a_requests_priority_reaches_the_scheduler(server: Server) -> None:
+    """vLLM's `priority` field (this server runs --scheduling-policy priority; under fcfs a
+    non-zero priority is a 400 naming it, tests/serve/test_request_fields.py)."""
+    for path, body in (("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "priority": -3}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                                                 "priority": 7})):
+        assert httpx.post(server.url + path, json=body, timeout=60).status_code == 200
+    arrived = [e.priority for e in server.events if isinstance(e, RequestArrived)][-2:]
+    assert arrived == [-3, 7]
+    too_big = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "priority": 2**63}, timeout=60)
+    assert too_big.status_code == 400 and too_big.json()["error"]["param"] == "priority"
