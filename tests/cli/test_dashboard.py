@@ -46,8 +46,8 @@ def test_launch_feeds_the_bus_and_snapshot_to_the_app(monkeypatch: pytest.Monkey
     seen: dict[str, Any] = {}
 
     class FakeApp:
-        def __init__(self, *, feed: Any, source_name: str) -> None:
-            seen.update(feed=feed, source_name=source_name)
+        def __init__(self, *, feed: Any, source_name: str, exit_when_engine_stops: bool) -> None:
+            seen.update(feed=feed, source_name=source_name, exit_when_engine_stops=exit_when_engine_stops)
 
         def run(self) -> None:
             seen["ran"] = True
@@ -57,6 +57,7 @@ def test_launch_feeds_the_bus_and_snapshot_to_the_app(monkeypatch: pytest.Monkey
     dashboard.run_dashboard(bus, lambda: {"version": 1, "last_seq": 0}, "serve http://x:1")
     feed = seen["feed"]
     assert seen["ran"] and seen["source_name"] == "serve http://x:1"
+    assert seen["exit_when_engine_stops"]  # the in-process dashboard ends when the engine thread dies
     assert feed.bus is bus
     feed.start()  # subscribes, then queues the snapshot first
     try:
