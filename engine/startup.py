@@ -36,6 +36,7 @@ from engine.budget.memory import (
     plan_memory,
     weights_bytes,
 )
+from engine.core.kv_cache_groups import is_hybrid
 from engine.core.scheduler import SchedulerConfig
 from engine.errors import BudgetError, UserError
 from engine.events import PHASES, EngineConfigEvent, EventBus, StartupPhase, StartupProgress
@@ -437,6 +438,9 @@ def _phase_load_weights(c: PhaseHandle, s: StartupInputs, progress: Callable[[in
     return runner, tokenizer, info
 
 
+SLIDING_LAYER = "sliding_attention"  # transformers' layer type (ModelConfig.layer_types)
+
+
 def _phase_kv_cache(e: PhaseHandle, s: StartupInputs, reading: MemoryReading, weights: int,
                     profile: profile_cache.ProfileResult, runner: ModelRunner,
                     parallel: TensorParallel | None = None) -> MemoryPlan:
@@ -453,6 +457,13 @@ def _phase_kv_cache(e: PhaseHandle, s: StartupInputs, reading: MemoryReading, we
         non_torch=profile.non_torch_bytes, max_num_batched_tokens=config.max_num_batched_tokens,
         max_num_seqs=config.max_num_seqs,
     )
+    # A model with sliding layers: the hybrid layout only when the runner reads one block table
+    # per group (a hybrid ModelRunner.kv_cache_groups, once the runner is wired to the hybrid
+    # manager); until then every layer holds full attention's blocks and the event says so.
+    runner_groups = tuple(getattr(runner, "kv_cache_groups", None) or ())
+    runs_hybrid = bool(runner_groups) and is_hybrid(runner_groups)
+    plan_kwargs["disable_hybrid_kv_cache_manager"] = not runs_hybrid
+    plan_kwargs["kv_cache_groups"] = runner_groups if runs_hybrid else None
     plan = plan_memory(kv_cache_memory_bytes=kv_bytes, check_fits=False, **plan_kwargs)
     if (device.type == "cpu" and kv_bytes is None and config.device_memory_gib is None
             and plan.kv_pool_bytes > CPU_DEFAULT_KV_SPACE_GIB * GiB):
@@ -465,6 +476,16 @@ def _phase_kv_cache(e: PhaseHandle, s: StartupInputs, reading: MemoryReading, we
         if fewest < plan.num_blocks:
             plan = plan_memory(kv_cache_memory_bytes=fewest * plan.block_bytes, check_fits=False, **plan_kwargs)
     e.record = dataclasses.replace(plan.kv_cache_data(), cpu_default_cap=capped)
+    if s.model.layer_types and SLIDING_LAYER in s.model.layer_types:
+        # the same pool under the other layout: phase E's event names both, and which the engine used
+        other = plan_memory(**{**plan_kwargs, "disable_hybrid_kv_cache_manager": runs_hybrid},
+                            kv_cache_memory_bytes=plan.kv_pool_bytes, check_fits=False)
+        e.record = dataclasses.replace(e.record, kv_cache_layout=plan.kv_cache_layout,
+                                       other_layout=other.layout_summary())
+        if not plan.is_hybrid:
+            log.info(f"{s.model.name} has sliding-window layers; this engine keeps every layer's KV in one "
+                     f"full-attention table: vLLM's hybrid layout would hold {other.kv_cache_tokens:,} tokens, "
+                     f"{other.max_concurrency:.2f}x concurrency, in the same pool")
     check_plan_fits(plan)
     runner.allocate_kv_cache(plan.num_blocks)
     word = device_word(device)

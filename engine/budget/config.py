@@ -184,6 +184,30 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         sliding_window=512, rope_local_base_freq=GEMMA3_ROPE_LOCAL_BASE_FREQ, query_pre_attn_scalar=256.0,
         hidden_activation="gelu_pytorch_tanh",
     ),
+    # Gemma 3 4B and 27B (google/gemma-3-{4b,27b}-it's config.json text_config; the language
+    # model only, the SigLIP vision tower left out): five sliding layers of window 1024 then one
+    # full, rope 1e6 (global) / 1e4 (local). 27B's head_dim is 128 (query_pre_attn_scalar 168):
+    # a real vLLM log's "GPU KV cache size" agrees only with 128 (tests/data/vllm-logs).
+    "gemma-3-4b": ModelConfig(
+        "gemma-3-4b", num_layers=34, hidden_size=2560, intermediate_size=10240, vocab_size=262208,
+        num_attention_heads=8, num_kv_heads=4, head_dim=256, max_position_embeddings=131072,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, architecture="gemma3",
+        bos_token_id=2, eos_token_id=1,
+        layer_types=tuple(SLIDING_ATTENTION if (i + 1) % GEMMA3_SLIDING_WINDOW_PATTERN else FULL_ATTENTION
+                          for i in range(34)),
+        sliding_window=1024, rope_local_base_freq=GEMMA3_ROPE_LOCAL_BASE_FREQ, query_pre_attn_scalar=256.0,
+        hidden_activation="gelu_pytorch_tanh",
+    ),
+    "gemma-3-27b": ModelConfig(
+        "gemma-3-27b", num_layers=62, hidden_size=5376, intermediate_size=21504, vocab_size=262208,
+        num_attention_heads=32, num_kv_heads=16, head_dim=128, max_position_embeddings=131072,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, architecture="gemma3",
+        bos_token_id=2, eos_token_id=1,
+        layer_types=tuple(SLIDING_ATTENTION if (i + 1) % GEMMA3_SLIDING_WINDOW_PATTERN else FULL_ATTENTION
+                          for i in range(62)),
+        sliding_window=1024, rope_local_base_freq=GEMMA3_ROPE_LOCAL_BASE_FREQ, query_pre_attn_scalar=168.0,
+        hidden_activation="gelu_pytorch_tanh",
+    ),
 }
 MODEL_ALIASES = {
     "smollm2": BUNDLED_MODEL_NAME,
@@ -204,6 +228,12 @@ MODEL_ALIASES = {
     "google/gemma-3-270m-it": GEMMA3_270M_NAME,
     "gemma-3-270m-it": GEMMA3_270M_NAME,
     "gemma3-270m": GEMMA3_270M_NAME,
+    "google/gemma-3-4b-it": "gemma-3-4b",
+    "google/gemma-3-4b-pt": "gemma-3-4b",
+    "gemma-3-4b-it": "gemma-3-4b",
+    "google/gemma-3-27b-it": "gemma-3-27b",
+    "google/gemma-3-27b-pt": "gemma-3-27b",
+    "gemma-3-27b-it": "gemma-3-27b",
 }
 
 

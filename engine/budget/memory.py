@@ -9,6 +9,23 @@
     tokens             = blocks x block size
     max concurrency    = tokens / max-model-len
 
+A model with sliding-window layers (Gemma 2/3) gets vLLM V1's hybrid layout
+(``kv_cache_utils.get_kv_cache_config_from_groups`` / ``_report_kv_cache_config`` /
+``get_max_concurrency_for_kv_cache_config``) unless ``disable_hybrid_kv_cache_manager``
+(vLLM's flag; kvscope's runner until it reads per-group tables) makes every layer full:
+
+    groups             = vLLM's uniform-page-size grouping (engine/core/kv_cache_groups.py),
+                         G = the largest group's layer count
+    page               = block size x one layer's bytes per token
+    blocks             = pool // page // G          (a block id: one page in each of G tensors)
+    tokens             = blocks // number of groups x block size
+    blocks per request = sum over groups: ceil(max-model-len / block size) for full attention,
+                         ceil(min(W - 1 + max-num-batched-tokens, max-model-len) / block size) + 1
+                         for a window W
+    max concurrency    = blocks / blocks per request
+
+One group of full attention is the first formula exactly.
+
 A vision-language model (engine/budget/vision.py) adds its vision weights to the
 weights and its encoder to the activation peak (``max(encoder activations,
 encoder cache + LLM activations)``, or the LLM's alone with ``--skip-mm-profiling``);
@@ -22,11 +39,13 @@ vLLM prints.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from engine.budget.config import DTYPE_BYTES, ModelConfig
 from engine.budget.vision import MultimodalBudget
+from engine.core.kv_cache_groups import KVCacheGroup, is_hybrid, kv_cache_groups
 from engine.errors import BudgetError, UserError
 from engine.events.phase_data import BudgetData, KvCacheData, LoadWeightsData, PhaseData, ProfileRunData
 
@@ -111,6 +130,46 @@ def bytes_per_kv_token(model: ModelConfig, kv_cache_dtype: str = "auto", tensor_
     return int(per)
 
 
+def bytes_per_kv_token_per_layer(model: ModelConfig, kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1,
+                                  model_dtype: str | None = None) -> int:
+    """One layer's K and V per token on one rank (vLLM's ``page_size_bytes / block_size``)."""
+    return bytes_per_kv_token(replace(model, num_layers=1, layer_types=None), kv_cache_dtype, tensor_parallel_size,
+                              model_dtype)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def blocks_per_request(sliding_window: int | None, max_model_len: int, block_size: int,
+                       max_num_batched_tokens: int) -> int:
+    """The most blocks one ``max_model_len`` request holds in a group of this spec (vLLM's
+    ``max_memory_usage_bytes`` / page): every block for full attention; for a window W the
+    last W - 1 tokens plus the largest chunk, capped at the request, and one more block for a
+    window that does not start on a block boundary."""
+    if sliding_window is None:
+        return _cdiv(max_model_len, block_size)
+    tokens = min(sliding_window - 1 + max_num_batched_tokens, max_model_len)
+    return _cdiv(tokens, block_size) + 1
+
+
+@dataclass(frozen=True, slots=True)
+class KvGroupBudget:
+    """One KV cache group of a hybrid pool: its spec, its layers, what its layers hold per
+    token, and the blocks one ``max_model_len`` request holds in it at most."""
+
+    kind: str  # full_attention | sliding_window (vLLM's kv_cache_spec_kind)
+    sliding_window: int | None
+    layers: tuple[int, ...]
+    bytes_per_token: int  # K and V of this group's layers per token (padding layers hold none)
+    blocks_per_request: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "sliding_window": self.sliding_window, "layers": list(self.layers),
+                "num_layers": len(self.layers), "bytes_per_token": self.bytes_per_token,
+                "blocks_per_request": self.blocks_per_request}
+
+
 def weights_bytes(model: ModelConfig, dtype: str | None = None, tensor_parallel_size: int = 1) -> int:
     per_param = DTYPE_BYTES[(dtype or model.dtype).lower()]
     return int(model.num_parameters * per_param / tensor_parallel_size)
@@ -157,10 +216,43 @@ class MemoryPlan:
     cuda_graph_bytes: int = 0
     multimodal: MultimodalBudget | None = None  # a vision-language model's encoder budget
     llm_activation_peak_bytes: int = 0  # the text step's share of activation_peak_bytes
+    # The hybrid layout (a model with sliding-window layers under vLLM's hybrid manager);
+    # empty/0 for one full-attention table, and then bytes_per_token is every layer's.
+    # In a hybrid plan bytes_per_token is one block's bytes per token slot (page x G / block size).
+    kv_cache_groups: tuple[KvGroupBudget, ...] = ()
+    page_size_bytes: int = 0  # one layer's block: block size x one layer's bytes per token
+    layers_per_group: int = 0  # G: padding layers included, so every group's block is one size
+    blocks_per_request: int = 0  # sum over groups of KvGroupBudget.blocks_per_request
+    full_attention_bytes_per_token: int = 0  # every layer's, what the pool would cost without windows
+    kv_max_num_batched_tokens: int = 0  # the largest chunk a window group holds beside its window
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.kv_cache_groups)
+
+    @property
+    def kv_cache_layout(self) -> str:
+        """``hybrid`` (one block table per group) or ``full_attention`` (one table)."""
+        return "hybrid" if self.kv_cache_groups else "full_attention"
 
     @property
     def block_bytes(self) -> int:
         return self.block_size * self.bytes_per_token
+
+    def with_num_blocks(self, num_blocks: int) -> MemoryPlan:
+        """The plan with a pool of ``num_blocks`` blocks (vLLM's ``--num-gpu-blocks-override``),
+        tokens and concurrency recomputed by the same formula."""
+        tokens, concurrency = _tokens_and_concurrency(num_blocks, self.block_size, self.max_model_len,
+                                                      len(self.kv_cache_groups), self.blocks_per_request)
+        return replace(self, num_blocks=num_blocks, kv_cache_tokens=tokens, max_concurrency=concurrency,
+                       kv_pool_bytes=num_blocks * self.block_bytes, kv_pool_overridden=True)
+
+    def layout_summary(self) -> dict[str, Any]:
+        """What this layout makes of the pool: blocks, tokens, concurrency (phase E's event
+        names the layout the engine did not run with this)."""
+        return {"kv_cache_layout": self.kv_cache_layout, "num_blocks": self.num_blocks,
+                "kv_cache_tokens": self.kv_cache_tokens, "max_concurrency": self.max_concurrency,
+                "bytes_per_token": self.bytes_per_token}
 
     def gib(self, name: str) -> float:
         return getattr(self, name) / GiB
@@ -185,7 +277,14 @@ class MemoryPlan:
             "estimated": list(self.estimated),
             **({"multimodal": {**self.multimodal.to_json(), "llm_activation_peak_bytes": self.llm_activation_peak_bytes}}
                if self.multimodal is not None else {}),
+            **(self.hybrid_json() if self.kv_cache_groups else {}),
         }
+
+    def hybrid_json(self) -> dict[str, Any]:
+        return {"kv_cache_layout": self.kv_cache_layout, "page_size_bytes": self.page_size_bytes,
+                "layers_per_group": self.layers_per_group, "blocks_per_request": self.blocks_per_request,
+                "full_attention_bytes_per_token": self.full_attention_bytes_per_token,
+                "kv_cache_groups": [g.to_json() for g in self.kv_cache_groups]}
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -224,11 +323,17 @@ class MemoryPlan:
                               skip_mm_profiling=mm.skip_profiling)
 
     def kv_cache_data(self) -> KvCacheData:
-        """Phase E's numbers; a real start adds ``cpu_default_cap``."""
-        return KvCacheData(kv_pool_bytes=self.kv_pool_bytes, bytes_per_token=self.bytes_per_token,
-                           block_size=self.block_size, num_blocks=self.num_blocks,
-                           kv_cache_tokens=self.kv_cache_tokens, max_model_len=self.max_model_len,
-                           max_concurrency=self.max_concurrency, kv_pool_overridden=self.kv_pool_overridden)
+        """Phase E's numbers; a real start adds ``cpu_default_cap``. A hybrid plan adds its
+        layout, page size, groups and blocks per request."""
+        record = KvCacheData(kv_pool_bytes=self.kv_pool_bytes, bytes_per_token=self.bytes_per_token,
+                             block_size=self.block_size, num_blocks=self.num_blocks,
+                             kv_cache_tokens=self.kv_cache_tokens, max_model_len=self.max_model_len,
+                             max_concurrency=self.max_concurrency, kv_pool_overridden=self.kv_pool_overridden)
+        if not self.kv_cache_groups:
+            return record
+        return replace(record, kv_cache_layout=self.kv_cache_layout, page_size_bytes=self.page_size_bytes,
+                       layers_per_group=self.layers_per_group, blocks_per_request=self.blocks_per_request,
+                       kv_cache_groups=tuple(g.to_json() for g in self.kv_cache_groups))
 
 
 def required_utilization(plan: MemoryPlan, target_pool_bytes: int) -> float:
@@ -255,6 +360,8 @@ def plan_memory(
     max_num_seqs: int = 256,
     check_fits: bool = True,
     multimodal: MultimodalBudget | None = None,
+    kv_cache_groups: Sequence[KVCacheGroup] | None = None,
+    disable_hybrid_kv_cache_manager: bool = False,
 ) -> MemoryPlan:
     """Compute the budget. Any of weights / activation_peak / non_torch left as
     None is estimated from the shapes and listed in ``estimated``; ``multimodal``
@@ -262,7 +369,12 @@ def plan_memory(
     weights and the encoder's share of the profile to those estimates (a given or
     measured figure already holds them). Raises
     :class:`BudgetError` (with the numbers and the flags that would fix it) when
-    the pool is negative or cannot hold one ``max_model_len`` request."""
+    the pool is negative or cannot hold one ``max_model_len`` request.
+
+    The KV layout: ``kv_cache_groups`` (default: the model's own, from its ``layer_types``
+    and ``sliding_window``); any sliding-window group makes the pool hybrid (the module
+    docstring's second formula), unless ``disable_hybrid_kv_cache_manager`` (vLLM's flag:
+    every layer takes full attention's blocks)."""
     if not 0 < gpu_memory_utilization <= 1:
         raise UserError(f"--gpu-memory-utilization {gpu_memory_utilization}: must be in (0, 1]")
     if block_size <= 0 or block_size & (block_size - 1):
@@ -290,9 +402,25 @@ def plan_memory(
     overridden = kv_cache_memory_bytes is not None
     pool = (float(kv_cache_memory_bytes) if kv_cache_memory_bytes is not None
             else requested - weights - activation_peak - non_torch)
-    block_bytes = block_size * per_token
-    num_blocks = max(0, math.floor(pool / block_bytes)) if pool > 0 else 0
-    tokens = num_blocks * block_size
+    groups = () if disable_hybrid_kv_cache_manager else _hybrid_groups(model, kv_cache_groups)
+    hybrid: dict[str, Any] = {}
+    if groups:
+        per_layer = bytes_per_kv_token_per_layer(model, kv_cache_dtype, tensor_parallel_size, model_dtype)
+        size = max(len(g.layers) for g in groups)
+        budgets = tuple(KvGroupBudget(g.spec.kind, g.spec.sliding_window, g.layers, per_layer * len(g.layers),
+                                      blocks_per_request(g.spec.sliding_window, max_model_len, block_size,
+                                                         max_num_batched_tokens))
+                        for g in groups)
+        hybrid = dict(kv_cache_groups=budgets, page_size_bytes=block_size * per_layer, layers_per_group=size,
+                      blocks_per_request=sum(g.blocks_per_request for g in budgets),
+                      full_attention_bytes_per_token=per_token, kv_max_num_batched_tokens=max_num_batched_tokens)
+        per_token = per_layer * size  # one block (a page in each of G tensors) per token slot
+        num_blocks = int(pool) // hybrid["page_size_bytes"] // size if pool > 0 else 0
+    else:
+        block_bytes = block_size * per_token
+        num_blocks = max(0, math.floor(pool / block_bytes)) if pool > 0 else 0
+    tokens, concurrency = _tokens_and_concurrency(num_blocks, block_size, max_model_len, len(groups),
+                                                  hybrid.get("blocks_per_request", 0))
     plan = MemoryPlan(
         total_bytes=int(total_bytes),
         gpu_memory_utilization=gpu_memory_utilization,
@@ -306,15 +434,39 @@ def plan_memory(
         num_blocks=num_blocks,
         kv_cache_tokens=tokens,
         max_model_len=max_model_len,
-        max_concurrency=tokens / max_model_len,
+        max_concurrency=concurrency,
         kv_pool_overridden=overridden,
         estimated=estimated,
         multimodal=multimodal,
         llm_activation_peak_bytes=int(llm_peak),
+        **hybrid,
     )
     if check_fits:
         check_plan_fits(plan)
     return plan
+
+
+def _hybrid_groups(model: ModelConfig, given: Sequence[KVCacheGroup] | None) -> tuple[KVCacheGroup, ...]:
+    """The groups of a hybrid pool, or () when the model's layers all attend fully."""
+    if given is not None:
+        groups = tuple(given)
+    else:
+        try:
+            groups = kv_cache_groups(model.layer_types, model.sliding_window, model.num_layers)
+        except ValueError as exc:
+            raise UserError(f"{model.name}: {exc}") from None
+    return groups if groups and is_hybrid(groups) else ()
+
+
+def _tokens_and_concurrency(num_blocks: int, block_size: int, max_model_len: int, num_groups: int,
+                            per_request_blocks: int) -> tuple[int, float]:
+    """vLLM's "KV cache size" tokens and "Maximum concurrency": one full-attention table holds
+    ``blocks x block size`` tokens and ``tokens / max-model-len`` requests; a hybrid pool's
+    tokens are ``blocks // groups x block size`` and its concurrency ``blocks / blocks per request``."""
+    if not num_groups:
+        tokens = num_blocks * block_size
+        return tokens, tokens / max_model_len
+    return num_blocks // num_groups * block_size, num_blocks / per_request_blocks
 
 
 def check_plan_fits(plan: MemoryPlan) -> None:
@@ -325,6 +477,8 @@ def check_plan_fits(plan: MemoryPlan) -> None:
     fixed_pool = plan.kv_pool_overridden
     non_kv = plan.weights_bytes + plan.activation_peak_bytes + plan.non_torch_bytes
     need_pool = -(-plan.max_model_len // plan.block_size) * plan.block_bytes
+    if plan.kv_cache_groups:
+        need_pool = plan.blocks_per_request * plan.block_bytes  # vLLM's _max_memory_usage_bytes_from_groups
     if plan.kv_pool_bytes <= 0 and not fixed_pool:
         need_util = required_utilization(plan, need_pool)
         fix = (f"raise --gpu-memory-utilization to at least {need_util:.2f}" if need_util <= 1 else
@@ -337,7 +491,9 @@ def check_plan_fits(plan: MemoryPlan) -> None:
             f"non-torch {plan.non_torch_bytes / GiB:.2f} = {non_kv / GiB:.2f} GiB; {fix}"
             + " or lower --max-num-batched-tokens / --max-num-seqs"
         )
-    if plan.kv_cache_tokens < plan.max_model_len:
+    if plan.kv_cache_groups and plan.num_blocks < plan.blocks_per_request:
+        _refuse_hybrid(plan, need_pool, fixed_pool)
+    if not plan.kv_cache_groups and plan.kv_cache_tokens < plan.max_model_len:
         fits_len = plan.kv_cache_tokens
         fixes = []
         if fixed_pool:
@@ -355,6 +511,45 @@ def check_plan_fits(plan: MemoryPlan) -> None:
             f"the model's max seq len ({plan.max_model_len:,}) is larger than the maximum number of tokens "
             f"that can be stored in KV cache ({plan.kv_cache_tokens:,}); try " + " or ".join(fixes)
         )
+
+
+def _hybrid_max_model_len(plan: MemoryPlan) -> int:
+    """The longest --max-model-len whose request fits the hybrid pool (vLLM's
+    ``_estimate_max_model_len_from_groups``: a binary search over the same sum)."""
+    def need(length: int) -> int:
+        return sum(blocks_per_request(g.sliding_window, length, plan.block_size, plan.kv_max_num_batched_tokens)
+                   for g in plan.kv_cache_groups)
+
+    lo, hi, best = 1, plan.max_model_len, 0
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if need(mid) <= plan.num_blocks:
+            best, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+def _refuse_hybrid(plan: MemoryPlan, need_pool: int, fixed_pool: bool) -> None:
+    fixes = []
+    if fixed_pool:
+        fixes.append(f"raise --kv-cache-memory-bytes to at least {need_pool:,} ({need_pool / GiB:.3f} GiB)")
+    else:
+        need_util = required_utilization(plan, need_pool)
+        if need_util <= 1:
+            fixes.append(f"increasing --gpu-memory-utilization to {need_util:.2f} (needs "
+                         f"{need_pool / GiB:.2f} GiB of KV pool, have {plan.kv_pool_bytes / GiB:.2f})")
+    fits_len = _hybrid_max_model_len(plan)
+    if fits_len > 0:
+        fixes.append(f"decreasing --max-model-len to {fits_len:,} or less")
+    if not fixes:
+        fixes.append("a smaller model, --quantization or a larger device")
+    raise BudgetError(
+        f"to serve at least one request with the model's max seq len ({plan.max_model_len:,}), "
+        f"{need_pool / GiB:.2f} GiB of KV cache is needed ({plan.blocks_per_request:,} blocks over "
+        f"{len(plan.kv_cache_groups)} KV cache groups), which is larger than the available KV cache memory "
+        f"({plan.kv_pool_bytes / GiB:.2f} GiB, {plan.num_blocks:,} blocks); try " + " or ".join(fixes)
+    )
 
 
 def parse_gib(value: str, flag: str) -> float:

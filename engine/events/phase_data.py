@@ -183,6 +183,14 @@ class KvCacheData(PhaseData):
     max_concurrency: float | None = NOT_REPORTED
     kv_pool_overridden: bool | None = NOT_REPORTED
     cpu_default_cap: bool | None = NOT_REPORTED  # real starts only
+    # A model with sliding-window layers (engine/budget/memory.py's hybrid formula); absent
+    # for a model whose layers all attend fully, so those records are what they were.
+    kv_cache_layout: str | None = NOT_REPORTED  # the layout the numbers above describe: hybrid | full_attention
+    page_size_bytes: int | None = NOT_REPORTED  # hybrid: one layer's block
+    layers_per_group: int | None = NOT_REPORTED  # hybrid: G, padding layers included
+    blocks_per_request: int | None = NOT_REPORTED  # hybrid: one max_model_len request's blocks, all groups
+    kv_cache_groups: tuple[Mapping[str, Any], ...] | None = NOT_REPORTED  # hybrid: KvGroupBudget.to_json() each
+    other_layout: Mapping[str, Any] | None = NOT_REPORTED  # the same pool under the layout not used
 
 
 @dataclass(frozen=True, slots=True)

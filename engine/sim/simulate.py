@@ -173,15 +173,6 @@ def model_kv_cache_groups(model: ModelConfig, layer_pattern: str | None = None,
     return groups if is_hybrid(groups) else ()
 
 
-def hybrid_num_blocks(plan: MemoryPlan, num_layers: int, groups: Sequence[KVCacheGroup]) -> int:
-    """Blocks of a hybrid pool (vLLM's uniform page size): a block is one page per layer of a
-    group, ``block_size`` tokens x one layer's bytes per token x the group's layer count,
-    so the same pool holds ``num_layers / group size`` times the full-attention blocks."""
-    layers_per_group = max(len(g.layers) for g in groups)
-    block_bytes = plan.block_size * (plan.bytes_per_token // num_layers) * layers_per_group
-    return max(1, plan.kv_pool_bytes // block_bytes)
-
-
 def build_setup(
     model: str | ModelConfig = DEFAULT_MODEL,
     gpu: str | GpuPreset = DEFAULT_GPU,
@@ -199,7 +190,7 @@ def build_setup(
     (``engine.cli.flags.multimodal_flags``) plans a VL preset's encoder, whose
     budgets become the scheduler's second limit. A model with sliding-window layers (its
     ``layer_types``, or ``layer_pattern`` and ``sliding_window`` laid over a preset) runs
-    the hybrid KV cache manager on a pool of :func:`hybrid_num_blocks`."""
+    the hybrid KV cache manager on the budget's hybrid pool (engine/budget/memory.py)."""
     model_cfg = model if isinstance(model, ModelConfig) else load_model_config(model)
     gpu_cfg = gpu if isinstance(gpu, GpuPreset) else gpu_preset(gpu)
     eng = dataclasses.replace(engine) if engine is not None else EngineConfig(model=model_cfg.name)
@@ -209,6 +200,7 @@ def build_setup(
     mm = multimodal_from_flags(model_cfg, **(multimodal or {}), max_num_batched_tokens=eng.max_num_batched_tokens,
                                max_num_seqs=eng.max_num_seqs, dtype=dtype,
                                tensor_parallel_size=eng.tensor_parallel_size)
+    groups = model_kv_cache_groups(model_cfg, layer_pattern, sliding_window)
     plan = plan_memory(
         model=model_cfg,
         total_bytes=int(gpu_cfg.total_gib * GiB),
@@ -223,23 +215,12 @@ def build_setup(
         max_num_seqs=eng.max_num_seqs,
         check_fits=num_gpu_blocks_override is None,
         multimodal=mm,
+        kv_cache_groups=groups,
     )
     if num_gpu_blocks_override is not None:
         if num_gpu_blocks_override < 1:
             raise UserError(f"--num-gpu-blocks-override {num_gpu_blocks_override}: must be at least 1")
-        tokens = num_gpu_blocks_override * plan.block_size
-        plan = dataclasses.replace(
-            plan,
-            num_blocks=num_gpu_blocks_override,
-            kv_cache_tokens=tokens,
-            kv_pool_bytes=num_gpu_blocks_override * plan.block_bytes,
-            max_concurrency=tokens / plan.max_model_len,
-            kv_pool_overridden=True,
-        )
-    groups = model_kv_cache_groups(model_cfg, layer_pattern, sliding_window)
-    if groups and num_gpu_blocks_override is None:
-        num_blocks = hybrid_num_blocks(plan, model_cfg.num_layers, groups)
-        plan = dataclasses.replace(plan, num_blocks=num_blocks, kv_cache_tokens=num_blocks * plan.block_size)
+        plan = plan.with_num_blocks(num_gpu_blocks_override)
     try:
         sched = SchedulerConfig.from_flags(eng.to_dict(), num_blocks=plan.num_blocks, block_size=plan.block_size,
                                            max_model_len=plan.max_model_len)

@@ -73,9 +73,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def build_plan(args: argparse.Namespace, *, text_only: bool = False) -> tuple[ModelConfig, MemoryPlan, str]:
+def build_plan(args: argparse.Namespace, *, text_only: bool = False,
+               full_attention: bool = False) -> tuple[ModelConfig, MemoryPlan, str]:
     """The plan for the flags; ``text_only`` leaves a VL model's vision tower out (the
-    comparison that shows what the encoder costs)."""
+    comparison that shows what the encoder costs); ``full_attention`` gives every layer
+    full attention's blocks (vLLM's --disable-hybrid-kv-cache-manager: the comparison that
+    shows what a sliding window buys)."""
     model = load_model_config(model_from_args(args))
     if args.gpu and args.gpu_memory is not None:
         raise UserError("give either --gpu or --gpu-memory, not both")
@@ -106,13 +109,27 @@ def build_plan(args: argparse.Namespace, *, text_only: bool = False) -> tuple[Mo
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         multimodal=multimodal,
-        check_fits=not text_only,
+        check_fits=not (text_only or full_attention),
+        disable_hybrid_kv_cache_manager=full_attention,
     )
     return model, plan, gpu_name
 
 
-def plan_json(model: ModelConfig, plan: MemoryPlan, gpu_name: str) -> dict[str, Any]:
+def full_attention_comparison(args: argparse.Namespace, plan: MemoryPlan) -> dict[str, Any] | None:
+    """A hybrid plan beside the same model with full attention everywhere: blocks, tokens,
+    concurrency, and how many times the concurrency the sliding window buys."""
+    if not plan.is_hybrid:
+        return None
+    _, full, _ = build_plan(args, full_attention=True)
+    return {**full.layout_summary(), "fits_one_request": full.kv_cache_tokens >= full.max_model_len,
+            "concurrency_gain": plan.max_concurrency / full.max_concurrency if full.max_concurrency else None}
+
+
+def plan_json(model: ModelConfig, plan: MemoryPlan, gpu_name: str,
+              full_attention: dict[str, Any] | None = None) -> dict[str, Any]:
     out = plan.to_json()
+    if full_attention is not None:
+        out["full_attention_everywhere"] = full_attention
     out["model"] = model.name
     out["gpu"] = gpu_name
     out["num_parameters"] = model.num_parameters
@@ -169,8 +186,13 @@ def render_text(console: Console, model: ModelConfig, plan: MemoryPlan, gpu_name
                   f"TP {args.tensor_parallel_size}", highlight=False)
     scale = kv_scale_bytes(args.kv_cache_dtype)
     row = f"({model.head_dim} head dim x {kv_b:g} B + {scale} B scale)" if scale else f"{model.head_dim} head dim x {kv_b:g} B"
+    every = plan.full_attention_bytes_per_token if plan.is_hybrid else plan.bytes_per_token
     console.print(f"  bytes per KV token = 2 x {model.num_layers} layers x {kv_heads} KV heads x "
-                  f"{row} = {plan.bytes_per_token:,} B ({plan.bytes_per_token / 1024:.1f} KiB)", highlight=False)
+                  f"{row} = {every:,} B ({every / 1024:.1f} KiB)"
+                  + (" if every layer kept every token" if plan.is_hybrid else ""), highlight=False)
+    if plan.is_hybrid:
+        for line in hybrid_group_lines(plan):
+            console.print(line, highlight=False)
     console.print()
     lines = [
         _row(label("total_bytes"), plan.total_bytes / GiB),
@@ -199,6 +221,14 @@ def render_text(console: Console, model: ModelConfig, plan: MemoryPlan, gpu_name
     console.print(f"  {plan.num_blocks:,} blocks of {plan.block_size} tokens "
                   f"({plan.block_bytes / 1024 / 1024:.2f} MiB each); "
                   f"{plan.kv_pool_bytes - plan.num_blocks * plan.block_bytes:,} bytes of pool left over", highlight=False)
+    if plan.is_hybrid:
+        groups = len(plan.kv_cache_groups)
+        console.print(f"  tokens = {plan.num_blocks:,} blocks // {groups} groups x {plan.block_size}; concurrency = "
+                      f"{plan.num_blocks:,} / {plan.blocks_per_request:,} blocks per {plan.max_model_len:,}-token "
+                      "request (every group's)", highlight=False)
+        full = full_attention_comparison(args, plan)
+        if full is not None:
+            console.print(full_attention_line(plan, full), highlight=False)
     if mm is not None:
         for line in multimodal_effect_lines(plan, mm, args):
             console.print(line, highlight=False)
@@ -208,6 +238,32 @@ def render_text(console: Console, model: ModelConfig, plan: MemoryPlan, gpu_name
     console.print()
     console.print(f"  this machine's CPU (for a run without a GPU): {detect().line()}; --dtype auto there is "
                   f"{host['auto_dtype']} ({host['auto_dtype_reason']})", highlight=False)
+
+
+def hybrid_group_lines(plan: MemoryPlan) -> list[str]:
+    """A hybrid plan's KV cache groups: vLLM's grouping, the page, the block and each group's
+    bytes per token and blocks per request."""
+    windows = sorted({g.sliding_window for g in plan.kv_cache_groups if g.sliding_window})
+    lines = [f"  KV cache groups (vLLM's hybrid layout, window {', '.join(f'{w:,}' for w in windows)}): "
+             f"{len(plan.kv_cache_groups)} groups of at most {plan.layers_per_group} layers; a block is one "
+             f"{plan.block_size}-token page ({plan.page_size_bytes / 1024:g} KiB) in each of {plan.layers_per_group} "
+             f"layer tensors = {plan.block_bytes / MiB:.2f} MiB"]
+    for i, g in enumerate(plan.kv_cache_groups):
+        spec = f"window {g.sliding_window:,}" if g.sliding_window else "full attention"
+        layers = ", ".join(str(x) for x in g.layers[:4]) + (", ..." if len(g.layers) > 4 else "")
+        pad = plan.layers_per_group - len(g.layers)
+        lines.append(f"    group {i}: {spec:<16}{len(g.layers):>3} layers ({layers})"
+                     + (f" + {pad} padding" if pad else "")
+                     + f"  {g.bytes_per_token / 1024:,.1f} KiB/token  {g.blocks_per_request:,} blocks per request")
+    return lines
+
+
+def full_attention_line(plan: MemoryPlan, full: dict[str, Any]) -> str:
+    gain = full["concurrency_gain"]
+    return (f"  versus full attention everywhere (vLLM's --disable-hybrid-kv-cache-manager): {full['num_blocks']:,} blocks, "
+            f"{full['kv_cache_tokens']:,} tokens, {full['max_concurrency']:.2f}x"
+            + ("" if full["fits_one_request"] else f" (cannot hold one {plan.max_model_len:,}-token request)")
+            + (f"; the sliding window buys {gain:.2f}x the concurrency" if gain else ""))
 
 
 def multimodal_ledger_rows(plan: MemoryPlan, mm: MultimodalBudget, args: argparse.Namespace) -> list[str]:
@@ -289,7 +345,7 @@ def run(args: argparse.Namespace) -> int:
     if args.events:
         write_plan_events(args.events, model, plan, args)
     if args.json:
-        print(json.dumps(plan_json(model, plan, gpu_name)))
+        print(json.dumps(plan_json(model, plan, gpu_name, full_attention_comparison(args, plan))))
         return 0
     render_text(Console(file=sys.stdout, highlight=False, soft_wrap=True), model, plan, gpu_name, args)
     return 0
