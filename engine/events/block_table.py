@@ -10,8 +10,10 @@ A hybrid KV cache (several groups; engine/core/hybrid_kv_cache.py) folds per gro
 ``group_tables`` request id -> one list of real blocks per group (the null block a
 sliding window leaves at freed positions is not listed), split by the step's
 ``allocated_groups`` counts; ``freed_by_window`` (folded before ``allocated``) takes blocks out of a running
-request's table and marks them ``window_freed`` (left by the window, not by a finish)
-until a request takes them again. ``tables`` stays every request's blocks, group after
+request's table and marks them ``window_freed`` (block id -> the group whose window
+released it: left by the window, not by a finish) until a request takes them again or
+a finish or preemption releases them (a block shared by two requests can leave one's
+window and later be freed by the other's finish). ``tables`` stays every request's blocks, group after
 group, so owners and counts read the same for either kind of pool.
 
 An abort frees a request's blocks between steps; those frees travel in the next
@@ -43,7 +45,7 @@ class BlockTableState:
     num_blocks: int = 0
     last_step: int = -1
     group_tables: dict[str, list[list[int]]] = field(default_factory=dict)  # hybrid pools only
-    window_freed: set[int] = field(default_factory=set)  # free blocks last released by a window
+    window_freed: dict[int, int] = field(default_factory=dict)  # block -> group: last released by a window
     _aborted: dict[str, list[int]] = field(default_factory=dict)
 
     def apply_event(self, event: Event, strict: bool = True) -> None:
@@ -76,8 +78,12 @@ class BlockTableState:
                     tables[rid] = list(blocks)
                 else:
                     table.extend(blocks)
+        window_freed = self.window_freed
         for rid, blocks in event.freed.items():
             self.group_tables.pop(rid, None)
+            if window_freed:
+                for b in blocks:
+                    window_freed.pop(b, None)
             held = self._aborted.pop(rid, []) + tables.pop(rid, [])
             if strict and held != list(blocks):
                 raise FoldError(f"step {event.index}: {rid} freed {len(blocks)} blocks but held {len(held)}")
@@ -93,10 +99,18 @@ class BlockTableState:
                 if strict:
                     raise FoldError(f"step {event.index}: {rid} left the window with blocks it does not hold")
                 continue
+            counts = event.freed_by_window_groups.get(rid)
+            if counts:  # listed group after group
+                start = 0
+                for g, count in enumerate(counts):
+                    window_freed.update(dict.fromkeys(blocks[start : start + count], g))
+                    start += count
+            else:  # no counts: the group that held it
+                held_in = {b: g for g, table in enumerate(groups) for b in table}
+                window_freed.update({b: held_in.get(b, 0) for b in blocks})
             gone = set(blocks)
             for table in groups:
                 table[:] = [b for b in table if b not in gone]
-            window_freed.update(blocks)
             self.tables[rid] = [b for table in groups for b in table]
         for rid, blocks in event.allocated.items():
             counts = event.allocated_groups.get(rid) or [len(blocks)]
@@ -107,7 +121,8 @@ class BlockTableState:
             for table, count in zip(groups, counts, strict=False):
                 table.extend(blocks[start : start + count])
                 start += count
-            window_freed.difference_update(blocks)
+            for b in blocks:
+                window_freed.pop(b, None)
             self.tables[rid] = [b for table in groups for b in table]
 
     def block_groups(self) -> dict[int, int]:

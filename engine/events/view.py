@@ -25,8 +25,12 @@ Snapshot dict format (``SNAPSHOT_VERSION`` 1), all plain JSON::
       "kv": {"used", "cached_free", "total"},              # from the last step
       "requests": {rid: {"state", "prompt_tokens", "max_tokens", "computed_tokens",
                          "generated_tokens", "blocks": [int], "prefix_hit_tokens",
-                         "arrived_t", "ttft_s", "num_preemptions"}},
+                         "arrived_t", "ttft_s", "num_preemptions",
+                         "group_blocks": [[int], ...]}},   # hybrid KV cache only: ``blocks``
+                                                           # by KV cache group (config order)
       "cached": [int],                                     # blocks holding cached KV
+      "window_freed": [[block, group], ...],               # hybrid only: free blocks a sliding
+                                                           # window released (not a finish)
       "finished": int, "rejected": int, "preemptions": int,
       "failed_sinks": {sink: error},                       # sinks the bus stopped (sink.failed)
       "engine_error": str | null,                          # why the engine loop stopped (engine.stopped)
@@ -40,7 +44,11 @@ Snapshot dict format (``SNAPSHOT_VERSION`` 1), all plain JSON::
     }                                                      # (vision-language runs only)
 
 Block owners are not stored: they are the union of every request's ``blocks``,
-so the snapshot cannot disagree with itself. The block table itself is folded
+so the snapshot cannot disagree with itself; nor is a held block's KV cache group
+(``block_groups``): it is the index of the request's ``group_blocks`` list holding it.
+The hybrid entries are written only for a hybrid KV cache (``engine.config``'s
+``kv_cache_groups``), so a full-attention snapshot is what it was, and a snapshot
+without them loads as full attention. The block table itself is folded
 by :class:`engine.events.block_table.BlockTableState`, the same fold replay and
 the tests use.
 
@@ -105,6 +113,8 @@ class RequestView:
     arrived_t: float = 0.0
     ttft_s: float | None = None
     num_preemptions: int = 0
+    # A hybrid KV cache: ``blocks`` split by KV cache group (config order); [] otherwise.
+    group_blocks: list[list[int]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -118,7 +128,7 @@ class RequestView:
             "arrived_t": self.arrived_t,
             "ttft_s": self.ttft_s,
             "num_preemptions": self.num_preemptions,
-        }
+        } | ({"group_blocks": [list(g) for g in self.group_blocks]} if self.group_blocks else {})
 
     @classmethod
     def from_dict(cls, request_id: str, data: dict[str, Any]) -> RequestView:
@@ -134,6 +144,7 @@ class RequestView:
             arrived_t=float(data.get("arrived_t", 0.0)),
             ttft_s=data.get("ttft_s"),
             num_preemptions=int(data.get("num_preemptions", 0)),
+            group_blocks=[[int(b) for b in g] for g in data.get("group_blocks") or []],
         )
 
 
@@ -238,6 +249,7 @@ class EngineView:
         self.requests: dict[str, RequestView] = {}
         self.table = BlockTableState()  # the shared fold of step block deltas
         self._owners: dict[int, set[str]] | None = None
+        self._groups: dict[int, int] | None = None
         self.finished = 0
         self.rejected = 0
         self.preemptions = 0
@@ -263,6 +275,28 @@ class EngineView:
                     owners.setdefault(b, set()).add(rid)
             self._owners = owners
         return self._owners
+
+    @property
+    def block_groups(self) -> dict[int, int]:
+        """Held block id -> its KV cache group (hybrid KV cache; {} for full attention);
+        rebuilt lazily like :attr:`block_owners`."""
+        if self._groups is None:
+            self._groups = self.table.block_groups()
+        return self._groups
+
+    @property
+    def window_freed(self) -> dict[int, int]:
+        """Block id -> the group whose sliding window released it, for blocks whose last
+        release was a window's (not a finish or preemption); a held block may be listed
+        (another request's window left it), so read :attr:`block_owners` first."""
+        return self.table.window_freed
+
+    @property
+    def kv_cache_groups(self) -> list[dict[str, Any]]:
+        """``engine.config``'s ``kv_cache_groups`` (``{"kind", "sliding_window", "layers"}``
+        each, config order); [] for full attention everywhere."""
+        groups = self.config.get("kv_cache_groups")
+        return [dict(g) for g in groups if isinstance(g, dict)] if isinstance(groups, list) else []
 
     @property
     def num_blocks(self) -> int:
@@ -389,11 +423,13 @@ class EngineView:
         # strict=False: a live monitor that missed an event should keep drawing.
         self.table.apply(ev, strict=False)
         self._owners = None
+        self._groups = None
         retired = ev.finished
-        for rid in (*ev.allocated, *ev.freed):
+        for rid in (*ev.allocated, *ev.freed, *ev.freed_by_window):
             req = self.requests.get(rid)
             if req is not None:
                 req.blocks = self.table.tables.get(rid, [])
+                req.group_blocks = self.table.group_tables.get(rid, [])
         for rid in ev.preempted:
             req = self.requests.get(rid)
             if req is not None:
@@ -406,9 +442,9 @@ class EngineView:
             req = self._request(rid)
             req.state = RUNNING
             req.blocks = self.table.tables.get(rid, [])
+            req.group_blocks = self.table.group_tables.get(rid, [])
             if rid in admitted:  # as vLLM's num_computed_tokens: prefix-cache hits count as computed
-                req.computed_tokens = self._hit_tokens(req, rid in ev.resumed, len(ev.allocated.get(rid, ())),
-                                                       int(num_tokens))
+                req.computed_tokens = self._hit_tokens(req, ev, int(num_tokens))
             req.computed_tokens += int(num_tokens)
             # A token is sampled once the whole context (prompt + output so far) is computed.
             if kind == "decode" or req.computed_tokens >= req.prompt_tokens + req.generated_tokens:
@@ -430,16 +466,36 @@ class EngineView:
         s["step_ms"].append(ev.duration_s * 1000.0)
         s["preempted"].append(len(ev.preempted))
 
-    def _hit_tokens(self, req: RequestView, resumed: bool, num_allocated: int, num_new: int) -> int:
+    def _hit_tokens(self, req: RequestView, ev: StepEvent, num_new: int) -> int:
         """Prefix-cache hit tokens of a request admitted this step: ``request.scheduled``
         says for a first admission; a resumption after preemption publishes none, so
         they follow from its fresh table. A hit is whole blocks and the step's tokens
         fill the blocks after it, so ``hit + num_new`` lies in the table's last
         block: ``hit`` is the one multiple of the block size in
-        ``((num_allocated - 1) * bs - num_new, num_allocated * bs - num_new]``."""
-        if not resumed:
+        ``((num_allocated - 1) * bs - num_new, num_allocated * bs - num_new]``.
+
+        A hybrid KV cache allocates every group's table: ``num_allocated`` is then one
+        full-attention group's count (a sliding window's table has the null block, not
+        listed, wherever the hit lies wholly before its window). With no full-attention
+        group the largest count is exact for a hit shorter than the window; a request
+        resumed alone takes the step's hits less the new requests' instead."""
+        rid = req.request_id
+        if rid not in ev.resumed:
             return req.prefix_hit_tokens
         bs = int(self.ledger.get("block_size") or self.config.get("block_size") or 0)
+        counts = ev.allocated_groups.get(rid)
+        if counts is None:  # one full-attention table (and recordings before the hybrid fields)
+            num_allocated = len(ev.allocated.get(rid, ()))
+        else:
+            kinds = [g.get("kind") for g in self.kv_cache_groups]
+            full = [i for i, kind in enumerate(kinds) if kind == "full_attention" and i < len(counts)]
+            if full:
+                num_allocated = counts[full[0]]
+            elif kinds and len(ev.resumed) == 1:
+                new_hits = sum(self.requests[r].prefix_hit_tokens for r in ev.new if r in self.requests)
+                return max(0, ev.prefix_hits_tokens - new_hits)
+            else:
+                num_allocated = max(counts, default=0)
         if bs <= 0 or num_allocated <= 0:
             return 0
         hit = (num_allocated * bs - num_new) // bs * bs
@@ -470,6 +526,7 @@ class EngineView:
             "kv": {"used": self.kv_used, "cached_free": self.kv_cached_free, "total": self.kv_total},
             "requests": {rid: r.to_dict() for rid, r in self.requests.items()},
             "cached": sorted(self.cached),
+            **({"window_freed": [[b, g] for b, g in sorted(self.window_freed.items())]} if self.window_freed else {}),
             "finished": self.finished,
             "rejected": self.rejected,
             "preemptions": self.preemptions,
@@ -519,8 +576,11 @@ class EngineView:
             cached=set(state.get("cached", [])),
             num_blocks=self.kv_total,
             last_step=self.step if self.step is not None else -1,
+            group_tables={rid: req.group_blocks for rid, req in self.requests.items() if req.group_blocks},
+            window_freed={int(b): int(g) for b, g in state.get("window_freed") or []},
         )
         self._owners = None
+        self._groups = None
         self.finished = int(state.get("finished", 0))
         self.rejected = int(state.get("rejected", 0))
         self.preemptions = int(state.get("preemptions", 0))
