@@ -392,6 +392,9 @@ def _identify_model(options: Options, facts: dict[str, Any]) -> tuple[ModelConfi
     candidates = [(options.model, "--model")] if options.model else []
     if facts.get("model"):
         candidates.append((str(facts["model"]), "log"))
+        served = Path(str(facts["model"])).name  # a local folder named as the hub id: /google/gemma-3-27b-it
+        if served and served != str(facts["model"]) and resolve_preset_name(served):
+            candidates.append((served, "log, the folder's name"))
     reasons: list[str] = []
     for name, origin in candidates:
         try:
@@ -517,6 +520,99 @@ def _within(a: float, b: float, tol: float) -> bool:
     return abs(a - b) <= tol + 1e-9
 
 
+def _hybrid_layout(facts: dict[str, Any], model: ModelConfig | None,
+                   pool_gib: float | None = None) -> MemoryPlan | None:
+    """kvscope's plan of the log's KV pool under vLLM's hybrid layout (the one budget formula,
+    engine/budget/memory.py), or None when the model is unknown or attends fully everywhere."""
+    max_len = facts.get("max_model_len")
+    if model is None or not isinstance(max_len, int) or max_len <= 0:
+        return None
+    pool = pool_gib if pool_gib is not None else facts.get("kv_cache_gib") or 1.0
+    try:
+        plan = plan_memory(
+            model=model, total_bytes=int(pool * GiB) + 1, gpu_memory_utilization=1.0, max_model_len=max_len,
+            block_size=int(facts.get("block_size", 16)), kv_cache_dtype=_kv_dtype(facts),
+            dtype=_model_dtype(facts, model), tensor_parallel_size=int(facts.get("tensor_parallel_size", 1)),
+            max_num_batched_tokens=int(facts.get("max_num_batched_tokens", 8192)),
+            kv_cache_memory_bytes=int(pool * GiB), check_fits=False)
+    except UserError:
+        return None
+    return plan if plan.is_hybrid else None
+
+
+def _hybrid_checks(facts: dict[str, Any], printed: dict[str, str], lines: dict[str, int],
+                   plan: MemoryPlan | None, model: ModelConfig | None) -> list[Check]:
+    """The KV lines of a hybrid model reconciled with kvscope's plan: the padding vLLM warns of,
+    the tokens the printed pool holds, and the concurrency the printed size implies."""
+    tokens, kv, conc = facts.get("kv_cache_tokens"), facts.get("kv_cache_gib"), facts.get("max_concurrency")
+    padding = facts.get("padding_layers")
+    if plan is None:
+        return [Check("hybrid_layout", "hybrid KV layout", None,
+                      f"vLLM added {padding} padding layers: its hybrid KV cache manager groups sliding-window and "
+                      "full-attention layers, so the KV size and concurrency follow per-group blocks; pass --model "
+                      "to reconcile them", line=lines.get("padding_layers"))]
+    checks: list[Check] = []
+    groups = len(plan.kv_cache_groups)
+    block = plan.block_size
+    windows = sorted({g.sliding_window for g in plan.kv_cache_groups if g.sliding_window})
+    layout = (f"{groups} KV cache groups of at most {plan.layers_per_group} layers (window "
+              f"{', '.join(f'{w:,}' for w in windows)}), page {plan.page_size_bytes:,} B")
+    pad = sum(plan.layers_per_group - len(g.layers) for g in plan.kv_cache_groups)
+    if padding is not None:
+        checks.append(Check(
+            "hybrid_padding", "padding layers = groups x G - layers", pad == padding,
+            f"kvscope's grouping: {layout}: {groups} x {plan.layers_per_group} - "
+            f"{sum(len(g.layers) for g in plan.kv_cache_groups)} layers = {pad} padding layers against a printed {padding}",
+            formula="num_groups x layers_per_group - num_layers", expected=padding, actual=pad, tolerance=0,
+            line=lines.get("padding_layers")))
+    if kv is not None and tokens is not None:
+        half = unit(printed.get("kv_cache_gib")) / 2
+        lo, mid, hi = (_hybrid_layout(facts, model, p) for p in (kv - half, kv, kv + half))
+        if lo is not None and mid is not None and hi is not None:
+            tol = max(hi.kv_cache_tokens - mid.kv_cache_tokens, mid.kv_cache_tokens - lo.kv_cache_tokens)
+            ok = _within(mid.kv_cache_tokens, tokens, tol)
+            checks.append(Check(
+                "hybrid_kv_tokens", "hybrid: tokens = pool // page // G // groups x block", ok,
+                f"{kv} GiB / {plan.page_size_bytes:,} B // {plan.layers_per_group} = {mid.num_blocks:,} blocks; "
+                f"// {groups} groups x {block} = {mid.kv_cache_tokens:,} tokens against a printed {tokens:,} "
+                f"(tolerance {tol:,}: the printed GiB's last digit); {layout}",
+                formula="kv_cache_gib x 2^30 // page_size // layers_per_group // num_groups x block_size",
+                expected=tokens, actual=mid.kv_cache_tokens, tolerance=tol, line=lines.get("kv_cache_tokens")))
+    max_len = facts.get("max_model_len")
+    if conc is not None and (tokens is not None or facts.get("num_gpu_blocks_info") is not None):
+        per_request = " + ".join(_per_request_terms(plan))
+        exact = facts.get("num_gpu_blocks_info")
+        if exact is not None:
+            n_lo = n_hi = int(exact)
+            source = f"{n_lo:,} blocks (num_gpu_blocks)"
+        else:
+            n_lo = int(tokens) // block * groups
+            n_hi = n_lo + groups - 1
+            source = f"{tokens:,} tokens = {n_lo:,}..{n_hi:,} blocks"
+        lo_c, hi_c = n_lo / plan.blocks_per_request, n_hi / plan.blocks_per_request
+        actual = (lo_c + hi_c) / 2
+        tol = (hi_c - lo_c) / 2 + unit(printed.get("max_concurrency"))
+        ok = _within(actual, conc, tol)
+        full = f"; tokens / max-model-len would say {int(tokens) / max_len:.2f}x" if tokens and max_len else ""
+        checks.append(Check(
+            "hybrid_concurrency", "hybrid: concurrency = blocks / blocks per request", ok,
+            f"{source} / {plan.blocks_per_request:,} blocks per {max_len:,}-token request ({per_request}) = "
+            f"{actual:.4f} against a printed {printed.get('max_concurrency', conc)}x (tolerance {tol:.4f}){full}",
+            formula="num_blocks / sum(blocks_per_request over groups)", expected=conc, actual=round(actual, 4),
+            tolerance=tol, line=lines.get("max_concurrency")))
+    return checks
+
+
+def _per_request_terms(plan: MemoryPlan) -> list[str]:
+    """Each spec's blocks per request once, with its group count: '6 x 257 (window 1,024)'."""
+    counts: dict[tuple[int | None, int], int] = {}
+    for g in plan.kv_cache_groups:
+        key = (g.sliding_window, g.blocks_per_request)
+        counts[key] = counts.get(key, 0) + 1
+    return [(f"{n} x " if n > 1 else "") + f"{blocks:,}" + (f" (window {w:,})" if w else " (full)")
+            for (w, blocks), n in counts.items()]
+
+
 def _derived_checks(facts: dict[str, Any], printed: dict[str, str], lines: dict[str, int],
                     budget: dict[str, Any], model: ModelConfig | None) -> list[Check]:
     checks: list[Check] = []
@@ -526,6 +622,11 @@ def _derived_checks(facts: dict[str, Any], printed: dict[str, str], lines: dict[
     block = int(facts.get("block_size", 16))
     if tokens is None and facts.get("gpu_blocks") is not None:
         tokens = int(facts["gpu_blocks"]) * block
+    hybrid = _hybrid_layout(facts, model)
+    if hybrid is not None or facts.get("padding_layers") is not None:
+        # vLLM's hybrid layout: neither tokens x every layer's bytes nor tokens / max-model-len holds
+        checks += _hybrid_checks(facts, printed, lines, hybrid, model)
+        tokens = per_token = None  # the full-attention checks below do not apply
     if tokens is not None and kv is not None and per_token is not None and tokens > 0:
         actual = tokens * per_token / GiB
         tol = unit(printed.get("kv_cache_gib")) + block * per_token / GiB

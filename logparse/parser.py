@@ -42,6 +42,7 @@ _EXTERNAL_TS = re.compile(
     r"\s*"
 )
 _GUTTER = re.compile(r"^\s*\|\s")  # web UI table gutter ("  | ")
+_COMPOSE = re.compile(r"^[A-Za-z0-9][\w.\-]{0,100}[-_]\d+\s+\|\s?")  # docker compose service ("vllm-1  | ")
 _PROCESS = re.compile(r"^\((?P<proc>[^()]{0,200}?pid=\d+[^()]{0,100})\)\s?")
 _STAGE = re.compile(r"^\[Stage-\d+\]\s?")
 _VLLM_PREFIX = re.compile(
@@ -203,7 +204,7 @@ def strip_prefix(line: str) -> _Prefix:
         if line.startswith(" "):
             line = line[1:]
     out = _Prefix(text=line)
-    m = _GUTTER.match(line)
+    m = _GUTTER.match(line) or _COMPOSE.match(line)
     if m:
         line = line[m.end():]
     m = _EXTERNAL_TS.match(line)

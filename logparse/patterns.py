@@ -224,6 +224,9 @@ PATTERNS: tuple[LinePattern, ...] = (
       r"(?:PCP rank <pcp_rank:int>, )?TP rank <tp_rank:int>", "Where this rank sits in the DP/PP/TP grid."),
     P("attention_backend", "A", "0.4.0–0.33", "backend",
       r"^Using <backend:text> (?:attention )?backend\b", "The attention kernel family."),
+    P("mm_encoder_attention_backend", "A", "0.10–0.11", "MultiHeadAttention attn_backend",
+      r"^MultiHeadAttention attn_backend: <mm_attention_backend:word>",
+      "A multimodal model's vision encoder attention kernel (e.g. Gemma 3's SigLIP tower)."),
     P("cpu_kv_space_default", "B", "0.5–0.33", "VLLM_CPU_KVCACHE_SPACE",
       r"VLLM_CPU_KVCACHE_SPACE \(GiB\) for CPU backend is not set, using <kv_cache_gib:num> by default",
       "CPU backend: the KV cache gets a fixed VLLM_CPU_KVCACHE_SPACE GiB instead of a profiled remainder."),
@@ -675,7 +678,7 @@ NOISE: tuple[NoisePattern, ...] = (
     N("python-warning", "Warning: |warnings.warn(", r"^\S+\.py:\d+: \w*Warning: |^\s*warnings\.warn\(",
       "A Python warnings.warn() line (file:line: Category: text) and the code line printed under it."),
     N("torch", "] Warning: |UserWarning|CUDA kernel errors might be|CUDA_LAUNCH_BLOCKING|TORCH_USE_CUDA_DSA|[rank",
-      r"^\[[WIEF]\d{4} [\d:.]+ [^\]]+\] |UserWarning|CUDA kernel errors might be asynchronously|CUDA_LAUNCH_BLOCKING"
+      r"^\[[WIEF]\d{3,4} [\d:.]+ [^\]]+\] |UserWarning|CUDA kernel errors might be asynchronously|CUDA_LAUNCH_BLOCKING"
       r"|TORCH_USE_CUDA_DSA|^\[rank\d+\]:\[[WIEF]", "torch's own warnings and CUDA error hints."),
     N("triton", "Triton|triton", r"^Triton is installed|Triton not installed|^Triton module has been replaced|\btriton[._]",
       "Triton's availability."),
