@@ -106,3 +106,22 @@ def test_tensor_parallel_figures_are_labelled_per_gpu_with_units() -> None:
     assert legend.count(" GiB") == 5 and legend.rstrip().endswith("(per GPU)")
     single = run_engine("plan", "--model", "llama-3.1-8b", "--gpu", "h100").stdout
     assert "per GPU" not in single and "■ weights 14.96 GiB" in single
+
+
+def test_gemma3_27b_plan_shows_the_hybrid_layout_beside_full_attention() -> None:
+    # A 20 GiB pool (by hand, tests/budget/test_hybrid_budget.py): hybrid 20 x 2^30 / 131,072 // 10 =
+    # 16,384 blocks, 16,384 // 7 x 16 = 37,440 tokens, 16,384 / 11,654 = 1.41x; full attention
+    # 2,642 blocks of 16 x 507,904 B, 42,272 tokens, 42,272 / 131,072 = 0.32x.
+    args = ("plan", "--model", "gemma-3-27b", "--gpu", "h100-80gb", "--kv-cache-memory-bytes", "20GiB")
+    out = run_engine(*args)
+    assert out.returncode == 0, out.stderr
+    assert "GPU KV cache size: 37,440 tokens" in out.stdout
+    assert "Maximum concurrency for 131,072 tokens per request: 1.41x" in out.stdout
+    assert "group 6: full attention   10 layers" in out.stdout and "+ 1 padding" in out.stdout
+    assert "versus full attention everywhere" in out.stdout and "2,642 blocks, 42,272 tokens, 0.32x" in out.stdout
+    data = json.loads(run_engine(*args, "--json").stdout)
+    assert data["kv_cache_layout"] == "hybrid" and data["num_blocks"] == 16_384 and data["kv_cache_tokens"] == 37_440
+    assert data["blocks_per_request"] == 11_654 and len(data["kv_cache_groups"]) == 7
+    full = data["full_attention_everywhere"]
+    assert (full["num_blocks"], full["kv_cache_tokens"], full["fits_one_request"]) == (2_642, 42_272, False)
+    assert full["concurrency_gain"] == pytest.approx((16_384 / 11_654) / (42_272 / 131_072))
