@@ -3,6 +3,13 @@
 Only the visible rows are rendered, so a 27,635-block pool costs what the
 screen shows. ``update_view`` precomputes one style per cell in a single pass
 over the pool; ``render_line`` merely slices it.
+
+A hybrid KV cache (``engine.config``'s ``kv_cache_groups``: sliding-window and
+full-attention groups drawing from one pool) is coloured by KV cache group instead of
+by request, the legend naming each group ("sliding W" / "full" with its layers), and a
+free block that a sliding window released while its request ran is drawn ◁ in its
+group's colour, apart from a block a finish freed (○ cached-free, · free). A
+full-attention pool draws exactly as before.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from engine.events.view import EngineView
-from monitor.widgets.legend import wrap_items
+from monitor.widgets.legend import group_colour, group_legend_items, wrap_items
 
 PALETTE = (
     "#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f",
@@ -36,6 +43,7 @@ CACHED_CHAR = "○"
 USED_CHAR = "■"
 SELECTED_STYLE = Style(color="#000000", bgcolor="#ffff5f", bold=True)
 GROUP_USED_STYLE = Style(color="#59a14f")
+WINDOW_CHAR = "◁"  # left its sliding window while the request ran (not freed by a finish)
 ZOOM = Binding.Group("zoom")
 
 
@@ -45,7 +53,8 @@ def request_colour(request_id: str) -> str:
 
 
 class BlockMap(ScrollView, can_focus=True):
-    """Cells coloured by owner; cached-free ○, free ·; groups shaded by occupancy."""
+    """Cells coloured by owner (a hybrid pool: by KV cache group; ◁ left a window);
+    cached-free ○, free ·; zoomed out, cells shaded by occupancy."""
 
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("plus,equals_sign", "zoom_in", "zoom", key_display="+", group=ZOOM),
@@ -68,6 +77,8 @@ class BlockMap(ScrollView, can_focus=True):
         self._cells: list[tuple[str, Style]] = []
         self._num_blocks = 0
         self._legend = ""
+        self._groups: list[dict[str, object]] = []  # the config's kv_cache_groups
+        self._num_groups = 0  # > 0: a hybrid pool, drawn by group
 
     # --------------------------------------------------------------- public API
     def update_view(self, view: EngineView) -> None:
@@ -92,7 +103,14 @@ class BlockMap(ScrollView, can_focus=True):
         """One item per mark the map draws, in its own style."""
         per = self.effective_blocks_per_cell
         items = [Text(f"1 cell = {per} block{'s' if per > 1 else ''} · {self._num_blocks:,} blocks")]
-        if per == 1:
+        if self._num_groups:
+            if per > 1:  # a cell takes the colour of the group holding most of its blocks
+                shades = Text()
+                for i, shade in enumerate(SHADES):
+                    shades.append(shade, style=Style(color=group_colour(i)))
+                items.append(shades.append(" share used (colour = group)"))
+            items += group_legend_items(self._groups, self._num_groups)
+        elif per == 1:
             used = Text()
             for colour in PALETTE[:3]:
                 used.append(USED_CHAR, style=Style(color=colour))
@@ -100,8 +118,15 @@ class BlockMap(ScrollView, can_focus=True):
             items.append(used)
         else:
             items.append(Text.assemble((SHADES, GROUP_USED_STYLE), " share of the cell's blocks used"))
+        items.append(Text.assemble((USED_CHAR if per == 1 else SHADES[-1], SELECTED_STYLE), " selected request"))
+        if self._num_groups:
+            window = Text()
+            for g, spec in enumerate(self._groups or [{"kind": "sliding_window", "sliding_window": 1}]):
+                if spec.get("kind") == "sliding_window":
+                    window.append(WINDOW_CHAR, style=Style(color=group_colour(g)))
+            window.append(" freed by the window")
+            items.append(window)
         items += [
-            Text.assemble((USED_CHAR if per == 1 else SHADES[-1], SELECTED_STYLE), " selected request"),
             Text.assemble((CACHED_CHAR, CACHED_STYLE), " cached-free"),
             Text.assemble((FREE_CHAR, FREE_STYLE), " free"),
         ]
@@ -116,6 +141,22 @@ class BlockMap(ScrollView, can_focus=True):
         if self._view is None:
             return {}
         return {b: frozenset(o) for b, o in self._view.block_owners.items() if o}
+
+    def groups_by_block(self) -> dict[int, int]:
+        """What a hybrid map colours a held block by: block -> KV cache group ({} otherwise)."""
+        return dict(self._view.block_groups) if self._view is not None else {}
+
+    def window_freed_blocks(self) -> dict[int, int]:
+        """The blocks the map draws ◁: free (no owner), last released by a sliding window;
+        block -> the group whose window released it."""
+        if self._view is None:
+            return {}
+        owners = self._view.block_owners
+        return {b: g for b, g in self._view.window_freed.items() if not owners.get(b)}
+
+    def cell(self, index: int) -> tuple[str, Style]:
+        """The character and style of cell ``index`` as drawn."""
+        return self._cells[index]
 
     def action_zoom_in(self) -> None:
         self.blocks_per_cell = max(1, self.effective_blocks_per_cell // 2)
@@ -145,6 +186,12 @@ class BlockMap(ScrollView, can_focus=True):
         owners = view.block_owners
         cached = view.cached
         selected = self.selected
+        self._groups = view.kv_cache_groups
+        groups = view.block_groups
+        window = view.window_freed
+        self._num_groups = max(len(self._groups), max(groups.values(), default=-1) + 1,
+                               max(window.values(), default=-1) + 1) if self._groups or groups or window else 0
+        group_styles = [Style(color=group_colour(g)) for g in range(self._num_groups)]
         cells: list[tuple[str, Style]] = []
         if per == 1:
             styles: dict[str, Style] = {}
@@ -154,11 +201,16 @@ class BlockMap(ScrollView, can_focus=True):
                     if selected is not None and selected in holders:
                         cells.append((USED_CHAR, SELECTED_STYLE))
                         continue
+                    if self._num_groups:
+                        cells.append((USED_CHAR, group_styles[groups.get(b, 0)]))
+                        continue
                     rid = min(holders)
                     style = styles.get(rid)
                     if style is None:
                         style = styles[rid] = Style(color=request_colour(rid))
                     cells.append((USED_CHAR, style))
+                elif b in window:
+                    cells.append((WINDOW_CHAR, group_styles[window[b]]))
                 elif b in cached:
                     cells.append((CACHED_CHAR, CACHED_STYLE))
                 else:
@@ -173,7 +225,12 @@ class BlockMap(ScrollView, can_focus=True):
                     cells.append((SHADES[-1], SELECTED_STYLE))
                 elif used:
                     shade = SHADES[min(len(SHADES) - 1, (used * len(SHADES) - 1) // (stop - start))]
+                    if self._num_groups:  # the group holding most of the cell's blocks
+                        held = [groups.get(b, 0) for b in range(start, stop) if b in owners]
+                        used_style = group_styles[max(set(held), key=held.count)]
                     cells.append((shade, used_style))
+                elif window_in := [window[b] for b in range(start, stop) if b in window]:
+                    cells.append((WINDOW_CHAR, group_styles[max(set(window_in), key=window_in.count)]))
                 elif any(b in cached for b in range(start, stop)):
                     cells.append((CACHED_CHAR, CACHED_STYLE))
                 else:

@@ -1,9 +1,12 @@
-"""Running and waiting queues as sortable tables, plus finished/rejected counts."""
+"""Running and waiting queues as sortable tables, plus finished/rejected counts and,
+for a hybrid KV cache, the selected request's blocks per KV cache group."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rich.style import Style
+from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
 from textual.containers import Vertical
@@ -11,6 +14,7 @@ from textual.message import Message
 from textual.widgets import DataTable, Label
 
 from engine.events.view import EngineView, RequestView
+from monitor.widgets.legend import group_colour, group_label
 
 # (key, header): keys name the columns for sorting and tests; headers are short so
 # every column fits beside the block map at 120 columns. The table's title says the state.
@@ -104,6 +108,21 @@ def _sort_key(value: object) -> tuple[int, object]:
     return (0, value) if isinstance(value, int | float) else (1, str(value))
 
 
+def group_counts_text(req: RequestView, groups: list[dict[str, object]]) -> Text:
+    """``r5 blocks by group: sliding 128 9 9 9 9 9 · full 32``: the request's live blocks in
+    each KV cache group (a window's freed positions are not counted), each count in its
+    group's colour, consecutive groups of one spec under one name."""
+    text = Text(f"{short_id(req.request_id)} blocks by group:")
+    last = None
+    for g, blocks in enumerate(req.group_blocks):
+        name = group_label(groups[g]) if g < len(groups) else f"group {g}"
+        if name != last:
+            text.append(f"{' ·' if last is not None else ''} {name}")
+            last = name
+        text.append(f" {len(blocks)}", style=Style(color=group_colour(g), bold=True))
+    return text
+
+
 class Queues(Vertical):
     """Both queues; posts ``RequestSelected`` when a row is highlighted."""
 
@@ -111,8 +130,16 @@ class Queues(Vertical):
     class RequestSelected(Message):
         request_id: str | None
 
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self._view: EngineView | None = None
+        self._selected: str | None = None
+
     def compose(self) -> ComposeResult:
         yield Label("", id="queue-counts")
+        groups = Label("", id="request-groups")
+        groups.display = False  # a hybrid KV cache's only: a full-attention run lays out as before
+        yield groups
         yield Label("running", classes="queue-title")
         yield RequestTable(id="running-table")
         yield Label("waiting", classes="queue-title")
@@ -128,7 +155,22 @@ class Queues(Vertical):
         )
         self.query_one("#running-table", RequestTable).show(running, now)
         self.query_one("#waiting-table", RequestTable).show(waiting, now)
+        self._view = view
+        self._show_groups()
+
+    def _show_groups(self) -> None:
+        """The selected request's blocks per group, shown while it holds any (hybrid only)."""
+        view = self._view
+        req = view.requests.get(self._selected) if view is not None and self._selected is not None else None
+        label = self.query_one("#request-groups", Label)
+        if view is None or req is None or not req.group_blocks:
+            label.display = False
+            return
+        label.update(group_counts_text(req, view.kv_cache_groups))
+        label.display = True
 
     @on(DataTable.RowHighlighted)
     def _highlighted(self, event: DataTable.RowHighlighted) -> None:
-        self.post_message(self.RequestSelected(event.row_key.value if event.row_key else None))
+        self._selected = event.row_key.value if event.row_key else None
+        self._show_groups()
+        self.post_message(self.RequestSelected(self._selected))

@@ -17,6 +17,7 @@ from engine.events import Event, EventBus, StepEvent
 from engine.events.view import EngineView
 from engine.sim.simulate import Simulation, build_setup
 from engine.sim.workload import WorkloadSpec, generate_workload
+from tests.monitor.hybrid_fixtures import hybrid_state_at
 
 
 def _run(layer_pattern: str | None, check: Any) -> tuple[list[Event], Simulation]:
@@ -84,47 +85,18 @@ def test_full_attention_view_is_unchanged_and_writes_no_group_entries() -> None:
     assert all("group_blocks" not in r for r in snap["requests"].values())
 
 
-def _independent_fold(events: list[Event], upto: int) -> tuple[dict[str, list[list[int]]], dict[int, int]]:
-    """Request -> per-group blocks, and window-released free block -> group, after event
-    ``upto``, by the plainest fold: counts split the flat lists; a window release marks a
-    block until anything else allocates or frees it."""
-    groups: dict[str, list[list[int]]] = {}
-    window: dict[int, int] = {}
-    for event in events[: upto + 1]:
-        if not isinstance(event, StepEvent):
-            continue
-        for rid, blocks in event.freed_by_window.items():
-            i = 0
-            for g, n in enumerate(event.freed_by_window_groups[rid]):
-                for b in blocks[i : i + n]:
-                    groups[rid][g].remove(b)
-                    window[b] = g
-                i += n
-        for rid, blocks in event.allocated.items():
-            tables = groups.setdefault(rid, [[] for _ in event.allocated_groups[rid]])
-            i = 0
-            for g, n in enumerate(event.allocated_groups[rid]):
-                tables[g] += blocks[i : i + n]
-                i += n
-            for b in blocks:
-                window.pop(b, None)
-        for rid, blocks in event.freed.items():
-            del groups[rid]
-            for b in blocks:
-                window.pop(b, None)
-    return groups, window
-
-
 def test_snapshot_carries_groups_and_window_frees_and_resumes_the_fold() -> None:
     events, _ = _run("5:1", lambda *a: None)
     positions = [i for i, e in enumerate(events) if isinstance(e, StepEvent)]
     whole = EngineView().fold(events)
     for cut in positions[len(positions) // 4 :: max(1, len(positions) // 6)]:
         view = EngineView().fold(events[: cut + 1])
-        groups, window = _independent_fold(events, cut)
-        assert {rid: r.group_blocks for rid, r in view.requests.items() if r.group_blocks} == \
-            {rid: t for rid, t in groups.items() if rid in view.requests}
-        assert view.window_freed == window
+        step = events[cut]
+        assert isinstance(step, StepEvent)
+        plain = hybrid_state_at(events, step.index)
+        window = plain.window_freed
+        assert {rid: r.group_blocks for rid, r in view.requests.items() if r.group_blocks} == plain.tables
+        assert view.window_freed == window and view.block_groups == plain.groups()
         snap = json.loads(json.dumps(view.snapshot()))
         assert snap.get("window_freed", []) == [[b, g] for b, g in sorted(window.items())]
         loaded = EngineView.from_snapshot(snap)

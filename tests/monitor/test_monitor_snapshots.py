@@ -55,3 +55,21 @@ def test_block_map_zoomed_out_with_selection_snapshot(snap_compare) -> None:  # 
         await pilot.press("minus")
 
     assert snap_compare(_app_at_step(), terminal_size=SIZE, run_before=select)
+
+
+def test_hybrid_block_map_snapshot(snap_compare) -> None:  # type: ignore[no-untyped-def]
+    """A hybrid KV cache at 120x40 (tests/data/monitor_hybrid.jsonl, step 260): blocks coloured
+    by group (five sliding-window groups, one full), ◁ where a window freed a block, the
+    second running request selected with its blocks per group above the table."""
+    from tests.monitor.hybrid_fixtures import HYBRID
+
+    async def select(pilot) -> None:  # type: ignore[no-untyped-def]
+        pilot.app.seek_index(260)
+        await pilot.pause()
+        pilot.app.query_one("#running-table").focus()
+        await pilot.press("down")
+        pilot.app.query_one("#blockmap").focus()
+        await pilot.pause()
+
+    app = MonitorApp(timeline=load_timeline(HYBRID, checkpoint_every=50), source_name="tests/data/monitor_hybrid.jsonl")
+    assert snap_compare(app, terminal_size=(120, 40), run_before=select)
