@@ -81,7 +81,9 @@ class LLM:
              use_tqdm: bool = False) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[index]
         prompts = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        # the rendered template holds the BOS already: no second one (vLLM's add_special_tokens=False)
+        encoded = [self.engine.encode_prompt(p, add_special_tokens=False) for p in prompts]
+        return self.generate(encoded, sampling_params, use_tqdm=use_tqdm)
 
     def close(self) -> None:
         self.engine.close()

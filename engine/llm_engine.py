@@ -65,9 +65,13 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, bus: EventBus | None = None,
                  progress: Callable[[int, int], None] | None = None,
-                 metrics_registry: CollectorRegistry | None = None) -> None:
+                 metrics_registry: CollectorRegistry | None = None,
+                 disable_hybrid_kv_cache_manager: bool = False) -> None:
         """``metrics_registry``: where sinks that count their own losses register those
-        counters (the server's ``/metrics``); None keeps them private."""
+        counters (the server's ``/metrics``); None keeps them private.
+        ``disable_hybrid_kv_cache_manager`` (vLLM's flag): a model with sliding-window layers
+        keeps every layer on one full-attention block table instead of one table per KV
+        cache group (the layout before the hybrid manager; tests compare the two)."""
         self.config = config
         self.bus = bus or EventBus()
         self.stats: StatsReporter | None = None
@@ -95,8 +99,9 @@ class LLMEngine:
             if config.tensor_parallel_size > 1:
                 self.workers = WorkerGroup(config)
                 self.workers.relay_to(self.bus)
-            self.startup: StartupResult = start_engine(config, self.bus, progress,
-                                                       rank=self.workers.driver_layout if self.workers else None)
+            self.startup: StartupResult = start_engine(
+                config, self.bus, progress, rank=self.workers.driver_layout if self.workers else None,
+                disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager)
             if self.workers is not None:
                 self.workers.parallel = self.startup.parallel
                 self.workers.wait_ready()
@@ -141,17 +146,21 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.startup.scheduler_config.max_model_len
 
-    def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
-        """Token ids of ``prompt``. Text too long to fit ``--max-model-len`` even at the
-        vocabulary's longest token is refused before tokenising (a 10 MB prompt would
-        otherwise cost seconds of tokeniser time to learn the same thing)."""
+    def encode_prompt(self, prompt: str | Sequence[int], add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``prompt``. Text gets the BOS token when the tokenizer says the model
+        wants one (a GGUF's ``tokenizer.ggml.add_bos_token``: Gemma yes, SmolLM2 no), as
+        vLLM's completion path encodes with ``add_special_tokens=True``; a rendered chat
+        template already holds its BOS, so the chat paths pass False (vLLM does too).
+        Text too long to fit ``--max-model-len`` even at the vocabulary's longest token is
+        refused before tokenising (a 10 MB prompt would otherwise cost seconds of tokeniser
+        time to learn the same thing)."""
         if isinstance(prompt, str):
             size, longest = len(prompt.encode("utf-8", errors="surrogatepass")), self.tokenizer.max_token_bytes
             if size > self.max_model_len * longest:
                 raise UserError(
                     f"the prompt is {size:,} bytes: at least {-(-size // longest):,} tokens (no token covers more "
                     f"than {longest} bytes), over --max-model-len {self.max_model_len:,}; shorten the prompt")
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         return [int(t) for t in prompt]
 
     def check_prompt(self, prompt_ids: Sequence[int], params: SamplingParams) -> int:
@@ -228,8 +237,9 @@ class LLMEngine:
         """The model executor (engine/core/step_loop.py): the runner samples one token per
         sampling sequence, then the detokenisers find stop strings, which the scheduler's
         update needs to decide who finished."""
+        # a hybrid KV cache's requests carry one table per group (group_block_ids); () otherwise
         batch = [ScheduledSeq(s.request_id, s.token_ids, s.start_position, s.block_ids, s.samples,
-                              s.request.sampling) for s in out.scheduled]
+                              s.request.sampling, s.request.group_block_ids or None) for s in out.scheduled]
         collectives: dict[str, float] = {}
         if self.workers is not None and batch:
             sampled_ids, collectives = self.workers.execute(self.runner, batch)

@@ -36,7 +36,7 @@ from engine.budget.memory import (
     plan_memory,
     weights_bytes,
 )
-from engine.core.kv_cache_groups import is_hybrid
+from engine.core.kv_cache_groups import KVCacheGroup, groups_to_config, is_hybrid, kv_cache_groups
 from engine.core.scheduler import SchedulerConfig
 from engine.errors import BudgetError, UserError
 from engine.events import PHASES, EngineConfigEvent, EventBus, StartupPhase, StartupProgress
@@ -277,6 +277,9 @@ class StartupInputs:
     caps: CpuCapabilities | None
     bytes_per_token: int
     log: Any
+    # The hybrid KV cache's groups (engine/core/kv_cache_groups.py) from the model's
+    # layer_types and sliding_window; () for one full-attention table (every Llama).
+    kv_cache_groups: tuple[KVCacheGroup, ...] = ()
 
     @property
     def config(self) -> EngineConfig:
@@ -289,9 +292,9 @@ class StartupInputs:
         return self.config.max_model_len
 
 
-def prepare_startup(config: EngineConfig, log: Any) -> StartupInputs:
-    """Before phase A: the device (and ``--num-threads``), the model's shapes and the
-    resolved flags. Raises UserError for flags no machine could run."""
+def prepare_startup(config: EngineConfig, log: Any, disable_hybrid_kv_cache_manager: bool = False) -> StartupInputs:
+    """Before phase A: the device (and ``--num-threads``), the model's shapes, the resolved
+    flags and the KV cache groups. Raises UserError for flags no machine could run."""
     device = resolve_device(config.device)
     if device.type == "cpu" and config.num_threads:
         torch.set_num_threads(config.num_threads)
@@ -304,7 +307,28 @@ def prepare_startup(config: EngineConfig, log: Any) -> StartupInputs:
     resolution = resolve_config(config, model, device, caps)
     resolved = resolution.config
     per_token = bytes_per_kv_token(model, resolved.kv_cache_dtype, resolved.tensor_parallel_size, resolved.dtype)
-    return StartupInputs(resolution, model, device, caps, per_token, log)
+    groups = () if disable_hybrid_kv_cache_manager else model_kv_cache_groups(model)
+    return StartupInputs(resolution, model, device, caps, per_token, log, groups)
+
+
+def model_kv_cache_groups(model: ModelConfig) -> tuple[KVCacheGroup, ...]:
+    """The model's KV cache groups as vLLM groups them (one block table per group over one
+    pool); () when every layer attends fully, so a Llama model keeps its one table."""
+    try:
+        groups = kv_cache_groups(model.layer_types, model.sliding_window, model.num_layers)
+    except ValueError as exc:
+        raise UserError(f"{model.name}: {exc}") from None
+    return groups if is_hybrid(groups) else ()
+
+
+def resolved_config_dict(s: StartupInputs) -> dict[str, Any]:
+    """``engine.config``'s flags: the resolved EngineConfig, plus ``kv_cache_groups`` for a
+    hybrid KV cache (what ``engine replay`` and the KV events read; absent otherwise, so
+    full-attention recordings are what they were)."""
+    flags = s.config.to_dict()
+    if s.kv_cache_groups:
+        flags["kv_cache_groups"] = groups_to_config(s.kv_cache_groups)
+    return flags
 
 
 def check_model_supported(model: ModelConfig, config: EngineConfig) -> None:
@@ -321,16 +345,19 @@ def check_model_supported(model: ModelConfig, config: EngineConfig) -> None:
 
 
 def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, int], None] | None = None,
-                 rank: RankLayout | None = None) -> StartupResult:
+                 rank: RankLayout | None = None, disable_hybrid_kv_cache_manager: bool = False) -> StartupResult:
     """Resolve the flags (``config`` itself is not changed), then run phases A–G.
     ``rank``: this process's place in a tensor-parallel replica (engine/workers.py
     starts the others); phase A joins the replica's group, B and E agree across ranks.
     Raises UserError (after a ``failed`` phase event) when the budget does not fit,
     with the numbers and the flags that would fix it; everything the flags alone
-    decide is refused in phase B, before weights load."""
+    decide is refused in phase B, before weights load. A model with sliding-window layers
+    runs vLLM's hybrid KV cache (one block table per group) unless
+    ``disable_hybrid_kv_cache_manager`` (vLLM's flag) keeps every layer on one
+    full-attention table."""
     log = get_logger("kvscope.startup")
-    s = prepare_startup(config, log)
-    bus.publish(EngineConfigEvent(config=s.config.to_dict(),
+    s = prepare_startup(config, log, disable_hybrid_kv_cache_manager)
+    bus.publish(EngineConfigEvent(config=resolved_config_dict(s),
                                   model=_model_summary(s.model, s.config.dtype, s.bytes_per_token)))
     phases = PhaseRecorder(bus, s.device, s.config.device_memory_gib, log, rank=rank.rank if rank else 0)
     parallel: TensorParallel | None = None
@@ -365,7 +392,7 @@ def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, i
     with phases.phase("G") as g:
         g.record = ReadyData(startup_seconds=sum(phases.seconds.values()), pid=os.getpid())
     restore_collections()  # the objects startup made are made: collect at the usual rate again
-    scheduler_config = SchedulerConfig.from_flags(s.config.to_dict(), num_blocks=plan.num_blocks,
+    scheduler_config = SchedulerConfig.from_flags(resolved_config_dict(s), num_blocks=plan.num_blocks,
                                                   max_model_len=s.max_model_len)
     return StartupResult(s.config, s.model, s.device, runner, tokenizer, plan, scheduler_config,
                          dict(phases.seconds), parallel)
@@ -424,7 +451,8 @@ def _phase_load_weights(c: PhaseHandle, s: StartupInputs, progress: Callable[[in
     runner = ModelRunner(model, dtype=config.dtype, block_size=config.block_size, device=str(s.device),
                          attention_backend=config.attention_backend, load_format=config.load_format,
                          seed=config.seed, quantization=config.quantization,
-                         kv_cache_dtype=config.kv_cache_dtype, parallel=parallel)
+                         kv_cache_dtype=config.kv_cache_dtype, parallel=parallel,
+                         kv_cache_groups=s.kv_cache_groups)
     info = runner.load_weights(progress)
     tokenizer = _tokenizer_for(model) if config.load_format != "dummy" else _dummy_tokenizer(model)
     quantization_reason = s.resolution.quantization_reason
@@ -503,6 +531,8 @@ def _cuda_phase_f(f: PhaseHandle, s: StartupInputs, runner: ModelRunner) -> None
     """CUDA phase F: capture the decode graphs (or say why not)."""
     config = s.config
     reason = graphs_supported(s.device, config.enforce_eager)
+    if reason is None and runner.hybrid_kv_cache:
+        reason = "the hybrid KV cache's per-group block tables are not captured in the decode graphs yet"
     if reason is not None:
         f.skipped = reason
         return
@@ -521,8 +551,10 @@ def _model_facts(model: ModelConfig) -> dict[str, Any]:
     return {k: v for k, v in asdict(model).items() if k not in ModelConfig.FAMILY_FIELDS or v is not None}
 
 
-def _profile_key(config: EngineConfig, model: ModelConfig) -> str:
-    return profile_cache.profile_key({
+def _profile_key(config: EngineConfig, model: ModelConfig, groups: tuple[KVCacheGroup, ...] = ()) -> str:
+    # the hybrid layout only when there is one, so a full-attention model's key is what it was
+    layout = {"kv_cache_groups": groups_to_config(groups)} if groups else {}
+    return profile_cache.profile_key({**layout,
         "weights": profile_cache.weights_identity(model.path, _model_facts(model)), "dtype": config.dtype,
         "quantization": config.quantization, "kv_cache_dtype": config.kv_cache_dtype,
         "attention_backend": config.attention_backend, "block_size": config.block_size,
@@ -538,7 +570,7 @@ def _profile_run(runner: ModelRunner, config: EngineConfig, model: ModelConfig, 
     tracker, or on CPU the stored result of the same measurement (engine/model/profile_cache.py).
     ``shared`` (tensor parallelism): the forward is collective, so every rank measures
     (one rank reusing a stored result would leave the others waiting in its all-reduces)."""
-    key = _profile_key(config, model) if device.type == "cpu" and not shared else None
+    key = _profile_key(config, model, runner.kv_cache_groups) if device.type == "cpu" and not shared else None
     stored = profile_cache.load(key) if key is not None else None
     if stored is not None:
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(stored.measured_at))

@@ -111,6 +111,19 @@ def test_generate_france_and_step_events(recorded) -> None:
         assert needed in kinds
 
 
+def test_smollm2_prompts_keep_their_encoding_without_a_bos(recorded) -> None:
+    """SmolLM2's GGUF says tokenizer.ggml.add_bos_token = false: completion prompts are the
+    text's ids exactly as before (Gemma's, which says true, get <bos>: test_gemma3_hybrid)."""
+    llm, _, _, _ = recorded
+    engine, tokenizer = llm.engine, llm.tokenizer
+    assert tokenizer.add_bos_token is False and tokenizer.bos_token_id is not None
+    text = "Once upon a time, in a small village,"
+    ids = tokenizer.backend.encode(text, add_special_tokens=False).ids
+    assert engine.encode_prompt(text) == ids == engine.encode_prompt(text, add_special_tokens=False)
+    rendered = str(tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}]))
+    assert engine.encode_prompt(rendered, add_special_tokens=False) == tokenizer.backend.encode(rendered).ids
+
+
 def test_stop_string_and_max_tokens(recorded) -> None:
     llm, _, _, _ = recorded
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

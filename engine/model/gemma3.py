@@ -20,11 +20,12 @@ GGUF (transformers subtracts the 1 when it reads the file and adds it back in th
 the norm weights here hold the file's ``1 + w`` as they are, so every norm is the plain
 RMSNorm kernel, with no add per step.
 
-Every layer writes today's full-attention paged cache (one block table for all layers);
-a layer's ``kv_cache_group`` says which KV cache group's metadata it reads, so the
-hybrid KV cache manager can hand sliding layers their own block tables and slot
-mappings later: :meth:`Gemma3ForCausalLM.forward` takes one metadata for every layer,
-or a sequence indexed by group.
+A layer's ``kv_cache_group`` says which KV cache group's metadata (block tables, slot
+mapping) it reads: :meth:`Gemma3ForCausalLM.forward` takes one metadata per group (the
+hybrid KV cache the engine runs, vLLM's layout: ``ModelRunner.set_kv_cache_groups``
+sets the indices and hands layer ``l`` the KV tensor it shares with the layers at the same
+position of the other groups), or one metadata for every layer (one full-attention table,
+``disable_hybrid_kv_cache_manager``), where a sliding layer masks what left its window.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class Gemma3DecoderLayer(DecoderLayer):
         self.k_norm = empty(self.head_dim)
         self.is_sliding = config.layer_is_sliding(index)
         self.sliding_window = config.sliding_window if self.is_sliding else None
-        self.kv_cache_group = 0  # which KV cache group's block table and slots this layer reads
+        self.kv_cache_group = 0  # which KV cache group's block table and slots this layer reads (the runner sets it)
         self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def forward(  # type: ignore[override]
@@ -129,7 +130,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     @property
     def kv_cache_groups(self) -> list[int]:
-        """Each layer's KV cache group (all 0 until the hybrid manager hands out groups)."""
+        """Each layer's KV cache group (all 0 on one full-attention table)."""
         return [layer.kv_cache_group for layer in self.layers]  # type: ignore[misc]
 
     @torch.inference_mode()

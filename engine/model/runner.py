@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.budget.config import CANONICAL_DTYPE, ModelConfig
+from engine.core.kv_cache_groups import KVCacheGroup, is_hybrid
 from engine.core.sampling_params import SamplingParams
 from engine.errors import UserError
 from engine.logs import log_failure
@@ -43,6 +44,10 @@ class ScheduledSeq:
     block_ids: list[int]  # the sequence's whole block table
     needs_sample: bool = True  # True when this step reaches the end of the known tokens
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    # A hybrid KV cache (ModelRunner.kv_cache_groups): one whole table per group, in the
+    # groups' order (the scheduler's ``ScheduledRequest.block_tables``); None: ``block_ids``
+    # serves every group (one full-attention table, or a test driving all groups alike).
+    block_tables: Sequence[list[int]] | None = None
 
 
 @dataclass(slots=True)
@@ -56,10 +61,18 @@ class StepTimings:
 class PreparedBatch:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    meta: AttentionMetadata
+    meta: AttentionMetadata  # group 0's with a hybrid KV cache
     sample_rows: torch.Tensor  # [num_sampled] index of each sampled sequence's last token
     sample_seqs: list[ScheduledSeq]
     sample_positions: list[int]  # position of the token each sampled row produces
+    # A hybrid KV cache: one metadata per group (its block tables and slot mapping; the
+    # query/sequence tensors are shared objects, so the backend plans a step once); else None.
+    group_metas: list[AttentionMetadata] | None = None
+
+    @property
+    def model_meta(self) -> AttentionMetadata | list[AttentionMetadata]:
+        """What the model's forward takes: one metadata, or one per KV cache group."""
+        return self.group_metas if self.group_metas is not None else self.meta
 
 
 def zeroed_lazy_cpu_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -97,9 +110,12 @@ class ModelRunner:
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
         parallel: TensorParallel | None = None,
+        kv_cache_groups: Sequence[KVCacheGroup] = (),
     ) -> None:
         """``parallel``: this rank's process group when ``--tensor-parallel-size`` > 1; the
-        model is then this rank's slice and only rank 0 gets logits and samples."""
+        model is then this rank's slice and only rank 0 gets logits and samples.
+        ``kv_cache_groups``: the hybrid KV cache's groups (engine/core/kv_cache_groups.py;
+        see :meth:`set_kv_cache_groups`); () or one full-attention group: one table."""
         self.model_config = model_config
         self.parallel = parallel
         self.dtype = torch_dtype(dtype)
@@ -126,7 +142,11 @@ class ModelRunner:
             self.model = model_class_for(model_config)(model_config, self.backend, dtype=self.dtype,
                                                        device=self.device)
         self.sampler = Sampler(seed=seed)
-        self.kv_caches: list[torch.Tensor] = []
+        self.kv_caches: list[torch.Tensor] = []  # one per layer (layers may share a tensor)
+        self.kv_tensors: list[torch.Tensor] = []  # the distinct KV tensors (one per layer, or per group slot)
+        self.kv_cache_groups: tuple[KVCacheGroup, ...] = ()
+        self._layer_slots: list[int] = []
+        self.set_kv_cache_groups(kv_cache_groups)
         self.last_timings = StepTimings()
         self.last_failed: dict[str, str] = {}  # request id -> why its sampling raised (the last execute)
         self.decode_graphs: DecodeGraphs | None = None  # captured in phase F on CUDA
@@ -167,16 +187,67 @@ class ModelRunner:
                 save_cached_tensors(entry, *self.model.quantized_state(counts))
         return counts
 
+    # ------------------------------------------------------------------ KV cache layout
+    @property
+    def hybrid_kv_cache(self) -> bool:
+        """True when each KV cache group's layers read their own block table (vLLM's hybrid
+        layout); phase E then sizes the pool by the hybrid page (engine/budget/memory.py)."""
+        return bool(self.kv_cache_groups)
+
+    @property
+    def layers_per_group(self) -> int:
+        """KV tensors of a hybrid pool: the largest group's layer count (vLLM's uniform page)."""
+        return max(len(g.layers) for g in self.kv_cache_groups) if self.kv_cache_groups else 0
+
+    def set_kv_cache_groups(self, groups: Sequence[KVCacheGroup]) -> None:
+        """Lay the KV cache out for ``groups`` (vLLM's hybrid layout): layer ``l`` of group
+        ``g`` reads and writes through group ``g``'s block tables and slot mapping, and the
+        layers at the same position of every group share one KV tensor, so the pool is
+        ``layers_per_group`` tensors of ``[num_blocks, 2, block_size, kv_heads, head_dim]``
+        and one block id is one page in each. () (or one full-attention group) is one table
+        for every layer: a sliding-window layer then keeps its whole past and masks it.
+        Drops any allocated cache: call :meth:`allocate_kv_cache` after."""
+        hybrid = tuple(groups) if groups and is_hybrid(groups) else ()
+        layers = self.model.layers
+        slots = list(range(len(layers)))
+        if hybrid:
+            if sorted(i for g in hybrid for i in g.layers) != list(range(len(layers))):
+                raise ValueError(f"KV cache groups {[g.layers for g in hybrid]} do not cover the model's "
+                                 f"{len(layers)} layers exactly once")
+            if not all(hasattr(layer, "kv_cache_group") for layer in layers):
+                raise UserError(f"{self.model_config.name}: its layers read one block table; the hybrid KV cache "
+                                "serves models whose layers carry a KV cache group (Gemma 3)")
+            for g, group in enumerate(hybrid):
+                for slot, index in enumerate(group.layers):
+                    layer = layers[index]
+                    if getattr(layer, "sliding_window", None) != group.spec.sliding_window:
+                        raise ValueError(f"layer {index} attends with window {layer.sliding_window}, its KV cache "
+                                         f"group {g} with {group.spec.sliding_window}")
+                    layer.kv_cache_group = g
+                    slots[index] = slot
+        else:
+            for layer in layers:
+                if hasattr(layer, "kv_cache_group"):
+                    layer.kv_cache_group = 0
+        self.kv_cache_groups = hybrid
+        self._layer_slots = slots
+        self.kv_caches, self.kv_tensors = [], []
+
     def allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
+        """The pool: one tensor per layer, or with KV cache groups one per position in a
+        group (``layers_per_group``), shared by the layers at that position. Returns the
+        per-layer list (shared tensors repeated)."""
         c = self.model.config  # this rank's KV heads under tensor parallelism
+        count = self.layers_per_group or c.num_layers
         if self.device.type == "cpu":
             shape = kv_cache_shape(num_blocks, self.block_size, c.num_kv_heads, c.head_dim, self.kv_cache_dtype)
-            self.kv_caches = [zeroed_lazy_cpu_tensor(shape, self.kv_cache_dtype) for _ in range(c.num_layers)]
+            tensors = [zeroed_lazy_cpu_tensor(shape, self.kv_cache_dtype) for _ in range(count)]
         else:
-            self.kv_caches = allocate_kv_cache(
-                c.num_layers, num_blocks, self.block_size, c.num_kv_heads, c.head_dim, self.kv_cache_dtype,
-                self.device,
+            tensors = allocate_kv_cache(
+                count, num_blocks, self.block_size, c.num_kv_heads, c.head_dim, self.kv_cache_dtype, self.device,
             )
+        self.kv_tensors = tensors
+        self.kv_caches = [tensors[slot] for slot in self._layer_slots] if self.kv_cache_groups else tensors
         return self.kv_caches
 
     def enable_cpu_decode_kernel(self) -> str | None:
@@ -200,6 +271,8 @@ class ModelRunner:
     def prepare(self, batch: Sequence[ScheduledSeq]) -> PreparedBatch:
         if not batch:
             raise ValueError("empty batch")
+        if self.kv_cache_groups:
+            return self._prepare_groups(batch)
         bs = self.block_size
         query_lens = [len(s.token_ids) for s in batch]
         seq_lens = [s.start_position + n for s, n in zip(batch, query_lens, strict=True)]
@@ -241,6 +314,54 @@ class ModelRunner:
             sample_positions=[s.start_position + len(s.token_ids) for s in sample_seqs],
         )
 
+    def _prepare_groups(self, batch: Sequence[ScheduledSeq]) -> PreparedBatch:
+        """:meth:`prepare` for a hybrid KV cache: one block-table tensor and slot mapping per
+        group (a sliding-window group's table holds the null block, 0, where its window has
+        passed; the new tokens' slots are always in real blocks, so nothing writes block 0),
+        with the query and sequence tensors built once and shared by every group's metadata."""
+        bs, device = self.block_size, self.device
+        num_groups = len(self.kv_cache_groups)
+        query_lens = [len(s.token_ids) for s in batch]
+        seq_lens = [s.start_position + n for s, n in zip(batch, query_lens, strict=True)]
+        tables_of = [s.block_tables if s.block_tables is not None else [s.block_ids] * num_groups for s in batch]
+        for s, tables, total in zip(batch, tables_of, seq_lens, strict=True):
+            if len(tables) != num_groups:
+                raise ValueError(f"request {s.request_id}: {len(tables)} block tables for {num_groups} KV cache groups")
+            for g, table in enumerate(tables):
+                if len(table) * bs < total:
+                    raise ValueError(f"request {s.request_id}: group {g}'s {len(table)} blocks cannot hold "
+                                     f"{total} tokens")
+        input_ids = torch.tensor([t for s in batch for t in s.token_ids], dtype=torch.int64)
+        query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
+        starts = torch.zeros(len(batch) + 1, dtype=torch.int64)
+        torch.cumsum(query_lens_t, 0, out=starts[1:])
+        seq_index = torch.repeat_interleave(torch.arange(len(batch)), query_lens_t)
+        start_positions = torch.tensor([s.start_position for s in batch], dtype=torch.int64)
+        positions = start_positions[seq_index] + torch.arange(int(starts[-1])) - starts[seq_index]
+        block_index, offset = positions // bs, positions % bs
+        query_start_loc = starts.to(torch.int32).to(device)
+        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+        metas: list[AttentionMetadata] = []
+        for g in range(num_groups):
+            width = max(len(tables[g]) for tables in tables_of)
+            block_tables = torch.tensor([tables[g] + [0] * (width - len(tables[g])) for tables in tables_of],
+                                        dtype=torch.int32)
+            slot_mapping = block_tables[seq_index, block_index].to(torch.int64) * bs + offset
+            metas.append(AttentionMetadata(
+                slot_mapping=slot_mapping.to(device), query_start_loc=query_start_loc, seq_lens=seq_lens_t,
+                block_tables=block_tables.to(device), max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+                query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
+            ))
+        sample_seqs = [s for s in batch if s.needs_sample]
+        sample_rows = torch.tensor(
+            [int(starts[i + 1]) - 1 for i, s in enumerate(batch) if s.needs_sample], dtype=torch.int64
+        )
+        return PreparedBatch(
+            input_ids=input_ids.to(device), positions=positions.to(device), meta=metas[0],
+            sample_rows=sample_rows.to(device), sample_seqs=sample_seqs,
+            sample_positions=[s.start_position + len(s.token_ids) for s in sample_seqs], group_metas=metas,
+        )
+
     def compute_logits(self, batch: Sequence[ScheduledSeq]) -> tuple[PreparedBatch, torch.Tensor | None]:
         """Run the forward; logits ``[num_sampled, vocab]`` float32 for the sequences that need a
         sample (None on tensor-parallel ranks other than 0, which only lend their slices)."""
@@ -250,10 +371,10 @@ class ModelRunner:
         prepared = self.prepare(batch)
         t1 = time.perf_counter()
         graphs = self.decode_graphs
-        if graphs is not None and graphs.can_run(prepared.meta):
+        if graphs is not None and prepared.group_metas is None and graphs.can_run(prepared.meta):
             hidden = graphs.run(prepared.input_ids, prepared.positions, prepared.meta)
         else:
-            hidden = self.model(prepared.input_ids, prepared.positions, self.kv_caches, prepared.meta)
+            hidden = self.model(prepared.input_ids, prepared.positions, self.kv_caches, prepared.model_meta)
         logits = self.model.compute_logits(hidden[prepared.sample_rows])
         t2 = time.perf_counter()
         self.last_timings = StepTimings(prepare_s=t1 - t0, forward_s=t2 - t1)
@@ -326,7 +447,9 @@ class ModelRunner:
         start = time.perf_counter()
         if not self.kv_caches:
             return 0.0
-        blocks = [b % self.num_blocks for b in range(4)]
+        # a hybrid pool's block 0 is the null block: never written, so the warm-up keeps off it
+        first = 1 if self.kv_cache_groups and self.num_blocks > 1 else 0
+        blocks = [first + b % (self.num_blocks - first) for b in range(4)]
         greedy = SamplingParams(temperature=0.0)
         sampled = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
         decodes = max(1, min(max_num_seqs, 8))
@@ -355,11 +478,12 @@ class ModelRunner:
         try:
             num_seqs = max(1, min(max_num_seqs, max_num_batched_tokens))
             per_seq, extra = divmod(max_num_batched_tokens, num_seqs)
+            first = 1 if self.kv_cache_groups and self.num_blocks > 1 else 0  # a hybrid pool's null block
             params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
             batch = []
             for i in range(num_seqs):
                 n = per_seq + (extra if i == num_seqs - 1 else 0)
-                blocks = [b % self.num_blocks for b in range(-(-n // self.block_size))]
+                blocks = [first + b % (self.num_blocks - first) for b in range(-(-n // self.block_size))]
                 batch.append(ScheduledSeq(f"profile-{i}", [0] * n, 0, blocks, True, params))
             self.compute_logits(batch)
             t0 = time.perf_counter()

@@ -82,7 +82,8 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
             add_generation_prompt=body.add_generation_prompt, chat_template=host.settings.chat_template))
     except UserError as exc:
         raise APIError(400, str(exc), param="messages") from None
-    prompt_ids = await _prepare(host, str(prompt), params, param="messages")
+    # the rendered template holds the BOS already: no second one (vLLM's add_special_tokens=False)
+    prompt_ids = await _prepare(host, str(prompt), params, param="messages", add_special_tokens=False)
     stream = await _submit(host, prompt_ids, params, "chatcmpl", body.priority)
     model = host.settings.served_model_name
     if body.stream:
@@ -128,13 +129,13 @@ def _check_model(host: EngineHost, name: str | None) -> None:
 
 
 async def _prepare(host: EngineHost, prompt: str | list[int], params: SamplingParams,
-                   param: str = "prompt") -> list[int]:
+                   param: str = "prompt", add_special_tokens: bool = True) -> list[int]:
     """Tokenise and check on a worker thread: a long prompt must not stall the event
     loop (and with it /health, /metrics and every stream)."""
     llm = host.llm
 
     def encode_and_check() -> list[int]:
-        prompt_ids = llm.encode_prompt(prompt)
+        prompt_ids = llm.encode_prompt(prompt, add_special_tokens=add_special_tokens)
         llm.check_prompt(prompt_ids, params)
         if params.stop:  # build the stop strings' automaton here; the engine thread finds it cached
             StopMatcher(params.stop)

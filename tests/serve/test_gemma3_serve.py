@@ -45,7 +45,9 @@ def test_chat_and_completions(client: openai.OpenAI) -> None:
     assert chat.usage is not None
     assert chat.usage.prompt_tokens == len(tokenizer.apply_chat_template(messages, tokenize=True)) == 16
 
-    completion = client.completions.create(model="gemma-3-270m", prompt="<bos>The capital of France is",
+    # a completion prompt gets the <bos> the GGUF asks for (tokenizer.ggml.add_bos_token), as vLLM's does
+    completion = client.completions.create(model="gemma-3-270m", prompt="The capital of France is",
                                            max_tokens=8, temperature=0.0)
     assert completion.choices[0].text == " the capital of the country of France."
     assert completion.usage is not None and completion.usage.completion_tokens == 8
+    assert completion.usage.prompt_tokens == len(tokenizer.encode("The capital of France is")) + 1 == 6

@@ -51,10 +51,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace, engine: LLMEngine, params: SamplingParams) -> None:
     with engine:
-        prompt = args.prompt
-        if args.chat:
-            prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                          add_generation_prompt=True)
+        prompt: str | list[int] = args.prompt
+        if args.chat:  # the rendered template holds the BOS already: encoded without a second one
+            rendered = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
+                                                            add_generation_prompt=True)
+            prompt = engine.encode_prompt(str(rendered), add_special_tokens=False)
         engine.add_request(prompt, params)
         while engine.has_unfinished():
             for out in engine.step():

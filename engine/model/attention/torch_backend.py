@@ -51,9 +51,9 @@ class TorchAttentionBackend:
         self.decode_kernel: Callable[..., torch.Tensor] | None = None
         self._plan_meta: AttentionMetadata | None = None
         self._plans: dict[tuple[int, int | None], _BatchPlan] = {}  # (group, window) -> plan of _plan_meta
-        self._slots_key: torch.Tensor | None = None
-        self._slots_valid: torch.Tensor | None = None
-        self._slot_rows: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
+        # slot_mapping -> (the mapping itself, its valid rows or None, K rows, V rows): one entry per
+        # KV cache group of the step (a hybrid cache's groups alternate layer by layer)
+        self._slot_cache: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]] = {}
 
     def check_kv_cache_dtype(self, dtype: torch.dtype) -> None:
         """Every storage dtype works here: quantized caches are dequantized in torch
@@ -63,33 +63,39 @@ class TorchAttentionBackend:
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
-        """Store each token's K and V rows at its slot. Every layer of a step passes the
-        same ``slot_mapping``, so the flat row indices (and the check for padding slots,
-        a host sync) are computed once per step, and each write is one ``index_copy_``."""
-        if slot_mapping is not self._slots_key:
-            self._slots_key = slot_mapping
+        """Store each token's K and V rows at its slot. Every layer of a step (of a KV cache
+        group, with a hybrid cache) passes the same ``slot_mapping``, so the flat row indices
+        (and the check for padding slots, a host sync) are computed once per mapping, and
+        each write is one ``index_copy_``."""
+        entry = self._slot_cache.get(id(slot_mapping))
+        if entry is None or entry[0] is not slot_mapping:
+            if len(self._slot_cache) >= 16:  # mappings of earlier steps
+                self._slot_cache.clear()
             block_size = kv_cache.shape[2]
             valid = slot_mapping >= 0
-            self._slots_valid = None if bool(valid.all()) else valid
-            slots = slot_mapping if self._slots_valid is None else slot_mapping[valid]
+            valid_rows = None if bool(valid.all()) else valid
+            slots = slot_mapping if valid_rows is None else slot_mapping[valid]
             # Row of slot s in the cache viewed as [blocks * 2 * block_size, heads, width]:
             # block b's K rows start at 2*b*block_size, its V rows block_size later.
             k_rows = slots + torch.div(slots, block_size, rounding_mode="floor") * block_size
-            self._slot_rows = (k_rows, k_rows + block_size)
-        if self._slots_valid is not None:
-            key, value = key[self._slots_valid], value[self._slots_valid]
+            entry = self._slot_cache[id(slot_mapping)] = (slot_mapping, valid_rows, k_rows, k_rows + block_size)
+        _, valid_rows, k_rows, v_rows = entry
+        if valid_rows is not None:
+            key, value = key[valid_rows], value[valid_rows]
         rows = kv_cache.view(-1, *kv_cache.shape[3:])
         k_stored, v_stored = quantize_for_cache(key, kv_cache.dtype), quantize_for_cache(value, kv_cache.dtype)
         if kv_cache.dtype in FP8_DTYPES:  # index_copy_ has no fp8 kernel on CPU: copy the bytes
             rows, k_stored, v_stored = rows.view(torch.uint8), k_stored.view(torch.uint8), v_stored.view(torch.uint8)
-        k_rows, v_rows = self._slot_rows
         rows.index_copy_(0, k_rows, k_stored)
         rows.index_copy_(0, v_rows, v_stored)
 
     # ------------------------------------------------------------------ attention
     def _plan_for(self, meta: AttentionMetadata, group: int, block_size: int,
                   window: int | None = None) -> _BatchPlan:
-        if meta is not self._plan_meta:
+        last = self._plan_meta
+        # A plan reads only the query and sequence tensors, which a hybrid cache's group metadata share.
+        if meta is not last and (last is None or meta.seq_lens is not last.seq_lens
+                                 or meta.query_start_loc is not last.query_start_loc):
             self._plan_meta, self._plans = meta, {}
         plan = self._plans.get((group, window))
         if plan is None:
