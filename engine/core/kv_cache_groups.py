@@ -12,7 +12,7 @@ group size is the smallest spec's layer count, or the largest's when the largest
 under 1.5x the smallest (fewer padding layers); each spec's layers split into
 ``ceil(n / size)`` groups, group ``i`` taking every ``num_groups``-th layer from ``i``.
 Gemma 3 270M (18 layers, five sliding then one full, three times): 15 sliding and 3
-full layers -> size 3 -> five sliding groups (layers 0,5,10 / 1,6,11 / ...) then one
+full layers -> size 3 -> five sliding groups (layers 0,6,12 / 1,7,13 / ...) then one
 full group (5, 11, 17).
 
 A model whose layers are all full attention has one group: today's single block table.
