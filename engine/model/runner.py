@@ -45,8 +45,9 @@ class ScheduledSeq:
     needs_sample: bool = True  # True when this step reaches the end of the known tokens
     sampling: SamplingParams = field(default_factory=SamplingParams)
     # A hybrid KV cache (ModelRunner.kv_cache_groups): one whole table per group, in the
-    # groups' order (the scheduler's ``ScheduledRequest.block_tables``); None: ``block_ids``
-    # serves every group (one full-attention table, or a test driving all groups alike).
+    # groups' order (the scheduler's ``ScheduledRequest.block_tables``); required there, since
+    # groups share KV tensors and one table for all would overwrite one group's pages with
+    # another's. None: one full-attention table, ``block_ids``.
     block_tables: Sequence[list[int]] | None = None
 
 
@@ -323,7 +324,12 @@ class ModelRunner:
         num_groups = len(self.kv_cache_groups)
         query_lens = [len(s.token_ids) for s in batch]
         seq_lens = [s.start_position + n for s, n in zip(batch, query_lens, strict=True)]
-        tables_of = [s.block_tables if s.block_tables is not None else [s.block_ids] * num_groups for s in batch]
+        tables_of: list[Sequence[list[int]]] = []
+        for s in batch:
+            if s.block_tables is None:
+                raise ValueError(f"request {s.request_id}: a hybrid KV cache needs one block table per group "
+                                 "(ScheduledSeq.block_tables)")
+            tables_of.append(s.block_tables)
         for s, tables, total in zip(batch, tables_of, seq_lens, strict=True):
             if len(tables) != num_groups:
                 raise ValueError(f"request {s.request_id}: {len(tables)} block tables for {num_groups} KV cache groups")
@@ -453,11 +459,13 @@ class ModelRunner:
         greedy = SamplingParams(temperature=0.0)
         sampled = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
         decodes = max(1, min(max_num_seqs, 8))
+        # every group on the same blocks: the warm-up's values are never read
+        tables = [blocks] * len(self.kv_cache_groups) if self.kv_cache_groups else None
         shapes = [
-            [ScheduledSeq("warm-0", [0], 15, blocks, True, greedy)],
-            [ScheduledSeq(f"warm-{i}", [0], 15 + i, blocks, True, sampled) for i in range(decodes)],
-            [ScheduledSeq("warm-prefill", [0] * 32, 0, blocks, True, greedy),
-             ScheduledSeq("warm-decode", [0], 40, blocks, True, sampled)],
+            [ScheduledSeq("warm-0", [0], 15, blocks, True, greedy, tables)],
+            [ScheduledSeq(f"warm-{i}", [0], 15 + i, blocks, True, sampled, tables) for i in range(decodes)],
+            [ScheduledSeq("warm-prefill", [0] * 32, 0, blocks, True, greedy, tables),
+             ScheduledSeq("warm-decode", [0], 40, blocks, True, sampled, tables)],
         ]
         for done, batch in enumerate(shapes, 1):
             self.execute(batch)
@@ -484,7 +492,8 @@ class ModelRunner:
             for i in range(num_seqs):
                 n = per_seq + (extra if i == num_seqs - 1 else 0)
                 blocks = [first + b % (self.num_blocks - first) for b in range(-(-n // self.block_size))]
-                batch.append(ScheduledSeq(f"profile-{i}", [0] * n, 0, blocks, True, params))
+                tables = [blocks] * len(self.kv_cache_groups) if self.kv_cache_groups else None
+                batch.append(ScheduledSeq(f"profile-{i}", [0] * n, 0, blocks, True, params, tables))
             self.compute_logits(batch)
             t0 = time.perf_counter()
             dummy_logits = torch.randn(
