@@ -695,7 +695,8 @@ def read_events(source: str | Path | TextIO | bytes, name: str | None = None) ->
         raise ValueError(f"{name}: line {rows[0][0]}: the header's {exc}") from None
     if head.get("version", 0) > SCHEMA_VERSION:
         raise ValueError(
-            f"{name}: schema version {head.get('version')} is newer than this kvscope reads ({SCHEMA_VERSION})"
+            f"{name}: line {rows[0][0]} (the header): schema version {head.get('version')} is newer than this "
+            f"kvscope reads ({SCHEMA_VERSION})"
         )
     events: list[Event] = []
     truncated = False
