@@ -237,7 +237,7 @@ _SAMPLING_FIELDS: dict[str, st.SearchStrategy[Any]] = {
 }
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(fields=st.fixed_dictionaries({}, optional=_SAMPLING_FIELDS), stream=st.booleans())
 def test_every_sampling_field_at_its_edges_is_served_or_refused_by_name(
         server: Server, fields: dict[str, Any], stream: bool) -> None:
