@@ -51,3 +51,54 @@ def test_chat_and_completions(client: openai.OpenAI) -> None:
     assert completion.choices[0].text == " the capital of the country of France."
     assert completion.usage is not None and completion.usage.completion_tokens == 8
     assert completion.usage.prompt_tokens == len(tokenizer.encode("The capital of France is")) + 1 == 6
+
+
+@pytest.mark.slow  # a second Gemma 3 server (~10 s warm)
+def test_kv_events_metrics_and_events_name_the_hybrid_groups(tmp_path: Path) -> None:
+    """Served Gemma 3 shows its hybrid KV cache to the tools around vLLM: vLLM's KV events
+    name each stored run's group and spec (five sliding groups of window 512, one full), the
+    /events snapshot carries the groups, and /metrics reads the pool's usage."""
+    import json
+
+    import httpx
+    import msgspec
+    import zmq
+    from prometheus_client.parser import text_string_to_metric_families
+    from zmq.utils.monitor import recv_monitor_message
+
+    context = zmq.Context.instance()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
+    monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    sub.bind("tcp://127.0.0.1:*")
+    config = {"enable_kv_cache_events": True, "endpoint": sub.getsockopt_string(zmq.LAST_ENDPOINT),
+              "topic": "kv-events"}
+    port = free_port()
+    proc = start_server(port, "--model", "gemma-3-270m", "--dtype", "float32", "--max-model-len", "1024",
+                        "--kv-cache-memory-bytes", str(64 << 20), "--kv-events-config", json.dumps(config),
+                        log_path=tmp_path / "serve.log")
+    try:
+        assert monitor.poll(60_000), "the server's PUB never connected"
+        while monitor.poll(100):
+            recv_monitor_message(monitor)
+        sub.poll(200)
+        url = f"http://127.0.0.1:{port}"
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+        client.completions.create(model="gemma-3-270m", prompt="A long story. " * 60, max_tokens=4, temperature=0)
+        stored: list[dict] = []
+        while sub.poll(3000):
+            _, _, payload = sub.recv_multipart()
+            stored += [e for e in msgspec.msgpack.decode(payload)[1] if e["type"] == "BlockStored"]
+        specs = {e["group_idx"]: (e["kv_cache_spec_kind"], e["kv_cache_spec_sliding_window"]) for e in stored}
+        assert specs == {**{g: ("sliding_window", 512) for g in range(5)}, 5: ("full_attention", None)}, specs
+        with httpx.stream("GET", f"{url}/events", timeout=10) as stream:
+            first = next(line for line in stream.iter_lines() if line.startswith("data: "))
+        groups = json.loads(first.removeprefix("data: "))["state"]["config"]["kv_cache_groups"]
+        assert len(groups) == 6
+        families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text)}
+        assert "vllm:kv_cache_usage_perc" in families
+    finally:
+        monitor.close(linger=0)
+        sub.close()
+        assert stop_server(proc) == 0
