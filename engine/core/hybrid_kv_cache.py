@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from engine.core.block_pool import BlockDeltas, BlockPool
-from engine.core.kv_cache import NONE_HASH, KVCacheManager, cdiv
+from engine.core.kv_cache import KVCacheManager, cdiv, extend_block_hashes
 from engine.core.kv_cache_groups import KVCacheGroup, KVCacheSpec, is_hybrid
 from engine.core.request import Request
 
@@ -92,15 +92,7 @@ class HybridKVCacheManager:
 
     # ------------------------------------------------------------------ hashing
     def _extend_block_hashes(self, req: Request, num_full_blocks: int) -> list[int]:
-        hashes = req.block_hashes
-        if len(hashes) < num_full_blocks:
-            bs = self.block_size
-            tokens = req.token_ids
-            parent = hashes[-1] if hashes else NONE_HASH
-            for i in range(len(hashes), num_full_blocks):
-                parent = hash((parent, tuple(tokens[i * bs : (i + 1) * bs])))
-                hashes.append(parent)
-        return hashes
+        return extend_block_hashes(req, num_full_blocks, self.block_size)
 
     # ------------------------------------------------------------------ lookup
     def _cached(self, block_hash: int, group_ids: tuple[int, ...]) -> list[int] | None:

@@ -23,6 +23,19 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def extend_block_hashes(req: Request, num_full_blocks: int, block_size: int) -> list[int]:
+    """The request's chained block hashes, computed lazily up to ``num_full_blocks``
+    (every KV cache manager, single-group or hybrid, hashes the one chain)."""
+    hashes = req.block_hashes
+    if len(hashes) < num_full_blocks:
+        tokens = req.token_ids
+        parent = hashes[-1] if hashes else NONE_HASH
+        for i in range(len(hashes), num_full_blocks):
+            parent = hash((parent, tuple(tokens[i * block_size : (i + 1) * block_size])))
+            hashes.append(parent)
+    return hashes
+
+
 class KVCacheManager:
     """Per-request block tables over one :class:`BlockPool`.
 
@@ -41,15 +54,7 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ hashing
     def _extend_block_hashes(self, req: Request, num_full_blocks: int) -> list[int]:
-        hashes = req.block_hashes
-        if len(hashes) < num_full_blocks:
-            bs = self.block_size
-            tokens = req.token_ids
-            parent = hashes[-1] if hashes else NONE_HASH
-            for i in range(len(hashes), num_full_blocks):
-                parent = hash((parent, tuple(tokens[i * bs : (i + 1) * bs])))
-                hashes.append(parent)
-        return hashes
+        return extend_block_hashes(req, num_full_blocks, self.block_size)
 
     # ------------------------------------------------------------------ lookup
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:

@@ -91,6 +91,20 @@ def zeroed_lazy_cpu_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.
         return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
 
 
+def _token_layout(batch: Sequence[ScheduledSeq],
+                  query_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The flattened batch: its token ids, each sequence's start row (``starts``, one past
+    the last too), each row's sequence (``seq_index``) and each row's position."""
+    input_ids = torch.tensor([t for s in batch for t in s.token_ids], dtype=torch.int64)
+    query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
+    starts = torch.zeros(len(batch) + 1, dtype=torch.int64)
+    torch.cumsum(query_lens_t, 0, out=starts[1:])
+    seq_index = torch.repeat_interleave(torch.arange(len(batch)), query_lens_t)
+    start_positions = torch.tensor([s.start_position for s in batch], dtype=torch.int64)
+    positions = start_positions[seq_index] + torch.arange(int(starts[-1])) - starts[seq_index]
+    return input_ids, starts, seq_index, positions
+
+
 def torch_dtype(name: str) -> torch.dtype:
     canonical = CANONICAL_DTYPE.get(name.strip().lower(), "bfloat16" if name == "auto" else None)
     if canonical not in TORCH_DTYPES:
@@ -283,13 +297,7 @@ class ModelRunner:
         width = max(len(s.block_ids) for s in batch)
         device = self.device
         block_tables = torch.tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in batch], dtype=torch.int32)
-        input_ids = torch.tensor([t for s in batch for t in s.token_ids], dtype=torch.int64)
-        query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
-        starts = torch.zeros(len(batch) + 1, dtype=torch.int64)
-        torch.cumsum(query_lens_t, 0, out=starts[1:])
-        seq_index = torch.repeat_interleave(torch.arange(len(batch)), query_lens_t)
-        start_positions = torch.tensor([s.start_position for s in batch], dtype=torch.int64)
-        positions = start_positions[seq_index] + torch.arange(int(starts[-1])) - starts[seq_index]
+        input_ids, starts, seq_index, positions = _token_layout(batch, query_lens)
         slot_mapping = block_tables[seq_index, positions // bs].to(torch.int64) * bs + positions % bs
 
         sample_seqs = [s for s in batch if s.needs_sample]
@@ -337,13 +345,7 @@ class ModelRunner:
                 if len(table) * bs < total:
                     raise ValueError(f"request {s.request_id}: group {g}'s {len(table)} blocks cannot hold "
                                      f"{total} tokens")
-        input_ids = torch.tensor([t for s in batch for t in s.token_ids], dtype=torch.int64)
-        query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
-        starts = torch.zeros(len(batch) + 1, dtype=torch.int64)
-        torch.cumsum(query_lens_t, 0, out=starts[1:])
-        seq_index = torch.repeat_interleave(torch.arange(len(batch)), query_lens_t)
-        start_positions = torch.tensor([s.start_position for s in batch], dtype=torch.int64)
-        positions = start_positions[seq_index] + torch.arange(int(starts[-1])) - starts[seq_index]
+        input_ids, starts, seq_index, positions = _token_layout(batch, query_lens)
         block_index, offset = positions // bs, positions % bs
         query_start_loc = starts.to(torch.int32).to(device)
         seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
