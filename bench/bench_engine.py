@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from bench.machine import best_limits, cpu_dtype_reason, cpu_isa, header_lines, load_average, machine_limits
+from bench.machine import best_limits, cpu_isa, header_lines, load_average, machine_limits
 from bench.peers import LLAMA_PYTHON, VLLM_PYTHON, HfEngine, LlamaCppEngine, VllmEngine, start_peer
 from bench.workloads import (
     MEASURES,
@@ -487,8 +487,11 @@ def start_engines(args: argparse.Namespace, variants: list[Variant]) -> tuple[li
     engines: list[Any] = list(filter(None, (start_kvscope(v, args.threads, args.model) for v in variants)))
     auto = engines[0] if engines else None
     if auto is not None:
-        print(f"kvscope --dtype auto chose {auto.dtype} on ISA {cpu_isa()} (engine/model/cpu_caps.py: "
-              f"{cpu_dtype_reason()})", flush=True)
+        from engine.startup import resolve_dtype
+
+        engine = auto.llm.engine  # the engine's own reason (a model family may override the ISA's choice)
+        reason = resolve_dtype(engine.config, engine.startup.model_config, torch.device("cpu")).reason
+        print(f"kvscope --dtype auto chose {auto.dtype} on ISA {cpu_isa()} ({reason})", flush=True)
     smollm = args.model == DEFAULT_MODEL
     if not args.no_hf and smollm:
         engines.append(HfEngine(args.threads))

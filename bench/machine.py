@@ -34,13 +34,6 @@ def cpu_isa() -> str:
     return detect().isa
 
 
-def cpu_dtype_reason() -> str:
-    from engine.model.cpu_caps import choose_cpu_dtype, detect
-
-    choice = choose_cpu_dtype(detect())
-    return f"{choice.dtype}: {choice.reason}"
-
-
 def torch_version() -> str:
     try:
         return importlib.metadata.version("torch")
