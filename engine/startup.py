@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -29,7 +29,9 @@ from engine.budget.config import EngineConfig, ModelConfig, load_model_config
 from engine.budget.memory import (
     GiB,
     MemoryPlan,
+    blocks_per_request,
     bytes_per_kv_token,
+    bytes_per_kv_token_per_layer,
     check_plan_fits,
     kv_cache_size_line,
     max_concurrency_line,
@@ -244,14 +246,20 @@ def _model_summary(model: ModelConfig, dtype: str, bytes_per_token: int) -> dict
     return summary
 
 
-def check_fixed_pool(config: EngineConfig, bytes_per_token: int) -> None:
+def check_fixed_pool(config: EngineConfig, bytes_per_token: int, groups: Sequence[KVCacheGroup] = (),
+                     bytes_per_token_per_layer: int = 0) -> None:
     """``--kv-cache-memory-bytes`` fixes the pool before anything is measured: refuse
     at once (phase B) when it cannot hold one ``--max-model-len`` request, naming
-    only the two flags that change that outcome."""
+    only the two flags that change that outcome. A hybrid KV cache (``groups``) is
+    sized as phase E sizes it: pages of one layer's block, ``G`` of them a block, and
+    one request's blocks summed over every group (a window holds only its own)."""
     pool = config.kv_cache_memory_bytes
     if pool is None:
         return
     assert config.max_model_len is not None
+    if groups:
+        _check_fixed_hybrid_pool(config, pool, groups, bytes_per_token_per_layer)
+        return
     block_bytes = config.block_size * bytes_per_token
     tokens = (pool // block_bytes) * config.block_size
     if tokens >= config.max_model_len:
@@ -264,6 +272,24 @@ def check_fixed_pool(config: EngineConfig, bytes_per_token: int) -> None:
         f"--kv-cache-memory-bytes {pool:,} holds {tokens:,} tokens ({pool // block_bytes:,} blocks of "
         f"{config.block_size} x {bytes_per_token:,} bytes per token), fewer than one request of "
         f"--max-model-len {config.max_model_len:,}; {advice}"
+    )
+
+
+def _check_fixed_hybrid_pool(config: EngineConfig, pool: int, groups: Sequence[KVCacheGroup],
+                             bytes_per_token_per_layer: int) -> None:
+    assert config.max_model_len is not None
+    block_bytes = config.block_size * bytes_per_token_per_layer * max(len(g.layers) for g in groups)
+    blocks = pool // block_bytes
+    needed = sum(blocks_per_request(g.spec.sliding_window, config.max_model_len, config.block_size,
+                                    config.max_num_batched_tokens) for g in groups)
+    if blocks >= needed:
+        return
+    raise BudgetError(
+        f"--kv-cache-memory-bytes {pool:,} holds {blocks:,} blocks of {block_bytes:,} bytes (a page of "
+        f"{config.block_size} tokens for each of a group's layers), fewer than the {needed:,} one request of "
+        f"--max-model-len {config.max_model_len:,} holds across its {len(groups)} KV cache groups; raise "
+        f"--kv-cache-memory-bytes to at least {needed * block_bytes:,} ({needed * block_bytes / GiB:.3f} GiB) "
+        f"or lower --max-model-len"
     )
 
 
@@ -424,7 +450,8 @@ def _phase_budget(b: PhaseHandle, s: StartupInputs, reading: MemoryReading) -> N
     requested = reading.total * config.gpu_memory_utilization
     b.record = BudgetData(total_bytes=reading.total, gpu_memory_utilization=config.gpu_memory_utilization,
                           requested_bytes=int(requested), free_bytes=reading.free, memory_source=reading.source)
-    check_fixed_pool(config, s.bytes_per_token)
+    check_fixed_pool(config, s.bytes_per_token, s.kv_cache_groups, bytes_per_kv_token_per_layer(
+        s.model, config.kv_cache_dtype, config.tensor_parallel_size, config.dtype) if s.kv_cache_groups else 0)
     if config.kv_cache_memory_bytes is None and reading.free < requested:
         raise BudgetError(
             f"free memory on device ({reading.free / GiB:.2f}/{reading.total / GiB:.2f} GiB) is less than "

@@ -266,3 +266,30 @@ def test_long_phases_publish_progress_inside_their_phase(recorded) -> None:
     assert seen[("F", "warm-up")][-1].done == seen[("F", "warm-up")][-1].total == 3
     # the log is not a terminal here: progress arrives as log lines, the last one complete
     assert "phase C weights: 272/272 tensors (100%)" in log
+
+
+def test_a_fixed_pool_is_sized_by_the_hybrid_layout_when_the_model_has_a_window() -> None:
+    """Phase B's check sizes Gemma 3's pool as phase E will (one request's blocks summed over
+    its six groups, a window holding only its own), not as full attention: 1 GiB holds a
+    32,768-token request (full attention would need 1.125 GiB); 8 MiB does not hold 4,096."""
+    import dataclasses
+
+    from engine.budget.config import EngineConfig, load_model_config
+    from engine.budget.memory import bytes_per_kv_token, bytes_per_kv_token_per_layer
+    from engine.errors import BudgetError
+    from engine.startup import check_fixed_pool, model_kv_cache_groups
+
+    model = load_model_config("gemma-3-270m")
+    groups = model_kv_cache_groups(model)
+    assert len(groups) == 6
+    per_token, per_layer = bytes_per_kv_token(model, "auto", 1, "float32"), bytes_per_kv_token_per_layer(
+        model, "auto", 1, "float32")
+    config = EngineConfig(model="gemma-3-270m", kv_cache_memory_bytes=1 << 30, max_model_len=32_768,
+                          max_num_batched_tokens=512, dtype="float32")
+    with pytest.raises(BudgetError, match="fewer than one request"):
+        check_fixed_pool(config, per_token)  # as full attention: 29,120 tokens < 32,768
+    check_fixed_pool(config, per_token, groups, per_layer)  # hybrid: 10,922 blocks >= 2,048 + 5 x (ceil(1,023 / 16) + 1) = 2,373
+    small = dataclasses.replace(config, kv_cache_memory_bytes=8 << 20, max_model_len=4096)
+    # 8 MiB // (16 x 4,096 bytes x 3 layers) = 85 blocks < 256 (full) + 5 x (ceil(1,023 / 16) + 1) = 581
+    with pytest.raises(BudgetError, match=r"85 blocks .* fewer than the 581 .* 6 KV cache groups"):
+        check_fixed_pool(small, per_token, groups, per_layer)
