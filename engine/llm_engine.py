@@ -65,13 +65,9 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, bus: EventBus | None = None,
                  progress: Callable[[int, int], None] | None = None,
-                 metrics_registry: CollectorRegistry | None = None,
-                 disable_hybrid_kv_cache_manager: bool = False) -> None:
+                 metrics_registry: CollectorRegistry | None = None) -> None:
         """``metrics_registry``: where sinks that count their own losses register those
-        counters (the server's ``/metrics``); None keeps them private.
-        ``disable_hybrid_kv_cache_manager`` (vLLM's flag): a model with sliding-window layers
-        keeps every layer on one full-attention block table instead of one table per KV
-        cache group (the layout before the hybrid manager; tests compare the two)."""
+        counters (the server's ``/metrics``); None keeps them private."""
         self.config = config
         self.bus = bus or EventBus()
         self.stats: StatsReporter | None = None
@@ -100,8 +96,7 @@ class LLMEngine:
                 self.workers = WorkerGroup(config)
                 self.workers.relay_to(self.bus)
             self.startup: StartupResult = start_engine(
-                config, self.bus, progress, rank=self.workers.driver_layout if self.workers else None,
-                disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager)
+                config, self.bus, progress, rank=self.workers.driver_layout if self.workers else None)
             if self.workers is not None:
                 self.workers.parallel = self.startup.parallel
                 self.workers.wait_ready()

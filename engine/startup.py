@@ -318,7 +318,7 @@ class StartupInputs:
         return self.config.max_model_len
 
 
-def prepare_startup(config: EngineConfig, log: Any, disable_hybrid_kv_cache_manager: bool = False) -> StartupInputs:
+def prepare_startup(config: EngineConfig, log: Any) -> StartupInputs:
     """Before phase A: the device (and ``--num-threads``), the model's shapes, the resolved
     flags and the KV cache groups. Raises UserError for flags no machine could run."""
     device = resolve_device(config.device)
@@ -333,7 +333,7 @@ def prepare_startup(config: EngineConfig, log: Any, disable_hybrid_kv_cache_mana
     resolution = resolve_config(config, model, device, caps)
     resolved = resolution.config
     per_token = bytes_per_kv_token(model, resolved.kv_cache_dtype, resolved.tensor_parallel_size, resolved.dtype)
-    groups = () if disable_hybrid_kv_cache_manager else model_kv_cache_groups(model)
+    groups = () if config.disable_hybrid_kv_cache_manager else model_kv_cache_groups(model)
     return StartupInputs(resolution, model, device, caps, per_token, log, groups)
 
 
@@ -371,7 +371,7 @@ def check_model_supported(model: ModelConfig, config: EngineConfig) -> None:
 
 
 def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, int], None] | None = None,
-                 rank: RankLayout | None = None, disable_hybrid_kv_cache_manager: bool = False) -> StartupResult:
+                 rank: RankLayout | None = None) -> StartupResult:
     """Resolve the flags (``config`` itself is not changed), then run phases A–G.
     ``rank``: this process's place in a tensor-parallel replica (engine/workers.py
     starts the others); phase A joins the replica's group, B and E agree across ranks.
@@ -379,10 +379,10 @@ def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, i
     with the numbers and the flags that would fix it; everything the flags alone
     decide is refused in phase B, before weights load. A model with sliding-window layers
     runs vLLM's hybrid KV cache (one block table per group) unless
-    ``disable_hybrid_kv_cache_manager`` (vLLM's flag) keeps every layer on one
+    ``--disable-hybrid-kv-cache-manager`` (vLLM's flag) keeps every layer on one
     full-attention table."""
     log = get_logger("kvscope.startup")
-    s = prepare_startup(config, log, disable_hybrid_kv_cache_manager)
+    s = prepare_startup(config, log)
     bus.publish(EngineConfigEvent(config=resolved_config_dict(s),
                                   model=_model_summary(s.model, s.config.dtype, s.bytes_per_token)))
     phases = PhaseRecorder(bus, s.device, s.config.device_memory_gib, log, rank=rank.rank if rank else 0)

@@ -455,10 +455,13 @@ class EngineConfig:
     num_threads: int | None = None
     quantization: str | None = "auto"  # auto (CPU: the GGUF's own blocks) | none/None | int8 | int4 (weight-only)
     kv_events_config: KVEventsConfig | None = None  # --kv-events-config (vLLM's KVEventsConfig)
+    # vLLM's --disable-hybrid-kv-cache-manager: a model with sliding-window layers keeps every
+    # layer on one full-attention table (the window masked in attention); None = off
+    disable_hybrid_kv_cache_manager: bool | None = None
 
     # Optional features' settings, written by to_dict only when given, so the config of a
     # run without them (a recording's header) is what it was before they existed.
-    WRITTEN_WHEN_SET: ClassVar[tuple[str, ...]] = ("kv_events_config",)
+    WRITTEN_WHEN_SET: ClassVar[tuple[str, ...]] = ("kv_events_config", "disable_hybrid_kv_cache_manager")
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

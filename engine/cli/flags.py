@@ -162,6 +162,10 @@ def add_engine_flags(p: argparse.ArgumentParser, positional_model: bool = False)
                         "blocks as they are) for decode-sized steps, through kvscope's GEMV kernels; auto "
                         "(default) uses a GGUF's own Q4_1/Q8_0 blocks (the same weights), none keeps floats only")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: skip CUDA-graph capture in phase F")
+    p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true", default=None,
+                   help="vLLM's flag: a model with sliding-window layers (Gemma 3) keeps every layer on one "
+                        "full-attention block table, the window masked in attention (default: one table per KV "
+                        "cache group, sliding groups freeing what leaves their window)")
     p.add_argument("--seed", type=int, default=0, help="seed of the engine's sampling (temperature > 0)")
     p.add_argument("--stats-interval", type=float, default=10.0, help="seconds between stats lines/events")
     p.add_argument("--log-prompts", action="store_true", help="put prompt and output text in events and logs")
@@ -277,7 +281,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> Engin
         "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
         "enable_prefix_caching", "scheduling_policy", "load_format", "device", "attention_backend", "compile",
         "enforce_eager", "seed", "stats_interval", "log_prompts", "events_path", "num_threads", "quantization",
-        "kv_events_config",
+        "kv_events_config", "disable_hybrid_kv_cache_manager",
     ):
         if hasattr(args, name):
             setattr(cfg, name, getattr(args, name))

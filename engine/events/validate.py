@@ -81,6 +81,7 @@ class RecordedFlags(msgspec.Struct):
     num_threads: int | None = None
     quantization: str | None = None
     kv_events_config: dict[str, Any] | None = None
+    disable_hybrid_kv_cache_manager: bool | None = None
     simulation: dict[str, Any] | None = None  # engine simulate: the GPU preset and pool it simulated
 
 

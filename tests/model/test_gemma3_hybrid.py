@@ -46,7 +46,7 @@ def _run(disable: bool, events_path: Path | None = None, long: str = LONG, **ove
     flags = dict(FLAGS, **overrides)
     if events_path is not None:
         flags["events"] = str(events_path)
-    engine = LLMEngine(engine_config(GEMMA3, **flags), bus=bus, disable_hybrid_kv_cache_manager=disable)
+    engine = LLMEngine(engine_config(GEMMA3, **flags, disable_hybrid_kv_cache_manager=disable or None), bus=bus)
     if not disable:
         # block 0 is the null block: NaN there would poison any attention that read it, even
         # masked (0 x NaN); the paged-decode kernel and the chunk path read only the window
