@@ -90,9 +90,10 @@ class ModelConfig:
     rope_local_base_freq: float | None = None  # the sliding layers' rope base (rope_theta: the full ones')
     query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (else head_dim's)
     hidden_activation: str | None = None  # "gelu_pytorch_tanh" (Gemma); None: SiLU
+    qk_norm: bool | None = None  # Qwen3: Q and K RMS-normed per head (a head_dim weight each) before the rotation
 
     FAMILY_FIELDS: ClassVar[tuple[str, ...]] = ("layer_types", "sliding_window", "rope_local_base_freq",
-                                                "query_pre_attn_scalar", "hidden_activation")
+                                                "query_pre_attn_scalar", "hidden_activation", "qk_norm")
 
     @property
     def is_gemma3(self) -> bool:
@@ -114,6 +115,8 @@ class ModelConfig:
         per_layer = attn + mlp + 2 * h  # two RMSNorm weights
         if self.is_gemma3:  # two more RMSNorms (after attention and after the MLP) and Q/K norms
             per_layer += 2 * h + 2 * self.head_dim
+        elif self.qk_norm:  # Qwen3: the Q and K norms
+            per_layer += 2 * self.head_dim
         embed = v * h
         head = 0 if self.tie_word_embeddings else v * h
         return embed + head + self.num_layers * per_layer + h
@@ -275,16 +278,33 @@ def resolve_preset_name(name: str) -> str | None:
 
 
 # ------------------------------------------------------------------ loaders
+def _hf_rope_theta(cfg: dict[str, Any]) -> float:
+    """transformers 5 writes the rope base under ``rope_parameters``; older config.json files
+    at the top level (or under ``rope_scaling``)."""
+    for key in ("rope_parameters", "rope_scaling"):
+        nested = cfg.get(key)
+        if isinstance(nested, dict) and "rope_theta" in nested:
+            return float(nested["rope_theta"])
+    return float(cfg.get("rope_theta", 10000.0))
+
+
 def model_config_from_hf_dict(cfg: dict[str, Any], name: str, path: str | None = None) -> ModelConfig:
+    """A ModelConfig from config.json: the shapes every family shares, then the family's own
+    fields (engine/model/families.py's registry, by the ``architectures`` entry; an
+    architecture it does not list is refused here, naming the families)."""
+    from engine.model.families import family_for_hf_config
+
+    family = family_for_hf_config(cfg, path or name)
     try:
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
         head_dim = int(cfg.get("head_dim") or hidden // heads)
-        arch = str(cfg.get("model_type", "llama"))
+        arch = str(cfg.get("model_type", family.name))
         torch_dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
         eos = cfg.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0] if eos else None
+        fields = family.hf_fields(cfg) if family.hf_fields is not None else {}
         return ModelConfig(
             name=name,
             num_layers=int(cfg["num_hidden_layers"]),
@@ -295,19 +315,20 @@ def model_config_from_hf_dict(cfg: dict[str, Any], name: str, path: str | None =
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=head_dim,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rope_theta=_hf_rope_theta(cfg),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
             dtype=CANONICAL_DTYPE.get(str(torch_dtype), "bfloat16"),
             architecture=arch,
             source="hf",
             path=path,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos,
+            **fields,
         )
     except KeyError as exc:
-        raise UserError(f"{path or name}: config.json lacks {exc.args[0]!r}; is this a Llama-family model?") from exc
+        raise UserError(f"{path or name}: config.json lacks {exc.args[0]!r}, which the {family.name} family "
+                        "reads") from exc
 
 
 def model_config_from_hf_folder(folder: Path) -> ModelConfig:

@@ -1,64 +1,156 @@
-"""Which model class runs a model, and what a GGUF file must hold for kvscope to run it.
+"""The model registry: which family runs a model, how its config.json is read, and what a
+GGUF file must hold for kvscope to run it.
 
-A model family is one module (``llama.py``, ``gemma3.py``) chosen by the architecture
-(a GGUF's ``general.architecture``, an HF config's ``model_type``). Issue 32 grows this
-into a full registry; today it is one dict.
+A family is one entry of :data:`FAMILIES`: its model class (named ``"module:Class"`` and
+imported only when a model is built, as vLLM's registry does, so reading a config loads no
+torch), the HF ``architectures`` entries and config.json ``model_type`` values it serves,
+the GGUF ``general.architecture`` values and tokenizer types it runs, and its config
+parsing (:attr:`Family.hf_fields`: the :class:`~engine.budget.config.ModelConfig` fields
+that are the family's own). An architecture in no entry is refused when its config is read
+(:func:`family_for_hf_config`, called by ``engine.budget.config``) and again before phase C
+(:func:`check_config_supported`), naming the families.
 
 :func:`check_gguf_supported` reads only the header (milliseconds, engine/model/gguf_header.py)
 and refuses, before any weights load, a file whose architecture, tokenizer type or
 tensor types kvscope cannot run, naming what is missing and what is supported.
+
+Add a family: docs/architecture.md, "Add a model family".
 """
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import UserError
 
 if TYPE_CHECKING:
     from engine.budget.config import ModelConfig
-    from engine.model.llama import LlamaForCausalLM
 
+
+def _llama_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    return {"attention_bias": bool(cfg.get("attention_bias", False))}
+
+
+def _no_sliding_window(cfg: Mapping[str, Any], family: str) -> None:
+    if cfg.get("use_sliding_window"):
+        raise UserError(f"config.json sets use_sliding_window: kvscope runs {family} with full attention in every "
+                        "layer; sliding-window Qwen layers are not supported yet")
+
+
+def _qwen2_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Qwen2/Qwen2.5: Q/K/V projections always carry a bias (transformers' Qwen2Attention
+    hard-codes it; config.json has no key for it)."""
+    _no_sliding_window(cfg, "Qwen2")
+    return {"attention_bias": True}
+
+
+def _qwen3_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Qwen3: Q and K RMS-normed per head before the rotation (QK-norm); no bias unless
+    config.json asks for one."""
+    _no_sliding_window(cfg, "Qwen3")
+    return {"attention_bias": bool(cfg.get("attention_bias", False)), "qk_norm": True}
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    name: str
+    model_class: str  # "module:Class", imported by model_class_for
+    hf_architectures: tuple[str, ...] = ()  # config.json "architectures" entries it loads from an HF folder
+    model_types: tuple[str, ...] = ()  # config.json "model_type" / ModelConfig.architecture values
+    gguf_architectures: tuple[str, ...] = ()  # GGUF general.architecture values
+    gguf_tokenizers: tuple[str, ...] = ()  # tokenizer.ggml.model values its GGUFs are run with
+    hf_fields: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None  # its own ModelConfig fields
+    tensor_parallel: bool = True
+
+
+# Llama's class serves Llama, SmolLM and llama.cpp's "llama" GGUFs (Mistral files among them)
+# and the shape presets' text parts (mllama); Qwen2 is Llama's class with Q/K/V biases;
+# Qwen3 and Gemma 3 have their own modules. Gemma 3 loads from GGUF only (its HF norms store
+# w where the GGUF stores 1 + w, and its HF config nests the text part).
+FAMILIES: tuple[Family, ...] = (
+    Family("llama", "engine.model.llama:LlamaForCausalLM", hf_architectures=("LlamaForCausalLM",),
+           model_types=("llama", "mllama"), gguf_architectures=("llama",), gguf_tokenizers=("gpt2",),
+           hf_fields=_llama_fields),
+    Family("qwen2", "engine.model.llama:LlamaForCausalLM", hf_architectures=("Qwen2ForCausalLM",),
+           model_types=("qwen2", "qwen2_5_vl"), gguf_architectures=("qwen2",), gguf_tokenizers=("gpt2",),
+           hf_fields=_qwen2_fields),
+    Family("qwen3", "engine.model.qwen3:Qwen3ForCausalLM", hf_architectures=("Qwen3ForCausalLM",),
+           model_types=("qwen3",), hf_fields=_qwen3_fields, tensor_parallel=False),
+    Family("gemma3", "engine.model.gemma3:Gemma3ForCausalLM", model_types=("gemma3",),
+           gguf_architectures=("gemma3",), gguf_tokenizers=("llama",), tensor_parallel=False),
+)
+HF_ARCHITECTURES: dict[str, Family] = {a: f for f in FAMILIES for a in f.hf_architectures}
+MODEL_TYPES: dict[str, Family] = {t: f for f in FAMILIES for t in f.model_types}
 # GGUF general.architecture -> (family module, the tokenizer types it is run with).
-# Llama's class serves Llama, SmolLM and Mistral files (llama.cpp names them "llama")
-# and Qwen2 (Q/K/V biases); Gemma 3 has its own module.
 GGUF_ARCHITECTURES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "llama": ("llama", ("gpt2",)),
-    "qwen2": ("llama", ("gpt2",)),
-    "gemma3": ("gemma3", ("llama",)),
-}
+    a: (f.name, f.gguf_tokenizers) for f in FAMILIES for a in f.gguf_architectures}
 # tokenizer.ggml.model -> what it is (for the refusal's wording).
 TOKENIZER_KINDS = {"gpt2": "byte-level BPE", "llama": "SentencePiece (BPE with byte fallback)"}
 # ggml tensor types the loader dequantizes (with the gguf package) and has checked.
 SUPPORTED_GGML_TYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
                         10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+# Every ggml type's name (gguf's GGMLQuantizationType), for the refusal's wording without
+# importing gguf here (config parsing imports this module and must stay light).
+_GGML_TYPE_NAMES = {**SUPPORTED_GGML_TYPES, 9: "Q8_1", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS",
+                    19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16",
+                    26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4"}
+
+
+def registry_listing() -> str:
+    """The families and what names each, for refusals."""
+    parts = []
+    for f in FAMILIES:
+        names = [*f.hf_architectures, *(f"GGUF {a}" for a in f.gguf_architectures)]
+        parts.append(f"{f.name} ({', '.join(names)})")
+    return "; ".join(parts)
+
+
+def family_for_hf_config(cfg: Mapping[str, Any], where: str) -> Family:
+    """The family an HF config.json names: its ``architectures`` entry, else (a config
+    without one) its ``model_type``; a UserError naming the registry's families if neither
+    is registered (a config with neither runs as Llama, as kvscope always has)."""
+    architectures = cfg.get("architectures") or []
+    if isinstance(architectures, str):
+        architectures = [architectures]
+    if architectures:
+        for name in architectures:
+            if name in HF_ARCHITECTURES:
+                return HF_ARCHITECTURES[name]
+        what = f"architectures {list(architectures)}"
+    else:
+        model_type = cfg.get("model_type")
+        if model_type is None:
+            return MODEL_TYPES["llama"]
+        family = MODEL_TYPES.get(str(model_type))
+        if family is not None and family.hf_fields is not None:
+            return family
+        what = f"model_type {model_type!r}"
+    raise UserError(f"{where}: {what} is not in kvscope's model registry; it runs {registry_listing()}")
 
 
 def family_of(architecture: str) -> str:
-    """The family module's name; every architecture not listed runs as Llama (HF folders
-    and shape presets have always done so)."""
-    entry = GGUF_ARCHITECTURES.get(architecture) or GGUF_ARCHITECTURES.get(architecture.removesuffix("_text"))
-    return entry[0] if entry is not None else "llama"
+    """The family's name for a ModelConfig's ``architecture`` (a config.json model_type or a
+    GGUF general.architecture); architectures no family lists run as Llama (shape presets)."""
+    return family_for_architecture(architecture).name
 
 
-def model_class_for(config: ModelConfig) -> type[LlamaForCausalLM]:
-    if family_of(config.architecture) == "gemma3":
-        from engine.model.gemma3 import Gemma3ForCausalLM
+def family_for_architecture(architecture: str) -> Family:
+    family = MODEL_TYPES.get(architecture) or MODEL_TYPES.get(architecture.removesuffix("_text"))
+    return family if family is not None else MODEL_TYPES["llama"]
 
-        return Gemma3ForCausalLM
-    from engine.model.llama import LlamaForCausalLM
 
-    return LlamaForCausalLM
+def model_class_for(config: ModelConfig) -> type[Any]:
+    """The family's model class (imported now: the first torch the model wing loads)."""
+    module, _, name = family_for_architecture(config.architecture).model_class.partition(":")
+    return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
 
 
 def _ggml_type_name(kind: int) -> str:
-    try:
-        from gguf import GGMLQuantizationType
-
-        return GGMLQuantizationType(kind).name
-    except (ImportError, ValueError):
-        return f"type {kind}"
+    return _GGML_TYPE_NAMES.get(kind, f"type {kind}")
 
 
 def check_gguf_supported(path: Path) -> None:
@@ -93,7 +185,12 @@ def check_gguf_supported(path: Path) -> None:
 
 
 def check_config_supported(config: ModelConfig, tensor_parallel_size: int) -> None:
-    """Flags a family cannot run (refused before phase A, with the weights unread)."""
-    if family_of(config.architecture) == "gemma3" and tensor_parallel_size > 1:
+    """Refuse, before phase A (weights unread), a model from a file whose architecture no
+    family lists, and flags its family cannot run."""
+    if config.source == "hf" and MODEL_TYPES.get(config.architecture) is None:
+        raise UserError(f"{config.path or config.name}: architecture {config.architecture!r} is not in kvscope's "
+                        f"model registry; it runs {registry_listing()}")
+    family = family_for_architecture(config.architecture)
+    if tensor_parallel_size > 1 and not family.tensor_parallel:
         raise UserError(f"--tensor-parallel-size {tensor_parallel_size} with {config.name}: tensor parallelism "
-                        "serves Llama-family models; run Gemma 3 on one rank")
+                        f"serves the Llama and Qwen2 families; run {family.name} on one rank")

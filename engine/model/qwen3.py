@@ -1,0 +1,86 @@
+"""Qwen3 (dense) in plain torch, on the same paged KV cache and attention backends as Llama.
+
+What differs from :mod:`engine.model.llama`, as transformers' ``Qwen3ForCausalLM`` computes
+it: Q and K are RMS-normed per head (a ``head_dim`` weight each, ``rms_norm_eps``) after the
+projection and before the rotation (QK-norm), and the projections carry no bias unless
+config.json sets ``attention_bias``. ``head_dim`` is its own number (128 for every size),
+not ``hidden_size / heads``. Norms, MLP, rope and the (tied or untied) LM head are Llama's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from engine.budget.config import ModelConfig
+from engine.model.attention.base import AttentionBackend, AttentionMetadata
+from engine.model.kernels.cpu_norm import rms_norm
+from engine.model.llama import DecoderLayer, LlamaForCausalLM, apply_rotary, linear_maybe_quantized
+
+# Per-layer tensors beyond Llama's (HF names under model.layers.N.).
+_EXTRA_LAYER_TENSORS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+
+
+class Qwen3DecoderLayer(DecoderLayer):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__(config, dtype, device)
+        self.q_norm = nn.Parameter(torch.empty(self.head_dim, dtype=dtype, device=device), requires_grad=False)
+        self.k_norm = nn.Parameter(torch.empty(self.head_dim, dtype=dtype, device=device), requires_grad=False)
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        x = rms_norm(hidden, self.input_layernorm, self.eps)
+        qkv = linear_maybe_quantized(self, x, "qkv_proj", self.qkv_proj, self.qkv_bias)
+        q = rms_norm(qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim), self.q_norm, self.eps)
+        k = rms_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim),
+                     self.k_norm, self.eps)
+        v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
+        qk = apply_rotary(torch.cat((q, k), dim=1), cos, sin)  # one rotary call for both
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        backend.write_kv(k, v, kv_cache, meta.slot_mapping)
+        attn = backend.forward(q, kv_cache, meta, self.scale)
+        hidden = hidden + self.reduce_rows(
+            linear_maybe_quantized(self, attn.reshape(tokens, self.q_size), "o_proj", self.o_proj))
+        return self.mlp_block(hidden)
+
+    def fused_decode_args(self) -> None:  # type: ignore[override]
+        """The fused C++ decode layer is Llama's shape (no QK-norm): never here."""
+        return None
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3's dense model: Llama's loading, quantized copies, startup cache and runner;
+    Qwen3's layers."""
+
+    def _make_layer(self, index: int, config: ModelConfig, dtype: torch.dtype,
+                    device: torch.device | str) -> nn.Module:
+        return Qwen3DecoderLayer(config, dtype, device)
+
+    def fused_decode_status(self, kv_cache_dtype: torch.dtype) -> str:
+        return "off: the fused C++ layer is Llama's shape (Qwen3 runs its layers op by op)"
+
+    def _fused_target(self, hf_name: str) -> tuple[torch.Tensor, int, int] | None:
+        prefix, _, rest = hf_name.partition("model.layers.")
+        if not prefix and rest:
+            index_str, _, tail = rest.partition(".")
+            if tail in _EXTRA_LAYER_TENSORS and int(index_str) < len(self.layers):
+                param = getattr(self.layers[int(index_str)], tail.removeprefix("self_attn.").removesuffix(".weight"))
+                return param, 0, param.shape[0]
+        return super()._fused_target(hf_name)
+
+    def hf_names(self) -> list[str]:
+        names = super().hf_names()
+        for i in range(len(self.layers)):
+            names.extend(f"model.layers.{i}.{n}" for n in _EXTRA_LAYER_TENSORS)
+        return names

@@ -1,0 +1,169 @@
+"""Qwen2/Qwen2.5 (Q/K/V bias; tied and untied LM head) and Qwen3 (QK-norm, no bias) from
+tiny random-weight checkpoints built here with transformers (tests/model/tiny_hf.py),
+through kvscope's real path (the HF-folder config and safetensors loader, the registry's
+model class, the paged KV cache on scattered blocks, chunked prefill batched with other
+sequences' decodes, a preemption that frees a sequence's blocks and recomputes it into
+others) against transformers' own model in float32: every logit row within
+MAX_LOGIT_DIFF and the greedy tokens equal, 3 prompts x 16 tokens. The runner is driven
+with token ids (no tokenizer: the runner takes ids, and random weights make text moot)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.budget.config import load_model_config
+from engine.errors import UserError
+from engine.model.runner import ModelRunner, ScheduledSeq
+from tests.model.tiny_hf import VARIANTS, save_tiny_checkpoint
+
+# Measured (fp32, Zen 4, 2 threads): max |logit diff| <= 2e-6 on every variant; 1e-4 leaves room
+# for another CPU's summation order, not for a missing bias or norm (those move logits by > 0.1).
+MAX_LOGIT_DIFF = 1e-4
+NEW_TOKENS = 16
+PREEMPT_AFTER = 8  # sequence "p0" loses its blocks after this many tokens and is recomputed
+CHUNK = 7  # prefill (and recompute) chunk: prompts of 9, 23 and 37 tokens take 2, 4 and 6 steps
+BLOCK_SIZE = 4
+NUM_BLOCKS = 64
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, object]]:
+    """variant -> (HF folder, transformers model), built once per test session."""
+    pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("tiny-hf")
+    return {v: (root / v, save_tiny_checkpoint(v, root / v)) for v in VARIANTS}
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(7)
+    return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in (9, 23, 37)]
+
+
+def reference(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens and the logit row that chose each."""
+    ids = list(prompt)
+    rows = []
+    with torch.inference_mode():
+        for _ in range(NEW_TOKENS):
+            row = model(torch.tensor([ids])).logits[0, -1].float()
+            rows.append(row)
+            ids.append(int(row.argmax()))
+    return ids[len(prompt):], torch.stack(rows)
+
+
+def run_kvscope(runner: ModelRunner, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy-generate NEW_TOKENS for every prompt in shared steps: chunked prefills batched
+    together, then decode steps; after PREEMPT_AFTER tokens "p0" is preempted (its blocks go
+    to the free pool, reversed) and recomputed, prompt and generated tokens, in CHUNK-sized
+    prefill steps beside the others' decodes. Returns tokens and logit rows per prompt."""
+    names = [f"p{i}" for i in range(len(prompt_ids))]
+    order = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(3)).tolist()
+    per_seq = NUM_BLOCKS // len(names)
+    blocks = {n: order[i * per_seq : (i + 1) * per_seq] for i, n in enumerate(names)}  # scattered, not in order
+    tokens = {n: list(p) for n, p in zip(names, prompt_ids, strict=True)}
+    computed = dict.fromkeys(names, 0)  # tokens whose K/V are in the cache
+    generated: dict[str, list[int]] = {n: [] for n in names}
+    rows: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    preempted = False
+    while any(len(generated[n]) < NEW_TOKENS for n in names):
+        if not preempted and len(generated["p0"]) == PREEMPT_AFTER:
+            preempted = True
+            blocks["p0"] = blocks["p0"][::-1]  # its old pages, stale K/V in them, in another order
+            computed["p0"] = 0
+        step = []
+        for n in names:
+            if len(generated[n]) >= NEW_TOKENS:
+                continue
+            # the last token is computed with the step that samples after it
+            start = computed[n]
+            end = min(start + CHUNK, len(tokens[n]))
+            step.append(ScheduledSeq(n, tokens[n][start:end], start, blocks[n], needs_sample=end == len(tokens[n])))
+        out = runner.logits_for(step)
+        for seq in step:
+            computed[seq.request_id] += len(seq.token_ids)
+            if seq.needs_sample:
+                row = out[seq.request_id]
+                rows[seq.request_id].append(row)
+                generated[seq.request_id].append(int(row.argmax()))
+                tokens[seq.request_id].append(generated[seq.request_id][-1])
+    return [generated[n] for n in names], [torch.stack(rows[n]) for n in names]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_agrees_with_transformers_through_paging_and_preemption(variant: str, tiny_checkpoints) -> None:
+    folder, hf_model = tiny_checkpoints[variant]
+    config = load_model_config(str(folder))
+    family, tied = VARIANTS[variant][0].removesuffix("Config").lower(), VARIANTS[variant][1]
+    assert (config.architecture, config.source, config.tie_word_embeddings) == (family, "hf", tied)
+    assert config.attention_bias == (family == "qwen2") and bool(config.qk_norm) == (family == "qwen3")
+    runner = ModelRunner(config, dtype="float32", block_size=BLOCK_SIZE, attention_backend="torch")
+    info = runner.load_weights()
+    assert info.load_format == "safetensors"
+    runner.allocate_kv_cache(NUM_BLOCKS)
+    runner.enable_cpu_decode_kernel()  # as phase F does (pure-decode steps), when it builds; else the torch path
+    prompt_ids = prompts(config.vocab_size)
+    ours_tokens, ours_rows = run_kvscope(runner, prompt_ids)
+    worst = 0.0
+    margin = float("inf")
+    for prompt, tokens, rows in zip(prompt_ids, ours_tokens, ours_rows, strict=True):
+        ref_tokens, ref_rows = reference(hf_model, prompt)
+        assert tokens == ref_tokens
+        worst = max(worst, float((rows - ref_rows).abs().max()))
+        top2 = ref_rows.topk(2, dim=-1).values
+        margin = min(margin, float((top2[:, 0] - top2[:, 1]).min()))
+    print(f"\n{variant}: 3 prompts x {NEW_TOKENS} greedy tokens equal; max |logit diff| {worst:.2e}; "
+          f"smallest top-1 margin {margin:.2e}")
+    assert worst < MAX_LOGIT_DIFF
+    assert margin > 100 * worst  # the greedy equality is not a coin toss between near-ties
+
+
+def test_a_missing_bias_or_norm_is_caught(tiny_checkpoints) -> None:
+    """The comparison above can fail: the same Qwen2 checkpoint run as plain Llama (no
+    Q/K/V bias) and Qwen3 run without its QK-norm move the logits far past the tolerance."""
+    import dataclasses
+
+    for variant, change in (("qwen2-untied", {"attention_bias": False}), ("qwen3-untied", {"qk_norm": None})):
+        folder, hf_model = tiny_checkpoints[variant]
+        config = dataclasses.replace(load_model_config(str(folder)), **change)
+        if variant.startswith("qwen3"):
+            config = dataclasses.replace(config, architecture="llama")  # Llama's layers: no QK-norm
+        runner = ModelRunner(config, dtype="float32", block_size=BLOCK_SIZE, attention_backend="torch")
+        runner.load_weights()
+        runner.allocate_kv_cache(NUM_BLOCKS)
+        prompt = prompts(config.vocab_size)[1]
+        ours = runner.logits_for([ScheduledSeq("x", prompt, 0, list(range(16)))])["x"]
+        with torch.inference_mode():
+            ref = hf_model(torch.tensor([prompt])).logits[0, -1].float()
+        assert float((ours - ref).abs().max()) > 1000 * MAX_LOGIT_DIFF
+
+
+def test_exact_parameter_count_matches_transformers(tiny_checkpoints) -> None:
+    for variant, (folder, hf_model) in tiny_checkpoints.items():
+        expected = sum(p.numel() for p in hf_model.parameters())  # a tied head is one parameter
+        assert load_model_config(str(folder)).num_parameters == expected, variant
+
+
+def test_engine_plan_reports_the_exact_count(tiny_checkpoints) -> None:
+    folder, hf_model = tiny_checkpoints["qwen3-tied"]
+    out = subprocess.run([sys.executable, "-m", "engine.cli", "plan", "--model", str(folder), "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["num_parameters"] == sum(p.numel() for p in hf_model.parameters())
+
+
+def test_an_architecture_outside_the_registry_is_refused_naming_the_families(tmp_path: Path) -> None:
+    cfg = {"architectures": ["MambaForCausalLM"], "model_type": "mamba", "hidden_size": 64,
+           "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 320}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError) as info:
+        load_model_config(str(tmp_path))
+    message = str(info.value)
+    assert "MambaForCausalLM" in message and "not in kvscope's model registry" in message
+    for name in ("llama (LlamaForCausalLM", "qwen2 (Qwen2ForCausalLM", "qwen3 (Qwen3ForCausalLM", "gemma3 (GGUF gemma3"):
+        assert name in message
