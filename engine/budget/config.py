@@ -372,6 +372,8 @@ def model_config_from_gguf(path: Path) -> ModelConfig:
     family: dict[str, Any] = {}
     if arch == "gemma3":
         family = _gemma3_fields(meta, layers, head_dim)
+    elif arch == "qwen3":
+        family = {"qk_norm": True}  # llama.cpp writes Qwen3's attn_q_norm/attn_k_norm; no key says so
     return ModelConfig(
         name=name,
         num_layers=layers,

@@ -65,6 +65,10 @@ class Family:
     gguf_tokenizers: tuple[str, ...] = ()  # tokenizer.ggml.model values its GGUFs are run with
     hf_fields: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None  # its own ModelConfig fields
     tensor_parallel: bool = True
+    # llama.cpp's converter interleaves the rotary halves of Q/K rows for its "llama"
+    # architecture only (LlamaModel.permute); Qwen2/Qwen3/Gemma 3 GGUFs keep HF's order
+    # (transformers' GGUF reader un-permutes "llama" alone, too).
+    gguf_rotary_permuted: bool = False
 
 
 # Llama's class serves Llama, SmolLM and llama.cpp's "llama" GGUFs (Mistral files among them)
@@ -74,12 +78,13 @@ class Family:
 FAMILIES: tuple[Family, ...] = (
     Family("llama", "engine.model.llama:LlamaForCausalLM", hf_architectures=("LlamaForCausalLM",),
            model_types=("llama", "mllama"), gguf_architectures=("llama",), gguf_tokenizers=("gpt2",),
-           hf_fields=_llama_fields),
+           hf_fields=_llama_fields, gguf_rotary_permuted=True),
     Family("qwen2", "engine.model.llama:LlamaForCausalLM", hf_architectures=("Qwen2ForCausalLM",),
            model_types=("qwen2", "qwen2_5_vl"), gguf_architectures=("qwen2",), gguf_tokenizers=("gpt2",),
            hf_fields=_qwen2_fields),
     Family("qwen3", "engine.model.qwen3:Qwen3ForCausalLM", hf_architectures=("Qwen3ForCausalLM",),
-           model_types=("qwen3",), hf_fields=_qwen3_fields, tensor_parallel=False),
+           model_types=("qwen3",), gguf_architectures=("qwen3",), gguf_tokenizers=("gpt2",),
+           hf_fields=_qwen3_fields, tensor_parallel=False),
     Family("gemma3", "engine.model.gemma3:Gemma3ForCausalLM", model_types=("gemma3",),
            gguf_architectures=("gemma3",), gguf_tokenizers=("llama",), tensor_parallel=False),
 )

@@ -39,6 +39,9 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # Qwen3's QK-norm (no Llama file has them)
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -55,9 +58,6 @@ _GGUF_GEMMA3_LAYER_NAMES = {
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
 _GGUF_LAYER_NAMES_BY_ARCH = {"gemma3": _GGUF_GEMMA3_LAYER_NAMES}
-# llama.cpp's converter interleaves the rotary halves of Q/K rows for Llama only; Gemma's
-# GGUF keeps HF's order (its rope is the NeoX kind).
-_ARCHES_WITHOUT_ROTARY_PERMUTATION = frozenset({"gemma3"})
 
 
 @dataclass(slots=True)
@@ -83,7 +83,22 @@ def gguf_to_hf_name(name: str, architecture: str = "llama") -> str | None:
 
 
 def _rotary_rows_permuted(config: ModelConfig) -> bool:
-    return config.architecture not in _ARCHES_WITHOUT_ROTARY_PERMUTATION
+    """llama.cpp's converter interleaves the rotary halves of Q/K rows for Llama only; the
+    other families' GGUFs (Qwen2, Qwen3, Gemma 3: NeoX rope) keep HF's order (the registry's
+    ``gguf_rotary_permuted``)."""
+    from engine.model.families import family_for_architecture
+
+    return family_for_architecture(config.architecture).gguf_rotary_permuted
+
+
+def _cache_key_parts(config: ModelConfig) -> tuple[str, ...]:
+    """More of the dequantized-weights cache key for families other than Llama and Gemma 3
+    (whose keys stay as they were): Qwen2 GGUF entries written before issue 32 hold Q/K rows
+    un-permuted as if llama.cpp had permuted them, and must not be read again."""
+    from engine.model.families import family_for_architecture
+
+    name = family_for_architecture(config.architecture).name
+    return () if name in ("llama", "gemma3") else (f"family={name}",)
 
 
 def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -301,7 +316,8 @@ def load_weights_into(
     else:
         location = weights_location(config)
         source = str(location)
-        cache_path = weights_path(location, model.dtype) if fmt == "gguf" and location.is_file() else None  # type: ignore[arg-type]
+        cache_path = (weights_path(location, model.dtype, *_cache_key_parts(config))  # type: ignore[arg-type]
+                      if fmt == "gguf" and location.is_file() else None)
         if fmt == "gguf":
             cache = "off" if cache_path is None else "miss"
         # A tensor-parallel rank holds slices: it reads the whole model's entry and never writes one.

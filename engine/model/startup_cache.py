@@ -116,9 +116,10 @@ def atomic_write(target: Path, write: Any) -> None:
 
 
 # ---------------------------------------------------------------------- weights
-def weights_path(source: Path, dtype: torch.dtype) -> Path | None:
+def weights_path(source: Path, dtype: torch.dtype, *parts: str) -> Path | None:
+    """``parts``: more of the key (none: the key entries have always had)."""
     root = cache_dir()
-    return None if root is None else root / f"{cache_key(source, str(dtype))}.safetensors"
+    return None if root is None else root / f"{cache_key(source, str(dtype), *parts)}.safetensors"
 
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "U8": torch.uint8}

@@ -20,7 +20,7 @@ import torch
 from engine.budget.config import load_model_config
 from engine.errors import UserError
 from engine.model.runner import ModelRunner, ScheduledSeq
-from tests.model.tiny_hf import VARIANTS, save_tiny_checkpoint
+from tests.model.tiny_hf import VARIANTS, save_tiny_checkpoint, write_tiny_gguf
 
 # Measured (fp32, Zen 4, 2 threads): max |logit diff| <= 2e-6 on every variant; 1e-4 leaves room
 # for another CPU's summation order, not for a missing bias or norm (those move logits by > 0.1).
@@ -34,10 +34,16 @@ NUM_BLOCKS = 64
 
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, object]]:
-    """variant -> (HF folder, transformers model), built once per test session."""
+    """variant -> (HF folder, transformers model), built once per test session; the folder
+    also holds the same weights as llama.cpp writes them, ``tiny.gguf``."""
     pytest.importorskip("transformers")
     root = tmp_path_factory.mktemp("tiny-hf")
-    return {v: (root / v, save_tiny_checkpoint(v, root / v)) for v in VARIANTS}
+    out = {}
+    for variant in VARIANTS:
+        model = save_tiny_checkpoint(variant, root / variant)
+        write_tiny_gguf(model, root / f"{variant}.gguf")
+        out[variant] = (root / variant, model)
+    return out
 
 
 def prompts(vocab: int) -> list[list[int]]:
@@ -95,16 +101,20 @@ def run_kvscope(runner: ModelRunner, prompt_ids: list[list[int]]) -> tuple[list[
     return [generated[n] for n in names], [torch.stack(rows[n]) for n in names]
 
 
+@pytest.mark.parametrize("source", ["hf", "gguf"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_agrees_with_transformers_through_paging_and_preemption(variant: str, tiny_checkpoints) -> None:
+def test_agrees_with_transformers_through_paging_and_preemption(variant: str, source: str, tiny_checkpoints) -> None:
+    """``source`` gguf: the same weights as llama.cpp's converter writes them (Q/K rows in HF's
+    order for Qwen), through the GGUF loader and the dequantized-weights cache (its entries,
+    keyed by the seeded file's content, are the same every session: ~100 KB each)."""
     folder, hf_model = tiny_checkpoints[variant]
-    config = load_model_config(str(folder))
+    config = load_model_config(str(folder) if source == "hf" else f"{folder}.gguf")
     family, tied = VARIANTS[variant][0].removesuffix("Config").lower(), VARIANTS[variant][1]
-    assert (config.architecture, config.source, config.tie_word_embeddings) == (family, "hf", tied)
+    assert (config.architecture, config.source, config.tie_word_embeddings) == (family, source, tied)
     assert config.attention_bias == (family == "qwen2") and bool(config.qk_norm) == (family == "qwen3")
     runner = ModelRunner(config, dtype="float32", block_size=BLOCK_SIZE, attention_backend="torch")
     info = runner.load_weights()
-    assert info.load_format == "safetensors"
+    assert info.load_format == {"hf": "safetensors", "gguf": "gguf"}[source]
     runner.allocate_kv_cache(NUM_BLOCKS)
     runner.enable_cpu_decode_kernel()  # as phase F does (pure-decode steps), when it builds; else the torch path
     prompt_ids = prompts(config.vocab_size)
@@ -117,7 +127,7 @@ def test_agrees_with_transformers_through_paging_and_preemption(variant: str, ti
         worst = max(worst, float((rows - ref_rows).abs().max()))
         top2 = ref_rows.topk(2, dim=-1).values
         margin = min(margin, float((top2[:, 0] - top2[:, 1]).min()))
-    print(f"\n{variant}: 3 prompts x {NEW_TOKENS} greedy tokens equal; max |logit diff| {worst:.2e}; "
+    print(f"\n{variant} ({source}): 3 prompts x {NEW_TOKENS} greedy tokens equal; max |logit diff| {worst:.2e}; "
           f"smallest top-1 margin {margin:.2e}")
     assert worst < MAX_LOGIT_DIFF
     assert margin > 100 * worst  # the greedy equality is not a coin toss between near-ties

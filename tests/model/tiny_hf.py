@@ -49,3 +49,58 @@ def save_tiny_checkpoint(variant: str, folder: Path, seed: int = 0) -> Any:
     model = build_tiny_model(variant, seed)
     model.save_pretrained(str(folder))
     return model
+
+
+# HF per-layer name -> llama.cpp's GGUF name (convert_hf_to_gguf.py's tensor map).
+_GGUF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+}
+_GGUF_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                      "lm_head.weight": "output.weight"}
+
+
+def write_tiny_gguf(model: Any, path: Path) -> Path:
+    """The checkpoint as llama.cpp's converter writes a Qwen2/Qwen3 GGUF (F32; Q/K rows in HF's
+    order: its converter permutes them for the ``llama`` architecture only), with a byte-level
+    BPE token list of the vocabulary's size."""
+    import gguf
+
+    config = model.config
+    arch = config.model_type
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
+    seen: set[int] = set()
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() in seen:
+            continue  # the tied head: llama.cpp writes no output.weight
+        seen.add(tensor.data_ptr())
+        if name.startswith("model.layers."):
+            index, rest = name[len("model.layers."):].split(".", 1)
+            gguf_name = f"blk.{index}.{_GGUF_LAYER_NAMES[rest]}"
+        else:
+            gguf_name = _GGUF_GLOBAL_NAMES[name]
+        writer.add_tensor(gguf_name, tensor.detach().float().numpy().copy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
