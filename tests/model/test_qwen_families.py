@@ -5,7 +5,8 @@ model class, the paged KV cache on scattered blocks, chunked prefill batched wit
 sequences' decodes, a preemption that frees a sequence's blocks and recomputes it into
 others) against transformers' own model in float32: every logit row within
 MAX_LOGIT_DIFF and the greedy tokens equal, 3 prompts x 16 tokens. The runner is driven
-with token ids (no tokenizer: the runner takes ids, and random weights make text moot)."""
+with token ids; the whole-engine test (LLM, scheduler preemption) reads the tiny byte-level
+BPE tokenizer tests/model/tiny_hf.py trains into each folder."""
 
 from __future__ import annotations
 
@@ -177,3 +178,35 @@ def test_an_architecture_outside_the_registry_is_refused_naming_the_families(tmp
     assert "MambaForCausalLM" in message and "not in kvscope's model registry" in message
     for name in ("llama (LlamaForCausalLM", "qwen2 (Qwen2ForCausalLM", "qwen3 (Qwen3ForCausalLM", "gemma3 (GGUF gemma3"):
         assert name in message
+
+
+ENGINE_PROMPTS = ["the quick brown fox", "hello world, how are you today? the lazy dog jumps over",
+                  "how are you"]
+
+
+@pytest.mark.parametrize("variant", ["qwen2-untied", "qwen3-tied"])
+def test_the_engine_generates_what_transformers_does_with_preemption(variant: str, tiny_checkpoints) -> None:
+    """The whole engine (LLM: phases A-G, the scheduler, the tiny tokenizer of the HF folder)
+    on a KV pool of 5 blocks that cannot hold the 3 requests at once: the scheduler preempts
+    and recomputes, and each request's 16 greedy tokens are still transformers' own."""
+    from engine.core.sampling_params import SamplingParams
+    from engine.events import EventBus
+    from engine.llm import LLM
+    from engine.model.tokenizer import Tokenizer
+
+    folder, hf_model = tiny_checkpoints[variant]
+    bus = EventBus()
+    preempted: list[str] = []
+    bus.subscribe(lambda e: preempted.append(e.request_id) if e.type == "request.preempted" else None)
+    block_bytes = 16 * 2 * 2 * 2 * 16 * 4  # tokens x (K, V) x layers x KV heads x head_dim x fp32
+    with LLM(str(folder), bus=bus, dtype="float32", kv_cache_memory_bytes=5 * block_bytes, max_model_len=64,
+             max_num_seqs=3, stats_interval=0.0) as llm:
+        outputs = llm.generate(ENGINE_PROMPTS, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
+                                                              ignore_eos=True))
+    tokenizer = Tokenizer.from_hf_folder(folder)
+    for prompt, output in zip(ENGINE_PROMPTS, outputs, strict=True):
+        ids = tokenizer.encode(prompt)
+        assert output.prompt_token_ids == ids
+        assert output.token_ids == reference(hf_model, ids)[0]
+    print(f"\n{variant}: engine greedy tokens equal transformers' for 3 prompts x {NEW_TOKENS}; preemptions {len(preempted)}")
+    assert preempted, "the 5-block pool should have forced a preemption"

@@ -44,10 +44,31 @@ def build_tiny_model(variant: str, seed: int = 0) -> Any:
     return model.eval()
 
 
+def save_tiny_tokenizer(folder: Path) -> None:
+    """A byte-level BPE tokenizer (the ``tokenizers`` library, trained here on two sentences:
+    312 ids, under the tiny vocabulary's 320) with ``<pad>``, ``<s>``, ``</s>`` at ids 0-2, as
+    tokenizer.json and tokenizer_config.json: what kvscope's HF-folder path reads."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TINY_SHAPES["vocab_size"], special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20
+                                  + ["hello world, how are you today?"] * 20, trainer)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+
+
 def save_tiny_checkpoint(variant: str, folder: Path, seed: int = 0) -> Any:
-    """Write ``folder`` (config.json + model.safetensors) and return the transformers model."""
+    """Write ``folder`` (config.json, model.safetensors, a tiny tokenizer) and return the
+    transformers model."""
     model = build_tiny_model(variant, seed)
     model.save_pretrained(str(folder))
+    save_tiny_tokenizer(folder)
     return model
 
 
