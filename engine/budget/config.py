@@ -304,8 +304,7 @@ def model_config_from_hf_dict(cfg: dict[str, Any], name: str, path: str | None =
         eos = cfg.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0] if eos else None
-        fields = family.hf_fields(cfg) if family.hf_fields is not None else {}
-        return ModelConfig(
+        shared: dict[str, Any] = dict(
             name=name,
             num_layers=int(cfg["num_hidden_layers"]),
             hidden_size=hidden,
@@ -324,8 +323,9 @@ def model_config_from_hf_dict(cfg: dict[str, Any], name: str, path: str | None =
             path=path,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos,
-            **fields,
         )
+        # the family's own fields (and what it reads differently: Gemma 3's rope base)
+        return ModelConfig(**{**shared, **(family.hf_fields(cfg) if family.hf_fields is not None else {})})
     except KeyError as exc:
         raise UserError(f"{path or name}: config.json lacks {exc.args[0]!r}, which the {family.name} family "
                         "reads") from exc

@@ -55,6 +55,43 @@ def _qwen3_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return {"attention_bias": bool(cfg.get("attention_bias", False)), "qk_norm": True}
 
 
+def _gemma3_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Gemma 3's text model (``Gemma3ForCausalLM``, config.json ``model_type`` gemma3_text):
+    its layer pattern, window, the two rope bases (transformers 5 nests them per layer type
+    under ``rope_parameters``; 4.x writes ``rope_theta`` and ``rope_local_base_freq``), the
+    attention scale's scalar and the GELU gate. Soft-capping (Gemma 2's) is refused."""
+    from engine.budget.config import (
+        FULL_ATTENTION,
+        GEMMA3_ROPE_LOCAL_BASE_FREQ,
+        GEMMA3_SLIDING_WINDOW_PATTERN,
+        SLIDING_ATTENTION,
+    )
+
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise UserError(f"config.json sets {key}: kvscope's Gemma 3 has no logit soft-capping")
+    layers = int(cfg["num_hidden_layers"])
+    layer_types = cfg.get("layer_types")
+    if not layer_types:
+        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
+                      or GEMMA3_SLIDING_WINDOW_PATTERN)
+        layer_types = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(layers)]
+    rope = cfg.get("rope_parameters")
+    per_type = rope if isinstance(rope, dict) and FULL_ATTENTION in rope else {}
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
+    fields: dict[str, Any] = {
+        "layer_types": tuple(str(t) for t in layer_types),
+        "sliding_window": int(cfg.get("sliding_window") or 4096),
+        "rope_local_base_freq": float(per_type.get(SLIDING_ATTENTION, {}).get(
+            "rope_theta", cfg.get("rope_local_base_freq", GEMMA3_ROPE_LOCAL_BASE_FREQ))),
+        "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar") or head_dim),
+        "hidden_activation": str(cfg.get("hidden_activation") or "gelu_pytorch_tanh"),
+    }
+    if FULL_ATTENTION in per_type:
+        fields["rope_theta"] = float(per_type[FULL_ATTENTION]["rope_theta"])
+    return fields
+
+
 @dataclass(frozen=True, slots=True)
 class Family:
     name: str
@@ -73,8 +110,9 @@ class Family:
 
 # Llama's class serves Llama, SmolLM and llama.cpp's "llama" GGUFs (Mistral files among them)
 # and the shape presets' text parts (mllama); Qwen2 is Llama's class with Q/K/V biases;
-# Qwen3 and Gemma 3 have their own modules. Gemma 3 loads from GGUF only (its HF norms store
-# w where the GGUF stores 1 + w, and its HF config nests the text part).
+# Qwen3 and Gemma 3 have their own modules. Gemma 3's HF folders are its text model
+# (Gemma3ForCausalLM); the multimodal Gemma3ForConditionalGeneration (text_config nested,
+# weights under model.language_model) is not registered yet.
 FAMILIES: tuple[Family, ...] = (
     Family("llama", "engine.model.llama:LlamaForCausalLM", hf_architectures=("LlamaForCausalLM",),
            model_types=("llama", "mllama"), gguf_architectures=("llama",), gguf_tokenizers=("gpt2",),
@@ -85,8 +123,9 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen3", "engine.model.qwen3:Qwen3ForCausalLM", hf_architectures=("Qwen3ForCausalLM",),
            model_types=("qwen3",), gguf_architectures=("qwen3",), gguf_tokenizers=("gpt2",),
            hf_fields=_qwen3_fields, tensor_parallel=False),
-    Family("gemma3", "engine.model.gemma3:Gemma3ForCausalLM", model_types=("gemma3",),
-           gguf_architectures=("gemma3",), gguf_tokenizers=("llama",), tensor_parallel=False),
+    Family("gemma3", "engine.model.gemma3:Gemma3ForCausalLM", hf_architectures=("Gemma3ForCausalLM",),
+           model_types=("gemma3", "gemma3_text"), gguf_architectures=("gemma3",), gguf_tokenizers=("llama",),
+           hf_fields=_gemma3_fields, tensor_parallel=False),
 )
 HF_ARCHITECTURES: dict[str, Family] = {a: f for f in FAMILIES for a in f.hf_architectures}
 MODEL_TYPES: dict[str, Family] = {t: f for f in FAMILIES for t in f.model_types}

@@ -279,7 +279,11 @@ def iter_hf_tensors(
     elif fmt == "safetensors":
         if not location.is_dir():
             raise UserError(f"{location}: --load-format safetensors needs an HF folder, got a file")
-        yield from iter_safetensors(location)
+        norms_plus_one = config.is_gemma3  # Gemma's HF norms hold w; the model holds 1 + w (as its GGUF does)
+        for name, tensor, total in iter_safetensors(location):
+            if norms_plus_one and name.endswith("norm.weight"):
+                tensor = tensor.float() + 1.0
+            yield name, tensor, total
     else:
         raise UserError(f"load format {fmt!r} has no file to read")
 

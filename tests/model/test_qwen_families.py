@@ -42,7 +42,8 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tupl
     out = {}
     for variant in VARIANTS:
         model = save_tiny_checkpoint(variant, root / variant)
-        write_tiny_gguf(model, root / f"{variant}.gguf")
+        if not variant.startswith("gemma3"):  # Gemma 3's GGUF path: the real 270M file (test_gemma3_reference.py)
+            write_tiny_gguf(model, root / f"{variant}.gguf")
         out[variant] = (root / variant, model)
     return out
 
@@ -102,8 +103,8 @@ def run_kvscope(runner: ModelRunner, prompt_ids: list[list[int]]) -> tuple[list[
     return [generated[n] for n in names], [torch.stack(rows[n]) for n in names]
 
 
-@pytest.mark.parametrize("source", ["hf", "gguf"])
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize(("variant", "source"), [(v, s) for v in VARIANTS for s in ("hf", "gguf")
+                                                  if not (v.startswith("gemma3") and s == "gguf")])
 def test_agrees_with_transformers_through_paging_and_preemption(variant: str, source: str, tiny_checkpoints) -> None:
     """``source`` gguf: the same weights as llama.cpp's converter writes them (Q/K rows in HF's
     order for Qwen), through the GGUF loader and the dequantized-weights cache (its entries,
@@ -111,6 +112,9 @@ def test_agrees_with_transformers_through_paging_and_preemption(variant: str, so
     folder, hf_model = tiny_checkpoints[variant]
     config = load_model_config(str(folder) if source == "hf" else f"{folder}.gguf")
     family, tied = VARIANTS[variant][0].removesuffix("Config").lower(), VARIANTS[variant][1]
+    if family == "gemma3text":
+        family = "gemma3_text"
+        assert config.layer_types == ("sliding_attention", "full_attention") and config.sliding_window == 8
     assert (config.architecture, config.source, config.tie_word_embeddings) == (family, source, tied)
     assert config.attention_bias == (family == "qwen2") and bool(config.qk_norm) == (family == "qwen3")
     runner = ModelRunner(config, dtype="float32", block_size=BLOCK_SIZE, attention_backend="torch")
@@ -176,7 +180,7 @@ def test_an_architecture_outside_the_registry_is_refused_naming_the_families(tmp
         load_model_config(str(tmp_path))
     message = str(info.value)
     assert "MambaForCausalLM" in message and "not in kvscope's model registry" in message
-    for name in ("llama (LlamaForCausalLM", "qwen2 (Qwen2ForCausalLM", "qwen3 (Qwen3ForCausalLM", "gemma3 (GGUF gemma3"):
+    for name in ("llama (LlamaForCausalLM", "qwen2 (Qwen2ForCausalLM", "qwen3 (Qwen3ForCausalLM", "gemma3 (Gemma3ForCausalLM"):
         assert name in message
 
 
@@ -184,11 +188,12 @@ ENGINE_PROMPTS = ["the quick brown fox", "hello world, how are you today? the la
                   "how are you"]
 
 
-@pytest.mark.parametrize("variant", ["qwen2-untied", "qwen3-tied"])
+@pytest.mark.parametrize("variant", ["qwen2-untied", "qwen3-tied", "gemma3-tied"])
 def test_the_engine_generates_what_transformers_does_with_preemption(variant: str, tiny_checkpoints) -> None:
-    """The whole engine (LLM: phases A-G, the scheduler, the tiny tokenizer of the HF folder)
-    on a KV pool of 5 blocks that cannot hold the 3 requests at once: the scheduler preempts
-    and recomputes, and each request's 16 greedy tokens are still transformers' own."""
+    """The whole engine (LLM: phases A-G, the scheduler, the tiny tokenizer of the HF folder;
+    Gemma 3 on the hybrid KV cache manager) on a pool too small for the 3 requests at once:
+    the scheduler preempts and recomputes, and each request's 16 greedy tokens are still
+    transformers' own."""
     from engine.core.sampling_params import SamplingParams
     from engine.events import EventBus
     from engine.llm import LLM
@@ -198,6 +203,8 @@ def test_the_engine_generates_what_transformers_does_with_preemption(variant: st
     bus = EventBus()
     preempted: list[str] = []
     bus.subscribe(lambda e: preempted.append(e.request_id) if e.type == "request.preempted" else None)
+    configs: list[dict] = []
+    bus.subscribe(lambda e: configs.append(e.config) if e.type == "engine.config" else None)
     block_bytes = 16 * 2 * 2 * 2 * 16 * 4  # tokens x (K, V) x layers x KV heads x head_dim x fp32
     with LLM(str(folder), bus=bus, dtype="float32", kv_cache_memory_bytes=5 * block_bytes, max_model_len=64,
              max_num_seqs=3, stats_interval=0.0) as llm:
@@ -210,3 +217,5 @@ def test_the_engine_generates_what_transformers_does_with_preemption(variant: st
         assert output.token_ids == reference(hf_model, ids)[0]
     print(f"\n{variant}: engine greedy tokens equal transformers' for 3 prompts x {NEW_TOKENS}; preemptions {len(preempted)}")
     assert preempted, "the 5-block pool should have forced a preemption"
+    # Gemma 3 runs on the hybrid KV cache (a group for the sliding layer, one for the full)
+    assert ("kv_cache_groups" in configs[0]) == variant.startswith("gemma3")

@@ -17,20 +17,24 @@ TINY_SHAPES: dict[str, Any] = {
     "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "max_position_embeddings": 256,
     "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2,
 }
-# variant -> (config class name, tie_word_embeddings, rope base)
-VARIANTS: dict[str, tuple[str, bool, float]] = {
-    "qwen2-tied": ("Qwen2Config", True, 1_000_000.0),
-    "qwen2-untied": ("Qwen2Config", False, 10_000.0),
-    "qwen3-tied": ("Qwen3Config", True, 1_000_000.0),
-    "qwen3-untied": ("Qwen3Config", False, 10_000.0),
+# variant -> (config class name, tie_word_embeddings, the family's own settings)
+VARIANTS: dict[str, tuple[str, bool, dict[str, Any]]] = {
+    "qwen2-tied": ("Qwen2Config", True, {"rope_theta": 1_000_000.0}),
+    "qwen2-untied": ("Qwen2Config", False, {"rope_theta": 10_000.0}),
+    "qwen3-tied": ("Qwen3Config", True, {"rope_theta": 1_000_000.0}),
+    "qwen3-untied": ("Qwen3Config", False, {"rope_theta": 10_000.0}),
+    # one sliding layer (window 8: the prompts outgrow it) then one full; the attention scale's
+    # scalar 256 (not head_dim's 16) and the two rope bases are transformers' defaults
+    "gemma3-tied": ("Gemma3TextConfig", True, {"layer_types": ["sliding_attention", "full_attention"],
+                                                 "sliding_window": 8}),
 }
 
 
 def build_tiny_model(variant: str, seed: int = 0) -> Any:
     import transformers
 
-    class_name, tied, theta = VARIANTS[variant]
-    config = getattr(transformers, class_name)(**TINY_SHAPES, tie_word_embeddings=tied, rope_theta=theta)
+    class_name, tied, extra = VARIANTS[variant]
+    config = getattr(transformers, class_name)(**TINY_SHAPES, tie_word_embeddings=tied, **extra)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     generator = torch.Generator().manual_seed(seed)
