@@ -176,13 +176,10 @@ def family_for_hf_config(cfg: Mapping[str, Any], where: str) -> Family:
     raise UserError(f"{where}: {what} is not in kvscope's model registry; it runs {registry_listing()}")
 
 
-def family_of(architecture: str) -> str:
-    """The family's name for a ModelConfig's ``architecture`` (a config.json model_type or a
-    GGUF general.architecture); architectures no family lists run as Llama (shape presets)."""
-    return family_for_architecture(architecture).name
-
-
 def family_for_architecture(architecture: str) -> Family:
+    """The family of a ModelConfig's ``architecture`` (a config.json model_type or a GGUF
+    general.architecture); architectures no family lists run as Llama (the shape presets'
+    text parts; files with them are refused when read)."""
     family = MODEL_TYPES.get(architecture) or MODEL_TYPES.get(architecture.removesuffix("_text"))
     return family if family is not None else MODEL_TYPES["llama"]
 
