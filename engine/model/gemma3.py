@@ -44,8 +44,8 @@ from engine.model.llama import (
     DecoderLayer,
     LlamaForCausalLM,
     RotaryEmbedding,
-    apply_rotary,
     linear_maybe_quantized,
+    qk_normed_qkv,
 )
 
 # Per-layer tensors beyond Llama's (HF names under model.layers.N.).
@@ -83,14 +83,7 @@ class Gemma3DecoderLayer(DecoderLayer):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         tokens = hidden.shape[0]
-        x = rms_norm(hidden, self.input_layernorm, self.eps)
-        qkv = linear_maybe_quantized(self, x, "qkv_proj", self.qkv_proj)
-        q = rms_norm(qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim), self.q_norm, self.eps)
-        k = rms_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim),
-                     self.k_norm, self.eps)
-        v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
-        qk = apply_rotary(torch.cat((q, k), dim=1), cos, sin)  # one rotary call for both
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k, v = qk_normed_qkv(self, rms_norm(hidden, self.input_layernorm, self.eps), cos, sin)
         backend.write_kv(k, v, kv_cache, meta.slot_mapping)
         attn = backend.forward(q, kv_cache, meta, self.scale, sliding_window=self.sliding_window)
         attn_out = linear_maybe_quantized(self, attn.reshape(tokens, self.q_size), "o_proj", self.o_proj)

@@ -208,6 +208,23 @@ class DecoderLayer(nn.Module):
         return hidden + self.reduce_rows(linear_maybe_quantized(self, F.silu(gate) * up, "down_proj", self.down_proj))
 
 
+def qk_normed_qkv(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q, K and V of ``x`` for a layer with per-head QK-norm (Qwen3, Gemma 3): the fused
+    projection, RMSNorm of each Q and K head with the layer's ``q_norm`` / ``k_norm``, then
+    one rotary call for both. Shapes ``[tokens, heads, head_dim]``."""
+    tokens = x.shape[0]
+    qkv = linear_maybe_quantized(layer, x, "qkv_proj", layer.qkv_proj, bias)
+    q_size, kv_size = layer.q_size, layer.kv_size
+    q = rms_norm(qkv[:, :q_size].view(tokens, layer.num_heads, layer.head_dim), layer.q_norm, layer.eps)
+    k = rms_norm(qkv[:, q_size : q_size + kv_size].view(tokens, layer.num_kv_heads, layer.head_dim),
+                 layer.k_norm, layer.eps)
+    v = qkv[:, q_size + kv_size :].view(tokens, layer.num_kv_heads, layer.head_dim)
+    qk = apply_rotary(torch.cat((q, k), dim=1), cos, sin)
+    q, k = qk.split([layer.num_heads, layer.num_kv_heads], dim=1)
+    return q, k, v
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(
         self,

@@ -17,7 +17,7 @@ from torch import nn
 from engine.budget.config import ModelConfig
 from engine.model.attention.base import AttentionBackend, AttentionMetadata
 from engine.model.kernels.cpu_norm import rms_norm
-from engine.model.llama import DecoderLayer, LlamaForCausalLM, apply_rotary, linear_maybe_quantized
+from engine.model.llama import DecoderLayer, LlamaForCausalLM, linear_maybe_quantized, qk_normed_qkv
 
 # Per-layer tensors beyond Llama's (HF names under model.layers.N.).
 _EXTRA_LAYER_TENSORS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
@@ -40,14 +40,7 @@ class Qwen3DecoderLayer(DecoderLayer):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         tokens = hidden.shape[0]
-        x = rms_norm(hidden, self.input_layernorm, self.eps)
-        qkv = linear_maybe_quantized(self, x, "qkv_proj", self.qkv_proj, self.qkv_bias)
-        q = rms_norm(qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim), self.q_norm, self.eps)
-        k = rms_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim),
-                     self.k_norm, self.eps)
-        v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
-        qk = apply_rotary(torch.cat((q, k), dim=1), cos, sin)  # one rotary call for both
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k, v = qk_normed_qkv(self, rms_norm(hidden, self.input_layernorm, self.eps), cos, sin, self.qkv_bias)
         backend.write_kv(k, v, kv_cache, meta.slot_mapping)
         attn = backend.forward(q, kv_cache, meta, self.scale)
         hidden = hidden + self.reduce_rows(
