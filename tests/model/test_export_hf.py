@@ -56,7 +56,10 @@ def test_our_safetensors_loader_reads_the_export(exported: Path, smollm_runner_f
     runner.allocate_kv_cache(4)
     batch = [ScheduledSeq("r", [1, 9690, 198, 2683, 359], 0, [0])]
     ours_gguf = smollm_runner_fp32.logits_for([ScheduledSeq("r", batch[0].token_ids, 0, [5])])["r"]
-    assert torch.equal(runner.logits_for(batch)["r"], ours_gguf)
+    got = runner.logits_for(batch)["r"]
+    # The same weights through the same code: bit-equal on AVX2 Zen 3; on AVX-512 Zen 4 the
+    # GEMMs round differently for the two loads' tensors (max |diff| 5.7e-6 on logits ~10).
+    assert float((got - ours_gguf).abs().max()) < 1e-4 and int(got.argmax()) == int(ours_gguf.argmax())
     assert Tokenizer.for_model(config).encode("hello world") == [28120, 905]
 
 
