@@ -495,18 +495,7 @@ def check_plan_fits(plan: MemoryPlan) -> None:
         _refuse_hybrid(plan, need_pool, fixed_pool)
     if not plan.kv_cache_groups and plan.kv_cache_tokens < plan.max_model_len:
         fits_len = plan.kv_cache_tokens
-        fixes = []
-        if fixed_pool:
-            fixes.append(f"raise --kv-cache-memory-bytes to at least {need_pool:,} ({need_pool / GiB:.3f} GiB)")
-        else:
-            need_util = required_utilization(plan, need_pool)
-            if need_util <= 1:
-                fixes.append(f"increasing --gpu-memory-utilization to {need_util:.2f} (needs "
-                             f"{need_pool / GiB:.2f} GiB of KV pool, have {plan.kv_pool_bytes / GiB:.2f})")
-        if fits_len >= plan.block_size:
-            fixes.append(f"decreasing --max-model-len to {fits_len:,} or less")
-        if not fixes:
-            fixes.append("a smaller model, --quantization or a larger device")
+        fixes = _fit_fixes(plan, need_pool, fixed_pool, fits_len if fits_len >= plan.block_size else 0)
         raise BudgetError(
             f"the model's max seq len ({plan.max_model_len:,}) is larger than the maximum number of tokens "
             f"that can be stored in KV cache ({plan.kv_cache_tokens:,}); try " + " or ".join(fixes)
@@ -530,7 +519,9 @@ def _hybrid_max_model_len(plan: MemoryPlan) -> int:
     return best
 
 
-def _refuse_hybrid(plan: MemoryPlan, need_pool: int, fixed_pool: bool) -> None:
+def _fit_fixes(plan: MemoryPlan, need_pool: int, fixed_pool: bool, fits_len: int) -> list[str]:
+    """The flags that make one max-model-len request fit, for both layouts' refusals: a
+    bigger fixed pool or utilization, then ``fits_len`` as --max-model-len (0: none fits)."""
     fixes = []
     if fixed_pool:
         fixes.append(f"raise --kv-cache-memory-bytes to at least {need_pool:,} ({need_pool / GiB:.3f} GiB)")
@@ -539,11 +530,15 @@ def _refuse_hybrid(plan: MemoryPlan, need_pool: int, fixed_pool: bool) -> None:
         if need_util <= 1:
             fixes.append(f"increasing --gpu-memory-utilization to {need_util:.2f} (needs "
                          f"{need_pool / GiB:.2f} GiB of KV pool, have {plan.kv_pool_bytes / GiB:.2f})")
-    fits_len = _hybrid_max_model_len(plan)
     if fits_len > 0:
         fixes.append(f"decreasing --max-model-len to {fits_len:,} or less")
     if not fixes:
         fixes.append("a smaller model, --quantization or a larger device")
+    return fixes
+
+
+def _refuse_hybrid(plan: MemoryPlan, need_pool: int, fixed_pool: bool) -> None:
+    fixes = _fit_fixes(plan, need_pool, fixed_pool, _hybrid_max_model_len(plan))
     raise BudgetError(
         f"to serve at least one request with the model's max seq len ({plan.max_model_len:,}), "
         f"{need_pool / GiB:.2f} GiB of KV cache is needed ({plan.blocks_per_request:,} blocks over "
