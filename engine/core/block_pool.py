@@ -227,11 +227,16 @@ class BlockPool:
             self.ref_cnt[0] = 1
             self.null_block = 0
         self.num_usable = num_blocks - (1 if reserve_null_block else 0)
-        self.deltas = BlockDeltas(record_contents, self.delta_groups)
+        self.deltas = self.new_deltas()
 
     def new_deltas(self) -> BlockDeltas:
         """A fresh record of block changes, shaped for this pool."""
         return BlockDeltas(self.record_contents, self.delta_groups)
+
+    def take_deltas(self) -> BlockDeltas:
+        """Hand over the block changes recorded so far and start a new record."""
+        deltas, self.deltas = self.deltas, self.new_deltas()
+        return deltas
 
     # ------------------------------------------------------------ free queue
     def _unlink(self, block_id: int) -> None:

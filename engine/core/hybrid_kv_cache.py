@@ -348,9 +348,7 @@ class HybridKVCacheManager:
     # ------------------------------------------------------------------ state
     def take_deltas(self) -> BlockDeltas:
         """Hand over the block changes recorded so far and start a new record."""
-        deltas = self.pool.deltas
-        self.pool.deltas = self.pool.new_deltas()
-        return deltas
+        return self.pool.take_deltas()
 
     @property
     def num_free_blocks(self) -> int:

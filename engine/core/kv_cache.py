@@ -212,9 +212,7 @@ class KVCacheManager:
     # ------------------------------------------------------------------ state
     def take_deltas(self) -> BlockDeltas:
         """Hand over the block changes recorded so far and start a new record."""
-        deltas = self.pool.deltas
-        self.pool.deltas = BlockDeltas(self.record_block_contents)
-        return deltas
+        return self.pool.take_deltas()
 
     @property
     def num_free_blocks(self) -> int:
