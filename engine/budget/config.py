@@ -136,6 +136,19 @@ def _llama(name: str, **kw: Any) -> ModelConfig:
     return ModelConfig(name=name, **kw)
 
 
+def _gemma3_preset(name: str, *, num_layers: int, sliding_window: int, **shapes: Any) -> ModelConfig:
+    """A Gemma 3 text model: five sliding-window layers then one full, Gemma's rope bases,
+    norm epsilon, tied head, token ids and GELU(tanh); ``shapes`` are its config.json sizes."""
+    return ModelConfig(
+        name, num_layers=num_layers, rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        architecture="gemma3", bos_token_id=2, eos_token_id=1,
+        layer_types=tuple(SLIDING_ATTENTION if (i + 1) % GEMMA3_SLIDING_WINDOW_PATTERN else FULL_ATTENTION
+                          for i in range(num_layers)),
+        sliding_window=sliding_window, rope_local_base_freq=GEMMA3_ROPE_LOCAL_BASE_FREQ,
+        hidden_activation="gelu_pytorch_tanh", **shapes,
+    )
+
+
 MODEL_PRESETS: dict[str, ModelConfig] = {
     "llama-3.1-8b": _llama(
         "llama-3.1-8b", num_layers=32, hidden_size=4096, intermediate_size=14336, vocab_size=128256,
@@ -177,40 +190,21 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     ),
     # Shapes as in the GGUF `make setup` assembles (google/gemma-3-270m's config.json agrees);
     # loading the name reads that file when present.
-    GEMMA3_270M_NAME: ModelConfig(
-        GEMMA3_270M_NAME, num_layers=18, hidden_size=640, intermediate_size=2048, vocab_size=262144,
-        num_attention_heads=4, num_kv_heads=1, head_dim=256, max_position_embeddings=32768,
-        rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, architecture="gemma3",
-        bos_token_id=2, eos_token_id=1,
-        layer_types=tuple(SLIDING_ATTENTION if (i + 1) % GEMMA3_SLIDING_WINDOW_PATTERN else FULL_ATTENTION
-                          for i in range(18)),
-        sliding_window=512, rope_local_base_freq=GEMMA3_ROPE_LOCAL_BASE_FREQ, query_pre_attn_scalar=256.0,
-        hidden_activation="gelu_pytorch_tanh",
-    ),
+    GEMMA3_270M_NAME: _gemma3_preset(GEMMA3_270M_NAME, num_layers=18, hidden_size=640, intermediate_size=2048,
+                                     vocab_size=262144, num_attention_heads=4, num_kv_heads=1, head_dim=256,
+                                     max_position_embeddings=32768, sliding_window=512,
+                                     query_pre_attn_scalar=256.0),
     # Gemma 3 4B and 27B (google/gemma-3-{4b,27b}-it's config.json text_config; the language
     # model only, the SigLIP vision tower left out): five sliding layers of window 1024 then one
     # full, rope 1e6 (global) / 1e4 (local). 27B's head_dim is 128 (query_pre_attn_scalar 168):
     # a real vLLM log's "GPU KV cache size" agrees only with 128 (tests/data/vllm-logs).
-    "gemma-3-4b": ModelConfig(
-        "gemma-3-4b", num_layers=34, hidden_size=2560, intermediate_size=10240, vocab_size=262208,
-        num_attention_heads=8, num_kv_heads=4, head_dim=256, max_position_embeddings=131072,
-        rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, architecture="gemma3",
-        bos_token_id=2, eos_token_id=1,
-        layer_types=tuple(SLIDING_ATTENTION if (i + 1) % GEMMA3_SLIDING_WINDOW_PATTERN else FULL_ATTENTION
-                          for i in range(34)),
-        sliding_window=1024, rope_local_base_freq=GEMMA3_ROPE_LOCAL_BASE_FREQ, query_pre_attn_scalar=256.0,
-        hidden_activation="gelu_pytorch_tanh",
-    ),
-    "gemma-3-27b": ModelConfig(
-        "gemma-3-27b", num_layers=62, hidden_size=5376, intermediate_size=21504, vocab_size=262208,
-        num_attention_heads=32, num_kv_heads=16, head_dim=128, max_position_embeddings=131072,
-        rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, architecture="gemma3",
-        bos_token_id=2, eos_token_id=1,
-        layer_types=tuple(SLIDING_ATTENTION if (i + 1) % GEMMA3_SLIDING_WINDOW_PATTERN else FULL_ATTENTION
-                          for i in range(62)),
-        sliding_window=1024, rope_local_base_freq=GEMMA3_ROPE_LOCAL_BASE_FREQ, query_pre_attn_scalar=168.0,
-        hidden_activation="gelu_pytorch_tanh",
-    ),
+    "gemma-3-4b": _gemma3_preset("gemma-3-4b", num_layers=34, hidden_size=2560, intermediate_size=10240,
+                                 vocab_size=262208, num_attention_heads=8, num_kv_heads=4, head_dim=256,
+                                 max_position_embeddings=131072, sliding_window=1024, query_pre_attn_scalar=256.0),
+    "gemma-3-27b": _gemma3_preset("gemma-3-27b", num_layers=62, hidden_size=5376, intermediate_size=21504,
+                                  vocab_size=262208, num_attention_heads=32, num_kv_heads=16, head_dim=128,
+                                  max_position_embeddings=131072, sliding_window=1024,
+                                  query_pre_attn_scalar=168.0),
 }
 MODEL_ALIASES = {
     "smollm2": BUNDLED_MODEL_NAME,
