@@ -1,0 +1,45 @@
+"""Tiny random-weight Qwen3-MoE checkpoints, built at test time with transformers (nothing
+downloaded): tests/model/tiny_hf.py's dense shapes (2 layers, hidden 64, 4 heads over 2 KV
+heads of dim 16, vocab 320) with 8 experts of intermediate 32, top-2. Every parameter is
+redrawn as tiny_hf.py does (the router included, so routing is not a tie between zeros)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.model.tiny_hf import TINY_SHAPES, save_tiny_tokenizer
+
+MOE_SHAPES: dict[str, Any] = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+# variant -> Qwen3MoeConfig settings beyond the shapes
+MOE_VARIANTS: dict[str, dict[str, Any]] = {
+    # every layer sparse, top-2 renormalised (Qwen3-30B-A3B's norm_topk_prob)
+    "qwen3moe": {"norm_topk_prob": True, "tie_word_embeddings": False, "rope_theta": 1_000_000.0},
+    # layer 1 dense (mlp_only_layers), top-2 probabilities not renormalised, tied head
+    "qwen3moe-mixed": {"norm_topk_prob": False, "mlp_only_layers": [1], "tie_word_embeddings": True},
+}
+
+
+def build_tiny_moe(variant: str, seed: int = 0) -> Any:
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(**TINY_SHAPES, **MOE_SHAPES, **MOE_VARIANTS[variant])
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(1.0 + 0.2 * noise if param.dim() == 1 and "norm" in name else 0.1 * noise)
+    return model.eval()
+
+
+def save_tiny_moe(variant: str, folder: Path, seed: int = 0) -> Any:
+    """Write ``folder`` (config.json, model.safetensors with per-expert tensors as the Hub's
+    checkpoints hold them, a tiny tokenizer) and return the transformers model."""
+    model = build_tiny_moe(variant, seed)
+    model.save_pretrained(str(folder))
+    save_tiny_tokenizer(folder)
+    return model
