@@ -14,7 +14,7 @@ from pathlib import Path
 from doctor.facts import RunFacts
 from engine.errors import UserError
 from engine.events import SCHEMA_NAME, read_events
-from monitor.sources import LIVE, REFUSED, HttpFeed
+from engine.events.feed import LIVE, REFUSED, HttpFeed
 
 RECORDING = "recording"
 LIVE_URL = "live"

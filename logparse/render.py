@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from engine.budget.ledger import label as ledger_label
+from engine.events.ledger import label as ledger_label
 from logparse.explain import Check, Explanation
 from logparse.patterns import FIGURE_NAMES, LEDGER_KEYS
 
@@ -23,7 +23,7 @@ PHASE_STYLES = {
 _BUDGET_KEYS = ("total_gib", "gpu_memory_utilization", "requested_gib", "weights_gib", "peak_activation_gib",
                 "non_torch_gib", "non_kv_gib", "cuda_graph_gib", "kv_cache_gib", "kv_cache_tokens", "gpu_blocks",
                 "max_concurrency")
-# (logparse key, label): the label of the same quantity in engine/budget/ledger.py, which every
+# (logparse key, label): the label of the same quantity in engine/events/ledger.py, which every
 # kvscope screen uses; "non-KV" is vLLM's own sum and has no kvscope counterpart
 def _budget_label(key: str) -> str:
     name = FIGURE_NAMES[key].kvscope

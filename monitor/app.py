@@ -2,7 +2,7 @@
 
 State lives in an :class:`~engine.events.view.EngineView`; widgets render it. In
 replay the view comes from a :class:`~monitor.state.Timeline` (seekable); live,
-events from a :class:`~monitor.sources.LiveFeed` are folded on a timer. The
+events from a :class:`~engine.events.feed.LiveFeed` are folded on a timer. The
 monitor only reads: nothing here can change the engine.
 """
 
@@ -21,9 +21,9 @@ from textual.reactive import reactive
 from textual.widgets import Footer, Input, Label, TabbedContent, TabPane
 
 from engine.events import EngineStopped, EventBus
+from engine.events.feed import LIVE, BusFeed, LiveFeed
 from engine.events.view import EngineView
 from monitor.gpu import GpuReader
-from monitor.sources import LIVE, BusFeed, LiveFeed
 from monitor.state import Timeline
 from monitor.widgets.block_map import BlockMap
 from monitor.widgets.diagnosis import Diagnosis

@@ -101,8 +101,8 @@ def follow(args: argparse.Namespace) -> int:
 
 
 def _follow_kvscope(url: str, api_key: str | None, gpu: GpuReader | None = None) -> int:
+    from engine.events.feed import HttpFeed
     from monitor.app import MonitorApp  # Textual loads only once arguments parse
-    from monitor.sources import HttpFeed
 
     MonitorApp(feed=HttpFeed(url, api_key=api_key), gpu=gpu).run()
     return 0

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.events import EventBus
+from engine.events.feed import BusFeed
 from monitor.app import MonitorApp
-from monitor.sources import BusFeed
 
 
 def run_dashboard(bus: EventBus, snapshot_fn: Callable[[], dict[str, Any]] | None, title: str) -> None:

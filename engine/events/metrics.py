@@ -28,7 +28,7 @@ Where each value comes from:
 - the MFU estimates (``estimated_flops_per_gpu_total``, ``estimated_read_bytes_per_gpu_total``,
   ``estimated_write_bytes_per_gpu_total``): each step event's tokens and
   ``kv_tokens_read`` through the cost model's one formula
-  (:class:`engine.budget.roofline.Roofline`), sized by ``engine.config``'s model
+  (:class:`engine.events.roofline.Roofline`), sized by ``engine.config``'s model
   summary (parameters, KV bytes per token, tensor parallelism) and phase C's weights;
   counted once those three facts have arrived;
 - with ``kv_cache_metrics`` (``--kv-cache-metrics``) the block residency histograms
@@ -52,7 +52,6 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from engine.budget.roofline import Roofline
 from engine.events import (
     EngineConfigEvent,
     Event,
@@ -67,6 +66,7 @@ from engine.events import (
 )
 from engine.events.block_residency import BlockResidency
 from engine.events.phase_data import KvCacheData, LoadWeightsData, read_phase
+from engine.events.roofline import Roofline
 from engine.events.schema import PREEMPTION_REASONS
 from engine.events.stats import TokenTally, kv_cache_usage
 
@@ -239,6 +239,12 @@ class PrometheusMetrics:
             "Histogram of time spent in WAITING phase for request.",
             REQUEST_LATENCY_BUCKETS,
         )
+        self.request_preprocess_time = histogram(
+            "kvscope:request_preprocess_time_seconds",
+            "Histogram of time from the server receiving a request to the scheduler taking it (parsing, "
+            "tokenising, the queue to the engine thread); TTFT and e2e include it.",
+            REQUEST_LATENCY_BUCKETS,
+        )
         self.request_inference_time = histogram(
             "vllm:request_inference_time_seconds",
             "Histogram of time spent in RUNNING phase for request.",
@@ -406,6 +412,7 @@ class PrometheusMetrics:
 
     def _on_arrived(self, event: RequestArrived) -> None:
         self.tokens.arrived(event)
+        self.request_preprocess_time.observe(event.preprocess_s)
         self._max_tokens[event.request_id] = event.max_tokens
 
     def _on_stats(self, event: StatsEvent) -> None:

@@ -63,7 +63,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.budget.ledger import LEDGER
 from engine.events import (
     PHASES,
     EngineConfigEvent,
@@ -85,11 +84,12 @@ from engine.events import (
     event_from_dict,
 )
 from engine.events.block_table import BlockTableState
+from engine.events.ledger import LEDGER
 from engine.events.schema import EncoderStepEvent
 
 SNAPSHOT_VERSION = 1
 SERIES_NAMES = ("step", "prefill", "decode", "running", "waiting", "kv_pct", "step_ms", "preempted")
-# The ledger the dashboard draws: the quantities of engine/budget/ledger.py's one table
+# The ledger the dashboard draws: the quantities of engine/events/ledger.py's one table
 # that the memory bar and the KV pool need, under that table's names.
 LEDGER_KEYS = tuple(item.name for item in LEDGER if item.name in {
     "total_bytes", "gpu_memory_utilization", "weights_bytes", "non_torch_bytes", "activation_peak_bytes",

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.budget.ledger import LEDGER
 from engine.budget.memory import GiB
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -52,6 +51,7 @@ from engine.events import (
     StepEvent,
     read_events,
 )
+from engine.events.ledger import LEDGER
 from engine.events.phase_data import KvCacheData
 from engine.sim.driver import SAMPLED_TOKEN_ID
 
@@ -309,7 +309,8 @@ class Replayer:
                 prompt = self._prompts.prompt(ev.request_id, ev.prompt_tokens)
                 sched.add_request(
                     Request(ev.request_id, prompt, ev.max_tokens, stop_token_ids=(STOP_TOKEN_ID,),
-                            arrival_time=ev.t, priority=getattr(ev, "priority", 0)),
+                            arrival_time=ev.t - getattr(ev, "preprocess_s", 0.0),
+                            priority=getattr(ev, "priority", 0)),
                     ev.t,
                 )
             elif isinstance(ev, RequestFinished):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-from monitor.sources import Connection
+from engine.events.feed import Connection
 from monitor.widgets.title_bar import BADGE
 
 

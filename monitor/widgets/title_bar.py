@@ -7,7 +7,7 @@ import time
 from rich.text import Text
 from textual.widgets import Static
 
-from monitor.sources import CONNECTING, DISCONNECTED, LIVE, REFUSED, Connection
+from engine.events.feed import CONNECTING, DISCONNECTED, LIVE, REFUSED, Connection
 
 BADGE = {
     CONNECTING: ("◌ CONNECTING", "bold yellow"),

@@ -104,7 +104,7 @@ def test_plan_and_simulate_report_the_same_keys_as_before() -> None:
 def test_the_ledger_and_logparse_read_declared_fields() -> None:
     declared = {name for cls in PHASE_DATA.values() for name in field_names(cls)}
     assert set(LEDGER_KEYS) <= declared
-    from engine.budget.ledger import LEDGER
+    from engine.events.ledger import LEDGER
     from logparse.explain import _PROFILE_FIELDS
 
     for cls, name in _PROFILE_FIELDS:

@@ -564,9 +564,9 @@ def test_piped_output_is_not_wrapped_at_80_columns(part8: Path) -> None:
 
 
 def test_figures_kvscope_knows_use_the_one_ledger_table() -> None:
-    # engine/budget/ledger.py names each quantity once: logparse's vLLM phrase and its screen
+    # engine/events/ledger.py names each quantity once: logparse's vLLM phrase and its screen
     # label for a figure kvscope also has are the table's
-    from engine.budget.ledger import BY_NAME
+    from engine.events.ledger import BY_NAME
     from logparse.patterns import FIGURE_NAMES
     from logparse.render import BUDGET_ROWS
 

@@ -13,10 +13,11 @@ import pytest
 
 from engine.errors import UserError
 from engine.events import EngineStopped, EventBus, LogEvent, SinkFailed, StepEvent, dumps, read_events
+from engine.events.feed import BusFeed, HttpFeed, parse_sse
 from engine.events.view import EngineView
 from monitor.app import MonitorApp
 from monitor.cli import main as monitor_main
-from monitor.sources import BusFeed, HttpFeed, load_timeline, parse_sse
+from monitor.sources import load_timeline
 from monitor.widgets.block_map import BlockMap
 from monitor.widgets.events_log import EventsLog
 from monitor.widgets.queues import RequestTable

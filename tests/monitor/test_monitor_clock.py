@@ -5,8 +5,9 @@ recording's time. TTFT stays blank until a request has generated a token."""
 from __future__ import annotations
 
 from engine.events import EventBus, RequestArrived, RequestFirstToken, RequestScheduled, StepEvent
+from engine.events.feed import DISCONNECTED, BusFeed, Connection
 from monitor.app import MonitorApp
-from monitor.sources import DISCONNECTED, BusFeed, Connection, load_timeline
+from monitor.sources import load_timeline
 from monitor.widgets.queues import RequestTable
 from tests.monitor_fixtures import SAMPLE, ManualClock
 

@@ -12,9 +12,9 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from engine.events import LogEvent, SnapshotEvent, dumps, read_events
+from engine.events.feed import CONNECTING, DISCONNECTED, LIVE, REFUSED, HttpFeed
 from engine.events.view import EngineView
 from monitor.app import MonitorApp
-from monitor.sources import CONNECTING, DISCONNECTED, LIVE, REFUSED, HttpFeed
 from monitor.widgets.replay_bar import ReplayBar
 from monitor.widgets.title_bar import TitleBar
 from tests.monitor_fixtures import SAMPLE

@@ -8,8 +8,9 @@ from __future__ import annotations
 import gzip
 
 from engine.events import EventBus, read_events
+from engine.events.feed import BusFeed
 from monitor.app import MonitorApp
-from monitor.sources import BusFeed, load_timeline
+from monitor.sources import load_timeline
 from monitor.widgets.diagnosis import Diagnosis
 from tests.doctor.recordings import path_of
 from tests.monitor_fixtures import SAMPLE, ManualClock

@@ -12,8 +12,9 @@ from textual.widget import Widget
 from textual.widgets import Footer, Label, Sparkline, Static
 from textual.widgets._footer import FooterKey
 
+from engine.events.feed import DISCONNECTED, Connection, LiveFeed
 from monitor.app import MonitorApp
-from monitor.sources import DISCONNECTED, Connection, LiveFeed, load_timeline
+from monitor.sources import load_timeline
 from monitor.widgets.block_map import (
     CACHED_STYLE,
     FREE_STYLE,

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 from engine.events import EventBus, StartupPhase, StartupProgress
+from engine.events.feed import BusFeed
 from engine.events.view import EngineView
 from monitor.app import MonitorApp
-from monitor.sources import BusFeed
 from monitor.widgets.startup_table import StartupTable, progress_text
 from tests.monitor_fixtures import ManualClock
 

@@ -16,8 +16,6 @@ from typing import Any
 from rich.console import Console
 from rich.text import Text
 
-from engine.budget.config import ModelConfig, load_model_config
-from engine.budget.ledger import label
 from engine.budget.memory import (
     GiB,
     MemoryPlan,
@@ -41,7 +39,10 @@ from engine.cli.flags import (
 )
 from engine.errors import UserError
 from engine.events import PHASES, EngineConfigEvent, EventBus, JsonlSink, StartupPhase
+from engine.events.ledger import label
 from engine.model.cpu_caps import choose_cpu_dtype, detect
+from engine.modelspec.config import ModelConfig
+from engine.modelspec.readers import load_model_config
 
 BAR_SEGMENTS: tuple[tuple[str, str], ...] = (
     (label("weights_bytes"), "blue"),
