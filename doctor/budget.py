@@ -15,9 +15,9 @@ import dataclasses
 from typing import Any
 
 from doctor.facts import RunFacts
-from engine.budget.config import ModelConfig
 from engine.budget.memory import MemoryPlan, estimate_activation_peak_bytes, plan_memory
 from engine.events.phase_data import BudgetData, LoadWeightsData, ProfileRunData
+from engine.modelspec.config import ModelConfig
 
 _MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
 

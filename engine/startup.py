@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from engine.budget.config import EngineConfig, ModelConfig, load_model_config
+from engine.budget.config import EngineConfig
 from engine.budget.memory import (
     GiB,
     MemoryPlan,
@@ -69,6 +69,8 @@ from engine.model.loader import LoadInfo
 from engine.model.parallel import RankLayout, TensorParallel, check_shardable, replica_free_bytes
 from engine.model.runner import ModelRunner
 from engine.model.tokenizer import Tokenizer
+from engine.modelspec.config import ModelConfig
+from engine.modelspec.readers import load_model_config
 
 # vLLM's CPU backend sizes its pool from VLLM_CPU_KVCACHE_SPACE (4 GiB by
 # default) rather than from all of RAM; kvscope does the same when the user
@@ -363,7 +365,7 @@ def check_model_supported(model: ModelConfig, config: EngineConfig) -> None:
     before phase A: never 20 s into phase C."""
     from pathlib import Path
 
-    from engine.model.families import check_config_supported, check_gguf_supported
+    from engine.modelspec.families import check_config_supported, check_gguf_supported
 
     if model.source == "gguf" and model.path and config.load_format in ("auto", "gguf") and Path(model.path).is_file():
         check_gguf_supported(Path(model.path))
@@ -676,8 +678,8 @@ def _tokenizer_for(model: ModelConfig) -> Tokenizer:
     """A GGUF file's tokenizer comes from the startup cache (building its BPE takes seconds)."""
     from pathlib import Path
 
-    from engine.budget.config import resolve_model_file
     from engine.model.startup_cache import cached_tokenizer
+    from engine.modelspec.readers import resolve_model_file
 
     location = Path(model.path) if model.path else resolve_model_file(model.name)
     if location is not None and location.is_file():
@@ -688,7 +690,7 @@ def _tokenizer_for(model: ModelConfig) -> Tokenizer:
 def _dummy_tokenizer(model: ModelConfig) -> Tokenizer:
     """Dummy weights of a preset have no tokenizer file: use the bundled one
     when the vocabulary fits, so text in/out still works for benchmarks."""
-    from engine.budget.config import BUNDLED_MODEL_NAME
+    from engine.modelspec.presets import BUNDLED_MODEL_NAME
 
     bundled = load_model_config(BUNDLED_MODEL_NAME)
     return _tokenizer_for(bundled)

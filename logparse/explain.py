@@ -21,7 +21,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from engine.budget.config import ModelConfig, load_model_config, resolve_preset_name
 from engine.budget.memory import GiB, MemoryPlan, bytes_per_kv_token, gpu_preset, plan_memory
 from engine.budget.vision import multimodal_from_flags
 from engine.errors import UserError
@@ -36,6 +35,9 @@ from engine.events.phase_data import (
     phase_record,
 )
 from engine.events.phase_names import PHASE_SPANS, vllm_group
+from engine.modelspec.config import ModelConfig
+from engine.modelspec.presets import resolve_preset_name
+from engine.modelspec.readers import load_model_config
 from logparse.fastscan import BulkRun, iter_summary
 from logparse.parser import Record, iter_records
 from logparse.patterns import FIGURE_NAMES, LEDGER_KEYS, NOISE_SOURCES, PHASE_NAMES

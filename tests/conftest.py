@@ -8,8 +8,10 @@ from typing import Any
 import pytest
 import torch
 
-from engine.budget.config import ModelConfig, bundled_gguf_path, load_model_config
 from engine.events import EventBus, sink_name
+from engine.modelspec.config import ModelConfig
+from engine.modelspec.presets import bundled_gguf_path
+from engine.modelspec.readers import load_model_config
 
 GreedyGenerate = Callable[[Sequence[Sequence[int]], int], list[list[int]]]
 

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
-from engine.budget.config import MODEL_PRESETS
 from engine.budget.memory import bytes_per_kv_token, weights_bytes
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.events import EngineConfigEvent, Event, EventBus, StartupPhase
 from engine.events.iteration_details import IterationDetailsLog
 from engine.events.metrics import PrometheusMetrics
 from engine.events.phase_data import LoadWeightsData
+from engine.modelspec.presets import MODEL_PRESETS
 from engine.sim.driver import DriverRequest, run_driver
 
 MODEL = "llama-3.1-8b"

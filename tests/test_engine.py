@@ -274,9 +274,10 @@ def test_a_fixed_pool_is_sized_by_the_hybrid_layout_when_the_model_has_a_window(
     32,768-token request (full attention would need 1.125 GiB); 8 MiB does not hold 4,096."""
     import dataclasses
 
-    from engine.budget.config import EngineConfig, load_model_config
+    from engine.budget.config import EngineConfig
     from engine.budget.memory import bytes_per_kv_token, bytes_per_kv_token_per_layer
     from engine.errors import BudgetError
+    from engine.modelspec.readers import load_model_config
     from engine.startup import check_fixed_pool, model_kv_cache_groups
 
     model = load_model_config("gemma-3-270m")

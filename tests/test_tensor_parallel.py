@@ -19,7 +19,7 @@ import psutil
 import pytest
 import torch
 
-from engine.budget.config import MODEL_PRESETS, EngineConfig, load_model_config
+from engine.budget.config import EngineConfig
 from engine.budget.memory import GiB, bytes_per_kv_token
 from engine.cli.main import build_parser
 from engine.core.sampling_params import SamplingParams
@@ -27,6 +27,8 @@ from engine.errors import BudgetError, ReplicaError, UserError
 from engine.events import PHASES, Event, EventBus, LogEvent, StartupPhase, StepEvent, event_from_dict
 from engine.events.phase_data import KvCacheData, LoadWeightsData, read_phase
 from engine.model.parallel import check_shardable, kv_head_start, rank_model_config, replica_free_bytes
+from engine.modelspec.presets import MODEL_PRESETS
+from engine.modelspec.readers import load_model_config
 from engine.startup import resolve_config
 
 TINY_LLAMA = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,

@@ -43,15 +43,19 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from engine.budget.config import DTYPE_BYTES, ModelConfig
 from engine.budget.vision import MultimodalBudget
 from engine.core.kv_cache_groups import KVCacheGroup, is_hybrid, kv_cache_groups
 from engine.errors import BudgetError, UserError
 from engine.events.phase_data import BudgetData, KvCacheData, LoadWeightsData, PhaseData, ProfileRunData
-
-GiB = 1024**3
-MiB = 1024**2
-KiB = 1024
+from engine.modelspec.config import (
+    DTYPE_BYTES,
+    INT8_KV_SCALE_BYTES,
+    KV_CACHE_DTYPE_CHOICES,
+    GiB,
+    KiB,
+    MiB,
+    ModelConfig,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,11 +92,7 @@ def gpu_preset(name: str) -> GpuPreset:
 
 
 # --kv-cache-dtype values (vLLM's names plus kvscope's int8); aliases such as bf16 are accepted too.
-KV_CACHE_DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 _KV_DTYPE_ALIASES = ("bf16", "fp16", "half", "fp32")
-# int8 KV stores one fp32 scale per (token, KV head) for K and for V, in the cache
-# itself (engine/model/attention/kv_quant.py); fp8 uses vLLM's default scale 1.0 (none stored).
-INT8_KV_SCALE_BYTES = 4
 
 
 def parse_kv_cache_dtype(value: str, flag: str = "--kv-cache-dtype") -> str:

@@ -2,7 +2,7 @@
 shapes, how many tokens an image or a video becomes, and what the profile run
 adds to phase D.
 
-A VL model is a text LLM (its :class:`~engine.budget.config.ModelConfig`) plus a
+A VL model is a text LLM (its :class:`~engine.modelspec.config.ModelConfig`) plus a
 :class:`VisionConfig`. What changes (vLLM's ``profile_run``, ``supports_mm_inputs``
 branch, and ``compute_mm_encoder_budget``):
 
@@ -30,8 +30,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from engine.budget.config import DTYPE_BYTES, ModelConfig
 from engine.errors import UserError
+from engine.modelspec.config import DTYPE_BYTES, ModelConfig
 
 MODALITIES = ("image", "video")
 QWEN_VL = "qwen2.5-vl"

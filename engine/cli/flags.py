@@ -12,12 +12,13 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from engine.budget.config import BUNDLED_MODEL_NAME, EngineConfig, parse_dtype
+from engine.budget.config import EngineConfig, parse_dtype
 from engine.budget.memory import parse_bytes, parse_gib, parse_kv_cache_dtype
 from engine.budget.vision import parse_item_size
 from engine.core.policy import POLICIES
 from engine.errors import UserError
 from engine.events.kv_events_config import parse_kv_events_config
+from engine.modelspec.presets import BUNDLED_MODEL_NAME
 from engine.sim.workload import ARRIVAL_UNITS, ARRIVALS, WorkloadSpec, parse_range
 
 # Old spelling -> the flag it is now an alias of (tests/cli/test_cli_flags.py holds every

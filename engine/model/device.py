@@ -24,7 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
-from engine.budget.memory import GiB
+from engine.modelspec.config import GiB
 
 
 @dataclass(slots=True)

@@ -37,7 +37,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.budget.config import ModelConfig
 from engine.model.attention.base import AttentionBackend, AttentionMetadata
 from engine.model.kernels.cpu_norm import rms_norm
 from engine.model.llama import (
@@ -47,6 +46,7 @@ from engine.model.llama import (
     linear_maybe_quantized,
     qk_normed_qkv,
 )
+from engine.modelspec.config import ModelConfig
 
 # Per-layer tensors beyond Llama's (HF names under model.layers.N.).
 _EXTRA_LAYER_TENSORS = ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight",

@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.budget.config import ModelConfig
 from engine.model.attention.base import AttentionBackend, AttentionMetadata
 from engine.model.kernels.cpu_norm import rms_norm
+from engine.modelspec.config import ModelConfig
 
 QUANTIZATION_METHODS = ("int8", "int4", "native")
 # method -> (GGUF block formats used as they are, the format float weights are packed into).

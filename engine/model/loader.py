@@ -17,9 +17,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.budget.config import ModelConfig, resolve_model_file
 from engine.errors import UserError
-from engine.model.gguf_header import read_gguf_header
+from engine.modelspec.config import ModelConfig
+from engine.modelspec.gguf_header import read_gguf_header
+from engine.modelspec.readers import resolve_model_file
 
 # (tensors done, tensors total) -> None; the engine turns it into a progress event.
 ProgressCallback = Callable[[int, int], None]
@@ -86,7 +87,7 @@ def _rotary_rows_permuted(config: ModelConfig) -> bool:
     """llama.cpp's converter interleaves the rotary halves of Q/K rows for Llama only; the
     other families' GGUFs (Qwen2, Qwen3, Gemma 3: NeoX rope) keep HF's order (the registry's
     ``gguf_rotary_permuted``)."""
-    from engine.model.families import family_for_architecture
+    from engine.modelspec.families import family_for_architecture
 
     return family_for_architecture(config.architecture).gguf_rotary_permuted
 
@@ -95,7 +96,7 @@ def _cache_key_parts(config: ModelConfig) -> tuple[str, ...]:
     """More of the dequantized-weights cache key for families other than Llama and Gemma 3
     (whose keys stay as they were): Qwen2 GGUF entries written before issue 32 hold Q/K rows
     un-permuted as if llama.cpp had permuted them, and must not be read again."""
-    from engine.model.families import family_for_architecture
+    from engine.modelspec.families import family_for_architecture
 
     name = family_for_architecture(config.architecture).name
     return () if name in ("llama", "gemma3") else (f"family={name}",)

@@ -32,9 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.budget.config import ModelConfig
-from engine.budget.memory import GiB
 from engine.errors import BudgetError, UserError
+from engine.modelspec.config import GiB, ModelConfig
 
 # Collectives wait this long for a peer that is alive but silent (an idle server's workers
 # wait in the control broadcast for the next step); a peer that dies closes its sockets,

@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.budget.config import ModelConfig
 from engine.model.attention.base import AttentionBackend
 from engine.model.llama import LlamaForCausalLM, dummy_fill
 from engine.model.parallel import TensorParallel, kv_head_start, rank_model_config
+from engine.modelspec.config import ModelConfig
 
 _VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")
 # HF tensor suffix -> which dimension this rank slices and by what: column-parallel

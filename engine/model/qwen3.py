@@ -14,10 +14,10 @@ import math
 import torch
 from torch import nn
 
-from engine.budget.config import ModelConfig
 from engine.model.attention.base import AttentionBackend, AttentionMetadata
 from engine.model.kernels.cpu_norm import rms_norm
 from engine.model.llama import DecoderLayer, LlamaForCausalLM, linear_maybe_quantized, qk_normed_qkv
+from engine.modelspec.config import ModelConfig
 
 # Per-layer tensors beyond Llama's (HF names under model.layers.N.).
 _EXTRA_LAYER_TENSORS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.budget.config import CANONICAL_DTYPE, ModelConfig
 from engine.core.kv_cache_groups import KVCacheGroup, is_hybrid
 from engine.core.sampling_params import SamplingParams
 from engine.errors import UserError
@@ -30,6 +29,7 @@ from engine.model.llama import QUANTIZATION_METHODS, LlamaForCausalLM
 from engine.model.loader import LoadInfo, ProgressCallback, load_weights_into, read_gguf_blocks
 from engine.model.parallel import TensorParallel
 from engine.model.sampler import Sampler
+from engine.modelspec.config import CANONICAL_DTYPE, ModelConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -152,7 +152,7 @@ class ModelRunner:
             self.model: LlamaForCausalLM = TensorParallelLlama(model_config, self.backend, parallel, dtype=self.dtype,
                                                                device=self.device)
         else:
-            from engine.model.families import model_class_for
+            from engine.modelspec.families import model_class_for
 
             self.model = model_class_for(model_config)(model_config, self.backend, dtype=self.dtype,
                                                        device=self.device)

@@ -18,8 +18,9 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import BPE
 
-from engine.budget.config import ModelConfig, resolve_model_file
 from engine.errors import UserError
+from engine.modelspec.config import ModelConfig
+from engine.modelspec.readers import resolve_model_file
 
 _CONTROL = 3  # llama.cpp token types
 _USER_DEFINED = 4

@@ -5,12 +5,12 @@ A family is one entry of :data:`FAMILIES`: its model class (named ``"module:Clas
 imported only when a model is built, as vLLM's registry does, so reading a config loads no
 torch), the HF ``architectures`` entries and config.json ``model_type`` values it serves,
 the GGUF ``general.architecture`` values and tokenizer types it runs, and its config
-parsing (:attr:`Family.hf_fields`: the :class:`~engine.budget.config.ModelConfig` fields
+parsing (:attr:`Family.hf_fields`: the :class:`~engine.modelspec.config.ModelConfig` fields
 that are the family's own). An architecture in no entry is refused when its config is read
-(:func:`family_for_hf_config`, called by ``engine.budget.config``) and again before phase C
+(:func:`family_for_hf_config`, called by ``engine.modelspec.readers``) and again before phase C
 (:func:`check_config_supported`), naming the families.
 
-:func:`check_gguf_supported` reads only the header (milliseconds, engine/model/gguf_header.py)
+:func:`check_gguf_supported` reads only the header (milliseconds, :mod:`engine.modelspec.gguf_header`)
 and refuses, before any weights load, a file whose architecture, tokenizer type or
 tensor types kvscope cannot run, naming what is missing and what is supported.
 
@@ -23,12 +23,17 @@ import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engine.errors import UserError
-
-if TYPE_CHECKING:
-    from engine.budget.config import ModelConfig
+from engine.modelspec.config import (
+    FULL_ATTENTION,
+    GEMMA3_ROPE_LOCAL_BASE_FREQ,
+    GEMMA3_SLIDING_WINDOW_PATTERN,
+    SLIDING_ATTENTION,
+    ModelConfig,
+)
+from engine.modelspec.gguf_header import read_gguf_header
 
 
 def _llama_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -60,13 +65,6 @@ def _gemma3_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
     its layer pattern, window, the two rope bases (transformers 5 nests them per layer type
     under ``rope_parameters``; 4.x writes ``rope_theta`` and ``rope_local_base_freq``), the
     attention scale's scalar and the GELU gate. Soft-capping (Gemma 2's) is refused."""
-    from engine.budget.config import (
-        FULL_ATTENTION,
-        GEMMA3_ROPE_LOCAL_BASE_FREQ,
-        GEMMA3_SLIDING_WINDOW_PATTERN,
-        SLIDING_ATTENTION,
-    )
-
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if cfg.get(key) is not None:
             raise UserError(f"config.json sets {key}: kvscope's Gemma 3 has no logit soft-capping")
@@ -197,8 +195,6 @@ def _ggml_type_name(kind: int) -> str:
 def check_gguf_supported(path: Path) -> None:
     """Raise a UserError naming every unsupported part of the GGUF at ``path``: its
     architecture, its tokenizer type for that architecture, its tensors' ggml types."""
-    from engine.model.gguf_header import read_gguf_header
-
     header = read_gguf_header(path)
     meta = header.metadata
     architecture = meta.get("general.architecture")

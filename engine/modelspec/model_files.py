@@ -9,10 +9,10 @@ limit never prunes a model. The file is written under a temporary name, its sha2
 checked, then renamed: a killed or failed assemble leaves no file at the final name,
 and a file there is one whose sha256 matched. Nothing here downloads anything.
 
-``python -m engine.model.model_files`` assembles every known model whose packages are
+``python -m engine.modelspec.model_files`` assembles every known model whose packages are
 installed (the Makefile's setup target); a second run finds the files and does nothing.
 ``python -m engine.model.warm_cache`` then fills the startup cache for them.
-This module imports no torch or numpy: engine/budget/config.py resolves names through it.
+This module imports no torch or numpy: engine/modelspec/presets.py resolves names through it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``engine simulate``: the real scheduler and KV cache manager at GPU scale, with
 a roofline cost model in place of the forward pass (background parts 4 and 6; the
-work it counts is engine/events/roofline.py's, shared with /metrics' MFU estimates).
+work it counts is engine/budget/roofline.py's, shared with /metrics' MFU estimates).
 
 A step costs::
 
@@ -31,6 +31,7 @@ from typing import Any
 
 from engine.budget.config import EngineConfig
 from engine.budget.memory import GiB, GpuPreset, MemoryPlan, gpu_preset, plan_memory
+from engine.budget.roofline import Roofline
 from engine.budget.vision import multimodal_from_flags, vision_preset
 from engine.core.encoder_cache import MultimodalInput
 from engine.core.kv_cache_groups import (
@@ -46,7 +47,6 @@ from engine.core.step_loop import ExecutedStep, run_step
 from engine.errors import UserError
 from engine.events import PHASES, EngineConfigEvent, EventBus, StartupPhase
 from engine.events.phase_data import InitData
-from engine.events.roofline import Roofline
 from engine.events.stats import StatsReporter
 from engine.events.tally import RunTally
 from engine.modelspec.config import ModelConfig
@@ -79,7 +79,7 @@ class CostModel:
     vision_parameters: int = 0
     encoder_positions_per_token: int = 1  # patches per output embedding (Qwen: 2x2 merged)
 
-    roofline: Roofline = field(init=False, repr=False, compare=False)  # the work counted (engine/events/roofline.py)
+    roofline: Roofline = field(init=False, repr=False, compare=False)  # the work counted (engine/budget/roofline.py)
 
     def __post_init__(self) -> None:
         if not 0 < self.efficiency <= 1:

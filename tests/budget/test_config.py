@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.budget.config import MODEL_PRESETS, bundled_gguf_path, load_model_config
 from engine.errors import UserError
+from engine.modelspec.presets import MODEL_PRESETS, bundled_gguf_path
+from engine.modelspec.readers import load_model_config
 
 
 def test_bundled_gguf_located_without_importing_the_wheel() -> None:
@@ -61,7 +62,7 @@ def test_gguf_header_agrees_with_gguf_reader() -> None:
     package's reader, key by key and tensor by tensor, on the bundled file."""
     from gguf import GGUFReader
 
-    from engine.model.gguf_header import ArrayValue, read_gguf_header
+    from engine.modelspec.gguf_header import ArrayValue, read_gguf_header
 
     path = bundled_gguf_path()
     assert path is not None

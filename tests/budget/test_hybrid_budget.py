@@ -23,9 +23,11 @@ from typing import Any
 
 import pytest
 
-from engine.budget.config import MODEL_PRESETS, EngineConfig, load_model_config
+from engine.budget.config import EngineConfig
 from engine.budget.memory import GiB, MemoryPlan, blocks_per_request, check_plan_fits, plan_memory
 from engine.errors import BudgetError
+from engine.modelspec.presets import MODEL_PRESETS
+from engine.modelspec.readers import load_model_config
 from engine.sim.simulate import build_setup
 
 G27 = MODEL_PRESETS["gemma-3-27b"]

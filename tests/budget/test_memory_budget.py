@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from engine.budget.config import MODEL_PRESETS, load_model_config
 from engine.budget.memory import (
     GiB,
     bytes_per_kv_token,
@@ -16,6 +15,8 @@ from engine.budget.memory import (
     required_utilization,
 )
 from engine.errors import BudgetError, UserError
+from engine.modelspec.presets import MODEL_PRESETS
+from engine.modelspec.readers import load_model_config
 
 LLAMA8 = MODEL_PRESETS["llama-3.1-8b"]
 LLAMA70 = MODEL_PRESETS["llama-3.1-70b"]

@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-from engine.budget.config import MODEL_PRESETS, load_model_config
 from engine.budget.memory import GiB, MiB, bytes_per_kv_token
 from engine.budget.vision import (
     VISION_PRESETS,
@@ -20,6 +19,8 @@ from engine.budget.vision import (
 )
 from engine.cli.main import main
 from engine.errors import UserError
+from engine.modelspec.presets import MODEL_PRESETS
+from engine.modelspec.readers import load_model_config
 
 QWEN_VL = VISION_PRESETS["qwen2.5-vl-7b"]
 MLLAMA = VISION_PRESETS["llama-3.2-11b-vision"]

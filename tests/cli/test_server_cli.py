@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.budget.config import bundled_gguf_path
 from engine.cli import main
+from engine.modelspec.presets import bundled_gguf_path
 from tests.paths import ROOT
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.budget.config import bundled_gguf_path
 from engine.cli import build_parser, main
 from engine.cli.commands.serve import settings_from_args
+from engine.modelspec.presets import bundled_gguf_path
 from tests.paths import ROOT
 
 TEMPLATE = "{% for m in messages %}Q: {{ m['content'] }}\n{% endfor %}A:"

@@ -13,7 +13,7 @@ import pytest
 
 from bench.bench_server import free_port, start_server, stop_server
 from doctor.cli import examine
-from engine.budget.config import bundled_gguf_path
+from engine.modelspec.presets import bundled_gguf_path
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(bundled_gguf_path() is None, reason="the bundled SmolLM2 GGUF is not installed")]

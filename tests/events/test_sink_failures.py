@@ -11,9 +11,9 @@ import textwrap
 
 import pytest
 
-from engine.budget.config import bundled_gguf_path
 from engine.events import Event, EventBus, LogEvent, SinkFailed, StatsEvent, read_events, sink_name
 from engine.events.view import EngineView
+from engine.modelspec.presets import bundled_gguf_path
 from tests.paths import ROOT
 
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from engine.budget.config import MODEL_PRESETS
 from engine.budget.vision import encoder_cache_line, multimodal_from_flags
+from engine.modelspec.presets import MODEL_PRESETS
 from logparse.cli import main
 from logparse.parser import iter_records
 from tests.paths import DATA

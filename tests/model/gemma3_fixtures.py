@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.budget.config import ModelConfig, gemma3_270m_path, load_model_config
+from engine.modelspec.config import ModelConfig
+from engine.modelspec.presets import gemma3_270m_path
+from engine.modelspec.readers import load_model_config
 
 GEMMA3 = "gemma-3-270m"
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.budget.config import load_model_config
 from engine.cli import main
 from engine.model.runner import ModelRunner, ScheduledSeq
 from engine.model.tokenizer import Tokenizer
+from engine.modelspec.readers import load_model_config
 
 pytestmark = pytest.mark.slow  # a full HF export and a transformers load: ~15 s on 2 cores (make test-slow)
 

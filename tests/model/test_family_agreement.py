@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.budget.config import load_model_config
 from engine.errors import UserError
 from engine.model.runner import ModelRunner, ScheduledSeq
+from engine.modelspec.readers import load_model_config
 from tests.model.tiny_hf import VARIANTS, save_tiny_checkpoint, write_tiny_gguf
 
 # Measured (fp32, Zen 4, 2 threads): max |logit diff| 3.2e-06 (Qwen), 5.8e-06 (Gemma 3); 1e-4 leaves room

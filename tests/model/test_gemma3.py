@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.budget.config import FULL_ATTENTION, MODEL_PRESETS, SLIDING_ATTENTION
 from engine.core.sampling_params import SamplingParams
 from engine.model.runner import ScheduledSeq
+from engine.modelspec.config import FULL_ATTENTION, SLIDING_ATTENTION
+from engine.modelspec.presets import MODEL_PRESETS
 from tests.model.gemma3_fixtures import GEMMA3, gemma3_config, gemma3_gguf_or_skip, gemma3_runner
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from engine.errors import UserError
 from engine.events import EventBus, StartupPhase
-from engine.model.families import check_gguf_supported
+from engine.modelspec.families import check_gguf_supported
 
 
 def write_tiny_gguf(path: Path, architecture: str, tokenizer: str = "gpt2", tensor_type: str = "F32") -> Path:
@@ -72,7 +72,7 @@ def test_tokenizer_type_and_tensor_types_are_named(tmp_path: Path) -> None:
 
 def test_supported_files_pass(tmp_path: Path) -> None:
     check_gguf_supported(write_tiny_gguf(tmp_path / "ok.gguf", "llama", tensor_type="Q8_0"))
-    from engine.budget.config import bundled_gguf_path, gemma3_270m_path
+    from engine.modelspec.presets import bundled_gguf_path, gemma3_270m_path
 
     for real in (bundled_gguf_path(), gemma3_270m_path()):
         if real is not None:

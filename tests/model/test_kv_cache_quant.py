@@ -23,7 +23,6 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from engine.budget.config import ModelConfig
 from engine.budget.memory import bytes_per_kv_token, kv_dtype_bytes
 from engine.core.sampling_params import SamplingParams
 from engine.errors import UserError
@@ -39,6 +38,7 @@ from engine.model.attention.kv_quant import (
 )
 from engine.model.attention.torch_backend import TorchAttentionBackend
 from engine.model.runner import ModelRunner, ScheduledSeq
+from engine.modelspec.config import ModelConfig
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 QUANTIZED = (torch.int8, *FP8)

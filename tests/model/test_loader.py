@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine.budget.config import MODEL_PRESETS, load_model_config
 from engine.errors import UserError
 from engine.model.loader import gguf_to_hf_name, permute_rotary_rows, unpermute_rotary_rows
 from engine.model.runner import ModelRunner, ScheduledSeq
+from engine.modelspec.presets import MODEL_PRESETS
+from engine.modelspec.readers import load_model_config
 
 
 def test_unpermute_inverts_llama_cpp_permutation() -> None:
@@ -69,7 +70,7 @@ def test_corrupt_gguf_names_the_file(tmp_path: Path) -> None:
 
 
 def test_truncated_gguf_names_the_file(tmp_path: Path, smollm_config) -> None:
-    from engine.model.gguf_header import read_gguf_header
+    from engine.modelspec.gguf_header import read_gguf_header
 
     # Cut 1 MiB into the tensor data: the header reads, the first tensors' bytes are missing
     # (a cut further in only makes the test slower: every tensor before it is dequantized).

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.model.model_files import GEMMA3_270M, assemble_atomically, models_dir
+from engine.modelspec.model_files import GEMMA3_270M, assemble_atomically, models_dir
 
 
 def _chunks(tmp_path: Path) -> tuple[list[Path], str]:

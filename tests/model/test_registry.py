@@ -1,4 +1,4 @@
-"""The model registry (engine/model/families.py): each family's entry resolves to its model
+"""The model registry (engine/modelspec/families.py): each family's entry resolves to its model
 class and config parsing, and an architecture outside it is refused before phase C, fast,
 naming the families."""
 
@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.budget.config import ModelConfig, model_config_from_hf_dict
 from engine.errors import UserError
-from engine.model.families import FAMILIES, HF_ARCHITECTURES, check_config_supported, model_class_for
+from engine.modelspec.config import ModelConfig
+from engine.modelspec.families import FAMILIES, HF_ARCHITECTURES, check_config_supported, model_class_for
+from engine.modelspec.readers import model_config_from_hf_dict
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 320}

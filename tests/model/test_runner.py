@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 
-from engine.budget.config import MODEL_PRESETS
 from engine.core.sampling_params import SamplingParams
 from engine.errors import UserError
 from engine.model.runner import ModelRunner, ScheduledSeq
+from engine.modelspec.presets import MODEL_PRESETS
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from bench.bench_server import free_port, start_server, stop_server
-from engine.budget.config import bundled_gguf_path
+from engine.modelspec.presets import bundled_gguf_path
 
 pytestmark = pytest.mark.skipif(bundled_gguf_path() is None, reason="the bundled SmolLM2 GGUF is not installed")
 

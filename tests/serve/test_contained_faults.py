@@ -27,12 +27,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import engine.llm_engine as llm_engine_module
 from bench.bench_server import free_port
-from engine.budget.config import bundled_gguf_path
 from engine.cli.commands.serve import make_server
 from engine.core.sampling_params import SamplingParams
 from engine.events import Event, RequestArrived, RequestFinished
 from engine.llm import engine_config
 from engine.model.tokenizer import IncrementalDetokenizer
+from engine.modelspec.presets import bundled_gguf_path
 from engine.serve.host import EngineHost, ServerSettings
 
 pytestmark = pytest.mark.skipif(bundled_gguf_path() is None, reason="the bundled SmolLM2 GGUF is not installed")

@@ -22,8 +22,8 @@ import uvicorn
 
 import engine.cli.plugins as plugins
 from bench.bench_server import ROOT, free_port
-from engine.budget.config import bundled_gguf_path
 from engine.llm_engine import LLMEngine
+from engine.modelspec.presets import bundled_gguf_path
 
 pytestmark = [pytest.mark.skipif(bundled_gguf_path() is None, reason="the bundled SmolLM2 GGUF is not installed"),
               # the engine thread dying with the injected fault is what these tests are about

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from bench.bench_server import free_port, start_server, stop_server
-from engine.budget.config import gemma3_270m_path
+from engine.modelspec.presets import gemma3_270m_path
 
 pytestmark = pytest.mark.skipif(gemma3_270m_path() is None,
                                 reason="Gemma 3 270M GGUF not assembled: run `make setup`")

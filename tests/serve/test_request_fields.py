@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bench.bench_server import free_port, start_server, stop_server
-from engine.budget.config import bundled_gguf_path
 from engine.core.sampling_params import MAX_LOGIT_BIAS_ENTRIES
+from engine.modelspec.presets import bundled_gguf_path
 from engine.serve.protocol import (
     ANY_VALUE,
     MAX_STOP_STRING_CHARS,

@@ -16,7 +16,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from bench.bench_server import free_port, start_server, stop_server
-from engine.budget.config import bundled_gguf_path
+from engine.modelspec.presets import bundled_gguf_path
 from tests.events.test_perfetto import check_trace_event_format
 
 pytestmark = [pytest.mark.slow,

@@ -14,9 +14,10 @@ import math
 
 import pytest
 
-from engine.budget.config import EngineConfig, load_model_config
+from engine.budget.config import EngineConfig
 from engine.events import EventBus, StepEvent
 from engine.events.view import EngineView
+from engine.modelspec.readers import load_model_config
 from engine.sim.simulate import build_setup, simulate
 from engine.sim.workload import WorkloadRequest
 

@@ -10,8 +10,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from engine.budget.config import ModelConfig, load_model_config
 from engine.errors import UserError
+from engine.modelspec.config import ModelConfig
+from engine.modelspec.readers import load_model_config
 
 _HF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
 

@@ -16,6 +16,7 @@ from typing import Any
 from rich.console import Console
 from rich.text import Text
 
+from engine.budget.ledger import label
 from engine.budget.memory import (
     GiB,
     MemoryPlan,
@@ -39,7 +40,6 @@ from engine.cli.flags import (
 )
 from engine.errors import UserError
 from engine.events import PHASES, EngineConfigEvent, EventBus, JsonlSink, StartupPhase
-from engine.events.ledger import label
 from engine.model.cpu_caps import choose_cpu_dtype, detect
 from engine.modelspec.config import ModelConfig
 from engine.modelspec.readers import load_model_config

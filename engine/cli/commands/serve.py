@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
-from engine.budget.config import BUNDLED_MODEL_NAME
 from engine.cli.exporters import add_exporter_flags, attach_exporters
 from engine.cli.flags import add_engine_flags, engine_config_from_args, model_from_args
 from engine.errors import UserError
 from engine.logs import configure_logging, get_logger
+from engine.modelspec.presets import BUNDLED_MODEL_NAME
 from engine.serve.settings import LOOPBACK_HOSTS, ServerSettings
 
 if TYPE_CHECKING:  # the app and the engine load torch: only once the flags are checked

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.budget.memory import INT8_KV_SCALE_BYTES, KV_CACHE_DTYPE_CHOICES
 from engine.errors import UserError
+from engine.modelspec.config import INT8_KV_SCALE_BYTES, KV_CACHE_DTYPE_CHOICES
 
 # Names -> storage dtype; "auto" (and nothing given) means the model's dtype.
 _KV_DTYPES: dict[str, torch.dtype] = {

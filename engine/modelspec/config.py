@@ -1,0 +1,121 @@
+"""``ModelConfig``: a model's shapes and its family's own fields (Llama, Qwen2/Qwen3, Gemma 3
+with its sliding-window layers), the dtype names and sizes they are counted in, and its exact
+parameter count. It comes from an HF folder's config.json, a GGUF header or a preset
+(:mod:`engine.modelspec.readers`, :mod:`engine.modelspec.presets`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+DTYPE_BYTES: dict[str, float] = {
+    "float32": 4,
+    "fp32": 4,
+    "bfloat16": 2,
+    "bf16": 2,
+    "float16": 2,
+    "fp16": 2,
+    "half": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "int8": 1,
+}
+
+KV_CACHE_DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+# int8 KV stores one fp32 scale per (token, KV head) for K and for V, in the cache
+# itself (engine/model/attention/kv_quant.py); fp8 uses vLLM's default scale 1.0 (none stored).
+INT8_KV_SCALE_BYTES = 4
+
+GiB = 1024**3
+MiB = 1024**2
+KiB = 1024
+
+CANONICAL_DTYPE = {
+    "fp32": "float32",
+    "float": "float32",
+    "float32": "float32",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "float16": "float16",
+}
+
+# transformers' names for a layer's attention (Gemma3TextConfig.layer_types).
+SLIDING_ATTENTION = "sliding_attention"
+FULL_ATTENTION = "full_attention"
+# Gemma 3 values llama.cpp and transformers fix for every size and a GGUF does not carry.
+GEMMA3_SLIDING_WINDOW_PATTERN = 6  # five sliding layers, then one full
+GEMMA3_ROPE_LOCAL_BASE_FREQ = 10_000.0
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    name: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    dtype: str = "bfloat16"
+    architecture: str = "llama"
+    source: str = "preset"  # preset | hf | gguf
+    path: str | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    # Model families beyond Llama (Gemma 3). None on a Llama config, and then left out of
+    # summary(), so a Llama run's recorded config is what it was before these existed.
+    layer_types: tuple[str, ...] | None = None  # per layer: "sliding_attention" | "full_attention"
+    sliding_window: int | None = None  # keys a sliding layer's query sees, itself included
+    rope_local_base_freq: float | None = None  # the sliding layers' rope base (rope_theta: the full ones')
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (else head_dim's)
+    hidden_activation: str | None = None  # "gelu_pytorch_tanh" (Gemma); None: SiLU
+    qk_norm: bool | None = None  # Qwen3: Q and K RMS-normed per head (a head_dim weight each) before the rotation
+
+    FAMILY_FIELDS: ClassVar[tuple[str, ...]] = ("layer_types", "sliding_window", "rope_local_base_freq",
+                                                "query_pre_attn_scalar", "hidden_activation", "qk_norm")
+
+    @property
+    def is_gemma3(self) -> bool:
+        return self.architecture in ("gemma3", "gemma3_text")
+
+    def layer_is_sliding(self, index: int) -> bool:
+        return self.layer_types is not None and self.layer_types[index] == SLIDING_ATTENTION
+
+    @property
+    def num_parameters(self) -> int:
+        """Exact parameter count from the shapes; a tied LM head counts once."""
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        attn = h * q + 2 * h * kv + q * h
+        if self.attention_bias:
+            attn += q + 2 * kv
+        mlp = 3 * h * i
+        per_layer = attn + mlp + 2 * h  # two RMSNorm weights
+        if self.is_gemma3:  # two more RMSNorms (after attention and after the MLP) and Q/K norms
+            per_layer += 2 * h + 2 * self.head_dim
+        elif self.qk_norm:  # Qwen3: the Q and K norms
+            per_layer += 2 * self.head_dim
+        embed = v * h
+        head = 0 if self.tie_word_embeddings else v * h
+        return embed + head + self.num_layers * per_layer + h
+
+    def summary(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        for name in self.FAMILY_FIELDS:
+            if out[name] is None:
+                del out[name]
+        if out.get("layer_types") is not None:
+            out["layer_types"] = list(out["layer_types"])
+        out["num_parameters"] = self.num_parameters
+        return out

