@@ -84,7 +84,8 @@ class LLMEngine:
 
             try:
                 self.kv_events = KVEventsSink(config.kv_events_config, registry=metrics_registry,
-                                              model_name=config.served_model_name or config.model)
+                                              model_name=config.served_model_name or config.model,
+                                              data_parallel_rank=config.data_parallel_rank or 0)
             except BaseException:  # an endpoint in use: the recording opened above is closed
                 self.close()
                 raise

@@ -91,6 +91,8 @@ def add_model_flags(p: argparse.ArgumentParser, positional: bool = False,
                    help="auto (= --dtype), bfloat16, float16, float32, fp8 (= fp8_e4m3), fp8_e5m2 (vLLM's, scale 1.0), "
                         "or int8 (per-token-and-head scales; CPU/torch backend): 1-byte KV holds 2-4x the tokens")
     p.add_argument("--tensor-parallel-size", "-tp", type=_positive_int("--tensor-parallel-size"), default=1)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=_positive_int("--pipeline-parallel-size"), default=None,
+                   help="contiguous layer stages, one rank each (vLLM's flag); T x P ranks with -tp T")
 
 
 def add_budget_flags(p: argparse.ArgumentParser) -> None:
@@ -177,6 +179,9 @@ def add_engine_flags(p: argparse.ArgumentParser, positional_model: bool = False)
                         "terminal and a pipe alike; console is another name for it); json: one object per line")
     p.add_argument("--threads", dest="num_threads", type=_positive_int("--threads"), default=None, metavar="N",
                    help="CPU threads for torch (default: all cores; with --tensor-parallel-size N, cores / N per rank)")
+    p.add_argument("--data-parallel-size", "-dp", type=_positive_int("--data-parallel-size"), default=None,
+                   help="D engine cores (each its own process, scheduler and KV pool) behind one server, "
+                        "requests to the least loaded (vLLM's flag and rule: 4 x waiting + running)")
     p.add_argument("--distributed-executor-backend", choices=["mp"], default="mp",
                    help="how --tensor-parallel-size > 1 runs its ranks: mp (the only one), one process per rank "
                         "started by torch.multiprocessing, rank 0 in this process (engine/workers.py)")
@@ -282,7 +287,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> Engin
         "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
         "enable_prefix_caching", "scheduling_policy", "load_format", "device", "attention_backend", "compile",
         "enforce_eager", "seed", "stats_interval", "log_prompts", "events_path", "num_threads", "quantization",
-        "kv_events_config", "disable_hybrid_kv_cache_manager",
+        "kv_events_config", "disable_hybrid_kv_cache_manager", "data_parallel_size", "pipeline_parallel_size",
     ):
         if hasattr(args, name):
             setattr(cfg, name, getattr(args, name))

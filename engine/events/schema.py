@@ -132,13 +132,14 @@ class RequestArrived(Event):
     then the key is not written)."""
 
     type: ClassVar[str] = "request.arrived"
-    written_when_set: ClassVar[frozenset[str]] = frozenset({"sampling"})
+    written_when_set: ClassVar[frozenset[str]] = frozenset({"dp_rank", "sampling"})
     request_id: str = ""
     prompt_tokens: int = 0
     max_tokens: int = 0
     priority: int = 0
     prompt: str | None = None  # only with --log-prompts
     sampling: dict[str, float] | None = None
+    dp_rank: int = 0  # the data-parallel rank whose engine core it is; written only when not 0
 
 
 @dataclass(slots=True)
@@ -146,16 +147,20 @@ class RequestScheduled(Event):
     """First admission of a request (not resumptions after preemption)."""
 
     type: ClassVar[str] = "request.scheduled"
+    written_when_set: ClassVar[frozenset[str]] = frozenset({"dp_rank"})
     request_id: str = ""
     queue_time_s: float = 0.0
     prefix_hit_tokens: int = 0
+    dp_rank: int = 0  # the data-parallel rank whose engine core it is; written only when not 0
 
 
 @dataclass(slots=True)
 class RequestFirstToken(Event):
     type: ClassVar[str] = "request.first_token"
+    written_when_set: ClassVar[frozenset[str]] = frozenset({"dp_rank"})
     request_id: str = ""
     ttft_s: float = 0.0
+    dp_rank: int = 0  # the data-parallel rank whose engine core it is; written only when not 0
 
 
 # Why a running request was preempted (vLLM's num_preemptions_by_reason label values).
@@ -171,11 +176,13 @@ class RequestPreempted(Event):
     the only reason there was."""
 
     type: ClassVar[str] = "request.preempted"
+    written_when_set: ClassVar[frozenset[str]] = frozenset({"dp_rank"})
     request_id: str = ""
     computed_tokens_lost: int = 0
     blocks_freed: int = 0
     num_preemptions: int = 0
     reason: str = PREEMPTION_KV_FULL
+    dp_rank: int = 0  # the data-parallel rank whose engine core it is; written only when not 0
 
 
 @dataclass(slots=True)
@@ -184,7 +191,7 @@ class RequestFinished(Event):
     (its own sampling or detokenising raised; ``error`` says what)."""
 
     type: ClassVar[str] = "request.finished"
-    written_when_set: ClassVar[frozenset[str]] = frozenset({"error"})
+    written_when_set: ClassVar[frozenset[str]] = frozenset({"dp_rank", "error"})
     request_id: str = ""
     reason: str = "stop"
     prompt_tokens: int = 0
@@ -200,15 +207,18 @@ class RequestFinished(Event):
     inter_token_latencies_s: list[float] = field(default_factory=list)
     output_text: str | None = None  # only with --log-prompts
     error: str | None = None  # reason "error": the exception, in one line
+    dp_rank: int = 0  # the data-parallel rank whose engine core it is; written only when not 0
 
 
 @dataclass(slots=True)
 class RequestRejected(Event):
     type: ClassVar[str] = "request.rejected"
+    written_when_set: ClassVar[frozenset[str]] = frozenset({"dp_rank"})
     request_id: str = ""
     reason: str = ""
     prompt_tokens: int = 0
     max_tokens: int = 0
+    dp_rank: int = 0  # the data-parallel rank whose engine core it is; written only when not 0
 
 
 # ------------------------------------------------------------------------ steps
@@ -246,7 +256,7 @@ class StepEvent(Event):
     """
 
     type: ClassVar[str] = "step"
-    written_when_set: ClassVar[frozenset[str]] = frozenset({"cached_runs", "evicted_hashes", "collective_s",
+    written_when_set: ClassVar[frozenset[str]] = frozenset({"cached_runs", "evicted_hashes", "collective_s", "dp_rank",
                                                             "collective_bytes", "collective_calls",
                                                             "allocated_groups", "freed_groups", "cached_groups",
                                                             "evicted_groups", "freed_by_window",
@@ -292,6 +302,7 @@ class StepEvent(Event):
     evicted_groups: list[int] = field(default_factory=list)
     freed_by_window: dict[str, list[int]] = field(default_factory=dict)
     freed_by_window_groups: dict[str, list[int]] = field(default_factory=dict)
+    dp_rank: int = 0  # the data-parallel rank whose engine core it is; written only when not 0
 
 
 @dataclass(slots=True)

@@ -114,7 +114,12 @@ class EngineHost:
     def create(cls, config: EngineConfig, settings: ServerSettings,
                registry: CollectorRegistry | None = None, bus: EventBus | None = None) -> EngineHost:
         """Subscribe the observers, then start the engine thread (startup runs
-        there; ``engine.wait_ready()`` waits for it)."""
+        there; ``engine.wait_ready()`` waits for it). ``--data-parallel-size`` > 1: engine
+        cores in processes of their own behind the same interface (engine/serve/data_parallel.py)."""
+        if (config.data_parallel_size or 1) > 1:
+            from engine.serve.data_parallel import data_parallel_host
+
+            return data_parallel_host(config, settings, registry, bus)
         bus = bus or EventBus()
         metrics = PrometheusMetrics(registry or CollectorRegistry(), settings.served_model_name,
                                     max_model_len=config.max_model_len, kv_cache_metrics=settings.kv_cache_metrics)

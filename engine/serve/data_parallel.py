@@ -1,0 +1,459 @@
+"""``--data-parallel-size D``: D engine cores behind one API server, as vLLM runs them.
+
+Each rank is an engine core in its own process (engine/dp_core.py: its own scheduler,
+KV pool, model, tensor-parallel workers and recording). This process keeps the HTTP
+front end and :class:`DataParallelEngine`, which has :class:`~engine.serve.async_engine.AsyncEngine`'s
+interface, so the routes and the server run unchanged:
+
+* **Balancing** is vLLM's ``DPLBAsyncMPClient.get_core_engine_for_request``: the rank with
+  the lowest ``4 x waiting + running`` (ties to the lowest rank), from the counts each
+  rank's latest ``step`` event reported (vLLM's coordinator publishes the same two counts
+  every 100 ms), and the chosen rank's waiting count raised by one at once so a burst
+  between two reports spreads out.
+* **Events**: every rank's events are folded on a bus of that rank in this process: its
+  :class:`~engine.events.metrics.PrometheusMetrics` with ``engine`` = the rank (``/metrics``
+  merges the ranks' families, so each family has an ``engine="0"`` … series as vLLM's
+  do) and its view. ``/events``, the dashboard and the exporters follow rank 0's bus; the
+  snapshot (``/debug/state``, the first ``/events`` event) adds ``data_parallel``: each
+  rank's pid, queue, KV use and the requests routed to it.
+* **Failure**: a core that dies or fails after startup stops the server as a dead engine
+  thread does (``error`` names the rank, its pid and how it ended; ``/health`` 503, exit
+  1), after the other cores are stopped; a core that fails during startup fails
+  ``wait_ready`` the same way. Cores die with this process (``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import signal
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
+
+from engine.budget.config import EngineConfig
+from engine.core.sampling_params import SamplingParams
+from engine.dp_core import CoreFacts, core_main
+from engine.errors import ReplicaError, UserError
+from engine.events import EngineStopped, Event, EventBus, StepEvent, event_from_dict
+from engine.events.metrics import PrometheusMetrics
+from engine.llm_engine import LLMEngine, RequestOutput
+from engine.logs import get_logger
+from engine.serve.async_engine import EngineDead, Overloaded, RequestFailed, RequestStream, _aborted_output
+from engine.serve.host import EngineHost, EventHub, LockedView
+from engine.serve.settings import ServerSettings
+
+WAITING_WEIGHT = 4  # vLLM: score = waiting * 4 + running
+STOP_WAIT_S = 5.0  # a core's time to leave by itself after "stop", before terminate/kill
+EXIT_WAIT_S = 5.0  # how long a core that closed its pipe gets to show its exit status
+
+
+@dataclass(eq=False)
+class CoreClient:
+    """This process's side of one rank: its process, pipe, bus and view, and the counts it balances on."""
+
+    rank: int
+    process: Any  # multiprocessing's SpawnProcess
+    conn: Any  # the duplex Pipe's end
+    bus: EventBus
+    view: LockedView
+    facts: CoreFacts | None = None
+    failure: tuple[str, bool] | None = None  # the core's own account: (message, is a UserError)
+    waiting: int = 0
+    running: int = 0
+    routed: int = 0
+    kv_used: int = 0
+    kv_total: int = 0
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+    publish_lock: threading.Lock = field(default_factory=threading.Lock)
+    reader: threading.Thread | None = None
+
+    def send(self, command: tuple[Any, ...]) -> None:
+        with self.send_lock, contextlib.suppress(OSError, ValueError):  # a dead core: its reader reports it
+            self.conn.send(command)
+
+    def publish(self, event: Event) -> None:
+        with self.publish_lock:
+            self.bus.publish(event)
+
+    def how_it_ended(self) -> str:
+        if self.failure is not None:
+            return f"failed: {self.failure[0]}"
+        code = self.process.exitcode
+        if code is None:
+            return "closed its pipe"
+        if code < 0:
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"exited with code {code}"
+
+
+class ReplicaFrontend:
+    """``host.llm`` under data parallelism: what the routes ask of an engine before they
+    submit (the tokenizer, the limits, the prompt checks), from rank 0's facts; every
+    rank runs the same model and flags. The prompt checks are LLMEngine's own."""
+
+    encode_prompt = LLMEngine.encode_prompt
+    check_prompt = LLMEngine.check_prompt
+
+    def __init__(self, config: EngineConfig, facts: CoreFacts) -> None:
+        self.config = config
+        self.tokenizer = facts.tokenizer
+        self.startup = facts  # .scheduler_config and .model_config, as LLMEngine.startup has them
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.startup.scheduler_config.max_model_len)
+
+
+class MergedRegistry:
+    """The ranks' registries as one: each family once, with every rank's samples (a
+    family repeated in the exposition is a scrape error for Prometheus)."""
+
+    def __init__(self, registries: Sequence[CollectorRegistry]) -> None:
+        self.registries = registries
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for registry in self.registries:
+            for metric in registry.collect():
+                merged = families.get(metric.name)
+                if merged is None:
+                    merged = families[metric.name] = Metric(metric.name, metric.documentation, metric.type,
+                                                            metric.unit)
+                merged.samples.extend(metric.samples)
+        yield from families.values()
+
+
+class DataParallelMetrics:
+    """``host.metrics``: each rank's PrometheusMetrics, rendered as one exposition."""
+
+    def __init__(self, ranks: Sequence[PrometheusMetrics]) -> None:
+        self.ranks = list(ranks)
+        self.registry = self.ranks[0].registry
+
+    def render(self) -> bytes:
+        return generate_latest(MergedRegistry([m.registry for m in self.ranks]))  # type: ignore[arg-type]
+
+
+class DataParallelView:
+    """``host.view``: rank 0's view, plus each rank's queue and KV use under ``data_parallel``."""
+
+    def __init__(self, engine: DataParallelEngine) -> None:
+        self.engine = engine
+
+    def __call__(self, event: Event) -> None:  # rank 0's view is subscribed itself
+        pass
+
+    def snapshot(self) -> dict[str, Any]:
+        state = self.engine.cores[0].view.snapshot()
+        state["data_parallel"] = self.engine.balance_state()
+        return state
+
+
+class DataParallelEngine:
+    """D engine-core processes behind AsyncEngine's interface (module docstring)."""
+
+    def __init__(self, config: EngineConfig, buses: Sequence[EventBus], views: Sequence[LockedView],
+                 max_waiting_requests: int | None = None) -> None:
+        self.config = config
+        self.bus = buses[0]
+        self.max_waiting_requests = max_waiting_requests
+        self._buses, self._views = list(buses), list(views)
+        self.cores: list[CoreClient] = []
+        self._lock = threading.Lock()  # the streams, the waiting set and the balancing counts
+        self._streams: dict[str, tuple[CoreClient, RequestStream]] = {}
+        self._waiting: set[str] = set()
+        self._ready = threading.Event()
+        self._closing = False
+        self._draining = False
+        self._startup_error: BaseException | None = None
+        self._error: BaseException | None = None
+        self._frontend: ReplicaFrontend | None = None
+        self._ids = itertools.count(1)
+        self._log = get_logger("kvscope.serve")
+
+    # ------------------------------------------------------------- lifecycle
+    def start(self) -> DataParallelEngine:
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        for rank, (bus, view) in enumerate(zip(self._buses, self._views, strict=True)):
+            ours, theirs = context.Pipe(duplex=True)
+            # Not a daemon: a core starts its own tensor-parallel workers; it dies with this
+            # process through PR_SET_PDEATHSIG instead (engine/workers.py).
+            process = context.Process(target=core_main, name=f"kvscope-dp-rank{rank}",
+                                      args=(rank, self.config, theirs, os.getpid()))
+            process.start()
+            theirs.close()
+            core = CoreClient(rank, process, ours, bus, view)
+            self.cores.append(core)
+            self._log.info(f"data-parallel rank {rank}: engine core pid {process.pid}")
+        for core in self.cores:
+            core.reader = threading.Thread(target=self._read, args=(core,), name=f"kvscope-dp-reader{core.rank}",
+                                           daemon=True)
+            core.reader.start()
+        return self
+
+    def wait_ready(self, timeout: float | None = None) -> ReplicaFrontend:
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"the engine cores did not finish startup within {timeout} s")
+        if self._startup_error is not None:
+            raise self._startup_error
+        assert self._frontend is not None
+        return self._frontend
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set() and self._frontend is not None and self._error is None and not self._closing
+
+    @property
+    def alive(self) -> bool:
+        return self.ready
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def stop_accepting(self) -> None:
+        self._draining = True
+
+    def num_waiting(self) -> int:
+        with self._lock:
+            return len(self._waiting)
+
+    def pids(self) -> list[int]:
+        return [core.process.pid for core in self.cores]
+
+    def shutdown(self, drain_timeout_s: float = 10.0) -> None:
+        """AsyncEngine.shutdown's contract: refuse new requests, let those in flight finish
+        for up to ``drain_timeout_s``, abort the rest, stop every core."""
+        self.stop_accepting()
+        deadline = time.monotonic() + drain_timeout_s
+        while self.ready and time.monotonic() < deadline:
+            with self._lock:
+                if not self._streams and not self._waiting:
+                    break
+            time.sleep(0.02)
+        self._stop_cores()
+        with self._lock:
+            left, self._streams = list(self._streams.items()), {}
+        for rid, (_, stream) in left:
+            stream.post(_aborted_output(rid, stream))
+
+    def _stop_cores(self, dead: CoreClient | None = None) -> None:
+        """Ask every core to stop, then terminate and kill what is left: no process outlives the server."""
+        self._closing = True
+        for core in self.cores:
+            if core is not dead:
+                core.send(("stop",))
+        deadline = time.monotonic() + STOP_WAIT_S
+        for core in self.cores:
+            core.process.join(max(0.0, deadline - time.monotonic()))
+        for core in self.cores:
+            if core.process.is_alive():
+                core.process.terminate()
+                core.process.join(2.0)
+            if core.process.is_alive():
+                core.process.kill()
+                core.process.join(2.0)
+        for core in self.cores:
+            if core.reader is not None and core.reader is not threading.current_thread():
+                core.reader.join(2.0)
+            with contextlib.suppress(OSError):
+                core.conn.close()
+
+    # -------------------------------------------------------------- requests
+    def next_request_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    def choose(self) -> CoreClient:
+        """vLLM's rule (module docstring); call with ``self._lock`` held."""
+        best = min(self.cores, key=lambda c: (WAITING_WEIGHT * c.waiting + c.running, c.rank))
+        best.waiting += 1
+        best.routed += 1
+        return best
+
+    async def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str,
+                          priority: int = 0, arrival_time: float | None = None) -> RequestStream:
+        """AsyncEngine.add_request on the least loaded rank. ``arrival_time`` (this process's
+        bus clock) travels as an age, since each core has its own clock."""
+        if not self.alive:
+            raise EngineDead(f"the engine is not running{f': {self._error}' if self._error else ''}")
+        if self._draining:
+            raise Overloaded("the server is shutting down")
+        stream = RequestStream(self, request_id, list(prompt_ids), params,  # type: ignore[arg-type]
+                               asyncio.get_running_loop(), priority)
+        with self._lock:
+            limit = self.max_waiting_requests
+            if limit is not None and len(self._waiting) >= limit:
+                raise Overloaded(f"{len(self._waiting)} requests are already waiting "
+                                 f"(--max-waiting-requests {limit}); retry later")
+            self._waiting.add(request_id)
+            core = self.choose()
+            self._streams[request_id] = (core, stream)
+        age = None if arrival_time is None else max(0.0, self.bus.now() - arrival_time)
+        core.send(("add", request_id, list(prompt_ids), params, priority, age))
+        try:
+            await stream.accepted
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        return stream
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        stream = await self.add_request(prompt_ids, params, request_id)
+        async with contextlib.aclosing(stream.outputs()) as outputs:
+            async for output in outputs:
+                yield output
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._waiting.discard(request_id)
+            entry = self._streams.pop(request_id, None)
+        if entry is not None:
+            entry[0].send(("abort", request_id))
+
+    def abort_all(self) -> None:
+        with self._lock:
+            left, self._streams = list(self._streams.items()), {}
+        for core in self.cores:
+            core.send(("abort_all",))
+        for rid, (_, stream) in left:
+            stream.post(_aborted_output(rid, stream))
+
+    def _left_waiting(self, stream: RequestStream) -> None:
+        with self._lock:
+            self._waiting.discard(stream.request_id)
+
+    def balance_state(self) -> dict[str, Any]:
+        """Each rank's queue as the balancer sees it, and what it was given."""
+        with self._lock:
+            ranks = [{"rank": c.rank, "pid": c.process.pid, "alive": c.process.is_alive(), "waiting": c.waiting,
+                      "running": c.running, "score": WAITING_WEIGHT * c.waiting + c.running,
+                      "routed": c.routed, "kv_blocks_used": c.kv_used, "kv_blocks_total": c.kv_total}
+                     for c in self.cores]
+        return {"size": len(self.cores), "rule": "least 4 x waiting + running (vLLM's DP load balancer)",
+                "ranks": ranks}
+
+    # ----------------------------------------------------------- core pipes
+    def _read(self, core: CoreClient) -> None:
+        """One core's messages until its pipe closes (module docstring of engine/dp_core.py)."""
+        try:
+            while True:
+                message = core.conn.recv()
+                kind = message[0]
+                if kind == "events":
+                    self._publish(core, message[1])
+                elif kind == "ready":
+                    core.facts = message[1]
+                    self._maybe_ready()
+                elif kind == "failed":
+                    core.failure = (message[1], message[2])
+                elif kind == "step":
+                    _, events, outputs, accepted = message
+                    self._publish(core, events)
+                    self._accepted(accepted)
+                    self._dispatch(outputs)
+        except (EOFError, OSError):
+            pass
+        self._ended(core)
+
+    def _publish(self, core: CoreClient, rows: list[dict[str, Any]]) -> None:
+        for row in rows:
+            event = event_from_dict(row)
+            if isinstance(event, StepEvent):
+                with self._lock:  # the counts vLLM's coordinator reports: the scheduler's own
+                    core.waiting, core.running = event.num_waiting, event.num_running
+                    core.kv_used, core.kv_total = event.kv_blocks_used, event.kv_blocks_total
+            core.publish(event)
+
+    def _accepted(self, accepted: list[tuple[str, str | None]]) -> None:
+        for request_id, refusal in accepted:
+            with self._lock:
+                entry = self._streams.get(request_id)
+                if entry is not None and refusal is not None:
+                    del self._streams[request_id]
+            if entry is not None:
+                entry[1].post_accepted(None if refusal is None else UserError(refusal))
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            with self._lock:
+                entry = self._streams.get(output.request_id)
+                if entry is not None and output.finished:
+                    del self._streams[output.request_id]
+            if entry is None:
+                continue
+            entry[1].post(RequestFailed(f"the request failed in the engine ({output.error}); other requests "
+                                        "are unaffected") if output.error is not None else output)
+
+    def _maybe_ready(self) -> None:
+        if all(core.facts is not None for core in self.cores) and not self._ready.is_set():
+            self._frontend = ReplicaFrontend(self.config, self.cores[0].facts)  # type: ignore[arg-type]
+            self._log.info(f"data parallelism: {len(self.cores)} engine cores ready, requests to the least loaded "
+                           f"({WAITING_WEIGHT} x waiting + running)")
+            self._ready.set()
+
+    def _ended(self, core: CoreClient) -> None:
+        """A core's pipe closed: at shutdown, nothing to do; otherwise the server stops,
+        naming the rank, after every other core is stopped."""
+        if self._closing:
+            return
+        core.process.join(EXIT_WAIT_S)
+        when = "during startup" if not self._ready.is_set() else "while serving"
+        others = [c.rank for c in self.cores if c is not core]
+        error: BaseException
+        if core.failure is not None and core.failure[1] and not self._ready.is_set():
+            error = UserError(core.failure[0])  # a refusal every rank reaches alike: as a one-rank start says it
+        else:
+            error = ReplicaError(
+                f"data-parallel rank {core.rank} (pid {core.process.pid}) {core.how_it_ended()} {when}. The server "
+                f"stops: rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} shut down")
+        self._log.error(str(error))
+        self._stop_cores(dead=core)
+        with self._lock:
+            left, self._streams = list(self._streams.items()), {}
+        for _, (_, stream) in left:
+            stream.post(EngineDead(f"the engine stopped: {error}"))
+        stopped = EngineStopped(error=f"{type(error).__name__}: {error}")
+        for each in {id(c.bus): c for c in (core, self.cores[0])}.values():  # the dead rank's bus and rank 0's
+            each.publish(EngineStopped(error=stopped.error))
+        if self._ready.is_set():
+            self._error = error
+        else:
+            self._startup_error = error
+            self._ready.set()
+
+
+def data_parallel_host(config: EngineConfig, settings: ServerSettings, registry: CollectorRegistry | None = None,
+                       bus: EventBus | None = None) -> EngineHost:
+    """EngineHost.create for ``--data-parallel-size D`` > 1: a bus, view and metrics per
+    rank (``engine`` = the rank), rank 0's bus the one /events, the dashboard and the
+    exporters follow."""
+    size = config.data_parallel_size or 1
+    buses = [bus or EventBus()] + [EventBus() for _ in range(1, size)]
+    views = [LockedView() for _ in range(size)]
+    metrics = [PrometheusMetrics(registry if rank == 0 and registry is not None else CollectorRegistry(),
+                                 settings.served_model_name, engine_index=str(rank), max_model_len=config.max_model_len,
+                                 kv_cache_metrics=settings.kv_cache_metrics) for rank in range(size)]
+    hub = EventHub()
+    for rank in range(size):
+        buses[rank].subscribe(metrics[rank])
+        buses[rank].subscribe(views[rank])
+    buses[0].subscribe(hub)
+    engine = DataParallelEngine(config, buses, views, max_waiting_requests=settings.max_waiting_requests).start()
+    return EngineHost(settings=settings, bus=buses[0], engine=engine,  # type: ignore[arg-type]
+                      view=DataParallelView(engine), metrics=DataParallelMetrics(metrics),  # type: ignore[arg-type]
+                      hub=hub)
