@@ -13,13 +13,24 @@ they are also what the step event carries (:class:`ExpertCounter`), so observing
 experts costs nothing extra.
 
 Expert weights are stored as vLLM stores them: ``w13 [experts, 2 * intermediate, hidden]``
-(gate rows then up rows) and ``w2 [experts, hidden, intermediate]``.
+(gate rows then up rows) and ``w2 [experts, hidden, intermediate]``. :class:`SparseMoeMLP`
+holds one layer's router and experts and fills them from a family's HF names
+(:class:`ExpertNames`); the two mixins make a family's layer and model sparse
+(engine/model/qwen3_moe.py, engine/model/mixtral.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from engine.errors import UserError
+from engine.model.kernels.cpu_norm import rms_norm
+from engine.modelspec.config import ModelConfig
 
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int,
@@ -79,3 +90,153 @@ class ExpertCounter:
         """The counts since the last take (``[moe layer][expert]``), or None if no forward ran."""
         counts, self._counts = self._counts, None
         return None if counts is None else counts.tolist()
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertNames:
+    """A family's HF tensor names for its MoE MLP, under ``model.layers.N.``: the router's,
+    the experts' prefix (``<prefix><e>.<name>``) and the gate / up / down projections'."""
+
+    router: str
+    experts: str
+    gate: str
+    up: str
+    down: str
+
+    def layer_names(self, num_experts: int) -> list[str]:
+        return [self.router, *(f"{self.experts}{e}.{t}" for e in range(num_experts)
+                               for t in (self.gate, self.up, self.down))]
+
+
+QWEN_MOE_NAMES = ExpertNames("mlp.gate.weight", "mlp.experts.", "gate_proj.weight", "up_proj.weight",
+                             "down_proj.weight")
+MIXTRAL_NAMES = ExpertNames("block_sparse_moe.gate.weight", "block_sparse_moe.experts.", "w1.weight", "w3.weight",
+                            "w2.weight")
+
+
+class SparseMoeMLP(nn.Module):
+    """A layer's router and experts (vLLM's layout: ``w13`` gate then up rows, ``w2`` down)."""
+
+    def __init__(self, config: ModelConfig, names: ExpertNames, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        assert config.num_experts and config.num_experts_per_tok and config.moe_intermediate_size
+        h, e, i = config.hidden_size, config.num_experts, config.moe_intermediate_size
+        self.names = names
+        self.num_experts = e
+        self.top_k = config.num_experts_per_tok
+        self.intermediate_size = i
+        self.renormalize = bool(config.norm_topk_prob)
+
+        def empty(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+        self.router = empty(e, h)
+        self.w13 = empty(e, 2 * i, h)
+        self.w2 = empty(e, h, i)
+        self.counter: ExpertCounter | None = None  # set by the model
+        self.slot = 0  # this layer's row in the counter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(x, self.router, self.top_k, self.renormalize)
+        out, counts = grouped_experts(x, self.w13, self.w2, weights, ids)
+        if self.counter is not None:
+            self.counter.add(self.slot, counts)
+        return out
+
+    def target(self, rest: str) -> tuple[torch.Tensor, int, int] | None:
+        """``(parameter, row offset, rows)`` an HF name under ``model.layers.N.`` fills."""
+        names = self.names
+        if rest == names.router:
+            return self.router, 0, self.num_experts
+        if not rest.startswith(names.experts):
+            return None
+        index_str, _, tensor = rest[len(names.experts):].partition(".")
+        if not index_str.isdigit() or int(index_str) >= self.num_experts:
+            return None
+        expert, i = int(index_str), self.intermediate_size
+        table = {names.gate: (self.w13[expert], 0, i), names.up: (self.w13[expert], i, i),
+                 names.down: (self.w2[expert], 0, self.w2.shape[1])}
+        return table.get(tensor)
+
+
+class SparseLayerMixin:
+    """A decoder layer whose MLP is sparse where the config says so (``is_moe_layer``): put
+    before the family's layer class; it replaces the dense MLP in ``mlp_block``."""
+
+    moe: SparseMoeMLP | None
+    post_attention_layernorm: torch.Tensor
+    eps: float
+
+    def make_sparse(self, config: ModelConfig, index: int, names: ExpertNames, dtype: torch.dtype,
+                    device: torch.device | str) -> None:
+        self.moe = None
+        if config.is_moe_layer(index):
+            # Llama's dense MLP is not in a sparse layer: empty, so the inherited name table still reads
+            h = config.hidden_size
+            self.gate_up_proj = nn.Parameter(torch.empty(0, h, dtype=dtype, device=device), requires_grad=False)
+            self.down_proj = nn.Parameter(torch.empty(h, 0, dtype=dtype, device=device), requires_grad=False)
+            self.moe = SparseMoeMLP(config, names, dtype, device)
+
+    def mlp_block(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.moe is None:
+            return super().mlp_block(hidden)  # type: ignore[misc, no-any-return]
+        return hidden + self.moe(rms_norm(hidden, self.post_attention_layernorm, self.eps))
+
+    def fused_decode_args(self) -> None:
+        """The fused C++ decode layer is Llama's dense shape: never here."""
+        return None
+
+
+class SparseModelMixin:
+    """A model with sparse layers (put before the family's model class): their expert weights
+    by the family's HF names, one :class:`ExpertCounter` over every MoE layer, and no
+    quantized copies (they cover dense projections only)."""
+
+    layers: nn.ModuleList
+    quantized: dict[str, Any]
+    family_label = "this MoE family"
+
+    def attach_expert_counter(self, num_experts: int) -> None:
+        moe_layers = [i for i, layer in enumerate(self.layers) if layer.moe is not None]
+        self.expert_counter = ExpertCounter(moe_layers, num_experts)
+        for slot, index in enumerate(moe_layers):
+            self.layers[index].moe.counter = self.expert_counter
+            self.layers[index].moe.slot = slot
+
+    def fused_decode_status(self, kv_cache_dtype: torch.dtype) -> str:
+        return f"off: the fused C++ layer is Llama's dense shape ({self.family_label} runs its layers op by op)"
+
+    def quantize_weights(self, method: str, gguf_blocks: object = None) -> dict[str, int]:
+        raise UserError(f"--quantization {method}: the weight-only quantized copies cover dense projections; "
+                        f"kvscope runs {self.family_label}'s experts in float (use --quantization none)")
+
+    def quantized_linears(self) -> list[Any]:
+        return list(self.quantized.values())
+
+    def _sparse_layer(self, hf_name: str) -> tuple[SparseMoeMLP, str] | None:
+        prefix, _, rest = hf_name.partition("model.layers.")
+        if prefix or not rest:
+            return None
+        index_str, _, tail = rest.partition(".")
+        if not index_str.isdigit() or int(index_str) >= len(self.layers):
+            return None
+        moe = self.layers[int(index_str)].moe
+        return (moe, tail) if moe is not None else None
+
+    def _fused_target(self, hf_name: str) -> tuple[torch.Tensor, int, int] | None:
+        sparse = self._sparse_layer(hf_name)
+        if sparse is not None:
+            moe, tail = sparse
+            found = moe.target(tail)
+            if found is not None or tail.startswith(("mlp.", moe.names.experts, moe.names.router)):
+                return found  # a dense MLP name in a sparse layer fills nothing
+        return super()._fused_target(hf_name)  # type: ignore[misc, no-any-return]
+
+    def hf_names(self) -> list[str]:
+        names = [n for n in super().hf_names()  # type: ignore[misc]
+                 if not ((s := self._sparse_layer(n)) is not None and s[1].startswith("mlp."))]
+        for index, layer in enumerate(self.layers):
+            if layer.moe is not None:
+                names.extend(f"model.layers.{index}.{n}" for n in layer.moe.names.layer_names(layer.moe.num_experts))
+        return names

@@ -165,6 +165,9 @@ class ModelRunner:
         self.last_timings = StepTimings()
         self.last_failed: dict[str, str] = {}  # request id -> why its sampling raised (the last execute)
         self.decode_graphs: DecodeGraphs | None = None  # captured in phase F on CUDA
+        # A MoE model's tokens routed to each expert in the last forward, [MoE layer][expert];
+        # None for a dense model. The step event carries it (expert_counts).
+        self.last_expert_counts: list[list[int]] | None = None
 
     # ------------------------------------------------------------------ setup
     def load_weights(self, progress: ProgressCallback | None = None) -> LoadInfo:
@@ -386,6 +389,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[prepared.sample_rows])
         t2 = time.perf_counter()
         self.last_timings = StepTimings(prepare_s=t1 - t0, forward_s=t2 - t1)
+        counter = getattr(self.model, "expert_counter", None)  # a MoE model (engine/model/moe.py)
+        self.last_expert_counts = counter.take() if counter is not None else None
         return prepared, logits
 
     def execute(self, batch: Sequence[ScheduledSeq]) -> dict[str, int]:

@@ -20,14 +20,20 @@ MOE_VARIANTS: dict[str, dict[str, Any]] = {
     # layer 1 dense (mlp_only_layers), top-2 probabilities not renormalised, tied head
     "qwen3moe-mixed": {"norm_topk_prob": False, "mlp_only_layers": [1], "tie_word_embeddings": True},
 }
+VARIANT_NAMES = (*MOE_VARIANTS, "mixtral")
 
 
 def build_tiny_moe(variant: str, seed: int = 0) -> Any:
     import transformers
 
+    if variant == "mixtral":
+        return build_tiny_mixtral(seed)
     config = transformers.Qwen3MoeConfig(**TINY_SHAPES, **MOE_SHAPES, **MOE_VARIANTS[variant])
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return _redrawn(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32), seed)
+
+
+def _redrawn(model: Any, seed: int) -> Any:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -43,3 +49,14 @@ def save_tiny_moe(variant: str, folder: Path, seed: int = 0) -> Any:
     model.save_pretrained(str(folder))
     save_tiny_tokenizer(folder)
     return model
+
+
+def build_tiny_mixtral(seed: int = 0) -> Any:
+    """Mixtral of the same shapes: 8 experts of intermediate 32 (Mixtral's experts are
+    ``intermediate_size`` wide), top-2 always renormalised, full attention."""
+    import transformers
+
+    shapes = {**TINY_SHAPES, "intermediate_size": MOE_SHAPES["moe_intermediate_size"]}
+    config = transformers.MixtralConfig(**shapes, num_local_experts=MOE_SHAPES["num_experts"],
+                                        num_experts_per_tok=MOE_SHAPES["num_experts_per_tok"], sliding_window=None)
+    return _redrawn(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32), seed)
