@@ -18,11 +18,14 @@ for a slower engine, and by the ratio of the two medians (B / A) with a seeded b
 95 % interval: a shape regressed when its median ratio exceeds ``1 + threshold`` and the
 whole interval lies above 1. A median, not a mean: one recompute after a preemption or a
 pause of the host moves a mean and barely a median; the interval is wide where a shape
-has few or scattered steps, so noise reads as unchanged. TTFT, inter-token and end-to-end
-latency medians are judged the same way. (A rank test such as Mann-Whitney's would need
-scipy, which kvscope does not depend on; the bootstrap needs numpy only.) Samples within
-one run are not independent (consecutive decode steps share a batch), so the interval is
-a guide to the noise, not an exact probability.
+has few or scattered steps, so noise reads as unchanged. (A rank test such as
+Mann-Whitney's would need scipy, which kvscope does not depend on; the bootstrap needs
+numpy only.) Steps within one run are not independent (consecutive decode steps share a
+batch and the host's load), so the interval is a guide to the noise, not an exact
+probability. TTFT, inter-token and end-to-end latencies are reported (percentiles, the
+ratio of medians) but not judged: they follow from the step times and the scheduling,
+and the requests of one batch share their TTFT, so a bootstrap over requests would claim
+a certainty it does not have.
 """
 
 from __future__ import annotations
@@ -388,8 +391,7 @@ class RunDiff:
     differences: list[Difference]
     environment: list[Difference]
     shapes: list[tuple[BatchShape, Comparison]]
-    latencies: list[Comparison]
-    latency_percentiles: dict[str, dict[str, dict[str, float] | None]]
+    latency_percentiles: dict[str, dict[str, dict[str, float] | None]]  # ttft/itl/e2e -> a/b -> p50/p90/p99
 
     @property
     def comparable(self) -> bool:
@@ -397,13 +399,11 @@ class RunDiff:
 
     @property
     def regressions(self) -> list[Comparison]:
-        return [c for _, c in self.shapes if c.verdict == REGRESSION] + [
-            c for c in self.latencies if c.verdict == REGRESSION]
+        return [c for _, c in self.shapes if c.verdict == REGRESSION]
 
     @property
     def improvements(self) -> list[Comparison]:
-        return [c for _, c in self.shapes if c.verdict == IMPROVEMENT] + [
-            c for c in self.latencies if c.verdict == IMPROVEMENT]
+        return [c for _, c in self.shapes if c.verdict == IMPROVEMENT]
 
     @property
     def exit_status(self) -> int:
@@ -428,7 +428,6 @@ class RunDiff:
                          "preemptions": [self.a.tally.preemptions, self.b.tally.preemptions],
                          "prefix_hit_rate": [self.a.prefix_hit_rate, self.b.prefix_hit_rate]},
             "latency_percentiles_s": self.latency_percentiles,
-            "latencies": [c.to_json() for c in self.latencies],
             "step_shapes": [{"prefill_tokens": shape.prefill_label, "decode_seqs": shape.decode_label,
                              **c.to_json()} for shape, c in self.shapes],
             "regressions": [c.name for c in self.regressions],
@@ -463,8 +462,6 @@ def diff_runs(a: RunProfile, b: RunProfile, threshold: float = DEFAULT_THRESHOLD
     shapes = [(shape, compare_samples(shape.label, a.step_seconds.get(shape, []), b.step_seconds.get(shape, []),
                                       threshold, seed))
               for shape in sorted(set(a.step_seconds) | set(b.step_seconds))]
-    latencies = [compare_samples(title, getattr(a, attr), getattr(b, attr), threshold, seed)
-                 for _, title, attr in LATENCIES]
     table = {key: {"a": percentiles(getattr(a, attr)), "b": percentiles(getattr(b, attr))}
              for key, _, attr in LATENCIES}
-    return RunDiff(a, b, threshold, comparability(a, b), environment_differences(a, b), shapes, latencies, table)
+    return RunDiff(a, b, threshold, comparability(a, b), environment_differences(a, b), shapes, table)

@@ -4,8 +4,9 @@ Sets two recordings (the real engine's ``--events`` or ``engine simulate``'s; pl
 gzipped) side by side: startup phases, the KV pool, TTFT / inter-token / end-to-end
 percentiles, preemptions, prefix-cache hit rate, the block peak, and the step time of
 each batch shape (prefill tokens x decode sequences). The verdict compares medians with a
-bootstrap interval (engine/events/run_diff.py): a shape or latency regressed when B's
-median is more than --threshold above A's and the interval says it is not noise.
+bootstrap interval (engine/events/run_diff.py): a shape regressed when B's median step
+is more than --threshold above A's and the interval says it is not noise. Latencies are
+shown, not judged: they follow from the step times, the scheduling and the arrivals.
 
 Two runs are compared only when their engine (real or simulated), model, flags and
 workload are the same; otherwise the fields that differ are named and --force compares
@@ -110,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
 
 # -------------------------------------------------------------------- the text form
 def render(diff: RunDiff, forced: bool = False) -> list[str]:
-    from engine.events.run_diff import REGRESSION, startup_rows
+    from engine.events.run_diff import LATENCIES, REGRESSION, startup_rows
 
     a, b = diff.a, diff.b
     lines = [f"A: {a.name}  ({a.kind}, {_model_name(a)}, {len(a.workload):,} requests, {a.steps:,} steps, "
@@ -149,26 +150,22 @@ def render(diff: RunDiff, forced: bool = False) -> list[str]:
                  f"{'' if ha is None or hb is None else f'{(hb - ha) * 100:+.1f} pt':>10}")
 
     lines += ["", f"{'latency (ms)':<22}" + "".join(f"{q + ' ' + x:>11}" for q in ("p50", "p90", "p99")
-                                                    for x in ("A", "B"))]
-    for comparison, key in zip(diff.latencies, diff.latency_percentiles, strict=True):
+                                                    for x in ("A", "B")) + f"{'p50 B/A':>9}"]
+    for key, title, _ in LATENCIES:
         pa, pb = diff.latency_percentiles[key]["a"] or {}, diff.latency_percentiles[key]["b"] or {}
         cells = "".join(f"{_ms(p.get(q)):>11}" for q in ("p50", "p90", "p99") for p in (pa, pb))
-        lines.append(f"  {comparison.name:<20}{cells}")
+        ratio = f"{pb['p50'] / pa['p50']:.2f}" if pa.get("p50") and pb.get("p50") else ""
+        lines.append(f"  {title:<20}{cells}{ratio:>9}")
 
     lines += ["", f"step time by batch shape (ms)  threshold {diff.threshold * 100:g} %",
-              f"  {'prefill tokens':>14}{'decode seqs':>12}{'steps A':>9}{'steps B':>9}{'median A':>10}"
-              f"{'median B':>10}{'B/A':>7}  {'95 % interval':<16}verdict"]
+              f"  {'prefill tokens':>14}{'decode seqs':>12}{'steps A':>9}{'steps B':>9}{'median A':>11}"
+              f"{'median B':>11}{'B/A':>7}  {'95 % interval':<16}verdict"]
     for shape, c in diff.shapes:
         lines.append(f"  {shape.prefill_label:>14}{shape.decode_label:>12}{c.n_a:>9,}{c.n_b:>9,}"
                      f"{_ms(c.median_a):>11}{_ms(c.median_b):>11}{_judged(c)}")
-    lines += ["", f"latency medians{'':<21}{'n A':>7}{'n B':>7}{'median A':>11}{'median B':>11}{'B/A':>7}  "
-                  f"{'95 % interval':<16}verdict"]
-    for c in diff.latencies:
-        lines.append(f"  {c.name:<34}{c.n_a:>7,}{c.n_b:>7,}{_ms(c.median_a):>11}{_ms(c.median_b):>11}{_judged(c)}")
-
     lines.append("")
     if diff.regressions:
-        lines.append(f"verdict: {REGRESSION.upper()}: {len(diff.regressions)} slower by more than "
+        lines.append(f"verdict: {REGRESSION.upper()}: {len(diff.regressions)} batch shape(s) slower by more than "
                      f"{diff.threshold * 100:g} % beyond the noise: " + "; ".join(
                          f"{c.name} {c.ratio:.2f}x" for c in diff.regressions))
     else:
