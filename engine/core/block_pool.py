@@ -35,6 +35,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+EVICTIONS_REMEMBERED = 1 << 16  # evicted hashes kept to explain a later prefix miss (oldest dropped first)
+
 
 class StoredRun:
     """Consecutive blocks of one request that entered the prefix cache in one step (vLLM's
@@ -228,6 +230,10 @@ class BlockPool:
             self.null_block = 0
         self.num_usable = num_blocks - (1 if reserve_null_block else 0)
         self.deltas = self.new_deltas()
+        # hash -> (step, block) of its latest eviction, so a prefix lookup that stops at an
+        # evicted block can say when it went (bounded; ``step`` is set by the scheduler)
+        self.evicted_at: dict[int, tuple[int, int]] = {}
+        self.step = 0
 
     def new_deltas(self) -> BlockDeltas:
         """A fresh record of block changes, shaped for this pool."""
@@ -293,6 +299,10 @@ class BlockPool:
         self.block_hash[block_id] = None
         self.num_cached_free -= 1
         self.deltas.record_evicted(block_id, block_hash, group)
+        evicted_at = self.evicted_at
+        evicted_at[block_hash] = (self.step, block_id)
+        if len(evicted_at) > EVICTIONS_REMEMBERED:
+            del evicted_at[next(iter(evicted_at))]
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Take a reference on prefix-hit blocks; a free cached one leaves the free queue."""

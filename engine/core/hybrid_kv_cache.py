@@ -33,9 +33,10 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from engine.core.block_pool import BlockDeltas, BlockPool
-from engine.core.kv_cache import KVCacheManager, cdiv, extend_block_hashes
+from engine.core.kv_cache import KVCacheManager, cdiv, extend_block_hashes, prefix_stop
 from engine.core.kv_cache_groups import KVCacheGroup, KVCacheSpec, is_hybrid
 from engine.core.request import Request
+from engine.events.schema import PREFIX_WINDOW
 
 
 class KVCache(Protocol):
@@ -45,9 +46,12 @@ class KVCache(Protocol):
     block_size: int
     prefix_query_tokens: int
     prefix_hit_tokens: int
+    enable_caching: bool
+    last_shortfall: tuple[int, int]  # (blocks needed, blocks free) of the last allocation refused
 
     def get_computed_blocks(self, req: Request) -> tuple[Any, int]: ...
     def record_lookup(self, num_tokens: int, hit_tokens: int) -> None: ...
+    def explain_hit(self, req: Request, hit_tokens: int) -> list[Any]: ...
     def can_ever_fit(self, num_tokens: int) -> bool: ...
     def blocks_needed(self, num_tokens: int) -> int: ...
     def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: Any = None,
@@ -89,6 +93,7 @@ class HybridKVCacheManager:
             sorted(((spec, tuple(ids)) for spec, ids in by_spec.items()), key=lambda item: item[0].is_sliding))
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        self.last_shortfall = (0, 0)
 
     # ------------------------------------------------------------------ hashing
     def _extend_block_hashes(self, req: Request, num_full_blocks: int) -> list[int]:
@@ -198,6 +203,19 @@ class HybridKVCacheManager:
         deltas.prefix_query_tokens += num_tokens
         deltas.prefix_hit_tokens += hit_tokens
 
+    def explain_hit(self, req: Request, hit_tokens: int) -> list[Any]:
+        """Where the lookup that hit ``hit_tokens`` stopped and why (:func:`prefix_stop`); a
+        hit shorter than the full-attention groups alone would serve stopped at a sliding
+        window (it lacked the blocks just before the hit's end)."""
+        bs = self.block_size
+        full_ids = tuple(g for g, spec in enumerate(self.specs) if not spec.is_sliding)
+        if full_ids and self.sliding_groups:
+            max_blocks = (len(req.token_ids) - 1) // bs
+            full_tokens = len(self._full_hit(req.block_hashes, max_blocks, full_ids)[0]) * bs
+            if full_tokens > hit_tokens:
+                return [hit_tokens, PREFIX_WINDOW, full_tokens]
+        return prefix_stop(req, hit_tokens, bs, self.pool)
+
     # -------------------------------------------------------------- allocation
     def blocks_needed(self, num_tokens: int) -> int:
         """The most blocks one request of ``num_tokens`` tokens holds at once, every group."""
@@ -267,6 +285,7 @@ class HybridKVCacheManager:
                 num_needed += sum(1 for b in hits[g] if b != null and ref_cnt[b] == 0)
             num_needed += max(0, num_slots_blocks - held)
         if num_needed > pool.num_free:
+            self.last_shortfall = (num_needed, pool.num_free)
             return None
         if not tables:
             tables = req.group_block_ids = tuple([] for _ in range(num_groups))

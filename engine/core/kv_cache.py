@@ -13,8 +13,17 @@ request's token count to the queries and the hit length to the hits.
 
 from __future__ import annotations
 
+from typing import Any
+
 from engine.core.block_pool import BlockDeltas, BlockPool
 from engine.core.request import Request
+from engine.events.schema import (
+    PREFIX_COMPLETE,
+    PREFIX_DIVERGED,
+    PREFIX_EVICTED,
+    PREFIX_LAST_TOKEN,
+    PREFIX_SHORT_PROMPT,
+)
 
 NONE_HASH = 0x6B7673636F7065  # parent "hash" of a request's first block
 
@@ -36,6 +45,24 @@ def extend_block_hashes(req: Request, num_full_blocks: int, block_size: int) -> 
     return hashes
 
 
+def prefix_stop(req: Request, hit_tokens: int, block_size: int, pool: BlockPool) -> list[Any]:
+    """Where a prefix lookup of ``req`` that hit ``hit_tokens`` stopped, and why: a step
+    event's ``prefix_lookups`` entry (engine/events/schema.py's ``PREFIX_*`` causes). The
+    block after the hit is either beyond what a lookup may reuse (the prompt is shorter
+    than a block, or its last block holds the last token, always recomputed) or its hash
+    is not cached: evicted (the pool remembers when) or never there (diverged)."""
+    num_tokens = len(req.token_ids)
+    if num_tokens < block_size:
+        return [hit_tokens, PREFIX_SHORT_PROMPT]
+    stop = hit_tokens // block_size
+    if stop >= (num_tokens - 1) // block_size:
+        return [hit_tokens, PREFIX_LAST_TOKEN if num_tokens % block_size == 0 else PREFIX_COMPLETE]
+    evicted = pool.evicted_at.get(req.block_hashes[stop])
+    if evicted is not None:
+        return [hit_tokens, PREFIX_EVICTED, evicted[0], evicted[1]]
+    return [hit_tokens, PREFIX_DIVERGED]
+
+
 class KVCacheManager:
     """Per-request block tables over one :class:`BlockPool`.
 
@@ -51,6 +78,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, block_size, enable_caching, record_block_contents)
         self.prefix_query_tokens = 0  # totals since start, in tokens
         self.prefix_hit_tokens = 0
+        self.last_shortfall = (0, 0)  # (blocks needed, blocks free) of the last allocation refused
 
     # ------------------------------------------------------------------ hashing
     def _extend_block_hashes(self, req: Request, num_full_blocks: int) -> list[int]:
@@ -88,6 +116,10 @@ class KVCacheManager:
         deltas.prefix_query_tokens += num_tokens
         deltas.prefix_hit_tokens += hit_tokens
 
+    def explain_hit(self, req: Request, hit_tokens: int) -> list[Any]:
+        """Where the lookup that hit ``hit_tokens`` stopped and why (:func:`prefix_stop`)."""
+        return prefix_stop(req, hit_tokens, self.block_size, self.pool)
+
     # -------------------------------------------------------------- allocation
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks a request of ``num_tokens`` tokens holds at its longest."""
@@ -124,6 +156,7 @@ class KVCacheManager:
             ref_cnt = pool.ref_cnt
             evictable_hits = sum(1 for b in computed_blocks if ref_cnt[b] == 0)
             if num_needed + evictable_hits > pool.num_free:
+                self.last_shortfall = (num_needed + evictable_hits, pool.num_free)
                 return None
             pool.touch(computed_blocks)
             new_blocks = list(computed_blocks)
@@ -134,6 +167,7 @@ class KVCacheManager:
             req.num_hashed_blocks = num_hits
         elif num_needed > 0:
             if num_needed > pool.num_free:
+                self.last_shortfall = (num_needed, pool.num_free)
                 return None
             new_blocks = pool.get_new_blocks(num_needed)
             table.extend(new_blocks)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Iterator, Sequence
+from itertools import islice
 from typing import ClassVar
 
 from engine.core.request import Request
@@ -34,6 +35,10 @@ class RequestQueue:
         raise NotImplementedError
 
     def peek(self) -> Request:
+        raise NotImplementedError
+
+    def head(self, n: int) -> list[Request]:
+        """The first ``n`` requests in admission order (without sorting the whole queue)."""
         raise NotImplementedError
 
     def pop(self) -> Request:
@@ -75,6 +80,9 @@ class FCFSQueue(RequestQueue):
     def peek(self) -> Request:
         return self._queue[0]
 
+    def head(self, n: int) -> list[Request]:
+        return list(islice(self._queue, n))
+
     def pop(self) -> Request:
         return self._queue.popleft()
 
@@ -110,6 +118,9 @@ class PriorityQueue(RequestQueue):
 
     def peek(self) -> Request:
         return self._heap[0][3]
+
+    def head(self, n: int) -> list[Request]:
+        return [entry[3] for entry in heapq.nsmallest(n, self._heap)]
 
     def pop(self) -> Request:
         return heapq.heappop(self._heap)[3]

@@ -45,6 +45,17 @@ from engine.events import (
     RequestRejected,
     RequestScheduled,
 )
+from engine.events.schema import (
+    WAIT_BEHIND,
+    WAIT_BLOCKS,
+    WAIT_ENCODER,
+    WAIT_MAX_NUM_SEQS,
+    WAIT_NEVER_FITS,
+    WAIT_PREEMPTING,
+    WAIT_PRIORITY,
+    WAIT_TOKEN_BUDGET,
+    WAITING_REASONS_CAP,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +191,11 @@ class SchedulerOutput:
     encoder_freed: list[tuple[str, int]] = field(default_factory=list)
     encoder_cache_used: int = 0
     encoder_cache_capacity: int = 0
+    # filled only while events are published (issue 33): why the requests left waiting were
+    # not admitted, and where each admission's prefix match stopped (see StepEvent)
+    waiting_reasons: dict[str, list[Any]] = field(default_factory=dict)
+    waiting_reasons_omitted: int = 0
+    prefix_lookups: dict[str, list[Any]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -237,6 +253,8 @@ class _StepPlan:
     num_decode: int = 0
     encoder_budget: int = 0
     encoder_inputs: list[tuple[Request, int, int]] = field(default_factory=list)
+    blocked: tuple[Request, list[Any]] | None = None  # the queue's head that stopped admission, and why
+    prefix_lookups: dict[str, list[Any]] = field(default_factory=dict)
 
     def add(self, s: ScheduledRequest) -> None:
         self.scheduled.append(s)
@@ -378,6 +396,7 @@ class Scheduler:
     def schedule(self, now: float) -> SchedulerOutput:
         plan = _StepPlan(budget=self.config.max_num_batched_tokens, encoder_budget=self.config.encoder_compute_budget)
         publishing = self._publishing()
+        self.kv.pool.step = self.step_index  # an eviction remembers its step (prefix misses say when)
         self._schedule_running(plan, now, publishing)
         if not plan.preempted:  # admission waits while the pool is short
             self._admit_waiting(plan, now, publishing)
@@ -459,7 +478,7 @@ class Scheduler:
             if victim_index < index:
                 index -= 1
             plan.withdraw(victim)  # priority policy: the victim may be scheduled already
-            self._preempt(victim, now, publishing, self.waiting.preemption_reason(victim, req))
+            self._preempt(victim, now, publishing, self.waiting.preemption_reason(victim, req), req.request_id)
             plan.preempted.append(victim.request_id)
             if victim is req:
                 return False, index
@@ -482,15 +501,62 @@ class Scheduler:
             if req.mm_inputs:
                 num_new, encoded = self._fit_encoder_inputs(req, hit_tokens, num_new, plan)
                 if num_new <= 0:
+                    if publishing:
+                        plan.blocked = (req, self._encoder_reason(req, hit_tokens, plan))
                     break  # its first item does not fit the encoder's budget this step
             if kv.allocate_slots(req, num_new, hit_blocks, hit_tokens) is None:
+                if publishing:
+                    plan.blocked = (req, self._blocks_reason(req))
                 break
             self._plan_encoder_inputs(plan, encoded)
             waiting.pop()
             running.append(req)
             kv.record_lookup(total, hit_tokens)
+            if publishing and kv.enable_caching:
+                plan.prefix_lookups[req.request_id] = kv.explain_hit(req, hit_tokens)
             self._start_running(req, hit_tokens, plan, now, publishing)
             plan.add(ScheduledRequest(req, hit_tokens, num_new, True, hit_tokens + num_new >= total))
+
+    def _blocks_reason(self, req: Request) -> list[Any]:
+        """Why the pool refused the queue's head: short now, or never (more blocks than the
+        pool has, even empty)."""
+        kv = self.kv
+        ever = kv.blocks_needed(req.num_prompt_tokens + req.max_tokens)
+        if ever > kv.pool.num_usable:
+            return [WAIT_NEVER_FITS, ever, kv.pool.num_usable]
+        needed, free = kv.last_shortfall
+        return [WAIT_BLOCKS, needed, free]
+
+    def _encoder_reason(self, req: Request, computed: int, plan: _StepPlan) -> list[Any]:
+        """The head's first image/video not yet encoded, against the encoder budget left."""
+        item = next((m for m in req.mm_inputs if m.end > computed), req.mm_inputs[-1])
+        return [WAIT_ENCODER, item.length, plan.encoder_budget]
+
+    def _waiting_reasons(self, plan: _StepPlan) -> tuple[dict[str, list[Any]], int]:
+        """Why each of the first ``WAITING_REASONS_CAP`` requests still waiting was not
+        admitted this step, and how many more waited (a step event's ``waiting_reasons``)."""
+        cfg = self.config
+        waiting = self.waiting
+        head = plan.blocked
+        common: list[Any] | None = None
+        if head is None:
+            if plan.preempted:
+                common = [WAIT_PREEMPTING]
+            elif plan.budget <= 0:
+                common = [WAIT_TOKEN_BUDGET, cfg.max_num_batched_tokens]
+            else:
+                common = [WAIT_MAX_NUM_SEQS, cfg.max_num_seqs]
+        reasons: dict[str, list[Any]] = {}
+        for req in waiting.head(WAITING_REASONS_CAP):
+            if common is not None:
+                reasons[req.request_id] = common
+            elif req is head[0]:  # type: ignore[index]
+                reasons[req.request_id] = head[1]  # type: ignore[index]
+            else:
+                ahead = head[0]  # type: ignore[index]
+                code = WAIT_PRIORITY if ahead.priority < req.priority else WAIT_BEHIND
+                reasons[req.request_id] = [code, ahead.request_id]
+        return reasons, max(0, len(waiting) - WAITING_REASONS_CAP)
 
     @staticmethod
     def _plan_encoder_inputs(plan: _StepPlan, encoded: list[tuple[Request, int, int]]) -> None:
@@ -541,14 +607,17 @@ class Scheduler:
             num_blocks_used_scheduled=pool.num_used,
             encoder_inputs=[(r.request_id, index, tokens) for r, index, tokens in plan.encoder_inputs],
             encoder_cache_capacity=cfg.encoder_cache_size,
+            prefix_lookups=plan.prefix_lookups,
         )
+        if self.waiting and self._publishing():
+            out.waiting_reasons, out.waiting_reasons_omitted = self._waiting_reasons(plan)
         self.step_index += 1
         return out
 
     def _pick_victim(self) -> Request:
         return self.waiting.pick_victim(self.running)
 
-    def _preempt(self, req: Request, now: float, publishing: bool, reason: str) -> None:
+    def _preempt(self, req: Request, now: float, publishing: bool, reason: str, for_request: str) -> None:
         lost = req.num_computed_tokens
         freed = self.kv.free(req)
         self._encoder_freed.extend((req.request_id, i) for i in self.encoder_cache.free_request(req.request_id))
@@ -566,6 +635,7 @@ class Scheduler:
                     blocks_freed=len(freed),
                     num_preemptions=req.num_preemptions,
                     reason=reason,
+                    for_request=for_request,
                 )
             )
 

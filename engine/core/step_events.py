@@ -46,11 +46,12 @@ def group_fields(deltas: BlockDeltas) -> dict[str, Any]:
     }
 
 
-def build_step_event(output: SchedulerOutput, timings: Mapping[str, float] | None = None) -> StepEvent:
+def build_step_event(output: SchedulerOutput, timings: Mapping[str, Any] | None = None) -> StepEvent:
     """The step event for ``output``; call after ``update_from_output`` returned.
 
     ``timings`` may hold any of ``schedule_s``, ``forward_s``, ``sample_s``,
-    ``update_s``, ``duration_s`` (seconds; missing ones are 0).
+    ``update_s``, ``duration_s`` (seconds; missing ones are 0), and under pipeline
+    parallelism ``pipeline_bubble_s`` / ``pipeline_bytes`` (one entry per stage).
     """
     t = timings or {}
     deltas = output.deltas
@@ -86,6 +87,12 @@ def build_step_event(output: SchedulerOutput, timings: Mapping[str, float] | Non
         collective_s=t.get("collective_s", 0.0),
         collective_bytes=int(t.get("collective_bytes", 0)),
         collective_calls=int(t.get("collective_calls", 0)),
+        expert_counts=[[int(n) for n in row] for row in t.get("expert_counts") or ()],
+        pipeline_bubble_s=[float(v) for v in t.get("pipeline_bubble_s") or ()],
+        pipeline_bytes=[int(v) for v in t.get("pipeline_bytes") or ()],
+        waiting_reasons=output.waiting_reasons,
+        waiting_reasons_omitted=output.waiting_reasons_omitted,
+        prefix_lookups=output.prefix_lookups,
         **group_fields(deltas),
     )
 

@@ -173,15 +173,20 @@ PREEMPTION_REASONS = (PREEMPTION_KV_FULL, PREEMPTION_PRIORITY)
 class RequestPreempted(Event):
     """A running request lost its blocks (recompute later). ``reason`` is one of
     :data:`PREEMPTION_REASONS`; recordings made before it existed read as ``kv_full``,
-    the only reason there was."""
+    the only reason there was. What it held: ``blocks_freed`` blocks and
+    ``computed_tokens_lost`` computed tokens, all to recompute when it resumes (less any
+    prefix-cache hit then). ``for_request``: the running request whose next tokens found
+    no free block and for which it made room (its own id when it was the last one left
+    to give way); absent in recordings before it existed."""
 
     type: ClassVar[str] = "request.preempted"
-    written_when_set: ClassVar[frozenset[str]] = frozenset({"dp_rank"})
+    written_when_set: ClassVar[frozenset[str]] = frozenset({"dp_rank", "for_request"})
     request_id: str = ""
     computed_tokens_lost: int = 0
     blocks_freed: int = 0
     num_preemptions: int = 0
     reason: str = PREEMPTION_KV_FULL
+    for_request: str = ""
     dp_rank: int = 0  # the data-parallel rank whose engine core it is; written only when not 0
 
 
@@ -222,6 +227,32 @@ class RequestRejected(Event):
 
 
 # ------------------------------------------------------------------------ steps
+# Why a waiting request was not admitted in a step (a step event's ``waiting_reasons``:
+# request id -> [code, details...]); what no fold of the other fields can tell.
+WAIT_TOKEN_BUDGET = "token_budget"  # [code, max_num_batched_tokens]: the step's token budget was spent
+WAIT_MAX_NUM_SEQS = "max_num_seqs"  # [code, max_num_seqs]: every sequence slot was taken
+WAIT_BLOCKS = "blocks"  # [code, blocks needed, blocks free]: the pool is short for its next chunk now
+WAIT_NEVER_FITS = "never_fits"  # [code, blocks needed, blocks in the pool]: it can never be admitted
+WAIT_BEHIND = "behind"  # [code, head id]: an earlier request at the head of the queue could not be admitted
+WAIT_PRIORITY = "priority"  # [code, head id]: a higher-priority request ahead could not be admitted
+WAIT_ENCODER = "encoder_budget"  # [code, item tokens, encoder budget left]: its image/video does not fit
+WAIT_PREEMPTING = "preempting"  # [code]: a running request was preempted this step, so nobody is admitted
+WAIT_REASONS = (WAIT_TOKEN_BUDGET, WAIT_MAX_NUM_SEQS, WAIT_BLOCKS, WAIT_NEVER_FITS, WAIT_BEHIND, WAIT_PRIORITY,
+                WAIT_ENCODER, WAIT_PREEMPTING)
+WAITING_REASONS_CAP = 16  # requests explained per step, from the head of the queue; the rest are counted
+
+# Where an admitted request's prefix-cache match stopped (a step event's ``prefix_lookups``:
+# request id -> [hit tokens, cause, details...]).
+PREFIX_SHORT_PROMPT = "short_prompt"  # the prompt is shorter than one block: nothing can be cached
+PREFIX_LAST_TOKEN = "last_token"  # every block hit but the last, which holds the last prompt token (always recomputed)
+PREFIX_COMPLETE = "complete"  # every full block hit; only the partial last block is computed
+PREFIX_DIVERGED = "diverged"  # no cached chain continues at token k = hit tokens
+PREFIX_EVICTED = "evicted"  # [hit, cause, step, block]: the next block was cached but evicted at that step
+PREFIX_WINDOW = "sliding_window"  # [hit, cause, full-attention hit]: a sliding window lacked the blocks before it
+PREFIX_CAUSES = (PREFIX_SHORT_PROMPT, PREFIX_LAST_TOKEN, PREFIX_COMPLETE, PREFIX_DIVERGED, PREFIX_EVICTED,
+                 PREFIX_WINDOW)
+
+
 @dataclass(slots=True)
 class StepEvent(Event):
     """One scheduler step: decisions, block deltas and time split.
@@ -253,14 +284,23 @@ class StepEvent(Event):
     group released because they left the window while the request ran (never in
     ``freed``), ``freed_by_window_groups`` their counts per group. A ``cached_runs``
     entry carries its ``group_idx``. All absent for one full-attention group.
+
+    What no fold can derive (issue 33), written when there is something to say:
+    ``waiting_reasons`` request id -> [code, details...] (:data:`WAIT_REASONS`) for the
+    first :data:`WAITING_REASONS_CAP` requests left waiting after the step's admissions, in
+    queue order, and ``waiting_reasons_omitted`` how many more waited; ``prefix_lookups``
+    request id -> [hit tokens, cause, details...] (:data:`PREFIX_CAUSES`) for each request
+    admitted (new or resumed) with prefix caching on. Absent in older recordings.
     """
 
     type: ClassVar[str] = "step"
     written_when_set: ClassVar[frozenset[str]] = frozenset({"cached_runs", "evicted_hashes", "collective_s", "dp_rank",
-                                                            "collective_bytes", "collective_calls",
+                                                            "pipeline_bubble_s", "pipeline_bytes",
+                                                            "collective_bytes", "collective_calls", "expert_counts",
                                                             "allocated_groups", "freed_groups", "cached_groups",
                                                             "evicted_groups", "freed_by_window",
-                                                            "freed_by_window_groups"})
+                                                            "freed_by_window_groups", "waiting_reasons",
+                                                            "waiting_reasons_omitted", "prefix_lookups"})
     index: int = 0
     scheduled: dict[str, list[Any]] = field(default_factory=dict)
     num_prefill_tokens: int = 0
@@ -295,6 +335,10 @@ class StepEvent(Event):
     collective_s: float = 0.0
     collective_bytes: int = 0
     collective_calls: int = 0
+    # Pipeline parallelism (engine/pipeline.py): per stage, the seconds it waited on the stage
+    # before it (stage 0: on the last stage's results) and the activation bytes it sent. Absent with one stage.
+    pipeline_bubble_s: list[float] = field(default_factory=list)
+    pipeline_bytes: list[int] = field(default_factory=list)
     # A hybrid KV cache's groups (see the docstring); absent with one full-attention group.
     allocated_groups: dict[str, list[int]] = field(default_factory=dict)
     freed_groups: dict[str, list[int]] = field(default_factory=dict)
@@ -302,7 +346,15 @@ class StepEvent(Event):
     evicted_groups: list[int] = field(default_factory=list)
     freed_by_window: dict[str, list[int]] = field(default_factory=dict)
     freed_by_window_groups: dict[str, list[int]] = field(default_factory=dict)
+    # A mixture-of-experts model (engine/model/moe.py): per MoE layer, in the model's order, the
+    # tokens the router sent to each expert in this step (a row sums to tokens x top-k;
+    # folded by engine/events/expert_load.py). Absent for a dense model.
+    expert_counts: list[list[int]] = field(default_factory=list)
     dp_rank: int = 0  # the data-parallel rank whose engine core it is; written only when not 0
+    # Why requests waited and where prefix matches stopped (see the docstring).
+    waiting_reasons: dict[str, list[Any]] = field(default_factory=dict)
+    waiting_reasons_omitted: int = 0
+    prefix_lookups: dict[str, list[Any]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

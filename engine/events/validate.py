@@ -128,7 +128,8 @@ def _phase_schema(record: type) -> type:
 # The shapes inside fields a dataclass types as open, per event class: field -> declared type.
 _INNER_SHAPES: dict[type[Event], dict[str, Any]] = {
     StartupPhase: {"memory_before": MemoryReadingData | None, "memory_after": MemoryReadingData | None},
-    StepEvent: {"scheduled": dict[str, tuple[int, str]], "cached_runs": list[CachedRunData]},
+    StepEvent: {"scheduled": dict[str, tuple[int, str]], "cached_runs": list[CachedRunData],
+                "waiting_reasons": dict[str, list[str | int]], "prefix_lookups": dict[str, list[str | int]]},
     EncoderStepEvent: {"encoded": list[tuple[str, int, int]], "freed": list[tuple[str, int]]},
     EngineConfigEvent: {"config": RecordedFlags},
 }

@@ -1,0 +1,484 @@
+"""One request's whole life, folded from events (issue 33): when it arrived, each step it
+waited and why, each prefill chunk, where its prefix-cache match stopped and why, each
+preemption (for whom, what it held, what it must recompute), its resumes, its decode
+steps and their gaps, the blocks it held over time, and how it finished.
+
+:class:`RequestLifecycle` is a bus subscriber like every other fold: the server keeps one
+for ``GET /debug/requests``, ``engine replay --request`` folds a recording, the monitor's
+request panel folds what it has seen, and the OTLP and Perfetto exporters read the same
+per-step facts. Nothing here reads the engine: the step event's ``waiting_reasons`` and
+``prefix_lookups`` carry what no fold could derive; everything else follows from the
+other fields.
+
+Request events of a step (``request.preempted`` while scheduling, ``request.first_token``
+and ``request.finished`` while updating) are published before that step's ``step`` event,
+and an arrival between two steps belongs to the next one, so each is placed at the step
+after the last step folded.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from engine.events.schema import (
+    PREFIX_COMPLETE,
+    PREFIX_DIVERGED,
+    PREFIX_EVICTED,
+    PREFIX_LAST_TOKEN,
+    PREFIX_SHORT_PROMPT,
+    PREFIX_WINDOW,
+    WAIT_BEHIND,
+    WAIT_BLOCKS,
+    WAIT_ENCODER,
+    WAIT_MAX_NUM_SEQS,
+    WAIT_NEVER_FITS,
+    WAIT_PREEMPTING,
+    WAIT_PRIORITY,
+    WAIT_TOKEN_BUDGET,
+    WAITING_REASONS_CAP,
+    EngineConfigEvent,
+    Event,
+    RequestArrived,
+    RequestFinished,
+    RequestFirstToken,
+    RequestPreempted,
+    RequestRejected,
+    RequestScheduled,
+    StartupPhase,
+    StepEvent,
+)
+
+WAITING = "waiting"
+RUNNING = "running"
+FINISHED = "finished"
+REJECTED = "rejected"
+STATES = (WAITING, RUNNING, FINISHED, REJECTED)
+# the fold's own wait codes, for steps whose event names no reason for the request
+WAIT_UNLISTED = "unlisted"  # beyond the WAITING_REASONS_CAP requests the step explained
+WAIT_UNRECORDED = "unrecorded"  # a recording made before steps carried waiting reasons
+FINISHED_KEPT = 2048  # finished lives a long-running fold keeps (oldest dropped first)
+
+
+def wait_reason_text(reason: list[Any]) -> str:
+    """A step event's ``waiting_reasons`` entry in words."""
+    code, args = (reason[0], reason[1:]) if reason else ("", [])
+    if code == WAIT_TOKEN_BUDGET:
+        return f"the step's token budget (--max-num-batched-tokens {args[0]}) was spent"
+    if code == WAIT_MAX_NUM_SEQS:
+        return f"--max-num-seqs reached: all {args[0]} sequence slots taken"
+    if code == WAIT_BLOCKS:
+        return f"blocks short: needs {args[0]}, {args[1]} free"
+    if code == WAIT_NEVER_FITS:
+        return f"can never fit: needs {args[0]} blocks, the pool has {args[1]} in total"
+    if code == WAIT_BEHIND:
+        return f"behind {args[0]}, the head of the queue, which could not be admitted"
+    if code == WAIT_PRIORITY:
+        return f"a higher-priority request ahead ({args[0]}) could not be admitted"
+    if code == WAIT_ENCODER:
+        return f"encoder budget: its {args[0]}-token input does not fit the {args[1]} tokens left this step"
+    if code == WAIT_PREEMPTING:
+        return "a running request was preempted this step: nobody is admitted while the pool is short"
+    if code == WAIT_UNLISTED:
+        return f"queued beyond the first {WAITING_REASONS_CAP} the step explained"
+    if code == WAIT_UNRECORDED:
+        return "queued (the recording predates waiting reasons)"
+    return f"{code} {args}"
+
+
+def prefix_text(lookup: list[Any], prompt_tokens: int | None = None) -> str:
+    """A step event's ``prefix_lookups`` entry in words: what was reused and where the match
+    stopped. ``prompt_tokens``: the sequence looked up (prompt, or prompt + output when
+    resumed), for the 'of N' part."""
+    hit, cause, args = int(lookup[0]), lookup[1], lookup[2:]
+    of = f" of {prompt_tokens:,}" if prompt_tokens else ""
+    head = f"prefix cache: {hit:,}{of} tokens reused; "
+    if cause == PREFIX_SHORT_PROMPT:
+        return head + "the prompt is shorter than one block, so nothing of it can be cached"
+    if cause == PREFIX_LAST_TOKEN:
+        return head + "the match stopped before the last block: the last prompt token is always recomputed"
+    if cause == PREFIX_COMPLETE:
+        return head + "every full block hit; only the partial last block is computed"
+    if cause == PREFIX_DIVERGED:
+        return head + f"diverged from the longest cached chain at token {hit:,}"
+    if cause == PREFIX_EVICTED:
+        return head + f"stopped at token {hit:,}: the next block was evicted at step {args[0]} (block {args[1]})"
+    if cause == PREFIX_WINDOW:
+        return head + (f"stopped at token {hit:,} by the sliding window (full attention alone would reuse "
+                       f"{args[0]:,}): the window lacked the blocks just before it")
+    return head + str(cause)
+
+
+@dataclass(slots=True)
+class WaitRun:
+    """Consecutive steps the request waited for one reason."""
+
+    first_step: int
+    last_step: int
+    reason: list[Any]
+
+
+@dataclass(slots=True)
+class Chunk:
+    step: int
+    tokens: int
+    computed: int  # tokens computed after the chunk (prefix-cache hits included)
+
+
+@dataclass(slots=True)
+class Lookup:
+    step: int
+    hit_tokens: int
+    cause: str
+    details: list[Any]
+    resumed: bool
+    evicted_by: str | None = None  # the request the evicted block went to, from that step's allocations
+
+
+@dataclass(slots=True)
+class Preemption:
+    step: int
+    t: float
+    reason: str
+    for_request: str
+    blocks_freed: int
+    tokens_lost: int  # computed tokens dropped: recomputed on resume, less any prefix hit then
+
+
+@dataclass(slots=True)
+class DecodeRun:
+    """Consecutive steps that each decoded one of the request's tokens."""
+
+    first_step: int
+    last_step: int
+    tokens: int
+    first_t: float
+    last_t: float
+    max_gap_s: float = 0.0  # the longest time between two of its steps
+
+
+@dataclass(slots=True)
+class RequestLife:
+    """Everything the events say about one request; steps are ``StepEvent.index`` values."""
+
+    request_id: str
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+    priority: int = 0
+    state: str = WAITING
+    arrived_t: float | None = None
+    arrival_step: int | None = None
+    waits: list[WaitRun] = field(default_factory=list)
+    chunks: list[Chunk] = field(default_factory=list)
+    lookups: list[Lookup] = field(default_factory=list)
+    preemptions: list[Preemption] = field(default_factory=list)
+    resumes: list[int] = field(default_factory=list)
+    decode_runs: list[DecodeRun] = field(default_factory=list)
+    blocks: list[tuple[int, int]] = field(default_factory=list)  # (step, blocks held after it), on change
+    peak_blocks: int = 0
+    computed_tokens: int = 0
+    output_tokens: int = 0
+    first_scheduled_step: int | None = None
+    queue_time_s: float | None = None
+    first_token_step: int | None = None
+    ttft_s: float | None = None
+    finish_step: int | None = None
+    finish_reason: str | None = None
+    finished_t: float | None = None
+    e2e_s: float | None = None
+    inter_token_latencies_s: list[float] = field(default_factory=list)
+    error: str | None = None  # finish reason error / a rejection: why
+    scheduled_hit_tokens: int = 0  # request.scheduled's prefix hit (the first admission)
+
+    @property
+    def held_blocks(self) -> int:
+        return self.blocks[-1][1] if self.blocks else 0
+
+    @property
+    def wait_reason(self) -> list[Any] | None:
+        """Why it waits now (the latest step's reason), while it waits."""
+        return self.waits[-1].reason if self.state == WAITING and self.waits else None
+
+    @property
+    def prefix_hit_tokens(self) -> int:
+        """The first admission's reuse (vLLM's ``num_cached_tokens``)."""
+        return self.lookups[0].hit_tokens if self.lookups else self.scheduled_hit_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["blocks"] = [list(pair) for pair in self.blocks]
+        return out
+
+    # ---------------------------------------------------------------- words
+    def timeline(self) -> list[tuple[int | None, str]]:
+        """(step, what happened) in step order: the text ``engine replay --request`` prints."""
+        rows: list[tuple[float, int, int | None, str]] = []  # (sort key, tie order, step, text)
+
+        def add(step: int | None, order: int, text: str) -> None:
+            rows.append((step if step is not None else -1, order, step, text))
+
+        when = f" at t={self.arrived_t:.3f} s" if self.arrived_t is not None else ""
+        add(self.arrival_step, 0, f"arrived{when}: prompt {self.prompt_tokens:,} tokens, max_tokens "
+                                  f"{self.max_tokens:,}" + (f", priority {self.priority}" if self.priority else ""))
+        for run in self.waits:
+            steps = run.last_step - run.first_step + 1
+            add(run.first_step, 1, f"waited {steps} step{'s' if steps > 1 else ''}"
+                                   f"{f' (to step {run.last_step})' if steps > 1 else ''}: "
+                                   f"{wait_reason_text(run.reason)}")
+        for lookup in self.lookups:
+            verb = "resumed" if lookup.resumed else "admitted"
+            text = prefix_text([lookup.hit_tokens, lookup.cause, *lookup.details])
+            if lookup.evicted_by:
+                text += f" for {lookup.evicted_by}"
+            add(lookup.step, 2, f"{verb}; {text}")
+        for step in self.resumes:
+            if not any(lk.step == step for lk in self.lookups):
+                add(step, 2, "resumed")
+        if self.first_scheduled_step is not None and not self.lookups:
+            add(self.first_scheduled_step, 2, "admitted" + (f" after {self.queue_time_s:.3f} s in the queue"
+                                                             if self.queue_time_s is not None else ""))
+        for chunk in self.chunks:
+            add(chunk.step, 3, f"prefill chunk of {chunk.tokens:,} tokens ({chunk.computed:,} computed)")
+        if self.first_token_step is not None:
+            ttft = f" (TTFT {self.ttft_s:.3f} s)" if self.ttft_s is not None else ""
+            add(self.first_token_step, 4, f"first token{ttft}")
+        for run in self.decode_runs:
+            span = (f"steps {run.first_step}-{run.last_step}" if run.last_step > run.first_step
+                    else f"step {run.first_step}")
+            add(run.first_step, 5, f"decoded {run.tokens:,} token{'s' if run.tokens > 1 else ''} over {span}"
+                                   f" (longest gap {run.max_gap_s * 1e3:,.1f} ms)")
+        previous: DecodeRun | None = None
+        for run in self.decode_runs:
+            if previous is not None and run.first_step > previous.last_step + 1:
+                add(previous.last_step + 1, 5, f"no token for {run.first_step - previous.last_step - 1} steps "
+                                               f"({(run.first_t - previous.last_t) * 1e3:,.1f} ms)")
+            previous = run
+        for p in self.preemptions:
+            whom = ("it was the last request left to give way" if p.for_request in ("", self.request_id)
+                    else f"to make room for {p.for_request}")
+            add(p.step, 6, f"preempted ({p.reason}) {whom}: held {p.blocks_freed} blocks and "
+                           f"{p.tokens_lost:,} computed tokens, all to recompute")
+        if self.blocks:
+            changes = " → ".join(f"{n} (step {s})" for s, n in self.blocks[:12])
+            more = f" … {len(self.blocks) - 12} more changes" if len(self.blocks) > 12 else ""
+            add(self.blocks[0][0], 7, f"blocks held: {changes}{more}; peak {self.peak_blocks}")
+        if self.finish_reason is not None:
+            e2e = f", e2e {self.e2e_s:.3f} s" if self.e2e_s is not None else ""
+            why = f": {self.error}" if self.error else ""
+            add(self.finish_step, 8, f"finished: {self.finish_reason}{why} ({self.output_tokens:,} tokens out{e2e})")
+        elif self.state == REJECTED:
+            add(self.arrival_step, 8, f"rejected: {self.error}")
+        rows.sort(key=lambda row: (row[0], row[1]))
+        return [(step, text) for _, _, step, text in rows]
+
+    def render(self) -> str:
+        lines = [f"request {self.request_id}: {self.state}"]
+        for step, text in self.timeline():
+            lines.append(f"  {'step ' + str(step) if step is not None else 'before any step':>11}  {text}")
+        return "\n".join(lines)
+
+    def summary(self, now: float) -> dict[str, Any]:
+        """One row of ``GET /debug/requests``: id, state, age, tokens and why."""
+        reason = self.wait_reason
+        if self.state == WAITING:
+            why = wait_reason_text(reason) if reason else "arrived; not yet in a step"
+        elif self.state == RUNNING:
+            why = ("prefill" if self.computed_tokens < self.prompt_tokens else "decoding") + \
+                  f": {self.computed_tokens:,} tokens computed, {self.held_blocks} blocks held"
+        elif self.state == FINISHED:
+            why = f"finished: {self.finish_reason}"
+        else:
+            why = f"rejected: {self.error}"
+        return {"id": self.request_id, "state": self.state,
+                "age_s": round(max(0.0, now - self.arrived_t), 3) if self.arrived_t is not None else None,
+                "prompt_tokens": self.prompt_tokens, "computed_tokens": self.computed_tokens,
+                "output_tokens": self.output_tokens, "blocks": self.held_blocks,
+                "num_preemptions": len(self.preemptions), "why": why,
+                "reason": list(reason) if reason else None}
+
+
+class RequestLifecycle:
+    """Bus subscriber: every request's :class:`RequestLife`. ``lives`` holds the requests in
+    the engine (and, up to ``finished_kept``, finished ones, oldest dropped first; None
+    keeps all, as a replay does)."""
+
+    sink_name = "request lifecycle"
+
+    def __init__(self, finished_kept: int | None = FINISHED_KEPT) -> None:
+        self.lives: OrderedDict[str, RequestLife] = OrderedDict()
+        self.finished_kept = finished_kept
+        self._waiting: dict[str, None] = {}  # requests waiting now, arrival order
+        self._finished: list[str] = []  # finished lives, oldest first (for the bound)
+        self._next_step = 0
+        self._last_t = 0.0
+        self._block_size = 0
+        # block -> (step, request) that last took it while it held an evicted hash: who evicted it
+        self._evicted_to: dict[tuple[int, int], str] = {}
+
+    def __call__(self, event: Event) -> None:
+        if isinstance(event, StepEvent):
+            self._step(event)
+        elif isinstance(event, RequestArrived):
+            life = self._life(event.request_id)
+            life.prompt_tokens, life.max_tokens, life.priority = event.prompt_tokens, event.max_tokens, event.priority
+            life.arrived_t, life.arrival_step, life.state = event.t, self._next_step, WAITING
+            self._waiting[event.request_id] = None
+        elif isinstance(event, RequestScheduled):
+            life = self._life(event.request_id)
+            life.queue_time_s, life.scheduled_hit_tokens = event.queue_time_s, event.prefix_hit_tokens
+        elif isinstance(event, RequestPreempted):
+            life = self._life(event.request_id)
+            life.preemptions.append(Preemption(self._next_step, event.t, event.reason, event.for_request,
+                                               event.blocks_freed, event.computed_tokens_lost))
+        elif isinstance(event, RequestFirstToken):
+            life = self._life(event.request_id)
+            life.first_token_step, life.ttft_s = self._next_step, event.ttft_s
+        elif isinstance(event, RequestFinished):
+            self._finished_event(event)
+        elif isinstance(event, RequestRejected):
+            life = self._life(event.request_id)
+            life.prompt_tokens, life.max_tokens = event.prompt_tokens, event.max_tokens
+            life.state, life.error, life.arrival_step = REJECTED, event.reason, self._next_step
+            if life.arrived_t is None:
+                life.arrived_t = event.t
+            self._waiting.pop(event.request_id, None)
+            self._retire(event.request_id)
+        elif isinstance(event, EngineConfigEvent):
+            self._block_size = int(event.config.get("block_size") or self._block_size)
+        elif isinstance(event, StartupPhase) and event.phase == "E" and event.data.get("block_size"):
+            self._block_size = int(event.data["block_size"])
+
+    def _life(self, request_id: str) -> RequestLife:
+        life = self.lives.get(request_id)
+        if life is None:
+            life = self.lives[request_id] = RequestLife(request_id)
+        return life
+
+    def _finished_event(self, event: RequestFinished) -> None:
+        life = self._life(event.request_id)
+        life.state, life.finish_reason, life.finish_step = FINISHED, event.reason, self._next_step
+        life.finished_t, life.e2e_s, life.output_tokens = event.t, event.e2e_s, event.output_tokens
+        life.prompt_tokens = life.prompt_tokens or event.prompt_tokens
+        life.inter_token_latencies_s = list(event.inter_token_latencies_s)
+        if life.ttft_s is None:
+            life.ttft_s = event.ttft_s
+        if life.queue_time_s is None:
+            life.queue_time_s = event.queue_time_s
+        life.error = event.error
+        self._waiting.pop(event.request_id, None)
+        self._retire(event.request_id)
+
+    def _retire(self, request_id: str) -> None:
+        self._finished.append(request_id)
+        kept = self.finished_kept
+        if kept is not None and len(self._finished) > kept:
+            self.lives.pop(self._finished.pop(0), None)
+
+    def _step(self, ev: StepEvent) -> None:
+        step, t = ev.index, ev.t
+        lives = self.lives
+        # who took each block evicted this step: a later prefix miss on it names them
+        if ev.evicted:
+            takers = {b: rid for rid, blocks in ev.allocated.items() for b in blocks}
+            for b in ev.evicted:
+                taker = takers.get(b)
+                if taker is not None:
+                    self._evicted_to[(step, b)] = taker
+        for rid in ev.preempted:
+            life = self._life(rid)
+            life.state, life.computed_tokens = WAITING, 0
+            self._waiting[rid] = None
+        lookups = ev.prefix_lookups
+        for rid in (*ev.new, *ev.resumed):
+            life = self._life(rid)
+            life.state = RUNNING
+            self._waiting.pop(rid, None)
+            resumed = rid in ev.resumed and life.first_scheduled_step is not None
+            if resumed:
+                life.resumes.append(step)
+            elif life.first_scheduled_step is None:
+                life.first_scheduled_step = step
+            entry = lookups.get(rid)
+            if entry is not None:
+                lookup = Lookup(step, int(entry[0]), str(entry[1]), list(entry[2:]), resumed)
+                if lookup.cause == PREFIX_EVICTED and len(entry) >= 4:
+                    lookup.evicted_by = self._evicted_to.get((int(entry[2]), int(entry[3])))
+                life.lookups.append(lookup)
+                life.computed_tokens = lookup.hit_tokens
+            else:  # caching off, or a recording before prefix_lookups: request.scheduled's hit
+                life.computed_tokens = 0 if resumed else life.scheduled_hit_tokens
+        for rid, (num_tokens, kind) in ev.scheduled.items():
+            life = lives.get(rid) or self._life(rid)
+            n = int(num_tokens)
+            life.computed_tokens += n
+            if kind == "decode":
+                life.output_tokens += 1
+                runs = life.decode_runs
+                last = runs[-1] if runs else None
+                if last is not None and last.last_step == step - 1:
+                    gap = t - last.last_t
+                    if gap > last.max_gap_s:
+                        last.max_gap_s = gap
+                    last.last_step, last.last_t = step, t
+                    last.tokens += 1
+                else:
+                    runs.append(DecodeRun(step, step, 1, t, t))
+            else:
+                life.chunks.append(Chunk(step, n, life.computed_tokens))
+                if life.computed_tokens >= life.prompt_tokens + life.output_tokens:
+                    life.output_tokens += 1  # the chunk that completes the context samples a token
+            if life.state != FINISHED:
+                life.state = RUNNING
+        for rid in (*ev.allocated, *ev.freed, *ev.freed_by_window):
+            life = self._life(rid)
+            held = life.held_blocks + len(ev.allocated.get(rid, ())) - len(ev.freed.get(rid, ())) \
+                - len(ev.freed_by_window.get(rid, ()))
+            life.blocks.append((step, held))
+            if held > life.peak_blocks:
+                life.peak_blocks = held
+        reasons = ev.waiting_reasons
+        if self._waiting:
+            unlisted = [WAIT_UNLISTED] if ev.waiting_reasons_omitted else [WAIT_UNRECORDED]
+            for rid in self._waiting:
+                life = lives.get(rid)
+                if life is None or life.arrival_step is None or life.arrival_step > step:
+                    continue
+                self._wait(life, step, reasons.get(rid) or unlisted)
+        for rid in reasons:
+            if rid not in self._waiting:  # a live fold that missed its arrival
+                self._waiting[rid] = None
+                self._wait(self._life(rid), step, reasons[rid])
+        for rid, reason in ev.finished.items():
+            life = lives.get(rid)
+            if life is not None and life.finish_reason is None:  # a finish without its event
+                life.state, life.finish_reason, life.finish_step = FINISHED, reason, step
+                self._waiting.pop(rid, None)
+                self._retire(rid)
+        self._next_step = step + 1
+        self._last_t = t
+
+    @staticmethod
+    def _wait(life: RequestLife, step: int, reason: list[Any]) -> None:
+        runs = life.waits
+        last = runs[-1] if runs else None
+        if last is not None and last.last_step == step - 1 and last.reason == reason:
+            last.last_step = step
+        else:
+            runs.append(WaitRun(step, step, list(reason)))
+
+    # ------------------------------------------------------------ readings
+    def get(self, request_id: str) -> RequestLife | None:
+        return self.lives.get(request_id)
+
+    def in_state(self, state: str | None = None) -> list[RequestLife]:
+        """The lives in ``state`` (all when None), arrival order."""
+        return [life for life in self.lives.values() if state is None or life.state == state]
+
+
+def lifecycle_of(events: list[Event] | Any) -> RequestLifecycle:
+    """Fold ``events`` (a recording's) into every request's life."""
+    fold = RequestLifecycle(finished_kept=None)
+    for event in events:
+        fold(event)
+    return fold
