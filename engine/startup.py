@@ -161,11 +161,8 @@ def resolve_dtype(config: EngineConfig, model: ModelConfig, device: torch.device
     checkpoint's half type."""
     if config.dtype != "auto":
         return DtypeChoice(config.dtype, "--dtype " + config.dtype)
-    if device.type == "cpu" and model.is_gemma3:
-        # Its layers run op by op and its head is the GGUF's Q8_0 read by the fp32 GEMV kernel:
-        # single stream, AVX-512 Zen 4, 2 threads: fp32 17.6 tok/s, bf16 6.6 tok/s.
-        return DtypeChoice("float32", "Gemma 3 on CPU: fp32 decodes 2.7x faster than bf16 (Q8_0 head kernel, "
-                                      "op-by-op layers)")
+    if device.type == "cpu" and model.family.cpu_dtype is not None:  # the family's own rule (the registry)
+        return DtypeChoice(*model.family.cpu_dtype)
     if device.type == "cpu":
         return choose_cpu_dtype(caps or detect())
     half = model.dtype if model.dtype in ("bfloat16", "float16") else "bfloat16"

@@ -19,6 +19,7 @@ import torch
 
 from engine.errors import UserError
 from engine.modelspec.config import ModelConfig
+from engine.modelspec.families import GGUF_GLOBAL_NAMES, family_for_architecture
 from engine.modelspec.gguf_header import read_gguf_header
 from engine.modelspec.readers import resolve_model_file
 
@@ -26,39 +27,6 @@ from engine.modelspec.readers import resolve_model_file
 ProgressCallback = Callable[[int, int], None]
 
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
-
-_GGUF_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-    # Qwen3's QK-norm (no Llama file has them)
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-}
-_GGUF_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-# Gemma 3 has four norms per layer and Q/K norms; llama.cpp's ffn_norm is its pre-MLP norm.
-_GGUF_GEMMA3_LAYER_NAMES = {
-    **{k: v for k, v in _GGUF_LAYER_NAMES.items() if not k.endswith(".bias")},
-    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-    "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-}
-_GGUF_LAYER_NAMES_BY_ARCH = {"gemma3": _GGUF_GEMMA3_LAYER_NAMES}
 
 
 @dataclass(slots=True)
@@ -74,9 +42,10 @@ class LoadInfo:
 
 
 def gguf_to_hf_name(name: str, architecture: str = "llama") -> str | None:
-    if name in _GGUF_GLOBAL_NAMES:
-        return _GGUF_GLOBAL_NAMES[name]
-    layer_names = _GGUF_LAYER_NAMES_BY_ARCH.get(architecture, _GGUF_LAYER_NAMES)
+    """llama.cpp's tensor name -> HF's, by the family's map (engine/modelspec/families.py)."""
+    if name in GGUF_GLOBAL_NAMES:
+        return GGUF_GLOBAL_NAMES[name]
+    layer_names = family_for_architecture(architecture).gguf_layer_names
     parts = name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:
         return f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
@@ -87,18 +56,14 @@ def _rotary_rows_permuted(config: ModelConfig) -> bool:
     """llama.cpp's converter interleaves the rotary halves of Q/K rows for Llama only; the
     other families' GGUFs (Qwen2, Qwen3, Gemma 3: NeoX rope) keep HF's order (the registry's
     ``gguf_rotary_permuted``)."""
-    from engine.modelspec.families import family_for_architecture
-
-    return family_for_architecture(config.architecture).gguf_rotary_permuted
+    return config.family.gguf_rotary_permuted
 
 
 def _cache_key_parts(config: ModelConfig) -> tuple[str, ...]:
     """More of the dequantized-weights cache key for families other than Llama and Gemma 3
     (whose keys stay as they were): Qwen2 GGUF entries written before issue 32 hold Q/K rows
     un-permuted as if llama.cpp had permuted them, and must not be read again."""
-    from engine.modelspec.families import family_for_architecture
-
-    name = family_for_architecture(config.architecture).name
+    name = config.family.name
     return () if name in ("llama", "gemma3") else (f"family={name}",)
 
 
@@ -174,7 +139,7 @@ def native_quantization(config: ModelConfig, load_format: str = "auto") -> tuple
     if location.is_dir():
         return None, "not a GGUF file"
     table, _ = gguf_tensor_table(location)
-    if config.is_gemma3:
+    if config.family.gguf_head_only_native:
         head = "token_embd.weight" if config.tie_word_embeddings else "output.weight"
         kind = next((k for name, k, _, _ in table if name == head), None)
         if kind in GGUF_BLOCK_FORMATS:
@@ -280,7 +245,7 @@ def iter_hf_tensors(
     elif fmt == "safetensors":
         if not location.is_dir():
             raise UserError(f"{location}: --load-format safetensors needs an HF folder, got a file")
-        norms_plus_one = config.is_gemma3  # Gemma's HF norms hold w; the model holds 1 + w (as its GGUF does)
+        norms_plus_one = config.family.hf_norms_add_one  # Gemma's HF norms hold w; the model 1 + w
         for name, tensor, total in iter_safetensors(location):
             if norms_plus_one and name.endswith("norm.weight"):
                 tensor = tensor.float() + 1.0

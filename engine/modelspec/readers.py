@@ -12,13 +12,9 @@ from typing import Any
 from engine.errors import UserError
 from engine.modelspec.config import (
     CANONICAL_DTYPE,
-    FULL_ATTENTION,
-    GEMMA3_ROPE_LOCAL_BASE_FREQ,
-    GEMMA3_SLIDING_WINDOW_PATTERN,
-    SLIDING_ATTENTION,
     ModelConfig,
 )
-from engine.modelspec.families import family_for_hf_config
+from engine.modelspec.families import family_for_architecture, family_for_hf_config
 from engine.modelspec.gguf_header import ArrayValue, read_gguf_header
 from engine.modelspec.presets import (
     FILE_BACKED_PRESETS,
@@ -115,11 +111,8 @@ def model_config_from_gguf(path: Path) -> ModelConfig:
     stem = path.name.split(".")[0]
     name = FILE_PRESET_NAMES.get(path.name, stem.lower())
     bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
-    family: dict[str, Any] = {}
-    if arch == "gemma3":
-        family = _gemma3_fields(meta, layers, head_dim)
-    elif arch == "qwen3":
-        family = {"qk_norm": True}  # llama.cpp writes Qwen3's attn_q_norm/attn_k_norm; no key says so
+    gguf_fields = family_for_architecture(arch).gguf_fields
+    family = gguf_fields(meta, layers, head_dim) if gguf_fields is not None else {}
     return ModelConfig(
         name=name,
         num_layers=layers,
@@ -142,22 +135,6 @@ def model_config_from_gguf(path: Path) -> ModelConfig:
         eos_token_id=int(eos) if isinstance(eos, int) else None,
         **family,
     )
-
-
-def _gemma3_fields(meta: dict[str, Any], layers: int, head_dim: int) -> dict[str, Any]:
-    """Gemma 3's own fields from its GGUF header, with transformers' Gemma3TextConfig
-    defaults for what llama.cpp's converter leaves out (the 5:1 layer pattern, the local
-    rope base, query_pre_attn_scalar = head_dim for the sizes up to 12B)."""
-    pattern = meta.get("gemma3.attention.sliding_window_pattern", GEMMA3_SLIDING_WINDOW_PATTERN)
-    pattern = pattern if isinstance(pattern, int) and pattern > 0 else GEMMA3_SLIDING_WINDOW_PATTERN
-    window = meta.get("gemma3.attention.sliding_window")
-    return {
-        "layer_types": tuple(SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(layers)),
-        "sliding_window": int(window) if isinstance(window, int) else 4096,
-        "rope_local_base_freq": float(meta.get("gemma3.rope.local_freq_base", GEMMA3_ROPE_LOCAL_BASE_FREQ)),
-        "query_pre_attn_scalar": float(meta.get("gemma3.attention.query_pre_attn_scalar", head_dim)),
-        "hidden_activation": "gelu_pytorch_tanh",
-    }
 
 
 def load_model_config(model: str) -> ModelConfig:
