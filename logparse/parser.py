@@ -1,6 +1,6 @@
 """Streaming parser: physical log lines in, logical records out.
 
-Every trap of ../shared/reference/vllm-log-catalog.md section 4 is handled here,
+Every trap found in real vLLM logs (tests/data/vllm-logs, each with its origin) is handled here,
 before any pattern is tried: real and caret-notation ANSI codes, k9s/TUI box
 borders, docker/Buildkite/journald/FastChat timestamps, indentation, nested
 process prefixes of every era (``(VllmWorkerProcess pid=N)``, ``(Worker_TP1

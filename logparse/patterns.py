@@ -3,9 +3,9 @@
 Each :class:`LinePattern` row says what one vLLM log message looks like (a
 regular expression over the message with the log prefix already stripped),
 which releases print it, which startup phase it belongs to, what its numbers
-are and how vLLM computed them. Sources: ../shared/reference/vllm-log-catalog.md
-(format strings extracted from 51 released wheels) and the real logs in
-tests/data/vllm-logs.
+are and how vLLM computed them. Sources: the logger calls in vLLM's released wheels
+on PyPI (their format strings, release by release) and the real logs in
+tests/data/vllm-logs (each with its origin in that folder's index).
 
 Templates use ``<name:kind>`` placeholders, expanded by :func:`compile_template`
 into named groups; a field whose name is a ledger key (``weights_gib``,

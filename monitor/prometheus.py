@@ -2,7 +2,8 @@
 
 What the monitor reads from a vLLM server (or a kvscope one: it serves the same
 families) is one scrape of ``GET /metrics``. Names follow vLLM's wire names
-(/work/shared/reference/vllm-metrics.md): counters carry ``_total``, histograms
+(``PrometheusStatLogger`` in vLLM's vllm/v1/metrics/loggers.py; the list in
+https://docs.vllm.ai/en/latest/design/metrics.html): counters carry ``_total``, histograms
 ``_bucket``/``_sum``/``_count``, and the older names (``gpu_cache_usage_perc``,
 ``gpu_prefix_cache_*``) are read where the newer ones are absent. Every family
 carries an ``engine`` label (the DP rank) since vLLM 0.8.3; each rank is its own

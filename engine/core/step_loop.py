@@ -9,10 +9,11 @@ exist.
   the scheduling time (the driver, tests, ``engine bench-scheduler``);
 * :class:`CostModelExecutor` (engine/sim/simulate.py): the same, but the step takes the
   cost model's seconds, so time advances by them;
-* the replayer's executor answers the recorded stop token where the recording
-  stopped a request;
-* ``ModelExecutor`` (engine/llm_engine.py): the model runner samples, the
-  detokenisers find stop strings, and the step carries measured timings.
+* :class:`~engine.sim.replay.Replayer` is its own executor: it answers the recorded
+  stop token where the recording stopped a request;
+* :class:`~engine.llm_engine.LLMEngine` is its own executor too (its ``execute``): the
+  model runner samples, the detokenisers find stop strings, and the step carries
+  measured timings.
 """
 
 from __future__ import annotations
