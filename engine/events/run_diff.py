@@ -22,7 +22,8 @@ has few or scattered steps, so noise reads as unchanged. (A rank test such as
 Mann-Whitney's would need scipy, which kvscope does not depend on; the bootstrap needs
 numpy only.) Steps within one run are not independent (consecutive decode steps share a
 batch and the host's load), so the interval is a guide to the noise, not an exact
-probability. TTFT, inter-token and end-to-end latencies are reported (percentiles, the
+probability; and it sees the noise within each run, not a host whose load changed between
+the two runs, which only recording them back to back (or a larger threshold) guards against. TTFT, inter-token and end-to-end latencies are reported (percentiles, the
 ratio of medians) but not judged: they follow from the step times and the scheduling,
 and the requests of one batch share their TTFT, so a bootstrap over requests would claim
 a certainty it does not have.
