@@ -495,6 +495,8 @@ class Scheduler:
         while waiting and plan.budget > 0 and len(running) < max_seqs:
             req = waiting.peek()
             hit_blocks, hit_tokens = kv.get_computed_blocks(req)
+            # explained before the allocation caches the request's own blocks
+            lookup = kv.explain_hit(req, hit_tokens) if publishing and kv.enable_caching else None
             total = len(req.token_ids)
             num_new = self._chunk(total - hit_tokens, plan.budget)
             encoded: list[tuple[Request, int, int]] = []
@@ -512,8 +514,8 @@ class Scheduler:
             waiting.pop()
             running.append(req)
             kv.record_lookup(total, hit_tokens)
-            if publishing and kv.enable_caching:
-                plan.prefix_lookups[req.request_id] = kv.explain_hit(req, hit_tokens)
+            if lookup is not None:
+                plan.prefix_lookups[req.request_id] = lookup
             self._start_running(req, hit_tokens, plan, now, publishing)
             plan.add(ScheduledRequest(req, hit_tokens, num_new, True, hit_tokens + num_new >= total))
 

@@ -255,8 +255,8 @@ class RequestLife:
                                                f"({(run.first_t - previous.last_t) * 1e3:,.1f} ms)")
             previous = run
         for p in self.preemptions:
-            whom = ("it was the last request left to give way" if p.for_request in ("", self.request_id)
-                    else f"to make room for {p.for_request}")
+            whom = ("for its own next tokens (it was the one to give way)" if p.for_request == self.request_id
+                    else f"to make room for {p.for_request}" if p.for_request else "")
             add(p.step, 6, f"preempted ({p.reason}) {whom}: held {p.blocks_freed} blocks and "
                            f"{p.tokens_lost:,} computed tokens, all to recompute")
         if self.blocks:

@@ -10,6 +10,10 @@
                                        (--trace is the same flag here)
   engine replay run.jsonl --otlp URL   its startup and request spans, sent to an
                                        OTLP endpoint with their original times
+  engine replay run.jsonl --request ID one request's life step by step: arrival, each
+                                       step it waited and why, prefill chunks, where its
+                                       prefix-cache match stopped, preemptions, decode,
+                                       blocks held, finish (--json: the same as data)
 
 Works on recordings of the real engine (--events) and of engine simulate; a
 recording cut at any byte is replayed up to its last whole step.
@@ -31,6 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("recording", help="JSONL event file")
     p.add_argument("--verify", action="store_true", help="compare every step with the recording (default)")
     p.add_argument("--at", type=int, default=None, metavar="STEP", help="print the state after this step")
+    p.add_argument("--request", default=None, metavar="ID",
+                   help="print one request's life, step by step, folded from the recording's events")
+    p.add_argument("--json", action="store_true", help="with --request: the life as one JSON object")
     add_exporter_flags(p, replay=True)
     p.set_defaults(func=run)
 
@@ -59,8 +66,28 @@ def _cut_note(report: ReplayReport, replayer: Replayer) -> str | None:
     return f"note: the recording is incomplete ({what}): replayed up to its last whole step, {where}{extra}"
 
 
+def show_request(recording: Recording, request_id: str, as_json: bool) -> int:
+    """``--request ID``: the request's life from the events alone (no scheduler re-run)."""
+    from engine.events import dumps
+    from engine.events.request_lifecycle import lifecycle_of
+
+    fold = lifecycle_of(recording.events)
+    life = fold.get(request_id)
+    if life is None:
+        known = list(fold.lives)
+        sample = ", ".join(known[:8]) + (" …" if len(known) > 8 else "")
+        raise UserError(f"--request {request_id}: no such request in {recording.header.get('config', {}).get('events_path') or 'the recording'}"
+                        f" ({len(known)} requests: {sample or 'none'})")
+    print(dumps(life.to_dict()) if as_json else life.render())
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     recording = load_recording(args.recording)
+    if args.json and args.request is None:
+        raise UserError("--json goes with --request ID (the life of one request as data)")
+    if args.request is not None:
+        return show_request(recording, args.request, args.json)
     if exporters_asked(args):
         export(args, recording)
         if not args.verify and args.at is None:
