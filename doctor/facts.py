@@ -27,7 +27,10 @@ from engine.events import (
     StepEvent,
     event_from_dict,
 )
+from engine.events.expert_load import ExpertLoad
 from engine.events.phase_data import KvCacheData
+from engine.events.request_lifecycle import RequestLifecycle
+from engine.events.schema import WAIT_MAX_NUM_SEQS
 
 
 @dataclass(slots=True)
@@ -50,6 +53,9 @@ class StepRow:
     num_finished: int
     collective_s: float = 0.0  # tensor parallelism: all-reduce/gather time inside the step
     collective_bytes: int = 0
+    admitted: int = 0  # requests admitted (new or resumed) in the step
+    head: tuple[str, list[Any]] | None = None  # the first waiting request after the step, and why it waited
+    deferred: list[str] = field(default_factory=list)  # running but given no token (kept when slots bind)
 
     @property
     def kv_usage(self) -> float:
@@ -99,6 +105,11 @@ class RunFacts:
     # block ids that served a prefix-cache hit (the first blocks of an admission that hit)
     prefix_blocks: set[int] = field(default_factory=set)
     events: int = 0
+    # every request's life (waits with reasons, prefix lookups, preemptions): the request rules' input
+    lives: RequestLifecycle = field(default_factory=lambda: RequestLifecycle(finished_kept=None))
+    _running: dict[str, None] = field(default_factory=dict)  # running after the last step, admission order
+    # a MoE model's per-expert routed tokens over the whole run (the step events' expert_counts)
+    experts: ExpertLoad = field(default_factory=lambda: ExpertLoad(window=None))
     # request events of a step arrive during its update, before the step event itself
     _pending_first: list[str] = field(default_factory=list)
     _pending_finish: list[str] = field(default_factory=list)
@@ -106,6 +117,7 @@ class RunFacts:
 
     def __call__(self, event: Event) -> None:
         self.events += 1
+        self.lives(event)
         if isinstance(event, StepEvent):
             self._step(event)
         elif isinstance(event, RequestArrived):
@@ -151,7 +163,18 @@ class RunFacts:
             num_running=e.num_running, num_waiting=e.num_waiting,
             kv_blocks_used=e.kv_blocks_used_forward or e.kv_blocks_used, kv_blocks_total=e.kv_blocks_total,
             prefills=prefills, preempted=list(e.preempted), evicted=list(e.evicted), num_finished=len(e.finished),
-            collective_s=e.collective_s, collective_bytes=e.collective_bytes))
+            collective_s=e.collective_s, collective_bytes=e.collective_bytes,
+            admitted=len(e.new) + len(e.resumed),
+            head=next(iter(e.waiting_reasons.items()), None)))
+        running = self._running
+        running.update(dict.fromkeys((*e.new, *e.resumed)))
+        for rid in (*e.preempted, *e.finished):
+            running.pop(rid, None)
+        head = self.steps[-1].head
+        if head is not None and head[1][:1] == [WAIT_MAX_NUM_SEQS]:
+            self.steps[-1].deferred = [rid for rid in running if rid not in e.scheduled]
+        if e.expert_counts:
+            self.experts.add(e.expert_counts)
         for rid in e.new:
             hit_blocks = self._request(rid).prefix_hit_tokens // self.block_size
             self.prefix_blocks.update(e.allocated.get(rid, [])[:hit_blocks])

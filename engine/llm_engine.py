@@ -263,8 +263,13 @@ class LLMEngine:
         return ExecutedStep(
             {rid: [tok] for rid, tok in sampled_ids.items() if rid not in failed}, self.now(), stopped_by_string,
             deltas, {"forward_s": timings.prepare_s + timings.forward_s, "sample_s": timings.sample_s,
-                     **collectives}, failed=failed,
+                     **collectives, **self._expert_counts()}, failed=failed,
         )
+
+    def _expert_counts(self) -> dict[str, list[list[int]]]:
+        """A MoE model's tokens per expert per layer in the step just run, for its step event."""
+        counts = self.runner.last_expert_counts
+        return {"expert_counts": counts} if counts else {}
 
     def _outputs(self, out: SchedulerOutput, executed: ExecutedStep, finished: list[Request]) -> list[RequestOutput]:
         sampled, deltas = executed.sampled, executed.text

@@ -28,6 +28,7 @@ from monitor.state import Timeline
 from monitor.widgets.block_map import BlockMap
 from monitor.widgets.diagnosis import Diagnosis
 from monitor.widgets.events_log import EventsLog
+from monitor.widgets.expert_load import ExpertPanel
 from monitor.widgets.memory_bar import MemoryBar
 from monitor.widgets.queues import Queues
 from monitor.widgets.replay_bar import ReplayBar
@@ -113,6 +114,7 @@ class MonitorApp(App[None]):
                 yield Queues(id="queues")
             with TabPane("Steps [2]", id="steps"):
                 yield StepCharts(id="charts")
+                yield ExpertPanel(id="experts")  # shown only for a MoE model
             with TabPane("Startup [3]", id="startup"):
                 yield StartupTable(id="startup-table")
             with TabPane("Events [4]", id="events"):
@@ -156,6 +158,7 @@ class MonitorApp(App[None]):
         self.query_one(MemoryBar).update_view(view)
         self.query_one(Queues).update_view(view, self.engine_now())
         self.query_one(StepCharts).update_view(view)
+        self.query_one(ExpertPanel).update_view(view)
         self.query_one(StartupTable).update_view(view, self.engine_now())
         self.query_one(EventsLog).update_view(view)
         tl = self.timeline

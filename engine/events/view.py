@@ -41,7 +41,9 @@ Snapshot dict format (``SNAPSHOT_VERSION`` 1), all plain JSON::
       "ranks": {"1": {"phases": {...}, "ledger": {...}}, ...}  # tensor parallelism: the other
                                                            # ranks' (absent with one rank)
       "encoder_cache": {"used", "capacity"},               # tokens, from the last encoder.step
-    }                                                      # (vision-language runs only)
+                                                           # (vision-language runs only)
+      "experts": {"window", "steps": [[[int]]], "steps_seen"},  # MoE only: the last steps'
+    }                                                      # expert_counts (expert_load.py)
 
 Block owners are not stored: they are the union of every request's ``blocks``,
 so the snapshot cannot disagree with itself; nor is a held block's KV cache group
@@ -84,6 +86,7 @@ from engine.events import (
     event_from_dict,
 )
 from engine.events.block_table import BlockTableState
+from engine.events.expert_load import ExpertLoad
 from engine.events.ledger import LEDGER
 from engine.events.schema import EncoderStepEvent
 
@@ -258,6 +261,7 @@ class EngineView:
         self.series: dict[str, deque[float]] = {n: deque(maxlen=series_window) for n in SERIES_NAMES}
         self.recent: deque[Event] = deque(maxlen=recent_window)
         self.stats: StatsEvent | None = None
+        self.experts = ExpertLoad()  # a MoE model's routed tokens per expert, over the last steps
 
     # ------------------------------------------------------------ derived views
     @property
@@ -465,6 +469,8 @@ class EngineView:
         s["kv_pct"].append(100.0 * ev.kv_blocks_used / ev.kv_blocks_total if ev.kv_blocks_total else 0.0)
         s["step_ms"].append(ev.duration_s * 1000.0)
         s["preempted"].append(len(ev.preempted))
+        if ev.expert_counts:
+            self.experts.add(ev.expert_counts)
 
     def _hit_tokens(self, req: RequestView, ev: StepEvent, num_new: int) -> int:
         """Prefix-cache hit tokens of a request admitted this step: ``request.scheduled``
@@ -538,7 +544,8 @@ class EngineView:
                                     "ledger": dict(self.rank_ledgers.get(rank, {}))}
                         for rank, phases in sorted(self.rank_phases.items())}} if self.rank_phases else {}) \
           | ({"encoder_cache": {"used": self.encoder_cache_used, "capacity": self.encoder_cache_capacity}}
-             if self.encoder_cache_capacity else {})
+             if self.encoder_cache_capacity else {}) \
+          | ({"experts": self.experts.to_dict()} if self.experts.num_layers else {})
 
     @classmethod
     def from_snapshot(
@@ -591,6 +598,7 @@ class EngineView:
         self.recent = deque(
             (event_from_dict(d) for d in state.get("recent", [])), maxlen=self.recent_window
         )
+        self.experts = ExpertLoad.from_dict(state["experts"]) if state.get("experts") else ExpertLoad()
 
 
 _HANDLERS: dict[type, Any] = {

@@ -14,6 +14,7 @@ from monitor.widgets.spark import BARS
 
 LABEL_WIDTH = 13  # "L 47  x1.93 " before the bars
 HOT_IMBALANCE = 2.0  # a layer at or above this max/mean is drawn in red (the doctor's threshold too)
+MAX_LAYERS = 12  # layer lines shown (the most imbalanced when there are more)
 
 
 def _binned(row: list[int], width: int) -> list[int]:
@@ -64,6 +65,4 @@ class ExpertPanel(Static):
         self.display = load.num_layers > 0
         if not self.display:
             return
-        width = self.size.width or 100
-        max_layers = max(1, (self.size.height or 12) - 2)
-        self.update(Text("\n").join(expert_lines(load, width, max_layers)))
+        self.update(Text("\n").join(expert_lines(load, self.size.width or 100, MAX_LAYERS)))
