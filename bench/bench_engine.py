@@ -492,6 +492,13 @@ def start_engines(args: argparse.Namespace, variants: list[Variant]) -> tuple[li
         engine = auto.llm.engine  # the engine's own reason (a model family may override the ISA's choice)
         reason = resolve_dtype(engine.config, engine.startup.model_config, torch.device("cpu")).reason
         print(f"kvscope --dtype auto chose {auto.dtype} on ISA {cpu_isa()} ({reason})", flush=True)
+        plan = getattr(engine.runner, "kernel_plan", None)  # engine/model/kernel_plan.py: measured at its first start
+        print("\n".join(plan.table_lines()) if plan is not None else "kvscope kernel plan: off (fallback constants)",
+              flush=True)
+    for e in engines:
+        plan = getattr(e.llm.engine.runner, "kernel_plan", None)
+        print(f"{e.label}: {plan.summary() if plan is not None else 'kernel plan off (fallback constants)'}; "
+              f"--max-num-batched-tokens {e.llm.engine.startup.config.max_num_batched_tokens}", flush=True)
     smollm = args.model == DEFAULT_MODEL
     if not args.no_hf and smollm:
         engines.append(HfEngine(args.threads))

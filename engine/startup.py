@@ -53,7 +53,7 @@ from engine.events.phase_data import (
 )
 from engine.gc_policy import restore_collections
 from engine.logs import get_logger
-from engine.model import profile_cache
+from engine.model import kernel_plan, profile_cache
 from engine.model.cpu_caps import CpuCapabilities, DtypeChoice, choose_cpu_dtype, detect
 from engine.model.cuda_graphs import DecodeGraphs, graphs_supported
 from engine.model.device import (
@@ -163,6 +163,11 @@ def resolve_dtype(config: EngineConfig, model: ModelConfig, device: torch.device
         return DtypeChoice(config.dtype, "--dtype " + config.dtype)
     if device.type == "cpu" and model.family.cpu_dtype is not None:  # the family's own rule (the registry)
         return DtypeChoice(*model.family.cpu_dtype)
+    if device.type == "cpu" and config.tensor_parallel_size == 1 and kernel_plan.plan_enabled():
+        return DtypeChoice("float32", "the kernel plan runs float32 activations and picks each projection's "
+                                      "implementation by measurement (bf16 GEMM over bf16 weights where it is "
+                                      "native and measured fastest; the fused fp32 decode layer where it wins); "
+                                      f"{kernel_plan.PLAN_ENV}=off runs the ISA rule")
     if device.type == "cpu":
         return choose_cpu_dtype(caps or detect())
     half = model.dtype if model.dtype in ("bfloat16", "float16") else "bfloat16"
@@ -176,6 +181,8 @@ class ResolvedConfig:
     config: EngineConfig
     dtype_reason: str
     quantization_reason: str
+    batched_tokens_reason: str = "--max-num-batched-tokens"
+    dtype_auto: bool = False  # --dtype auto: the kernel plan may round weights to bf16/int8 where that wins
 
 
 def resolve_config(config: EngineConfig, model: ModelConfig, device: torch.device,
@@ -200,9 +207,12 @@ def resolve_config(config: EngineConfig, model: ModelConfig, device: torch.devic
         raise UserError("--compile with --tensor-parallel-size > 1: the compiled MLP block would hold the "
                         "all-reduce; drop --compile or run one rank")
     quantization, quantization_reason = resolve_quantization(config, model, device)
-    batched = config.max_num_batched_tokens
-    if device.type == "cpu" and batched == GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS:
-        batched = CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS  # flag left at its GPU default
+    batched, batched_reason = config.max_num_batched_tokens, "--max-num-batched-tokens"
+    if device.type != "cpu" and batched == GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS:
+        batched_reason = "the GPU default (vLLM's)"
+    if device.type == "cpu" and batched == GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS:  # flag left at its GPU default
+        batched, batched_reason = cpu_batch_budget(config, model, quantization, dtype_choice.dtype, caps,
+                                                   config.dtype == "auto")
     backend = config.attention_backend
     if backend == "auto":
         backend = "triton" if device.type == "cuda" else "torch"
@@ -211,7 +221,37 @@ def resolve_config(config: EngineConfig, model: ModelConfig, device: torch.devic
         max_model_len=max_model_len, attention_backend=backend, quantization=quantization,
         cuda_graph_sizes=list(config.cuda_graph_sizes),
     )
-    return ResolvedConfig(resolved, dtype_choice.reason, quantization_reason)
+    return ResolvedConfig(resolved, dtype_choice.reason, quantization_reason, batched_reason, config.dtype == "auto")
+
+
+def kernel_plan_key(config: EngineConfig, model: ModelConfig, quantization: str | None, dtype: str,
+                    caps: CpuCapabilities | None, dtype_auto: bool) -> str:
+    """The stored kernel plan's key: the weights' content, their formats (quantization, the
+    q4_1x8 layout), dtype (and whether it was auto), load format, the CPU's kernel ISA and
+    flags, torch, threads."""
+    from engine.model.kernels import cpu_gemv
+
+    return kernel_plan.plan_key({
+        "weights": profile_cache.weights_identity(model.path, _model_facts(model)), "quantization": quantization,
+        "x8": cpu_gemv.int8_activations_enabled(), "dtype": dtype, "dtype_auto": dtype_auto, "load_format": config.load_format,
+        "cpu": (caps or detect()).kernel_key, "torch": torch.__version__, "threads": torch.get_num_threads(),
+    })
+
+
+def cpu_batch_budget(config: EngineConfig, model: ModelConfig, quantization: str | None, dtype: str,
+                     caps: CpuCapabilities | None, dtype_auto: bool) -> tuple[int, str]:
+    """The CPU default ``--max-num-batched-tokens`` and why: from the stored kernel plan's
+    prefill speed (one step near ``kernel_plan.STEP_TARGET_S``), else the fixed default."""
+    fixed = CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
+    if config.tensor_parallel_size > 1 or not kernel_plan.plan_enabled():
+        return fixed, f"the CPU default {fixed} (no kernel plan: {kernel_plan.PLAN_ENV}=off or tensor parallel)"
+    plan = kernel_plan.pinned() or kernel_plan.load_stored(kernel_plan_key(config, model, quantization, dtype, caps,
+                                                                                    dtype_auto))
+    derived = None if plan is None else kernel_plan.derived_batch_budget(plan, model.num_layers)
+    if derived is None:
+        return fixed, (f"the CPU default {fixed}: no measured kernel plan for these weights on this CPU yet (this "
+                       "start measures one; the next derives the budget from its prefill speed)")
+    return derived
 
 
 def resolve_quantization(config: EngineConfig, model: ModelConfig, device: torch.device) -> tuple[str | None, str]:
@@ -480,12 +520,22 @@ def _phase_load_weights(c: PhaseHandle, s: StartupInputs, progress: Callable[[in
                          kv_cache_dtype=config.kv_cache_dtype, parallel=parallel,
                          kv_cache_groups=s.kv_cache_groups)
     info = runner.load_weights(progress)
+    plan_bytes = None
+    if s.device.type == "cpu" and parallel is None and kernel_plan.plan_enabled():
+        # measured (or read back) here, not in phase F: phase D profiles, and phase E sizes, what it runs
+        before = runner.model.weights_bytes()
+        key = kernel_plan_key(config, model, config.quantization, config.dtype, s.caps, s.resolution.dtype_auto)
+        runner.resolve_kernel_plan(key, s.caps or detect(), log, approximate=s.resolution.dtype_auto)
+        info.weights_bytes = runner.model.weights_bytes()
+        plan_bytes = info.weights_bytes - before
     tokenizer = _tokenizer_for(model) if config.load_format != "dummy" else _dummy_tokenizer(model)
     quantization_reason = s.resolution.quantization_reason
     c.record = LoadWeightsData(weights_bytes=info.weights_bytes, load_seconds=info.load_seconds,
                                load_format=info.load_format, source=info.source, num_tensors=info.num_tensors,
                                weights_cache=info.cache, quantization=config.quantization,
                                quantization_reason=quantization_reason)
+    if plan_bytes is not None:
+        c.record = dataclasses.replace(c.record, kernel_plan_bytes=plan_bytes)
     log.info(f"Model loading took {info.weights_bytes / GiB:.4f} GiB and {info.load_seconds:.2f} seconds"
              + (f" (weights cache {info.cache})" if info.cache != "none" else ""))
     log.info(f"quantization {config.quantization or 'none'} ({quantization_reason})")
@@ -530,6 +580,10 @@ def _phase_kv_cache(e: PhaseHandle, s: StartupInputs, reading: MemoryReading, we
         if fewest < plan.num_blocks:
             plan = plan_memory(kv_cache_memory_bytes=fewest * plan.block_bytes, check_fits=False, **plan_kwargs)
     e.record = dataclasses.replace(plan.kv_cache_data(), cpu_default_cap=capped)
+    if device.type == "cpu":
+        e.record = dataclasses.replace(e.record, max_num_batched_tokens=config.max_num_batched_tokens,
+                                       max_num_batched_tokens_reason=s.resolution.batched_tokens_reason)
+        log.info(f"--max-num-batched-tokens {config.max_num_batched_tokens:,} ({s.resolution.batched_tokens_reason})")
     if s.model.layer_types and SLIDING_LAYER in s.model.layer_types:
         # the same pool under the other layout: phase E's event names both, and which the engine used
         other = plan_memory(**{**plan_kwargs, "disable_hybrid_kv_cache_manager": runs_hybrid},
@@ -659,6 +713,14 @@ def _cpu_phase_f(f: PhaseHandle, s: StartupInputs, runner: ModelRunner, kernels:
     log.info(f"CPU paged-decode kernel: {unavailable or 'enabled'} (phase F waited {waited:.2f} s for builds)")
     layers = runner.model.fused_decode_status(runner.kv_cache_dtype)
     f.record = dataclasses.replace(f.record, cpu_decode_layers=layers)
+    plan = runner.kernel_plan
+    if plan is not None:
+        f.record = dataclasses.replace(f.record, kernel_plan=plan.to_json())
+        for line in plan.table_lines():
+            log.info(line)
+    else:
+        log.info(f"kernel plan off ({kernel_plan.PLAN_ENV}=off, tensor parallel or not on CPU): the fallback "
+                 "constants (GEMV_MAX_ROWS) route the projections")
     log.info(f"CPU fused decode layers: {layers}")
     if config.compile:
         start = time.perf_counter()

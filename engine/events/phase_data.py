@@ -140,6 +140,8 @@ class LoadWeightsData(PhaseData):
     quantization: str | None = NOT_REPORTED  # the resolved --quantization; null for float weights
     quantization_reason: str | None = NOT_REPORTED
     vision_weights_bytes: int | None = NOT_REPORTED  # VL models: the part of weights_bytes the vision tower holds
+    # CPU: the copies the kernel plan's choices keep (bf16, int8), part of weights_bytes (engine/model/kernel_plan.py)
+    kernel_plan_bytes: int | None = NOT_REPORTED
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +193,9 @@ class KvCacheData(PhaseData):
     blocks_per_request: int | None = NOT_REPORTED  # hybrid: one max_model_len request's blocks, all groups
     kv_cache_groups: tuple[Mapping[str, Any], ...] | None = NOT_REPORTED  # hybrid: KvGroupBudget.to_json() each
     other_layout: Mapping[str, Any] | None = NOT_REPORTED  # the same pool under the layout not used
+    # CPU: the step token budget the scheduler runs and why (derived from the kernel plan's prefill speed)
+    max_num_batched_tokens: int | None = NOT_REPORTED
+    max_num_batched_tokens_reason: str | None = NOT_REPORTED
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +213,9 @@ class GraphsCompileData(PhaseData):
     cpu_decode_layers: str | None = NOT_REPORTED
     compile_seconds: float | None = NOT_REPORTED  # only with --compile
     warmup_seconds: float | None = NOT_REPORTED
+    # CPU: the kernel plan (engine/model/kernel_plan.py KernelPlan.to_json(): each candidate's µs per
+    # projection group and step size, the choice and why, the fused layer, where it came from)
+    kernel_plan: Mapping[str, Any] | None = NOT_REPORTED
 
 
 @dataclass(frozen=True, slots=True)

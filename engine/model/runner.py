@@ -14,6 +14,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +31,10 @@ from engine.model.loader import LoadInfo, ProgressCallback, load_weights_into, r
 from engine.model.parallel import TensorParallel
 from engine.model.sampler import Sampler
 from engine.modelspec.config import CANONICAL_DTYPE, ModelConfig
+
+if TYPE_CHECKING:
+    from engine.model.cpu_caps import CpuCapabilities
+    from engine.model.kernel_plan import KernelPlan
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -165,6 +170,7 @@ class ModelRunner:
         self.last_timings = StepTimings()
         self.last_failed: dict[str, str] = {}  # request id -> why its sampling raised (the last execute)
         self.decode_graphs: DecodeGraphs | None = None  # captured in phase F on CUDA
+        self.kernel_plan: KernelPlan | None = None  # phase C on CPU (resolve_kernel_plan); None: the constants
         # A MoE model's tokens routed to each expert in the last forward, [MoE layer][expert];
         # None for a dense model. The step event carries it (expert_counts).
         self.last_expert_counts: list[list[int]] | None = None
@@ -280,6 +286,18 @@ class ModelRunner:
             return cpu_decode.unavailable_reason() or "the kernel could not be built"
         self.backend.decode_kernel = cpu_decode.paged_decode
         return None
+
+    def resolve_kernel_plan(self, key: str, caps: CpuCapabilities, log: Any = None,
+                            approximate: bool = True) -> KernelPlan | None:
+        """The kernel plan for these weights on this CPU (pinned, stored under ``key``, or
+        measured now), installed on the model (engine/model/kernel_plan.py); ``approximate``
+        (``--dtype auto``) lets it pick bf16 and int8 weights too. The paged-decode
+        kernel is switched on first: the fused layer is timed against the op-by-op layer on it."""
+        from engine.model import kernel_plan
+
+        self.enable_cpu_decode_kernel()
+        self.kernel_plan = kernel_plan.resolve(self.model, key, caps.native_bf16, caps.isa, log, approximate)
+        return self.kernel_plan
 
     @property
     def num_blocks(self) -> int:

@@ -1,0 +1,640 @@
+"""The kernel plan: which implementation multiplies each projection group at each step size,
+chosen by timing every candidate on this CPU with the model's own weights.
+
+Constants tuned on one CPU pick the wrong path on another (issue 34: an AMX Xeon ran its
+500-token prefills through the int8-activation GEMV that wins on AVX2, at 40 % of vLLM's
+speed, while its bf16 GEMM was 4x faster). So at the first start for a (weights, weight
+formats, dtype, ISA, torch, kernel sources, threads) the engine times, for each group
+(QKV, O, gate/up, down on one layer, and the LM head; each on at most its first
+``WEIGHT_ROWS_TIMED`` output rows, time being linear in them, and scaled to the whole weight) and each step-size class the scheduler makes (``STEP_CLASSES``:
+1, 2-8, 9-64, 65+, one representative row count each), the candidates this machine has:
+
+* ``gemv``: kvscope's GEMV over the GGUF blocks (q4_1x8: int8 activations; q4_1 and q8_0:
+  float activations), engine/model/kernels/cpu_gemv.py;
+* ``torch``: ``F.linear`` over the model's float weights (fp32 GEMM for an fp32 model);
+* ``bf16``: ``F.linear`` over a bf16 copy (oneDNN; AMX or AVX512-BF16), only where bf16 is
+  native, never for the LM head (its output would be rounded to bf16 before the fp32
+  logits: greedy decoding would pick among bf16 ties);
+* ``int8pack``: torch's ``_weight_int8pack_mm`` over per-channel int8 weights, where torch has it;
+* ``fused``: the whole decode layer as one C++ call (engine/model/kernels/cpu_layer.py),
+  timed against the op-by-op layer on the chosen projections, for pure-decode steps.
+
+Each candidate's output is checked against the fp32 reference ``x @ W.T`` on the same
+inputs (relative RMS error at most ``ACCURACY_BOUND``; the GEMV against its own blocks'
+values in fp32, which are ``W`` for a GGUF's blocks and the weights ``--quantization`` chose
+for packed ones); the fastest that passes is chosen.
+A candidate more than ``PRUNE_FACTOR`` x slower than the best at one class is not timed at
+the bigger ones. Measuring stops at ``MEASURE_BOUND_S``: cells not reached keep the fallback
+constants' choice and say so. The plan is stored beside phase D's profile
+(engine/model/profile_cache.py) so a warm start reuses it, and ``KVSCOPE_KERNEL_PLAN``
+pins one (a path or the JSON itself), ``measure`` measures again, ``off`` runs the fallback
+constants (``GEMV_MAX_ROWS`` in engine/model/llama.py and the ISA's dtype rule).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+PLAN_ENV = "KVSCOPE_KERNEL_PLAN"
+PLAN_FORMAT_VERSION = 1
+GROUPS = ("qkv", "o", "gate_up", "down", "head")
+# The model attribute each group's weight and quantized copy are named by.
+GROUP_ATTRS = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj", "down": "down_proj", "head": "head"}
+LAYER_GROUPS = GROUPS[:4]
+# Buffer suffixes of the copies a plan's candidates keep (``<projection>_<suffix>``).
+PLAN_COPY_SUFFIXES = ("bf16", "int8pack", "int8pack_scale")
+
+
+@dataclass(frozen=True, slots=True)
+class StepClass:
+    """Steps of ``lo``..``hi`` token rows (``hi`` None: up to the token budget), timed at ``rows``."""
+
+    lo: int
+    hi: int | None
+    rows: int
+
+    @property
+    def name(self) -> str:
+        return str(self.lo) if self.hi == self.lo else f"{self.lo}-{self.hi}" if self.hi else f"{self.lo}+"
+
+
+STEP_CLASSES = (StepClass(1, 1, 1), StepClass(2, 8, 8), StepClass(9, 64, 64), StepClass(65, None, 256))
+CANDIDATES = ("gemv", "torch", "bf16", "int8pack")
+# Candidates whose time grows with rows like a GEMV's (a weight row re-read per few activation
+# rows): one more than PRUNE_FACTOR x behind at a smaller class cannot catch up at a bigger one,
+# so it is not timed there (int8pack took 0.65 s for one 256-row QKV on Zen 4). GEMMs are always timed.
+ROW_LINEAR = frozenset({"gemv", "int8pack"})
+ACCURACY_BOUND = 1e-2  # relative RMS error against the fp32 reference (int8 activations: ~5e-3 on N(0,1) inputs)
+MEASURE_BOUND_S = 0.5  # total measuring time; cells not reached keep the fallback's choice
+PRUNE_FACTOR = 3.0
+TIMED_REPS = 3  # min of this many calls after one untimed call (which gives the output checked)
+CELL_BUDGET_S = 0.02  # past this, a cell stops adding rounds (its candidates have one timing each at least)
+WEIGHT_ROWS_TIMED = 1024  # a multiple of 8 (q4_1x8 interleaves 8 rows)
+# The fused layer is timed at the first classes only (a 256-row decode step costs ~0.1 s to time);
+# when it wins at all of them it serves the rest up to cpu_layer.MAX_ROWS too.
+FUSED_CLASSES_TIMED = 3
+FUSED_CONTEXT = 32  # tokens each sequence of the fused-layer timing attends over
+# --max-num-batched-tokens on CPU: one step's projections at about this many seconds
+# (attention, norms and sampling add ~15-25 % at 500 tokens), so a long prefill never
+# stalls the decodes beside it for more than one such step.
+STEP_TARGET_S = 0.10
+BUDGET_MIN, BUDGET_MAX, BUDGET_QUANTUM = 128, 8192, 64
+
+
+def plan_setting() -> str:
+    """``KVSCOPE_KERNEL_PLAN``: ``""`` (stored or measured), ``off``, ``measure``, or a pinned plan."""
+    return os.environ.get(PLAN_ENV, "").strip()
+
+
+def plan_enabled() -> bool:
+    return plan_setting().lower() not in ("off", "0", "false", "no")
+
+
+# ---------------------------------------------------------------------- implementations
+@dataclass(slots=True)
+class Implementation:
+    """One candidate for one weight: the call, and the tensors it keeps (bf16 or int8 copies)."""
+
+    call: Callable[[torch.Tensor], torch.Tensor]
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def candidates_for(weight: torch.Tensor, quantized: Any, gemv_kernel: Any, native_bf16: bool,
+                   group: str, approximate: bool = True) -> list[str]:
+    """The candidates this weight can run here (``quantized``: its QuantizedLinear or None).
+    ``approximate`` (``--dtype auto``) adds those that round the weights further (bf16, int8);
+    a dtype given by flag keeps to its own precision: the GEMV over the file's blocks and torch."""
+    out = []
+    if quantized is not None and gemv_kernel is not None:
+        out.append("gemv")
+    out.append("torch")
+    if approximate and weight.dtype == torch.float32 and native_bf16 and group != "head":
+        out.append("bf16")
+    if approximate and weight.dtype == torch.float32 and hasattr(torch, "_weight_int8pack_mm"):
+        out.append("int8pack")
+    return out
+
+
+def implementation(candidate: str, weight: torch.Tensor, quantized: Any, gemv_kernel: Any) -> Implementation:
+    """``candidate`` for ``weight`` (``[out, in]``), copies made now."""
+    if candidate == "gemv":
+        fn, blocks = getattr(gemv_kernel, f"gemv_{quantized.fmt}"), quantized.blocks
+        return Implementation(lambda x: fn(x, blocks, 0))
+    if candidate == "torch":
+        return Implementation(lambda x: F.linear(x, weight))
+    if candidate == "bf16":
+        w16 = weight.to(torch.bfloat16).contiguous()
+        return Implementation(lambda x: F.linear(x.to(torch.bfloat16), w16).to(x.dtype), {"bf16": w16})
+    if candidate == "int8pack":
+        scale = (weight.float().abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+        q = torch.round(weight.float() / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        dtype = weight.dtype
+        return Implementation(lambda x: torch._weight_int8pack_mm(x.to(dtype), q, scale.to(dtype)),
+                              {"int8pack": q, "int8pack_scale": scale.to(dtype)})
+    raise ValueError(f"kernel plan: unknown candidate {candidate!r} (known: {', '.join(CANDIDATES)})")
+
+
+class Route:
+    """One projection's implementation by step size: the first whose row limit holds."""
+
+    __slots__ = ("calls", "limits")
+
+    def __init__(self, limits: Sequence[int], calls: Sequence[Callable[[torch.Tensor], torch.Tensor]]) -> None:
+        self.limits = tuple(limits)
+        self.calls = tuple(calls)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        for limit, call in zip(self.limits, self.calls, strict=True):
+            if rows <= limit:
+                return call(x)
+        return self.calls[-1](x)
+
+
+def build_route(choices: Sequence[tuple[int, str]], weight: torch.Tensor, quantized: Any,
+                gemv_kernel: Any) -> tuple[Route, dict[str, torch.Tensor]]:
+    """The route for ``choices`` (``(row limit, candidate)`` per class, in order; the last
+    class unbounded) and the copies it keeps."""
+    limits: list[int] = []
+    calls: list[Callable[[torch.Tensor], torch.Tensor]] = []
+    made: dict[str, Implementation] = {}
+    last = None
+    for limit, candidate in choices:
+        if candidate not in made:
+            made[candidate] = implementation(candidate, weight, quantized, gemv_kernel)
+        if candidate == last:
+            limits[-1] = limit  # same candidate as the class below: one range
+            continue
+        limits.append(limit)
+        calls.append(made[candidate].call)
+        last = candidate
+    limits[-1] = 1 << 62
+    extra = {name: t for impl in made.values() for name, t in impl.extra.items()}
+    return Route(limits, calls), extra
+
+
+# ---------------------------------------------------------------------- the plan
+@dataclass(slots=True)
+class Cell:
+    """One group at one step-size class: each candidate's µs and error, what was chosen and why."""
+
+    group: str
+    step: str  # StepClass.name
+    rows: int
+    shape: str  # "out x in" of the whole weight
+    weight_rows_timed: int = 0  # the output rows timed; ``us`` is scaled to the whole weight
+    us: dict[str, float] = field(default_factory=dict)
+    error: dict[str, float] = field(default_factory=dict)
+    rejected: dict[str, str] = field(default_factory=dict)
+    chosen: str = ""
+    why: str = ""
+
+
+@dataclass(slots=True)
+class KernelPlan:
+    cells: list[Cell]
+    fused_max_rows: int = 0  # pure-decode steps of at most this many rows run the fused layer (0: never)
+    source: str = "measured"  # measured | stored | pinned | fallback
+    measured_at: float = 0.0
+    measure_seconds: float = 0.0
+    bound_s: float = MEASURE_BOUND_S
+    accuracy_bound: float = ACCURACY_BOUND
+    isa: str = ""
+    key: str = ""
+    load_average: float = 0.0  # the 1-minute load average when measured (other processes' load skews it)
+    cpus: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def cell(self, group: str, step: str) -> Cell | None:
+        return next((c for c in self.cells if c.group == group and c.step == step), None)
+
+    def choices(self, group: str) -> list[tuple[int, str]]:
+        """``(row limit, candidate)`` per step class for ``group`` (the layer's groups or "head")."""
+        out = []
+        for sc in STEP_CLASSES:
+            c = self.cell(group, sc.name)
+            out.append((sc.hi or (1 << 62), c.chosen if c is not None and c.chosen else "torch"))
+        return out
+
+    def gemv_limit(self, group: str) -> int:
+        """Rows up to which ``group`` runs the GEMV from one row up (the fused layer's limit)."""
+        limit = 0
+        for hi, candidate in self.choices(group):
+            if candidate != "gemv":
+                break
+            limit = hi
+        return limit
+
+    def uses(self, candidate: str) -> bool:
+        return any(c.chosen == candidate for c in self.cells)
+
+    def prefill_us_per_token(self, num_layers: int) -> float | None:
+        """µs of projections per prompt token at the biggest class (layers x the four groups)."""
+        big = STEP_CLASSES[-1]
+        cells = [self.cell(g, big.name) for g in LAYER_GROUPS]
+        if any(c is None or c.chosen not in c.us for c in cells):
+            return None
+        return num_layers * sum(c.us[c.chosen] / c.rows for c in cells if c is not None)
+
+    def summary(self) -> str:
+        """One line: each group's choice per class, and the fused layer."""
+        parts = []
+        for group in (*LAYER_GROUPS, "head"):
+            picks = [f"{c.step}:{c.chosen}" for sc in STEP_CLASSES if (c := self.cell(group, sc.name)) is not None]
+            parts.append(f"{group} " + " ".join(picks))
+        fused = f"fused decode layer <= {self.fused_max_rows} rows" if self.fused_max_rows else "fused decode layer off"
+        return f"kernel plan ({self.source}): " + "; ".join(parts) + f"; {fused}"
+
+    def table_lines(self) -> list[str]:
+        """The table: group, shape, step class, each candidate's µs (rejected ones marked), chosen."""
+        lines = [f"kernel plan ({self.source}; ISA {self.isa or '?'}; accuracy bound {self.accuracy_bound:g} "
+                 f"relative RMS vs fp32; measured in {self.measure_seconds * 1000:.0f} ms of a "
+                 f"{self.bound_s * 1000:.0f} ms bound at load average {self.load_average:g} on {self.cpus} CPUs; "
+                 f"{PLAN_ENV}=measure measures again)"]
+        for c in self.cells:
+            times = []
+            for name, us in c.us.items():
+                mark = "" if name not in c.rejected else " REJECTED"
+                times.append(f"{name} {us:,.1f}{mark}")
+            times += [f"{name} ({why})" for name, why in c.rejected.items() if name not in c.us]
+            lines.append(f"  {c.group:<8} {c.shape:<11} rows {c.step:<5} (timed {c.rows:>3}): "
+                         f"{'; '.join(times) or 'not timed'} µs -> {c.chosen} ({c.why})")
+        lines.append(f"  fused decode layer: {f'pure-decode steps <= {self.fused_max_rows} rows' if self.fused_max_rows else 'off'}")
+        lines.extend(f"  note: {n}" for n in self.notes)
+        return lines
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": PLAN_FORMAT_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> KernelPlan:
+        """A plan from :meth:`to_json` (a stored or pinned one); ValueError if malformed."""
+        if data.get("format") != PLAN_FORMAT_VERSION:
+            raise ValueError(f"kernel plan format {data.get('format')!r}, this engine reads {PLAN_FORMAT_VERSION}")
+        try:
+            cells = [Cell(**c) for c in data["cells"]]
+            fields_ = {k: v for k, v in data.items() if k not in ("format", "cells")}
+            plan = cls(cells=cells, **fields_)
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"kernel plan: {exc}") from None
+        known = {sc.name for sc in STEP_CLASSES}
+        for c in plan.cells:
+            if c.group not in GROUPS or c.step not in known or c.chosen not in CANDIDATES:
+                raise ValueError(f"kernel plan cell {c.group!r} {c.step!r} -> {c.chosen!r}: groups are "
+                                 f"{', '.join(GROUPS)}, steps {', '.join(sorted(known))}, candidates "
+                                 f"{', '.join(CANDIDATES)}")
+        return plan
+
+
+# ---------------------------------------------------------------------- choosing
+def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
+    ref = reference.float()
+    return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def choose(cell: Cell, bound: float = ACCURACY_BOUND) -> Cell:
+    """Fill ``chosen``/``why``/``rejected`` from ``us`` and ``error``: the fastest candidate whose
+    error is within ``bound`` (a candidate failing the bound is rejected whatever its speed)."""
+    for name, err in cell.error.items():
+        if not math.isfinite(err) or err > bound:
+            cell.rejected[name] = f"error {err:.2e} > {bound:g}"
+    passing = {n: us for n, us in cell.us.items() if n not in cell.rejected}
+    if not passing:
+        cell.chosen, cell.why = "torch", "no candidate passed: torch's float GEMM"
+        return cell
+    best = min(passing, key=passing.__getitem__)
+    others = sorted((us, n) for n, us in passing.items() if n != best)
+    cell.chosen = best
+    cell.why = (f"fastest within the bound ({passing[best]:,.1f} µs; next {others[0][1]} {others[0][0]:,.1f} µs)"
+                if others else "the only candidate within the bound")
+    return cell
+
+
+def _timed_round_robin(calls: Mapping[str, Callable[[], Any]], reps: int = TIMED_REPS) -> dict[str, float]:
+    """µs of each call: the fastest of ``reps`` rounds (fewer once a cell has taken
+    ``CELL_BUDGET_S``), each round calling every candidate once, so a burst of load from
+    other processes slows one round of all rather than one candidate."""
+    best = dict.fromkeys(calls, math.inf)
+    start = time.perf_counter()
+    for _ in range(reps):
+        if best and all(math.isfinite(v) for v in best.values()) and time.perf_counter() - start > CELL_BUDGET_S:
+            break
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return {name: s * 1e6 for name, s in best.items()}
+
+
+@dataclass(slots=True)
+class _Target:
+    group: str
+    weight: torch.Tensor  # the rows timed
+    quantized: Any
+    candidates: list[str]
+    full_rows: int  # the whole weight's
+    blocks_weight: torch.Tensor | None = None  # the quantized copy's own values (the GEMV's reference)
+
+
+def _targets(model: Any, gemv_kernel: Any, native_bf16: bool, approximate: bool) -> list[_Target]:
+    """Each group's weight (layer 0's, and the LM head) cut to its first ``WEIGHT_ROWS_TIMED``
+    rows, with its quantized copy cut alike."""
+    out = []
+    for group in GROUPS:
+        module = model if group == "head" else model.layers[0]
+        attr = GROUP_ATTRS[group]
+        whole = model.head_weight if group == "head" else getattr(module, attr)
+        if whole.shape[0] == 0:
+            continue  # a sparse (MoE) layer's empty dense MLP: its cells stay torch, never run
+        rows = min(WEIGHT_ROWS_TIMED, whole.shape[0])
+        q = module.quantized.get(attr)
+        q_rows = None if q is None else replace(q, blocks=q.blocks[:rows])
+        candidates = candidates_for(whole, q, gemv_kernel, native_bf16, group, approximate)
+        blocks_weight = None
+        if q_rows is not None and q_rows.source != "gguf":  # a GGUF's float weights are its blocks' values
+            from engine.model.kernels.cpu_gemv import dequantize
+
+            blocks_weight = dequantize(q_rows.blocks, q_rows.fmt)
+        out.append(_Target(group, whole[:rows], q_rows, candidates, whole.shape[0], blocks_weight))
+    return out
+
+
+def measure(model: Any, gemv_kernel: Any, native_bf16: bool, isa: str, fallback: Callable[[str, int], str],
+            bound_s: float = MEASURE_BOUND_S, fused: FusedTiming | None = None,
+            approximate: bool = True) -> KernelPlan:
+    """Time every candidate of every group at every step class on ``model``'s weights (layer 0,
+    the LM head's first rows) and choose. ``fallback(group, rows)``: the constants' candidate
+    for cells the time bound leaves unmeasured. ``fused``: times the fused decode layer.
+    Single rows and the biggest class (decode and prefill) are measured first."""
+    start = time.perf_counter()
+    deadline = start + bound_s
+    generator = torch.Generator().manual_seed(0)
+    cells: list[Cell] = []
+    ratios: dict[tuple[str, str, int], float] = {}  # (group, candidate, rows) -> its µs over the best's
+    impls: dict[tuple[str, str], Implementation] = {}
+    with torch.inference_mode():
+        targets = _targets(model, gemv_kernel, native_bf16, approximate)
+        for sc in sorted(STEP_CLASSES, key=lambda c: (c.rows > 1, -c.rows if c.hi is None else c.rows)):
+            for target in targets:
+                weight = target.weight
+                cell = Cell(target.group, sc.name, sc.rows, f"{target.full_rows}x{weight.shape[1]}",
+                            weight_rows_timed=weight.shape[0])
+                cells.append(cell)
+                if time.perf_counter() > deadline:
+                    cell.chosen = fallback(target.group, sc.rows)
+                    cell.why = f"not measured: the {bound_s * 1000:.0f} ms bound was reached (fallback constants)"
+                    continue
+                _measure_cell(cell, target, impls, generator, ratios, gemv_kernel)
+    order = {(sc.name, g): i for i, (sc, g) in enumerate((sc, g) for sc in STEP_CLASSES for g in GROUPS)}
+    cells.sort(key=lambda c: order[(c.step, c.group)])
+    plan = KernelPlan(cells=cells, isa=isa, bound_s=bound_s, measured_at=time.time(),
+                      load_average=round(os.getloadavg()[0], 2), cpus=os.cpu_count() or 0)
+    notes: list[str] = []
+    if fused is not None:
+        if time.perf_counter() > deadline:
+            from engine.model.kernels.cpu_layer import MAX_ROWS
+
+            plan.fused_max_rows = MAX_ROWS  # the fallback: every pure-decode step the fused layer takes
+            notes.append("fused decode layer not timed: the bound was reached (fallback: on)")
+        else:
+            plan.fused_max_rows, fused_notes = fused(plan, deadline)
+            notes.extend(fused_notes)
+    notes.append(f"each weight timed on at most its first {WEIGHT_ROWS_TIMED:,} output rows, µs scaled to the "
+                 "whole weight (time is linear in rows)")
+    plan.notes = notes
+    plan.measure_seconds = time.perf_counter() - start
+    return plan
+
+
+def _measure_cell(cell: Cell, target: _Target, impls: dict[tuple[str, str], Implementation],
+                  generator: torch.Generator, ratios: dict[tuple[str, str, int], float], gemv_kernel: Any) -> None:
+    """Check and time each candidate of ``target`` at ``cell.rows`` rows, then choose. A
+    ``ROW_LINEAR`` candidate over ``PRUNE_FACTOR`` x the best at a smaller class timed before
+    (``ratios``) is not timed at this one."""
+    weight = target.weight
+    x = torch.randn(cell.rows, weight.shape[1], generator=generator).to(weight.dtype)
+    reference = F.linear(x.float(), weight.float())
+    # The GEMV multiplies the quantized copy the user chose (--quantization): it is checked against
+    # those weights in fp32 (for a GGUF's own blocks the same as the float weights).
+    blocks_reference = None if target.blocks_weight is None else F.linear(x.float(), target.blocks_weight)
+    calls: dict[str, Callable[[], Any]] = {}
+    for name in target.candidates:
+        behind = max((r for (g, n, rows), r in ratios.items() if g == target.group and n == name and rows < cell.rows),
+                     default=0.0)
+        if name in ROW_LINEAR and behind > PRUNE_FACTOR:
+            cell.rejected[name] = f"not timed: over {PRUNE_FACTOR:g}x the best at a smaller step (time linear in rows)"
+            continue
+        impl = impls.get((target.group, name))
+        if impl is None:
+            impl = impls[(target.group, name)] = implementation(name, weight, target.quantized, gemv_kernel)
+        try:
+            out = impl.call(x)
+        except RuntimeError as exc:  # an op this torch build lacks for these dtypes
+            cell.rejected[name] = f"failed: {str(exc).splitlines()[0][:120]}"
+            continue
+        cell.error[name] = relative_error(out, blocks_reference if name == "gemv" and blocks_reference is not None
+                                          else reference)
+        calls[name] = lambda impl=impl, x=x: impl.call(x)
+    scale = target.full_rows / weight.shape[0]
+    cell.us.update({name: us * scale for name, us in _timed_round_robin(calls).items()})
+    choose(cell)
+    best = cell.us.get(cell.chosen)
+    if best is not None:
+        for name, us in cell.us.items():
+            ratios[(target.group, name, cell.rows)] = us / best
+
+
+# A callable (plan so far, deadline) -> (fused max rows, notes) that times the fused layer.
+FusedTiming = Callable[[KernelPlan, float], tuple[int, list[str]]]
+
+
+def fused_rows_from(timings: Sequence[tuple[StepClass, float, float, float]], max_rows: int,
+                    bound: float = ACCURACY_BOUND) -> tuple[int, list[str]]:
+    """From ``(class, fused µs, op-by-op µs, fused error)`` in class order: the rows up to which
+    the fused layer wins from one row up (through the last class timed: ``max_rows``), and a
+    note per class."""
+    rows, notes, winning = 0, [], True
+    for sc, fused_us, layer_us, err in timings:
+        ok = err <= bound and fused_us < layer_us
+        notes.append(f"fused decode layer at {sc.rows} rows: {fused_us:,.1f} µs vs op-by-op {layer_us:,.1f} µs"
+                     + (f" (error {err:.2e} > {bound:g}: rejected)" if err > bound else "")
+                     + (" -> fused" if ok and winning else " -> op by op"))
+        if winning and ok:
+            rows = min(sc.hi or max_rows, max_rows)
+        else:
+            winning = False
+    if winning and timings:
+        rows = max_rows
+        notes.append(f"fused decode layer won at every size timed: it serves pure-decode steps up to {max_rows} rows")
+    return rows, notes
+
+
+# ---------------------------------------------------------------------- storing, pinning
+def plan_key(parts: Mapping[str, Any]) -> str:
+    """The stored plan's key: ``parts`` (weights, formats, dtype, ISA, torch, threads) plus
+    this module's and the kernels' sources."""
+    from engine.model.kernels import cpu_gemv, cpu_layer
+
+    digest = hashlib.sha256(Path(__file__).read_bytes())
+    text = json.dumps({"format": PLAN_FORMAT_VERSION, "plan_source": digest.hexdigest()[:16],
+                       "kernels": [cpu_gemv.SPEC.module_name(), cpu_layer.SPEC.module_name()], **parts},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def _entry(key: str) -> Path | None:
+    from engine.model.profile_cache import profile_root
+
+    root = profile_root()
+    return None if root is None else root / f"plan-{key}.json"
+
+
+def load_stored(key: str) -> KernelPlan | None:
+    path = _entry(key)
+    if path is None or not path.is_file():
+        return None
+    try:
+        plan = KernelPlan.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return None
+    plan.source, plan.key = "stored", key
+    return plan
+
+
+def store(plan: KernelPlan) -> None:
+    """Write the plan beside the profiles (best effort: a read-only cache still starts)."""
+    from engine.model.startup_cache import atomic_write
+
+    path = _entry(plan.key)
+    if path is None:
+        return
+    text = json.dumps({**plan.to_json(), "source": "measured"})
+    with contextlib.suppress(OSError):
+        atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def pinned() -> KernelPlan | None:
+    """The plan ``KVSCOPE_KERNEL_PLAN`` names (a path or the JSON itself), or None."""
+    from engine.errors import UserError
+
+    value = plan_setting()
+    if value.lower() in ("", "measure", "off", "0", "false", "no", "auto"):
+        return None
+    try:
+        text = value if value.startswith("{") else Path(value).expanduser().read_text()
+        plan = KernelPlan.from_json(json.loads(text))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{PLAN_ENV}={value[:80]!r}: {exc}; give a plan JSON (from a phase F event's "
+                        "kernel_plan or a stored plan file), its path, 'measure' or 'off'") from None
+    plan.source = "pinned"
+    return plan
+
+
+def derived_batch_budget(plan: KernelPlan, num_layers: int) -> tuple[int, str] | None:
+    """The CPU default ``--max-num-batched-tokens`` from the plan's prefill speed: one step's
+    projections near ``STEP_TARGET_S``; None when the plan has no biggest-class timings."""
+    per_token = plan.prefill_us_per_token(num_layers)
+    if per_token is None or per_token <= 0:
+        return None
+    raw = STEP_TARGET_S * 1e6 / per_token
+    tokens = int(min(BUDGET_MAX, max(BUDGET_MIN, raw // BUDGET_QUANTUM * BUDGET_QUANTUM)))
+    return tokens, (f"derived from the kernel plan's prefill speed ({1e6 / per_token:,.0f} tok/s of projections, "
+                    f"{per_token:,.1f} µs a token over {num_layers} layers): {tokens:,} tokens keep one step's "
+                    f"projections near {STEP_TARGET_S * 1000:.0f} ms (attention and sampling add ~15-25 %)")
+
+
+# ---------------------------------------------------------------------- the fused decode layer
+def fused_timing(model: Any) -> FusedTiming | None:
+    """The timing of the fused decode layer on ``model``'s layer 0 against the op-by-op layer
+    (the plan's projections, the paged-decode kernel), or None where it cannot run."""
+    from engine.model.kernels import cpu_layer
+
+    if getattr(model.backend, "decode_kernel", None) is None or cpu_layer.load_kernel() is None:
+        return None
+    kernel = cpu_layer.load_kernel()
+
+    def run(plan: KernelPlan, deadline: float) -> tuple[int, list[str]]:
+        model.install_kernel_plan(replace(plan, fused_max_rows=cpu_layer.MAX_ROWS))
+        if not model._fused_layers:
+            return 0, ["fused decode layer does not apply to this model's layers or weights"]
+        layer, args = model.layers[0], model._fused_layers[0]
+        timings, notes = [], []
+        generator = torch.Generator().manual_seed(1)
+        for sc in STEP_CLASSES[:FUSED_CLASSES_TIMED]:
+            if time.perf_counter() > deadline:
+                notes.append(f"fused decode layer not timed at {sc.rows} rows: the bound was reached (op by op)")
+                break
+            timings.append((sc, *_fused_against_layer(model, layer, kernel, args, min(sc.rows, cpu_layer.MAX_ROWS),
+                                                      generator)))
+        rows, fused_notes = fused_rows_from(timings, cpu_layer.MAX_ROWS)
+        return rows, fused_notes + notes
+
+    return run
+
+
+def _fused_against_layer(model: Any, layer: Any, kernel: Any, args: tuple[tuple[object, ...], tuple[object, ...]],
+                         rows: int, generator: torch.Generator) -> tuple[float, float, float]:
+    """``(fused µs, op-by-op µs, relative difference)`` of one pure-decode step of ``rows``
+    sequences, each attending over ``FUSED_CONTEXT`` tokens, through layer ``layer``."""
+    from engine.model.attention.base import AttentionMetadata
+
+    block, (before, after) = 16, args
+    per_seq = FUSED_CONTEXT // block + 1
+    cache = torch.randn(rows * per_seq, 2, block, layer.num_kv_heads, layer.head_dim, generator=generator)
+    tables = torch.arange(rows * per_seq, dtype=torch.int32).view(rows, per_seq)
+    lens = torch.full((rows,), FUSED_CONTEXT + 1, dtype=torch.int32)
+    slots = tables[:, FUSED_CONTEXT // block].to(torch.int64) * block + FUSED_CONTEXT % block
+    meta = AttentionMetadata(slot_mapping=slots, query_start_loc=torch.arange(rows + 1, dtype=torch.int32),
+                             seq_lens=lens, block_tables=tables, max_query_len=1, max_seq_len=FUSED_CONTEXT + 1,
+                             query_lens_cpu=[1] * rows, seq_lens_cpu=[FUSED_CONTEXT + 1] * rows)
+    cos, sin = model.rotary.cos_sin(torch.full((rows,), FUSED_CONTEXT), model.dtype)
+    hidden = torch.randn(rows, layer.input_layernorm.shape[0], generator=generator)
+
+    def fused_call() -> torch.Tensor:
+        return kernel.decode_layer(hidden, *before, cos.view(rows, -1), sin.view(rows, -1), cache, slots, tables,
+                                   lens, *after)
+
+    def layer_call() -> torch.Tensor:
+        return layer(hidden, cos, sin, cache, meta, model.backend)
+
+    with torch.inference_mode():
+        err = relative_error(fused_call(), layer_call())
+        us = _timed_round_robin({"fused": fused_call, "layer": layer_call})
+        return us["fused"], us["layer"], err
+
+
+# ---------------------------------------------------------------------- at startup
+def resolve(model: Any, key: str, native_bf16: bool, isa: str, log: Any = None,
+            approximate: bool = True) -> KernelPlan | None:
+    """The plan for this start, installed on ``model``: pinned by ``KVSCOPE_KERNEL_PLAN``, the
+    stored one for ``key``, or measured now (and stored); None when the variable is ``off``
+    (the fallback constants run). ``approximate``: see :func:`candidates_for`."""
+    from engine.model.kernels import cpu_gemv
+
+    if not plan_enabled() or getattr(model, "expert_counter", None) is not None:
+        return None  # a MoE model's experts run grouped (engine/model/moe.py); the plan times dense layers
+    plan = pinned()
+    if plan is None and plan_setting().lower() != "measure":
+        plan = load_stored(key)
+    if plan is None:
+        gemv_kernel = cpu_gemv.load_kernel() if model.quantized_linears() else None
+        plan = measure(model, gemv_kernel, native_bf16, isa, model.fallback_candidate, fused=fused_timing(model),
+                       approximate=approximate)
+        plan.key = key
+        store(plan)
+    model.install_kernel_plan(plan)
+    if log is not None:
+        log.info(plan.summary())
+    return plan

@@ -1,0 +1,189 @@
+"""The kernel plan (engine/model/kernel_plan.py): the choice from injected timings (the
+fastest candidate within the accuracy bound, an inaccurate one rejected however fast), the
+routes it builds, the fused layer's rows, the token budget it derives, pinning by the
+environment variable, and on a real model: every candidate checked against fp32, the plan
+stored and reused by the next start without measuring again, and the model's logits under
+the plan those of the fallback constants within the plan's error."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.errors import UserError
+from engine.events import Event, EventBus, StartupPhase
+from engine.llm import LLM
+from engine.model import kernel_plan, profile_cache
+from engine.model.cpu_caps import detect
+from engine.model.kernel_plan import ACCURACY_BOUND, STEP_CLASSES, Cell, KernelPlan, choose
+from engine.model.runner import ModelRunner, ScheduledSeq
+
+
+def _cell(group: str, step: str, us: dict[str, float], error: dict[str, float], rows: int = 1) -> Cell:
+    return choose(Cell(group, step, rows, "960x576", us=dict(us), error=dict(error)))
+
+
+def test_the_fastest_candidate_within_the_bound_is_chosen_and_an_inaccurate_one_rejected() -> None:
+    cell = _cell("qkv", "1", {"gemv": 20.0, "torch": 120.0, "bf16": 5.0}, {"gemv": 4e-3, "torch": 0.0, "bf16": 3e-2})
+    assert cell.chosen == "gemv"  # bf16 is 4x faster, but 3e-2 off the fp32 reference
+    assert cell.rejected["bf16"].startswith("error 3.00e-02 >")
+    assert "gemv" not in cell.rejected and "torch" not in cell.rejected
+    assert "next torch 120.0" in cell.why
+    nothing = _cell("o", "1", {"bf16": 5.0}, {"bf16": float("nan")})
+    assert nothing.chosen == "torch" and "no candidate passed" in nothing.why
+
+
+def _injected_plan() -> KernelPlan:
+    """GEMV time linear in rows, GEMM a fixed cost plus a small one per row; bf16 the
+    fastest GEMM but out of bounds on the QKV weights."""
+    cells = []
+    for sc in STEP_CLASSES:
+        for group in kernel_plan.GROUPS:
+            us = {"gemv": 10.0 * sc.rows, "torch": 200.0 + 2.0 * sc.rows, "bf16": 150.0 + 1.0 * sc.rows}
+            error = {"gemv": 4e-3, "torch": 0.0, "bf16": 5e-2 if group == "qkv" else 2e-3}
+            cells.append(_cell(group, sc.name, us, error, sc.rows))
+    return KernelPlan(cells=cells, fused_max_rows=8, isa="test")
+
+
+def test_a_plan_from_injected_timings_routes_by_step_size() -> None:
+    plan = _injected_plan()
+    assert plan.choices("gate_up") == [(1, "gemv"), (8, "gemv"), (64, "bf16"), (1 << 62, "bf16")]
+    assert plan.choices("qkv") == [(1, "gemv"), (8, "gemv"), (64, "torch"), (1 << 62, "torch")]
+    assert plan.gemv_limit("down") == 8 and plan.uses("bf16")
+    assert "qkv 1:gemv 2-8:gemv 9-64:torch 65+:torch" in plan.summary()
+    again = KernelPlan.from_json(json.loads(json.dumps(plan.to_json())))
+    assert again.cells == plan.cells and again.fused_max_rows == 8
+    # the table names every candidate's µs, the rejected ones, and each choice
+    table = "\n".join(plan.table_lines())
+    assert "bf16 406.0 REJECTED" in table and "-> torch" in table
+
+
+def test_the_token_budget_follows_the_measured_prefill_speed() -> None:
+    plan = _injected_plan()
+    # biggest class, 256 rows: qkv torch 712 µs, the others bf16 406 µs: 3.17 µs a token a layer
+    per_token = plan.prefill_us_per_token(num_layers=30)
+    assert per_token == pytest.approx(30 * (712 + 3 * 406) / 256)
+    tokens, reason = kernel_plan.derived_batch_budget(plan, 30)
+    assert tokens == int(kernel_plan.STEP_TARGET_S * 1e6 / per_token) // 64 * 64
+    assert "prefill speed" in reason and f"{tokens:,} tokens" in reason
+    slow = dataclasses.replace(plan, cells=[dataclasses.replace(c, us={k: v * 1000 for k, v in c.us.items()})
+                                            for c in plan.cells])
+    assert kernel_plan.derived_batch_budget(slow, 30)[0] == kernel_plan.BUDGET_MIN
+
+
+def test_the_fused_layer_serves_the_rows_where_it_wins_from_one_up() -> None:
+    one, eight, sixty_four = STEP_CLASSES[:3]
+    rows, notes = kernel_plan.fused_rows_from([(one, 80.0, 190.0, 1e-6), (eight, 400.0, 700.0, 1e-6),
+                                               (sixty_four, 9000.0, 8000.0, 1e-6)], 256)
+    assert rows == 8 and notes[2].endswith("-> op by op")
+    assert kernel_plan.fused_rows_from([(one, 80.0, 190.0, 1e-6), (eight, 400.0, 700.0, 1e-6)], 256)[0] == 256
+    assert kernel_plan.fused_rows_from([(one, 80.0, 190.0, 0.5)], 256)[0] == 0  # fast but wrong
+
+
+def test_a_pinned_plan_is_used_and_a_bad_one_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(_injected_plan().to_json()))
+    monkeypatch.setenv(kernel_plan.PLAN_ENV, str(path))
+    pinned = kernel_plan.pinned()
+    assert pinned is not None and pinned.source == "pinned" and pinned.fused_max_rows == 8
+    monkeypatch.setenv(kernel_plan.PLAN_ENV, json.dumps({**_injected_plan().to_json(), "format": 99}))
+    with pytest.raises(UserError, match="KVSCOPE_KERNEL_PLAN"):
+        kernel_plan.pinned()
+    monkeypatch.setenv(kernel_plan.PLAN_ENV, "off")
+    assert not kernel_plan.plan_enabled() and kernel_plan.pinned() is None
+
+
+def test_a_route_runs_each_step_size_class_on_its_candidate() -> None:
+    weight = torch.randn(64, 96, generator=torch.Generator().manual_seed(0))
+    route, extra = kernel_plan.build_route([(1, "torch"), (8, "torch"), (64, "int8pack"), (1 << 62, "int8pack")],
+                                           weight, None, None)
+    assert set(extra) == {"int8pack", "int8pack_scale"} and route.limits == (8, 1 << 62)
+    small, big = torch.randn(8, 96), torch.randn(9, 96)
+    assert torch.equal(route(small), F.linear(small, weight))
+    rounded = route(big)  # the int8 copy: close to the float weights, not equal
+    assert not torch.equal(rounded, F.linear(big, weight))
+    assert kernel_plan.relative_error(rounded, F.linear(big, weight)) < 2e-2
+
+
+@pytest.fixture
+def two_layer_runner(smollm_config) -> ModelRunner:
+    """SmolLM2's shapes with 2 layers of random weights, Q4_1 packed (the GEMV candidate), the
+    float weights then set to the blocks' values, as a GGUF's are."""
+    from engine.model.kernels import cpu_gemv
+
+    config = dataclasses.replace(smollm_config, num_layers=2, vocab_size=4096)
+    runner = ModelRunner(config, dtype="float32", quantization="int4", load_format="dummy")
+    runner.load_weights()
+    model = runner.model
+    with torch.no_grad():
+        for module in (model, *model.layers):
+            for name, q in module.quantized.items():
+                weight = model.head_weight if name == "head" else getattr(module, name)
+                weight.copy_(cpu_gemv.dequantize(q.blocks, q.fmt))
+                q.source = "gguf"  # now exactly what a GGUF's blocks and float weights are
+    runner.allocate_kv_cache(16)
+    return runner
+
+
+def _logits(runner: ModelRunner) -> torch.Tensor:
+    prompt = ScheduledSeq("p", list(range(100, 140)), 0, [0, 1, 2])
+    decode = ScheduledSeq("d", [7], 40, [0, 1, 2])
+    return torch.stack([runner.logits_for([prompt])["p"], runner.logits_for([decode])["d"]])
+
+
+@pytest.mark.slow  # ~3 s quiet (random weights of SmolLM2's shapes, packed), more on a loaded machine
+def test_measured_on_real_weights_stored_and_reused(two_layer_runner: ModelRunner, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch, cpu_gemv_kernel) -> None:
+    monkeypatch.setenv(profile_cache.PROFILE_CACHE_ENV, str(tmp_path))
+    runner = two_layer_runner
+    reference = _logits(runner)  # the fallback constants' routes
+    plan = runner.resolve_kernel_plan("test-key", detect())
+    assert plan is not None and plan.source == "measured" and plan.key == "test-key"
+    measured = [c for c in plan.cells if c.us]
+    assert measured, plan.table_lines()
+    for cell in measured:  # every candidate timed was checked against fp32; the choice passed
+        assert set(cell.us) <= set(cell.error) and cell.chosen in cell.us
+        assert cell.error[cell.chosen] <= ACCURACY_BOUND
+        assert "gemv" in cell.us or "gemv" in cell.rejected or cell.group == "head"
+    assert (tmp_path / "plan-test-key.json").is_file()
+    # the model now runs by the plan: its logits are the constants' within the plan's error
+    routed = _logits(runner)
+    assert kernel_plan.relative_error(routed, reference) < ACCURACY_BOUND
+    again = runner.resolve_kernel_plan("test-key", detect())
+    assert again is not None and again.source == "stored"
+    assert again.cells == plan.cells and again.measured_at == plan.measured_at
+
+
+SMALL = dict(max_model_len=256, kv_cache_memory_bytes=16 * 2**20, max_num_batched_tokens=64, max_num_seqs=4,
+             stats_interval=0.0)
+
+
+def _phase_events(**flags: object) -> dict[str, dict]:
+    events: list[Event] = []
+    bus = EventBus()
+    bus.subscribe(events.append)
+    LLM("smollm2-135m", bus=bus, **{**SMALL, **flags}).close()
+    return {e.phase: e.data for e in events if isinstance(e, StartupPhase) and e.status == "end"}
+
+
+@pytest.mark.slow  # three engine starts: ~10 s on a quiet 2-core machine
+def test_a_warm_start_reuses_the_stored_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(profile_cache.PROFILE_CACHE_ENV, str(tmp_path))
+    first = _phase_events(dtype="auto")
+    plan = first["F"]["kernel_plan"]
+    assert plan["source"] == "measured" and plan["cells"]
+    assert first["A"]["dtype"] == "float32" and "kernel plan" in first["A"]["dtype_reason"]
+    assert first["C"]["kernel_plan_bytes"] >= 0
+    second = _phase_events(dtype="auto")
+    reused = second["F"]["kernel_plan"]
+    assert reused["source"] == "stored"  # read back, not measured again: the same table, the same time
+    assert reused["cells"] == plan["cells"] and reused["measured_at"] == plan["measured_at"]
+    assert len(list(tmp_path.glob("plan-*.json"))) == 1
+    monkeypatch.setenv(kernel_plan.PLAN_ENV, "off")
+    off = _phase_events(dtype="auto")
+    assert "kernel_plan" not in off["F"] and off["A"]["dtype_reason"] != first["A"]["dtype_reason"]
