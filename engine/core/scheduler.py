@@ -544,10 +544,10 @@ class Scheduler:
         if head is None:
             if plan.preempted:
                 common = [WAIT_PREEMPTING]
-            elif plan.budget <= 0:
-                common = [WAIT_TOKEN_BUDGET, cfg.max_num_batched_tokens]
-            else:
+            elif len(self.running) >= cfg.max_num_seqs:  # no slot: the budget left would not matter
                 common = [WAIT_MAX_NUM_SEQS, cfg.max_num_seqs]
+            else:
+                common = [WAIT_TOKEN_BUDGET, cfg.max_num_batched_tokens]
         reasons: dict[str, list[Any]] = {}
         for req in waiting.head(WAITING_REASONS_CAP):
             if common is not None:

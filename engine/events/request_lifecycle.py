@@ -221,11 +221,11 @@ class RequestLife:
         when = f" at t={self.arrived_t:.3f} s" if self.arrived_t is not None else ""
         add(self.arrival_step, 0, f"arrived{when}: prompt {self.prompt_tokens:,} tokens, max_tokens "
                                   f"{self.max_tokens:,}" + (f", priority {self.priority}" if self.priority else ""))
-        for run in self.waits:
-            steps = run.last_step - run.first_step + 1
-            add(run.first_step, 1, f"waited {steps} step{'s' if steps > 1 else ''}"
-                                   f"{f' (to step {run.last_step})' if steps > 1 else ''}: "
-                                   f"{wait_reason_text(run.reason)}")
+        for wait in self.waits:
+            steps = wait.last_step - wait.first_step + 1
+            add(wait.first_step, 1, f"waited {steps} step{'s' if steps > 1 else ''}"
+                                    f"{f' (to step {wait.last_step})' if steps > 1 else ''}: "
+                                    f"{wait_reason_text(wait.reason)}")
         for lookup in self.lookups:
             verb = "resumed" if lookup.resumed else "admitted"
             text = prefix_text([lookup.hit_tokens, lookup.cause, *lookup.details])
@@ -441,18 +441,18 @@ class RequestLifecycle:
         if self._waiting:
             unlisted = [WAIT_UNLISTED] if ev.waiting_reasons_omitted else [WAIT_UNRECORDED]
             for rid in self._waiting:
-                life = lives.get(rid)
-                if life is None or life.arrival_step is None or life.arrival_step > step:
+                waiting = lives.get(rid)
+                if waiting is None or waiting.arrival_step is None or waiting.arrival_step > step:
                     continue
-                self._wait(life, step, reasons.get(rid) or unlisted)
+                self._wait(waiting, step, reasons.get(rid) or unlisted)
         for rid in reasons:
             if rid not in self._waiting:  # a live fold that missed its arrival
                 self._waiting[rid] = None
                 self._wait(self._life(rid), step, reasons[rid])
         for rid, reason in ev.finished.items():
-            life = lives.get(rid)
-            if life is not None and life.finish_reason is None:  # a finish without its event
-                life.state, life.finish_reason, life.finish_step = FINISHED, reason, step
+            done = lives.get(rid)
+            if done is not None and done.finish_reason is None:  # a finish without its event
+                done.state, done.finish_reason, done.finish_step = FINISHED, reason, step
                 self._waiting.pop(rid, None)
                 self._retire(rid)
         self._next_step = step + 1
