@@ -9,6 +9,7 @@ same bus; nothing reads engine internals to observe it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from engine.events.kv_publisher import KVEventsSink
+    from engine.pipeline import PipelineRunner
 
 
 @dataclass(slots=True)
@@ -68,11 +70,23 @@ class LLMEngine:
                  metrics_registry: CollectorRegistry | None = None) -> None:
         """``metrics_registry``: where sinks that count their own losses register those
         counters (the server's ``/metrics``); None keeps them private."""
+        stages = config.pipeline_parallel_size or 1
+        if (config.data_parallel_size or 1) > 1 and config.data_parallel_rank is None:
+            raise UserError(f"--data-parallel-size {config.data_parallel_size} runs engine cores behind "
+                            "`engine serve`; this command runs one engine: drop the flag")
+        if stages > 1:
+            from engine.modelspec.readers import load_model_config
+            from engine.pipeline import check_pipeline
+
+            check_pipeline(config, load_model_config(config.model))
+            if config.quantization == "auto":  # the stages hold float weights (engine/pipeline.py)
+                config = dataclasses.replace(config, quantization=None)
         self.config = config
         self.bus = bus or EventBus()
         self.stats: StatsReporter | None = None
         self._sink: JsonlSink | None = None
         self.workers: WorkerGroup | None = None  # ranks 1..N-1 under --tensor-parallel-size N
+        self.pipeline: PipelineRunner | None = None  # stages 1..P-1 under --pipeline-parallel-size P
         self.kv_events: KVEventsSink | None = None
         if config.events_path:
             # the header's started_unix lets a replay put spans at their original times
@@ -101,6 +115,10 @@ class LLMEngine:
             if self.workers is not None:
                 self.workers.parallel = self.startup.parallel
                 self.workers.wait_ready()
+            if stages > 1:
+                from engine.pipeline import PipelineRunner
+
+                self.pipeline = PipelineRunner.start(config, self.startup)
         except Exception as exc:
             failure = self.workers.failure(exc) if self.workers is not None else exc
             self.close()
@@ -113,7 +131,7 @@ class LLMEngine:
         finally:
             self.bus.unsubscribe(printer)
         self.tokenizer = self.startup.tokenizer
-        self.runner = self.startup.runner
+        self.runner = self.pipeline or self.startup.runner
         self.scheduler = Scheduler(self.startup.scheduler_config, self.bus)
         self.stats = (
             StatsReporter(self.bus, config.stats_interval, device_word=device_word(self.startup.device))
@@ -241,6 +259,8 @@ class LLMEngine:
             sampled_ids, collectives = self.workers.execute(self.runner, batch)
         else:
             sampled_ids = self.runner.execute(batch) if batch else {}
+            if self.pipeline is not None and batch:  # each stage's bubble and bytes sent
+                collectives = self.pipeline.step_fields()
         timings = self.runner.last_timings
         failed = dict(self.runner.last_failed)
         deltas: dict[str, str] = {}
@@ -315,6 +335,8 @@ class LLMEngine:
     def close(self) -> None:
         if self.workers is not None:  # first: no worker outlives the replica, whatever else fails
             self.workers.close()
+        if self.pipeline is not None:
+            self.pipeline.close()
         if self.stats is not None:
             with contextlib.suppress(Exception):  # a final stats line is best effort at shutdown
                 self.stats.report(self.now())
