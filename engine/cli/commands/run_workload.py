@@ -5,8 +5,10 @@ with the live dashboard in the same terminal (``--monitor``)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import threading
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.cli.exporters import add_exporter_flags, attach_exporters
@@ -16,7 +18,8 @@ from engine.cli.flags import (
     engine_config_from_args,
     workload_spec_from_args,
 )
-from engine.events import EventBus
+from engine.events import EngineConfigEvent, Event, EventBus, RequestArrived, RequestFinished
+from engine.errors import UserError
 from engine.logs import configure_logging
 from engine.sim.workload import (
     VocabTokenIds,
@@ -42,6 +45,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_workload_flags(p, num_prompts=32, input_len="64:256", output_len="32:128", request_rate=float("inf"),
                        shared_prefix_len=256)
     p.add_argument("--monitor", action="store_true", help="show the live dashboard in this terminal")
+    p.add_argument("--result-json", metavar="PATH",
+                   help="write the run as vllm bench serve --save-result does (its keys, per-request lists and "
+                        "ttft/tpot/itl statistics in ms), from the run's request events")
     add_exporter_flags(p)
     p.set_defaults(func=run)
 
@@ -92,10 +98,22 @@ def run(args: argparse.Namespace) -> int:
     workload = generate_workload(workload_spec_from_args(args))  # bad workload flags fail before the engine starts
     bus = EventBus()
     exporters = attach_exporters(args, bus)  # and bad exporter flags too
+    request_events: list[Event] = []
+    if args.result_json:
+        if not Path(args.result_json).resolve().parent.is_dir():
+            raise UserError(f"--result-json {args.result_json}: its folder does not exist; create it or name another")
+
+        def keep(event: Event) -> None:  # what the result JSON is folded from
+            if isinstance(event, EngineConfigEvent | RequestArrived | RequestFinished):
+                request_events.append(event)
+
+        bus.subscribe(keep)
     try:
         summary = _run(args, workload, bus)
     finally:
         exporters.close()
+    if args.result_json:
+        write_result_json(args, request_events)
     if summary is not None:
         for line in summary.lines():
             print(line)
@@ -104,6 +122,16 @@ def run(args: argparse.Namespace) -> int:
     for line in exporters.summary:
         print(line)
     return 0
+
+
+def write_result_json(args: argparse.Namespace, events: list[Event]) -> None:
+    from engine.events.bench_outputs import serve_result
+
+    result = serve_result(events, backend="kvscope-offline",
+                          num_prompts=args.num_prompts, request_rate=args.request_rate)
+    Path(args.result_json).write_text(json.dumps(result) + "\n", encoding="utf-8")
+    print(f"wrote {args.result_json} (vllm bench serve's result JSON: {result['completed']} completed, "
+          f"mean TTFT {result['mean_ttft_ms']:.0f} ms)")
 
 
 def _run(args: argparse.Namespace, workload: list[WorkloadRequest], bus: EventBus) -> WorkloadSummary | None:

@@ -1,0 +1,228 @@
+"""The outputs of ``vllm bench``, folded from kvscope's events, so a kvscope run can sit in
+the tables people keep of vLLM's.
+
+:func:`serve_result` is ``vllm bench serve --save-result``'s JSON (vLLM 0.32,
+``vllm/benchmarks/serve.py``: the setup keys, ``benchmark_result``'s totals and
+per-request lists, then ``mean_/median_/std_/pNN_`` of each selected metric in
+milliseconds; ttft, tpot and itl by default, percentile 99) from a run's
+``request.arrived`` / ``request.finished`` events. :func:`startup_result` is ``vllm
+bench startup --output-json``'s (``vllm/benchmarks/startup.py``: ``avg_cold_startup_time``,
+``cold_startup_times``, ``cold_startup_percentiles`` and the same for compilation and
+warm starts) from recordings' ``startup.phase`` events, with each phase beside it.
+
+A start is *warm* when it reused stored work (phase D's stored activation
+measurement, ``cached``), as vLLM's warm start reuses its compile cache; else cold.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import numpy as np
+
+from engine.events.phase_data import GraphsCompileData, ProfileRunData, read_phase
+from engine.events.schema import EngineConfigEvent, Event, RequestArrived, RequestFinished, StartupPhase
+
+DEFAULT_PERCENTILES: tuple[float, ...] = (99.0,)  # vllm bench serve --metric-percentiles
+DEFAULT_PERCENTILE_METRICS: tuple[str, ...] = ("ttft", "tpot", "itl")  # its default for generation
+PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
+STARTUP_PERCENTAGES = (10, 25, 50, 75, 90, 99)  # vllm bench startup's PERCENTAGES
+
+
+@dataclass(slots=True)
+class _Request:
+    start_s: float
+    prompt_tokens: int = 0
+    finished: RequestFinished | None = None
+
+
+def serve_result(events: Iterable[Event], *, model_id: str | None = None, tokenizer_id: str | None = None,
+                 backend: str = "kvscope", label: str | None = None, num_prompts: int | None = None,
+                 request_rate: float = math.inf, burstiness: float = 1.0, max_concurrency: int | None = None,
+                 percentiles: Sequence[float] = DEFAULT_PERCENTILES,
+                 percentile_metrics: Sequence[str] = DEFAULT_PERCENTILE_METRICS,
+                 date: datetime | None = None) -> dict[str, Any]:
+    """``vllm bench serve``'s result JSON for the requests in ``events``. Each request's
+    clock starts when it was received (``request.arrived``'s time less its
+    ``preprocess_s``), as the client's does; durations are seconds in the lists and
+    milliseconds in the statistics, as vLLM writes them. ``model_id`` defaults to the
+    model the run's ``engine.config`` event names."""
+    unknown = [m for m in percentile_metrics if m not in PERCENTILE_METRICS]
+    if unknown:
+        raise ValueError(f"percentile metrics {unknown}: vllm bench serve knows {', '.join(PERCENTILE_METRICS)}")
+    requests: dict[str, _Request] = {}
+    for event in events:
+        if isinstance(event, EngineConfigEvent) and model_id is None:
+            model_id = str(event.model.get("name") or event.config.get("model") or "")
+        elif isinstance(event, RequestArrived):
+            requests[event.request_id] = _Request(event.t - event.preprocess_s, event.prompt_tokens)
+        elif isinstance(event, RequestFinished) and event.request_id in requests:
+            requests[event.request_id].finished = event
+    done = [r for r in requests.values() if r.finished is not None]
+    done.sort(key=lambda r: r.start_s)
+    first = min((r.start_s for r in done), default=0.0)
+    ok = [r for r in done if r.finished is not None and r.finished.reason in ("stop", "length")]
+    failed = len(done) - len(ok)
+    ends = [r.start_s + _finished(r).e2e_s for r in done]
+    duration = (max(ends) - first) if ends else 0.0
+    input_lens = [r.prompt_tokens for r in done]
+    output_lens = [_finished(r).output_tokens for r in done]
+    total_input = sum(r.prompt_tokens for r in ok)
+    total_output = sum(_finished(r).output_tokens for r in ok)
+    ttfts = [_finished(r).ttft_s or 0.0 for r in done]
+    itls = [list(_finished(r).inter_token_latencies_s) for r in done]
+    latencies = [_finished(r).e2e_s for r in done]
+    tpots = [(_finished(r).e2e_s - (_finished(r).ttft_s or 0.0)) / (_finished(r).output_tokens - 1)
+             for r in ok if _finished(r).output_tokens > 1]
+    per_second, concurrent = _per_second_peaks(done, first)
+    result: dict[str, Any] = {
+        "date": (date or datetime.now()).strftime("%Y%m%d-%H%M%S"),
+        "endpoint_type": backend,
+        "backend": backend,
+        "label": label,
+        "model_id": model_id or "",
+        "tokenizer_id": tokenizer_id or model_id or "",
+        "num_prompts": num_prompts if num_prompts is not None else len(done),
+        "request_rate": request_rate if request_rate < math.inf else "inf",
+        "burstiness": burstiness,
+        "max_concurrency": max_concurrency,
+        "duration": duration,
+        "completed": len(ok),
+        "failed": failed,
+        "total_input_tokens": total_input,
+        "total_output_tokens": total_output,
+        "request_throughput": len(ok) / duration if duration else 0.0,
+        "request_goodput": None,
+        "output_throughput": total_output / duration if duration else 0.0,
+        "total_token_throughput": (total_input + total_output) / duration if duration else 0.0,
+        "input_lens": input_lens,
+        "output_lens": output_lens,
+        "ttfts": ttfts,
+        "itls": itls,
+        "latencies": latencies,
+        "start_times": [r.start_s - first for r in done],
+        "queue_times": [_finished(r).queue_time_s for r in done],
+        "generated_texts": [_finished(r).output_text or "" for r in done],
+        "errors": [_finished(r).error or "" for r in done],
+        "max_output_tokens_per_s": per_second,
+        "max_concurrent_requests": concurrent,
+        "rtfx": 0.0,
+    }
+    series = {"ttft": [t for r, t in zip(done, ttfts, strict=True) if r in ok], "tpot": tpots,
+              "itl": [x for r, row in zip(done, itls, strict=True) if r in ok for x in row],
+              "e2el": [lat for r, lat in zip(done, latencies, strict=True) if r in ok]}
+    for metric in percentile_metrics:
+        values = series[metric] or [0.0]
+        result[f"mean_{metric}_ms"] = float(np.mean(values)) * 1000
+        result[f"median_{metric}_ms"] = float(np.median(values)) * 1000
+        result[f"std_{metric}_ms"] = float(np.std(values)) * 1000
+        for p in percentiles:
+            word = str(int(p)) if int(p) == p else str(p)
+            result[f"p{word}_{metric}_ms"] = float(np.percentile(values, p)) * 1000
+    return result
+
+
+def _finished(request: _Request) -> RequestFinished:
+    assert request.finished is not None
+    return request.finished
+
+
+def _per_second_peaks(done: list[_Request], first: float) -> tuple[float, int]:
+    """vLLM's ``max_output_tokens_per_s`` and ``max_concurrent_requests``: tokens by the
+    whole second they arrived in (first token at TTFT, each next one an ITL later), and the
+    most requests in flight in any such second."""
+    tokens: dict[int, int] = {}
+    active: dict[int, int] = {}
+    for r in done:
+        f = _finished(r)
+        if f.ttft_s is None:
+            continue
+        t = r.start_s - first + f.ttft_s
+        stamps = [t]
+        for gap in f.inter_token_latencies_s:
+            t += gap
+            stamps.append(t)
+        for stamp in stamps:
+            tokens[int(stamp)] = tokens.get(int(stamp), 0) + 1
+        for second in range(int(r.start_s - first), int(r.start_s - first + f.e2e_s) + 1):
+            active[second] = active.get(second, 0) + 1
+    return float(max(tokens.values(), default=0)), max(active.values(), default=0)
+
+
+# ------------------------------------------------------------------ startup
+@dataclass(slots=True)
+class StartupRun:
+    """One start as its phase events tell it."""
+
+    source: str
+    total_s: float
+    compilation_s: float
+    warm: bool
+    phases: dict[str, float] = field(default_factory=dict)  # "A init" -> seconds
+
+
+def startup_run(events: Iterable[Event], source: str = "") -> StartupRun | None:
+    """A recording's start (rank 0's phases), or None when it has no finished phase G."""
+    phases: dict[str, float] = {}
+    warm, compilation = False, 0.0
+    ready = False
+    for event in events:
+        if not isinstance(event, StartupPhase) or event.rank or event.status not in ("end", "skipped"):
+            continue
+        phases[f"{event.phase} {event.name}"] = event.duration_s or 0.0
+        profile = read_phase(event, ProfileRunData)
+        graphs = read_phase(event, GraphsCompileData)
+        if profile is not None:
+            warm = profile.cached is True
+        elif graphs is not None:
+            compile_s = graphs.compile_seconds
+            compilation = float(compile_s) if isinstance(compile_s, int | float) else 0.0  # torch.compile's, as vLLM's
+        elif event.phase == "G":
+            ready = True
+    if not ready:
+        return None
+    return StartupRun(source, sum(phases.values()), compilation, warm, phases)
+
+
+def startup_result(runs: Sequence[StartupRun]) -> dict[str, Any]:
+    """``vllm bench startup --output-json``'s object, plus ``phases``: each phase's
+    mean seconds over the cold and the warm starts (kvscope's own breakdown)."""
+    out: dict[str, Any] = {}
+    for kind in ("cold", "warm"):
+        chosen = [r for r in runs if r.warm == (kind == "warm")]
+        if not chosen:
+            continue
+        for suffix, values in (("startup", [r.total_s for r in chosen]),
+                               ("compilation", [r.compilation_s for r in chosen])):
+            key = f"{kind}_{suffix}"
+            out[f"avg_{key}_time"] = float(np.mean(values))
+            out[f"{key}_times"] = values
+            out[f"{key}_percentiles"] = dict(zip(STARTUP_PERCENTAGES,
+                                                 np.percentile(values, STARTUP_PERCENTAGES).tolist(), strict=True))
+        names = list(dict.fromkeys(name for r in chosen for name in r.phases))
+        out.setdefault("phases", {})[kind] = {
+            name: statistics.fmean(r.phases.get(name, 0.0) for r in chosen) for name in names}
+    return out
+
+
+def startup_lines(result: dict[str, Any]) -> list[str]:
+    """The report as ``vllm bench startup`` prints it, then the phases."""
+    lines = ["=" * 60, "STARTUP TIME BENCHMARK RESULTS", "=" * 60]
+    for kind in ("cold", "warm"):
+        if f"avg_{kind}_startup_time" not in result:
+            continue
+        lines += ["", f"{kind.upper()} STARTUP:"]
+        for suffix, name in (("startup", "Startup time"), ("compilation", "Compilation time")):
+            lines.append(f"Avg {name.lower()}: {result[f'avg_{kind}_{suffix}_time']:.2f} seconds")
+        for suffix, name in (("startup", "Startup time"), ("compilation", "Compilation time")):
+            lines.append(f"{name} percentiles:")
+            lines += [f"  {pct}%: {val:.2f} seconds" for pct, val in result[f"{kind}_{suffix}_percentiles"].items()]
+        lines.append("Phases (mean seconds):")
+        lines += [f"  {name}: {seconds:.2f}" for name, seconds in result["phases"][kind].items()]
+    lines.append("=" * 60)
+    return lines
