@@ -18,8 +18,8 @@ from engine.cli.flags import (
     engine_config_from_args,
     workload_spec_from_args,
 )
-from engine.events import EngineConfigEvent, Event, EventBus, RequestArrived, RequestFinished
 from engine.errors import UserError
+from engine.events import EngineConfigEvent, Event, EventBus, RequestArrived, RequestFinished
 from engine.logs import configure_logging
 from engine.sim.workload import (
     VocabTokenIds,
