@@ -210,7 +210,10 @@ class LLMEngine:
 
     # ------------------------------------------------------------ requests
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0) -> str:
+                    request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> str:
+        """Queue a request. ``arrival_time`` (the bus clock): when it was received, if
+        earlier than now (the server's HTTP receipt); its TTFT and e2e count from it and
+        ``request.arrived`` says how long it took to get here (``preprocess_s``)."""
         params = params or SamplingParams()
         prompt_ids = self.encode_prompt(prompt)
         max_tokens = self.check_prompt(prompt_ids, params)
@@ -220,7 +223,8 @@ class LLMEngine:
         if not params.ignore_eos and len(self.eos_token_ids) > 1:
             stop_ids |= self.eos_token_ids
         req = Request(rid, prompt_ids, max_tokens, stop_token_ids=stop_ids, eos_token_id=eos,
-                      ignore_eos=params.ignore_eos, arrival_time=self.now(), priority=priority, sampling=params)
+                      ignore_eos=params.ignore_eos, priority=priority, sampling=params,
+                      arrival_time=self.now() if arrival_time is None else arrival_time)
         if self.config.log_prompts:
             req.prompt_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
         # Everything that can fail is built before the scheduler holds the request: a
@@ -229,7 +233,7 @@ class LLMEngine:
             self.tokenizer, stop=params.stop, include_stop=params.include_stop_str_in_output,
             skip_special_tokens=params.skip_special_tokens, prompt_ids=prompt_ids,
         )
-        rejected = self.scheduler.submit(req, req.arrival_time)
+        rejected = self.scheduler.submit(req, self.now())
         if rejected is not None:
             raise UserError(f"request {rid} rejected: {rejected}")
         self._detok[rid] = detok

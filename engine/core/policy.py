@@ -111,7 +111,7 @@ class PriorityQueue(RequestQueue):
         return iter([entry[3] for entry in sorted(self._heap)])
 
     def append(self, req: Request) -> None:
-        heapq.heappush(self._heap, (req.priority, req.arrival_time, req.arrival_order, req))
+        heapq.heappush(self._heap, (req.priority, req.queued_time, req.arrival_order, req))
 
     def prepend(self, req: Request) -> None:
         self.append(req)  # the heap orders by priority anyway
@@ -130,7 +130,7 @@ class PriorityQueue(RequestQueue):
         heapq.heapify(self._heap)
 
     def pick_victim(self, running: Sequence[Request]) -> Request:
-        return max(running, key=lambda r: (r.priority, r.arrival_time, r.arrival_order))
+        return max(running, key=lambda r: (r.priority, r.queued_time, r.arrival_order))
 
     def preemption_reason(self, victim: Request, needing: Request) -> str:
         """``priority`` when a lower-priority request makes room for a higher-priority

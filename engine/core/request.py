@@ -52,7 +52,8 @@ class Request:
     hashes of its full blocks, filled lazily by the KV cache manager),
     ``group_block_ids`` (a hybrid KV cache's tables, one per group; ``block_tables``
     reads either form), ``num_cached_tokens`` (prefix-cache hit on first admission; -1 until then),
-    ``num_preemptions``.
+    ``num_preemptions``, ``queued_time`` (when :meth:`Scheduler.submit` took it; its
+    ``arrival_time`` may be earlier: the time before is its preprocessing).
 
     ``sampling`` (:class:`~engine.core.sampling_params.SamplingParams`) is the model
     side's: temperature, top-p/top-k, seed and stop strings. The scheduler reads only
@@ -89,6 +90,7 @@ class Request:
         "priority",
         "prompt_text",
         "prompt_token_ids",
+        "queued_time",
         "request_id",
         "sampling",
         "status",
@@ -117,8 +119,13 @@ class Request:
         self.stop_token_ids = frozenset(stop_token_ids)
         self.eos_token_id = eos_token_id
         self.ignore_eos = ignore_eos
+        # arrival_time: when the request reached the engine's front door (the HTTP server's
+        # receipt, vLLM's arrival_time); TTFT and e2e count from it. queued_time: when the
+        # scheduler took it (set by Scheduler.submit); the queue time and the policy's
+        # order count from it, so a replay orders requests as the run did.
         self.arrival_time = arrival_time
-        self.arrival_order = 0  # set by the scheduler on arrival: breaks ties in arrival_time
+        self.queued_time = arrival_time
+        self.arrival_order = 0  # set by the scheduler on arrival: breaks ties in queued_time
         self.priority = priority
         self.sampling = sampling
         self.mm_inputs = mm_inputs

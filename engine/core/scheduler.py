@@ -374,6 +374,7 @@ class Scheduler:
                 )
             return reason
         req.status = RequestStatus.WAITING
+        req.queued_time = now
         req.arrival_order = next(self._arrivals)
         self.requests[req.request_id] = req
         self.waiting.append(req)
@@ -386,6 +387,7 @@ class Scheduler:
                     max_tokens=req.max_tokens,
                     priority=req.priority,
                     prompt=req.prompt_text,
+                    preprocess_s=max(now - req.arrival_time, 0.0),
                     sampling=({"temperature": req.sampling.temperature, "top_p": req.sampling.top_p}
                               if req.sampling is not None else None),
                 )
@@ -582,7 +584,7 @@ class Scheduler:
                 self.bus.publish(
                     RequestScheduled(
                         request_id=req.request_id,
-                        queue_time_s=now - req.arrival_time,
+                        queue_time_s=now - req.queued_time,
                         prefix_hit_tokens=hit_tokens,
                     )
                 )
@@ -787,7 +789,7 @@ class Scheduler:
 def finished_event(req: Request) -> RequestFinished:
     """The ``request.finished`` event with every latency of a finished request."""
     end = req.finished_time if req.finished_time is not None else 0.0
-    arrival = req.arrival_time
+    arrival, queued = req.arrival_time, req.queued_time
     start = req.first_scheduled_time
     first = req.first_token_time
     last = req.last_token_time
@@ -798,7 +800,7 @@ def finished_event(req: Request) -> RequestFinished:
         output_tokens=len(req.output_token_ids),
         prefix_hit_tokens=max(req.num_cached_tokens, 0),
         num_preemptions=req.num_preemptions,
-        queue_time_s=(start - arrival) if start is not None else end - arrival,
+        queue_time_s=(start - queued) if start is not None else end - queued,
         ttft_s=(first - arrival) if first is not None else None,
         e2e_s=end - arrival,
         prefill_time_s=(first - start) if first is not None and start is not None else 0.0,

@@ -274,7 +274,7 @@ class OtlpTraceSink:
     def _request_span(self, event: RequestFinished, state: _RequestState | None) -> None:
         state = state or _RequestState()  # a recording that begins after this request arrived
         arrived = state.arrived
-        start = arrived.t if arrived is not None else event.t - event.e2e_s
+        start = arrived.t - arrived.preprocess_s if arrived is not None else event.t - event.e2e_s
         attributes: dict[str, Any] = {
             SpanAttributes.GEN_AI_REQUEST_ID: event.request_id,
             SpanAttributes.GEN_AI_REQUEST_N: 1,  # kvscope requests are single sequences

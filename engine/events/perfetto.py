@@ -14,7 +14,8 @@ Tracks (pid/tid and their names as ``M`` metadata records, so the UI shows words
   per step, named by its mix: prefill, decode or mixed; token counts, running,
   waiting and KV blocks as args), and counter tracks (``C``): KV cache usage %,
   running, waiting, prefill tokens, decode tokens, preemptions (running total);
-- process "requests": one thread per request, in arrival order: ``queued`` until
+- process "requests": one thread per request, in arrival order: ``preprocess``
+  from the server's receipt to the scheduler (when it was received earlier), ``queued`` until
   its first step, a ``prefill`` slice per chunk, one ``decode`` slice over its
   consecutive decode steps, ``preempted`` / ``first token`` / ``finished`` instants
   (``i``), ``queued (preempted)`` until it runs again.
@@ -49,6 +50,7 @@ ENGINE_PID = 1
 REQUESTS_PID = 2
 STARTUP_TID = 1
 STEPS_TID = 2
+PREPROCESS = "preprocess"
 QUEUED = "queued"
 QUEUED_AFTER_PREEMPTION = "queued (preempted)"
 DECODE = "decode"
@@ -148,8 +150,11 @@ class PerfettoTrace:
         if isinstance(event, StepEvent):
             self._step(event)
         elif isinstance(event, RequestArrived):
-            self._track(event.request_id, event.t, {"prompt_tokens": event.prompt_tokens,
-                                                    "max_tokens": event.max_tokens})
+            arrived = self._track(event.request_id, event.t, {"prompt_tokens": event.prompt_tokens,
+                                                            "max_tokens": event.max_tokens})
+            if event.preprocess_s:  # received earlier: parsing, tokenising, the queue to the engine thread
+                self._slice(REQUESTS_PID, arrived.tid, PREPROCESS, event.t - event.preprocess_s, event.t,
+                            {"preprocess_s": event.preprocess_s})
         elif isinstance(event, RequestPreempted):
             self._preempted(event)
         elif isinstance(event, RequestFirstToken):

@@ -129,16 +129,20 @@ class StartupProgress(Event):
 class RequestArrived(Event):
     """A request entered the waiting queue. ``sampling``: its temperature and top_p
     when it has sampling settings (the real engine; the simulator's have none, and
-    then the key is not written)."""
+    then the key is not written). ``preprocess_s``: how long before this event the
+    server received it (parsing, tokenising, the queue to the engine thread; vLLM's
+    arrival_time is the receipt): its TTFT and e2e count from ``t - preprocess_s``,
+    its queue time from ``t``. Written only when not 0."""
 
     type: ClassVar[str] = "request.arrived"
-    written_when_set: ClassVar[frozenset[str]] = frozenset({"dp_rank", "sampling"})
+    written_when_set: ClassVar[frozenset[str]] = frozenset({"dp_rank", "sampling", "preprocess_s"})
     request_id: str = ""
     prompt_tokens: int = 0
     max_tokens: int = 0
     priority: int = 0
     prompt: str | None = None  # only with --log-prompts
     sampling: dict[str, float] | None = None
+    preprocess_s: float = 0.0
     dp_rank: int = 0  # the data-parallel rank whose engine core it is; written only when not 0
 
 

@@ -28,7 +28,7 @@ from engine.serve import routes_observability, routes_openai
 from engine.serve.host import LOOPBACK_HOSTS, EngineHost, EventHub, LockedView, ServerSettings
 from engine.serve.http_limits import BoundedBody
 from engine.serve.protocol import APIError, ErrorResponse
-from engine.serve.route_support import error_response
+from engine.serve.route_support import StampArrival, error_response
 
 __all__ = ["LOOPBACK_HOSTS", "EngineHost", "EventHub", "LockedView", "ServerSettings", "build_app"]
 
@@ -58,6 +58,8 @@ def build_app(host: EngineHost) -> FastAPI:
     # Reads every body under the size and time bounds before any route runs (413/408).
     app.add_middleware(BoundedBody, limit=partial(_body_limit, host), idle_timeout_s=settings.body_idle_timeout_s,
                        timeout_s=settings.body_timeout_s)
+    # Outermost: every request's clock starts before its body is read (TTFT from arrival).
+    app.add_middleware(StampArrival, clock=host.bus.now)
 
     for exc_class, handler in EXCEPTION_HANDLERS:
         app.add_exception_handler(exc_class, handler)

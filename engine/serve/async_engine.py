@@ -54,10 +54,12 @@ class RequestStream:
     """
 
     def __init__(self, engine: AsyncEngine, request_id: str, prompt_ids: list[int],
-                 params: SamplingParams, loop: asyncio.AbstractEventLoop, priority: int = 0) -> None:
+                 params: SamplingParams, loop: asyncio.AbstractEventLoop, priority: int = 0,
+                 arrival_time: float | None = None) -> None:
         self.engine = engine
         self.request_id = request_id
         self.priority = priority
+        self.arrival_time = arrival_time  # the bus clock at the HTTP receipt (None: when the engine takes it)
         self.prompt_ids = prompt_ids
         self.params = params
         self.loop = loop
@@ -217,15 +219,17 @@ class AsyncEngine:
             return f"{prefix}-{self._ids}"
 
     async def add_request(self, prompt_ids: Sequence[int], params: SamplingParams,
-                          request_id: str, priority: int = 0) -> RequestStream:
-        """Queue a request; returns once the engine accepted it. Raises
+                          request_id: str, priority: int = 0, arrival_time: float | None = None) -> RequestStream:
+        """Queue a request; returns once the engine accepted it. ``arrival_time`` (the
+        bus clock): when the server received it; its TTFT counts from there. Raises
         :class:`Overloaded` (too many waiting / shutting down), :class:`UserError`
         (the engine refused it: the message says why) or :class:`EngineDead`."""
         if not self.alive:
             raise EngineDead("the engine is not running")
         if self._draining:
             raise Overloaded("the server is shutting down")
-        stream = RequestStream(self, request_id, list(prompt_ids), params, asyncio.get_running_loop(), priority)
+        stream = RequestStream(self, request_id, list(prompt_ids), params, asyncio.get_running_loop(), priority,
+                               arrival_time)
         with self._waiting_lock:
             limit = self.max_waiting_requests
             if limit is not None and len(self._waiting) >= limit:
@@ -320,7 +324,7 @@ class AsyncEngine:
             stream = command.stream
             try:
                 engine.add_request(stream.prompt_ids, stream.params, request_id=stream.request_id,
-                                   priority=stream.priority)
+                                   priority=stream.priority, arrival_time=stream.arrival_time)
             except UserError as exc:
                 stream.post_accepted(exc)
                 return False

@@ -8,12 +8,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import anyio
 from fastapi import Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.serve.host import EngineHost
 from engine.serve.protocol import APIError
@@ -22,6 +22,31 @@ from engine.serve.protocol import APIError
 def host_of(request: Request) -> EngineHost:
     """The host :func:`engine.serve.app.build_app` stored on the app."""
     return request.app.state.host  # type: ignore[no-any-return]
+
+
+# --------------------------------------------------------------- arrival
+ARRIVAL_KEY = "kvscope_arrival_t"
+
+
+class StampArrival:
+    """Outermost middleware: stamps each HTTP request with the bus clock when its
+    headers arrived, before its body is read and parsed (vLLM's ``arrival_time``),
+    so a request's TTFT and e2e count the parsing and tokenising too."""
+
+    def __init__(self, app: ASGIApp, clock: Callable[[], float]) -> None:
+        self.app = app
+        self.clock = clock
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope.setdefault("state", {})[ARRIVAL_KEY] = self.clock()
+        await self.app(scope, receive, send)
+
+
+def arrival_of(request: Request) -> float:
+    """When the server received ``request`` (the bus clock); now if it was not stamped."""
+    stamped = request.scope.get("state", {}).get(ARRIVAL_KEY)
+    return float(stamped) if stamped is not None else host_of(request).bus.now()
 
 
 # ------------------------------------------------------------------ auth

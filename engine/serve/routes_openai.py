@@ -41,7 +41,7 @@ from engine.serve.protocol import (
     UsageInfo,
     new_id,
 )
-from engine.serve.route_support import KEYED, host_of, sse, streaming, unless_disconnected
+from engine.serve.route_support import KEYED, arrival_of, host_of, sse, streaming, unless_disconnected
 
 OVERLOAD_RETRY_AFTER_S = 1
 
@@ -60,7 +60,7 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
     _warn_ignored(body)
     params = body.sampling_params(body.max_tokens)
     prompt_ids = await _prepare(host, body.single_prompt(), params)
-    stream = await _submit(host, prompt_ids, params, "cmpl", body.priority)
+    stream = await _submit(host, prompt_ids, params, "cmpl", body.priority, arrival_of(request))
     model = host.settings.served_model_name
     if body.stream:
         return streaming(_completion_chunks(stream, model, body.include_usage,
@@ -84,7 +84,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
         raise APIError(400, str(exc), param="messages") from None
     # the rendered template holds the BOS already: no second one (vLLM's add_special_tokens=False)
     prompt_ids = await _prepare(host, str(prompt), params, param="messages", add_special_tokens=False)
-    stream = await _submit(host, prompt_ids, params, "chatcmpl", body.priority)
+    stream = await _submit(host, prompt_ids, params, "chatcmpl", body.priority, arrival_of(request))
     model = host.settings.served_model_name
     if body.stream:
         return streaming(_chat_chunks(stream, model, body.include_usage,
@@ -150,7 +150,7 @@ async def _prepare(host: EngineHost, prompt: str | list[int], params: SamplingPa
 
 
 async def _submit(host: EngineHost, prompt_ids: list[int], params: SamplingParams, prefix: str,
-                  priority: int = 0) -> RequestStream:
+                  priority: int = 0, arrival_time: float | None = None) -> RequestStream:
     if priority != 0 and host.llm.startup.scheduler_config.policy != "priority":
         raise APIError(400, f"priority {priority}: priority scheduling is not enabled; start the server with "
                             "--scheduling-policy priority, or send 0", param="priority")
@@ -158,7 +158,8 @@ async def _submit(host: EngineHost, prompt_ids: list[int], params: SamplingParam
     if host.settings.log_requests:
         _log_request(host, request_id, prompt_ids, params)
     try:
-        return await host.engine.add_request(prompt_ids, params, request_id, priority=priority)
+        return await host.engine.add_request(prompt_ids, params, request_id, priority=priority,
+                                             arrival_time=arrival_time)
     except Overloaded as exc:
         if host.engine.draining:
             raise APIError(503, str(exc), type_="service_unavailable") from None
@@ -207,21 +208,29 @@ async def _collect_chat(stream: RequestStream, model: str) -> Response:
 
 
 # ------------------------------------------------------------ stream bodies
+# A chunk carries "usage" only when it has one (vLLM's exclude_unset), not "usage": null.
+_NO_USAGE = {"usage"}
+
+
 def _usage(stream: RequestStream, out: RequestOutput) -> UsageInfo:
     return UsageInfo.of(len(stream.prompt_ids), len(out.token_ids))
 
 
 async def _stream_chunks(stream: RequestStream, include_usage: bool, continuous_usage: bool,
                          chunk: Callable[[RequestOutput | None, UsageInfo | None], str],
-                         first: str | None = None) -> AsyncIterator[str]:
-    """The shared SSE framing of both endpoints: optional first chunk, one chunk
-    per output with text or a finish reason, the usage chunk, ``[DONE]``."""
+                         first: Callable[[UsageInfo | None], str] | None = None) -> AsyncIterator[str]:
+    """The shared SSE framing of both endpoints: one chunk per output with text or a
+    finish reason, the usage chunk, ``[DONE]``. ``first`` (chat's role chunk) goes out
+    with the first output, as vLLM sends it: a client that times the first chunk
+    (``vllm bench serve --backend openai-chat``) measures the prefill, not the
+    connection."""
     last: RequestOutput | None = None
     try:
-        if first is not None:
-            yield sse(first)
         async with contextlib.aclosing(stream.outputs()) as outputs:
             async for out in outputs:
+                if first is not None:
+                    yield sse(first(UsageInfo.of(len(stream.prompt_ids), 0) if continuous_usage else None))
+                    first = None
                 last = out
                 if out.delta_text or out.finished:
                     yield sse(chunk(out, _usage(stream, out) if continuous_usage else None))
@@ -236,7 +245,8 @@ def _completion_chunks(stream: RequestStream, model: str, include_usage: bool,
                        continuous_usage: bool) -> AsyncIterator[str]:
     def chunk(out: RequestOutput | None, usage: UsageInfo | None) -> str:
         choices = [] if out is None else [CompletionChoice(text=out.delta_text, finish_reason=out.finish_reason)]
-        return CompletionResponse(id=stream.request_id, model=model, choices=choices, usage=usage).model_dump_json()
+        return CompletionResponse(id=stream.request_id, model=model, choices=choices,
+                                  usage=usage).model_dump_json(exclude=_NO_USAGE if usage is None else None)
 
     return _stream_chunks(stream, include_usage, continuous_usage, chunk)
 
@@ -248,8 +258,11 @@ def _chat_chunks(stream: RequestStream, model: str, include_usage: bool,
             ChatChunkChoice(delta=DeltaMessage(content=out.delta_text), finish_reason=out.finish_reason)
         ]
         return ChatCompletionChunk(id=stream.request_id, model=model, choices=choices,
-                                   usage=usage).model_dump_json()
+                                   usage=usage).model_dump_json(exclude=_NO_USAGE if usage is None else None)
 
-    first = ChatCompletionChunk(id=stream.request_id, model=model,
-                                choices=[ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
-    return _stream_chunks(stream, include_usage, continuous_usage, chunk, first=first.model_dump_json())
+    def role_chunk(usage: UsageInfo | None) -> str:
+        return ChatCompletionChunk(id=stream.request_id, model=model, usage=usage, choices=[
+            ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))]).model_dump_json(
+                exclude=_NO_USAGE if usage is None else None)
+
+    return _stream_chunks(stream, include_usage, continuous_usage, chunk, first=role_chunk)

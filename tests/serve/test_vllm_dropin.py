@@ -1,0 +1,178 @@
+"""kvscope as a drop-in for vLLM to the tools around it (issue 35): the clock every
+request's latencies count from, the SSE framing of streaming chat, the endpoints and
+fields `vllm bench`, aiperf and guidellm call. One real server (bundled SmolLM2) for
+the module, driven by httpx and the openai SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from bench.bench_server import free_port, start_server, stop_server
+from engine.events import read_events
+from engine.modelspec.presets import bundled_gguf_path
+
+MODEL = "smollm2-135m"
+# The client and the server share a loaded 2-core machine: the client's own reading of
+# its first chunk lags by tens of ms under load (idle: a few ms).
+TTFT_TOLERANCE_S = 0.15
+
+pytestmark = pytest.mark.skipif(bundled_gguf_path() is None, reason="the bundled SmolLM2 GGUF is not installed")
+
+
+class Server:
+    def __init__(self, url: str, events_path: Path, log_path: Path) -> None:
+        self.url = url
+        self.events_path = events_path
+        self.log_path = log_path
+
+    def post(self, path: str, body: Any) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, timeout=60)
+
+    def get(self, path: str) -> httpx.Response:
+        return httpx.get(self.url + path, timeout=30)
+
+    def events(self, type_: str) -> list[Any]:
+        return [e for e in read_events(self.events_path).events if e.type == type_]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("dropin")
+    port = free_port()
+    events_path, log_path = tmp / "events.jsonl", tmp / "serve.log"
+    proc = start_server(
+        port, "--max-model-len", "1024", "--kv-cache-memory-bytes", "64Mi", "--dtype", "float32",
+        "--max-num-batched-tokens", "512", "--max-num-seqs", "16", "--events", str(events_path),
+        "--shutdown-timeout", "3", log_path=log_path,
+    )  # fmt: skip
+    yield Server(f"http://127.0.0.1:{port}", events_path, log_path)
+    stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def _frames(body: bytes) -> list[bytes]:
+    """An SSE body split into its ``data: ...`` frames, byte for byte."""
+    assert body.endswith(b"\n\n"), body[-40:]
+    return [frame + b"\n\n" for frame in body[:-2].split(b"\n\n")]
+
+
+def _long_prompt(i: int, words: int) -> str:
+    return f"Reader {i} asks: " + " ".join(f"token{(i * 7 + j) % 50}" for j in range(words))
+
+
+# ------------------------------------------------------- 1. the request clock
+def test_request_clock_starts_at_receipt(server: Server, client: openai.OpenAI) -> None:
+    """request.arrived says how long before the scheduler the server received it, the
+    finished request's TTFT counts that time (queue time does not), and /metrics has
+    its histogram."""
+    out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3, temperature=0)
+    arrived = {e.request_id: e for e in server.events("request.arrived")}[out.id]
+    finished = {e.request_id: e for e in server.events("request.finished")}[out.id]
+    assert arrived.preprocess_s > 0
+    # TTFT = preprocess + queue + prefill, every piece from its own clock reading
+    assert finished.ttft_s == pytest.approx(arrived.preprocess_s + finished.queue_time_s + finished.prefill_time_s,
+                                            abs=1e-6)
+    assert finished.e2e_s > finished.ttft_s
+    metrics = server.get("/metrics").text
+    count = [line for line in metrics.splitlines() if line.startswith("kvscope:request_preprocess_time_seconds_count")]
+    assert count and float(count[0].split()[-1]) >= 1
+
+
+async def _timed_stream(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> tuple[str, float]:
+    """(request id, seconds from sending to the first frame with text) as a client measures it."""
+    start = time.monotonic()
+    async with http.stream("POST", url, json=body) as response:
+        assert response.status_code == 200
+        first: float | None = None
+        request_id = ""
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            request_id = chunk["id"]
+            choice = chunk["choices"][0] if chunk["choices"] else {}
+            text = choice.get("text") or choice.get("delta", {}).get("content")
+            if first is None and text:
+                first = time.monotonic() - start
+    assert first is not None
+    return request_id, first
+
+
+@pytest.mark.slow
+def test_server_ttft_matches_the_client_under_load(server: Server) -> None:
+    """Eight streams at once with long prompts (each prefill a 512-token step on two
+    cores): most wait for the engine thread to finish a step before the scheduler sees
+    them. The server's TTFT (request.finished) agrees with what each client measured
+    within TTFT_TOLERANCE_S; counted from the scheduler's admission it would be short by
+    each request's preprocess time, which the test checks is far larger for some
+    (measured on the shared 2-core AVX-512 BF16 Zen 4 at load 8-10: gaps 0.04-0.10 s,
+    preprocess 0.65 s for completions, 22 s for the chat requests behind them)."""
+
+    async def load() -> list[tuple[str, float]]:
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=16)) as http:
+            tasks = []
+            for i in range(8):
+                if i % 2:
+                    url, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": _long_prompt(i, 60)}]}
+                else:
+                    url, body = "/v1/completions", {"prompt": _long_prompt(i, 60)}
+                body |= {"model": MODEL, "max_tokens": 4, "temperature": 0, "stream": True, "ignore_eos": True}
+                tasks.append(_timed_stream(http, server.url + url, body))
+            return list(await asyncio.gather(*tasks))
+
+    measured = dict(asyncio.run(load()))
+    finished = {e.request_id: e for e in server.events("request.finished") if e.request_id in measured}
+    preprocess = {e.request_id: e.preprocess_s for e in server.events("request.arrived") if e.request_id in measured}
+    assert set(finished) == set(measured)
+    gaps = {rid: measured[rid] - finished[rid].ttft_s for rid in measured}
+    shown = {rid[-6:]: (round(gaps[rid], 4), round(preprocess[rid], 3)) for rid in measured}
+    assert all(abs(gap) < TTFT_TOLERANCE_S for gap in gaps.values()), f"(client - server TTFT, preprocess) s: {shown}"
+    # counted from the scheduler's admission, the server's TTFT would be short by this much
+    assert max(preprocess.values()) > 3 * TTFT_TOLERANCE_S, shown
+
+
+# ------------------------------------------------- 2. streaming chat framing
+def test_chat_stream_sends_the_role_with_the_first_output(server: Server) -> None:
+    """vLLM's framing: the role chunk (``{"role": "assistant", "content": ""}``) is sent
+    when the first output arrives, immediately followed by that output's content; so
+    when the client holds the role frame, the engine has produced the first token."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": _long_prompt(0, 100)}], "max_tokens": 12,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    raw = b""
+    seen_first_token: bool | None = None
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for piece in response.iter_bytes():
+            if seen_first_token is None and b"\n\n" in raw + piece:
+                state = server.get("/debug/state").json()
+                request_id = json.loads((raw + piece).split(b"\n\n")[0][6:])["id"]
+                request = state["requests"].get(request_id)
+                seen_first_token = request is None or request["ttft_s"] is not None
+            raw += piece
+    assert seen_first_token, "the role chunk arrived before the engine produced the first token"
+    frames = _frames(raw)
+    assert frames[-1] == b"data: [DONE]\n\n"
+    chunks = [json.loads(f[len(b"data: "):]) for f in frames[:-1]]
+    assert all(f.startswith(b"data: {") for f in frames[:-1])
+    role, first, *rest = chunks
+    assert role["object"] == "chat.completion.chunk" and "usage" not in role
+    assert role["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None}]
+    assert first["choices"][0]["delta"] == {"content": first["choices"][0]["delta"]["content"]}
+    assert first["choices"][0]["delta"]["content"]
+    assert all("role" not in c["choices"][0]["delta"] for c in rest)
+    assert rest[-1]["choices"][0]["finish_reason"] == "length"
+    assert len({c["id"] for c in chunks}) == 1
