@@ -164,10 +164,7 @@ def resolve_dtype(config: EngineConfig, model: ModelConfig, device: torch.device
     if device.type == "cpu" and model.family.cpu_dtype is not None:  # the family's own rule (the registry)
         return DtypeChoice(*model.family.cpu_dtype)
     if device.type == "cpu" and config.tensor_parallel_size == 1 and kernel_plan.plan_enabled():
-        return DtypeChoice("float32", "the kernel plan runs float32 activations and picks each projection's "
-                                      "implementation by measurement (bf16 GEMM over bf16 weights where it is "
-                                      "native and measured fastest; the fused fp32 decode layer where it wins); "
-                                      f"{kernel_plan.PLAN_ENV}=off runs the ISA rule")
+        return DtypeChoice(kernel_plan.AUTO_DTYPE, kernel_plan.AUTO_DTYPE_REASON)
     if device.type == "cpu":
         return choose_cpu_dtype(caps or detect())
     half = model.dtype if model.dtype in ("bfloat16", "float16") else "bfloat16"

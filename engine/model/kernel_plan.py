@@ -26,7 +26,7 @@ for packed ones); the fastest that passes is chosen.
 A candidate more than ``PRUNE_FACTOR`` x slower than the best at one class is not timed at
 the bigger ones. Measuring stops at ``MEASURE_BOUND_S``: cells not reached keep the fallback
 constants' choice and say so. The plan is stored beside phase D's profile
-(engine/model/profile_cache.py) so a warm start reuses it, and ``KVSCOPE_KERNEL_PLAN``
+(``kernel_plans/<key>.json`` under engine/model/profile_cache.py's folder) so a warm start reuses it, and ``KVSCOPE_KERNEL_PLAN``
 pins one (a path or the JSON itself), ``measure`` measures again, ``off`` runs the fallback
 constants (``GEMV_MAX_ROWS`` in engine/model/llama.py and the ISA's dtype rule).
 """
@@ -42,13 +42,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.nn.functional as F
+if TYPE_CHECKING:  # torch is imported where it runs: ``engine plan`` reads the switch and stored plans without it
+    import torch
 
 PLAN_ENV = "KVSCOPE_KERNEL_PLAN"
 PLAN_FORMAT_VERSION = 1
+PLANS_FOLDER = "kernel_plans"  # under the profiles folder (engine/model/profile_cache.py)
 GROUPS = ("qkv", "o", "gate_up", "down", "head")
 # The model attribute each group's weight and quantized copy are named by.
 GROUP_ATTRS = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj", "down": "down_proj", "head": "head"}
@@ -102,6 +103,13 @@ def plan_enabled() -> bool:
     return plan_setting().lower() not in ("off", "0", "false", "no")
 
 
+# ``--dtype auto`` on CPU with the plan on (engine/startup.py resolve_dtype, ``engine plan``).
+AUTO_DTYPE = "float32"
+AUTO_DTYPE_REASON = ("the kernel plan runs float32 activations and picks each projection's implementation by "
+                     "measurement (bf16 GEMM over bf16 weights where it is native and measured fastest; the fused "
+                     f"fp32 decode layer where it wins); {PLAN_ENV}=off runs the ISA rule")
+
+
 # ---------------------------------------------------------------------- implementations
 @dataclass(slots=True)
 class Implementation:
@@ -116,6 +124,8 @@ def candidates_for(weight: torch.Tensor, quantized: Any, gemv_kernel: Any, nativ
     """The candidates this weight can run here (``quantized``: its QuantizedLinear or None).
     ``approximate`` (``--dtype auto``) adds those that round the weights further (bf16, int8);
     a dtype given by flag keeps to its own precision: the GEMV over the file's blocks and torch."""
+    import torch
+
     out = []
     if quantized is not None and gemv_kernel is not None:
         out.append("gemv")
@@ -129,6 +139,9 @@ def candidates_for(weight: torch.Tensor, quantized: Any, gemv_kernel: Any, nativ
 
 def implementation(candidate: str, weight: torch.Tensor, quantized: Any, gemv_kernel: Any) -> Implementation:
     """``candidate`` for ``weight`` (``[out, in]``), copies made now."""
+    import torch
+    import torch.nn.functional as F
+
     if candidate == "gemv":
         fn, blocks = getattr(gemv_kernel, f"gemv_{quantized.fmt}"), quantized.blocks
         return Implementation(lambda x: fn(x, blocks, 0))
@@ -215,6 +228,8 @@ class KernelPlan:
     key: str = ""
     load_average: float = 0.0  # the 1-minute load average when measured (other processes' load skews it)
     cpus: int = 0
+    model: str = ""  # the model's name, for ``engine plan``
+    threads: int = 0
     notes: list[str] = field(default_factory=list)
 
     def cell(self, group: str, step: str) -> Cell | None:
@@ -300,6 +315,7 @@ class KernelPlan:
 
 # ---------------------------------------------------------------------- choosing
 def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
+
     ref = reference.float()
     return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
 
@@ -351,6 +367,7 @@ class _Target:
 def _targets(model: Any, gemv_kernel: Any, native_bf16: bool, approximate: bool) -> list[_Target]:
     """Each group's weight (layer 0's, and the LM head) cut to its first ``WEIGHT_ROWS_TIMED``
     rows, with its quantized copy cut alike."""
+
     out = []
     for group in GROUPS:
         module = model if group == "head" else model.layers[0]
@@ -378,6 +395,8 @@ def measure(model: Any, gemv_kernel: Any, native_bf16: bool, isa: str, fallback:
     the LM head's first rows) and choose. ``fallback(group, rows)``: the constants' candidate
     for cells the time bound leaves unmeasured. ``fused``: times the fused decode layer.
     Single rows and the biggest class (decode and prefill) are measured first."""
+    import torch
+
     start = time.perf_counter()
     deadline = start + bound_s
     generator = torch.Generator().manual_seed(0)
@@ -423,6 +442,9 @@ def _measure_cell(cell: Cell, target: _Target, impls: dict[tuple[str, str], Impl
     """Check and time each candidate of ``target`` at ``cell.rows`` rows, then choose. A
     ``ROW_LINEAR`` candidate over ``PRUNE_FACTOR`` x the best at a smaller class timed before
     (``ratios``) is not timed at this one."""
+    import torch
+    import torch.nn.functional as F
+
     weight = target.weight
     x = torch.randn(cell.rows, weight.shape[1], generator=generator).to(weight.dtype)
     reference = F.linear(x.float(), weight.float())
@@ -498,7 +520,7 @@ def _entry(key: str) -> Path | None:
     from engine.model.profile_cache import profile_root
 
     root = profile_root()
-    return None if root is None else root / f"plan-{key}.json"
+    return None if root is None else root / PLANS_FOLDER / f"{key}.json"
 
 
 def load_stored(key: str) -> KernelPlan | None:
@@ -523,6 +545,30 @@ def store(plan: KernelPlan) -> None:
     text = json.dumps({**plan.to_json(), "source": "measured"})
     with contextlib.suppress(OSError):
         atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def measured_overloaded(plan: KernelPlan) -> bool:
+    """True when ``plan`` was measured with more runnable threads than CPUs and the machine is
+    quieter now: parallel kernels then wait for descheduled threads (a 20 µs GEMV took 20 ms
+    at load 8 on 2 cores), so such a plan is measured again once the load allows."""
+    cpus = plan.cpus or os.cpu_count() or 1
+    return plan.load_average > cpus and os.getloadavg()[0] <= cpus
+
+
+def stored_for_model(name: str) -> list[KernelPlan]:
+    """The stored plans measured for model ``name`` (any flags), newest first: ``engine plan``."""
+    path = _entry("x")
+    if path is None or not path.parent.is_dir():
+        return []
+    plans = []
+    for entry in path.parent.glob("*.json"):
+        try:
+            plan = KernelPlan.from_json(json.loads(entry.read_text()))
+        except (OSError, ValueError):
+            continue
+        if plan.model == name:
+            plans.append(plan)
+    return sorted(plans, key=lambda p: p.measured_at, reverse=True)
 
 
 def pinned() -> KernelPlan | None:
@@ -588,6 +634,8 @@ def _fused_against_layer(model: Any, layer: Any, kernel: Any, args: tuple[tuple[
                          rows: int, generator: torch.Generator) -> tuple[float, float, float]:
     """``(fused µs, op-by-op µs, relative difference)`` of one pure-decode step of ``rows``
     sequences, each attending over ``FUSED_CONTEXT`` tokens, through layer ``layer``."""
+    import torch
+
     from engine.model.attention.base import AttentionMetadata
 
     block, (before, after) = 16, args
@@ -621,6 +669,8 @@ def resolve(model: Any, key: str, native_bf16: bool, isa: str, log: Any = None,
     """The plan for this start, installed on ``model``: pinned by ``KVSCOPE_KERNEL_PLAN``, the
     stored one for ``key``, or measured now (and stored); None when the variable is ``off``
     (the fallback constants run). ``approximate``: see :func:`candidates_for`."""
+    import torch
+
     from engine.model.kernels import cpu_gemv
 
     if not plan_enabled() or getattr(model, "expert_counter", None) is not None:
@@ -628,11 +678,15 @@ def resolve(model: Any, key: str, native_bf16: bool, isa: str, log: Any = None,
     plan = pinned()
     if plan is None and plan_setting().lower() != "measure":
         plan = load_stored(key)
-    if plan is None:
+    remeasure = plan is not None and plan.source == "stored" and measured_overloaded(plan)
+    if remeasure and log is not None:
+        log.info(f"the stored kernel plan was measured at load average {plan.load_average:g} on {plan.cpus} CPUs "  # type: ignore[union-attr]
+                 f"(other processes' threads skew its timings); the load is {os.getloadavg()[0]:.2f} now: measuring again")
+    if plan is None or remeasure:
         gemv_kernel = cpu_gemv.load_kernel() if model.quantized_linears() else None
         plan = measure(model, gemv_kernel, native_bf16, isa, model.fallback_candidate, fused=fused_timing(model),
                        approximate=approximate)
-        plan.key = key
+        plan.key, plan.model, plan.threads = key, model.config.name, torch.get_num_threads()
         store(plan)
     model.install_kernel_plan(plan)
     if log is not None:

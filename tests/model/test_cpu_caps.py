@@ -59,17 +59,26 @@ def test_this_machine_is_described() -> None:
     assert caps.isa in ("amx", "avx512_bf16", "avx512", "avx2", "baseline")
 
 
-def test_startup_resolves_auto_by_isa_and_leaves_the_callers_config_alone() -> None:
+def test_startup_resolves_auto_by_isa_and_leaves_the_callers_config_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.model import kernel_plan
+
     model = load_model_config("smollm2-135m")
     config = EngineConfig(dtype="auto")
     cpu = torch.device("cpu")
+    # the kernel plan on (the default): float32 activations, its cells pick bf16 weights where they win
+    for caps in (detect(ZEN3, "AVX2"), detect(ZEN4, "AVX512")):
+        choice = resolve_dtype(config, model, cpu, caps)
+        assert choice.dtype == "float32" and "kernel plan" in choice.reason
+    monkeypatch.setenv(kernel_plan.PLAN_ENV, "off")  # the fallback: the ISA rule
     assert resolve_dtype(config, model, cpu, detect(ZEN3, "AVX2")).dtype == "float32"
     assert resolve_dtype(config, model, cpu, detect(ZEN4, "AVX512")).dtype == "bfloat16"
     explicit = EngineConfig(dtype="bfloat16")
     assert resolve_dtype(explicit, model, cpu, detect(ZEN3, "AVX2")).dtype == "bfloat16"
-    resolved = resolve_config(config, model, cpu).config
+    resolution = resolve_config(config, model, cpu)
+    resolved = resolution.config
     assert resolved.dtype == choose_cpu_dtype(detect()).dtype
     assert resolved.max_num_batched_tokens == 512 and resolved.max_model_len == model.max_position_embeddings
+    assert "CPU default 512" in resolution.batched_tokens_reason
     assert (config.dtype, config.max_model_len, config.max_num_batched_tokens) == ("auto", None, 8192)
 
 

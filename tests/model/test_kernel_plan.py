@@ -150,7 +150,7 @@ def test_measured_on_real_weights_stored_and_reused(two_layer_runner: ModelRunne
         assert set(cell.us) <= set(cell.error) and cell.chosen in cell.us
         assert cell.error[cell.chosen] <= ACCURACY_BOUND
         assert "gemv" in cell.us or "gemv" in cell.rejected or cell.group == "head"
-    assert (tmp_path / "plan-test-key.json").is_file()
+    assert (tmp_path / kernel_plan.PLANS_FOLDER / "test-key.json").is_file()
     # the model now runs by the plan: its logits are the constants' within the plan's error
     routed = _logits(runner)
     assert kernel_plan.relative_error(routed, reference) < ACCURACY_BOUND
@@ -183,7 +183,7 @@ def test_a_warm_start_reuses_the_stored_plan(tmp_path: Path, monkeypatch: pytest
     reused = second["F"]["kernel_plan"]
     assert reused["source"] == "stored"  # read back, not measured again: the same table, the same time
     assert reused["cells"] == plan["cells"] and reused["measured_at"] == plan["measured_at"]
-    assert len(list(tmp_path.glob("plan-*.json"))) == 1
+    assert len(list((tmp_path / kernel_plan.PLANS_FOLDER).glob("*.json"))) == 1
     monkeypatch.setenv(kernel_plan.PLAN_ENV, "off")
     off = _phase_events(dtype="auto")
     assert "kernel_plan" not in off["F"] and off["A"]["dtype_reason"] != first["A"]["dtype_reason"]

@@ -15,7 +15,10 @@ from engine.events.phase_data import KvCacheData
 from engine.startup import CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS, GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 
-def test_verify_a_cpu_run_at_its_resolved_defaults(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_verify_a_cpu_run_at_its_resolved_defaults(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # the fixed CPU budget: a stored kernel plan would derive another from its prefill speed (issue 34)
+    monkeypatch.setenv("KVSCOPE_KERNEL_PLAN", "off")
     path = tmp_path / "cpu_defaults.jsonl"
     # No --max-num-batched-tokens, --dtype, --attention-backend, --quantization, --kv-cache-memory-bytes
     # or --device-memory: each is left for the CPU to resolve. A prompt longer than the CPU's token budget.

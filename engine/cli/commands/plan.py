@@ -40,7 +40,8 @@ from engine.cli.flags import (
 )
 from engine.errors import UserError
 from engine.events import PHASES, EngineConfigEvent, EventBus, JsonlSink, StartupPhase
-from engine.model.cpu_caps import choose_cpu_dtype, detect
+from engine.model import kernel_plan
+from engine.model.cpu_caps import DtypeChoice, choose_cpu_dtype, detect
 from engine.modelspec.config import ModelConfig
 from engine.modelspec.readers import load_model_config
 
@@ -143,6 +144,8 @@ def host_cpu_summary() -> dict[str, Any]:
     without a GPU (the plan itself is for the device named by --gpu/--gpu-memory)."""
     caps = detect()
     choice = choose_cpu_dtype(caps)
+    if kernel_plan.plan_enabled():
+        choice = DtypeChoice(kernel_plan.AUTO_DTYPE, kernel_plan.AUTO_DTYPE_REASON)
     return {**caps.summary(), "auto_dtype": choice.dtype, "auto_dtype_reason": choice.reason}
 
 
@@ -239,6 +242,20 @@ def render_text(console: Console, model: ModelConfig, plan: MemoryPlan, gpu_name
     console.print()
     console.print(f"  this machine's CPU (for a run without a GPU): {detect().line()}; --dtype auto there is "
                   f"{host['auto_dtype']} ({host['auto_dtype_reason']})", highlight=False)
+    for line in stored_kernel_plan_lines(model.name):
+        console.print(line, highlight=False)
+
+
+def stored_kernel_plan_lines(name: str) -> list[str]:
+    """The newest kernel plan a CPU start stored for this model here (engine/model/kernel_plan.py;
+    its table), or nothing when no start has measured one."""
+    plans = kernel_plan.stored_for_model(name)
+    if not plans:
+        return []
+    newest = plans[0]
+    return [f"  the kernel plan a CPU start measured for {name} here ({newest.threads} threads; "
+            f"{len(plans)} stored for its flag sets; KVSCOPE_KERNEL_PLAN=off runs the fallback constants):",
+            *(f"  {line}" for line in newest.table_lines())]
 
 
 def hybrid_group_lines(plan: MemoryPlan) -> list[str]:
