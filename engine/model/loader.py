@@ -246,10 +246,16 @@ def iter_hf_tensors(
         if not location.is_dir():
             raise UserError(f"{location}: --load-format safetensors needs an HF folder, got a file")
         norms_plus_one = config.family.hf_norms_add_one  # Gemma's HF norms hold w; the model 1 + w
+        split, adds = config.family.hf_split, config.family.hf_split_adds * config.num_layers
         for name, tensor, total in iter_safetensors(location):
             if norms_plus_one and name.endswith("norm.weight"):
                 tensor = tensor.float() + 1.0
-            yield name, tensor, total
+            parts = split(name, config) if split is not None else None
+            if parts is None:
+                yield name, tensor, total + adds
+            else:  # a fused tensor (Phi-3's qkv_proj, gate_up_proj) as Llama's parts
+                for part, first, rows in parts:
+                    yield part, tensor[first : first + rows], total + adds
     else:
         raise UserError(f"load format {fmt!r} has no file to read")
 

@@ -55,6 +55,20 @@ GEMMA3_ROPE_LOCAL_BASE_FREQ = 10_000.0
 
 
 @dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """Llama 3.1/3.2's ``llama3`` rope scaling (config.json ``rope_scaling`` / transformers 5's
+    ``rope_parameters``): wavelengths longer than ``original_max_position_embeddings /
+    low_freq_factor`` are stretched by ``factor``, those shorter than ``... / high_freq_factor``
+    kept, the ones between blended (transformers' ``_compute_llama3_parameters``)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+    rope_type: str = "llama3"
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     name: str
     num_layers: int
@@ -83,8 +97,9 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (else head_dim's)
     hidden_activation: str | None = None  # "gelu_pytorch_tanh" (Gemma); None: SiLU
     qk_norm: bool | None = None  # Qwen3: Q and K RMS-normed per head (a head_dim weight each) before the rotation
+    rope_scaling: RopeScaling | None = None  # Llama 3.1/3.2's llama3 frequency scaling; None: plain rope
 
-    FAMILY_FIELDS: ClassVar[tuple[str, ...]] = ("layer_types", "sliding_window", "rope_local_base_freq",
+    FAMILY_FIELDS: ClassVar[tuple[str, ...]] = ("layer_types", "sliding_window", "rope_local_base_freq", "rope_scaling",
                                                 "query_pre_attn_scalar", "hidden_activation", "qk_norm")
 
     @property

@@ -60,6 +60,46 @@ def _qwen3_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return {"attention_bias": bool(cfg.get("attention_bias", False)), "qk_norm": True}
 
 
+def _all_layers_sliding(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Mistral's and Phi-3's ``sliding_window``: every layer attends to its last W positions
+    (transformers' sliding mask for the whole model); null: full attention. The hybrid KV
+    cache manager then runs one sliding group, freeing blocks as they leave the window."""
+    window = cfg.get("sliding_window")
+    if not window:
+        return {}
+    layers = int(cfg["num_hidden_layers"])
+    return {"layer_types": (SLIDING_ATTENTION,) * layers, "sliding_window": int(window)}
+
+
+def _mistral_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Mistral: Llama's layers, every one sliding when config.json sets ``sliding_window``
+    (v0.1: 4096; v0.2/v0.3: null). A per-layer pattern is Ministral's, not registered."""
+    if cfg.get("layer_types"):
+        raise UserError("config.json sets layer_types: alternating sliding and full Mistral layers (Ministral) are not "
+                        "registered; kvscope's mistral family slides every layer or none")
+    return {"attention_bias": False, **_all_layers_sliding(cfg)}
+
+
+def _phi3_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Phi-3: Llama's layers with Q/K/V and gate/up stored fused (split at load,
+    :func:`split_phi3_tensor`), no biases, sliding when ``sliding_window`` is set
+    (Phi-3-mini-4k: 2047), plain rope (the 128k models' longrope is refused where rope is read)."""
+    return {"attention_bias": False, **_all_layers_sliding(cfg)}
+
+
+def split_phi3_tensor(name: str, config: ModelConfig) -> list[tuple[str, int, int]] | None:
+    """Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` as Llama's tensors: ``(name, first row,
+    rows)`` of each part (transformers' Phi3 splits the outputs the same way: Q, K, V; gate, up)."""
+    if name.endswith(".self_attn.qkv_proj.weight"):
+        base = name.removesuffix("qkv_proj.weight")
+        q, kv = config.num_attention_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        return [(base + "q_proj.weight", 0, q), (base + "k_proj.weight", q, kv), (base + "v_proj.weight", q + kv, kv)]
+    if name.endswith(".mlp.gate_up_proj.weight"):
+        base, inter = name.removesuffix("gate_up_proj.weight"), config.intermediate_size
+        return [(base + "gate_proj.weight", 0, inter), (base + "up_proj.weight", inter, inter)]
+    return None
+
+
 def _gemma3_gguf_fields(meta: Mapping[str, Any], layers: int, head_dim: int) -> dict[str, Any]:
     """Gemma 3's own fields from its GGUF header, with transformers' Gemma3TextConfig
     defaults for what llama.cpp's converter leaves out (the 5:1 layer pattern, the local
@@ -167,6 +207,10 @@ class Family:
     qk_norm: bool = False  # a head_dim Q and a K norm per layer always (Gemma 3; Qwen3's config field says so)
     cpu_dtype: tuple[str, str] | None = None  # --dtype auto on CPU: (dtype, why); None: by the ISA
     gguf_head_only_native: bool = False  # --quantization auto reads the GGUF's LM head blocks only
+    reads_own_rope: bool = False  # its hf_fields reads config.json's rope (Gemma 3's per-layer-type bases)
+    # an HF tensor the family stores fused -> Llama's parts (name, first row, rows); None: as stored
+    hf_split: Callable[[str, ModelConfig], list[tuple[str, int, int]] | None] | None = None
+    hf_split_adds: int = 0  # tensors each layer gains by the split (the progress bar's total)
 
 
 # Llama's class serves Llama, SmolLM and llama.cpp's "llama" GGUFs (Mistral files among them)
@@ -193,7 +237,15 @@ FAMILIES: tuple[Family, ...] = (
            # single stream, AVX-512 BF16 Zen 4, 2 threads: fp32 17.6 tok/s, bf16 6.6 tok/s
            cpu_dtype=("float32", "Gemma 3 on CPU: fp32 decodes 2.7x faster than bf16 (Q8_0 head kernel, "
                                  "op-by-op layers)"),
-           gguf_head_only_native=True),
+           gguf_head_only_native=True, reads_own_rope=True),
+    # Mistral and Phi-3: Llama's class (sliding-window layers through the hybrid KV cache);
+    # llama.cpp writes Mistral GGUFs as "llama" (served by that entry, window dropped as
+    # llama.cpp drops it), Phi-3 GGUFs ("phi3", fused tensors) are not registered.
+    Family("mistral", "engine.model.llama:LlamaForCausalLM", hf_architectures=("MistralForCausalLM",),
+           model_types=("mistral",), hf_fields=_mistral_fields, tensor_parallel=False),
+    Family("phi3", "engine.model.llama:LlamaForCausalLM", hf_architectures=("Phi3ForCausalLM",),
+           model_types=("phi3",), hf_fields=_phi3_fields, hf_split=split_phi3_tensor, hf_split_adds=3,
+           tensor_parallel=False),
 )
 HF_ARCHITECTURES: dict[str, Family] = {a: f for f in FAMILIES for a in f.hf_architectures}
 MODEL_TYPES: dict[str, Family] = {t: f for f in FAMILIES for t in f.model_types}

@@ -13,8 +13,9 @@ from engine.errors import UserError
 from engine.modelspec.config import (
     CANONICAL_DTYPE,
     ModelConfig,
+    RopeScaling,
 )
-from engine.modelspec.families import family_for_architecture, family_for_hf_config
+from engine.modelspec.families import Family, family_for_architecture, family_for_hf_config
 from engine.modelspec.gguf_header import ArrayValue, read_gguf_header
 from engine.modelspec.presets import (
     FILE_BACKED_PRESETS,
@@ -32,6 +33,35 @@ def _hf_rope_theta(cfg: dict[str, Any]) -> float:
         if isinstance(nested, dict) and "rope_theta" in nested:
             return float(nested["rope_theta"])
     return float(cfg.get("rope_theta", 10000.0))
+
+
+def _hf_rope_scaling(cfg: dict[str, Any], family: Family, where: str) -> RopeScaling | None:
+    """The rope scaling of config.json (``rope_parameters``, transformers 5, or ``rope_scaling``):
+    None for plain rope, a :class:`RopeScaling` for ``llama3``; any other type is refused,
+    naming it (a family whose parser reads its rope itself, Gemma 3, is skipped here)."""
+    if family.reads_own_rope:
+        return None
+    for key in ("rope_parameters", "rope_scaling"):
+        nested = cfg.get(key)
+        if not isinstance(nested, dict):
+            continue
+        kind = nested.get("rope_type", nested.get("type", "default"))
+        if kind in (None, "default"):
+            factor = nested.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+            if factor is not None and float(factor) != 1.0:
+                raise UserError(f"{where}: partial_rotary_factor {factor}: kvscope rotates every dimension of a head; "
+                                f"the {family.name} family runs with partial_rotary_factor 1 only")
+            continue
+        if kind == "llama3":
+            try:
+                return RopeScaling(factor=float(nested["factor"]), low_freq_factor=float(nested["low_freq_factor"]),
+                                   high_freq_factor=float(nested["high_freq_factor"]),
+                                   original_max_position_embeddings=int(nested["original_max_position_embeddings"]))
+            except KeyError as exc:
+                raise UserError(f"{where}: config.json's llama3 rope scaling lacks {exc.args[0]!r}") from exc
+        raise UserError(f"{where}: config.json's rope scaling type {kind!r} is not supported (kvscope runs plain rope "
+                        f"and Llama 3.1's llama3 scaling); the {family.name} family's long-context variants need it")
+    return None
 
 
 def model_config_from_hf_dict(cfg: dict[str, Any], name: str, path: str | None = None) -> ModelConfig:
@@ -59,6 +89,7 @@ def model_config_from_hf_dict(cfg: dict[str, Any], name: str, path: str | None =
             head_dim=head_dim,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             rope_theta=_hf_rope_theta(cfg),
+            rope_scaling=_hf_rope_scaling(cfg, family, path or name),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             dtype=CANONICAL_DTYPE.get(str(torch_dtype), "bfloat16"),

@@ -1,5 +1,6 @@
-"""Qwen2/Qwen2.5 (Q/K/V bias; tied and untied LM head), Qwen3 (QK-norm, no bias) and Gemma 3
-(a sliding and a full layer) from tiny random-weight checkpoints built here with
+"""Qwen2/Qwen2.5 (Q/K/V bias; tied and untied LM head), Qwen3 (QK-norm, no bias), Gemma 3
+(a sliding and a full layer), Llama 3.1's llama3 rope scaling, Mistral (every layer sliding)
+and Phi-3 (fused qkv/gate_up, sliding) from tiny random-weight checkpoints built here with
 transformers (tests/model/tiny_hf.py), from HF folders and (Qwen) GGUFs,
 through kvscope's real path (the HF-folder config and safetensors loader, the registry's
 model class, the paged KV cache on scattered blocks, chunked prefill batched with other
@@ -32,6 +33,10 @@ PREEMPT_AFTER = 8  # sequence "p0" loses its blocks after this many tokens and i
 CHUNK = 7  # prefill (and recompute) chunk: prompts of 9, 23 and 37 tokens take 2, 4 and 6 steps
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
+# Variants also run from a GGUF written as llama.cpp writes it (Gemma 3's GGUF path: the real
+# 270M file, test_gemma3_reference.py; Llama 3.1's scaling lives in a GGUF's rope_freqs tensor,
+# Mistral's window is dropped by llama.cpp's converter, Phi-3's GGUF is not registered).
+GGUF_VARIANTS = tuple(v for v in VARIANTS if v.startswith("qwen"))
 
 
 @pytest.fixture(scope="session")
@@ -43,7 +48,7 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tupl
     out = {}
     for variant in VARIANTS:
         model = save_tiny_checkpoint(variant, root / variant)
-        if not variant.startswith("gemma3"):  # Gemma 3's GGUF path: the real 270M file (test_gemma3_reference.py)
+        if variant in GGUF_VARIANTS:
             write_tiny_gguf(model, root / f"{variant}.gguf")
         out[variant] = (root / variant, model)
     return out
@@ -105,7 +110,7 @@ def run_kvscope(runner: ModelRunner, prompt_ids: list[list[int]]) -> tuple[list[
 
 
 @pytest.mark.parametrize(("variant", "source"), [(v, s) for v in VARIANTS for s in ("hf", "gguf")
-                                                  if not (v.startswith("gemma3") and s == "gguf")])
+                                                  if s == "hf" or v in GGUF_VARIANTS])
 def test_agrees_with_transformers_through_paging_and_preemption(variant: str, source: str, tiny_checkpoints) -> None:
     """``source`` gguf: the same weights as llama.cpp's converter writes them (Q/K rows in HF's
     order for Qwen), through the GGUF loader and the dequantized-weights cache (its entries,
@@ -116,6 +121,10 @@ def test_agrees_with_transformers_through_paging_and_preemption(variant: str, so
     if family == "gemma3text":
         family = "gemma3_text"
         assert config.layer_types == ("sliding_attention", "full_attention") and config.sliding_window == 8
+    if family in ("mistral", "phi3"):  # every layer slides (window 8 / 12: the prompts outgrow it)
+        assert config.layer_types == ("sliding_attention",) * 2 and config.sliding_window == VARIANTS[variant][2][
+            "sliding_window"]
+    assert (config.rope_scaling is not None) == (variant == "llama3-scaled")
     assert (config.architecture, config.source, config.tie_word_embeddings) == (family, source, tied)
     assert config.attention_bias == (family == "qwen2") and bool(config.qk_norm) == (family == "qwen3")
     runner = ModelRunner(config, dtype="float32", block_size=BLOCK_SIZE, attention_backend="torch")
@@ -141,10 +150,13 @@ def test_agrees_with_transformers_through_paging_and_preemption(variant: str, so
 
 def test_a_missing_bias_or_norm_is_caught(tiny_checkpoints) -> None:
     """The comparison above can fail: the same Qwen2 checkpoint run as plain Llama (no
-    Q/K/V bias) and Qwen3 run without its QK-norm move the logits far past the tolerance."""
+    Q/K/V bias), Qwen3 without its QK-norm, Llama 3.1 without its rope scaling and Mistral
+    without its window move the logits far past the tolerance."""
     import dataclasses
 
-    for variant, change in (("qwen2-untied", {"attention_bias": False}), ("qwen3-untied", {"qk_norm": None})):
+    for variant, change in (("qwen2-untied", {"attention_bias": False}), ("qwen3-untied", {"qk_norm": None}),
+                            ("llama3-scaled", {"rope_scaling": None}),
+                            ("mistral-sliding", {"layer_types": None, "sliding_window": None})):
         folder, hf_model = tiny_checkpoints[variant]
         config = dataclasses.replace(load_model_config(str(folder)), **change)
         if variant.startswith("qwen3"):
@@ -189,7 +201,7 @@ ENGINE_PROMPTS = ["the quick brown fox", "hello world, how are you today? the la
                   "how are you"]
 
 
-@pytest.mark.parametrize("variant", ["qwen2-untied", "qwen3-tied", "gemma3-tied"])
+@pytest.mark.parametrize("variant", ["qwen2-untied", "qwen3-tied", "gemma3-tied", "mistral-sliding"])
 def test_the_engine_generates_what_transformers_does_with_preemption(variant: str, tiny_checkpoints) -> None:
     """The whole engine (LLM: phases A-G, the scheduler, the tiny tokenizer of the HF folder;
     Gemma 3 on the hybrid KV cache manager) on a pool too small for the 3 requests at once:
@@ -218,5 +230,6 @@ def test_the_engine_generates_what_transformers_does_with_preemption(variant: st
         assert output.token_ids == reference(hf_model, ids)[0]
     print(f"\n{variant}: engine greedy tokens equal transformers' for 3 prompts x {NEW_TOKENS}; preemptions {len(preempted)}")
     assert preempted, "the 5-block pool should have forced a preemption"
-    # Gemma 3 runs on the hybrid KV cache (a group for the sliding layer, one for the full)
-    assert ("kv_cache_groups" in configs[0]) == variant.startswith("gemma3")
+    # Gemma 3 runs on the hybrid KV cache (a group for the sliding layer, one for the full),
+    # Mistral on one sliding group (its blocks freed as they leave the window)
+    assert ("kv_cache_groups" in configs[0]) == variant.startswith(("gemma3", "mistral"))

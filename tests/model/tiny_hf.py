@@ -27,6 +27,15 @@ VARIANTS: dict[str, tuple[str, bool, dict[str, Any]]] = {
     # scalar 256 (not head_dim's 16) and the two rope bases are transformers' defaults
     "gemma3-tied": ("Gemma3TextConfig", True, {"layer_types": ["sliding_attention", "full_attention"],
                                                  "sliding_window": 8}),
+    # Llama 3.1's llama3 rope scaling with the trained context cut to 32 positions, so that at
+    # head_dim 16 one frequency is kept, one blended and six stretched by 8 within the prompts
+    "llama3-scaled": ("LlamaConfig", False, {"rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}),
+    # every layer sliding, window 8: the prompts (9, 23, 37 tokens) outgrow it
+    "mistral-sliding": ("MistralConfig", False, {"sliding_window": 8}),
+    # fused qkv_proj and gate_up_proj, window 12 (Phi-3-mini-4k slides too: 2047); pad id inside the vocabulary
+    "phi3-sliding": ("Phi3Config", True, {"sliding_window": 12, "pad_token_id": 0}),
 }
 
 

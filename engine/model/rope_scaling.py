@@ -1,0 +1,31 @@
+"""Rope frequency scaling: Llama 3.1/3.2's ``llama3`` rule, as transformers'
+``_compute_llama3_parameters`` computes it (and vLLM's ``Llama3RotaryEmbedding``).
+
+Each rotary frequency's wavelength ``2 pi / f`` is compared with the context the model was
+first trained on (``original_max_position_embeddings``): wavelengths longer than
+``original / low_freq_factor`` are divided by ``factor`` (stretched to the longer context),
+shorter than ``original / high_freq_factor`` kept, and those between blended linearly in
+``original / wavelength``. The attention scale is unchanged."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.modelspec.config import RopeScaling
+
+
+def llama3_scaled_inv_freq(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """``inv_freq`` (the plain rope's ``1 / theta ** (2i / head_dim)``) scaled by ``scaling``."""
+    if scaling.rope_type != "llama3":
+        raise ValueError(f"rope scaling {scaling.rope_type!r}: only llama3 is implemented")
+    original = scaling.original_max_position_embeddings
+    low_freq_wavelen = original / scaling.low_freq_factor
+    high_freq_wavelen = original / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (original / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, blended, scaled)
