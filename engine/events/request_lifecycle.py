@@ -412,8 +412,9 @@ class RequestLifecycle:
             life = lives.get(rid) or self._life(rid)
             n = int(num_tokens)
             life.computed_tokens += n
+            counted = life.finish_reason is not None  # request.finished (before its last step) gave the count
             if kind == "decode":
-                life.output_tokens += 1
+                life.output_tokens += 0 if counted else 1
                 runs = life.decode_runs
                 last = runs[-1] if runs else None
                 if last is not None and last.last_step == step - 1:
@@ -426,7 +427,7 @@ class RequestLifecycle:
                     runs.append(DecodeRun(step, step, 1, t, t))
             else:
                 life.chunks.append(Chunk(step, n, life.computed_tokens))
-                if life.computed_tokens >= life.prompt_tokens + life.output_tokens:
+                if not counted and life.computed_tokens >= life.prompt_tokens + life.output_tokens:
                     life.output_tokens += 1  # the chunk that completes the context samples a token
             if life.state != FINISHED:
                 life.state = RUNNING

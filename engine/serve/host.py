@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from engine.budget.config import EngineConfig
 from engine.events import Event, EventBus, dumps
 from engine.events.metrics import PrometheusMetrics
+from engine.events.request_lifecycle import RequestLifecycle
 from engine.events.view import EngineView
 from engine.llm_engine import LLMEngine
 from engine.serve.async_engine import AsyncEngine
@@ -44,6 +45,29 @@ class LockedView:
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return self.view.snapshot()
+
+
+class LockedLifecycle:
+    """Every request's life (engine/events/request_lifecycle.py), folded on the engine thread
+    and read by ``GET /debug/requests`` (a copy under the lock: the fold moves on)."""
+
+    def __init__(self) -> None:
+        self.fold = RequestLifecycle()
+        self._lock = threading.Lock()
+
+    def __call__(self, event: Event) -> None:
+        with self._lock:
+            self.fold(event)
+
+    def life(self, request_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            life = self.fold.get(request_id)
+            return None if life is None else {**life.to_dict(), "timeline": [
+                {"step": step, "what": text} for step, text in life.timeline()]}
+
+    def rows(self, state: str | None, now: float) -> list[dict[str, Any]]:
+        with self._lock:
+            return [life.summary(now) for life in self.fold.in_state(state)]
 
 
 class SseClient:
@@ -109,6 +133,7 @@ class EngineHost:
     view: LockedView
     metrics: PrometheusMetrics
     hub: EventHub
+    lifecycle: LockedLifecycle
 
     @classmethod
     def create(cls, config: EngineConfig, settings: ServerSettings,
@@ -125,11 +150,13 @@ class EngineHost:
                                     max_model_len=config.max_model_len, kv_cache_metrics=settings.kv_cache_metrics)
         view = LockedView()
         hub = EventHub()
-        for subscriber in (metrics, view, hub):
+        lifecycle = LockedLifecycle()
+        for subscriber in (metrics, view, hub, lifecycle):
             bus.subscribe(subscriber)
         engine = AsyncEngine(config, bus, max_waiting_requests=settings.max_waiting_requests,
                              metrics_registry=metrics.registry).start()
-        return cls(settings=settings, bus=bus, engine=engine, view=view, metrics=metrics, hub=hub)
+        return cls(settings=settings, bus=bus, engine=engine, view=view, metrics=metrics, hub=hub,
+                   lifecycle=lifecycle)
 
     @property
     def llm(self) -> LLMEngine:

@@ -1,8 +1,11 @@
 """The routes that show the engine rather than use it: ``GET /health``, vLLM's
 Prometheus ``GET /metrics``, ``GET /debug/state`` (the
-:class:`~engine.events.view.EngineView` snapshot plus the server's queue) and
-``GET /events`` (that snapshot, then every event, as server-sent events). Each reads
-a bus subscriber of :class:`~engine.serve.host.EngineHost`, never the engine."""
+:class:`~engine.events.view.EngineView` snapshot plus the server's queue),
+``GET /debug/requests`` (every request kvscope knows: id, state, age, tokens and why;
+``?state=waiting`` for one state) and ``GET /debug/requests/{id}`` (one request's whole
+life, engine/events/request_lifecycle.py), and ``GET /events`` (that snapshot, then every
+event, as server-sent events). Each reads a bus subscriber of
+:class:`~engine.serve.host.EngineHost`, never the engine."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.events import SnapshotEvent, dumps
+from engine.events.request_lifecycle import FINISHED_KEPT, STATES
 from engine.serve.host import EngineHost, SseClient
 from engine.serve.route_support import (
     KEYED,
@@ -66,6 +70,27 @@ async def debug_state(request: Request) -> dict[str, Any]:
     state["server"] = {"waiting_requests": host.engine.num_waiting(),
                        "max_waiting_requests": host.settings.max_waiting_requests}
     return state
+
+
+@router.get("/debug/requests", dependencies=KEYED)
+async def debug_requests(request: Request, state: str | None = None) -> Response:
+    """Requests in the engine and recently finished, oldest first: id, state, age, tokens,
+    blocks and kvscope's why (the latest step's reason for a waiting request)."""
+    if state is not None and state not in STATES:
+        return error_response(400, f"state {state!r}: use one of {', '.join(STATES)}", param="state")
+    host = host_of(request)
+    now = host.bus.now()
+    return JSONResponse({"t": now, "requests": host.lifecycle.rows(state, now)})
+
+
+@router.get("/debug/requests/{request_id}", dependencies=KEYED)
+async def debug_request(request: Request, request_id: str) -> Response:
+    """One request's life, step by step, as data and as the timeline's lines."""
+    life = host_of(request).lifecycle.life(request_id)
+    if life is None:
+        return error_response(404, f"no request {request_id!r} (the last {FINISHED_KEPT:,} finished ones are "
+                                   "kept)", type_="not_found", param="request_id")
+    return JSONResponse(life)
 
 
 @router.get("/events", dependencies=KEYED, response_model=None, response_class=Response,
