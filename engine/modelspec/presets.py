@@ -60,6 +60,46 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         rope_theta=1000000.0, rms_norm_eps=1e-6, attention_bias=True, architecture="qwen2",
         bos_token_id=151643, eos_token_id=151645,
     ),
+    # Qwen/Qwen2.5-0.5B-Instruct's config.json (huggingface.co/Qwen/Qwen2.5-0.5B-Instruct): 24 layers,
+    # hidden 896, 14 query / 2 KV heads of 64, MLP 4864, vocab 151936 tied, rope 1e6, eps 1e-6, 32768.
+    "qwen2.5-0.5b": ModelConfig(
+        "qwen2.5-0.5b", num_layers=24, hidden_size=896, intermediate_size=4864, vocab_size=151936,
+        num_attention_heads=14, num_kv_heads=2, head_dim=64, max_position_embeddings=32768,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=True,
+        architecture="qwen2", bos_token_id=151643, eos_token_id=151645,
+    ),
+    # Qwen/Qwen3-0.6B's and Qwen/Qwen3-8B's config.json: head_dim 128 (not hidden / heads), QK-norm,
+    # no bias, rope 1e6, eps 1e-6, context 40960, vocab 151936 (0.6B tied, 8B untied).
+    "qwen3-0.6b": ModelConfig(
+        "qwen3-0.6b", num_layers=28, hidden_size=1024, intermediate_size=3072, vocab_size=151936,
+        num_attention_heads=16, num_kv_heads=8, head_dim=128, max_position_embeddings=40960,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, architecture="qwen3",
+        bos_token_id=151643, eos_token_id=151645, qk_norm=True,
+    ),
+    "qwen3-8b": ModelConfig(
+        "qwen3-8b", num_layers=36, hidden_size=4096, intermediate_size=12288, vocab_size=151936,
+        num_attention_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=40960,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-6, architecture="qwen3", bos_token_id=151643,
+        eos_token_id=151645, qk_norm=True,
+    ),
+    # mistralai/Mistral-7B-v0.1's config.json (v0.1, not v0.3: its sliding_window 4096 is what the
+    # hybrid KV cache plans for; v0.3 has vocab 32768, rope 1e6 and no window): 32 layers, hidden
+    # 4096, 32 query / 8 KV heads of 128, MLP 14336, vocab 32000 untied, rope 1e4, eps 1e-5, 32768.
+    "mistral-7b": ModelConfig(
+        "mistral-7b", num_layers=32, hidden_size=4096, intermediate_size=14336, vocab_size=32000,
+        num_attention_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=32768,
+        rope_theta=10_000.0, rms_norm_eps=1e-5, architecture="mistral", bos_token_id=1, eos_token_id=2,
+        layer_types=(SLIDING_ATTENTION,) * 32, sliding_window=4096,
+    ),
+    # microsoft/Phi-3-mini-4k-instruct's config.json: 32 layers, hidden 3072, 32 heads (no GQA) of 96,
+    # MLP 8192 (stored fused with the gate), vocab 32064 untied, rope 1e4, eps 1e-5, context 4096,
+    # sliding_window 2047 (transformers applies it), eos 32000 (<|endoftext|>).
+    "phi-3-mini": ModelConfig(
+        "phi-3-mini", num_layers=32, hidden_size=3072, intermediate_size=8192, vocab_size=32064,
+        num_attention_heads=32, num_kv_heads=32, head_dim=96, max_position_embeddings=4096,
+        rope_theta=10_000.0, rms_norm_eps=1e-5, architecture="phi3", bos_token_id=1, eos_token_id=32000,
+        layer_types=(SLIDING_ATTENTION,) * 32, sliding_window=2047,
+    ),
     # Vision-language models: the text LLM's shapes here (config.json's text part), the
     # vision tower's in engine/budget/vision.py's VISION_PRESETS under the same name.
     "qwen2.5-vl-7b": _llama(
@@ -111,6 +151,13 @@ MODEL_ALIASES = {
     "meta-llama/meta-llama-3.1-70b-instruct": "llama-3.1-70b",
     "qwen/qwen2.5-7b-instruct": "qwen2.5-7b",
     "qwen/qwen2.5-7b": "qwen2.5-7b",
+    "qwen/qwen2.5-0.5b-instruct": "qwen2.5-0.5b",
+    "qwen/qwen2.5-0.5b": "qwen2.5-0.5b",
+    "qwen/qwen3-0.6b": "qwen3-0.6b",
+    "qwen/qwen3-8b": "qwen3-8b",
+    "mistralai/mistral-7b-v0.1": "mistral-7b",
+    "mistralai/mistral-7b-instruct-v0.1": "mistral-7b",
+    "microsoft/phi-3-mini-4k-instruct": "phi-3-mini",
     "qwen/qwen2.5-vl-7b-instruct": "qwen2.5-vl-7b",
     "meta-llama/llama-3.2-11b-vision-instruct": "llama-3.2-11b-vision",
     "meta-llama/llama-3.2-11b-vision": "llama-3.2-11b-vision",
