@@ -139,6 +139,26 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
                                   vocab_size=262208, num_attention_heads=32, num_kv_heads=16, head_dim=128,
                                   max_position_embeddings=131072, sliding_window=1024,
                                   query_pre_attn_scalar=168.0),
+    # Mixture of experts. Qwen/Qwen3-30B-A3B's config.json: 48 layers, hidden 2048, 32 query / 4 KV
+    # heads of 128, QK-norm, 128 experts of moe_intermediate_size 768, top-8 renormalised
+    # (norm_topk_prob), every layer sparse (decoder_sparse_step 1, mlp_only_layers []; the dense
+    # intermediate_size 6144 unused), vocab 151936 untied, rope 1e6, rms eps 1e-6, context 40960.
+    "qwen3-30b-a3b": ModelConfig(
+        "qwen3-30b-a3b", num_layers=48, hidden_size=2048, intermediate_size=6144, vocab_size=151936,
+        num_attention_heads=32, num_kv_heads=4, head_dim=128, max_position_embeddings=40960,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-6, architecture="qwen3_moe", bos_token_id=151643,
+        eos_token_id=151645, qk_norm=True, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        norm_topk_prob=True,
+    ),
+    # mistralai/Mixtral-8x7B-v0.1's config.json: 32 layers, hidden 4096, 32 query / 8 KV heads of 128,
+    # 8 experts (num_local_experts) of intermediate_size 14336, top-2 (always renormalised), vocab
+    # 32000 untied, rope 1e6, rms eps 1e-5, context 32768, sliding_window null.
+    "mixtral-8x7b": ModelConfig(
+        "mixtral-8x7b", num_layers=32, hidden_size=4096, intermediate_size=14336, vocab_size=32000,
+        num_attention_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=32768,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-5, architecture="mixtral", bos_token_id=1, eos_token_id=2,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336, norm_topk_prob=True,
+    ),
 }
 MODEL_ALIASES = {
     "smollm2": BUNDLED_MODEL_NAME,
@@ -172,6 +192,10 @@ MODEL_ALIASES = {
     "google/gemma-3-27b-it": "gemma-3-27b",
     "google/gemma-3-27b-pt": "gemma-3-27b",
     "gemma-3-27b-it": "gemma-3-27b",
+    "qwen/qwen3-30b-a3b": "qwen3-30b-a3b",
+    "qwen/qwen3-30b-a3b-instruct-2507": "qwen3-30b-a3b",
+    "mistralai/mixtral-8x7b-v0.1": "mixtral-8x7b",
+    "mistralai/mixtral-8x7b-instruct-v0.1": "mixtral-8x7b",
 }
 
 

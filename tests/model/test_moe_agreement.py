@@ -5,7 +5,7 @@ path (HF-folder config, safetensors loader, the registry's model class, the page
 scattered blocks, chunked prefill beside decodes, a preemption with recompute:
 tests/model/test_family_agreement.py's ``run_kvscope``) against transformers in fp32; the
 expert counts the runner hands to the step event against transformers' own router top-k;
-the exact total / active parameter counts."""
+the exact total / active parameter counts (of the checkpoints and of the presets, on the meta device)."""
 
 from __future__ import annotations
 
@@ -32,11 +32,29 @@ from tests.model.tiny_moe import MOE_SHAPES, VARIANT_NAMES, save_tiny_moe
 MAX_LOGIT_DIFF = 1e-4
 
 
+class _Checkpoints(dict[str, tuple[Path, object]]):
+    """variant -> (HF folder, transformers model), each built on first use (the default suite
+    builds only the one it runs)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, variant: str) -> tuple[Path, object]:
+        self[variant] = (self.root / variant, save_tiny_moe(variant, self.root / variant))
+        return self[variant]
+
+
 @pytest.fixture(scope="module")
-def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, object]]:
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> _Checkpoints:
     pytest.importorskip("transformers")
-    root = tmp_path_factory.mktemp("tiny-moe")
-    return {variant: (root / variant, save_tiny_moe(variant, root / variant)) for variant in VARIANT_NAMES}
+    return _Checkpoints(tmp_path_factory.mktemp("tiny-moe"))
+
+
+# The default suite runs one variant of each check (each ~1-2 s on a quiet 2-core machine, like the
+# dense families'; ~20 s while the shared machine is loaded); the others are slow.
+def _variants(default: str) -> list[object]:
+    return [v if v == default else pytest.param(v, marks=pytest.mark.slow) for v in VARIANT_NAMES]
 
 
 def _runner(folder: Path) -> ModelRunner:
@@ -47,13 +65,17 @@ def _runner(folder: Path) -> ModelRunner:
     return runner
 
 
-@pytest.mark.parametrize("variant", VARIANT_NAMES)
+@pytest.mark.parametrize("variant", _variants("qwen3moe"))
 def test_agrees_with_transformers_through_paging_and_preemption(variant: str, tiny_moe) -> None:
     folder, hf_model = tiny_moe[variant]
     config = load_model_config(str(folder))
     assert config.architecture == {"mixtral": "mixtral"}.get(variant, "qwen3_moe")
     assert (config.num_experts, config.num_experts_per_tok) == (8, 2)
     assert config.num_moe_layers == (1 if variant == "qwen3moe-mixed" else 2)
+    total = sum(p.numel() for p in hf_model.parameters())
+    experts = sum(p.numel() for n, p in hf_model.named_parameters() if ".experts." in n)
+    assert (config.num_parameters, config.expert_parameters) == (total, experts)
+    assert config.num_active_parameters == total - experts * 6 // 8  # 2 of 8 experts run
     runner = _runner(folder)
     prompt_ids = prompts(config.vocab_size)
     ours_tokens, ours_rows = run_kvscope(runner, prompt_ids)
@@ -70,7 +92,7 @@ def test_agrees_with_transformers_through_paging_and_preemption(variant: str, ti
     assert margin > 100 * worst
 
 
-@pytest.mark.parametrize("variant", ["qwen3moe", "mixtral"])
+@pytest.mark.parametrize("variant", [v for v in _variants("qwen3moe") if v != "qwen3moe-mixed"])
 def test_expert_counts_equal_the_routers_top_k(variant: str, tiny_moe) -> None:
     """The counts the runner takes after a step (what the step event carries) are, per MoE
     layer, the bincount of transformers' own router top-k over the step's tokens: two
@@ -111,10 +133,36 @@ def test_unrenormalised_routing_is_caught(tiny_moe) -> None:
     assert float((ours - ref).abs().max()) > 100 * MAX_LOGIT_DIFF
 
 
-def test_exact_total_and_active_parameter_counts(tiny_moe) -> None:
-    for variant, (folder, hf_model) in tiny_moe.items():
-        config = load_model_config(str(folder))
-        total = sum(p.numel() for p in hf_model.parameters())
-        experts = sum(p.numel() for n, p in hf_model.named_parameters() if ".experts." in n)
-        assert (config.num_parameters, config.expert_parameters) == (total, experts), variant
-        assert config.num_active_parameters == total - experts * 6 // 8, variant  # 2 of 8 experts run
+# The presets' config.json facts (engine/modelspec/presets.py) as transformers' configs.
+PRESET_CONFIGS = {
+    "qwen3-30b-a3b": ("Qwen3MoeConfig", {
+        "num_hidden_layers": 48, "hidden_size": 2048, "intermediate_size": 6144, "vocab_size": 151936,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+        "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False}),
+    "mixtral-8x7b": ("MixtralConfig", {
+        "num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336, "vocab_size": 32000,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "tie_word_embeddings": False}),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PRESET_CONFIGS))
+def test_preset_counts_equal_transformers_on_the_meta_device(preset: str) -> None:
+    """Exact total, expert and active counts of the MoE presets against transformers' model of the
+    same config built on the meta device (shapes only: nothing allocated, nothing downloaded)."""
+    transformers = pytest.importorskip("transformers")
+    from engine.modelspec.presets import MODEL_PRESETS
+
+    class_name, fields = PRESET_CONFIGS[preset]
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, class_name)(**fields))
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    config = MODEL_PRESETS[preset]
+    assert (config.num_parameters, config.expert_parameters) == (total, experts)
+    top_k, num_experts = fields["num_experts_per_tok"], config.num_experts
+    assert config.num_active_parameters == total - experts // num_experts * (num_experts - top_k)
+    # the model cards' figures: Qwen3-30B-A3B 30.5B total / 3.3B activated; Mixtral 46.7B / 12.9B
+    assert (round(total / 1e9, 1), round(config.num_active_parameters / 1e9, 1)) == {
+        "qwen3-30b-a3b": (30.5, 3.4), "mixtral-8x7b": (46.7, 12.9)}[preset]
