@@ -23,6 +23,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from engine.events.ledger import LEDGER
+
 PHASE_NAMES: dict[str, str] = {
     "A": "init / config",
     "B": "memory budget check",
@@ -34,23 +36,6 @@ PHASE_NAMES: dict[str, str] = {
     "R": "runtime",
     "X": "error",
 }
-
-# The ledger keys of ``logparse explain --json``, in display order.
-LEDGER_KEYS: tuple[str, ...] = (
-    "vllm_version",
-    "weights_gib",
-    "peak_activation_gib",
-    "non_torch_gib",
-    "kv_cache_gib",
-    "kv_cache_tokens",
-    "gpu_blocks",
-    "cpu_blocks",
-    "max_concurrency",
-    "cuda_graph_gib",
-    "max_model_len",
-    "gpu_memory_utilization",
-)
-
 
 
 @dataclass(frozen=True)
@@ -67,26 +52,20 @@ class FigureName:
     kvscope: str | None = None
 
 
-# Every figure logparse shows beside another (``diff``, ``--profile``): the ledger, the
-# budget lines around it, and the durations vLLM prints.
-FIGURE_NAMES: dict[str, FigureName] = {
+_UNIT_IN_LOG = {"bytes": "GiB", "tokens": "tokens", "blocks": "blocks", "x": "x", "": ""}
+# The log keys that are not the ledger's report key: vLLM prints GPU and CPU blocks apart.
+_LOG_KEY_OF_LEDGER = {"num_blocks": "gpu_blocks"}
+# Ledger figures by their key in logparse's JSON, derived from the ledger table
+# (engine/events/ledger.py): its phrase in vLLM's log, the unit the log prints, its kvscope name.
+LEDGER_FIGURES: dict[str, FigureName] = {
+    _LOG_KEY_OF_LEDGER.get(item.name, item.report_key): FigureName(item.vllm_phrase, _UNIT_IN_LOG[item.unit], item.name)
+    for item in LEDGER if item.vllm_phrase
+}
+# Figures vLLM prints that kvscope's ledger has no quantity for: the version, the swap pool,
+# the non-KV sum, and the durations.
+_LOG_ONLY_FIGURES: dict[str, FigureName] = {
     "vllm_version": FigureName("vLLM API server version"),
-    "weights_gib": FigureName("Model loading took", "GiB", "weights_bytes"),
-    "peak_activation_gib": FigureName("PyTorch activation peak memory", "GiB", "activation_peak_bytes"),
-    "non_torch_gib": FigureName("non_torch_memory", "GiB", "non_torch_bytes"),
-    "kv_cache_gib": FigureName("Available KV cache memory", "GiB", "kv_pool_bytes"),
-    "kv_cache_tokens": FigureName("GPU KV cache size", "tokens", "kv_cache_tokens"),
-    "gpu_blocks": FigureName("# GPU blocks", "blocks", "num_blocks"),
     "cpu_blocks": FigureName("# CPU blocks", "blocks"),
-    "max_concurrency": FigureName("Maximum concurrency", "x", "max_concurrency"),
-    "cuda_graph_gib": FigureName("Graph capturing finished … took", "GiB", "cuda_graph_bytes"),
-    "max_model_len": FigureName("max_seq_len", "tokens", "max_model_len"),
-    "gpu_memory_utilization": FigureName("gpu_memory_utilization", "", "gpu_memory_utilization"),
-    "encoder_cache_tokens": FigureName("Encoder cache will be initialized with a budget of", "tokens",
-                                       "encoder_cache_tokens"),
-    "encoder_profile_items": FigureName("profiled with", "", "mm_items_profiled"),
-    "total_gib": FigureName("total_gpu_memory", "GiB", "total_bytes"),
-    "requested_gib": FigureName("the current vLLM instance can use", "GiB", "requested_bytes"),
     "non_kv_gib": FigureName("Total non KV cache memory", "GiB"),
     "load_weights_s": FigureName("Loading weights took", "s"),
     "load_model_s": FigureName("Model loading took … seconds", "s"),
@@ -101,6 +80,22 @@ FIGURE_NAMES: dict[str, FigureName] = {
     "init_engine_s": FigureName("init engine (profile, create kv cache, warmup model) took", "s"),
     "compilation_s": FigureName("init engine … (compilation:", "s"),
 }
+# Every figure logparse shows beside another (``diff``, ``--profile``), in display order: the
+# ledger, the budget lines around it, and the durations vLLM prints.
+_FIGURE_ORDER = ("vllm_version", "weights_gib", "peak_activation_gib", "non_torch_gib", "kv_cache_gib",
+                 "kv_cache_tokens", "gpu_blocks", "cpu_blocks", "max_concurrency", "cuda_graph_gib", "max_model_len",
+                 "gpu_memory_utilization", "encoder_cache_tokens", "encoder_profile_items", "total_gib",
+                 "requested_gib", "non_kv_gib")
+FIGURE_NAMES: dict[str, FigureName] = {
+    **{key: {**LEDGER_FIGURES, **_LOG_ONLY_FIGURES}[key] for key in _FIGURE_ORDER},
+    **{key: name for key, name in {**LEDGER_FIGURES, **_LOG_ONLY_FIGURES}.items() if key not in _FIGURE_ORDER},
+}
+# The ledger keys of ``logparse explain --json``, in display order.
+LEDGER_KEYS: tuple[str, ...] = (
+    "vllm_version", "weights_gib", "peak_activation_gib", "non_torch_gib", "kv_cache_gib", "kv_cache_tokens",
+    "gpu_blocks", "cpu_blocks", "max_concurrency", "cuda_graph_gib", "max_model_len", "gpu_memory_utilization",
+)
+assert set(LEDGER_KEYS) <= set(FIGURE_NAMES), "every ledger key is a named figure"
 
 # Fields kept as text even when they look like a number.
 TEXT_FIELDS = frozenset({"vllm_version", "model", "dtype", "kv_cache_dtype", "quantization", "device",

@@ -46,6 +46,7 @@ from typing import Any
 from engine.budget.vision import MultimodalBudget
 from engine.core.kv_cache_groups import KVCacheGroup, is_hybrid, kv_cache_groups
 from engine.errors import BudgetError, UserError
+from engine.events.ledger import BY_NAME as LEDGER_ITEM
 from engine.events.phase_data import BudgetData, KvCacheData, LoadWeightsData, PhaseData, ProfileRunData
 from engine.modelspec.config import (
     DTYPE_BYTES,
@@ -57,6 +58,10 @@ from engine.modelspec.config import (
     ModelConfig,
 )
 
+# The ledger quantities ``engine plan --json`` reports, in its order (under their report keys).
+PLAN_JSON_LEDGER = ("total_bytes", "gpu_memory_utilization", "requested_bytes", "weights_bytes", "activation_peak_bytes",
+                    "non_torch_bytes", "kv_pool_bytes", "num_blocks", "block_size", "kv_cache_tokens", "max_model_len",
+                    "max_concurrency", "bytes_per_token")
 
 @dataclass(frozen=True, slots=True)
 class GpuPreset:
@@ -258,21 +263,13 @@ class MemoryPlan:
         return getattr(self, name) / GiB
 
     def to_json(self) -> dict[str, Any]:
-        """The stable JSON shape of ``engine plan --json``."""
+        """The stable JSON shape of ``engine plan --json``: the ledger's quantities under their
+        report keys (``peak_activation_gib``, ``kv_cache_gib``: the keys logparse's comparison
+        rows use), then the plan's own."""
         return {
-            "total_gib": self.total_bytes / GiB,
-            "gpu_memory_utilization": self.gpu_memory_utilization,
-            "requested_gib": self.requested_bytes / GiB,
-            "weights_gib": self.weights_bytes / GiB,
-            "activation_peak_gib": self.activation_peak_bytes / GiB,
-            "non_torch_gib": self.non_torch_bytes / GiB,
-            "kv_pool_gib": self.kv_pool_bytes / GiB,
-            "num_blocks": self.num_blocks,
-            "block_size": self.block_size,
-            "kv_cache_tokens": self.kv_cache_tokens,
-            "max_model_len": self.max_model_len,
-            "max_concurrency": self.max_concurrency,
-            "bytes_per_token": self.bytes_per_token,
+            # the ledger's quantities under the one report key set (engine/events/ledger.py)
+            **{LEDGER_ITEM[name].report_key: LEDGER_ITEM[name].report_value(getattr(self, name))
+               for name in PLAN_JSON_LEDGER},
             "kv_pool_overridden": self.kv_pool_overridden,
             "estimated": list(self.estimated),
             **({"multimodal": {**self.multimodal.to_json(), "llm_activation_peak_bytes": self.llm_activation_peak_bytes}}

@@ -111,13 +111,13 @@ def test_plan_for_the_vl_presets_with_and_without_mm_profiling(capsys: pytest.Ca
     assert (mm["tokens_per_item"], mm["encoder_cache_tokens"], mm["items_profiled"]) == (1196, 8192, 6)
     # the vision weights load with the LLM's; the profile adds the encoder's share on top of the text step
     assert vl["weights_gib"] * GiB == pytest.approx(text["weights_gib"] * GiB + mm["vision_weights_bytes"], abs=2)
-    assert vl["activation_peak_gib"] * GiB == pytest.approx(
+    assert vl["peak_activation_gib"] * GiB == pytest.approx(
         max(mm["encoder_activation_peak_bytes"], mm["encoder_cache_bytes"] + mm["llm_activation_peak_bytes"]), abs=2)
     assert vl["estimated"] == ["activation_peak", "non_torch"]
     # less pool and concurrency than the text model; skipping the profile gives back the encoder's share only
-    assert text["kv_pool_gib"] > skip["kv_pool_gib"] > vl["kv_pool_gib"]
+    assert text["kv_cache_gib"] > skip["kv_cache_gib"] > vl["kv_cache_gib"]
     assert text["max_concurrency"] > skip["max_concurrency"] > vl["max_concurrency"]
-    assert skip["activation_peak_gib"] * GiB == pytest.approx(skip["multimodal"]["llm_activation_peak_bytes"], abs=2)
+    assert skip["peak_activation_gib"] * GiB == pytest.approx(skip["multimodal"]["llm_activation_peak_bytes"], abs=2)
     assert text["weights_gib"] < skip["weights_gib"] == vl["weights_gib"]
     llama = plan_json(capsys, "--model", "llama-3.2-11b-vision", "--max-model-len", "65536", "--max-num-seqs", "128")
     assert llama["multimodal"]["tokens_per_item"] == 6404 and not llama["multimodal"]["image_tokens_in_kv"]

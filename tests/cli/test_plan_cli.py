@@ -33,7 +33,7 @@ def test_worked_example_prints_vllm_lines() -> None:
 def test_json_keys_and_exact_parameter_count() -> None:
     out = run_engine(*WORKED, "--json")
     data = json.loads(out.stdout)
-    for key in ("requested_gib", "weights_gib", "activation_peak_gib", "non_torch_gib", "kv_pool_gib",
+    for key in ("requested_gib", "weights_gib", "peak_activation_gib", "non_torch_gib", "kv_cache_gib",
                 "num_blocks", "kv_cache_tokens", "max_concurrency", "bytes_per_token"):
         assert key in data
     assert data["num_blocks"] == 27_634 and data["kv_cache_tokens"] == 442_144
