@@ -166,3 +166,22 @@ def test_preset_counts_equal_transformers_on_the_meta_device(preset: str) -> Non
     # the model cards' figures: Qwen3-30B-A3B 30.5B total / 3.3B activated; Mixtral 46.7B / 12.9B
     assert (round(total / 1e9, 1), round(config.num_active_parameters / 1e9, 1)) == {
         "qwen3-30b-a3b": (30.5, 3.4), "mixtral-8x7b": (46.7, 12.9)}[preset]
+
+
+def test_engine_plan_shows_total_active_and_expert_weights(tiny_moe, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from engine.cli import main
+
+    folder, hf_model = tiny_moe["qwen3moe"]
+    assert main(["plan", "--model", str(folder), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    total = sum(p.numel() for p in hf_model.parameters())
+    experts = sum(p.numel() for n, p in hf_model.named_parameters() if ".experts." in n)
+    assert (plan["num_parameters"], plan["expert_parameters"]) == (total, experts)
+    assert plan["num_active_parameters"] == total - experts * 6 // 8
+    assert (plan["num_experts"], plan["num_experts_per_tok"], plan["num_moe_layers"]) == (8, 2, 2)
+    assert main(["plan", "--model", "qwen3-30b-a3b", "--gpu", "H100"]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert ("30,532,122,624 parameters, 3,353,032,704 active per token: 8 of 128 experts in 48 MoE layers; "
+            "expert weights 28,991,029,248 parameters, 54.00 GiB") in head

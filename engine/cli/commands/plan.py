@@ -135,8 +135,21 @@ def plan_json(model: ModelConfig, plan: MemoryPlan, gpu_name: str,
     out["model"] = model.name
     out["gpu"] = gpu_name
     out["num_parameters"] = model.num_parameters
+    out.update(moe_summary(model, plan))
     out["host_cpu"] = host_cpu_summary()
     return out
+
+
+def moe_summary(model: ModelConfig, plan: MemoryPlan) -> dict[str, Any]:
+    """A mixture-of-experts model's parameters one token uses and its experts' share of the
+    weights (bytes: that share of the plan's weights, so dtype and tensor parallelism follow);
+    empty for a dense model."""
+    if not model.is_moe:
+        return {}
+    return {"num_active_parameters": model.num_active_parameters, "expert_parameters": model.expert_parameters,
+            "expert_weights_bytes": plan.weights_bytes * model.expert_parameters // model.num_parameters,
+            "num_experts": model.num_experts, "num_experts_per_tok": model.num_experts_per_tok,
+            "num_moe_layers": model.num_moe_layers}
 
 
 def host_cpu_summary() -> dict[str, Any]:
@@ -186,6 +199,11 @@ def render_text(console: Console, model: ModelConfig, plan: MemoryPlan, gpu_name
     mm = plan.multimodal
     params = (f"{model.num_parameters:,} parameters" if mm is None else
               f"{model.num_parameters:,} LLM + {mm.vision_parameters:,} vision parameters")
+    moe = moe_summary(model, plan)
+    if moe:
+        params += (f", {moe['num_active_parameters']:,} active per token: {moe['num_experts_per_tok']} of "
+                   f"{moe['num_experts']} experts in {moe['num_moe_layers']} MoE layers; expert weights "
+                   f"{moe['expert_parameters']:,} parameters, {moe['expert_weights_bytes'] / GiB:.2f} GiB")
     console.print(f"[bold]kvscope plan[/]: {model.name} ({params}) on {gpu_name}, "
                   f"TP {args.tensor_parallel_size}", highlight=False)
     scale = kv_scale_bytes(args.kv_cache_dtype)
