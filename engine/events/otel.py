@@ -16,7 +16,12 @@ Spans (vLLM's names, so a kvscope and a vLLM trace line up in Tempo or Jaeger):
   with vLLM's attributes (``gen_ai.usage.*``, ``gen_ai.request.*``,
   ``gen_ai.response.*``, ``gen_ai.latency.*``: vllm/tracing/utils.py
   ``SpanAttributes``) and span events ``scheduled``, ``first_token``,
-  ``preempted``, ``resumed``. ``forward_times`` / ``execute_times`` (vLLM's
+  ``preempted``, ``resumed``, with three child spans under vLLM's PR#44402 names,
+  ``vllm_queue`` (arrival to first admission; the step's waiting reason at admission
+  as ``kvscope.wait_reason``), ``vllm_prefill`` (admission to first token; where the
+  prefix-cache match stopped as ``kvscope.prefix.*``) and ``vllm_decode`` (first token
+  to finish), each preemption a span event (reason, for whom, blocks and tokens lost)
+  on the child it fell in. ``forward_times`` / ``execute_times`` (vLLM's
   ``--collect-detailed-traces`` model / worker) add the forward (forward + sample)
   seconds of the steps each request was in.
 
@@ -54,6 +59,7 @@ from engine.events.schema import (
 TRACES_PROTOCOL_ENV = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
 PROTOCOLS = ("grpc", "http/protobuf")  # vLLM's choices; grpc is its default
 REQUEST_SPAN = "llm_request"
+QUEUE_SPAN, PREFILL_SPAN, DECODE_SPAN = "vllm_queue", "vllm_prefill", "vllm_decode"  # vLLM PR#44402's phases
 STARTUP_SPAN = "kvscope startup"
 SERVICE_NAME = "kvscope"
 SPANS_QUEUED = 65_536  # the processor's queue: a replay hands over every span at once
@@ -131,6 +137,8 @@ class _RequestState:
 
     arrived: RequestArrived | None = None
     events: list[tuple[str, float, dict[str, Any]]] = field(default_factory=list)
+    admitted: dict[str, Any] = field(default_factory=dict)  # the first admission's prefix lookup, wait reason
+    last_wait: list[Any] | None = None  # the latest step's waiting reason (until admitted)
     forward_s: float = 0.0
     execute_s: float = 0.0
 
@@ -172,8 +180,10 @@ class OtlpTraceSink:
     # ------------------------------------------------------------- the fold
     def __call__(self, event: Event) -> None:
         if isinstance(event, StepEvent):
-            if event.resumed or self.forward_times or self.execute_times:
+            if event.resumed or event.prefix_lookups or self.forward_times or self.execute_times:
                 self._step(event)
+            if event.waiting_reasons:
+                self._waits(event)
         elif isinstance(event, RequestArrived):
             self._requests[event.request_id] = _RequestState(arrived=event)
         elif isinstance(event, RequestScheduled):
@@ -184,7 +194,8 @@ class OtlpTraceSink:
         elif isinstance(event, RequestPreempted):
             self._note(event.request_id, "preempted", event.t, {
                 "computed_tokens_lost": event.computed_tokens_lost, "blocks_freed": event.blocks_freed,
-                "num_preemptions": event.num_preemptions})
+                "num_preemptions": event.num_preemptions, "reason": event.reason,
+                **({"for_request": event.for_request} if event.for_request else {})})
         elif isinstance(event, RequestFinished):
             self._finished(event)
         elif isinstance(event, StartupPhase):
@@ -197,9 +208,23 @@ class OtlpTraceSink:
         if state is not None:
             state.events.append((name, t, attributes))
 
+    def _waits(self, event: StepEvent) -> None:
+        requests = self._requests
+        for request_id, reason in event.waiting_reasons.items():
+            state = requests.get(request_id)
+            if state is not None and not state.admitted:
+                state.last_wait = reason
+
     def _step(self, event: StepEvent) -> None:
         for request_id in event.resumed:
             self._note(request_id, "resumed", event.t - event.duration_s, {"step": event.index})
+        for request_id, lookup in event.prefix_lookups.items():
+            state = self._requests.get(request_id)
+            if state is not None and not state.admitted:
+                state.admitted = {"kvscope.prefix.hit_tokens": lookup[0], "kvscope.prefix.stop": lookup[1],
+                                  "kvscope.step": event.index}
+                if state.last_wait:
+                    state.admitted["kvscope.wait_reason"] = state.last_wait[0]
         if self.forward_times or self.execute_times:
             for request_id in event.scheduled:
                 state = self._requests.get(request_id)
@@ -310,7 +335,34 @@ class OtlpTraceSink:
                                       attributes=attributes)
         for name, t, event_attributes in state.events:
             span.add_event(name, event_attributes, timestamp=self._ns(t))
+        self._phase_spans(span, event, state, start)
         span.end(end_time=self._ns(event.t))
+
+    def _phase_spans(self, parent: trace.Span, event: RequestFinished, state: _RequestState, start: float) -> None:
+        """``vllm_queue``, ``vllm_prefill`` and ``vllm_decode`` under the request's span (the
+        ones it reached), preemptions and resumes as events on the child they fell in."""
+        end = event.t
+        notes = {name: t for name, t, _ in reversed(state.events)}  # each note's first time
+        scheduled = notes.get("scheduled", min(start + event.queue_time_s, end))
+        first = notes.get("first_token", start + event.ttft_s if event.ttft_s is not None else None)
+        context = trace.set_span_in_context(parent)
+        queue_attributes = {k: v for k, v in state.admitted.items() if k == "kvscope.wait_reason"}
+        phases = [(QUEUE_SPAN, start, scheduled, queue_attributes)]
+        if first is not None or event.output_tokens:
+            prefill_end = first if first is not None else end
+            phases.append((PREFILL_SPAN, scheduled, prefill_end,
+                           {k: v for k, v in state.admitted.items() if k != "kvscope.wait_reason"}))
+            if first is not None:
+                phases.append((DECODE_SPAN, first, end, {"kvscope.output_tokens": event.output_tokens}))
+        elif end > scheduled:
+            phases.append((PREFILL_SPAN, scheduled, end, {}))
+        for i, (name, begin, finish, attributes) in enumerate(phases):
+            child = self.tracer.start_span(name, context=context, start_time=self._ns(begin), attributes=attributes)
+            last = i == len(phases) - 1
+            for note, t, note_attributes in state.events:
+                if note in ("preempted", "resumed") and begin <= t and (t < finish or last):
+                    child.add_event(note, note_attributes, timestamp=self._ns(t))
+            child.end(end_time=self._ns(max(finish, begin)))
 
     # ---------------------------------------------------------------- the end
     def close(self) -> None:

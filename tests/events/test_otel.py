@@ -240,6 +240,40 @@ def test_sampling_settings_and_the_wall_clock_start_reach_spans_through_events(t
     for event in recording.events:
         sink(event)
     sink.close()
-    spans = {s.attributes["gen_ai.request.id"]: s.attributes for s in exporter.get_finished_spans()}
+    spans = {s.attributes["gen_ai.request.id"]: s.attributes for s in exporter.get_finished_spans()
+             if s.name == REQUEST_SPAN}
     assert (spans["greedy"]["gen_ai.request.temperature"], spans["greedy"]["gen_ai.request.top_p"]) == (0.0, 0.9)
     assert "gen_ai.request.temperature" not in spans["simulated"]
+
+
+def test_each_request_span_has_vllms_phase_children_with_preemptions_as_events(
+        otlp_receiver: ThreadingHTTPServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM PR#44402's child spans, as the protocol carries them: vllm_queue, vllm_prefill,
+    vllm_decode under each llm_request, back to back; a preemption is an event on the child
+    it fell in, naming its reason and the request it made room for (issue 33)."""
+    from engine.events.otel import DECODE_SPAN, PREFILL_SPAN, QUEUE_SPAN
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+    assert main(["replay", str(SAMPLES / "monitor_sim.jsonl"), "--otlp",
+                 f"http://127.0.0.1:{otlp_receiver.server_address[1]}"]) == 0
+    spans, _ = _received_spans(otlp_receiver)
+    requests = {s.span_id: s for s in spans if s.name == REQUEST_SPAN}
+    children: dict[bytes, list[ProtoSpan]] = {}
+    for span in spans:
+        if span.parent_span_id in requests:
+            children.setdefault(span.parent_span_id, []).append(span)
+    assert len(children) == len(requests) == 55
+    for parent_id, kids in children.items():
+        kids.sort(key=lambda s: s.start_time_unix_nano)
+        assert [k.name for k in kids] == [QUEUE_SPAN, PREFILL_SPAN, DECODE_SPAN]
+        assert kids[0].start_time_unix_nano == requests[parent_id].start_time_unix_nano
+        assert all(a.end_time_unix_nano == b.start_time_unix_nano for a, b in zip(kids, kids[1:], strict=False))
+        assert kids[-1].end_time_unix_nano == requests[parent_id].end_time_unix_nano
+    r13 = next(s for s in requests.values() if s.attributes[0].value.string_value == "r13")
+    decode = children[r13.span_id][2]
+    preempted = next(e for e in decode.events if e.name == "preempted")
+    attributes = {a.key: a.value for a in preempted.attributes}
+    assert attributes["for_request"].string_value == "r5" and attributes["reason"].string_value == "kv_full"
+    prefill = {a.key: a.value for a in children[r13.span_id][1].attributes}
+    assert prefill["kvscope.prefix.stop"].string_value == "complete"
+    assert prefill["kvscope.prefix.hit_tokens"].int_value == 96
