@@ -18,6 +18,15 @@ stage before it; for stage 0, for the last stage's results) and the **bytes** it
 and rank 0 gathers them into the step event (``pipeline_bubble_s``, ``pipeline_bytes``,
 one entry per stage).
 
+Across hosts: every stage joins one ``torch.distributed`` group through a ``TCPStore`` at
+``--master-addr:--master-port`` (torchrun's rendezvous; its ``RANK``/``WORLD_SIZE``/
+``MASTER_ADDR``/``MASTER_PORT`` are read when the flags are absent, one process per host).
+Host ``n`` of ``--nnodes N`` holds stages ``[n P/N, (n+1) P/N)``; host 0 serves and
+holds stage 0, the others run their stages headless (``engine serve ... --node-rank n``,
+:func:`run_node`). Each stage writes ``arrived/<rank>`` in the store on arrival; host 0
+waits ``--rendezvous-timeout`` seconds for all of them and then names the stages, and
+their hosts, that never arrived, instead of hanging in ``init_process_group``.
+
 Not done (issue 37): composition with ``--tensor-parallel-size`` (refused), sliding-window
 and MoE families (refused), the fused decode-layer kernel (stages run the op-by-op
 layers), per-stage startup phases (the stage workers load in phase G's wake, and phase
@@ -73,6 +82,71 @@ def check_pipeline(config: EngineConfig, model: Any) -> None:
         raise UserError(f"--pipeline-parallel-size {stages}: only Llama-family models run in stages yet "
                         f"({model.name} is {model.architecture})")
     stage_layer_ranges(model.num_layers, stages)
+
+
+DEFAULT_MASTER_PORT = 29500  # torchrun's
+DEFAULT_RENDEZVOUS_TIMEOUT_S = 300.0
+ARRIVAL_POLL_S = 0.2
+
+
+@dataclass(frozen=True, slots=True)
+class Rendezvous:
+    """Where the stages meet, and which host this process is."""
+
+    master_addr: str
+    master_port: int
+    nnodes: int = 1
+    node_rank: int = 0
+    timeout_s: float = DEFAULT_RENDEZVOUS_TIMEOUT_S
+
+    @classmethod
+    def of(cls, config: EngineConfig, environ: Any = None) -> Rendezvous:
+        """The flags, else torchrun's environment (one process per host), else one host
+        on a free loopback port."""
+        env = os.environ if environ is None else environ
+        timeout = config.rendezvous_timeout_s or DEFAULT_RENDEZVOUS_TIMEOUT_S
+        nnodes = config.nnodes or int(env.get("WORLD_SIZE", 1))
+        node_rank = config.node_rank if config.node_rank is not None else int(env.get("RANK", 0))
+        if nnodes == 1 and config.master_port is None and "MASTER_PORT" not in env:
+            from engine.model.parallel import free_init_method
+
+            host, _, port = free_init_method().removeprefix("tcp://").rpartition(":")
+            return cls(host, int(port), 1, 0, timeout)
+        if not 0 <= node_rank < nnodes:
+            raise UserError(f"--node-rank {node_rank}: give 0..{nnodes - 1} (--nnodes {nnodes})")
+        addr = config.master_addr or env.get("MASTER_ADDR", "127.0.0.1")
+        port = config.master_port or int(env.get("MASTER_PORT", DEFAULT_MASTER_PORT))
+        return cls(addr, port, nnodes, node_rank, timeout)
+
+    def stages_of(self, node: int, stages: int) -> range:
+        if stages % self.nnodes:
+            raise UserError(f"--pipeline-parallel-size {stages} over --nnodes {self.nnodes}: give a multiple of "
+                            f"{self.nnodes} (each host holds as many stages)")
+        per = stages // self.nnodes
+        return range(node * per, (node + 1) * per)
+
+    def node_of(self, rank: int, stages: int) -> int:
+        return rank // (stages // self.nnodes)
+
+
+def join_stages(rank: int, stages: int, rendezvous: Rendezvous) -> None:
+    """Join the stages' group through the store; on rank 0, wait for every stage to arrive
+    and name those that never did (a ReplicaError) within ``timeout_s``."""
+    timeout = datetime.timedelta(seconds=rendezvous.timeout_s)
+    store = dist.TCPStore(rendezvous.master_addr, rendezvous.master_port, world_size=stages, is_master=rank == 0,
+                          timeout=timeout, wait_for_workers=False)
+    store.set(f"arrived/{rank}", str(os.getpid()))
+    if rank == 0:
+        deadline = time.monotonic() + rendezvous.timeout_s
+        while missing := [r for r in range(1, stages) if not store.check([f"arrived/{r}"])]:
+            if time.monotonic() > deadline:
+                named = ", ".join(f"stage {r} (host {rendezvous.node_of(r, stages)})" for r in missing)
+                raise ReplicaError(
+                    f"pipeline rendezvous at {rendezvous.master_addr}:{rendezvous.master_port}: {named} never "
+                    f"arrived within {rendezvous.timeout_s:g} s (--rendezvous-timeout); start "
+                    f"`engine serve ... --node-rank N` on each host, with the same --master-addr/--master-port")
+            time.sleep(ARRIVAL_POLL_S)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=stages, timeout=STAGE_TIMEOUT)
 
 
 @dataclass(slots=True)
@@ -179,33 +253,28 @@ class PipelineRunner:
 
     @classmethod
     def start(cls, config: EngineConfig, startup: Any) -> PipelineRunner:
-        """Carve rank 0's loaded runner into stage 0 and start stages 1..P-1 (each loads the
-        model, keeps its layers and a pool of the scheduler's block count), joined over gloo."""
-        import torch.multiprocessing as mp
-
-        from engine.model.parallel import free_init_method
-
+        """Carve rank 0's loaded runner into stage 0, start this host's other stages, meet
+        the other hosts' at the rendezvous, and hand every stage what it loads: the resolved
+        flags, the model and the scheduler's block count."""
         stages = config.pipeline_parallel_size or 1
-        resolved = startup.config
-        init_method = free_init_method()
-        num_blocks = startup.plan.num_blocks
-        context = mp.get_context("spawn")
-        processes = [context.Process(target=stage_main, name=f"kvscope-pp-stage{rank}", daemon=True,
-                                     args=(rank, stages, init_method, resolved, startup.model_config, num_blocks,
-                                           os.getpid()))
-                     for rank in range(1, stages)]
-        for process in processes:
-            process.start()
-        stage = Stage.carve(startup.runner, 0, stages, num_blocks)
+        rendezvous = Rendezvous.of(config)
+        local = list(rendezvous.stages_of(0, stages))[1:]
+        processes = start_stage_processes(local, stages, rendezvous)
+        stage = Stage.carve(startup.runner, 0, stages, startup.plan.num_blocks)
         try:
-            dist.init_process_group("gloo", init_method=init_method, rank=0, world_size=stages, timeout=STAGE_TIMEOUT)
-            layouts = [None] * stages
+            join_stages(0, stages, rendezvous)
+            dist.broadcast_object_list([(startup.config, startup.model_config, startup.plan.num_blocks)], src=0)
+            layouts: list[Any] = [None] * stages
             dist.all_gather_object(layouts, (stage.layers, stage.kv_pool_bytes))
         except BaseException:
             _stop(processes)
+            if dist.is_initialized():
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group()
             raise
         runner = cls(stage, processes)
         runner.stage_layouts = layouts
+        runner.rendezvous = rendezvous
         return runner
 
     def execute(self, batch: Sequence[Any]) -> dict[str, int]:
@@ -250,8 +319,10 @@ class PipelineRunner:
             time.sleep(0.1)
         ended = [(rank, p) for rank, p in enumerate(self.processes, 1) if p.exitcode is not None]
         if not ended:
+            where = (f" on this host; a stage on another host (hosts 1..{self.rendezvous.nnodes - 1}) may have "
+                     f"stopped" if self.rendezvous.nnodes > 1 else "")
             return ReplicaError(f"pipeline stage exchange failed during step {self.steps + 1} with every stage "
-                                f"still running ({type(exc).__name__}: {exc}); the replica is stopped")
+                                f"still running{where} ({type(exc).__name__}: {exc}); the replica is stopped")
         rank, process = ended[0]
         code = process.exitcode
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
@@ -262,7 +333,7 @@ class PipelineRunner:
         if self._closed:
             return
         self._closed = True
-        healthy = all(p.is_alive() for p in self.processes)
+        healthy = all(p.is_alive() for p in self.processes) and dist.is_initialized()
         if healthy:
             with contextlib.suppress(RuntimeError):
                 dist.broadcast_object_list([None], src=0)
@@ -289,18 +360,51 @@ def _stop(processes: list[Any], wait_s: float = 0.0) -> None:
             process.join(2.0)
 
 
-def stage_main(rank: int, stages: int, init_method: str, config: EngineConfig, model_config: Any, num_blocks: int,
-               parent_pid: int) -> None:
-    """Stage ``rank``'s process: load the model, keep its layers and their pool, then run
-    its part of every step rank 0 broadcasts until it broadcasts None."""
+def start_stage_processes(ranks: Sequence[int], stages: int, rendezvous: Rendezvous) -> list[Any]:
+    """This host's stage processes (spawned; each dies with this process)."""
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    processes = [context.Process(target=stage_main, name=f"kvscope-pp-stage{rank}", daemon=True,
+                                 args=(rank, stages, rendezvous, os.getpid())) for rank in ranks]
+    for process in processes:
+        process.start()
+    return processes
+
+
+def run_node(config: EngineConfig) -> int:
+    """A host other than 0 (``--node-rank n``): run its stages until host 0 stops them.
+    Exit status 0 when every stage ended cleanly, else 1."""
+    stages = config.pipeline_parallel_size or 1
+    rendezvous = Rendezvous.of(config)
+    if stages == 1:
+        raise UserError(f"--node-rank {rendezvous.node_rank}: hosts beyond 0 run pipeline stages; give "
+                        "--pipeline-parallel-size (a multiple of --nnodes)")
+    processes = start_stage_processes(list(rendezvous.stages_of(rendezvous.node_rank, stages)), stages, rendezvous)
+    try:
+        for process in processes:
+            process.join()
+    finally:
+        _stop(processes)
+    return 0 if all(p.exitcode == 0 for p in processes) else 1
+
+
+def stage_main(rank: int, stages: int, rendezvous: Rendezvous, parent_pid: int) -> None:
+    """Stage ``rank``'s process: meet the others, load the model rank 0 names, keep its
+    layers and their pool, then run its part of every step rank 0 broadcasts until it
+    broadcasts None."""
     from engine.workers import _die_with_parent
 
     _die_with_parent(parent_pid)
     from engine.model.runner import ModelRunner
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // stages))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(rendezvous.stages_of(rendezvous.node_rank, stages))))
     code = 0
     try:
+        join_stages(rank, stages, rendezvous)
+        setup: list[Any] = [None]
+        dist.broadcast_object_list(setup, src=0)
+        config, model_config, num_blocks = setup[0]
         runner = ModelRunner(model_config, dtype=config.dtype, block_size=config.block_size, device=config.device,
                              attention_backend=config.attention_backend, load_format=config.load_format,
                              seed=config.seed, quantization=None, kv_cache_dtype=config.kv_cache_dtype)
@@ -308,7 +412,6 @@ def stage_main(rank: int, stages: int, init_method: str, config: EngineConfig, m
         if runner.device.type == "cpu":
             runner.enable_cpu_decode_kernel()  # as rank 0's phase F: the same attention path on every stage
         stage = Stage.carve(runner, rank, stages, num_blocks)
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=stages, timeout=STAGE_TIMEOUT)
         dist.all_gather_object([None] * stages, (stage.layers, stage.kv_pool_bytes))
         while True:
             box: list[Any] = [None]

@@ -83,12 +83,20 @@ class EngineConfig:
     data_parallel_rank: int | None = None
     # --pipeline-parallel-size P: contiguous layer stages on P ranks (engine/pipeline.py). None = one stage.
     pipeline_parallel_size: int | None = None
+    # Stages across hosts (engine/pipeline.py): torch.distributed's rendezvous, as torchrun's
+    # --nnodes/--node-rank/--master-addr/--master-port (or its environment). None = one host.
+    nnodes: int | None = None
+    node_rank: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    rendezvous_timeout_s: float | None = None
 
     # Optional features' settings, written by to_dict only when given, so the config of a
     # run without them (a recording's header) is what it was before they existed.
     WRITTEN_WHEN_SET: ClassVar[tuple[str, ...]] = ("kv_events_config", "disable_hybrid_kv_cache_manager",
                                                  "data_parallel_size", "data_parallel_rank",
-                                                 "pipeline_parallel_size")
+                                                 "pipeline_parallel_size", "nnodes", "node_rank", "master_addr",
+                                                 "master_port", "rendezvous_timeout_s")
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

@@ -182,6 +182,15 @@ def add_engine_flags(p: argparse.ArgumentParser, positional_model: bool = False)
     p.add_argument("--data-parallel-size", "-dp", type=_positive_int("--data-parallel-size"), default=None,
                    help="D engine cores (each its own process, scheduler and KV pool) behind one server, "
                         "requests to the least loaded (vLLM's flag and rule: 4 x waiting + running)")
+    hosts = p.add_argument_group("across hosts", "pipeline stages on several hosts, one launch command per host "
+                                 "(torch.distributed's rendezvous; torchrun's RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT "
+                                 "are read when these are not given)")
+    hosts.add_argument("--nnodes", type=_positive_int("--nnodes"), default=None, help="hosts in the replica")
+    hosts.add_argument("--node-rank", type=int, default=None, help="this host's rank (0 serves; others run stages)")
+    hosts.add_argument("--master-addr", default=None, help="host 0's address every host reaches (default 127.0.0.1)")
+    hosts.add_argument("--master-port", type=int, default=None, help="host 0's rendezvous port (default 29500)")
+    hosts.add_argument("--rendezvous-timeout", dest="rendezvous_timeout_s", type=float, default=None, metavar="S",
+                       help="how long host 0 waits for every host before naming the missing ones (default 300)")
     p.add_argument("--distributed-executor-backend", choices=["mp"], default="mp",
                    help="how --tensor-parallel-size > 1 runs its ranks: mp (the only one), one process per rank "
                         "started by torch.multiprocessing, rank 0 in this process (engine/workers.py)")
@@ -288,6 +297,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> Engin
         "enable_prefix_caching", "scheduling_policy", "load_format", "device", "attention_backend", "compile",
         "enforce_eager", "seed", "stats_interval", "log_prompts", "events_path", "num_threads", "quantization",
         "kv_events_config", "disable_hybrid_kv_cache_manager", "data_parallel_size", "pipeline_parallel_size",
+        "nnodes", "node_rank", "master_addr", "master_port", "rendezvous_timeout_s",
     ):
         if hasattr(args, name):
             setattr(cfg, name, getattr(args, name))
