@@ -398,7 +398,7 @@ class PrometheusMetrics:
         roofline = self.roofline
         if roofline is not None and num_tokens:
             self.estimated_flops.inc(roofline.flops(num_tokens))
-            self.estimated_read_bytes.inc(roofline.read_bytes(event.kv_tokens_read))
+            self.estimated_read_bytes.inc(roofline.read_bytes(event.kv_tokens_read, num_tokens))
             self.estimated_write_bytes.inc(roofline.write_bytes(num_tokens))
         if self.block_residency is not None:
             self.block_residency.apply(event)
@@ -512,7 +512,13 @@ class PrometheusMetrics:
         kv_bytes = self._model_summary.get("bytes_per_kv_token")
         if parameters is None or kv_bytes is None or self._weights_bytes is None:
             return
-        self.roofline = Roofline(int(parameters) // self._tensor_parallel_size, self._weights_bytes, int(kv_bytes))
+        tp = self._tensor_parallel_size
+        experts = int(self._model_summary.get("expert_parameters") or 0)  # a MoE model (ModelConfig.summary)
+        self.roofline = Roofline(int(parameters) // tp, self._weights_bytes, int(kv_bytes),
+                                 expert_parameters=experts // tp,
+                                 expert_weights_bytes=self._weights_bytes * experts // (int(parameters) or 1),
+                                 num_experts=int(self._model_summary.get("num_experts") or 0),
+                                 experts_per_token=int(self._model_summary.get("num_experts_per_tok") or 0))
 
     def _create_request_token_histograms(self, max_model_len: int) -> None:
         buckets = tuple(float(b) for b in build_1_2_5_buckets(max_model_len))

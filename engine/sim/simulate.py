@@ -1,6 +1,6 @@
 """``engine simulate``: the real scheduler and KV cache manager at GPU scale, with
 a roofline cost model in place of the forward pass (background parts 4 and 6; the
-work it counts is engine/budget/roofline.py's, shared with /metrics' MFU estimates).
+work it counts is engine/events/roofline.py's, shared with /metrics' MFU estimates).
 
 A step costs::
 
@@ -31,7 +31,6 @@ from typing import Any
 
 from engine.budget.config import EngineConfig
 from engine.budget.memory import GiB, GpuPreset, MemoryPlan, gpu_preset, plan_memory
-from engine.budget.roofline import Roofline
 from engine.budget.vision import multimodal_from_flags, vision_preset
 from engine.core.encoder_cache import MultimodalInput
 from engine.core.kv_cache_groups import (
@@ -47,6 +46,7 @@ from engine.core.step_loop import ExecutedStep, run_step
 from engine.errors import UserError
 from engine.events import PHASES, EngineConfigEvent, EventBus, StartupPhase
 from engine.events.phase_data import InitData
+from engine.events.roofline import Roofline
 from engine.events.stats import StatsReporter
 from engine.events.tally import RunTally
 from engine.modelspec.config import ModelConfig
@@ -78,13 +78,21 @@ class CostModel:
     vision_weights_bytes: int = 0  # a VL model's encoder: read once per step that encodes
     vision_parameters: int = 0
     encoder_positions_per_token: int = 1  # patches per output embedding (Qwen: 2x2 merged)
+    # A mixture-of-experts model: its experts' parameters and bytes (inside the totals), experts per
+    # MoE layer and top-k; a step computes over the active parameters and reads the experts it routes to.
+    expert_parameters: int = 0
+    expert_weights_bytes: int = 0
+    num_experts: int = 0
+    experts_per_token: int = 0
 
-    roofline: Roofline = field(init=False, repr=False, compare=False)  # the work counted (engine/budget/roofline.py)
+    roofline: Roofline = field(init=False, repr=False, compare=False)  # the work counted (engine/events/roofline.py)
 
     def __post_init__(self) -> None:
         if not 0 < self.efficiency <= 1:
             raise UserError(f"--efficiency {self.efficiency}: must be in (0, 1], the fraction of peak kernels reach")
-        object.__setattr__(self, "roofline", Roofline(self.num_parameters, self.weights_bytes, self.bytes_per_kv_token))
+        object.__setattr__(self, "roofline", Roofline(
+            self.num_parameters, self.weights_bytes, self.bytes_per_kv_token, self.expert_parameters,
+            self.expert_weights_bytes, self.num_experts, self.experts_per_token))
 
     @classmethod
     def for_gpu(cls, model: ModelConfig, gpu: GpuPreset, plan: MemoryPlan,
@@ -98,19 +106,25 @@ class CostModel:
             weights_bytes=plan.weights_bytes - (mm.vision_weights_bytes if mm else 0),  # a step reads the LLM's
             bytes_per_kv_token=plan.bytes_per_token,
             num_parameters=model.num_parameters,
+            expert_parameters=model.expert_parameters,
+            # the experts' share of the weights a step reads (dtype and tensor parallelism follow the plan's)
+            expert_weights_bytes=(plan.weights_bytes - (mm.vision_weights_bytes if mm else 0))
+            * model.expert_parameters // model.num_parameters,
+            num_experts=model.num_experts or 0,
+            experts_per_token=model.num_experts_per_tok or 0,
             bandwidth_bytes_s=gpu.bandwidth_tbs * 1e12,
             peak_flops=gpu.bf16_tflops * 1e12,
             efficiency=efficiency,
         )
 
-    def memory_seconds(self, kv_tokens_read: int) -> float:
-        return self.roofline.read_bytes(kv_tokens_read) / (self.bandwidth_bytes_s * self.efficiency)
+    def memory_seconds(self, kv_tokens_read: int, num_tokens: int | None = None) -> float:
+        return self.roofline.read_bytes(kv_tokens_read, num_tokens) / (self.bandwidth_bytes_s * self.efficiency)
 
     def compute_seconds(self, num_tokens: int) -> float:
         return self.roofline.flops(num_tokens) / (self.peak_flops * self.efficiency)
 
     def step_seconds(self, num_tokens: int, kv_tokens_read: int) -> float:
-        memory = self.memory_seconds(kv_tokens_read)
+        memory = self.memory_seconds(kv_tokens_read, num_tokens)
         compute = self.compute_seconds(num_tokens)
         return memory if memory > compute else compute
 
