@@ -610,6 +610,9 @@ def _cuda_phase_f(f: PhaseHandle, s: StartupInputs, runner: ModelRunner) -> None
     reason = graphs_supported(s.device, config.enforce_eager)
     if reason is None and runner.hybrid_kv_cache:
         reason = "the hybrid KV cache's per-group block tables are not captured in the decode graphs yet"
+    if reason is None and getattr(runner.model, "expert_counter", None) is not None:
+        # the grouped experts slice by each step's per-expert counts, read on the host (engine/model/moe.py)
+        reason = "a mixture-of-experts model's grouped experts size their matmuls per step: not capturable"
     if reason is not None:
         f.skipped = reason
         return
