@@ -185,3 +185,14 @@ def test_engine_plan_shows_total_active_and_expert_weights(tiny_moe, capsys: pyt
     head = capsys.readouterr().out.splitlines()[0]
     assert ("30,532,122,624 parameters, 3,353,032,704 active per token: 8 of 128 experts in 48 MoE layers; "
             "expert weights 28,991,029,248 parameters, 54.00 GiB") in head
+
+
+def test_tensor_parallelism_is_refused_for_moe_before_loading() -> None:
+    from engine.errors import UserError
+    from engine.modelspec.families import check_config_supported
+    from engine.modelspec.presets import MODEL_PRESETS
+
+    for preset in ("qwen3-30b-a3b", "mixtral-8x7b"):
+        check_config_supported(MODEL_PRESETS[preset], 1)
+        with pytest.raises(UserError, match="--tensor-parallel-size 2 .* on one rank"):
+            check_config_supported(MODEL_PRESETS[preset], 2)
