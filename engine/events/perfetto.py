@@ -18,7 +18,10 @@ Tracks (pid/tid and their names as ``M`` metadata records, so the UI shows words
   from the server's receipt to the scheduler (when it was received earlier), ``queued`` until
   its first step, a ``prefill`` slice per chunk, one ``decode`` slice over its
   consecutive decode steps, ``preempted`` / ``first token`` / ``finished`` instants
-  (``i``), ``queued (preempted)`` until it runs again.
+  (``i``), ``queued (preempted)`` until it runs again;
+- flow arrows (``s`` / ``f``, category ``step``): from each request's slice to every
+  step that served it (a prefill chunk or a decode token), so selecting a request's
+  slice in the UI follows it to the steps and selecting a step lists its requests.
 
 Only complete slices (``X``) are written, so there is no begin/end pairing to get
 wrong; each track's records are in time order. The records stay in memory until the
@@ -54,6 +57,8 @@ PREPROCESS = "preprocess"
 QUEUED = "queued"
 QUEUED_AFTER_PREEMPTION = "queued (preempted)"
 DECODE = "decode"
+FLOW = "served by step"
+FLOW_CATEGORY = "step"
 
 COUNTERS = ("KV cache usage %", "running", "waiting", "prefill tokens", "decode tokens", "preemptions")
 # a step slice's args, in the order the fold stores them
@@ -101,6 +106,7 @@ class PerfettoTrace:
         self._finishing: list[str] = []
         self._preemptions = 0
         self._last_step_end = 0.0
+        self._flows = 0
         self.steps = 0
         self._name_process(ENGINE_PID, "kvscope engine", 0)
         self._name_thread(ENGINE_PID, STARTUP_TID, "startup phases")
@@ -136,8 +142,11 @@ class PerfettoTrace:
 
     @staticmethod
     def _record(start: float, ph: str, name: str, pid: int, tid: int, duration: float | None,
-                args: dict[str, Any] | tuple[int, ...]) -> dict[str, Any]:
+                args: dict[str, Any] | tuple[int, ...] | int) -> dict[str, Any]:
         record: dict[str, Any] = {"ph": ph, "name": name, "pid": pid, "tid": tid, "ts": _us(start)}
+        if isinstance(args, int):  # a flow arrow's end: args is its id; "f" binds to the enclosing step slice
+            record.update({"cat": FLOW_CATEGORY, "id": args} | ({"bp": "e"} if ph == "f" else {}))
+            return record
         if duration is not None:
             record["dur"] = _us(duration)
         if ph == "i":
@@ -245,8 +254,13 @@ class PerfettoTrace:
         start = min(max(end - event.duration_s, self._last_step_end), end)
         self._last_step_end = end
         requests = self._requests
+        middle = (start + end) / 2  # inside the request's slice and the step's: both arrow ends bind there
+        records = self._records
         for request_id, (num_tokens, kind) in event.scheduled.items():
             track = requests.get(request_id) or self._track(request_id, start, {})
+            self._flows += 1
+            records.append((middle, "s", FLOW, REQUESTS_PID, track.tid, None, self._flows))
+            records.append((middle, "f", FLOW, ENGINE_PID, STEPS_TID, None, self._flows))
             piece = track.open
             if piece is not None and kind == DECODE and piece.name == DECODE:  # most entries: one more token
                 piece.end = end

@@ -35,6 +35,7 @@ def check_trace_event_format(trace: dict[str, Any]) -> list[dict[str, Any]]:
     complete: dict[tuple[int, int], list[tuple[float, float]]] = defaultdict(list)
     named_threads: set[tuple[int, int]] = set()
     named_processes: set[int] = set()
+    flows: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for record in records:
         ph = record["ph"]
         assert isinstance(record["pid"], int) and isinstance(record["name"], str), record
@@ -61,6 +62,10 @@ def check_trace_event_format(trace: dict[str, Any]) -> list[dict[str, Any]]:
             assert record.get("s", "t") in ("g", "p", "t"), record
         elif ph == "C":
             assert record["args"] and all(isinstance(v, int | float) for v in record["args"].values()), record
+        elif ph in ("s", "f"):  # a flow arrow's ends: one of each per id, inside a slice of their tracks
+            assert isinstance(record["id"], int) and record["cat"], record
+            assert ph == "s" or record["bp"] == "e", record
+            flows[record["id"]].append(record)
         else:
             raise AssertionError(f"phase type {ph!r} is not one this trace should use")
     assert not any(open_slices.values()), "B without E"
@@ -73,6 +78,11 @@ def check_trace_event_format(trace: dict[str, Any]) -> list[dict[str, Any]]:
             stack.append(end)
         assert track in named_threads, f"track {track} has no thread_name"
     assert {pid for pid, _ in named_threads} <= named_processes
+    for ends in flows.values():
+        assert sorted(r["ph"] for r in ends) == ["f", "s"], ends
+        for end in ends:
+            assert any(a - ROUNDING_US <= end["ts"] <= b + ROUNDING_US
+                       for a, b in complete[(end["pid"], end["tid"])]), f"a flow end outside any slice: {end}"
     return records
 
 
@@ -83,7 +93,7 @@ def test_a_recording_becomes_a_valid_trace_with_its_steps_and_requests(name: str
     threads = {(r["pid"], r["tid"]): r["args"]["name"] for r in records if r["name"] == "thread_name"}
     by_thread: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in records:
-        if r["ph"] != "M":
+        if r["ph"] not in ("M", "s", "f"):  # flow arrows: their own test
             by_thread[threads.get((r["pid"], r["tid"]), "")].append(r)
     steps = [e for e in recording.events if e.type == "step"]
     assert len(by_thread["steps"]) == len(steps)
@@ -120,3 +130,25 @@ def test_replay_writes_the_trace_file_and_a_bad_path_is_refused_first(tmp_path: 
     assert json.loads(out.read_text()) == json.loads(json.dumps(live.trace()))
     assert main(["replay", str(SAMPLES / "monitor_sim.jsonl"), "--trace-out", str(tmp_path / "no" / "t.json")]) == 2
     assert "--trace-out" in capsys.readouterr().err
+
+
+def test_flow_arrows_join_each_request_to_the_steps_that_served_it() -> None:
+    """One arrow per (request, step) it was scheduled in: from its track to the steps track,
+    at a time inside that step's slice (issue 33)."""
+    recording = read_events(SAMPLES / "monitor_sim.jsonl")
+    records = check_trace_event_format(trace_of(recording.events))
+    threads = {(r["pid"], r["tid"]): r["args"]["name"] for r in records if r["name"] == "thread_name"}
+    steps = sorted((r["ts"], r["ts"] + r["dur"], r["args"]["index"]) for r in records
+                    if r["ph"] == "X" and threads.get((r["pid"], r["tid"])) == "steps")
+    starts = {r["id"]: threads[(r["pid"], r["tid"])] for r in records if r["ph"] == "s"}
+    served: dict[str, list[int]] = defaultdict(list)
+    for r in records:
+        if r["ph"] == "f":
+            index = next(i for a, b, i in steps if a <= r["ts"] <= b)
+            served[starts[r["id"]]].append(index)
+    expected: dict[str, list[int]] = defaultdict(list)
+    for event in recording.events:
+        if event.type == "step":
+            for rid in event.scheduled:  # type: ignore[attr-defined]
+                expected[rid].append(event.index)  # type: ignore[attr-defined]
+    assert served == expected
