@@ -8,7 +8,6 @@ same bus; nothing reads engine internals to observe it.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import time
@@ -22,10 +21,9 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.step_loop import ExecutedStep, run_step
 from engine.errors import UserError
-from engine.events import EventBus, JsonlSink
-from engine.events.progress import ProgressPrinter
-from engine.events.stats import StatsReporter
-from engine.logs import console_stream, get_logger, log_failure
+from engine.events import EventBus
+from engine.events.observers import ObserverFlags, attach_observers
+from engine.logs import log_failure
 from engine.model.device import device_word
 from engine.model.runner import ScheduledSeq
 from engine.model.tokenizer import IncrementalDetokenizer
@@ -35,7 +33,6 @@ from engine.workers import WorkerGroup
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from engine.events.kv_publisher import KVEventsSink
     from engine.pipeline import PipelineRunner
 
 
@@ -83,29 +80,14 @@ class LLMEngine:
                 config = dataclasses.replace(config, quantization=None)
         self.config = config
         self.bus = bus or EventBus()
-        self.stats: StatsReporter | None = None
-        self._sink: JsonlSink | None = None
         self.workers: WorkerGroup | None = None  # ranks 1..N-1 under --tensor-parallel-size N
         self.pipeline: PipelineRunner | None = None  # stages 1..P-1 under --pipeline-parallel-size P
-        self.kv_events: KVEventsSink | None = None
-        if config.events_path:
-            # the header's started_unix lets a replay put spans at their original times
-            self._sink = JsonlSink(config.events_path, config=config.to_dict(),
-                                   started_unix=time.time() - self.bus.now())
-            self.bus.subscribe(self._sink)
-        if config.kv_events_config is not None and config.kv_events_config.publishes:
-            from engine.events.kv_publisher import KVEventsSink  # zmq and msgspec load only when asked
-
-            try:
-                self.kv_events = KVEventsSink(config.kv_events_config, registry=metrics_registry,
-                                              model_name=config.served_model_name or config.model,
-                                              data_parallel_rank=config.data_parallel_rank or 0)
-            except BaseException:  # an endpoint in use: the recording opened above is closed
-                self.close()
-                raise
-            self.bus.subscribe(self.kv_events)
-        # long phases show progress where the log lines go (a bar on a terminal)
-        printer = self.bus.subscribe(ProgressPrinter(console_stream(), get_logger("kvscope.startup").info))
+        # the header's started_unix lets a replay put spans at their original times
+        self.observers = attach_observers(
+            self.bus, ObserverFlags(events_path=config.events_path, kv_events_config=config.kv_events_config,
+                                    progress=True, stats_interval=config.stats_interval),
+            recording_config=config.to_dict(), model_name=config.served_model_name or config.model,
+            registry=metrics_registry, data_parallel_rank=config.data_parallel_rank or 0)
         try:
             if config.tensor_parallel_size > 1:
                 self.workers = WorkerGroup(config)
@@ -129,17 +111,11 @@ class LLMEngine:
             self.close()
             raise
         finally:
-            self.bus.unsubscribe(printer)
+            self.observers.end_startup()
         self.tokenizer = self.startup.tokenizer
         self.runner = self.pipeline or self.startup.runner
         self.scheduler = Scheduler(self.startup.scheduler_config, self.bus)
-        self.stats = (
-            StatsReporter(self.bus, config.stats_interval, device_word=device_word(self.startup.device))
-            if config.stats_interval > 0
-            else None
-        )
-        if self.stats is not None:
-            self.bus.subscribe(self.stats)
+        self.observers.start_stats(device_word(self.startup.device))
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self._clock_start = time.monotonic()
@@ -341,16 +317,7 @@ class LLMEngine:
             self.workers.close()
         if self.pipeline is not None:
             self.pipeline.close()
-        if self.stats is not None:
-            with contextlib.suppress(Exception):  # a final stats line is best effort at shutdown
-                self.stats.report(self.now())
-        if self._sink is not None:
-            self._sink.close()
-            self._sink = None
-        if self.kv_events is not None:
-            self.bus.unsubscribe(self.kv_events)
-            self.kv_events.close()
-            self.kv_events = None
+        self.observers.close()  # the last stats line, then the recording and the KV publisher
 
     def __enter__(self) -> LLMEngine:
         return self

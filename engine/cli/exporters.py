@@ -1,4 +1,5 @@
-"""The trace exporters' flags and the sinks they subscribe to a bus.
+"""The trace exporters' flags, turned into :class:`~engine.events.observers.ObserverFlags`
+for the one place that builds the sinks (engine/events/observers.py).
 
 ``--otlp-traces-endpoint URL`` (vLLM's flag; ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL``
 grpc | http/protobuf picks the transport, grpc by default, as vLLM) sends
@@ -14,19 +15,19 @@ unless given; opentelemetry is imported only when ``--otlp-traces-endpoint`` is.
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from engine.errors import UserError
+from engine.events.observers import (
+    DETAILED_TRACES,
+    ObserverFlags,
+    Observers,
+    attach_observers,
+    build_observers,
+)
 
 if TYPE_CHECKING:
-    from engine.events import Event, EventBus
-
-# vLLM's --collect-detailed-traces choices -> (forward seconds, forward + sample seconds)
-DETAILED_TRACES: dict[str, tuple[bool, bool]] = {"model": (True, False), "worker": (False, True), "all": (True, True)}
+    from engine.events import EventBus
 
 
 def add_exporter_flags(p: argparse.ArgumentParser, *, replay: bool = False) -> None:
@@ -50,91 +51,30 @@ def add_exporter_flags(p: argparse.ArgumentParser, *, replay: bool = False) -> N
                         "(Iteration(N): ... iteration elapsed time: X ms)")
 
 
-class _Sink(Protocol):
-    def __call__(self, event: Event) -> None: ...
-
-    def close(self) -> None: ...
-
-
-@dataclass(slots=True)
-class Exporters:
-    """The sinks the flags asked for. ``close`` ends each (the trace file is written,
-    queued spans are exported); ``feed`` hands them a recording's events."""
-
-    sinks: list[_Sink] = field(default_factory=list)
-    summary: list[str] = field(default_factory=list)  # one line per sink, printed when the run ends
-
-    def __bool__(self) -> bool:
-        return bool(self.sinks)
-
-    def feed(self, events: Iterable[Event]) -> None:
-        for event in events:
-            for sink in self.sinks:
-                sink(event)
-
-    def close(self) -> None:
-        for sink in self.sinks:
-            sink.close()
-        self.sinks.clear()
-
-
-# the argparse dests of the flags above: any of them given means a sink to build
-EXPORTER_DESTS = ("otlp_traces_endpoint", "collect_detailed_traces", "trace_out", "enable_logging_iteration_details")
+def exporter_flags(args: argparse.Namespace) -> ObserverFlags:
+    """The exporter flags above as :class:`ObserverFlags` (the recording and the KV events
+    are the engine's: its config asks for them)."""
+    return ObserverFlags(trace_out=getattr(args, "trace_out", None),
+                         otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", None),
+                         collect_detailed_traces=getattr(args, "collect_detailed_traces", None),
+                         iteration_details=bool(getattr(args, "enable_logging_iteration_details", False)))
 
 
 def exporters_asked(args: argparse.Namespace) -> bool:
-    """Whether any exporter flag was given (simulate and replay build a bus or feed a
-    recording only then)."""
-    return any(getattr(args, dest, None) for dest in EXPORTER_DESTS)
+    """Whether any exporter flag was given (replay feeds a recording only then)."""
+    return exporter_flags(args).asks()
 
 
-def build_exporters(args: argparse.Namespace, wall_start_unix: float, model_name: str | None = None) -> Exporters:
-    """The sinks ``args`` ask for, their flags checked before anything slow runs.
-    ``wall_start_unix``: the wall-clock time of the bus clock's zero."""
-    exporters = Exporters()
-    endpoint = getattr(args, "otlp_traces_endpoint", None)
-    detailed = getattr(args, "collect_detailed_traces", None)
-    if detailed and not endpoint:
-        raise UserError("--collect-detailed-traces adds to OpenTelemetry spans: give --otlp-traces-endpoint URL too")
-    trace_out = getattr(args, "trace_out", None)
-    if trace_out:
-        from engine.events.perfetto import PerfettoTrace
-
-        path = Path(trace_out)
-        try:
-            path.write_text("", encoding="utf-8")  # refused now, not after the run
-        except OSError as exc:
-            raise UserError(f"--trace-out {trace_out}: cannot write ({exc.strerror})") from None
-        exporters.sinks.append(PerfettoTrace(path))
-        exporters.summary.append(f"wrote the Perfetto trace {trace_out} (open it in ui.perfetto.dev)")
-    if endpoint:
-        from engine.events.otel import OtlpTraceSink, span_exporter, traces_protocol
-
-        try:
-            protocol = traces_protocol()
-            exporter = span_exporter(endpoint, protocol)
-        except ValueError as exc:
-            raise UserError(str(exc)) from None
-        forward, execute = DETAILED_TRACES.get(detailed or "", (False, False))
-        exporters.sinks.append(OtlpTraceSink(exporter, wall_start_unix=wall_start_unix, model_name=model_name,
-                                             forward_times=forward, execute_times=execute))
-        # delivery failures are the SDK's to report (its log names each one)
-        exporters.summary.append(f"sent OpenTelemetry spans to {endpoint} ({protocol})")
-    if getattr(args, "enable_logging_iteration_details", False):
-        from engine.events.iteration_details import IterationDetailsLog
-        from engine.logs import get_logger
-
-        exporters.sinks.append(IterationDetailsLog(get_logger("kvscope.core").info))
-    return exporters
+def build_exporters(args: argparse.Namespace, wall_start_unix: float, model_name: str | None = None) -> Observers:
+    """The sinks ``args`` ask for, unsubscribed (``engine replay`` feeds them a recording).
+    ``wall_start_unix``: the wall-clock time of the recording's clock zero."""
+    return build_observers(exporter_flags(args), wall_start_unix=wall_start_unix, span_model_name=model_name)
 
 
-def attach_exporters(args: argparse.Namespace, bus: EventBus) -> Exporters:
+def attach_exporters(args: argparse.Namespace, bus: EventBus) -> Observers:
     """Build the asked-for sinks and subscribe them to ``bus`` (before startup, so the
-    phases are in them)."""
-    exporters = build_exporters(args, wall_start_unix=time.time() - bus.now())
-    for sink in exporters.sinks:
-        bus.subscribe(sink)
-    return exporters
+    phases are in them); a bad flag is refused here, before anything slow."""
+    return attach_observers(bus, exporter_flags(args))
 
 
 def recording_wall_start(header: dict[str, Any], path: str | Path, last_t: float) -> tuple[float, str | None]:

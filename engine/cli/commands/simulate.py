@@ -16,11 +16,12 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import Any
 
 from engine.budget.memory import GPU_PRESETS
-from engine.cli.exporters import Exporters, add_exporter_flags, attach_exporters, exporters_asked
+from engine.cli.exporters import add_exporter_flags, exporter_flags
 from engine.cli.flags import (
     add_budget_flags,
     add_kv_events_flag,
@@ -33,7 +34,8 @@ from engine.cli.flags import (
     workload_spec_from_args,
 )
 from engine.errors import UserError
-from engine.events import EventBus, JsonlSink
+from engine.events import EventBus
+from engine.events.observers import Observers, attach_observers
 from engine.sim.simulate import (
     DEFAULT_EFFICIENCY,
     DEFAULT_GPU,
@@ -240,42 +242,25 @@ def run(args: argparse.Namespace) -> int:
     workload = workload_from_args(args)
     if setup.plan.multimodal is not None:  # every request carries the items --limit-mm-per-prompt allows
         workload = with_mm_items(workload, setup.plan.multimodal.prompt_items())
-    bus: EventBus | None = None
-    sink: JsonlSink | None = None
-    exporters = Exporters()
-    if args.events_path or args.kv_events_config or exporters_asked(args):
-        bus = EventBus()
-        exporters = attach_exporters(args, bus)
-    kv_events = None
-    if args.kv_events_config is not None and args.kv_events_config.publishes:
-        from engine.events.kv_publisher import KVEventsSink  # zmq and msgspec load only when asked
-
-        kv_events = KVEventsSink(args.kv_events_config, model_name=setup.model.name)
-        bus.subscribe(kv_events)
-    if args.events_path:
-        try:
-            sink = JsonlSink(args.events_path, config=setup.recording_config())
-        except OSError as exc:
-            raise UserError(f"--events {args.events_path}: cannot write ({exc.strerror})") from None
-        bus.subscribe(sink)
+    flags = dataclasses.replace(exporter_flags(args), events_path=args.events_path,
+                                kv_events_config=args.kv_events_config)
+    bus = EventBus() if flags.asks() else None
+    observers = attach_observers(bus, flags, simulated_clock=True, recording_config=setup.recording_config(),
+                                 model_name=setup.model.name) if bus is not None else Observers()
     try:
         result = Simulation(setup, bus, stats_interval=args.stats_interval if bus else 0.0).run(
             workload, concurrency=args.concurrency)
     finally:
-        if sink is not None:
-            sink.close()
-        if kv_events is not None:
-            kv_events.close()
-        exporters.close()
+        observers.close()
     if args.json:
         print(json.dumps(result.summary()))
     else:
         print(render_summary(setup, result))
         if args.events_path:
             print(f"  events: {args.events_path}")
-        for line in exporters.summary:
+        for line in observers.summary:
             print(f"  {line}")
-        if kv_events is not None:
+        if (kv_events := observers.kv_events) is not None:
             print(f"  KV cache events: {kv_events.batches - kv_events.dropped:,} batches on "
                   f"{kv_events.publisher.endpoint} ({kv_events.dropped:,} dropped)")
     return 0
