@@ -98,9 +98,18 @@ class ModelConfig:
     hidden_activation: str | None = None  # "gelu_pytorch_tanh" (Gemma); None: SiLU
     qk_norm: bool | None = None  # Qwen3: Q and K RMS-normed per head (a head_dim weight each) before the rotation
     rope_scaling: RopeScaling | None = None  # Llama 3.1/3.2's llama3 frequency scaling; None: plain rope
+    # Mixture of experts (Qwen3-MoE, Mixtral; engine/model/moe.py). None on a dense model.
+    num_experts: int | None = None  # experts per MoE layer
+    num_experts_per_tok: int | None = None  # the router's top-k
+    moe_intermediate_size: int | None = None  # one expert's SwiGLU width
+    norm_topk_prob: bool | None = None  # the top-k probabilities renormalised to sum 1
+    mlp_only_layers: tuple[int, ...] | None = None  # layers with a dense MLP (intermediate_size) instead
+    decoder_sparse_step: int | None = None  # layer i is sparse when (i + 1) % step == 0 (None: 1)
 
     FAMILY_FIELDS: ClassVar[tuple[str, ...]] = ("layer_types", "sliding_window", "rope_local_base_freq", "rope_scaling",
-                                                "query_pre_attn_scalar", "hidden_activation", "qk_norm")
+                                                "query_pre_attn_scalar", "hidden_activation", "qk_norm",
+                                                "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                                "norm_topk_prob", "mlp_only_layers", "decoder_sparse_step")
 
     @property
     def family(self) -> Family:
@@ -111,6 +120,38 @@ class ModelConfig:
 
     def layer_is_sliding(self, index: int) -> bool:
         return self.layer_types is not None and self.layer_types[index] == SLIDING_ATTENTION
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_experts)
+
+    def is_moe_layer(self, index: int) -> bool:
+        """transformers' rule (Qwen3MoeDecoderLayer): sparse unless in ``mlp_only_layers`` or
+        ``index + 1`` is not a multiple of ``decoder_sparse_step``."""
+        if not self.num_experts or (self.mlp_only_layers and index in self.mlp_only_layers):
+            return False
+        return (index + 1) % (self.decoder_sparse_step or 1) == 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(1 for i in range(self.num_layers) if self.is_moe_layer(i))
+
+    @property
+    def expert_parameters(self) -> int:
+        """Every expert's weights (gate, up, down) over every MoE layer; 0 for a dense model."""
+        if not self.num_experts or not self.moe_intermediate_size:
+            return 0
+        return self.num_moe_layers * self.num_experts * 3 * self.hidden_size * self.moe_intermediate_size
+
+    @property
+    def num_active_parameters(self) -> int:
+        """Parameters one token's forward uses: all but the experts the router did not pick
+        (top-k of each MoE layer's experts; the embedding and LM head count whole, as the
+        model cards' "activated" figures do: Qwen3-30B-A3B 3.3B, Mixtral 8x7B 12.9B)."""
+        if not self.num_experts or not self.num_experts_per_tok:
+            return self.num_parameters
+        idle = self.num_experts - self.num_experts_per_tok
+        return self.num_parameters - self.expert_parameters * idle // self.num_experts
 
     @property
     def num_parameters(self) -> int:
@@ -129,7 +170,9 @@ class ModelConfig:
             per_layer += 2 * self.head_dim
         embed = v * h
         head = 0 if self.tie_word_embeddings else v * h
-        return embed + head + self.num_layers * per_layer + h
+        # a MoE layer's router and experts in place of the dense MLP
+        sparse = self.num_moe_layers * ((self.num_experts or 0) * h - mlp) + self.expert_parameters
+        return embed + head + self.num_layers * per_layer + h + sparse
 
     def summary(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -138,5 +181,10 @@ class ModelConfig:
                 del out[name]
         if out.get("layer_types") is not None:
             out["layer_types"] = list(out["layer_types"])
+        if out.get("mlp_only_layers") is not None:
+            out["mlp_only_layers"] = list(out["mlp_only_layers"])
         out["num_parameters"] = self.num_parameters
+        if self.is_moe:
+            out["num_active_parameters"] = self.num_active_parameters
+            out["expert_parameters"] = self.expert_parameters
         return out

@@ -100,6 +100,47 @@ def split_phi3_tensor(name: str, config: ModelConfig) -> list[tuple[str, int, in
     return None
 
 
+def _moe_layers(cfg: Mapping[str, Any], family: str) -> dict[str, Any]:
+    """The experts every MoE family names the same way (Mixtral's count is
+    ``num_local_experts``; transformers 5 writes that name for Qwen3-MoE too)."""
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    top_k = cfg.get("num_experts_per_tok")
+    if not experts or not top_k:
+        raise UserError(f"config.json of a {family} model lacks num_experts (or num_local_experts) and "
+                        "num_experts_per_tok")
+    if not 0 < int(top_k) <= int(experts):
+        raise UserError(f"config.json: num_experts_per_tok {top_k} must be between 1 and num_experts {experts}")
+    return {"num_experts": int(experts), "num_experts_per_tok": int(top_k)}
+
+
+def _qwen3_moe_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Qwen3-MoE: Qwen3's attention; sparse layers by ``decoder_sparse_step`` and
+    ``mlp_only_layers`` (the others run a dense MLP of ``intermediate_size``), experts of
+    ``moe_intermediate_size``, top-k renormalised when ``norm_topk_prob``."""
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    if step < 1:
+        raise UserError(f"config.json: decoder_sparse_step {step} must be at least 1")
+    layers = int(cfg["num_hidden_layers"])
+    dense = tuple(sorted(int(i) for i in cfg.get("mlp_only_layers") or ()))
+    if any(not 0 <= i < layers for i in dense):
+        raise UserError(f"config.json: mlp_only_layers {list(dense)} name layers outside 0..{layers - 1}")
+    return {**_qwen3_fields(cfg), **_moe_layers(cfg, "Qwen3-MoE"),
+            "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+            "mlp_only_layers": dense or None, "decoder_sparse_step": step if step != 1 else None}
+
+
+def _mixtral_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Mixtral: Llama's attention; every layer sparse, experts of ``intermediate_size``, the
+    top-k always renormalised. A sliding window (Mistral's) is refused: kvscope runs Mixtral
+    with full attention."""
+    if cfg.get("sliding_window"):
+        raise UserError(f"config.json sets sliding_window {cfg['sliding_window']}: kvscope runs Mixtral with full "
+                        "attention in every layer (set it to null to run it so)")
+    return {**_moe_layers(cfg, "Mixtral"), "moe_intermediate_size": int(cfg["intermediate_size"]),
+            "norm_topk_prob": True}
+
+
 def _gemma3_gguf_fields(meta: Mapping[str, Any], layers: int, head_dim: int) -> dict[str, Any]:
     """Gemma 3's own fields from its GGUF header, with transformers' Gemma3TextConfig
     defaults for what llama.cpp's converter leaves out (the 5:1 layer pattern, the local
@@ -246,6 +287,12 @@ FAMILIES: tuple[Family, ...] = (
     Family("phi3", "engine.model.llama:LlamaForCausalLM", hf_architectures=("Phi3ForCausalLM",),
            model_types=("phi3",), hf_fields=_phi3_fields, hf_split=split_phi3_tensor, hf_split_adds=3,
            tensor_parallel=False),
+    # Mixture of experts (engine/model/moe.py): HF folders only (llama.cpp stacks each layer's
+    # experts into one 3-D tensor, which the GGUF loader does not split yet).
+    Family("qwen3_moe", "engine.model.qwen3_moe:Qwen3MoeForCausalLM", hf_architectures=("Qwen3MoeForCausalLM",),
+           model_types=("qwen3_moe",), hf_fields=_qwen3_moe_fields, tensor_parallel=False),
+    Family("mixtral", "engine.model.mixtral:MixtralForCausalLM", hf_architectures=("MixtralForCausalLM",),
+           model_types=("mixtral",), hf_fields=_mixtral_fields, tensor_parallel=False),
 )
 HF_ARCHITECTURES: dict[str, Family] = {a: f for f in FAMILIES for a in f.hf_architectures}
 MODEL_TYPES: dict[str, Family] = {t: f for f in FAMILIES for t in f.model_types}
