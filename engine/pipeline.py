@@ -49,25 +49,12 @@ import torch
 import torch.distributed as dist
 
 from engine.budget.config import EngineConfig
+from engine.budget.stages import stage_layer_ranges  # vLLM's get_pp_indices; the plan's split too
 from engine.errors import ReplicaError, UserError
 
 MICRO_BATCHES = 2  # in flight at once: stage p runs micro-batch i while stage p+1 runs i-1
 STAGE_TIMEOUT = datetime.timedelta(days=1)  # a dead peer closes its sockets (gloo reports it at once)
 STOP_WAIT_S = 5.0
-
-
-def stage_layer_ranges(num_layers: int, stages: int) -> list[tuple[int, int]]:
-    """``[start, end)`` of each stage's layers, as vLLM's ``get_pp_indices`` splits them:
-    ``L // P`` each, one more for each of the ``L % P`` stages before the last (the first
-    holds the embedding, the last the head in vLLM)."""
-    if stages > num_layers:
-        raise UserError(f"--pipeline-parallel-size {stages}: the model has {num_layers} layers; give at most "
-                        f"{num_layers}")
-    sizes = [num_layers // stages] * stages
-    for i in range(2, num_layers % stages + 2):
-        sizes[-i] += 1
-    starts = [sum(sizes[:i]) for i in range(stages)]
-    return [(s, s + n) for s, n in zip(starts, sizes, strict=True)]
 
 
 def check_pipeline(config: EngineConfig, model: Any) -> None:

@@ -113,3 +113,28 @@ def test_a_killed_stage_stops_the_replica_naming_it_and_leaves_no_process() -> N
     while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
         assert time.monotonic() < deadline, "a stage outlived its replica"
         time.sleep(0.1)
+
+
+def test_the_plan_gives_each_stage_its_layers_weights_and_kv_and_the_replica_the_fewest_blocks() -> None:
+    from engine.budget.memory import GiB
+    from engine.budget.stages import plan_stages
+
+    llama70 = MODEL_PRESETS["llama-3.1-70b"]
+    pipeline = plan_stages(llama70, 2, total_bytes=int(79.22 * GiB), gpu_memory_utilization=0.9,
+                           max_model_len=32768, dtype="bfloat16", tensor_parallel_size=4)
+    embedding = llama70.vocab_size * llama70.hidden_size
+    for stage in pipeline.stages:
+        # 40 layers each; stage 0 adds the embedding, stage 1 the norm and the (untied) head: the same
+        # count here; 2 bytes over 4 ranks; every token's KV for 40 layers x 2 of the 8 KV heads per GPU
+        assert stage.plan.bytes_per_token == 2 * 40 * 2 * 128 * 2
+        layers = (llama70.num_parameters - 2 * embedding - llama70.hidden_size) // 2
+        assert abs(stage.plan.weights_bytes - (layers + embedding) * 2 / 4) <= llama70.hidden_size
+    assert pipeline.num_blocks == min(s.plan.num_blocks for s in pipeline.stages)
+    # SmolLM2's 30 layers in 4 stages: [7, 8, 8, 7]; a tied head is the last stage's own copy, so
+    # the last stage holds more weights than a middle one with more layers and gets fewer blocks
+    smollm = plan_stages(MODEL_PRESETS["smollm2-135m"], 4, total_bytes=8 * GiB, gpu_memory_utilization=0.1,
+                         max_model_len=2048, dtype="bfloat16")
+    assert [s.layers for s in smollm.stages] == [(0, 7), (7, 15), (15, 23), (23, 30)]
+    last, middle = smollm.stages[3].plan, smollm.stages[2].plan
+    assert last.weights_bytes > middle.weights_bytes
+    assert smollm.num_blocks == min(s.plan.num_blocks for s in smollm.stages)

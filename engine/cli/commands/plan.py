@@ -28,6 +28,7 @@ from engine.budget.memory import (
     max_concurrency_line,
     plan_memory,
 )
+from engine.budget.stages import PipelinePlan, plan_stages, stage_lines
 from engine.budget.vision import MultimodalBudget, encoder_cache_line, multimodal_from_flags
 from engine.cli.flags import (
     add_budget_flags,
@@ -95,7 +96,15 @@ def build_plan(args: argparse.Namespace, *, text_only: bool = False,
     multimodal = None if text_only else multimodal_from_flags(
         model, **multimodal_flags(args), max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, dtype=dtype, tensor_parallel_size=args.tensor_parallel_size)
-    plan = plan_memory(
+    plan = plan_memory(**plan_kwargs(args, model, total, dtype, multimodal, text_only, full_attention))
+    return model, plan, gpu_name
+
+
+def plan_kwargs(args: argparse.Namespace, model: ModelConfig, total: float, dtype: str,
+                multimodal: Any = None, text_only: bool = False, full_attention: bool = False) -> dict[str, Any]:
+    """``plan_memory``'s keywords from the flags (the whole replica's, or with the weights
+    left out a pipeline stage's: engine/budget/stages.py)."""
+    return dict(
         model=model,
         total_bytes=int(total),
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -114,7 +123,17 @@ def build_plan(args: argparse.Namespace, *, text_only: bool = False,
         check_fits=not (text_only or full_attention),
         disable_hybrid_kv_cache_manager=full_attention,
     )
-    return model, plan, gpu_name
+
+
+def pipeline_plan(args: argparse.Namespace, model: ModelConfig, plan: MemoryPlan) -> PipelinePlan | None:
+    """``-pp P``: every stage's budget on its own GPU (engine/budget/stages.py)."""
+    stages = getattr(args, "pipeline_parallel_size", None) or 1
+    if stages == 1:
+        return None
+    kwargs = plan_kwargs(args, model, plan.total_bytes, model.dtype if args.dtype == "auto" else args.dtype)
+    for name in ("model", "check_fits", "multimodal"):
+        kwargs.pop(name)
+    return plan_stages(model, stages, **kwargs)
 
 
 def full_attention_comparison(args: argparse.Namespace, plan: MemoryPlan) -> dict[str, Any] | None:
@@ -378,10 +397,19 @@ def memory_bar(plan: MemoryPlan, width: int = 72, per_gpu: bool = False) -> Text
 
 def run(args: argparse.Namespace) -> int:
     model, plan, gpu_name = build_plan(args)
+    stages = pipeline_plan(args, model, plan)
     if args.events:
         write_plan_events(args.events, model, plan, args)
     if args.json:
-        print(json.dumps(plan_json(model, plan, gpu_name, full_attention_comparison(args, plan))))
+        out = plan_json(model, plan, gpu_name, full_attention_comparison(args, plan))
+        print(json.dumps(out | ({"pipeline": stages.to_dict()} if stages is not None else {})))
         return 0
-    render_text(Console(file=sys.stdout, highlight=False, soft_wrap=True), model, plan, gpu_name, args)
+    console = Console(file=sys.stdout, highlight=False, soft_wrap=True)
+    render_text(console, model, plan, gpu_name, args)
+    if stages is not None:
+        console.print()
+        console.print(f"[bold]Pipeline stages[/] (-pp {len(stages.stages)}; each stage's GPUs hold its layers and "
+                      "their KV; the ledger above is one GPU holding every layer)", highlight=False)
+        for line in stage_lines(stages):
+            console.print(line, highlight=False)
     return 0
