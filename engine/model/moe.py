@@ -95,27 +95,38 @@ class ExpertCounter:
 @dataclass(frozen=True, slots=True)
 class ExpertNames:
     """A family's HF tensor names for its MoE MLP, under ``model.layers.N.``: the router's,
-    the experts' prefix (``<prefix><e>.<name>``) and the gate / up / down projections'."""
+    the experts' prefix (``<prefix><e>.<name>``) and the gate / up / down projections'; a
+    shared expert's prefix and its sigmoid gate's (Qwen2-MoE), when the family has one."""
 
     router: str
     experts: str
     gate: str
     up: str
     down: str
+    shared: str | None = None
+    shared_gate: str | None = None
 
-    def layer_names(self, num_experts: int) -> list[str]:
-        return [self.router, *(f"{self.experts}{e}.{t}" for e in range(num_experts)
-                               for t in (self.gate, self.up, self.down))]
+    def layer_names(self, num_experts: int, shared: bool = False) -> list[str]:
+        names = [self.router, *(f"{self.experts}{e}.{t}" for e in range(num_experts)
+                                for t in (self.gate, self.up, self.down))]
+        if shared and self.shared is not None and self.shared_gate is not None:
+            names += [*(f"{self.shared}{t}" for t in (self.gate, self.up, self.down)), self.shared_gate]
+        return names
 
 
 QWEN_MOE_NAMES = ExpertNames("mlp.gate.weight", "mlp.experts.", "gate_proj.weight", "up_proj.weight",
                              "down_proj.weight")
+QWEN2_MOE_NAMES = ExpertNames("mlp.gate.weight", "mlp.experts.", "gate_proj.weight", "up_proj.weight",
+                              "down_proj.weight", shared="mlp.shared_expert.",
+                              shared_gate="mlp.shared_expert_gate.weight")
 MIXTRAL_NAMES = ExpertNames("block_sparse_moe.gate.weight", "block_sparse_moe.experts.", "w1.weight", "w3.weight",
                             "w2.weight")
 
 
 class SparseMoeMLP(nn.Module):
-    """A layer's router and experts (vLLM's layout: ``w13`` gate then up rows, ``w2`` down)."""
+    """A layer's router and experts (vLLM's layout: ``w13`` gate then up rows, ``w2`` down),
+    and a shared expert every token runs, scaled by ``sigmoid(x @ shared_gate.T)``, when the
+    config has ``shared_expert_intermediate_size`` (Qwen2-MoE)."""
 
     def __init__(self, config: ModelConfig, names: ExpertNames, dtype: torch.dtype,
                  device: torch.device | str) -> None:
@@ -134,6 +145,10 @@ class SparseMoeMLP(nn.Module):
         self.router = empty(e, h)
         self.w13 = empty(e, 2 * i, h)
         self.w2 = empty(e, h, i)
+        self.shared_size = config.shared_expert_intermediate_size or 0
+        self.shared_w13 = empty(2 * self.shared_size, h) if self.shared_size else None
+        self.shared_w2 = empty(h, self.shared_size) if self.shared_size else None
+        self.shared_gate = empty(1, h) if self.shared_size else None
         self.counter: ExpertCounter | None = None  # set by the model
         self.slot = 0  # this layer's row in the counter
 
@@ -142,6 +157,10 @@ class SparseMoeMLP(nn.Module):
         out, counts = grouped_experts(x, self.w13, self.w2, weights, ids)
         if self.counter is not None:
             self.counter.add(self.slot, counts)
+        if self.shared_w13 is not None and self.shared_w2 is not None and self.shared_gate is not None:
+            gate_up = F.linear(x, self.shared_w13)
+            shared = F.linear(F.silu(gate_up[:, :self.shared_size]) * gate_up[:, self.shared_size:], self.shared_w2)
+            out += torch.sigmoid(F.linear(x, self.shared_gate)) * shared
         return out
 
     def target(self, rest: str) -> tuple[torch.Tensor, int, int] | None:
@@ -149,6 +168,13 @@ class SparseMoeMLP(nn.Module):
         names = self.names
         if rest == names.router:
             return self.router, 0, self.num_experts
+        if self.shared_w13 is not None and self.shared_w2 is not None and self.shared_gate is not None:
+            shared = {f"{names.shared}{names.gate}": (self.shared_w13, 0, self.shared_size),
+                      f"{names.shared}{names.up}": (self.shared_w13, self.shared_size, self.shared_size),
+                      f"{names.shared}{names.down}": (self.shared_w2, 0, self.shared_w2.shape[0]),
+                      str(names.shared_gate): (self.shared_gate, 0, 1)}
+            if rest in shared:
+                return shared[rest]
         if not rest.startswith(names.experts):
             return None
         index_str, _, tensor = rest[len(names.experts):].partition(".")
@@ -238,5 +264,7 @@ class SparseModelMixin:
                  if not ((s := self._sparse_layer(n)) is not None and s[1].startswith("mlp."))]
         for index, layer in enumerate(self.layers):
             if layer.moe is not None:
-                names.extend(f"model.layers.{index}.{n}" for n in layer.moe.names.layer_names(layer.moe.num_experts))
+                moe = layer.moe
+                names.extend(f"model.layers.{index}.{n}"
+                             for n in moe.names.layer_names(moe.num_experts, moe.shared_w13 is not None))
         return names

@@ -105,11 +105,13 @@ class ModelConfig:
     norm_topk_prob: bool | None = None  # the top-k probabilities renormalised to sum 1
     mlp_only_layers: tuple[int, ...] | None = None  # layers with a dense MLP (intermediate_size) instead
     decoder_sparse_step: int | None = None  # layer i is sparse when (i + 1) % step == 0 (None: 1)
+    shared_expert_intermediate_size: int | None = None  # Qwen2-MoE: a gated shared expert every token runs
 
     FAMILY_FIELDS: ClassVar[tuple[str, ...]] = ("layer_types", "sliding_window", "rope_local_base_freq", "rope_scaling",
                                                 "query_pre_attn_scalar", "hidden_activation", "qk_norm",
                                                 "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                                                "norm_topk_prob", "mlp_only_layers", "decoder_sparse_step")
+                                                "norm_topk_prob", "mlp_only_layers", "decoder_sparse_step",
+                                                "shared_expert_intermediate_size")
 
     @property
     def family(self) -> Family:
@@ -138,7 +140,8 @@ class ModelConfig:
 
     @property
     def expert_parameters(self) -> int:
-        """Every expert's weights (gate, up, down) over every MoE layer; 0 for a dense model."""
+        """Every routed expert's weights (gate, up, down) over every MoE layer (a shared expert, which
+        every token runs, is not among them); 0 for a dense model."""
         if not self.num_experts or not self.moe_intermediate_size:
             return 0
         return self.num_moe_layers * self.num_experts * 3 * self.hidden_size * self.moe_intermediate_size
@@ -171,7 +174,9 @@ class ModelConfig:
         embed = v * h
         head = 0 if self.tie_word_embeddings else v * h
         # a MoE layer's router and experts in place of the dense MLP
-        sparse = self.num_moe_layers * ((self.num_experts or 0) * h - mlp) + self.expert_parameters
+        # (and a shared expert with its one-row sigmoid gate, Qwen2-MoE's)
+        shared = 3 * h * self.shared_expert_intermediate_size + h if self.shared_expert_intermediate_size else 0
+        sparse = self.num_moe_layers * ((self.num_experts or 0) * h + shared - mlp) + self.expert_parameters
         return embed + head + self.num_layers * per_layer + h + sparse
 
     def summary(self) -> dict[str, Any]:

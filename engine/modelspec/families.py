@@ -130,6 +130,16 @@ def _qwen3_moe_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
             "mlp_only_layers": dense or None, "decoder_sparse_step": step if step != 1 else None}
 
 
+def _qwen2_moe_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Qwen2-MoE: Qwen2's attention (Q/K/V bias unless ``qkv_bias`` is false); sparse layers as
+    Qwen3-MoE's, each with a shared expert of ``shared_expert_intermediate_size`` behind a sigmoid gate."""
+    _no_sliding_window(cfg, "Qwen2-MoE")
+    fields = {**_qwen3_moe_fields(cfg), "attention_bias": bool(cfg.get("qkv_bias", True)),
+              "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size") or 0) or None}
+    del fields["qk_norm"]  # Qwen3's QK-norm is not Qwen2's
+    return fields
+
+
 def _mixtral_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """Mixtral: Llama's attention; every layer sparse, experts of ``intermediate_size``, the
     top-k always renormalised. A sliding window (Mistral's) is refused: kvscope runs Mixtral
@@ -291,6 +301,8 @@ FAMILIES: tuple[Family, ...] = (
     # experts into one 3-D tensor, which the GGUF loader does not split yet).
     Family("qwen3_moe", "engine.model.qwen3_moe:Qwen3MoeForCausalLM", hf_architectures=("Qwen3MoeForCausalLM",),
            model_types=("qwen3_moe",), hf_fields=_qwen3_moe_fields, tensor_parallel=False),
+    Family("qwen2_moe", "engine.model.qwen2_moe:Qwen2MoeForCausalLM", hf_architectures=("Qwen2MoeForCausalLM",),
+           model_types=("qwen2_moe",), hf_fields=_qwen2_moe_fields, tensor_parallel=False),
     Family("mixtral", "engine.model.mixtral:MixtralForCausalLM", hf_architectures=("MixtralForCausalLM",),
            model_types=("mixtral",), hf_fields=_mixtral_fields, tensor_parallel=False),
 )

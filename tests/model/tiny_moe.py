@@ -20,7 +20,7 @@ MOE_VARIANTS: dict[str, dict[str, Any]] = {
     # layer 1 dense (mlp_only_layers), top-2 probabilities not renormalised, tied head
     "qwen3moe-mixed": {"norm_topk_prob": False, "mlp_only_layers": [1], "tie_word_embeddings": True},
 }
-VARIANT_NAMES = (*MOE_VARIANTS, "mixtral")
+VARIANT_NAMES = (*MOE_VARIANTS, "mixtral", "qwen2moe")
 # transformers' reference experts: its plain loop over active experts (the default, grouped_mm,
 # takes ~0.6 s a forward on this CPU: 30 s of reference logits per checkpoint instead of ~1 s)
 EAGER: dict[str, Any] = {"experts_implementation": "eager"}
@@ -31,6 +31,8 @@ def build_tiny_moe(variant: str, seed: int = 0) -> Any:
 
     if variant == "mixtral":
         return build_tiny_mixtral(seed)
+    if variant == "qwen2moe":
+        return build_tiny_qwen2_moe(seed)
     config = transformers.Qwen3MoeConfig(**TINY_SHAPES, **MOE_SHAPES, **MOE_VARIANTS[variant])
     torch.manual_seed(seed)
     return _redrawn(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, **EAGER), seed)
@@ -62,4 +64,15 @@ def build_tiny_mixtral(seed: int = 0) -> Any:
     shapes = {**TINY_SHAPES, "intermediate_size": MOE_SHAPES["moe_intermediate_size"]}
     config = transformers.MixtralConfig(**shapes, num_local_experts=MOE_SHAPES["num_experts"],
                                         num_experts_per_tok=MOE_SHAPES["num_experts_per_tok"], sliding_window=None)
+    return _redrawn(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, **EAGER), seed)
+
+
+def build_tiny_qwen2_moe(seed: int = 0) -> Any:
+    """Qwen2-MoE of the same shapes: Q/K/V bias, 8 experts of 32, top-2 not renormalised
+    (Qwen1.5-MoE's norm_topk_prob false), a shared expert of 48 behind its sigmoid gate."""
+    import transformers
+
+    shapes = {k: v for k, v in TINY_SHAPES.items() if k != "head_dim"}  # Qwen2-MoE: hidden / heads (16)
+    config = transformers.Qwen2MoeConfig(**shapes, **MOE_SHAPES, shared_expert_intermediate_size=48,
+                                         norm_topk_prob=False, tie_word_embeddings=False)
     return _redrawn(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, **EAGER), seed)
