@@ -25,6 +25,7 @@ from engine.budget.memory import GiB, MemoryPlan, bytes_per_kv_token, gpu_preset
 from engine.budget.vision import multimodal_from_flags
 from engine.errors import UserError
 from engine.events import Recording
+from engine.events.ledger import BY_NAME as LEDGER_ITEM
 from engine.events.phase_data import (
     BudgetData,
     GraphsCompileData,
@@ -38,6 +39,7 @@ from engine.events.phase_names import PHASE_SPANS, vllm_group
 from engine.modelspec.config import ModelConfig
 from engine.modelspec.presets import resolve_preset_name
 from engine.modelspec.readers import load_model_config
+from logparse.catalogue import mask
 from logparse.fastscan import BulkRun, iter_summary
 from logparse.parser import Record, iter_records
 from logparse.patterns import FIGURE_NAMES, LEDGER_KEYS, NOISE_SOURCES, PHASE_NAMES
@@ -131,37 +133,85 @@ class PhaseSpan:
         }
 
 
+UNKNOWN_TEMPLATES_KEPT = 2000  # distinct unknown templates counted (memory stays bounded on any log)
+UNKNOWN_TEMPLATES_SHOWN = 20
+
+
+@dataclass(slots=True)
+class UnknownTemplate:
+    """Unknown records that are one line masked alike (:func:`logparse.catalogue.mask`)."""
+
+    template: str
+    count: int
+    first_line: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"template": self.template, "count": self.count, "first_line": self.first_line}
+
+
 @dataclass(slots=True)
 class Coverage:
-    """How much of a log logparse explains: records a catalogue pattern recognised,
-    records classed as another program's (``noise``, by source), and the unknown rest
-    with their first lines (at most :data:`UNKNOWN_LINES_KEPT`)."""
+    """How much of a log logparse explains, per record (line) and per template: records a
+    hand-written pattern recognised (meaning, figures), records only the generated catalogue
+    of vLLM's source knows (``catalogued``), records classed as another program's
+    (``noise``, by source), and the unknown rest with their first lines (at most
+    :data:`UNKNOWN_LINES_KEPT`), grouped by masked template so a warning printed a hundred
+    times is one unknown template."""
 
     recognised: int = 0
+    catalogued: int = 0
     noise: dict[str, int] = field(default_factory=lambda: dict.fromkeys(NOISE_SOURCES, 0))
     unknown: int = 0
     unknown_lines: list[int] = field(default_factory=list)
+    known_templates: set[str] = field(default_factory=set)  # pattern ids, catalogue ids, noise sources
+    unknown_templates: dict[str, UnknownTemplate] = field(default_factory=dict)
+    unknown_templates_dropped: int = 0  # records of unknown templates past UNKNOWN_TEMPLATES_KEPT
 
     @property
     def records(self) -> int:
-        return self.recognised + sum(self.noise.values()) + self.unknown
+        return self.recognised + self.catalogued + sum(self.noise.values()) + self.unknown
 
     def add(self, record: Record) -> None:
         if record.pattern is not None:
             self.recognised += 1
+            self.known_templates.add(record.pattern.id)
+        elif record.template is not None:
+            self.catalogued += 1
+            self.known_templates.add(f"vllm:{record.template.id}")
         elif record.noise is not None:
             self.noise[record.noise] += 1
+            self.known_templates.add(f"noise:{record.noise}")
         else:
             self.unknown += 1
             if len(self.unknown_lines) < UNKNOWN_LINES_KEPT:
                 self.unknown_lines.append(record.line)
+            key = mask(record.text)
+            group = self.unknown_templates.get(key)
+            if group is not None:
+                group.count += 1
+            elif len(self.unknown_templates) < UNKNOWN_TEMPLATES_KEPT:
+                self.unknown_templates[key] = UnknownTemplate(key, 1, record.line)
+            else:
+                self.unknown_templates_dropped += 1
+
+    def add_bulk(self, run: BulkRun) -> None:
+        self.recognised += run.records
+        self.known_templates.update(p.id for p in run.patterns)
+
+    def top_unknown(self, n: int = UNKNOWN_TEMPLATES_SHOWN) -> list[UnknownTemplate]:
+        return sorted(self.unknown_templates.values(), key=lambda t: (-t.count, t.first_line))[:n]
 
     def to_json(self) -> dict[str, Any]:
         total = self.records or 1
-        return {"records": self.records, "recognised": self.recognised, "noise": sum(self.noise.values()),
-                "unknown": self.unknown, "unknown_share": round(self.unknown / total, 6),
-                "noise_by_source": {k: v for k, v in self.noise.items() if v}, "unknown_lines": list(self.unknown_lines)}
-
+        templates = len(self.known_templates) + len(self.unknown_templates)
+        return {"records": self.records, "recognised": self.recognised, "catalogued": self.catalogued,
+                "noise": sum(self.noise.values()), "unknown": self.unknown,
+                "unknown_share": round(self.unknown / total, 6),
+                "noise_by_source": {k: v for k, v in self.noise.items() if v}, "unknown_lines": list(self.unknown_lines),
+                "templates": {"known": len(self.known_templates), "unknown": len(self.unknown_templates),
+                              "unknown_share": round(len(self.unknown_templates) / (templates or 1), 6),
+                              "unknown_records_beyond_kept": self.unknown_templates_dropped},
+                "unknown_templates": [t.to_json() for t in self.top_unknown()]}
 
 UNKNOWN_LINES_KEPT = 200
 
@@ -319,7 +369,7 @@ class _Fold:
 
     def add_run(self, run: BulkRun) -> None:
         """A run of stats/access lines (phase R, no durations, no failures), counted."""
-        self.coverage.recognised += run.records
+        self.coverage.add_bulk(run)
         self.tracebacks.interrupt()
         for pattern in run.patterns:
             span = self._span(pattern.phase, run.first_line, run.first_time)
@@ -488,21 +538,25 @@ _ROW_NOTES = {
 }
 
 
+# The comparison rows, in order: each a figure of the log (FIGURE_NAMES' key); kvscope's side is
+# the plan's JSON under the ledger's report key of the same quantity (engine/events/ledger.py).
+_ROW_FIGURES = ("total_gib", "gpu_memory_utilization", "requested_gib", "weights_gib", "peak_activation_gib",
+                "non_torch_gib", "non_kv_gib", "cuda_graph_gib", "kv_cache_gib", "kv_cache_tokens", "gpu_blocks",
+                "max_concurrency")
+
+
 def _comparison_rows(facts: dict[str, Any], budget: dict[str, Any], plan: MemoryPlan) -> list[dict[str, Any]]:
-    mine: dict[str, float | int | None] = {
-        "total_gib": plan.total_bytes / GiB,
-        "gpu_memory_utilization": plan.gpu_memory_utilization,
-        "requested_gib": plan.requested_bytes / GiB,
-        "weights_gib": plan.weights_bytes / GiB,
-        "peak_activation_gib": plan.activation_peak_bytes / GiB,
-        "non_torch_gib": plan.non_torch_bytes / GiB,
-        "non_kv_gib": (plan.weights_bytes + plan.activation_peak_bytes + plan.non_torch_bytes) / GiB,
-        "cuda_graph_gib": plan.cuda_graph_bytes / GiB,
-        "kv_cache_gib": plan.kv_pool_bytes / GiB,
-        "kv_cache_tokens": plan.kv_cache_tokens,
-        "gpu_blocks": plan.num_blocks,
-        "max_concurrency": plan.max_concurrency,
-    }
+    planned = plan.to_json()
+    mine: dict[str, float | int | None] = {}
+    for key in _ROW_FIGURES:
+        kvscope_name = FIGURE_NAMES[key].kvscope if key in FIGURE_NAMES else None
+        item = LEDGER_ITEM.get(kvscope_name or "")
+        if item is not None and item.report_key in planned:
+            mine[key] = planned[item.report_key]
+        elif item is not None:  # a ledger quantity the plan's JSON leaves out (its CUDA-graph reserve)
+            mine[key] = item.report_value(getattr(plan, item.name))
+        else:  # non-KV: the sum vLLM prints
+            mine[key] = (plan.weights_bytes + plan.activation_peak_bytes + plan.non_torch_bytes) / GiB
     theirs = {**{k: budget.get(k) for k in mine}, "kv_cache_tokens": facts.get("kv_cache_tokens"),
               "gpu_blocks": facts.get("gpu_blocks"), "max_concurrency": facts.get("max_concurrency")}
     rows = []

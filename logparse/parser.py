@@ -25,6 +25,7 @@ from typing import Any, BinaryIO
 
 import ahocorasick
 
+from logparse.catalogue import Template, catalogue
 from logparse.patterns import BLANK, BULK_MARKERS, NOISE, PATTERNS, TEXT_FIELDS, LinePattern
 
 MAX_LINE_BYTES = 1 << 20  # a longer physical line keeps its first MiB; the rest is skipped
@@ -106,6 +107,8 @@ class Record:
     duplicate_of: int | None = None
     has_prefix: bool = False
     noise: str | None = None  # the source of a line vLLM did not write (NOISE), when no pattern matched
+    template: Template | None = None  # the generated catalogue's entry (vLLM's source), when no pattern matched
+    template_args: dict[str, str] = field(default_factory=dict)  # its placeholders as printed, by argument
 
     @property
     def phase(self) -> str | None:
@@ -128,6 +131,8 @@ class Record:
             value = getattr(self, name)
             if value is not None:
                 out[name] = value
+        if self.template is not None:
+            out["template"] = {**self.template.to_json(), "args": dict(self.template_args)}
         if self.repeated != 1:
             out["repeated"] = self.repeated
         return out
@@ -406,6 +411,12 @@ class RecordAssembler:
 
     def _close(self, record: Record) -> Record:
         if record.pattern is None:
+            code_line = self.frame_process == record.process and _TRACEBACK_CODE.match(record.text)
+            found = None if code_line or not record.text else catalogue().match(record.text)
+            if found is not None:  # vLLM's own line, from its source: vLLM's even where it names Triton or NUMA
+                record.template, record.template_args = found
+                self.frame_process = False
+                return record
             record.noise = match_noise(record.text)
             if record.noise is None and self.frame_process == record.process and _TRACEBACK_CODE.match(record.text):
                 record.noise = "traceback"  # the code line under a frame, printed with its own log prefix

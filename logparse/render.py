@@ -34,12 +34,30 @@ BUDGET_ROWS = tuple((key, _budget_label(key)) for key in _BUDGET_KEYS)
 
 
 def coverage_line(exp: Explanation) -> str:
-    """'N records: R recognised, K noise (sources), U unrecognised' for a view's header."""
+    """'N records: R recognised, C from vLLM's source, K noise (sources), U unrecognised in T
+    templates' for a view's header."""
     cov = exp.coverage
     noise = {k: v for k, v in cov.noise.items() if v}
     sources = f" ({', '.join(f'{k} {v}' for k, v in noise.items())})" if noise else ""
-    return (f"{exp.record_count:,} records: {cov.recognised:,} recognised, {sum(noise.values()):,} noise{sources}, "
-            f"{cov.unknown:,} unrecognised")
+    return (f"{exp.record_count:,} records: {cov.recognised:,} recognised, {cov.catalogued:,} from vLLM's source, "
+            f"{sum(noise.values()):,} noise{sources}, {cov.unknown:,} unrecognised"
+            f" in {len(cov.unknown_templates):,} templates ({len(cov.known_templates):,} known)")
+
+
+HEADER_FIELD_CHARS = 120  # a garbled log can print a model name of thousands of characters
+
+
+def short(value: Any) -> str:
+    """A header field as text, '?' when absent, cut with its length when huge."""
+    if value is None or value == "":
+        return "?"
+    text = str(value)
+    return text if len(text) <= HEADER_FIELD_CHARS else f"{text[:HEADER_FIELD_CHARS]}… ({len(text):,} characters)"
+
+
+def unknown_template_rows(exp: Explanation) -> list[str]:
+    """The commonest unknown templates, 'count x  template  (first at line N)'."""
+    return [f"{t.count:>6,} x  {t.template}  (first at line {t.first_line})" for t in exp.coverage.top_unknown()]
 
 
 def fmt(value: Any) -> str:
@@ -117,7 +135,7 @@ def render_terminal(exp: Explanation, out: TextIO | None = None, summary: bool =
                     max_lines: int = 2000) -> None:
     console = _console(out)
     title = Text(f"logparse: {exp.path}", style="bold")
-    title.append(f"   vLLM {exp.facts.get('vllm_version') or '?'}   model {exp.facts.get('model') or '?'}   "
+    title.append(f"   vLLM {short(exp.facts.get('vllm_version'))}   model {short(exp.facts.get('model'))}   "
                  f"{coverage_line(exp)}", style="dim")
     console.print(title)
     if not summary:
@@ -134,7 +152,10 @@ def render_terminal(exp: Explanation, out: TextIO | None = None, summary: bool =
             line.append(record.text[:160] or "(prefix only)", style=PHASE_STYLES.get(phase, "dim") if record.pattern else "dim")
             console.print(line)
             if record.pattern is None:
-                if record.noise:
+                if record.template is not None:
+                    console.print(Text(f"         vLLM {record.template.level} from {', '.join(record.template.files)} "
+                                       f"[{record.template.releases}]", style="dim"))
+                elif record.noise:
                     console.print(Text(f"         not vLLM's: {record.noise}", style="dim"))
                 continue
             if record.duplicate_of is not None:
@@ -154,6 +175,10 @@ def render_terminal(exp: Explanation, out: TextIO | None = None, summary: bool =
                              f"{span.first_line}–{span.last_line}", span.first_time or "—", span.last_time or "—",
                              fmt(span.span_s), ", ".join(f"{k}={fmt(v)}" for k, v in span.durations.items()))
         console.print(timeline)
+    if exp.coverage.unknown_templates:
+        console.rule("unrecognised lines by template (numbers, strings, paths masked)")
+        for row in unknown_template_rows(exp):
+            console.print(Text(row, style="dim"))
     console.rule("memory ledger (GiB unless stated)")
     ledger = Table(show_edge=False)
     for col in ("item", "vLLM", "kvscope plan", "note"):
@@ -187,12 +212,15 @@ def render_terminal(exp: Explanation, out: TextIO | None = None, summary: bool =
 # ------------------------------------------------------------------ markdown
 def render_markdown(exp: Explanation, summary: bool = False) -> str:
     out = [f"# logparse: `{exp.path}`", "",
-           f"vLLM {exp.facts.get('vllm_version') or '?'} · model {exp.facts.get('model') or '?'} · "
+           f"vLLM {short(exp.facts.get('vllm_version'))} · model {short(exp.facts.get('model'))} · "
            f"{coverage_line(exp)}", ""]
     if not summary:
         out += ["## Lines", "", "| line | phase | pattern | fields | meaning |", "|---:|:-:|---|---|---|"]
         for r in exp.records:
-            if r.pattern is None and r.noise:
+            if r.pattern is None and r.template is not None:
+                out.append(f"| {r.line} | · | vLLM {r.template.level}: {_md(', '.join(r.template.files))} | "
+                           f"`{_md(r.text[:80])}` | releases {r.template.releases} |")
+            elif r.pattern is None and r.noise:
                 out.append(f"| {r.line} | ~ | not vLLM's: {r.noise} | `{_md(r.text[:80])}` | |")
             elif r.pattern is None:
                 out.append(f"| {r.line} | ? | unrecognised | `{_md(r.text[:80])}` | |")
@@ -206,6 +234,10 @@ def render_markdown(exp: Explanation, summary: bool = False) -> str:
             out.append(f"| {s.phase} {s.span_name} | {s.first_line}–{s.last_line} | "
                        f"{s.first_time or '—'} | {s.last_time or '—'} | {fmt(s.span_s)} | "
                        + ", ".join(f"{k}={fmt(v)}" for k, v in s.durations.items()) + " |")
+    if exp.coverage.unknown_templates:
+        out += ["", "## Unrecognised lines by template", "", "| records | first line | template (masked) |",
+                "|---:|---:|---|"]
+        out += [f"| {t.count:,} | {t.first_line} | `{_md(t.template)}` |" for t in exp.coverage.top_unknown()]
     out += ["", "## Memory ledger", "", "| item | vLLM | kvscope plan | note |", "|---|---:|---:|---|"]
     for label, theirs, mine, note in budget_rows(exp):
         out.append(f"| {label} | {fmt(theirs)} | {fmt(mine)} | {_md(note)} |")

@@ -180,9 +180,14 @@ def load_model_config(model: str) -> ModelConfig:
     if preset is not None:
         return MODEL_PRESETS[preset]
     path = Path(model).expanduser()
-    if path.is_dir():
+    try:
+        is_dir, is_file = path.is_dir(), path.is_file()
+    except OSError as exc:  # a name too long for the file system (a garbled log field), a loop...
+        raise UserError(f"model {model[:120]!r}{'…' if len(model) > 120 else ''} ({len(model):,} characters) is not "
+                        f"a usable path: {exc.strerror}; give a preset name, a .gguf file or an HF folder") from None
+    if is_dir:
         return model_config_from_hf_folder(path)
-    if path.is_file():
+    if is_file:
         return model_config_from_gguf(path)
     raise UserError(
         f"unknown model {model!r}: looked for a preset ({', '.join(sorted(MODEL_PRESETS))}), "
@@ -196,4 +201,7 @@ def resolve_model_file(model: str) -> Path | None:
     if preset in FILE_BACKED_PRESETS:
         return FILE_BACKED_PRESETS[preset]()
     path = Path(model).expanduser()
-    return path if path.exists() else None
+    try:
+        return path if path.exists() else None
+    except OSError:  # not a path the file system can hold: no weights there
+        return None

@@ -1,0 +1,154 @@
+"""The generated catalogue of every line vLLM's source can log (logparse/catalogue/): the
+generator on real module source, the checked-in catalogue's templates matching their own
+lines, what it recognises in the real corpus logs, unknown lines grouped by template, and a
+malformed or huge field getting a message instead of a traceback."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.budget.memory import plan_memory
+from engine.modelspec.readers import load_model_config
+from logparse.catalogue import catalogue, first_line_parts, mask, template_regex
+from logparse.catalogue.generate import generate
+from logparse.cli import main
+from logparse.explain import explain
+from logparse.parser import iter_records
+from tests.paths import DATA
+
+CORPUS = DATA / "vllm-logs"
+
+MODULE_0 = '''
+from vllm.logger import init_logger
+logger = init_logger(__name__)
+
+def load(path, seconds, gib):
+    logger.info("Loading weights took %.2f seconds", seconds)
+    logger.warning_once(f"Model {path!r} is large: {gib:.1f} GiB")
+    logger.debug("Cache dir " + str(path) + " created")
+    logger.error("Worker {} failed after {:.1f} s".format(path, seconds))
+    msg = (f"Using {gib} GiB for the KV cache "
+           "on this node")
+    msg += f" (rank {seconds})"
+    logger.info(msg)
+    logger.info(unknown_message)
+'''
+MODULE_1 = MODULE_0.replace("Loading weights took", "Loading weights took only")
+
+
+def _release(root: Path, release: str, source: str) -> Path:
+    folder = root / release / "vllm"
+    folder.mkdir(parents=True)
+    (folder / "loader.py").write_text(source)
+    return root / release
+
+
+def test_generator_reads_every_call_form_and_dedupes_across_releases(tmp_path: Path) -> None:
+    data = generate([_release(tmp_path, "0.2.0", MODULE_1), _release(tmp_path, "0.1.0", MODULE_0)])
+    assert data["releases"] == ["0.1.0", "0.2.0"]  # ordered by release, not by argument
+    rows = {"".join(p if isinstance(p, str) else "{" + p[1] + "}" for p in row["p"]): row
+            for row in data["templates"]}
+    assert rows["Loading weights took {seconds} seconds"]["r"] == [[0, 0]]
+    assert rows["Loading weights took only {seconds} seconds"]["r"] == [[1, 1]]
+    same = rows["Model {path} is large: {gib} GiB"]
+    assert same["r"] == [[0, 1]] and same["l"] == "W" and same["f"] == ["vllm/loader.py"]
+    assert ["f", "gib"] in same["p"] and ["r", "path"] in same["p"]
+    assert rows["Cache dir {str(path)} created"]["l"] == "D"
+    assert rows["Worker {path} failed after {seconds} s"]["l"] == "E"
+    assert "Using {gib} GiB for the KV cache on this node (rank {seconds})" in rows  # a local msg, += included
+    assert data["unmatchable_calls_skipped"] == 2  # logger.info(unknown_message), twice
+
+
+def test_checked_in_catalogue_covers_releases_04_to_033() -> None:
+    cat = catalogue()
+    assert cat.releases[0].startswith("0.4.") and cat.releases[-1].startswith("0.33.")
+    assert len(cat.releases) == 30 and len(cat.templates) > 4000
+
+
+SAMPLE_ARGS = {"d": "123", "i": "7", "u": "7", "f": "1.50", "e": "1.5e-05", "g": "0.25", "x": "ff", "r": "'abc'"}
+
+
+@pytest.mark.parametrize("every", [pytest.param(1, marks=pytest.mark.slow), 25])
+def test_templates_match_their_own_lines(every: int) -> None:
+    """Each template's first line rendered with sample arguments is recognised (as itself or
+    an equally specific template with the same first line)."""
+    cat = catalogue()
+    for template in cat.templates[::every]:
+        shown, _ = first_line_parts(list(template.parts))
+        line = "".join(p if isinstance(p, str) else SAMPLE_ARGS.get(p[0], "abc") for p in shown).strip()
+        found = cat.match(line)
+        assert found is not None, (template.text, line)
+        assert found[0].specificity >= template.specificity or template_regex(list(found[0].parts)).match(line)
+
+
+def test_placeholders_become_typed_groups_and_arguments_come_back() -> None:
+    cat = catalogue()
+    found = cat.match("Model loading took 0.2389 GiB memory and 0.977005 seconds")
+    assert found is not None
+    template, args = found
+    assert template.level == "INFO" and any(f.endswith("gpu_model_runner.py") for f in template.files)
+    assert set(args.values()) == {"0.2389", "0.977005"}
+    typed = template_regex(["took ", ["f", "elapsed"], " s on ", ["d", "rank"], " ranks of ", ["s", "name"]])
+    assert typed.match("took 1.5 s on 2 ranks of tp") and not typed.match("took lots s on 2 ranks of tp")
+    assert not typed.match("took 1.5 s on two ranks of tp")  # %d is an integer, %.2f a number, %s anything
+
+
+def test_corpus_lines_vllm_printed_that_no_row_knows_are_vllms_own() -> None:
+    log = CORPUS / "v0.32.0-smollm2-135m-cpu-zen3-tp1-compile-cold.log"
+    records = list(iter_records(log))
+    triton = [r for r in records if r.template is not None and "Triton is installed" in r.text]
+    assert triton and all(r.template.files == ("vllm/triton_utils/importing.py",) for r in triton)
+    assert all(r.noise is None for r in triton)  # vLLM's line, no longer "another program's"
+    out = explain(log).to_json()
+    catalogued = [r for r in out["records"] if "template" in r]
+    assert catalogued and catalogued[0]["template"]["level"] == "WARNING"
+    assert catalogued[0]["template"]["files"] == ["vllm/triton_utils/importing.py"]
+    assert out["coverage"]["catalogued"] == len(catalogued) and out["coverage"]["unknown"] == 0
+
+
+def test_a_repeated_unknown_warning_is_one_unknown_template(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    lines = [f"WARNING 12-01 07:30:{i % 60:02d} [cpu.py:{i}] Layer model.layers.{i}.mlp fell back to path "
+             f"/opt/kernels/k{i}.so after {i * 1.5:.1f} ms" for i in range(120)]
+    lines += ["INFO 12-01 07:31:00 [x.py:1] an entirely different local message"] * 3
+    log = tmp_path / "repeated.log"
+    log.write_text("\n".join(lines) + "\n")
+    assert main(["explain", str(log), "--json"]) == 0
+    coverage = json.loads(capsys.readouterr().out)["coverage"]
+    assert coverage["unknown"] == 123 and coverage["templates"]["unknown"] == 2
+    top = coverage["unknown_templates"][0]
+    assert top["count"] == 120 and top["first_line"] == 1 and "<path>" in top["template"] and "<n>" in top["template"]
+    assert main(["explain", str(log)]) == 0
+    assert "unrecognised lines by template" in capsys.readouterr().out
+
+
+def test_a_huge_or_malformed_model_field_gets_a_message_not_a_traceback(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    log = tmp_path / "garbled.log"
+    log.write_text("INFO 12-01 07:30:22 [gpu_model_runner.py:1] Starting to load model " + "m" * 5000 + "\n"
+                   "INFO 12-01 07:30:23 [gpu_worker.py:1] Available KV cache memory: 53.9 GiB\n")
+    assert main(["explain", str(log), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)["plan"]
+    assert "is not a usable path" in plan["unavailable"] and "5,000 characters" in plan["unavailable"]
+    assert main(["explain", str(log)]) == 0
+    assert "(5,000 characters)" in capsys.readouterr().out  # the header cuts it
+
+
+def test_mask_groups_what_varies() -> None:
+    assert mask("Cleaned up request cmpl-00ab12cd-0 after 12.5 ms") == mask("Cleaned up request cmpl-77ff00aa-1 after 3 ms")
+    assert mask("loaded '/a/b.bin' from /data/x/y") == "loaded <str> from <path>"
+
+
+def test_plan_json_and_logparse_rows_share_the_report_keys() -> None:
+    """One vocabulary (issue 36): every ledger figure of logparse's comparison rows is a key of
+    engine plan --json, under the ledger's report key."""
+    from logparse.patterns import LEDGER_FIGURES
+
+    plan = plan_memory(model=load_model_config("llama-3.1-8b"), total_bytes=80 * 2**30, gpu_memory_utilization=0.9,
+                       max_model_len=8192)
+    planned = plan.to_json()
+    for key in ("peak_activation_gib", "kv_cache_gib", "weights_gib", "non_torch_gib", "requested_gib", "total_gib"):
+        assert key in planned and key in LEDGER_FIGURES
+    assert "activation_peak_gib" not in planned and "kv_pool_gib" not in planned
