@@ -39,11 +39,18 @@ VARIANTS: dict[str, tuple[str, bool, dict[str, Any]]] = {
 }
 
 
-def build_tiny_model(variant: str, seed: int = 0) -> Any:
+def tiny_config(variant: str) -> Any:
+    """The variant's transformers config (no weights)."""
     import transformers
 
     class_name, tied, extra = VARIANTS[variant]
-    config = getattr(transformers, class_name)(**TINY_SHAPES, tie_word_embeddings=tied, **extra)
+    return getattr(transformers, class_name)(**TINY_SHAPES, tie_word_embeddings=tied, **extra)
+
+
+def build_tiny_model(variant: str, seed: int = 0) -> Any:
+    import transformers
+
+    config = tiny_config(variant)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     generator = torch.Generator().manual_seed(seed)
