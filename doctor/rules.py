@@ -25,6 +25,7 @@ from typing import Any
 
 from doctor.budget import replan
 from doctor.facts import RequestFacts, RunFacts, StepRow
+from engine.budget.fixes import Fix
 from engine.budget.memory import GiB, required_utilization
 from engine.events.request_lifecycle import wait_reason_text
 from engine.events.schema import PREFIX_EVICTED, PREFIX_SHORT_PROMPT, PREFIX_WINDOW, WAIT_NEVER_FITS
@@ -45,32 +46,6 @@ MAX_UTILIZATION_ADVISED = 0.95  # above this, graph capture and other processes 
 TP_COLLECTIVE_SHARE = 0.25  # collectives taking this share of step time: the split costs more than it saves
 HOT_EXPERT_IMBALANCE = 2.0  # an expert given this many times its layer's mean routed tokens is hot
 HOT_EXPERT_MIN_TOKENS = 32  # routed tokens per expert (the layer's mean) below which a share is noise
-
-
-@dataclass(slots=True)
-class Fix:
-    """A flag change with the numbers that justify it. ``effect`` is the simulator's
-    what-if (filled by :mod:`doctor.remedies`), ``None`` until then."""
-
-    flag: str
-    current: Any
-    proposed: Any
-    why: str
-    effect: str | None = None
-    numbers: dict[str, Any] = field(default_factory=dict)
-
-    def text(self) -> str:
-        if self.proposed is None:
-            head = f"{self.flag}"
-        elif self.current is None:
-            head = f"{self.flag} {self.proposed}"
-        else:
-            head = f"{self.flag} {self.current} -> {self.proposed}"
-        return f"{head}: {self.why}" + (f"; {self.effect}" if self.effect else "")
-
-    def to_json(self) -> dict[str, Any]:
-        return {"flag": self.flag, "current": self.current, "proposed": self.proposed, "why": self.why,
-                "effect": self.effect, "numbers": dict(self.numbers)}
 
 
 @dataclass(slots=True)
