@@ -25,7 +25,9 @@ interface, so the routes and the server run unchanged:
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
+import dataclasses
 import itertools
 import os
 import signal
@@ -44,7 +46,7 @@ from engine.dp_core import CoreFacts, core_main
 from engine.errors import ReplicaError, UserError
 from engine.events import EngineStopped, Event, EventBus, StepEvent, event_from_dict
 from engine.events.metrics import PrometheusMetrics
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.llm_engine import CheckedPrompt, LLMEngine, RequestOutput
 from engine.logs import get_logger
 from engine.serve.async_engine import EngineDead, Overloaded, RequestFailed, RequestStream, _aborted_output
 from engine.serve.host import EngineHost, EventHub, LockedView
@@ -101,6 +103,7 @@ class ReplicaFrontend:
 
     encode_prompt = LLMEngine.encode_prompt
     check_prompt = LLMEngine.check_prompt
+    prepare_prompt = LLMEngine.prepare_prompt
 
     def __init__(self, config: EngineConfig, facts: CoreFacts) -> None:
         self.config = config
@@ -195,6 +198,9 @@ class DataParallelEngine:
             core = CoreClient(rank, process, ours, bus, view)
             self.cores.append(core)
             self._log.info(f"data-parallel rank {rank}: engine core pid {process.pid}")
+        # The cores are not daemons: at interpreter exit multiprocessing would wait for them, so
+        # an exit that skipped shutdown() (a failure in the caller) stops them first (atexit is LIFO).
+        atexit.register(self._stop_cores)
         for core in self.cores:
             core.reader = threading.Thread(target=self._read, args=(core,), name=f"kvscope-dp-reader{core.rank}",
                                            daemon=True)
@@ -253,6 +259,8 @@ class DataParallelEngine:
 
     def _stop_cores(self, dead: CoreClient | None = None) -> None:
         """Ask every core to stop, then terminate and kill what is left: no process outlives the server."""
+        if self._closing and dead is None and all(not c.process.is_alive() for c in self.cores):
+            return  # stopped already (atexit after shutdown)
         self._closing = True
         for core in self.cores:
             if core is not dead:
@@ -284,7 +292,7 @@ class DataParallelEngine:
         best.routed += 1
         return best
 
-    async def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str,
+    async def add_request(self, prompt: Sequence[int] | CheckedPrompt, params: SamplingParams, request_id: str,
                           priority: int = 0, arrival_time: float | None = None) -> RequestStream:
         """AsyncEngine.add_request on the least loaded rank. ``arrival_time`` (this process's
         bus clock) travels as an age, since each core has its own clock."""
@@ -292,7 +300,7 @@ class DataParallelEngine:
             raise EngineDead(f"the engine is not running{f': {self._error}' if self._error else ''}")
         if self._draining:
             raise Overloaded("the server is shutting down")
-        stream = RequestStream(self, request_id, list(prompt_ids), params,  # type: ignore[arg-type]
+        stream = RequestStream(self, request_id, prompt, params,  # type: ignore[arg-type]
                                asyncio.get_running_loop(), priority)
         with self._lock:
             limit = self.max_waiting_requests
@@ -303,7 +311,8 @@ class DataParallelEngine:
             core = self.choose()
             self._streams[request_id] = (core, stream)
         age = None if arrival_time is None else max(0.0, self.bus.now() - arrival_time)
-        core.send(("add", request_id, list(prompt_ids), params, priority, age))
+        # a checked prompt travels as checked (every rank runs the same model and limits)
+        core.send(("add", request_id, stream.prompt, params, priority, age))
         try:
             await stream.accepted
         except asyncio.CancelledError:
@@ -453,7 +462,15 @@ def data_parallel_host(config: EngineConfig, settings: ServerSettings, registry:
         buses[rank].subscribe(metrics[rank])
         buses[rank].subscribe(views[rank])
     buses[0].subscribe(hub)
-    engine = DataParallelEngine(config, buses, views, max_waiting_requests=settings.max_waiting_requests).start()
-    return EngineHost(settings=settings, bus=buses[0], engine=engine,  # type: ignore[arg-type]
-                      view=DataParallelView(engine), metrics=DataParallelMetrics(metrics),  # type: ignore[arg-type]
-                      hub=hub)
+    engine = DataParallelEngine(config, buses, views, max_waiting_requests=settings.max_waiting_requests)
+    fields: dict[str, Any] = dict(settings=settings, bus=buses[0], engine=engine, view=DataParallelView(engine),
+                                  metrics=DataParallelMetrics(metrics), hub=hub)
+    names = {f.name for f in dataclasses.fields(EngineHost)}
+    if "lifecycle" in names:  # /debug/requests: rank 0's requests, as /events
+        from engine.serve.host import LockedLifecycle
+
+        fields["lifecycle"] = LockedLifecycle()
+        buses[0].subscribe(fields["lifecycle"])
+    host = EngineHost(**fields)
+    engine.start()  # last: nothing above may fail with engine cores left running
+    return host
