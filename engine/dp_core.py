@@ -187,11 +187,11 @@ def _loop(engine: Any, conn: Any, forwarder: _Forwarder) -> None:
                     stop = True
                     break
                 if kind == "add":
-                    _, request_id, prompt_ids, params, priority, age = command
+                    _, request_id, prompt, params, priority, age = command  # prompt: checked by the server
                     # the server's receipt, as an age: this core's bus has its own clock
                     arrival = {} if age is None else {"arrival_time": engine.now() - age}
                     try:
-                        engine.add_request(prompt_ids, params, request_id=request_id, priority=priority, **arrival)
+                        engine.add_request(prompt, params, request_id=request_id, priority=priority, **arrival)
                         accepted.append((request_id, None))
                     except UserError as exc:
                         accepted.append((request_id, str(exc)))

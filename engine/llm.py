@@ -56,11 +56,10 @@ class LLM:
         )
         if len(params_list) != len(prompts):
             raise UserError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
-        # Validate every prompt before any compute, so a bad one costs nothing.
-        encoded = [self.engine.encode_prompt(p) for p in prompts]
-        for ids, params in zip(encoded, params_list, strict=True):
-            self.engine.check_prompt(ids, params)
-        order = [self.engine.add_request(ids, params) for ids, params in zip(encoded, params_list, strict=True)]
+        # Check every prompt before any compute, so a bad one costs nothing; add_request
+        # takes the checked prompts without checking them again.
+        checked = [self.engine.prepare_prompt(p, params) for p, params in zip(prompts, params_list, strict=True)]
+        order = [self.engine.add_request(prompt) for prompt in checked]
         finals: dict[str, RequestOutput] = {}
         progress = _progress(len(order)) if use_tqdm and len(order) > 1 else None
         task = progress.add_task("generate", total=len(order)) if progress else None

@@ -57,6 +57,18 @@ class RequestOutput:
         return len(self.prompt_token_ids)
 
 
+@dataclass(frozen=True, slots=True)
+class CheckedPrompt:
+    """A prompt that passed :meth:`LLMEngine.check_prompt` for ``params``: its token ids
+    and the max_tokens they leave. ``add_request`` takes it without checking again (the
+    server checks on a worker thread, the offline API before any compute); a raw prompt
+    is checked there. Trusted only with the params it was checked for (equal ones)."""
+
+    token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+
+
 class LLMEngine:
     """Owns the bus, the scheduler and the model runner. Not thread-safe: one
     thread calls ``add_request`` / ``abort`` / ``step`` (the server funnels its
@@ -184,15 +196,23 @@ class LLMEngine:
                             param="logit_bias")
         return max_tokens
 
+    def prepare_prompt(self, prompt: str | Sequence[int], params: SamplingParams,
+                       add_special_tokens: bool = True) -> CheckedPrompt:
+        """Encode and check ``prompt`` once: ``add_request`` does not check it again."""
+        prompt_ids = self.encode_prompt(prompt, add_special_tokens=add_special_tokens)
+        return CheckedPrompt(prompt_ids, params, self.check_prompt(prompt_ids, params))
+
     # ------------------------------------------------------------ requests
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+    def add_request(self, prompt: str | Sequence[int] | CheckedPrompt, params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> str:
         """Queue a request. ``arrival_time`` (the bus clock): when it was received, if
         earlier than now (the server's HTTP receipt); its TTFT and e2e count from it and
         ``request.arrived`` says how long it took to get here (``preprocess_s``)."""
-        params = params or SamplingParams()
-        prompt_ids = self.encode_prompt(prompt)
-        max_tokens = self.check_prompt(prompt_ids, params)
+        checked = prompt if isinstance(prompt, CheckedPrompt) else None
+        if checked is None or params not in (None, checked.params):  # raw, or checked for other params
+            raw = prompt.token_ids if isinstance(prompt, CheckedPrompt) else prompt
+            checked = self.prepare_prompt(raw, params or SamplingParams())
+        params, prompt_ids, max_tokens = checked.params, checked.token_ids, checked.max_tokens
         rid = request_id or f"req-{next(self._ids)}"
         eos = None if params.ignore_eos else min(self.eos_token_ids) if len(self.eos_token_ids) == 1 else None
         stop_ids = set(params.stop_token_ids)

@@ -17,6 +17,7 @@ from engine.errors import UserError
 from engine.events import Event, EventBus, StartupPhase, StepEvent, read_events
 from engine.events.block_table import BlockTableState
 from engine.llm import LLM
+from engine.llm_engine import CheckedPrompt
 from engine.logs import configure_logging
 from engine.model.device import measure_peak
 from engine.sim.workload import VocabTokenIds, WorkloadSpec, generate_workload, ordinary_token_ids
@@ -147,6 +148,30 @@ def test_too_long_prompt_fails_before_compute_with_the_numbers(recorded) -> None
     with pytest.raises(UserError, match=r"exceeds --max-model-len 1,024"):
         llm.generate([[5] * 1000], SamplingParams(max_tokens=100))
     assert not any(isinstance(e, StepEvent) for e in events[before:])
+
+
+def test_a_prompt_is_checked_once_and_again_only_for_other_params(recorded) -> None:
+    """add_request takes prepare_prompt's result as checked (the server's worker thread and
+    LLM.generate check once); a raw prompt, or one checked for other params, is checked
+    there with the same message and param."""
+    llm, _, _, _ = recorded
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    checked = engine.prepare_prompt([5] * 1000, params)
+    assert (checked.token_ids, checked.max_tokens) == ([5] * 1000, 4)
+    too_many = SamplingParams(max_tokens=100)
+    for refused in (lambda: engine.prepare_prompt([5] * 1000, too_many),
+                    lambda: engine.add_request([5] * 1000, too_many),
+                    lambda: engine.add_request(checked, too_many)):
+        with pytest.raises(UserError, match=r"prompt \(1,000 tokens\) \+ max_tokens \(100\).*exceeds") as info:
+            refused()
+        assert info.value.param == "max_tokens"
+    # taken as checked: a checked prompt's max_tokens is the one it carries, not recomputed
+    rid = engine.add_request(CheckedPrompt([5] * 10, params, max_tokens=2))
+    finals = []
+    while engine.has_unfinished():
+        finals += [out for out in engine.step() if out.finished]
+    assert [(out.request_id, len(out.token_ids)) for out in finals] == [(rid, 2)]
 
 
 @pytest.mark.slow  # ~20 s of folding every step's table; tests/events and the monitor's seek tests fold recordings in the default suite

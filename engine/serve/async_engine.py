@@ -27,7 +27,7 @@ from engine.budget.config import EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.errors import UserError
 from engine.events import EngineStopped, EventBus
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.llm_engine import CheckedPrompt, LLMEngine, RequestOutput
 from engine.logs import log_failure
 
 IDLE_WAIT_S = 0.05  # how long an idle engine thread blocks on its command queue
@@ -53,14 +53,16 @@ class RequestStream:
     cancellation) aborts the request in the engine.
     """
 
-    def __init__(self, engine: AsyncEngine, request_id: str, prompt_ids: list[int],
+    def __init__(self, engine: AsyncEngine, request_id: str, prompt: Sequence[int] | CheckedPrompt,
                  params: SamplingParams, loop: asyncio.AbstractEventLoop, priority: int = 0,
                  arrival_time: float | None = None) -> None:
         self.engine = engine
         self.request_id = request_id
         self.priority = priority
         self.arrival_time = arrival_time  # the bus clock at the HTTP receipt (None: when the engine takes it)
-        self.prompt_ids = prompt_ids
+        # what the engine thread submits: a checked prompt is not checked again there
+        self.prompt_ids: list[int] = prompt.token_ids if isinstance(prompt, CheckedPrompt) else list(prompt)
+        self.prompt: list[int] | CheckedPrompt = prompt if isinstance(prompt, CheckedPrompt) else self.prompt_ids
         self.params = params
         self.loop = loop
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -218,9 +220,10 @@ class AsyncEngine:
             self._ids += 1
             return f"{prefix}-{self._ids}"
 
-    async def add_request(self, prompt_ids: Sequence[int], params: SamplingParams,
+    async def add_request(self, prompt: Sequence[int] | CheckedPrompt, params: SamplingParams,
                           request_id: str, priority: int = 0, arrival_time: float | None = None) -> RequestStream:
-        """Queue a request; returns once the engine accepted it. ``arrival_time`` (the
+        """Queue a request (token ids, or a prompt ``LLMEngine.prepare_prompt`` checked);
+        returns once the engine accepted it. ``arrival_time`` (the
         bus clock): when the server received it; its TTFT counts from there. Raises
         :class:`Overloaded` (too many waiting / shutting down), :class:`UserError`
         (the engine refused it: the message says why) or :class:`EngineDead`."""
@@ -228,7 +231,7 @@ class AsyncEngine:
             raise EngineDead("the engine is not running")
         if self._draining:
             raise Overloaded("the server is shutting down")
-        stream = RequestStream(self, request_id, list(prompt_ids), params, asyncio.get_running_loop(), priority,
+        stream = RequestStream(self, request_id, prompt, params, asyncio.get_running_loop(), priority,
                                arrival_time)
         with self._waiting_lock:
             limit = self.max_waiting_requests
@@ -323,7 +326,7 @@ class AsyncEngine:
         if isinstance(command, _Add):
             stream = command.stream
             try:
-                engine.add_request(stream.prompt_ids, stream.params, request_id=stream.request_id,
+                engine.add_request(stream.prompt, stream.params, request_id=stream.request_id,
                                    priority=stream.priority, arrival_time=stream.arrival_time)
             except UserError as exc:
                 stream.post_accepted(exc)

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from engine.core.sampling_params import SamplingParams
 from engine.errors import UserError
-from engine.llm_engine import RequestOutput
+from engine.llm_engine import CheckedPrompt, RequestOutput
 from engine.logs import get_logger
 from engine.model.tokenizer import StopMatcher
 from engine.serve.async_engine import EngineDead, Overloaded, RequestFailed, RequestStream
@@ -59,8 +59,8 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
     _check_model(host, body.model)
     _warn_ignored(body)
     params = body.sampling_params(body.max_tokens)
-    prompt_ids = await _prepare(host, body.single_prompt(), params)
-    stream = await _submit(host, prompt_ids, params, "cmpl", body.priority, arrival_of(request))
+    checked = await _prepare(host, body.single_prompt(), params)
+    stream = await _submit(host, checked, params, "cmpl", body.priority, arrival_of(request))
     model = host.settings.served_model_name
     if body.stream:
         return streaming(_completion_chunks(stream, model, body.include_usage,
@@ -83,8 +83,8 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     except UserError as exc:
         raise APIError(400, str(exc), param="messages") from None
     # the rendered template holds the BOS already: no second one (vLLM's add_special_tokens=False)
-    prompt_ids = await _prepare(host, str(prompt), params, param="messages", add_special_tokens=False)
-    stream = await _submit(host, prompt_ids, params, "chatcmpl", body.priority, arrival_of(request))
+    checked = await _prepare(host, str(prompt), params, param="messages", add_special_tokens=False)
+    stream = await _submit(host, checked, params, "chatcmpl", body.priority, arrival_of(request))
     model = host.settings.served_model_name
     if body.stream:
         return streaming(_chat_chunks(stream, model, body.include_usage,
@@ -129,17 +129,17 @@ def _check_model(host: EngineHost, name: str | None) -> None:
 
 
 async def _prepare(host: EngineHost, prompt: str | list[int], params: SamplingParams,
-                   param: str = "prompt", add_special_tokens: bool = True) -> list[int]:
+                   param: str = "prompt", add_special_tokens: bool = True) -> CheckedPrompt:
     """Tokenise and check on a worker thread: a long prompt must not stall the event
-    loop (and with it /health, /metrics and every stream)."""
+    loop (and with it /health, /metrics and every stream). The engine thread takes the
+    checked prompt without checking it again."""
     llm = host.llm
 
-    def encode_and_check() -> list[int]:
-        prompt_ids = llm.encode_prompt(prompt, add_special_tokens=add_special_tokens)
-        llm.check_prompt(prompt_ids, params)
+    def encode_and_check() -> CheckedPrompt:
+        checked = llm.prepare_prompt(prompt, params, add_special_tokens=add_special_tokens)
         if params.stop:  # build the stop strings' automaton here; the engine thread finds it cached
             StopMatcher(params.stop)
-        return prompt_ids
+        return checked
 
     try:
         return await anyio.to_thread.run_sync(encode_and_check)
@@ -149,16 +149,16 @@ async def _prepare(host: EngineHost, prompt: str | list[int], params: SamplingPa
         raise APIError(400, str(exc), param=named) from None
 
 
-async def _submit(host: EngineHost, prompt_ids: list[int], params: SamplingParams, prefix: str,
+async def _submit(host: EngineHost, prompt: CheckedPrompt, params: SamplingParams, prefix: str,
                   priority: int = 0, arrival_time: float | None = None) -> RequestStream:
     if priority != 0 and host.llm.startup.scheduler_config.policy != "priority":
         raise APIError(400, f"priority {priority}: priority scheduling is not enabled; start the server with "
                             "--scheduling-policy priority, or send 0", param="priority")
     request_id = new_id(prefix)
     if host.settings.log_requests:
-        _log_request(host, request_id, prompt_ids, params)
+        _log_request(host, request_id, prompt.token_ids, params)
     try:
-        return await host.engine.add_request(prompt_ids, params, request_id, priority=priority,
+        return await host.engine.add_request(prompt, params, request_id, priority=priority,
                                              arrival_time=arrival_time)
     except Overloaded as exc:
         if host.engine.draining:
