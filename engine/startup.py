@@ -115,9 +115,10 @@ class PhaseRecorder:
     """Emits the begin/end events of each phase with memory readings around it."""
 
     def __init__(self, bus: EventBus, device: torch.device, device_memory_gib: float | None, log: Any,
-                 rank: int = 0) -> None:
+                 rank: int | None = None) -> None:
         self.bus = bus
-        self.rank = rank  # every event says whose phase it is (tensor parallelism: every rank runs A-G)
+        # under tensor parallelism every event says whose phase it is (every rank runs A-G); None: one rank
+        self.rank = rank
         self.device = device
         self.device_memory_gib = device_memory_gib
         self.log = log
@@ -421,7 +422,7 @@ def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, i
     s = prepare_startup(config, log)
     bus.publish(EngineConfigEvent(config=resolved_config_dict(s),
                                   model=_model_summary(s.model, s.config.dtype, s.bytes_per_token)))
-    phases = PhaseRecorder(bus, s.device, s.config.device_memory_gib, log, rank=rank.rank if rank else 0)
+    phases = PhaseRecorder(bus, s.device, s.config.device_memory_gib, log, rank=rank.rank if rank else None)
     parallel: TensorParallel | None = None
     with phases.phase("A") as a:
         if rank is not None:

@@ -33,7 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("vllm", help="watch a vLLM server: its /metrics and, with --kv-events, its KV cache events")
     p.add_argument("url", help="the vLLM server, e.g. http://127.0.0.1:8000")
     p.add_argument("--kv-events", metavar="ENDPOINT",
-                   help="its KV-event publisher, e.g. tcp://127.0.0.1:5557 (vLLM's --kv-events-config endpoint)")
+                   help="its KV-event publisher's endpoint as vLLM's --kv-events-config names it: tcp://*:5557 "
+                        "(vLLM binds: the monitor connects to the server's host) or tcp://THIS_HOST:5557 (vLLM "
+                        "connects: the monitor binds it); default: what GET /kv_event_sources lists")
     p.add_argument("--kv-replay", metavar="ENDPOINT",
                    help="its replay endpoint (replay_endpoint), to fill gaps, e.g. tcp://127.0.0.1:5558")
     _add_polling(p)
@@ -75,15 +77,52 @@ def _gpu_reader(args: argparse.Namespace) -> GpuReader | None:
     return RecordedGpuReader.load(args.gpu_readings) if getattr(args, "gpu_readings", None) else NvmlReader()
 
 
-def _kv(args: argparse.Namespace, source: str) -> list[KvEndpoint]:
-    from monitor.external import KvEndpoint
-    from monitor.kv_events import check_endpoint
+def _kv(args: argparse.Namespace, source: str, discover: bool = False) -> list[KvEndpoint]:
+    """The KV-event endpoint to subscribe to: ``--kv-events`` as vLLM's ``--kv-events-config``
+    names it (vLLM's bind/connect rule applied in mirror), or with ``discover`` and no flag,
+    what the server's ``GET /kv_event_sources`` (vLLM 0.32) lists."""
+    from urllib.parse import urlsplit
 
+    from monitor.external import KvEndpoint
+    from monitor.kv_events import replay_side, subscriber_side
+
+    host = urlsplit(source).hostname or "127.0.0.1"
     if not args.kv_events:
         if args.kv_replay:
             raise UserError("--kv-replay needs --kv-events (the publisher's endpoint)")
+        return _discovered_kv(source, host, args.timeout) if discover else []
+    endpoint, bind = subscriber_side(args.kv_events, host)
+    return [KvEndpoint(source, endpoint, replay_side(args.kv_replay, host) if args.kv_replay else None, bind=bind)]
+
+
+def _discovered_kv(source: str, host: str, timeout_s: float) -> list[KvEndpoint]:
+    """The first (DP rank 0's) source ``GET /kv_event_sources`` lists; none when the server
+    has no such route (vLLM before it, or kvscope without --kv-events-config)."""
+    import httpx
+
+    from monitor.external import KvEndpoint
+    from monitor.kv_events import replay_side, sources_listed, subscriber_side
+
+    try:
+        response = httpx.get(source.rstrip("/") + "/kv_event_sources", timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        print(f"monitor: {source}/kv_event_sources: {exc}; KV events need --kv-events ENDPOINT", file=sys.stderr)
         return []
-    return [KvEndpoint(source, check_endpoint(args.kv_events), check_endpoint(args.kv_replay) if args.kv_replay else None)]
+    if response.status_code != 200:
+        print(f"monitor: {source}/kv_event_sources answered {response.status_code}; KV events need "
+              "--kv-events ENDPOINT", file=sys.stderr)
+        return []
+    sources = sources_listed(response.json())
+    if not sources:
+        return []
+    first = sources[0]
+    if len(sources) > 1:
+        print(f"monitor: {len(sources)} KV-event sources (one per DP rank); following rank "
+              f"{first.get('data_parallel_rank') or 0}'s", file=sys.stderr)
+    endpoint, bind = subscriber_side(first["endpoint"], host)
+    replay = first.get("replay_endpoint")
+    return [KvEndpoint(source, endpoint, replay_side(replay, host) if replay else None, bind=bind,
+                       topic=str(first.get("topic") or ""))]
 
 
 def follow(args: argparse.Namespace) -> int:
@@ -132,7 +171,7 @@ def watch_vllm(args: argparse.Namespace) -> int:
 
     _check_polling(args)
     url = base_url(args.url)
-    return _run_fleet(args, [url], {url: VLLM}, detail=url, kv=_kv(args, url))
+    return _run_fleet(args, [url], {url: VLLM}, detail=url, kv=_kv(args, url, discover=True))
 
 
 def record(args: argparse.Namespace) -> int:

@@ -36,6 +36,8 @@ class KvEndpoint:
     source: str
     endpoint: str
     replay: str | None = None
+    bind: bool = False  # the publisher connects to ``endpoint`` (vLLM's rule): the subscriber binds it
+    topic: str = ""
 
 
 def event_source(event: Event) -> str | None:
@@ -73,8 +75,8 @@ class ExternalFeed:
         target = deliver or self.push
         self.pollers = [MetricsPoller(u, target, interval_s=interval_s, timeout_s=timeout_s, max_retry_s=max_retry_s)
                         for u in self.urls]
-        self.subscribers = [KvEventSubscriber(k.endpoint, target, replay=k.replay, source=base_url(k.source))
-                            for k in kv]
+        self.subscribers = [KvEventSubscriber(k.endpoint, target, replay=k.replay, source=base_url(k.source),
+                                              bind=k.bind, topic=k.topic) for k in kv]
         self.kv_sources = {base_url(k.source): k.endpoint for k in kv}
         self._tasks: list[asyncio.Task[None]] = []
         self._client: httpx.AsyncClient | None = None

@@ -8,8 +8,9 @@ is a map tagged ``"type"`` (``BlockStored`` {block_hashes, parent_block_hash,
 token_ids, block_size, medium, ...}, ``BlockRemoved`` {block_hashes, medium},
 ``AllBlocksCleared`` {}), or, in older vLLM, an array with the tag first and the
 fields in that order. An optional ROUTER replay socket answers
-``[b"", start_seq (8 B BE)]`` with every buffered ``[b"", seq, payload]`` from
-``start_seq`` and then ``seq = -1`` with an empty payload.
+``[b"", start_seq (8 B BE)]`` with every buffered ``[b"", topic, seq, payload]`` from
+``start_seq`` and then ``seq = -1`` with an empty payload (vLLM 0.32 and kvscope;
+older vLLM and SGLang leave the topic out: ``[b"", seq, payload]``, read too).
 
 Events carry block *hashes*, not physical block ids, so what they describe is the set
 of cached prefixes (a forest: each stored block names its parent's hash), not a block
@@ -31,6 +32,7 @@ import zmq
 
 from engine.errors import UserError
 from engine.events import KvEventBatch
+from engine.events.kv_events_config import binds
 
 END_OF_REPLAY = -1
 # Batches ZMQ holds for us while the drawing has the GIL (vLLM's publisher hwm default); past it
@@ -47,13 +49,48 @@ KEPT_FIELDS = ("block_hashes", "parent_block_hash", "block_size", "medium", "gro
 BlockHash = int | str
 
 
+WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]")
+
+
 def check_endpoint(endpoint: str) -> str:
-    """``tcp://HOST:PORT`` as a subscriber connects to it; a bind address (``*``) is refused early."""
+    """A ZMQ address (``tcp://HOST:PORT``, ``ipc://``, ``inproc://``), refused early otherwise."""
     if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
         raise UserError(f"{endpoint!r} is not a ZMQ endpoint; pass --kv-events tcp://HOST:5557")
-    if "*" in endpoint:
-        raise UserError(f"{endpoint!r} is a bind address; pass the server's host, e.g. tcp://127.0.0.1:5557")
     return endpoint
+
+
+def subscriber_side(endpoint: str, server_host: str) -> tuple[str, bool]:
+    """Where a subscriber meets a publisher configured at ``endpoint`` (as vLLM's
+    ``--kv-events-config`` names it, or as ``GET /kv_event_sources`` reports it), and
+    whether it binds there: vLLM's rule in mirror. A publisher that binds (a wildcard
+    host, ipc, inproc) is connected to, at ``server_host`` for a wildcard; one that
+    connects (any other host) is waited for: the subscriber binds that address."""
+    check_endpoint(endpoint)
+    if not endpoint.startswith("tcp://"):
+        return endpoint, False
+    host, sep, port = endpoint[len("tcp://"):].rpartition(":")
+    if not sep or not port:
+        raise UserError(f"{endpoint!r}: give a port, e.g. tcp://127.0.0.1:5557")
+    if host in WILDCARD_HOSTS or binds(endpoint):
+        return f"tcp://{server_host}:{port}", False
+    return endpoint, True
+
+
+def sources_listed(body: Any) -> list[dict[str, Any]]:
+    """``GET /kv_event_sources``'s answer (vLLM 0.32: a JSON array of ``{data_parallel_rank,
+    endpoint, replay_endpoint, topic}``; ``{"sources": [...]}`` read too), by DP rank."""
+    rows = body.get("sources") if isinstance(body, dict) else body
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("endpoint"), str)
+                                             for r in rows):
+        raise UserError("GET /kv_event_sources answered something other than a list of {endpoint, replay_endpoint, "
+                        "topic, data_parallel_rank}; pass --kv-events ENDPOINT")
+    return sorted(rows, key=lambda r: r.get("data_parallel_rank") or 0)
+
+
+def replay_side(endpoint: str, server_host: str) -> str:
+    """The replay ROUTER always binds (vLLM too): connect to it, at ``server_host`` for a wildcard."""
+    address, _ = subscriber_side(endpoint, server_host)
+    return address if endpoint.startswith("tcp://") else endpoint
 
 
 def _hash(value: Any) -> BlockHash | None:
@@ -289,8 +326,13 @@ class KvEventSubscriber:
     missed batches from the first one missing; without it, ``missed`` counts them."""
 
     def __init__(self, endpoint: str, deliver: Callable[[KvEventBatch], None], *, replay: str | None = None,
-                 topic: str = "", source: str = "", replay_timeout_s: float = 2.0) -> None:
+                 topic: str = "", source: str = "", replay_timeout_s: float = 2.0, bind: bool = False) -> None:
+        """``bind``: the publisher connects to ``endpoint`` (vLLM's rule for a non-wildcard
+        address), so the SUB binds it; when the address is taken or not this machine's
+        (the publisher bound it after all), the SUB connects instead (``mode`` says which)."""
         self.endpoint = check_endpoint(endpoint)
+        self.bind = bind
+        self.mode = "binding" if bind else "connecting"
         self.replay = check_endpoint(replay) if replay else None
         self.topic = topic
         self.source = source or endpoint
@@ -329,7 +371,7 @@ class KvEventSubscriber:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
-        sub.connect(self.endpoint)
+        self._attach(sub)
         if self.replay is not None:
             # Joining a running server: what is cached now was stored before we subscribed.
             self._fill_gap(0, None, count_missed=False)
@@ -352,6 +394,18 @@ class KvEventSubscriber:
                 self._batch(seq, frames[2])
         finally:
             sub.close()
+
+    def _attach(self, sub: zmq.Socket) -> None:
+        if self.bind:
+            try:
+                sub.bind(self.endpoint)
+                self.mode = "bound"
+                return
+            except zmq.ZMQError as exc:
+                if exc.errno not in (zmq.EADDRINUSE, zmq.EADDRNOTAVAIL):
+                    raise
+        sub.connect(self.endpoint)
+        self.mode = "connected"
 
     def _fill_gap(self, first: int, upto: int | None, count_missed: bool = True) -> None:
         """Ask the replay socket for batches ``first`` .. ``upto - 1`` (all it has: None)."""
@@ -384,7 +438,10 @@ class KvEventSubscriber:
                 frames = dealer.recv_multipart()
                 if frames and frames[0] == b"":
                     frames = frames[1:]
-                if len(frames) < 2:
+                if len(frames) == 3:  # [topic, seq, payload]; [seq, payload] before the topic was added
+                    frames = frames[1:]
+                if len(frames) != 2 or len(frames[0]) != 8:
+                    self.bad += 1
                     continue
                 seq = int.from_bytes(frames[0], "big", signed=True)
                 if seq == END_OF_REPLAY:

@@ -94,6 +94,10 @@ def test_a_ranks_phase_says_its_rank_and_a_single_rank_recording_is_unchanged() 
     assert "rank" not in single.to_dict()
     ranked = StartupPhase(phase="C", name=PHASES["C"], status="end", rank=2)
     assert ranked.to_dict()["rank"] == 2 and event_from_dict(ranked.to_dict()) == ranked
+    # under tensor parallelism rank 0's phases say so too (issue 35: only ranks 1+ did)
+    first = StartupPhase(phase="C", name=PHASES["C"], status="end", rank=0)
+    assert first.to_dict()["rank"] == 0 and event_from_dict(first.to_dict()) == first
+    assert event_from_dict(single.to_dict()).rank is None
     step = StepEvent(index=1)
     assert not {"collective_s", "collective_bytes", "collective_calls"} & set(step.to_dict())
 

@@ -61,6 +61,12 @@ _TYPES: dict[str, tuple[type, ...]] = {
 }
 
 
+def binds(endpoint: str) -> bool:
+    """vLLM's rule for its PUB socket: bind a stable address (wildcard, IPv6 any, ipc,
+    inproc), connect otherwise. A subscriber applies it in mirror."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
 def _type_word(types: tuple[type, ...]) -> str:
     names = {bool: "true or false", str: "a string", int: "a whole number", type(None): "null"}
     return " or ".join(names[t] for t in types)

@@ -7,10 +7,11 @@ published over ZMQ exactly as vLLM's ``ZmqEventPublisher`` does.
   (``tcp://127.0.0.1:*`` binds a free port: :attr:`ZmqEventPublisher.endpoint` is the
   one bound), else connected, as vLLM decides.
 - ROUTER socket at ``replay_endpoint`` (optional): a request ``[identity, b"",
-  start_seq (8 B BE)]`` is answered with one ``[identity, b"", seq, payload]`` per
-  buffered batch from ``start_seq`` on (the last ``buffer_steps`` batches), then the
-  end marker ``[identity, b"", seq -1, b""]``. A DEALER that sends ``[b"", start_seq]``
-  receives ``[b"", seq, payload]`` frames.
+  start_seq (8 B BE)]`` is answered with one ``[identity, b"", topic, seq, payload]``
+  per buffered batch from ``start_seq`` on (the last ``buffer_steps`` batches), then the
+  end marker ``[identity, b"", b"", seq -1, b""]``, as vLLM 0.32's ``_service_replay``
+  sends them. A DEALER that sends ``[b"", start_seq]`` receives ``[b"", topic, seq,
+  payload]`` frames: the live socket's three after the delimiter.
 
 The engine thread only folds and appends to a queue of at most ``max_queue_size``
 batches; encoding, sending and replay run on the publisher's own thread, so no
@@ -47,7 +48,7 @@ from prometheus_client import CollectorRegistry, Counter
 from engine.errors import UserError
 from engine.events import Event
 from engine.events.kv_events import EventBatch, KVEventFold
-from engine.events.kv_events_config import FLAG, KVEventsConfig
+from engine.events.kv_events_config import FLAG, KVEventsConfig, binds
 from engine.logs import get_logger
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's end marker
@@ -55,11 +56,6 @@ POLL_S = 0.01  # a busy publisher thread's sleep between rounds: the most a batc
 IDLE_POLL_MS = 1000  # an idle thread's poll timeout: a safety net, every wake-up is signalled
 MERGE_LIMIT = 64  # step batches sent as one message at most
 SHUTDOWN_S = 2.0  # close() waits this long for queued batches to go out
-
-
-def binds(endpoint: str) -> bool:
-    """vLLM's rule: bind a stable address (wildcard, IPv6 any, ipc, inproc), connect otherwise."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
 class ZmqEventPublisher:
@@ -72,6 +68,7 @@ class ZmqEventPublisher:
         self._pending: deque[EventBatch] = deque()
         self._max_pending = config.max_queue_size
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self.topic = config.topic
         self._topic = config.topic.encode("utf-8")
         self._on_sent = on_sent
         self._stopping = False
@@ -197,8 +194,8 @@ class ZmqEventPublisher:
         send = self._replay.send_multipart
         for seq, payload in self._buffer:
             if seq >= start_seq:
-                send((identity, b"", seq.to_bytes(8, "big"), payload))
-        send((identity, b"", END_SEQ, b""))
+                send((identity, b"", self._topic, seq.to_bytes(8, "big"), payload))
+        send((identity, b"", b"", END_SEQ, b""))
 
     def wait_sent(self, count: int, timeout: float = 5.0) -> bool:
         """Wait until ``count`` step batches have gone out (tests, benchmarks, shutdown)."""

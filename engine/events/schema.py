@@ -91,8 +91,9 @@ class StartupPhase(Event):
     (``phase_record(event)``, ``read_phase(event, KvCacheData)``; producers publish
     ``record.to_dict()``). ``planned`` marks numbers from ``engine plan``;
     ``simulated`` from ``engine simulate``. ``rank``: the tensor-parallel rank whose
-    phase it is (every rank runs A–G; rank 0 publishes the others' phases too); written
-    only when not 0, so a one-rank recording is what it always was.
+    phase it is (every rank runs A–G; rank 0 publishes the others' phases too), on every
+    rank's events, rank 0's included; None (not written) when the replica has one rank,
+    so a one-rank recording is what it always was.
     """
 
     type: ClassVar[str] = "startup.phase"
@@ -107,7 +108,13 @@ class StartupPhase(Event):
     reason: str | None = None
     planned: bool = False
     simulated: bool = False
-    rank: int = 0
+    rank: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = Event.to_dict(self)  # drops rank 0 with None (written_when_set): rank 0 goes back in
+        if self.rank is not None:
+            out["rank"] = self.rank
+        return out
 
 
 @dataclass(slots=True)

@@ -364,8 +364,9 @@ class EngineView:
         return view
 
     def _on_phase(self, ev: StartupPhase) -> None:
-        view = self._phase(ev.phase, ev.name, ev.rank)
-        ledger = self.rank_ledgers.setdefault(ev.rank, dict.fromkeys(LEDGER_KEYS, 0)) if ev.rank else self.ledger
+        rank = ev.rank or 0  # None: a one-rank replica
+        view = self._phase(ev.phase, ev.name, rank)
+        ledger = self.rank_ledgers.setdefault(rank, dict.fromkeys(LEDGER_KEYS, 0)) if rank else self.ledger
         view.name = ev.name
         view.status = "running" if ev.status == "begin" else ev.status
         if ev.status == "begin":

@@ -24,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.serve import routes_observability, routes_openai
+from engine.serve import routes_observability, routes_openai, routes_vllm
 from engine.serve.host import LOOPBACK_HOSTS, EngineHost, EventHub, LockedView, ServerSettings
 from engine.serve.http_limits import BoundedBody
 from engine.serve.protocol import APIError, ErrorResponse
@@ -59,13 +59,14 @@ def build_app(host: EngineHost) -> FastAPI:
     app.add_middleware(BoundedBody, limit=partial(_body_limit, host), idle_timeout_s=settings.body_idle_timeout_s,
                        timeout_s=settings.body_timeout_s)
     # Outermost: every request's clock starts before its body is read (TTFT from arrival).
-    app.add_middleware(StampArrival, clock=host.bus.now)
+    app.add_middleware(StampArrival, clock=host.bus.now, in_flight=host.in_flight)
 
     for exc_class, handler in EXCEPTION_HANDLERS:
         app.add_exception_handler(exc_class, handler)
 
     app.include_router(routes_openai.router)
     app.include_router(routes_observability.router)
+    app.include_router(routes_vllm.router)
     return app
 
 

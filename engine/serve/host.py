@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -23,6 +24,7 @@ from engine.events.request_lifecycle import RequestLifecycle
 from engine.events.view import EngineView
 from engine.llm_engine import LLMEngine
 from engine.serve.async_engine import AsyncEngine
+from engine.serve.profiling import TorchProfiler
 from engine.serve.settings import LOOPBACK_HOSTS, ServerSettings
 
 __all__ = ["LOOPBACK_HOSTS", "EngineHost", "EventHub", "LockedView", "ServerSettings", "SseClient"]
@@ -129,6 +131,16 @@ class EngineHost:
 
     settings: ServerSettings
     bus: EventBus
+class InFlight:
+    """The completion and chat requests received and not yet answered in full (vLLM's
+    server load); counted by :class:`~engine.serve.route_support.StampArrival`."""
+
+    PATHS = ("/v1/completions", "/v1/chat/completions")
+
+    def __init__(self) -> None:
+        self.count = 0  # changed on the event loop only
+
+
     engine: AsyncEngine
     view: LockedView
     metrics: PrometheusMetrics
@@ -140,6 +152,8 @@ class EngineHost:
                registry: CollectorRegistry | None = None, bus: EventBus | None = None) -> EngineHost:
         """Subscribe the observers, then start the engine thread (startup runs
         there; ``engine.wait_ready()`` waits for it). ``--data-parallel-size`` > 1: engine
+    profiler: TorchProfiler = field(default_factory=lambda: TorchProfiler(os.getcwd()))  # /start_profile
+    in_flight: InFlight = field(default_factory=lambda: InFlight())  # /load
         cores in processes of their own behind the same interface (engine/serve/data_parallel.py)."""
         if (config.data_parallel_size or 1) > 1:
             from engine.serve.data_parallel import data_parallel_host
@@ -156,7 +170,7 @@ class EngineHost:
         engine = AsyncEngine(config, bus, max_waiting_requests=settings.max_waiting_requests,
                              metrics_registry=metrics.registry).start()
         return cls(settings=settings, bus=bus, engine=engine, view=view, metrics=metrics, hub=hub,
-                   lifecycle=lifecycle)
+                   lifecycle=lifecycle, profiler=TorchProfiler(settings.profile_dir or os.getcwd()))
 
     @property
     def llm(self) -> LLMEngine:

