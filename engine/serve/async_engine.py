@@ -18,8 +18,9 @@ import contextlib
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -137,6 +138,33 @@ class _Stop:
     pass
 
 
+@dataclass(slots=True)
+class _Call:
+    """Run ``fn(engine)`` on the engine thread between steps (the profiler, which must
+    start and stop there); its result or exception goes to ``future`` on ``loop``."""
+
+    fn: Callable[[LLMEngine], Any]
+    future: asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop
+
+    def settle(self, engine: LLMEngine) -> None:
+        try:
+            result, error = self.fn(engine), None
+        except Exception as exc:  # the caller hears it; the engine goes on
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            self.loop.call_soon_threadsafe(_settle_future, self.future, result, error)
+
+
+def _settle_future(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
+
+
 class AsyncEngine:
     """Owns the engine thread. ``start()`` begins startup; ``wait_ready()``
     blocks until phase G (re-raising a startup failure)."""
@@ -148,7 +176,7 @@ class AsyncEngine:
         self.metrics_registry = metrics_registry  # the engine's sinks register their own counters there
         self.max_waiting_requests = max_waiting_requests
         self.engine: LLMEngine | None = None
-        self._commands: queue.SimpleQueue[_Add | _Abort | _AbortAll | _Stop] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _AbortAll | _Stop | _Call] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._waiting: set[str] = set()  # accepted by add_request, no first token yet
         self._waiting_lock = threading.Lock()
@@ -262,6 +290,15 @@ class AsyncEngine:
             self._waiting.discard(request_id)
         self._commands.put(_Abort(request_id))
 
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """``fn(engine)``'s result, run on the engine thread between two steps."""
+        if not self.alive:
+            raise EngineDead("the engine is not running")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._commands.put(_Call(fn, future, loop))
+        return await future
+
     def abort_all(self) -> None:
         """Abort every request in the engine; each stream ends with finish_reason "abort"."""
         self._commands.put(_AbortAll())
@@ -318,8 +355,11 @@ class AsyncEngine:
                 flush_step = False
                 self._dispatch(engine.step())
 
-    def _handle(self, engine: LLMEngine, command: _Add | _Abort | _AbortAll) -> bool:
+    def _handle(self, engine: LLMEngine, command: _Add | _Abort | _AbortAll | _Call) -> bool:
         """Apply one command; True when it freed blocks without a step."""
+        if isinstance(command, _Call):
+            command.settle(engine)
+            return False
         if isinstance(command, _AbortAll):
             self._abort_all(engine)
             return True

@@ -213,7 +213,8 @@ _NO_USAGE = {"usage"}
 
 
 def _usage(stream: RequestStream, out: RequestOutput) -> UsageInfo:
-    return UsageInfo.of(len(stream.prompt_ids), len(out.token_ids))
+    """OpenAI's usage with ``prompt_tokens_details.cached_tokens``: the prompt's prefix-cache hit."""
+    return UsageInfo.of(len(stream.prompt_ids), len(out.token_ids), cached_tokens=out.num_cached_tokens)
 
 
 async def _stream_chunks(stream: RequestStream, include_usage: bool, continuous_usage: bool,

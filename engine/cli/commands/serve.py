@@ -24,6 +24,7 @@ from engine.cli.flags import add_engine_flags, engine_config_from_args, model_fr
 from engine.errors import UserError
 from engine.logs import configure_logging, get_logger
 from engine.modelspec.presets import BUNDLED_MODEL_NAME
+from engine.serve.profiling import profile_dir
 from engine.serve.settings import LOOPBACK_HOSTS, ServerSettings
 
 if TYPE_CHECKING:  # the app and the engine load torch: only once the flags are checked
@@ -158,7 +159,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
                           chat_template=load_chat_template(args.chat_template),
                           kv_cache_metrics=args.kv_cache_metrics, timeout_keep_alive_s=args.timeout_keep_alive,
                           header_timeout_s=args.timeout_headers, body_idle_timeout_s=args.timeout_body_idle,
-                          body_timeout_s=args.timeout_body)
+                          body_timeout_s=args.timeout_body,
+                          profile_dir=profile_dir(getattr(args, "trace_out", None), getattr(args, "events_path", None)))
 
 
 def check_tokenizer_flag(tokenizer: str | None, model: str) -> None:
