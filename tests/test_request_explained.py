@@ -83,3 +83,47 @@ def test_the_server_shows_each_request_and_why_it_waits(tmp_path: Path) -> None:
         assert httpx.get(f"{url}/debug/requests/nope").status_code == 404
     finally:
         stop_server(proc)
+
+
+def test_per_request_metrics_equal_what_the_events_say(tmp_path: Path) -> None:
+    """``--enable-per-request-metrics`` and ``"include_metrics": true``: vLLM's five timings and
+    kvscope's own, each equal to the recording's request.finished and step events."""
+    from bench.bench_server import free_port, start_server, stop_server
+    from engine.events import RequestFinished, StepEvent, read_events
+
+    port, events_path = free_port(), tmp_path / "events.jsonl"
+    proc = start_server(port, "--max-model-len", "512", "--kv-cache-memory-bytes", "32Mi", "--dtype", "float32",
+                        "--threads", "1", "--enable-per-request-metrics", "--events", str(events_path),
+                        log_path=tmp_path / "serve.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        answer = httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 20, "temperature": 0,
+            "ignore_eos": True, "include_metrics": True}).json()
+        chat = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+            "model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5,
+            "include_metrics": True}).json()
+        refused = httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "model": "smollm2-135m", "prompt": "x", "max_tokens": 2, "stream": True, "include_metrics": True})
+        plain = httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "model": "smollm2-135m", "prompt": "x", "max_tokens": 2}).json()
+    finally:
+        stop_server(proc)
+    assert refused.status_code == 400 and "metrics" not in plain and "metrics" in chat
+    events = read_events(events_path).events
+    finished = next(e for e in events if isinstance(e, RequestFinished) and e.request_id == answer["id"])
+    metrics = answer["metrics"]
+    assert metrics["time_to_first_token_ms"] == pytest.approx(finished.ttft_s * 1e3)
+    assert metrics["generation_time_ms"] == pytest.approx(finished.e2e_s * 1e3)
+    assert metrics["queue_time_ms"] == pytest.approx(finished.queue_time_s * 1e3)
+    itls = finished.inter_token_latencies_s
+    assert len(itls) == 19 and metrics["mean_itl_ms"] == pytest.approx(sum(itls) / len(itls) * 1e3)
+    assert metrics["tokens_per_second"] == pytest.approx(20 / finished.e2e_s)
+    held, peak = 0, 0  # the request's blocks, step by step
+    for event in events:
+        if isinstance(event, StepEvent):
+            held += len(event.allocated.get(answer["id"], [])) - len(event.freed.get(answer["id"], []))
+            peak = max(peak, held)
+    assert metrics["kvscope"] == {"preemptions": finished.num_preemptions,
+                                  "prefix_tokens_reused": finished.prefix_hit_tokens, "peak_blocks": peak}
+    assert peak == 2  # 5 prompt tokens + 20 out in blocks of 16

@@ -477,6 +477,25 @@ class RequestLifecycle:
         return [life for life in self.lives.values() if state is None or life.state == state]
 
 
+def request_metrics(life: RequestLife) -> dict[str, Any]:
+    """A finished request's timings under vLLM's per-request metric names (PR#46768:
+    ``time_to_first_token_ms``, ``generation_time_ms`` arrival to the last token,
+    ``queue_time_ms``, ``mean_itl_ms``, ``tokens_per_second`` output tokens over the
+    generation time), plus kvscope's own under ``kvscope``: preemptions, prefix tokens
+    reused, peak blocks. Every figure is the events' (request.finished and the steps)."""
+    itls = life.inter_token_latencies_s
+    e2e = life.e2e_s
+    return {
+        "time_to_first_token_ms": life.ttft_s * 1e3 if life.ttft_s is not None else None,
+        "generation_time_ms": e2e * 1e3 if e2e is not None else None,
+        "queue_time_ms": life.queue_time_s * 1e3 if life.queue_time_s is not None else None,
+        "mean_itl_ms": sum(itls) / len(itls) * 1e3 if itls else None,
+        "tokens_per_second": life.output_tokens / e2e if e2e else None,
+        "kvscope": {"preemptions": len(life.preemptions), "prefix_tokens_reused": life.prefix_hit_tokens,
+                    "peak_blocks": life.peak_blocks},
+    }
+
+
 def lifecycle_of(events: list[Event] | Any) -> RequestLifecycle:
     """Fold ``events`` (a recording's) into every request's life."""
     fold = RequestLifecycle(finished_kept=None)

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 from engine.budget.config import EngineConfig
 from engine.events import Event, EventBus, dumps
 from engine.events.metrics import PrometheusMetrics
-from engine.events.request_lifecycle import RequestLifecycle
+from engine.events.request_lifecycle import RequestLifecycle, request_metrics
 from engine.events.view import EngineView
 from engine.llm_engine import LLMEngine
 from engine.serve.async_engine import AsyncEngine
@@ -66,6 +66,12 @@ class LockedLifecycle:
             life = self.fold.get(request_id)
             return None if life is None else {**life.to_dict(), "timeline": [
                 {"step": step, "what": text} for step, text in life.timeline()]}
+
+    def metrics(self, request_id: str) -> dict[str, Any] | None:
+        """A finished request's per-request metrics (vLLM's names, kvscope's own beside)."""
+        with self._lock:
+            life = self.fold.get(request_id)
+            return None if life is None else request_metrics(life)
 
     def rows(self, state: str | None, now: float) -> list[dict[str, Any]]:
         with self._lock:

@@ -154,6 +154,7 @@ class _SamplingFields(BaseModel):
     best_of: int | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    include_metrics: StrictBool = False  # vLLM's per-request metrics (needs --enable-per-request-metrics)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logprobs: Any = None

@@ -47,6 +47,8 @@ OVERLOAD_RETRY_AFTER_S = 1
 
 router = APIRouter()
 
+MetricsOf = Callable[[str], "dict[str, Any] | None"]  # request id -> its per-request metrics
+
 STREAMED = {200: {"description": "The completion (JSON), or with stream=true its chunks as server-sent events",
                   "content": {"text/event-stream": {"schema": {}}}}}
 
@@ -58,6 +60,7 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
     body.check_supported()
     _check_model(host, body.model)
     _warn_ignored(body)
+    metrics_of = _metrics_of(host, body)
     params = body.sampling_params(body.max_tokens)
     checked = await _prepare(host, body.single_prompt(), params)
     stream = await _submit(host, checked, params, "cmpl", body.priority, arrival_of(request))
@@ -66,7 +69,7 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
         return streaming(_completion_chunks(stream, model, body.include_usage,
                                             body.stream_options is not None
                                             and body.stream_options.continuous_usage_stats))
-    return await unless_disconnected(request, _collect_completion(stream, model))
+    return await unless_disconnected(request, _collect_completion(stream, model, metrics_of))
 
 
 @router.post("/v1/chat/completions", dependencies=KEYED, response_model=None, responses=STREAMED)  # type: ignore[arg-type]
@@ -75,6 +78,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     body.check_supported()
     _check_model(host, body.model)
     _warn_ignored(body)
+    metrics_of = _metrics_of(host, body)
     params = body.sampling_params(body.effective_max_tokens())
     try:
         prompt = await anyio.to_thread.run_sync(partial(
@@ -90,7 +94,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
         return streaming(_chat_chunks(stream, model, body.include_usage,
                                       body.stream_options is not None
                                       and body.stream_options.continuous_usage_stats))
-    return await unless_disconnected(request, _collect_chat(stream, model))
+    return await unless_disconnected(request, _collect_chat(stream, model, metrics_of))
 
 
 @router.get("/v1/models", dependencies=KEYED)
@@ -187,24 +191,46 @@ async def _final_output(stream: RequestStream) -> RequestOutput:
     return last
 
 
-async def _collect_completion(stream: RequestStream, model: str) -> Response:
+def _metrics_of(host: EngineHost, body: CompletionRequest | ChatCompletionRequest) -> MetricsOf | None:
+    """Where a request that asked for ``include_metrics`` gets them (the server's lifecycle
+    fold); refused when the server was not started with --enable-per-request-metrics."""
+    if not body.include_metrics:
+        return None
+    if not host.settings.per_request_metrics:
+        raise APIError(400, "include_metrics: per-request metrics are off; start the server with "
+                            "--enable-per-request-metrics", param="include_metrics")
+    if body.stream:
+        raise APIError(400, "include_metrics: kvscope answers per-request metrics on non-streaming requests "
+                            "only", param="include_metrics")
+    return host.lifecycle.metrics
+
+
+def _answer(response: CompletionResponse | ChatCompletionResponse, request_id: str,
+            metrics_of: MetricsOf | None) -> Response:
+    body = response.model_dump()
+    if metrics_of is not None:  # the engine published its finish and last step before this output
+        body["metrics"] = metrics_of(request_id)
+    return JSONResponse(body)
+
+
+async def _collect_completion(stream: RequestStream, model: str, metrics_of: MetricsOf | None = None) -> Response:
     out = await _final_output(stream)
     response = CompletionResponse(
         id=stream.request_id, model=model,
         choices=[CompletionChoice(text=out.text, finish_reason=out.finish_reason)],
         usage=_usage(stream, out),
     )
-    return JSONResponse(response.model_dump())
+    return _answer(response, stream.request_id, metrics_of)
 
 
-async def _collect_chat(stream: RequestStream, model: str) -> Response:
+async def _collect_chat(stream: RequestStream, model: str, metrics_of: MetricsOf | None = None) -> Response:
     out = await _final_output(stream)
     response = ChatCompletionResponse(
         id=stream.request_id, model=model,
         choices=[ChatChoice(message=AssistantMessage(content=out.text), finish_reason=out.finish_reason)],
         usage=_usage(stream, out),
     )
-    return JSONResponse(response.model_dump())
+    return _answer(response, stream.request_id, metrics_of)
 
 
 # ------------------------------------------------------------ stream bodies

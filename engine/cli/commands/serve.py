@@ -106,6 +106,11 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     vllm.add_argument("--kv-cache-metrics-sample", type=_sample_rate, default=0.01, metavar="RATE",
                       help="vLLM's sampling rate of those histograms, in (0, 1]; accepted for compatibility: "
                            "kvscope folds them from the step events and records every block")
+    vllm.add_argument("--enable-per-request-metrics", action="store_true",
+                      help='as vLLM: a request with "include_metrics": true gets "metrics" in its answer '
+                           "(time_to_first_token_ms, generation_time_ms, queue_time_ms, mean_itl_ms, "
+                           "tokens_per_second; kvscope's preemptions, prefix tokens reused and peak blocks under "
+                           '"kvscope"), from its events')
     vllm.add_argument("--enable-mfu-metrics", action="store_true",
                       help="accepted: kvscope always serves the MFU estimates (vllm:estimated_flops_per_gpu_total, "
                            "_read_bytes_, _write_bytes_), the cost model's work of each step")
@@ -158,6 +163,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
                           log_requests=args.log_requests, max_log_len=args.max_log_len,
                           chat_template=load_chat_template(args.chat_template),
                           kv_cache_metrics=args.kv_cache_metrics, timeout_keep_alive_s=args.timeout_keep_alive,
+                          per_request_metrics=args.enable_per_request_metrics,
                           header_timeout_s=args.timeout_headers, body_idle_timeout_s=args.timeout_body_idle,
                           body_timeout_s=args.timeout_body,
                           profile_dir=profile_dir(getattr(args, "trace_out", None), getattr(args, "events_path", None)))
