@@ -32,6 +32,7 @@ from monitor.widgets.expert_load import ExpertPanel
 from monitor.widgets.memory_bar import MemoryBar
 from monitor.widgets.queues import Queues
 from monitor.widgets.replay_bar import ReplayBar
+from monitor.widgets.request_panel import RequestPanel
 from monitor.widgets.startup_table import StartupTable
 from monitor.widgets.step_charts import StepCharts
 from monitor.widgets.title_bar import TitleBar
@@ -165,6 +166,7 @@ class MonitorApp(App[None]):
         if tl is not None:  # live, _tick hands the panel the events it drains
             end = tl.step_positions[tl.position] + 1 if tl.step_positions else len(tl.events)
             self.query_one(Diagnosis).show_until(tl.events, end)
+            self.query_one(RequestPanel).show_until(tl.events, end)
         self._update_bar()
 
     def _update_bar(self) -> None:
@@ -187,6 +189,7 @@ class MonitorApp(App[None]):
                 if events:
                     self.view.fold(events)
                     self.query_one(Diagnosis).fold(events)
+                    self.query_one(RequestPanel).fold(events)
                     if self._clock_anchor is None or self._clock_anchor[0] != self.view.t:
                         self._clock_anchor = (self.view.t, self._wall_clock())
                     self.refresh_view()
@@ -315,6 +318,15 @@ class MonitorApp(App[None]):
     def _legend_changed(self, message: BlockMap.LegendChanged) -> None:
         for legend in self.query("#blockmap-legend").results(Label):
             legend.update(message.legend)
+
+    @on(Queues.RequestPicked)
+    def _pick_request(self, message: Queues.RequestPicked) -> None:
+        """The request panel shows the picked request's life (picked again: closed); its
+        blocks stay lit in the map."""
+        panel = self.query_one(RequestPanel)
+        panel.select(None if message.request_id == panel.request_id else message.request_id)
+        for block_map in self.query(BlockMap):
+            block_map.selected = message.request_id
 
     @on(Queues.RequestSelected)
     def _select_request(self, message: Queues.RequestSelected) -> None:

@@ -1,5 +1,6 @@
 """Running and waiting queues as sortable tables, plus finished/rejected counts and,
-for a hybrid KV cache, the selected request's blocks per KV cache group."""
+for a hybrid KV cache, the selected request's blocks per KV cache group; a row picked
+(Enter or a click) opens the request panel below them (monitor/widgets/request_panel.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from textual.widgets import DataTable, Label
 
 from engine.events.view import EngineView, RequestView
 from monitor.widgets.legend import group_colour, group_label
+from monitor.widgets.request_panel import RequestPanel
 
 # (key, header): keys name the columns for sorting and tests; headers are short so
 # every column fits beside the block map at 120 columns. The table's title says the state.
@@ -130,6 +132,12 @@ class Queues(Vertical):
     class RequestSelected(Message):
         request_id: str | None
 
+    @dataclass
+    class RequestPicked(Message):
+        """A row chosen (Enter or a click): its life goes in the request panel."""
+
+        request_id: str | None
+
     def __init__(self, **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self._view: EngineView | None = None
@@ -144,6 +152,7 @@ class Queues(Vertical):
         yield RequestTable(id="running-table")
         yield Label("waiting", classes="queue-title")
         yield RequestTable(id="waiting-table")
+        yield RequestPanel(id="request-panel")
 
     def update_view(self, view: EngineView, now: float | None = None) -> None:
         """``now``: the engine clock (default: the latest event's time)."""
@@ -168,6 +177,10 @@ class Queues(Vertical):
             return
         label.update(group_counts_text(req, view.kv_cache_groups))
         label.display = True
+
+    @on(DataTable.RowSelected)
+    def _picked(self, event: DataTable.RowSelected) -> None:
+        self.post_message(self.RequestPicked(event.row_key.value if event.row_key else None))
 
     @on(DataTable.RowHighlighted)
     def _highlighted(self, event: DataTable.RowHighlighted) -> None:
