@@ -93,3 +93,23 @@ def test_caching_disabled_never_hits() -> None:
     assert _admit(kv, Request("b", list(range(12)), 2)) == 0
     assert kv.pool.cached_block_ids() == set()
     assert kv.prefix_query_tokens == 0
+
+
+def test_a_finished_requests_blocks_are_evicted_tail_first() -> None:
+    """llm-d's indexer assumes it (llm-d-inference-sim#704): a finished request's blocks
+    are freed tail first, so eviction takes its chain from the end and the ancestors of
+    every block still cached stay cached; a router's prefix index never holds a child
+    without its parent."""
+    kv = KVCacheManager(num_blocks=6, block_size=4)
+    a = Request("a", list(range(17)), 1)  # 4 full blocks, cached, and a partial one
+    _admit(kv, a)
+    chain = [kv.pool.lookup(h) for h in a.block_hashes[:4]]
+    assert None not in chain
+    kv.free(a)
+    for i in range(1, 6):  # each newcomer takes one more block, evicting one of a's cached ones
+        taker = Request(f"n{i}", list(range(1000 * i, 1000 * i + 4 * i - 1)), 1)
+        _admit(kv, taker)
+        still = [kv.pool.lookup(h) is not None for h in a.block_hashes[:4]]
+        assert still == sorted(still, reverse=True), f"after {i} blocks taken, cached: {still}"  # a prefix
+        kv.free(taker)
+    assert not any(kv.pool.lookup(h) is not None for h in a.block_hashes[:4])  # all gone in the end
