@@ -8,10 +8,11 @@ so these findings carry line numbers and the figures vLLM printed instead.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
-from doctor.rules import CRITICAL, WARNING, Finding, Fix
+from doctor.rules import CRITICAL, WARNING, Finding
 from logparse.explain import Check, Explanation, explain
 from logparse.patterns import FIGURE_NAMES
 
@@ -28,11 +29,6 @@ CAUSES = {"startup_refused": "the pool cannot hold one --max-model-len request: 
 # The printed figures quoted as evidence, in the order vLLM prints them.
 EVIDENCE_FIGURES = ("total_gib", "gpu_memory_utilization", "weights_gib", "peak_activation_gib", "kv_cache_gib",
                     "kv_cache_tokens", "gpu_blocks", "max_model_len", "max_concurrency")
-
-
-def _fix(text: str) -> Fix:
-    flag = next((w.strip(",:;()") for w in text.split() if w.startswith("--")), "")
-    return Fix(flag or text.split(":")[0], None, None, text)
 
 
 def _printed_figures(explanation: Explanation) -> str | None:
@@ -56,7 +52,7 @@ def finding_of(check: Check, explanation: Explanation) -> Finding:
     numbers: dict[str, Any] = {"line": check.line, "check": check.id}
     numbers.update({k: explanation.facts[k] for k in EVIDENCE_FIGURES if k in explanation.facts})
     return Finding(rule, CRITICAL if check.kind == "failure" else WARNING, check.title, evidence,
-                   CAUSES.get(rule, check.title), [_fix(text) for text in check.fix], numbers=numbers)
+                   CAUSES.get(rule, check.title), [dataclasses.replace(fix) for fix in check.fix], numbers=numbers)
 
 
 def diagnose_log(path: str | Path) -> list[Finding]:

@@ -21,6 +21,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from engine.budget.fixes import Fix
 from engine.budget.memory import GiB, MemoryPlan, bytes_per_kv_token, gpu_preset, plan_memory
 from engine.budget.vision import multimodal_from_flags
 from engine.errors import UserError
@@ -71,7 +72,7 @@ class Check:
     actual: float | None = None
     tolerance: float | None = None
     line: int | None = None
-    fix: list[str] = field(default_factory=list)
+    fix: list[Fix] = field(default_factory=list)  # structured (engine/budget/fixes.py); text only at the edge
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -85,7 +86,8 @@ class Check:
             "tolerance": self.tolerance,
             "detail": self.detail,
             "line": self.line,
-            "fix": list(self.fix),
+            "fix": [f.text() for f in self.fix],
+            "fixes": [f.to_json() for f in self.fix],
         }
 
 
@@ -764,17 +766,24 @@ def _gib(x: float) -> str:
     return f"{x:.2f} GiB"
 
 
+def _note(text: str) -> Fix:
+    """Advice that is no single flag change (a figure to know, memory to free)."""
+    return Fix("", None, None, text)
+
+
 def _fp8_and_tp_fixes(facts: dict[str, Any], model: ModelConfig | None, pool_gib: float | None,
-                      need_gib: float | None) -> list[str]:
+                      need_gib: float | None) -> list[Fix]:
     fixes = []
     if _kv_dtype(facts) != "fp8" and pool_gib is not None and need_gib is not None:
         fits = pool_gib >= need_gib / 2
-        fixes.append(f"--kv-cache-dtype fp8 halves bytes per token: one request would need {_gib(need_gib / 2)} "
-                     f"against {_gib(pool_gib)} available ({'fits' if fits else 'still short'})")
+        fixes.append(Fix("--kv-cache-dtype", _kv_dtype(facts), "fp8",
+                         f"halves bytes per token: one request would need {_gib(need_gib / 2)} "
+                         f"against {_gib(pool_gib)} available ({'fits' if fits else 'still short'})",
+                         numbers={"request_gib": need_gib / 2, "pool_gib": pool_gib}))
     tp = int(facts.get("tensor_parallel_size", 1))
     if model is not None and model.num_kv_heads >= 2 * tp and need_gib is not None:
-        fixes.append(f"--tensor-parallel-size {2 * tp} splits KV heads over twice the GPUs: per-GPU need "
-                     f"{_gib(need_gib / 2)} per request, and the weights per GPU halve too")
+        fixes.append(Fix("--tensor-parallel-size", tp, 2 * tp, f"splits KV heads over twice the GPUs: per-GPU need "
+                         f"{_gib(need_gib / 2)} per request, and the weights per GPU halve too"))
     return fixes
 
 
@@ -788,13 +797,13 @@ def _failure(record: Record, phase: str, facts: dict[str, Any], budget: dict[str
     if kind == "free_below_request":
         free, tot, u, req = f["free_gib"], f["total_gib"], f["gpu_memory_utilization"], f["requested_gib"]
         fit = math.floor(free / tot * 100) / 100 if tot else 0.0
-        fixes = [f"--gpu-memory-utilization {fit:.2f} fits the {free} GiB free now ({free} / {tot})",
-                 f"or free {req - free:.2f} GiB held by other processes (requested {req} GiB = {tot} x {u})"]
+        fixes = [Fix("--gpu-memory-utilization", u, f"{fit:.2f}", f"fits the {free} GiB free now ({free} / {tot})"),
+                 _note(f"or free {req - free:.2f} GiB held by other processes (requested {req} GiB = {tot} x {u})")]
         if plan is not None:
             non_kv = (plan.weights_bytes + plan.activation_peak_bytes + plan.non_torch_bytes) / GiB
             kv_left = tot * fit - non_kv
-            fixes.append(f"at {fit:.2f} kvscope's plan leaves a KV pool of {kv_left:.2f} GiB "
-                         f"({max(0, int(kv_left * GiB / plan.bytes_per_token)):,} tokens)")
+            fixes.append(_note(f"at {fit:.2f} kvscope's plan leaves a KV pool of {kv_left:.2f} GiB "
+                               f"({max(0, int(kv_left * GiB / plan.bytes_per_token)):,} tokens)"))
         return Check("free_below_request", "free memory below the request", False,
                      f"only {free} of {tot} GiB free at startup, but {u} x {tot} = {req} GiB requested",
                      kind="failure", line=record.line, fix=fixes)
@@ -809,19 +818,23 @@ def _failure(record: Record, phase: str, facts: dict[str, Any], budget: dict[str
             fit_len = tokens
             need = max_len * per_token / GiB if per_token else None
             avail = tokens * per_token / GiB if per_token else None
-        fixes = [f"--max-model-len {fit_len:,} fits the current pool"]
+        fixes = [Fix("--max-model-len", max_len, int(fit_len), "fits the current pool")]
         if need is not None and avail is not None:
             extra = need - avail
             if total and util is not None:
-                fixes.append(f"--gpu-memory-utilization {util + extra / total:.3f} adds the missing {_gib(extra)}"
-                             + (" (beyond 1.0: not possible on this device)" if util + extra / total > 1 else ""))
+                fixes.append(Fix("--gpu-memory-utilization", util, f"{util + extra / total:.3f}",
+                                 f"adds the missing {_gib(extra)}"
+                                 + (" (beyond 1.0: not possible on this device)" if util + extra / total > 1 else "")))
             elif total:
-                fixes.append(f"raise --gpu-memory-utilization by {extra / total:.3f} ({_gib(extra)} of {total} GiB)")
+                fixes.append(Fix("--gpu-memory-utilization", None, None,
+                                 f"raise it by {extra / total:.3f} ({_gib(extra)} of {total} GiB)"))
             else:
-                fixes.append(f"raise --gpu-memory-utilization by {_gib(extra)} / total device memory")
+                fixes.append(Fix("--gpu-memory-utilization", None, None,
+                                 f"raise it by {_gib(extra)} / total device memory"))
         else:
-            fixes.append(f"the pool holds {fit_len:,} of the {max_len:,} tokens needed: raise --gpu-memory-utilization "
-                         f"so it grows by {max_len / max(fit_len, 1):.2f}x (pass --model to get GiB)")
+            fixes.append(Fix("--gpu-memory-utilization", util, None,
+                             f"the pool holds {fit_len:,} of the {max_len:,} tokens needed: raise it so the pool grows "
+                             f"by {max_len / max(fit_len, 1):.2f}x (pass --model to get GiB)"))
         fixes += _fp8_and_tp_fixes(facts, model, avail, need)
         return Check("max_seq_len_exceeds_kv", "max model length beyond the KV cache", False,
                      f"one {max_len:,}-token request does not fit the KV pool"
@@ -835,7 +848,7 @@ def _failure(record: Record, phase: str, facts: dict[str, Any], budget: dict[str
         return _oom(record, PLACE_PHASES.get(place or "", phase), facts, total)
     return Check(kind or "error", "memory profiling error", False,
                  "free memory grew while vLLM profiled: another process released GPU memory", kind="failure",
-                 line=record.line, fix=["run vLLM alone on the GPU (or in its own container) so the profile is stable"])
+                 line=record.line, fix=[_note("run vLLM alone on the GPU (or in its own container) so the profile is stable")])
 
 
 SWAP_SPACE_DEFAULT_GIB = 4  # vLLM V0's --swap-space default: the CPU pool the '# CPU blocks' count divides
@@ -874,37 +887,39 @@ def _no_cache_blocks(record: Record, facts: dict[str, Any], budget: dict[str, An
     request = _one_request_kv(facts, model)
     need = request[1] if request else None
     if request:
-        fixes.append(request[0])
+        fixes.append(_note(request[0]))
     beyond = " (beyond 1.0: more GPUs or a smaller model)"
     if plan is not None:
         need_util = (plan.weights_bytes + plan.activation_peak_bytes + plan.non_torch_bytes
                      + plan.max_model_len * plan.bytes_per_token) / plan.total_bytes
         if util is not None and need_util <= util:
-            fixes.append(f"kvscope's plan needs only --gpu-memory-utilization {need_util:.3f} for non-KV plus one "
-                         f"{plan.max_model_len:,}-token request, yet vLLM found no room at {util:g}: the device had "
-                         "less free than its total (another process?) or the model is not "
-                         f"{model.name if model else 'the one planned'}, so that figure is a floor, not a fix")
+            fixes.append(_note(f"kvscope's plan needs only --gpu-memory-utilization {need_util:.3f} for non-KV plus one "
+                               f"{plan.max_model_len:,}-token request, yet vLLM found no room at {util:g}: the device "
+                               "had less free than its total (another process?) or the model is not "
+                               f"{model.name if model else 'the one planned'}, so that figure is a floor, not a fix"))
         else:
-            fixes.append(f"kvscope's plan: --gpu-memory-utilization {need_util:.3f} fits non-KV plus one "
-                         f"{plan.max_model_len:,}-token request" + (beyond if need_util > 1 else ""))
+            fixes.append(Fix("--gpu-memory-utilization", util, f"{need_util:.3f}", "kvscope's plan: fits non-KV plus one "
+                             f"{plan.max_model_len:,}-token request" + (beyond if need_util > 1 else "")))
     elif need is not None and total and non_kv is not None:
         need_util = (non_kv + need) / total
-        fixes.append(f"--gpu-memory-utilization {need_util:.3f} fits vLLM's non-KV {_gib(non_kv)} plus that request "
-                     f"on {total} GiB" + (beyond if need_util > 1 else ""))
+        fixes.append(Fix("--gpu-memory-utilization", util, f"{need_util:.3f}", f"fits vLLM's non-KV {_gib(non_kv)} plus "
+                         f"that request on {total} GiB" + (beyond if need_util > 1 else "")))
     elif non_kv is not None and req is not None:
-        fixes.append(f"non-KV {_gib(non_kv)} exceeds the requested {_gib(req)}: raise utilization by at least "
-                     f"{_gib(non_kv - req)} / total")
+        fixes.append(Fix("--gpu-memory-utilization", util, None, f"non-KV {_gib(non_kv)} exceeds the requested "
+                         f"{_gib(req)}: raise it by at least {_gib(non_kv - req)} / total"))
     elif need is not None and total and util is not None:
         need_util = util + need / total
-        fixes.append(f"--gpu-memory-utilization {need_util:.3f} at least (now {util:g}): the budget needs those "
-                     f"{_gib(need)} more" + (beyond if need_util > 1 else ""))
+        fixes.append(Fix("--gpu-memory-utilization", util, f"{need_util:.3f}", f"at least: the budget needs those "
+                         f"{_gib(need)} more" + (beyond if need_util > 1 else "")))
     elif need is not None and total:
-        fixes.append(f"raise --gpu-memory-utilization by at least {need / total:.3f} ({_gib(need)} of {total} GiB)")
+        fixes.append(Fix("--gpu-memory-utilization", None, None,
+                         f"raise it by at least {need / total:.3f} ({_gib(need)} of {total} GiB)"))
     elif need is not None:
-        fixes.append(f"raise --gpu-memory-utilization by at least {_gib(need)} / the device's total "
-                     "(pass --gpu or --gpu-memory for the figure)")
-    fixes.append("lower --max-num-batched-tokens / --max-num-seqs to shrink the profiled activation peak, or "
-                 "quantise / add --tensor-parallel-size to shrink weights per GPU")
+        fixes.append(Fix("--gpu-memory-utilization", None, None, f"raise it by at least {_gib(need)} / the device's "
+                         "total (pass --gpu or --gpu-memory for the figure)"))
+    fixes.append(Fix("--max-num-batched-tokens", facts.get("max_num_batched_tokens"), None,
+                     "lower it or --max-num-seqs to shrink the profiled activation peak, or quantise / add "
+                     "--tensor-parallel-size to shrink weights per GPU"))
     used_up = "weights + activation peak + non-torch used up the whole requested budget"
     if record.pattern is not None and record.pattern.id == "zero_gpu_blocks":
         cpu = record.fields.get("cpu_blocks")
@@ -923,8 +938,9 @@ def _oom(record: Record, phase: str, facts: dict[str, Any], total: float | None)
         return Check("oom_sampler", "out of memory in the sampler warm-up", False,
                      f"sampling for {n} dummy requests (max-num-seqs) did not fit after the KV pool was allocated",
                      kind="failure", line=record.line,
-                     fix=[f"--max-num-seqs {max(1, int(n or 256) // 2)} halves the sampler's logits buffer",
-                          "or lower --gpu-memory-utilization by a few hundredths to leave room outside the pool"])
+                     fix=[Fix("--max-num-seqs", n, max(1, int(n or 256) // 2), "halves the sampler's logits buffer"),
+                          Fix("--gpu-memory-utilization", facts.get("gpu_memory_utilization"), None,
+                              "or lower it by a few hundredths to leave room outside the pool")])
     scale = {"GiB": 1.0, "MiB": 1 / 1024, "KiB": 1 / 1024**2}
     tried = f.get("oom_tried")
     tried_gib = tried * scale.get(f.get("oom_unit", "GiB"), 1.0) if tried is not None else None
@@ -935,14 +951,15 @@ def _oom(record: Record, phase: str, facts: dict[str, Any], total: float | None)
     short = (tried_gib - (free_gib or 0.0)) if tried_gib is not None else None
     device_total = f.get("oom_total_gib") or total
     if phase == "D":
-        fixes.append(f"lower --max-num-batched-tokens (now {facts.get('max_num_batched_tokens', 'default')}) "
-                     "or --max-num-seqs: the profiling step allocates activations for them")
+        fixes.append(Fix("--max-num-batched-tokens", facts.get("max_num_batched_tokens", "default"), None,
+                         "lower it or --max-num-seqs: the profiling step allocates activations for them"))
     if phase == "F":
-        fixes.append("--enforce-eager skips CUDA-graph capture")
+        fixes.append(Fix("--enforce-eager", None, None, "skips CUDA-graph capture"))
     if short is not None and device_total:
         util = facts.get("gpu_memory_utilization")
         target = f"{util - short / device_total:.3f}" if util is not None else f"{short / device_total:.3f} lower"
-        fixes.append(f"--gpu-memory-utilization {target} leaves the {short:.2f} GiB that were missing outside the budget")
+        fixes.append(Fix("--gpu-memory-utilization", util, target,
+                         f"leaves the {short:.2f} GiB that were missing outside the budget"))
     return Check("oom", f"CUDA out of memory during {where}", False,
                  f"tried to allocate {tried_gib:.2f} GiB" if tried_gib is not None else "allocation failed",
                  kind="failure", line=record.line, fix=fixes)
@@ -967,26 +984,27 @@ def _oom_graph_capture(record: Record, facts: dict[str, Any], budget: dict[str, 
         free = f.get("oom_free", 0.0) * scale.get(f.get("oom_free_unit", "GiB"), 1.0)
         if need is None or tried - free > need:
             need, need_src = tried - free, "the allocation that failed less what was free"
-    fixes: list[str] = []
+    fixes: list[Fix] = []
     if need is not None and total and util is not None:
         new_util = math.floor((util - need / total) * 100) / 100
-        fix = (f"--gpu-memory-utilization {new_util:.2f} (now {util:g}) leaves {_gib(util * total - new_util * total)} "
-               f"of {total:g} GiB outside the budget for the graph pool ({_gib(need)}: {need_src})")
-        fix += _kv_after_lowering(new_util, util, total, kv, tokens, max_len, model, plan_inputs)
-        fixes.append(fix)
+        why = (f"leaves {_gib(util * total - new_util * total)} of {total:g} GiB outside the budget for the graph pool "
+               f"({_gib(need)}: {need_src})")
+        why += _kv_after_lowering(new_util, util, total, kv, tokens, max_len, model, plan_inputs)
+        fixes.append(Fix("--gpu-memory-utilization", util, f"{new_util:.2f}", why, numbers={"graph_pool_gib": need}))
     elif need is not None:
-        fixes.append(f"lower --gpu-memory-utilization by {_gib(need)} / the device's total ({need_src}; pass --gpu "
-                     "or --gpu-memory for the figure)")
+        fixes.append(Fix("--gpu-memory-utilization", None, None, f"lower it by {_gib(need)} / the device's total "
+                         f"({need_src}; pass --gpu or --gpu-memory for the figure)"))
     else:
-        fixes.append("lower --gpu-memory-utilization by the graph pool's size (the log prints no estimate; vLLM "
-                     "0.21+ prints 'Estimated CUDA graph memory')")
-    fixes.append("--enforce-eager captures no graphs" + (f" and frees the whole {_gib(need)} pool" if need else "")
-                 + "; decode steps of small batches get slower (one kernel launch per op)")
+        fixes.append(Fix("--gpu-memory-utilization", None, None, "lower it by the graph pool's size (the log prints "
+                         "no estimate; vLLM 0.21+ prints 'Estimated CUDA graph memory')"))
+    fixes.append(Fix("--enforce-eager", None, None, "captures no graphs"
+                     + (f" and frees the whole {_gib(need)} pool" if need else "")
+                     + "; decode steps of small batches get slower (one kernel launch per op)"))
     largest = facts.get("max_cudagraph_capture_size") or facts.get("capture_size_capped")
     largest_src = "the log" if largest else f"vLLM's default {DEFAULT_MAX_CAPTURE_SIZE}"
     largest = int(largest or DEFAULT_MAX_CAPTURE_SIZE)
-    fixes.append(f"--max-cudagraph-capture-size {max(1, largest // 2)} (largest now {largest}, from {largest_src}): "
-                 "the pool grows with the largest captured batch, so about half of it; larger batches run eager")
+    fixes.append(Fix("--max-cudagraph-capture-size", largest, max(1, largest // 2), f"(largest from {largest_src}) "
+                     "the pool grows with the largest captured batch, so about half of it; larger batches run eager"))
     return Check("oom_graph_capture", "CUDA out of memory during CUDA-graph capture", False,
                  "the traceback's frames are CUDA-graph capture (capture_model / torch.cuda.graph): the graph pool "
                  "did not fit beside the KV pool" + (f" ({_gib(kv)})" if kv is not None else ""),
@@ -1031,9 +1049,11 @@ def _preemption(v0: int, v1: int, line: int | None, facts: dict[str, Any]) -> Ch
     source = "V0 warning, logged for 1 in 50" if v0 >= v1 else "V1 stats 'Preemptions: N'"
     return Check("preemption", "requests preempted for KV space", False,
                  f"at least {count} preemption(s) ({source}); {pool}", kind="warning", line=line,
-                 fix=["raise --gpu-memory-utilization or --tensor-parallel-size for more KV blocks",
-                      "--kv-cache-dtype fp8 doubles the tokens that fit",
-                      "or lower --max-num-seqs so fewer requests compete for the pool"])
+                 fix=[Fix("--gpu-memory-utilization", facts.get("gpu_memory_utilization"), None,
+                          "raise it or --tensor-parallel-size for more KV blocks"),
+                      Fix("--kv-cache-dtype", _kv_dtype(facts), "fp8", "doubles the tokens that fit (from 16 bits)"),
+                      Fix("--max-num-seqs", facts.get("max_num_seqs"), None,
+                          "or lower it so fewer requests compete for the pool")])
 
 
 # ------------------------------------------------------------------ kvscope recording
@@ -1132,5 +1152,5 @@ def profile_model_check(recording: Recording, facts: dict[str, Any], lines: dict
                  f"vLLM served {str(logged)!r}, the --profile recording ran {ran_text}: "
                  "the phase-by-phase rows compare two different models",
                  kind="warning", line=lines.get("model"),
-                 fix=[f"record a kvscope run of {logged} (engine serve --model {logged} --events events.jsonl) "
-                      "and pass that to --profile"])
+                 fix=[Fix("--profile", None, None, f"record a kvscope run of {logged} (engine serve --model "
+                          f"{logged} --events events.jsonl) and pass that to --profile")])

@@ -206,7 +206,7 @@ def render_terminal(exp: Explanation, out: TextIO | None = None, summary: bool =
         line.append(f"  {check.detail}" + (f"  (line {check.line})" if check.line else ""))
         console.print(line)
         for fix in check.fix:
-            console.print(Text(f"    fix: {fix}", style="cyan"))
+            console.print(Text(f"    fix: {fix.text()}", style="cyan"))
 
 
 # ------------------------------------------------------------------ markdown
@@ -252,7 +252,7 @@ def render_markdown(exp: Explanation, summary: bool = False) -> str:
     out += ["", "## Checks", ""]
     for c in exp.checks:
         out.append(f"- {mark(c)} **{c.title}**: {c.detail}")
-        out += [f"  - fix: {fix}" for fix in c.fix]
+        out += [f"  - fix: {_md(fix.text())}" for fix in c.fix]
     if not exp.checks:
         out.append("- no check possible: the log lacks the figures they need")
     return "\n".join(out) + "\n"

@@ -48,7 +48,7 @@ MONITOR_MAY_IMPORT_FROM_ENGINE = (
 # arithmetic over the phase records) and the error type. The simulator's what-if
 # (doctor.remedies), the inputs and the CLI are engine doctor's alone.
 MONITOR_MAY_IMPORT_FROM_DOCTOR = ("doctor.facts", "doctor.rules", "doctor.budget")
-DOCTOR_RULES_MAY_IMPORT_FROM_ENGINE = (*MONITOR_MAY_IMPORT_FROM_ENGINE, "engine.budget.memory",
+DOCTOR_RULES_MAY_IMPORT_FROM_ENGINE = (*MONITOR_MAY_IMPORT_FROM_ENGINE, "engine.budget.memory", "engine.budget.fixes",
                                       "engine.modelspec.config")
 
 # The core wing: deterministic functions of their inputs (time enters as ``now`` or a

@@ -76,7 +76,9 @@ def test_failing_vllm_log(capsys: pytest.CaptureFixture[str]) -> None:
     assert finding["rule"] == "startup_refused" and finding["severity"] == "critical"
     assert finding["evidence"][0] == ("line 5: one 131,072-token request does not fit the KV pool "
                                       "(16.00 GiB needed, 0.71 GiB available)")
-    assert any(f["why"].startswith("--max-model-len ") and "fits the current pool" in f["why"] for f in finding["fixes"])
+    # logparse's fix, structured where it is computed: the doctor reads its fields, no sentence parsed back
+    assert any(f["flag"] == "--max-model-len" and f["current"] == 131_072 and f["why"] == "fits the current pool"
+               for f in finding["fixes"])
 
 
 def test_unreadable_inputs_exit_three(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]

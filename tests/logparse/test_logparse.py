@@ -218,30 +218,31 @@ def _failure(log: str, check_id: str, options: Options | None = None):
 def test_free_memory_below_request_gives_the_utilization_that_fits() -> None:
     check = _failure("v0.9.1-unknown-48gb-gpu-tp1-freemem-fail.log", "free_below_request")
     assert check.ok is False
-    assert "--gpu-memory-utilization 0.66" in check.fix[0]  # 31.44 / 47.38 = 0.6636
-    assert "13.57 GiB" in check.fix[1]  # 45.01 - 31.44
+    assert (check.fix[0].flag, check.fix[0].proposed) == ("--gpu-memory-utilization", "0.66")  # 31.44 / 47.38
+    assert "13.57 GiB" in check.fix[1].text() and check.fix[1].flag == ""  # 45.01 - 31.44: memory to free
 
 
 def test_free_memory_below_request_with_caret_ansi_and_kvscope_plan() -> None:
     check = _failure("v0.15dev-ci-l4-tp1-ansi-caret-freemem-fail.log", "free_below_request",
                      Options(model="smollm2-135m"))
-    assert "--gpu-memory-utilization 0.06" in check.fix[0]  # 1.54 / 22.05
-    assert any("KV pool" in f for f in check.fix)
+    assert (check.fix[0].flag, check.fix[0].proposed) == ("--gpu-memory-utilization", "0.06")  # 1.54 / 22.05
+    assert any("KV pool" in f.text() for f in check.fix)
 
 
 def test_max_seq_len_beyond_kv_cache_v0_gives_len_util_fp8_tp() -> None:
     check = _failure("v0.7.x-deepseek-r1-distill-qwen-14b-2x-rtx4090-tp2-kvfail.log", "max_seq_len_exceeds_kv",
                      Options(model="qwen2.5-7b", gpu="rtx-4090", gpu_memory_utilization=0.9))
-    assert "--max-model-len 81,536" in check.fix[0]
-    assert any(f.startswith("--gpu-memory-utilization") for f in check.fix)
-    assert any("fp8" in f and "fits" in f for f in check.fix)  # 2 x 81,536 >= 131,072
+    assert (check.fix[0].flag, check.fix[0].proposed) == ("--max-model-len", 81_536)
+    assert check.fix[0].text() == "--max-model-len 131072 -> 81536: fits the current pool"
+    assert any(f.flag == "--gpu-memory-utilization" for f in check.fix)
+    assert any(f.proposed == "fp8" and "fits" in f.why for f in check.fix)  # 2 x 81,536 >= 131,072
 
 
 def test_kv_needed_beyond_available_v1_uses_vllms_estimate() -> None:
     check = _failure("v0.9.2dev-llama-tpu-v5e-8-kvmem-fail.log", "max_seq_len_exceeds_kv")
-    assert "--max-model-len 5,632" in check.fix[0]
+    assert (check.fix[0].flag, check.fix[0].proposed) == ("--max-model-len", 5_632)
     assert "16.00 GiB needed, 0.71 GiB available" in check.detail
-    assert any("fp8" in f and "still short" in f for f in check.fix)
+    assert any(f.proposed == "fp8" and "still short" in f.why for f in check.fix)
 
 
 def test_wrapped_error_lines_are_joined() -> None:
@@ -258,17 +259,18 @@ def test_zero_gpu_blocks_is_no_cache_blocks_with_the_fix_in_numbers(capsys: pyte
     assert check.ok is False and check.kind == "failure" and check.line == 2
     assert "0 GPU blocks (256 CPU blocks)" in check.detail
     # 4,096 / 16 = 256 blocks; vLLM's default 4 GiB swap over 256 CPU blocks = 16 MiB a block
-    assert "one 4,096-token request needs 256 blocks of 16 tokens = 4.00 GiB" in check.fix[0]
-    assert "16.00 MiB" in check.fix[0] and "--swap-space" in check.fix[0]
+    assert "one 4,096-token request needs 256 blocks of 16 tokens = 4.00 GiB" in check.fix[0].text()
+    assert "16.00 MiB" in check.fix[0].why and "--swap-space" in check.fix[0].why and check.fix[0].flag == ""
     sized = _failure(ZERO_BLOCKS, "no_cache_blocks", Options(gpu_memory_gib=24.0, gpu_memory_utilization=0.9))
-    assert "--gpu-memory-utilization 1.067 at least (now 0.9)" in sized.fix[1]  # 0.9 + 4.00 / 24
-    assert "beyond 1.0" in sized.fix[1]
+    assert sized.fix[1].text().startswith("--gpu-memory-utilization 0.9 -> 1.067: at least")  # 0.9 + 4.00 / 24
+    assert "beyond 1.0" in sized.fix[1].why
     planned = _failure(ZERO_BLOCKS, "no_cache_blocks",
                        Options(model="qwen2.5-7b", gpu_memory_gib=24.0, gpu_memory_utilization=0.9))
     # 28 layers x 2 x 4 KV heads x 128 x 2 B = 56 KiB a token: 4,096 tokens = 0.22 GiB
-    assert "= 0.22 GiB of KV memory (qwen2.5-7b: 56 KiB per token)" in planned.fix[0]
+    assert "= 0.22 GiB of KV memory (qwen2.5-7b: 56 KiB per token)" in planned.fix[0].text()
     # kvscope's plan fits below the 0.9 vLLM failed at: said as a floor, not offered as the fix
-    assert "yet vLLM found no room at 0.9" in planned.fix[1] and "floor, not a fix" in planned.fix[1]
+    assert "yet vLLM found no room at 0.9" in planned.fix[1].why and "floor, not a fix" in planned.fix[1].why
+    assert planned.fix[1].flag == ""  # a floor, not a flag change
     assert main(["summary", str(CORPUS / ZERO_BLOCKS), "--json"]) == 1
     checks = json.loads(capsys.readouterr().out)["checks"]
     assert [c["id"] for c in checks if c["kind"] == "failure"] == ["no_cache_blocks"]
@@ -315,8 +317,8 @@ def test_oom_in_graph_capture_and_sampler(tmp_path: Path) -> None:
     checks = {c.id: c for c in explain(log, Options(gpu_memory_utilization=0.9)).checks}
     oom = checks["oom"]
     assert "KV-cache allocation" in oom.title or "E" in oom.title
-    assert any("1.50 GiB" in f for f in oom.fix)  # 2.00 GiB tried - 0.5 GiB free
-    assert any("--max-num-seqs 128" in f for f in checks["oom_sampler"].fix)
+    assert any("1.50 GiB" in f.why for f in oom.fix)  # 2.00 GiB tried - 0.5 GiB free
+    assert any((f.flag, f.proposed) == ("--max-num-seqs", 128) for f in checks["oom_sampler"].fix)
 
 
 # ------------------------------------------------------------------ parser traps

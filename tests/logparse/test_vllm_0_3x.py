@@ -115,11 +115,11 @@ def test_oom_at_graph_capture_is_placed_by_its_frames_with_the_fix_in_numbers(tm
     assert oom.ok is False and oom.kind == "failure" and oom.line == 14
     # 0.92 - 2.50 / 79.22 = 0.888 -> 0.88: 0.04 x 79.22 = 3.17 GiB outside the budget for the 2.50 GiB pool,
     # and kvscope's plan of the model (engine/budget) at 0.88 says what is left of the KV pool
-    assert oom.fix[0].startswith("--gpu-memory-utilization 0.88 (now 0.92) leaves 3.17 GiB of 79.22 GiB outside "
+    assert oom.fix[0].text().startswith("--gpu-memory-utilization 0.92 -> 0.88: leaves 3.17 GiB of 79.22 GiB outside "
                                  "the budget for the graph pool (2.50 GiB: the CUDA-graph estimate the log printed)")
-    assert "kvscope's plan of llama-3.1-8b at 0.88: KV pool" in oom.fix[0]
-    assert oom.fix[1].startswith("--enforce-eager captures no graphs and frees the whole 2.50 GiB pool")
-    assert oom.fix[2].startswith("--max-cudagraph-capture-size 256 (largest now 512, from vLLM's default 512)")
+    assert "kvscope's plan of llama-3.1-8b at 0.88: KV pool" in oom.fix[0].why
+    assert oom.fix[1].text().startswith("--enforce-eager: captures no graphs and frees the whole 2.50 GiB pool")
+    assert oom.fix[2].text().startswith("--max-cudagraph-capture-size 512 -> 256: (largest from vLLM's default 512)")
 
 
 def test_oom_in_an_unprefixed_traceback_uses_the_logs_own_tokens_per_gib(tmp_path: Path,
@@ -139,7 +139,8 @@ def test_oom_in_an_unprefixed_traceback_uses_the_logs_own_tokens_per_gib(tmp_pat
     assert status == 1
     oom = {c["id"]: c for c in json.loads(capsys.readouterr().out)["checks"]}["oom_graph_capture"]
     # 3.00 - 1.00 GiB missing: 0.9 - 2 / 79.19 = 0.8747 -> 0.87; the pool shrinks by 0.03 x 79.19 = 2.38 GiB
-    assert oom["fix"][0].startswith("--gpu-memory-utilization 0.87 (now 0.9) leaves 2.38 GiB")
+    assert oom["fix"][0].startswith("--gpu-memory-utilization 0.9 -> 0.87: leaves 2.38 GiB")
+    assert oom["fixes"][0]["flag"] == "--gpu-memory-utilization" and oom["fixes"][0]["proposed"] == "0.87"
     assert "the KV pool shrinks from 50.00 GiB to 47.62 GiB (380,994 tokens at the log's 8,000 tokens per GiB, " \
            "46.51x at 8,192)" in oom["fix"][0]
 
