@@ -289,14 +289,14 @@ FAMILIES: tuple[Family, ...] = (
            cpu_dtype=("float32", "Gemma 3 on CPU: fp32 decodes 2.7x faster than bf16 (Q8_0 head kernel, "
                                  "op-by-op layers)"),
            gguf_head_only_native=True, reads_own_rope=True),
-    # Mistral and Phi-3: Llama's class (sliding-window layers through the hybrid KV cache);
+    # Mistral and Phi-3: Llama's class (sliding-window layers through the hybrid KV cache; tensor
+    # parallelism through parallel_llama, TP=2 greedy equal to TP=1 on the tiny checkpoints);
     # llama.cpp writes Mistral GGUFs as "llama" (served by that entry, window dropped as
     # llama.cpp drops it), Phi-3 GGUFs ("phi3", fused tensors) are not registered.
     Family("mistral", "engine.model.llama:LlamaForCausalLM", hf_architectures=("MistralForCausalLM",),
-           model_types=("mistral",), hf_fields=_mistral_fields, tensor_parallel=False),
+           model_types=("mistral",), hf_fields=_mistral_fields),
     Family("phi3", "engine.model.llama:LlamaForCausalLM", hf_architectures=("Phi3ForCausalLM",),
-           model_types=("phi3",), hf_fields=_phi3_fields, hf_split=split_phi3_tensor, hf_split_adds=3,
-           tensor_parallel=False),
+           model_types=("phi3",), hf_fields=_phi3_fields, hf_split=split_phi3_tensor, hf_split_adds=3),
     # Mixture of experts (engine/model/moe.py): HF folders only (llama.cpp stacks each layer's
     # experts into one 3-D tensor, which the GGUF loader does not split yet).
     Family("qwen3_moe", "engine.model.qwen3_moe:Qwen3MoeForCausalLM", hf_architectures=("Qwen3MoeForCausalLM",),
@@ -410,5 +410,6 @@ def check_config_supported(config: ModelConfig, tensor_parallel_size: int) -> No
                         f"model registry; it runs {registry_listing()}")
     family = family_for_architecture(config.architecture)
     if tensor_parallel_size > 1 and not family.tensor_parallel:
+        served = ", ".join(f.name for f in FAMILIES if f.tensor_parallel)
         raise UserError(f"--tensor-parallel-size {tensor_parallel_size} with {config.name}: tensor parallelism "
-                        f"serves the Llama and Qwen2 families; run {family.name} on one rank")
+                        f"serves the {served} families; run {family.name} on one rank")

@@ -2,7 +2,8 @@
 transformers (tests/model/tiny_hf.py): ``engine plan --model DIR`` counts its parameters as
 transformers does (default suite, in-process), and ``engine generate`` prints transformers'
 greedy text, ``engine serve`` answers /v1/completions with it, and ``engine run-workload``
-finishes its requests (slow: three engine starts per family)."""
+finishes its requests (slow: three engine starts per family); Mistral, Phi-3 and Qwen2 run
+on two tensor-parallel ranks (slow)."""
 
 from __future__ import annotations
 
@@ -96,3 +97,17 @@ def test_generate_serve_and_run_workload_run_every_family(variant: str, folders:
         assert stop_server(server) == 0
     assert reply.status_code == 200, reply.text
     assert reply.json()["choices"][0]["text"] == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["qwen2-untied", "mistral-sliding", "phi3-sliding"])
+def test_tensor_parallel_generates_transformers_text(variant: str, folders: dict[str, tuple[Path, Any]]) -> None:
+    """Two ranks (parallel_llama: Phi-3's fused tensors split at load before they are sharded,
+    Mistral's window on each rank's KV heads) print transformers' greedy text; Qwen3 and Gemma 3
+    are refused (their layers have no tensor-parallel version)."""
+    folder, model = folders[variant]
+    done = run_engine("generate", "--model", str(folder), "--dtype", "float32", "--max-model-len", "128",
+                      "--quantization", "none", "--tensor-parallel-size", "2", "--prompt", PROMPT,
+                      "--max-tokens", str(NEW_TOKENS), "--temperature", "0")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.rstrip("\n") == greedy_text(folder, model)
