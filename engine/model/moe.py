@@ -114,6 +114,10 @@ class ExpertNames:
         return names
 
 
+# A GGUF's stacked expert tensors ([experts, out, in] per projection; engine/modelspec/families.py
+# names them so under model.layers.N.): which part of w13 / w2 each fills.
+STACKED_EXPERTS = {"mlp.experts.gate_proj": "gate", "mlp.experts.up_proj": "up", "mlp.experts.down_proj": "down"}
+
 QWEN_MOE_NAMES = ExpertNames("mlp.gate.weight", "mlp.experts.", "gate_proj.weight", "up_proj.weight",
                              "down_proj.weight")
 QWEN2_MOE_NAMES = ExpertNames("mlp.gate.weight", "mlp.experts.", "gate_proj.weight", "up_proj.weight",
@@ -162,6 +166,14 @@ class SparseMoeMLP(nn.Module):
             shared = F.linear(F.silu(gate_up[:, :self.shared_size]) * gate_up[:, self.shared_size:], self.shared_w2)
             out += torch.sigmoid(F.linear(x, self.shared_gate)) * shared
         return out
+
+    def load_stacked(self, part: str, tensor: torch.Tensor) -> None:
+        """Every expert's ``part`` (gate / up / down) from one ``[experts, out, in]`` tensor."""
+        i = self.intermediate_size
+        target = {"gate": self.w13[:, :i], "up": self.w13[:, i:], "down": self.w2}[part]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(f"stacked experts' {part}: shape {tuple(tensor.shape)} does not fit {tuple(target.shape)}")
+        target.copy_(tensor)
 
     def target(self, rest: str) -> tuple[torch.Tensor, int, int] | None:
         """``(parameter, row offset, rows)`` an HF name under ``model.layers.N.`` fills."""
@@ -258,6 +270,25 @@ class SparseModelMixin:
             if found is not None or tail.startswith(("mlp.", moe.names.experts, moe.names.router)):
                 return found  # a dense MLP name in a sparse layer fills nothing
         return super()._fused_target(hf_name)  # type: ignore[misc, no-any-return]
+
+    @torch.no_grad()
+    def load_hf_tensor(self, hf_name: str, tensor: torch.Tensor) -> None:
+        sparse = self._sparse_layer(hf_name)
+        if sparse is not None and sparse[1] in STACKED_EXPERTS:
+            sparse[0].load_stacked(STACKED_EXPERTS[sparse[1]], tensor)
+            return
+        super().load_hf_tensor(hf_name, tensor)  # type: ignore[misc]
+
+    def missing_hf_names(self, seen: set[str]) -> set[str]:
+        """A layer's experts loaded from stacked tensors (a GGUF) cover their per-expert names."""
+        covered = set(seen)
+        for index, layer in enumerate(self.layers):
+            moe = layer.moe
+            if moe is not None and all(f"model.layers.{index}.{n}" in seen for n in STACKED_EXPERTS):
+                names = moe.names
+                covered.update(f"model.layers.{index}.{names.experts}{e}.{t}" for e in range(moe.num_experts)
+                               for t in (names.gate, names.up, names.down))
+        return super().missing_hf_names(covered)  # type: ignore[misc, no-any-return]
 
     def hf_names(self) -> list[str]:
         names = [n for n in super().hf_names()  # type: ignore[misc]

@@ -167,6 +167,17 @@ def _gemma3_gguf_fields(meta: Mapping[str, Any], layers: int, head_dim: int) -> 
     }
 
 
+def _qwen3_moe_gguf_fields(meta: Mapping[str, Any], layers: int, head_dim: int) -> dict[str, Any]:
+    """llama.cpp's qwen3moe keys; its graph renormalises the top-k weights (as Qwen3-30B-A3B's
+    norm_topk_prob) unless ``expert_weights_norm`` says otherwise, and runs every layer sparse."""
+    experts, used = meta.get("qwen3moe.expert_count"), meta.get("qwen3moe.expert_used_count")
+    width = meta.get("qwen3moe.expert_feed_forward_length")
+    if not isinstance(experts, int) or not isinstance(used, int) or not isinstance(width, int):
+        raise UserError("GGUF qwen3moe metadata lacks expert_count, expert_used_count or expert_feed_forward_length")
+    return {"qk_norm": True, "num_experts": experts, "num_experts_per_tok": used, "moe_intermediate_size": width,
+            "norm_topk_prob": bool(meta.get("qwen3moe.expert_weights_norm", True))}
+
+
 def _qwen3_gguf_fields(meta: Mapping[str, Any], layers: int, head_dim: int) -> dict[str, Any]:
     return {"qk_norm": True}  # llama.cpp writes Qwen3's attn_q_norm/attn_k_norm; no key says so
 
@@ -190,6 +201,15 @@ QWEN3_GGUF_LAYER_NAMES: dict[str, str] = {
     **LLAMA_GGUF_LAYER_NAMES,
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+# Qwen3-MoE: the router and each layer's experts stacked into one 3-D tensor per projection
+# (``[experts, out, in]``), which the sparse layer splits (engine/model/moe.py's STACKED_EXPERTS).
+QWEN3_MOE_GGUF_LAYER_NAMES: dict[str, str] = {
+    **{k: v for k, v in QWEN3_GGUF_LAYER_NAMES.items() if not k.startswith("ffn_") or k == "ffn_norm.weight"},
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj",
+    "ffn_up_exps.weight": "mlp.experts.up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
 }
 # Gemma 3 has four norms per layer and Q/K norms; llama.cpp's ffn_norm is its pre-MLP norm.
 GEMMA3_GGUF_LAYER_NAMES: dict[str, str] = {
@@ -297,10 +317,12 @@ FAMILIES: tuple[Family, ...] = (
            model_types=("mistral",), hf_fields=_mistral_fields),
     Family("phi3", "engine.model.llama:LlamaForCausalLM", hf_architectures=("Phi3ForCausalLM",),
            model_types=("phi3",), hf_fields=_phi3_fields, hf_split=split_phi3_tensor, hf_split_adds=3),
-    # Mixture of experts (engine/model/moe.py): HF folders only (llama.cpp stacks each layer's
-    # experts into one 3-D tensor, which the GGUF loader does not split yet).
+    # Mixture of experts (engine/model/moe.py): HF folders, and Qwen3-MoE GGUFs (llama.cpp stacks each
+    # layer's experts into one 3-D tensor per projection; Qwen2-MoE's and Mixtral's GGUFs not yet).
     Family("qwen3_moe", "engine.model.qwen3_moe:Qwen3MoeForCausalLM", hf_architectures=("Qwen3MoeForCausalLM",),
-           model_types=("qwen3_moe",), hf_fields=_qwen3_moe_fields, tensor_parallel=False),
+           model_types=("qwen3_moe", "qwen3moe"), hf_fields=_qwen3_moe_fields, tensor_parallel=False,
+           gguf_architectures=("qwen3moe",), gguf_tokenizers=("gpt2",), gguf_fields=_qwen3_moe_gguf_fields,
+           gguf_layer_names=QWEN3_MOE_GGUF_LAYER_NAMES),
     Family("qwen2_moe", "engine.model.qwen2_moe:Qwen2MoeForCausalLM", hf_architectures=("Qwen2MoeForCausalLM",),
            model_types=("qwen2_moe",), hf_fields=_qwen2_moe_fields, tensor_parallel=False),
     Family("mixtral", "engine.model.mixtral:MixtralForCausalLM", hf_architectures=("MixtralForCausalLM",),

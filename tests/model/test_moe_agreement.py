@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from engine.model.runner import ModelRunner, ScheduledSeq
+from engine.modelspec.families import check_gguf_supported
 from engine.modelspec.readers import load_model_config
 from tests.model.test_family_agreement import (
     BLOCK_SIZE,
@@ -24,7 +25,7 @@ from tests.model.test_family_agreement import (
     reference,
     run_kvscope,
 )
-from tests.model.tiny_moe import MOE_SHAPES, VARIANT_NAMES, save_tiny_moe
+from tests.model.tiny_moe import MOE_SHAPES, VARIANT_NAMES, save_tiny_moe, write_tiny_moe_gguf
 
 # Measured (fp32, AVX-512 BF16 Zen 4, 2 threads, shared machine): see the test's print; the
 # same 1e-4 as the dense families: a routing flip or a missing renormalisation moves the
@@ -65,11 +66,21 @@ def _runner(folder: Path) -> ModelRunner:
     return runner
 
 
-@pytest.mark.parametrize("variant", _variants("qwen3moe"))
-def test_agrees_with_transformers_through_paging_and_preemption(variant: str, tiny_moe) -> None:
+@pytest.mark.parametrize(("variant", "source"), [*((v, "hf") for v in _variants("qwen3moe")),
+                                                  pytest.param("qwen3moe", "gguf", marks=pytest.mark.slow)])
+def test_agrees_with_transformers_through_paging_and_preemption(variant: object, source: str, tiny_moe) -> None:
+    """``source`` gguf: the same weights as llama.cpp writes a Qwen3-MoE (architecture qwen3moe,
+    experts stacked per projection), through the GGUF loader and the dequantized-weights cache."""
+    variant = str(variant)
     folder, hf_model = tiny_moe[variant]
+    if source == "gguf":
+        folder = write_tiny_moe_gguf(hf_model, folder.with_suffix(".gguf"))
+        check_gguf_supported(folder)  # the header check before phase C: architecture, tokenizer, types
     config = load_model_config(str(folder))
-    assert config.architecture == {"mixtral": "mixtral", "qwen2moe": "qwen2_moe"}.get(variant, "qwen3_moe")
+    assert config.source == source
+    assert config.architecture == {"mixtral": "mixtral", "qwen2moe": "qwen2_moe", "gguf": "qwen3moe"}.get(
+        source if source == "gguf" else variant, "qwen3_moe")
+    assert config.norm_topk_prob is (variant != "qwen3moe-mixed")
     assert (config.num_experts, config.num_experts_per_tok) == (8, 2)
     assert config.num_moe_layers == (1 if variant == "qwen3moe-mixed" else 2)
     total = sum(p.numel() for p in hf_model.parameters())
@@ -86,7 +97,7 @@ def test_agrees_with_transformers_through_paging_and_preemption(variant: str, ti
         worst = max(worst, float((rows - ref_rows).abs().max()))
         top2 = ref_rows.topk(2, dim=-1).values
         margin = min(margin, float((top2[:, 0] - top2[:, 1]).min()))
-    print(f"\n{variant}: 3 prompts x {NEW_TOKENS} greedy tokens equal; max |logit diff| {worst:.2e}; "
+    print(f"\n{variant} ({source}): 3 prompts x {NEW_TOKENS} greedy tokens equal; max |logit diff| {worst:.2e}; "
           f"smallest top-1 margin {margin:.2e}")
     assert worst < MAX_LOGIT_DIFF
     assert margin > 100 * worst
@@ -194,5 +205,5 @@ def test_tensor_parallelism_is_refused_for_moe_before_loading() -> None:
 
     for preset in ("qwen3-30b-a3b", "mixtral-8x7b"):
         check_config_supported(MODEL_PRESETS[preset], 1)
-        with pytest.raises(UserError, match="--tensor-parallel-size 2 .* on one rank"):
+        with pytest.raises(UserError, match=r"--tensor-parallel-size 2 .* on one rank"):
             check_config_supported(MODEL_PRESETS[preset], 2)

@@ -76,3 +76,56 @@ def build_tiny_qwen2_moe(seed: int = 0) -> Any:
     config = transformers.Qwen2MoeConfig(**shapes, **MOE_SHAPES, shared_expert_intermediate_size=48,
                                          norm_topk_prob=False, tie_word_embeddings=False)
     return _redrawn(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, **EAGER), seed)
+
+
+def write_tiny_moe_gguf(model: Any, path: Path) -> Path:
+    """A Qwen3-MoE checkpoint as llama.cpp's converter writes it (F32, architecture qwen3moe):
+    the router as ``ffn_gate_inp``, each layer's experts stacked per projection into
+    ``ffn_{gate,up,down}_exps`` ``[experts, out, in]``, the expert counts and width as keys."""
+    import gguf
+
+    from tests.model.tiny_hf import _GGUF_GLOBAL_NAMES, _GGUF_LAYER_NAMES
+
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_expert_count(config.num_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    writer.add_expert_weights_norm(bool(config.norm_topk_prob))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
+    width = config.moe_intermediate_size
+    seen: set[int] = set()
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() in seen:
+            continue  # a tied head: llama.cpp writes no output.weight
+        seen.add(tensor.data_ptr())
+        array = tensor.detach().float().numpy().copy()
+        if not name.startswith("model.layers."):
+            writer.add_tensor(_GGUF_GLOBAL_NAMES[name], array)
+            continue
+        index, rest = name[len("model.layers."):].split(".", 1)
+        if rest == "mlp.experts.gate_up_proj":  # transformers holds gate then up rows per expert
+            writer.add_tensor(f"blk.{index}.ffn_gate_exps.weight", array[:, :width].copy())
+            writer.add_tensor(f"blk.{index}.ffn_up_exps.weight", array[:, width:].copy())
+        else:
+            gguf_name = {"mlp.experts.down_proj": "ffn_down_exps.weight",
+                         "mlp.gate.weight": "ffn_gate_inp.weight"}.get(rest) or _GGUF_LAYER_NAMES[rest]
+            writer.add_tensor(f"blk.{index}.{gguf_name}", array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
