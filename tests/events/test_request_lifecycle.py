@@ -133,3 +133,25 @@ def test_a_recording_before_the_reasons_still_folds() -> None:
     assert finished and all(life.finish_step is not None for life in finished)
     preempted = next(life for life in fold.lives.values() if life.preemptions)
     assert "preempted (kv_full)" in preempted.render()
+
+
+def test_per_request_metrics_are_the_finish_events_figures() -> None:
+    """request_metrics (what include_metrics answers) against each request.finished."""
+    from engine.events import RequestFinished
+    from engine.events.request_lifecycle import request_metrics
+
+    config = SchedulerConfig(num_blocks=10, block_size=16, max_num_seqs=6, max_num_batched_tokens=64,
+                             max_model_len=1024)
+    events = drive(config, {0: [(f"t{i}", ids(1000 * i + 7, 30), 40 + 10 * i, 0) for i in range(5)]})
+    fold = lifecycle_of(events)
+    for finished in (e for e in events if isinstance(e, RequestFinished)):
+        metrics = request_metrics(fold.lives[finished.request_id])
+        assert finished.ttft_s is not None
+        assert metrics["time_to_first_token_ms"] == finished.ttft_s * 1e3
+        assert metrics["generation_time_ms"] == finished.e2e_s * 1e3
+        assert metrics["queue_time_ms"] == finished.queue_time_s * 1e3
+        itls = finished.inter_token_latencies_s
+        assert metrics["mean_itl_ms"] == sum(itls) / len(itls) * 1e3
+        assert metrics["tokens_per_second"] == finished.output_tokens / finished.e2e_s
+        assert metrics["kvscope"]["preemptions"] == finished.num_preemptions
+    assert request_metrics(fold.lives["t4"])["kvscope"]["preemptions"] == 3
