@@ -15,9 +15,11 @@ llama-3.1-8b ``engine.config`` and phase C, so the MFU counters move, and with
 :class:`engine.events.stats.StatsReporter` (10 s interval on a bus nobody else hears),
 :class:`engine.events.JsonlSink` into memory, for comparison,
 :class:`engine.events.otel.OtlpTraceSink` (the SDK's span building and batch
-processor; the exporter discards, so no network is timed) and
+processor; the exporter discards, so no network is timed),
 :class:`engine.events.perfetto.PerfettoTrace` (the fold; the file is written once at
-the end, not timed). Output: one JSON line per (trace, sink) with events/s, ns per
+the end, not timed) and :class:`engine.events.request_lifecycle.RequestLifecycle`
+(every request's life, as the server keeps it for /debug/requests and per-request
+metrics). Output: one JSON line per (trace, sink) with events/s, ns per
 event, µs per step event (the whole stream's time minus the time of the stream
 without step events) and the whole stream's µs per generated token; then, per
 exporter (and the KV cache events sink, :class:`engine.events.kv_publisher.KVEventsSink`,
@@ -57,6 +59,7 @@ from engine.events import (
 from engine.events.metrics import PrometheusMetrics
 from engine.events.perfetto import PerfettoTrace
 from engine.events.phase_data import LoadWeightsData
+from engine.events.request_lifecycle import RequestLifecycle
 from engine.events.stats import StatsReporter
 from engine.modelspec.presets import MODEL_PRESETS
 from engine.sim.driver import DriverRequest, background_workload, run_driver
@@ -127,10 +130,12 @@ def sink_factories() -> dict[str, Callable[[], Sink]]:
         "jsonl": lambda: JsonlSink(io.StringIO()),
         "otlp": _otlp_sink,
         "perfetto": PerfettoTrace,
+        "lifecycle": RequestLifecycle,
     }
 
 
-EXPORTERS = ("otlp", "perfetto", "metrics-all")  # the sinks of issue 18 parts 2-4, measured on the step loop too
+# the sinks of issue 18 parts 2-4 and issue 33's lifecycle fold, measured on the step loop too
+EXPORTERS = ("otlp", "perfetto", "metrics-all", "lifecycle")
 
 
 def _kv_events_sink() -> Sink:
