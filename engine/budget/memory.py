@@ -50,13 +50,12 @@ from engine.events.ledger import BY_NAME as LEDGER_ITEM
 from engine.events.phase_data import BudgetData, KvCacheData, LoadWeightsData, PhaseData, ProfileRunData
 from engine.modelspec.config import (
     DTYPE_BYTES,
-    INT8_KV_SCALE_BYTES,
-    KV_CACHE_DTYPE_CHOICES,
     GiB,
     KiB,
     MiB,
     ModelConfig,
 )
+from engine.modelspec.kv_cache_dtypes import KV_CACHE_DTYPES, check_kv_cache_dtype, resolve_kv_cache_dtype
 
 # The ledger quantities ``engine plan --json`` reports, in its order (under their report keys).
 PLAN_JSON_LEDGER = ("total_bytes", "gpu_memory_utilization", "requested_bytes", "weights_bytes", "activation_peak_bytes",
@@ -96,31 +95,20 @@ def gpu_preset(name: str) -> GpuPreset:
     return GPU_PRESETS[key]
 
 
-# --kv-cache-dtype values (vLLM's names plus kvscope's int8); aliases such as bf16 are accepted too.
-_KV_DTYPE_ALIASES = ("bf16", "fp16", "half", "fp32")
-
-
 def parse_kv_cache_dtype(value: str, flag: str = "--kv-cache-dtype") -> str:
-    """The lower-cased name, or a UserError naming the valid choices."""
-    key = str(value).strip().lower()
-    if key not in KV_CACHE_DTYPE_CHOICES and key not in _KV_DTYPE_ALIASES:
-        raise UserError(f"{flag} {value!r}: use one of {', '.join(KV_CACHE_DTYPE_CHOICES)}")
-    return key
+    """The lower-cased name, or a UserError naming the valid choices (engine/modelspec/kv_cache_dtypes.py)."""
+    return check_kv_cache_dtype(value, flag)
 
 
 def kv_dtype_bytes(kv_cache_dtype: str, model_dtype: str) -> float:
     """Bytes per stored K/V element (``auto`` = the model dtype's), without scales."""
-    key = parse_kv_cache_dtype(kv_cache_dtype)
-    key = model_dtype.lower() if key == "auto" else key
-    try:
-        return DTYPE_BYTES[key]
-    except KeyError:
-        raise UserError(f"--dtype {model_dtype!r}: no byte size known for it") from None
+    return resolve_kv_cache_dtype(kv_cache_dtype, model_dtype).element_bytes
 
 
 def kv_scale_bytes(kv_cache_dtype: str) -> int:
     """Scale bytes stored per (token, KV head) for each of K and V."""
-    return INT8_KV_SCALE_BYTES if parse_kv_cache_dtype(kv_cache_dtype) == "int8" else 0
+    key = check_kv_cache_dtype(kv_cache_dtype)
+    return 0 if key == "auto" else KV_CACHE_DTYPES[key].scale_bytes
 
 
 def bytes_per_kv_token(model: ModelConfig, kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1,

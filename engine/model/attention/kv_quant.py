@@ -27,22 +27,11 @@ from __future__ import annotations
 import torch
 
 from engine.errors import UserError
-from engine.modelspec.config import INT8_KV_SCALE_BYTES, KV_CACHE_DTYPE_CHOICES
+from engine.modelspec.config import INT8_KV_SCALE_BYTES
+from engine.modelspec.kv_cache_dtypes import KV_CACHE_DTYPES, check_kv_cache_dtype
 
-# Names -> storage dtype; "auto" (and nothing given) means the model's dtype.
-_KV_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "int8": torch.int8,
-    "fp8": torch.float8_e4m3fn,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
+# Names -> storage dtype, from the one --kv-cache-dtype table; "auto" (and nothing given) means the model's dtype.
+_KV_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, entry.torch_name) for name, entry in KV_CACHE_DTYPES.items()}
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 QUANTIZED_KV_DTYPES = (torch.int8, *FP8_DTYPES)
 INT8_MAX = 127.0
@@ -50,12 +39,8 @@ INT8_MAX = 127.0
 
 def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     """The storage dtype for ``--kv-cache-dtype name`` (``auto`` = the model's dtype)."""
-    key = name.strip().lower()
-    if key == "auto":
-        return model_dtype
-    if key not in _KV_DTYPES:
-        raise UserError(f"--kv-cache-dtype {name!r}: use one of {', '.join(KV_CACHE_DTYPE_CHOICES)}")
-    return _KV_DTYPES[key]
+    key = check_kv_cache_dtype(name)
+    return model_dtype if key == "auto" else _KV_DTYPES[key]
 
 
 def is_quantized(dtype: torch.dtype) -> bool:
