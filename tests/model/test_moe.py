@@ -16,6 +16,7 @@ def _hf_block(norm_topk_prob: bool, seed: int = 0):
 
     config = transformers.Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=8,
                                          num_experts_per_tok=2, norm_topk_prob=norm_topk_prob)
+    config._experts_implementation = "eager"  # transformers' plain loop over active experts, the reference
     block = Qwen3MoeSparseMoeBlock(config).eval()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
