@@ -5,6 +5,7 @@ loopback, which decodes ExportTraceServiceRequest with opentelemetry-proto."""
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import threading
 import time
@@ -267,7 +268,7 @@ def test_each_request_span_has_vllms_phase_children_with_preemptions_as_events(
         kids.sort(key=lambda s: s.start_time_unix_nano)
         assert [k.name for k in kids] == [QUEUE_SPAN, PREFILL_SPAN, DECODE_SPAN]
         assert kids[0].start_time_unix_nano == requests[parent_id].start_time_unix_nano
-        assert all(a.end_time_unix_nano == b.start_time_unix_nano for a, b in zip(kids, kids[1:], strict=False))
+        assert all(a.end_time_unix_nano == b.start_time_unix_nano for a, b in itertools.pairwise(kids))
         assert kids[-1].end_time_unix_nano == requests[parent_id].end_time_unix_nano
     r13 = next(s for s in requests.values() if s.attributes[0].value.string_value == "r13")
     decode = children[r13.span_id][2]
