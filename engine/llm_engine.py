@@ -26,6 +26,7 @@ from engine.events.observers import ObserverFlags, attach_observers
 from engine.logs import log_failure
 from engine.model.device import device_word
 from engine.model.runner import ScheduledSeq
+from engine.model.sampler import TokenLogprobs
 from engine.model.tokenizer import IncrementalDetokenizer
 from engine.startup import StartupResult, start_engine
 from engine.workers import WorkerGroup
@@ -51,6 +52,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: dict[str, Any] = field(default_factory=dict)
     error: str | None = None  # finish_reason "error": what failed (this request only)
+    # with SamplingParams.logprobs: new_token_ids' log-probabilities (and alternatives), in order
+    logprobs: list[TokenLogprobs] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -129,6 +132,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.startup.scheduler_config, self.bus)
         self.observers.start_stats(device_word(self.startup.device))
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._step_logprobs: dict[str, TokenLogprobs] = {}  # the last step's, for requests that ask
         self._ids = itertools.count()
         self._clock_start = time.monotonic()
         self.eos_token_ids = self._eos_ids()
@@ -263,6 +267,7 @@ class LLMEngine:
                 collectives = self.pipeline.step_fields()
         timings = self.runner.last_timings
         failed = dict(self.runner.last_failed)
+        self._step_logprobs = getattr(self.runner, "last_logprobs", {})
         deltas: dict[str, str] = {}
         stopped_by_string: set[str] = set()
         for rid, token in sampled_ids.items():
@@ -318,6 +323,7 @@ class LLMEngine:
                 finish_reason=FINISH_REASONS.get(req.status) if done else None,
                 num_cached_tokens=max(req.num_cached_tokens, 0),
                 error=req.error if done else None,
+                logprobs=[self._step_logprobs[rid]] if rid in self._step_logprobs and rid in sampled else None,
             ))
         return results
 

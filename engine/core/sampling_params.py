@@ -21,6 +21,8 @@ _GREEDY_EPS = 1e-5
 # build a vocabulary-sized tensor.
 LOGIT_BIAS_LIMIT = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
+# logprobs: the most alternatives a token may list (vLLM's default --max-logprobs, OpenAI's top_logprobs).
+MAX_LOGPROBS = 20
 
 
 @dataclass(slots=True)
@@ -39,6 +41,8 @@ class SamplingParams:
     # token id -> bias added to its logit before sampling (greedy too), as OpenAI's
     # logit_bias; the engine checks the ids against the vocabulary (LLMEngine.check_prompt)
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # the sampled token's log-probability and this many alternatives (0: none) with each token; None: off
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -63,6 +67,8 @@ class SamplingParams:
         if bad is not None:
             raise UserError(f"stop_token_ids {bad}: token ids are >= 0")
         self._check_logit_bias()
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise UserError(f"logprobs {self.logprobs}: must be in 0..{MAX_LOGPROBS}")
 
     def _check_logit_bias(self) -> None:
         if self.logit_bias is None:

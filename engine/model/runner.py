@@ -29,7 +29,7 @@ from engine.model.cuda_graphs import DecodeGraphs
 from engine.model.llama import QUANTIZATION_METHODS, LlamaForCausalLM
 from engine.model.loader import LoadInfo, ProgressCallback, load_weights_into, read_gguf_blocks
 from engine.model.parallel import TensorParallel
-from engine.model.sampler import Sampler
+from engine.model.sampler import Sampler, TokenLogprobs, token_logprobs
 from engine.modelspec.config import CANONICAL_DTYPE, ModelConfig
 
 if TYPE_CHECKING:
@@ -169,6 +169,7 @@ class ModelRunner:
         self.set_kv_cache_groups(kv_cache_groups)
         self.last_timings = StepTimings()
         self.last_failed: dict[str, str] = {}  # request id -> why its sampling raised (the last execute)
+        self.last_logprobs: dict[str, TokenLogprobs] = {}  # the last execute's, for requests that ask
         self.decode_graphs: DecodeGraphs | None = None  # captured in phase F on CUDA
         self.kernel_plan: KernelPlan | None = None  # phase C on CPU (resolve_kernel_plan); None: the constants
         # A MoE model's tokens routed to each expert in the last forward, [MoE layer][expert];
@@ -424,8 +425,22 @@ class ModelRunner:
             sampled = {s.request_id: int(t) for s, t in zip(seqs, tokens, strict=True)}
         except Exception:  # one row's parameters broke the batch: find it, keep the others
             sampled = self._sample_rows_alone(logits, prepared)
+        self.last_logprobs = self._logprobs(logits, seqs, sampled)
         self.last_timings.sample_s = time.perf_counter() - t0
         return sampled
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, seqs: Sequence[ScheduledSeq],
+                  sampled: dict[str, int]) -> dict[str, TokenLogprobs]:
+        """The sampled tokens' log-probabilities for the requests that ask (nothing to
+        compute when none does)."""
+        rows = [row for row, s in enumerate(seqs) if s.sampling.logprobs is not None and s.request_id in sampled]
+        if not rows:
+            return {}
+        ids = [seqs[row].request_id for row in rows]
+        found = token_logprobs(logits, rows, [sampled[rid] for rid in ids],
+                               [seqs[row].sampling.logprobs or 0 for row in rows])
+        return dict(zip(ids, found, strict=True))
 
     def _sample_rows_alone(self, logits: torch.Tensor, prepared: PreparedBatch) -> dict[str, int]:
         """Sample each row by itself after the batched call raised: a row that raises alone

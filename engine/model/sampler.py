@@ -16,6 +16,7 @@ see :class:`engine.model.tokenizer.IncrementalDetokenizer` for stop strings.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -37,6 +38,36 @@ def _biased_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tupl
     values = torch.cat([torch.tensor(list(params[row].logit_bias.values()), dtype=logits.dtype) for row in rows])
     biased.view(-1).index_add_(0, tokens.to(device), values.to(device))
     return row_index, biased
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """One sampled token's log-probability under the model (vLLM's raw logprobs: the
+    logits' fp32 log-softmax before bias, temperature, top-k or top-p), its rank (1: the
+    most likely) and the ``top`` alternatives, most likely first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...]
+
+
+def token_logprobs(logits: torch.Tensor, rows: Sequence[int], tokens: Sequence[int],
+                   num_top: Sequence[int]) -> list[TokenLogprobs]:
+    """``rows``' sampled ``tokens`` with their log-probabilities and ``num_top`` best
+    alternatives each, from one fp32 log-softmax of just those rows (a batch that asks
+    for none never calls this)."""
+    logprobs = logits[list(rows)].float().log_softmax(dim=-1)
+    index = torch.tensor(list(tokens), dtype=torch.long, device=logits.device)
+    chosen = logprobs.gather(1, index[:, None])[:, 0]
+    ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
+    width = max(num_top, default=0)
+    top_values, top_ids = logprobs.topk(width, dim=-1) if width else (logprobs[:, :0], logprobs[:, :0].long())
+    out = []
+    for i, (token, n) in enumerate(zip(tokens, num_top, strict=True)):
+        top = tuple(zip(top_ids[i, :n].tolist(), top_values[i, :n].tolist(), strict=True))
+        out.append(TokenLogprobs(int(token), float(chosen[i]), int(ranks[i]), top))
+    return out
 
 
 def _seed_for(seed: int, position: int) -> int:

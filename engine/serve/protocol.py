@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, StrictBool, model_serializer
 
-from engine.core.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams
+from engine.core.sampling_params import MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, SamplingParams
 from engine.errors import UserError
 
 
@@ -91,7 +91,6 @@ def _neutral(*values: Any) -> Callable[[Any], bool]:
 # name -> (is the value neutral, what kvscope lacks, what to send instead). OpenAI's
 # request fields first, then vLLM's extensions that change the output.
 NEUTRAL_ONLY: dict[str, tuple[Callable[[Any], bool], str, str]] = {
-    "top_logprobs": (_neutral(None, 0), "logprobs are not supported", "send 0 or omit it"),
     "function_call": (_neutral(None, "none"), "function calling is not supported", "omit it"),
     "store": (_neutral(None, False), "kvscope does not store completions", "send false or omit it"),
     "audio": (_neutral(None), "audio output is not supported", "omit it"),
@@ -110,7 +109,7 @@ NEUTRAL_ONLY: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "use_beam_search": (_neutral(None, False), "beam search is not supported", "send false or omit it"),
     "allowed_token_ids": (_neutral(None), "allowed_token_ids is not supported", "use logit_bias or omit it"),
     "bad_words": (_neutral(None, []), "bad_words is not supported", "use logit_bias or omit it"),
-    "prompt_logprobs": (_neutral(None, 0), "logprobs are not supported", "omit it"),
+    "prompt_logprobs": (_neutral(None), "prompt logprobs are not supported", "omit it"),
     "truncate_prompt_tokens": (_neutral(None), "prompts are never truncated", "shorten the prompt and omit it"),
     "guided_json": (_neutral(None), "structured output is not supported", "omit it"),
     "guided_regex": (_neutral(None), "structured output is not supported", "omit it"),
@@ -119,7 +118,7 @@ NEUTRAL_ONLY: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "structural_tag": (_neutral(None), "structured output is not supported", "omit it"),
     "structured_outputs": (_neutral(None), "structured output is not supported", "omit it"),
     "logits_processors": (_neutral(None, []), "logits processors are not supported", "omit it"),
-    "return_tokens_as_token_ids": (_neutral(None, False), "logprobs are not supported", "omit it"),
+    "return_tokens_as_token_ids": (_neutral(None, False), "tokens are shown as text", "omit it"),
     "spaces_between_special_tokens": (_neutral(None, True), "special tokens are always decoded without spaces "
                                       "between them", "send true or omit it"),
 }
@@ -221,9 +220,7 @@ class _SamplingFields(BaseModel):
             value = getattr(self, name)
             if value not in (None, 0, 0.0):
                 raise APIError(400, f"{name}={value}: penalties are not supported; send 0 or omit it", param=name)
-        if not self._logprobs_neutral():
-            raise APIError(400, f"logprobs={_shown(self.logprobs)}: logprobs are not supported; omit the field",
-                           param="logprobs")
+        self.logprobs_count()  # refuses a malformed logprobs / top_logprobs by name
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
         for name, (is_neutral, lacks, instead) in NEUTRAL_ONLY.items():
@@ -232,8 +229,16 @@ class _SamplingFields(BaseModel):
                 raise APIError(400, f"{name}={_shown(value)}: {lacks}; {instead}", param=name)
         self._check_bounds()
 
-    def _logprobs_neutral(self) -> bool:
-        return _neutral(None, False)(self.logprobs)  # chat's boolean; completions' count says otherwise
+    def logprobs_count(self) -> int | None:
+        """Chat's: ``logprobs`` (a boolean) with ``top_logprobs`` alternatives per token;
+        None when not asked."""
+        if self.logprobs not in (None, True, False):
+            raise APIError(400, f"logprobs={_shown(self.logprobs)}: a boolean (top_logprobs says how many "
+                                "alternatives)", param="logprobs")
+        top = _count(self.top_logprobs, "top_logprobs")
+        if top is not None and not self.logprobs and top > 0:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        return (top or 0) if self.logprobs else None
 
     def _check_bounds(self) -> None:
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -288,6 +293,7 @@ class _SamplingFields(BaseModel):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
                 logit_bias=self._logit_bias(),
+                logprobs=self.logprobs_count(),
             )
         except UserError as exc:
             raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
@@ -295,6 +301,15 @@ class _SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def _count(value: Any, name: str) -> int | None:
+    """A logprobs count: an integer in 0..MAX_LOGPROBS, or None."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
+        raise APIError(400, f"{name}={_shown(value)}: a whole number in 0..{MAX_LOGPROBS}", param=name)
+    return int(value)
 
 
 def _shown(value: Any) -> str:
@@ -309,9 +324,12 @@ class CompletionRequest(_SamplingFields):
     echo: StrictBool = False
     suffix: str | None = None
 
-    def _logprobs_neutral(self) -> bool:
-        # completions' logprobs is a count, and 0 asks for the sampled token's logprob
-        return self.logprobs is None
+    def logprobs_count(self) -> int | None:
+        # completions' logprobs is a count, and 0 asks for the sampled token's logprob alone
+        if self.top_logprobs not in (None, 0):
+            raise APIError(400, "top_logprobs is the chat API's; on completions logprobs is the count of "
+                                "alternatives", param="top_logprobs")
+        return _count(self.logprobs, "logprobs")
 
     def single_prompt(self) -> str | list[int]:
         """kvscope serves one prompt per request; a one-element batch is unwrapped."""
@@ -383,27 +401,50 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 # --------------------------------------------------------------------- responses
-class UsageInfo(BaseModel):
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (aiperf reads it)
 
 
+class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-
     prompt_tokens_details: PromptTokensDetails | None = None
+
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> UsageInfo:
         details = None if cached_tokens is None else PromptTokensDetails(cached_tokens=cached_tokens)
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions logprobs, token by token."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class ChatLogprobTop(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobToken(ChatLogprobTop):
+    top_logprobs: list[ChatLogprobTop] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatLogprobToken] | None = None
 
 
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -424,7 +465,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -451,7 +492,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

@@ -20,9 +20,11 @@ from engine.core.sampling_params import SamplingParams
 from engine.errors import UserError
 from engine.llm_engine import CheckedPrompt, RequestOutput
 from engine.logs import get_logger
+from engine.model.sampler import TokenLogprobs
 from engine.model.tokenizer import StopMatcher
 from engine.serve.async_engine import EngineDead, Overloaded, RequestFailed, RequestStream
 from engine.serve.host import EngineHost
+from engine.serve.logprobs import Decoder, chat_logprobs, completion_logprobs
 from engine.serve.protocol import (
     IGNORED_FIELDS_SHOWN,
     APIError,
@@ -181,14 +183,23 @@ async def _submit(host: EngineHost, prompt: CheckedPrompt, params: SamplingParam
 # --------------------------------------------------------- whole answers
 async def _final_output(stream: RequestStream) -> RequestOutput:
     last: RequestOutput | None = None
+    logprobs: list[TokenLogprobs] = []  # every output's, when the request asked
     try:
         async with contextlib.aclosing(stream.outputs()) as outputs:
             async for output in outputs:
                 last = output
+                logprobs.extend(output.logprobs or ())
     except RequestFailed as exc:  # this request only: the engine serves the others on
         raise APIError(500, str(exc), type_="internal_error") from None
     assert last is not None and last.finished
+    last.logprobs = logprobs if stream.params.logprobs is not None else None
     return last
+
+
+def _tokenizer(stream: RequestStream) -> Decoder:
+    engine = stream.engine.engine
+    assert engine is not None  # a stream exists only once the engine is up
+    return engine.tokenizer
 
 
 def _metrics_of(host: EngineHost, body: CompletionRequest | ChatCompletionRequest) -> MetricsOf | None:
@@ -217,7 +228,9 @@ async def _collect_completion(stream: RequestStream, model: str, metrics_of: Met
     out = await _final_output(stream)
     response = CompletionResponse(
         id=stream.request_id, model=model,
-        choices=[CompletionChoice(text=out.text, finish_reason=out.finish_reason)],
+        choices=[CompletionChoice(text=out.text, finish_reason=out.finish_reason,
+                                  logprobs=None if out.logprobs is None else
+                                  completion_logprobs(out.logprobs, _tokenizer(stream)))],
         usage=_usage(stream, out),
     )
     return _answer(response, stream.request_id, metrics_of)
@@ -227,7 +240,8 @@ async def _collect_chat(stream: RequestStream, model: str, metrics_of: MetricsOf
     out = await _final_output(stream)
     response = ChatCompletionResponse(
         id=stream.request_id, model=model,
-        choices=[ChatChoice(message=AssistantMessage(content=out.text), finish_reason=out.finish_reason)],
+        choices=[ChatChoice(message=AssistantMessage(content=out.text), finish_reason=out.finish_reason,
+                            logprobs=None if out.logprobs is None else chat_logprobs(out.logprobs, _tokenizer(stream)))],
         usage=_usage(stream, out),
     )
     return _answer(response, stream.request_id, metrics_of)
@@ -252,6 +266,7 @@ async def _stream_chunks(stream: RequestStream, include_usage: bool, continuous_
     (``vllm bench serve --backend openai-chat``) measures the prefill, not the
     connection."""
     last: RequestOutput | None = None
+    pending: list[TokenLogprobs] = []  # logprobs of tokens whose text is still held back
     try:
         async with contextlib.aclosing(stream.outputs()) as outputs:
             async for out in outputs:
@@ -259,7 +274,10 @@ async def _stream_chunks(stream: RequestStream, include_usage: bool, continuous_
                     yield sse(first(UsageInfo.of(len(stream.prompt_ids), 0) if continuous_usage else None))
                     first = None
                 last = out
+                pending.extend(out.logprobs or ())
                 if out.delta_text or out.finished:
+                    if stream.params.logprobs is not None:  # this chunk carries every token since the last
+                        out.logprobs, pending = pending, []
                     yield sse(chunk(out, _usage(stream, out) if continuous_usage else None))
         if include_usage and last is not None:
             yield sse(chunk(None, _usage(stream, last)))
@@ -270,8 +288,16 @@ async def _stream_chunks(stream: RequestStream, include_usage: bool, continuous_
 
 def _completion_chunks(stream: RequestStream, model: str, include_usage: bool,
                        continuous_usage: bool) -> AsyncIterator[str]:
+    sent_text = 0  # where the next token's text starts (logprobs' text_offset)
+
     def chunk(out: RequestOutput | None, usage: UsageInfo | None) -> str:
-        choices = [] if out is None else [CompletionChoice(text=out.delta_text, finish_reason=out.finish_reason)]
+        nonlocal sent_text
+        logprobs = None if out is None or out.logprobs is None else \
+            completion_logprobs(out.logprobs, _tokenizer(stream), sent_text)
+        if out is not None:
+            sent_text += len(out.delta_text)
+        choices = [] if out is None else [CompletionChoice(text=out.delta_text, finish_reason=out.finish_reason,
+                                                           logprobs=logprobs)]
         return CompletionResponse(id=stream.request_id, model=model, choices=choices,
                                   usage=usage).model_dump_json(exclude=_NO_USAGE if usage is None else None)
 
@@ -282,7 +308,8 @@ def _chat_chunks(stream: RequestStream, model: str, include_usage: bool,
                  continuous_usage: bool) -> AsyncIterator[str]:
     def chunk(out: RequestOutput | None, usage: UsageInfo | None) -> str:
         choices = [] if out is None else [
-            ChatChunkChoice(delta=DeltaMessage(content=out.delta_text), finish_reason=out.finish_reason)
+            ChatChunkChoice(delta=DeltaMessage(content=out.delta_text), finish_reason=out.finish_reason,
+                            logprobs=None if out.logprobs is None else chat_logprobs(out.logprobs, _tokenizer(stream)))
         ]
         return ChatCompletionChunk(id=stream.request_id, model=model, choices=choices,
                                    usage=usage).model_dump_json(exclude=_NO_USAGE if usage is None else None)

@@ -239,3 +239,37 @@ def test_profile_endpoints_write_a_trace_that_loads(server: Server, client: open
     assert trace.parent == server.events_path.parent
     events = json.loads(trace.read_text())["traceEvents"]
     assert any("aten::" in str(e.get("name", "")) for e in events)  # the engine thread's torch ops
+
+
+def test_logprobs_on_both_apis(client: openai.OpenAI) -> None:
+    """Greedy answers: every token is its own best alternative, the lists line up with the
+    tokens, and a stream carries the same log-probabilities as the whole answer."""
+    prompt = "The capital of France is"
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, logprobs=3,
+                                    extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert lp is not None and len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5  # type: ignore[arg-type]
+    assert "".join(lp.tokens) == out.choices[0].text and lp.text_offset[0] == 0  # type: ignore[arg-type,index]
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):  # type: ignore[arg-type]
+        assert value <= 0 and max(top.values()) == pytest.approx(value, abs=1e-6) and top[token] == value
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,  # type: ignore[arg-type]
+                                          logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 4
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-6)
+               and bytes(t.bytes or []).decode() == t.token for t in content)
+    chunks = [c for c in client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2,  # type: ignore[arg-type]
+        stream=True, extra_body={"ignore_eos": True}) if c.choices]
+    streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.content or []]
+    # the stream's chunks carry every token's entry, a held-back token's with the text that releases it
+    # (a greedy rerun may pick another token: its prompt now hits the prefix cache, whose int4 kernels
+    # round differently, and the two best here are 0.04 apart)
+    assert len(streamed) == 4 and "".join(t.token for t in streamed) == "".join(
+        c.choices[0].delta.content or "" for c in chunks)
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)  # type: ignore[arg-type]
+    assert plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, top_logprobs=21,  # type: ignore[arg-type]
+                                       logprobs=True)
