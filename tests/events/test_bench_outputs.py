@@ -75,3 +75,16 @@ def test_startup_report_names_a_recording_without_a_start(tmp_path: Path, capsys
     recording.write_text("\n".join(lines) + "\n")
     assert main(["startup-report", str(recording)]) != 0
     assert "no finished startup (phase G)" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_run_workload_writes_vllm_bench_serve_result_json(tmp_path: Path) -> None:
+    """The real engine on the bundled model: the file has vLLM's keys and the run's requests."""
+    out, events = tmp_path / "result.json", tmp_path / "run.jsonl"
+    assert main(["run-workload", "--num-prompts", "3", "--prompt-len", "16", "--output-len", "4", "--max-model-len",
+                 "256", "--max-num-seqs", "4", "--result-json", str(out), "--events", str(events)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result) == VLLM_SETUP_KEYS | VLLM_RESULT_KEYS | VLLM_METRIC_KEYS
+    assert result["completed"] == 3 and result["output_lens"] == [4, 4, 4] and result["model_id"] == "smollm2-135m"
+    finished = [e for e in read_events(events).events if isinstance(e, RequestFinished)]
+    assert sorted(result["ttfts"]) == sorted(e.ttft_s for e in finished)
