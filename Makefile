@@ -57,7 +57,7 @@ lint: setup
 # readers of other servers (settings in pyproject.toml).
 TYPECHECKED := engine/core engine/events engine/budget/memory.py \
 	engine/modelspec engine/model/cpu_caps.py engine/gc_policy.py engine/model/kernels/build.py \
-	engine/model/profile_cache.py engine/cli/program.py engine/cli/vllm_flags.py \
+	engine/model/profile_cache.py engine/model/kernel_plan.py engine/cli/program.py engine/cli/vllm_flags.py \
 	doctor/facts.py doctor/rules.py doctor/budget.py \
 	monitor/prometheus.py monitor/kv_events.py monitor/replica.py monitor/poller.py monitor/gpu.py
 

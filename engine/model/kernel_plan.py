@@ -34,6 +34,7 @@ constants (``GEMV_MAX_ROWS`` in engine/model/llama.py and the ISA's dtype rule).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -468,7 +469,7 @@ def _measure_cell(cell: Cell, target: _Target, impls: dict[tuple[str, str], Impl
             continue
         cell.error[name] = relative_error(out, blocks_reference if name == "gemv" and blocks_reference is not None
                                           else reference)
-        calls[name] = lambda impl=impl, x=x: impl.call(x)
+        calls[name] = functools.partial(impl.call, x)
     scale = target.full_rows / weight.shape[0]
     cell.us.update({name: us * scale for name, us in _timed_round_robin(calls).items()})
     choose(cell)
