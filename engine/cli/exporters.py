@@ -46,6 +46,10 @@ def add_exporter_flags(p: argparse.ArgumentParser, *, replay: bool = False) -> N
     g.add_argument(*out, dest="trace_out", default=None, metavar="PATH",
                    help="write a Perfetto / Chrome trace (Trace Event Format JSON) of the run here; open it in "
                         "ui.perfetto.dev")
+    p.add_argument("--forward-pass-metrics-port", type=int, default=None, metavar="PORT",
+                   help="as vLLM (PR #52061): publish each step's forward-pass metrics (vLLM's ForwardPassMetrics, "
+                        "msgpack) on a ZMQ PUB socket bound at 127.0.0.1:PORT, an idle heartbeat when the engine "
+                        "empties (engine/events/forward_pass.py)")
     p.add_argument("--enable-logging-iteration-details", action="store_true",
                    help="as vLLM: log each step's context and generation requests and tokens and its model time "
                         "(Iteration(N): ... iteration elapsed time: X ms)")
@@ -57,7 +61,8 @@ def exporter_flags(args: argparse.Namespace) -> ObserverFlags:
     return ObserverFlags(trace_out=getattr(args, "trace_out", None),
                          otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", None),
                          collect_detailed_traces=getattr(args, "collect_detailed_traces", None),
-                         iteration_details=bool(getattr(args, "enable_logging_iteration_details", False)))
+                         iteration_details=bool(getattr(args, "enable_logging_iteration_details", False)),
+                         forward_pass_metrics_port=getattr(args, "forward_pass_metrics_port", None))
 
 
 def exporters_asked(args: argparse.Namespace) -> bool:

@@ -56,11 +56,13 @@ class ObserverFlags:
     iteration_details: bool = False  # --enable-logging-iteration-details: vLLM's Iteration(N) line
     progress: bool = False  # the startup progress bar / lines on the console (the real engine)
     stats_interval: float = 0.0  # --stats-interval: vLLM's periodic stats line, after startup
+    forward_pass_metrics_port: int | None = None  # --forward-pass-metrics-port: vLLM's per-step ZMQ metrics
 
     def asks(self) -> bool:
         """Whether any sink is asked for (simulate and replay build a bus only then)."""
         return bool(self.events_path or self.kv_events_config or self.trace_out or self.otlp_traces_endpoint
-                    or self.collect_detailed_traces or self.iteration_details)
+                    or self.collect_detailed_traces or self.iteration_details
+                    or self.forward_pass_metrics_port is not None)
 
 
 @dataclass(slots=True)
@@ -144,6 +146,12 @@ def build_observers(flags: ObserverFlags, *, wall_start_unix: float, recording_c
             observers.sinks.append(sink)
             # delivery failures are the SDK's to report (its log names each one)
             observers.summary.append(f"sent OpenTelemetry spans to {flags.otlp_traces_endpoint} ({protocol})")
+        if flags.forward_pass_metrics_port is not None:
+            from engine.events.forward_pass import ForwardPassPublisher  # zmq loads only when asked
+
+            publisher = ForwardPassPublisher(flags.forward_pass_metrics_port, dp_rank=data_parallel_rank)
+            observers.sinks.append(publisher)
+            observers.summary.append(f"published forward-pass metrics on {publisher.endpoint}")
         if flags.iteration_details:
             from engine.events.iteration_details import IterationDetailsLog
             from engine.logs import get_logger

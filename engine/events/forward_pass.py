@@ -1,0 +1,183 @@
+"""Forward-pass metrics for routers and planners (Dynamo's planner reads them): one
+message per scheduler step in the shape of vLLM's ``ForwardPassMetrics`` (open PR
+#52061, ``vllm/v1/metrics/forward_pass_metrics.py``), over ZMQ as it sends them.
+
+- A PUB socket bound at ``tcp://HOST:PORT`` (``--forward-pass-metrics-port``; vLLM's
+  flag), each message three frames: the topic (empty), the sequence number (8 bytes,
+  big-endian, from 0) and the msgpack-encoded struct, whose ``counter_id`` is that
+  sequence number.
+- After a step that leaves nothing running or waiting, one idle heartbeat: every
+  count 0 and ``wall_time`` 0, as vLLM's scheduler sends it on going idle.
+
+Everything is folded from the events the engine already publishes (``request.arrived``,
+``request.scheduled``, ``step``, ``request.finished``); no engine state is read. The
+send runs on the thread that publishes the step with ``NOBLOCK`` on a PUB socket,
+which drops for a slow or absent subscriber (at ``SEND_HWM`` queued messages) and never
+waits, so no subscriber can slow a step.
+
+Differences from vLLM's: ``wall_time`` is the step's duration on kvscope's clock
+(schedule, forward, sample, update, on whatever device; ``timing_scope`` keeps vLLM's
+value so its subscriber accepts the message); a request resumed after a preemption
+counts its prompt as recomputed (its prefix-cache hit on resumption is not in the events).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from engine.events.schema import Event, RequestArrived, RequestFinished, RequestScheduled, StepEvent
+
+FPM_VERSION = 1
+FPM_TIMING_SCOPE = "execute_model_cuda"  # vLLM's; its subscriber drops any other scope
+SEND_HWM = 10_000
+
+
+class ScheduledRequestMetrics(msgspec.Struct, frozen=True, gc=False):
+    num_prefill_requests: int = 0
+    sum_prefill_tokens: int = 0  # computed this step (cached tokens excluded)
+    var_prefill_length: float = 0.0  # population variance of the whole prompt lengths
+    sum_prefill_kv_tokens: int = 0  # KV read, not computed: prefix hits and earlier chunks
+    num_decode_requests: int = 0
+    sum_decode_kv_tokens: int = 0  # KV context of the decodes
+    var_decode_kv_tokens: float = 0.0
+
+
+class QueuedRequestMetrics(msgspec.Struct, frozen=True, gc=False):
+    num_prefill_requests: int = 0  # waiting, never run
+    sum_prefill_tokens: int = 0
+    var_prefill_length: float = 0.0
+    num_decode_requests: int = 0  # preempted back to the queue
+    sum_decode_kv_tokens: int = 0
+    var_decode_kv_tokens: float = 0.0
+
+
+class ForwardPassMetrics(msgspec.Struct, frozen=True, gc=False):
+    version: int = FPM_VERSION
+    worker_id: str = ""
+    dp_rank: int = 0
+    counter_id: int = 0
+    timing_scope: str = FPM_TIMING_SCOPE
+    wall_time: float = 0.0
+    scheduled_requests: ScheduledRequestMetrics = ScheduledRequestMetrics()
+    queued_requests: QueuedRequestMetrics = QueuedRequestMetrics()
+
+
+def _sum_var(values: list[int]) -> tuple[int, float]:
+    if not values:
+        return 0, 0.0
+    total = sum(values)
+    mean = total / len(values)
+    return total, sum((v - mean) ** 2 for v in values) / len(values)
+
+
+@dataclass(slots=True)
+class _Request:
+    prompt_tokens: int
+    computed: int = 0  # tokens whose KV exists (a preemption sets it back to 0)
+    tokens: int = 0  # prompt + generated so far
+    preempted: bool = False
+    started: bool = False
+
+
+@dataclass(slots=True)
+class ForwardPassFold:
+    """The per-step metrics from the events; :meth:`apply` returns a message after each
+    step (and the idle heartbeat after the step that empties the engine)."""
+
+    worker_id: str = ""
+    dp_rank: int = 0
+    requests: dict[str, _Request] = field(default_factory=dict)
+    active: bool = False
+
+    def apply(self, event: Event) -> list[ForwardPassMetrics]:
+        if isinstance(event, RequestArrived):
+            self.requests[event.request_id] = _Request(event.prompt_tokens, tokens=event.prompt_tokens)
+        elif isinstance(event, RequestScheduled):
+            req = self.requests.get(event.request_id)
+            if req is not None:
+                req.computed = event.prefix_hit_tokens
+        elif isinstance(event, RequestFinished):
+            self.requests.pop(event.request_id, None)
+        elif isinstance(event, StepEvent):
+            return self._step(event)
+        return []
+
+    def _step(self, step: StepEvent) -> list[ForwardPassMetrics]:
+        prefill_lengths: list[int] = []
+        decode_kv: list[int] = []
+        prefill_tokens = prefill_kv = 0
+        for rid, (num_tokens, kind, *_rest) in step.scheduled.items():
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            req.started, req.preempted = True, False
+            if kind == "prefill":
+                prefill_lengths.append(req.prompt_tokens)
+                prefill_tokens += num_tokens
+                prefill_kv += req.computed
+            else:
+                decode_kv.append(req.computed + num_tokens)
+            req.computed += num_tokens
+            if req.computed >= req.tokens:  # the step sampled a token
+                req.tokens += 1
+        for rid in step.preempted:
+            req = self.requests.get(rid)
+            if req is not None:
+                req.preempted, req.computed = True, 0
+        for rid in step.finished:
+            self.requests.pop(rid, None)
+        queued_prefill = [r.prompt_tokens for r in self.requests.values() if not r.started]
+        queued_decode = [r.tokens for r in self.requests.values() if r.preempted]
+        scheduled = ScheduledRequestMetrics(len(prefill_lengths), prefill_tokens, _sum_var(prefill_lengths)[1],
+                                            prefill_kv, len(decode_kv), *_sum_var(decode_kv))
+        queued = QueuedRequestMetrics(len(queued_prefill), *_sum_var(queued_prefill),
+                                      len(queued_decode), *_sum_var(queued_decode))
+        messages = [ForwardPassMetrics(worker_id=self.worker_id, dp_rank=self.dp_rank, wall_time=step.duration_s,
+                                       scheduled_requests=scheduled, queued_requests=queued)]
+        self.active = bool(step.num_running or step.num_waiting)
+        if not self.active:  # the engine went idle: vLLM's heartbeat, all zeros
+            messages.append(ForwardPassMetrics(worker_id=self.worker_id, dp_rank=self.dp_rank))
+        return messages
+
+
+class ForwardPassPublisher:
+    """Bus subscriber: folds the events (:class:`ForwardPassFold`) and sends each message
+    on a bound PUB socket without ever waiting (see the module docstring)."""
+
+    def __init__(self, port: int, host: str = "127.0.0.1", worker_id: str = "", dp_rank: int = 0) -> None:
+        import zmq
+
+        from engine.errors import UserError
+
+        self.fold = ForwardPassFold(worker_id=worker_id, dp_rank=dp_rank)
+        self.sent = 0
+        self.dropped = 0
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._again = zmq.Again
+        self._noblock = zmq.NOBLOCK
+        self._pub: Any = zmq.Context.instance().socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.set_hwm(SEND_HWM)
+        try:
+            self._pub.bind(f"tcp://{host}:{port + dp_rank}")  # a DP rank on port + rank, as vLLM
+        except zmq.ZMQError as exc:
+            self._pub.close()
+            raise UserError(f"--forward-pass-metrics-port {port}: {exc}; give a free port") from None
+        self.endpoint: str = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def __call__(self, event: Event) -> None:
+        for message in self.fold.apply(event):
+            message = msgspec.structs.replace(message, counter_id=self.sent)
+            try:
+                self._pub.send_multipart((b"", self.sent.to_bytes(8, "big"), self._encode(message)),
+                                         flags=self._noblock)
+            except self._again:  # never wait for a subscriber
+                self.dropped += 1
+                continue
+            self.sent += 1
+
+    def close(self) -> None:
+        self._pub.close(linger=0)
