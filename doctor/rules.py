@@ -742,8 +742,9 @@ def request_thrashing(facts: RunFacts) -> Iterable[Finding]:
     evidence = [f"{worst.request_id} ({worst.prompt_tokens:,}-token prompt) was preempted {len(p)} times at "
                 f"{_steps(p[0].step, p[-1].step)} and recomputed {lost:,} tokens in all"]
     for x in p[:4]:
-        whom = f"for {x.for_request}" if x.for_request and x.for_request != worst.request_id else "for itself"
-        evidence.append(f"step {x.step}: {x.reason} {whom}, holding {x.blocks_freed} blocks and "
+        whom = ("" if not x.for_request else " for itself" if x.for_request == worst.request_id  # "": an older recording
+                else f" for {x.for_request}")
+        evidence.append(f"step {x.step}: {x.reason}{whom}, holding {x.blocks_freed} blocks and "
                         f"{x.tokens_lost:,} computed tokens")
     waited = sum(w.last_step - w.first_step + 1 for w in worst.waits if w.first_step >= p[0].step)
     evidence.append(f"it waited {waited} steps after its first preemption")
