@@ -431,6 +431,10 @@ def check_config_supported(config: ModelConfig, tensor_parallel_size: int) -> No
         raise UserError(f"{config.path or config.name}: architecture {config.architecture!r} is not in kvscope's "
                         f"model registry; it runs {registry_listing()}")
     family = family_for_architecture(config.architecture)
+    if tensor_parallel_size > 1 and config.is_moe:
+        raise UserError(f"--tensor-parallel-size {tensor_parallel_size} with {config.name}: kvscope does not shard "
+                        "experts yet (vLLM splits every expert's intermediate dimension over the ranks and "
+                        "all-reduces the layer's output); run this mixture-of-experts model on one rank")
     if tensor_parallel_size > 1 and not family.tensor_parallel:
         served = ", ".join(f.name for f in FAMILIES if f.tensor_parallel)
         raise UserError(f"--tensor-parallel-size {tensor_parallel_size} with {config.name}: tensor parallelism "
