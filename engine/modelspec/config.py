@@ -59,13 +59,16 @@ class RopeScaling:
     """Llama 3.1/3.2's ``llama3`` rope scaling (config.json ``rope_scaling`` / transformers 5's
     ``rope_parameters``): wavelengths longer than ``original_max_position_embeddings /
     low_freq_factor`` are stretched by ``factor``, those shorter than ``... / high_freq_factor``
-    kept, the ones between blended (transformers' ``_compute_llama3_parameters``)."""
+    kept, the ones between blended (transformers' ``_compute_llama3_parameters``). A GGUF holds
+    the result instead, one divisor per rotary frequency (llama.cpp's ``rope_freqs`` tensor):
+    ``rope_type`` "freq_factors" with ``freq_factors``."""
 
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-    rope_type: str = "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 1.0
+    original_max_position_embeddings: int = 0
+    rope_type: str = "llama3"  # llama3 | freq_factors
+    freq_factors: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,8 @@ folder's config.json (the family's own fields by the registry,
 from __future__ import annotations
 
 import json
+import math
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,7 @@ from engine.modelspec.config import (
     RopeScaling,
 )
 from engine.modelspec.families import Family, family_for_architecture, family_for_hf_config
-from engine.modelspec.gguf_header import ArrayValue, read_gguf_header
+from engine.modelspec.gguf_header import ArrayValue, GGUFHeader, TensorInfo, read_gguf_header
 from engine.modelspec.presets import (
     FILE_BACKED_PRESETS,
     FILE_PRESET_NAMES,
@@ -41,16 +43,14 @@ def _hf_rope_scaling(cfg: dict[str, Any], family: Family, where: str) -> RopeSca
     naming it (a family whose parser reads its rope itself, Gemma 3, is skipped here)."""
     if family.reads_own_rope:
         return None
-    for key in ("rope_parameters", "rope_scaling"):
-        nested = cfg.get(key)
-        if not isinstance(nested, dict):
-            continue
+    nested_dicts = [n for n in (cfg.get("rope_parameters"), cfg.get("rope_scaling")) if isinstance(n, dict)]
+    for factor in (cfg.get("partial_rotary_factor"), *(n.get("partial_rotary_factor") for n in nested_dicts)):
+        if factor is not None and float(factor) != 1.0:
+            raise UserError(f"{where}: partial_rotary_factor {factor}: kvscope rotates every dimension of a head; "
+                            f"the {family.name} family runs with partial_rotary_factor 1 only")
+    for nested in nested_dicts:
         kind = nested.get("rope_type", nested.get("type", "default"))
         if kind in (None, "default"):
-            factor = nested.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-            if factor is not None and float(factor) != 1.0:
-                raise UserError(f"{where}: partial_rotary_factor {factor}: kvscope rotates every dimension of a head; "
-                                f"the {family.name} family runs with partial_rotary_factor 1 only")
             continue
         if kind == "llama3":
             try:
@@ -144,6 +144,10 @@ def model_config_from_gguf(path: Path) -> ModelConfig:
     bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
     gguf_fields = family_for_architecture(arch).gguf_fields
     family = gguf_fields(meta, layers, head_dim) if gguf_fields is not None else {}
+    rope_freqs = next((t for t in header.tensors if t.name == "rope_freqs.weight"), None)
+    if rope_freqs is not None:  # Llama 3.1/3.2: llama3 scaling as one divisor per frequency
+        family["rope_scaling"] = RopeScaling(rope_type="freq_factors",
+                                             freq_factors=_read_f32_tensor(path, header, rope_freqs))
     return ModelConfig(
         name=name,
         num_layers=layers,
@@ -166,6 +170,19 @@ def model_config_from_gguf(path: Path) -> ModelConfig:
         eos_token_id=int(eos) if isinstance(eos, int) else None,
         **family,
     )
+
+
+def _read_f32_tensor(path: Path, header: GGUFHeader, tensor: TensorInfo) -> tuple[float, ...]:
+    """A small F32 tensor's values, read from the file (a few hundred bytes: ``rope_freqs``)."""
+    if tensor.ggml_type != 0:
+        raise UserError(f"{path}: tensor {tensor.name} is ggml type {tensor.ggml_type}; kvscope reads it as F32 only")
+    count = math.prod(tensor.dims)
+    with open(path, "rb") as handle:
+        handle.seek(header.data_start + tensor.offset)
+        data = handle.read(4 * count)
+    if len(data) != 4 * count:
+        raise UserError(f"{path}: tensor {tensor.name} is cut short; copy or download the file again")
+    return struct.unpack(f"<{count}f", data)
 
 
 def load_model_config(model: str) -> ModelConfig:

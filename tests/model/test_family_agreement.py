@@ -13,6 +13,7 @@ BPE tokenizer tests/model/tiny_hf.py trains into each folder."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,10 +34,10 @@ PREEMPT_AFTER = 8  # sequence "p0" loses its blocks after this many tokens and i
 CHUNK = 7  # prefill (and recompute) chunk: prompts of 9, 23 and 37 tokens take 2, 4 and 6 steps
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
-# Variants also run from a GGUF written as llama.cpp writes it (Gemma 3's GGUF path: the real
-# 270M file, test_gemma3_reference.py; Llama 3.1's scaling lives in a GGUF's rope_freqs tensor,
+# Variants also run from a GGUF written as llama.cpp writes it (Llama 3.1's scaling as its
+# rope_freqs tensor; Gemma 3's GGUF path: the real 270M file, test_gemma3_reference.py;
 # Mistral's window is dropped by llama.cpp's converter, Phi-3's GGUF is not registered).
-GGUF_VARIANTS = tuple(v for v in VARIANTS if v.startswith("qwen"))
+GGUF_VARIANTS = tuple(v for v in VARIANTS if v.startswith(("qwen", "llama3")))
 
 
 @pytest.fixture(scope="session")
@@ -233,3 +234,20 @@ def test_the_engine_generates_what_transformers_does_with_preemption(variant: st
     # Gemma 3 runs on the hybrid KV cache (a group for the sliding layer, one for the full),
     # Mistral on one sliding group (its blocks freed as they leave the window)
     assert ("kv_cache_groups" in configs[0]) == variant.startswith(("gemma3", "mistral"))
+
+
+@pytest.mark.parametrize(("architecture", "extra", "needle"), [
+    ("LlamaForCausalLM", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling type 'yarn'"),
+    ("Phi3ForCausalLM", {"rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}},
+     "rope scaling type 'longrope'"),
+    ("Phi3ForCausalLM", {"partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75"),
+    ("MistralForCausalLM", {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
+    ("Qwen2ForCausalLM", {"use_sliding_window": True}, "use_sliding_window"),
+])
+def test_what_a_family_cannot_run_is_refused_naming_it(architecture: str, extra: dict, needle: str) -> None:
+    from engine.modelspec.readers import model_config_from_hf_dict
+
+    cfg = {"architectures": [architecture], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 320, **extra}
+    with pytest.raises(UserError, match=re.escape(needle)):
+        model_config_from_hf_dict(cfg, "tiny")

@@ -107,10 +107,13 @@ _GGUF_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.n
 
 
 def write_tiny_gguf(model: Any, path: Path) -> Path:
-    """The checkpoint as llama.cpp's converter writes a Qwen2/Qwen3 GGUF (F32; Q/K rows in HF's
-    order: its converter permutes them for the ``llama`` architecture only), with a byte-level
-    BPE token list of the vocabulary's size."""
+    """The checkpoint as llama.cpp's converter writes it (F32), with a byte-level BPE token list
+    of the vocabulary's size: Qwen2/Qwen3 with Q/K rows in HF's order, Llama with them permuted
+    (its converter's ``LlamaModel.permute``) and a Llama 3.1 rope scaling as the ``rope_freqs``
+    tensor, one divisor per rotary frequency (plain inv_freq / scaled inv_freq)."""
     import gguf
+
+    from engine.model.loader import permute_rotary_rows
 
     config = model.config
     arch = config.model_type
@@ -139,7 +142,15 @@ def write_tiny_gguf(model: Any, path: Path) -> Path:
             gguf_name = f"blk.{index}.{_GGUF_LAYER_NAMES[rest]}"
         else:
             gguf_name = _GGUF_GLOBAL_NAMES[name]
-        writer.add_tensor(gguf_name, tensor.detach().float().numpy().copy())
+        array = tensor.detach().float().numpy().copy()
+        if arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = config.num_attention_heads if gguf_name.endswith("attn_q.weight") else config.num_key_value_heads
+            array = permute_rotary_rows(array, heads)
+        writer.add_tensor(gguf_name, array)
+    if config.rope_parameters.get("rope_type") == "llama3":
+        theta, dim = config.rope_parameters["rope_theta"], config.head_dim
+        plain = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        writer.add_tensor("rope_freqs.weight", (plain / model.model.rotary_emb.inv_freq.float()).numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
