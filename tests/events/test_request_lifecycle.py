@@ -155,3 +155,20 @@ def test_per_request_metrics_are_the_finish_events_figures() -> None:
         assert metrics["tokens_per_second"] == finished.output_tokens / finished.e2e_s
         assert metrics["kvscope"]["preemptions"] == finished.num_preemptions
     assert request_metrics(fold.lives["t4"])["kvscope"]["preemptions"] == 3
+
+
+def test_engine_replay_request_prints_the_timeline_and_json(capsys) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from engine.cli import main
+
+    sample = str(SAMPLES / "monitor_sim.jsonl")
+    assert main(["replay", sample, "--request", "r13"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("request r13: finished")
+    assert "step 73  preempted (kv_full) to make room for r5: held 8 blocks and 126 computed tokens" in out
+    assert main(["replay", sample, "--request", "r13", "--json"]) == 0
+    life = json.loads(capsys.readouterr().out)
+    assert life["preemptions"][0]["for_request"] == "r5" and life["finish_reason"] == "length"
+    assert main(["replay", sample, "--request", "nobody"]) == 2
+    assert "--request nobody: no such request" in capsys.readouterr().err
