@@ -16,7 +16,6 @@ from typing import Any
 from rich.console import Console
 from rich.text import Text
 
-from engine.budget.ledger import label
 from engine.budget.memory import (
     GiB,
     MemoryPlan,
@@ -41,6 +40,7 @@ from engine.cli.flags import (
 )
 from engine.errors import UserError
 from engine.events import PHASES, EngineConfigEvent, EventBus, JsonlSink, StartupPhase
+from engine.events.ledger import label
 from engine.model import kernel_plan
 from engine.model.cpu_caps import DtypeChoice, choose_cpu_dtype, detect
 from engine.modelspec.config import ModelConfig
