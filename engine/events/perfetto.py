@@ -106,7 +106,9 @@ class PerfettoTrace:
         self._finishing: list[str] = []
         self._preemptions = 0
         self._last_step_end = 0.0
-        self._flows = 0
+        # per step: (a time inside it, the tracks of the requests it served); the arrows'
+        # records are made once, in trace(), so the step's fold only appends track ids
+        self._flow_steps: list[tuple[float, list[int]]] = []
         self.steps = 0
         self._name_process(ENGINE_PID, "kvscope engine", 0)
         self._name_thread(ENGINE_PID, STARTUP_TID, "startup phases")
@@ -254,13 +256,11 @@ class PerfettoTrace:
         start = min(max(end - event.duration_s, self._last_step_end), end)
         self._last_step_end = end
         requests = self._requests
-        middle = (start + end) / 2  # inside the request's slice and the step's: both arrow ends bind there
-        records = self._records
+        served: list[int] = []
+        self._flow_steps.append(((start + end) / 2, served))  # inside the request's slice and the step's
         for request_id, (num_tokens, kind) in event.scheduled.items():
             track = requests.get(request_id) or self._track(request_id, start, {})
-            self._flows += 1
-            records.append((middle, "s", FLOW, REQUESTS_PID, track.tid, None, self._flows))
-            records.append((middle, "f", FLOW, ENGINE_PID, STEPS_TID, None, self._flows))
+            served.append(track.tid)
             piece = track.open
             if piece is not None and kind == DECODE and piece.name == DECODE:  # most entries: one more token
                 piece.end = end
@@ -303,6 +303,13 @@ class PerfettoTrace:
         for track in self._requests.values():
             self._close(track)
         self._requests.clear()
+        flow_id = 0
+        for middle, tids in self._flow_steps:
+            for tid in tids:
+                flow_id += 1
+                self._records.append((middle, "s", FLOW, REQUESTS_PID, tid, None, flow_id))
+                self._records.append((middle, "f", FLOW, ENGINE_PID, STEPS_TID, None, flow_id))
+        self._flow_steps.clear()
         self._records.sort(key=lambda record: record[0])
         records = [self._record(*record) for record in self._records]
         return {"traceEvents": [*self._metadata, *records], "displayTimeUnit": "ms",
