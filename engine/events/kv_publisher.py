@@ -11,7 +11,9 @@ published over ZMQ exactly as vLLM's ``ZmqEventPublisher`` does.
   per buffered batch from ``start_seq`` on (the last ``buffer_steps`` batches), then the
   end marker ``[identity, b"", b"", seq -1, b""]``, as vLLM 0.32's ``_service_replay``
   sends them. A DEALER that sends ``[b"", start_seq]`` receives ``[b"", topic, seq,
-  payload]`` frames: the live socket's three after the delimiter.
+  payload]`` frames: the live socket's three after the delimiter. The start sequence -2 asks for a
+  snapshot instead: every cached block as ``BlockStored`` in chain order, in one message
+  whose seq is the last batch it includes (engine/events/kv_snapshot.py).
 
 The engine thread only folds and appends to a queue of at most ``max_queue_size``
 batches; encoding, sending and replay run on the publisher's own thread, so no
@@ -49,6 +51,7 @@ from engine.errors import UserError
 from engine.events import Event
 from engine.events.kv_events import EventBatch, KVEventFold
 from engine.events.kv_events_config import FLAG, KVEventsConfig, binds
+from engine.events.kv_snapshot import SNAPSHOT_REQUEST, CachedBlockMirror
 from engine.logs import get_logger
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's end marker
@@ -68,6 +71,8 @@ class ZmqEventPublisher:
         self._pending: deque[EventBatch] = deque()
         self._max_pending = config.max_queue_size
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self._mirror = CachedBlockMirror()  # what the batches sent so far leave cached (snapshots)
+        self._rank: int | None = None
         self.topic = config.topic
         self._topic = config.topic.encode("utf-8")
         self._on_sent = on_sent
@@ -138,7 +143,7 @@ class ZmqEventPublisher:
                 self._pub.getsockopt(zmq.EVENTS)
                 while pending:
                     batch, merged = self._take(pending)
-                    self._send(encode(batch), merged)
+                    self._send(batch, encode(batch), merged)
                 if self._replay is not None and self._replay.poll(0):  # a busy loop still answers replays
                     self._serve_replay()
                 # Stay awake one round: a fast loop's next batches gather into one message
@@ -172,7 +177,9 @@ class ZmqEventPublisher:
             merged += 1
         return EventBatch(ts=last.ts, events=events, data_parallel_rank=first.data_parallel_rank), merged
 
-    def _send(self, payload: bytes, merged: int) -> None:
+    def _send(self, batch: EventBatch, payload: bytes, merged: int) -> None:
+        self._mirror.apply(batch)
+        self._rank = batch.data_parallel_rank
         seq = self.sent
         self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
         self._buffer.append((seq, payload))
@@ -190,8 +197,13 @@ class ZmqEventPublisher:
                 f"as 8 bytes big-endian]")
             return
         identity, _, start = frames
-        start_seq = int.from_bytes(start, "big")
         send = self._replay.send_multipart
+        if start == SNAPSHOT_REQUEST:  # the whole cache as of the last batch sent (engine/events/kv_snapshot.py)
+            snapshot = msgspec.msgpack.encode(self._mirror.snapshot(self._rank))
+            send((identity, b"", self._topic, (self.sent - 1).to_bytes(8, "big", signed=True), snapshot))
+            send((identity, b"", b"", END_SEQ, b""))
+            return
+        start_seq = int.from_bytes(start, "big")
         for seq, payload in self._buffer:
             if seq >= start_seq:
                 send((identity, b"", self._topic, seq.to_bytes(8, "big"), payload))

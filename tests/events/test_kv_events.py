@@ -100,7 +100,7 @@ def _replay(endpoint: str, start_seq: int) -> list[tuple[int, bytes]]:
     dealer = zmq.Context.instance().socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(endpoint)
-    dealer.send_multipart([b"", start_seq.to_bytes(8, "big")])
+    dealer.send_multipart([b"", start_seq.to_bytes(8, "big", signed=True)])
     out: list[tuple[int, bytes]] = []
     try:
         while True:
@@ -210,8 +210,16 @@ def test_a_protocol_subscriber_mirrors_the_cache_and_replay_fills_what_it_missed
         assert whole == missed + live  # replayed payloads are the live bytes
         assert _replay(replay_endpoint, missed_count + 5) == live[5:]
         assert _replay(replay_endpoint, messages) == []  # nothing newer: only the end marker
+        # a cold-started router asks for the whole cache instead (start seq -2): one message
+        # as of the last batch sent, every cached block a BlockStored, parents first
+        snapshot = _replay(replay_endpoint, -2)
     finally:
         sink.close()
+    assert [seq for seq, _ in snapshot] == [messages - 1]
+    cold = CacheMirror()
+    cold.apply(snapshot[0][1])
+    assert cold.removed_events == 0 and cold.stored_events == len(cold.present)  # one block per event
+    assert cold.present == {h & (2**64 - 1) for h in scheduler.kv.pool.cached_block_map}
 
     mirror = CacheMirror()
     for _, payload in whole:
