@@ -9,10 +9,6 @@ from collections.abc import Sequence
 
 # flag -> what kvscope does instead ("" when there is nothing to add)
 VLLM_ONLY_FLAGS: dict[str, str] = {
-    "--pipeline-parallel-size": "one process per engine",
-    "-pp": "one process per engine",
-    "--data-parallel-size": "run one server per replica",
-    "-dp": "run one server per replica",
     "--swap-space": "preemption is by recompute; nothing is swapped to CPU memory",
     "--cpu-offload-gb": "",
     "--enable-chunked-prefill": "prefills are always chunked, as vLLM V1 does by default",

@@ -82,6 +82,14 @@ class RecordedFlags(msgspec.Struct):
     quantization: str | None = None
     kv_events_config: dict[str, Any] | None = None
     disable_hybrid_kv_cache_manager: bool | None = None
+    data_parallel_size: int | None = None
+    data_parallel_rank: int | None = None
+    pipeline_parallel_size: int | None = None
+    nnodes: int | None = None
+    node_rank: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    rendezvous_timeout_s: float | None = None
     simulation: dict[str, Any] | None = None  # engine simulate: the GPU preset and pool it simulated
 
 

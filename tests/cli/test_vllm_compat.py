@@ -42,8 +42,8 @@ def test_a_vllm_serve_command_line_parses(tmp_path: Path) -> None:
     ("argv", "needles"),
     [
         (["serve", "--swap-space", "4"], ["vLLM flag kvscope does not have: --swap-space", "recompute"]),
-        (["serve", "--enable-chunked-prefill", "--pipeline-parallel-size=2", "--nope"],
-         ["vLLM flags kvscope does not have: --enable-chunked-prefill", "--pipeline-parallel-size",
+        (["serve", "--enable-chunked-prefill", "--max-num-partial-prefills=2", "--nope"],
+         ["vLLM flags kvscope does not have: --enable-chunked-prefill", "--max-num-partial-prefills",
           "also unrecognized: --nope"]),
         (["serve", "--nope"], ["unrecognized arguments: --nope"]),
         (["serve", "--tokenizer", "meta-llama/Llama-3.1-8B"], ["--tokenizer meta-llama/Llama-3.1-8B", "leave --tokenizer out"]),
