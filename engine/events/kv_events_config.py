@@ -34,7 +34,7 @@ class KVEventsConfig:
     buffer_steps: int = 10_000  # batches (one per step with changes) kept for replay
     hwm: int = 100_000  # ZMQ send high-water mark of the PUB socket: beyond it a slow subscriber loses messages
     max_queue_size: int = 100_000  # batches waiting for the publisher thread; beyond it they are dropped (counted)
-    topic: str = ""  # first frame of every message; subscribers filter on it
+    topic: str = ""  # first frame of every message; subscribers filter on it ({pod}, {model}: kv@{pod}@{model} is llm-d's)
 
     def __post_init__(self) -> None:
         if self.publisher is None:

@@ -37,7 +37,9 @@ subscriber (uncounted, as in vLLM; the replay socket serves what it missed).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import socket
 import threading
 import time
 from collections import deque
@@ -227,13 +229,24 @@ class ZmqEventPublisher:
             self._close_sockets()
 
     def _close_sockets(self) -> None:
-        for socket in (self._pub, self._replay):
-            if socket is not None:
-                socket.close(linger=0)
+        for zmq_socket in (self._pub, self._replay):
+            if zmq_socket is not None:
+                zmq_socket.close(linger=0)
         wake_fds, self._wake_read, self._wake_write = (self._wake_read, self._wake_write), -1, -1
         for fd in wake_fds:
             if fd >= 0:  # a second close() must not close a number the process has reused
                 os.close(fd)
+
+
+def expand_topic(topic: str, model_name: str) -> str:
+    """``{pod}`` and ``{model}`` in a topic become this pod's name and the served model, so
+    ``"kv@{pod}@{model}"`` is llm-d's convention (its indexer reads the pod and the model
+    from the topic). The pod: ``$POD_IP``, ``$POD_NAME`` (Kubernetes' downward API), or
+    the host name."""
+    if "{pod}" not in topic and "{model}" not in topic:
+        return topic
+    pod = os.environ.get("POD_IP") or os.environ.get("POD_NAME") or socket.gethostname()
+    return topic.replace("{pod}", pod).replace("{model}", model_name)
 
 
 class KVEventsSink:
@@ -254,6 +267,7 @@ class KVEventsSink:
                                   registry=self.registry).labels(**labels)
         self.dropped = 0
         self.batches = 0  # batches the fold made: sent + dropped + still queued
+        config = dataclasses.replace(config, topic=expand_topic(config.topic, model_name))
         self.publisher = ZmqEventPublisher(config, on_sent=self._published.inc)
         log = get_logger("kvscope.kv_events")
         replay = f", replay on {self.publisher.replay_endpoint}" if self.publisher.replay_endpoint else ""

@@ -27,7 +27,7 @@ from engine.errors import UserError
 from engine.events import Event, EventBus, StepEvent, dumps, event_from_dict, read_events
 from engine.events.kv_events import KVEventFold
 from engine.events.kv_events_config import KVEventsConfig, parse_kv_events_config
-from engine.events.kv_publisher import KVEventsSink
+from engine.events.kv_publisher import KVEventsSink, expand_topic
 from engine.sim.driver import DriverRequest, run_driver
 
 TOPIC = "kv-events"
@@ -368,3 +368,23 @@ def test_a_simulated_recording_carries_the_facts_and_folds_offline(tmp_path: Pat
         if batch is not None:
             mirror.apply(msgspec.msgpack.encode(batch))
     assert mirror.stored_events > 0 and mirror.removed_events > 0 and mirror.chained_stores > 0
+
+
+def test_llm_d_topic_convention_names_the_pod_and_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """llm-d's indexer reads the pod and the model from the topic ``kv@<pod>@<model>``."""
+    monkeypatch.setenv("POD_IP", "10.2.3.4")
+    sink = KVEventsSink(_config(topic="kv@{pod}@{model}"), model_name="smollm2-135m")
+    try:
+        assert sink.publisher.topic == "kv@10.2.3.4@smollm2-135m"
+        sub = _subscriber(sink.publisher.endpoint)  # subscribed to the test's TOPIC: hears nothing here
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+        time.sleep(0.05)
+        events, _ = _run(record_contents=True)
+        _feed(sink, events)
+        assert sink.flush()
+        topic, _, _ = sub.recv_multipart()
+        assert topic == b"kv@10.2.3.4@smollm2-135m"
+        sub.close(linger=0)
+    finally:
+        sink.close()
+    assert expand_topic("plain", "m") == "plain"
