@@ -408,29 +408,33 @@ class RequestLifecycle:
                 life.computed_tokens = lookup.hit_tokens
             else:  # caching off, or a recording before prefix_lookups: request.scheduled's hit
                 life.computed_tokens = 0 if resumed else life.scheduled_hit_tokens
-        for rid, (num_tokens, kind) in ev.scheduled.items():
-            life = lives.get(rid) or self._life(rid)
-            n = int(num_tokens)
-            life.computed_tokens += n
+        previous = step - 1
+        for rid, (num_tokens, kind) in ev.scheduled.items():  # per request per step: kept lean
+            life = lives.get(rid)
+            if life is None:
+                life = self._life(rid)
+            life.computed_tokens += num_tokens
             counted = life.finish_reason is not None  # request.finished (before its last step) gave the count
             if kind == "decode":
-                life.output_tokens += 0 if counted else 1
+                if not counted:
+                    life.output_tokens += 1
                 runs = life.decode_runs
                 last = runs[-1] if runs else None
-                if last is not None and last.last_step == step - 1:
+                if last is not None and last.last_step == previous:
                     gap = t - last.last_t
                     if gap > last.max_gap_s:
                         last.max_gap_s = gap
-                    last.last_step, last.last_t = step, t
+                    last.last_step = step
+                    last.last_t = t
                     last.tokens += 1
                 else:
                     runs.append(DecodeRun(step, step, 1, t, t))
-            else:
-                life.chunks.append(Chunk(step, n, life.computed_tokens))
-                if not counted and life.computed_tokens >= life.prompt_tokens + life.output_tokens:
-                    life.output_tokens += 1  # the chunk that completes the context samples a token
-            if life.state != FINISHED:
-                life.state = RUNNING
+                    life.state = FINISHED if counted else RUNNING
+                continue
+            life.chunks.append(Chunk(step, int(num_tokens), life.computed_tokens))
+            if not counted and life.computed_tokens >= life.prompt_tokens + life.output_tokens:
+                life.output_tokens += 1  # the chunk that completes the context samples a token
+            life.state = FINISHED if counted else RUNNING
         for rid in (*ev.allocated, *ev.freed, *ev.freed_by_window):
             life = self._life(rid)
             held = life.held_blocks + len(ev.allocated.get(rid, ())) - len(ev.freed.get(rid, ())) \
