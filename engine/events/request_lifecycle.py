@@ -410,9 +410,8 @@ class RequestLifecycle:
                 life.computed_tokens = 0 if resumed else life.scheduled_hit_tokens
         previous = step - 1
         for rid, (num_tokens, kind) in ev.scheduled.items():  # per request per step: kept lean
-            life = lives.get(rid)
-            if life is None:
-                life = self._life(rid)
+            found = lives.get(rid)
+            life = found if found is not None else self._life(rid)
             life.computed_tokens += num_tokens
             counted = life.finish_reason is not None  # request.finished (before its last step) gave the count
             if kind == "decode":
