@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import structlog
+
 from engine.budget.config import EngineConfig
 from engine.core.request import FINISH_REASONS, Request, RequestStatus
 from engine.core.sampling_params import SamplingParams
@@ -278,8 +280,9 @@ class LLMEngine:
                 deltas[rid] = detok.add(token)
             except Exception as exc:  # this request's text only: the batch goes on
                 failed[rid] = f"detokenising failed: {type(exc).__name__}: {exc}"
-                log_failure("kvscope.engine", f"detokenising request {rid} failed; it ends with "
-                            "finish_reason 'error' and the rest of the batch goes on")
+                with structlog.contextvars.bound_contextvars(request_id=rid):  # the engine thread's record too
+                    log_failure("kvscope.engine", f"detokenising request {rid} failed; it ends with "
+                                "finish_reason 'error' and the rest of the batch goes on")
                 continue
             if detok.stop_reason is not None:
                 stopped_by_string.add(rid)

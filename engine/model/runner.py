@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import structlog
 import torch
 
 from engine.core.kv_cache_groups import KVCacheGroup, is_hybrid
@@ -454,8 +455,9 @@ class ModelRunner:
                 sampled[seq.request_id] = int(token[0])
             except Exception as exc:
                 self.last_failed[seq.request_id] = f"sampling failed: {type(exc).__name__}: {exc}"
-                log_failure("kvscope.engine", f"sampling request {seq.request_id} failed; it ends with "
-                            "finish_reason 'error' and the rest of the batch goes on")
+                with structlog.contextvars.bound_contextvars(request_id=seq.request_id):
+                    log_failure("kvscope.engine", f"sampling request {seq.request_id} failed; it ends with "
+                                "finish_reason 'error' and the rest of the batch goes on")
         return sampled
 
     def logits_for(self, batch: Sequence[ScheduledSeq]) -> dict[str, torch.Tensor]:

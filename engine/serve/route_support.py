@@ -11,6 +11,7 @@ import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import anyio
+import structlog
 from fastapi import Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -44,6 +45,12 @@ class StampArrival:
             await self.app(scope, receive, send)
             return
         scope.setdefault("state", {})[ARRIVAL_KEY] = self.clock()
+        # log records of this request carry its ids (request_id is bound once it is made);
+        # trace_id: the W3C traceparent's, as vLLM's OpenTelemetry path reads it
+        structlog.contextvars.clear_contextvars()
+        trace_id = _trace_id(scope)
+        if trace_id is not None:
+            structlog.contextvars.bind_contextvars(trace_id=trace_id)
         if scope["path"] not in InFlight.PATHS:
             await self.app(scope, receive, send)
             return
@@ -52,6 +59,16 @@ class StampArrival:
             await self.app(scope, receive, send)
         finally:
             self.in_flight.count -= 1
+
+
+def _trace_id(scope: Scope) -> str | None:
+    """The trace id of a ``traceparent: 00-<32 hex>-<16 hex>-<2 hex>`` header, if well formed."""
+    for name, value in scope.get("headers", ()):
+        if name == b"traceparent":
+            parts = value.decode("latin-1").strip().split("-")
+            if len(parts) == 4 and len(parts[1]) == 32 and all(c in "0123456789abcdef" for c in parts[1]):
+                return parts[1]
+    return None
 
 
 def arrival_of(request: Request) -> float:

@@ -13,6 +13,7 @@ from functools import partial
 from typing import Any
 
 import anyio
+import structlog
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -161,6 +162,7 @@ async def _submit(host: EngineHost, prompt: CheckedPrompt, params: SamplingParam
         raise APIError(400, f"priority {priority}: priority scheduling is not enabled; start the server with "
                             "--scheduling-policy priority, or send 0", param="priority")
     request_id = new_id(prefix)
+    structlog.contextvars.bind_contextvars(request_id=request_id)  # on every log record of this request
     if host.settings.log_requests:
         _log_request(host, request_id, prompt.token_ids, params)
     try:

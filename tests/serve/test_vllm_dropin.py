@@ -25,7 +25,11 @@ MODEL = "smollm2-135m"
 # its first chunk lags by tens of ms under load (idle: a few ms).
 TTFT_TOLERANCE_S = 0.15
 
-pytestmark = pytest.mark.skipif(bundled_gguf_path() is None, reason="the bundled SmolLM2 GGUF is not installed")
+# slow: the module's own server start alone (~10 s idle, 30-70 s on the loaded shared 2-core
+# Zen 4) is over the default suite's budget for new tests; the wire formats' unit tests
+# (tests/events, tests/monitor, tests/model/test_logprobs.py) run by default
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(bundled_gguf_path() is None, reason="the bundled SmolLM2 GGUF is not installed")]
 
 
 class Server:
@@ -52,7 +56,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     proc = start_server(
         port, "--max-model-len", "1024", "--kv-cache-memory-bytes", "64Mi", "--dtype", "float32",
         "--max-num-batched-tokens", "512", "--max-num-seqs", "16", "--events", str(events_path),
-        "--shutdown-timeout", "3", log_path=log_path,
+        "--shutdown-timeout", "3", "--enable-log-requests", log_path=log_path,
     )  # fmt: skip
     yield Server(f"http://127.0.0.1:{port}", events_path, log_path)
     stop_server(proc)
@@ -111,7 +115,6 @@ async def _timed_stream(http: httpx.AsyncClient, url: str, body: dict[str, Any])
     return request_id, first
 
 
-@pytest.mark.slow
 def test_server_ttft_matches_the_client_under_load(server: Server) -> None:
     """Eight streams at once with long prompts (each prefill a 512-token step on two
     cores): most wait for the engine thread to finish a step before the scheduler sees
@@ -273,3 +276,23 @@ def test_logprobs_on_both_apis(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
         client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, top_logprobs=21,  # type: ignore[arg-type]
                                        logprobs=True)
+
+
+# ------------------------------------------------- 5. signals for routers
+def test_a_requests_log_records_carry_its_request_id_and_trace_id(server: Server) -> None:
+    """JSON logs (the fixture's --log-format json): the request's records name it, and the
+    W3C traceparent's trace id rides along (vllm#58171)."""
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    response = httpx.post(server.url + "/v1/completions", timeout=60,
+                          headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"},
+                          json={"model": MODEL, "prompt": "Hello", "max_tokens": 1})
+    request_id = response.json()["id"]
+    records = [json.loads(line) for line in server.log_path.read_text().splitlines() if line.startswith("{")]
+    mine = [r for r in records if r.get("request_id") == request_id]
+    assert mine and any(r["event"].startswith(f"Received request {request_id}") for r in mine)
+    assert all(r.get("trace_id") == trace_id for r in mine)
+    # the next request on a fresh context: no ids left over from this one
+    other = httpx.post(server.url + "/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": "Bye", "max_tokens": 1}).json()["id"]
+    records = [json.loads(line) for line in server.log_path.read_text().splitlines() if line.startswith("{")]
+    assert all("trace_id" not in r for r in records if r.get("request_id") == other)
