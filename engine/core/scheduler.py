@@ -541,26 +541,25 @@ class Scheduler:
         admitted this step, and how many more waited (a step event's ``waiting_reasons``)."""
         cfg = self.config
         waiting = self.waiting
-        head = plan.blocked
-        common: list[Any] | None = None
-        if head is None:
+        omitted = max(0, len(waiting) - WAITING_REASONS_CAP)
+        if plan.blocked is None:  # nobody was refused: admission never reached the queue
+            common: list[Any]
             if plan.preempted:
                 common = [WAIT_PREEMPTING]
             elif len(self.running) >= cfg.max_num_seqs:  # no slot: the budget left would not matter
                 common = [WAIT_MAX_NUM_SEQS, cfg.max_num_seqs]
             else:
                 common = [WAIT_TOKEN_BUDGET, cfg.max_num_batched_tokens]
+            return {req.request_id: common for req in waiting.head(WAITING_REASONS_CAP)}, omitted
+        blocked, why = plan.blocked
         reasons: dict[str, list[Any]] = {}
         for req in waiting.head(WAITING_REASONS_CAP):
-            if common is not None:
-                reasons[req.request_id] = common
-            elif req is head[0]:  # type: ignore[index]
-                reasons[req.request_id] = head[1]  # type: ignore[index]
+            if req is blocked:
+                reasons[req.request_id] = why
             else:
-                ahead = head[0]  # type: ignore[index]
-                code = WAIT_PRIORITY if ahead.priority < req.priority else WAIT_BEHIND
-                reasons[req.request_id] = [code, ahead.request_id]
-        return reasons, max(0, len(waiting) - WAITING_REASONS_CAP)
+                code = WAIT_PRIORITY if blocked.priority < req.priority else WAIT_BEHIND
+                reasons[req.request_id] = [code, blocked.request_id]
+        return reasons, omitted
 
     @staticmethod
     def _plan_encoder_inputs(plan: _StepPlan, encoded: list[tuple[Request, int, int]]) -> None:
