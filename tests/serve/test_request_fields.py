@@ -125,13 +125,14 @@ NON_NEUTRAL: dict[str, Any] = {
     "structural_tag": "{}", "structured_outputs": {"json": {}}, "logits_processors": ["m.p"],
     "return_tokens_as_token_ids": True, "spaces_between_special_tokens": False, "priority": 1,
     # checked since before this issue
-    "n": 2, "best_of": 2, "presence_penalty": 0.5, "frequency_penalty": -0.5, "logprobs": True,
+    "n": 2, "best_of": 2, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+    "logprobs": "yes",  # served since issue 35 (a count on completions, a boolean on chat); not this
     "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
     "functions": [{"name": "f"}], "response_format": {"type": "json_object"},
 }
 CHAT_ONLY = {"echo": True, "continue_final_message": True, "chat_template": "{{ 1 }}",
              "chat_template_kwargs": {"x": 1}, "documents": [{"text": "d"}]}
-COMPLETIONS_ONLY = {"echo": True, "suffix": "end", "logprobs": 0}
+COMPLETIONS_ONLY = {"echo": True, "suffix": "end", "logprobs": 21}  # more alternatives than vLLM's 20
 
 
 def test_every_neutral_only_field_has_a_case() -> None:
