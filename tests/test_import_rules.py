@@ -41,6 +41,7 @@ MONITOR_MAY_IMPORT_FROM_ENGINE = (
     "engine.errors",
     "engine.events.block_table",
     "engine.cli.program",  # the one command-line style and exit convention shared by all three commands
+    "engine.events.feed",  # the live feeds: the in-process bus and a server's GET /events stream
 )
 
 # doctor/'s modules the monitor may import (the Diagnosis panel runs the same rules live),
@@ -241,6 +242,40 @@ def test_monitor_engine_imports_load_no_torch_transitively() -> None:
     assert len(start) == len(MONITOR_MAY_IMPORT_FROM_ENGINE), "an allowed engine module no longer exists"
     bad = heavy_imports_reachable(start)
     assert not bad, "the engine modules monitor/ may import must load no torch/numpy:" + listing(bad)
+
+
+def wing_of(module: str) -> str | None:
+    """The wing a module belongs to: monitor, doctor, logparse, or engine's subpackage or
+    top-level module (engine.events, engine.budget, engine.llm_engine, ...)."""
+    parts = module.split(".")
+    if parts[0] in ("monitor", "doctor", "logparse"):
+        return parts[0]
+    if parts[0] == "engine" and len(parts) > 1:
+        return ".".join(parts[:2])
+    return None
+
+
+def test_no_two_wings_import_each_other() -> None:
+    """Every arrow runs down: if wing A imports wing B, B imports nothing of A (so a shared
+    piece lives in the wing below both, e.g. the /events feed reader in engine.events for
+    the monitor and the doctor, the ledger and the roofline beside the phase records)."""
+    arrows: dict[tuple[str, str], str] = {}
+    for package in ("engine", "monitor", "doctor", "logparse"):
+        for p in python_files(package):
+            source = wing_of(module_name(p))
+            for line, mod in imports(p):
+                target = wing_of(mod)
+                if source and target and target != source and _wing_exists(target):
+                    arrows.setdefault((source, target), where(p, line))
+    both_ways = {f"{a} <-> {b}": f"{arrows[(a, b)]} and {arrows[(b, a)]}"
+                 for (a, b) in arrows if (b, a) in arrows and a < b}
+    assert not both_ways, "two wings import each other (move the shared piece to a wing below both):" + listing(
+        both_ways)
+
+
+def _wing_exists(wing: str) -> bool:
+    base = ROOT / Path(*wing.split("."))
+    return base.is_dir() or base.with_suffix(".py").is_file()
 
 
 def test_import_walker_sees_nested_relative_and_importlib_imports() -> None:

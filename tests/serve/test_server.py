@@ -21,8 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.bench_server import LoadResult, free_port, run_load, start_server, stop_server
 from engine.events import read_events
+from engine.events.feed import parse_sse
 from engine.modelspec.presets import bundled_gguf_path
-from monitor.sources import parse_sse
 
 API_KEY = "test-key-6"
 MAX_MODEL_LEN = 1024
