@@ -9,33 +9,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from engine.errors import UserError
-
-# CANONICAL_DTYPE and BUNDLED_MODEL_NAME are used here; the other names are re-exported for the
-# transition only (issue 32: they moved to engine.modelspec; work in flight may still import
-# them from here). The lead removes the re-exports.
-from engine.modelspec.config import (  # noqa: F401
-    CANONICAL_DTYPE,
-    DTYPE_BYTES,
-    FULL_ATTENTION,
-    SLIDING_ATTENTION,
-    ModelConfig,
-)
-from engine.modelspec.presets import (  # noqa: F401
-    BUNDLED_MODEL_NAME,
-    GEMMA3_270M_NAME,
-    MODEL_ALIASES,
-    MODEL_PRESETS,
-    bundled_gguf_path,
-    gemma3_270m_path,
-    resolve_preset_name,
-)
-from engine.modelspec.readers import (  # noqa: F401
-    load_model_config,
-    model_config_from_gguf,
-    model_config_from_hf_dict,
-    model_config_from_hf_folder,
-    resolve_model_file,
-)
+from engine.modelspec.config import CANONICAL_DTYPE
+from engine.modelspec.presets import BUNDLED_MODEL_NAME
 
 if TYPE_CHECKING:
     from engine.events.kv_events_config import KVEventsConfig
