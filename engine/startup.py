@@ -245,10 +245,13 @@ def cpu_batch_budget(config: EngineConfig, model: ModelConfig, quantization: str
         return fixed, f"the CPU default {fixed} (no kernel plan: {kernel_plan.PLAN_ENV}=off or tensor parallel)"
     plan = kernel_plan.pinned() or kernel_plan.load_stored(kernel_plan_key(config, model, quantization, dtype, caps,
                                                                                     dtype_auto))
-    derived = None if plan is None else kernel_plan.derived_batch_budget(plan, model.num_layers)
-    if derived is None:
+    if plan is None:
         return fixed, (f"the CPU default {fixed}: no measured kernel plan for these weights on this CPU yet (this "
                        "start measures one; the next derives the budget from its prefill speed)")
+    derived = kernel_plan.derived_batch_budget(plan, model.num_layers)
+    if derived is None:
+        return fixed, (f"the CPU default {fixed}: the stored kernel plan has no prefill-sized timings (its measuring "
+                       f"reached the time bound first; {kernel_plan.PLAN_ENV}=measure measures again)")
     return derived
 
 
