@@ -78,6 +78,8 @@ CANDIDATES = ("gemv", "torch", "bf16", "int8pack")
 # rows): one more than PRUNE_FACTOR x behind at a smaller class cannot catch up at a bigger one,
 # so it is not timed there (int8pack took 0.65 s for one 256-row QKV on Zen 4). GEMMs are always timed.
 ROW_LINEAR = frozenset({"gemv", "int8pack"})
+# torch's int8pack is a weight-only GEMV: timed at decode sizes only.
+MAX_ROWS_TIMED = {"int8pack": 8}
 ACCURACY_BOUND = 1e-2  # relative RMS error against the fp32 reference (int8 activations: ~5e-3 on N(0,1) inputs)
 MEASURE_BOUND_S = 0.5  # total measuring time; cells not reached keep the fallback's choice
 PRUNE_FACTOR = 3.0
@@ -395,7 +397,8 @@ def measure(model: Any, gemv_kernel: Any, native_bf16: bool, isa: str, fallback:
     """Time every candidate of every group at every step class on ``model``'s weights (layer 0,
     the LM head's first rows) and choose. ``fallback(group, rows)``: the constants' candidate
     for cells the time bound leaves unmeasured. ``fused``: times the fused decode layer.
-    Single rows and the biggest class (decode and prefill) are measured first."""
+    The biggest class (prefill, which also sets the token budget) is measured first, then
+    single rows (decode), then the rest."""
     import torch
 
     start = time.perf_counter()
@@ -406,7 +409,7 @@ def measure(model: Any, gemv_kernel: Any, native_bf16: bool, isa: str, fallback:
     impls: dict[tuple[str, str], Implementation] = {}
     with torch.inference_mode():
         targets = _targets(model, gemv_kernel, native_bf16, approximate)
-        for sc in sorted(STEP_CLASSES, key=lambda c: (c.rows > 1, -c.rows if c.hi is None else c.rows)):
+        for sc in sorted(STEP_CLASSES, key=lambda c: (c.hi is not None, c.rows)):
             for target in targets:
                 weight = target.weight
                 cell = Cell(target.group, sc.name, sc.rows, f"{target.full_rows}x{weight.shape[1]}",
@@ -458,6 +461,9 @@ def _measure_cell(cell: Cell, target: _Target, impls: dict[tuple[str, str], Impl
                      default=0.0)
         if name in ROW_LINEAR and behind > PRUNE_FACTOR:
             cell.rejected[name] = f"not timed: over {PRUNE_FACTOR:g}x the best at a smaller step (time linear in rows)"
+            continue
+        if cell.rows > MAX_ROWS_TIMED.get(name, cell.rows):
+            cell.rejected[name] = f"not timed above {MAX_ROWS_TIMED[name]} rows (a GEMV: time linear in rows)"
             continue
         impl = impls.get((target.group, name))
         if impl is None:
