@@ -131,12 +131,6 @@ class EventHub:
             client.post(None)
 
 
-@dataclass
-class EngineHost:
-    """The engine thread plus its subscribers and the server settings."""
-
-    settings: ServerSettings
-    bus: EventBus
 class InFlight:
     """The completion and chat requests received and not yet answered in full (vLLM's
     server load); counted by :class:`~engine.serve.route_support.StampArrival`."""
@@ -147,19 +141,25 @@ class InFlight:
         self.count = 0  # changed on the event loop only
 
 
+@dataclass
+class EngineHost:
+    """The engine thread plus its subscribers and the server settings."""
+
+    settings: ServerSettings
+    bus: EventBus
     engine: AsyncEngine
     view: LockedView
     metrics: PrometheusMetrics
     hub: EventHub
     lifecycle: LockedLifecycle
+    profiler: TorchProfiler = field(default_factory=lambda: TorchProfiler(os.getcwd()))  # /start_profile
+    in_flight: InFlight = field(default_factory=lambda: InFlight())  # /load
 
     @classmethod
     def create(cls, config: EngineConfig, settings: ServerSettings,
                registry: CollectorRegistry | None = None, bus: EventBus | None = None) -> EngineHost:
         """Subscribe the observers, then start the engine thread (startup runs
         there; ``engine.wait_ready()`` waits for it). ``--data-parallel-size`` > 1: engine
-    profiler: TorchProfiler = field(default_factory=lambda: TorchProfiler(os.getcwd()))  # /start_profile
-    in_flight: InFlight = field(default_factory=lambda: InFlight())  # /load
         cores in processes of their own behind the same interface (engine/serve/data_parallel.py)."""
         if (config.data_parallel_size or 1) > 1:
             from engine.serve.data_parallel import data_parallel_host
