@@ -58,6 +58,9 @@ GEMV_MAX_ROWS: dict[str, dict[str, int]] = {
     "scalar": {"q8_0": 1, "q4_1": 1, "q4_1x8": 1, "head": 1},
 }
 _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# The kernel plan's group of each projection (engine/model/kernel_plan.py GROUP_ATTRS), and back.
+_GROUP_OF = {"qkv_proj": "qkv", "o_proj": "o", "gate_up_proj": "gate_up", "down_proj": "down"}
+_GROUP_ATTRS = {**{group: name for name, group in _GROUP_OF.items()}, "head": "head"}
 # HF tensors each fused projection is made of, in row order.
 _PROJECTION_PARTS = {
     "qkv_proj": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
@@ -81,8 +84,13 @@ class QuantizedLinear:
 
 def linear_maybe_quantized(module: nn.Module, x: torch.Tensor, name: str, weight: torch.Tensor,
                            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)``, through the quantized copy of ``name`` when the module
-    has one, the step is decode-sized and the kernel is there; else the float weight."""
+    """``x @ weight.T (+ bias)``: by the kernel plan's route for ``name`` and this step's
+    rows when there is one (engine/model/kernel_plan.py); else (the plan off) through the
+    quantized copy when the step is decode-sized by ``GEMV_MAX_ROWS``, or the float weight."""
+    route = module.kernel_routes.get(name)
+    if route is not None:
+        out = route(x)
+        return out if bias is None else out + bias
     q = module.quantized.get(name)
     if q is None or x.shape[0] > q.max_rows:
         return F.linear(x, weight, bias)
@@ -142,6 +150,7 @@ class DecoderLayer(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.eps = config.rms_norm_eps
         self.quantized: dict[str, QuantizedLinear] = {}
+        self.kernel_routes: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}  # set by the kernel plan
         # Sums the row-parallel O and down outputs over the tensor-parallel ranks
         # (engine/model/parallel_llama.py); one rank's are already whole.
         self.reduce_rows: Callable[[torch.Tensor], torch.Tensor] = _unreduced
@@ -260,6 +269,9 @@ class LlamaForCausalLM(nn.Module):
         )
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.quantized: dict[str, QuantizedLinear] = {}  # the LM head's, as "head"
+        self.kernel_routes: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}  # the head's, by the plan
+        self.kernel_plan: Any = None  # engine/model/kernel_plan.KernelPlan once installed; None: the constants
+        self._fused_max_rows = 1 << 30  # the plan's limit for fused pure-decode steps (cpu_layer.MAX_ROWS caps it)
         self.quantization_fallback: str | None = None  # why the quantized copies are not used
         self._gemv_pending = False  # quantized, kernel not resolved yet (first forward does it)
         # Pure-decode steps of at most cpu_layer.MAX_ROWS sequences run each layer as one C++
@@ -315,7 +327,8 @@ class LlamaForCausalLM(nn.Module):
         a float32 or int8 cache, and the kernel built (else None: the op-by-op path)."""
         from engine.model.kernels import cpu_layer
 
-        if not self._fused_layers or not meta.is_pure_decode or meta.slot_mapping.shape[0] > cpu_layer.MAX_ROWS:
+        rows = meta.slot_mapping.shape[0]
+        if not self._fused_layers or not meta.is_pure_decode or rows > cpu_layer.MAX_ROWS or rows > self._fused_max_rows:
             return None
         if getattr(self.backend, "decode_kernel", None) is None or kv_caches[0].dtype not in cpu_layer.KV_DTYPES:
             return None
@@ -340,6 +353,11 @@ class LlamaForCausalLM(nn.Module):
             return "off: the paged-decode kernel is not in use"
         if cpu_layer.load_kernel() is None:
             return f"off: {cpu_layer.KERNEL.unavailable_reason or 'the kernel could not be built'}"
+        if self.kernel_plan is not None:
+            if not self._fused_max_rows:
+                return "off: the kernel plan measured the op-by-op layer faster"
+            return (f"enabled for pure-decode steps of <= {min(self._fused_max_rows, cpu_layer.MAX_ROWS)} sequences "
+                    "(the kernel plan's measurement)")
         gemv_rows = min(q.max_rows for q in self.quantized_linears() if q is not self.quantized.get("head"))
         return (f"enabled for pure-decode steps of <= {cpu_layer.MAX_ROWS} sequences "
                 + ("(GEMV at every batch size)" if gemv_rows >= cpu_layer.MAX_ROWS
@@ -466,6 +484,8 @@ class LlamaForCausalLM(nn.Module):
         self._fused_layers = []
         entries = self.quantized_linears()
         if not entries:
+            if self.kernel_plan is not None:
+                self._route_by_plan(None)
             return None
         kernel = cpu_gemv.load_kernel() if self.embed_tokens.device.type == "cpu" else None
         if kernel is None:
@@ -477,6 +497,8 @@ class LlamaForCausalLM(nn.Module):
             from engine.logs import get_logger
 
             get_logger("kvscope.quantization").warning(self.quantization_fallback)
+            if self.kernel_plan is not None:
+                self._route_by_plan(None)
             return self.quantization_fallback
         limits = GEMV_MAX_ROWS.get(kernel.isa(), GEMV_MAX_ROWS["scalar"])  # type: ignore[attr-defined]
         for q in entries:
@@ -485,10 +507,53 @@ class LlamaForCausalLM(nn.Module):
             q.gemv = lambda x, blocks, fn=fn: fn(x, blocks, 0)
             q.max_rows = limits["head" if q is self.quantized.get("head") else q.fmt]
         self.quantization_fallback = None
+        if self.kernel_plan is not None:
+            self._route_by_plan(kernel)
         fused = [layer.fused_decode_args() for layer in self.layers]  # type: ignore[operator]
         if fused and all(f is not None for f in fused):
             self._fused_layers = [f for f in fused if f is not None]
         return None
+
+    def fallback_candidate(self, group: str, rows: int) -> str:
+        """What the constants (``GEMV_MAX_ROWS``) run for ``group`` (a kernel plan group) at
+        ``rows``: the kernel plan's choice for cells it did not measure."""
+        from engine.model.kernels import cpu_gemv
+
+        module = self if group == "head" else self.layers[0]
+        q = module.quantized.get(_GROUP_ATTRS[group])
+        kernel = cpu_gemv.load_kernel() if q is not None else None
+        if q is None or kernel is None:
+            return "torch"
+        limits = GEMV_MAX_ROWS.get(kernel.isa(), GEMV_MAX_ROWS["scalar"])
+        return "gemv" if rows <= limits["head" if group == "head" else q.fmt] else "torch"
+
+    def install_kernel_plan(self, plan: Any) -> None:
+        """Run by ``plan`` (engine/model/kernel_plan.py): each projection's route by step size,
+        the copies it uses (bf16, int8; buffers, so ``weights_bytes`` counts them) made now,
+        the fused layer's GEMV limits and row limit from the plan."""
+        self.kernel_plan = plan
+        self.resolve_gemv()
+
+    def _route_by_plan(self, kernel: Any) -> None:
+        from engine.model.kernel_plan import PLAN_COPY_SUFFIXES, build_route
+
+        plan = self.kernel_plan
+        for prefix, module in self._quantized_modules().items():
+            for name in ("head",) if prefix == "" else _PROJECTIONS:
+                group = "head" if name == "head" else _GROUP_OF[name]
+                q = module.quantized.get(name)  # type: ignore[operator]
+                usable = q is not None and q.gemv is not None
+                choices = [(hi, "torch" if c == "gemv" and not usable else c) for hi, c in plan.choices(group)]
+                weight = self.head_weight if name == "head" else getattr(module, name)
+                route, extra = build_route(choices, weight, q, kernel)
+                module.kernel_routes[name] = route  # type: ignore[index, operator]
+                for suffix in PLAN_COPY_SUFFIXES:  # an earlier plan's copies
+                    module._buffers.pop(f"{name}_{suffix}", None)
+                for suffix, tensor in extra.items():
+                    module.register_buffer(f"{name}_{suffix}", tensor, persistent=False)
+                if q is not None:
+                    q.max_rows = plan.gemv_limit(group) if usable else 0
+        self._fused_max_rows = plan.fused_max_rows
 
     def weights_bytes(self) -> int:
         """Bytes the weights really hold: parameters plus any quantized copies."""
