@@ -264,10 +264,13 @@ def test_kind_detection_and_cli_refusals(tmp_path: Path, capsys: pytest.CaptureF
         assert detect_kinds([server.url, dead], timeout_s=1.0) == {server.url: VLLM, dead: "?"}
     finally:
         server.stop()
-    assert monitor_main(["vllm", "http://127.0.0.1:8000", "--kv-events", "tcp://*:5557"]) == 2
+    # tcp://*:P is vLLM binding (the monitor connects to the server's host: test_the_subscriber_mirrors_...);
+    # an endpoint that is not ZMQ's, or has no port, is refused before the dashboard opens
+    assert monitor_main(["vllm", "http://127.0.0.1:8000", "--kv-events", "http://127.0.0.1:5557"]) == 2
+    assert monitor_main(["vllm", "http://127.0.0.1:8000", "--kv-events", "tcp://127.0.0.1"]) == 2
     assert monitor_main(["vllm", "http://127.0.0.1:8000", "--kv-replay", "tcp://127.0.0.1:5558"]) == 2
     assert monitor_main(["record", "http://127.0.0.1:8000", "--out", str(tmp_path / "no" / "f.jsonl")]) == 2
     assert monitor_main(["record", "http://127.0.0.1:8000", "--out", str(tmp_path / "f.jsonl"), "--interval", "0"]) == 2
     err = capsys.readouterr().err
-    assert "bind address" in err and "--kv-replay needs --kv-events" in err and "no such folder" in err
+    assert "is not a ZMQ endpoint" in err and "give a port" in err and "--kv-replay needs --kv-events" in err and "no such folder" in err
     assert "must be positive" in err
