@@ -16,7 +16,7 @@ Expert weights are stored as vLLM stores them: ``w13 [experts, 2 * intermediate,
 (gate rows then up rows) and ``w2 [experts, hidden, intermediate]``. :class:`SparseMoeMLP`
 holds one layer's router and experts and fills them from a family's HF names
 (:class:`ExpertNames`); the two mixins make a family's layer and model sparse
-(engine/model/qwen3_moe.py, engine/model/mixtral.py).
+(engine/model/qwen3_moe.py, engine/model/qwen2_moe.py, engine/model/mixtral.py).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import UserError
+from engine.model.attention.base import AttentionBackend
 from engine.model.kernels.cpu_norm import rms_norm
 from engine.modelspec.config import ModelConfig
 
@@ -200,11 +201,17 @@ class SparseMoeMLP(nn.Module):
 
 class SparseLayerMixin:
     """A decoder layer whose MLP is sparse where the config says so (``is_moe_layer``): put
-    before the family's layer class; it replaces the dense MLP in ``mlp_block``."""
+    before the family's layer class and set ``expert_names``; it replaces the dense MLP in
+    ``mlp_block``."""
 
+    expert_names: ExpertNames  # the family's HF names for its router and experts
     moe: SparseMoeMLP | None
     post_attention_layernorm: torch.Tensor
     eps: float
+
+    def __init__(self, config: ModelConfig, index: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__(config, dtype, device)  # type: ignore[call-arg]  # the family's layer class
+        self.make_sparse(config, index, self.expert_names, dtype, device)
 
     def make_sparse(self, config: ModelConfig, index: int, names: ExpertNames, dtype: torch.dtype,
                     device: torch.device | str) -> None:
@@ -227,13 +234,23 @@ class SparseLayerMixin:
 
 
 class SparseModelMixin:
-    """A model with sparse layers (put before the family's model class): their expert weights
-    by the family's HF names, one :class:`ExpertCounter` over every MoE layer, and no
-    quantized copies (they cover dense projections only)."""
+    """A model with sparse layers (put before the family's model class and set ``layer_class``):
+    their expert weights by the family's HF names, one :class:`ExpertCounter` over every MoE
+    layer, and no quantized copies (they cover dense projections only)."""
 
     layers: nn.ModuleList
     quantized: dict[str, Any]
     family_label = "this MoE family"
+    layer_class: type[SparseLayerMixin]  # the family's sparse decoder layer
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__(config, backend, dtype, device)  # type: ignore[call-arg]  # the family's model class
+        self.attach_expert_counter(int(config.num_experts or 0))
+
+    def _make_layer(self, index: int, config: ModelConfig, dtype: torch.dtype,
+                    device: torch.device | str) -> nn.Module:
+        return self.layer_class(config, index, dtype, device)  # type: ignore[return-value]
 
     def attach_expert_counter(self, num_experts: int) -> None:
         moe_layers = [i for i, layer in enumerate(self.layers) if layer.moe is not None]

@@ -10,19 +10,12 @@ Attention is Qwen2's (Q/K/V bias, ``qkv_bias``). A sparse layer's MLP is the rou
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-
-from engine.model.attention.base import AttentionBackend
 from engine.model.llama import DecoderLayer, LlamaForCausalLM
 from engine.model.moe import QWEN2_MOE_NAMES, SparseLayerMixin, SparseModelMixin
-from engine.modelspec.config import ModelConfig
 
 
 class Qwen2MoeDecoderLayer(SparseLayerMixin, DecoderLayer):
-    def __init__(self, config: ModelConfig, index: int, dtype: torch.dtype, device: torch.device | str) -> None:
-        super().__init__(config, dtype, device)
-        self.make_sparse(config, index, QWEN2_MOE_NAMES, dtype, device)
+    expert_names = QWEN2_MOE_NAMES
 
 
 class Qwen2MoeForCausalLM(SparseModelMixin, LlamaForCausalLM):
@@ -30,12 +23,4 @@ class Qwen2MoeForCausalLM(SparseModelMixin, LlamaForCausalLM):
     gated shared expert that count their routed experts' tokens."""
 
     family_label = "Qwen2-MoE"
-
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cpu") -> None:
-        super().__init__(config, backend, dtype, device)
-        self.attach_expert_counter(int(config.num_experts or 0))
-
-    def _make_layer(self, index: int, config: ModelConfig, dtype: torch.dtype,
-                    device: torch.device | str) -> nn.Module:
-        return Qwen2MoeDecoderLayer(config, index, dtype, device)
+    layer_class = Qwen2MoeDecoderLayer
