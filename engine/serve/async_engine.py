@@ -54,7 +54,7 @@ class RequestStream:
     cancellation) aborts the request in the engine.
     """
 
-    def __init__(self, engine: AsyncEngine, request_id: str, prompt: Sequence[int] | CheckedPrompt,
+    def __init__(self, engine: EngineFront, request_id: str, prompt: Sequence[int] | CheckedPrompt,
                  params: SamplingParams, loop: asyncio.AbstractEventLoop, priority: int = 0,
                  arrival_time: float | None = None) -> None:
         self.engine = engine
@@ -165,7 +165,86 @@ def _settle_future(future: asyncio.Future[Any], result: Any, error: BaseExceptio
         future.set_exception(error)
 
 
-class AsyncEngine:
+class EngineFront:
+    """What the routes submit through, shared by :class:`AsyncEngine` (one engine thread) and
+    the data-parallel engine (engine/serve/data_parallel.py): the waiting set that
+    ``--max-waiting-requests`` bounds, draining, and the request path around a stream.
+    A subclass sets ``_waiting_lock`` (the lock that guards ``_waiting``) and supplies
+    ``alive``, ``add_request`` and ``abort``."""
+
+    max_waiting_requests: int | None
+    _waiting: set[str]  # accepted by add_request, no first token yet
+    _waiting_lock: threading.Lock
+    _draining: bool
+    _error: BaseException | None
+
+    @property
+    def alive(self) -> bool:
+        raise NotImplementedError
+
+    @property
+    def error(self) -> BaseException | None:
+        """What stopped the engine after startup (None while it runs or after a clean stop)."""
+        return self._error
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def stop_accepting(self) -> None:
+        """New requests get :class:`Overloaded` from now on (graceful shutdown)."""
+        self._draining = True
+
+    def num_waiting(self) -> int:
+        with self._waiting_lock:
+            return len(self._waiting)
+
+    async def add_request(self, prompt: Sequence[int] | CheckedPrompt, params: SamplingParams,
+                          request_id: str, priority: int = 0, arrival_time: float | None = None) -> RequestStream:
+        raise NotImplementedError
+
+    def abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        stream = await self.add_request(prompt_ids, params, request_id)
+        async with contextlib.aclosing(stream.outputs()) as outputs:
+            async for output in outputs:
+                yield output
+
+    def _refuse_unless_accepting(self, not_running: str) -> None:
+        """add_request's first check: :class:`EngineDead` (with ``not_running``) or, while
+        draining, :class:`Overloaded`."""
+        if not self.alive:
+            raise EngineDead(not_running)
+        if self._draining:
+            raise Overloaded("the server is shutting down")
+
+    def _count_waiting(self, request_id: str) -> None:
+        """Count ``request_id`` as waiting, or raise :class:`Overloaded` at
+        ``--max-waiting-requests``; call with ``_waiting_lock`` held."""
+        limit = self.max_waiting_requests
+        if limit is not None and len(self._waiting) >= limit:
+            raise Overloaded(f"{len(self._waiting)} requests are already waiting "
+                             f"(--max-waiting-requests {limit}); retry later")
+        self._waiting.add(request_id)
+
+    async def _await_accepted(self, stream: RequestStream) -> RequestStream:
+        """The stream once the engine accepted it; a cancelled caller aborts the request."""
+        try:
+            await stream.accepted
+        except asyncio.CancelledError:
+            self.abort(stream.request_id)
+            raise
+        return stream
+
+    def _left_waiting(self, stream: RequestStream) -> None:
+        with self._waiting_lock:
+            self._waiting.discard(stream.request_id)
+
+
+class AsyncEngine(EngineFront):
     """Owns the engine thread. ``start()`` begins startup; ``wait_ready()``
     blocks until phase G (re-raising a startup failure)."""
 
@@ -210,23 +289,6 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self.ready and self._thread.is_alive()
 
-    @property
-    def error(self) -> BaseException | None:
-        """What stopped the engine thread after startup (None while it runs or after a clean stop)."""
-        return self._error
-
-    @property
-    def draining(self) -> bool:
-        return self._draining
-
-    def stop_accepting(self) -> None:
-        """New requests get :class:`Overloaded` from now on (graceful shutdown)."""
-        self._draining = True
-
-    def num_waiting(self) -> int:
-        with self._waiting_lock:
-            return len(self._waiting)
-
     def shutdown(self, drain_timeout_s: float = 10.0) -> None:
         """Refuse new requests, let in-flight ones finish for up to
         ``drain_timeout_s``, abort the rest, stop the thread and close the
@@ -255,32 +317,13 @@ class AsyncEngine:
         bus clock): when the server received it; its TTFT counts from there. Raises
         :class:`Overloaded` (too many waiting / shutting down), :class:`UserError`
         (the engine refused it: the message says why) or :class:`EngineDead`."""
-        if not self.alive:
-            raise EngineDead("the engine is not running")
-        if self._draining:
-            raise Overloaded("the server is shutting down")
+        self._refuse_unless_accepting("the engine is not running")
         stream = RequestStream(self, request_id, prompt, params, asyncio.get_running_loop(), priority,
                                arrival_time)
         with self._waiting_lock:
-            limit = self.max_waiting_requests
-            if limit is not None and len(self._waiting) >= limit:
-                raise Overloaded(f"{len(self._waiting)} requests are already waiting "
-                                 f"(--max-waiting-requests {limit}); retry later")
-            self._waiting.add(request_id)
+            self._count_waiting(request_id)
         self._commands.put(_Add(stream))
-        try:
-            await stream.accepted
-        except asyncio.CancelledError:
-            self.abort(request_id)
-            raise
-        return stream
-
-    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
-        stream = await self.add_request(prompt_ids, params, request_id)
-        async with contextlib.aclosing(stream.outputs()) as outputs:
-            async for output in outputs:
-                yield output
+        return await self._await_accepted(stream)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (the engine thread frees its blocks at the next step boundary).
@@ -302,10 +345,6 @@ class AsyncEngine:
     def abort_all(self) -> None:
         """Abort every request in the engine; each stream ends with finish_reason "abort"."""
         self._commands.put(_AbortAll())
-
-    def _left_waiting(self, stream: RequestStream) -> None:
-        with self._waiting_lock:
-            self._waiting.discard(stream.request_id)
 
     # ---------------------------------------------------------- engine thread
     def _run(self) -> None:

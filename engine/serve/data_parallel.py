@@ -33,7 +33,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +48,7 @@ from engine.events import EngineStopped, Event, EventBus, StepEvent, event_from_
 from engine.events.metrics import PrometheusMetrics
 from engine.llm_engine import CheckedPrompt, LLMEngine, RequestOutput
 from engine.logs import get_logger
-from engine.serve.async_engine import EngineDead, Overloaded, RequestFailed, RequestStream, _aborted_output
+from engine.serve.async_engine import EngineDead, EngineFront, RequestFailed, RequestStream, _aborted_output
 from engine.serve.host import EngineHost, EventHub, LockedView
 from engine.serve.settings import ServerSettings
 
@@ -160,7 +160,7 @@ class DataParallelView:
         return state
 
 
-class DataParallelEngine:
+class DataParallelEngine(EngineFront):
     """D engine-core processes behind AsyncEngine's interface (module docstring)."""
 
     def __init__(self, config: EngineConfig, buses: Sequence[EventBus], views: Sequence[LockedView],
@@ -173,6 +173,7 @@ class DataParallelEngine:
         self._lock = threading.Lock()  # the streams, the waiting set and the balancing counts
         self._streams: dict[str, tuple[CoreClient, RequestStream]] = {}
         self._waiting: set[str] = set()
+        self._waiting_lock = self._lock
         self._ready = threading.Event()
         self._closing = False
         self._draining = False
@@ -222,21 +223,6 @@ class DataParallelEngine:
     @property
     def alive(self) -> bool:
         return self.ready
-
-    @property
-    def error(self) -> BaseException | None:
-        return self._error
-
-    @property
-    def draining(self) -> bool:
-        return self._draining
-
-    def stop_accepting(self) -> None:
-        self._draining = True
-
-    def num_waiting(self) -> int:
-        with self._lock:
-            return len(self._waiting)
 
     def pids(self) -> list[int]:
         return [core.process.pid for core in self.cores]
@@ -296,36 +282,16 @@ class DataParallelEngine:
                           priority: int = 0, arrival_time: float | None = None) -> RequestStream:
         """AsyncEngine.add_request on the least loaded rank. ``arrival_time`` (this process's
         bus clock) travels as an age, since each core has its own clock."""
-        if not self.alive:
-            raise EngineDead(f"the engine is not running{f': {self._error}' if self._error else ''}")
-        if self._draining:
-            raise Overloaded("the server is shutting down")
-        stream = RequestStream(self, request_id, prompt, params,  # type: ignore[arg-type]
-                               asyncio.get_running_loop(), priority)
+        self._refuse_unless_accepting(f"the engine is not running{f': {self._error}' if self._error else ''}")
+        stream = RequestStream(self, request_id, prompt, params, asyncio.get_running_loop(), priority)
         with self._lock:
-            limit = self.max_waiting_requests
-            if limit is not None and len(self._waiting) >= limit:
-                raise Overloaded(f"{len(self._waiting)} requests are already waiting "
-                                 f"(--max-waiting-requests {limit}); retry later")
-            self._waiting.add(request_id)
+            self._count_waiting(request_id)
             core = self.choose()
             self._streams[request_id] = (core, stream)
         age = None if arrival_time is None else max(0.0, self.bus.now() - arrival_time)
         # a checked prompt travels as checked (every rank runs the same model and limits)
         core.send(("add", request_id, stream.prompt, params, priority, age))
-        try:
-            await stream.accepted
-        except asyncio.CancelledError:
-            self.abort(request_id)
-            raise
-        return stream
-
-    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
-        stream = await self.add_request(prompt_ids, params, request_id)
-        async with contextlib.aclosing(stream.outputs()) as outputs:
-            async for output in outputs:
-                yield output
+        return await self._await_accepted(stream)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -341,10 +307,6 @@ class DataParallelEngine:
             core.send(("abort_all",))
         for rid, (_, stream) in left:
             stream.post(_aborted_output(rid, stream))
-
-    def _left_waiting(self, stream: RequestStream) -> None:
-        with self._lock:
-            self._waiting.discard(stream.request_id)
 
     def balance_state(self) -> dict[str, Any]:
         """Each rank's queue as the balancer sees it, and what it was given."""
