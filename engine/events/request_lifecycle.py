@@ -61,30 +61,36 @@ WAIT_UNRECORDED = "unrecorded"  # a recording made before steps carried waiting 
 FINISHED_KEPT = 2048  # finished lives a long-running fold keeps (oldest dropped first)
 
 
+# each code's words; ``{0}``, ``{1}``: the entry's details after the code
+WAIT_TEXT = {
+    WAIT_TOKEN_BUDGET: "the step's token budget (--max-num-batched-tokens {0}) was spent",
+    WAIT_MAX_NUM_SEQS: "--max-num-seqs reached: all {0} sequence slots taken",
+    WAIT_BLOCKS: "blocks short: needs {0}, {1} free",
+    WAIT_NEVER_FITS: "can never fit: needs {0} blocks, the pool has {1} in total",
+    WAIT_BEHIND: "behind {0}, the head of the queue, which could not be admitted",
+    WAIT_PRIORITY: "a higher-priority request ahead ({0}) could not be admitted",
+    WAIT_ENCODER: "encoder budget: its {0}-token input does not fit the {1} tokens left this step",
+    WAIT_PREEMPTING: "a running request was preempted this step: nobody is admitted while the pool is short",
+    WAIT_UNLISTED: f"queued beyond the first {WAITING_REASONS_CAP} the step explained",
+    WAIT_UNRECORDED: "queued (the recording predates waiting reasons)",
+}
+# each cause's words after the "tokens reused" head; ``{hit}``: the tokens reused, ``{args}``: the details
+PREFIX_TEXT = {
+    PREFIX_SHORT_PROMPT: "the prompt is shorter than one block, so nothing of it can be cached",
+    PREFIX_LAST_TOKEN: "the match stopped before the last block: the last prompt token is always recomputed",
+    PREFIX_COMPLETE: "every full block hit; only the partial last block is computed",
+    PREFIX_DIVERGED: "diverged from the longest cached chain at token {hit:,}",
+    PREFIX_EVICTED: "stopped at token {hit:,}: the next block was evicted at step {args[0]} (block {args[1]})",
+    PREFIX_WINDOW: ("stopped at token {hit:,} by the sliding window (full attention alone would reuse "
+                    "{args[0]:,}): the window lacked the blocks just before it"),
+}
+
+
 def wait_reason_text(reason: list[Any]) -> str:
     """A step event's ``waiting_reasons`` entry in words."""
     code, args = (reason[0], reason[1:]) if reason else ("", [])
-    if code == WAIT_TOKEN_BUDGET:
-        return f"the step's token budget (--max-num-batched-tokens {args[0]}) was spent"
-    if code == WAIT_MAX_NUM_SEQS:
-        return f"--max-num-seqs reached: all {args[0]} sequence slots taken"
-    if code == WAIT_BLOCKS:
-        return f"blocks short: needs {args[0]}, {args[1]} free"
-    if code == WAIT_NEVER_FITS:
-        return f"can never fit: needs {args[0]} blocks, the pool has {args[1]} in total"
-    if code == WAIT_BEHIND:
-        return f"behind {args[0]}, the head of the queue, which could not be admitted"
-    if code == WAIT_PRIORITY:
-        return f"a higher-priority request ahead ({args[0]}) could not be admitted"
-    if code == WAIT_ENCODER:
-        return f"encoder budget: its {args[0]}-token input does not fit the {args[1]} tokens left this step"
-    if code == WAIT_PREEMPTING:
-        return "a running request was preempted this step: nobody is admitted while the pool is short"
-    if code == WAIT_UNLISTED:
-        return f"queued beyond the first {WAITING_REASONS_CAP} the step explained"
-    if code == WAIT_UNRECORDED:
-        return "queued (the recording predates waiting reasons)"
-    return f"{code} {args}"
+    template = WAIT_TEXT.get(code) if isinstance(code, str) else None  # a damaged row's code may not hash
+    return f"{code} {args}" if template is None else template.format(*args)
 
 
 def prefix_text(lookup: list[Any], prompt_tokens: int | None = None) -> str:
@@ -94,20 +100,8 @@ def prefix_text(lookup: list[Any], prompt_tokens: int | None = None) -> str:
     hit, cause, args = int(lookup[0]), lookup[1], lookup[2:]
     of = f" of {prompt_tokens:,}" if prompt_tokens else ""
     head = f"prefix cache: {hit:,}{of} tokens reused; "
-    if cause == PREFIX_SHORT_PROMPT:
-        return head + "the prompt is shorter than one block, so nothing of it can be cached"
-    if cause == PREFIX_LAST_TOKEN:
-        return head + "the match stopped before the last block: the last prompt token is always recomputed"
-    if cause == PREFIX_COMPLETE:
-        return head + "every full block hit; only the partial last block is computed"
-    if cause == PREFIX_DIVERGED:
-        return head + f"diverged from the longest cached chain at token {hit:,}"
-    if cause == PREFIX_EVICTED:
-        return head + f"stopped at token {hit:,}: the next block was evicted at step {args[0]} (block {args[1]})"
-    if cause == PREFIX_WINDOW:
-        return head + (f"stopped at token {hit:,} by the sliding window (full attention alone would reuse "
-                       f"{args[0]:,}): the window lacked the blocks just before it")
-    return head + str(cause)
+    template = PREFIX_TEXT.get(cause) if isinstance(cause, str) else None
+    return head + (str(cause) if template is None else template.format(hit=hit, args=args))
 
 
 @dataclass(slots=True)
