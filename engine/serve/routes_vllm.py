@@ -11,7 +11,7 @@ import os
 import platform
 import sys
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 from fastapi import APIRouter, Request
@@ -142,21 +142,20 @@ async def kv_event_sources(request: Request) -> JSONResponse:
 @router.post("/start_profile", dependencies=KEYED)
 async def start_profile(request: Request) -> dict[str, Any]:
     """Start the torch profiler on the engine thread (vLLM's route; 200 once it runs)."""
-    host = host_of(request)
-    try:
-        trace_dir = await host.engine.call(host.profiler.start)
-    except UserError as exc:
-        raise APIError(400, str(exc)) from None
-    return {"status": "profiling", "trace_dir": trace_dir}
+    return {"status": "profiling", "trace_dir": await _profiler_call(request, "start")}
 
 
 @router.post("/stop_profile", dependencies=KEYED)
 async def stop_profile(request: Request) -> dict[str, Any]:
     """Stop it and write the trace (Chrome trace JSON, which ui.perfetto.dev opens) next
     to kvscope's own Perfetto output; the answer says where."""
+    return {"status": "stopped", "trace": await _profiler_call(request, "stop")}
+
+
+async def _profiler_call(request: Request, action: Literal["start", "stop"]) -> Any:
+    """The profiler's ``start`` or ``stop`` run on the engine thread; its refusal (a UserError) is a 400."""
     host = host_of(request)
     try:
-        trace = await host.engine.call(host.profiler.stop)
+        return await host.engine.call(getattr(host.profiler, action))
     except UserError as exc:
         raise APIError(400, str(exc)) from None
-    return {"status": "stopped", "trace": trace}
