@@ -6,6 +6,7 @@ redrawn (norms 1 + N(0, 0.2), biases and weights N(0, 0.1)) before saving."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,15 +53,17 @@ def build_tiny_model(variant: str, seed: int = 0) -> Any:
 
     config = tiny_config(variant)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return redrawn(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32), seed)
+
+
+def redrawn(model: Any, seed: int) -> Any:
+    """``model`` in eval mode with every parameter redrawn from ``seed``: norms 1 + N(0, 0.2),
+    everything else N(0, 0.1)."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=generator)
-            if param.dim() == 1 and "norm" in name:
-                param.copy_(1.0 + 0.2 * noise)
-            else:
-                param.copy_(0.1 * noise)
+            param.copy_(1.0 + 0.2 * noise if param.dim() == 1 and "norm" in name else 0.1 * noise)
     return model.eval()
 
 
@@ -86,7 +89,11 @@ def save_tiny_tokenizer(folder: Path) -> None:
 def save_tiny_checkpoint(variant: str, folder: Path, seed: int = 0) -> Any:
     """Write ``folder`` (config.json, model.safetensors, a tiny tokenizer) and return the
     transformers model."""
-    model = build_tiny_model(variant, seed)
+    return save_with_tokenizer(build_tiny_model(variant, seed), folder)
+
+
+def save_with_tokenizer(model: Any, folder: Path) -> Any:
+    """``model`` saved into ``folder`` (``save_pretrained``) beside the tiny tokenizer; returns it."""
     model.save_pretrained(str(folder))
     save_tiny_tokenizer(folder)
     return model
@@ -106,17 +113,23 @@ _GGUF_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.n
                       "lm_head.weight": "output.weight"}
 
 
-def write_tiny_gguf(model: Any, path: Path) -> Path:
-    """The checkpoint as llama.cpp's converter writes it (F32), with a byte-level BPE token list
-    of the vocabulary's size: Qwen2/Qwen3 with Q/K rows in HF's order, Llama with them permuted
-    (its converter's ``LlamaModel.permute``) and a Llama 3.1 rope scaling as the ``rope_freqs``
-    tensor, one divisor per rotary frequency (plain inv_freq / scaled inv_freq)."""
+def untied_arrays(model: Any) -> Iterator[tuple[str, Any]]:
+    """``model``'s state dict as (HF name, float32 numpy array), a tied head once: llama.cpp
+    writes no output.weight for it."""
+    seen: set[int] = set()
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            yield name, tensor.detach().float().numpy().copy()
+
+
+def write_gguf(path: Path, arch: str, config: Any, tensors: Iterable[tuple[str, Any]],
+               family_keys: Callable[[Any], None] = lambda writer: None) -> Path:
+    """A GGUF at ``path`` as llama.cpp's converter writes one of architecture ``arch``: the shape
+    keys of the transformers ``config``, then ``family_keys(writer)``'s, then a byte-level BPE
+    token list of the vocabulary's size, then ``tensors`` (GGUF name, array)."""
     import gguf
 
-    from engine.model.loader import permute_rotary_rows
-
-    config = model.config
-    arch = config.model_type
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -128,31 +141,44 @@ def write_tiny_gguf(model: Any, path: Path) -> Path:
     writer.add_value_length(config.head_dim)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    family_keys(writer)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_id)
-    seen: set[int] = set()
-    for name, tensor in model.state_dict().items():
-        if tensor.data_ptr() in seen:
-            continue  # the tied head: llama.cpp writes no output.weight
-        seen.add(tensor.data_ptr())
-        if name.startswith("model.layers."):
-            index, rest = name[len("model.layers."):].split(".", 1)
-            gguf_name = f"blk.{index}.{_GGUF_LAYER_NAMES[rest]}"
-        else:
-            gguf_name = _GGUF_GLOBAL_NAMES[name]
-        array = tensor.detach().float().numpy().copy()
-        if arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
-            heads = config.num_attention_heads if gguf_name.endswith("attn_q.weight") else config.num_key_value_heads
-            array = permute_rotary_rows(array, heads)
-        writer.add_tensor(gguf_name, array)
-    if config.rope_parameters.get("rope_type") == "llama3":
-        theta, dim = config.rope_parameters["rope_theta"], config.head_dim
-        plain = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-        writer.add_tensor("rope_freqs.weight", (plain / model.model.rotary_emb.inv_freq.float()).numpy())
+    for name, array in tensors:
+        writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_tiny_gguf(model: Any, path: Path) -> Path:
+    """The checkpoint as llama.cpp's converter writes it (F32), with a byte-level BPE token list
+    of the vocabulary's size: Qwen2/Qwen3 with Q/K rows in HF's order, Llama with them permuted
+    (its converter's ``LlamaModel.permute``) and a Llama 3.1 rope scaling as the ``rope_freqs``
+    tensor, one divisor per rotary frequency (plain inv_freq / scaled inv_freq)."""
+    config = model.config
+    return write_gguf(path, config.model_type, config, _dense_gguf_tensors(model))
+
+
+def _dense_gguf_tensors(model: Any) -> Iterator[tuple[str, Any]]:
+    from engine.model.loader import permute_rotary_rows
+
+    config = model.config
+    for name, array in untied_arrays(model):
+        if name.startswith("model.layers."):
+            index, rest = name[len("model.layers."):].split(".", 1)
+            gguf_name = f"blk.{index}.{_GGUF_LAYER_NAMES[rest]}"
+        else:
+            gguf_name = _GGUF_GLOBAL_NAMES[name]
+        if config.model_type == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = config.num_attention_heads if gguf_name.endswith("attn_q.weight") else config.num_key_value_heads
+            array = permute_rotary_rows(array, heads)
+        yield gguf_name, array
+    if config.rope_parameters.get("rope_type") == "llama3":
+        theta, dim = config.rope_parameters["rope_theta"], config.head_dim
+        plain = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        yield "rope_freqs.weight", (plain / model.model.rotary_emb.inv_freq.float()).numpy()

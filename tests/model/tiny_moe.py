@@ -5,12 +5,21 @@ redrawn as tiny_hf.py does (the router included, so routing is not a tie between
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tests.model.tiny_hf import TINY_SHAPES, save_tiny_tokenizer
+from tests.model.tiny_hf import (
+    _GGUF_GLOBAL_NAMES,
+    _GGUF_LAYER_NAMES,
+    TINY_SHAPES,
+    redrawn,
+    save_with_tokenizer,
+    untied_arrays,
+    write_gguf,
+)
 
 MOE_SHAPES: dict[str, Any] = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 # variant -> Qwen3MoeConfig settings beyond the shapes
@@ -35,25 +44,13 @@ def build_tiny_moe(variant: str, seed: int = 0) -> Any:
         return build_tiny_qwen2_moe(seed)
     config = transformers.Qwen3MoeConfig(**TINY_SHAPES, **MOE_SHAPES, **MOE_VARIANTS[variant])
     torch.manual_seed(seed)
-    return _redrawn(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, **EAGER), seed)
-
-
-def _redrawn(model: Any, seed: int) -> Any:
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            param.copy_(1.0 + 0.2 * noise if param.dim() == 1 and "norm" in name else 0.1 * noise)
-    return model.eval()
+    return redrawn(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, **EAGER), seed)
 
 
 def save_tiny_moe(variant: str, folder: Path, seed: int = 0) -> Any:
     """Write ``folder`` (config.json, model.safetensors with per-expert tensors as the Hub's
     checkpoints hold them, a tiny tokenizer) and return the transformers model."""
-    model = build_tiny_moe(variant, seed)
-    model.save_pretrained(str(folder))
-    save_tiny_tokenizer(folder)
-    return model
+    return save_with_tokenizer(build_tiny_moe(variant, seed), folder)
 
 
 def build_tiny_mixtral(seed: int = 0) -> Any:
@@ -64,7 +61,7 @@ def build_tiny_mixtral(seed: int = 0) -> Any:
     shapes = {**TINY_SHAPES, "intermediate_size": MOE_SHAPES["moe_intermediate_size"]}
     config = transformers.MixtralConfig(**shapes, num_local_experts=MOE_SHAPES["num_experts"],
                                         num_experts_per_tok=MOE_SHAPES["num_experts_per_tok"], sliding_window=None)
-    return _redrawn(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, **EAGER), seed)
+    return redrawn(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, **EAGER), seed)
 
 
 def build_tiny_qwen2_moe(seed: int = 0) -> Any:
@@ -75,57 +72,35 @@ def build_tiny_qwen2_moe(seed: int = 0) -> Any:
     shapes = {k: v for k, v in TINY_SHAPES.items() if k != "head_dim"}  # Qwen2-MoE: hidden / heads (16)
     config = transformers.Qwen2MoeConfig(**shapes, **MOE_SHAPES, shared_expert_intermediate_size=48,
                                          norm_topk_prob=False, tie_word_embeddings=False)
-    return _redrawn(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, **EAGER), seed)
+    return redrawn(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, **EAGER), seed)
 
 
 def write_tiny_moe_gguf(model: Any, path: Path) -> Path:
     """A Qwen3-MoE checkpoint as llama.cpp's converter writes it (F32, architecture qwen3moe):
     the router as ``ffn_gate_inp``, each layer's experts stacked per projection into
     ``ffn_{gate,up,down}_exps`` ``[experts, out, in]``, the expert counts and width as keys."""
-    import gguf
-
-    from tests.model.tiny_hf import _GGUF_GLOBAL_NAMES, _GGUF_LAYER_NAMES
-
     config = model.config
-    writer = gguf.GGUFWriter(str(path), "qwen3moe")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_expert_count(config.num_experts)
-    writer.add_expert_used_count(config.num_experts_per_tok)
-    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
-    writer.add_expert_weights_norm(bool(config.norm_topk_prob))
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
-    writer.add_bos_token_id(config.bos_token_id)
-    writer.add_eos_token_id(config.eos_token_id)
-    width = config.moe_intermediate_size
-    seen: set[int] = set()
-    for name, tensor in model.state_dict().items():
-        if tensor.data_ptr() in seen:
-            continue  # a tied head: llama.cpp writes no output.weight
-        seen.add(tensor.data_ptr())
-        array = tensor.detach().float().numpy().copy()
+
+    def expert_keys(writer: Any) -> None:
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_expert_weights_norm(bool(config.norm_topk_prob))
+
+    return write_gguf(path, "qwen3moe", config, _moe_gguf_tensors(model), expert_keys)
+
+
+def _moe_gguf_tensors(model: Any) -> Iterator[tuple[str, Any]]:
+    width = model.config.moe_intermediate_size
+    for name, array in untied_arrays(model):
         if not name.startswith("model.layers."):
-            writer.add_tensor(_GGUF_GLOBAL_NAMES[name], array)
+            yield _GGUF_GLOBAL_NAMES[name], array
             continue
         index, rest = name[len("model.layers."):].split(".", 1)
         if rest == "mlp.experts.gate_up_proj":  # transformers holds gate then up rows per expert
-            writer.add_tensor(f"blk.{index}.ffn_gate_exps.weight", array[:, :width].copy())
-            writer.add_tensor(f"blk.{index}.ffn_up_exps.weight", array[:, width:].copy())
+            yield f"blk.{index}.ffn_gate_exps.weight", array[:, :width].copy()
+            yield f"blk.{index}.ffn_up_exps.weight", array[:, width:].copy()
         else:
             gguf_name = {"mlp.experts.down_proj": "ffn_down_exps.weight",
                          "mlp.gate.weight": "ffn_gate_inp.weight"}.get(rest) or _GGUF_LAYER_NAMES[rest]
-            writer.add_tensor(f"blk.{index}.{gguf_name}", array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+            yield f"blk.{index}.{gguf_name}", array
