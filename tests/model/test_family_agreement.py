@@ -23,6 +23,7 @@ import torch
 
 from engine.errors import UserError
 from engine.model.runner import ModelRunner, ScheduledSeq
+from engine.modelspec.config import ModelConfig
 from engine.modelspec.readers import load_model_config
 from tests.model.tiny_hf import VARIANTS, save_tiny_checkpoint, write_tiny_gguf
 
@@ -133,7 +134,13 @@ def test_agrees_with_transformers_through_paging_and_preemption(variant: str, so
     assert info.load_format == {"hf": "safetensors", "gguf": "gguf"}[source]
     runner.allocate_kv_cache(NUM_BLOCKS)
     runner.enable_cpu_decode_kernel()  # as phase F does (pure-decode steps), when it builds; else the torch path
-    prompt_ids = prompts(config.vocab_size)
+    assert_agrees(runner, hf_model, f"{variant} ({source})")
+
+
+def assert_agrees(runner: ModelRunner, hf_model, label: str) -> None:
+    """The 3 prompts through :func:`run_kvscope` give transformers' greedy tokens, every logit row
+    within MAX_LOGIT_DIFF of its reference (the largest diff printed under ``label``)."""
+    prompt_ids = prompts(runner.model_config.vocab_size)
     ours_tokens, ours_rows = run_kvscope(runner, prompt_ids)
     worst = 0.0
     margin = float("inf")
@@ -143,7 +150,7 @@ def test_agrees_with_transformers_through_paging_and_preemption(variant: str, so
         worst = max(worst, float((rows - ref_rows).abs().max()))
         top2 = ref_rows.topk(2, dim=-1).values
         margin = min(margin, float((top2[:, 0] - top2[:, 1]).min()))
-    print(f"\n{variant} ({source}): 3 prompts x {NEW_TOKENS} greedy tokens equal; max |logit diff| {worst:.2e}; "
+    print(f"\n{label}: 3 prompts x {NEW_TOKENS} greedy tokens equal; max |logit diff| {worst:.2e}; "
           f"smallest top-1 margin {margin:.2e}")
     assert worst < MAX_LOGIT_DIFF
     assert margin > 100 * worst  # the greedy equality is not a coin toss between near-ties
@@ -162,14 +169,20 @@ def test_a_missing_bias_or_norm_is_caught(tiny_checkpoints) -> None:
         config = dataclasses.replace(load_model_config(str(folder)), **change)
         if variant.startswith("qwen3"):
             config = dataclasses.replace(config, architecture="llama")  # Llama's layers: no QK-norm
-        runner = ModelRunner(config, dtype="float32", block_size=BLOCK_SIZE, attention_backend="torch")
-        runner.load_weights()
-        runner.allocate_kv_cache(NUM_BLOCKS)
-        prompt = prompts(config.vocab_size)[1]
-        ours = runner.logits_for([ScheduledSeq("x", prompt, 0, list(range(16)))])["x"]
-        with torch.inference_mode():
-            ref = hf_model(torch.tensor([prompt])).logits[0, -1].float()
-        assert float((ours - ref).abs().max()) > 1000 * MAX_LOGIT_DIFF
+        assert last_row_diff(config, hf_model) > 1000 * MAX_LOGIT_DIFF
+
+
+def last_row_diff(config: ModelConfig, hf_model) -> float:
+    """The largest |logit diff| of the last prefill row of one prompt, kvscope's runner on
+    ``config`` against transformers' model."""
+    runner = ModelRunner(config, dtype="float32", block_size=BLOCK_SIZE, attention_backend="torch")
+    runner.load_weights()
+    runner.allocate_kv_cache(NUM_BLOCKS)
+    prompt = prompts(config.vocab_size)[1]
+    ours = runner.logits_for([ScheduledSeq("x", prompt, 0, list(range(16)))])["x"]
+    with torch.inference_mode():
+        ref = hf_model(torch.tensor([prompt])).logits[0, -1].float()
+    return float((ours - ref).abs().max())
 
 
 def test_exact_parameter_count_matches_transformers(tiny_checkpoints) -> None:

@@ -19,18 +19,17 @@ from engine.modelspec.families import check_gguf_supported
 from engine.modelspec.readers import load_model_config
 from tests.model.test_family_agreement import (
     BLOCK_SIZE,
-    NEW_TOKENS,
+    MAX_LOGIT_DIFF,
     NUM_BLOCKS,
+    assert_agrees,
+    last_row_diff,
     prompts,
-    reference,
-    run_kvscope,
 )
 from tests.model.tiny_moe import MOE_SHAPES, VARIANT_NAMES, save_tiny_moe, write_tiny_moe_gguf
 
 # Measured (fp32, AVX-512 BF16 Zen 4, 2 threads, shared machine): see the test's print; the
-# same 1e-4 as the dense families: a routing flip or a missing renormalisation moves the
-# logits by far more (test_unrenormalised_routing_is_caught).
-MAX_LOGIT_DIFF = 1e-4
+# dense families' MAX_LOGIT_DIFF (1e-4, assert_agrees): a routing flip or a missing
+# renormalisation moves the logits by far more (test_unrenormalised_routing_is_caught).
 
 
 class _Checkpoints(dict[str, tuple[Path, object]]):
@@ -87,20 +86,7 @@ def test_agrees_with_transformers_through_paging_and_preemption(variant: str, so
     experts = sum(p.numel() for n, p in hf_model.named_parameters() if ".experts." in n)  # not the shared one
     assert (config.num_parameters, config.expert_parameters) == (total, experts)
     assert config.num_active_parameters == total - experts * 6 // 8  # 2 of 8 experts run
-    runner = _runner(folder)
-    prompt_ids = prompts(config.vocab_size)
-    ours_tokens, ours_rows = run_kvscope(runner, prompt_ids)
-    worst, margin = 0.0, float("inf")
-    for prompt, tokens, rows in zip(prompt_ids, ours_tokens, ours_rows, strict=True):
-        ref_tokens, ref_rows = reference(hf_model, prompt)
-        assert tokens == ref_tokens
-        worst = max(worst, float((rows - ref_rows).abs().max()))
-        top2 = ref_rows.topk(2, dim=-1).values
-        margin = min(margin, float((top2[:, 0] - top2[:, 1]).min()))
-    print(f"\n{variant} ({source}): 3 prompts x {NEW_TOKENS} greedy tokens equal; max |logit diff| {worst:.2e}; "
-          f"smallest top-1 margin {margin:.2e}")
-    assert worst < MAX_LOGIT_DIFF
-    assert margin > 100 * worst
+    assert_agrees(_runner(folder), hf_model, f"{variant} ({source})")
 
 
 @pytest.mark.parametrize("variant", _variants("qwen3moe", ("qwen3moe", "mixtral", "qwen2moe")))
@@ -134,14 +120,7 @@ def test_unrenormalised_routing_is_caught(tiny_moe) -> None:
 
     folder, hf_model = tiny_moe["qwen3moe"]
     config = dataclasses.replace(load_model_config(str(folder)), norm_topk_prob=False)
-    runner = ModelRunner(config, dtype="float32", block_size=BLOCK_SIZE, attention_backend="torch")
-    runner.load_weights()
-    runner.allocate_kv_cache(NUM_BLOCKS)
-    prompt = prompts(config.vocab_size)[1]
-    ours = runner.logits_for([ScheduledSeq("x", prompt, 0, list(range(16)))])["x"]
-    with torch.inference_mode():
-        ref = hf_model(torch.tensor([prompt])).logits[0, -1].float()
-    assert float((ours - ref).abs().max()) > 100 * MAX_LOGIT_DIFF
+    assert last_row_diff(config, hf_model) > 100 * MAX_LOGIT_DIFF
 
 
 # The presets' config.json facts (engine/modelspec/presets.py) as transformers' configs.
