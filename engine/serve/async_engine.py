@@ -176,6 +176,8 @@ class EngineFront:
     _waiting: set[str]  # accepted by add_request, no first token yet
     _waiting_lock: threading.Lock
     _draining: bool
+    _ready: threading.Event  # set when startup ended, well or not
+    _startup_error: BaseException | None
     _error: BaseException | None
 
     @property
@@ -212,6 +214,14 @@ class EngineFront:
         async with contextlib.aclosing(stream.outputs()) as outputs:
             async for output in outputs:
                 yield output
+
+    def _await_startup(self, timeout: float | None, what: str) -> None:
+        """wait_ready's wait: until startup ended, re-raising its failure; ``what`` names
+        the engine in the time-out's message."""
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"{what} did not finish startup within {timeout} s")
+        if self._startup_error is not None:
+            raise self._startup_error
 
     def _refuse_unless_accepting(self, not_running: str) -> None:
         """add_request's first check: :class:`EngineDead` (with ``not_running``) or, while
@@ -274,10 +284,7 @@ class AsyncEngine(EngineFront):
         return self
 
     def wait_ready(self, timeout: float | None = None) -> LLMEngine:
-        if not self._ready.wait(timeout):
-            raise TimeoutError(f"the engine did not finish startup within {timeout} s")
-        if self._startup_error is not None:
-            raise self._startup_error
+        self._await_startup(timeout, "the engine")
         assert self.engine is not None
         return self.engine
 

@@ -209,10 +209,7 @@ class DataParallelEngine(EngineFront):
         return self
 
     def wait_ready(self, timeout: float | None = None) -> ReplicaFrontend:
-        if not self._ready.wait(timeout):
-            raise TimeoutError(f"the engine cores did not finish startup within {timeout} s")
-        if self._startup_error is not None:
-            raise self._startup_error
+        self._await_startup(timeout, "the engine cores")
         assert self._frontend is not None
         return self._frontend
 
