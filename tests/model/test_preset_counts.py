@@ -22,35 +22,30 @@ from engine.modelspec.config import ModelConfig
 from engine.modelspec.presets import MODEL_PRESETS, resolve_preset_name
 from engine.modelspec.readers import model_config_from_hf_dict
 
+# The keys both public files of a family hold alike (the two sizes differ in their shapes only).
+QWEN2_5_FILE: dict[str, Any] = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "bos_token_id": 151643, "eos_token_id": 151645,
+    "use_sliding_window": False}
+QWEN3_FILE: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 128, "vocab_size": 151936,
+    "max_position_embeddings": 40960, "rope_theta": 1000000, "rms_norm_eps": 1e-06, "attention_bias": False,
+    "bos_token_id": 151643, "eos_token_id": 151645, "sliding_window": None, "use_sliding_window": False}
 CONFIG_JSON: dict[str, dict[str, Any]] = {
     # Qwen/Qwen2.5-0.5B-Instruct
-    "qwen2.5-0.5b": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896,
-                     "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
-                     "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
-                     "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "tie_word_embeddings": True,
-                     "bos_token_id": 151643, "eos_token_id": 151645, "sliding_window": 32768,
-                     "use_sliding_window": False},
+    "qwen2.5-0.5b": {**QWEN2_5_FILE, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+                     "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+                     "tie_word_embeddings": True, "sliding_window": 32768},
     # Qwen/Qwen2.5-7B-Instruct
-    "qwen2.5-7b": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
-                   "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
-                   "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 32768,
-                   "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "tie_word_embeddings": False,
-                   "bos_token_id": 151643, "eos_token_id": 151645, "sliding_window": 131072,
-                   "use_sliding_window": False},
+    "qwen2.5-7b": {**QWEN2_5_FILE, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+                   "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+                   "tie_word_embeddings": False, "sliding_window": 131072},
     # Qwen/Qwen3-0.6B
-    "qwen3-0.6b": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
-                   "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
-                   "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
-                   "max_position_embeddings": 40960, "rope_theta": 1000000, "rms_norm_eps": 1e-06,
-                   "tie_word_embeddings": True, "attention_bias": False, "bos_token_id": 151643,
-                   "eos_token_id": 151645, "sliding_window": None, "use_sliding_window": False},
+    "qwen3-0.6b": {**QWEN3_FILE, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "tie_word_embeddings": True},
     # Qwen/Qwen3-8B
-    "qwen3-8b": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
-                 "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
-                 "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
-                 "max_position_embeddings": 40960, "rope_theta": 1000000, "rms_norm_eps": 1e-06,
-                 "tie_word_embeddings": False, "attention_bias": False, "bos_token_id": 151643,
-                 "eos_token_id": 151645, "sliding_window": None, "use_sliding_window": False},
+    "qwen3-8b": {**QWEN3_FILE, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": False},
     # mistralai/Mistral-7B-v0.1
     "mistral-7b": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 4096,
                    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
