@@ -612,6 +612,8 @@ def derived_batch_budget(plan: KernelPlan, num_layers: int) -> tuple[int, str] |
 def fused_timing(model: Any) -> FusedTiming | None:
     """The timing of the fused decode layer on ``model``'s layer 0 against the op-by-op layer
     (the plan's projections, the paged-decode kernel), or None where it cannot run."""
+    import torch
+
     from engine.model.kernels import cpu_layer
 
     if getattr(model.backend, "decode_kernel", None) is None or cpu_layer.load_kernel() is None:
