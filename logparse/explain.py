@@ -1114,12 +1114,13 @@ def compare_profile(recording: Recording | str, facts: dict[str, Any]) -> list[d
     return rows
 
 
-def _model_key(name: str) -> str:
-    """One spelling per model: the preset a name resolves to, else its last path part."""
+def _model_keys(name: str) -> set[str]:
+    """The spellings a model goes by: the preset a name resolves to (an HF id such as
+    Qwen/Qwen2.5-0.5B-Instruct) and its last path part, lower-cased (a local folder named
+    after the model); two names are the same model when their spellings meet."""
+    last = name.strip().rstrip("/").rsplit("/", 1)[-1].lower()
     preset = resolve_preset_name(name)
-    if preset is not None:
-        return preset
-    return name.strip().rstrip("/").rsplit("/", 1)[-1].lower()
+    return {last} if preset is None else {last, preset}
 
 
 def recording_models(recording: Recording) -> dict[str, str]:
@@ -1146,7 +1147,7 @@ def profile_model_check(recording: Recording, facts: dict[str, Any], lines: dict
     if not logged:
         return Check("profile_model", "the log names no model to compare with the recording's", None,
                      f"the recording ran {ran_text}; the log does not say which model vLLM served", kind="warning")
-    if _model_key(str(logged)) in {_model_key(n) for n in ran.values()}:
+    if any(_model_keys(str(logged)) & _model_keys(n) for n in ran.values()):
         return None
     return Check("profile_model", "the recording's model is not the log's", False,
                  f"vLLM served {str(logged)!r}, the --profile recording ran {ran_text}: "

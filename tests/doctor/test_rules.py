@@ -138,7 +138,9 @@ def test_free_memory_below_the_request_in_a_vllm_log() -> None:
     (f,) = diagnose_log(DATA / "vllm-logs" / "v0.15dev-ci-l4-tp1-ansi-caret-freemem-fail.log")
     assert (f.rule, f.severity) == ("startup_oom", CRITICAL)
     assert f.evidence[0] == "line 1: only 1.54 of 22.05 GiB free at startup, but 0.9 x 22.05 = 19.84 GiB requested"
-    assert f.fixes[0].why.startswith("--gpu-memory-utilization 0.06 fits the 1.54 GiB free now")
+    fix = f.fixes[0]  # the structured fix logparse computed (engine/budget/fixes.py), not re-parsed text
+    assert (fix.flag, fix.current, fix.proposed) == ("--gpu-memory-utilization", 0.9, "0.06")
+    assert fix.why.startswith("fits the 1.54 GiB free now")
 
 
 def test_tp_scaling_proposes_the_smallest_size_that_fits() -> None:

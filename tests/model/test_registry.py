@@ -28,7 +28,9 @@ def test_every_family_names_a_model_class_that_builds_from_its_config() -> None:
 
     for family in FAMILIES:
         for architecture in family.hf_architectures:
-            config = model_config_from_hf_dict({**TINY, "architectures": [architecture]}, "tiny")
+            moe = {"num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}
+            config = model_config_from_hf_dict({**TINY, **moe, "architectures": [architecture]}, "tiny")
             model = model_class_for(config)(config, TorchAttentionBackend(), device="cpu")
             assert isinstance(model, LlamaForCausalLM)
             assert type(model).__name__ == family.model_class.split(":")[1]
