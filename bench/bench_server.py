@@ -209,19 +209,30 @@ def start_server(port: int, *extra: str, env: dict[str, str] | None = None,
     cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", str(port), "--log-format", "json", *extra]
     log = open(log_path or os.devnull, "wb")  # noqa: SIM115
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 180
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", {proc: log_path}, timeout_s=180)
+    except RuntimeError:
+        proc.kill()
+        raise
+    return proc
+
+
+def wait_healthy(url: str, processes: dict[subprocess.Popen[bytes], Path | None], timeout_s: float) -> None:
+    """Return once ``url``/health answers 200; a RuntimeError with the log tail of whichever
+    of ``processes`` (process -> its log file, or None) exits first, or on the timeout."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = log_path.read_text()[-2000:] if log_path else ""
-            raise RuntimeError(f"engine serve exited with {proc.returncode}: {tail}")
+        for proc, log_path in processes.items():
+            if proc.poll() is not None:
+                tail = log_path.read_text(errors="replace")[-3000:] if log_path and log_path.is_file() else ""
+                raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}: {tail}")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).status_code == 200:
-                return proc
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.25)
-    proc.kill()
-    raise RuntimeError("engine serve did not answer /health within 180 s")
+    raise RuntimeError(f"{url} did not answer /health within {timeout_s:g} s")
 
 
 def stop_server(proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> int:

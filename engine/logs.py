@@ -26,6 +26,9 @@ _CALLSITE = structlog.processors.CallsiteParameterAdder(
 )
 
 
+_REQUEST_CONTEXT = ("request_id", "trace_id")  # bound per request by the server's routes
+
+
 def vllm_line(_logger: Any, _method: str, event_dict: dict[str, Any]) -> str:
     """``LEVEL MM-DD HH:MM:SS [file.py:line] message key=value ...``: vLLM's own layout,
     so operators' greps and logparse read kvscope's logs as they read vLLM's."""
@@ -33,7 +36,10 @@ def vllm_line(_logger: Any, _method: str, event_dict: dict[str, Any]) -> str:
     stamp = event_dict.pop("timestamp", "")
     where = f"{event_dict.pop('filename', '?')}:{event_dict.pop('lineno', 0)}"
     message = str(event_dict.pop("event", ""))
-    extras = " ".join(f"{k}={v}" for k, v in event_dict.items() if not k.startswith("_"))
+    # a request's bound context (request_id, trace_id) is left off a line that already names it,
+    # so vLLM's own lines ("Received request <id>: ...") stay exactly vLLM's
+    extras = " ".join(f"{k}={v}" for k, v in event_dict.items()
+                      if not k.startswith("_") and not (k in _REQUEST_CONTEXT and str(v) in message))
     return f"{level} {stamp} [{where}] {message}" + (f" {extras}" if extras else "")
 
 

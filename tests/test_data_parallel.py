@@ -28,6 +28,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.bench_server import wait_healthy
 from engine.dp_core import offset_endpoint, rank_events_path
 from engine.events import RequestFinished, StepEvent
 from engine.events.metrics import PrometheusMetrics
@@ -113,16 +114,7 @@ def dp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
         server = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert server.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "the DP=2 server did not start in 240 s"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_healthy(url, {server: log}, timeout_s=240)
         yield {"server": server, "url": url, "log": log, "events": events, "kv_port": kv_port}
     finally:
         if server.poll() is None:

@@ -18,6 +18,7 @@ import httpx
 import psutil
 import pytest
 
+from bench.bench_server import wait_healthy
 from engine.budget.config import EngineConfig
 from engine.errors import UserError
 from engine.pipeline import Rendezvous
@@ -75,17 +76,7 @@ def test_two_hosts_started_by_two_commands_serve_one_model_in_two_stages(model_f
     host0 = _host(model_folder, 0, master, port)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert host0.poll() is None, (model_folder / "host0.log").read_text()[-3000:]
-            assert host1.poll() is None, (model_folder / "host1.log").read_text()[-3000:]
-            assert time.monotonic() < deadline
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_healthy(url, {host0: model_folder / "host0.log", host1: model_folder / "host1.log"}, timeout_s=300)
         body = {"prompt": [5, 17, 29, 31], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
         reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 8

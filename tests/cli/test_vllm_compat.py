@@ -9,12 +9,12 @@ import re
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from bench.bench_server import wait_healthy
 from engine.cli import build_parser, main
 from engine.cli.commands.serve import settings_from_args
 from engine.modelspec.presets import bundled_gguf_path
@@ -85,15 +85,7 @@ def test_served_with_vllm_flags_logs_like_vllm(tmp_path: Path, smollm_tokenizer)
         ], cwd=ROOT, stdout=out, stderr=err)  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, stderr.read_text()
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_healthy(url, {proc: stderr}, timeout_s=180)
         reply = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
             "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 2})
         assert reply.status_code == 200, reply.text
