@@ -432,6 +432,18 @@ def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, i
             parallel = TensorParallel.join(rank, s.device)
         reading = phases.reading()
         kernels = _phase_init(a, s, reading)
+    try:
+        return _phases_b_to_g(s, phases, reading, kernels, parallel, bus, progress, log)
+    except BaseException:
+        if kernels is not None:
+            kernels.settle()
+        raise
+
+
+def _phases_b_to_g(s: StartupInputs, phases: PhaseRecorder, reading: MemoryReading, kernels: KernelBuilds | None,
+                   parallel: TensorParallel | None, bus: EventBus, progress: Callable[[int, int], None] | None,
+                   log: Any) -> StartupResult:
+    """Phases B-G of :func:`start_engine` (A has started the kernel builds it settles on failure)."""
     with phases.phase("B") as b:
         if parallel is not None:  # the replica has what its emptiest rank has
             reading = dataclasses.replace(reading, free=replica_free_bytes(parallel.all_gather(reading.free)))

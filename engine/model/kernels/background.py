@@ -69,5 +69,12 @@ class KernelBuilds:
             self._log.warning(f"CPU kernel build failed: {type(self._error).__name__}: {self._error}")
         return time.perf_counter() - start
 
+    def settle(self, timeout_s: float = 10.0) -> None:
+        """Give a build in flight up to ``timeout_s`` to finish: a startup that fails early
+        (a refusal in phase B) must not exit while this thread is inside a kernel's library
+        load, which aborts the process ("terminate called without an active exception")
+        instead of the refusal's exit status."""
+        self._thread.join(timeout_s)
+
     def reports(self) -> list[BuildReport]:
         return list(self._reports)
