@@ -180,8 +180,19 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         tokens = hidden.shape[0]
-        residual = hidden
-        x = rms_norm(hidden, self.input_layernorm, self.eps)
+        q, k, v = self.attention_qkv(rms_norm(hidden, self.input_layernorm, self.eps), cos, sin)
+        backend.write_kv(k, v, kv_cache, meta.slot_mapping)
+        attn = backend.forward(q, kv_cache, meta, 1.0 / math.sqrt(self.head_dim), sliding_window=self.sliding_window)
+        hidden = hidden + self.reduce_rows(
+            linear_maybe_quantized(self, attn.reshape(tokens, self.q_size), "o_proj", self.o_proj))
+
+        return self.mlp_block(hidden)
+
+    def attention_qkv(self, x: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated Q and K, and V, of the normed ``x`` (``[tokens, heads, head_dim]``); a family
+        that norms Q/K per head overrides this alone (Qwen3: :func:`qk_normed_qkv`)."""
+        tokens = x.shape[0]
         qkv = linear_maybe_quantized(self, x, "qkv_proj", self.qkv_proj, self.qkv_bias)
         # Q and K sit side by side in qkv: one rotary call for both heads' sets.
         qk_width = self.q_size + self.kv_size
@@ -189,12 +200,7 @@ class DecoderLayer(nn.Module):
                           cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, qk_width:].view(tokens, self.num_kv_heads, self.head_dim)
-        backend.write_kv(k, v, kv_cache, meta.slot_mapping)
-        attn = backend.forward(q, kv_cache, meta, 1.0 / math.sqrt(self.head_dim), sliding_window=self.sliding_window)
-        hidden = residual + self.reduce_rows(
-            linear_maybe_quantized(self, attn.reshape(tokens, self.q_size), "o_proj", self.o_proj))
-
-        return self.mlp_block(hidden)
+        return q, k, v
 
     def fused_decode_args(self) -> tuple[tuple[object, ...], tuple[object, ...]] | None:
         """The fixed arguments of :func:`engine.model.kernels.cpu_layer` ``decode_layer`` for this

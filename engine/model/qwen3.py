@@ -9,14 +9,10 @@ not ``hidden_size / heads``. Norms, MLP, rope and the (tied or untied) LM head a
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
-from engine.model.attention.base import AttentionBackend, AttentionMetadata
-from engine.model.kernels.cpu_norm import rms_norm
-from engine.model.llama import DecoderLayer, LlamaForCausalLM, linear_maybe_quantized, qk_normed_qkv
+from engine.model.llama import DecoderLayer, LlamaForCausalLM, qk_normed_qkv
 from engine.modelspec.config import ModelConfig
 
 # Per-layer tensors beyond Llama's (HF names under model.layers.N.).
@@ -24,28 +20,16 @@ _EXTRA_LAYER_TENSORS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 
 
 class Qwen3DecoderLayer(DecoderLayer):
+    """Llama's layer with QK-norm: only how Q, K and V are made differs."""
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__(config, dtype, device)
         self.q_norm = nn.Parameter(torch.empty(self.head_dim, dtype=dtype, device=device), requires_grad=False)
         self.k_norm = nn.Parameter(torch.empty(self.head_dim, dtype=dtype, device=device), requires_grad=False)
-        self.scale = 1.0 / math.sqrt(self.head_dim)
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
-        tokens = hidden.shape[0]
-        q, k, v = qk_normed_qkv(self, rms_norm(hidden, self.input_layernorm, self.eps), cos, sin, self.qkv_bias)
-        backend.write_kv(k, v, kv_cache, meta.slot_mapping)
-        attn = backend.forward(q, kv_cache, meta, self.scale)
-        hidden = hidden + self.reduce_rows(
-            linear_maybe_quantized(self, attn.reshape(tokens, self.q_size), "o_proj", self.o_proj))
-        return self.mlp_block(hidden)
+    def attention_qkv(self, x: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return qk_normed_qkv(self, x, cos, sin, self.qkv_bias)
 
     def fused_decode_args(self) -> None:  # type: ignore[override]
         """The fused C++ decode layer is Llama's shape (no QK-norm): never here."""
