@@ -198,16 +198,31 @@ class LlamaCppEngine:
         from engine.modelspec.readers import load_model_config
 
         path = bundled_gguf_path() if model == "smollm2-135m" else load_model_config(model).path
-        args = json.dumps({"model": str(path), "threads": threads})
         start = time.perf_counter()
+        # Its best configuration first (the repack/AMX buffers); where that build crashes on
+        # its first decode (llama-cpp-python 0.3.36 on an AMX Xeon, Q4_1: SIGSEGV), the
+        # plain CPU buffers, and the label says so.
+        self.fallback = ""
+        try:
+            self._start(path, threads, extra_bufts=True)
+            self._request([1, 2, 3], 2)
+        except RuntimeError as exc:
+            self.close()
+            self.fallback = f"extra buffer types off: with them {exc}"
+            print(f"llama.cpp: {self.fallback}; rerunning without them", flush=True)
+            self._start(path, threads, extra_bufts=False)
+        self.startup_s = time.perf_counter() - start
+        quant = "Q4_1" if model == "smollm2-135m" else "Q4_K_M"
+        self.label = f"llama.cpp {self.version} {quant}" + (" (no repack/AMX buffers)" if self.fallback else "")
+
+    def _start(self, path: object, threads: int, extra_bufts: bool) -> None:
+        args = json.dumps({"model": str(path), "threads": threads, "extra_bufts": extra_bufts})
         self.proc = subprocess.Popen([str(LLAMA_PYTHON), str(ROOT / "bench" / "llama_peer.py"), args],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      text=True)
         hello = self._read()
-        self.startup_s = time.perf_counter() - start
         self.version = hello["version"]
         self.system_info = hello["system_info"]
-        self.label = f"llama.cpp {self.version} {'Q4_1' if model == 'smollm2-135m' else 'Q4_K_M'}"
 
     def _read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
