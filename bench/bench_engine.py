@@ -39,7 +39,15 @@ from typing import Any
 import torch
 
 from bench.machine import best_limits, cpu_isa, header_lines, load_average, machine_limits
-from bench.peers import LLAMA_PYTHON, VLLM_PYTHON, HfEngine, LlamaCppEngine, VllmEngine, start_peer
+from bench.peers import (
+    LLAMA_PYTHON,
+    VLLM_PYTHON,
+    HfEngine,
+    LlamaCppEngine,
+    VllmEngine,
+    start_peer,
+    vllm_dtypes,
+)
 from bench.workloads import (
     MEASURES,
     WARMUP,
@@ -341,6 +349,10 @@ def ttft_p99(sample: Sample) -> float:
     return percentile(sample.run.ttft_s, 99)
 
 
+def itl_p99(sample: Sample) -> float:
+    return percentile(sample.run.itl_s, 99)
+
+
 @dataclass(slots=True)
 class Target:
     name: str
@@ -354,7 +366,10 @@ def verdict_rows(results: Results, warm: dict[str, dict[str, Any]], peers_missin
                  reps: int) -> list[str]:
     targets = [Target("batch-16 output tok/s >= 1.0x vLLM-CPU", "batch-16", "vLLM"),
                Target("batch-64 output tok/s >= 1.0x vLLM-CPU", "batch-64", "vLLM"),
+               Target("prefill-500 tok/s >= 1.0x vLLM-CPU", "prefill-500", "vLLM"),
                Target("batch-64 TTFT p99 <= vLLM-CPU's", "batch-64", "vLLM", False, ttft_p99),
+               Target("batch-64 ITL p99 <= vLLM-CPU's", "batch-64", "vLLM", False, itl_p99),
+               Target("batch-16 ITL p99 (prefill alongside) <= vLLM-CPU's", "batch-16", "vLLM", False, itl_p99),
                Target("single-stream decode tok/s >= 1.0x llama.cpp", "single", "llama.cpp")]
     lines = ["| target | kvscope engines: median ratio to the peer (per rep) | best | verdict |", "|---|---|---|---|"]
     for t in targets:
@@ -365,9 +380,20 @@ def verdict_rows(results: Results, warm: dict[str, dict[str, Any]], peers_missin
     return lines
 
 
+def best_peer(per_engine: dict[str, list[Sample]], t: Target) -> str | None:
+    """The peer configuration (e.g. vLLM bf16 or fp32) that did best on this target's
+    measure: kvscope is compared with the peer at its best on this CPU."""
+    key = t.key or (lambda s: s.value)
+    peers = {p: statistics.median(key(s) for s in samples) for p, samples in per_engine.items()
+             if p.startswith(t.peer or "") and not is_kvscope(p)}
+    if not peers:
+        return None
+    return (max if t.higher_is_better else min)(peers, key=lambda p: peers[p])
+
+
 def _comparison_row(results: Results, t: Target, peers_missing: dict[str, str]) -> str:
     per_engine = results.samples.get(t.workload, {})
-    peer = next((p for p in per_engine if p.startswith(t.peer or "")), None)
+    peer = best_peer(per_engine, t)
     if peer is None:
         why = peers_missing.get(t.peer or "", f"no {t.workload} run")
         return f"| {t.name} | n/a: {why} | - | n/a |"
@@ -383,7 +409,8 @@ def _comparison_row(results: Results, t: Target, peers_missing: dict[str, str]) 
     if best is None:
         return f"| {t.name} | n/a: no paired runs | - | n/a |"
     ok = best[1] >= 1.0 if t.higher_is_better else best[1] <= 1.0
-    return f"| {t.name} | {'; '.join(cells)} | {best[0]} {best[1]:.2f} | {'pass' if ok else 'MISS'} |"
+    return (f"| {t.name} | {'; '.join(cells)} | {best[0]} {best[1]:.2f} (vs {peer}) | "
+            f"{'pass' if ok else 'MISS'} |")
 
 
 def _startup_row(warm: dict[str, dict[str, Any]]) -> str:
@@ -503,16 +530,17 @@ def start_engines(args: argparse.Namespace, variants: list[Variant]) -> tuple[li
     if not args.no_hf and smollm:
         engines.append(HfEngine(args.threads))
     missing = {}
-    for name, flag, factory, python in (("vLLM", args.no_vllm, VllmEngine, VLLM_PYTHON),
-                                        ("llama.cpp", args.no_llama, LlamaCppEngine, LLAMA_PYTHON)):
-        if name == "vLLM" and not smollm:
+    vllm_peers = [(f"vLLM {dtype}", partial(VllmEngine, dtype=dtype)) for dtype in vllm_dtypes()]
+    for name, flag, make, python in (*((n, args.no_vllm, f, VLLM_PYTHON) for n, f in vllm_peers),
+                                     ("llama.cpp", args.no_llama, partial(LlamaCppEngine, model=args.model),
+                                      LLAMA_PYTHON)):
+        if name.startswith("vLLM") and not smollm:
             flag, why = True, f"skipped: the vLLM peer runs SmolLM2's HF export only, not {args.model}"
         else:
             why = "skipped by a --no-* flag"
-        make = partial(factory, model=args.model) if factory is LlamaCppEngine else factory
         peer, why = (None, why) if flag else start_peer(name, make, python, args.threads)
         if peer is None:
-            missing[name] = f"{name} {why.splitlines()[0]}"
+            missing[name.split()[0]] = f"{name} {why.splitlines()[0]}"
         else:
             engines.append(peer)
             print(f"{peer.label}: ready in {peer.startup_s:.1f} s"

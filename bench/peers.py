@@ -90,11 +90,14 @@ class HfEngine:
 
 
 # ---------------------------------------------------------------------- vLLM CPU
-def vllm_dtype() -> str:
-    """What kvscope's ``--dtype auto`` picks here: bf16 only where the CPU has it natively."""
+def vllm_dtypes() -> tuple[str, ...]:
+    """The dtypes vLLM-CPU runs at here, its best first: bf16 and fp32 where bf16 is
+    native (which of them wins depends on the CPU and the workload, so both are measured
+    and each target compares with the better), fp32 alone where it is not."""
     from engine.model.cpu_caps import choose_cpu_dtype, detect
 
-    return choose_cpu_dtype(detect()).dtype
+    best = choose_cpu_dtype(detect()).dtype
+    return (best,) if best == "float32" else (best, "float32")
 
 
 def exported_hf_folder() -> Path:
@@ -111,12 +114,13 @@ class VllmEngine:
 
     label = "vLLM-CPU 0.32"
     supports = None
-    port = 8391
-    log_path = ROOT / ".bench" / "vllm-server.log"
+    base_port = 8391
 
-    def __init__(self, threads: int) -> None:
-        self.dtype = vllm_dtype()
+    def __init__(self, threads: int, dtype: str = "float32") -> None:
+        self.dtype = dtype
         self.label = f"vLLM-CPU 0.32 {self.dtype}"
+        self.port = self.base_port + (dtype != "float32")
+        self.log_path = ROOT / ".bench" / f"vllm-server-{dtype}.log"
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", OMP_NUM_THREADS=str(threads),
                    VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}")
         command = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(exported_hf_folder()),
