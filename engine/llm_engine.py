@@ -20,7 +20,7 @@ import structlog
 from engine.budget.config import EngineConfig
 from engine.core.request import FINISH_REASONS, Request, RequestStatus
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.core.step_loop import ExecutedStep, run_step
 from engine.errors import UserError
 from engine.events import EventBus
@@ -56,6 +56,9 @@ class RequestOutput:
     error: str | None = None  # finish_reason "error": what failed (this request only)
     # with SamplingParams.logprobs: new_token_ids' log-probabilities (and alternatives), in order
     logprobs: list[TokenLogprobs] | None = None
+    # with SamplingParams.prompt_logprobs, on the request's first output only: vLLM's list, None
+    # for the first prompt token (nothing precedes it), then each prompt token's log-probability
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -135,6 +138,8 @@ class LLMEngine:
         self.observers.start_stats(device_word(self.startup.device))
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._step_logprobs: dict[str, TokenLogprobs] = {}  # the last step's, for requests that ask
+        # prompt logprobs gathered chunk by chunk, until the request's first output carries them
+        self._prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
         self._ids = itertools.count()
         self._clock_start = time.monotonic()
         self.eos_token_ids = self._eos_ids()
@@ -219,6 +224,9 @@ class LLMEngine:
             raw = prompt.token_ids if isinstance(prompt, CheckedPrompt) else prompt
             checked = self.prepare_prompt(raw, params or SamplingParams())
         params, prompt_ids, max_tokens = checked.params, checked.token_ids, checked.max_tokens
+        if params.prompt_logprobs is not None and self.pipeline is not None:
+            raise UserError("prompt_logprobs is not served under --pipeline-parallel-size (the last stage computes "
+                            "only the sampled rows' logits); omit it or run one stage", param="prompt_logprobs")
         rid = request_id or f"req-{next(self._ids)}"
         eos = None if params.ignore_eos else min(self.eos_token_ids) if len(self.eos_token_ids) == 1 else None
         stop_ids = set(params.stop_token_ids)
@@ -239,10 +247,13 @@ class LLMEngine:
         if rejected is not None:
             raise UserError(f"request {rid} rejected: {rejected}")
         self._detok[rid] = detok
+        if params.prompt_logprobs is not None:
+            self._prompt_logprobs[rid] = [None] * len(prompt_ids)
         return rid
 
     def abort(self, request_id: str) -> bool:
         self._detok.pop(request_id, None)
+        self._prompt_logprobs.pop(request_id, None)
         return self.scheduler.abort(request_id, self.now())
 
     def has_unfinished(self) -> bool:
@@ -259,7 +270,8 @@ class LLMEngine:
         update needs to decide who finished."""
         # a hybrid KV cache's requests carry one table per group (group_block_ids); () otherwise
         batch = [ScheduledSeq(s.request_id, s.token_ids, s.start_position, s.block_ids, s.samples,
-                              s.request.sampling, s.request.group_block_ids or None) for s in out.scheduled]
+                              s.request.sampling, s.request.group_block_ids or None, self._prompt_targets(s))
+                 for s in out.scheduled]
         collectives: dict[str, float] = {}
         if self.workers is not None and batch:
             sampled_ids, collectives = self.workers.execute(self.runner, batch)
@@ -270,6 +282,7 @@ class LLMEngine:
         timings = self.runner.last_timings
         failed = dict(self.runner.last_failed)
         self._step_logprobs = getattr(self.runner, "last_logprobs", {})
+        self._keep_prompt_logprobs(out)
         deltas: dict[str, str] = {}
         stopped_by_string: set[str] = set()
         for rid, token in sampled_ids.items():
@@ -291,8 +304,33 @@ class LLMEngine:
         return ExecutedStep(
             {rid: [tok] for rid, tok in sampled_ids.items() if rid not in failed}, self.now(), stopped_by_string,
             deltas, {"forward_s": timings.prepare_s + timings.forward_s, "sample_s": timings.sample_s,
-                     **collectives, **self._expert_counts()}, failed=failed,
+                     **collectives, **self._expert_counts(), **self._prompt_logprob_rows()}, failed=failed,
         )
+
+    def _prompt_targets(self, s: ScheduledRequest) -> list[int] | None:
+        """The prompt tokens ``s``'s rows predict, for a request still owed its prompt logprobs
+        (the runner then runs the LM head on those rows); None for every other request."""
+        if s.request_id not in self._prompt_logprobs:
+            return None
+        prompt = s.request.prompt_token_ids
+        start = s.start_position  # a recompute after a preemption before the first token: the same rows again
+        targets = prompt[start + 1:min(start + s.num_tokens, len(prompt) - 1) + 1]
+        return targets or None
+
+    def _keep_prompt_logprobs(self, out: SchedulerOutput) -> None:
+        """File the step's prompt logprobs under their prompt positions (each chunk's first row
+        predicts the token after its start)."""
+        found: dict[str, list[TokenLogprobs]] = getattr(self.runner, "last_prompt_logprobs", {})
+        for s in out.scheduled:
+            chunk, kept = found.get(s.request_id), self._prompt_logprobs.get(s.request_id)
+            if chunk and kept is not None:
+                first = s.start_position + 1
+                kept[first:first + len(chunk)] = chunk
+
+    def _prompt_logprob_rows(self) -> dict[str, int]:
+        """The prompt positions the LM head ran on for prompt logprobs this step, for its step event."""
+        rows = getattr(self.runner, "last_prompt_logprob_rows", 0)
+        return {"prompt_logprob_rows": rows} if rows else {}
 
     def _expert_counts(self) -> dict[str, list[list[int]]]:
         """A MoE model's tokens per expert per layer in the step just run, for its step event."""
@@ -327,6 +365,7 @@ class LLMEngine:
                 num_cached_tokens=max(req.num_cached_tokens, 0),
                 error=req.error if done else None,
                 logprobs=[self._step_logprobs[rid]] if rid in self._step_logprobs and rid in sampled else None,
+                prompt_logprobs=self._prompt_logprobs.pop(rid, None) if rid in sampled or done else None,
             ))
         return results
 

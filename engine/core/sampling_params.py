@@ -43,6 +43,10 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     # the sampled token's log-probability and this many alternatives (0: none) with each token; None: off
     logprobs: int | None = None
+    # vLLM's prompt_logprobs: each prompt token's log-probability after the tokens before it,
+    # with this many alternatives (0: the token alone); None: off. Such a request reads no
+    # prefix-cache hit (every prompt position's logits are computed), as in vLLM.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -69,6 +73,8 @@ class SamplingParams:
         self._check_logit_bias()
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise UserError(f"logprobs {self.logprobs}: must be in 0..{MAX_LOGPROBS}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise UserError(f"prompt_logprobs {self.prompt_logprobs}: must be in 0..{MAX_LOGPROBS}")
 
     def _check_logit_bias(self) -> None:
         if self.logit_bias is None:

@@ -496,9 +496,10 @@ class Scheduler:
         max_seqs = self.config.max_num_seqs
         while waiting and plan.budget > 0 and len(running) < max_seqs:
             req = waiting.peek()
-            hit_blocks, hit_tokens = kv.get_computed_blocks(req)
+            reads_cache = reads_prefix_cache(req)
+            hit_blocks, hit_tokens = kv.get_computed_blocks(req) if reads_cache else (None, 0)
             # explained before the allocation caches the request's own blocks
-            lookup = kv.explain_hit(req, hit_tokens) if publishing and kv.enable_caching else None
+            lookup = kv.explain_hit(req, hit_tokens) if publishing and kv.enable_caching and reads_cache else None
             total = len(req.token_ids)
             num_new = self._chunk(total - hit_tokens, plan.budget)
             encoded: list[tuple[Request, int, int]] = []
@@ -515,7 +516,8 @@ class Scheduler:
             self._plan_encoder_inputs(plan, encoded)
             waiting.pop()
             running.append(req)
-            kv.record_lookup(total, hit_tokens)
+            if reads_cache:  # vLLM counts no lookup for a request that skips the cache
+                kv.record_lookup(total, hit_tokens)
             if lookup is not None:
                 plan.prefix_lookups[req.request_id] = lookup
             self._start_running(req, hit_tokens, plan, now, publishing)
@@ -783,6 +785,13 @@ class Scheduler:
         for r in self.waiting:
             assert not any(r.block_tables), f"waiting request {r.request_id} holds blocks"
             assert r.num_computed_tokens == 0, f"waiting request {r.request_id} has computed tokens"
+
+
+def reads_prefix_cache(req: Request) -> bool:
+    """False for a request still owed its prompt logprobs (vLLM's ``skip_reading_prefix_cache``):
+    they need every prompt position's logits, so nothing of the prompt may come from the cache.
+    Once it has output tokens (a resume after preemption) the logprobs were sent: it reads hits."""
+    return req.sampling is None or req.sampling.prompt_logprobs is None or bool(req.output_token_ids)
 
 
 def finished_event(req: Request) -> RequestFinished:

@@ -88,6 +88,7 @@ def build_step_event(output: SchedulerOutput, timings: Mapping[str, Any] | None 
         collective_bytes=int(t.get("collective_bytes", 0)),
         collective_calls=int(t.get("collective_calls", 0)),
         expert_counts=[[int(n) for n in row] for row in t.get("expert_counts") or ()],
+        prompt_logprob_rows=int(t.get("prompt_logprob_rows", 0)),
         pipeline_bubble_s=[float(v) for v in t.get("pipeline_bubble_s") or ()],
         pipeline_bytes=[int(v) for v in t.get("pipeline_bytes") or ()],
         waiting_reasons=output.waiting_reasons,

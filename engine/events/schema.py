@@ -311,7 +311,8 @@ class StepEvent(Event):
                                                             "allocated_groups", "freed_groups", "cached_groups",
                                                             "evicted_groups", "freed_by_window",
                                                             "freed_by_window_groups", "waiting_reasons",
-                                                            "waiting_reasons_omitted", "prefix_lookups"})
+                                                            "waiting_reasons_omitted", "prefix_lookups",
+                                                            "prompt_logprob_rows"})
     index: int = 0
     scheduled: dict[str, list[Any]] = field(default_factory=dict)
     num_prefill_tokens: int = 0
@@ -366,6 +367,9 @@ class StepEvent(Event):
     waiting_reasons: dict[str, list[Any]] = field(default_factory=dict)
     waiting_reasons_omitted: int = 0
     prefix_lookups: dict[str, list[Any]] = field(default_factory=dict)
+    # vLLM's prompt_logprobs: the prompt positions the LM head ran on for them this step, beyond
+    # the one sampled row per sequence every step has. Absent (0) when no request asked.
+    prompt_logprob_rows: int = 0
 
 
 @dataclass(slots=True)

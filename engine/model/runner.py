@@ -30,7 +30,7 @@ from engine.model.cuda_graphs import DecodeGraphs
 from engine.model.llama import QUANTIZATION_METHODS, LlamaForCausalLM
 from engine.model.loader import LoadInfo, ProgressCallback, load_weights_into, read_gguf_blocks
 from engine.model.parallel import TensorParallel
-from engine.model.sampler import Sampler, TokenLogprobs, token_logprobs
+from engine.model.sampler import Sampler, TokenLogprobs, prompt_token_logprobs, token_logprobs
 from engine.modelspec.config import CANONICAL_DTYPE, ModelConfig
 
 if TYPE_CHECKING:
@@ -38,6 +38,9 @@ if TYPE_CHECKING:
     from engine.model.kernel_plan import KernelPlan
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Prompt logprobs: the LM head runs on this many prompt positions at a time, so a long
+# prefill chunk's logits never exist whole ([256, 49,152] fp32 is 48 MiB for SmolLM2).
+PROMPT_LOGPROB_ROWS_AT_ONCE = 256
 
 
 @dataclass(slots=True)
@@ -55,6 +58,11 @@ class ScheduledSeq:
     # groups share KV tensors and one table for all would overwrite one group's pages with
     # another's. None: one full-attention table, ``block_ids``.
     block_tables: Sequence[list[int]] | None = None
+    # vLLM's prompt_logprobs (``sampling.prompt_logprobs`` alternatives): the prompt tokens this
+    # chunk's rows predict, row i the token after position start_position + i (the prompt's
+    # last position predicts an output token, so it has none). None: the LM head runs on the
+    # sampled row only, as for every other request.
+    prompt_targets: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -171,6 +179,11 @@ class ModelRunner:
         self.last_timings = StepTimings()
         self.last_failed: dict[str, str] = {}  # request id -> why its sampling raised (the last execute)
         self.last_logprobs: dict[str, TokenLogprobs] = {}  # the last execute's, for requests that ask
+        # the last forward's prompt logprobs (request id -> its chunk's, in position order) and how
+        # many prompt rows the LM head ran on for them (0 when no request asked: the step event's
+        # prompt_logprob_rows)
+        self.last_prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+        self.last_prompt_logprob_rows = 0
         self.decode_graphs: DecodeGraphs | None = None  # captured in phase F on CUDA
         self.kernel_plan: KernelPlan | None = None  # phase C on CPU (resolve_kernel_plan); None: the constants
         # A MoE model's tokens routed to each expert in the last forward, [MoE layer][expert];
@@ -407,6 +420,7 @@ class ModelRunner:
         else:
             hidden = self.model(prepared.input_ids, prepared.positions, self.kv_caches, prepared.model_meta)
         logits = self.model.compute_logits(hidden[prepared.sample_rows])
+        self.last_prompt_logprobs = self._prompt_logprobs(hidden, batch)
         t2 = time.perf_counter()
         self.last_timings = StepTimings(prepare_s=t1 - t0, forward_s=t2 - t1)
         counter = getattr(self.model, "expert_counter", None)  # a MoE model (engine/model/moe.py)
@@ -442,6 +456,31 @@ class ModelRunner:
         found = token_logprobs(logits, rows, [sampled[rid] for rid in ids],
                                [seqs[row].sampling.logprobs or 0 for row in rows])
         return dict(zip(ids, found, strict=True))
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, batch: Sequence[ScheduledSeq]) -> dict[str, list[TokenLogprobs]]:
+        """The LM head on every row of the sequences with ``prompt_targets`` (fp32 logits, a
+        slice of rows at a time) and their prompt logprobs; nothing runs for a batch without.
+        Every tensor-parallel rank runs the same slices (the head's gather is a collective);
+        only rank 0 gets logits."""
+        self.last_prompt_logprob_rows = 0
+        if not any(s.prompt_targets for s in batch):
+            return {}
+        found: dict[str, list[TokenLogprobs]] = {}
+        first_row = 0
+        for seq in batch:
+            query_len = len(seq.token_ids)
+            targets = seq.prompt_targets or []
+            if len(targets) > query_len:
+                raise ValueError(f"request {seq.request_id}: {len(targets)} prompt targets for {query_len} rows")
+            num_top = seq.sampling.prompt_logprobs or 0
+            for lo in range(0, len(targets), PROMPT_LOGPROB_ROWS_AT_ONCE):
+                part = targets[lo:lo + PROMPT_LOGPROB_ROWS_AT_ONCE]
+                logits = self.model.compute_logits(hidden[first_row + lo:first_row + lo + len(part)])
+                if logits is not None:
+                    found.setdefault(seq.request_id, []).extend(prompt_token_logprobs(logits, part, num_top))
+            self.last_prompt_logprob_rows += len(targets)
+            first_row += query_len
+        return found
 
     def _sample_rows_alone(self, logits: torch.Tensor, prepared: PreparedBatch) -> dict[str, int]:
         """Sample each row by itself after the batched call raised: a row that raises alone

@@ -57,17 +57,27 @@ def token_logprobs(logits: torch.Tensor, rows: Sequence[int], tokens: Sequence[i
     """``rows``' sampled ``tokens`` with their log-probabilities and ``num_top`` best
     alternatives each, from one fp32 log-softmax of just those rows (a batch that asks
     for none never calls this)."""
-    logprobs = logits[list(rows)].float().log_softmax(dim=-1)
-    index = torch.tensor(list(tokens), dtype=torch.long, device=logits.device)
+    return _ranked(logits[list(rows)].float().log_softmax(dim=-1), tokens, num_top)
+
+
+def prompt_token_logprobs(logits: torch.Tensor, tokens: Sequence[int], num_top: int) -> list[TokenLogprobs]:
+    """vLLM's prompt logprobs for a run of prompt positions: row ``i`` of ``logits`` (the
+    position before ``tokens[i]``) gives ``tokens[i]``'s log-probability, rank and ``num_top``
+    alternatives, from one fp32 log-softmax of every row."""
+    return _ranked(logits.float().log_softmax(dim=-1), tokens, [num_top] * len(tokens))
+
+
+def _ranked(logprobs: torch.Tensor, tokens: Sequence[int], num_top: Sequence[int]) -> list[TokenLogprobs]:
+    """Row ``i``'s ``tokens[i]`` with its log-probability, rank and ``num_top[i]`` best alternatives."""
+    index = torch.tensor(list(tokens), dtype=torch.long, device=logprobs.device)
     chosen = logprobs.gather(1, index[:, None])[:, 0]
     ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
     width = max(num_top, default=0)
     top_values, top_ids = logprobs.topk(width, dim=-1) if width else (logprobs[:, :0], logprobs[:, :0].long())
-    out = []
-    for i, (token, n) in enumerate(zip(tokens, num_top, strict=True)):
-        top = tuple(zip(top_ids[i, :n].tolist(), top_values[i, :n].tolist(), strict=True))
-        out.append(TokenLogprobs(int(token), float(chosen[i]), int(ranks[i]), top))
-    return out
+    ids, values = top_ids.tolist(), top_values.tolist()  # one conversion each, not one per row
+    return [TokenLogprobs(int(token), logprob, rank, tuple(zip(ids[i][:n], values[i][:n], strict=True)))
+            for i, (token, n, logprob, rank) in enumerate(zip(tokens, num_top, chosen.tolist(), ranks.tolist(),
+                                                                strict=True))]
 
 
 def _seed_for(seed: int, position: int) -> int:
