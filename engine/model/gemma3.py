@@ -138,14 +138,19 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         ``meta[layer.kv_cache_group]``)."""
         if self._gemv_pending:
             self.resolve_gemv()
-        hidden = self.embed(input_ids)
+        hidden = self.decoder_layers(self.embed(input_ids), positions, kv_caches, meta)
+        return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+
+    def decoder_layers(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[torch.Tensor],
+                       meta: AttentionMetadata | Sequence[AttentionMetadata]) -> torch.Tensor:
+        """Llama's layer loop with each layer's rope: the local base for sliding layers."""
         cos_sin = {False: self.rotary.cos_sin(positions, self.dtype),
                    True: self.rotary_local.cos_sin(positions, self.dtype)}
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             layer_meta = meta if isinstance(meta, AttentionMetadata) else meta[layer.kv_cache_group]
             cos, sin = cos_sin[layer.is_sliding]
             hidden = layer(hidden, cos, sin, kv_cache, layer_meta, self.backend)
-        return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+        return hidden
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.embed_tokens) * self.embed_scale

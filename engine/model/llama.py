@@ -306,13 +306,8 @@ class LlamaForCausalLM(nn.Module):
         if self._gemv_pending:
             self.resolve_gemv()
         hidden = self.embed(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, self.dtype)
-        if not isinstance(meta, AttentionMetadata):
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                hidden = layer(hidden, cos, sin, kv_cache, meta[layer.kv_cache_group], self.backend)
-            return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
-        layer_kernel = self._layer_kernel_for(meta, kv_caches)
-        if layer_kernel is not None:
+        if isinstance(meta, AttentionMetadata) and (layer_kernel := self._layer_kernel_for(meta, kv_caches)) is not None:
+            cos, sin = self.rotary.cos_sin(positions, self.dtype)
             tokens = hidden.shape[0]
             cos2, sin2 = cos.view(tokens, -1), sin.view(tokens, -1)
             slots = meta.slot_mapping.to(torch.int64)
@@ -320,9 +315,18 @@ class LlamaForCausalLM(nn.Module):
                 hidden = layer_kernel.decode_layer(hidden, *before, cos2, sin2, kv_cache, slots,
                                                    meta.block_tables, meta.seq_lens, *after)
             return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+        return rms_norm(self.decoder_layers(hidden, positions, kv_caches, meta), self.norm, self.config.rms_norm_eps)
+
+    def decoder_layers(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[torch.Tensor],
+                       meta: AttentionMetadata | Sequence[AttentionMetadata]) -> torch.Tensor:
+        """The layers op by op, between the embedding and the final norm: what ``forward`` runs
+        when the fused layer does not, and all a pipeline stage runs of the model (engine/pipeline.py).
+        ``meta``: one metadata, or one per KV cache group (a layer reads ``meta[layer.kv_cache_group]``)."""
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, meta, self.backend)
-        return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+            layer_meta = meta if isinstance(meta, AttentionMetadata) else meta[layer.kv_cache_group]
+            hidden = layer(hidden, cos, sin, kv_cache, layer_meta, self.backend)
+        return hidden
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.embed_tokens)
