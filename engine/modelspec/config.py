@@ -56,18 +56,19 @@ GEMMA3_ROPE_LOCAL_BASE_FREQ = 10_000.0
 
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
-    """Llama 3.1/3.2's ``llama3`` rope scaling (config.json ``rope_scaling`` / transformers 5's
-    ``rope_parameters``): wavelengths longer than ``original_max_position_embeddings /
+    """Rope frequency scaling (config.json ``rope_scaling`` / transformers 5's ``rope_parameters``).
+    ``llama3`` (Llama 3.1/3.2): wavelengths longer than ``original_max_position_embeddings /
     low_freq_factor`` are stretched by ``factor``, those shorter than ``... / high_freq_factor``
     kept, the ones between blended (transformers' ``_compute_llama3_parameters``). A GGUF holds
     the result instead, one divisor per rotary frequency (llama.cpp's ``rope_freqs`` tensor):
-    ``rope_type`` "freq_factors" with ``freq_factors``."""
+    ``rope_type`` "freq_factors" with ``freq_factors``. ``linear`` (Gemma 3 4B/12B/27B's global
+    layers, factor 8): every frequency divided by ``factor`` (positions interpolated)."""
 
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 1.0
     original_max_position_embeddings: int = 0
-    rope_type: str = "llama3"  # llama3 | freq_factors
+    rope_type: str = "llama3"  # llama3 | freq_factors | linear
     freq_factors: tuple[float, ...] | None = None
 
 

@@ -32,6 +32,7 @@ from engine.modelspec.config import (
     GEMMA3_SLIDING_WINDOW_PATTERN,
     SLIDING_ATTENTION,
     ModelConfig,
+    RopeScaling,
 )
 from engine.modelspec.gguf_header import read_gguf_header
 
@@ -151,6 +152,30 @@ def _mixtral_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
             "norm_topk_prob": True}
 
 
+def linear_rope_scaling(params: Mapping[str, Any], where: str) -> RopeScaling:
+    """config.json's ``{"rope_type": "linear", "factor": F}`` (vLLM's LinearScalingRotaryEmbedding)."""
+    factor = params.get("factor")
+    if not isinstance(factor, int | float) or isinstance(factor, bool) or factor <= 0:
+        raise UserError(f"{where}: linear rope scaling needs a positive 'factor', not {factor!r}")
+    return RopeScaling(rope_type="linear", factor=float(factor))
+
+
+def _gemma3_global_rope_scaling(cfg: Mapping[str, Any], per_type: Mapping[str, Any]) -> RopeScaling | None:
+    """The rope scaling of Gemma 3's full-attention layers (4B/12B/27B: linear, factor 8;
+    the sliding layers keep their plain local base): transformers 5 nests it under
+    ``rope_parameters["full_attention"]``, 4.x writes a top-level ``rope_scaling``."""
+    params = per_type.get(FULL_ATTENTION) or cfg.get("rope_scaling")
+    if not isinstance(params, Mapping):
+        return None
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in (None, "default"):
+        return None
+    if kind != "linear":
+        raise UserError(f"config.json: Gemma 3's rope scaling type {kind!r} is not supported (kvscope runs "
+                        f"Gemma 3's linear scaling)")
+    return linear_rope_scaling(params, "config.json")
+
+
 def _gemma3_gguf_fields(meta: Mapping[str, Any], layers: int, head_dim: int) -> dict[str, Any]:
     """Gemma 3's own fields from its GGUF header, with transformers' Gemma3TextConfig
     defaults for what llama.cpp's converter leaves out (the 5:1 layer pattern, the local
@@ -164,6 +189,9 @@ def _gemma3_gguf_fields(meta: Mapping[str, Any], layers: int, head_dim: int) -> 
         "rope_local_base_freq": float(meta.get("gemma3.rope.local_freq_base", GEMMA3_ROPE_LOCAL_BASE_FREQ)),
         "query_pre_attn_scalar": float(meta.get("gemma3.attention.query_pre_attn_scalar", head_dim)),
         "hidden_activation": "gelu_pytorch_tanh",
+        # llama.cpp's converter writes the 4B/12B/27B models' linear scaling (factor 8) under these keys
+        "rope_scaling": (linear_rope_scaling({"factor": meta.get("gemma3.rope.scaling.factor")}, "GGUF")
+                         if meta.get("gemma3.rope.scaling.type") == "linear" else None),
     }
 
 
@@ -252,6 +280,7 @@ def _gemma3_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
     }
     if FULL_ATTENTION in per_type:
         fields["rope_theta"] = float(per_type[FULL_ATTENTION]["rope_theta"])
+    fields["rope_scaling"] = _gemma3_global_rope_scaling(cfg, per_type)
     return fields
 
 

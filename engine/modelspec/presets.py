@@ -15,6 +15,7 @@ from engine.modelspec.config import (
     GEMMA3_SLIDING_WINDOW_PATTERN,
     SLIDING_ATTENTION,
     ModelConfig,
+    RopeScaling,
 )
 
 BUNDLED_MODEL_NAME = "smollm2-135m"
@@ -42,6 +43,8 @@ def _gemma3_preset(name: str, *, num_layers: int, sliding_window: int, **shapes:
         hidden_activation="gelu_pytorch_tanh", **shapes,
     )
 
+
+GEMMA3_LARGE_ROPE_SCALING = RopeScaling(rope_type="linear", factor=8.0)  # 4B/12B/27B's global layers
 
 MODEL_PRESETS: dict[str, ModelConfig] = {
     "llama-3.1-8b": _llama(
@@ -130,15 +133,16 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
                                      query_pre_attn_scalar=256.0),
     # Gemma 3 4B and 27B (google/gemma-3-{4b,27b}-it's config.json text_config; the language
     # model only, the SigLIP vision tower left out): five sliding layers of window 1024 then one
-    # full, rope 1e6 (global) / 1e4 (local). 27B's head_dim is 128 (query_pre_attn_scalar 168):
+    # full, rope 1e6 (global, scaled linearly by 8: config.json's rope_scaling) / 1e4 (local). 27B's head_dim is 128 (query_pre_attn_scalar 168):
     # a real vLLM log's "GPU KV cache size" agrees only with 128 (tests/data/vllm-logs).
     "gemma-3-4b": _gemma3_preset("gemma-3-4b", num_layers=34, hidden_size=2560, intermediate_size=10240,
                                  vocab_size=262208, num_attention_heads=8, num_kv_heads=4, head_dim=256,
-                                 max_position_embeddings=131072, sliding_window=1024, query_pre_attn_scalar=256.0),
+                                 max_position_embeddings=131072, sliding_window=1024, query_pre_attn_scalar=256.0,
+                                 rope_scaling=GEMMA3_LARGE_ROPE_SCALING),
     "gemma-3-27b": _gemma3_preset("gemma-3-27b", num_layers=62, hidden_size=5376, intermediate_size=21504,
                                   vocab_size=262208, num_attention_heads=32, num_kv_heads=16, head_dim=128,
                                   max_position_embeddings=131072, sliding_window=1024,
-                                  query_pre_attn_scalar=168.0),
+                                  query_pre_attn_scalar=168.0, rope_scaling=GEMMA3_LARGE_ROPE_SCALING),
     # Mixture of experts. Qwen/Qwen3-30B-A3B's config.json: 48 layers, hidden 2048, 32 query / 4 KV
     # heads of 128, QK-norm, 128 experts of moe_intermediate_size 768, top-8 renormalised
     # (norm_topk_prob), every layer sparse (decoder_sparse_step 1, mlp_only_layers []; the dense

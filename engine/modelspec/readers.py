@@ -17,7 +17,12 @@ from engine.modelspec.config import (
     ModelConfig,
     RopeScaling,
 )
-from engine.modelspec.families import Family, family_for_architecture, family_for_hf_config
+from engine.modelspec.families import (
+    Family,
+    family_for_architecture,
+    family_for_hf_config,
+    linear_rope_scaling,
+)
 from engine.modelspec.gguf_header import ArrayValue, GGUFHeader, TensorInfo, read_gguf_header
 from engine.modelspec.presets import (
     FILE_BACKED_PRESETS,
@@ -39,7 +44,7 @@ def _hf_rope_theta(cfg: dict[str, Any]) -> float:
 
 def _hf_rope_scaling(cfg: dict[str, Any], family: Family, where: str) -> RopeScaling | None:
     """The rope scaling of config.json (``rope_parameters``, transformers 5, or ``rope_scaling``):
-    None for plain rope, a :class:`RopeScaling` for ``llama3``; any other type is refused,
+    None for plain rope, a :class:`RopeScaling` for ``llama3`` and ``linear``; any other type is refused,
     naming it (a family whose parser reads its rope itself, Gemma 3, is skipped here)."""
     if family.reads_own_rope:
         return None
@@ -52,6 +57,8 @@ def _hf_rope_scaling(cfg: dict[str, Any], family: Family, where: str) -> RopeSca
         kind = nested.get("rope_type", nested.get("type", "default"))
         if kind in (None, "default"):
             continue
+        if kind == "linear":
+            return linear_rope_scaling(nested, where)
         if kind == "llama3":
             try:
                 return RopeScaling(factor=float(nested["factor"]), low_freq_factor=float(nested["low_freq_factor"]),
@@ -59,8 +66,8 @@ def _hf_rope_scaling(cfg: dict[str, Any], family: Family, where: str) -> RopeSca
                                    original_max_position_embeddings=int(nested["original_max_position_embeddings"]))
             except KeyError as exc:
                 raise UserError(f"{where}: config.json's llama3 rope scaling lacks {exc.args[0]!r}") from exc
-        raise UserError(f"{where}: config.json's rope scaling type {kind!r} is not supported (kvscope runs plain rope "
-                        f"and Llama 3.1's llama3 scaling); the {family.name} family's long-context variants need it")
+        raise UserError(f"{where}: config.json's rope scaling type {kind!r} is not supported (kvscope runs plain rope, "
+                        f"linear scaling and Llama 3.1's llama3 scaling); the {family.name} family's long-context variants need it")
     return None
 
 

@@ -1,5 +1,5 @@
 """Qwen2/Qwen2.5 (Q/K/V bias; tied and untied LM head), Qwen3 (QK-norm, no bias), Gemma 3
-(a sliding and a full layer), Llama 3.1's llama3 rope scaling, Mistral (every layer sliding)
+(a sliding and a full layer; plain, and with the larger models' linear rope scaling), Llama 3.1's llama3 rope scaling, Mistral (every layer sliding)
 and Phi-3 (fused qkv/gate_up, sliding) from tiny random-weight checkpoints built here with
 transformers (tests/model/tiny_hf.py), from HF folders and (Qwen) GGUFs,
 through kvscope's real path (the HF-folder config and safetensors loader, the registry's
@@ -126,7 +126,9 @@ def test_agrees_with_transformers_through_paging_and_preemption(variant: str, so
     if family in ("mistral", "phi3"):  # every layer slides (window 8 / 12: the prompts outgrow it)
         assert config.layer_types == ("sliding_attention",) * 2 and config.sliding_window == VARIANTS[variant][2][
             "sliding_window"]
-    assert (config.rope_scaling is not None) == (variant == "llama3-scaled")
+    assert (config.rope_scaling is not None) == (variant in ("llama3-scaled", "gemma3-linear"))
+    if variant == "gemma3-linear":  # the full layer's scaling only: the sliding layer's local base stays plain
+        assert (config.rope_scaling.rope_type, config.rope_scaling.factor) == ("linear", 8.0)
     assert (config.architecture, config.source, config.tie_word_embeddings) == (family, source, tied)
     assert config.attention_bias == (family == "qwen2") and bool(config.qk_norm) == (family == "qwen3")
     runner = ModelRunner(config, dtype="float32", block_size=BLOCK_SIZE, attention_backend="torch")

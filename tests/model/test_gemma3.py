@@ -75,3 +75,20 @@ def test_greedy_capital_of_france(runner, tokenizer) -> None:
         out.append(runner.execute([ScheduledSeq("g", [out[-1]], len(prompt) + len(out) - 1, blocks, True,
                                                  greedy)])["g"])
     assert tokenizer.decode(out) == " the capital of the country of France."
+
+
+def test_larger_gemma3_rope_scaling_from_gguf_keys_and_presets() -> None:
+    """Gemma 3 4B/12B/27B scale their global layers' rope linearly by 8 (config.json's
+    rope_scaling; llama.cpp's converter writes gemma3.rope.scaling.type/factor): read from
+    the GGUF keys and carried by the presets; the 270M (no such keys) stays plain."""
+    from engine.errors import UserError
+    from engine.modelspec.config import RopeScaling
+    from engine.modelspec.families import _gemma3_gguf_fields
+
+    scaled = _gemma3_gguf_fields({"gemma3.rope.scaling.type": "linear", "gemma3.rope.scaling.factor": 8.0}, 34, 256)
+    assert scaled["rope_scaling"] == RopeScaling(rope_type="linear", factor=8.0)
+    assert _gemma3_gguf_fields({}, 18, 256)["rope_scaling"] is None
+    assert MODEL_PRESETS["gemma-3-4b"].rope_scaling == MODEL_PRESETS["gemma-3-27b"].rope_scaling == scaled["rope_scaling"]
+    assert MODEL_PRESETS["gemma-3-270m"].rope_scaling is None
+    with pytest.raises(UserError, match="positive 'factor'"):
+        _gemma3_gguf_fields({"gemma3.rope.scaling.type": "linear", "gemma3.rope.scaling.factor": "8"}, 34, 256)

@@ -28,6 +28,12 @@ VARIANTS: dict[str, tuple[str, bool, dict[str, Any]]] = {
     # scalar 256 (not head_dim's 16) and the two rope bases are transformers' defaults
     "gemma3-tied": ("Gemma3TextConfig", True, {"layer_types": ["sliding_attention", "full_attention"],
                                                  "sliding_window": 8}),
+    # Gemma 3 4B/12B/27B's linear rope scaling (factor 8) on the full layer only; the sliding
+    # layer keeps its plain local base
+    "gemma3-linear": ("Gemma3TextConfig", True, {"layer_types": ["sliding_attention", "full_attention"],
+                                                  "sliding_window": 8, "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}}),
     # Llama 3.1's llama3 rope scaling with the trained context cut to 32 positions, so that at
     # head_dim 16 one frequency is kept, one blended and six stretched by 8 within the prompts
     "llama3-scaled": ("LlamaConfig", False, {"rope_parameters": {
