@@ -127,3 +127,16 @@ def stage_lines(pipeline: PipelinePlan) -> list[str]:
                  f"serves every stage) = {pipeline.kv_cache_tokens:,} tokens, concurrency "
                  f"{pipeline.max_concurrency:.2f}x at {pipeline.max_model_len:,} tokens per request")
     return lines
+
+
+# ------------------------------------------------------------------ the pipeline's idle time (issue 37)
+DEFAULT_MICRO_BATCHES = 2  # engine/pipeline.py's MICRO_BATCHES (a test keeps the two equal)
+
+
+def fill_drain_bubble(stages: int, micro_batches: int) -> float:
+    """The share of a step each of ``stages`` equal stages idles when ``micro_batches``
+    equal micro-batches fill and drain the pipeline within the step: (P - 1) / (M + P - 1).
+    The least bubble a layout has; unequal stages or micro-batches add to it."""
+    if stages < 2:
+        return 0.0
+    return (stages - 1) / (max(1, micro_batches) + stages - 1)
