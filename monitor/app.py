@@ -30,6 +30,7 @@ from monitor.widgets.diagnosis import Diagnosis
 from monitor.widgets.events_log import EventsLog
 from monitor.widgets.expert_load import ExpertPanel
 from monitor.widgets.memory_bar import MemoryBar
+from monitor.widgets.parallel_panel import ParallelPanel
 from monitor.widgets.queues import Queues
 from monitor.widgets.replay_bar import ReplayBar
 from monitor.widgets.request_panel import RequestPanel
@@ -114,6 +115,7 @@ class MonitorApp(App[None]):
                     yield BlockMap(id="blockmap")
                 yield Queues(id="queues")
             with TabPane("Steps [2]", id="steps"):
+                yield ParallelPanel(id="parallel")  # shown only with several DP ranks or PP stages
                 yield StepCharts(id="charts")
                 yield ExpertPanel(id="experts")  # shown only for a MoE model
             with TabPane("Startup [3]", id="startup"):
@@ -160,6 +162,7 @@ class MonitorApp(App[None]):
         self.query_one(Queues).update_view(view, self.engine_now())
         self.query_one(StepCharts).update_view(view)
         self.query_one(ExpertPanel).update_view(view)
+        self.query_one(ParallelPanel).update_view(view)
         self.query_one(StartupTable).update_view(view, self.engine_now())
         self.query_one(EventsLog).update_view(view)
         tl = self.timeline

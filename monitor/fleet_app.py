@@ -27,6 +27,7 @@ from monitor.poller import KVSCOPE
 from monitor.replica import LIVE, ReplicaState
 from monitor.widgets.fleet_table import FleetSummary, FleetTable
 from monitor.widgets.gpu_panel import GpuPanel, no_ledger
+from monitor.widgets.parallel_panel import ParallelPanel
 from monitor.widgets.prefix_map import PrefixMap
 from monitor.widgets.replica_panel import ReplicaPanel
 from monitor.widgets.title_bar import middle_cut
@@ -54,6 +55,7 @@ class ReplicaScreen(Screen[None]):
         yield Static("", id="replica-title", classes="title")
         with VerticalScroll():  # at 120x40 the GPU devices lie below the fold
             yield ReplicaPanel(id="replica-panel")
+            yield ParallelPanel(id="replica-parallel")  # shown only with several DP ranks (engine labels)
             yield PrefixMap(id="prefix-map")
             yield GpuPanel(self.gpu, no_ledger(self.ledger_why), id="replica-gpu")
         yield Footer(show_command_palette=False)
@@ -72,6 +74,7 @@ class FleetApp(App[str | None]):
     FleetSummary { height: auto; padding: 0 1; }
     GpuPanel { height: auto; padding: 0 1; }
     ReplicaPanel { height: auto; padding: 0 1; }
+    ParallelPanel { height: auto; padding: 0 1; }
     PrefixMap { height: auto; padding: 0 1; }
     #fleet-note { height: auto; padding: 0 1; color: $text-muted; }
     """
@@ -181,6 +184,7 @@ class FleetApp(App[str | None]):
                 Text(f"kvscope monitor · {middle_cut(state.source, 60)} · {state.kind} · {state.status}"
                      + (f" ({state.reason})" if state.reason else "")).append("   Esc: fleet", style="dim"))
             screen.query_one(ReplicaPanel).update_state(state)
+            screen.query_one(ParallelPanel).update_state(state)
             kv_source = self.feed.kv_sources.get(state.source) if self.feed is not None else (
                 "recorded" if state.kv_batches else None)
             screen.query_one(PrefixMap).update_state(state, kv_source)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import gc
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,7 +36,10 @@ class Timeline:
         self.checkpoint_every = max(1, checkpoint_every)
         self.series_window = series_window
         self.step_positions: list[int] = [i for i, e in enumerate(self.events) if isinstance(e, StepEvent)]
-        self.step_indices: list[int] = [self.events[i].index for i in self.step_positions]  # type: ignore[attr-defined]
+        # Data-parallel ranks count their steps apart, so interleaved indices go back and forth:
+        # the running maximum keeps the list sorted for go-to-step's bisect.
+        self.step_indices: list[int] = list(itertools.accumulate(
+            (self.events[i].index for i in self.step_positions), max))  # type: ignore[attr-defined]
         self.preemption_steps: list[int] = [
             k for k, i in enumerate(self.step_positions) if self.events[i].preempted  # type: ignore[attr-defined]
         ]

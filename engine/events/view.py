@@ -43,7 +43,9 @@ Snapshot dict format (``SNAPSHOT_VERSION`` 1), all plain JSON::
       "encoder_cache": {"used", "capacity"},               # tokens, from the last encoder.step
                                                            # (vision-language runs only)
       "experts": {"window", "steps": [[[int]]], "steps_seen"},  # MoE only: the last steps'
-    }                                                      # expert_counts (expert_load.py)
+                                                           # expert_counts (expert_load.py)
+      "parallel": {"window_s", "now", "ranks", "stages", "first_tokens"},  # several DP ranks or PP
+    }                                                      # stages only (parallel_load.py)
 
 Block owners are not stored: they are the union of every request's ``blocks``,
 so the snapshot cannot disagree with itself; nor is a held block's KV cache group
@@ -88,6 +90,7 @@ from engine.events import (
 from engine.events.block_table import BlockTableState
 from engine.events.expert_load import ExpertLoad
 from engine.events.ledger import LEDGER
+from engine.events.parallel_load import ParallelLoad
 from engine.events.schema import EncoderStepEvent
 
 SNAPSHOT_VERSION = 1
@@ -262,6 +265,11 @@ class EngineView:
         self.recent: deque[Event] = deque(maxlen=recent_window)
         self.stats: StatsEvent | None = None
         self.experts = ExpertLoad()  # a MoE model's routed tokens per expert, over the last steps
+        # Every DP rank's queue, KV and throughput and every PP stage's bubble, over the last
+        # seconds (parallel_load.py). The rest of the view is DP rank 0's: another rank's
+        # events (``dp_rank`` set) reach only this and ``recent``, since each rank has its own
+        # KV pool, block ids and requests.
+        self.parallel = ParallelLoad()
 
     # ------------------------------------------------------------ derived views
     @property
@@ -331,7 +339,8 @@ class EngineView:
         """Fold one event into the view. Unknown event kinds only land in ``recent``."""
         self.last_seq = max(self.last_seq, event.seq)
         self.t = max(self.t, event.t)
-        handler = _HANDLERS.get(type(event))
+        self.parallel.apply(event)
+        handler = None if getattr(event, "dp_rank", 0) else _HANDLERS.get(type(event))
         if handler is not None:
             handler(self, event)
         if not isinstance(event, SnapshotEvent | StepEvent | EncoderStepEvent):
@@ -546,7 +555,8 @@ class EngineView:
                         for rank, phases in sorted(self.rank_phases.items())}} if self.rank_phases else {}) \
           | ({"encoder_cache": {"used": self.encoder_cache_used, "capacity": self.encoder_cache_capacity}}
              if self.encoder_cache_capacity else {}) \
-          | ({"experts": self.experts.to_dict()} if self.experts.num_layers else {})
+          | ({"experts": self.experts.to_dict()} if self.experts.num_layers else {}) \
+          | ({"parallel": self.parallel.to_dict()} if self.parallel.parallel else {})
 
     @classmethod
     def from_snapshot(
@@ -600,6 +610,9 @@ class EngineView:
             (event_from_dict(d) for d in state.get("recent", [])), maxlen=self.recent_window
         )
         self.experts = ExpertLoad.from_dict(state["experts"]) if state.get("experts") else ExpertLoad()
+        self.parallel = ParallelLoad.from_dict(state["parallel"]) if state.get("parallel") else ParallelLoad()
+        if state.get("data_parallel"):  # a data-parallel server's snapshot: every rank's counts now
+            self.parallel.seed_ranks(state["data_parallel"], self.t)
 
 
 _HANDLERS: dict[type, Any] = {

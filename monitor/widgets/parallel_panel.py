@@ -1,0 +1,104 @@
+"""The Parallel panel: every data-parallel rank's queue, running batch, KV usage and
+generation rate side by side with an imbalance verdict, and every pipeline stage's
+utilisation and bytes sent per second. Shown only when the run has more than one DP rank
+or PP stage.
+
+The figures come from :mod:`engine.events.parallel_load` (the fold, the window and the
+verdict): kvscope's dashboard hands it the view's fold of step events
+(:meth:`ParallelPanel.update_view`), a vLLM replica's screen the ``engine``-labelled
+series of its scrapes (:meth:`ParallelPanel.update_state`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+from textual.widgets import Static
+
+from engine.events.parallel_load import WINDOW_S, RankLoad, StageLoad, imbalance_verdict, stage_verdict
+from engine.events.view import EngineView
+from monitor.replica import ReplicaState
+from monitor.widgets.numbers import number
+
+BAR_CELLS = 10  # a stage's utilisation bar
+RANK_NOTE = "the block map, queues and step charts show DP rank 0; this panel every rank"
+
+
+def rate_text(value: float | None, unit: str) -> str:
+    return "–" if value is None else f"{number(round(value, 1))} {unit}"
+
+
+def bytes_rate(value: float | None) -> str:
+    if value is None:
+        return "–"
+    for size, unit in ((2**30, "GiB/s"), (2**20, "MiB/s"), (2**10, "KiB/s")):
+        if value >= size:
+            return f"{value / size:.1f} {unit}"
+    return f"{value:.0f} B/s"
+
+
+def rank_table(loads: Sequence[RankLoad], window_s: float) -> Table:
+    """One row per rank: each figure now and its window mean in brackets."""
+    table = Table(box=None, padding=(0, 2), show_edge=False, title_justify="left",
+                  title=f"DP ranks (now, mean over the last {window_s:g} s)")
+    for column in ("rank", "waiting", "running", "KV %", "gen tok/s"):
+        table.add_column(column, justify="right")
+    for load in loads:
+        table.add_row(load.rank, f"{number(load.waiting)} ({number(round(load.mean_waiting, 1))})",
+                      f"{number(load.running)} ({number(round(load.mean_running, 1))})",
+                      f"{load.kv_pct:.0f} ({load.mean_kv_pct:.0f})", rate_text(load.gen_tps, ""))
+    return table
+
+
+def stage_table(stages: Sequence[StageLoad], window_s: float) -> Table:
+    table = Table(box=None, padding=(0, 2), show_edge=False, title_justify="left",
+                  title=f"PP stages (last {window_s:g} s of steps)")
+    for column, justify in (("stage", "right"), ("busy", "right"), ("", "left"), ("bubble/step", "right"),
+                            ("sent", "right")):
+        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    for stage in stages:
+        cells = round(stage.utilisation * BAR_CELLS)
+        table.add_row(str(stage.stage), f"{100 * stage.utilisation:.0f}%",
+                      Text("█" * cells + "·" * (BAR_CELLS - cells), style="cyan"),
+                      f"{1000 * stage.bubble_s:.1f} ms", bytes_rate(stage.bytes_per_s))
+    return table
+
+
+def parallel_renderable(loads: Sequence[RankLoad], stages: Sequence[StageLoad], window_s: float = WINDOW_S,
+                        note: str = "") -> Group:
+    """The panel's content: the rank table and its verdict, the stage table and its verdict."""
+    parts: list[Table | Text] = []
+    head = Text("Parallel  ", style="bold")
+    head.append(" · ".join(part for part in (f"{len(loads)} DP ranks" if len(loads) > 1 else "",
+                                             f"{len(stages)} PP stages" if len(stages) > 1 else "") if part))
+    parts.append(head)
+    if len(loads) > 1:
+        parts.append(rank_table(loads, window_s))
+        verdict = imbalance_verdict(loads, window_s)
+        parts.append(Text("verdict: ", style="bold").append(
+            verdict.text, style="bold red" if verdict.figure is not None else "green"))
+    if len(stages) > 1:
+        parts.append(stage_table(stages, window_s))
+        parts.append(Text("verdict: ", style="bold").append(stage_verdict(stages)))
+    if note:
+        parts.append(Text(note, style="italic dim"))
+    return Group(*parts)
+
+
+class ParallelPanel(Static):
+    """The per-rank and per-stage figures; display off with one rank and one stage."""
+
+    def update_view(self, view: EngineView) -> None:
+        fold = view.parallel
+        loads, stages = fold.rank_loads(), fold.stage_loads()
+        self.display = len(loads) > 1 or len(stages) > 1
+        if self.display:
+            self.update(parallel_renderable(loads, stages, fold.window_s, RANK_NOTE if len(loads) > 1 else ""))
+
+    def update_state(self, state: ReplicaState) -> None:
+        loads = state.rank_loads()
+        self.display = len(loads) > 1
+        if self.display:
+            self.update(parallel_renderable(loads, [], WINDOW_S, "from each rank's engine-labelled /metrics series"))
