@@ -31,6 +31,7 @@ from typing import Any
 
 from engine.budget.config import EngineConfig
 from engine.budget.memory import GiB, GpuPreset, MemoryPlan, gpu_preset, plan_memory
+from engine.budget.stages import DEFAULT_MICRO_BATCHES, PipelinePlan, plan_stages
 from engine.budget.vision import multimodal_from_flags, vision_preset
 from engine.core.encoder_cache import MultimodalInput
 from engine.core.kv_cache_groups import (
@@ -49,7 +50,7 @@ from engine.events.phase_data import InitData
 from engine.events.roofline import Roofline
 from engine.events.stats import StatsReporter
 from engine.events.tally import RunTally
-from engine.modelspec.config import ModelConfig
+from engine.modelspec.config import DTYPE_BYTES, ModelConfig
 from engine.modelspec.readers import load_model_config
 from engine.sim.driver import SAMPLED_TOKEN_ID
 from engine.sim.workload import TokenIdSource, WorkloadRequest
@@ -57,6 +58,9 @@ from engine.sim.workload import TokenIdSource, WorkloadRequest
 DEFAULT_MODEL = "llama-3.1-8b"
 DEFAULT_GPU = "h100-80gb"
 DEFAULT_EFFICIENCY = 0.6
+# Pipeline stages sit on different nodes (the background's rule); a stage boundary is one
+# 400 Gb/s NIC per GPU (InfiniBand NDR / RoCE, as in a DGX H100): 50 GB/s each way.
+DEFAULT_PIPELINE_LINK_GBS = 50.0
 
 LIMIT_SEQS = "max-num-seqs"
 LIMIT_KV = "kv-pool"
@@ -143,6 +147,68 @@ class CostModel:
         return num_requests / self.step_seconds(num_requests, num_requests * context_tokens)
 
 
+@dataclass(frozen=True, slots=True)
+class PipelineCost:
+    """A pipeline-parallel replica's step (issue 37): each stage's GPU has its own roofline
+    (its layers' weights and KV, :func:`stage_cost_models`); the step's sequences are split
+    into ``micro_batches`` contiguous micro-batches of whole sequences (as engine/pipeline.py
+    splits them), and micro-batch ``m`` starts on stage ``p`` once stage ``p`` is done with
+    ``m - 1`` and its activations arrived from stage ``p - 1`` (``tokens x hidden x dtype``
+    bytes over ``link_bytes_s``). The step ends when the last micro-batch leaves the last
+    stage, which samples (vLLM's place, so it sends nothing); a stage's **bubble** is the
+    step's time less its busy time, what the real engine counts as blocked in ``recv``.
+    Each micro-batch reads its stage's weights again: micro-batching costs bandwidth when
+    decoding. Steps do not overlap (kvscope's engine; vLLM's virtual engines keep P
+    batches in flight, which this does not model)."""
+
+    stages: tuple[CostModel, ...]
+    micro_batches: int = DEFAULT_MICRO_BATCHES
+    activation_bytes_per_token: int = 0
+    link_bytes_s: float = DEFAULT_PIPELINE_LINK_GBS * 1e9
+
+    def step(self, sequences: Sequence[tuple[int, int]]) -> dict[str, Any]:
+        """Timings for one step of ``(tokens, KV tokens read)`` per scheduled sequence:
+        ``duration_s`` / ``forward_s`` and the step event's ``pipeline_bubble_s`` and
+        ``pipeline_bytes`` (one entry per stage)."""
+        count = max(1, min(self.micro_batches, len(sequences)))
+        size = -(-len(sequences) // count)
+        batches = [sequences[i:i + size] for i in range(0, len(sequences), size)]
+        work = [(sum(t for t, _ in mb), sum(k for _, k in mb)) for mb in batches]
+        ready = [0.0] * len(work)  # when micro-batch m's input is on the current stage
+        busy = [0.0] * len(self.stages)
+        sent = [0] * len(self.stages)
+        last = len(self.stages) - 1
+        for p, cost in enumerate(self.stages):
+            free = 0.0
+            for m, (tokens, kv_read) in enumerate(work):
+                seconds = cost.step_seconds(tokens, kv_read)
+                free = max(ready[m], free) + seconds
+                busy[p] += seconds
+                if p < last:
+                    nbytes = tokens * self.activation_bytes_per_token
+                    sent[p] += nbytes
+                    ready[m] = free + nbytes / self.link_bytes_s
+                else:
+                    ready[m] = free
+        duration = max(ready, default=0.0)
+        return {"forward_s": duration, "duration_s": duration,
+                "pipeline_bubble_s": [duration - b for b in busy], "pipeline_bytes": sent}
+
+
+def stage_cost_models(model: ModelConfig, gpu: GpuPreset, pipeline: PipelinePlan,
+                      efficiency: float = DEFAULT_EFFICIENCY) -> tuple[CostModel, ...]:
+    """One roofline per stage: the stage's own weights and KV bytes per token (its plan),
+    and its layers' share of the model's FLOPs."""
+    out = []
+    for stage in pipeline.stages:
+        share = (stage.layers[1] - stage.layers[0]) / model.num_layers
+        whole = CostModel.for_gpu(model, gpu, stage.plan, efficiency)
+        out.append(dataclasses.replace(whole, num_parameters=int(model.num_parameters * share),
+                                       expert_parameters=int(model.expert_parameters * share)))
+    return tuple(out)
+
+
+
 # ----------------------------------------------------------------------- setup
 @dataclass(slots=True)
 class SimSetup:
@@ -155,6 +221,12 @@ class SimSetup:
     plan: MemoryPlan
     scheduler: SchedulerConfig
     cost: CostModel
+    pipeline: PipelinePlan | None = None  # --pipeline-parallel-size > 1: every stage's plan
+    pipeline_cost: PipelineCost | None = None
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.engine.data_parallel_size or 1
 
     def recording_config(self) -> dict[str, Any]:
         """The header / ``engine.config`` flags: the EngineConfig dict plus what was simulated."""
@@ -167,6 +239,9 @@ class SimSetup:
             "efficiency": self.cost.efficiency,
             "num_blocks": self.scheduler.num_blocks,
         }
+        if self.pipeline_cost is not None:
+            cfg["simulation"]["pipeline_micro_batches"] = self.pipeline_cost.micro_batches
+            cfg["simulation"]["pipeline_link_gbs"] = self.pipeline_cost.link_bytes_s / 1e9
         if self.scheduler.kv_cache_groups:  # a hybrid KV cache: replay and the KV events read the groups
             cfg["kv_cache_groups"] = groups_to_config(self.scheduler.kv_cache_groups)
         return cfg
@@ -199,6 +274,8 @@ def build_setup(
     multimodal: dict[str, Any] | None = None,
     layer_pattern: str | None = None,
     sliding_window: int | None = None,
+    micro_batches: int = DEFAULT_MICRO_BATCHES,
+    pipeline_link_gbs: float = DEFAULT_PIPELINE_LINK_GBS,
 ) -> SimSetup:
     """Plan memory for ``model`` on ``gpu`` with ``engine``'s flags (vLLM's names) and
     derive the scheduler limits and the cost model. ``num_gpu_blocks_override``
@@ -206,7 +283,11 @@ def build_setup(
     (``engine.cli.flags.multimodal_flags``) plans a VL preset's encoder, whose
     budgets become the scheduler's second limit. A model with sliding-window layers (its
     ``layer_types``, or ``layer_pattern`` and ``sliding_window`` laid over a preset) runs
-    the hybrid KV cache manager on the budget's hybrid pool (engine/budget/memory.py)."""
+    the hybrid KV cache manager on the budget's hybrid pool (engine/budget/memory.py).
+    ``--pipeline-parallel-size P`` plans every stage on its own GPU (engine/budget/stages.py,
+    ``engine plan -pp``): the replica's pool is the fewest blocks any stage holds, the plan
+    the startup events report is that stage's, and each step runs through
+    :class:`PipelineCost` with ``micro_batches`` over ``pipeline_link_gbs`` GB/s links."""
     model_cfg = model if isinstance(model, ModelConfig) else load_model_config(model)
     gpu_cfg = gpu if isinstance(gpu, GpuPreset) else gpu_preset(gpu)
     eng = dataclasses.replace(engine) if engine is not None else EngineConfig(model=model_cfg.name)
@@ -217,8 +298,14 @@ def build_setup(
                                max_num_seqs=eng.max_num_seqs, dtype=dtype,
                                tensor_parallel_size=eng.tensor_parallel_size)
     groups = model_kv_cache_groups(model_cfg, layer_pattern, sliding_window)
-    plan = plan_memory(
-        model=model_cfg,
+    stages = eng.pipeline_parallel_size or 1
+    if stages > 1 and (groups or mm is not None):
+        raise UserError(f"--pipeline-parallel-size {stages}: sliding-window layers and vision encoders are not "
+                        "simulated in stages; drop --layer-pattern / --limit-mm-per-prompt or give -pp 1")
+    if micro_batches < 1 or pipeline_link_gbs <= 0:
+        raise UserError(f"--pipeline-micro-batches {micro_batches} / --pipeline-link-gbs {pipeline_link_gbs:g}: "
+                        "give at least 1 micro-batch and a positive link speed")
+    plan_kwargs: dict[str, Any] = dict(
         total_bytes=int(gpu_cfg.total_gib * GiB),
         gpu_memory_utilization=eng.gpu_memory_utilization,
         max_model_len=max_model_len,
@@ -229,10 +316,19 @@ def build_setup(
         kv_cache_memory_bytes=eng.kv_cache_memory_bytes,
         max_num_batched_tokens=eng.max_num_batched_tokens,
         max_num_seqs=eng.max_num_seqs,
-        check_fits=num_gpu_blocks_override is None,
-        multimodal=mm,
-        kv_cache_groups=groups,
     )
+    pipeline = None
+    if stages > 1:
+        pipeline = plan_stages(model_cfg, stages, **plan_kwargs)
+        plan = pipeline.binding_stage.plan
+        if num_gpu_blocks_override is None and pipeline.kv_cache_tokens < max_model_len:
+            raise UserError(f"--pipeline-parallel-size {stages} on {gpu_cfg.name}: stage "
+                            f"{pipeline.binding_stage.stage}'s GPU holds {max(0, pipeline.kv_cache_tokens):,} tokens "
+                            f"of KV, less than one --max-model-len {max_model_len:,} request; lower --max-model-len, "
+                            "raise --gpu-memory-utilization or add stages (engine plan -pp shows each stage)")
+    else:
+        plan = plan_memory(model=model_cfg, check_fits=num_gpu_blocks_override is None, multimodal=mm,
+                           kv_cache_groups=groups, **plan_kwargs)
     if num_gpu_blocks_override is not None:
         if num_gpu_blocks_override < 1:
             raise UserError(f"--num-gpu-blocks-override {num_gpu_blocks_override}: must be at least 1")
@@ -248,7 +344,12 @@ def build_setup(
         sched = dataclasses.replace(sched, encoder_compute_budget=mm.encoder_compute_budget,
                                     encoder_cache_size=mm.encoder_cache_size)
     eng.max_model_len = plan.max_model_len
-    return SimSetup(model_cfg, gpu_cfg, eng, plan, sched, CostModel.for_gpu(model_cfg, gpu_cfg, plan, efficiency))
+    pipeline_cost = None
+    if pipeline is not None:
+        pipeline_cost = PipelineCost(stage_cost_models(model_cfg, gpu_cfg, pipeline, efficiency), micro_batches,
+                                     int(model_cfg.hidden_size * DTYPE_BYTES[dtype.lower()]), pipeline_link_gbs * 1e9)
+    return SimSetup(model_cfg, gpu_cfg, eng, plan, sched, CostModel.for_gpu(model_cfg, gpu_cfg, plan, efficiency),
+                    pipeline, pipeline_cost)
 
 
 def concurrency_limits(setup: SimSetup, tokens_per_request: int) -> dict[str, float]:
@@ -538,12 +639,18 @@ class CostModelExecutor:
                 self.limit_steps[LIMIT_TOKENS] += 1
             else:
                 self.limit_steps[LIMIT_KV] += 1
-        seconds = self.sim.setup.cost.step_seconds(num_tokens, kv_read)
-        timings = {"forward_s": seconds, "duration_s": seconds}
+        pipeline = self.sim.setup.pipeline_cost
+        timings: dict[str, Any]
+        if pipeline is not None:
+            timings = pipeline.step([(s.num_tokens, s.start_position + s.num_tokens) for s in output.scheduled])
+            seconds = timings["duration_s"]
+        else:
+            seconds = self.sim.setup.cost.step_seconds(num_tokens, kv_read)
+            timings = {"forward_s": seconds, "duration_s": seconds}
         if output.encoder_inputs:  # the encoder runs first, then the forward that reads its outputs
             encode = self.sim.setup.cost.encoder_seconds(sum(tokens for _, _, tokens in output.encoder_inputs))
             seconds += encode
-            timings = {"forward_s": timings["forward_s"], "encode_s": encode, "duration_s": seconds}
+            timings = {**timings, "encode_s": encode, "duration_s": seconds}
         self.sim.now = now + seconds
         sampled = {s.request.request_id: self._tokens for s in output.scheduled if s.samples}
         return ExecutedStep(sampled, self.sim.now, timings=timings)
