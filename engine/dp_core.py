@@ -8,7 +8,9 @@ core is :func:`core_main`, started with multiprocessing's spawn context by
 
 Commands (server → core): ``("add", request_id, prompt_ids, params, priority, age)`` (``age``:
 seconds since the server received it, or None),
-``("abort", request_id)``, ``("abort_all",)``, ``("stop",)``.
+``("abort", request_id)``, ``("abort_all",)``, ``("stop",)``, ``("profile", token, "start" or
+"stop", trace_dir)`` (``POST /start_profile`` / ``/stop_profile``: the torch profiler in this
+core's process, around its steps).
 
 Messages (core → server):
 
@@ -19,7 +21,9 @@ Messages (core → server):
 * ``("step", [event dict, ...], [RequestOutput, ...], [(request_id, refusal or None), ...])``
   after each loop turn that did something: the step's events (a ``step`` event carries
   the scheduler's waiting and running counts, which the server balances on), the
-  outputs, and which adds were accepted.
+  outputs, and which adds were accepted;
+* ``("profiled", token, result, refusal or None)``: a profile command's answer (the trace
+  folder or the trace written).
 
 Every step and request event is stamped with the core's ``dp_rank`` before any sink
 sees it (the first subscriber), so the core's own recording (``--events run.jsonl``
@@ -172,9 +176,22 @@ def _serve(rank: int, config: EngineConfig, conn: Any) -> None:
         engine.close()
 
 
+def _profile(profiler: Any, rank: int, command: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
+    """A profile command run here: (the profiler, made at the first, and the answer to send)."""
+    from engine.profiling import TorchProfiler
+
+    _, token, action, trace_dir = command
+    profiler = profiler or TorchProfiler(trace_dir, label=f"dp{rank}")
+    try:
+        return profiler, ("profiled", token, getattr(profiler, action)(), None)
+    except UserError as exc:
+        return profiler, ("profiled", token, None, f"data-parallel rank {rank}: {exc}")
+
+
 def _loop(engine: Any, conn: Any, forwarder: _Forwarder) -> None:
     """AsyncEngine's loop (engine/serve/async_engine.py) with a pipe for its queue."""
     flush_step = False  # an abort freed blocks: publish one step so the events show it
+    profiler = None  # the torch profiler, made at the first profile command
     while True:
         busy = engine.has_unfinished() or flush_step
         accepted: list[tuple[str, str | None]] = []
@@ -200,6 +217,9 @@ def _loop(engine: Any, conn: Any, forwarder: _Forwarder) -> None:
                 elif kind == "abort_all":
                     for request_id in list(engine.scheduler.requests):
                         flush_step |= engine.abort(request_id)
+                elif kind == "profile":
+                    profiler, answer = _profile(profiler, forwarder.rank, command)
+                    conn.send(answer)
         if stop:
             for request_id in list(engine.scheduler.requests):
                 engine.abort(request_id)

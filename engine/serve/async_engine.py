@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from prometheus_client import CollectorRegistry
 
@@ -30,6 +30,9 @@ from engine.errors import UserError
 from engine.events import EngineStopped, EventBus
 from engine.llm_engine import CheckedPrompt, LLMEngine, RequestOutput
 from engine.logs import log_failure
+
+if TYPE_CHECKING:
+    from engine.profiling import TorchProfiler
 
 IDLE_WAIT_S = 0.05  # how long an idle engine thread blocks on its command queue
 
@@ -208,6 +211,16 @@ class EngineFront:
     def abort(self, request_id: str) -> None:
         raise NotImplementedError
 
+    def wait_ready(self, timeout: float | None = None) -> Any:
+        """The engine once started (LLMEngine, or the data-parallel front's stand-in): its
+        tokenizer and limits."""
+        raise NotImplementedError
+
+    async def profile(self, profiler: TorchProfiler, action: Literal["start", "stop"]) -> list[str]:
+        """``POST /start_profile`` / ``/stop_profile``: ``profiler.start`` / ``stop`` where the
+        steps run; the trace folder (start) or the traces written (stop), one per engine core."""
+        raise NotImplementedError
+
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
         stream = await self.add_request(prompt_ids, params, request_id)
@@ -352,6 +365,10 @@ class AsyncEngine(EngineFront):
     def abort_all(self) -> None:
         """Abort every request in the engine; each stream ends with finish_reason "abort"."""
         self._commands.put(_AbortAll())
+
+    async def profile(self, profiler: TorchProfiler, action: Literal["start", "stop"]) -> list[str]:
+        """The profiler on the engine thread, which runs the steps."""
+        return [await self.call(getattr(profiler, action))]
 
     # ---------------------------------------------------------- engine thread
     def _run(self) -> None:

@@ -13,9 +13,15 @@ interface, so the routes and the server run unchanged:
 * **Events**: every rank's events are folded on a bus of that rank in this process: its
   :class:`~engine.events.metrics.PrometheusMetrics` with ``engine`` = the rank (``/metrics``
   merges the ranks' families, so each family has an ``engine="0"`` … series as vLLM's
-  do) and its view. ``/events``, the dashboard and the exporters follow rank 0's bus; the
-  snapshot (``/debug/state``, the first ``/events`` event) adds ``data_parallel``: each
-  rank's pid, queue, KV use and the requests routed to it.
+  do), its view and its requests' lifecycle. ``/events`` streams rank 0's events and every
+  other rank's step and request events (each with its ``dp_rank``); the dashboard and the
+  exporters follow rank 0's bus; the snapshot (``/debug/state``, the first ``/events``
+  event) is rank 0's state plus ``data_parallel``: each rank's pid, queue, KV use and the
+  requests routed to it; ``/debug/state?dp_rank=R`` is rank R's. ``/debug/requests`` and
+  ``include_metrics`` read every rank's lifecycle.
+* **Profiling**: ``/start_profile`` / ``/stop_profile`` run the torch profiler in every
+  rank's engine core (where the steps run), each writing its own trace into the one trace
+  folder (engine/profiling.py); ``/stop_profile`` lists them in rank order.
 * **Failure**: a core that dies or fails after startup stops the server as a dead engine
   thread does (``error`` names the rank, its pid and how it ended; ``/health`` 503, exit
   1), after the other cores are stopped; a core that fails during startup fails
@@ -27,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import dataclasses
 import itertools
 import os
 import signal
@@ -35,21 +40,22 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 
 from engine.budget.config import EngineConfig
 from engine.core.sampling_params import SamplingParams
-from engine.dp_core import CoreFacts, core_main
+from engine.dp_core import RANKED_EVENTS, CoreFacts, core_main
 from engine.errors import ReplicaError, UserError
 from engine.events import EngineStopped, Event, EventBus, StepEvent, event_from_dict
 from engine.events.metrics import PrometheusMetrics
 from engine.llm_engine import CheckedPrompt, LLMEngine, RequestOutput
 from engine.logs import get_logger
+from engine.profiling import TorchProfiler
 from engine.serve.async_engine import EngineDead, EngineFront, RequestFailed, RequestStream, _aborted_output
-from engine.serve.host import EngineHost, EventHub, LockedView
+from engine.serve.host import EngineHost, EventHub, LockedLifecycle, LockedView
 from engine.serve.settings import ServerSettings
 
 WAITING_WEIGHT = 4  # vLLM: score = waiting * 4 + running
@@ -155,9 +161,38 @@ class DataParallelView:
         pass
 
     def snapshot(self) -> dict[str, Any]:
-        state = self.engine.cores[0].view.snapshot()
-        state["data_parallel"] = self.engine.balance_state()
+        return self.snapshot_of_rank(0)
+
+    def snapshot_of_rank(self, rank: int) -> dict[str, Any]:
+        cores = self.engine.cores
+        if not 0 <= rank < len(cores):
+            raise UserError(f"dp_rank {rank}: this server's ranks are 0..{len(cores) - 1}")
+        state = cores[rank].view.snapshot()
+        state["data_parallel"] = {**self.engine.balance_state(), "rank_shown": rank}
         return state
+
+
+class DataParallelLifecycle:
+    """``host.lifecycle``: each rank's requests, folded on its own bus (the ranks' steps are
+    their own), read as one: a request lives on one rank, its rows say which (``dp_rank``)."""
+
+    def __init__(self, ranks: Sequence[LockedLifecycle]) -> None:
+        self.ranks = list(ranks)
+
+    def life(self, request_id: str) -> dict[str, Any] | None:
+        for rank, fold in enumerate(self.ranks):
+            life = fold.life(request_id)
+            if life is not None:
+                return {**life, "dp_rank": rank}
+        return None
+
+    def metrics(self, request_id: str) -> dict[str, Any] | None:
+        return next((m for fold in self.ranks if (m := fold.metrics(request_id)) is not None), None)
+
+    def rows(self, state: str | None, now: float) -> list[dict[str, Any]]:
+        """Every rank's rows, oldest first (the ranks' buses tick in this process: one clock)."""
+        rows = [{**row, "dp_rank": rank} for rank, fold in enumerate(self.ranks) for row in fold.rows(state, now)]
+        return sorted(rows, key=lambda row: -(row["age_s"] or 0.0))
 
 
 class DataParallelEngine(EngineFront):
@@ -181,6 +216,8 @@ class DataParallelEngine(EngineFront):
         self._error: BaseException | None = None
         self._frontend: ReplicaFrontend | None = None
         self._ids = itertools.count(1)
+        # profile commands sent and not answered: token -> (its rank, the loop and future awaiting it)
+        self._profiling: dict[int, tuple[int, asyncio.AbstractEventLoop, asyncio.Future[Any]]] = {}
         self._log = get_logger("kvscope.serve")
 
     # ------------------------------------------------------------- lifecycle
@@ -305,6 +342,35 @@ class DataParallelEngine(EngineFront):
         for rid, (_, stream) in left:
             stream.post(_aborted_output(rid, stream))
 
+    async def profile(self, profiler: TorchProfiler, action: Literal["start", "stop"]) -> list[str]:
+        """The torch profiler in every rank's engine core; each answer in rank order (the trace
+        folder, or each core's trace). A rank's refusal is raised after every rank answered."""
+        if not self.alive:
+            raise EngineDead("the engine cores are not running")
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[Any]] = []
+        for core in self.cores:
+            future: asyncio.Future[Any] = loop.create_future()
+            with self._lock:
+                token = next(self._ids)
+                self._profiling[token] = (core.rank, loop, future)
+            core.send(("profile", token, action, profiler.trace_dir))
+            futures.append(future)
+        answers = await asyncio.gather(*futures, return_exceptions=True)
+        failed = next((a for a in answers if isinstance(a, BaseException)), None)
+        if failed is not None:
+            raise failed
+        return [str(a) for a in answers]
+
+    def _profiled(self, token: int, result: Any, refusal: str | None) -> None:
+        with self._lock:
+            waiting = self._profiling.pop(token, None)
+        if waiting is not None:
+            _, loop, future = waiting
+            error = None if refusal is None else UserError(refusal)
+            with contextlib.suppress(RuntimeError):  # the loop closed at shutdown
+                loop.call_soon_threadsafe(_settle, future, result, error)
+
     def balance_state(self) -> dict[str, Any]:
         """Each rank's queue as the balancer sees it, and what it was given."""
         with self._lock:
@@ -334,6 +400,8 @@ class DataParallelEngine(EngineFront):
                     self._publish(core, events)
                     self._accepted(accepted)
                     self._dispatch(outputs)
+                elif kind == "profiled":
+                    self._profiled(*message[1:])
         except (EOFError, OSError):
             pass
         self._ended(core)
@@ -395,6 +463,11 @@ class DataParallelEngine(EngineFront):
             left, self._streams = list(self._streams.items()), {}
         for _, (_, stream) in left:
             stream.post(EngineDead(f"the engine stopped: {error}"))
+        with self._lock:
+            unanswered, self._profiling = list(self._profiling.values()), {}
+        for _, loop, future in unanswered:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_settle, future, None, EngineDead(f"the engine stopped: {error}"))
         stopped = EngineStopped(error=f"{type(error).__name__}: {error}")
         for each in {id(c.bus): c for c in (core, self.cores[0])}.values():  # the dead rank's bus and rank 0's
             each.publish(EngineStopped(error=stopped.error))
@@ -405,11 +478,19 @@ class DataParallelEngine(EngineFront):
             self._ready.set()
 
 
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if not future.done():
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+
 def data_parallel_host(config: EngineConfig, settings: ServerSettings, registry: CollectorRegistry | None = None,
                        bus: EventBus | None = None) -> EngineHost:
-    """EngineHost.create for ``--data-parallel-size D`` > 1: a bus, view and metrics per
-    rank (``engine`` = the rank), rank 0's bus the one /events, the dashboard and the
-    exporters follow."""
+    """EngineHost.create for ``--data-parallel-size D`` > 1: a bus, view, lifecycle and
+    metrics per rank (``engine`` = the rank); rank 0's bus the one the dashboard and the
+    exporters follow, every rank's step and request events on /events."""
     size = config.data_parallel_size or 1
     buses = [bus or EventBus()] + [EventBus() for _ in range(1, size)]
     views = [LockedView() for _ in range(size)]
@@ -417,19 +498,17 @@ def data_parallel_host(config: EngineConfig, settings: ServerSettings, registry:
                                  settings.served_model_name, engine_index=str(rank), max_model_len=config.max_model_len,
                                  kv_cache_metrics=settings.kv_cache_metrics) for rank in range(size)]
     hub = EventHub()
+    lifecycles = [LockedLifecycle() for _ in range(size)]
     for rank in range(size):
         buses[rank].subscribe(metrics[rank])
         buses[rank].subscribe(views[rank])
-    buses[0].subscribe(hub)
+        buses[rank].subscribe(lifecycles[rank])
+        # rank 0: every event; the others' startup and stats events would read as rank 0's
+        buses[rank].subscribe(hub if rank == 0 else hub.feed(rank, RANKED_EVENTS))
     engine = DataParallelEngine(config, buses, views, max_waiting_requests=settings.max_waiting_requests)
-    fields: dict[str, Any] = dict(settings=settings, bus=buses[0], engine=engine, view=DataParallelView(engine),
-                                  metrics=DataParallelMetrics(metrics), hub=hub)
-    names = {f.name for f in dataclasses.fields(EngineHost)}
-    if "lifecycle" in names:  # /debug/requests: rank 0's requests, as /events
-        from engine.serve.host import LockedLifecycle
-
-        fields["lifecycle"] = LockedLifecycle()
-        buses[0].subscribe(fields["lifecycle"])
-    host = EngineHost(**fields)
+    host = EngineHost(settings=settings, bus=buses[0], engine=engine, view=DataParallelView(engine),  # type: ignore[arg-type]
+                      metrics=DataParallelMetrics(metrics), hub=hub,  # type: ignore[arg-type]
+                      lifecycle=DataParallelLifecycle(lifecycles),  # type: ignore[arg-type]
+                      profiler=TorchProfiler(settings.profile_dir or os.getcwd()))
     engine.start()  # last: nothing above may fail with engine cores left running
     return host

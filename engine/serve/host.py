@@ -12,19 +12,21 @@ import asyncio
 import contextlib
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from engine.budget.config import EngineConfig
+from engine.errors import UserError
 from engine.events import Event, EventBus, dumps
 from engine.events.metrics import PrometheusMetrics
 from engine.events.request_lifecycle import RequestLifecycle, request_metrics
 from engine.events.view import EngineView
 from engine.llm_engine import LLMEngine
+from engine.profiling import TorchProfiler
 from engine.serve.async_engine import AsyncEngine
-from engine.serve.profiling import TorchProfiler
 from engine.serve.settings import LOOPBACK_HOSTS, ServerSettings
 
 __all__ = ["LOOPBACK_HOSTS", "EngineHost", "EventHub", "LockedView", "ServerSettings", "SseClient"]
@@ -47,6 +49,13 @@ class LockedView:
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return self.view.snapshot()
+
+    def snapshot_of_rank(self, rank: int) -> dict[str, Any]:
+        """``GET /debug/state?dp_rank=``: one engine core here, rank 0."""
+        if rank != 0:
+            raise UserError(f"dp_rank {rank}: this server runs one engine core (rank 0); start it with "
+                            "--data-parallel-size to have more")
+        return self.snapshot()
 
 
 class LockedLifecycle:
@@ -78,19 +87,24 @@ class LockedLifecycle:
             return [life.summary(now) for life in self.fold.in_state(state)]
 
 
+# One /events item: (the data-parallel rank whose bus published it, its seq there, the
+# serialised event); each rank's bus counts its own seq.
+SseItem = tuple[int, int, str]
+
+
 class SseClient:
-    """One ``/events`` client: its queue of (seq, serialised event), fed from the engine thread."""
+    """One ``/events`` client: its queue of :data:`SseItem`, fed from the engine thread(s)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue[tuple[int, str] | None] = asyncio.Queue()
+        self.queue: asyncio.Queue[SseItem | None] = asyncio.Queue()
         self.closed = False
 
-    def post(self, item: tuple[int, str] | None) -> None:
+    def post(self, item: SseItem | None) -> None:
         with contextlib.suppress(RuntimeError):  # loop closed at shutdown
             self.loop.call_soon_threadsafe(self._put, item)
 
-    def _put(self, item: tuple[int, str] | None) -> None:
+    def _put(self, item: SseItem | None) -> None:
         if self.closed:
             return
         if item is None or self.queue.qsize() >= SSE_CLIENT_MAX_QUEUE:
@@ -102,17 +116,30 @@ class SseClient:
 
 class EventHub:
     """Bus subscriber: serialises each event once and queues it for every
-    ``/events`` client on its event loop."""
+    ``/events`` client on its event loop. Subscribed itself to rank 0's bus; under data
+    parallelism :meth:`feed` subscribes it to another rank's."""
 
     def __init__(self) -> None:
         self._clients: tuple[SseClient, ...] = ()
         self._lock = threading.Lock()
 
     def __call__(self, event: Event) -> None:
+        self._post(0, event)
+
+    def feed(self, rank: int, kinds: tuple[type[Event], ...]) -> Callable[[Event], None]:
+        """A subscriber for rank ``rank``'s bus that passes on the events of ``kinds`` only."""
+        def post(event: Event) -> None:
+            if isinstance(event, kinds):
+                self._post(rank, event)
+
+        post.sink_name = f"EventHub(dp rank {rank})"  # type: ignore[attr-defined]
+        return post
+
+    def _post(self, rank: int, event: Event) -> None:
         clients = self._clients
         if not clients:
             return
-        item = (event.seq, dumps(event.to_dict()))
+        item = (rank, event.seq, dumps(event.to_dict()))
         for client in clients:
             client.post(item)
 

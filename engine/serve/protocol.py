@@ -109,7 +109,6 @@ NEUTRAL_ONLY: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "use_beam_search": (_neutral(None, False), "beam search is not supported", "send false or omit it"),
     "allowed_token_ids": (_neutral(None), "allowed_token_ids is not supported", "use logit_bias or omit it"),
     "bad_words": (_neutral(None, []), "bad_words is not supported", "use logit_bias or omit it"),
-    "prompt_logprobs": (_neutral(None), "prompt logprobs are not supported", "omit it"),
     "truncate_prompt_tokens": (_neutral(None), "prompts are never truncated", "shorten the prompt and omit it"),
     "guided_json": (_neutral(None), "structured output is not supported", "omit it"),
     "guided_regex": (_neutral(None), "structured output is not supported", "omit it"),
@@ -157,6 +156,7 @@ class _SamplingFields(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logprobs: Any = None
+    prompt_logprobs: Any = None  # vLLM's; checked by prompt_logprobs_count()
     logit_bias: dict[str, Any] | None = None
     user: str | None = None
     metadata: Any = None
@@ -183,7 +183,6 @@ class _SamplingFields(BaseModel):
     use_beam_search: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
-    prompt_logprobs: Any = None
     truncate_prompt_tokens: Any = None
     guided_json: Any = None
     guided_regex: Any = None
@@ -221,6 +220,7 @@ class _SamplingFields(BaseModel):
             if value not in (None, 0, 0.0):
                 raise APIError(400, f"{name}={value}: penalties are not supported; send 0 or omit it", param=name)
         self.logprobs_count()  # refuses a malformed logprobs / top_logprobs by name
+        self.prompt_logprobs_count()
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
         for name, (is_neutral, lacks, instead) in NEUTRAL_ONLY.items():
@@ -239,6 +239,16 @@ class _SamplingFields(BaseModel):
         if top is not None and not self.logprobs and top > 0:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         return (top or 0) if self.logprobs else None
+
+    def prompt_logprobs_count(self) -> int | None:
+        """vLLM's ``prompt_logprobs``: alternatives per prompt token, None when not asked. As
+        in vLLM, a stream cannot carry them (only 0, which asks for no alternatives, streams)
+        and -1 (the whole vocabulary) is over the 20 alternatives --max-logprobs allows."""
+        count = _count(self.prompt_logprobs, "prompt_logprobs")
+        if count and self.stream:
+            raise APIError(400, "prompt_logprobs are not available when stream=true; send a non-streaming "
+                                "request or omit them", param="prompt_logprobs")
+        return count
 
     def _check_bounds(self) -> None:
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -294,6 +304,7 @@ class _SamplingFields(BaseModel):
                 skip_special_tokens=self.skip_special_tokens,
                 logit_bias=self._logit_bias(),
                 logprobs=self.logprobs_count(),
+                prompt_logprobs=self.prompt_logprobs_count(),
             )
         except UserError as exc:
             raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
@@ -441,11 +452,25 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprobToken] | None = None
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's ``Logprob``: one entry of a prompt position's ``{token id: ...}`` map."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: None for the first prompt token, then {token id: PromptLogprob}
+# holding the prompt's own token and the top alternatives
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -476,6 +501,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, at the top level on chat
 
 
 class DeltaMessage(BaseModel):

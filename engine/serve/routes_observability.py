@@ -17,6 +17,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from engine.errors import UserError
 from engine.events import SnapshotEvent, dumps
 from engine.events.request_lifecycle import FINISHED_KEPT, STATES
 from engine.serve.host import EngineHost, SseClient
@@ -64,12 +65,17 @@ async def metrics(request: Request) -> Response:
 
 
 @router.get("/debug/state", dependencies=KEYED)
-async def debug_state(request: Request) -> dict[str, Any]:
+async def debug_state(request: Request, dp_rank: int | None = None) -> Response:
+    """The engine's state (rank 0's under ``--data-parallel-size``, with every rank's queue
+    under ``data_parallel``); ``?dp_rank=R``: rank R's."""
     host = host_of(request)
-    state = host.view.snapshot()
+    try:
+        state = host.view.snapshot() if dp_rank is None else host.view.snapshot_of_rank(dp_rank)
+    except UserError as exc:
+        return error_response(400, str(exc), param="dp_rank")
     state["server"] = {"waiting_requests": host.engine.num_waiting(),
                        "max_waiting_requests": host.settings.max_waiting_requests}
-    return state
+    return JSONResponse(state)
 
 
 @router.get("/debug/requests", dependencies=KEYED)
@@ -106,7 +112,10 @@ async def events(request: Request) -> Response:
 
 async def _event_stream(host: EngineHost, client: SseClient, state: dict[str, Any]) -> AsyncIterator[str]:
     """The snapshot as the first event, then every event queued after it, with a
-    keep-alive comment every SSE_KEEPALIVE_S quiet seconds, until the hub closes."""
+    keep-alive comment every SSE_KEEPALIVE_S quiet seconds, until the hub closes. Under
+    data parallelism every rank's step and request events follow too (each with its
+    ``dp_rank``; each rank's bus counts its own ``seq``): the snapshot is rank 0's state,
+    so only rank 0's events it already holds are left out."""
     last_seq = int(state.get("last_seq", 0))
     try:
         yield sse(dumps(SnapshotEvent(state=state, seq=last_seq, t=float(state.get("t", 0.0))).to_dict()))
@@ -118,8 +127,8 @@ async def _event_stream(host: EngineHost, client: SseClient, state: dict[str, An
                 continue
             if item is None:
                 return
-            seq, data = item
-            if seq > last_seq:
+            rank, seq, data = item
+            if rank != 0 or seq > last_seq:
                 yield sse(data)
     finally:
         host.hub.disconnect(client)

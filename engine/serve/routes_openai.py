@@ -25,7 +25,7 @@ from engine.model.sampler import TokenLogprobs
 from engine.model.tokenizer import StopMatcher
 from engine.serve.async_engine import EngineDead, Overloaded, RequestFailed, RequestStream
 from engine.serve.host import EngineHost
-from engine.serve.logprobs import Decoder, chat_logprobs, completion_logprobs
+from engine.serve.logprobs import Decoder, chat_logprobs, completion_logprobs, prompt_logprobs
 from engine.serve.protocol import (
     IGNORED_FIELDS_SHOWN,
     APIError,
@@ -41,6 +41,7 @@ from engine.serve.protocol import (
     DeltaMessage,
     ModelCard,
     ModelList,
+    PromptLogprobs,
     UsageInfo,
     new_id,
 )
@@ -71,7 +72,7 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
     if body.stream:
         return streaming(_completion_chunks(stream, model, body.include_usage,
                                             body.stream_options is not None
-                                            and body.stream_options.continuous_usage_stats))
+                                            and body.stream_options.continuous_usage_stats, metrics_of))
     return await unless_disconnected(request, _collect_completion(stream, model, metrics_of))
 
 
@@ -96,7 +97,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     if body.stream:
         return streaming(_chat_chunks(stream, model, body.include_usage,
                                       body.stream_options is not None
-                                      and body.stream_options.continuous_usage_stats))
+                                      and body.stream_options.continuous_usage_stats, metrics_of))
     return await unless_disconnected(request, _collect_chat(stream, model, metrics_of))
 
 
@@ -186,22 +187,29 @@ async def _submit(host: EngineHost, prompt: CheckedPrompt, params: SamplingParam
 async def _final_output(stream: RequestStream) -> RequestOutput:
     last: RequestOutput | None = None
     logprobs: list[TokenLogprobs] = []  # every output's, when the request asked
+    prompt: list[TokenLogprobs | None] | None = None  # the first output's, when the request asked
     try:
         async with contextlib.aclosing(stream.outputs()) as outputs:
             async for output in outputs:
                 last = output
                 logprobs.extend(output.logprobs or ())
+                prompt = output.prompt_logprobs if prompt is None else prompt
     except RequestFailed as exc:  # this request only: the engine serves the others on
         raise APIError(500, str(exc), type_="internal_error") from None
     assert last is not None and last.finished
     last.logprobs = logprobs if stream.params.logprobs is not None else None
+    last.prompt_logprobs = prompt
     return last
 
 
+def _prompt_logprobs(stream: RequestStream, out: RequestOutput) -> PromptLogprobs | None:
+    return None if out.prompt_logprobs is None else prompt_logprobs(out.prompt_logprobs, _tokenizer(stream))
+
+
 def _tokenizer(stream: RequestStream) -> Decoder:
-    engine = stream.engine.engine
-    assert engine is not None  # a stream exists only once the engine is up
-    return engine.tokenizer
+    # a stream exists only once the engine is up; under data parallelism the front's (rank 0's)
+    tokenizer: Decoder = stream.engine.wait_ready().tokenizer
+    return tokenizer
 
 
 def _metrics_of(host: EngineHost, body: CompletionRequest | ChatCompletionRequest) -> MetricsOf | None:
@@ -212,9 +220,6 @@ def _metrics_of(host: EngineHost, body: CompletionRequest | ChatCompletionReques
     if not host.settings.per_request_metrics:
         raise APIError(400, "include_metrics: per-request metrics are off; start the server with "
                             "--enable-per-request-metrics", param="include_metrics")
-    if body.stream:
-        raise APIError(400, "include_metrics: kvscope answers per-request metrics on non-streaming requests "
-                            "only", param="include_metrics")
     return host.lifecycle.metrics
 
 
@@ -232,7 +237,8 @@ async def _collect_completion(stream: RequestStream, model: str, metrics_of: Met
         id=stream.request_id, model=model,
         choices=[CompletionChoice(text=out.text, finish_reason=out.finish_reason,
                                   logprobs=None if out.logprobs is None else
-                                  completion_logprobs(out.logprobs, _tokenizer(stream)))],
+                                  completion_logprobs(out.logprobs, _tokenizer(stream)),
+                                  prompt_logprobs=_prompt_logprobs(stream, out))],
         usage=_usage(stream, out),
     )
     return _answer(response, stream.request_id, metrics_of)
@@ -245,13 +251,16 @@ async def _collect_chat(stream: RequestStream, model: str, metrics_of: MetricsOf
         choices=[ChatChoice(message=AssistantMessage(content=out.text), finish_reason=out.finish_reason,
                             logprobs=None if out.logprobs is None else chat_logprobs(out.logprobs, _tokenizer(stream)))],
         usage=_usage(stream, out),
+        prompt_logprobs=_prompt_logprobs(stream, out),
     )
     return _answer(response, stream.request_id, metrics_of)
 
 
 # ------------------------------------------------------------ stream bodies
-# A chunk carries "usage" only when it has one (vLLM's exclude_unset), not "usage": null.
+# A chunk carries "usage" only when it has one (vLLM's exclude_unset), not "usage": null;
+# a completion chunk's choice never carries prompt_logprobs (vLLM's stream choice has none).
 _NO_USAGE = {"usage"}
+_STREAM_CHOICE_LEAVES_OUT = {"choices": {"__all__": {"prompt_logprobs"}}}
 
 
 def _usage(stream: RequestStream, out: RequestOutput) -> UsageInfo:
@@ -261,12 +270,15 @@ def _usage(stream: RequestStream, out: RequestOutput) -> UsageInfo:
 
 async def _stream_chunks(stream: RequestStream, include_usage: bool, continuous_usage: bool,
                          chunk: Callable[[RequestOutput | None, UsageInfo | None], str],
-                         first: Callable[[UsageInfo | None], str] | None = None) -> AsyncIterator[str]:
+                         first: Callable[[UsageInfo | None], str] | None = None,
+                         metrics_of: MetricsOf | None = None) -> AsyncIterator[str]:
     """The shared SSE framing of both endpoints: one chunk per output with text or a
     finish reason, the usage chunk, ``[DONE]``. ``first`` (chat's role chunk) goes out
     with the first output, as vLLM sends it: a client that times the first chunk
     (``vllm bench serve --backend openai-chat``) measures the prefill, not the
-    connection."""
+    connection. ``metrics_of`` (``include_metrics``): the request's metrics ride on the
+    usage chunk, as vLLM sends them, or without one on the chunk with the finish reason."""
+    metrics_on_finish = metrics_of if not include_usage else None
     last: RequestOutput | None = None
     pending: list[TokenLogprobs] = []  # logprobs of tokens whose text is still held back
     try:
@@ -280,16 +292,24 @@ async def _stream_chunks(stream: RequestStream, include_usage: bool, continuous_
                 if out.delta_text or out.finished:
                     if stream.params.logprobs is not None:  # this chunk carries every token since the last
                         out.logprobs, pending = pending, []
-                    yield sse(chunk(out, _usage(stream, out) if continuous_usage else None))
+                    data = chunk(out, _usage(stream, out) if continuous_usage else None)
+                    yield sse(_with_metrics(data, stream, metrics_on_finish) if out.finished else data)
         if include_usage and last is not None:
-            yield sse(chunk(None, _usage(stream, last)))
+            yield sse(_with_metrics(chunk(None, _usage(stream, last)), stream, metrics_of))
     except (EngineDead, RequestFailed, UserError) as exc:
         yield sse(json.dumps(APIError(500, str(exc), type_="internal_error").body()))
     yield "data: [DONE]\n\n"
 
 
+def _with_metrics(data: str, stream: RequestStream, metrics_of: MetricsOf | None) -> str:
+    """A chunk's JSON with ``metrics`` added (the request finished: its events are folded)."""
+    if metrics_of is None:
+        return data
+    return json.dumps({**json.loads(data), "metrics": metrics_of(stream.request_id)}, separators=(",", ":"))
+
+
 def _completion_chunks(stream: RequestStream, model: str, include_usage: bool,
-                       continuous_usage: bool) -> AsyncIterator[str]:
+                       continuous_usage: bool, metrics_of: MetricsOf | None = None) -> AsyncIterator[str]:
     sent_text = 0  # where the next token's text starts (logprobs' text_offset)
 
     def chunk(out: RequestOutput | None, usage: UsageInfo | None) -> str:
@@ -300,14 +320,15 @@ def _completion_chunks(stream: RequestStream, model: str, include_usage: bool,
             sent_text += len(out.delta_text)
         choices = [] if out is None else [CompletionChoice(text=out.delta_text, finish_reason=out.finish_reason,
                                                            logprobs=logprobs)]
+        left_out: dict[str, Any] = {**_STREAM_CHOICE_LEAVES_OUT, **({"usage": True} if usage is None else {})}
         return CompletionResponse(id=stream.request_id, model=model, choices=choices,
-                                  usage=usage).model_dump_json(exclude=_NO_USAGE if usage is None else None)
+                                  usage=usage).model_dump_json(exclude=left_out)
 
-    return _stream_chunks(stream, include_usage, continuous_usage, chunk)
+    return _stream_chunks(stream, include_usage, continuous_usage, chunk, metrics_of=metrics_of)
 
 
 def _chat_chunks(stream: RequestStream, model: str, include_usage: bool,
-                 continuous_usage: bool) -> AsyncIterator[str]:
+                 continuous_usage: bool, metrics_of: MetricsOf | None = None) -> AsyncIterator[str]:
     def chunk(out: RequestOutput | None, usage: UsageInfo | None) -> str:
         choices = [] if out is None else [
             ChatChunkChoice(delta=DeltaMessage(content=out.delta_text), finish_reason=out.finish_reason,
@@ -321,4 +342,4 @@ def _chat_chunks(stream: RequestStream, model: str, include_usage: bool,
             ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))]).model_dump_json(
                 exclude=_NO_USAGE if usage is None else None)
 
-    return _stream_chunks(stream, include_usage, continuous_usage, chunk, first=role_chunk)
+    return _stream_chunks(stream, include_usage, continuous_usage, chunk, first=role_chunk, metrics_of=metrics_of)

@@ -3,7 +3,7 @@ them: ``POST /tokenize`` and ``/detokenize`` (``vllm bench serve`` aligns prompt
 with them), ``GET /server_info`` (guidellm records it with a benchmark), ``GET /load``
 (the requests in flight), ``GET /kv_event_sources`` (where the KV events are published)
 and ``POST /start_profile`` / ``/stop_profile`` (``vllm bench serve --profile``: the
-torch profiler on the engine thread, engine/serve/profiling.py)."""
+torch profiler on the engine thread, engine/profiling.py)."""
 
 from __future__ import annotations
 
@@ -141,21 +141,24 @@ async def kv_event_sources(request: Request) -> JSONResponse:
 
 @router.post("/start_profile", dependencies=KEYED)
 async def start_profile(request: Request) -> dict[str, Any]:
-    """Start the torch profiler on the engine thread (vLLM's route; 200 once it runs)."""
-    return {"status": "profiling", "trace_dir": await _profiler_call(request, "start")}
+    """Start the torch profiler where the steps run: the engine thread, or under
+    ``--data-parallel-size`` every rank's engine core (vLLM's route; 200 once it runs)."""
+    return {"status": "profiling", "trace_dir": (await _profiler_call(request, "start"))[0]}
 
 
 @router.post("/stop_profile", dependencies=KEYED)
 async def stop_profile(request: Request) -> dict[str, Any]:
     """Stop it and write the trace (Chrome trace JSON, which ui.perfetto.dev opens) next
-    to kvscope's own Perfetto output; the answer says where."""
-    return {"status": "stopped", "trace": await _profiler_call(request, "stop")}
+    to kvscope's own Perfetto output; the answer says where: ``trace`` (rank 0's under data
+    parallelism) and ``traces``, one per engine core in rank order."""
+    traces = await _profiler_call(request, "stop")
+    return {"status": "stopped", "trace": traces[0], "traces": traces}
 
 
-async def _profiler_call(request: Request, action: Literal["start", "stop"]) -> Any:
-    """The profiler's ``start`` or ``stop`` run on the engine thread; its refusal (a UserError) is a 400."""
+async def _profiler_call(request: Request, action: Literal["start", "stop"]) -> list[str]:
+    """The profiler's ``start`` or ``stop`` run where the steps run; its refusal (a UserError) is a 400."""
     host = host_of(request)
     try:
-        return await host.engine.call(getattr(host.profiler, action))
+        return await host.engine.profile(host.profiler, action)
     except UserError as exc:
         raise APIError(400, str(exc)) from None

@@ -26,7 +26,7 @@ class ServerSettings:
     chat_template: str | None = None  # --chat-template: replaces the model's own
     kv_cache_metrics: bool = False  # vLLM's --kv-cache-metrics: the block residency histograms on /metrics
     per_request_metrics: bool = False  # vLLM's --enable-per-request-metrics: include_metrics answers "metrics"
-    profile_dir: str | None = None  # where /stop_profile writes the torch trace (engine/serve/profiling.py)
+    profile_dir: str | None = None  # where /stop_profile writes the torch trace (engine/profiling.py)
     # How long a client may hold a connection without giving the server a whole request
     # (engine/serve/http_limits.py): idle with no request, a request's line and headers
     # from its first byte, no body byte, the whole body from the end of the headers.

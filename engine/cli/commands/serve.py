@@ -24,7 +24,7 @@ from engine.cli.flags import add_engine_flags, engine_config_from_args, model_fr
 from engine.errors import UserError
 from engine.logs import configure_logging, get_logger
 from engine.modelspec.presets import BUNDLED_MODEL_NAME
-from engine.serve.profiling import profile_dir
+from engine.profiling import profile_dir
 from engine.serve.settings import LOOPBACK_HOSTS, ServerSettings
 
 if TYPE_CHECKING:  # the app and the engine load torch: only once the flags are checked

@@ -4,7 +4,10 @@ steps, as vLLM's routes run it in its workers. Both calls run on the engine thre
 and the thread that runs them. The trace is Chrome trace JSON (ui.perfetto.dev opens
 it) written into ``trace_dir``: where kvscope's own Perfetto trace goes (``--trace-out``'s
 folder), else vLLM's ``VLLM_TORCH_PROFILER_DIR``, else beside ``--events``, else the
-working directory; the answer to ``/stop_profile`` names the file."""
+working directory; the answer to ``/stop_profile`` names the file. Under
+``--data-parallel-size D`` every rank's engine core runs its own profiler (the steps run
+there, not in the API server's process) and writes its own file into the same folder,
+``...-dp<rank>-<pid>.json``; the answer lists them all."""
 
 from __future__ import annotations
 
@@ -33,8 +36,10 @@ def profile_dir(trace_out: str | None, events: str | None) -> str:
 class TorchProfiler:
     """One torch.profiler session at a time; start and stop on the engine thread."""
 
-    def __init__(self, trace_dir: str) -> None:
+    def __init__(self, trace_dir: str, label: str = "") -> None:
+        """``label``: in the file's name (a data-parallel core's ``dp<rank>``)."""
         self.trace_dir = trace_dir
+        self.label = label
         self._profile: Any = None
         self._started = 0.0
 
@@ -55,7 +60,8 @@ class TorchProfiler:
             raise UserError("the profiler is not running; POST /start_profile first")
         profile, self._profile = self._profile, None
         profile.stop()
-        path = Path(self.trace_dir) / f"kvscope-torch-profile-{int(self._started)}-{os.getpid()}.json"
+        label = f"{self.label}-" if self.label else ""
+        path = Path(self.trace_dir) / f"kvscope-torch-profile-{int(self._started)}-{label}{os.getpid()}.json"
         profile.export_chrome_trace(str(path))
         get_logger("kvscope.serve").info(f"torch profiler stopped; trace written to {path}")
         return str(path)
