@@ -120,13 +120,14 @@ NON_NEUTRAL: dict[str, Any] = {
     "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low",
     "verbosity": "high", "web_search_options": {}, "service_tier": "flex", "moderation": {"model": "m"},
     "min_p": 0.1, "repetition_penalty": 1.2, "length_penalty": 0.5, "use_beam_search": True,
-    "allowed_token_ids": [1, 2], "bad_words": ["x"], "prompt_logprobs": 1, "truncate_prompt_tokens": 3,
+    "allowed_token_ids": [1, 2], "bad_words": ["x"], "truncate_prompt_tokens": 3,
     "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "g",
     "structural_tag": "{}", "structured_outputs": {"json": {}}, "logits_processors": ["m.p"],
     "return_tokens_as_token_ids": True, "spaces_between_special_tokens": False, "priority": 1,
     # checked since before this issue
     "n": 2, "best_of": 2, "presence_penalty": 0.5, "frequency_penalty": -0.5,
     "logprobs": "yes",  # served since issue 35 (a count on completions, a boolean on chat); not this
+    "prompt_logprobs": 21,  # served since issue 35 (0..20 alternatives, vLLM's --max-logprobs); not 21
     "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
     "functions": [{"name": "f"}], "response_format": {"type": "json_object"},
 }
