@@ -22,6 +22,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
@@ -82,7 +83,7 @@ class DataParallelResult(SimResult):
 
     balance: DataParallelLoad = field(default_factory=DataParallelLoad)
 
-    def summary(self) -> dict[str, object]:
+    def summary(self) -> dict[str, Any]:
         return {**SimResult.summary(self), "data_parallel": self.balance.summary()}
 
 

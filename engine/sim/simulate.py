@@ -45,8 +45,9 @@ from engine.core.request import Request
 from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.core.step_loop import ExecutedStep, run_step
 from engine.errors import UserError
-from engine.events import PHASES, EngineConfigEvent, EventBus, StartupPhase
+from engine.events import PHASES, EngineConfigEvent, Event, EventBus, StartupPhase
 from engine.events.phase_data import InitData
+from engine.events.pipeline_idle import PipelineIdle
 from engine.events.roofline import Roofline
 from engine.events.stats import StatsReporter
 from engine.events.tally import RunTally
@@ -428,6 +429,11 @@ class SimResult(RunTally):
     first_token_tick: dict[str, int] = field(default_factory=dict)
     step_start_s: list[float] = field(default_factory=list)
     completed: bool = True
+    pipeline: PipelineIdle = field(default_factory=PipelineIdle)  # each stage's bubble, --pipeline-parallel-size
+
+    def __call__(self, event: Event) -> None:
+        RunTally.__call__(self, event)
+        self.pipeline(event)
 
     @property
     def step_seconds(self) -> list[float]:
@@ -497,6 +503,8 @@ class SimResult(RunTally):
             "binding_limit": self.binding_limit,
             "limit_steps": dict(self.limit_steps),
             "completed": self.completed,
+            **({"pipeline_bubble_fraction": self.pipeline.fractions,
+                "pipeline_bytes_per_step": self.pipeline.bytes_per_step()} if self.pipeline.stages else {}),
             **({"encoder_items": self.encoder_items, "encoder_tokens": self.encoder_tokens,
                 "peak_encoder_cache_tokens": self.peak_encoder_cache_tokens,
                 "encoder_cache_capacity": self.encoder_cache_capacity} if self.encoder_cache_capacity else {}),

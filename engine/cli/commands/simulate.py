@@ -11,6 +11,13 @@ Examples:
   engine simulate --arrival poisson --request-rate 2 --arrival-unit s --num-prompts 500
   engine simulate --sweep max-num-batched-tokens=1024,2048,4096,8192,16384
   engine simulate --sweep concurrency=1,2,4,8,16,32,64,128,256 --plot saturation.png
+  engine simulate --model llama-3.1-70b --pipeline-parallel-size 2 --data-parallel-size 2 --request-rate 4 --arrival-unit s
+
+Parallel layouts (issue 37): --pipeline-parallel-size P plans each stage's GPU as
+`engine plan -pp P` does and runs each step through the stages with
+--pipeline-micro-batches micro-batches (step events carry each stage's bubble and bytes);
+--data-parallel-size D runs D such replicas behind vLLM's load balancer (least
+4 x waiting + running), their events stamped with dp_rank.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import json
 from typing import Any
 
 from engine.budget.memory import GPU_PRESETS
+from engine.budget.stages import DEFAULT_MICRO_BATCHES, fill_drain_bubble, stage_lines
 from engine.cli.exporters import add_exporter_flags, exporter_flags
 from engine.cli.flags import (
     add_budget_flags,
@@ -35,11 +43,14 @@ from engine.cli.flags import (
 )
 from engine.errors import UserError
 from engine.events import EventBus
+from engine.events.dp_balance import DP_IMBALANCE_BOUND
 from engine.events.observers import Observers, attach_observers
+from engine.sim.data_parallel import DataParallelResult, DataParallelSimulation
 from engine.sim.simulate import (
     DEFAULT_EFFICIENCY,
     DEFAULT_GPU,
     DEFAULT_MODEL,
+    DEFAULT_PIPELINE_LINK_GBS,
     SimResult,
     SimSetup,
     Simulation,
@@ -63,6 +74,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--gpu", default=DEFAULT_GPU, help=f"GPU preset: {', '.join(GPU_PRESETS)} (default {DEFAULT_GPU})")
     p.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY,
                    help=f"fraction of peak bandwidth and FLOP/s the kernels reach (default {DEFAULT_EFFICIENCY:g})")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=None, metavar="D",
+                   help="D replicas, each its own scheduler, KV pool and GPU(s), behind vLLM's DP load balancer")
+    p.add_argument("--pipeline-micro-batches", type=int, default=DEFAULT_MICRO_BATCHES, metavar="M",
+                   help=f"micro-batches in flight per step with --pipeline-parallel-size (default {DEFAULT_MICRO_BATCHES}, "
+                        "kvscope's engine's)")
+    p.add_argument("--pipeline-link-gbs", type=float, default=DEFAULT_PIPELINE_LINK_GBS, metavar="GB/S",
+                   help=f"bandwidth between pipeline stages, GB/s (default {DEFAULT_PIPELINE_LINK_GBS:g}: one 400 Gb/s "
+                        "NIC, stages on different nodes)")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None, metavar="N",
                    help="fix the KV pool at N blocks instead of planning it")
     p.add_argument("--layer-pattern", default=None, metavar="SLIDING:FULL",
@@ -86,10 +105,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 def setup_from_args(args: argparse.Namespace) -> SimSetup:
     if args.model is None:
         args.model = DEFAULT_MODEL
+    if args.data_parallel_size is not None and args.data_parallel_size < 1:
+        raise UserError(f"--data-parallel-size {args.data_parallel_size}: give 1 or more replicas")
     engine = engine_config_from_args(args)
     return build_setup(args.model, args.gpu, engine, efficiency=args.efficiency,
                        num_gpu_blocks_override=args.num_gpu_blocks_override, multimodal=multimodal_flags(args),
-                       layer_pattern=args.layer_pattern, sliding_window=args.sliding_window)
+                       layer_pattern=args.layer_pattern, sliding_window=args.sliding_window,
+                       micro_batches=args.pipeline_micro_batches, pipeline_link_gbs=args.pipeline_link_gbs)
 
 
 def workload_from_args(args: argparse.Namespace) -> list[WorkloadRequest]:
@@ -132,10 +154,41 @@ def render_summary(setup: SimSetup, result: SimResult) -> str:
         + ", ".join(f"{k} {v}" for k, v in s["limit_steps"].items())
         + f"; KV pool binds above ~{concurrency_crossover_tokens(setup):,.0f} tokens per request)",
     ]
+    lines += parallel_lines(setup, result)
     if result.encoder_cache_capacity:
         lines.append(f"  encoder: {result.encoder_items:,} items ({result.encoder_tokens:,} tokens) encoded; encoder "
                      f"cache peak {result.peak_encoder_cache_tokens:,} of {result.encoder_cache_capacity:,} tokens")
     return "\n".join(lines)
+
+
+def parallel_lines(setup: SimSetup, result: SimResult) -> list[str]:
+    """The layout's stages (``engine plan -pp``'s table) and their bubbles, and each DP rank's share."""
+    lines = []
+    if setup.pipeline is not None and setup.pipeline_cost is not None:
+        cost = setup.pipeline_cost
+        lines.append(f"  pipeline: {len(setup.pipeline.stages)} stages x --tensor-parallel-size "
+                     f"{setup.engine.tensor_parallel_size}, {cost.micro_batches} micro-batches per step, "
+                     f"{cost.link_bytes_s / 1e9:g} GB/s between stages (each GPU, as engine plan -pp):")
+        lines += ["  " + line for line in stage_lines(setup.pipeline)]
+        idle = result.pipeline
+        if idle.stages:
+            lines.append("  bubble (share of step time each stage waited): " + ", ".join(
+                f"stage {i} {f * 100:.1f} %" for i, f in enumerate(idle.fractions))
+                + f"; fill-drain floor {fill_drain_bubble(idle.stages, cost.micro_batches) * 100:.1f} %; "
+                f"{idle.bytes_per_step()[0] / 2**20:,.1f} MiB sent per step by stage 0")
+    if isinstance(result, DataParallelResult):
+        b = result.balance
+        lines.append(f"  data parallel: {b.size} ranks behind vLLM's balancer (least 4 x waiting + running); "
+                     f"max/mean: requests {b.spread([r.requests for r in b.ranks.values()]):.2f}, "
+                     f"time-averaged load {b.spread([b.mean_load(r) for r in range(b.size)]):.2f}; "
+                     f"{b.queued_share() * 100:.1f} % of steps with the busiest rank queueing beyond "
+                     f"{DP_IMBALANCE_BOUND:g}x the mean")
+        for r in range(b.size):
+            load = b.rank(r)
+            lines.append(f"    rank {r}: {load.requests:,} requests, {load.output_tokens:,} output tokens, "
+                         f"{load.steps:,} steps, waiting + running {b.mean_load(r):,.1f} on average "
+                         f"(peak {load.peak_load}), peak KV {load.peak_kv_usage * 100:.1f} %")
+    return lines
 
 
 def render_rows(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
@@ -248,8 +301,15 @@ def run(args: argparse.Namespace) -> int:
     observers = attach_observers(bus, flags, simulated_clock=True, recording_config=setup.recording_config(),
                                  model_name=setup.model.name) if bus is not None else Observers()
     try:
-        result = Simulation(setup, bus, stats_interval=args.stats_interval if bus else 0.0).run(
-            workload, concurrency=args.concurrency)
+        if setup.data_parallel_size > 1:
+            if args.concurrency is not None:
+                raise UserError("--concurrency with --data-parallel-size: closed-loop users are not balanced across "
+                                "ranks yet; give --request-rate (or all at once)")
+            result: SimResult = DataParallelSimulation(setup, bus, stats_interval=args.stats_interval if bus else 0.0
+                                                       ).run(workload)
+        else:
+            result = Simulation(setup, bus, stats_interval=args.stats_interval if bus else 0.0).run(
+                workload, concurrency=args.concurrency)
     finally:
         observers.close()
     if args.json:
