@@ -45,7 +45,9 @@ Snapshot dict format (``SNAPSHOT_VERSION`` 1), all plain JSON::
       "experts": {"window", "steps": [[[int]]], "steps_seen"},  # MoE only: the last steps'
                                                            # expert_counts (expert_load.py)
       "parallel": {"window_s", "now", "ranks", "stages", "first_tokens"},  # several DP ranks or PP
-    }                                                      # stages only (parallel_load.py)
+                                                           # stages only (parallel_load.py)
+      "dp_rank": int,                                      # the DP rank the rest shows (absent
+    }                                                      # before any step or request event)
 
 Block owners are not stored: they are the union of every request's ``blocks``,
 so the snapshot cannot disagree with itself; nor is a held block's KV cache group
@@ -266,10 +268,11 @@ class EngineView:
         self.stats: StatsEvent | None = None
         self.experts = ExpertLoad()  # a MoE model's routed tokens per expert, over the last steps
         # Every DP rank's queue, KV and throughput and every PP stage's bubble, over the last
-        # seconds (parallel_load.py). The rest of the view is DP rank 0's: another rank's
-        # events (``dp_rank`` set) reach only this and ``recent``, since each rank has its own
-        # KV pool, block ids and requests.
+        # seconds (parallel_load.py). The rest of the view is one DP rank's, ``dp_rank``: the
+        # snapshot's, else the first step or request event's. Another rank's events reach only
+        # ``parallel`` and ``recent``: each rank has its own KV pool, block ids and requests.
         self.parallel = ParallelLoad()
+        self.dp_rank: int | None = None
 
     # ------------------------------------------------------------ derived views
     @property
@@ -340,7 +343,10 @@ class EngineView:
         self.last_seq = max(self.last_seq, event.seq)
         self.t = max(self.t, event.t)
         self.parallel.apply(event)
-        handler = None if getattr(event, "dp_rank", 0) else _HANDLERS.get(type(event))
+        rank = getattr(event, "dp_rank", None)  # None: an event no rank's scheduler stamps
+        if rank is not None and self.dp_rank is None:
+            self.dp_rank = rank
+        handler = None if rank is not None and rank != self.dp_rank else _HANDLERS.get(type(event))
         if handler is not None:
             handler(self, event)
         if not isinstance(event, SnapshotEvent | StepEvent | EncoderStepEvent):
@@ -556,7 +562,8 @@ class EngineView:
           | ({"encoder_cache": {"used": self.encoder_cache_used, "capacity": self.encoder_cache_capacity}}
              if self.encoder_cache_capacity else {}) \
           | ({"experts": self.experts.to_dict()} if self.experts.num_layers else {}) \
-          | ({"parallel": self.parallel.to_dict()} if self.parallel.parallel else {})
+          | ({"parallel": self.parallel.to_dict()} if self.parallel.parallel else {}) \
+          | ({"dp_rank": self.dp_rank} if self.dp_rank is not None else {})
 
     @classmethod
     def from_snapshot(
@@ -611,8 +618,10 @@ class EngineView:
         )
         self.experts = ExpertLoad.from_dict(state["experts"]) if state.get("experts") else ExpertLoad()
         self.parallel = ParallelLoad.from_dict(state["parallel"]) if state.get("parallel") else ParallelLoad()
+        self.dp_rank = state.get("dp_rank")
         if state.get("data_parallel"):  # a data-parallel server's snapshot: every rank's counts now
             self.parallel.seed_ranks(state["data_parallel"], self.t)
+            self.dp_rank = int(state.get("dp_rank", state["data_parallel"].get("rank_shown", 0)))
 
 
 _HANDLERS: dict[type, Any] = {

@@ -23,7 +23,6 @@ from monitor.replica import ReplicaState
 from monitor.widgets.numbers import number
 
 BAR_CELLS = 10  # a stage's utilisation bar
-RANK_NOTE = "the block map, queues and step charts show DP rank 0; this panel every rank"
 
 
 def rate_text(value: float | None, unit: str) -> str:
@@ -95,7 +94,8 @@ class ParallelPanel(Static):
         loads, stages = fold.rank_loads(), fold.stage_loads()
         self.display = len(loads) > 1 or len(stages) > 1
         if self.display:
-            self.update(parallel_renderable(loads, stages, fold.window_s, RANK_NOTE if len(loads) > 1 else ""))
+            note = f"the block map, queues and step charts show DP rank {view.dp_rank or 0}; this panel every rank"
+            self.update(parallel_renderable(loads, stages, fold.window_s, note if len(loads) > 1 else ""))
 
     def update_state(self, state: ReplicaState) -> None:
         loads = state.rank_loads()

@@ -116,9 +116,22 @@ def test_the_view_keeps_every_rank_and_rank_0s_pool_apart() -> None:
     stages = view.parallel.stage_loads()
     assert [round(s.utilisation, 3) for s in stages] == [0.875, 0.5]
     assert [s.bytes_per_s for s in stages] == [pytest.approx(8192.0)] * 2  # 20 x 4096 B over 10 s
-    # The snapshot (the /events stream's first event, the timeline's checkpoints) carries it whole.
+    # The snapshot (the /events stream's first event, the timeline's checkpoints) carries it whole,
+    # and which rank the rest follows: a seek from a checkpoint stays on rank 0.
     again = EngineView.from_snapshot(view.snapshot())
     assert again.parallel.rank_loads() == ranks and again.parallel.stage_loads() == stages
+    assert again.dp_rank == 0
+    timeline = Timeline(two_rank_run(), checkpoint_every=3)
+    assert set(timeline.seek(len(timeline) - 1).requests) == {"a0"} and timeline.view.kv_used == 20
+
+
+def test_a_view_of_rank_1_alone_follows_rank_1() -> None:
+    """Rank 1's own recording (run.dp1.jsonl), or the DP server's view of rank 1: every
+    stamped event is rank 1's, so the view is rank 1's pool."""
+    events = [e for e in two_rank_run() if getattr(e, "dp_rank", 1) == 1]
+    view = EngineView().fold(events)
+    assert view.dp_rank == 1 and set(view.requests) == {"b0"} and view.kv_used == 40
+    assert view.block_owners == {0: {"b0"}, 1: {"b0"}} and not view.parallel.parallel
 
 
 def test_a_data_parallel_servers_snapshot_seeds_every_rank() -> None:
