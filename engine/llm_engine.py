@@ -100,7 +100,8 @@ class LLMEngine:
                 config = dataclasses.replace(config, quantization=None)
         self.config = config
         self.bus = bus or EventBus()
-        self.workers: WorkerGroup | None = None  # ranks 1..N-1 under --tensor-parallel-size N
+        # ranks 1..N-1 under --tensor-parallel-size N; this host's stages 1.. under --pipeline-parallel-size
+        self.workers: WorkerGroup | None = None
         self.pipeline: PipelineRunner | None = None  # stages 1..P-1 under --pipeline-parallel-size P
         # the header's started_unix lets a replay put spans at their original times
         self.observers = attach_observers(
@@ -109,18 +110,21 @@ class LLMEngine:
             recording_config=config.to_dict(), model_name=config.served_model_name or config.model,
             registry=metrics_registry, data_parallel_rank=config.data_parallel_rank or 0)
         try:
-            if config.tensor_parallel_size > 1:
+            if config.tensor_parallel_size > 1 or stages > 1:
                 self.workers = WorkerGroup(config)
                 self.workers.relay_to(self.bus)
             self.startup: StartupResult = start_engine(
-                config, self.bus, progress, rank=self.workers.driver_layout if self.workers else None)
+                config, self.bus, progress, rank=self.workers.driver_layout if self.workers else None,
+                stage=self.workers.driver_stage if self.workers else None)
             if self.workers is not None:
                 self.workers.parallel = self.startup.parallel
                 self.workers.wait_ready()
             if stages > 1:
-                from engine.pipeline import PipelineRunner
+                from engine.pipeline import PipelineRunner, Stage
 
-                self.pipeline = PipelineRunner.start(config, self.startup)
+                assert self.workers is not None
+                self.pipeline = PipelineRunner(Stage.of(self.startup.runner, self.workers.driver_stage,
+                                                        self.startup.model_config.num_layers))
         except Exception as exc:
             failure = self.workers.failure(exc) if self.workers is not None else exc
             self.close()
@@ -273,12 +277,10 @@ class LLMEngine:
                               s.request.sampling, s.request.group_block_ids or None, self._prompt_targets(s))
                  for s in out.scheduled]
         collectives: dict[str, float] = {}
-        if self.workers is not None and batch:
+        if self.workers is not None and batch:  # the collectives' cost, or each stage's bubble and bytes sent
             sampled_ids, collectives = self.workers.execute(self.runner, batch)
         else:
             sampled_ids = self.runner.execute(batch) if batch else {}
-            if self.pipeline is not None and batch:  # each stage's bubble and bytes sent
-                collectives = self.pipeline.step_fields()
         timings = self.runner.last_timings
         failed = dict(self.runner.last_failed)
         self._step_logprobs = getattr(self.runner, "last_logprobs", {})
@@ -383,8 +385,6 @@ class LLMEngine:
     def close(self) -> None:
         if self.workers is not None:  # first: no worker outlives the replica, whatever else fails
             self.workers.close()
-        if self.pipeline is not None:
-            self.pipeline.close()
         self.observers.close()  # the last stats line, then the recording and the KV publisher
 
     def __enter__(self) -> LLMEngine:

@@ -1,12 +1,31 @@
-"""``--pipeline-parallel-size P``: a Llama's layers in P contiguous stages, one process each.
+"""``--pipeline-parallel-size P``: a model's layers in P contiguous stages, one process each.
+
+Every family the single-rank engine serves runs in stages (Llama, Qwen2/2.5, Qwen3, Mistral,
+Phi-3, Gemma 3, and the MoE families): a stage runs its model's own layer class through
+the model's ``decoder_layers`` (the op-by-op loop ``forward`` runs between the embedding
+and the final norm; Gemma 3's picks each layer's rope), so nothing here knows a family.
 
 Stage ``p`` holds layers ``stage_layer_ranges(L, P)[p]`` (vLLM's ``get_pp_indices``: an
 even split, the remainder to the stages before the last) and the KV pool of those
-layers only, with the scheduler's block count: each stage's pool is its layers' share of
-the bytes. Stage 0 is the engine's own process (rank 0: the scheduler, the embedding,
-and, unlike vLLM, where the last stage samples, the final norm, LM head and sampler:
-the last stage sends its hidden states back to rank 0, so sampling stays where every
-request's state is).
+layers only. A hybrid KV cache (Gemma 3's sliding and full layers, Mistral's and Phi-3's
+window) keeps the whole model's groups on every stage, each group holding the stage's
+own layers (:func:`~engine.budget.stages.stage_kv_cache_groups`, vLLM's
+``get_kv_cache_configs``): the scheduler's one block table per group is valid on every
+stage. Stage 0 is the engine's own process (rank 0: the scheduler, the embedding, and,
+unlike vLLM, where the last stage samples, the final norm, LM head and sampler: the last
+stage sends its hidden states back to rank 0, so sampling stays where every request's
+state is).
+
+Startup: every stage runs phases A-G itself (engine/startup.py with its
+:class:`StageLayout`), as a tensor-parallel worker does: A joins the stages' group (and
+rank 0 hands every stage its resolved flags), C loads the model and keeps the stage's
+layers (:func:`carve_stage`), D profiles the stage, E sizes the stage's pool from the
+stage's own budget and layers (its weights, its peak, its KV bytes per token) and takes
+the fewest blocks of any stage (vLLM's executor takes the minimum ``num_gpu_blocks`` over
+its workers), so one block table serves them all. Each phase event carries ``rank``,
+``pp_rank`` and ``tp_rank``; the stage processes of host 0 relay theirs to rank 0's bus
+(engine/workers.py's :class:`~engine.workers.WorkerGroup`, which also starts, watches and
+stops them, and names a stage that dies: its rank, host, layers, pid and last phase).
 
 A step: rank 0 broadcasts the batch (the tensor-parallel control plane's object
 broadcast), every stage splits it into ``MICRO_BATCHES`` micro-batches of whole
@@ -16,7 +35,8 @@ micro-batch 1 while stage 1 runs micro-batch 0, so two are in flight and the sta
 overlap; each stage counts its **bubble** (seconds blocked in ``recv`` waiting for the
 stage before it; for stage 0, for the last stage's results) and the **bytes** it sent,
 and rank 0 gathers them into the step event (``pipeline_bubble_s``, ``pipeline_bytes``,
-one entry per stage).
+one entry per stage), with a MoE model's per-expert token counts (each stage counts its
+own layers' experts; rank 0 sums them into ``expert_counts``).
 
 Across hosts: every stage joins one ``torch.distributed`` group through a ``TCPStore`` at
 ``--master-addr:--master-port`` (torchrun's rendezvous; its ``RANK``/``WORLD_SIZE``/
@@ -27,17 +47,17 @@ holds stage 0, the others run their stages headless (``engine serve ... --node-r
 waits ``--rendezvous-timeout`` seconds for all of them and then names the stages, and
 their hosts, that never arrived, instead of hanging in ``init_process_group``.
 
-Not done (issue 37): composition with ``--tensor-parallel-size`` (refused), sliding-window
-and MoE families (refused), the fused decode-layer kernel (stages run the op-by-op
-layers), per-stage startup phases (the stage workers load in phase G's wake, and phase
-B/E size the pool for every layer on rank 0's budget; ``engine plan -pp`` has the
-per-stage arithmetic).
+Not done (issue 37): composition with ``--tensor-parallel-size`` (refused before anything
+loads; see docs/architecture.md for the layout it would take), the fused decode-layer
+kernel and the kernel plan (stages run the op-by-op layers), logprobs (rank 0 samples
+without them), and the phase events of stages on other hosts (they run the same phases,
+logged on their own host; only host 0's stage processes relay to rank 0's bus). Each
+stage loads the whole model and then drops the other stages' layers (phase C's peak is
+the whole model's; vLLM builds only its layers).
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import datetime
 import os
 import time
@@ -49,12 +69,11 @@ import torch
 import torch.distributed as dist
 
 from engine.budget.config import EngineConfig
-from engine.budget.stages import stage_layer_ranges  # vLLM's get_pp_indices; the plan's split too
+from engine.budget.stages import stage_kv_cache_groups, stage_layer_ranges  # vLLM's get_pp_indices
 from engine.errors import ReplicaError, UserError
 
 MICRO_BATCHES = 2  # in flight at once: stage p runs micro-batch i while stage p+1 runs i-1
 STAGE_TIMEOUT = datetime.timedelta(days=1)  # a dead peer closes its sockets (gloo reports it at once)
-STOP_WAIT_S = 5.0
 
 
 def check_pipeline(config: EngineConfig, model: Any) -> None:
@@ -65,9 +84,9 @@ def check_pipeline(config: EngineConfig, model: Any) -> None:
     if config.tensor_parallel_size > 1:
         raise UserError(f"--pipeline-parallel-size {stages} with --tensor-parallel-size "
                         f"{config.tensor_parallel_size}: T x P ranks are not composed yet; use one of them")
-    if model.layer_types or getattr(model, "num_experts", None) or model.architecture not in ("llama",):
-        raise UserError(f"--pipeline-parallel-size {stages}: only Llama-family models run in stages yet "
-                        f"({model.name} is {model.architecture})")
+    if config.compile:
+        raise UserError(f"--compile with --pipeline-parallel-size {stages}: the stages run their layers op by op "
+                        "uncompiled; drop --compile")
     stage_layer_ranges(model.num_layers, stages)
 
 
@@ -97,8 +116,8 @@ class Rendezvous:
         if nnodes == 1 and config.master_port is None and "MASTER_PORT" not in env:
             from engine.model.parallel import free_init_method
 
-            host, _, port = free_init_method().removeprefix("tcp://").rpartition(":")
-            return cls(host, int(port), 1, 0, timeout)
+            host, _, free_port = free_init_method().removeprefix("tcp://").rpartition(":")
+            return cls(host, int(free_port), 1, 0, timeout)
         if not 0 <= node_rank < nnodes:
             raise UserError(f"--node-rank {node_rank}: give 0..{nnodes - 1} (--nnodes {nnodes})")
         addr = config.master_addr or env.get("MASTER_ADDR", "127.0.0.1")
@@ -136,19 +155,75 @@ def join_stages(rank: int, stages: int, rendezvous: Rendezvous) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=stages, timeout=STAGE_TIMEOUT)
 
 
+@dataclass(frozen=True, slots=True)
+class StageLayout:
+    """One stage's place in the replica (its rank is its stage: one rank per stage) and
+    where the stages meet; what startup's phases read to run a stage (engine/startup.py)."""
+
+    rank: int
+    stages: int
+    rendezvous: Rendezvous
+
+    @property
+    def host(self) -> int:
+        return self.rendezvous.node_of(self.rank, self.stages)
+
+    @property
+    def ranks_on_host(self) -> int:
+        """Stage processes sharing this host's cores."""
+        return len(self.rendezvous.stages_of(self.host, self.stages))
+
+    def layers(self, num_layers: int) -> tuple[int, int]:
+        return stage_layer_ranges(num_layers, self.stages)[self.rank]
+
+    def join(self, config: EngineConfig | None = None) -> EngineConfig:
+        """Meet the other stages; rank 0 hands them its resolved-to-be flags (a stage on
+        another host runs what host 0 serves, whatever its own command line held)."""
+        join_stages(self.rank, self.stages, self.rendezvous)
+        box = [config]
+        dist.broadcast_object_list(box, src=0)
+        assert box[0] is not None
+        return box[0]
+
+    def all_gather(self, value: Any) -> list[Any]:
+        """Every stage's ``value``, in stage order (phase E's block counts)."""
+        out: list[Any] = [None] * self.stages
+        dist.all_gather_object(out, value)
+        return out
+
+
+def carve_stage(runner: Any, layers: tuple[int, int]) -> None:
+    """Keep only the stage's ``layers`` of a ModelRunner loaded with the whole model (the
+    others' weights are freed), each KV cache group holding the stage's own layers; the
+    pool is allocated after (phase E), for those layers only."""
+    import torch.nn as nn
+
+    from engine.budget.stages import stage_model
+
+    start, end = layers
+    model = runner.model
+    groups = runner.kv_cache_groups
+    model.layers = nn.ModuleList(list(model.layers)[start:end])
+    model._fused_layers = []  # the fused decode layers are the whole model's: stages run op by op
+    model.config = stage_model(model.config, layers)
+    runner.set_kv_cache_groups(stage_kv_cache_groups(groups, layers) if groups else ())
+
+
 @dataclass(slots=True)
 class StageStats:
-    """One stage's share of a step: time blocked waiting for its input, bytes it sent."""
+    """One stage's share of a step: time blocked waiting for its input, bytes it sent, and
+    for a MoE model the tokens its layers routed to each expert (``[moe layer][expert]``
+    over the whole model's MoE layers, zeros for the other stages')."""
 
     bubble_s: float = 0.0
     bytes_sent: int = 0
     compute_s: float = 0.0
+    expert_counts: list[list[int]] | None = None
 
 
 @dataclass
 class Stage:
-    """One stage's layers and KV pool, on top of a ModelRunner loaded with the whole model
-    (the layers outside the stage are dropped after the load)."""
+    """One stage's layers and KV pool: a ModelRunner carved by :func:`carve_stage`."""
 
     runner: Any  # engine.model.runner.ModelRunner
     rank: int
@@ -157,22 +232,8 @@ class Stage:
     stats: StageStats = field(default_factory=StageStats)
 
     @classmethod
-    def carve(cls, runner: Any, rank: int, stages: int, num_blocks: int) -> Stage:
-        """Keep only this stage's layers and allocate their KV pool (``num_blocks`` blocks)."""
-        import torch.nn as nn
-
-        start, end = stage_layer_ranges(runner.model_config.num_layers, stages)[rank]
-        model = runner.model
-        model.layers = nn.ModuleList(list(model.layers)[start:end])
-        model._fused_layers = []  # the fused decode layers are the whole model's: stages run op by op
-        model.config = dataclasses.replace(model.config, num_layers=end - start)
-        runner.kv_caches = []
-        runner.allocate_kv_cache(num_blocks)
-        return cls(runner, rank, stages, (start, end))
-
-    @property
-    def kv_pool_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.runner.kv_tensors)
+    def of(cls, runner: Any, layout: StageLayout, num_layers: int) -> Stage:
+        return cls(runner, layout.rank, layout.stages, layout.layers(num_layers))
 
     def micro_batches(self, batch: Sequence[Any]) -> list[list[Any]]:
         count = min(MICRO_BATCHES, len(batch))
@@ -181,11 +242,9 @@ class Stage:
 
     @torch.inference_mode()
     def run_layers(self, hidden: torch.Tensor, prepared: Any) -> torch.Tensor:
-        model = self.runner.model
-        cos, sin = model.rotary.cos_sin(prepared.positions, model.dtype)
-        for layer, kv_cache in zip(model.layers, self.runner.kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, prepared.meta, model.backend)
-        return hidden
+        """The model's own layer loop (its family's layers and ropes) over the stage's layers."""
+        return self.runner.model.decoder_layers(hidden, prepared.positions, self.runner.kv_caches,
+                                                prepared.model_meta)
 
     def _recv(self, shape: tuple[int, int], src: int) -> torch.Tensor:
         buffer = torch.empty(shape, dtype=self.runner.model.dtype)
@@ -219,67 +278,47 @@ class Stage:
                 results.append((p, self._recv((int(p.input_ids.shape[0]), hidden_size), self.stages - 1)))
         for handle in sends:
             handle.wait()
+        counter = getattr(self.runner.model, "expert_counter", None)  # a MoE model (engine/model/moe.py)
+        self.stats.expert_counts = counter.take() if counter is not None else None
         return results
+
+
+def summed_expert_counts(stats: Sequence[StageStats]) -> list[list[int]] | None:
+    """The whole model's per-expert counts from the stages' (each holds its own layers' rows)."""
+    parts = [s.expert_counts for s in stats if s.expert_counts is not None]
+    if not parts:
+        return None
+    return [[sum(values) for values in zip(*rows, strict=True)] for rows in zip(*parts, strict=True)]
 
 
 class PipelineRunner:
     """Rank 0's runner under ``--pipeline-parallel-size``: ModelRunner's ``execute`` over the
-    stages, the stage workers it started, and each step's stage statistics."""
+    stages, and each step's stage statistics. The stage processes belong to the engine's
+    WorkerGroup (engine/workers.py), which starts, watches and stops them."""
 
-    def __init__(self, stage: Stage, processes: list[Any]) -> None:
+    def __init__(self, stage: Stage) -> None:
         self.stage = stage
-        self.processes = processes
         runner = stage.runner
         self.model = runner.model
         self.model_config = runner.model_config
         self.last_timings = runner.last_timings
         self.last_failed: dict[str, str] = {}
+        self.last_logprobs: dict[str, Any] = {}  # not computed under pipeline parallelism
         self.last_stage_stats: list[StageStats] = []
-        self.steps = 0
-        self._closed = False
-
-    @classmethod
-    def start(cls, config: EngineConfig, startup: Any) -> PipelineRunner:
-        """Carve rank 0's loaded runner into stage 0, start this host's other stages, meet
-        the other hosts' at the rendezvous, and hand every stage what it loads: the resolved
-        flags, the model and the scheduler's block count."""
-        stages = config.pipeline_parallel_size or 1
-        rendezvous = Rendezvous.of(config)
-        local = list(rendezvous.stages_of(0, stages))[1:]
-        processes = start_stage_processes(local, stages, rendezvous)
-        stage = Stage.carve(startup.runner, 0, stages, startup.plan.num_blocks)
-        try:
-            join_stages(0, stages, rendezvous)
-            dist.broadcast_object_list([(startup.config, startup.model_config, startup.plan.num_blocks)], src=0)
-            layouts: list[Any] = [None] * stages
-            dist.all_gather_object(layouts, (stage.layers, stage.kv_pool_bytes))
-        except BaseException:
-            _stop(processes)
-            if dist.is_initialized():
-                with contextlib.suppress(Exception):
-                    dist.destroy_process_group()
-            raise
-        runner = cls(stage, processes)
-        runner.stage_layouts = layouts
-        runner.rendezvous = rendezvous
-        return runner
+        self.last_expert_counts: list[list[int]] | None = None
 
     def execute(self, batch: Sequence[Any]) -> dict[str, int]:
         stage, runner = self.stage, self.stage.runner
         start = time.perf_counter()
-        try:
-            dist.broadcast_object_list([list(batch)], src=0)
-            results = stage.step(batch)
-            stats: list[Any] = [None] * stage.stages
-            dist.gather_object(stage.stats, stats, dst=0)
-        except RuntimeError as exc:
-            raise self._failure(exc) from exc
-        self.steps += 1
+        dist.broadcast_object_list([list(batch)], src=0)
+        results = stage.step(batch)
+        stats: list[Any] = [None] * stage.stages
+        dist.gather_object(stage.stats, stats, dst=0)
         forward_s = time.perf_counter() - start
         self.last_stage_stats = stats
+        self.last_expert_counts = summed_expert_counts(stats)
         sampled: dict[str, int] = {}
         t0 = time.perf_counter()
-        self.last_failed = {}
         with torch.inference_mode():
             for prepared, hidden in results:
                 if not prepared.sample_seqs:
@@ -300,116 +339,35 @@ class PipelineRunner:
         return {"pipeline_bubble_s": [s.bubble_s for s in self.last_stage_stats],
                 "pipeline_bytes": [s.bytes_sent for s in self.last_stage_stats]}
 
-    def _failure(self, exc: BaseException) -> ReplicaError:
-        deadline = time.monotonic() + STOP_WAIT_S
-        while time.monotonic() < deadline and all(p.exitcode is None for p in self.processes):
-            time.sleep(0.1)
-        ended = [(rank, p) for rank, p in enumerate(self.processes, 1) if p.exitcode is not None]
-        if not ended:
-            where = (f" on this host; a stage on another host (hosts 1..{self.rendezvous.nnodes - 1}) may have "
-                     f"stopped" if self.rendezvous.nnodes > 1 else "")
-            return ReplicaError(f"pipeline stage exchange failed during step {self.steps + 1} with every stage "
-                                f"still running{where} ({type(exc).__name__}: {exc}); the replica is stopped")
-        rank, process = ended[0]
-        code = process.exitcode
-        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        return ReplicaError(f"pipeline stage {rank} (pid {process.pid}, layers {self.stage_layouts[rank][0]}) {how} "
-                            f"during step {self.steps + 1}; the replica is stopped")
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        healthy = all(p.is_alive() for p in self.processes) and dist.is_initialized()
-        if healthy:
-            with contextlib.suppress(RuntimeError):
-                dist.broadcast_object_list([None], src=0)
-        _stop(self.processes, STOP_WAIT_S if healthy else 0.0)
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
-
     # ModelRunner's attributes the engine reads, from stage 0's runner
     def __getattr__(self, name: str) -> Any:
         return getattr(self.stage.runner, name)
 
 
-def _stop(processes: list[Any], wait_s: float = 0.0) -> None:
-    deadline = time.monotonic() + wait_s
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-    for process in processes:
-        if process.is_alive():
-            process.terminate()
-            process.join(2.0)
-        if process.is_alive():
-            process.kill()
-            process.join(2.0)
-
-
-def start_stage_processes(ranks: Sequence[int], stages: int, rendezvous: Rendezvous) -> list[Any]:
-    """This host's stage processes (spawned; each dies with this process)."""
-    import torch.multiprocessing as mp
-
-    context = mp.get_context("spawn")
-    processes = [context.Process(target=stage_main, name=f"kvscope-pp-stage{rank}", daemon=True,
-                                 args=(rank, stages, rendezvous, os.getpid())) for rank in ranks]
-    for process in processes:
-        process.start()
-    return processes
+def serve_stage(stage: Stage) -> None:
+    """A stage process after startup: its part of every step rank 0 broadcasts, until it
+    broadcasts None."""
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is None:
+            return
+        stage.step(box[0])
+        dist.gather_object(stage.stats, None, dst=0)
 
 
 def run_node(config: EngineConfig) -> int:
     """A host other than 0 (``--node-rank n``): run its stages until host 0 stops them.
     Exit status 0 when every stage ended cleanly, else 1."""
+    from engine.workers import WorkerGroup
+
     stages = config.pipeline_parallel_size or 1
     rendezvous = Rendezvous.of(config)
     if stages == 1:
         raise UserError(f"--node-rank {rendezvous.node_rank}: hosts beyond 0 run pipeline stages; give "
                         "--pipeline-parallel-size (a multiple of --nnodes)")
-    processes = start_stage_processes(list(rendezvous.stages_of(rendezvous.node_rank, stages)), stages, rendezvous)
+    group = WorkerGroup(config, rendezvous)
     try:
-        for process in processes:
-            process.join()
+        return group.run_headless()
     finally:
-        _stop(processes)
-    return 0 if all(p.exitcode == 0 for p in processes) else 1
-
-
-def stage_main(rank: int, stages: int, rendezvous: Rendezvous, parent_pid: int) -> None:
-    """Stage ``rank``'s process: meet the others, load the model rank 0 names, keep its
-    layers and their pool, then run its part of every step rank 0 broadcasts until it
-    broadcasts None."""
-    from engine.workers import _die_with_parent
-
-    _die_with_parent(parent_pid)
-    from engine.model.runner import ModelRunner
-
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(rendezvous.stages_of(rendezvous.node_rank, stages))))
-    code = 0
-    try:
-        join_stages(rank, stages, rendezvous)
-        setup: list[Any] = [None]
-        dist.broadcast_object_list(setup, src=0)
-        config, model_config, num_blocks = setup[0]
-        runner = ModelRunner(model_config, dtype=config.dtype, block_size=config.block_size, device=config.device,
-                             attention_backend=config.attention_backend, load_format=config.load_format,
-                             seed=config.seed, quantization=None, kv_cache_dtype=config.kv_cache_dtype)
-        runner.load_weights()
-        if runner.device.type == "cpu":
-            runner.enable_cpu_decode_kernel()  # as rank 0's phase F: the same attention path on every stage
-        stage = Stage.carve(runner, rank, stages, num_blocks)
-        dist.all_gather_object([None] * stages, (stage.layers, stage.kv_pool_bytes))
-        while True:
-            box: list[Any] = [None]
-            dist.broadcast_object_list(box, src=0)
-            if box[0] is None:
-                break
-            stage.step(box[0])
-            dist.gather_object(stage.stats, None, dst=0)
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()  # rank 0 names the stage and how it ended; the cause is on stderr
-        code = 1
-    os._exit(code)
+        group.close()

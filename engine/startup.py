@@ -38,6 +38,7 @@ from engine.budget.memory import (
     plan_memory,
     weights_bytes,
 )
+from engine.budget.stages import stage_kv_cache_groups, stage_model, stage_weights_bytes
 from engine.core.kv_cache_groups import KVCacheGroup, groups_to_config, is_hybrid, kv_cache_groups
 from engine.core.scheduler import SchedulerConfig
 from engine.errors import BudgetError, UserError
@@ -115,10 +116,13 @@ class PhaseRecorder:
     """Emits the begin/end events of each phase with memory readings around it."""
 
     def __init__(self, bus: EventBus, device: torch.device, device_memory_gib: float | None, log: Any,
-                 rank: int | None = None) -> None:
+                 rank: int | None = None, pp_rank: int | None = None, tp_rank: int | None = None) -> None:
         self.bus = bus
-        # under tensor parallelism every event says whose phase it is (every rank runs A-G); None: one rank
+        # under tensor or pipeline parallelism every event says whose phase it is (every rank runs A-G);
+        # a pipeline stage's also say which stage and which rank within it; None: one rank
         self.rank = rank
+        self.pp_rank = pp_rank
+        self.tp_rank = tp_rank
         self.device = device
         self.device_memory_gib = device_memory_gib
         self.log = log
@@ -131,7 +135,8 @@ class PhaseRecorder:
     def phase(self, letter: str) -> Iterator[PhaseHandle]:
         name = PHASES[letter]
         before = self.reading().to_dict()
-        self.bus.publish(StartupPhase(phase=letter, name=name, status="begin", memory_before=before, rank=self.rank))
+        self.bus.publish(StartupPhase(phase=letter, name=name, status="begin", memory_before=before, rank=self.rank,
+                                      pp_rank=self.pp_rank, tp_rank=self.tp_rank))
         handle = PhaseHandle()
         start = time.perf_counter()
         try:
@@ -142,7 +147,8 @@ class PhaseRecorder:
             reason = str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}"
             self.bus.publish(StartupPhase(phase=letter, name=name, status="failed", duration_s=duration,
                                           memory_before=before, memory_after=self.reading().to_dict(),
-                                          data=handle.data(), reason=reason, rank=self.rank))
+                                          data=handle.data(), reason=reason, rank=self.rank,
+                                          pp_rank=self.pp_rank, tp_rank=self.tp_rank))
             self.log.error(f"phase {letter} ({name}) failed", reason=reason)
             raise
         duration = time.perf_counter() - start
@@ -150,9 +156,15 @@ class PhaseRecorder:
         status = "skipped" if handle.skipped else "end"
         self.bus.publish(StartupPhase(phase=letter, name=name, status=status, duration_s=duration,
                                       memory_before=before, memory_after=self.reading().to_dict(),
-                                      data=handle.data(), reason=handle.skipped, rank=self.rank))
+                                      data=handle.data(), reason=handle.skipped, rank=self.rank,
+                                      pp_rank=self.pp_rank, tp_rank=self.tp_rank))
         self.log.info(f"phase {letter} {name} {'skipped' if handle.skipped else 'done'} in {duration:.2f} s",
                       **({"reason": handle.skipped} if handle.skipped else {}))
+
+
+def _multi_rank(config: EngineConfig) -> bool:
+    """Tensor or pipeline parallel: the ranks run one layout, so no rank-local kernel plan."""
+    return config.tensor_parallel_size > 1 or (config.pipeline_parallel_size or 1) > 1
 
 
 def resolve_dtype(config: EngineConfig, model: ModelConfig, device: torch.device,
@@ -164,7 +176,7 @@ def resolve_dtype(config: EngineConfig, model: ModelConfig, device: torch.device
         return DtypeChoice(config.dtype, "--dtype " + config.dtype)
     if device.type == "cpu" and model.family.cpu_dtype is not None:  # the family's own rule (the registry)
         return DtypeChoice(*model.family.cpu_dtype)
-    if device.type == "cpu" and config.tensor_parallel_size == 1 and kernel_plan.plan_enabled():
+    if device.type == "cpu" and not _multi_rank(config) and kernel_plan.plan_enabled():
         return DtypeChoice(kernel_plan.AUTO_DTYPE, kernel_plan.AUTO_DTYPE_REASON)
     if device.type == "cpu":
         return choose_cpu_dtype(caps or detect())
@@ -241,8 +253,9 @@ def cpu_batch_budget(config: EngineConfig, model: ModelConfig, quantization: str
     """The CPU default ``--max-num-batched-tokens`` and why: from the stored kernel plan's
     prefill speed (one step near ``kernel_plan.STEP_TARGET_S``), else the fixed default."""
     fixed = CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
-    if config.tensor_parallel_size > 1 or not kernel_plan.plan_enabled():
-        return fixed, f"the CPU default {fixed} (no kernel plan: {kernel_plan.PLAN_ENV}=off or tensor parallel)"
+    if _multi_rank(config) or not kernel_plan.plan_enabled():
+        return fixed, (f"the CPU default {fixed} (no kernel plan: {kernel_plan.PLAN_ENV}=off, tensor or pipeline "
+                       "parallel)")
     plan = kernel_plan.pinned() or kernel_plan.load_stored(kernel_plan_key(config, model, quantization, dtype, caps,
                                                                                     dtype_auto))
     if plan is None:
@@ -346,6 +359,20 @@ class StartupInputs:
     # The hybrid KV cache's groups (engine/core/kv_cache_groups.py) from the model's
     # layer_types and sliding_window; () for one full-attention table (every Llama).
     kv_cache_groups: tuple[KVCacheGroup, ...] = ()
+    # A pipeline stage's layers [start, end) (engine/pipeline.py); None: every layer
+    stage_layers: tuple[int, int] | None = None
+
+    @property
+    def budget_model(self) -> ModelConfig:
+        """The shapes this rank's budget holds: a pipeline stage's layers only."""
+        return self.model if self.stage_layers is None else stage_model(self.model, self.stage_layers)
+
+    @property
+    def budget_groups(self) -> tuple[KVCacheGroup, ...]:
+        """The KV cache groups of this rank's pool: a stage's groups hold its own layers."""
+        if self.stage_layers is None or not self.kv_cache_groups:
+            return self.kv_cache_groups
+        return stage_kv_cache_groups(self.kv_cache_groups, self.stage_layers)
 
     @property
     def config(self) -> EngineConfig:
@@ -358,15 +385,17 @@ class StartupInputs:
         return self.config.max_model_len
 
 
-def prepare_startup(config: EngineConfig, log: Any) -> StartupInputs:
+def prepare_startup(config: EngineConfig, log: Any, stage: Any = None) -> StartupInputs:
     """Before phase A: the device (and ``--num-threads``), the model's shapes, the resolved
-    flags and the KV cache groups. Raises UserError for flags no machine could run."""
+    flags and the KV cache groups. Raises UserError for flags no machine could run.
+    ``stage``: a pipeline stage's StageLayout (engine/pipeline.py)."""
     device = resolve_device(config.device)
+    ranks_here = config.tensor_parallel_size * (stage.ranks_on_host if stage is not None else 1)
     if device.type == "cpu" and config.num_threads:
         torch.set_num_threads(config.num_threads)
-    elif device.type == "cpu" and config.tensor_parallel_size > 1:
+    elif device.type == "cpu" and ranks_here > 1:
         # The ranks share the host's cores: N ranks of all-core thread pools would spin against each other.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_here))
     model = load_model_config(config.model)
     check_model_supported(model, config)
     caps = detect() if device.type == "cpu" else None
@@ -374,7 +403,8 @@ def prepare_startup(config: EngineConfig, log: Any) -> StartupInputs:
     resolved = resolution.config
     per_token = bytes_per_kv_token(model, resolved.kv_cache_dtype, resolved.tensor_parallel_size, resolved.dtype)
     groups = () if config.disable_hybrid_kv_cache_manager else model_kv_cache_groups(model)
-    return StartupInputs(resolution, model, device, caps, per_token, log, groups)
+    layers = stage.layers(model.num_layers) if stage is not None else None
+    return StartupInputs(resolution, model, device, caps, per_token, log, groups, layers)
 
 
 def model_kv_cache_groups(model: ModelConfig) -> tuple[KVCacheGroup, ...]:
@@ -411,10 +441,13 @@ def check_model_supported(model: ModelConfig, config: EngineConfig) -> None:
 
 
 def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, int], None] | None = None,
-                 rank: RankLayout | None = None) -> StartupResult:
+                 rank: RankLayout | None = None, stage: Any = None) -> StartupResult:
     """Resolve the flags (``config`` itself is not changed), then run phases A–G.
     ``rank``: this process's place in a tensor-parallel replica (engine/workers.py
     starts the others); phase A joins the replica's group, B and E agree across ranks.
+    ``stage``: this process's pipeline stage (engine/pipeline.py's StageLayout): phase A
+    joins the stages (rank 0 hands them its flags), C keeps the stage's layers, B and E
+    budget the stage's weights and KV pool and E takes the fewest blocks of any stage.
     Raises UserError (after a ``failed`` phase event) when the budget does not fit,
     with the numbers and the flags that would fix it; everything the flags alone
     decide is refused in phase B, before weights load. A model with sliding-window layers
@@ -422,18 +455,24 @@ def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, i
     ``--disable-hybrid-kv-cache-manager`` (vLLM's flag) keeps every layer on one
     full-attention table."""
     log = get_logger("kvscope.startup")
-    s = prepare_startup(config, log)
+    s = prepare_startup(config, log, stage)
     bus.publish(EngineConfigEvent(config=resolved_config_dict(s),
                                   model=_model_summary(s.model, s.config.dtype, s.bytes_per_token)))
-    phases = PhaseRecorder(bus, s.device, s.config.device_memory_gib, log, rank=rank.rank if rank else None)
+    if stage is not None:
+        phases = PhaseRecorder(bus, s.device, s.config.device_memory_gib, log, rank=stage.rank, pp_rank=stage.rank,
+                               tp_rank=0)
+    else:
+        phases = PhaseRecorder(bus, s.device, s.config.device_memory_gib, log, rank=rank.rank if rank else None)
     parallel: TensorParallel | None = None
     with phases.phase("A") as a:
         if rank is not None:
             parallel = TensorParallel.join(rank, s.device)
+        if stage is not None and not torch.distributed.is_initialized():  # rank 0 (a stage process joined first)
+            stage.join(config)
         reading = phases.reading()
         kernels = _phase_init(a, s, reading)
     try:
-        return _phases_b_to_g(s, phases, reading, kernels, parallel, bus, progress, log)
+        return _phases_b_to_g(s, phases, reading, kernels, parallel, bus, progress, log, stage)
     except BaseException:
         if kernels is not None:
             kernels.settle()
@@ -442,7 +481,7 @@ def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, i
 
 def _phases_b_to_g(s: StartupInputs, phases: PhaseRecorder, reading: MemoryReading, kernels: KernelBuilds | None,
                    parallel: TensorParallel | None, bus: EventBus, progress: Callable[[int, int], None] | None,
-                   log: Any) -> StartupResult:
+                   log: Any, stage: Any = None) -> StartupResult:
     """Phases B-G of :func:`start_engine` (A has started the kernel builds it settles on failure)."""
     with phases.phase("B") as b:
         if parallel is not None:  # the replica has what its emptiest rank has
@@ -453,7 +492,8 @@ def _phases_b_to_g(s: StartupInputs, phases: PhaseRecorder, reading: MemoryReadi
                                                       parallel)
     with phases.phase("D") as d:
         bus.publish(StartupProgress(phase="D", what="profile run", done=0, total=1, unit="steps"))
-        profile = _profile_run(runner, s.config, s.model, s.device, log, shared=parallel is not None)
+        profile = _profile_run(runner, s.config, s.model, s.device, log,
+                               shared=parallel is not None or stage is not None)
         bus.publish(StartupProgress(phase="D", what="profile run", done=1, total=1, unit="steps"))
         d.record = ProfileRunData(
             activation_peak_bytes=profile.activation_peak_bytes, non_torch_bytes=profile.non_torch_bytes,
@@ -461,7 +501,7 @@ def _phases_b_to_g(s: StartupInputs, phases: PhaseRecorder, reading: MemoryReadi
             max_num_seqs=s.config.max_num_seqs, estimated=(), forward_s=profile.forward_s,
             sample_s=profile.sample_s, cached=profile.cached, measured_at=profile.measured_at)
     with phases.phase("E") as e:
-        plan = _phase_kv_cache(e, s, reading, info.weights_bytes, profile, runner, parallel)
+        plan = _phase_kv_cache(e, s, reading, info.weights_bytes, profile, runner, parallel, stage)
     with phases.phase("F") as f:
         if s.device.type == "cuda":
             _cuda_phase_f(f, s, runner)
@@ -502,8 +542,11 @@ def _phase_budget(b: PhaseHandle, s: StartupInputs, reading: MemoryReading) -> N
     requested = reading.total * config.gpu_memory_utilization
     b.record = BudgetData(total_bytes=reading.total, gpu_memory_utilization=config.gpu_memory_utilization,
                           requested_bytes=int(requested), free_bytes=reading.free, memory_source=reading.source)
-    check_fixed_pool(config, s.bytes_per_token, s.kv_cache_groups, bytes_per_kv_token_per_layer(
-        s.model, config.kv_cache_dtype, config.tensor_parallel_size, config.dtype) if s.kv_cache_groups else 0)
+    model = s.budget_model  # a pipeline stage budgets its own layers
+    check_fixed_pool(config, bytes_per_kv_token(model, config.kv_cache_dtype, config.tensor_parallel_size,
+                                                config.dtype),
+                     s.budget_groups, bytes_per_kv_token_per_layer(
+        model, config.kv_cache_dtype, config.tensor_parallel_size, config.dtype) if s.kv_cache_groups else 0)
     if config.kv_cache_memory_bytes is None and reading.free < requested:
         raise BudgetError(
             f"free memory on device ({reading.free / GiB:.2f}/{reading.total / GiB:.2f} GiB) is less than "
@@ -512,6 +555,12 @@ def _phase_budget(b: PhaseHandle, s: StartupInputs, reading: MemoryReading) -> N
             + (", or give --device-memory GiB" if device.type == "cpu" else ", or free the device")
         )
     needed_weights = weights_bytes(s.model, config.dtype, config.tensor_parallel_size)
+    if s.stage_layers is not None:
+        stages = config.pipeline_parallel_size or 1
+        needed_weights = stage_weights_bytes(s.model, s.stage_layers, s.stage_layers[0] == 0,
+                                             s.stage_layers[1] == s.model.num_layers, config.dtype,
+                                             config.tensor_parallel_size)
+        s.log.info(f"pipeline stage of {stages}: layers {s.stage_layers[0]}-{s.stage_layers[1] - 1}")
     if config.kv_cache_memory_bytes is None and needed_weights > requested:
         raise BudgetError(
             f"the weights ({needed_weights / GiB:.2f} GiB in {config.dtype}) do not fit the requested "
@@ -533,8 +582,13 @@ def _phase_load_weights(c: PhaseHandle, s: StartupInputs, progress: Callable[[in
                          kv_cache_dtype=config.kv_cache_dtype, parallel=parallel,
                          kv_cache_groups=s.kv_cache_groups)
     info = runner.load_weights(progress)
+    if s.stage_layers is not None:  # a pipeline stage keeps its layers (engine/pipeline.py)
+        from engine.pipeline import carve_stage
+
+        carve_stage(runner, s.stage_layers)
+        info.weights_bytes = runner.model.weights_bytes()
     plan_bytes = None
-    if s.device.type == "cpu" and parallel is None and kernel_plan.plan_enabled():
+    if s.device.type == "cpu" and parallel is None and not _multi_rank(config) and kernel_plan.plan_enabled():
         # measured (or read back) here, not in phase F: phase D profiles, and phase E sizes, what it runs
         before = runner.model.weights_bytes()
         key = kernel_plan_key(config, model, config.quantization, config.dtype, s.caps, s.resolution.dtype_auto)
@@ -560,14 +614,16 @@ SLIDING_LAYER = "sliding_attention"  # transformers' layer type (ModelConfig.lay
 
 def _phase_kv_cache(e: PhaseHandle, s: StartupInputs, reading: MemoryReading, weights: int,
                     profile: profile_cache.ProfileResult, runner: ModelRunner,
-                    parallel: TensorParallel | None = None) -> MemoryPlan:
+                    parallel: TensorParallel | None = None, stage: Any = None) -> MemoryPlan:
     """Phase E: the pool from the budget formula (on CPU capped at the default unless
-    sized by a flag), refused when it cannot hold one request, then allocated."""
+    sized by a flag), refused when it cannot hold one request, then allocated. A pipeline
+    stage's pool holds its own layers (its bytes per token, its groups' pages) and every
+    stage takes the fewest blocks of any (vLLM's minimum ``num_gpu_blocks``)."""
     config, device, log = s.config, s.device, s.log
     kv_bytes = config.kv_cache_memory_bytes
     capped = False
     plan_kwargs: dict[str, Any] = dict(
-        model=s.model, total_bytes=reading.total, gpu_memory_utilization=config.gpu_memory_utilization,
+        model=s.budget_model, total_bytes=reading.total, gpu_memory_utilization=config.gpu_memory_utilization,
         max_model_len=s.max_model_len, block_size=config.block_size,
         kv_cache_dtype=config.kv_cache_dtype, dtype=config.dtype, tensor_parallel_size=config.tensor_parallel_size,
         weights=weights, activation_peak=profile.activation_peak_bytes,
@@ -587,9 +643,10 @@ def _phase_kv_cache(e: PhaseHandle, s: StartupInputs, reading: MemoryReading, we
         plan = plan_memory(kv_cache_memory_bytes=int(CPU_DEFAULT_KV_SPACE_GIB * GiB), check_fits=False,
                            **plan_kwargs)
         capped = True
-    if parallel is not None:
+    group = parallel if parallel is not None else stage
+    if group is not None:
         # One block table serves every rank: each pool holds the blocks of the rank with the fewest.
-        fewest = min(parallel.all_gather(plan.num_blocks))
+        fewest = min(group.all_gather(plan.num_blocks))
         if fewest < plan.num_blocks:
             plan = plan_memory(kv_cache_memory_bytes=fewest * plan.block_bytes, check_fits=False, **plan_kwargs)
     e.record = dataclasses.replace(plan.kv_cache_data(), cpu_default_cap=capped)

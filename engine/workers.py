@@ -1,10 +1,15 @@
-"""The tensor-parallel worker processes of one replica (``--distributed-executor-backend mp``).
+"""The worker processes of one replica (``--distributed-executor-backend mp``): the
+tensor-parallel ranks, or this host's pipeline stages.
 
 ``--tensor-parallel-size N`` starts N-1 workers with ``torch.multiprocessing``'s spawn
 context; the engine's own process is rank 0, which runs the scheduler, samples and
 publishes every event. Each worker runs startup phases A–G itself
 (:func:`engine.startup.start_engine` with its :class:`~engine.model.parallel.RankLayout`),
-then serves steps until rank 0 says stop.
+then serves steps until rank 0 says stop. ``--pipeline-parallel-size P`` starts this
+host's stages the same way, each with its :class:`~engine.pipeline.StageLayout` (host 0
+holds stage 0 in the engine's process; a host beyond 0 runs its stages headless,
+:meth:`WorkerGroup.run_headless`), and a stage serves its part of each step
+(:func:`engine.pipeline.serve_stage`).
 
 Control plane: each step's batch (the scheduler's :class:`~engine.model.runner.ScheduledSeq`
 list: token ids, positions, block ids, which are the same on every rank) is broadcast
@@ -56,6 +61,7 @@ class RankState:
 
     rank: int
     process: Any  # multiprocessing's SpawnProcess
+    label: str = ""  # how a failure names it: "tensor-parallel rank 1", "pipeline stage 1 (host 0, layers 15-29)"
     phase: str | None = None
     phase_status: str | None = None
     failure: str | None = None  # the worker's own account, when it could send one
@@ -82,20 +88,45 @@ class WorkerGroup:
     """Rank 0's side of a replica: starts the workers, relays their events, sends each
     step, explains a failure, and stops every worker on close."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, rendezvous: Any = None) -> None:
+        """The workers of ``config``'s tensor-parallel replica, or under
+        ``--pipeline-parallel-size`` the stages of this host (``rendezvous``: where the
+        stages meet; by default :meth:`engine.pipeline.Rendezvous.of` the flags)."""
         import torch.multiprocessing as mp
 
         from engine.model.parallel import RankLayout, free_init_method
 
-        size = config.tensor_parallel_size
-        init_method = free_init_method()
-        self.driver_layout = RankLayout(0, size, init_method)
         context = mp.get_context("spawn")
         self._messages = context.Queue()
-        self.ranks = [RankState(rank, context.Process(target=worker_main, name=f"kvscope-tp-rank{rank}", daemon=True,
-                                                      args=(RankLayout(rank, size, init_method), config,
-                                                            self._messages, os.getpid())))
-                      for rank in range(1, size)]
+        self.driver_layout: RankLayout | None = None  # rank 0's, under tensor parallelism
+        self.driver_stage: Any = None  # rank 0's StageLayout on host 0, under pipeline parallelism
+        self.rendezvous: Any = None
+        layouts: list[tuple[Any, str, str]] = []  # (layout, process name, how a failure names it)
+        if (config.pipeline_parallel_size or 1) > 1:
+            from engine.modelspec.readers import load_model_config
+            from engine.pipeline import Rendezvous, StageLayout
+
+            stages = config.pipeline_parallel_size or 1
+            self.rendezvous = rendezvous or Rendezvous.of(config)
+            num_layers = load_model_config(config.model).num_layers
+            for rank in self.rendezvous.stages_of(self.rendezvous.node_rank, stages):
+                layout = StageLayout(rank, stages, self.rendezvous)
+                if rank == 0:
+                    self.driver_stage = layout
+                    continue
+                first, end = layout.layers(num_layers)
+                layouts.append((layout, f"kvscope-pp-stage{rank}",
+                                f"pipeline stage {rank} (host {layout.host}, layers {first}-{end - 1})"))
+        else:
+            size = config.tensor_parallel_size
+            init_method = free_init_method()
+            self.driver_layout = RankLayout(0, size, init_method)
+            layouts = [(RankLayout(rank, size, init_method), f"kvscope-tp-rank{rank}", f"tensor-parallel rank {rank}")
+                       for rank in range(1, size)]
+        self.ranks = [RankState(layout.rank, context.Process(target=worker_main, name=name, daemon=True,
+                                                             args=(layout, config, self._messages, os.getpid())),
+                                label)
+                      for layout, name, label in layouts]
         for state in self.ranks:
             state.process.start()
         self.parallel: Any = None  # rank 0's TensorParallel, set once startup has joined the group
@@ -127,7 +158,7 @@ class WorkerGroup:
 
     def _handle(self, message: tuple[Any, ...]) -> None:
         kind, rank = message[0], message[1]
-        state = self.ranks[rank - 1]
+        state = next(s for s in self.ranks if s.rank == rank)
         if kind == "event":
             event = event_from_dict(message[2])
             if isinstance(event, StartupPhase):
@@ -149,17 +180,23 @@ class WorkerGroup:
                     raise self._error(state, "during startup")
 
     # ------------------------------------------------------------------- steps
-    def execute(self, runner: Any, batch: Sequence[Any]) -> tuple[dict[str, int], dict[str, float]]:
+    def execute(self, runner: Any, batch: Sequence[Any]) -> tuple[dict[str, int], dict[str, Any]]:
         """One step on every rank: broadcast the batch, run rank 0's slice (its collectives
-        meet the workers'), return the sampled tokens and what the collectives cost."""
+        meet the workers'), return the sampled tokens and what the collectives cost. Under
+        pipeline parallelism ``runner`` (engine/pipeline.py's PipelineRunner) broadcasts the
+        batch itself, and the step's fields are each stage's bubble and bytes."""
         parallel = self.parallel
-        parallel.take_stats()
+        if parallel is not None:
+            parallel.take_stats()
         try:
-            parallel.broadcast_from_driver(list(batch))
+            if parallel is not None:
+                parallel.broadcast_from_driver(list(batch))
             sampled = runner.execute(batch)
         except RuntimeError as exc:  # gloo/NCCL: a peer closed its connection or timed out
             raise self.failure(exc) from exc
         self.steps_sent += 1
+        if parallel is None:
+            return sampled, runner.step_fields()
         stats = parallel.take_stats()
         return sampled, {"collective_s": stats.seconds, "collective_bytes": stats.bytes,
                          "collective_calls": stats.calls}
@@ -182,7 +219,12 @@ class WorkerGroup:
         ended.sort(key=lambda s: 0 if s.failure and not s.failure.startswith("RuntimeError")
                    else 1 if s.failure is None else 2)
         when = f"during step {self.steps_sent + 1}" if all(s.ready for s in self.ranks) else "during startup"
-        if not ended:
+        if not ended and self.rendezvous is not None:
+            remote = (f"; a stage on another host (hosts 1..{self.rendezvous.nnodes - 1}) may have stopped"
+                      if self.rendezvous.nnodes > 1 else "")
+            error = ReplicaError(f"pipeline stage exchange failed {when} with every stage on this host still running"
+                                 f"{remote} ({type(exc).__name__}: {exc}); the replica is stopped")
+        elif not ended:
             error = ReplicaError(f"tensor-parallel collective failed {when} with every worker still running "
                                  f"({type(exc).__name__}: {exc}); the replica is stopped")
         else:
@@ -195,7 +237,7 @@ class WorkerGroup:
     def _error(self, state: RankState, when: str) -> ReplicaError:
         others = [s.rank for s in self.ranks if s is not state]
         return ReplicaError(
-            f"tensor-parallel rank {state.rank} (pid {state.process.pid}) {state.how_it_ended()} {when}; its last "
+            f"{state.label} (pid {state.process.pid}) {state.how_it_ended()} {when}; its last "
             f"phase: {state.last_phase()}. The replica is stopped: rank 0"
             + (f" and rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}" if others else "")
             + " shut down")
@@ -207,10 +249,13 @@ class WorkerGroup:
         if self._closed:
             return
         self._closed = True
-        healthy = self.parallel is not None and all(s.ready and s.process.is_alive() for s in self.ranks)
+        import torch.distributed as dist
+
+        # rank 0 has joined the group (phase A) and every worker serves steps: ask them to stop
+        healthy = dist.is_initialized() and all(s.ready and s.process.is_alive() for s in self.ranks)
         if healthy:
             with contextlib.suppress(RuntimeError):
-                self.parallel.broadcast_from_driver(None)
+                dist.broadcast_object_list([None], src=0)  # the control plane's stop (a None batch)
         deadline = time.monotonic() + (SHUTDOWN_WAIT_S if healthy else 0.0)
         for state in self.ranks:
             state.process.join(max(0.0, deadline - time.monotonic()))
@@ -221,8 +266,6 @@ class WorkerGroup:
             if state.process.is_alive():
                 state.process.kill()
                 state.process.join(2.0)
-        import torch.distributed as dist
-
         if dist.is_initialized():  # also when startup failed before self.parallel was set
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
@@ -232,6 +275,15 @@ class WorkerGroup:
 
     def pids(self) -> list[int]:
         return [s.process.pid for s in self.ranks]
+
+    def run_headless(self) -> int:
+        """A host beyond 0: let its stages run until host 0 stops them (their phase events
+        are read and dropped: host 0's recording has its own stages'; each stage logs its
+        phases here). 0 when every stage ended cleanly, else 1."""
+        while any(s.process.is_alive() for s in self.ranks):
+            self.drain(timeout=0.5)
+        self.drain()
+        return 0 if all(s.process.exitcode == 0 for s in self.ranks) else 1
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -246,22 +298,33 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def worker_main(layout: Any, config: EngineConfig, messages: Any, parent_pid: int) -> None:
-    """A worker: phases A–G on its rank (events to rank 0), then steps until told to stop."""
+    """A worker: phases A–G on its rank (events to rank 0), then steps until told to stop.
+    ``layout``: a tensor-parallel RankLayout, or a pipeline StageLayout."""
     _die_with_parent(parent_pid)
     from engine.logs import configure_logging
 
     configure_logging(level="warning")  # rank 0 logs the replica; a worker's events carry its numbers
+    from engine.model.parallel import RankLayout
     from engine.startup import start_engine
 
     bus = EventBus()
     bus.subscribe(lambda e: messages.put(("event", layout.rank, e.to_dict())) if isinstance(e, StartupPhase) else None)
     code = 0
     try:
-        result = start_engine(config, bus, rank=layout)
-        messages.put(("ready", layout.rank))
-        runner, parallel = result.runner, result.parallel
-        while (batch := parallel.broadcast_from_driver()) is not None:
-            runner.execute(batch)
+        if not isinstance(layout, RankLayout):  # a pipeline stage: rank 0's flags, then its phases and steps
+            from engine.pipeline import Stage, serve_stage
+
+            config = layout.join()
+            result = start_engine(config, bus, stage=layout)
+            messages.put(("ready", layout.rank))
+            serve_stage(Stage.of(result.runner, layout, result.model_config.num_layers))
+        else:
+            result = start_engine(config, bus, rank=layout)
+            messages.put(("ready", layout.rank))
+            runner, parallel = result.runner, result.parallel
+            assert parallel is not None  # a tensor-parallel rank's start joined its group
+            while (batch := parallel.broadcast_from_driver()) is not None:
+                runner.execute(batch)
         # No destroy_process_group: it would wait on rank 0, which is joining this process.
     except BaseException as exc:
         messages.put(("failed", layout.rank, str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}"))

@@ -13,10 +13,12 @@ block ids are valid on every stage.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from engine.budget.memory import GiB, MemoryPlan, plan_memory
+from engine.core.kv_cache_groups import KVCacheGroup, kv_cache_groups
 from engine.modelspec.config import DTYPE_BYTES, ModelConfig
 
 
@@ -33,6 +35,21 @@ def stage_layer_ranges(num_layers: int, stages: int) -> list[tuple[int, int]]:
         sizes[-i] += 1
     starts = [sum(sizes[:i]) for i in range(stages)]
     return [(s, s + n) for s, n in zip(starts, sizes, strict=True)]
+
+
+def stage_model(model: ModelConfig, layers: tuple[int, int]) -> ModelConfig:
+    """The shapes one stage's KV pool and layers hold: ``layers``' count and layer types."""
+    types = model.layer_types[layers[0]:layers[1]] if model.layer_types else None
+    return dataclasses.replace(model, num_layers=layers[1] - layers[0], layer_types=types)
+
+
+def stage_kv_cache_groups(groups: Sequence[KVCacheGroup], layers: tuple[int, int]) -> tuple[KVCacheGroup, ...]:
+    """The whole model's KV cache groups, each holding only the stage's layers (renumbered
+    from 0). As vLLM's ``get_kv_cache_configs``: the groups are the whole model's, so every
+    stage keeps the scheduler's one block table per group, and a group may hold no layer
+    of a stage (its blocks still name pages there: the block ids are shared)."""
+    start, end = layers
+    return tuple(KVCacheGroup(g.spec, tuple(i - start for i in g.layers if start <= i < end)) for g in groups)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,13 +120,16 @@ def plan_stages(model: ModelConfig, pipeline_parallel_size: int, **plan_kwargs: 
     ranges = stage_layer_ranges(model.num_layers, pipeline_parallel_size)
     tp = plan_kwargs.get("tensor_parallel_size", 1)
     given_weights = plan_kwargs.pop("weights", None)
+    groups = plan_kwargs.pop("kv_cache_groups", None)
+    if groups is None and model.layer_types:
+        groups = kv_cache_groups(model.layer_types, model.sliding_window, model.num_layers)
     for index, layers in enumerate(ranges):
         first, last = index == 0, index == len(ranges) - 1
-        types = model.layer_types[layers[0]:layers[1]] if model.layer_types else None
-        stage_model = dataclasses.replace(model, num_layers=layers[1] - layers[0], layer_types=types)
         weights = (given_weights * (layers[1] - layers[0]) // model.num_layers if given_weights is not None
                    else stage_weights_bytes(model, layers, first, last, plan_kwargs.get("dtype"), tp))
-        plan = plan_memory(model=stage_model, weights=weights, check_fits=False, **plan_kwargs)
+        own_groups = stage_kv_cache_groups(groups, layers) if groups is not None else None
+        plan = plan_memory(model=stage_model(model, layers), weights=weights, check_fits=False,
+                           kv_cache_groups=own_groups, **plan_kwargs)
         stages.append(StagePlan(index, layers, plan))
     return PipelinePlan(tuple(stages), plan_kwargs.get("block_size", 16), plan_kwargs["max_model_len"])
 

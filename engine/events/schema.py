@@ -93,11 +93,14 @@ class StartupPhase(Event):
     ``simulated`` from ``engine simulate``. ``rank``: the tensor-parallel rank whose
     phase it is (every rank runs A–G; rank 0 publishes the others' phases too), on every
     rank's events, rank 0's included; None (not written) when the replica has one rank,
-    so a one-rank recording is what it always was.
+    so a one-rank recording is what it always was. ``pp_rank`` / ``tp_rank``: under
+    pipeline parallelism, the stage whose phase it is and the rank within the stage
+    (every stage runs A–G for its own layers and KV pool, engine/pipeline.py); None (not
+    written) otherwise.
     """
 
     type: ClassVar[str] = "startup.phase"
-    written_when_set: ClassVar[frozenset[str]] = frozenset({"rank"})
+    written_when_set: ClassVar[frozenset[str]] = frozenset({"rank", "pp_rank", "tp_rank"})
     phase: str = "A"
     name: str = "init"
     status: str = "begin"
@@ -109,11 +112,14 @@ class StartupPhase(Event):
     planned: bool = False
     simulated: bool = False
     rank: int | None = None
+    pp_rank: int | None = None
+    tp_rank: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = Event.to_dict(self)  # drops rank 0 with None (written_when_set): rank 0 goes back in
-        if self.rank is not None:
-            out["rank"] = self.rank
+        for name in ("rank", "pp_rank", "tp_rank"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
         return out
 
 
