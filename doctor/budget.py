@@ -16,6 +16,7 @@ from typing import Any
 
 from doctor.facts import RunFacts
 from engine.budget.memory import MemoryPlan, estimate_activation_peak_bytes, plan_memory
+from engine.budget.stages import PipelinePlan, plan_stages
 from engine.events.phase_data import BudgetData, LoadWeightsData, ProfileRunData
 from engine.modelspec.config import ModelConfig
 
@@ -40,6 +41,25 @@ def replan(facts: RunFacts, **changes: Any) -> MemoryPlan | None:
     """The run's plan with ``changes`` (flag names underscored: ``kv_cache_dtype="fp8"``,
     ``gpu_memory_utilization=0.95``, ``max_num_batched_tokens=2048``); None when the
     run did not report the model or its budget (a recording cut before phase E)."""
+    inputs = _plan_inputs(facts, changes)
+    return plan_memory(check_fits=False, **inputs) if inputs is not None else None
+
+
+def replan_stages(facts: RunFacts, pipeline_parallel_size: int, **changes: Any) -> PipelinePlan | None:
+    """The run as ``pipeline_parallel_size`` stages (``engine plan -pp``'s per-stage budget on
+    the run's GPU): each stage's weights from its own shapes (what the run measured was one
+    process's share), its measured activation peak and non-torch memory kept; None as
+    :func:`replan`, or when the model has fewer layers than stages."""
+    inputs = _plan_inputs(facts, changes)
+    if inputs is None or pipeline_parallel_size > inputs["model"].num_layers:
+        return None
+    model = inputs.pop("model")
+    inputs["weights"] = None
+    return plan_stages(model, pipeline_parallel_size, **inputs)
+
+
+def _plan_inputs(facts: RunFacts, changes: dict[str, Any]) -> dict[str, Any] | None:
+    """``plan_memory``'s keywords for the run with ``changes`` (see :func:`replan`)."""
     model = model_of(facts)
     budget: BudgetData | None = _record(facts, "B", BudgetData)
     kv = facts.kv_cache
@@ -65,11 +85,11 @@ def replan(facts: RunFacts, **changes: Any) -> MemoryPlan | None:
         activation = int(activation * estimate_activation_peak_bytes(model, new_tokens, seqs, dtype, tp) / old_est)
     # A fixed pool (--kv-cache-memory-bytes, --num-gpu-blocks-override, the CPU cap) keeps its bytes.
     fixed_pool = kv.kv_pool_bytes if kv.kv_pool_overridden else None
-    return plan_memory(
+    return dict(
         model=model, total_bytes=int(budget.total_bytes),
         gpu_memory_utilization=float(flags["gpu_memory_utilization"] or budget.gpu_memory_utilization or 0.9),
         max_model_len=int(kv.max_model_len or facts.flag("max_model_len") or model.max_position_embeddings),
         block_size=facts.block_size, kv_cache_dtype=str(flags["kv_cache_dtype"] or "auto"), dtype=dtype,
         tensor_parallel_size=tp, weights=weights_measured,
         activation_peak=activation, non_torch=profile.non_torch_bytes if profile is not None else None,
-        kv_cache_memory_bytes=fixed_pool, max_num_batched_tokens=new_tokens, max_num_seqs=seqs, check_fits=False)
+        kv_cache_memory_bytes=fixed_pool, max_num_batched_tokens=new_tokens, max_num_seqs=seqs)

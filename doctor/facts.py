@@ -6,6 +6,10 @@ events, a live ``/events`` stream or the in-process bus go through the same
 same numbers. It keeps per step only what the rules read (a :class:`StepRow`),
 per request its arrival, admission, preemptions, first token and finish, and
 the startup phases as published; nothing is read from the scheduler.
+
+A recording of several data-parallel ranks (events with ``dp_rank``) folds each rank
+> 0 into its own :class:`RunFacts` (``ranks``), so a step index always means one
+scheduler's step; ``dp`` folds every rank's load for the imbalance rule.
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ from engine.events import (
     StepEvent,
     event_from_dict,
 )
+from engine.events.dp_balance import DataParallelLoad
 from engine.events.expert_load import ExpertLoad
 from engine.events.phase_data import KvCacheData
+from engine.events.pipeline_idle import PipelineIdle
 from engine.events.request_lifecycle import RequestLifecycle
 from engine.events.schema import WAIT_MAX_NUM_SEQS
 
@@ -56,6 +62,10 @@ class StepRow:
     admitted: int = 0  # requests admitted (new or resumed) in the step
     head: tuple[str, list[Any]] | None = None  # the first waiting request after the step, and why it waited
     deferred: list[str] = field(default_factory=list)  # running but given no token (kept when slots bind)
+    scheduled: int = 0  # sequences the step ran
+    # pipeline parallelism: per stage, seconds waiting on the stage before and activation bytes sent
+    pipeline_bubble_s: list[float] = field(default_factory=list)
+    pipeline_bytes: list[int] = field(default_factory=list)
 
     @property
     def kv_usage(self) -> float:
@@ -114,8 +124,21 @@ class RunFacts:
     _pending_first: list[str] = field(default_factory=list)
     _pending_finish: list[str] = field(default_factory=list)
     _unstepped: list[str] = field(default_factory=list)
+    # pipeline parallelism: each stage's bubble and bytes over this engine's steps
+    pipeline: PipelineIdle = field(default_factory=PipelineIdle)
+    # data parallelism: every rank's load (all events), and each rank > 0's own fold, so the
+    # per-engine rules judge one scheduler's steps at a time (rank 0's are this fold's)
+    dp: DataParallelLoad = field(default_factory=DataParallelLoad)
+    ranks: dict[int, RunFacts] = field(default_factory=dict)
+    own_rank: int = 0  # a rank's fold (in ``ranks``) takes its events as they are
 
     def __call__(self, event: Event) -> None:
+        if self.own_rank == 0:
+            self.dp(event)
+            rank = getattr(event, "dp_rank", 0)
+            if rank:
+                self.rank(rank)(event)
+                return
         self.events += 1
         self.lives(event)
         if isinstance(event, StepEvent):
@@ -152,6 +175,17 @@ class RunFacts:
         elif isinstance(event, SnapshotEvent):
             self._snapshot(event.state)
 
+    def rank(self, rank: int) -> RunFacts:
+        """Data-parallel rank ``rank``'s own fold (0: this one), with the run's flags and startup."""
+        if rank == 0:
+            return self
+        facts = self.ranks.get(rank)
+        if facts is None:
+            facts = self.ranks[rank] = RunFacts(config=dict(self.config), model=dict(self.model),
+                                                phases=dict(self.phases), failed_phase=self.failed_phase,
+                                                own_rank=rank)
+        return facts
+
     def _request(self, request_id: str) -> RequestFacts:
         return self.requests.setdefault(request_id, RequestFacts(request_id))
 
@@ -165,7 +199,9 @@ class RunFacts:
             prefills=prefills, preempted=list(e.preempted), evicted=list(e.evicted), num_finished=len(e.finished),
             collective_s=e.collective_s, collective_bytes=e.collective_bytes,
             admitted=len(e.new) + len(e.resumed),
-            head=next(iter(e.waiting_reasons.items()), None)))
+            head=next(iter(e.waiting_reasons.items()), None), scheduled=len(e.scheduled),
+            pipeline_bubble_s=list(e.pipeline_bubble_s), pipeline_bytes=list(e.pipeline_bytes)))
+        self.pipeline(e)
         running = self._running
         running.update(dict.fromkeys((*e.new, *e.resumed)))
         for rid in (*e.preempted, *e.finished):

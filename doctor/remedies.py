@@ -18,17 +18,26 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
-from doctor.budget import model_of, replan
+from doctor.budget import model_of, replan, replan_stages
 from doctor.facts import RunFacts
 from doctor.rules import Finding, Fix
 from engine.budget.config import EngineConfig
+from engine.budget.stages import DEFAULT_MICRO_BATCHES
 from engine.errors import UserError
-from engine.sim.simulate import DEFAULT_EFFICIENCY, DEFAULT_GPU, SimResult, build_setup, simulate
+from engine.sim.simulate import (
+    DEFAULT_EFFICIENCY,
+    DEFAULT_GPU,
+    DEFAULT_PIPELINE_LINK_GBS,
+    SimResult,
+    build_setup,
+    simulate,
+)
 from engine.sim.workload import WorkloadRequest
 
 # Flags the simulator can vary, with the type their proposed value takes.
 SIMULATED_FLAGS = {"--max-num-seqs": int, "--max-num-batched-tokens": int, "--kv-cache-dtype": str,
-                   "--gpu-memory-utilization": float, "--long-prefill-token-threshold": int}
+                   "--gpu-memory-utilization": float, "--long-prefill-token-threshold": int,
+                   "--pipeline-parallel-size": int}
 POOL_FLAGS = ("--kv-cache-dtype", "--gpu-memory-utilization", "--max-num-batched-tokens")
 MAX_SIM_STEPS = 200_000  # a what-if never runs longer than this (a pathological fix)
 
@@ -43,6 +52,8 @@ EFFECT_METRICS: dict[str, tuple[tuple[str, str, str], ...]] = {
     "ttft_token_budget": (("ttft_p50_s", "TTFT p50", "s"), ("ttft_p99_s", "TTFT p99", "s"), ("itl_max_s", "worst ITL", "s")),
     "prefix_cache_low": (("prefix_hit_rate", "prefix hit rate", "%"), ("ttft_p50_s", "TTFT p50", "s"),
                          ("preemptions", "preemptions", "")),
+    "pipeline_bubble": (("output_tokens_per_s", "output", "tok/s"), ("itl_p50_s", "ITL p50", "s"),
+                        ("ttft_p99_s", "TTFT p99", "s")),
 }
 
 
@@ -78,6 +89,8 @@ class WhatIf:
         self.gpu = str(sim.get("gpu") or DEFAULT_GPU)
         self.efficiency = float(sim.get("efficiency") or DEFAULT_EFFICIENCY)
         self.simulated_run = bool(sim)
+        self.micro_batches = int(sim.get("pipeline_micro_batches") or DEFAULT_MICRO_BATCHES)
+        self.pipeline_link_gbs = float(sim.get("pipeline_link_gbs") or DEFAULT_PIPELINE_LINK_GBS)
         self._baseline: dict[str, Any] | None = None
 
     @property
@@ -90,11 +103,17 @@ class WhatIf:
         kv = self.facts.kv_cache
         assert model is not None and kv is not None
         blocks = kv.num_blocks
-        if pool_changes:
+        if "pipeline_parallel_size" in changes:  # each stage's pool from the run's budget (engine plan -pp)
+            stages = replan_stages(self.facts, changes["pipeline_parallel_size"])
+            blocks = stages.num_blocks if stages is not None else blocks
+            if changes["pipeline_parallel_size"] == 1:
+                changes["pipeline_parallel_size"] = None
+        elif pool_changes:
             plan = replan(self.facts, **changes)
             blocks = plan.num_blocks if plan is not None else blocks
         setup = build_setup(model, self.gpu, _engine_config(self.facts, changes), efficiency=self.efficiency,
-                            num_gpu_blocks_override=max(1, int(blocks or 1)))
+                            num_gpu_blocks_override=max(1, int(blocks or 1)), micro_batches=self.micro_batches,
+                            pipeline_link_gbs=self.pipeline_link_gbs)
         result: SimResult = simulate(setup, self.workload, startup=False, max_steps=MAX_SIM_STEPS)
         summary = result.summary()
         summary["prefix_hit_rate"] = (result.prefix_hit_tokens / result.prefix_query_tokens

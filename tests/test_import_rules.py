@@ -50,7 +50,8 @@ MONITOR_MAY_IMPORT_FROM_ENGINE = (
 # (doctor.remedies), the inputs and the CLI are engine doctor's alone.
 MONITOR_MAY_IMPORT_FROM_DOCTOR = ("doctor.facts", "doctor.rules", "doctor.budget")
 DOCTOR_RULES_MAY_IMPORT_FROM_ENGINE = (*MONITOR_MAY_IMPORT_FROM_ENGINE, "engine.budget.memory", "engine.budget.fixes",
-                                      "engine.modelspec.config")
+                                      "engine.modelspec.config",
+                                      "engine.budget.stages")  # the per-stage budget (engine plan -pp), issue 37
 
 # The core wing: deterministic functions of their inputs (time enters as ``now`` or a
 # clock argument), so the property tests and the simulator can drive them.
