@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.events.schema import Event, RequestArrived, RequestFinished, StepEvent
 
@@ -179,7 +180,7 @@ class DataParallelLoad:
         mean = sum(values) / len(values) if values else 0.0
         return max(values) / mean if mean > 0 else 0.0
 
-    def summary(self) -> dict[str, object]:
+    def summary(self) -> dict[str, Any]:
         """Per rank: requests, tokens, steps, mean and peak load, peak KV; the spreads (max / mean)
         of requests routed, output tokens and mean load, and the share of steps imbalanced."""
         ranks = [self.rank(r) for r in range(self.size)]

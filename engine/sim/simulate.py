@@ -171,10 +171,8 @@ class PipelineCost:
         """Timings for one step of ``(tokens, KV tokens read)`` per scheduled sequence:
         ``duration_s`` / ``forward_s`` and the step event's ``pipeline_bubble_s`` and
         ``pipeline_bytes`` (one entry per stage)."""
-        count = max(1, min(self.micro_batches, len(sequences)))
-        size = -(-len(sequences) // count)
-        batches = [sequences[i:i + size] for i in range(0, len(sequences), size)]
-        work = [(sum(t for t, _ in mb), sum(k for _, k in mb)) for mb in batches]
+        work = [(sum(t for t, _ in mb), sum(k for _, k in mb)) for mb in split_micro_batches(sequences,
+                                                                                            self.micro_batches)]
         ready = [0.0] * len(work)  # when micro-batch m's input is on the current stage
         busy = [0.0] * len(self.stages)
         sent = [0] * len(self.stages)
@@ -194,6 +192,14 @@ class PipelineCost:
         duration = max(ready, default=0.0)
         return {"forward_s": duration, "duration_s": duration,
                 "pipeline_bubble_s": [duration - b for b in busy], "pipeline_bytes": sent}
+
+
+def split_micro_batches(items: Sequence[Any], count: int) -> list[Sequence[Any]]:
+    """``count`` contiguous micro-batches of whole sequences, the first ones a sequence
+    longer when they do not divide (engine/pipeline.py's ``Stage.micro_batches``)."""
+    count = max(1, min(count, len(items)))
+    size = -(-len(items) // count)
+    return [items[i:i + size] for i in range(0, len(items), size)]
 
 
 def stage_cost_models(model: ModelConfig, gpu: GpuPreset, pipeline: PipelinePlan,
