@@ -68,7 +68,7 @@ def test_pipeline_bubble_names_the_stage_the_steps_and_a_layout_through_the_stag
     assert f"stage 0 layers 0–31: {plan.stages[0].plan.weights_bytes / 2**30:,.2f} GiB of weights" in fewer.why
     tp = next(x for x in f.fixes if x.flag == "--tensor-parallel-size")
     tp_plan = replan(facts, tensor_parallel_size=2)
-    assert (tp.current, tp.proposed) == (1, 2) and tp.numbers["kv_cache_tokens"] == tp_plan.kv_cache_tokens
+    assert tp_plan is not None and (tp.current, tp.proposed) == (1, 2) and tp.numbers["kv_cache_tokens"] == tp_plan.kv_cache_tokens
     micro = next(x for x in f.fixes if x.flag == "micro-batches per step")
     assert (micro.current, micro.proposed) == (2, 4) and micro.numbers["fill_drain_floor"] == pytest.approx(0.2)
 
