@@ -27,6 +27,7 @@ BENCHMARKS: list[tuple[str, list[str], int]] = [
     ("bench.bench_simulate", [], 600),
     ("bench.bench_server", [], 900),
     ("bench.bench_tp", [], 1800),
+    ("bench.bench_parallel", [], 1800),  # issue 37: PP=2 / DP=2 bubble and balance, the same layouts simulated
     ("bench.bench_engine", [], 3600),
     # issue 31: Gemma 3 270M (sliding-window layers) beside llama.cpp on the same GGUF
     ("bench.bench_engine", ["--model", "gemma-3-270m", "--variants", "auto", "--workloads",
