@@ -81,9 +81,6 @@ def check_pipeline(config: EngineConfig, model: Any) -> None:
     stages = config.pipeline_parallel_size or 1
     if stages == 1:
         return
-    if config.tensor_parallel_size > 1:
-        raise UserError(f"--pipeline-parallel-size {stages} with --tensor-parallel-size "
-                        f"{config.tensor_parallel_size}: T x P ranks are not composed yet; use one of them")
     if config.compile:
         raise UserError(f"--compile with --pipeline-parallel-size {stages}: the stages run their layers op by op "
                         "uncompiled; drop --compile")
@@ -135,59 +132,108 @@ class Rendezvous:
         return rank // (stages // self.nnodes)
 
 
-def join_stages(rank: int, stages: int, rendezvous: Rendezvous) -> None:
-    """Join the stages' group through the store; on rank 0, wait for every stage to arrive
-    and name those that never did (a ReplicaError) within ``timeout_s``."""
+def join_stages(rank: int, stages: int, rendezvous: Rendezvous, tensor_parallel_size: int = 1) -> None:
+    """Join the replica's group (``stages x tensor_parallel_size`` ranks) through the store;
+    on rank 0, wait for every rank to arrive and name those that never did, with their
+    stage and host (a ReplicaError), within ``timeout_s``."""
+    tp = tensor_parallel_size
+    world = stages * tp
     timeout = datetime.timedelta(seconds=rendezvous.timeout_s)
-    store = dist.TCPStore(rendezvous.master_addr, rendezvous.master_port, world_size=stages, is_master=rank == 0,
+    store = dist.TCPStore(rendezvous.master_addr, rendezvous.master_port, world_size=world, is_master=rank == 0,
                           timeout=timeout, wait_for_workers=False)
     store.set(f"arrived/{rank}", str(os.getpid()))
+
+    def name(r: int) -> str:
+        where = f"host {rendezvous.node_of(r // tp, stages)}"
+        return f"stage {r} ({where})" if tp == 1 else f"rank {r} (stage {r // tp}, {where})"
+
     if rank == 0:
         deadline = time.monotonic() + rendezvous.timeout_s
-        while missing := [r for r in range(1, stages) if not store.check([f"arrived/{r}"])]:
+        while missing := [r for r in range(1, world) if not store.check([f"arrived/{r}"])]:
             if time.monotonic() > deadline:
-                named = ", ".join(f"stage {r} (host {rendezvous.node_of(r, stages)})" for r in missing)
+                named = ", ".join(name(r) for r in missing)
                 raise ReplicaError(
                     f"pipeline rendezvous at {rendezvous.master_addr}:{rendezvous.master_port}: {named} never "
                     f"arrived within {rendezvous.timeout_s:g} s (--rendezvous-timeout); start "
                     f"`engine serve ... --node-rank N` on each host, with the same --master-addr/--master-port")
             time.sleep(ARRIVAL_POLL_S)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=stages, timeout=STAGE_TIMEOUT)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=STAGE_TIMEOUT)
 
 
 @dataclass(frozen=True, slots=True)
 class StageLayout:
-    """One stage's place in the replica (its rank is its stage: one rank per stage) and
-    where the stages meet; what startup's phases read to run a stage (engine/startup.py)."""
+    """One rank's place in a pipeline-parallel replica, and where the ranks meet; what
+    startup's phases read to run a stage (engine/startup.py). vLLM's layout: ``rank =
+    pp_rank x T + tp_rank`` for ``T`` = ``--tensor-parallel-size``, so each stage is a
+    tensor-parallel group of ``T`` consecutive ranks."""
 
-    rank: int
+    rank: int  # in the whole replica, 0 .. stages x T - 1
     stages: int
     rendezvous: Rendezvous
+    tensor_parallel_size: int = 1
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // self.tensor_parallel_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tensor_parallel_size
+
+    @property
+    def world_size(self) -> int:
+        return self.stages * self.tensor_parallel_size
+
+    def peer(self, pp_rank: int) -> int:
+        """The rank of stage ``pp_rank`` that this rank exchanges activations with: the one
+        at the same tensor-parallel rank (every rank of a stage holds the whole hidden
+        state after its all-reduce, so each sends its own copy, and no stage broadcasts)."""
+        return (pp_rank % self.stages) * self.tensor_parallel_size + self.tp_rank
 
     @property
     def host(self) -> int:
-        return self.rendezvous.node_of(self.rank, self.stages)
+        return self.rendezvous.node_of(self.pp_rank, self.stages)
 
     @property
     def ranks_on_host(self) -> int:
-        """Stage processes sharing this host's cores."""
-        return len(self.rendezvous.stages_of(self.host, self.stages))
+        """Processes sharing this host's cores: its stages' ranks."""
+        return len(self.rendezvous.stages_of(self.host, self.stages)) * self.tensor_parallel_size
 
     def layers(self, num_layers: int) -> tuple[int, int]:
-        return stage_layer_ranges(num_layers, self.stages)[self.rank]
+        return stage_layer_ranges(num_layers, self.stages)[self.pp_rank]
+
+    def describe(self, num_layers: int) -> str:
+        """How a failure names this rank."""
+        first, end = self.layers(num_layers)
+        where = f"host {self.host}, layers {first}-{end - 1}"
+        if self.tensor_parallel_size == 1:
+            return f"pipeline stage {self.pp_rank} ({where})"
+        return f"pipeline stage {self.pp_rank} tensor-parallel rank {self.tp_rank} (rank {self.rank}, {where})"
 
     def join(self, config: EngineConfig | None = None) -> EngineConfig:
-        """Meet the other stages; rank 0 hands them its resolved-to-be flags (a stage on
-        another host runs what host 0 serves, whatever its own command line held)."""
-        join_stages(self.rank, self.stages, self.rendezvous)
+        """Meet the other ranks; rank 0 hands them its flags (a stage on another host runs
+        what host 0 serves, whatever its own command line held)."""
+        join_stages(self.rank, self.stages, self.rendezvous, self.tensor_parallel_size)
         box = [config]
         dist.broadcast_object_list(box, src=0)
         assert box[0] is not None
         return box[0]
 
+    def tensor_parallel(self, device: torch.device) -> Any:
+        """This stage's tensor-parallel group (engine/model/parallel.py's TensorParallel over
+        the stage's ranks), or None for one rank a stage. Every rank makes every stage's
+        group, in stage order (``new_group`` is collective over the world)."""
+        if self.tensor_parallel_size == 1:
+            return None
+        from engine.model.parallel import RankLayout, TensorParallel
+
+        tp = self.tensor_parallel_size
+        groups = [dist.new_group([p * tp + t for t in range(tp)]) for p in range(self.stages)]
+        return TensorParallel(RankLayout(self.tp_rank, tp, ""), device, groups[self.pp_rank], self.pp_rank * tp)
+
     def all_gather(self, value: Any) -> list[Any]:
-        """Every stage's ``value``, in stage order (phase E's block counts)."""
-        out: list[Any] = [None] * self.stages
+        """Every rank's ``value``, in rank order (phase E's block counts)."""
+        out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, value)
         return out
 
@@ -223,17 +269,17 @@ class StageStats:
 
 @dataclass
 class Stage:
-    """One stage's layers and KV pool: a ModelRunner carved by :func:`carve_stage`."""
+    """One rank's share of a stage's layers and KV pool: a ModelRunner carved by
+    :func:`carve_stage` (under ``--tensor-parallel-size`` its slice of each layer)."""
 
     runner: Any  # engine.model.runner.ModelRunner
-    rank: int
-    stages: int
+    layout: StageLayout
     layers: tuple[int, int]
     stats: StageStats = field(default_factory=StageStats)
 
     @classmethod
     def of(cls, runner: Any, layout: StageLayout, num_layers: int) -> Stage:
-        return cls(runner, layout.rank, layout.stages, layout.layers(num_layers))
+        return cls(runner, layout, layout.layers(num_layers))
 
     def micro_batches(self, batch: Sequence[Any]) -> list[list[Any]]:
         count = min(MICRO_BATCHES, len(batch))
@@ -258,29 +304,42 @@ class Stage:
         return dist.isend(tensor.contiguous(), dst=dst)
 
     def step(self, batch: Sequence[Any]) -> list[tuple[Any, torch.Tensor]]:
-        """This stage's part of one step. Rank 0 returns each micro-batch's prepared batch
-        and its last stage's hidden states; the other stages return []."""
+        """This rank's part of one step. Stage 0's ranks return each micro-batch's prepared
+        batch and its last stage's hidden states; the other stages' return []."""
         self.stats = StageStats()
+        layout = self.layout
+        first = layout.pp_rank == 0
         hidden_size = self.runner.model_config.hidden_size
         prepared = [self.runner.prepare(mb) for mb in self.micro_batches(batch)]
         sends = []
         for p in prepared:
             tokens = int(p.input_ids.shape[0])
-            hidden = (self.runner.model.embed(p.input_ids) if self.rank == 0
-                      else self._recv((tokens, hidden_size), self.rank - 1))
+            hidden = (self.runner.model.embed(p.input_ids) if first
+                      else self._recv((tokens, hidden_size), layout.peer(layout.pp_rank - 1)))
             start = time.perf_counter()
             hidden = self.run_layers(hidden, p)
             self.stats.compute_s += time.perf_counter() - start
-            sends.append(self._send(hidden, (self.rank + 1) % self.stages))
+            sends.append(self._send(hidden, layout.peer(layout.pp_rank + 1)))
         results = []
-        if self.rank == 0:
+        if first:
             for p in prepared:
-                results.append((p, self._recv((int(p.input_ids.shape[0]), hidden_size), self.stages - 1)))
+                results.append((p, self._recv((int(p.input_ids.shape[0]), hidden_size), layout.peer(-1))))
         for handle in sends:
             handle.wait()
         counter = getattr(self.runner.model, "expert_counter", None)  # a MoE model (engine/model/moe.py)
         self.stats.expert_counts = counter.take() if counter is not None else None
         return results
+
+    @torch.inference_mode()
+    def logits(self, results: Sequence[tuple[Any, torch.Tensor]]) -> list[tuple[Any, torch.Tensor | None]]:
+        """Stage 0: the final norm and LM head of each micro-batch's sampled rows: logits on
+        rank 0; None on stage 0's other tensor-parallel ranks, which lend their vocabulary
+        columns (the head's gather is collective over the stage)."""
+        from engine.model.kernels.cpu_norm import rms_norm
+
+        model, eps = self.runner.model, self.runner.model_config.rms_norm_eps
+        return [(prepared, model.compute_logits(rms_norm(hidden[prepared.sample_rows], model.norm, eps)))
+                for prepared, hidden in results if prepared.sample_seqs]
 
 
 def summed_expert_counts(stats: Sequence[StageStats]) -> list[list[int]] | None:
@@ -311,33 +370,29 @@ class PipelineRunner:
         stage, runner = self.stage, self.stage.runner
         start = time.perf_counter()
         dist.broadcast_object_list([list(batch)], src=0)
-        results = stage.step(batch)
-        stats: list[Any] = [None] * stage.stages
+        logits = stage.logits(stage.step(batch))
+        stats: list[Any] = [None] * stage.layout.world_size
         dist.gather_object(stage.stats, stats, dst=0)
         forward_s = time.perf_counter() - start
         self.last_stage_stats = stats
         self.last_expert_counts = summed_expert_counts(stats)
         sampled: dict[str, int] = {}
         t0 = time.perf_counter()
-        with torch.inference_mode():
-            for prepared, hidden in results:
-                if not prepared.sample_seqs:
-                    continue
-                from engine.model.kernels.cpu_norm import rms_norm
-
-                normed = rms_norm(hidden[prepared.sample_rows], self.model.norm, self.model_config.rms_norm_eps)
-                logits = self.model.compute_logits(normed)
-                tokens = runner.sampler.sample(logits, [s.sampling for s in prepared.sample_seqs],
-                                               prepared.sample_positions).tolist()
-                sampled.update({s.request_id: int(t) for s, t in zip(prepared.sample_seqs, tokens, strict=True)})
+        for prepared, rows in logits:
+            tokens = runner.sampler.sample(rows, [s.sampling for s in prepared.sample_seqs],
+                                           prepared.sample_positions).tolist()
+            sampled.update({s.request_id: int(t) for s, t in zip(prepared.sample_seqs, tokens, strict=True)})
         runner.last_timings = type(runner.last_timings)(forward_s=forward_s, sample_s=time.perf_counter() - t0)
         self.last_timings = runner.last_timings
         return sampled
 
     def step_fields(self) -> dict[str, Any]:
-        """The step event's pipeline fields from the last step: each stage's bubble and bytes sent."""
-        return {"pipeline_bubble_s": [s.bubble_s for s in self.last_stage_stats],
-                "pipeline_bytes": [s.bytes_sent for s in self.last_stage_stats]}
+        """The step event's pipeline fields from the last step, one entry per stage: its
+        bubble (the longest any of its ranks waited) and the bytes its ranks sent."""
+        tp = self.stage.layout.tensor_parallel_size
+        per_stage = [self.last_stage_stats[p:p + tp] for p in range(0, len(self.last_stage_stats), tp)]
+        return {"pipeline_bubble_s": [max(s.bubble_s for s in ranks) for ranks in per_stage],
+                "pipeline_bytes": [sum(s.bytes_sent for s in ranks) for ranks in per_stage]}
 
     # ModelRunner's attributes the engine reads, from stage 0's runner
     def __getattr__(self, name: str) -> Any:
@@ -352,7 +407,9 @@ def serve_stage(stage: Stage) -> None:
         dist.broadcast_object_list(box, src=0)
         if box[0] is None:
             return
-        stage.step(box[0])
+        results = stage.step(box[0])
+        if stage.layout.pp_rank == 0:  # stage 0's other tensor-parallel ranks lend their LM head columns
+            stage.logits(results)
         dist.gather_object(stage.stats, None, dst=0)
 
 

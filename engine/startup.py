@@ -390,7 +390,7 @@ def prepare_startup(config: EngineConfig, log: Any, stage: Any = None) -> Startu
     flags and the KV cache groups. Raises UserError for flags no machine could run.
     ``stage``: a pipeline stage's StageLayout (engine/pipeline.py)."""
     device = resolve_device(config.device)
-    ranks_here = config.tensor_parallel_size * (stage.ranks_on_host if stage is not None else 1)
+    ranks_here = stage.ranks_on_host if stage is not None else config.tensor_parallel_size
     if device.type == "cpu" and config.num_threads:
         torch.set_num_threads(config.num_threads)
     elif device.type == "cpu" and ranks_here > 1:
@@ -459,16 +459,18 @@ def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, i
     bus.publish(EngineConfigEvent(config=resolved_config_dict(s),
                                   model=_model_summary(s.model, s.config.dtype, s.bytes_per_token)))
     if stage is not None:
-        phases = PhaseRecorder(bus, s.device, s.config.device_memory_gib, log, rank=stage.rank, pp_rank=stage.rank,
-                               tp_rank=0)
+        phases = PhaseRecorder(bus, s.device, s.config.device_memory_gib, log, rank=stage.rank,
+                               pp_rank=stage.pp_rank, tp_rank=stage.tp_rank)
     else:
         phases = PhaseRecorder(bus, s.device, s.config.device_memory_gib, log, rank=rank.rank if rank else None)
     parallel: TensorParallel | None = None
     with phases.phase("A") as a:
         if rank is not None:
             parallel = TensorParallel.join(rank, s.device)
-        if stage is not None and not torch.distributed.is_initialized():  # rank 0 (a stage process joined first)
-            stage.join(config)
+        if stage is not None:
+            if not torch.distributed.is_initialized():  # rank 0 (a stage process joined first)
+                stage.join(config)
+            parallel = stage.tensor_parallel(s.device)  # T x P: this stage's ranks
         reading = phases.reading()
         kernels = _phase_init(a, s, reading)
     try:
@@ -643,7 +645,7 @@ def _phase_kv_cache(e: PhaseHandle, s: StartupInputs, reading: MemoryReading, we
         plan = plan_memory(kv_cache_memory_bytes=int(CPU_DEFAULT_KV_SPACE_GIB * GiB), check_fits=False,
                            **plan_kwargs)
         capped = True
-    group = parallel if parallel is not None else stage
+    group = stage if stage is not None else parallel  # every stage's every rank under pipeline parallelism
     if group is not None:
         # One block table serves every rank: each pool holds the blocks of the rank with the fewest.
         fewest = min(group.all_gather(plan.num_blocks))

@@ -106,17 +106,16 @@ class WorkerGroup:
             from engine.modelspec.readers import load_model_config
             from engine.pipeline import Rendezvous, StageLayout
 
-            stages = config.pipeline_parallel_size or 1
+            stages, tp = config.pipeline_parallel_size or 1, config.tensor_parallel_size
             self.rendezvous = rendezvous or Rendezvous.of(config)
             num_layers = load_model_config(config.model).num_layers
-            for rank in self.rendezvous.stages_of(self.rendezvous.node_rank, stages):
-                layout = StageLayout(rank, stages, self.rendezvous)
-                if rank == 0:
-                    self.driver_stage = layout
-                    continue
-                first, end = layout.layers(num_layers)
-                layouts.append((layout, f"kvscope-pp-stage{rank}",
-                                f"pipeline stage {rank} (host {layout.host}, layers {first}-{end - 1})"))
+            for stage in self.rendezvous.stages_of(self.rendezvous.node_rank, stages):
+                for rank in range(stage * tp, (stage + 1) * tp):  # vLLM's rank = pp_rank x T + tp_rank
+                    layout = StageLayout(rank, stages, self.rendezvous, tp)
+                    if rank == 0:
+                        self.driver_stage = layout
+                        continue
+                    layouts.append((layout, f"kvscope-pp-rank{rank}", layout.describe(num_layers)))
         else:
             size = config.tensor_parallel_size
             init_method = free_init_method()
@@ -185,21 +184,21 @@ class WorkerGroup:
         meet the workers'), return the sampled tokens and what the collectives cost. Under
         pipeline parallelism ``runner`` (engine/pipeline.py's PipelineRunner) broadcasts the
         batch itself, and the step's fields are each stage's bubble and bytes."""
-        parallel = self.parallel
+        parallel, pipelined = self.parallel, self.rendezvous is not None
         if parallel is not None:
             parallel.take_stats()
         try:
-            if parallel is not None:
+            if parallel is not None and not pipelined:
                 parallel.broadcast_from_driver(list(batch))
             sampled = runner.execute(batch)
         except RuntimeError as exc:  # gloo/NCCL: a peer closed its connection or timed out
             raise self.failure(exc) from exc
         self.steps_sent += 1
-        if parallel is None:
-            return sampled, runner.step_fields()
-        stats = parallel.take_stats()
-        return sampled, {"collective_s": stats.seconds, "collective_bytes": stats.bytes,
-                         "collective_calls": stats.calls}
+        fields = runner.step_fields() if pipelined else {}
+        if parallel is not None:  # rank 0's own stage's collectives under T x P
+            stats = parallel.take_stats()
+            fields.update(collective_s=stats.seconds, collective_bytes=stats.bytes, collective_calls=stats.calls)
+        return sampled, fields
 
     # ----------------------------------------------------------------- failure
     def failure(self, exc: BaseException) -> BaseException:

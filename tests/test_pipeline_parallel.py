@@ -1,9 +1,12 @@
-"""--pipeline-parallel-size (issue 37): a Llama's layers in contiguous stages, one process
-each, activations passed with torch.distributed send/recv over gloo.
+"""--pipeline-parallel-size (issue 37): a model's layers in contiguous stages, one process
+per rank, activations passed with torch.distributed send/recv over gloo; composed with
+--tensor-parallel-size (T x P ranks, vLLM's rank = pp_rank x T + tp_rank).
 
-Default suite: the layer split (vLLM's get_pp_indices) and the refusals. Under ``slow``:
-the bundled SmolLM2 (30 layers) in two stages against one rank (each start loads the
-GGUF; ~30-60 s on two cores), and a killed stage.
+Default suite: the layer split (vLLM's get_pp_indices), the rank layout and the refusals.
+Under ``slow``: the bundled SmolLM2 (30 layers) in two stages against one rank (each start
+loads the GGUF; ~30-60 s on two cores), a killed stage, and TP=2 x PP=2 on a tiny
+dummy-weight Llama against one rank (four processes). Every family in stages:
+tests/test_pipeline_families.py.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import os
 import signal
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import psutil
 import pytest
@@ -20,7 +24,7 @@ import torch
 from engine.budget.config import EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.errors import ReplicaError, UserError
-from engine.events import Event, EventBus, StepEvent
+from engine.events import PHASES, Event, EventBus, StartupPhase, StepEvent
 from engine.modelspec.presets import MODEL_PRESETS
 from engine.pipeline import check_pipeline, stage_layer_ranges
 
@@ -37,9 +41,24 @@ def test_layers_split_as_vllms_get_pp_indices_the_remainder_before_the_last_stag
 
 def test_what_the_stages_do_not_run_yet_is_refused_before_anything_loads() -> None:
     smollm = MODEL_PRESETS["smollm2-135m"]
-    with pytest.raises(UserError, match="T x P ranks are not composed yet"):
-        check_pipeline(EngineConfig(pipeline_parallel_size=2, tensor_parallel_size=3), smollm)
+    with pytest.raises(UserError, match=r"--compile with --pipeline-parallel-size 2: .* drop --compile"):
+        check_pipeline(EngineConfig(pipeline_parallel_size=2, compile=True), smollm)
     check_pipeline(EngineConfig(pipeline_parallel_size=2), smollm)
+    check_pipeline(EngineConfig(pipeline_parallel_size=2, tensor_parallel_size=2), smollm)
+
+
+def test_t_x_p_ranks_are_laid_out_as_vllm_each_stage_a_tensor_parallel_group() -> None:
+    from engine.pipeline import Rendezvous, StageLayout
+
+    hosts = Rendezvous("127.0.0.1", 1, nnodes=2)
+    # T=2, P=4 over two hosts: rank = pp_rank x 2 + tp_rank; each host holds two whole stages
+    layouts = [StageLayout(rank, 4, hosts, 2) for rank in range(8)]
+    assert [(x.pp_rank, x.tp_rank) for x in layouts] == [(p, t) for p in range(4) for t in range(2)]
+    assert [x.host for x in layouts] == [0, 0, 0, 0, 1, 1, 1, 1] and layouts[5].ranks_on_host == 4
+    # activations go to the next stage's rank at the same tp_rank; the last stage's back to stage 0
+    assert [layouts[3].peer(p) for p in (0, 2)] == [1, 5] and layouts[7].peer(4) == 1
+    assert layouts[5].describe(30) == "pipeline stage 2 tensor-parallel rank 1 (rank 5, host 1, layers 15-22)"
+    assert StageLayout(1, 2, hosts).describe(30) == "pipeline stage 1 (host 1, layers 15-29)"
 
 
 def test_data_parallel_outside_serve_is_refused() -> None:
@@ -140,3 +159,37 @@ def test_the_plan_gives_each_stage_its_layers_weights_and_kv_and_the_replica_the
     last, middle = smollm.stages[3].plan, smollm.stages[2].plan
     assert last.weights_bytes > middle.weights_bytes
     assert smollm.num_blocks == min(s.plan.num_blocks for s in smollm.stages)
+
+
+@pytest.mark.slow
+def test_tp2_x_pp2_four_ranks_generate_one_ranks_greedy_tokens_and_name_their_stage_and_rank(
+        tmp_path: Path) -> None:
+    import json
+
+    from tests.test_tensor_parallel import TINY_LLAMA
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+
+    def config(tp: int, pp: int) -> EngineConfig:
+        return EngineConfig(model=str(tmp_path), load_format="dummy", dtype="float32", max_model_len=128,
+                            max_num_batched_tokens=64, max_num_seqs=8, stats_interval=0.0,
+                            kv_cache_memory_bytes=4 << 20, tensor_parallel_size=tp,
+                            pipeline_parallel_size=pp if pp > 1 else None)
+
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 49152, (n,), generator=generator).tolist() for n in (9, 30, 41)]
+    one, _ = _generate(config(1, 1), prompts)
+    four, events = _generate(config(2, 2), prompts)
+    assert four == one
+    ended = [e for e in events if isinstance(e, StartupPhase) and e.status == "end"]
+    for rank in range(4):  # every rank ran A-G, its events naming its stage and its rank within it
+        own = [e for e in ended if e.rank == rank]
+        assert [e.phase for e in own] == list(PHASES)
+        assert {(e.pp_rank, e.tp_rank) for e in own} == {(rank // 2, rank % 2)}
+    steps = [e for e in events if isinstance(e, StepEvent) and e.scheduled]
+    hidden = TINY_LLAMA["hidden_size"]
+    for step in steps:
+        tokens = step.num_prefill_tokens + step.num_decode_tokens
+        # each of a stage's two ranks sends every token's fp32 hidden state to its peer
+        assert step.pipeline_bytes == [2 * tokens * hidden * 4] * 2
+        assert step.collective_calls > 0  # stage 0's all-reduces and its LM head's gather

@@ -133,11 +133,16 @@ class TensorParallel:
     sharded layers (timed and counted in :attr:`stats`) and the object collectives of
     startup and the control plane."""
 
-    def __init__(self, layout: RankLayout, device: torch.device) -> None:
+    def __init__(self, layout: RankLayout, device: torch.device, group: Any = None, driver_rank: int = 0) -> None:
+        """``group``: the tensor collectives' process group (None: the whole world); under
+        pipeline parallelism one stage's ranks, whose rank 0 is global ``driver_rank``
+        (engine/pipeline.py). The control plane's broadcast is always the world's."""
         self.layout = layout
         self.rank = layout.rank
         self.world_size = layout.world_size
         self.device = device
+        self.group = group
+        self.driver_rank = driver_rank
         self.stats = CollectiveStats()
 
     @classmethod
@@ -165,7 +170,7 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place (the row-parallel layers' and embedding's reduce)."""
         start = time.perf_counter()
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=self.group)
         self._count(start, x)
         return x
 
@@ -175,7 +180,7 @@ class TensorParallel:
         start = time.perf_counter()
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.layout.is_driver else None
-        dist.gather(x, parts, dst=0)
+        dist.gather(x, parts, dst=self.driver_rank, group=self.group)
         self._count(start, x)
         return torch.cat(parts, dim=-1) if parts is not None else None
 
@@ -188,7 +193,7 @@ class TensorParallel:
     def all_gather(self, value: Any) -> list[Any]:
         """Every rank's ``value``, in rank order (startup's free-memory and pool readings)."""
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, value)
+        dist.all_gather_object(out, value, group=self.group)
         return out
 
     def broadcast_from_driver(self, value: Any = None) -> Any:
