@@ -10,10 +10,11 @@ from __future__ import annotations
 import gzip
 import time
 from pathlib import Path
+from typing import Any
 
 from doctor.facts import RunFacts
 from engine.errors import UserError
-from engine.events import SCHEMA_NAME, read_events
+from engine.events import SCHEMA_NAME, Recording, read_events
 from engine.events.feed import LIVE, REFUSED, HttpFeed
 
 RECORDING = "recording"
@@ -44,17 +45,40 @@ def kind_of(source: str) -> str:
     return VLLM_LOG
 
 
-def facts_from_recording(path: str | Path) -> RunFacts:
-    path = Path(path)
+def _read_recording(path: Path) -> Recording:
     try:
         raw = path.read_bytes()
-        recording = read_events(gzip.decompress(raw) if raw.startswith(GZIP_MAGIC) else raw, name=str(path))
+        return read_events(gzip.decompress(raw) if raw.startswith(GZIP_MAGIC) else raw, name=str(path))
     except (OSError, EOFError) as exc:
         raise InputError(f"{path}: {exc}") from None
     except ValueError as exc:  # read_events names the file, the line and the field
         raise InputError(str(exc)) from None
+
+
+def dp_sibling_paths(path: Path, config: dict[str, Any]) -> list[Path]:
+    """A data-parallel core's own recording (``run.dp1.jsonl``: its flags name its rank) and
+    the other cores' beside it (engine/dp_core.py's ``rank_events_path`` names), rank order."""
+    rank, size = config.get("data_parallel_rank"), int(config.get("data_parallel_size") or 1)
+    mark = f".dp{rank}."
+    if rank is None or size < 2 or mark not in path.name:
+        return [path]
+    named = [path.with_name(path.name.replace(mark, f".dp{r}.", 1)) for r in range(size)]
+    return [p for p in named if p.is_file()]
+
+
+def facts_from_recording(path: str | Path) -> RunFacts:
+    """The recording's fold. A data-parallel core's recording is folded with the other cores'
+    beside it, so dp_imbalance sees every rank: their events merged by time (each core's bus
+    clock starts when the core does, so the ranks line up within their start skew)."""
+    path = Path(path)
+    recording = _read_recording(path)
+    paths = dp_sibling_paths(path, recording.config)
+    events = recording.events
+    if len(paths) > 1:
+        recordings = [recording if p == path else _read_recording(p) for p in paths]
+        events = sorted((e for r in recordings for e in r.events), key=lambda e: e.t)  # stable: each file's order
     facts = RunFacts()
-    for event in recording.events:
+    for event in events:
         facts(event)
     return facts
 
