@@ -154,19 +154,20 @@ def test_a_cores_recording_is_read_with_the_other_cores_beside_it(tmp_path) -> N
     its own, events stamped with its rank): engine doctor on either reads both."""
     from doctor.inputs import facts_from_recording
     from engine.events import JsonlSink
+    from tests.scripted_events import ScriptClock
 
     steps = _dp_steps([((6, 8), (0, 1))] * 12)
     for rank, requests in enumerate((14, 2)):
         config = EngineConfig(data_parallel_size=2, data_parallel_rank=rank, max_model_len=8192).to_dict()
         sink = JsonlSink(tmp_path / f"run.dp{rank}.jsonl", config=config)
-        now = [0.0]
-        bus = EventBus(clock=lambda: now[0])
+        clock = ScriptClock()
+        bus = EventBus(clock=clock)
         bus.subscribe(sink)
         for event in _arrivals((requests, 0)) + [e for e in steps if getattr(e, "dp_rank", 0) == rank]:
             if rank and hasattr(event, "dp_rank"):
                 event.dp_rank = rank  # type: ignore[attr-defined]
             bus.publish(event)
-            now[0] += STEP_S if isinstance(event, StepEvent) else 0.0
+            clock.now += STEP_S if isinstance(event, StepEvent) else 0.0
         sink.close()
     for name in ("run.dp0.jsonl", "run.dp1.jsonl"):
         (f,) = _found(facts_from_recording(tmp_path / name), "dp_imbalance")
