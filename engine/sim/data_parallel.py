@@ -114,7 +114,7 @@ class DataParallelSimulation:
 
     def run(self, workload: Sequence[WorkloadRequest], *, startup: bool = True,
             max_steps: int = 50_000_000) -> DataParallelResult:
-        if any(w.arrival_step is not None for w in workload):
+        if any(w.arrival_step for w in workload):  # step 0 is "all at once", which is time 0 too
             raise UserError("--data-parallel-size with arrivals by step: each rank steps on its own clock, so "
                             "give arrivals in seconds (--arrival-unit s) or all at once")
         wall_start = time.perf_counter()

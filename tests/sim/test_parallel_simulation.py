@@ -127,10 +127,13 @@ def test_the_balancer_sends_each_request_to_the_least_four_waiting_plus_running(
     assert [(e.request_id, e.dp_rank) for e in arrived] == [("r0", 0), ("r1", 1), ("r2", 0)]
 
 
-def test_dp_refuses_arrivals_by_step() -> None:
+def test_dp_refuses_arrivals_by_step_but_takes_all_at_once() -> None:
     setup = build_setup("llama-3.1-8b", "h100-80gb", EngineConfig(data_parallel_size=2, max_model_len=4096))
     with pytest.raises(UserError, match="arrivals by step"):
         DataParallelSimulation(setup).run([WorkloadRequest("r0", 100, 5, arrival_step=3)])
+    # step 0 for every request is engine simulate's default "all at once": time 0
+    result = DataParallelSimulation(setup).run([WorkloadRequest(f"r{i}", 100, 5, arrival_step=0) for i in range(4)])
+    assert result.finished == 4 and [r.requests for r in result.balance.ranks.values()] == [2, 2]
 
 
 def test_cli_prints_the_stages_bubbles_and_ranks_and_records_every_rank(tmp_path) -> None:  # type: ignore[no-untyped-def]
