@@ -146,8 +146,8 @@ def imbalance_verdict(loads: Sequence[RankLoad], window_s: float = WINDOW_S,
             worst = (ratio, figure, loads[means.index(top)].rank, top, mean)
     window = f"last {window_s:g} s"
     if worst is None:
-        return Imbalance(f"balanced: too little load to judge ({window}: under 1 request waiting or running "
-                         "and 10% KV on every rank)")
+        return Imbalance(f"too little load to judge: under 1 request waiting or running and 10% KV on every "
+                         f"rank ({window})")
     ratio, figure, rank, top, mean = worst
     words = dict((f, w) for f, w, _ in FIGURES)[figure]
     if ratio > bound:
