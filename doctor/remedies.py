@@ -156,10 +156,15 @@ def _value(value: float, unit: str) -> str:
 
 
 def add_effects(facts: RunFacts, findings: Iterable[Finding]) -> None:
-    """Fill each fix's ``effect`` with the simulator's what-if where its flag can be simulated."""
-    what_if = WhatIf(facts)
-    if not what_if.possible:
-        return
+    """Fill each fix's ``effect`` with the simulator's what-if where its flag can be simulated
+    (a data-parallel rank's finding on that rank's own requests)."""
+    what_ifs: dict[int, WhatIf] = {}
     for finding in findings:
+        rank = int(finding.numbers.get("dp_rank", 0)) if finding.rule != "dp_imbalance" else 0
+        what_if = what_ifs.get(rank)
+        if what_if is None:
+            what_if = what_ifs[rank] = WhatIf(facts.rank(rank))
+        if not what_if.possible:
+            continue
         for fix in finding.fixes:
             fix.effect = what_if.effect(finding.rule, fix)

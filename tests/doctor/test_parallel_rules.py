@@ -174,3 +174,26 @@ def test_a_cores_recording_is_read_with_the_other_cores_beside_it(tmp_path) -> N
         assert f.numbers["busiest_rank"] == 0 and f.numbers["requests_by_rank"] == [14, 2]
     (tmp_path / "run.dp0.jsonl").unlink()  # rank 1's file alone: its rank only, nothing to compare
     assert _found(facts_from_recording(tmp_path / "run.dp1.jsonl"), "dp_imbalance") == []
+
+
+def test_each_ranks_bubble_is_judged_on_its_own_steps_and_its_fix_simulated_on_its_own_requests() -> None:
+    from doctor.remedies import add_effects
+    from engine.sim.data_parallel import DataParallelSimulation
+
+    setup = build_setup("llama-3.1-8b", "h100-80gb", EngineConfig(pipeline_parallel_size=2, data_parallel_size=2,
+                                                                  max_model_len=8192))
+    facts = RunFacts()
+    bus = EventBus()
+    bus.subscribe(facts)
+    workload = generate_workload(WorkloadSpec(16, (200, 600), (20, 40), arrival="poisson", rate=20.0, unit="s"))
+    result = DataParallelSimulation(setup, bus).run(workload)
+    found = _found(facts, "pipeline_bubble")
+    assert [f.numbers.get("dp_rank", 0) for f in found] == [0, 1]
+    assert found[1].title.startswith("DP rank 1: pipeline bubble: ")
+    assert [f.numbers["steps"] for f in found] == [result.balance.rank(r).steps for r in (0, 1)]
+    add_effects(facts, found)
+    for rank, f in enumerate(found):
+        fewer = next(x for x in f.fixes if x.flag == "--pipeline-parallel-size")
+        assert fewer.effect is not None
+        assert f"the same {result.balance.rank(rank).requests} requests" in fewer.effect
+        assert fewer.numbers["simulated"]["output_tokens_per_s"]["after"] > 0
