@@ -21,6 +21,7 @@ from typing import Any
 
 from engine.events.schema import Event, RequestArrived, RequestFinished, StepEvent
 
+WAITING_WEIGHT = 4  # vLLM's DP load balancer: a rank's score is 4 x waiting + running, the lowest gets the request
 DP_IMBALANCE_BOUND = 1.5  # busiest rank's load over the mean beyond which a run is imbalanced
 DP_MIN_MEAN_LOAD = 1.0  # below one request per rank on average, max / mean is noise
 

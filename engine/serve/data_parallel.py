@@ -50,6 +50,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.dp_core import RANKED_EVENTS, CoreFacts, core_main
 from engine.errors import ReplicaError, UserError
 from engine.events import EngineStopped, Event, EventBus, StepEvent, event_from_dict
+from engine.events.dp_balance import WAITING_WEIGHT
 from engine.events.metrics import PrometheusMetrics
 from engine.llm_engine import CheckedPrompt, LLMEngine, RequestOutput
 from engine.logs import get_logger
@@ -58,7 +59,6 @@ from engine.serve.async_engine import EngineDead, EngineFront, RequestFailed, Re
 from engine.serve.host import EngineHost, EventHub, LockedLifecycle, LockedView
 from engine.serve.settings import ServerSettings
 
-WAITING_WEIGHT = 4  # vLLM: score = waiting * 4 + running
 STOP_WAIT_S = 5.0  # a core's time to leave by itself after "stop", before terminate/kill
 EXIT_WAIT_S = 5.0  # how long a core that closed its pipe gets to show its exit status
 

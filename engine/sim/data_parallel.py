@@ -29,7 +29,7 @@ from engine.core.scheduler import Scheduler
 from engine.core.step_loop import run_step
 from engine.errors import UserError
 from engine.events import Event, EventBus
-from engine.events.dp_balance import DataParallelLoad
+from engine.events.dp_balance import WAITING_WEIGHT, DataParallelLoad
 from engine.events.stats import StatsReporter
 from engine.sim.simulate import (
     LIMITS,
@@ -41,8 +41,6 @@ from engine.sim.simulate import (
     publish_startup,
 )
 from engine.sim.workload import TokenIdSource, WorkloadRequest
-
-WAITING_WEIGHT = 4  # vLLM's DP load balancer: score = 4 x waiting + running (engine/serve/data_parallel.py)
 
 
 class RankBus(EventBus):
