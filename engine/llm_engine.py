@@ -323,6 +323,8 @@ class LLMEngine:
         """File the step's prompt logprobs under their prompt positions (each chunk's first row
         predicts the token after its start)."""
         found: dict[str, list[TokenLogprobs]] = getattr(self.runner, "last_prompt_logprobs", {})
+        if not found:
+            return
         for s in out.scheduled:
             chunk, kept = found.get(s.request_id), self._prompt_logprobs.get(s.request_id)
             if chunk and kept is not None:
