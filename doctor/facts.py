@@ -169,6 +169,7 @@ class RunFacts:
                 self.failed_phase = event
         elif isinstance(event, EngineConfigEvent):
             self.config, self.model = dict(event.config), dict(event.model)
+            self.dp.declared_size = int(self.config.get("data_parallel_size") or 0)
         elif isinstance(event, LogEvent):
             if event.level in ("warning", "error", "critical"):
                 self.errors.append(event)
@@ -232,6 +233,7 @@ class RunFacts:
         """A live stream starts with the server's view: its flags, phases and the
         recent events it kept (older steps are gone; the rules say so by range)."""
         self.config = dict(state.get("config", {})) or self.config
+        self.dp.declared_size = int(self.config.get("data_parallel_size") or 0)
         self.model = dict(state.get("model", {})) or self.model
         for letter, phase in (state.get("phases") or {}).items():
             if phase.get("status") in ("end", "failed", "skipped"):

@@ -691,8 +691,7 @@ def dp_imbalance(facts: RunFacts) -> Iterable[Finding]:
     (a recording of all ranks: ``engine simulate --data-parallel-size``); the fix is the
     even share in numbers."""
     dp = facts.dp
-    dp.declared_size = int(facts.flag("data_parallel_size", 0) or 0)
-    size = dp.size
+    size = dp.size  # --data-parallel-size as recorded, or more ranks seen
     if size < 2 or (facts.flag("data_parallel_rank") is not None and len(dp.stepped_ranks) < 2):
         return  # one core's own recording: the other ranks' events are in their files
     runs = dp.imbalanced_runs(DP_IMBALANCE_BOUND, DP_MIN_MEAN_LOAD, DP_SUSTAINED_STEPS)
