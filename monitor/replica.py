@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.events import Event, KvEventBatch, LogEvent, MetricsScrape
-from engine.events.parallel_load import RankLoad, RankReading, rank_load
+from engine.events.parallel_window import RankReading, RankWindow, rank_window
 from monitor.kv_events import PrefixCache
 from monitor.prometheus import EngineMetrics, Histogram, parse_metrics
 
@@ -164,18 +164,18 @@ class ReplicaState:
         readings = [s.latest.kv_usage for s in self.engines.values() if s.latest is not None]
         return sum(readings) / len(readings) if readings else 0.0
 
-    def rank_loads(self) -> list[RankLoad]:
-        """Each engine's (DP rank's) load over the parallel panel's window, from the scrapes
-        of the last minute, as kvscope's events give it (engine/events/parallel_load.py)."""
+    def rank_windows(self) -> list[RankWindow]:
+        """Each engine's (DP rank's) figures over the parallel panel's window, from the scrapes
+        of the last minute, as kvscope's events give them (engine/events/parallel_window.py)."""
         now = self.last_scrape_t or 0.0
-        loads = []
+        windows = []
         for label, engine in self.engines.items():
             readings: list[RankReading] = [(t, m.waiting, m.running, 100.0 * m.kv_usage, m.generation_tokens)
                                            for t, m in engine.window]
-            load = rank_load(label, readings, now)
-            if load is not None:
-                loads.append(load)
-        return loads
+            window = rank_window(label, readings, now)
+            if window is not None:
+                windows.append(window)
+        return windows
 
     def hit_rate(self) -> float | None:
         rates = [s.hit_rate for s in self.engines.values() if s.hit_rate is not None]

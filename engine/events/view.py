@@ -45,7 +45,7 @@ Snapshot dict format (``SNAPSHOT_VERSION`` 1), all plain JSON::
       "experts": {"window", "steps": [[[int]]], "steps_seen"},  # MoE only: the last steps'
                                                            # expert_counts (expert_load.py)
       "parallel": {"window_s", "now", "ranks", "stages", "first_tokens"},  # several DP ranks or PP
-                                                           # stages only (parallel_load.py)
+                                                           # stages only (parallel_window.py)
       "dp_rank": int,                                      # the DP rank the rest shows (absent
     }                                                      # before any step or request event)
 
@@ -92,7 +92,7 @@ from engine.events import (
 from engine.events.block_table import BlockTableState
 from engine.events.expert_load import ExpertLoad
 from engine.events.ledger import LEDGER
-from engine.events.parallel_load import ParallelLoad
+from engine.events.parallel_window import ParallelWindow
 from engine.events.schema import EncoderStepEvent
 
 SNAPSHOT_VERSION = 1
@@ -268,10 +268,10 @@ class EngineView:
         self.stats: StatsEvent | None = None
         self.experts = ExpertLoad()  # a MoE model's routed tokens per expert, over the last steps
         # Every DP rank's queue, KV and throughput and every PP stage's bubble, over the last
-        # seconds (parallel_load.py). The rest of the view is one DP rank's, ``dp_rank``: the
+        # seconds (parallel_window.py). The rest of the view is one DP rank's, ``dp_rank``: the
         # snapshot's, else the first step or request event's. Another rank's events reach only
         # ``parallel`` and ``recent``: each rank has its own KV pool, block ids and requests.
-        self.parallel = ParallelLoad()
+        self.parallel = ParallelWindow()
         self.dp_rank: int | None = None
 
     # ------------------------------------------------------------ derived views
@@ -617,7 +617,7 @@ class EngineView:
             (event_from_dict(d) for d in state.get("recent", [])), maxlen=self.recent_window
         )
         self.experts = ExpertLoad.from_dict(state["experts"]) if state.get("experts") else ExpertLoad()
-        self.parallel = ParallelLoad.from_dict(state["parallel"]) if state.get("parallel") else ParallelLoad()
+        self.parallel = ParallelWindow.from_dict(state["parallel"]) if state.get("parallel") else ParallelWindow()
         self.dp_rank = state.get("dp_rank")
         if state.get("data_parallel"):  # a data-parallel server's snapshot: every rank's counts now
             self.parallel.seed_ranks(state["data_parallel"], self.t)

@@ -3,10 +3,10 @@ generation rate side by side with an imbalance verdict, and every pipeline stage
 utilisation and bytes sent per second. Shown only when the run has more than one DP rank
 or PP stage.
 
-The figures come from :mod:`engine.events.parallel_load` (the fold, the window and the
-verdict): kvscope's dashboard hands it the view's fold of step events
-(:meth:`ParallelPanel.update_view`), a vLLM replica's screen the ``engine``-labelled
-series of its scrapes (:meth:`ParallelPanel.update_state`)."""
+The figures come from :mod:`engine.events.parallel_window` (the fold, the window and the
+verdict, on the doctor's definitions and bound): kvscope's dashboard hands it the view's fold
+of step events (:meth:`ParallelPanel.update_view`), a vLLM replica's screen the
+``engine``-labelled series of its scrapes (:meth:`ParallelPanel.update_state`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 from textual.widgets import Static
 
-from engine.events.parallel_load import WINDOW_S, RankLoad, StageLoad, imbalance_verdict, stage_verdict
+from engine.events.parallel_window import WINDOW_S, RankWindow, StageWindow, imbalance_verdict, stage_verdict
 from engine.events.view import EngineView
 from monitor.replica import ReplicaState
 from monitor.widgets.numbers import number
@@ -38,20 +38,20 @@ def bytes_rate(value: float | None) -> str:
     return f"{value:.0f} B/s"
 
 
-def rank_table(loads: Sequence[RankLoad], window_s: float) -> Table:
+def rank_table(ranks: Sequence[RankWindow], window_s: float) -> Table:
     """One row per rank: each figure now and its window mean in brackets."""
     table = Table(box=None, padding=(0, 2), show_edge=False, title_justify="left",
                   title=f"DP ranks (now, mean over the last {window_s:g} s)")
     for column in ("rank", "waiting", "running", "KV %", "gen tok/s"):
         table.add_column(column, justify="right")
-    for load in loads:
-        table.add_row(load.rank, f"{number(load.waiting)} ({number(round(load.mean_waiting, 1))})",
-                      f"{number(load.running)} ({number(round(load.mean_running, 1))})",
-                      f"{load.kv_pct:.0f} ({load.mean_kv_pct:.0f})", rate_text(load.gen_tps, ""))
+    for rank in ranks:
+        table.add_row(rank.rank, f"{number(rank.waiting)} ({number(round(rank.mean_waiting, 1))})",
+                      f"{number(rank.running)} ({number(round(rank.mean_running, 1))})",
+                      f"{rank.kv_pct:.0f} ({rank.mean_kv_pct:.0f})", rate_text(rank.gen_tps, ""))
     return table
 
 
-def stage_table(stages: Sequence[StageLoad], window_s: float) -> Table:
+def stage_table(stages: Sequence[StageWindow], window_s: float) -> Table:
     table = Table(box=None, padding=(0, 2), show_edge=False, title_justify="left",
                   title=f"PP stages (last {window_s:g} s of steps)")
     for column, justify in (("stage", "right"), ("busy", "right"), ("", "left"), ("bubble/step", "right"),
@@ -65,17 +65,17 @@ def stage_table(stages: Sequence[StageLoad], window_s: float) -> Table:
     return table
 
 
-def parallel_renderable(loads: Sequence[RankLoad], stages: Sequence[StageLoad], window_s: float = WINDOW_S,
+def parallel_renderable(ranks: Sequence[RankWindow], stages: Sequence[StageWindow], window_s: float = WINDOW_S,
                         note: str = "") -> Group:
     """The panel's content: the rank table and its verdict, the stage table and its verdict."""
     parts: list[Table | Text] = []
     head = Text("Parallel  ", style="bold")
-    head.append(" · ".join(part for part in (f"{len(loads)} DP ranks" if len(loads) > 1 else "",
+    head.append(" · ".join(part for part in (f"{len(ranks)} DP ranks" if len(ranks) > 1 else "",
                                              f"{len(stages)} PP stages" if len(stages) > 1 else "") if part))
     parts.append(head)
-    if len(loads) > 1:
-        parts.append(rank_table(loads, window_s))
-        verdict = imbalance_verdict(loads, window_s)
+    if len(ranks) > 1:
+        parts.append(rank_table(ranks, window_s))
+        verdict = imbalance_verdict(ranks, window_s)
         parts.append(Text("verdict: ", style="bold").append(
             verdict.text, style="bold red" if verdict.figure is not None else "green"))
     if len(stages) > 1:
@@ -91,14 +91,14 @@ class ParallelPanel(Static):
 
     def update_view(self, view: EngineView) -> None:
         fold = view.parallel
-        loads, stages = fold.rank_loads(), fold.stage_loads()
-        self.display = len(loads) > 1 or len(stages) > 1
+        ranks, stages = fold.rank_windows(), fold.stage_windows()
+        self.display = len(ranks) > 1 or len(stages) > 1
         if self.display:
             note = f"the block map, queues and step charts show DP rank {view.dp_rank or 0}; this panel every rank"
-            self.update(parallel_renderable(loads, stages, fold.window_s, note if len(loads) > 1 else ""))
+            self.update(parallel_renderable(ranks, stages, fold.window_s, note if len(ranks) > 1 else ""))
 
     def update_state(self, state: ReplicaState) -> None:
-        loads = state.rank_loads()
-        self.display = len(loads) > 1
+        ranks = state.rank_windows()
+        self.display = len(ranks) > 1
         if self.display:
-            self.update(parallel_renderable(loads, [], WINDOW_S, "from each rank's engine-labelled /metrics series"))
+            self.update(parallel_renderable(ranks, [], WINDOW_S, "from each rank's engine-labelled /metrics series"))

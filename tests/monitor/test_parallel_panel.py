@@ -23,9 +23,9 @@ from engine.events import (
     StartupPhase,
     StepEvent,
 )
-from engine.events.parallel_load import (
-    ParallelLoad,
-    RankLoad,
+from engine.events.parallel_window import (
+    ParallelWindow,
+    RankWindow,
     imbalance_verdict,
     window_mean,
     window_rate,
@@ -45,13 +45,15 @@ from tests.scripted_events import ScriptClock
 DP2 = ROOT / "tests" / "data" / "vllm-dp2"
 STEPS = 30  # per rank, 0.5 s apart; rank 1 steps 0.25 s after rank 0
 NUM_BLOCKS = 64
+# engine 0: 0 waiting + 2 running, engine 1: 6 + 4 over the window (the first scrape holds until the second)
+VLLM_VERDICT = "rank 1 holds 1.7x the mean load (10.0 waiting + running vs mean 6.0, last 10 s; bound 1.5x)"
 
 
 def two_rank_run() -> list[Event]:
-    """Two DP ranks as the DP server's streams carry them: rank 0 holds 1 waiting, 4 running
+    """Two DP ranks as the DP server's streams carry them: rank 0 holds 0 waiting, 2 running
     and 20 of 64 blocks, rank 1 5 waiting, 4 running and 40 blocks; each decodes 4 tokens a
-    step. Both hold block ids 0 and 1 (each rank has its own pool). Rank 0's steps carry two
-    pipeline stages: forward 0.4 s, bubbles 0.05 s and 0.2 s, 4096 bytes sent by each."""
+    step. Both hold block ids 0 and 1 (each rank has its own pool). Rank 0's 0.5 s steps carry
+    two pipeline stages: bubbles 0.05 s and 0.2 s, 4096 bytes sent by each."""
     clock = ScriptClock()
     bus = EventBus(clock=clock)
     events: list[Event] = []
@@ -62,14 +64,14 @@ def two_rank_run() -> list[Event]:
         bus.publish(RequestArrived(request_id=rid, prompt_tokens=20, max_tokens=100, dp_rank=rank))
         bus.publish(RequestFirstToken(request_id=rid, ttft_s=0.1, dp_rank=rank))
     for k in range(STEPS):
-        for rank, rid, waiting, used in ((0, "a0", 1, 20), (1, "b0", 5, 40)):
+        for rank, rid, waiting, running, used in ((0, "a0", 0, 2, 20), (1, "b0", 5, 4, 40)):
             clock.now = 0.5 * k + 0.25 * rank
             first = k == 0
             pipeline = {"pipeline_bubble_s": [0.05, 0.2], "pipeline_bytes": [4096, 4096], "forward_s": 0.4} \
                 if rank == 0 else {}
             bus.publish(StepEvent(
                 index=k, dp_rank=rank, scheduled={rid: [20, "prefill"] if first else [1, "decode"]},
-                num_prefill_tokens=20 if first else 0, num_decode_tokens=0 if first else 4, num_running=4,
+                num_prefill_tokens=20 if first else 0, num_decode_tokens=0 if first else 4, num_running=running,
                 num_waiting=waiting, kv_blocks_used=used, kv_blocks_total=NUM_BLOCKS, duration_s=0.5,
                 allocated={rid: [0, 1]} if first else {}, new=[rid] if first else [], **pipeline))  # type: ignore[arg-type]
     return events
@@ -89,37 +91,43 @@ def test_window_mean_holds_each_reading_and_rate_counts_from_the_window_start() 
 
 
 def test_verdict_names_the_rank_and_states_the_bound() -> None:
-    def load(rank: str, waiting: float, running: float, kv: float) -> RankLoad:
-        return RankLoad(rank, waiting, running, kv, waiting, running, kv, None)
+    def rank(name: str, waiting: float, running: float, kv: float) -> RankWindow:
+        return RankWindow(name, waiting, running, kv, waiting, running, kv, None)
 
-    skewed = imbalance_verdict([load("0", 1, 4, 30), load("1", 12, 4, 30), load("2", 0, 4, 30)])
-    assert (skewed.figure, skewed.rank) == ("waiting", "1") and skewed.ratio == pytest.approx(12 / (13 / 3))
-    assert skewed.text == "rank 1 holds 2.8x the mean queue (12.0 vs mean 4.3, last 10 s; bound 1.5x)"
-    even = imbalance_verdict([load("0", 3, 4, 50), load("1", 4, 5, 55)])
-    assert even.figure is None and even.text.startswith("balanced: every rank within 1.5x the mean queue, "
-                                                        "running batch, KV usage (worst 1.14x")
-    idle = imbalance_verdict([load("0", 0, 0, 2), load("1", 0, 0.5, 5)])  # a 0.5 vs 0 batch is not judged
-    assert idle.figure is None and "too little load to judge" in idle.text
-    assert imbalance_verdict([load("0", 9, 9, 90)]).text == "one rank: nothing to balance"
+    skewed = imbalance_verdict([rank("0", 1, 4, 30), rank("1", 12, 4, 30), rank("2", 0, 4, 30)])
+    assert (skewed.figure, skewed.rank) == ("load", "1") and skewed.ratio == pytest.approx(16 / (25 / 3))
+    assert skewed.text == ("rank 1 holds 1.9x the mean load (16.0 waiting + running vs mean 8.3, last 10 s; "
+                           "bound 1.5x)")
+    full = imbalance_verdict([rank("0", 0, 3, 80), rank("1", 0, 3, 20)])
+    assert full.text == "rank 0 holds 1.6x the mean KV usage (80% vs mean 50%, last 10 s; bound 1.5x)"
+    even = imbalance_verdict([rank("0", 3, 4, 50), rank("1", 4, 5, 55)])
+    assert even.figure is None and even.text.startswith("balanced: every rank within 1.5x the mean load and KV "
+                                                        "usage (worst 1.12x")
+    # As the doctor's dp_imbalance: a busiest rank with nothing waiting costs nobody anything.
+    draining = imbalance_verdict([rank("0", 0, 6, 5), rank("1", 0, 1, 2)])
+    assert draining.figure is None and draining.text.startswith("too little load to judge")
+    assert imbalance_verdict([rank("0", 9, 9, 90)]).text == "one rank: nothing to balance"
 
 
 def test_the_view_keeps_every_rank_and_rank_0s_pool_apart() -> None:
     view = EngineView().fold(two_rank_run())
     # Rank 1's request and blocks stay out of the block map, queues and series (rank 0's).
     assert set(view.requests) == {"a0"} and view.block_owners == {0: {"a0"}, 1: {"a0"}}
-    assert view.kv_used == 20 and set(view.series["waiting"]) == {1}
-    ranks = view.parallel.rank_loads()
-    assert [(r.rank, r.waiting, r.running, r.kv_pct) for r in ranks] == [("0", 1, 4, 31.25), ("1", 5, 4, 62.5)]
+    assert view.kv_used == 20 and set(view.series["waiting"]) == {0}
+    ranks = view.parallel.rank_windows()
+    assert [(r.rank, r.waiting, r.running, r.kv_pct) for r in ranks] == [("0", 0, 2, 31.25), ("1", 5, 4, 62.5)]
     # now = 14.75 s (rank 1's last step); the window [4.75, 14.75] holds 20 steps of 4 tokens a rank
     assert [r.gen_tps for r in ranks] == [pytest.approx(8.0), pytest.approx(8.0)]
-    assert imbalance_verdict(ranks).text == "rank 1 holds 1.7x the mean queue (5.0 vs mean 3.0, last 10 s; bound 1.5x)"
-    stages = view.parallel.stage_loads()
-    assert [round(s.utilisation, 3) for s in stages] == [0.875, 0.5]
+    assert imbalance_verdict(ranks).text == ("rank 1 holds 1.6x the mean load (9.0 waiting + running vs mean 5.5, "
+                                             "last 10 s; bound 1.5x)")
+    stages = view.parallel.stage_windows()
+    # pipeline_idle's bubble fraction over the window's 20 steps: 0.05 and 0.2 of each 0.5 s step
+    assert [round(s.utilisation, 3) for s in stages] == [0.9, 0.6]
     assert [s.bytes_per_s for s in stages] == [pytest.approx(8192.0)] * 2  # 20 x 4096 B over 10 s
     # The snapshot (the /events stream's first event, the timeline's checkpoints) carries it whole,
     # and which rank the rest follows: a seek from a checkpoint stays on rank 0.
     again = EngineView.from_snapshot(view.snapshot())
-    assert again.parallel.rank_loads() == ranks and again.parallel.stage_loads() == stages
+    assert again.parallel.rank_windows() == ranks and again.parallel.stage_windows() == stages
     assert again.dp_rank == 0
     timeline = Timeline(two_rank_run(), checkpoint_every=3)
     assert set(timeline.seek(len(timeline) - 1).requests) == {"a0"} and timeline.view.kv_used == 20
@@ -139,12 +147,12 @@ def test_a_data_parallel_servers_snapshot_seeds_every_rank() -> None:
     state["data_parallel"] = {"size": 2, "ranks": [
         {"rank": 0, "waiting": 2, "running": 3, "kv_blocks_used": 8, "kv_blocks_total": 64},
         {"rank": 1, "waiting": 9, "running": 3, "kv_blocks_used": 32, "kv_blocks_total": 64}]}
-    loads = EngineView.from_snapshot(state).parallel.rank_loads()
-    assert [(r.rank, r.waiting, r.kv_pct) for r in loads] == [("0", 2, 12.5), ("1", 9, 50.0)]
+    ranks = EngineView.from_snapshot(state).parallel.rank_windows()
+    assert [(r.rank, r.waiting, r.kv_pct) for r in ranks] == [("0", 2, 12.5), ("1", 9, 50.0)]
 
 
 def test_one_rank_one_stage_keeps_the_snapshot_as_it_was() -> None:
-    fold = ParallelLoad()
+    fold = ParallelWindow()
     fold.apply(StepEvent(index=0, t=1.0, num_waiting=3))
     assert not fold.parallel
     view = EngineView().fold([StepEvent(index=0, t=1.0, num_waiting=3)])
@@ -167,10 +175,10 @@ def test_vllm_metrics_with_two_engines_parse_per_rank() -> None:
     state = ReplicaState(source="http://vllm:8000")
     for t, text in ((0.0, texts[0]), (5.0, texts[1])):
         state.apply(MetricsScrape(source=state.source, text=strip_exposition(text), t=t))
-    loads = state.rank_loads()
-    assert [(r.rank, r.mean_waiting, r.waiting, r.gen_tps) for r in loads] == \
+    ranks = state.rank_windows()
+    assert [(r.rank, r.mean_waiting, r.waiting, r.gen_tps) for r in ranks] == \
         [("0", 0.0, 1.0, pytest.approx(20.0)), ("1", 6.0, 8.0, pytest.approx(12.0))]
-    assert imbalance_verdict(loads).text == "rank 1 holds 2.0x the mean queue (6.0 vs mean 3.0, last 10 s; bound 1.5x)"
+    assert imbalance_verdict(ranks).text == VLLM_VERDICT
 
 
 async def test_dashboard_shows_ranks_stages_and_the_verdict() -> None:
@@ -186,13 +194,13 @@ async def test_dashboard_shows_ranks_stages_and_the_verdict() -> None:
     assert "2 DP ranks · 2 PP stages" in text
     rows = [line.split() for line in text.splitlines()]
     # rank, waiting (mean), running (mean), KV % (mean), generated tokens per second
-    assert ["0", "1", "(1)", "4", "(4)", "31", "(31)", "8"] in rows
+    assert ["0", "0", "(0)", "2", "(2)", "31", "(31)", "8"] in rows
     assert ["1", "5", "(5)", "4", "(4)", "62", "(62)", "8"] in rows
-    assert "verdict: rank 1 holds 1.7x the mean queue (5.0 vs mean 3.0, last 10 s; bound 1.5x)" in text
+    assert "verdict: rank 1 holds 1.6x the mean load (9.0 waiting + running vs mean 5.5, last 10 s; bound 1.5x)" in text
     # stage, busy, its bar, bubble per step, bytes sent per second
-    assert ["0", "88%", "█████████·", "50.0", "ms", "8.0", "KiB/s"] in rows
-    assert ["1", "50%", "█████·····", "200.0", "ms", "8.0", "KiB/s"] in rows
-    assert "verdict: stage 0 is the bottleneck (88% busy); stage 1 waits 50% of its forward time" in text
+    assert ["0", "90%", "█████████·", "50.0", "ms", "8.0", "KiB/s"] in rows
+    assert ["1", "60%", "██████····", "200.0", "ms", "8.0", "KiB/s"] in rows
+    assert "verdict: stage 0 is the bottleneck (90% busy); stage 1 idles 40% of the step time" in text
     assert "the block map, queues and step charts show DP rank 0" in text
 
 async def test_vllm_replica_screen_shows_the_ranks() -> None:
@@ -211,4 +219,4 @@ async def test_vllm_replica_screen_shows_the_ranks() -> None:
     rows = [line.split() for line in text.splitlines()]
     assert ["0", "1", "(0)", "3", "(2)", "25", "(20)", "20"] in rows
     assert ["1", "8", "(6)", "4", "(4)", "60", "(55)", "12"] in rows
-    assert "verdict: rank 1 holds 2.0x the mean queue (6.0 vs mean 3.0, last 10 s; bound 1.5x)" in text
+    assert f"verdict: {VLLM_VERDICT}" in text

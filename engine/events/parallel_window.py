@@ -1,28 +1,31 @@
-"""Load across data-parallel ranks and pipeline stages over the last seconds, and whether
-the ranks are balanced.
+"""The last seconds of data-parallel balance and pipeline idle time, for the live monitor.
 
-Two sources give the same readings and share the arithmetic and the verdict here:
+``engine/events/dp_balance.py`` and ``engine/events/pipeline_idle.py`` fold a whole run
+(the doctor, the simulator's summary, the bench); a dashboard needs the same figures over
+a moving window, and a verdict now. This module keeps their definitions, bound and floor,
+over the last ``WINDOW_S`` seconds of the source's clock:
 
-* kvscope's events, folded by :class:`ParallelLoad` (held by the EngineView): each DP
-  rank's ``step`` events (``dp_rank``; 0 when absent) give its waiting and running
-  counts, its KV blocks used and the tokens it generated (decode tokens, plus one per
-  ``request.first_token`` of that rank since its previous step); DP rank 0's steps give
-  each pipeline stage's ``pipeline_bubble_s`` and ``pipeline_bytes``.
-* a vLLM server's ``/metrics`` (``monitor vllm URL``), whose every series carries
-  ``engine`` = the DP rank: monitor/replica.py hands each engine's scrapes to
-  :func:`rank_load` as the same readings.
+* a DP rank's **load** is its waiting plus running requests (dp_balance's), its KV usage
+  its blocks used over its pool; the **imbalance** is the busiest rank's window mean over
+  the ranks' mean (``max / mean``: 1.0 even, D when one rank of D holds everything),
+  called beyond ``DP_IMBALANCE_BOUND`` when the ranks average at least
+  ``DP_MIN_MEAN_LOAD`` requests and the busiest one has requests waiting (a rank finishing
+  its last requests costs nobody anything), as the doctor's ``dp_imbalance`` rule calls an
+  instant; KV usage is judged by the same bound once the busiest rank uses ``KV_FLOOR_PCT``;
+* a PP stage's **utilisation** is 1 - its bubble fraction (pipeline_idle's: bubble seconds
+  over the steps' seconds) over the window's steps; the busiest stage is the one the
+  others wait on.
 
-A gauge's window figure is its time-weighted mean over the last ``WINDOW_S`` seconds of
-the source's clock (each reading holds until the next, the last one until now), so an
-idle rank that stopped stepping keeps its last counts rather than an old average; a
-counter's is its growth over the window per second. The imbalance verdict
-(:func:`imbalance_verdict`) takes, for the queue (waiting), the running batch and the KV
-usage, the busiest rank's window mean over the ranks' mean (``max / mean``: 1.0 even, D
-when one rank of D holds everything) and names the worst above ``IMBALANCE_BOUND``; a
-figure whose busiest rank stays under its floor (``FLOORS``: one request, 10 % KV) is too
-small to judge. A stage's utilisation is ``1 - bubble / forward`` over the window's steps
-(the bubble: seconds it sat in ``recv`` for the stage before it, engine/pipeline.py); the
-busiest stage is the one the others wait on.
+A gauge's window figure is its time-weighted mean (each reading holds until the next, the
+last until now), so a rank that stopped stepping keeps its last counts rather than an old
+average; a counter's is its growth over the window per second.
+
+Two sources give the same readings: kvscope's events, folded by :class:`ParallelWindow`
+(the EngineView holds one: each DP rank's ``step`` events with their ``dp_rank``, the tokens
+each rank generated as its decode tokens plus one per ``request.first_token``, and DP rank
+0's ``pipeline_bubble_s`` / ``pipeline_bytes``), and a vLLM server's ``/metrics`` whose every
+series carries ``engine`` = the DP rank (monitor/replica.py hands each engine's scrapes to
+:func:`rank_window`).
 """
 
 from __future__ import annotations
@@ -33,18 +36,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from engine.events.dp_balance import DP_IMBALANCE_BOUND, DP_MIN_MEAN_LOAD
+from engine.events.pipeline_idle import PipelineIdle
 from engine.events.schema import Event, RequestFirstToken, StepEvent
 
 WINDOW_S = 10.0
-IMBALANCE_BOUND = 1.5  # max / mean above this is an imbalance (two ranks: one holds 3x the other's)
+KV_FLOOR_PCT = 10.0  # KV usage is judged once the busiest rank uses this much of its pool
 STAGE_SPREAD = 0.10  # stages whose utilisations differ by less than this are called even
-# (figure, its words, the busiest rank's window mean below which it is not judged)
-FIGURES = (("waiting", "queue", 1.0), ("running", "running batch", 1.0), ("kv_pct", "KV usage", 10.0))
 MAX_READINGS = 2048  # per rank and for the stages: a faster stepper's window is its last readings
 
 # One rank's reading: (t, waiting, running, KV usage %, generated tokens so far).
 RankReading = tuple[float, float, float, float, float]
-# One step's stage figures: (t, forward seconds, bubble seconds per stage, bytes sent so far per stage).
+# One step's stage figures: (t, step seconds, bubble seconds per stage, bytes sent so far per stage).
 StageReading = tuple[float, float, tuple[float, ...], tuple[float, ...]]
 
 
@@ -86,8 +89,8 @@ def window_rate(samples: Sequence[tuple[float, float]], now: float, window_s: fl
 
 
 @dataclass(frozen=True, slots=True)
-class RankLoad:
-    """One DP rank: its latest counts and their window means, and its generation rate."""
+class RankWindow:
+    """One DP rank: its latest counts, their window means and its generation rate."""
 
     rank: str
     waiting: float
@@ -98,12 +101,14 @@ class RankLoad:
     mean_kv_pct: float
     gen_tps: float | None  # None until two readings span some time
 
-    def mean(self, figure: str) -> float:
-        return float(getattr(self, f"mean_{figure}"))
+    @property
+    def mean_load(self) -> float:
+        return self.mean_waiting + self.mean_running
 
 
-def rank_load(rank: str, readings: Sequence[RankReading], now: float, window_s: float = WINDOW_S) -> RankLoad | None:
-    """A rank's load from its readings (oldest first), None without any."""
+def rank_window(rank: str, readings: Sequence[RankReading], now: float,
+                window_s: float = WINDOW_S) -> RankWindow | None:
+    """A rank's window from its readings (oldest first), None without any."""
     if not readings:
         return None
     _, waiting, running, kv_pct, _ = readings[-1]
@@ -111,14 +116,14 @@ def rank_load(rank: str, readings: Sequence[RankReading], now: float, window_s: 
     def mean(column: int) -> float:
         return window_mean([(r[0], r[column]) for r in readings], now, window_s) or 0.0
 
-    return RankLoad(rank, waiting, running, kv_pct, mean(1), mean(2), mean(3),
-                    gen_tps=window_rate([(r[0], r[4]) for r in readings], now, window_s))
+    return RankWindow(rank, waiting, running, kv_pct, mean(1), mean(2), mean(3),
+                      gen_tps=window_rate([(r[0], r[4]) for r in readings], now, window_s))
 
 
 @dataclass(frozen=True, slots=True)
 class Imbalance:
-    """The verdict: ``figure`` is None when balanced (or not judged); else the rank
-    holding ``ratio`` times the ranks' mean of ``figure``."""
+    """The verdict: ``figure`` (``load`` or ``kv``) is None when balanced or not judged;
+    else the rank holding ``ratio`` times the ranks' mean of it."""
 
     text: str
     figure: str | None = None
@@ -126,66 +131,65 @@ class Imbalance:
     ratio: float = 1.0
 
 
-def imbalance_verdict(loads: Sequence[RankLoad], window_s: float = WINDOW_S,
-                      bound: float = IMBALANCE_BOUND) -> Imbalance:
-    """The worst ``max / mean`` over the ranks among the queue, the running batch and the
-    KV usage (window means), named when above ``bound`` (module docstring)."""
-    if len(loads) < 2:
+def imbalance_verdict(ranks: Sequence[RankWindow], window_s: float = WINDOW_S,
+                      bound: float = DP_IMBALANCE_BOUND) -> Imbalance:
+    """The ranks' load and KV usage spreads over the window, the worse one named when
+    beyond ``bound`` (module docstring)."""
+    if len(ranks) < 2:
         return Imbalance("one rank: nothing to balance")
-    worst: tuple[float, str, str, float, float] | None = None  # ratio, figure, rank, its mean, the ranks' mean
-    judged = []
-    for figure, words, floor in FIGURES:
-        means = [load.mean(figure) for load in loads]
-        top = max(means)
-        if top < floor:
-            continue
-        judged.append(words)
-        mean = statistics.fmean(means)
-        ratio = top / mean
-        if worst is None or ratio > worst[0]:
-            worst = (ratio, figure, loads[means.index(top)].rank, top, mean)
     window = f"last {window_s:g} s"
-    if worst is None:
-        return Imbalance(f"too little load to judge: under 1 request waiting or running and 10% KV on every "
-                         f"rank ({window})")
-    ratio, figure, rank, top, mean = worst
-    words = dict((f, w) for f, w, _ in FIGURES)[figure]
-    if ratio > bound:
-        unit = "%" if figure == "kv_pct" else ""
-        return Imbalance(f"rank {rank} holds {ratio:.1f}x the mean {words} ({top:.1f}{unit} vs mean {mean:.1f}{unit}, "
-                         f"{window}; bound {bound:g}x)", figure, rank, ratio)
-    return Imbalance(f"balanced: every rank within {bound:g}x the mean {', '.join(judged)} "
-                     f"(worst {ratio:.2f}x, {window})", ratio=ratio)
+    judged: list[tuple[float, str, RankWindow, float, float]] = []  # ratio, figure, busiest, its mean, the mean
+    loads = [r.mean_load for r in ranks]
+    busiest = ranks[loads.index(max(loads))]
+    if statistics.fmean(loads) >= DP_MIN_MEAN_LOAD and busiest.mean_waiting > 0:
+        judged.append((busiest.mean_load / statistics.fmean(loads), "load", busiest, busiest.mean_load,
+                       statistics.fmean(loads)))
+    kv = [r.mean_kv_pct for r in ranks]
+    if max(kv) >= KV_FLOOR_PCT:
+        fullest = ranks[kv.index(max(kv))]
+        judged.append((fullest.mean_kv_pct / statistics.fmean(kv), "kv", fullest, fullest.mean_kv_pct,
+                       statistics.fmean(kv)))
+    if not judged:
+        return Imbalance(f"too little load to judge ({window}): under {DP_MIN_MEAN_LOAD:g} request per rank or "
+                         f"none waiting on the busiest, and under {KV_FLOOR_PCT:g}% KV")
+    ratio, figure, rank, top, mean = max(judged, key=lambda j: j[0])
+    if ratio <= bound:
+        return Imbalance(f"balanced: every rank within {bound:g}x the mean load and KV usage "
+                         f"(worst {ratio:.2f}x, {window})", ratio=ratio)
+    what = (f"load ({top:.1f} waiting + running vs mean {mean:.1f}" if figure == "load"
+            else f"KV usage ({top:.0f}% vs mean {mean:.0f}%")
+    return Imbalance(f"rank {rank.rank} holds {ratio:.1f}x the mean {what}, {window}; bound {bound:g}x)",
+                     figure, rank.rank, ratio)
 
 
 @dataclass(frozen=True, slots=True)
-class StageLoad:
+class StageWindow:
     """One pipeline stage over the window's steps."""
 
     stage: int
-    utilisation: float  # 1 - bubble / forward, in [0, 1]
+    utilisation: float  # 1 - its bubble fraction
     bubble_s: float  # per step, the mean over the window's steps
     bytes_per_s: float | None
 
 
-def stage_loads(readings: Sequence[StageReading], now: float, window_s: float = WINDOW_S) -> list[StageLoad]:
-    """Each stage's utilisation over the steps inside the window (the last step alone when
-    none is: an idle pipeline shows how its last step went) and its bytes sent per second."""
+def stage_windows(readings: Sequence[StageReading], now: float, window_s: float = WINDOW_S) -> list[StageWindow]:
+    """Each stage over the steps inside the window (the last step alone when none is: an
+    idle pipeline shows how its last step went) and its bytes sent per second."""
     if not readings:
         return []
     inside = [r for r in readings if r[0] > now - window_s] or [readings[-1]]
-    forward = sum(r[1] for r in inside)
-    num_stages = len(readings[-1][2])
+    idle = PipelineIdle()
+    for _, step_s, bubbles, _ in inside:
+        idle.add(list(bubbles), [], step_s)
     out = []
-    for stage in range(num_stages):
-        bubble = sum(r[2][stage] for r in inside if stage < len(r[2]))
-        busy = 1.0 - bubble / forward if forward > 0 else 0.0
+    for stage, fraction in enumerate(idle.fractions):
         sent = [(r[0], r[3][stage]) for r in readings if stage < len(r[3])]
-        out.append(StageLoad(stage, min(1.0, max(0.0, busy)), bubble / len(inside), window_rate(sent, now, window_s)))
+        out.append(StageWindow(stage, min(1.0, max(0.0, 1.0 - fraction)), idle.bubble_s[stage] / idle.steps,
+                               window_rate(sent, now, window_s)))
     return out
 
 
-def stage_verdict(stages: Sequence[StageLoad], spread: float = STAGE_SPREAD) -> str:
+def stage_verdict(stages: Sequence[StageWindow], spread: float = STAGE_SPREAD) -> str:
     """Which stage the others wait on (the busiest), or that they are even."""
     if len(stages) < 2:
         return ""
@@ -194,10 +198,10 @@ def stage_verdict(stages: Sequence[StageLoad], spread: float = STAGE_SPREAD) -> 
     if busiest.utilisation - idlest.utilisation < spread:
         return f"stages even: utilisations within {100 * spread:.0f} points"
     return (f"stage {busiest.stage} is the bottleneck ({100 * busiest.utilisation:.0f}% busy); stage "
-            f"{idlest.stage} waits {100 * (1 - idlest.utilisation):.0f}% of its forward time")
+            f"{idlest.stage} idles {100 * (1 - idlest.utilisation):.0f}% of the step time")
 
 
-class ParallelLoad:
+class ParallelWindow:
     """The fold of step and first-token events into per-rank and per-stage readings."""
 
     def __init__(self, window_s: float = WINDOW_S, max_readings: int = MAX_READINGS) -> None:
@@ -236,7 +240,8 @@ class ParallelLoad:
                 sent = self.stages[-1][3] if self.stages else ()
                 total = tuple(float(b) + (sent[i] if i < len(sent) else 0.0)
                               for i, b in enumerate(event.pipeline_bytes))
-                self.stages.append((event.t, event.forward_s or event.duration_s,
+                # the step's seconds as pipeline_idle takes them
+                self.stages.append((event.t, event.duration_s or event.forward_s,
                                     tuple(map(float, event.pipeline_bubble_s)), total))
                 self._prune(self.stages)
 
@@ -254,12 +259,12 @@ class ParallelLoad:
         while len(readings) > 2 and readings[1][0] <= newest - self.window_s:
             readings.popleft()
 
-    def rank_loads(self) -> list[RankLoad]:
-        loads = (rank_load(str(rank), self.ranks[rank], self.now, self.window_s) for rank in sorted(self.ranks))
-        return [load for load in loads if load is not None]
+    def rank_windows(self) -> list[RankWindow]:
+        windows = (rank_window(str(rank), self.ranks[rank], self.now, self.window_s) for rank in sorted(self.ranks))
+        return [w for w in windows if w is not None]
 
-    def stage_loads(self) -> list[StageLoad]:
-        return stage_loads(self.stages, self.now, self.window_s)
+    def stage_windows(self) -> list[StageWindow]:
+        return stage_windows(self.stages, self.now, self.window_s)
 
     def seed_ranks(self, balance: dict[str, Any], t: float) -> None:
         """Each rank's counts from a data-parallel server's snapshot (its ``data_parallel``:
@@ -276,19 +281,19 @@ class ParallelLoad:
     def to_dict(self) -> dict[str, Any]:
         return {"window_s": self.window_s, "now": self.now,
                 "ranks": {str(r): [list(x) for x in readings] for r, readings in self.ranks.items()},
-                "stages": [[t, f, list(b), list(s)] for t, f, b, s in self.stages],
+                "stages": [[t, s, list(b), list(sent)] for t, s, b, sent in self.stages],
                 "first_tokens": {str(r): n for r, n in self._first_tokens.items()}}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ParallelLoad:
-        load = cls(window_s=float(data.get("window_s", WINDOW_S)))
-        load.now = float(data.get("now", 0.0))
+    def from_dict(cls, data: dict[str, Any]) -> ParallelWindow:
+        fold = cls(window_s=float(data.get("window_s", WINDOW_S)))
+        fold.now = float(data.get("now", 0.0))
         for rank, readings in (data.get("ranks") or {}).items():
             rows = [(float(t), float(w), float(r), float(k), float(g)) for t, w, r, k, g in readings]
-            load.ranks[int(rank)] = deque(rows, maxlen=load.max_readings)
+            fold.ranks[int(rank)] = deque(rows, maxlen=fold.max_readings)
             if rows:
-                load._generated[int(rank)] = rows[-1][4]
-        load.stages.extend((float(t), float(f), tuple(map(float, b)), tuple(map(float, s)))
-                           for t, f, b, s in data.get("stages") or [])
-        load._first_tokens = {int(r): int(n) for r, n in (data.get("first_tokens") or {}).items()}
-        return load
+                fold._generated[int(rank)] = rows[-1][4]
+        fold.stages.extend((float(t), float(s), tuple(map(float, b)), tuple(map(float, sent)))
+                           for t, s, b, sent in data.get("stages") or [])
+        fold._first_tokens = {int(r): int(n) for r, n in (data.get("first_tokens") or {}).items()}
+        return fold
