@@ -61,7 +61,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,10 +132,13 @@ class Rendezvous:
         return rank // (stages // self.nnodes)
 
 
-def join_stages(rank: int, stages: int, rendezvous: Rendezvous, tensor_parallel_size: int = 1) -> None:
+def join_stages(rank: int, stages: int, rendezvous: Rendezvous, tensor_parallel_size: int = 1,
+                watch: Callable[[], BaseException | None] | None = None) -> None:
     """Join the replica's group (``stages x tensor_parallel_size`` ranks) through the store;
     on rank 0, wait for every rank to arrive and name those that never did, with their
-    stage and host (a ReplicaError), within ``timeout_s``."""
+    stage and host (a ReplicaError), within ``timeout_s``. ``watch``: rank 0's check on its
+    own host's rank processes while it waits; the error it returns (one of them ended)
+    is raised at once instead of waiting out the timeout for a rank that cannot come."""
     tp = tensor_parallel_size
     world = stages * tp
     timeout = datetime.timedelta(seconds=rendezvous.timeout_s)
@@ -150,6 +153,8 @@ def join_stages(rank: int, stages: int, rendezvous: Rendezvous, tensor_parallel_
     if rank == 0:
         deadline = time.monotonic() + rendezvous.timeout_s
         while missing := [r for r in range(1, world) if not store.check([f"arrived/{r}"])]:
+            if watch is not None and (ended := watch()) is not None:
+                raise ended
             if time.monotonic() > deadline:
                 named = ", ".join(name(r) for r in missing)
                 raise ReplicaError(
@@ -171,6 +176,8 @@ class StageLayout:
     stages: int
     rendezvous: Rendezvous
     tensor_parallel_size: int = 1
+    # rank 0's only (never sent to a process): the WorkerGroup's check for a rank process that ended
+    watch: Callable[[], BaseException | None] | None = field(default=None, compare=False, repr=False)
 
     @property
     def pp_rank(self) -> int:
@@ -213,7 +220,7 @@ class StageLayout:
     def join(self, config: EngineConfig | None = None) -> EngineConfig:
         """Meet the other ranks; rank 0 hands them its flags (a stage on another host runs
         what host 0 serves, whatever its own command line held)."""
-        join_stages(self.rank, self.stages, self.rendezvous, self.tensor_parallel_size)
+        join_stages(self.rank, self.stages, self.rendezvous, self.tensor_parallel_size, self.watch)
         box = [config]
         dist.broadcast_object_list(box, src=0)
         assert box[0] is not None

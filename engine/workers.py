@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import os
 import queue
 import signal
@@ -113,7 +114,7 @@ class WorkerGroup:
                 for rank in range(stage * tp, (stage + 1) * tp):  # vLLM's rank = pp_rank x T + tp_rank
                     layout = StageLayout(rank, stages, self.rendezvous, tp)
                     if rank == 0:
-                        self.driver_stage = layout
+                        self.driver_stage = dataclasses.replace(layout, watch=self.ended_before_ready)
                         continue
                     layouts.append((layout, f"kvscope-pp-rank{rank}", layout.describe(num_layers)))
         else:
@@ -168,6 +169,15 @@ class WorkerGroup:
             state.ready = True
         elif kind == "failed":
             state.failure = message[2]
+
+    def ended_before_ready(self) -> ReplicaError | None:
+        """The error naming a worker that ended during startup, or None (rank 0 polls it
+        while it waits for the pipeline's ranks to arrive)."""
+        self.drain()
+        for state in self.ranks:
+            if not state.ready and state.how_it_ended() is not None:
+                return self._error(state, "during startup")
+        return None
 
     def wait_ready(self) -> None:
         """Block until every worker finished phase G; raise ReplicaError if one ends first."""

@@ -11,7 +11,9 @@ tests/test_pipeline_families.py.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import signal
 import time
 from collections.abc import Sequence
@@ -132,6 +134,47 @@ def test_a_killed_stage_stops_the_replica_naming_it_and_leaves_no_process() -> N
         engine.close()
     deadline = time.monotonic() + 5
     while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+        assert time.monotonic() < deadline, "a stage outlived its replica"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_a_stage_killed_during_startup_is_named_at_once_and_leaves_no_process() -> None:
+    """Killed as soon as it is spawned (before it can join): rank 0 names it instead of
+    waiting out --rendezvous-timeout for it; killed later, rank 0's next collective fails
+    and names it the same way."""
+    import threading
+
+    from engine.llm_engine import LLMEngine
+
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    failure: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            LLMEngine(dataclasses.replace(_config(2), rendezvous_timeout_s=200)).close()
+        except BaseException as exc:  # the test reads it
+            failure.append(exc)
+
+    thread = threading.Thread(target=start)
+    started = time.monotonic()
+    thread.start()
+    stage = None
+    while stage is None and thread.is_alive():
+        stage = next((p for p in me.children(recursive=True) if p.pid not in before
+                      and "spawn_main" in " ".join(p.cmdline())), None)
+        time.sleep(0.05)
+    assert stage is not None, failure
+    stage.send_signal(signal.SIGKILL)
+    thread.join(150)
+    assert not thread.is_alive() and time.monotonic() - started < 150  # not the 200 s rendezvous timeout
+    assert len(failure) == 1 and isinstance(failure[0], ReplicaError), failure
+    assert re.search(rf"pipeline stage 1 \(host 0, layers 15-29\) \(pid {stage.pid}\) was killed by SIGKILL "
+                     r"during startup", str(failure[0])), failure[0]
+    deadline = time.monotonic() + 5
+    while any(p.pid not in before and p.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(p.cmdline())
+              for p in me.children(recursive=True)):
         assert time.monotonic() < deadline, "a stage outlived its replica"
         time.sleep(0.1)
 
