@@ -116,6 +116,16 @@ def test_debug_state_and_requests_answer_for_either_rank(dp_server: dict[str, An
     assert "0..1" in refused.json()["error"]["message"]
 
 
+def test_logprobs_and_prompt_logprobs_come_back_from_either_rank(dp_server: dict[str, Any]) -> None:
+    answers = _load(dp_server["url"], logprobs=1, prompt_logprobs=1)
+    rows = httpx.get(f"{dp_server['url']}/debug/requests", params={"state": "finished"}).json()["requests"]
+    assert {r["dp_rank"] for r in rows if r["id"] in {a["id"] for a in answers}} == {0, 1}
+    for answer in answers:
+        choice = answer["choices"][0]
+        assert len(choice["logprobs"]["token_logprobs"]) == 8
+        assert choice["prompt_logprobs"][0] is None and len(choice["prompt_logprobs"]) == 5
+
+
 def test_profiling_covers_every_rank_and_writes_each_trace_beside_the_events(dp_server: dict[str, Any]) -> None:
     url = dp_server["url"]
     started = httpx.post(f"{url}/start_profile", timeout=60)
