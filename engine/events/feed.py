@@ -60,8 +60,8 @@ class LiveFeed:
             event = self._queue.popleft()
             if isinstance(event, SnapshotEvent):
                 self._skip_through_seq = int(event.state.get("last_seq", 0))
-            elif 0 < event.seq <= self._skip_through_seq:
-                continue  # already inside the snapshot
+            elif 0 < event.seq <= self._skip_through_seq and not getattr(event, "dp_rank", 0):
+                continue  # already inside the snapshot (rank 0's: another DP rank's bus counts its own seq)
             out.append(event)
         return out
 

@@ -340,13 +340,15 @@ class EngineView:
 
     def apply(self, event: Event) -> None:
         """Fold one event into the view. Unknown event kinds only land in ``recent``."""
-        self.last_seq = max(self.last_seq, event.seq)
         self.t = max(self.t, event.t)
         self.parallel.apply(event)
         rank = getattr(event, "dp_rank", None)  # None: an event no rank's scheduler stamps
         if rank is not None and self.dp_rank is None:
             self.dp_rank = rank
-        handler = None if rank is not None and rank != self.dp_rank else _HANDLERS.get(type(event))
+        other_rank = rank is not None and rank != self.dp_rank
+        if not other_rank:  # another DP rank's bus counts its own seq
+            self.last_seq = max(self.last_seq, event.seq)
+        handler = None if other_rank else _HANDLERS.get(type(event))
         if handler is not None:
             handler(self, event)
         if not isinstance(event, SnapshotEvent | StepEvent | EncoderStepEvent):

@@ -20,9 +20,11 @@ from engine.events import (
     MetricsScrape,
     RequestArrived,
     RequestFirstToken,
+    SnapshotEvent,
     StartupPhase,
     StepEvent,
 )
+from engine.events.feed import LiveFeed
 from engine.events.parallel_window import (
     ParallelWindow,
     RankWindow,
@@ -149,6 +151,17 @@ def test_a_data_parallel_servers_snapshot_seeds_every_rank() -> None:
         {"rank": 1, "waiting": 9, "running": 3, "kv_blocks_used": 32, "kv_blocks_total": 64}]}
     ranks = EngineView.from_snapshot(state).parallel.rank_windows()
     assert [(r.rank, r.waiting, r.kv_pct) for r in ranks] == [("0", 2, 12.5), ("1", 9, 50.0)]
+
+
+def test_the_live_feed_keeps_other_ranks_events_whose_seq_the_snapshot_passed() -> None:
+    """A DP server's /events: rank 0's snapshot, then every rank's events, each rank's bus
+    counting its own seq; only rank 0's events the snapshot already holds are dropped."""
+    feed = LiveFeed()
+    for event in (SnapshotEvent(state=EngineView().snapshot() | {"last_seq": 100}, seq=100),
+                  StepEvent(index=3, seq=50), StepEvent(index=7, seq=5, dp_rank=1), StepEvent(index=4, seq=101)):
+        feed.push(event)
+    assert [(type(e).__name__, e.seq) for e in feed.drain()] == [("SnapshotEvent", 100), ("StepEvent", 5),
+                                                                  ("StepEvent", 101)]
 
 
 def test_one_rank_one_stage_keeps_the_snapshot_as_it_was() -> None:
