@@ -797,6 +797,11 @@ def _cpu_phase_f(f: PhaseHandle, s: StartupInputs, runner: ModelRunner, kernels:
         log.info(f"kernel plan off ({kernel_plan.PLAN_ENV}=off, tensor parallel or not on CPU): the fallback "
                  "constants (GEMV_MAX_ROWS) route the projections")
     log.info(f"CPU fused decode layers: {layers}")
+    report = getattr(runner.model, "precision_report", None)  # the Llama family's (MoE and TP ranks included)
+    if report is not None:
+        precision = report(runner.kv_cache_dtype)
+        f.record = dataclasses.replace(f.record, precision=precision)
+        log.info("precision: " + "; ".join(f"{part} {how}" for part, how in precision.items()))
     if config.compile:
         start = time.perf_counter()
         runner.compile()

@@ -216,6 +216,9 @@ class GraphsCompileData(PhaseData):
     # CPU: the kernel plan (engine/model/kernel_plan.py KernelPlan.to_json(): each candidate's µs per
     # projection group and step size, the choice and why, the fused layer, where it came from)
     kernel_plan: Mapping[str, Any] | None = NOT_REPORTED
+    # CPU: each part of a step (activations, rms_norm, projections, prefill/decode attention, lm_head,
+    # fused_decode_layer) and the dtype it runs in: which run in bf16 (engine/model/llama.py precision_report)
+    precision: Mapping[str, str] | None = NOT_REPORTED
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,6 +55,11 @@ GROUPS = ("qkv", "o", "gate_up", "down", "head")
 # The model attribute each group's weight and quantized copy are named by.
 GROUP_ATTRS = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj", "down": "down_proj", "head": "head"}
 LAYER_GROUPS = GROUPS[:4]
+# Prefill attention (torch SDPA over one chunk's causal context): float32 or the q, K, V rounded to
+# bf16 (torch's flash kernel in bf16; AVX512-BF16 or AMX), timed at the multi-row classes only
+# where bf16 is native and --dtype auto; decode rows run the paged-decode kernel.
+ATTENTION = "attn"
+ATTENTION_CANDIDATES = ("torch", "bf16")
 # Buffer suffixes of the copies a plan's candidates keep (``<projection>_<suffix>``).
 PLAN_COPY_SUFFIXES = ("bf16", "int8pack", "int8pack_scale")
 
@@ -140,8 +145,11 @@ def candidates_for(weight: torch.Tensor, quantized: Any, gemv_kernel: Any, nativ
     return out
 
 
-def implementation(candidate: str, weight: torch.Tensor, quantized: Any, gemv_kernel: Any) -> Implementation:
-    """``candidate`` for ``weight`` (``[out, in]``), copies made now."""
+def implementation(candidate: str, weight: torch.Tensor, quantized: Any, gemv_kernel: Any,
+                   group: str = "") -> Implementation:
+    """``candidate`` for ``weight`` (``[out, in]``), copies made now. The LM head's (``group``
+    "head") take float32 rows and sum and return float32 in every dtype mode: its ``torch``
+    widens a bf16 weight slice by slice (engine/model/llama.py fp32_linear), never rounding logits to bf16."""
     import torch
     import torch.nn.functional as F
 
@@ -149,6 +157,10 @@ def implementation(candidate: str, weight: torch.Tensor, quantized: Any, gemv_ke
         fn, blocks = getattr(gemv_kernel, f"gemv_{quantized.fmt}"), quantized.blocks
         return Implementation(lambda x: fn(x, blocks, 0))
     if candidate == "torch":
+        if group == "head":
+            from engine.model.llama import fp32_linear
+
+            return Implementation(lambda x: fp32_linear(x, weight))
         return Implementation(lambda x: F.linear(x, weight))
     if candidate == "bf16":
         w16 = weight.to(torch.bfloat16).contiguous()
@@ -180,7 +192,7 @@ class Route:
 
 
 def build_route(choices: Sequence[tuple[int, str]], weight: torch.Tensor, quantized: Any,
-                gemv_kernel: Any) -> tuple[Route, dict[str, torch.Tensor]]:
+                gemv_kernel: Any, group: str = "") -> tuple[Route, dict[str, torch.Tensor]]:
     """The route for ``choices`` (``(row limit, candidate)`` per class, in order; the last
     class unbounded) and the copies it keeps."""
     limits: list[int] = []
@@ -189,7 +201,7 @@ def build_route(choices: Sequence[tuple[int, str]], weight: torch.Tensor, quanti
     last = None
     for limit, candidate in choices:
         if candidate not in made:
-            made[candidate] = implementation(candidate, weight, quantized, gemv_kernel)
+            made[candidate] = implementation(candidate, weight, quantized, gemv_kernel, group)
         if candidate == last:
             limits[-1] = limit  # same candidate as the class below: one range
             continue
@@ -269,9 +281,10 @@ class KernelPlan:
     def summary(self) -> str:
         """One line: each group's choice per class, and the fused layer."""
         parts = []
-        for group in (*LAYER_GROUPS, "head"):
+        for group in (*LAYER_GROUPS, "head", ATTENTION):
             picks = [f"{c.step}:{c.chosen}" for sc in STEP_CLASSES if (c := self.cell(group, sc.name)) is not None]
-            parts.append(f"{group} " + " ".join(picks))
+            if picks:
+                parts.append(f"{group} " + " ".join(picks))
         fused = f"fused decode layer <= {self.fused_max_rows} rows" if self.fused_max_rows else "fused decode layer off"
         return f"kernel plan ({self.source}): " + "; ".join(parts) + f"; {fused}"
 
@@ -309,9 +322,10 @@ class KernelPlan:
             raise ValueError(f"kernel plan: {exc}") from None
         known = {sc.name for sc in STEP_CLASSES}
         for c in plan.cells:
-            if c.group not in GROUPS or c.step not in known or c.chosen not in CANDIDATES:
+            allowed = ATTENTION_CANDIDATES if c.group == ATTENTION else CANDIDATES
+            if c.group not in (*GROUPS, ATTENTION) or c.step not in known or c.chosen not in allowed:
                 raise ValueError(f"kernel plan cell {c.group!r} {c.step!r} -> {c.chosen!r}: groups are "
-                                 f"{', '.join(GROUPS)}, steps {', '.join(sorted(known))}, candidates "
+                                 f"{', '.join((*GROUPS, ATTENTION))}, steps {', '.join(sorted(known))}, candidates "
                                  f"{', '.join(CANDIDATES)}")
         return plan
 
@@ -420,7 +434,10 @@ def measure(model: Any, gemv_kernel: Any, native_bf16: bool, isa: str, fallback:
                     cell.why = f"not measured: the {bound_s * 1000:.0f} ms bound was reached (fallback constants)"
                     continue
                 _measure_cell(cell, target, impls, generator, ratios, gemv_kernel)
-    order = {(sc.name, g): i for i, (sc, g) in enumerate((sc, g) for sc in STEP_CLASSES for g in GROUPS)}
+        if approximate and native_bf16:
+            cells.extend(_attention_cells(model, generator, deadline))
+    order = {(sc.name, g): i for i, (sc, g) in enumerate((sc, g) for sc in STEP_CLASSES
+                                                          for g in (*GROUPS, ATTENTION))}
     cells.sort(key=lambda c: order[(c.step, c.group)])
     plan = KernelPlan(cells=cells, isa=isa, bound_s=bound_s, measured_at=time.time(),
                       load_average=round(os.getloadavg()[0], 2), cpus=os.cpu_count() or 0)
@@ -450,7 +467,9 @@ def _measure_cell(cell: Cell, target: _Target, impls: dict[tuple[str, str], Impl
     import torch.nn.functional as F
 
     weight = target.weight
-    x = torch.randn(cell.rows, weight.shape[1], generator=generator).to(weight.dtype)
+    # the LM head's candidates take float32 rows whatever the model's dtype (implementation())
+    x = torch.randn(cell.rows, weight.shape[1], generator=generator).to(
+        torch.float32 if target.group == "head" else weight.dtype)
     reference = F.linear(x.float(), weight.float())
     # The GEMV multiplies the quantized copy the user chose (--quantization): it is checked against
     # those weights in fp32 (for a GGUF's own blocks the same as the float weights).
@@ -467,7 +486,8 @@ def _measure_cell(cell: Cell, target: _Target, impls: dict[tuple[str, str], Impl
             continue
         impl = impls.get((target.group, name))
         if impl is None:
-            impl = impls[(target.group, name)] = implementation(name, weight, target.quantized, gemv_kernel)
+            impl = impls[(target.group, name)] = implementation(name, weight, target.quantized, gemv_kernel,
+                                                                target.group)
         try:
             out = impl.call(x)
         except RuntimeError as exc:  # an op this torch build lacks for these dtypes
@@ -483,6 +503,39 @@ def _measure_cell(cell: Cell, target: _Target, impls: dict[tuple[str, str], Impl
     if best is not None:
         for name, us in cell.us.items():
             ratios[(target.group, name, cell.rows)] = us / best
+
+
+def _attention_cells(model: Any, generator: torch.Generator, deadline: float) -> list[Cell]:
+    """Prefill attention of one ``rows``-token chunk (causal, layer 0's heads) per multi-row
+    class: torch's SDPA in float32 against q, K and V rounded to bf16, checked against float32."""
+    import torch
+    import torch.nn.functional as F
+
+    layer = model.layers[0]
+    heads, kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
+    scale, gqa = 1.0 / math.sqrt(head_dim), heads != kv_heads
+
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa).float()
+
+    cells = []
+    for sc in STEP_CLASSES:
+        if sc.lo == 1:
+            continue  # decode rows: the paged-decode kernel
+        cell = Cell(ATTENTION, sc.name, sc.rows, f"{heads}q/{kv_heads}kv x {head_dim}")
+        cells.append(cell)
+        if time.perf_counter() > deadline:
+            cell.chosen, cell.why = "torch", "not measured: the bound was reached (float32 SDPA)"
+            continue
+        q = torch.randn(1, heads, sc.rows, head_dim, generator=generator)
+        k, v = (torch.randn(1, kv_heads, sc.rows, head_dim, generator=generator) for _ in range(2))
+        q16, k16, v16 = q.bfloat16(), k.bfloat16(), v.bfloat16()
+        calls = {"torch": functools.partial(sdpa, q, k, v), "bf16": functools.partial(sdpa, q16, k16, v16)}
+        reference = calls["torch"]()
+        cell.error = {name: relative_error(call(), reference) for name, call in calls.items()}
+        cell.us.update(_timed_round_robin(calls))
+        choose(cell)
+    return cells
 
 
 # A callable (plan so far, deadline) -> (fused max rows, notes) that times the fused layer.

@@ -98,6 +98,27 @@ def linear_maybe_quantized(module: nn.Module, x: torch.Tensor, name: str, weight
     return out if bias is None else out + bias
 
 
+# fp32_linear multiplies a bf16/fp16 weight this many bytes of fp32 rows at a time: each
+# slice is widened once into a buffer that stays in cache for its GEMM (widening the
+# whole LM head per call cost ~50 ms at one row; Zen 4, indicative, loaded machine).
+FP32_SLICE_BYTES = 2 << 20
+
+
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x.float() @ weight.T`` summed and returned in float32 whatever ``weight``'s dtype: the
+    LM head's logits in every dtype mode, so greedy decoding never picks among bf16-rounded
+    ties (a bf16 GEMM rounds its output: "The" 25.375 vs "L" 25.375 where fp32 has 25.325
+    vs 25.243). bf16 weights are widened exactly, a slice at a time; no fp32 copy is kept."""
+    x = x.float()
+    if weight.dtype == torch.float32:
+        return F.linear(x, weight)
+    rows = max(64, FP32_SLICE_BYTES // (4 * weight.shape[1]))
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
+    for start in range(0, weight.shape[0], rows):
+        out[:, start : start + rows] = F.linear(x, weight[start : start + rows].float())
+    return out
+
+
 class RotaryEmbedding:
     """cos/sin computed from positions each forward (no table to size for 128k contexts).
 
@@ -151,6 +172,9 @@ class DecoderLayer(nn.Module):
         self.eps = config.rms_norm_eps
         self.quantized: dict[str, QuantizedLinear] = {}
         self.kernel_routes: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}  # set by the kernel plan
+        # The weight the fused decode layer multiplies by past a projection's GEMV limit: the plan's
+        # bf16 copy where it chose bf16 GEMM for those sizes, else (absent) the float32 parameter.
+        self.fused_weights: dict[str, torch.Tensor] = {}
         # Sums the row-parallel O and down outputs over the tensor-parallel ranks
         # (engine/model/parallel_llama.py); one rank's are already whole.
         self.reduce_rows: Callable[[torch.Tensor], torch.Tensor] = _unreduced
@@ -217,11 +241,12 @@ class DecoderLayer(nn.Module):
         qkv, o, gate_up, down = entries
         assert qkv is not None and o is not None and gate_up is not None and down is not None
         bias = self.qkv_bias if self.qkv_bias is not None else torch.empty(0)
+        past = {name: self.fused_weights.get(name, getattr(self, name)) for name in _PROJECTIONS}
         before = (self.input_layernorm, self.post_attention_layernorm,
-                  qkv.blocks, FORMAT_CODES[qkv.fmt], self.qkv_proj, qkv.max_rows, bias,
-                  o.blocks, FORMAT_CODES[o.fmt], self.o_proj, o.max_rows,
-                  gate_up.blocks, FORMAT_CODES[gate_up.fmt], self.gate_up_proj, gate_up.max_rows,
-                  down.blocks, FORMAT_CODES[down.fmt], self.down_proj, down.max_rows)
+                  qkv.blocks, FORMAT_CODES[qkv.fmt], past["qkv_proj"], qkv.max_rows, bias,
+                  o.blocks, FORMAT_CODES[o.fmt], past["o_proj"], o.max_rows,
+                  gate_up.blocks, FORMAT_CODES[gate_up.fmt], past["gate_up_proj"], gate_up.max_rows,
+                  down.blocks, FORMAT_CODES[down.fmt], past["down_proj"], down.max_rows)
         after = (self.num_heads, self.num_kv_heads, self.eps, 1.0 / math.sqrt(self.head_dim))
         return before, after
 
@@ -373,6 +398,49 @@ class LlamaForCausalLM(nn.Module):
                 + ("(GEMV at every batch size)" if gemv_rows >= cpu_layer.MAX_ROWS
                    else f"(GEMV up to {gemv_rows} rows, float GEMM above)"))
 
+    def precision_report(self, kv_cache_dtype: torch.dtype) -> dict[str, str]:
+        """Which parts of a CPU step run in bf16 and which in float32 (phase F's ``precision``):
+        the activations' dtype, or under a float32 model the kernel plan's bf16 choices."""
+        from engine.model.kernel_plan import ATTENTION, STEP_CLASSES
+
+        if self._gemv_pending:
+            self.resolve_gemv()
+        plan, name = self.kernel_plan, str(self.dtype).removeprefix("torch.")
+        bf16_model = self.dtype == torch.bfloat16
+
+        def picked(groups: Sequence[str]) -> str:
+            """``group classes`` the plan runs in bf16, e.g. "gate_up 9-64,65+"."""
+            if plan is None:
+                return ""
+            parts = []
+            for group in groups:
+                steps = [sc.name for sc in STEP_CLASSES if (c := plan.cell(group, sc.name)) and c.chosen == "bf16"]
+                if steps:
+                    parts.append(f"{group} {','.join(steps)}")
+            return "; ".join(parts)
+
+        projections = picked(("qkv", "o", "gate_up", "down"))
+        attention = picked((ATTENTION,))
+        report = {
+            "activations": name,
+            "rms_norm": f"{name} in and out, float32 sums",
+            "projections": ("bfloat16 weights and activations (bf16 GEMM; the GEMV over GGUF blocks sums in float32)"
+                            if bf16_model else f"float32; bf16 GEMM (the kernel plan) for {projections}"
+                            if projections else name),
+            "prefill_attention": ("torch SDPA in bfloat16" if bf16_model else
+                                  f"torch SDPA in float32; bf16 for chunks of {attention.split(' ', 1)[1]} rows "
+                                  "(the kernel plan)" if attention else f"torch SDPA in {name}"),
+            "decode_attention": f"{name} queries over a {str(kv_cache_dtype).removeprefix('torch.')} cache, "
+                                "float32 sums",
+            "lm_head": "float32 sums, float32 logits (bf16 weights widened exactly)" if bf16_model
+                       else "float32 sums, float32 logits",
+        }
+        if self._fused_layers:
+            bf16_past = [n for n in _PROJECTIONS if any(n in layer.fused_weights for layer in self.layers)]  # type: ignore[operator]
+            report["fused_decode_layer"] = ("float32 activations" + (
+                f"; bf16 GEMM past the GEMV for {', '.join(_GROUP_OF[n] for n in bf16_past)}" if bf16_past else ""))
+        return report
+
     @property
     def head_weight(self) -> torch.Tensor:
         """The LM head: the embedding itself when the model ties them."""
@@ -380,9 +448,20 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits, summed in float32 on CPU in every dtype mode (the plan's head
+        candidates and the fallback take float32 rows and return float32: :func:`fp32_linear`)."""
         if self._gemv_pending:
             self.resolve_gemv()
-        return linear_maybe_quantized(self, hidden, "head", self.head_weight).float()
+        if hidden.device.type != "cpu":
+            return linear_maybe_quantized(self, hidden, "head", self.head_weight).float()
+        x = hidden.float()
+        route = self.kernel_routes.get("head")
+        if route is not None:
+            return route(x)
+        q = self.quantized.get("head")
+        if q is not None and q.gemv is not None and x.shape[0] <= q.max_rows:
+            return q.gemv(x, q.blocks)  # the GEMV sums in float32 and returns float32 rows for float32 rows
+        return fp32_linear(x, self.head_weight)
 
     # ------------------------------------------------------------------ quantization
     @torch.no_grad()
@@ -541,7 +620,11 @@ class LlamaForCausalLM(nn.Module):
         """Run by ``plan`` (engine/model/kernel_plan.py): each projection's route by step size,
         the copies it uses (bf16, int8; buffers, so ``weights_bytes`` counts them) made now,
         the fused layer's GEMV limits and row limit from the plan."""
+        from engine.model.kernel_plan import ATTENTION
+
         self.kernel_plan = plan
+        if hasattr(self.backend, "prefill_bf16"):
+            self.backend.prefill_bf16 = tuple((limit, c == "bf16") for limit, c in plan.choices(ATTENTION))
         self.resolve_gemv()
 
     def _route_by_plan(self, kernel: Any) -> None:
@@ -555,7 +638,7 @@ class LlamaForCausalLM(nn.Module):
                 usable = q is not None and q.gemv is not None
                 choices = [(hi, "torch" if c == "gemv" and not usable else c) for hi, c in plan.choices(group)]
                 weight = self.head_weight if name == "head" else getattr(module, name)
-                route, extra = build_route(choices, weight, q, kernel)
+                route, extra = build_route(choices, weight, q, kernel, group)
                 module.kernel_routes[name] = route  # type: ignore[index, operator]
                 for suffix in PLAN_COPY_SUFFIXES:  # an earlier plan's copies
                     module._buffers.pop(f"{name}_{suffix}", None)
@@ -563,6 +646,11 @@ class LlamaForCausalLM(nn.Module):
                     module.register_buffer(f"{name}_{suffix}", tensor, persistent=False)
                 if q is not None:
                     q.max_rows = plan.gemv_limit(group) if usable else 0
+                if name != "head":  # past the GEMV the fused layer runs the plan's first GEMM choice
+                    past = next((c for _, c in choices if c != "gemv"), "torch")
+                    module.fused_weights.pop(name, None)  # type: ignore[union-attr, operator]
+                    if past == "bf16":
+                        module.fused_weights[name] = extra["bf16"]  # type: ignore[index, operator]
         self._fused_max_rows = plan.fused_max_rows
 
     def weights_bytes(self) -> int:

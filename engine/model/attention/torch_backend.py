@@ -49,6 +49,9 @@ class TorchAttentionBackend:
         # Set by ModelRunner.enable_cpu_decode_kernel() (startup phase F): a
         # compiled kernel that reads the paged cache in place for pure decodes.
         self.decode_kernel: Callable[..., torch.Tensor] | None = None
+        # Set by the kernel plan (engine/model/llama.py install_kernel_plan): per step-size class,
+        # (chunk rows up to, whether a float32 prefill chunk's SDPA runs on q, K, V rounded to bf16).
+        self.prefill_bf16: tuple[tuple[int, bool], ...] = ()
         self._plan_meta: AttentionMetadata | None = None
         self._plans: dict[tuple[int, int | None], _BatchPlan] = {}  # (group, window) -> plan of _plan_meta
         # slot_mapping -> (the mapping itself, its valid rows or None, K rows, V rows): one entry per
@@ -169,6 +172,10 @@ class TorchAttentionBackend:
         out = out.reshape(seqs, max_q, num_heads, head_dim)
         return out[plan.seq_index, plan.row_index].to(out_dtype)
 
+    def _prefill_in_bf16(self, rows: int) -> bool:
+        """Whether a float32 prefill chunk of ``rows`` tokens attends in bf16 (the kernel plan's choice)."""
+        return next((bf16 for limit, bf16 in self.prefill_bf16 if rows <= limit), False)
+
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                 seq_lens: torch.Tensor, scale: float, sliding_window: int | None) -> torch.Tensor:
         """The decode kernel, told the window only when there is one (a kernel set by a test
@@ -220,6 +227,8 @@ class TorchAttentionBackend:
             key = kv[:, 0].reshape(-1, num_kv_heads, head_dim)[: context - skipped].transpose(0, 1)[None]
             value = kv[:, 1].reshape(-1, num_kv_heads, head_dim)[: context - skipped].transpose(0, 1)[None]
             q = query[starts[i] : starts[i] + n].transpose(0, 1)[None]  # [1, heads, n, head_dim]
+            if q.dtype == torch.float32 and self._prefill_in_bf16(n):  # torch's flash SDPA in bf16
+                q, key, value = q.to(torch.bfloat16), key.to(torch.bfloat16), value.to(torch.bfloat16)
             if context == n and (sliding_window is None or n <= sliding_window):
                 o = F.scaled_dot_product_attention(q, key, value, is_causal=True, scale=scale, enable_gqa=group > 1)
             else:  # row r sits at absolute position context - n + r and sees everything up to it (in its window)

@@ -14,7 +14,8 @@ in the same order and arithmetic, in one call:
 It is compiled from the cpu_gemv, cpu_norm and cpu_decode sources plus the glue
 below, so there is one copy of each kernel's arithmetic. Each projection uses the
 GEMV for as many rows as it wins (``GEMV_MAX_ROWS``, 8 on AVX2) and torch's float
-GEMM (``at::mm_out`` over the float weight, as ``F.linear``) for more, so a decode
+GEMM (``at::mm_out`` over the float weight, as ``F.linear``; over the bf16 copy with rows rounded
+to bf16 where the kernel plan chose bf16 GEMM for those sizes) for more, so a decode
 batch of up to ``MAX_ROWS`` sequences saves its ~10 ms of dispatch too. It serves
 float32 activations (the CPU dtype on ISAs without native bf16) with a float32 or
 int8 KV cache and q8_0/q4_1/q4_1x8 projections; any other step takes the layer-by-op path.
@@ -40,7 +41,7 @@ KV_DTYPES = (torch.float32, torch.int8)
 
 _GLUE = r"""
 // One projection into y [M, N]: the GEMV over its blocks (fmt 0: q8_0, 1: q4_1, 2: q4_1x8) for at most
-// `limit` rows, where it wins; torch's float GEMM over the float weight for more.
+// `limit` rows, where it wins; torch's GEMM over `w_float` for more (float32, or the kernel plan's bf16 copy).
 static void project(const torch::Tensor& w, int64_t fmt, const torch::Tensor& w_float, int64_t limit,
                     const float* x, int64_t M, int64_t K, float* y) {
   const int64_t N = w.size(0);
@@ -48,7 +49,12 @@ static void project(const torch::Tensor& w, int64_t fmt, const torch::Tensor& w_
     auto opts = torch::TensorOptions().dtype(torch::kFloat);
     auto xt = torch::from_blob(const_cast<float*>(x), {M, K}, opts);
     auto yt = torch::from_blob(y, {M, N}, opts);
-    at::mm_out(yt, xt, w_float.t());
+    if (w_float.scalar_type() == torch::kBFloat16) {
+      // the kernel plan's bf16 GEMM (oneDNN: AVX512-BF16 or AMX): rows rounded to bf16, fp32 rows back
+      yt.copy_(at::mm(xt.to(torch::kBFloat16), w_float.t()));
+    } else {
+      at::mm_out(yt, xt, w_float.t());
+    }
     return;
   }
   if (fmt == 0) {
