@@ -158,7 +158,7 @@ def imbalance_verdict(ranks: Sequence[RankWindow], window_s: float = WINDOW_S,
                          f"(worst {ratio:.2f}x, {window})", ratio=ratio)
     what = (f"load ({top:.1f} waiting + running vs mean {mean:.1f}" if figure == "load"
             else f"KV usage ({top:.0f}% vs mean {mean:.0f}%")
-    return Imbalance(f"rank {rank.rank} holds {ratio:.1f}x the mean {what}, {window}; bound {bound:g}x)",
+    return Imbalance(f"rank {rank.rank} holds {ratio:.2f}x the mean {what}, {window}; bound {bound:g}x)",
                      figure, rank.rank, ratio)
 
 

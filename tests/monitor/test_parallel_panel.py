@@ -10,6 +10,8 @@ replica screen of the real fleet app, from a recording)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -48,7 +50,7 @@ DP2 = ROOT / "tests" / "data" / "vllm-dp2"
 STEPS = 30  # per rank, 0.5 s apart; rank 1 steps 0.25 s after rank 0
 NUM_BLOCKS = 64
 # engine 0: 0 waiting + 2 running, engine 1: 6 + 4 over the window (the first scrape holds until the second)
-VLLM_VERDICT = "rank 1 holds 1.7x the mean load (10.0 waiting + running vs mean 6.0, last 10 s; bound 1.5x)"
+VLLM_VERDICT = "rank 1 holds 1.67x the mean load (10.0 waiting + running vs mean 6.0, last 10 s; bound 1.5x)"
 
 
 def two_rank_run() -> list[Event]:
@@ -98,10 +100,10 @@ def test_verdict_names_the_rank_and_states_the_bound() -> None:
 
     skewed = imbalance_verdict([rank("0", 1, 4, 30), rank("1", 12, 4, 30), rank("2", 0, 4, 30)])
     assert (skewed.figure, skewed.rank) == ("load", "1") and skewed.ratio == pytest.approx(16 / (25 / 3))
-    assert skewed.text == ("rank 1 holds 1.9x the mean load (16.0 waiting + running vs mean 8.3, last 10 s; "
+    assert skewed.text == ("rank 1 holds 1.92x the mean load (16.0 waiting + running vs mean 8.3, last 10 s; "
                            "bound 1.5x)")
     full = imbalance_verdict([rank("0", 0, 3, 80), rank("1", 0, 3, 20)])
-    assert full.text == "rank 0 holds 1.6x the mean KV usage (80% vs mean 50%, last 10 s; bound 1.5x)"
+    assert full.text == "rank 0 holds 1.60x the mean KV usage (80% vs mean 50%, last 10 s; bound 1.5x)"
     even = imbalance_verdict([rank("0", 3, 4, 50), rank("1", 4, 5, 55)])
     assert even.figure is None and even.text.startswith("balanced: every rank within 1.5x the mean load and KV "
                                                         "usage (worst 1.12x")
@@ -120,7 +122,7 @@ def test_the_view_keeps_every_rank_and_rank_0s_pool_apart() -> None:
     assert [(r.rank, r.waiting, r.running, r.kv_pct) for r in ranks] == [("0", 0, 2, 31.25), ("1", 5, 4, 62.5)]
     # now = 14.75 s (rank 1's last step); the window [4.75, 14.75] holds 20 steps of 4 tokens a rank
     assert [r.gen_tps for r in ranks] == [pytest.approx(8.0), pytest.approx(8.0)]
-    assert imbalance_verdict(ranks).text == ("rank 1 holds 1.6x the mean load (9.0 waiting + running vs mean 5.5, "
+    assert imbalance_verdict(ranks).text == ("rank 1 holds 1.64x the mean load (9.0 waiting + running vs mean 5.5, "
                                              "last 10 s; bound 1.5x)")
     stages = view.parallel.stage_windows()
     # pipeline_idle's bubble fraction over the window's 20 steps: 0.05 and 0.2 of each 0.5 s step
@@ -209,7 +211,7 @@ async def test_dashboard_shows_ranks_stages_and_the_verdict() -> None:
     # rank, waiting (mean), running (mean), KV % (mean), generated tokens per second
     assert ["0", "0", "(0)", "2", "(2)", "31", "(31)", "8"] in rows
     assert ["1", "5", "(5)", "4", "(4)", "62", "(62)", "8"] in rows
-    assert "verdict: rank 1 holds 1.6x the mean load (9.0 waiting + running vs mean 5.5, last 10 s; bound 1.5x)" in text
+    assert "verdict: rank 1 holds 1.64x the mean load (9.0 waiting + running vs mean 5.5, last 10 s; bound 1.5x)" in text
     # stage, busy, its bar, bubble per step, bytes sent per second
     assert ["0", "90%", "█████████·", "50.0", "ms", "8.0", "KiB/s"] in rows
     assert ["1", "60%", "██████····", "200.0", "ms", "8.0", "KiB/s"] in rows
@@ -233,3 +235,29 @@ async def test_vllm_replica_screen_shows_the_ranks() -> None:
     assert ["0", "1", "(0)", "3", "(2)", "25", "(20)", "20"] in rows
     assert ["1", "8", "(6)", "4", "(4)", "60", "(55)", "12"] in rows
     assert f"verdict: {VLLM_VERDICT}" in text
+
+
+async def test_live_vllm_replica_with_two_engines_shows_the_panel() -> None:
+    """``monitor vllm URL`` live: the real poller scraping a loopback server that serves the
+    two-engine exposition (the first scrape, then the second repeated)."""
+    from monitor.external import ExternalFeed
+    from tests.monitor.external_fixtures import MetricsServer
+    from tests.monitor.test_fleet_app import until
+
+    server = MetricsServer([(DP2 / f"metrics-{i}.txt").read_text() for i in range(2)]).start()
+    try:
+        feed = ExternalFeed([server.url], interval_s=0.1, timeout_s=0.5)
+        app = FleetApp(feed=feed, gpu=None, detail=server.url, kinds={server.url: VLLM}, refresh_s=0.1)
+        async with app.run_test(size=(140, 60)) as pilot:
+            await until(pilot, lambda: app.states[server.url].scrapes >= 3 and app.screen.query(ParallelPanel)
+                        and app.screen.query_one(ParallelPanel).display)
+            await pilot.pause(0.2)
+            text = plain(app.screen.query_one(ParallelPanel))
+    finally:
+        server.stop()
+    rows = [line.split() for line in text.splitlines()]
+    # the latest counts (engine 0: 1 waiting, 3 running, 25% KV; engine 1: 8, 4, 60%), window means after them
+    assert [row[:2] + row[3:4] + row[5:6] for row in rows if row[:1] in (["0"], ["1"])] == \
+        [["0", "1", "3", "25"], ["1", "8", "4", "60"]]
+    # 12 of 8 requests on average: just over the 1.5x bound while the first scrape (10 of 6) is in the window
+    assert re.search(r"verdict: (rank 1 holds 1\.5\dx the mean load|balanced: .* \(worst 1\.50x)", text), text
