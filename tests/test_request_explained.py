@@ -4,6 +4,7 @@ server's ``GET /debug/requests`` shows the same lives (slow: a server of its own
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -103,14 +104,18 @@ def test_per_request_metrics_equal_what_the_events_say(tmp_path: Path) -> None:
         chat = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
             "model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5,
             "include_metrics": True}).json()
-        refused = httpx.post(f"{url}/v1/completions", timeout=120, json={
+        streamed = httpx.post(f"{url}/v1/completions", timeout=120, json={
             "model": "smollm2-135m", "prompt": "x", "max_tokens": 2, "stream": True, "include_metrics": True})
         plain = httpx.post(f"{url}/v1/completions", timeout=120, json={
             "model": "smollm2-135m", "prompt": "x", "max_tokens": 2}).json()
     finally:
         stop_server(proc)
-    assert refused.status_code == 400 and "metrics" not in plain and "metrics" in chat
+    assert streamed.status_code == 200 and "metrics" not in plain and "metrics" in chat
+    # a stream carries them on its last chunk (issue 33's leftover; a 400 before)
+    last = json.loads(streamed.text.split("data: ")[-2])
     events = read_events(events_path).events
+    streamed_end = next(e for e in events if isinstance(e, RequestFinished) and e.request_id == last["id"])
+    assert last["metrics"]["time_to_first_token_ms"] == pytest.approx(streamed_end.ttft_s * 1e3)
     finished = next(e for e in events if isinstance(e, RequestFinished) and e.request_id == answer["id"])
     metrics = answer["metrics"]
     assert metrics["time_to_first_token_ms"] == pytest.approx(finished.ttft_s * 1e3)
