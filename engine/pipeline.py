@@ -43,17 +43,29 @@ Across hosts: every stage joins one ``torch.distributed`` group through a ``TCPS
 ``MASTER_ADDR``/``MASTER_PORT`` are read when the flags are absent, one process per host).
 Host ``n`` of ``--nnodes N`` holds stages ``[n P/N, (n+1) P/N)``; host 0 serves and
 holds stage 0, the others run their stages headless (``engine serve ... --node-rank n``,
-:func:`run_node`). Each stage writes ``arrived/<rank>`` in the store on arrival; host 0
-waits ``--rendezvous-timeout`` seconds for all of them and then names the stages, and
-their hosts, that never arrived, instead of hanging in ``init_process_group``.
+:func:`engine.workers.run_node`). Each rank writes ``arrived/<rank>`` in the store on
+arrival; host 0 waits ``--rendezvous-timeout`` seconds for all of them and then names the
+ranks, and their hosts, that never arrived, instead of hanging in ``init_process_group``
+(a rank process of host 0 that ends while it waits is named at once).
 
-Not done (issue 37): composition with ``--tensor-parallel-size`` (refused before anything
-loads; see docs/architecture.md for the layout it would take), the fused decode-layer
-kernel and the kernel plan (stages run the op-by-op layers), logprobs (rank 0 samples
-without them), and the phase events of stages on other hosts (they run the same phases,
-logged on their own host; only host 0's stage processes relay to rank 0's bus). Each
-stage loads the whole model and then drops the other stages' layers (phase C's peak is
-the whole model's; vLLM builds only its layers).
+With ``--tensor-parallel-size T`` the replica is ``T x P`` ranks in vLLM's layout, ``rank
+= pp_rank x T + tp_rank`` (:class:`StageLayout`): each stage is a tensor-parallel group of
+``T`` consecutive ranks (engine/model/parallel.py's TensorParallel over that group), and
+each rank sends its activations to the next stage's rank at the same ``tp_rank``. Chosen
+over sending from the stage's first rank and broadcasting inside the next stage: after
+the row-parallel all-reduce every rank of a stage holds the whole hidden state, so the T
+pairs exchange independently with no extra collective (T copies cross the link; vLLM's
+``send_tensor_dict(all_gather_group=...)`` sends 1/T each and all-gathers, which saves
+link bytes for one more collective). Stage 0's ranks compute the LM head together (its
+vocabulary columns are gathered to rank 0, which samples).
+
+Not done (issue 37): the fused decode-layer kernel and the kernel plan (stages run the
+op-by-op layers), logprobs (rank 0 samples without them), NCCL (the group is gloo's, on
+CUDA too), the phase events of ranks on other hosts (they run the same phases, logged on
+their own host; only host 0's rank processes relay to rank 0's bus), and naming a rank on
+another host that dies while serving (rank 0 says the exchange failed and that a stage on
+another host may have stopped). Each rank loads the whole model and then drops the other
+stages' layers (phase C's peak is the whole model's; vLLM builds only its layers).
 """
 
 from __future__ import annotations
@@ -418,20 +430,3 @@ def serve_stage(stage: Stage) -> None:
         if stage.layout.pp_rank == 0:  # stage 0's other tensor-parallel ranks lend their LM head columns
             stage.logits(results)
         dist.gather_object(stage.stats, None, dst=0)
-
-
-def run_node(config: EngineConfig) -> int:
-    """A host other than 0 (``--node-rank n``): run its stages until host 0 stops them.
-    Exit status 0 when every stage ended cleanly, else 1."""
-    from engine.workers import WorkerGroup
-
-    stages = config.pipeline_parallel_size or 1
-    rendezvous = Rendezvous.of(config)
-    if stages == 1:
-        raise UserError(f"--node-rank {rendezvous.node_rank}: hosts beyond 0 run pipeline stages; give "
-                        "--pipeline-parallel-size (a multiple of --nnodes)")
-    group = WorkerGroup(config, rendezvous)
-    try:
-        return group.run_headless()
-    finally:
-        group.close()

@@ -390,6 +390,9 @@ def prepare_startup(config: EngineConfig, log: Any, stage: Any = None) -> Startu
     flags and the KV cache groups. Raises UserError for flags no machine could run.
     ``stage``: a pipeline stage's StageLayout (engine/pipeline.py)."""
     device = resolve_device(config.device)
+    if stage is not None and device.type != "cpu":
+        raise UserError(f"--pipeline-parallel-size {stage.stages} on {device.type}: the stages exchange activations "
+                        "over gloo, on CPU tensors only (NCCL is not wired yet); run with --device cpu or one stage")
     ranks_here = stage.ranks_on_host if stage is not None else config.tensor_parallel_size
     if device.type == "cpu" and config.num_threads:
         torch.set_num_threads(config.num_threads)

@@ -344,3 +344,20 @@ def worker_main(layout: Any, config: EngineConfig, messages: Any, parent_pid: in
     # os._exit, not sys.exit: the interpreter's teardown of the gloo group waits seconds on
     # peers that are leaving too; nothing is left to flush.
     os._exit(code)
+
+
+def run_node(config: EngineConfig) -> int:
+    """A host other than 0 (``--node-rank n``): run its pipeline stages until host 0 stops
+    them. Exit status 0 when every stage ended cleanly, else 1."""
+    from engine.pipeline import Rendezvous
+
+    stages = config.pipeline_parallel_size or 1
+    rendezvous = Rendezvous.of(config)
+    if stages == 1:
+        raise UserError(f"--node-rank {rendezvous.node_rank}: hosts beyond 0 run pipeline stages; give "
+                        "--pipeline-parallel-size (a multiple of --nnodes)")
+    group = WorkerGroup(config, rendezvous)
+    try:
+        return group.run_headless()
+    finally:
+        group.close()

@@ -303,7 +303,8 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     config = engine_config_from_args(args)
     if (config.pipeline_parallel_size or 1) > 1:
-        from engine.pipeline import Rendezvous, run_node
+        from engine.pipeline import Rendezvous
+        from engine.workers import run_node
 
         if Rendezvous.of(config).node_rank > 0:  # a host beyond 0 serves nothing: it runs its stages (headless)
             configure_logging(args.log_format)
