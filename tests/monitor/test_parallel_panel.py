@@ -11,6 +11,7 @@ replica screen of the real fleet app, from a recording)."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -135,6 +136,37 @@ def test_the_view_keeps_every_rank_and_rank_0s_pool_apart() -> None:
     assert again.dp_rank == 0
     timeline = Timeline(two_rank_run(), checkpoint_every=3)
     assert set(timeline.seek(len(timeline) - 1).requests) == {"a0"} and timeline.view.kv_used == 20
+
+
+def test_a_simulated_dp2_pp2_recording_folds_rank_0_as_rank_0_alone(tmp_path: Path) -> None:
+    """``engine simulate -dp 2 -pp 2`` records both ranks' real schedulers in one file (one
+    bus, every step and request stamped): at every 5th step of rank 0, the view of the whole recording
+    holds exactly what a view of rank 0's events alone holds, and the fold has both ranks
+    and both stages."""
+    import contextlib
+    import io
+
+    from engine.cli.main import main
+    from engine.events import read_events
+
+    path = tmp_path / "dp2pp2.jsonl"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["simulate", "-pp", "2", "-dp", "2", "--max-model-len", "8192", "--num-prompts", "16",
+                     "--random-input-len", "200:400", "--random-output-len", "20:40", "--request-rate", "8",
+                     "--arrival-unit", "s", "--events", str(path)]) == 0
+    events = read_events(path).events
+    both, alone = EngineView(), EngineView()
+    checked = 0
+    for event in events:
+        both.apply(event)
+        if getattr(event, "dp_rank", 0) == 0:
+            alone.apply(event)
+        if isinstance(event, StepEvent) and event.dp_rank == 0 and event.index % 5 == 0:
+            assert both.block_owners == alone.block_owners and both.requests.keys() == alone.requests.keys()
+            assert (both.kv_used, both.finished, both.preemptions) == (alone.kv_used, alone.finished, alone.preemptions)
+            checked += 1
+    assert checked >= 3 and both.finished == alone.finished > 0
+    assert [w.rank for w in both.parallel.rank_windows()] == ["0", "1"] and len(both.parallel.stage_windows()) == 2
 
 
 def test_a_view_of_rank_1_alone_follows_rank_1() -> None:
