@@ -161,3 +161,30 @@ def test_the_fused_layer_multiplies_by_the_plans_bf16_copy_past_the_gemv(smollm_
     assert not any(layer.fused_weights for layer in model.layers)
     float32 = _decode_step(runner, 12, True, monkeypatch)
     assert not torch.equal(fused, float32) and relative_error(fused, float32) < ACCURACY_BOUND
+
+
+@pytest.mark.slow  # an engine start in bf16 (measuring its plan in a fresh cache) and a short answer: ~15 s quiet
+def test_dtype_bfloat16_reports_its_bf16_parts_and_answers_with_float32_logits(tmp_path, monkeypatch) -> None:
+    """``--dtype bfloat16`` end to end on the bundled model: phase F's ``precision`` names the
+    parts in bf16 and the LM head's float32 sums, the logits are float32 (not bf16-rounded),
+    and the README's question gets the README's answer."""
+    from engine.events import EventBus, StartupPhase
+    from engine.llm import LLM
+    from engine.model import profile_cache
+    from tests.model.test_model_reference import WATER, WATER_ANSWER
+
+    monkeypatch.setenv(profile_cache.PROFILE_CACHE_ENV, str(tmp_path))
+    events: list[object] = []
+    bus = EventBus()
+    bus.subscribe(events.append)
+    with LLM("smollm2-135m", bus=bus, dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=16 * 2**20,
+             max_num_seqs=4, stats_interval=0.0) as llm:
+        phase_f = next(e.data for e in events if isinstance(e, StartupPhase) and e.phase == "F" and e.status == "end")
+        precision = phase_f["precision"]
+        assert precision["activations"] == "bfloat16" and precision["rms_norm"].startswith("bfloat16")
+        assert precision["prefill_attention"] == "torch SDPA in bfloat16"
+        assert precision["lm_head"].startswith("float32 sums, float32 logits")
+        runner = llm.engine.runner
+        logits = runner.logits_for([ScheduledSeq("p", list(range(100, 140)), 0, [0, 1, 2])])["p"]
+        assert logits.dtype == torch.float32 and _bf16_representable(logits) < 0.2
+        assert llm.chat(WATER, SamplingParams(temperature=0.0, max_tokens=12))[0].text == WATER_ANSWER

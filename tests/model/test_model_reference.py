@@ -10,7 +10,11 @@ from engine.model.runner import ScheduledSeq
 
 # With the template's default system prompt this is 37 tokens.
 CHAT = [{"role": "user", "content": "Name three primary colors, please."}]
-FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]  # a 0.08-logit near-tie at its first token
+# The README's question: each of its first ten answer tokens leads by >= 2.0 logits in fp32, --dtype auto
+# and bf16 (Zen 4), so every path answers it alike.
+WATER = [{"role": "user", "content": "What is the chemical symbol for water?"}]
+WATER_ANSWER = "The chemical symbol for water is H2O."
 
 
 def chat_ids(tokenizer, messages) -> list[int]:
