@@ -60,12 +60,13 @@ link bytes for one more collective). Stage 0's ranks compute the LM head togethe
 vocabulary columns are gathered to rank 0, which samples).
 
 Not done (issue 37): the fused decode-layer kernel and the kernel plan (stages run the
-op-by-op layers), logprobs (rank 0 samples without them), NCCL (the group is gloo's, on
-CUDA too), the phase events of ranks on other hosts (they run the same phases, logged on
-their own host; only host 0's rank processes relay to rank 0's bus), and naming a rank on
-another host that dies while serving (rank 0 says the exchange failed and that a stage on
-another host may have stopped). Each rank loads the whole model and then drops the other
-stages' layers (phase C's peak is the whole model's; vLLM builds only its layers).
+op-by-op layers), prompt logprobs (refused: only the sampled rows reach rank 0), NCCL
+(stages on CUDA are refused: the group is gloo's), the phase events of ranks on other
+hosts (they run the same phases, logged on their own host; only host 0's rank processes
+relay to rank 0's bus), and naming a rank on another host that dies while serving (rank 0
+says the exchange failed and that a stage on another host may have stopped). Each rank
+loads the whole model and then drops the other stages' layers (phase C's peak is the
+whole model's; vLLM builds only its layers).
 """
 
 from __future__ import annotations
@@ -381,7 +382,7 @@ class PipelineRunner:
         self.model_config = runner.model_config
         self.last_timings = runner.last_timings
         self.last_failed: dict[str, str] = {}
-        self.last_logprobs: dict[str, Any] = {}  # not computed under pipeline parallelism
+        self.last_logprobs: dict[str, Any] = {}  # the last step's, for the requests that ask
         self.last_stage_stats: list[StageStats] = []
         self.last_expert_counts: list[list[int]] | None = None
 
@@ -397,10 +398,12 @@ class PipelineRunner:
         self.last_expert_counts = summed_expert_counts(stats)
         sampled: dict[str, int] = {}
         t0 = time.perf_counter()
-        for prepared, rows in logits:
-            tokens = runner.sampler.sample(rows, [s.sampling for s in prepared.sample_seqs],
-                                           prepared.sample_positions).tolist()
-            sampled.update({s.request_id: int(t) for s, t in zip(prepared.sample_seqs, tokens, strict=True)})
+        runner.last_failed, self.last_logprobs = {}, {}
+        for prepared, rows in logits:  # ModelRunner's sampling, one micro-batch at a time
+            tokens, logprobs = runner.sample_logits(prepared, rows)
+            sampled.update(tokens)
+            self.last_logprobs.update(logprobs)
+        self.last_failed = runner.last_failed
         runner.last_timings = type(runner.last_timings)(forward_s=forward_s, sample_s=time.perf_counter() - t0)
         self.last_timings = runner.last_timings
         return sampled

@@ -25,7 +25,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.events import PHASES, Event, EventBus, StartupPhase, StepEvent
 from engine.modelspec.presets import MODEL_PRESETS
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
 DENSE = ("qwen2-tied", "qwen3-untied", "gemma3-tied", "mistral-sliding", "phi3-sliding", "llama3-scaled")
 MOE = ("qwen3moe-mixed", "mixtral", "qwen2moe")
 
@@ -71,7 +71,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-def _generate(folder: Path, stages: int) -> tuple[list[list[int]], list[Event]]:
+def _generate(folder: Path, stages: int) -> tuple[list[list[int]], list[Event], list[list[float]]]:
     from engine.llm_engine import LLMEngine
 
     config = EngineConfig(model=str(folder), dtype="float32", quantization="none", max_model_len=128,
@@ -85,11 +85,13 @@ def _generate(folder: Path, stages: int) -> tuple[list[list[int]], list[Event]]:
     with LLMEngine(config, bus=bus) as engine:
         ids = [engine.add_request(p, GREEDY) for p in prompts]
         done: dict[str, list[int]] = {}
+        logprobs: dict[str, list[float]] = {i: [] for i in ids}
         while engine.has_unfinished():
             for out in engine.step():
+                logprobs[out.request_id] += [entry.logprob for entry in out.logprobs or ()]
                 if out.finished:
                     done[out.request_id] = out.token_ids
-    return [done[i] for i in ids], events
+    return [done[i] for i in ids], events, [logprobs[i] for i in ids]
 
 
 def _steps(events: Sequence[Event]) -> list[StepEvent]:
@@ -100,9 +102,12 @@ def _steps(events: Sequence[Event]) -> list[StepEvent]:
 @pytest.mark.parametrize("variant", DENSE + MOE)
 def test_two_stages_generate_one_ranks_greedy_tokens_for_every_family(checkpoints: dict[str, Path],
                                                                        variant: str) -> None:
-    one, one_events = _generate(checkpoints[variant], 1)
-    two, events = _generate(checkpoints[variant], 2)
+    one, one_events, one_logprobs = _generate(checkpoints[variant], 1)
+    two, events, logprobs = _generate(checkpoints[variant], 2)
     assert two == one
+    # rank 0 samples through ModelRunner's sampling: the tokens' logprobs too (other batch shapes: float32 order)
+    assert [len(x) for x in logprobs] == [len(x) for x in one_logprobs] == [GREEDY.max_tokens] * 3
+    assert torch.allclose(torch.tensor(logprobs), torch.tensor(one_logprobs), atol=1e-4)
     steps = _steps(events)
     assert steps and all(len(s.pipeline_bytes) == 2 and len(s.pipeline_bubble_s) == 2 for s in steps)
     # the same batches routed the same tokens: the stages' counts summed are one rank's

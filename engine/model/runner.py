@@ -433,16 +433,23 @@ class ModelRunner:
         if logits is None:
             return {}
         t0 = time.perf_counter()
-        seqs = prepared.sample_seqs
         self.last_failed = {}
+        sampled, self.last_logprobs = self.sample_logits(prepared, logits)
+        self.last_timings.sample_s = time.perf_counter() - t0
+        return sampled
+
+    def sample_logits(self, prepared: PreparedBatch,
+                      logits: torch.Tensor) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
+        """Sample ``prepared``'s sampled rows from their ``logits``: the tokens, and the
+        logprobs of the rows that ask. A row whose parameters raise goes into ``last_failed``
+        (the caller clears it per step; a pipeline's rank 0 calls this per micro-batch)."""
+        seqs = prepared.sample_seqs
         try:
             tokens = self.sampler.sample(logits, [s.sampling for s in seqs], prepared.sample_positions).tolist()
             sampled = {s.request_id: int(t) for s, t in zip(seqs, tokens, strict=True)}
         except Exception:  # one row's parameters broke the batch: find it, keep the others
             sampled = self._sample_rows_alone(logits, prepared)
-        self.last_logprobs = self._logprobs(logits, seqs, sampled)
-        self.last_timings.sample_s = time.perf_counter() - t0
-        return sampled
+        return sampled, self._logprobs(logits, seqs, sampled)
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, seqs: Sequence[ScheduledSeq],
