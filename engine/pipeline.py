@@ -1,4 +1,5 @@
-"""``--pipeline-parallel-size P``: a model's layers in P contiguous stages, one process each.
+"""``--pipeline-parallel-size P``: a model's layers in P contiguous stages, one process per
+rank (a stage is one rank, or ``T`` under ``--tensor-parallel-size T``).
 
 Every family the single-rank engine serves runs in stages (Llama, Qwen2/2.5, Qwen3, Mistral,
 Phi-3, Gemma 3, and the MoE families): a stage runs its model's own layer class through
@@ -18,7 +19,7 @@ state is).
 
 Startup: every stage runs phases A-G itself (engine/startup.py with its
 :class:`StageLayout`), as a tensor-parallel worker does: A joins the stages' group (and
-rank 0 hands every stage its resolved flags), C loads the model and keeps the stage's
+rank 0 hands every stage its flags, which each resolves as rank 0 does), C loads the model and keeps the stage's
 layers (:func:`carve_stage`), D profiles the stage, E sizes the stage's pool from the
 stage's own budget and layers (its weights, its peak, its KV bytes per token) and takes
 the fewest blocks of any stage (vLLM's executor takes the minimum ``num_gpu_blocks`` over
