@@ -19,10 +19,10 @@ state is).
 
 Startup: every stage runs phases A-G itself (engine/startup.py with its
 :class:`StageLayout`), as a tensor-parallel worker does: A joins the stages' group (and
-rank 0 hands every stage its flags, which each resolves as rank 0 does), C loads the model and keeps the stage's
-layers (:func:`carve_stage`), D profiles the stage, E sizes the stage's pool from the
-stage's own budget and layers (its weights, its peak, its KV bytes per token) and takes
-the fewest blocks of any stage (vLLM's executor takes the minimum ``num_gpu_blocks`` over
+rank 0 hands every stage its flags, which each resolves as rank 0 does), C loads the
+model and keeps the stage's layers (:func:`carve_stage`), D profiles the stage, E sizes
+the stage's pool from the stage's own budget and layers (its weights, its peak, its KV
+bytes per token) and takes the fewest blocks of any stage (vLLM's executor takes the minimum ``num_gpu_blocks`` over
 its workers), so one block table serves them all. Each phase event carries ``rank``,
 ``pp_rank`` and ``tp_rank``; the stage processes of host 0 relay theirs to rank 0's bus
 (engine/workers.py's :class:`~engine.workers.WorkerGroup`, which also starts, watches and
