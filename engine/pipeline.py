@@ -22,11 +22,12 @@ Startup: every stage runs phases A-G itself (engine/startup.py with its
 rank 0 hands every stage its flags, which each resolves as rank 0 does), C loads the
 model and keeps the stage's layers (:func:`carve_stage`), D profiles the stage, E sizes
 the stage's pool from the stage's own budget and layers (its weights, its peak, its KV
-bytes per token) and takes the fewest blocks of any stage (vLLM's executor takes the minimum ``num_gpu_blocks`` over
-its workers), so one block table serves them all. Each phase event carries ``rank``,
-``pp_rank`` and ``tp_rank``; the stage processes of host 0 relay theirs to rank 0's bus
-(engine/workers.py's :class:`~engine.workers.WorkerGroup`, which also starts, watches and
-stops them, and names a stage that dies: its rank, host, layers, pid and last phase).
+bytes per token) and takes the fewest blocks of any stage (vLLM's executor takes the
+minimum ``num_gpu_blocks`` over its workers), so one block table serves them all. Each
+phase event carries ``rank``, ``pp_rank`` and ``tp_rank``; the stage processes of host 0
+relay theirs to rank 0's bus (engine/workers.py's :class:`~engine.workers.WorkerGroup`,
+which also starts, watches and stops them, and names a stage that dies: its rank, host,
+layers, pid and last phase).
 
 A step: rank 0 broadcasts the batch (the tensor-parallel control plane's object
 broadcast), every stage splits it into ``MICRO_BATCHES`` micro-batches of whole
