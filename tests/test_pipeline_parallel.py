@@ -179,6 +179,38 @@ def test_a_stage_killed_during_startup_is_named_at_once_and_leaves_no_process() 
         time.sleep(0.1)
 
 
+@pytest.mark.slow
+def test_each_stage_budgets_its_own_layers_kv_and_every_stage_takes_the_fewest_blocks(tmp_path: Path) -> None:
+    """3 layers in 2 stages: [2, 1] (vLLM's split). Each stage sizes its pool from the same
+    --kv-cache-memory-bytes (per GPU, as vLLM's) at its own layers' bytes per token; stage 1
+    could hold twice stage 0's blocks, and both take stage 0's, the fewest."""
+    import json
+
+    from engine.budget.memory import bytes_per_kv_token
+    from engine.budget.stages import stage_model
+    from engine.events.phase_data import KvCacheData, read_phase
+    from engine.modelspec.readers import load_model_config
+    from tests.test_tensor_parallel import TINY_LLAMA
+
+    (tmp_path / "config.json").write_text(json.dumps({**TINY_LLAMA, "num_hidden_layers": 3}))
+    pool = 4 << 20
+    config = EngineConfig(model=str(tmp_path), load_format="dummy", dtype="float32", max_model_len=128,
+                          max_num_batched_tokens=64, max_num_seqs=8, stats_interval=0.0, kv_cache_memory_bytes=pool,
+                          pipeline_parallel_size=2)
+    _, events = _generate(config, _prompts()[:1])
+    model = load_model_config(str(tmp_path))
+    per_token = [bytes_per_kv_token(stage_model(model, layers), "auto", 1, "float32") for layers in ((0, 2), (2, 3))]
+    assert per_token[0] == 2 * per_token[1]
+    pools = {e.pp_rank: read_phase(e, KvCacheData) for e in events
+             if isinstance(e, StartupPhase) and e.phase == "E" and e.status == "end"}
+    fewest = pool // (16 * per_token[0])
+    for stage in (0, 1):
+        record = pools[stage]
+        assert record is not None and record.bytes_per_token == per_token[stage]
+        assert record.num_blocks == fewest
+    assert pools[1].kv_pool_bytes == fewest * 16 * per_token[1]  # type: ignore[union-attr]
+
+
 def test_the_plan_gives_each_stage_its_layers_weights_and_kv_and_the_replica_the_fewest_blocks() -> None:
     from engine.budget.memory import GiB
     from engine.budget.stages import plan_stages
