@@ -65,14 +65,16 @@ Not done (issue 37): the fused decode-layer kernel and the kernel plan (stages r
 op-by-op layers), prompt logprobs (refused: only the sampled rows reach rank 0), NCCL
 (stages on CUDA are refused: the group is gloo's), the phase events of ranks on other
 hosts (they run the same phases, logged on their own host; only host 0's rank processes
-relay to rank 0's bus), and naming a rank on another host that dies while serving (rank 0
-says the exchange failed and that a stage on another host may have stopped). Each rank
-loads the whole model and then drops the other stages' layers (phase C's peak is the
-whole model's; vLLM builds only its layers).
+relay to rank 0's bus; a rank of another host that ends badly is reported in the
+rendezvous store, :func:`report_ended`, and named by rank 0 from there). Each rank loads
+the whole model and then drops the other stages' layers (phase C's peak is the whole
+model's; vLLM builds only its layers), and keeps the embedding and LM head, which its
+phase D and F forwards use (vLLM's middle stages hold neither).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import time
@@ -178,6 +180,46 @@ def join_stages(rank: int, stages: int, rendezvous: Rendezvous, tensor_parallel_
                     f"`engine serve ... --node-rank N` on each host, with the same --master-addr/--master-port")
             time.sleep(ARRIVAL_POLL_S)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=STAGE_TIMEOUT)
+
+
+ENDED_KEY = "ended/{rank}"  # in the rendezvous store: how a rank of a host beyond 0 ended
+STORE_CLIENT_TIMEOUT = datetime.timedelta(seconds=5)
+
+
+def _store_client(rendezvous: Rendezvous) -> Any:
+    return dist.TCPStore(rendezvous.master_addr, rendezvous.master_port, is_master=False,
+                         timeout=STORE_CLIENT_TIMEOUT, wait_for_workers=False)
+
+
+def report_ended(rendezvous: Rendezvous, rank: int, words: str) -> None:
+    """A host beyond 0: say in the rendezvous store how its rank ``rank`` ended (``words``:
+    who and how, a newline, its last phase), so rank 0 can name it (its own process table
+    holds only host 0's ranks). Best effort: host 0 may be gone already."""
+    with contextlib.suppress(Exception):
+        _store_client(rendezvous).set(ENDED_KEY.format(rank=rank), words)
+
+
+class EndedElsewhere:
+    """Rank 0's reader of what the other hosts reported (:func:`report_ended`)."""
+
+    def __init__(self, rendezvous: Rendezvous, stages: int, tensor_parallel_size: int) -> None:
+        self.ranks = [r for r in range(stages * tensor_parallel_size)
+                      if rendezvous.node_of(r // tensor_parallel_size, stages) != 0]
+        self.store: Any = None
+        if self.ranks:
+            with contextlib.suppress(Exception):
+                self.store = _store_client(rendezvous)
+
+    def read(self) -> list[str]:
+        """The reports so far, the culprit first: a rank that ended on its own before one
+        whose exchange merely failed because of it."""
+        if self.store is None:
+            return []
+        found = []
+        with contextlib.suppress(Exception):
+            keys = [ENDED_KEY.format(rank=r) for r in self.ranks]
+            found = [self.store.get(key).decode() for key in keys if self.store.check([key])]
+        return sorted(found, key=lambda words: "failed: RuntimeError" in words)
 
 
 @dataclass(frozen=True, slots=True)

@@ -218,21 +218,27 @@ class WorkerGroup:
         if isinstance(exc, UserError):
             return exc
         deadline = time.monotonic() + FAILURE_WAIT_S
+        elsewhere = self._ended_elsewhere()
+        remote: list[str] = []
         while True:
             self.drain(timeout=0.1)
             ended = [s for s in self.ranks if s.how_it_ended() is not None]
-            if ended or time.monotonic() > deadline:
+            remote = elsewhere.read() if elsewhere is not None and not ended else []
+            if ended or remote or time.monotonic() > deadline:
                 break
         # The culprit first: a rank that failed on its own, then one that vanished without a
         # word, before ranks whose collectives merely failed because of it.
         ended.sort(key=lambda s: 0 if s.failure and not s.failure.startswith("RuntimeError")
                    else 1 if s.failure is None else 2)
         when = f"during step {self.steps_sent + 1}" if all(s.ready for s in self.ranks) else "during startup"
-        if not ended and self.rendezvous is not None:
-            remote = (f"; a stage on another host (hosts 1..{self.rendezvous.nnodes - 1}) may have stopped"
-                      if self.rendezvous.nnodes > 1 else "")
+        if not ended and remote:
+            who, _, phase = remote[0].partition("\n")
+            error = ReplicaError(f"{who} {when}; its last phase: {phase}. The replica is stopped")
+        elif not ended and self.rendezvous is not None:
+            maybe = (f"; a stage on another host (hosts 1..{self.rendezvous.nnodes - 1}) may have stopped"
+                     if self.rendezvous.nnodes > 1 else "")
             error = ReplicaError(f"pipeline stage exchange failed {when} with every stage on this host still running"
-                                 f"{remote} ({type(exc).__name__}: {exc}); the replica is stopped")
+                                 f"{maybe} ({type(exc).__name__}: {exc}); the replica is stopped")
         elif not ended:
             error = ReplicaError(f"tensor-parallel collective failed {when} with every worker still running "
                                  f"({type(exc).__name__}: {exc}); the replica is stopped")
@@ -242,6 +248,15 @@ class WorkerGroup:
             self._bus.publish(LogEvent(level="error", message=str(error),
                                        data={"rank": ended[0].rank if ended else None}))
         return error
+
+    def _ended_elsewhere(self) -> Any:
+        """Under pipeline parallelism over hosts, the reader of the other hosts' reports."""
+        if self.rendezvous is None or self.rendezvous.nnodes == 1 or self.driver_stage is None:
+            return None
+        from engine.pipeline import EndedElsewhere
+
+        stage = self.driver_stage
+        return EndedElsewhere(self.rendezvous, stage.stages, stage.tensor_parallel_size)
 
     def _error(self, state: RankState, when: str) -> ReplicaError:
         others = [s.rank for s in self.ranks if s is not state]
@@ -289,8 +304,16 @@ class WorkerGroup:
         """A host beyond 0: let its stages run until host 0 stops them (their phase events
         are read and dropped: host 0's recording has its own stages'; each stage logs its
         phases here). 0 when every stage ended cleanly, else 1."""
+        from engine.pipeline import report_ended
+
+        reported: set[int] = set()
         while any(s.process.is_alive() for s in self.ranks):
             self.drain(timeout=0.5)
+            for state in self.ranks:  # one that ended badly: rank 0 names it from the store's word
+                if state.rank not in reported and state.process.exitcode not in (None, 0):
+                    reported.add(state.rank)
+                    report_ended(self.rendezvous, state.rank, f"{state.label} (pid {state.process.pid}) "
+                                 f"{state.how_it_ended()}\n{state.last_phase()}")
         self.drain()
         return 0 if all(s.process.exitcode == 0 for s in self.ranks) else 1
 

@@ -1,8 +1,10 @@
 """Pipeline stages across hosts (issue 37): two "hosts", each its own process tree started
 by its own command (``engine serve ... --nnodes 2 --node-rank N``), meeting through
-torch.distributed's TCPStore rendezvous over loopback; and a host that never arrives,
-named with its rank within the rendezvous timeout. Slow: each host loads the model
-(a tiny dummy-weight Llama; ~30-60 s on two cores)."""
+torch.distributed's TCPStore rendezvous over loopback; a host that never arrives, named
+with its rank within the rendezvous timeout; and a stage killed on host 1, named by host 0
+(its rank, host, layers, pid, how it ended) from host 1's word in the store, with no
+process of either host left. Slow: each host loads the model (a tiny dummy-weight Llama;
+~30-60 s on two cores)."""
 
 from __future__ import annotations
 
@@ -103,3 +105,33 @@ def test_a_host_that_never_arrives_is_named_with_its_rank_within_the_timeout(mod
     assert code != 0
     assert "stage 1 (host 1) never arrived within 10 s (--rendezvous-timeout)" in log, log[-3000:]
     _gone(host0, tree)
+
+
+@pytest.mark.slow
+def test_a_stage_killed_on_another_host_is_named_by_host_0_and_no_process_is_left(model_folder: Path) -> None:
+    import signal
+
+    master, port = _free_port(), _free_port()
+    host1 = _host(model_folder, 1, master, _free_port())
+    host0 = _host(model_folder, 0, master, port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, {host0: model_folder / "host0.log", host1: model_folder / "host1.log"}, timeout_s=300)
+        tree1 = [host1.pid] + [c.pid for c in psutil.Process(host1.pid).children(recursive=True)]
+        stage = next(c for c in psutil.Process(host1.pid).children()
+                     if "spawn_main" in " ".join(c.cmdline()))
+        stage.send_signal(signal.SIGKILL)
+        time.sleep(1.0)  # host 1 sees it and writes its word in the store
+        body = {"prompt": [5, 17, 29, 31], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        with pytest.raises(httpx.HTTPError):  # the replica stops under the request: an error reply or a cut
+            httpx.post(f"{url}/v1/completions", json=body, timeout=120).raise_for_status()
+        assert host0.wait(60) != 0
+    finally:
+        if host0.poll() is None:
+            host0.terminate()
+            host0.wait(60)
+    log = (model_folder / "host0.log").read_text()
+    assert (f"pipeline stage 1 (host 1, layers 1-1) (pid {stage.pid}) was killed by SIGKILL during step 1; its "
+            "last phase: G (ready) end, then serving steps. The replica is stopped") in log, log[-3000:]
+    assert host1.wait(60) != 0
+    _gone(host1, tree1)
