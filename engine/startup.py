@@ -592,14 +592,16 @@ def _phase_load_weights(c: PhaseHandle, s: StartupInputs, progress: Callable[[in
 
         carve_stage(runner, s.stage_layers)
         info.weights_bytes = runner.model.weights_bytes()
-    plan_bytes = None
+    plan_bytes, dropped = None, 0
     if s.device.type == "cpu" and parallel is None and not _multi_rank(config) and kernel_plan.plan_enabled():
         # measured (or read back) here, not in phase F: phase D profiles, and phase E sizes, what it runs
         before = runner.model.weights_bytes()
         key = kernel_plan_key(config, model, config.quantization, config.dtype, s.caps, s.resolution.dtype_auto)
         runner.resolve_kernel_plan(key, s.caps or detect(), log, approximate=s.resolution.dtype_auto)
         info.weights_bytes = runner.model.weights_bytes()
-        plan_bytes = info.weights_bytes - before
+        # float weights no step multiplies by under the plan are not kept (engine/model/llama.py)
+        dropped = getattr(runner.model, "dropped_float_bytes", lambda: 0)()
+        plan_bytes = info.weights_bytes - before + dropped
     tokenizer = _tokenizer_for(model) if config.load_format != "dummy" else _dummy_tokenizer(model)
     quantization_reason = s.resolution.quantization_reason
     c.record = LoadWeightsData(weights_bytes=info.weights_bytes, load_seconds=info.load_seconds,
@@ -607,7 +609,10 @@ def _phase_load_weights(c: PhaseHandle, s: StartupInputs, progress: Callable[[in
                                weights_cache=info.cache, quantization=config.quantization,
                                quantization_reason=quantization_reason)
     if plan_bytes is not None:
-        c.record = dataclasses.replace(c.record, kernel_plan_bytes=plan_bytes)
+        c.record = dataclasses.replace(c.record, kernel_plan_bytes=plan_bytes, kernel_plan_dropped_bytes=dropped)
+        if dropped:
+            log.info(f"kernel plan: {dropped / GiB:.4f} GiB of float weights dropped (every step size runs their "
+                     "GGUF blocks or a bf16/int8 copy)")
     log.info(f"Model loading took {info.weights_bytes / GiB:.4f} GiB and {info.load_seconds:.2f} seconds"
              + (f" (weights cache {info.cache})" if info.cache != "none" else ""))
     log.info(f"quantization {config.quantization or 'none'} ({quantization_reason})")

@@ -142,6 +142,9 @@ class LoadWeightsData(PhaseData):
     vision_weights_bytes: int | None = NOT_REPORTED  # VL models: the part of weights_bytes the vision tower holds
     # CPU: the copies the kernel plan's choices keep (bf16, int8), part of weights_bytes (engine/model/kernel_plan.py)
     kernel_plan_bytes: int | None = NOT_REPORTED
+    # CPU: the float weights the kernel plan never multiplies by (the GGUF blocks or a copy at every
+    # step size), not kept and not in weights_bytes (engine/model/llama.py _drop_unused_float_weights)
+    kernel_plan_dropped_bytes: int | None = NOT_REPORTED
 
 
 @dataclass(frozen=True, slots=True)

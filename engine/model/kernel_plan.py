@@ -745,6 +745,7 @@ def resolve(model: Any, key: str, native_bf16: bool, isa: str, log: Any = None,
         log.info(f"the stored kernel plan was measured at load average {plan.load_average:g} on {plan.cpus} CPUs "  # type: ignore[union-attr]
                  f"(other processes' threads skew its timings); the load is {os.getloadavg()[0]:.2f} now: measuring again")
     if plan is None or remeasure:
+        model.restore_float_weights()  # an earlier plan's dropped float weights: measured against
         gemv_kernel = cpu_gemv.load_kernel() if model.quantized_linears() else None
         plan = measure(model, gemv_kernel, native_bf16, isa, model.fallback_candidate, fused=fused_timing(model),
                        approximate=approximate)

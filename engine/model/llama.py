@@ -104,6 +104,22 @@ def linear_maybe_quantized(module: nn.Module, x: torch.Tensor, name: str, weight
 FP32_SLICE_BYTES = 2 << 20
 
 
+def _holds_nothing(t: torch.Tensor) -> bool:
+    """A placeholder for a weight the kernel plan dropped: its shape over one element."""
+    return t.dim() == 2 and t.numel() > 1 and t.stride() == (0, 0)
+
+
+def _restore_float(layer: nn.Module, name: str) -> torch.Tensor:
+    """``layer``'s dropped float ``name`` made again from its GGUF blocks (their values exactly)."""
+    from engine.model.kernels.cpu_gemv import dequantize
+
+    q: QuantizedLinear = layer.quantized[name]  # type: ignore[index, assignment]
+    dtype = getattr(layer, name).dtype
+    weight = nn.Parameter(dequantize(q.blocks, q.fmt).to(dtype), requires_grad=False)
+    setattr(layer, name, weight)
+    return weight
+
+
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x.float() @ weight.T`` summed and returned in float32 whatever ``weight``'s dtype: the
     LM head's logits in every dtype mode, so greedy decoding never picks among bf16-rounded
@@ -598,10 +614,61 @@ class LlamaForCausalLM(nn.Module):
         self.quantization_fallback = None
         if self.kernel_plan is not None:
             self._route_by_plan(kernel)
-        fused = [layer.fused_decode_args() for layer in self.layers]  # type: ignore[operator]
-        if fused and all(f is not None for f in fused):
-            self._fused_layers = [f for f in fused if f is not None]
+        self._fused_layers = self._fused_args()
+        if self.kernel_plan is not None and self._drop_unused_float_weights():
+            self._fused_layers = self._fused_args()  # the args held the dropped parameters
         return None
+
+    def _fused_args(self) -> list[tuple[tuple[object, ...], tuple[object, ...]]]:
+        fused = [layer.fused_decode_args() for layer in self.layers]  # type: ignore[operator]
+        return [f for f in fused if f is not None] if fused and all(f is not None for f in fused) else []
+
+    # ------------------------------------------------------------------ weights the plan never multiplies by
+    def _float_weight_unused(self, layer: nn.Module, name: str) -> bool:
+        """True when no step the kernel plan routes multiplies by ``layer``'s float ``name``:
+        the GEMV (or a bf16/int8 copy) at every step size, and the fused layer (if on) never
+        past its GEMV limit on the float weight. Only a GGUF's own blocks: their values are the
+        float weights exactly, so :meth:`restore_float_weights` can make them again."""
+        from engine.model.kernels.cpu_layer import MAX_ROWS
+
+        q = layer.quantized.get(name)  # type: ignore[union-attr, operator]
+        if q is None or q.gemv is None or q.source != "gguf":
+            return False
+        if any(c == "torch" for _, c in self.kernel_plan.choices(_GROUP_OF[name])):
+            return False
+        fused_rows = min(self._fused_max_rows, MAX_ROWS) if self._fused_layers else 0
+        return fused_rows <= q.max_rows or name in layer.fused_weights  # type: ignore[operator]
+
+    def _drop_unused_float_weights(self) -> int:
+        """Replace each layer projection's float weight that the plan never multiplies by with a
+        placeholder of its shape that holds one element (``weights_bytes`` counts nothing for
+        it; phase C's ``kernel_plan_bytes`` goes down by it). Returns the bytes dropped."""
+        dropped = 0
+        for layer in self.layers:
+            for name in _PROJECTIONS:
+                weight = getattr(layer, name)
+                if _holds_nothing(weight) or not self._float_weight_unused(layer, name):
+                    continue
+                dropped += weight.numel() * weight.element_size()
+                placeholder = torch.zeros(1, 1, dtype=weight.dtype, device=weight.device).expand(weight.shape)
+                setattr(layer, name, nn.Parameter(placeholder, requires_grad=False))
+        return dropped
+
+    def dropped_float_bytes(self) -> int:
+        """Bytes of the float weights the kernel plan dropped (phase C's ``kernel_plan_dropped_bytes``)."""
+        return sum(w.numel() * w.element_size() for layer in self.layers for name in _PROJECTIONS
+                   if _holds_nothing(w := getattr(layer, name)))
+
+    def restore_float_weights(self) -> int:
+        """Make the dropped float weights again from their GGUF blocks (a plan that uses them, a
+        re-measurement). Returns how many were restored."""
+        restored = 0
+        for layer in self.layers:
+            for name in _PROJECTIONS:
+                if _holds_nothing(getattr(layer, name)):
+                    _restore_float(layer, name)
+                    restored += 1
+        return restored
 
     def fallback_candidate(self, group: str, rows: int) -> str:
         """What the constants (``GEMV_MAX_ROWS``) run for ``group`` (a kernel plan group) at
@@ -638,6 +705,8 @@ class LlamaForCausalLM(nn.Module):
                 usable = q is not None and q.gemv is not None
                 choices = [(hi, "torch" if c == "gemv" and not usable else c) for hi, c in plan.choices(group)]
                 weight = self.head_weight if name == "head" else getattr(module, name)
+                if _holds_nothing(weight) and any(c != "gemv" for _, c in choices):
+                    weight = _restore_float(module, name)  # an earlier plan dropped it; this one multiplies by it
                 route, extra = build_route(choices, weight, q, kernel, group)
                 module.kernel_routes[name] = route  # type: ignore[index, operator]
                 for suffix in PLAN_COPY_SUFFIXES:  # an earlier plan's copies
@@ -654,9 +723,10 @@ class LlamaForCausalLM(nn.Module):
         self._fused_max_rows = plan.fused_max_rows
 
     def weights_bytes(self) -> int:
-        """Bytes the weights really hold: parameters plus any quantized copies."""
+        """Bytes the weights really hold: parameters plus any quantized copies (a float weight
+        the kernel plan dropped holds nothing)."""
         tensors = [*self.parameters(), *self.buffers()]
-        return int(sum(t.numel() * t.element_size() for t in tensors))
+        return int(sum(t.numel() * t.element_size() for t in tensors if not _holds_nothing(t)))
 
     # ------------------------------------------------------------------ weights
     def _fused_target(self, hf_name: str) -> tuple[torch.Tensor, int, int] | None:

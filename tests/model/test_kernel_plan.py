@@ -149,7 +149,7 @@ def test_measured_on_real_weights_stored_and_reused(two_layer_runner: ModelRunne
     for cell in measured:  # every candidate timed was checked against fp32; the choice passed
         assert set(cell.us) <= set(cell.error) and cell.chosen in cell.us
         assert cell.error[cell.chosen] <= ACCURACY_BOUND
-        assert "gemv" in cell.us or "gemv" in cell.rejected or cell.group == "head"
+        assert "gemv" in cell.us or "gemv" in cell.rejected or cell.group in ("head", kernel_plan.ATTENTION)
     assert (tmp_path / kernel_plan.PLANS_FOLDER / "test-key.json").is_file()
     # the model now runs by the plan: its logits are the constants' within the plan's error
     routed = _logits(runner)
