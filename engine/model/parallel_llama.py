@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.attention.base import AttentionBackend
-from engine.model.llama import LlamaForCausalLM, dummy_fill
+from engine.model.llama import LlamaForCausalLM, dummy_fill, fp32_linear
 from engine.model.parallel import TensorParallel, kv_head_start, rank_model_config
 from engine.modelspec.config import ModelConfig
 
@@ -64,8 +64,11 @@ class TensorParallelLlama(LlamaForCausalLM):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
-        """Rank 0: ``[rows, vocab]`` float32, every rank's columns gathered; other ranks: None."""
-        logits = self.tp.gather_to_driver(F.linear(hidden, self.head_weight).float())
+        """Rank 0: ``[rows, vocab]`` float32, every rank's columns gathered; other ranks: None. On CPU
+        each rank's columns are float32 sums (``fp32_linear``), as the one-rank model's."""
+        local = (fp32_linear(hidden, self.head_weight) if hidden.device.type == "cpu"
+                 else F.linear(hidden, self.head_weight).float())
+        logits = self.tp.gather_to_driver(local)
         return None if logits is None else logits[:, : self.full_config.vocab_size]
 
     # ------------------------------------------------------------------ weights
