@@ -17,7 +17,15 @@ formats, dtype, ISA, torch, kernel sources, threads) the engine times, for each 
   logits: greedy decoding would pick among bf16 ties);
 * ``int8pack``: torch's ``_weight_int8pack_mm`` over per-channel int8 weights, where torch has it;
 * ``fused``: the whole decode layer as one C++ call (engine/model/kernels/cpu_layer.py),
-  timed against the op-by-op layer on the chosen projections, for pure-decode steps.
+  timed against the op-by-op layer on the chosen projections (past a projection's GEMV limit
+  it multiplies by the plan's bf16 copy where bf16 GEMM was chosen), for pure-decode steps;
+* ``attn`` (prefill attention, ``ATTENTION``): torch SDPA over one chunk in float32 or on q, K
+  and V rounded to bf16, at the multi-row classes, where bf16 is native and ``--dtype auto``.
+
+The LM head's candidates take float32 rows and return float32 sums in every dtype mode (a bf16
+weight is widened slice by slice: engine/model/llama.py ``fp32_linear``). A float weight that
+no chosen candidate multiplies by is dropped once the plan is installed (llama.py
+``_drop_unused_float_weights``; phase C counts what is held).
 
 Each candidate's output is checked against the fp32 reference ``x @ W.T`` on the same
 inputs (relative RMS error at most ``ACCURACY_BOUND``; the GEMV against its own blocks'
@@ -114,8 +122,9 @@ def plan_enabled() -> bool:
 # ``--dtype auto`` on CPU with the plan on (engine/startup.py resolve_dtype, ``engine plan``).
 AUTO_DTYPE = "float32"
 AUTO_DTYPE_REASON = ("the kernel plan runs float32 activations and picks each projection's implementation by "
-                     "measurement (bf16 GEMM over bf16 weights where it is native and measured fastest; the fused "
-                     f"fp32 decode layer where it wins); {PLAN_ENV}=off runs the ISA rule")
+                     "measurement (bf16 GEMM over bf16 weights and bf16 prefill attention where bf16 is native and "
+                     "measured fastest; the fused fp32 decode layer where it wins; float32 logits always); "
+                     f"{PLAN_ENV}=off runs the ISA rule")
 
 
 # ---------------------------------------------------------------------- implementations
