@@ -120,11 +120,10 @@ class LLMEngine:
                 self.workers.parallel = self.startup.parallel
                 self.workers.wait_ready()
             if stages > 1:
-                from engine.pipeline import PipelineRunner, Stage
+                from engine.pipeline import PipelineRunner
 
                 assert self.workers is not None
-                self.pipeline = PipelineRunner(Stage.of(self.startup.runner, self.workers.driver_stage,
-                                                        self.startup.model_config.num_layers))
+                self.pipeline = PipelineRunner.start(self.startup, self.workers.driver_stage, self.bus)
         except Exception as exc:
             failure = self.workers.failure(exc) if self.workers is not None else exc
             self.close()

@@ -25,9 +25,10 @@ the stage's pool from the stage's own budget and layers (its weights, its peak, 
 bytes per token) and takes the fewest blocks of any stage (vLLM's executor takes the
 minimum ``num_gpu_blocks`` over its workers), so one block table serves them all. Each
 phase event carries ``rank``, ``pp_rank`` and ``tp_rank``; the stage processes of host 0
-relay theirs to rank 0's bus (engine/workers.py's :class:`~engine.workers.WorkerGroup`,
-which also starts, watches and stops them, and names a stage that dies: its rank, host,
-layers, pid and last phase).
+relay theirs to rank 0's bus as they run, other hosts' ranks once all are ready
+(engine/workers.py's :class:`~engine.workers.WorkerGroup`, which also starts, watches
+and stops them, and names a stage that dies: its rank, host, layers, pid and last
+phase).
 
 A step: rank 0 broadcasts the batch (the tensor-parallel control plane's object
 broadcast), every stage splits it into ``MICRO_BATCHES`` micro-batches of whole
@@ -63,9 +64,9 @@ vocabulary columns are gathered to rank 0, which samples).
 
 Not done (issue 37): the fused decode-layer kernel and the kernel plan (stages run the
 op-by-op layers), prompt logprobs (refused: only the sampled rows reach rank 0), NCCL
-(stages on CUDA are refused: the group is gloo's), the phase events of ranks on other
-hosts (they run the same phases, logged on their own host; only host 0's rank processes
-relay to rank 0's bus; a rank of another host that ends badly is reported in the
+(stages on CUDA are refused: the group is gloo's), and the phase events of ranks on other
+hosts as they run (they reach rank 0's bus once every rank is ready,
+:func:`relay_remote_phases`; a rank of another host that ends badly is reported in the
 rendezvous store, :func:`report_ended`, and named by rank 0 from there). Each rank loads
 the whole model and then drops the other stages' layers (phase C's peak is the whole
 model's; vLLM builds only its layers), and keeps the embedding and LM head, which its
@@ -430,6 +431,18 @@ class PipelineRunner:
         self.last_stage_stats: list[StageStats] = []
         self.last_expert_counts: list[list[int]] | None = None
 
+    @classmethod
+    def start(cls, startup: Any, layout: StageLayout, bus: Any) -> PipelineRunner:
+        """Rank 0's runner over its started stage, once every rank is ready: the startup
+        phase events of the ranks on other hosts (:func:`relay_remote_phases`) are
+        published on ``bus`` first (host 0's came through the WorkerGroup as they ran)."""
+        from engine.events.schema import event_from_dict
+
+        for phases in relay_remote_phases(layout, []):
+            for row in phases:
+                bus.publish(event_from_dict(row))
+        return cls(Stage.of(startup.runner, layout, startup.model_config.num_layers))
+
     def execute(self, batch: Sequence[Any]) -> dict[str, int]:
         stage, runner = self.stage, self.stage.runner
         start = time.perf_counter()
@@ -463,6 +476,19 @@ class PipelineRunner:
     # ModelRunner's attributes the engine reads, from stage 0's runner
     def __getattr__(self, name: str) -> Any:
         return getattr(self.stage.runner, name)
+
+
+def relay_remote_phases(layout: StageLayout, phases: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Every rank, once started: a rank on a host beyond 0 hands rank 0 its ``phases`` (its
+    startup.phase events as dicts; host 0's ranks relayed theirs through their queue and
+    send none). Rank 0 gets every rank's list, in rank order; the others get []."""
+    mine = phases if layout.host != 0 else []
+    if layout.rank != 0:
+        dist.gather_object(mine, None, dst=0)
+        return []
+    gathered: list[Any] = [None] * layout.world_size
+    dist.gather_object(mine, gathered, dst=0)
+    return gathered
 
 
 def serve_stage(stage: Stage) -> None:

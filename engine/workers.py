@@ -344,11 +344,14 @@ def worker_main(layout: Any, config: EngineConfig, messages: Any, parent_pid: in
     code = 0
     try:
         if not isinstance(layout, RankLayout):  # a pipeline stage: rank 0's flags, then its phases and steps
-            from engine.pipeline import Stage, serve_stage
+            from engine.pipeline import Stage, relay_remote_phases, serve_stage
 
+            phases: list[dict[str, Any]] = []  # for rank 0 when this host is not its own
+            bus.subscribe(lambda e: phases.append(e.to_dict()) if isinstance(e, StartupPhase) else None)
             config = layout.join()
             result = start_engine(config, bus, stage=layout)
             messages.put(("ready", layout.rank))
+            relay_remote_phases(layout, phases)
             serve_stage(Stage.of(result.runner, layout, result.model_config.num_layers))
         else:
             result = start_engine(config, bus, rank=layout)

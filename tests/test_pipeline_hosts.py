@@ -94,6 +94,11 @@ def test_two_hosts_started_by_two_commands_serve_one_model_in_two_stages(model_f
     # each stage sends every token's fp32 hidden state (128 wide) once; each waited on the other
     assert [r["pipeline_bytes"] for r in steps] == [[n * 128 * 4] * 2 for n in tokens]
     assert all(len(r["pipeline_bubble_s"]) == 2 for r in steps)
+    # host 1's stage ran phases A-G itself; rank 0 published them once every rank was ready
+    ended = [r for r in rows if r["type"] == "startup.phase" and r["status"] == "end"]
+    for stage in (0, 1):
+        assert [r["phase"] for r in ended if r.get("pp_rank") == stage] == list("ABCDEFG")
+        assert all(r["rank"] == stage and r["tp_rank"] == 0 for r in ended if r.get("pp_rank") == stage)
 
 
 @pytest.mark.slow
