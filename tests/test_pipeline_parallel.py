@@ -139,6 +139,37 @@ def test_a_killed_stage_stops_the_replica_naming_it_and_leaves_no_process() -> N
 
 
 @pytest.mark.slow
+def test_a_killed_rank_of_a_t_x_p_replica_is_named_by_stage_and_tp_rank_and_no_process_is_left(
+        tmp_path: Path) -> None:
+    import json
+
+    from engine.llm_engine import LLMEngine
+    from tests.test_tensor_parallel import TINY_LLAMA
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), load_format="dummy", dtype="float32", max_model_len=128,
+                                    max_num_batched_tokens=64, max_num_seqs=8, stats_interval=0.0,
+                                    kv_cache_memory_bytes=4 << 20, tensor_parallel_size=2, pipeline_parallel_size=2))
+    try:
+        assert engine.workers is not None
+        pids = engine.workers.pids()
+        victim = next(s.process.pid for s in engine.workers.ranks if s.rank == 3)  # stage 1, TP rank 1
+        engine.add_request([5, 17, 29, 31], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+        engine.step()
+        os.kill(victim, signal.SIGKILL)
+        with pytest.raises(ReplicaError, match=rf"pipeline stage 1 tensor-parallel rank 1 \(rank 3, host 0, layers "
+                                               rf"1-1\) \(pid {victim}\) was killed by SIGKILL during step \d+"):
+            for _ in range(60):
+                engine.step()
+    finally:
+        engine.close()
+    deadline = time.monotonic() + 5
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+        assert time.monotonic() < deadline, "a rank outlived its replica"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
 def test_a_stage_killed_during_startup_is_named_at_once_and_leaves_no_process() -> None:
     """Killed as soon as it is spawned (before it can join): rank 0 names it instead of
     waiting out --rendezvous-timeout for it; killed later, rank 0's next collective fails
