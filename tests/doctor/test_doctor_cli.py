@@ -45,7 +45,8 @@ def test_pool_binds_report_with_simulated_effects(capsys: pytest.CaptureFixture[
     status, out = run_doctor(capsys, str(path_of("pool_binds")), "--json")
     report = json.loads(out)
     assert status == 2 and report["status"] == "critical" and report["kind"] == "recording"
-    assert [f["rule"] for f in report["findings"]] == ["pool_binds", "request_thrashing"]
+    # prefix_miss_causes: preempted requests come back to find their own blocks evicted (the pool, again)
+    assert [f["rule"] for f in report["findings"]] == ["pool_binds", "prefix_miss_causes", "request_thrashing"]
     finding = report["findings"][0]
     assert finding["where"] == "steps 132–361"
     effects = {fix["flag"]: fix["numbers"]["simulated"] for fix in finding["fixes"]}
