@@ -208,5 +208,19 @@ def event_from_row(row: Mapping[str, Any]) -> Event:
     shapes = _PHASE_SCHEMAS.get(event.phase) if isinstance(event, StartupPhase) else None
     shapes = shapes or _SHAPE_SCHEMAS.get(cls)
     if shapes is not None:
-        _convert(row, shapes)
+        shaped = _convert(row, shapes)
+        if isinstance(event, StartupPhase) and isinstance(event.data, dict):
+            _floats_as_declared(event.data, getattr(shaped, "data", None))
     return event
+
+
+def _floats_as_declared(data: dict[str, Any], shaped: Any) -> None:
+    """A phase's ``data`` keeps the row's own values (its open dict), so a float field written
+    as a whole number (``0``, as another writer may) takes the checked copy's float: readers
+    of the declared types see a float."""
+    if shaped is None:
+        return
+    for name in shaped.__struct_fields__:
+        value = getattr(shaped, name)
+        if isinstance(value, float) and type(data.get(name)) is int:
+            data[name] = value
