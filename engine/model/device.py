@@ -160,7 +160,12 @@ class TensorBytesTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        tree_map_only(torch.Tensor, self._track, out)
+        # An output on an input's storage (a view, an in-place op) allocated nothing: a slice of a
+        # weight mapped before tracking began is not the mapping's bytes created here.
+        inputs: set[int] = set()
+        tree_map_only(torch.Tensor, lambda t: inputs.add(t.untyped_storage().data_ptr()), (args, kwargs))
+        tree_map_only(torch.Tensor, lambda t: None if t.untyped_storage().data_ptr() in inputs else self._track(t),
+                      out)
         return out
 
 
