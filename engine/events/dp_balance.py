@@ -43,7 +43,7 @@ class RankLoad:
     peak_load: int = 0
     peak_kv_usage: float = 0.0
     load_seconds: float = 0.0  # its load integrated over the run's time
-
+    reported_kv_usage: float | None = None  # KV usage as a share, where a reading gives no block counts (vLLM)
 
     @property
     def load(self) -> int:
@@ -51,6 +51,8 @@ class RankLoad:
 
     @property
     def kv_usage(self) -> float:
+        if self.reported_kv_usage is not None:
+            return self.reported_kv_usage
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
 
@@ -132,24 +134,49 @@ class DataParallelLoad:
         return self.rank(rank).load_seconds / span if span > 0 else float(self.rank(rank).load)
 
     def _step(self, e: StepEvent) -> None:
-        if self.first_t is None:
-            self.first_t = e.t
-        elif e.t > self.last_t:  # the load each rank held since the last sample
-            for load in self.ranks.values():
-                load.load_seconds += load.load * (e.t - self.last_t)
-        self.last_t = max(self.last_t, e.t)
-        rank = self.rank(e.dp_rank)
-        rank.steps += 1
-        rank.waiting, rank.running = e.num_waiting, e.num_running
+        self._advance(e.t)
+        rank = self._read(e.dp_rank, e.num_waiting, e.num_running)
         rank.kv_blocks_used = e.kv_blocks_used_forward or e.kv_blocks_used
         rank.kv_blocks_total = e.kv_blocks_total
-        rank.peak_load = max(rank.peak_load, rank.load)
         rank.peak_kv_usage = max(rank.peak_kv_usage, rank.kv_usage)
+        self._sample(e.t, e.dp_rank, e.index)
+
+    def observe(self, t: float, readings: dict[int, tuple[int, int, float]], index: int = 0) -> None:
+        """Ranks' queues read outside kvscope's events, ``{rank: (waiting, running, KV usage
+        as a share)}`` at ``t`` seconds: one round of a vLLM log's per-engine stats lines or
+        one scrape of its ``/metrics`` (doctor/vllm_dp.py). One sample after the round, as
+        after a step; a rank not in ``readings`` keeps its last reading (vLLM prints an idle
+        engine's line at DEBUG). ``index`` numbers the round (a sample's ``step``)."""
+        if not readings:
+            return
+        self._advance(t)
+        for index_of_rank, (waiting, running, kv_usage) in sorted(readings.items()):
+            rank = self._read(index_of_rank, waiting, running)
+            rank.reported_kv_usage = kv_usage
+            rank.peak_kv_usage = max(rank.peak_kv_usage, kv_usage)
+        self._sample(t, min(readings), index)
+
+    def _advance(self, t: float) -> None:
+        if self.first_t is None:
+            self.first_t = t
+        elif t > self.last_t:  # the load each rank held since the last sample
+            for load in self.ranks.values():
+                load.load_seconds += load.load * (t - self.last_t)
+        self.last_t = max(self.last_t, t)
+
+    def _read(self, index: int, waiting: int, running: int) -> RankLoad:
+        rank = self.rank(index)
+        rank.steps += 1
+        rank.waiting, rank.running = waiting, running
+        rank.peak_load = max(rank.peak_load, rank.load)
+        return rank
+
+    def _sample(self, t: float, rank: int, step: int) -> None:
         top = max(self.ranks) + 1
         loads = tuple(self.ranks[r].load if r in self.ranks else 0 for r in range(top))
         waiting = tuple(self.ranks[r].waiting if r in self.ranks else 0 for r in range(top))
         usage = tuple(self.ranks[r].kv_usage if r in self.ranks else 0.0 for r in range(top))
-        self.samples.append(LoadSample(e.t, e.dp_rank, e.index, loads, waiting, usage))
+        self.samples.append(LoadSample(t, rank, step, loads, waiting, usage))
 
     def imbalanced_runs(self, bound: float = DP_IMBALANCE_BOUND, min_mean: float = DP_MIN_MEAN_LOAD,
                         min_samples: int = 1) -> list[list[LoadSample]]:
