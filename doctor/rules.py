@@ -65,9 +65,12 @@ class Finding:
     first_step: int | None = None
     last_step: int | None = None
     numbers: dict[str, Any] = field(default_factory=dict)
+    place: str | None = None  # where, for a finding read from no steps (a vLLM log's lines, its /metrics)
 
     @property
     def where(self) -> str:
+        if self.place is not None:
+            return self.place
         if self.first_step is None:
             return "startup"
         if self.last_step is None or self.last_step == self.first_step:
