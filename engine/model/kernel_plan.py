@@ -33,7 +33,7 @@ values in fp32, which are ``W`` for a GGUF's blocks and the weights ``--quantiza
 for packed ones); the fastest that passes is chosen.
 A candidate more than ``PRUNE_FACTOR`` x slower than the best at one class is not timed at
 the bigger ones. Measuring stops at ``MEASURE_BOUND_S``: cells not reached keep the fallback
-constants' choice and say so. The plan is stored beside phase D's profile
+constants' choice, say so, and are measured at the next start (the stored plan is resumed). The plan is stored beside phase D's profile
 (``kernel_plans/<key>.json`` under engine/model/profile_cache.py's folder) so a warm start reuses it, and ``KVSCOPE_KERNEL_PLAN``
 pins one (a path or the JSON itself), ``measure`` measures again, ``off`` runs the fallback
 constants (``GEMV_MAX_ROWS`` in engine/model/llama.py and the ISA's dtype rule).
@@ -94,7 +94,11 @@ ROW_LINEAR = frozenset({"gemv", "int8pack"})
 # torch's int8pack is a weight-only GEMV: timed at decode sizes only.
 MAX_ROWS_TIMED = {"int8pack": 8}
 ACCURACY_BOUND = 1e-2  # relative RMS error against the fp32 reference (int8 activations: ~5e-3 on N(0,1) inputs)
-MEASURE_BOUND_S = 0.5  # total measuring time; cells not reached keep the fallback's choice
+# Total measuring time of one start. Measured once per (model, formats, ISA, torch, threads,
+# kernel sources) and stored, so only a first start pays it: ~0.3-0.6 s on a quiet 2-core
+# Zen 4 (AVX-512) for SmolLM2; cells a loaded machine does not reach keep the fallback's
+# choice and are measured at the next start (``KernelPlan.unmeasured``).
+MEASURE_BOUND_S = 2.0
 PRUNE_FACTOR = 3.0
 TIMED_REPS = 3  # min of this many calls after one untimed call (which gives the output checked)
 CELL_BUDGET_S = 0.02  # past this, a cell stops adding rounds (its candidates have one timing each at least)
@@ -237,6 +241,11 @@ class Cell:
     rejected: dict[str, str] = field(default_factory=dict)
     chosen: str = ""
     why: str = ""
+    measured: bool = True  # False: the bound was reached first; ``chosen`` is the fallback's
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.group, self.step
 
 
 @dataclass(slots=True)
@@ -255,6 +264,12 @@ class KernelPlan:
     model: str = ""  # the model's name, for ``engine plan``
     threads: int = 0
     notes: list[str] = field(default_factory=list)
+    fused_timed: bool = True  # False: the bound was reached before the fused layer was timed
+
+    @property
+    def unmeasured(self) -> int:
+        """Cells (and the fused layer) a bound left on the fallback: a later start measures them."""
+        return sum(not c.measured for c in self.cells) + (not self.fused_timed)
 
     def cell(self, group: str, step: str) -> Cell | None:
         return next((c for c in self.cells if c.group == group and c.step == step), None)
@@ -295,7 +310,8 @@ class KernelPlan:
             if picks:
                 parts.append(f"{group} " + " ".join(picks))
         fused = f"fused decode layer <= {self.fused_max_rows} rows" if self.fused_max_rows else "fused decode layer off"
-        return f"kernel plan ({self.source}): " + "; ".join(parts) + f"; {fused}"
+        pending = f"; {self.unmeasured} cells on the fallback until the next start" if self.unmeasured else ""
+        return f"kernel plan ({self.source}): " + "; ".join(parts) + f"; {fused}{pending}"
 
     def table_lines(self) -> list[str]:
         """The table: group, shape, step class, each candidate's µs (rejected ones marked), chosen."""
@@ -369,14 +385,15 @@ def _timed_round_robin(calls: Mapping[str, Callable[[], Any]], reps: int = TIMED
     ``CELL_BUDGET_S``), each round calling every candidate once, so a burst of load from
     other processes slows one round of all rather than one candidate."""
     best = dict.fromkeys(calls, math.inf)
-    start = time.perf_counter()
+    cell_start = time.perf_counter()
     for _ in range(reps):
-        if best and all(math.isfinite(v) for v in best.values()) and time.perf_counter() - start > CELL_BUDGET_S:
+        if (best and all(math.isfinite(v) for v in best.values())
+                and time.perf_counter() - cell_start > CELL_BUDGET_S):
             break
         for name, call in calls.items():
-            start = time.perf_counter()
+            call_start = time.perf_counter()
             call()
-            best[name] = min(best[name], time.perf_counter() - start)
+            best[name] = min(best[name], time.perf_counter() - call_start)
     return {name: s * 1e6 for name, s in best.items()}
 
 
@@ -415,36 +432,45 @@ def _targets(model: Any, gemv_kernel: Any, native_bf16: bool, approximate: bool)
 
 
 def measure(model: Any, gemv_kernel: Any, native_bf16: bool, isa: str, fallback: Callable[[str, int], str],
-            bound_s: float = MEASURE_BOUND_S, fused: FusedTiming | None = None,
-            approximate: bool = True) -> KernelPlan:
+            bound_s: float | None = None, fused: FusedTiming | None = None,
+            approximate: bool = True, resume: KernelPlan | None = None) -> KernelPlan:
     """Time every candidate of every group at every step class on ``model``'s weights (layer 0,
     the LM head's first rows) and choose. ``fallback(group, rows)``: the constants' candidate
     for cells the time bound leaves unmeasured. ``fused``: times the fused decode layer.
     The biggest class (prefill, which also sets the token budget) is measured first, then
-    single rows (decode), then the rest."""
+    single rows (decode), then the rest. ``resume``: an earlier start's partial plan, whose
+    measured cells (and fused timing) are kept and only the rest measured."""
     import torch
 
+    bound_s = MEASURE_BOUND_S if bound_s is None else bound_s
     start = time.perf_counter()
     deadline = start + bound_s
     generator = torch.Generator().manual_seed(0)
     cells: list[Cell] = []
     ratios: dict[tuple[str, str, int], float] = {}  # (group, candidate, rows) -> its µs over the best's
     impls: dict[tuple[str, str], Implementation] = {}
+    done = {c.key: c for c in resume.cells if c.measured} if resume is not None else {}
+    for c in done.values():
+        _note_ratios(c, ratios)
     with torch.inference_mode():
         targets = _targets(model, gemv_kernel, native_bf16, approximate)
         for sc in sorted(STEP_CLASSES, key=lambda c: (c.hi is not None, c.rows)):
             for target in targets:
+                if (target.group, sc.name) in done:
+                    cells.append(done[(target.group, sc.name)])
+                    continue
                 weight = target.weight
                 cell = Cell(target.group, sc.name, sc.rows, f"{target.full_rows}x{weight.shape[1]}",
                             weight_rows_timed=weight.shape[0])
                 cells.append(cell)
                 if time.perf_counter() > deadline:
-                    cell.chosen = fallback(target.group, sc.rows)
-                    cell.why = f"not measured: the {bound_s * 1000:.0f} ms bound was reached (fallback constants)"
+                    cell.chosen, cell.measured = fallback(target.group, sc.rows), False
+                    cell.why = (f"not measured: the {bound_s * 1000:.0f} ms bound was reached (fallback constants; "
+                                "the next start measures it)")
                     continue
                 _measure_cell(cell, target, impls, generator, ratios, gemv_kernel)
         if approximate and native_bf16:
-            cells.extend(_attention_cells(model, generator, deadline))
+            cells.extend(_attention_cells(model, generator, deadline, done))
     order = {(sc.name, g): i for i, (sc, g) in enumerate((sc, g) for sc in STEP_CLASSES
                                                           for g in (*GROUPS, ATTENTION))}
     cells.sort(key=lambda c: order[(c.step, c.group)])
@@ -452,18 +478,24 @@ def measure(model: Any, gemv_kernel: Any, native_bf16: bool, isa: str, fallback:
                       load_average=round(os.getloadavg()[0], 2), cpus=os.cpu_count() or 0)
     notes: list[str] = []
     if fused is not None:
-        if time.perf_counter() > deadline:
+        if resume is not None and resume.fused_timed:
+            plan.fused_max_rows = resume.fused_max_rows
+            notes.extend(n for n in resume.notes if n.startswith("fused decode layer"))
+        elif time.perf_counter() > deadline:
             from engine.model.kernels.cpu_layer import MAX_ROWS
 
             plan.fused_max_rows = MAX_ROWS  # the fallback: every pure-decode step the fused layer takes
-            notes.append("fused decode layer not timed: the bound was reached (fallback: on)")
+            plan.fused_timed = False
+            notes.append("fused decode layer not timed: the bound was reached (fallback: on; the next start times it)")
         else:
             plan.fused_max_rows, fused_notes = fused(plan, deadline)
             notes.extend(fused_notes)
     notes.append(f"each weight timed on at most its first {WEIGHT_ROWS_TIMED:,} output rows, µs scaled to the "
                  "whole weight (time is linear in rows)")
+    if resume is not None:
+        notes.append(f"resumed an earlier start's plan: {len(done)} cells kept, {len(cells) - len(done)} measured now")
     plan.notes = notes
-    plan.measure_seconds = time.perf_counter() - start
+    plan.measure_seconds = time.perf_counter() - start + (resume.measure_seconds if resume is not None else 0.0)
     return plan
 
 
@@ -508,13 +540,19 @@ def _measure_cell(cell: Cell, target: _Target, impls: dict[tuple[str, str], Impl
     scale = target.full_rows / weight.shape[0]
     cell.us.update({name: us * scale for name, us in _timed_round_robin(calls).items()})
     choose(cell)
+    _note_ratios(cell, ratios)
+
+
+def _note_ratios(cell: Cell, ratios: dict[tuple[str, str, int], float]) -> None:
+    """Each candidate's µs over the chosen one's at this cell (pruning at the bigger classes)."""
     best = cell.us.get(cell.chosen)
-    if best is not None:
+    if best:
         for name, us in cell.us.items():
-            ratios[(target.group, name, cell.rows)] = us / best
+            ratios[(cell.group, name, cell.rows)] = us / best
 
 
-def _attention_cells(model: Any, generator: torch.Generator, deadline: float) -> list[Cell]:
+def _attention_cells(model: Any, generator: torch.Generator, deadline: float,
+                     done: Mapping[tuple[str, str], Cell]) -> list[Cell]:
     """Prefill attention of one ``rows``-token chunk (causal, layer 0's heads) per multi-row
     class: torch's SDPA in float32 against q, K and V rounded to bf16, checked against float32."""
     import torch
@@ -531,10 +569,14 @@ def _attention_cells(model: Any, generator: torch.Generator, deadline: float) ->
     for sc in STEP_CLASSES:
         if sc.lo == 1:
             continue  # decode rows: the paged-decode kernel
+        if (ATTENTION, sc.name) in done:
+            cells.append(done[(ATTENTION, sc.name)])
+            continue
         cell = Cell(ATTENTION, sc.name, sc.rows, f"{heads}q/{kv_heads}kv x {head_dim}")
         cells.append(cell)
         if time.perf_counter() > deadline:
-            cell.chosen, cell.why = "torch", "not measured: the bound was reached (float32 SDPA)"
+            cell.chosen, cell.measured = "torch", False
+            cell.why = "not measured: the bound was reached (float32 SDPA; the next start measures it)"
             continue
         q = torch.randn(1, heads, sc.rows, head_dim, generator=generator)
         k, v = (torch.randn(1, kv_heads, sc.rows, head_dim, generator=generator) for _ in range(2))
@@ -753,11 +795,15 @@ def resolve(model: Any, key: str, native_bf16: bool, isa: str, log: Any = None,
     if remeasure and log is not None:
         log.info(f"the stored kernel plan was measured at load average {plan.load_average:g} on {plan.cpus} CPUs "  # type: ignore[union-attr]
                  f"(other processes' threads skew its timings); the load is {os.getloadavg()[0]:.2f} now: measuring again")
-    if plan is None or remeasure:
+    resume = plan if plan is not None and plan.source == "stored" and not remeasure and plan.unmeasured else None
+    if resume is not None and log is not None:
+        log.info(f"the stored kernel plan left {resume.unmeasured} cells on the fallback constants (its bound was "
+                 "reached): measuring them now")
+    if plan is None or remeasure or resume is not None:
         model.restore_float_weights()  # an earlier plan's dropped float weights: measured against
         gemv_kernel = cpu_gemv.load_kernel() if model.quantized_linears() else None
         plan = measure(model, gemv_kernel, native_bf16, isa, model.fallback_candidate, fused=fused_timing(model),
-                       approximate=approximate)
+                       approximate=approximate, resume=resume)
         plan.key, plan.model, plan.threads = key, model.config.name, torch.get_num_threads()
         store(plan)
     model.install_kernel_plan(plan)

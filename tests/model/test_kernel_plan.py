@@ -159,6 +159,37 @@ def test_measured_on_real_weights_stored_and_reused(two_layer_runner: ModelRunne
     assert again.cells == plan.cells and again.measured_at == plan.measured_at
 
 
+@pytest.mark.slow  # two measurements on random weights of SmolLM2's shapes: ~4 s quiet
+def test_a_partial_plan_is_resumed_at_the_next_start(two_layer_runner: ModelRunner, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch, cpu_gemv_kernel) -> None:
+    """A start whose bound ran out stores the cells it measured; the next start keeps them and
+    measures only the rest (a loaded first start must not leave a plan on the fallback forever)."""
+    monkeypatch.setenv(profile_cache.PROFILE_CACHE_ENV, str(tmp_path))
+    runner = two_layer_runner
+    monkeypatch.setattr(kernel_plan, "MEASURE_BOUND_S", 0.0)  # nothing is reached
+    first = runner.resolve_kernel_plan("partial", detect())
+    assert first is not None and first.unmeasured == len(first.cells) + (not first.fused_timed)
+    assert all(not c.us and "next start" in c.why for c in first.cells)
+    monkeypatch.setattr(kernel_plan, "MEASURE_BOUND_S", 60.0)
+    whole = runner.resolve_kernel_plan("partial", detect())
+    assert whole is not None and whole.source == "measured" and whole.unmeasured == 0
+    assert any(n.startswith("resumed an earlier start's plan: 0 cells kept") for n in whole.notes)
+    # a stored plan with two cells left on the fallback: those two are measured, the rest kept as stored
+    stored = tmp_path / kernel_plan.PLANS_FOLDER / "partial.json"
+    data = json.loads(stored.read_text())
+    for cell in data["cells"][:2]:
+        cell.update(us={}, error={}, rejected={}, measured=False, why="not measured")
+    stored.write_text(json.dumps(data))
+    resumed = runner.resolve_kernel_plan("partial", detect())
+    assert resumed is not None and resumed.unmeasured == 0
+    assert [c.us for c in resumed.cells[2:]] == [c.us for c in whole.cells[2:]]
+    assert all(c.us and c.measured for c in resumed.cells[:2])
+    assert any(n.startswith(f"resumed an earlier start's plan: {len(whole.cells) - 2} cells kept")
+               for n in resumed.notes)
+    again = runner.resolve_kernel_plan("partial", detect())
+    assert again is not None and again.source == "stored" and again.cells == resumed.cells
+
+
 SMALL = dict(max_model_len=256, kv_cache_memory_bytes=16 * 2**20, max_num_batched_tokens=64, max_num_seqs=4,
              stats_interval=0.0)
 
@@ -181,6 +212,11 @@ def test_a_warm_start_reuses_the_stored_plan(tmp_path: Path, monkeypatch: pytest
     assert first["C"]["kernel_plan_bytes"] >= 0
     second = _phase_events(dtype="auto")
     reused = second["F"]["kernel_plan"]
+    if any(not c["measured"] for c in plan["cells"]) or not plan["fused_timed"]:
+        # a loaded first start ran out of its bound: the second measured the rest, a third reuses it
+        assert reused["source"] == "measured" and all(c["measured"] for c in reused["cells"])
+        plan, second = reused, _phase_events(dtype="auto")
+        reused = second["F"]["kernel_plan"]
     assert reused["source"] == "stored"  # read back, not measured again: the same table, the same time
     assert reused["cells"] == plan["cells"] and reused["measured_at"] == plan["measured_at"]
     assert len(list((tmp_path / kernel_plan.PLANS_FOLDER).glob("*.json"))) == 1
