@@ -6,10 +6,20 @@ from __future__ import annotations
 import argparse
 import sys
 
-from doctor.inputs import LIVE_URL, RECORDING, facts_from_recording, facts_from_server, kind_of
+from doctor.inputs import (
+    LIVE_URL,
+    RECORDING,
+    VLLM_METRICS,
+    facts_from_recording,
+    facts_from_server,
+    kind_of,
+    live_kind,
+    sample_vllm_metrics,
+)
 from doctor.remedies import add_effects
 from doctor.report import render_json, render_text
 from doctor.rules import Finding, diagnose, exit_status
+from doctor.vllm_dp import dp_imbalance_finding
 from doctor.vllm_log import diagnose_log
 
 
@@ -18,6 +28,15 @@ def examine(source: str, *, duration_s: float = 10.0, api_key: str | None = None
     """(kind, findings, notes) for ``source``: the one path of the CLI, reused by tests."""
     kind = kind_of(source)
     notes: list[str] = []
+    if kind == LIVE_URL:
+        kind = live_kind(source, api_key)
+    if kind == VLLM_METRICS:
+        fleet = sample_vllm_metrics(source, duration_s, api_key)
+        engines = sorted({e for r in fleet.rounds for e in r.readings})
+        notes.append(f"a vLLM server (no /events): {len(fleet.rounds)} scrapes of /metrics over {duration_s:g} s, "
+                     f"the queues of {len(engines)} engine{'' if len(engines) == 1 else 's'} judged for balance")
+        finding = dp_imbalance_finding(fleet)
+        return kind, [finding] if finding is not None else [], notes
     if kind in (RECORDING, LIVE_URL):
         facts = facts_from_recording(source) if kind == RECORDING else facts_from_server(source, duration_s, api_key)
         if not facts.steps and facts.failed_phase is None:
@@ -28,7 +47,7 @@ def examine(source: str, *, duration_s: float = 10.0, api_key: str | None = None
         if simulate:
             add_effects(facts, findings)
     else:
-        findings = diagnose_log(source)
+        findings = diagnose_log(source, notes)
         notes.append("a vLLM log has no per-request events: evidence is its lines and printed figures")
     return kind, findings, notes
 

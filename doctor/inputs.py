@@ -1,26 +1,39 @@
 """What ``engine doctor`` reads: a kvscope recording (``.jsonl``, or gzipped), a live
-kvscope server (its ``/events`` stream, through the monitor's own SSE client) or a
-vLLM log (through logparse). The kind is told by the argument, not by a flag: an
-``http(s)://`` URL is live, a file starting with the kvscope events header (plain or
-gzip) is a recording, any other file is a log.
+kvscope server (its ``/events`` stream, through the monitor's own SSE client), a live
+vLLM server (its ``/metrics``, sampled) or a vLLM log (through logparse). The kind is
+told by the argument, not by a flag: an ``http(s)://`` URL is live (a server without
+``/events`` that serves vLLM's queue gauges is a vLLM one, :func:`live_kind`), a file
+starting with the kvscope events header (plain or gzip) is a recording, any other file
+is a log.
 """
 
 from __future__ import annotations
 
 import gzip
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from doctor.facts import RunFacts
+from doctor.vllm_dp import EngineRound, VllmFleet
 from engine.errors import UserError
 from engine.events import SCHEMA_NAME, Recording, read_events
-from engine.events.feed import LIVE, REFUSED, HttpFeed
+from engine.events.feed import LIVE, REFUSED, HttpFeed, events_url
 
 RECORDING = "recording"
 LIVE_URL = "live"
+VLLM_METRICS = "vllm-metrics"
 VLLM_LOG = "vllm-log"
 GZIP_MAGIC = b"\x1f\x8b"
+METRICS_INTERVAL_S = 1.0  # between scrapes of a vLLM server's /metrics
+MIN_SCRAPES = 10  # a short --duration scrapes faster, so a run of SUSTAINED_ROUNDS can show
+# vLLM's per-engine gauges and counter read from /metrics (every series labelled engine = DP rank
+# since 0.8.3); gpu_cache_usage_perc is the name before 0.9, read where the new one is absent.
+QUEUE_FAMILIES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                  "vllm:gpu_cache_usage_perc", "vllm:generation_tokens")
 
 
 class InputError(UserError):
@@ -108,3 +121,82 @@ def facts_from_server(url: str, duration_s: float, api_key: str | None = None,
     finally:
         feed.stop()
     return facts
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def live_kind(url: str, api_key: str | None = None, timeout_s: float = 5.0) -> str:
+    """LIVE_URL for a kvscope server (anything but a 404 on ``/events``: its refusal or an
+    unreachable host is reported by :func:`facts_from_server`), VLLM_METRICS for a server
+    without ``/events`` whose ``/metrics`` has vLLM's queue gauges."""
+    events = events_url(url)
+    base = events.removesuffix("/events")
+    try:
+        with httpx.Client(timeout=timeout_s) as client:
+            with client.stream("GET", events, headers={"Accept": "text/event-stream", **_headers(api_key)}) as r:
+                if r.status_code != 404:
+                    return LIVE_URL
+            metrics = client.get(base + "/metrics", headers=_headers(api_key))
+    except httpx.HTTPError:
+        return LIVE_URL
+    if metrics.status_code == 200 and "vllm:num_requests_" in metrics.text:
+        return VLLM_METRICS
+    raise InputError(f"{base}: no /events (not a kvscope server) and no vLLM queue gauges on /metrics "
+                     f"(HTTP {metrics.status_code}); pass a kvscope or a vLLM server's http://HOST:PORT")
+
+
+def engine_readings(text: str) -> tuple[dict[int, tuple[int, int, float]], dict[int, float]]:
+    """One /metrics scrape: ``{engine: (waiting, running, KV usage share)}`` and each engine's
+    generated tokens so far, read with prometheus_client's parser (only vLLM's queue
+    families are handed to it)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    kept = "\n".join(line for line in text.splitlines()
+                     if line.removeprefix("# HELP ").removeprefix("# TYPE ").startswith(QUEUE_FAMILIES))
+    values: dict[int, dict[str, float]] = {}
+    try:
+        for family in text_string_to_metric_families(kept + "\n"):
+            for sample in family.samples:
+                if sample.name.endswith("_created"):
+                    continue
+                engine = sample.labels.get("engine", "0")
+                if engine.isdigit():
+                    values.setdefault(int(engine), {})[family.name] = sample.value
+    except ValueError as exc:
+        raise InputError(f"/metrics: not a Prometheus exposition ({exc})") from None
+    readings = {e: (round(v.get("vllm:num_requests_waiting", 0.0)), round(v.get("vllm:num_requests_running", 0.0)),
+                    v.get("vllm:kv_cache_usage_perc", v.get("vllm:gpu_cache_usage_perc", 0.0)))
+                for e, v in values.items() if "vllm:num_requests_running" in v or "vllm:num_requests_waiting" in v}
+    generated = {e: v["vllm:generation_tokens"] for e, v in values.items() if "vllm:generation_tokens" in v}
+    return readings, generated
+
+
+def sample_vllm_metrics(url: str, duration_s: float, api_key: str | None = None,
+                        interval_s: float | None = None, timeout_s: float = 5.0) -> VllmFleet:
+    """Scrape a vLLM server's ``/metrics`` every ``interval_s`` (1 s, or duration / 10 when
+    shorter) for ``duration_s`` seconds: each scrape one round of every engine's queue."""
+    base = events_url(url).removesuffix("/events")
+    interval = interval_s or max(0.05, min(METRICS_INTERVAL_S, duration_s / MIN_SCRAPES))
+    rounds: list[EngineRound] = []
+    previous: tuple[float, dict[int, float]] | None = None
+    start = time.monotonic()
+    with httpx.Client(timeout=timeout_s) as client:
+        while True:
+            try:
+                r = client.get(base + "/metrics", headers=_headers(api_key))
+            except httpx.HTTPError as exc:
+                raise InputError(f"{base}/metrics: {exc.__class__.__name__}: {exc}") from None
+            t = time.monotonic() - start
+            if r.status_code != 200:
+                raise InputError(f"{base}/metrics: HTTP {r.status_code}")
+            readings, generated = engine_readings(r.text)
+            tps = ({e: (n - previous[1][e]) / (t - previous[0]) for e, n in generated.items()
+                    if e in previous[1] and n >= previous[1][e]} if previous and t > previous[0] else {})
+            previous = (t, generated)
+            rounds.append(EngineRound(t, readings, len(rounds) + 1, datetime.now().strftime("%H:%M:%S"), tps))
+            if t >= duration_s:
+                break
+            time.sleep(max(0.0, start + len(rounds) * interval - time.monotonic()))
+    return VllmFleet("metrics", rounds)
