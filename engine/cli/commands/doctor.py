@@ -1,7 +1,9 @@
 """engine doctor: diagnose a run, with the fix in numbers.
 
 Reads a kvscope recording (.jsonl or .jsonl.gz), a live kvscope server
-(http://HOST:PORT: its /events stream for --duration seconds) or a vLLM log, and
+(http://HOST:PORT: its /events stream for --duration seconds), a live vLLM server
+(no /events: its /metrics sampled for --duration seconds, the data-parallel engines'
+queues judged for balance) or a vLLM log, and
 reports each finding with its evidence (steps, requests, numbers), the likely
 cause and the fix: the flag, its new value from the budget formula and, for a
 recording or a live run, the simulator's what-if on the same requests.
@@ -29,10 +31,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("doctor", help="diagnose a recording, a live server or a vLLM log, with the fix in numbers",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", metavar="URL|RECORDING|LOG",
-                   help="http://HOST:PORT of a kvscope server, a recording (.jsonl[.gz]) or a vLLM log")
+                   help="http://HOST:PORT of a kvscope or vLLM server, a recording (.jsonl[.gz]) or a vLLM log")
     p.add_argument("--json", action="store_true", help="print the findings as one JSON object")
     p.add_argument("--duration", type=float, default=10.0, metavar="S",
-                   help="live: seconds of the /events stream to judge (default 10)")
+                   help="live: seconds of the /events stream (a vLLM server: of /metrics scrapes) to judge "
+                        "(default 10)")
     p.add_argument("--api-key", default=None, help="live: the server's --api-key")
     p.add_argument("--no-simulate", action="store_true",
                    help="skip the simulator's what-if for each fix (the budget formula's numbers stay)")
