@@ -4,6 +4,11 @@ State lives in an :class:`~engine.events.view.EngineView`; widgets render it. In
 replay the view comes from a :class:`~monitor.state.Timeline` (seekable); live,
 events from a :class:`~engine.events.feed.LiveFeed` are folded on a timer. The
 monitor only reads: nothing here can change the engine.
+
+With several data-parallel ranks the view follows one (the header names it); ``r`` / ``R``
+follow the next / previous: in replay the timeline re-folds the recording for that rank
+from its checkpoints, live the feed fetches the rank's snapshot from the server
+(``/debug/state?dp_rank=R``) and the rank's events fold on from there.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from textual.css.query import NoMatches
 from textual.reactive import reactive
 from textual.widgets import Footer, Input, Label, TabbedContent, TabPane
 
-from engine.events import EngineStopped, EventBus
+from engine.events import EngineStopped, EventBus, LogEvent
 from engine.events.feed import LIVE, BusFeed, LiveFeed
 from engine.events.view import EngineView
 from monitor.gpu import GpuReader
@@ -45,6 +50,7 @@ STEP_1 = Binding.Group("±1 step")
 STEP_100 = Binding.Group("±100")
 NEXT = Binding.Group("next preempt/arrival")
 SPEED = Binding.Group("speed")
+DP_RANK = Binding.Group("rank")
 REPLAY_ACTIONS = {"toggle_play", "step", "goto", "next_preemption", "next_arrival", "faster", "slower", "home", "end"}
 
 
@@ -66,6 +72,8 @@ class MonitorApp(App[None]):
         Binding("a", "next_arrival", "next preempt/arrival", group=NEXT),
         Binding("f", "faster", "speed", group=SPEED),
         Binding("s", "slower", "speed", group=SPEED),
+        Binding("r", "follow_rank(1)", "rank", group=DP_RANK),  # shown only with several DP ranks
+        Binding("R", "follow_rank(-1)", "rank", group=DP_RANK),
         Binding("home", "home", "Start", show=False),
         Binding("end", "end", "End", show=False),
         Binding("1", "show_tab('blocks')", "Blocks", show=False),
@@ -100,6 +108,8 @@ class MonitorApp(App[None]):
         # In-process (`engine serve --monitor`): the engine thread's death ends the dashboard,
         # so the command can exit non-zero and a supervisor restart it.
         self.exit_when_engine_stops = exit_when_engine_stops
+        self.asked_rank: int | None = None  # live: the DP rank whose snapshot the feed is fetching
+        self._num_ranks = 0  # the DP ranks the footer's r / R were last shown for
 
     @property
     def live(self) -> bool:
@@ -172,10 +182,29 @@ class MonitorApp(App[None]):
             self.query_one(RequestPanel).show_until(tl.events, end)
         self._update_bar()
 
+    def dp_ranks(self) -> list[int]:
+        """The data-parallel ranks there are to follow: the recording's, or live those the
+        view's Parallel fold has seen (a DP server's snapshot seeds every rank)."""
+        if self.timeline is not None:
+            return self.timeline.ranks
+        return sorted(set(self.view.parallel.ranks) | ({self.view.dp_rank} if self.view.dp_rank is not None else set()))
+
+    def followed_rank_text(self) -> str:
+        """``DP rank 1 of 2`` (live, while another rank's state is on its way: ``→ 0``); "" with one rank."""
+        ranks = self.dp_ranks()
+        if len(ranks) < 2:
+            return ""
+        text = f"DP rank {self.view.dp_rank or 0} of {len(ranks)}"
+        return text + (f" → {self.asked_rank}" if self.asked_rank is not None else "")
+
     def _update_bar(self) -> None:
         tl = self.timeline
         connection = self.feed.connection if self.feed is not None else None
-        self.query_one(TitleBar).show(self.source_name, connection, self.view.failed_sinks, self.view.engine_error)
+        if len(self.dp_ranks()) != self._num_ranks:  # live ranks appear: r / R join the footer
+            self._num_ranks = len(self.dp_ranks())
+            self.refresh_bindings()
+        self.query_one(TitleBar).show(self.source_name, connection, self.view.failed_sinks, self.view.engine_error,
+                                      followed=self.followed_rank_text())
         self.query_one(ReplayBar).show(
             source=self.source_name, step=self.view.step, position=tl.position if tl else 0,
             length=len(tl) if tl else 0, playing=self.playing, speed=self.speed, live=self.live,
@@ -191,6 +220,7 @@ class MonitorApp(App[None]):
             try:
                 if events:
                     self.view.fold(events)
+                    self._follow_answered(events)
                     self.query_one(Diagnosis).fold(events)
                     self.query_one(RequestPanel).fold(events)
                     if self._clock_anchor is None or self._clock_anchor[0] != self.view.t:
@@ -241,7 +271,41 @@ class MonitorApp(App[None]):
             self.seek(tl.position + delta)
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "follow_rank":
+            return len(self.dp_ranks()) > 1
         return not (action in REPLAY_ACTIONS and self.live)
+
+    # ----------------------------------------------------------------- DP ranks
+    def action_follow_rank(self, delta: int) -> None:
+        """Follow the next (``delta`` 1) or previous (-1) DP rank."""
+        ranks = self.dp_ranks()
+        if len(ranks) < 2:
+            return
+        current = self.asked_rank if self.asked_rank is not None else self.view.dp_rank
+        rank = ranks[(ranks.index(current) + delta) % len(ranks)] if current in ranks else ranks[0]
+        if self.timeline is not None:
+            self.view = self.timeline.follow(rank)
+            self.refresh_view()
+            return
+        assert self.feed is not None
+        why_not = self.feed.follow_rank(rank)
+        if why_not is not None:
+            self.notify(f"cannot follow DP rank {rank}: {why_not}", severity="warning", timeout=6)
+            return
+        self.asked_rank = rank
+        self._update_bar()
+
+    def _follow_answered(self, events: list[Any]) -> None:
+        """Live: the asked rank's snapshot arrived (the view follows it), or the feed said why not."""
+        if self.asked_rank is None:
+            return
+        for event in events:
+            if isinstance(event, LogEvent) and event.data.get("follow_dp_rank") == self.asked_rank:
+                self.notify(event.message, severity="warning", timeout=6)
+                self.asked_rank = None
+                return
+        if self.view.dp_rank == self.asked_rank:
+            self.asked_rank = None
 
     def watch_playing(self) -> None:
         if self.is_mounted:

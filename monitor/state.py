@@ -7,6 +7,12 @@ that view. This module holds what only the dashboard needs.
 Replay seeks with :class:`Timeline`: it keeps a snapshot every
 ``checkpoint_every`` steps and re-folds from the nearest one at or before the
 target, so a seek costs at most one restore plus ``checkpoint_every`` steps.
+
+A recording of several data-parallel ranks (``engine simulate -dp``, a DP server's) is
+shown one rank at a time, as the view follows one (``EngineView.dp_rank``):
+:meth:`Timeline.follow` switches to another rank by the same checkpoints, built for that
+rank when it is first followed (one fold of the recording), and the next-preemption /
+next-arrival positions are the followed rank's.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.events import Event, RequestArrived, StepEvent
-from engine.events.view import EngineView
+from engine.events.view import EngineView, event_dp_rank
 
 
 class Timeline:
@@ -40,12 +46,25 @@ class Timeline:
         # the running maximum keeps the list sorted for go-to-step's bisect.
         self.step_indices: list[int] = list(itertools.accumulate(
             (self.events[i].index for i in self.step_positions), max))  # type: ignore[attr-defined]
-        self.preemption_steps: list[int] = [
-            k for k, i in enumerate(self.step_positions) if self.events[i].preempted  # type: ignore[attr-defined]
-        ]
-        arrivals = (self._step_at_or_after(i) for i, e in enumerate(self.events) if isinstance(e, RequestArrived))
-        self.arrival_steps: list[int] = sorted({k for k in arrivals if k is not None})
-        self._checkpoints: dict[int, dict[str, Any]] = {}
+        steps = [e for e in self.events if isinstance(e, StepEvent)]  # step position k is steps[k]
+        # The DP ranks that stepped; the one followed first is the view's own choice (the first
+        # stamped event's rank), so a one-rank recording folds as it always did.
+        self.ranks: list[int] = sorted({step.dp_rank for step in steps})
+        self.dp_rank: int | None = next((r for e in self.events if (r := event_dp_rank(e)) is not None), None)
+        self._preemptions: dict[int, list[int]] = {}
+        for k, step in enumerate(steps):
+            if step.preempted:
+                self._preemptions.setdefault(step.dp_rank, []).append(k)
+        # An arrival shows in its rank's queue once folded: at the first step of any rank after it.
+        self._arrivals: dict[int, list[int]] = {}
+        for i, e in enumerate(self.events):
+            if not isinstance(e, RequestArrived):
+                continue
+            at = self._step_at_or_after(i)
+            if at is not None:
+                self._arrivals.setdefault(e.dp_rank, []).append(at)
+        self._arrivals = {rank: sorted(set(ks)) for rank, ks in self._arrivals.items()}
+        self._checkpoints: dict[int | None, dict[int, dict[str, Any]]] = {}  # per followed rank
         self._build_checkpoints()
         # A long recording is hundreds of thousands of long-lived objects; without
         # this, a full garbage collection sweeping them all lands inside a seek
@@ -56,6 +75,26 @@ class Timeline:
 
     def __len__(self) -> int:
         return len(self.step_positions)
+
+    @property
+    def preemption_steps(self) -> list[int]:
+        """Positions of the followed rank's steps that preempted."""
+        return self._preemptions.get(self.dp_rank or 0, [])
+
+    @property
+    def arrival_steps(self) -> list[int]:
+        """Positions at which a request of the followed rank arrived."""
+        return self._arrivals.get(self.dp_rank or 0, [])
+
+    def follow(self, rank: int) -> EngineView:
+        """Show DP rank ``rank``'s pool, requests and series from here on, at the same position."""
+        if rank not in self.ranks:
+            raise ValueError(f"DP rank {rank}: this recording's steps are rank {', '.join(map(str, self.ranks))}'s")
+        self.dp_rank = rank
+        if rank not in self._checkpoints:
+            self._build_checkpoints()
+            gc.freeze()
+        return self.seek(self.position)
 
     def _step_at_or_after(self, event_pos: int) -> int | None:
         k = bisect.bisect_left(self.step_positions, event_pos)
@@ -68,21 +107,23 @@ class Timeline:
         return self.step_positions[k] + 1
 
     def _build_checkpoints(self) -> None:
-        view = EngineView(series_window=self.series_window)
+        """The followed rank's checkpoints."""
+        view = EngineView(series_window=self.series_window, dp_rank=self.dp_rank)
+        checkpoints = self._checkpoints[self.dp_rank] = {}
         done = 0
         for k in range(0, len(self.step_positions), self.checkpoint_every):
             end = self._end_of(k)
             view.fold(self.events[done:end])
             done = end
-            self._checkpoints[k] = view.snapshot()
+            checkpoints[k] = view.snapshot()
 
     def seek(self, k: int) -> EngineView:
         """Move to step position ``k`` (clamped) and return the view there."""
         k = max(0, min(k, len(self.step_positions) - 1)) if self.step_positions else 0
         base = (k // self.checkpoint_every) * self.checkpoint_every
-        state = self._checkpoints.get(base)
+        state = self._checkpoints[self.dp_rank].get(base)
         if state is None:
-            view, start = EngineView(series_window=self.series_window), 0
+            view, start = EngineView(series_window=self.series_window, dp_rank=self.dp_rank), 0
         else:
             view = EngineView.from_snapshot(state, series_window=self.series_window)
             start = self._end_of(base)

@@ -22,6 +22,7 @@ import httpx
 
 from engine.errors import UserError
 from engine.events import Event, EventBus, LogEvent, SnapshotEvent, event_from_dict
+from engine.events.view import snapshot_dp_rank
 
 CONNECTING = "connecting"
 LIVE = "live"
@@ -49,7 +50,7 @@ class LiveFeed:
 
     def __init__(self) -> None:
         self._queue: deque[Event] = deque()
-        self._skip_through_seq = 0
+        self._skip_through: dict[int, int] = {}  # per DP rank: the seq its latest snapshot holds events to
 
     def push(self, event: Event) -> None:
         self._queue.append(event)
@@ -59,11 +60,19 @@ class LiveFeed:
         while self._queue:
             event = self._queue.popleft()
             if isinstance(event, SnapshotEvent):
-                self._skip_through_seq = int(event.state.get("last_seq", 0))
-            elif 0 < event.seq <= self._skip_through_seq and not getattr(event, "dp_rank", 0):
-                continue  # already inside the snapshot (rank 0's: another DP rank's bus counts its own seq)
+                rank, seq = snapshot_dp_rank(event.state) or 0, int(event.state.get("last_seq", 0))
+                # The stream's own snapshot (rank 0's) starts afresh; another rank's (follow_rank) adds it.
+                self._skip_through = {0: seq} if rank == 0 else self._skip_through | {rank: seq}
+            elif 0 < event.seq <= self._skip_through.get(getattr(event, "dp_rank", 0), 0):
+                continue  # already inside that rank's snapshot (each DP rank's bus counts its own seq)
             out.append(event)
         return out
+
+    def follow_rank(self, rank: int) -> str | None:
+        """Ask for data-parallel rank ``rank``'s state: a snapshot of it arrives through the
+        queue (the reader's view then follows that rank). None when asked, else why this
+        feed cannot."""
+        return "this feed carries one engine's events"
 
     def start(self) -> None:
         """Begin receiving events."""
@@ -94,6 +103,10 @@ class BusFeed(LiveFeed):
 
     def stop(self) -> None:
         self.bus.unsubscribe(self.push)
+
+    def follow_rank(self, rank: int) -> str | None:
+        return ("the in-process dashboard reads DP rank 0's bus alone; to follow another rank, watch the "
+                "server with `monitor http://HOST:PORT`")
 
 
 def events_url(url: str) -> str:
@@ -175,6 +188,45 @@ class HttpFeed(LiveFeed):
         self.connection = Connection(CONNECTING)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.followed_rank = 0  # the DP rank whose snapshot follows the stream's (rank 0's) on each connect
+
+    @property
+    def base_url(self) -> str:
+        return self.url.removesuffix("/events")
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def follow_rank(self, rank: int) -> str | None:
+        """Fetch rank ``rank``'s snapshot (``GET /debug/state?dp_rank=R``) on a thread of its
+        own, and again after every reconnect (the stream's snapshot is rank 0's)."""
+        self.followed_rank = rank
+        threading.Thread(target=self._fetch_rank, args=(rank,), name="monitor-dp-rank", daemon=True).start()
+        return None
+
+    def _fetch_rank(self, rank: int) -> None:
+        """Queue rank ``rank``'s snapshot, or a warning (``data.follow_dp_rank``) saying why not."""
+        url = f"{self.base_url}/debug/state?dp_rank={rank}"
+        c = self.connect_timeout_s
+        try:
+            with httpx.Client(timeout=httpx.Timeout(connect=c, read=60.0, write=c, pool=c)) as client:
+                r = client.get(url, headers=self._headers())
+            if r.status_code == 200:
+                state = r.json()
+                if rank == self.followed_rank:  # not a rank the reader has since moved on from
+                    self.push(SnapshotEvent(state=state, seq=int(state.get("last_seq", 0)),
+                                            t=float(state.get("t", 0.0))))
+                return
+            try:
+                why = f"HTTP {r.status_code}: {r.json()['error']['message']}"
+            except (ValueError, KeyError, TypeError):
+                why = refusal_reason(r.status_code, self.api_key)
+        except httpx.HTTPError as exc:
+            why = _error_reason(exc, c)
+        except ValueError as exc:  # not JSON
+            why = f"not a snapshot ({exc})"
+        self.push(LogEvent(level="warning", message=f"cannot follow DP rank {rank}: {url}: {why}",
+                           data={"follow_dp_rank": rank}))
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="monitor-sse", daemon=True)
@@ -210,6 +262,7 @@ class HttpFeed(LiveFeed):
             if r.status_code != 200:
                 return f"HTTP {r.status_code}"
             self._set(Connection(LIVE))
+            first = True
             for obj in parse_sse(r.iter_lines()):
                 if self._stop.is_set():
                     return None
@@ -217,12 +270,13 @@ class HttpFeed(LiveFeed):
                     self.push(event_from_dict(obj))
                 except (ValueError, TypeError) as exc:
                     self._note("warning", f"skipped an event: {exc}")
+                if first and self.followed_rank:  # the stream's snapshot is rank 0's: the followed rank's after it
+                    self._fetch_rank(self.followed_rank)
+                first = False
         return "the server closed the stream"
 
     def _run(self) -> None:
-        headers = {"Accept": "text/event-stream"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
+        headers = {"Accept": "text/event-stream", **self._headers()}
         c = self.connect_timeout_s
         timeout = httpx.Timeout(connect=c, read=None, write=c, pool=c)
         failures = 0

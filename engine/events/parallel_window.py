@@ -22,8 +22,8 @@ average; a counter's is its growth over the window per second.
 
 Two sources give the same readings: kvscope's events, folded by :class:`ParallelWindow`
 (the EngineView holds one: each DP rank's ``step`` events with their ``dp_rank``, the tokens
-each rank generated as its decode tokens plus one per ``request.first_token``, and DP rank
-0's ``pipeline_bubble_s`` / ``pipeline_bytes``), and a vLLM server's ``/metrics`` whose every
+each rank generated as its decode tokens plus one per ``request.first_token``, and each DP
+rank's ``pipeline_bubble_s`` / ``pipeline_bytes``: with DP x PP every rank has its own stages), and a vLLM server's ``/metrics`` whose every
 series carries ``engine`` = the DP rank (monitor/replica.py hands each engine's scrapes to
 :func:`rank_window`).
 """
@@ -209,7 +209,7 @@ class ParallelWindow:
         self.max_readings = max_readings
         self.now = 0.0
         self.ranks: dict[int, deque[RankReading]] = {}
-        self.stages: deque[StageReading] = deque(maxlen=max_readings)
+        self.stages: dict[int, deque[StageReading]] = {}  # per DP rank: its pipeline's steps
         self._generated: dict[int, float] = {}  # per rank: tokens generated so far
         self._first_tokens: dict[int, int] = {}  # per rank: first tokens since its last step
 
@@ -219,7 +219,12 @@ class ParallelWindow:
 
     @property
     def num_stages(self) -> int:
-        return len(self.stages[-1][2]) if self.stages else 0
+        return max((len(readings[-1][2]) for readings in self.stages.values() if readings), default=0)
+
+    @property
+    def stage_ranks(self) -> list[int]:
+        """The DP ranks whose steps carried pipeline stages, in order."""
+        return sorted(rank for rank, readings in self.stages.items() if readings)
 
     @property
     def parallel(self) -> bool:
@@ -236,14 +241,17 @@ class ParallelWindow:
             self._generated[rank] = generated
             kv_pct = 100.0 * event.kv_blocks_used / event.kv_blocks_total if event.kv_blocks_total else 0.0
             self._add(rank, (event.t, float(event.num_waiting), float(event.num_running), kv_pct, generated))
-            if event.pipeline_bubble_s and rank == 0:
-                sent = self.stages[-1][3] if self.stages else ()
+            if event.pipeline_bubble_s:
+                stages = self.stages.get(rank)
+                if stages is None:
+                    stages = self.stages[rank] = deque(maxlen=self.max_readings)
+                sent = stages[-1][3] if stages else ()
                 total = tuple(float(b) + (sent[i] if i < len(sent) else 0.0)
                               for i, b in enumerate(event.pipeline_bytes))
                 # the step's seconds as pipeline_idle takes them
-                self.stages.append((event.t, event.duration_s or event.forward_s,
-                                    tuple(map(float, event.pipeline_bubble_s)), total))
-                self._prune(self.stages)
+                stages.append((event.t, event.duration_s or event.forward_s,
+                               tuple(map(float, event.pipeline_bubble_s)), total))
+                self._prune(stages)
 
     def _add(self, rank: int, reading: RankReading) -> None:
         readings = self.ranks.get(rank)
@@ -263,8 +271,16 @@ class ParallelWindow:
         windows = (rank_window(str(rank), self.ranks[rank], self.now, self.window_s) for rank in sorted(self.ranks))
         return [w for w in windows if w is not None]
 
-    def stage_windows(self) -> list[StageWindow]:
-        return stage_windows(self.stages, self.now, self.window_s)
+    def stage_windows(self, rank: int | None = None) -> list[StageWindow]:
+        """DP rank ``rank``'s stages (default: the lowest rank with stages; [] without)."""
+        ranks = self.stage_ranks
+        if rank is None:
+            rank = ranks[0] if ranks else 0
+        return stage_windows(self.stages.get(rank, ()), self.now, self.window_s)
+
+    def rank_stage_windows(self) -> dict[int, list[StageWindow]]:
+        """Every DP rank's stages, by rank."""
+        return {rank: self.stage_windows(rank) for rank in self.stage_ranks}
 
     def seed_ranks(self, balance: dict[str, Any], t: float) -> None:
         """Each rank's counts from a data-parallel server's snapshot (its ``data_parallel``:
@@ -281,7 +297,8 @@ class ParallelWindow:
     def to_dict(self) -> dict[str, Any]:
         return {"window_s": self.window_s, "now": self.now,
                 "ranks": {str(r): [list(x) for x in readings] for r, readings in self.ranks.items()},
-                "stages": [[t, s, list(b), list(sent)] for t, s, b, sent in self.stages],
+                "stages": {str(rank): [[t, s, list(b), list(sent)] for t, s, b, sent in readings]
+                           for rank, readings in self.stages.items()},
                 "first_tokens": {str(r): n for r, n in self._first_tokens.items()}}
 
     @classmethod
@@ -293,7 +310,11 @@ class ParallelWindow:
             fold.ranks[int(rank)] = deque(rows, maxlen=fold.max_readings)
             if rows:
                 fold._generated[int(rank)] = rows[-1][4]
-        fold.stages.extend((float(t), float(s), tuple(map(float, b)), tuple(map(float, sent)))
-                           for t, s, b, sent in data.get("stages") or [])
+        stages = data.get("stages") or {}
+        if isinstance(stages, list):  # written before every rank had its stages: rank 0's
+            stages = {"0": stages}
+        for rank, readings in stages.items():
+            fold.stages[int(rank)] = deque(((float(t), float(s), tuple(map(float, b)), tuple(map(float, sent)))
+                                            for t, s, b, sent in readings), maxlen=fold.max_readings)
         fold._first_tokens = {int(r): int(n) for r, n in (data.get("first_tokens") or {}).items()}
         return fold

@@ -49,6 +49,9 @@ Snapshot dict format (``SNAPSHOT_VERSION`` 1), all plain JSON::
       "dp_rank": int,                                      # the DP rank the rest shows (absent
     }                                                      # before any step or request event)
 
+A data-parallel server's snapshot adds ``data_parallel`` (every rank's counts,
+``rank_shown``: the rank of the rest); see :func:`snapshot_dp_rank`.
+
 Block owners are not stored: they are the union of every request's ``blocks``,
 so the snapshot cannot disagree with itself; nor is a held block's KV cache group
 (``block_groups``): it is the index of the request's ``group_blocks`` list holding it.
@@ -230,10 +233,26 @@ def _memory_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -
     return None
 
 
-class EngineView:
-    """Everything the dashboard shows, folded from events by :meth:`apply`."""
+def event_dp_rank(event: Event) -> int | None:
+    """The data-parallel rank whose engine core published ``event``; None for an event no
+    rank's scheduler stamps (config, startup phases, logs)."""
+    return getattr(event, "dp_rank", None)
 
-    def __init__(self, series_window: int = 4096, recent_window: int = 200) -> None:
+
+def snapshot_dp_rank(state: dict[str, Any]) -> int | None:
+    """The DP rank a snapshot's pool and requests are: its ``dp_rank``, else the rank a data-parallel
+    server's ``/debug/state?dp_rank=R`` says it shows; None before any rank's event."""
+    rank = state.get("dp_rank")
+    if rank is None and state.get("data_parallel"):
+        rank = state["data_parallel"].get("rank_shown", 0)
+    return None if rank is None else int(rank)
+
+
+class EngineView:
+    """Everything the dashboard shows, folded from events by :meth:`apply`. ``dp_rank``
+    (optional) fixes the DP rank the pool, requests and series follow before any event."""
+
+    def __init__(self, series_window: int = 4096, recent_window: int = 200, dp_rank: int | None = None) -> None:
         self.series_window = series_window
         self.recent_window = recent_window
         self.last_seq = 0
@@ -272,7 +291,7 @@ class EngineView:
         # snapshot's, else the first step or request event's. Another rank's events reach only
         # ``parallel`` and ``recent``: each rank has its own KV pool, block ids and requests.
         self.parallel = ParallelWindow()
-        self.dp_rank: int | None = None
+        self.dp_rank: int | None = dp_rank
 
     # ------------------------------------------------------------ derived views
     @property
@@ -342,7 +361,7 @@ class EngineView:
         """Fold one event into the view. Unknown event kinds only land in ``recent``."""
         self.t = max(self.t, event.t)
         self.parallel.apply(event)
-        rank = getattr(event, "dp_rank", None)  # None: an event no rank's scheduler stamps
+        rank = event_dp_rank(event)
         if rank is not None and self.dp_rank is None:
             self.dp_rank = rank
         other_rank = rank is not None and rank != self.dp_rank
@@ -619,11 +638,15 @@ class EngineView:
             (event_from_dict(d) for d in state.get("recent", [])), maxlen=self.recent_window
         )
         self.experts = ExpertLoad.from_dict(state["experts"]) if state.get("experts") else ExpertLoad()
-        self.parallel = ParallelWindow.from_dict(state["parallel"]) if state.get("parallel") else ParallelWindow()
-        self.dp_rank = state.get("dp_rank")
-        if state.get("data_parallel"):  # a data-parallel server's snapshot: every rank's counts now
-            self.parallel.seed_ranks(state["data_parallel"], self.t)
-            self.dp_rank = int(state.get("dp_rank", state["data_parallel"].get("rank_shown", 0)))
+        balance = state.get("data_parallel")  # a data-parallel server's snapshot: every rank's counts now
+        # That server's snapshot is one rank's view, whose fold saw only that rank's steps: a view
+        # that already folds the server's stream of every rank (a switch to another rank, a
+        # reconnect) keeps its own fold and seeds it.
+        if not (balance and self.parallel.num_ranks):
+            self.parallel = ParallelWindow.from_dict(state["parallel"]) if state.get("parallel") else ParallelWindow()
+        self.dp_rank = snapshot_dp_rank(state)
+        if balance:
+            self.parallel.seed_ranks(balance, self.t)
 
 
 _HANDLERS: dict[type, Any] = {

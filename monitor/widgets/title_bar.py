@@ -44,13 +44,16 @@ def middle_cut(text: str, width: int) -> str:
 
 
 class TitleBar(Static):
-    """``kvscope monitor · SOURCE`` and, for a live feed, its connection badge, then any
+    """``kvscope monitor · SOURCE`` and, for a live feed, its connection badge, the DP rank
+    the dashboard follows (``followed``: ``DP rank 1 of 2``; with several ranks), then any
     event sink the engine stopped (``sink.failed``: a full disk under ``--events``). When
     the line is too long the source is cut in its middle, never the badges or why."""
 
     def show(self, source: str, connection: Connection | None, failed_sinks: dict[str, str] | None = None,
-             engine_error: str | None = None) -> None:
+             engine_error: str | None = None, followed: str = "") -> None:
         badge = Text("  ").append_text(connection_text(connection)) if connection is not None else Text()
+        if followed:
+            badge.append("  ").append(f"◆ {followed}", style="bold magenta")
         if engine_error:
             badge.append("  ✕ ENGINE STOPPED ", style="bold red").append(engine_error)
         if failed_sinks:  # the engine serves on, but a recording or an exporter has stopped
