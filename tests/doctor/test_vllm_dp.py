@@ -17,7 +17,7 @@ from doctor.inputs import InputError, engine_readings
 from doctor.vllm_dp import SUSTAINED_ROUNDS, EngineRound, VllmFleet, dp_imbalance_finding
 from doctor.vllm_log import log_fleet
 from engine.cli.main import main
-from engine.events.dp_balance import DP_IMBALANCE_BOUND
+from engine.events.dp_balance import DP_IMBALANCE_BOUND, DataParallelLoad
 from tests.paths import DATA
 
 LOGS = DATA / "vllm-dp-logs"
@@ -172,3 +172,12 @@ def test_server_without_events_or_vllm_metrics(vllm_server: Callable[[Callable[[
     url = vllm_server(lambda n: "# a server that is neither\nup 1.0\n")
     with pytest.raises(InputError, match=r"no /events .* and no vLLM queue gauges on /metrics"):
         examine(url, duration_s=0.3)
+
+
+def test_observe_keeps_an_idle_engines_last_reading() -> None:
+    """vLLM prints an idle engine's line at DEBUG: a round without it keeps its last reading."""
+    dp = DataParallelLoad(declared_size=2)
+    dp.observe(0.0, {0: (0, 4, 0.1), 1: (2, 8, 0.5)})
+    dp.observe(10.0, {1: (3, 9, 0.6)})
+    assert (dp.samples[-1].loads, dp.samples[-1].waiting, dp.samples[-1].kv_usage) == ((4, 12), (0, 3), (0.1, 0.6))
+    assert (dp.mean_load(0), dp.mean_load(1), dp.rank(1).peak_kv_usage) == (4.0, 10.0, 0.6)
