@@ -22,7 +22,13 @@ from dataclasses import dataclass, field
 
 from doctor.rules import KV_FULL, KV_LOW, WARNING, Finding
 from engine.budget.fixes import Fix
-from engine.events.dp_balance import DP_IMBALANCE_BOUND, DP_MIN_MEAN_LOAD, WAITING_WEIGHT, DataParallelLoad
+from engine.events.dp_balance import (
+    DP_IMBALANCE_BOUND,
+    DP_MIN_MEAN_LOAD,
+    WAITING_WEIGHT,
+    DataParallelLoad,
+    LoadSample,
+)
 
 SUSTAINED_ROUNDS = 3  # rounds in a row: 20-30 s of vLLM's stats lines, a burst between two lines is not a run
 LOG_INTERVAL_S = 10.0  # VLLM_LOG_STATS_INTERVAL's default: the clock of a log whose lines carry no time
@@ -85,24 +91,27 @@ def dp_imbalance_finding(fleet: VllmFleet) -> Finding | None:
     runs = dp.imbalanced_runs(DP_IMBALANCE_BOUND, DP_MIN_MEAN_LOAD, SUSTAINED_ROUNDS)
     if not runs:
         return None
+    def run_mean(values: list[float]) -> float:
+        return sum(values) / len(values)
+
+    def queued(s: LoadSample) -> tuple[int, ...]:  # waiting by engine, every engine
+        return s.waiting + (0,) * (size - len(s.waiting))
+
     rounds, unit = fleet.rounds, fleet.unit
     longest = max(runs, key=len)
     held = sum(len(r) for r in runs)
     busiest = statistics.mode(s.busiest() for s in longest)
     worst = max(s.imbalance(size) for s in longest)
     # The round quoted: the busiest engine's longest queue of the run (the most imbalanced is often its drain).
-    peak = max(longest, key=lambda s: ((s.waiting + (0,) * size)[busiest], s.imbalance(size)))
+    peak = max(longest, key=lambda s: (queued(s)[busiest], s.imbalance(size)))
     first, last, at_peak = rounds[longest[0].step], rounds[longest[-1].step], rounds[peak.step]
     loads, mean = peak.padded(size), peak.mean(size)
-    waiting_at_peak = peak.waiting + (0,) * (size - len(peak.waiting))
+    waiting_at_peak = queued(peak)
     kv_at_peak = peak.kv_usage + (0.0,) * (size - len(peak.kv_usage))
     span_s = longest[-1].t - longest[0].t
 
-    def run_mean(values: list[float]) -> float:
-        return sum(values) / len(values)
-
-    waiting = [run_mean([(s.waiting + (0,) * size)[r] for s in longest]) for r in range(size)]
-    running = [run_mean([(s.padded(size)[r] - (s.waiting + (0,) * size)[r]) for s in longest]) for r in range(size)]
+    waiting = [run_mean([queued(s)[r] for s in longest]) for r in range(size)]
+    running = [run_mean([s.padded(size)[r] - queued(s)[r] for s in longest]) for r in range(size)]
     name = engine_name(busiest)
     evidence = [
         f"{held} of {len(dp.samples)} {unit}s with {name} queueing while its waiting + running was over "
@@ -127,7 +136,8 @@ def dp_imbalance_finding(fleet: VllmFleet) -> Finding | None:
                  f"balancer weighs requests ({WAITING_WEIGHT} x waiting + running), not tokens, so it keeps being sent "
                  "a share it cannot admit (vllm#48808)")
     else:
-        cause = (f"{name} was sent more requests than it could run while the other engines had room. vLLM's balancer "
+        cause = (f"{name} was sent more than its share ({loads[busiest]} in flight against an even {mean:,.1f}). "
+                 "vLLM's balancer "
                  f"sends each request to the engine with the lowest {WAITING_WEIGHT} x waiting + running, from counts "
                  f"its DP coordinator publishes about every {COORDINATOR_INTERVAL_MS} ms; a queue this uneven for this "
                  "long means those counts were stale or missing (vllm#48808: not published for DP without expert "
@@ -135,7 +145,7 @@ def dp_imbalance_finding(fleet: VllmFleet) -> Finding | None:
                  "header, an external router)")
     # What one engine runs at once: its --max-num-seqs where printed, else the most any engine ran.
     capacity = max(fleet.max_num_seqs or 0,
-                   max(max(s.padded(size)[r] - (s.waiting + (0,) * size)[r] for r in range(size)) for s in dp.samples))
+                   max(max(s.padded(size)[r] - queued(s)[r] for r in range(size)) for s in dp.samples))
     total = sum(loads)
     fixes = [Fix(f"route to the least loaded engine (vLLM's DP balancer: {WAITING_WEIGHT} x waiting + running)",
                  None, None, f"an even spread holds {mean:,.1f} requests on each of the {size} engines at "
