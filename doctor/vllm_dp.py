@@ -91,6 +91,7 @@ def dp_imbalance_finding(fleet: VllmFleet) -> Finding | None:
     runs = dp.imbalanced_runs(DP_IMBALANCE_BOUND, DP_MIN_MEAN_LOAD, SUSTAINED_ROUNDS)
     if not runs:
         return None
+
     def run_mean(values: list[float]) -> float:
         return sum(values) / len(values)
 
