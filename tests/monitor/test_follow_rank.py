@@ -154,15 +154,15 @@ async def test_next_preemption_and_arrival_stop_at_the_followed_ranks_changes(re
         # Rank 1's arrivals, each a new request in its queue; rank 0's are passed by.
         await pilot.press("home")
         stops = []
-        for _ in range(4):
+        for _ in range(3):
             before = set(app.view.requests)
             await pilot.press("a")
             await pilot.pause()
             stops.append(app.timeline.position)
             assert set(app.view.requests) - before, stops
     arrivals = arrival_positions(recording)
-    assert stops == [k for k in arrivals[1] if k > 0][:4]
-    assert set(stops).isdisjoint(set(arrivals[0]) - set(arrivals[1])) and stops != arrivals[0][1:5]
+    assert stops == [k for k in arrivals[1] if k > 0][:3]
+    assert any(stops[0] < k < stops[-1] and k not in stops for k in arrivals[0])  # rank 0's, passed by
 
 
 def test_timeline_arrivals_and_preemptions_are_each_ranks(recording: list[Event]) -> None:
