@@ -18,7 +18,7 @@ import pytest
 from textual.widgets import Footer
 
 from engine.events import Event, RequestArrived, SnapshotEvent, StepEvent, read_events
-from engine.events.feed import BusFeed, LiveFeed
+from engine.events.feed import BusFeed, HttpFeed, LiveFeed
 from engine.events.parallel_window import WINDOW_S, ParallelWindow
 from engine.events.pipeline_idle import PipelineIdle
 from engine.events.view import EngineView, event_dp_rank
@@ -227,3 +227,22 @@ def test_one_rank_hides_the_key() -> None:
     assert timeline.ranks == [0]
     app = MonitorApp(timeline=timeline)
     assert app.check_action("follow_rank", (1,)) is False and app.followed_rank_text() == ""
+
+
+def test_a_rank_the_server_cannot_give_is_a_warning_naming_it() -> None:
+    """Nothing listens on the port: the feed queues a warning the dashboard shows, saying which
+    rank, where it asked and why."""
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again before the feed asks
+    feed = HttpFeed(f"http://127.0.0.1:{port}", connect_timeout_s=2.0)
+    assert feed.follow_rank(1) is None
+    deadline = time.monotonic() + 10
+    while not (events := feed.drain()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert [(type(e).__name__, e.data) for e in events] == [("LogEvent", {"follow_dp_rank": 1})]  # type: ignore[attr-defined]
+    assert events[0].message == (f"cannot follow DP rank 1: http://127.0.0.1:{port}/debug/state?dp_rank=1: "  # type: ignore[attr-defined]
+                                 "connection refused (is the server running?)")
