@@ -552,7 +552,7 @@ def _note_ratios(cell: Cell, ratios: dict[tuple[str, str, int], float]) -> None:
 
 
 def _attention_cells(model: Any, generator: torch.Generator, deadline: float,
-                     done: Mapping[tuple[str, str], Cell]) -> list[Cell]:
+                     done: Mapping[tuple[str, str], Cell] | None = None) -> list[Cell]:
     """Prefill attention of one ``rows``-token chunk (causal, layer 0's heads) per multi-row
     class: torch's SDPA in float32 against q, K and V rounded to bf16, checked against float32."""
     import torch
@@ -569,7 +569,7 @@ def _attention_cells(model: Any, generator: torch.Generator, deadline: float,
     for sc in STEP_CLASSES:
         if sc.lo == 1:
             continue  # decode rows: the paged-decode kernel
-        if (ATTENTION, sc.name) in done:
+        if done and (ATTENTION, sc.name) in done:
             cells.append(done[(ATTENTION, sc.name)])
             continue
         cell = Cell(ATTENTION, sc.name, sc.rows, f"{heads}q/{kv_heads}kv x {head_dim}")
