@@ -25,7 +25,7 @@ from textual.css.query import NoMatches
 from textual.reactive import reactive
 from textual.widgets import Footer, Input, Label, TabbedContent, TabPane
 
-from engine.events import EngineStopped, EventBus, LogEvent
+from engine.events import EngineStopped, Event, EventBus, LogEvent
 from engine.events.feed import LIVE, BusFeed, LiveFeed
 from engine.events.view import EngineView
 from monitor.gpu import GpuReader
@@ -295,7 +295,7 @@ class MonitorApp(App[None]):
         self.asked_rank = rank
         self._update_bar()
 
-    def _follow_answered(self, events: list[Any]) -> None:
+    def _follow_answered(self, events: list[Event]) -> None:
         """Live: the asked rank's snapshot arrived (the view follows it), or the feed said why not."""
         if self.asked_rank is None:
             return
