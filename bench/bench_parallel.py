@@ -36,11 +36,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.bench_server import wait_healthy
+from bench.greedy_run import greedy_run
 from bench.machine import cpu_isa, header_lines
 from engine.budget.config import EngineConfig
 from engine.budget.stages import DEFAULT_MICRO_BATCHES, fill_drain_bubble
 from engine.dp_core import rank_events_path
-from engine.events import Event, EventBus, StepEvent, read_events
+from engine.events import StepEvent, read_events
 from engine.events.dp_balance import DataParallelLoad
 from engine.events.pipeline_idle import PipelineIdle
 from engine.sim.data_parallel import DataParallelSimulation
@@ -61,24 +62,11 @@ def _prompts(count: int, length: int) -> list[list[int]]:
 
 def run_pipeline(stages: int, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
     """The bundled model in ``stages`` stages on the prompts, greedy; figures from its events."""
-    from engine.core.sampling_params import SamplingParams
-    from engine.llm_engine import LLMEngine
-
     config = EngineConfig(model=BUNDLED, dtype="float32", quantization="none", max_model_len=512,
                           max_num_batched_tokens=256, max_num_seqs=16, stats_interval=0.0,
                           kv_cache_memory_bytes=64 << 20, pipeline_parallel_size=stages if stages > 1 else None)
-    events: list[Event] = []
-    bus = EventBus()
-    bus.subscribe(events.append)
-    with LLMEngine(config, bus=bus) as engine:
-        started = time.perf_counter()
-        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-        for prompt in prompts:
-            engine.add_request(prompt, params)
-        generated = 0
-        while engine.has_unfinished():
-            generated += sum(len(out.new_token_ids) for out in engine.step())
-        ran = time.perf_counter() - started
+    run = greedy_run(config, prompts, output_len)
+    events, generated, ran = run.events, run.generated, run.run_s
     idle = PipelineIdle()
     for event in events:
         idle(event)

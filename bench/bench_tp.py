@@ -23,16 +23,14 @@ import json
 import os
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
+from bench.greedy_run import greedy_run
 from bench.machine import header_lines
 from engine.budget.config import EngineConfig
-from engine.core.sampling_params import SamplingParams
-from engine.events import Event, EventBus, StartupPhase, StepEvent
-from engine.llm_engine import LLMEngine
+from engine.events import StartupPhase, StepEvent
 from engine.modelspec.readers import load_model_config
 
 # Heads, KV heads and MLP columns divide by 2; ~120 M parameters, 490 MB in fp32.
@@ -47,19 +45,8 @@ def run_replica(model: str, tp: int, load_format: str, prompts: list[list[int]],
     config = EngineConfig(model=model, tensor_parallel_size=tp, dtype="float32", quantization="none",
                           load_format=load_format, max_model_len=1024, max_num_batched_tokens=512, max_num_seqs=64,
                           kv_cache_memory_bytes=256 << 20, stats_interval=0.0, num_threads=threads)
-    events: list[Event] = []
-    bus = EventBus()
-    bus.subscribe(events.append)
-    launched = time.perf_counter()
-    with LLMEngine(config, bus=bus) as engine:
-        ready = time.perf_counter()
-        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-        for prompt in prompts:
-            engine.add_request(prompt, params)
-        generated = 0
-        while engine.has_unfinished():
-            generated += sum(len(out.new_token_ids) for out in engine.step())
-        ran = time.perf_counter() - ready
+    run = greedy_run(config, prompts, output_len)
+    events, generated, ran = run.events, run.generated, run.run_s
     steps = [e for e in events if isinstance(e, StepEvent) and e.scheduled]
     decodes = [s for s in steps if s.num_prefill_tokens == 0]
     phases = [e for e in events if isinstance(e, StartupPhase) and e.status == "end"]
@@ -68,7 +55,7 @@ def run_replica(model: str, tp: int, load_format: str, prompts: list[list[int]],
     layers = load_model_config(model).num_layers
     median = statistics.median
     return {
-        "model": Path(model).name, "tp": tp, "threads_per_rank": threads or max(1, (os.cpu_count() or 1) // tp), "startup_s": round(ready - launched, 2), "phases_s_by_rank": per_rank,
+        "model": Path(model).name, "tp": tp, "threads_per_rank": threads or max(1, (os.cpu_count() or 1) // tp), "startup_s": round(run.startup_s, 2), "phases_s_by_rank": per_rank,
         "output_tok_s": round(generated / ran, 1), "run_s": round(ran, 2), "steps": len(steps),
         "decode_step_ms": round(median(s.duration_s for s in decodes) * 1e3, 1) if decodes else None,
         "decode_collective_ms": round(median(s.collective_s for s in decodes) * 1e3, 1) if decodes else None,

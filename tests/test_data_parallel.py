@@ -14,7 +14,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,12 +27,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.bench_server import wait_healthy
+from bench.bench_server import free_port, wait_healthy
 from engine.dp_core import offset_endpoint, rank_events_path
 from engine.events import RequestFinished, StepEvent
 from engine.events.metrics import PrometheusMetrics
 from engine.serve.data_parallel import CoreClient, DataParallelEngine, MergedRegistry
 from tests.paths import ROOT
+from tests.processes import wait_gone
 
 TINY_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 128,
               "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -89,19 +89,15 @@ def test_step_and_request_events_carry_dp_rank_written_only_when_not_0() -> None
 
 
 # ------------------------------------------------------------- a real server
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
 def dp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     folder = tmp_path_factory.mktemp("tiny-llama")
     (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
-    port, kv_port = _free_port(), _free_port()
+    port, kv_port = free_port(), free_port()
     while kv_port + 1 == port:
-        kv_port = _free_port()
+        kv_port = free_port()
     events = folder / "run.jsonl"
     kv_config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{kv_port}"})
     command = [sys.executable, "-m", "engine.cli", "serve", "--model", str(folder), "--load-format", "dummy",
@@ -186,10 +182,7 @@ def test_a_killed_engine_core_stops_the_server_naming_its_rank_and_leaves_no_pro
     log = dp_server["log"].read_text()
     assert re.search(rf"data-parallel rank 1 \(pid {pids[1]}\) was killed by SIGKILL while serving\. The server "
                      r"stops: rank 0 shut down", log), log[-2000:]
-    deadline = time.monotonic() + 10
-    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in family):
-        assert time.monotonic() < deadline, "a process of the server outlived it"
-        time.sleep(0.2)
+    wait_gone(family, "a process of the server outlived it", timeout_s=10)
     # Each core recorded its own events, its steps and requests stamped with its rank.
     for rank in (0, 1):
         path = Path(str(dp_server["events"]).replace("run.jsonl", f"run.dp{rank}.jsonl"))

@@ -9,7 +9,6 @@ process of either host left. Slow: each host loads the model (a tiny dummy-weigh
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -20,11 +19,12 @@ import httpx
 import psutil
 import pytest
 
-from bench.bench_server import wait_healthy
+from bench.bench_server import free_port, wait_healthy
 from engine.budget.config import EngineConfig
 from engine.errors import UserError
 from engine.pipeline import Rendezvous
 from tests.paths import ROOT
+from tests.processes import wait_gone
 from tests.test_data_parallel import TINY_LLAMA
 
 
@@ -41,10 +41,6 @@ def test_the_rendezvous_reads_the_flags_else_torchruns_environment() -> None:
         flags.stages_of(0, 3)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _host(folder: Path, node: int, master_port: int, port: int, timeout: float = 240) -> subprocess.Popen[bytes]:
@@ -59,10 +55,7 @@ def _host(folder: Path, node: int, master_port: int, port: int, timeout: float =
 
 
 def _gone(process: subprocess.Popen[bytes], tree: list[int]) -> None:
-    deadline = time.monotonic() + 15
-    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in tree):
-        assert time.monotonic() < deadline, "a process of a host outlived it"
-        time.sleep(0.2)
+    wait_gone(tree, "a process of a host outlived it", timeout_s=15)
 
 
 @pytest.fixture
@@ -73,8 +66,8 @@ def model_folder(tmp_path: Path) -> Iterator[Path]:
 
 @pytest.mark.slow
 def test_two_hosts_started_by_two_commands_serve_one_model_in_two_stages(model_folder: Path) -> None:
-    master, port = _free_port(), _free_port()
-    host1 = _host(model_folder, 1, master, _free_port())  # the stage host may start first: it waits for host 0
+    master, port = free_port(), free_port()
+    host1 = _host(model_folder, 1, master, free_port())  # the stage host may start first: it waits for host 0
     host0 = _host(model_folder, 0, master, port)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -103,7 +96,7 @@ def test_two_hosts_started_by_two_commands_serve_one_model_in_two_stages(model_f
 
 @pytest.mark.slow
 def test_a_host_that_never_arrives_is_named_with_its_rank_within_the_timeout(model_folder: Path) -> None:
-    host0 = _host(model_folder, 0, _free_port(), _free_port(), timeout=10)
+    host0 = _host(model_folder, 0, free_port(), free_port(), timeout=10)
     tree = [host0.pid]
     code = host0.wait(240)
     log = (model_folder / "host0.log").read_text()
@@ -116,8 +109,8 @@ def test_a_host_that_never_arrives_is_named_with_its_rank_within_the_timeout(mod
 def test_a_stage_killed_on_another_host_is_named_by_host_0_and_no_process_is_left(model_folder: Path) -> None:
     import signal
 
-    master, port = _free_port(), _free_port()
-    host1 = _host(model_folder, 1, master, _free_port())
+    master, port = free_port(), free_port()
+    host1 = _host(model_folder, 1, master, free_port())
     host0 = _host(model_folder, 0, master, port)
     url = f"http://127.0.0.1:{port}"
     try:

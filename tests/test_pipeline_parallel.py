@@ -29,6 +29,7 @@ from engine.errors import ReplicaError, UserError
 from engine.events import PHASES, Event, EventBus, StartupPhase, StepEvent
 from engine.modelspec.presets import MODEL_PRESETS
 from engine.pipeline import check_pipeline, stage_layer_ranges
+from tests.processes import wait_gone
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
@@ -132,10 +133,7 @@ def test_a_killed_stage_stops_the_replica_naming_it_and_leaves_no_process() -> N
                 engine.step()
     finally:
         engine.close()
-    deadline = time.monotonic() + 5
-    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
-        assert time.monotonic() < deadline, "a stage outlived its replica"
-        time.sleep(0.1)
+    wait_gone(pids, "a stage outlived its replica")
 
 
 @pytest.mark.slow
@@ -163,10 +161,7 @@ def test_a_killed_rank_of_a_t_x_p_replica_is_named_by_stage_and_tp_rank_and_no_p
                 engine.step()
     finally:
         engine.close()
-    deadline = time.monotonic() + 5
-    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
-        assert time.monotonic() < deadline, "a rank outlived its replica"
-        time.sleep(0.1)
+    wait_gone(pids, "a rank outlived its replica")
 
 
 @pytest.mark.slow

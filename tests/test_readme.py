@@ -19,12 +19,12 @@ import io
 import json
 import re
 import shlex
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+from bench.bench_server import free_port
 from engine.cli import main
 from tests.paths import ROOT
 
@@ -166,10 +166,6 @@ def _jq(document: object, path: str) -> object:
     return document
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.slow  # starts engine serve (the bundled model) and sends the README's curl request
@@ -180,7 +176,7 @@ def test_the_readme_curl_example_gets_its_answer(tmp_path: Path) -> None:
 
     example = next(a for a in ANSWERS if a.curl is not None)
     assert example.curl is not None
-    port = _free_port()
+    port = free_port()
     serve = [arg for arg in example.argv[1:] if arg != "serve"]
     server = start_server(port, *serve, log_path=tmp_path / "serve.log")
     try:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from engine.model.parallel import check_shardable, kv_head_start, rank_model_con
 from engine.modelspec.presets import MODEL_PRESETS
 from engine.modelspec.readers import load_model_config
 from engine.startup import resolve_config
+from tests.processes import wait_gone
 
 TINY_LLAMA = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 49152,
@@ -269,10 +269,7 @@ def test_a_killed_worker_stops_the_replica_naming_its_rank_and_last_phase(tmp_pa
         engine.close()
     logged = [e for e in events if isinstance(e, LogEvent) and e.level == "error"]
     assert logged and logged[-1].data == {"rank": 1}
-    deadline = time.monotonic() + 5
-    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in worker_pids):
-        assert time.monotonic() < deadline, "a worker outlived its replica"
-        time.sleep(0.1)
+    wait_gone(worker_pids, "a worker outlived its replica")
     assert not [c for c in psutil.Process().children() if c.name().startswith("kvscope-tp") or c.pid in worker_pids]
 
 

@@ -30,13 +30,13 @@ from engine.core.step_loop import run_step
 from engine.errors import UserError
 from engine.events import Event, EventBus
 from engine.events.dp_balance import WAITING_WEIGHT, DataParallelLoad
-from engine.events.stats import StatsReporter
 from engine.sim.simulate import (
     LIMITS,
     CostModelExecutor,
     SimResult,
     SimSetup,
     Simulation,
+    clocked_bus,
     mm_inputs,
     publish_startup,
 )
@@ -95,10 +95,7 @@ class DataParallelSimulation:
     def __init__(self, setup: SimSetup, bus: EventBus | None = None, *, stats_interval: float = 0.0) -> None:
         self.setup = setup
         self.now = 0.0
-        self.bus = bus if bus is not None else EventBus()
-        self.bus.set_clock(self.clock)
-        if bus is not None and stats_interval > 0:
-            bus.subscribe(StatsReporter(bus, stats_interval, device_word="GPU", log=None))
+        self.bus = clocked_bus(bus, self.clock, stats_interval)
         self.limit_steps = dict.fromkeys(LIMITS, 0)  # steps with requests waiting, by what held them (all ranks)
         self.ranks: list[RankSim] = []
         for rank in range(setup.data_parallel_size):

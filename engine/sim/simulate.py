@@ -522,6 +522,17 @@ StopWhen = Callable[[Scheduler, SchedulerOutput], bool]
 
 
 # -------------------------------------------------------------- the simulation
+def clocked_bus(bus: EventBus | None, clock: Callable[[], float], stats_interval: float) -> EventBus:
+    """The caller's bus (or, without one, a private one: the result is a fold of the events) on
+    the simulated ``clock``; ``stats_interval`` > 0 adds a :class:`StatsReporter` publishing
+    ``stats`` events on that time axis (no log lines)."""
+    out = bus if bus is not None else EventBus()
+    out.set_clock(clock)
+    if bus is not None and stats_interval > 0:
+        bus.subscribe(StatsReporter(bus, stats_interval, device_word="GPU", log=None))
+    return out
+
+
 class Simulation:
     """Runs a workload through a fresh :class:`Scheduler` under the cost model.
 
@@ -533,11 +544,7 @@ class Simulation:
     def __init__(self, setup: SimSetup, bus: EventBus | None = None, *, stats_interval: float = 0.0) -> None:
         self.setup = setup
         self.now = 0.0
-        # without a caller's bus, a private one: the result is a fold of the events
-        self.bus = bus if bus is not None else EventBus()
-        self.bus.set_clock(self.clock)
-        if bus is not None and stats_interval > 0:
-            bus.subscribe(StatsReporter(bus, stats_interval, device_word="GPU", log=None))
+        self.bus = clocked_bus(bus, self.clock, stats_interval)
         self.scheduler = Scheduler(setup.scheduler, self.bus)
 
     def clock(self) -> float:

@@ -6,7 +6,6 @@ stdout, where uvicorn (and so vLLM) writes them."""
 from __future__ import annotations
 
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.bench_server import wait_healthy
+from bench.bench_server import free_port, wait_healthy
 from engine.cli import build_parser, main
 from engine.cli.commands.serve import settings_from_args
 from engine.modelspec.presets import bundled_gguf_path
@@ -64,10 +63,6 @@ def test_flags_kvscope_lacks_are_named_in_one_line(argv: list[str], needles: lis
         assert needle in err, err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.skipif(bundled_gguf_path() is None, reason="the bundled SmolLM2 GGUF is not installed")
@@ -75,7 +70,7 @@ def _free_port() -> int:
 def test_served_with_vllm_flags_logs_like_vllm(tmp_path: Path, smollm_tokenizer) -> None:  # type: ignore[no-untyped-def]
     template = tmp_path / "chat.jinja"
     template.write_text(TEMPLATE)
-    port = _free_port()
+    port = free_port()
     stderr, stdout = tmp_path / "stderr.log", tmp_path / "stdout.log"
     with stderr.open("w") as err, stdout.open("w") as out:
         proc = subprocess.Popen([

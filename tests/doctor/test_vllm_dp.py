@@ -5,9 +5,8 @@ capture) served by a real HTTP server on 127.0.0.1 whose figures change between 
 
 from __future__ import annotations
 
-import http.server
+import itertools
 import re
-import threading
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -18,6 +17,7 @@ from doctor.vllm_dp import SUSTAINED_ROUNDS, EngineRound, VllmFleet, dp_imbalanc
 from doctor.vllm_log import log_fleet
 from engine.cli.main import main
 from engine.events.dp_balance import DP_IMBALANCE_BOUND, DataParallelLoad
+from tests.monitor.external_fixtures import MetricsServer
 from tests.paths import DATA
 
 LOGS = DATA / "vllm-dp-logs"
@@ -104,37 +104,17 @@ def scrape_with(text: str, values: dict[tuple[str, str], float]) -> str:
 def vllm_server() -> Iterator[Callable[[Callable[[int], str]], str]]:
     """A real HTTP server on 127.0.0.1 answering as a vLLM server does: no /events (404) and
     /metrics from ``scrape(n)`` for its n-th scrape."""
-    servers: list[http.server.ThreadingHTTPServer] = []
+    servers: list[MetricsServer] = []
 
     def start(scrape: Callable[[int], str]) -> str:
-        count = [0]
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                if self.path != "/metrics":
-                    self.send_error(404)
-                    return
-                body = scrape(count[0]).encode()
-                count[0] += 1
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        httpd.daemon_threads = True
-        threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
-        servers.append(httpd)
-        return f"http://127.0.0.1:{httpd.server_address[1]}"
+        scrapes = itertools.count()
+        server = MetricsServer(lambda: scrape(next(scrapes))).start()
+        servers.append(server)
+        return server.url
 
     yield start
-    for httpd in servers:
-        httpd.shutdown()
-        httpd.server_close()
+    for server in servers:
+        server.stop()
 
 
 def test_metrics_fixture_reads_per_engine() -> None:

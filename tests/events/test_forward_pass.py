@@ -12,6 +12,7 @@ import msgspec
 import pytest
 import zmq
 
+from bench.bench_server import free_port
 from engine.errors import UserError
 from engine.events import EventBus
 from engine.events.forward_pass import ForwardPassPublisher
@@ -52,12 +53,6 @@ class ForwardPassMetrics(msgspec.Struct, frozen=True, gc=False):
     queued_requests: QueuedRequestMetrics = QueuedRequestMetrics()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _scripted_run(bus: EventBus) -> None:
@@ -79,7 +74,7 @@ def _scripted_run(bus: EventBus) -> None:
 
 
 def test_a_subscriber_written_from_vllms_pr_decodes_every_step_and_the_heartbeat() -> None:
-    port = _free_port()
+    port = free_port()
     publisher = ForwardPassPublisher(port, worker_id="w0")
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
@@ -124,7 +119,7 @@ def test_a_subscriber_written_from_vllms_pr_decodes_every_step_and_the_heartbeat
 
 
 def test_a_taken_port_is_refused_by_name() -> None:
-    port = _free_port()
+    port = free_port()
     first = ForwardPassPublisher(port)
     try:
         with pytest.raises(UserError, match="--forward-pass-metrics-port"):

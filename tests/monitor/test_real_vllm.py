@@ -10,7 +10,6 @@ import asyncio
 import concurrent.futures
 import json
 import os
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.bench_server import free_port
 from engine.events import KvEventBatch, MetricsScrape, read_events
 from monitor.external import ExternalFeed, KvEndpoint, load_external_timeline
 from monitor.fleet_app import FleetApp, ReplicaScreen
@@ -37,10 +37,6 @@ READY_S = 600  # ~40 s on an idle 2-core machine, 300 s and more while others ru
 REFUSALS = ("not supported", "No module named", "Illegal instruction", "requires AVX512", "unsupported CPU")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
