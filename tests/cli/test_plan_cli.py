@@ -22,6 +22,7 @@ def run_engine(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*ENGINE, *args], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # 3-6 s each on a 2-core machine: in make test-slow, to keep the default suite under 5 min
 def test_worked_example_prints_vllm_lines() -> None:
     out = run_engine(*WORKED, "--weights", "14.957")
     assert out.returncode == 0, out.stderr
@@ -46,6 +47,7 @@ def test_bundled_model_plan_json() -> None:
     assert set(data["estimated"]) == {"activation_peak", "non_torch"}
 
 
+@pytest.mark.slow  # 3-6 s each on a 2-core machine: in make test-slow, to keep the default suite under 5 min
 def test_plan_events_file(tmp_path: Path) -> None:
     path = tmp_path / "plan.jsonl"
     assert run_engine(*WORKED, "--weights", "14.957", "--events", str(path)).returncode == 0
@@ -98,6 +100,7 @@ def test_h100_preset_is_the_total_vllm_logs_on_an_h100() -> None:
     assert data["total_gib"] == pytest.approx(79.22)
 
 
+@pytest.mark.slow  # 3-6 s each on a 2-core machine: in make test-slow, to keep the default suite under 5 min
 def test_tensor_parallel_figures_are_labelled_per_gpu_with_units() -> None:
     out = run_engine("plan", "--model", "llama-3.1-70b", "--gpu", "h100", "-tp", "4").stdout
     assert "Memory ledger (per GPU: each of the 4 ranks holds 1/4" in out
@@ -108,6 +111,7 @@ def test_tensor_parallel_figures_are_labelled_per_gpu_with_units() -> None:
     assert "per GPU" not in single and "■ weights 14.96 GiB" in single
 
 
+@pytest.mark.slow  # 3-6 s each on a 2-core machine: in make test-slow, to keep the default suite under 5 min
 def test_gemma3_27b_plan_shows_the_hybrid_layout_beside_full_attention() -> None:
     # A 20 GiB pool (by hand, tests/budget/test_hybrid_budget.py): hybrid 20 x 2^30 / 131,072 // 10 =
     # 16,384 blocks, 16,384 // 7 x 16 = 37,440 tokens, 16,384 / 11,654 = 1.41x; full attention

@@ -82,6 +82,7 @@ def test_sink_names() -> None:
     assert sink_name(_AlwaysFails()) == "always-fails"
 
 
+@pytest.mark.slow  # 3-6 s each on a 2-core machine: in make test-slow, to keep the default suite under 5 min
 @pytest.mark.skipif(bundled_gguf_path() is None, reason="the bundled SmolLM2 GGUF is not installed")
 def test_a_recording_on_a_full_disk_stops_and_the_run_completes(tmp_path) -> None:
     """A real write failure: the process may write no file past 24 KB (RLIMIT_FSIZE, with

@@ -230,6 +230,7 @@ def test_cli_bad_inputs_are_one_line_errors(tmp_path: Path, capsys: pytest.Captu
         load_timeline(tmp_path / "missing.jsonl")
 
 
+@pytest.mark.slow  # 3-6 s each on a 2-core machine: in make test-slow, to keep the default suite under 5 min
 @pytest.mark.parametrize(
     ("name", "steps"),
     [("smollm2_run.jsonl", (12, 150, 290)), ("sim_h100_llama8b.jsonl", (5, 200, 380))],

@@ -100,6 +100,7 @@ def test_a_removed_step_fails_at_exactly_that_step(sim_recording: Path, tmp_path
     assert "a step is missing from the recording" in replayer.render_divergence(div)
 
 
+@pytest.mark.slow  # 3-6 s each on a 2-core machine: in make test-slow, to keep the default suite under 5 min
 def test_a_recording_cut_at_any_byte_replays_its_whole_steps(sim_recording: Path, tmp_path: Path) -> None:
     data = sim_recording.read_bytes()
     lines_end = [i + 1 for i, b in enumerate(data) if b == ord("\n")]
@@ -177,6 +178,7 @@ def test_verify_replays_stop_finishes_and_aborts(tmp_path: Path) -> None:
     assert report.ok, replayer.render_divergence(report.divergence)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow  # 3-6 s each on a 2-core machine: in make test-slow, to keep the default suite under 5 min
 def test_verify_on_a_real_engine_recording(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The bundled model on a 45-block pool (32 MiB of float32 KV: the same on every ISA): preemptions
     and prefix hits."""

@@ -71,6 +71,7 @@ def test_three_hundred_requests_over_1500_steps(h100) -> None:
     assert result.steps == 1955
 
 
+@pytest.mark.slow  # 3-6 s each on a 2-core machine: in make test-slow, to keep the default suite under 5 min
 def test_forty_long_requests_on_a_small_pool(h100) -> None:
     setup = build_setup(engine=EngineConfig(max_model_len=32_768), num_gpu_blocks_override=20_000)
     result = simulate(setup, generate_workload(WorkloadSpec(40, (4000, 6000), (14_000, 15_000))))
