@@ -178,8 +178,8 @@ class FleetApp(App[str | None]):
         screen = self.screen
         if isinstance(screen, ReplicaScreen):
             state = self.states.get(screen.source)
-            if state is None:
-                return
+            if state is None or not screen.query("#replica-title"):
+                return  # pushed but not composed yet: its on_mount draws it
             screen.query_one("#replica-title", Static).update(
                 Text(f"kvscope monitor · {middle_cut(state.source, 60)} · {state.kind} · {state.status}"
                      + (f" ({state.reason})" if state.reason else "")).append("   Esc: fleet", style="dim"))
