@@ -10,6 +10,7 @@ recordings, then one core killed.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
@@ -91,27 +92,26 @@ def test_step_and_request_events_carry_dp_rank_written_only_when_not_0() -> None
 # ------------------------------------------------------------- a real server
 
 
-@pytest.fixture(scope="module")
-def dp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    folder = tmp_path_factory.mktemp("tiny-llama")
+@contextlib.contextmanager
+def tiny_dp_server(folder: Path, *flags: str, port: int | None = None) -> Iterator[dict[str, Any]]:
+    """``engine serve --data-parallel-size 2`` on the tiny Llama's dummy weights in ``folder``,
+    recording to ``folder/run.jsonl``, with ``flags`` added, on ``port`` (a free one if None);
+    stopped (SIGTERM, then kill) after."""
     (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
-    port, kv_port = free_port(), free_port()
-    while kv_port + 1 == port:
-        kv_port = free_port()
+    port = port or free_port()
     events = folder / "run.jsonl"
-    kv_config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{kv_port}"})
     command = [sys.executable, "-m", "engine.cli", "serve", "--model", str(folder), "--load-format", "dummy",
                "--data-parallel-size", "2", "--port", str(port), "--max-model-len", "256", "--dtype", "float32",
                "-q", "none", "--kv-cache-memory-bytes", "8Mi", "--max-num-batched-tokens", "128",
                "--max-num-seqs", "8", "--stats-interval", "0", "--events", str(events),
-               "--kv-events-config", kv_config, "--uvicorn-log-level", "warning"]
+               "--uvicorn-log-level", "warning", *flags]
     log = folder / "serve.log"
     with log.open("w") as out:
         server = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, {server: log}, timeout_s=240)
-        yield {"server": server, "url": url, "log": log, "events": events, "kv_port": kv_port}
+        yield {"server": server, "url": url, "log": log, "events": events}
     finally:
         if server.poll() is None:
             server.send_signal(signal.SIGTERM)
@@ -119,6 +119,17 @@ def dp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
                 server.wait(30)
             except subprocess.TimeoutExpired:
                 server.kill()
+
+
+@pytest.fixture(scope="module")
+def dp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    port, kv_port = free_port(), free_port()
+    while kv_port + 1 == port:  # rank 1 publishes on kv_port + 1
+        kv_port = free_port()
+    kv_config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{kv_port}"})
+    with tiny_dp_server(tmp_path_factory.mktemp("tiny-llama"), "--kv-events-config", kv_config,
+                        port=port) as server:
+        yield {**server, "kv_port": kv_port}
 
 
 def _complete(url: str, index: int) -> int:

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import signal
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,9 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.bench_server import free_port, wait_healthy
-from tests.paths import ROOT
-from tests.test_data_parallel import TINY_LLAMA
+from tests.test_data_parallel import tiny_dp_server
 
 # slow: two engine-core processes start (40-90 s on the loaded shared 2-core Zen 4)
 pytestmark = pytest.mark.slow
@@ -32,28 +27,8 @@ CONCURRENT = 6  # requests in flight at once: the balancer spreads them over bot
 
 @pytest.fixture(scope="module")
 def dp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    folder = tmp_path_factory.mktemp("tiny-llama-dp")
-    (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
-    port = free_port()
-    events = folder / "run.jsonl"
-    command = [sys.executable, "-m", "engine.cli", "serve", "--model", str(folder), "--load-format", "dummy",
-               "--data-parallel-size", "2", "--port", str(port), "--max-model-len", "256", "--dtype", "float32",
-               "-q", "none", "--kv-cache-memory-bytes", "8Mi", "--max-num-batched-tokens", "128",
-               "--max-num-seqs", "8", "--stats-interval", "0", "--events", str(events),
-               "--enable-per-request-metrics", "--uvicorn-log-level", "warning"]
-    log = folder / "serve.log"
-    with log.open("w") as out:
-        server = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, {server: log}, timeout_s=240)
-        yield {"url": url, "events": events}
-    finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+    with tiny_dp_server(tmp_path_factory.mktemp("tiny-llama-dp"), "--enable-per-request-metrics") as server:
+        yield server
 
 
 def _complete(url: str, index: int, **fields: Any) -> dict[str, Any]:
