@@ -12,15 +12,17 @@ formats, dtype, ISA, torch, kernel sources, threads) the engine times, for each 
 * ``gemv``: kvscope's GEMV over the GGUF blocks (q4_1x8: int8 activations; q4_1 and q8_0:
   float activations), engine/model/kernels/cpu_gemv.py;
 * ``torch``: ``F.linear`` over the model's float weights (fp32 GEMM for an fp32 model);
-* ``bf16``: ``F.linear`` over a bf16 copy (oneDNN; AMX or AVX512-BF16), only where bf16 is
+* ``fp32pack``: oneDNN's linear over a float32 copy packed once (float32 sums: the LM head too);
+* ``bf16``: oneDNN's linear over a bf16 copy packed once (AMX or AVX512-BF16), only where bf16 is
   native, never for the LM head (its output would be rounded to bf16 before the fp32
   logits: greedy decoding would pick among bf16 ties);
 * ``int8pack``: torch's ``_weight_int8pack_mm`` over per-channel int8 weights, where torch has it;
-* ``fused``: the whole decode layer as one C++ call (engine/model/kernels/cpu_layer.py),
-  timed against the op-by-op layer on the chosen projections (past a projection's GEMV limit
-  it multiplies by the plan's bf16 copy where bf16 GEMM was chosen), for pure-decode steps;
-* ``attn`` (prefill attention, ``ATTENTION``): torch SDPA over one chunk in float32 or on q, K
-  and V rounded to bf16, at the multi-row classes, where bf16 is native and ``--dtype auto``.
+* ``fused``: the whole decode layer as one C++ call over the GGUF blocks (its GEMV at every size;
+  engine/model/kernels/cpu_layer.py), timed against the op-by-op layer on the chosen
+  projections at every class, for pure-decode steps up to where it stops winning;
+* ``attn`` (prefill attention, ``ATTENTION``): one causal chunk over the paged cache at the
+  multi-row classes: torch SDPA over the gathered context in float32, or on q, K and V rounded
+  to bf16 (where bf16 is native and ``--dtype auto``), or kvscope's paged prefill kernel.
 
 The LM head's candidates take float32 rows and return float32 sums in every dtype mode (a bf16
 weight is widened slice by slice: engine/model/llama.py ``fp32_linear``). A float weight that
@@ -63,13 +65,17 @@ GROUPS = ("qkv", "o", "gate_up", "down", "head")
 # The model attribute each group's weight and quantized copy are named by.
 GROUP_ATTRS = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj", "down": "down_proj", "head": "head"}
 LAYER_GROUPS = GROUPS[:4]
-# Prefill attention (torch SDPA over one chunk's causal context): float32 or the q, K, V rounded to
-# bf16 (torch's flash kernel in bf16; AVX512-BF16 or AMX), timed at the multi-row classes only
-# where bf16 is native and --dtype auto; decode rows run the paged-decode kernel.
+# Prefill attention of one chunk over its paged causal context, at the multi-row classes: torch's
+# SDPA over the gathered context in float32, or on q, K, V rounded to bf16 (torch's flash kernel in
+# bf16; AVX512-BF16 or AMX; where bf16 is native and --dtype auto), or "paged", kvscope's C++ kernel
+# reading the cache in place (engine/model/attention/cpu_decode.py paged_prefill; where it is built
+# for the head dim). Decode rows run the paged-decode kernel.
 ATTENTION = "attn"
-ATTENTION_CANDIDATES = ("torch", "bf16")
-# Buffer suffixes of the copies a plan's candidates keep (``<projection>_<suffix>``).
-PLAN_COPY_SUFFIXES = ("bf16", "int8pack", "int8pack_scale")
+ATTENTION_CANDIDATES = ("torch", "bf16", "paged")
+# The copies a plan's candidates keep, registered as ``<projection>_<suffix>`` buffers: bf16 (dense;
+# dropped once packed, kept where this torch has no oneDNN linear), the oneDNN-packed bf16 copy the
+# route multiplies by, the float32 weight packed likewise, the int8 weights and their scales.
+PLAN_COPY_SUFFIXES = ("bf16", "bf16_packed", "fp32_packed", "int8pack", "int8pack_scale")
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +92,7 @@ class StepClass:
 
 
 STEP_CLASSES = (StepClass(1, 1, 1), StepClass(2, 8, 8), StepClass(9, 64, 64), StepClass(65, None, 256))
-CANDIDATES = ("gemv", "torch", "bf16", "int8pack")
+CANDIDATES = ("gemv", "torch", "fp32pack", "bf16", "int8pack")
 # Candidates whose time grows with rows like a GEMV's (a weight row re-read per few activation
 # rows): one more than PRUNE_FACTOR x behind at a smaller class cannot catch up at a bigger one,
 # so it is not timed there (int8pack took 0.65 s for one 256-row QKV on Zen 4). GEMMs are always timed.
@@ -103,9 +109,9 @@ PRUNE_FACTOR = 3.0
 TIMED_REPS = 3  # min of this many calls after one untimed call (which gives the output checked)
 CELL_BUDGET_S = 0.02  # past this, a cell stops adding rounds (its candidates have one timing each at least)
 WEIGHT_ROWS_TIMED = 1024  # a multiple of 8 (q4_1x8 interleaves 8 rows)
-# The fused layer is timed at the first classes only (a 256-row decode step costs ~0.1 s to time);
-# when it wins at all of them it serves the rest up to cpu_layer.MAX_ROWS too.
-FUSED_CLASSES_TIMED = 3
+# The fused layer is timed at every class (its 256-row decode step costs ~0.1 s to time): past 64
+# rows a packed bf16 GEMM (AMX, AVX512-BF16) can beat its GEMV, so where it stops is measured.
+FUSED_CLASSES_TIMED = 4
 FUSED_CONTEXT = 32  # tokens each sequence of the fused-layer timing attends over
 # --max-num-batched-tokens on CPU: one step's projections at about this many seconds
 # (attention, norms and sampling add ~15-25 % at 500 tokens), so a long prefill never
@@ -151,6 +157,8 @@ def candidates_for(weight: torch.Tensor, quantized: Any, gemv_kernel: Any, nativ
     if quantized is not None and gemv_kernel is not None:
         out.append("gemv")
     out.append("torch")
+    if weight.dtype == torch.float32 and mkldnn_linear_available():
+        out.append("fp32pack")
     if approximate and weight.dtype == torch.float32 and native_bf16 and group != "head":
         out.append("bf16")
     if approximate and weight.dtype == torch.float32 and hasattr(torch, "_weight_int8pack_mm"):
@@ -175,9 +183,20 @@ def implementation(candidate: str, weight: torch.Tensor, quantized: Any, gemv_ke
 
             return Implementation(lambda x: fp32_linear(x, weight))
         return Implementation(lambda x: F.linear(x, weight))
+    if candidate == "fp32pack":
+        packed32 = pack_for_mkldnn(weight.float().contiguous())
+        assert packed32 is not None, "fp32pack is a candidate only where oneDNN's linear is available"
+        linear = torch.ops.mkldnn._linear_pointwise
+        return Implementation(lambda x: linear(x.float(), packed32, None, "none", [], "").to(x.dtype),
+                              {"fp32_packed": packed32})
     if candidate == "bf16":
         w16 = weight.to(torch.bfloat16).contiguous()
-        return Implementation(lambda x: F.linear(x.to(torch.bfloat16), w16).to(x.dtype), {"bf16": w16})
+        packed = pack_for_mkldnn(w16)
+        if packed is None:
+            return Implementation(lambda x: F.linear(x.to(torch.bfloat16), w16).to(x.dtype), {"bf16": w16})
+        linear = torch.ops.mkldnn._linear_pointwise
+        return Implementation(lambda x: linear(x.to(torch.bfloat16), packed, None, "none", [], "").to(x.dtype),
+                              {"bf16": w16, "bf16_packed": packed})
     if candidate == "int8pack":
         scale = (weight.float().abs().amax(dim=1) / 127.0).clamp_min(1e-12)
         q = torch.round(weight.float() / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
@@ -185,6 +204,35 @@ def implementation(candidate: str, weight: torch.Tensor, quantized: Any, gemv_ke
         return Implementation(lambda x: torch._weight_int8pack_mm(x.to(dtype), q, scale.to(dtype)),
                               {"int8pack": q, "int8pack_scale": scale.to(dtype)})
     raise ValueError(f"kernel plan: unknown candidate {candidate!r} (known: {', '.join(CANDIDATES)})")
+
+
+def pack_for_mkldnn(weight: torch.Tensor) -> torch.Tensor | None:
+    """A bf16 or float32 ``weight`` reordered once into oneDNN's blocked layout for its linear, or
+    None where this torch has no oneDNN linear. ``F.linear`` reorders (or MKL packs) the weight on
+    every call: prepacked, a bf16 projection ran 15-30 % faster at 8-256 rows (SmolLM2's 3072x576
+    and 576x1536), and the float32 LM head (49152x576) 3.5x faster at 16 rows (7 against 25 ms),
+    on 2 Zen 4 cores (AVX512-BF16); a bf16 copy gives the same output bits as F.linear."""
+    import torch
+
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, 256)  # type: ignore[no-any-return]
+    except (AttributeError, RuntimeError):
+        return None
+
+
+@functools.cache
+def mkldnn_linear_available() -> bool:
+    """Whether this torch packs and runs oneDNN's linear (the CPU wheels do)."""
+    import torch
+
+    probe = pack_for_mkldnn(torch.ones(8, 8))
+    if probe is None:
+        return False
+    try:
+        torch.ops.mkldnn._linear_pointwise(torch.ones(1, 8), probe, None, "none", [], "")
+    except RuntimeError:
+        return False
+    return True
 
 
 class Route:
@@ -469,8 +517,9 @@ def measure(model: Any, gemv_kernel: Any, native_bf16: bool, isa: str, fallback:
                                 "the next start measures it)")
                     continue
                 _measure_cell(cell, target, impls, generator, ratios, gemv_kernel)
-        if approximate and native_bf16:
-            cells.extend(_attention_cells(model, generator, deadline, done))
+        attention = attention_candidates(model, approximate and native_bf16)
+        if len(attention) > 1:
+            cells.extend(_attention_cells(model, attention, generator, deadline, done))
     order = {(sc.name, g): i for i, (sc, g) in enumerate((sc, g) for sc in STEP_CLASSES
                                                           for g in (*GROUPS, ATTENTION))}
     cells.sort(key=lambda c: order[(c.step, c.group)])
@@ -551,25 +600,44 @@ def _note_ratios(cell: Cell, ratios: dict[tuple[str, str, int], float]) -> None:
             ratios[(cell.group, name, cell.rows)] = us / best
 
 
-def _attention_cells(model: Any, generator: torch.Generator, deadline: float,
+def attention_candidates(model: Any, bf16: bool) -> tuple[str, ...]:
+    """The prefill-attention candidates ``model``'s backend has: float32 SDPA always; bf16 SDPA
+    when ``bf16`` (native, ``--dtype auto``); the paged kernel where the backend has it."""
+    out = ["torch"]
+    if bf16:
+        out.append("bf16")
+    if getattr(model.backend, "prefill_kernel", None) is not None:
+        out.append("paged")
+    return tuple(out)
+
+
+def _attention_cells(model: Any, candidates: Sequence[str], generator: torch.Generator, deadline: float,
                      done: Mapping[tuple[str, str], Cell] | None = None) -> list[Cell]:
-    """Prefill attention of one ``rows``-token chunk (causal, layer 0's heads) per multi-row
-    class: torch's SDPA in float32 against q, K and V rounded to bf16, checked against float32."""
+    """Prefill attention of one ``rows``-token causal chunk (layer 0's heads) per multi-row class,
+    each candidate as the backend runs it over a paged cache of 16-token blocks: torch's SDPA over
+    the gathered context (float32, or q, K, V rounded to bf16) and the paged kernel reading it in
+    place; checked against float32 SDPA."""
     import torch
     import torch.nn.functional as F
 
     layer = model.layers[0]
     heads, kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
     scale, gqa = 1.0 / math.sqrt(head_dim), heads != kv_heads
+    block = 16
 
-    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa).float()
+    def sdpa(q: torch.Tensor, cache: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        kv = cache[torch.arange(cache.shape[0])]  # the backend's gather through the block table
+        k = kv[:, 0].reshape(-1, kv_heads, head_dim)[:rows].transpose(0, 1)[None].to(dtype)
+        v = kv[:, 1].reshape(-1, kv_heads, head_dim)[:rows].transpose(0, 1)[None].to(dtype)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None].to(dtype), k, v, is_causal=True, scale=scale,
+                                             enable_gqa=gqa)
+        return out[0].transpose(0, 1).float()
 
     cells = []
     for sc in STEP_CLASSES:
         if sc.lo == 1:
             continue  # decode rows: the paged-decode kernel
-        if done and (ATTENTION, sc.name) in done:
+        if done and (ATTENTION, sc.name) in done and set(done[(ATTENTION, sc.name)].us) >= set(candidates):
             cells.append(done[(ATTENTION, sc.name)])
             continue
         cell = Cell(ATTENTION, sc.name, sc.rows, f"{heads}q/{kv_heads}kv x {head_dim}")
@@ -578,10 +646,17 @@ def _attention_cells(model: Any, generator: torch.Generator, deadline: float,
             cell.chosen, cell.measured = "torch", False
             cell.why = "not measured: the bound was reached (float32 SDPA; the next start measures it)"
             continue
-        q = torch.randn(1, heads, sc.rows, head_dim, generator=generator)
-        k, v = (torch.randn(1, kv_heads, sc.rows, head_dim, generator=generator) for _ in range(2))
-        q16, k16, v16 = q.bfloat16(), k.bfloat16(), v.bfloat16()
-        calls = {"torch": functools.partial(sdpa, q, k, v), "bf16": functools.partial(sdpa, q16, k16, v16)}
+        rows = sc.rows
+        q = torch.randn(rows, heads, head_dim, generator=generator)
+        blocks = -(-rows // block)
+        cache = torch.randn(blocks, 2, block, kv_heads, head_dim, generator=generator)
+        calls = {"torch": functools.partial(sdpa, q, cache, rows, torch.float32)}
+        if "bf16" in candidates:
+            calls["bf16"] = functools.partial(sdpa, q, cache, rows, torch.bfloat16)
+        if "paged" in candidates:
+            table = torch.arange(blocks, dtype=torch.int32)[None]
+            calls["paged"] = functools.partial(model.backend.prefill_kernel, q, cache, table,
+                                               torch.tensor([rows], dtype=torch.int32), torch.tensor([0, rows]), scale)
         reference = calls["torch"]()
         cell.error = {name: relative_error(call(), reference) for name, call in calls.items()}
         cell.us.update(_timed_round_robin(calls))
@@ -618,11 +693,13 @@ def fused_rows_from(timings: Sequence[tuple[StepClass, float, float, float]], ma
 def plan_key(parts: Mapping[str, Any]) -> str:
     """The stored plan's key: ``parts`` (weights, formats, dtype, ISA, torch, threads) plus
     this module's and the kernels' sources."""
+    from engine.model.attention import cpu_decode
     from engine.model.kernels import cpu_gemv, cpu_layer
 
     digest = hashlib.sha256(Path(__file__).read_bytes())
+    kernels = [cpu_gemv.SPEC.module_name(), cpu_layer.SPEC.module_name(), cpu_decode.SPEC.module_name()]
     text = json.dumps({"format": PLAN_FORMAT_VERSION, "plan_source": digest.hexdigest()[:16],
-                       "kernels": [cpu_gemv.SPEC.module_name(), cpu_layer.SPEC.module_name()], **parts},
+                       "kernels": kernels, **parts},
                       sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 

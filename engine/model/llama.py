@@ -70,6 +70,11 @@ _PROJECTION_PARTS = {
 }
 
 
+# Phase F's ``precision`` of prefill attention where the kernel plan gave every chunk size to the
+# paged prefill kernel (engine/model/attention/cpu_decode.py).
+PAGED_PREFILL = "the paged prefill kernel over the cache in place, float32 sums (the kernel plan)"
+
+
 @dataclass(slots=True)
 class QuantizedLinear:
     """A weight's quantized copy (also registered as a buffer, so it counts in
@@ -106,7 +111,7 @@ FP32_SLICE_BYTES = 2 << 20
 
 def _holds_nothing(t: torch.Tensor) -> bool:
     """A placeholder for a weight the kernel plan dropped: its shape over one element."""
-    return t.dim() == 2 and t.numel() > 1 and t.stride() == (0, 0)
+    return not t.is_mkldnn and t.dim() == 2 and t.numel() > 1 and t.stride() == (0, 0)
 
 
 def _restore_float(layer: nn.Module, name: str) -> torch.Tensor:
@@ -188,9 +193,6 @@ class DecoderLayer(nn.Module):
         self.eps = config.rms_norm_eps
         self.quantized: dict[str, QuantizedLinear] = {}
         self.kernel_routes: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}  # set by the kernel plan
-        # The weight the fused decode layer multiplies by past a projection's GEMV limit: the plan's
-        # bf16 copy where it chose bf16 GEMM for those sizes, else (absent) the float32 parameter.
-        self.fused_weights: dict[str, torch.Tensor] = {}
         # Sums the row-parallel O and down outputs over the tensor-parallel ranks
         # (engine/model/parallel_llama.py); one rank's are already whole.
         self.reduce_rows: Callable[[torch.Tensor], torch.Tensor] = _unreduced
@@ -257,7 +259,7 @@ class DecoderLayer(nn.Module):
         qkv, o, gate_up, down = entries
         assert qkv is not None and o is not None and gate_up is not None and down is not None
         bias = self.qkv_bias if self.qkv_bias is not None else torch.empty(0)
-        past = {name: self.fused_weights.get(name, getattr(self, name)) for name in _PROJECTIONS}
+        past = {name: getattr(self, name) for name in _PROJECTIONS}  # past a GEMV limit (the fallback constants')
         before = (self.input_layernorm, self.post_attention_layernorm,
                   qkv.blocks, FORMAT_CODES[qkv.fmt], past["qkv_proj"], qkv.max_rows, bias,
                   o.blocks, FORMAT_CODES[o.fmt], past["o_proj"], o.max_rows,
@@ -424,37 +426,40 @@ class LlamaForCausalLM(nn.Module):
         plan, name = self.kernel_plan, str(self.dtype).removeprefix("torch.")
         bf16_model = self.dtype == torch.bfloat16
 
-        def picked(groups: Sequence[str]) -> str:
-            """``group classes`` the plan runs in bf16, e.g. "gate_up 9-64,65+"."""
+        def picked(groups: Sequence[str], candidate: str = "bf16") -> str:
+            """``group classes`` the plan runs by ``candidate``, e.g. "gate_up 9-64,65+"."""
             if plan is None:
                 return ""
             parts = []
             for group in groups:
-                steps = [sc.name for sc in STEP_CLASSES if (c := plan.cell(group, sc.name)) and c.chosen == "bf16"]
+                steps = [sc.name for sc in STEP_CLASSES if (c := plan.cell(group, sc.name)) and c.chosen == candidate]
                 if steps:
                     parts.append(f"{group} {','.join(steps)}")
             return "; ".join(parts)
 
         projections = picked(("qkv", "o", "gate_up", "down"))
         attention = picked((ATTENTION,))
+        paged = picked((ATTENTION,), "paged")
+        multi_row = [sc.name for sc in STEP_CLASSES if sc.lo > 1]
+        sdpa = ("torch SDPA in bfloat16" if bf16_model else
+                f"torch SDPA in float32; bf16 for chunks of {attention.split(' ', 1)[1]} rows (the kernel plan)"
+                if attention else f"torch SDPA in {name}")
         report = {
             "activations": name,
             "rms_norm": f"{name} in and out, float32 sums",
             "projections": ("bfloat16 weights and activations (bf16 GEMM; the GEMV over GGUF blocks sums in float32)"
                             if bf16_model else f"float32; bf16 GEMM (the kernel plan) for {projections}"
                             if projections else name),
-            "prefill_attention": ("torch SDPA in bfloat16" if bf16_model else
-                                  f"torch SDPA in float32; bf16 for chunks of {attention.split(' ', 1)[1]} rows "
-                                  "(the kernel plan)" if attention else f"torch SDPA in {name}"),
+            "prefill_attention": (PAGED_PREFILL if paged == f"{ATTENTION} " + ",".join(multi_row) else sdpa + (
+                f"; the paged prefill kernel, float32 sums, for chunks of {paged.split(' ', 1)[1]} rows "
+                "(the kernel plan)" if paged else "")),
             "decode_attention": f"{name} queries over a {str(kv_cache_dtype).removeprefix('torch.')} cache, "
                                 "float32 sums",
             "lm_head": "float32 sums, float32 logits (bf16 weights widened exactly)" if bf16_model
                        else "float32 sums, float32 logits",
         }
         if self._fused_layers:
-            bf16_past = [n for n in _PROJECTIONS if any(n in layer.fused_weights for layer in self.layers)]  # type: ignore[operator]
-            report["fused_decode_layer"] = ("float32 activations" + (
-                f"; bf16 GEMM past the GEMV for {', '.join(_GROUP_OF[n] for n in bf16_past)}" if bf16_past else ""))
+            report["fused_decode_layer"] = "float32 activations, the GEMV over the GGUF blocks"
         return report
 
     @property
@@ -637,7 +642,7 @@ class LlamaForCausalLM(nn.Module):
         if any(c == "torch" for _, c in self.kernel_plan.choices(_GROUP_OF[name])):
             return False
         fused_rows = min(self._fused_max_rows, MAX_ROWS) if self._fused_layers else 0
-        return fused_rows <= q.max_rows or name in layer.fused_weights  # type: ignore[operator]
+        return fused_rows <= q.max_rows
 
     def _drop_unused_float_weights(self) -> int:
         """Replace each layer projection's float weight that the plan never multiplies by with a
@@ -690,12 +695,13 @@ class LlamaForCausalLM(nn.Module):
         from engine.model.kernel_plan import ATTENTION
 
         self.kernel_plan = plan
-        if hasattr(self.backend, "prefill_bf16"):
-            self.backend.prefill_bf16 = tuple((limit, c == "bf16") for limit, c in plan.choices(ATTENTION))
+        if hasattr(self.backend, "prefill_attention"):
+            self.backend.prefill_attention = tuple(plan.choices(ATTENTION))
         self.resolve_gemv()
 
     def _route_by_plan(self, kernel: Any) -> None:
         from engine.model.kernel_plan import PLAN_COPY_SUFFIXES, build_route
+        from engine.model.kernels.cpu_layer import MAX_ROWS
 
         plan = self.kernel_plan
         for prefix, module in self._quantized_modules().items():
@@ -714,12 +720,13 @@ class LlamaForCausalLM(nn.Module):
                 for suffix, tensor in extra.items():
                     module.register_buffer(f"{name}_{suffix}", tensor, persistent=False)
                 if q is not None:
-                    q.max_rows = plan.gemv_limit(group) if usable else 0
-                if name != "head":  # past the GEMV the fused layer runs the plan's first GEMM choice
-                    past = next((c for _, c in choices if c != "gemv"), "torch")
-                    module.fused_weights.pop(name, None)  # type: ignore[union-attr, operator]
-                    if past == "bf16":
-                        module.fused_weights[name] = extra["bf16"]  # type: ignore[index, operator]
+                    # The fused decode layer (pure decodes up to the plan's fused_max_rows, which the plan
+                    # times against these routes at every class) runs its GEMV at every size it serves:
+                    # its only other path is a dense at::linear, which reorders a bf16 weight on every
+                    # call (Zen 4: 16-row decode steps took 80 ms on it against ~25 ms on the GEMV).
+                    q.max_rows = (MAX_ROWS if name != "head" else plan.gemv_limit(group)) if usable else 0
+                if "bf16_packed" in extra:  # the route multiplies by the packed copy alone
+                    module._buffers.pop(f"{name}_bf16", None)
         self._fused_max_rows = plan.fused_max_rows
 
     def weights_bytes(self) -> int:

@@ -300,6 +300,8 @@ class ModelRunner:
         if cpu_decode.load_kernel() is None:
             return cpu_decode.unavailable_reason() or "the kernel could not be built"
         self.backend.decode_kernel = cpu_decode.paged_decode
+        if self.model.config.head_dim in cpu_decode.PREFILL_HEAD_DIMS:  # the kernel plan times it for prefill
+            self.backend.prefill_kernel = cpu_decode.paged_prefill
         return None
 
     def resolve_kernel_plan(self, key: str, caps: CpuCapabilities, log: Any = None,

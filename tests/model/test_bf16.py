@@ -18,6 +18,7 @@ from engine.model import kernel_plan
 from engine.model.kernel_plan import ACCURACY_BOUND, ATTENTION, STEP_CLASSES, Cell, KernelPlan, relative_error
 from engine.model.kernels import cpu_layer, cpu_norm
 from engine.model.kernels.cpu_gemv import dequantize
+from engine.model.llama import PAGED_PREFILL
 from engine.model.runner import ModelRunner, ScheduledSeq
 
 # bf16 keeps 8 significant bits: one rounding of an output is at most 2^-9 relative (RMS ~1.1e-3).
@@ -111,17 +112,20 @@ def test_bf16_sdpa_prefill_matches_float32_within_the_plan_bound(smollm_config, 
     runner.model.install_kernel_plan(_plan({}))
     float32 = _prefill_logits(runner, prompt)
     runner.model.install_kernel_plan(_plan({ATTENTION: "bf16"}))
-    assert runner.backend.prefill_bf16[-1] == (1 << 62, True)
+    assert runner.backend.prefill_attention[-1] == (1 << 62, "bf16")
     bf16 = _prefill_logits(runner, prompt)
     assert not torch.equal(bf16, float32)
     assert relative_error(bf16, float32) < ACCURACY_BOUND
     report = runner.model.precision_report(runner.kv_cache_dtype)
     assert report["prefill_attention"].startswith("torch SDPA in float32; bf16 for chunks of 2-8,9-64,65+")
-    cells = kernel_plan._attention_cells(runner.model, torch.Generator().manual_seed(0), float("inf"))
+    candidates = kernel_plan.attention_candidates(runner.model, bf16=True)
+    assert candidates == ("torch", "bf16", "paged")  # the paged prefill kernel is built for head dim 64
+    cells = kernel_plan._attention_cells(runner.model, candidates, torch.Generator().manual_seed(0), float("inf"))
     assert [c.step for c in cells] == ["2-8", "9-64", "65+"]
     for cell in cells:
-        assert set(cell.us) == {"torch", "bf16"} and cell.error["torch"] == 0.0
-        assert 0 < cell.error["bf16"] < ACCURACY_BOUND and cell.chosen in ("torch", "bf16")
+        assert set(cell.us) == set(candidates) and cell.error["torch"] == 0.0
+        assert 0 < cell.error["bf16"] < ACCURACY_BOUND and cell.error["paged"] < 1e-5  # float32 sums
+        assert cell.chosen in candidates
 
 
 def _decode_step(runner: ModelRunner, rows: int, fused: bool, monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
@@ -137,11 +141,13 @@ def _decode_step(runner: ModelRunner, rows: int, fused: bool, monkeypatch: pytes
 
 
 @pytest.mark.slow  # a quantized model and four decode steps of 12 sequences: ~2 s quiet, 8 s at load 11 on 2 cores
-def test_the_fused_layer_multiplies_by_the_plans_bf16_copy_past_the_gemv(smollm_config, cpu_layer_kernel,
-                                                                         monkeypatch) -> None:
-    """A plan with the GEMV at one row and bf16 GEMM above: the fused decode layer takes the
-    bf16 copies past the GEMV and matches the op-by-op step on the same routes (summation
-    order apart), and differs from a float32 plan's within the plan bound."""
+def test_the_fused_layer_runs_its_gemv_whatever_the_op_by_op_routes(smollm_config, cpu_layer_kernel,
+                                                                    monkeypatch) -> None:
+    """A plan with the GEMV at one row and bf16 GEMM above: the op-by-op decode step multiplies
+    by the packed bf16 copies, while the fused decode layer keeps its GEMV at every size it
+    serves (its dense fallback would reorder a bf16 weight on every call): no bf16 weight in its
+    arguments, and its step within the plan bound of a float32 plan's (whose prefill wrote the cache
+    in float32)."""
     runner = _small_runner(smollm_config, "float32", "int4")
     assert runner.enable_cpu_decode_kernel() is None
     groups = {"qkv": "bf16", "o": "bf16", "gate_up": "bf16", "down": "bf16"}
@@ -149,17 +155,19 @@ def test_the_fused_layer_multiplies_by_the_plans_bf16_copy_past_the_gemv(smollm_
     model.install_kernel_plan(_plan(groups, fused_max_rows=cpu_layer.MAX_ROWS))
     assert model._fused_layers, model.fused_decode_status(runner.kv_cache_dtype)
     before = model._fused_layers[0][0]
-    assert sum(isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 for a in before) == 4
+    assert not any(isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 for a in before)
     fused = _decode_step(runner, 12, True, monkeypatch)
     op_by_op = _decode_step(runner, 12, False, monkeypatch)
-    assert relative_error(fused, op_by_op) < 1e-4
+    assert not torch.equal(fused, op_by_op)  # the op-by-op step ran the packed bf16 copies
+    if kernel_plan.mkldnn_linear_available():
+        assert all(getattr(model.layers[0], f"{n}_bf16_packed").is_mkldnn
+                   for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
     report = model.precision_report(runner.kv_cache_dtype)
-    assert report["fused_decode_layer"].endswith("bf16 GEMM past the GEMV for qkv, o, gate_up, down")
+    assert report["fused_decode_layer"] == "float32 activations, the GEMV over the GGUF blocks"
     assert report["projections"] == "float32; bf16 GEMM (the kernel plan) for " + "; ".join(
         f"{g} 2-8,9-64,65+" for g in groups)
     model.install_kernel_plan(_plan({}, fused_max_rows=cpu_layer.MAX_ROWS))
-    assert not any(layer.fused_weights for layer in model.layers)
-    float32 = _decode_step(runner, 12, True, monkeypatch)
+    float32 = _decode_step(runner, 12, True, monkeypatch)  # the same fused decode over a float32 prefill's cache
     assert not torch.equal(fused, float32) and relative_error(fused, float32) < ACCURACY_BOUND
 
 
@@ -182,7 +190,11 @@ def test_dtype_bfloat16_reports_its_bf16_parts_and_answers_with_float32_logits(t
         phase_f = next(e.data for e in events if isinstance(e, StartupPhase) and e.phase == "F" and e.status == "end")
         precision = phase_f["precision"]
         assert precision["activations"] == "bfloat16" and precision["rms_norm"].startswith("bfloat16")
-        assert precision["prefill_attention"] == "torch SDPA in bfloat16"
+        paged = [c.chosen == "paged" for c in llm.engine.runner.kernel_plan.cells if c.group == ATTENTION]
+        if all(paged):
+            assert precision["prefill_attention"] == PAGED_PREFILL
+        else:
+            assert precision["prefill_attention"].startswith("torch SDPA in bfloat16")
         assert precision["lm_head"].startswith("float32 sums, float32 logits")
         runner = llm.engine.runner
         logits = runner.logits_for([ScheduledSeq("p", list(range(100, 140)), 0, [0, 1, 2])])["p"]

@@ -110,6 +110,21 @@ def test_a_route_runs_each_step_size_class_on_its_candidate() -> None:
     assert kernel_plan.relative_error(rounded, F.linear(big, weight)) < 2e-2
 
 
+def test_the_bf16_candidate_multiplies_by_a_prepacked_copy_with_the_same_bits() -> None:
+    """oneDNN reorders a bf16 weight on every F.linear call; the plan packs it once (15-30 %
+    faster at 8-256 rows on Zen 4) and keeps the dense copy only for the fused layer."""
+    weight = torch.randn(192, 96, generator=torch.Generator().manual_seed(1))
+    route, extra = kernel_plan.build_route([(1, "torch"), (8, "torch"), (64, "bf16"), (1 << 62, "bf16")],
+                                           weight, None, None)
+    if not kernel_plan.mkldnn_linear_available():
+        pytest.skip("this torch has no oneDNN linear")
+    assert extra["bf16_packed"].is_mkldnn and set(extra) == {"bf16", "bf16_packed"}
+    for rows in (9, 64, 300):
+        x = torch.randn(rows, 96)
+        expected = F.linear(x.to(torch.bfloat16), weight.to(torch.bfloat16)).float()
+        assert torch.equal(route(x), expected), rows
+
+
 @pytest.fixture
 def two_layer_runner(smollm_config) -> ModelRunner:
     """SmolLM2's shapes with 2 layers of random weights, Q4_1 packed (the GEMV candidate), the
@@ -150,6 +165,8 @@ def test_measured_on_real_weights_stored_and_reused(two_layer_runner: ModelRunne
         assert set(cell.us) <= set(cell.error) and cell.chosen in cell.us
         assert cell.error[cell.chosen] <= ACCURACY_BOUND
         assert "gemv" in cell.us or "gemv" in cell.rejected or cell.group in ("head", kernel_plan.ATTENTION)
+    attention = [c for c in measured if c.group == kernel_plan.ATTENTION]
+    assert attention and all("paged" in c.us for c in attention)  # the prefill kernel, timed and checked
     assert (tmp_path / kernel_plan.PLANS_FOLDER / "test-key.json").is_file()
     # the model now runs by the plan: its logits are the constants' within the plan's error
     routed = _logits(runner)

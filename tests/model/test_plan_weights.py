@@ -64,12 +64,14 @@ def test_float_weights_the_plan_never_uses_are_dropped_and_made_again(gguf_like_
     assert model.weights_bytes() == everything - model.dropped_float_bytes()
     assert torch.equal(_logits(runner), reference)
     # a plan that multiplies by QKV's float weight past one row: made again, exactly; gate/up's
-    # bf16 copy serves every size past the GEMV, the fused layer's included: its float stays dropped
+    # packed bf16 copy serves every size past the GEMV (the fused layer runs its GEMV at every
+    # size it serves): its float stays dropped, and no dense bf16 copy is kept beside the packed one
     model.install_kernel_plan(_plan({"qkv": "torch", "gate_up": "bf16"}))
     assert torch.equal(layer.qkv_proj, originals["qkv_proj"])
     assert model.dropped_float_bytes() == _float_bytes(layer, ("o_proj", "gate_up_proj", "down_proj"))
-    assert layer.fused_weights["gate_up_proj"].dtype == torch.bfloat16
-    assert model.weights_bytes() == everything - model.dropped_float_bytes() + layer.gate_up_proj_bf16.numel() * 2
+    bf16_copy = layer.gate_up_proj_bf16_packed if hasattr(layer, "gate_up_proj_bf16_packed") else layer.gate_up_proj_bf16
+    assert not (hasattr(layer, "gate_up_proj_bf16_packed") and hasattr(layer, "gate_up_proj_bf16"))
+    assert model.weights_bytes() == everything - model.dropped_float_bytes() + bf16_copy.numel() * 2
     # a re-measurement starts from every float weight
     assert model.restore_float_weights() == 3 and model.dropped_float_bytes() == 0
     assert all(torch.equal(getattr(layer, n), originals[n]) for n in PROJECTIONS)

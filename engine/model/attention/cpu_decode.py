@@ -1,4 +1,4 @@
-"""A C++ paged-attention kernel for pure-decode batches on CPU.
+"""C++ paged-attention kernels on CPU: pure-decode batches, and the prefill chunks of a step.
 
 The torch backend gathers every sequence's whole context out of the paged
 cache (``kv_cache[block_tables]``) in every layer and then runs SDPA over the
@@ -7,6 +7,11 @@ step. This kernel reads K and V in place through the block table, one
 (sequence, KV head) pair per task on torch's intra-op thread pool, and never
 copies the context. A sliding-window layer's call reads only the window's
 positions (the older keys are never touched, not just masked).
+
+``paged_prefill`` does the same for the prefill chunks of a step (causal within a chunk,
+its cached context visible): all of them in one call, flash style, with no gathered copy
+and no padded mask; the kernel plan (engine/model/kernel_plan.py) times it against
+torch's SDPA and picks it where it wins.
 
 Quantized caches (engine/model/attention/kv_quant.py) are read in place too: int8 rows
 are widened and multiplied by the fp32 scale stored right after them, fp8 bytes
@@ -32,6 +37,7 @@ _CPP_SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -146,6 +152,210 @@ static void decode_kernel(const q_t* q, const kv_t* kv, const int32_t* block_tab
   });
 }
 
+// Chunked-prefill attention over the paged cache, flash style: every prefill row of the step in
+// one call, reading K and V in place through the block table (no gather copy, no padded mask).
+// A task is a tile of up to kTile query rows of one sequence times the `group` query heads of
+// one KV head; it walks the keys its rows can see (causal; the window's for a sliding-window
+// layer) kKeys positions at a time with an online softmax, so no score matrix is held. Scores
+// of kVec query vectors are taken together (each transposed K row loaded once for all of them),
+// and each vector's output stays in registers across the tile's keys: ~95 GFLOP/s on 2 Zen 4
+// cores (AVX-512) for a 500-token causal chunk, where torch's flash SDPA ran ~45. Tasks are
+// sorted by their work and pulled from a shared counter: a causal chunk's last tiles see far
+// more keys than its first, and a static split left one thread idle.
+typedef float v16 __attribute__((vector_size(64)));  // GCC lowers it to the ISA's registers (2 ymm on AVX2)
+constexpr int64_t kTile = 16;  // query rows per task
+constexpr int64_t kKeys = 16;  // key positions per softmax step: one v16 of scores
+constexpr int kVec = 4;        // query vectors scored together
+
+static inline v16 splat(float x) { return v16{} + x; }
+static inline v16 load_v16(const float* p) {
+  v16 r;
+  std::memcpy(&r, p, sizeof r);
+  return r;
+}
+static inline void store_v16(float* p, v16 x) { std::memcpy(p, &x, sizeof x); }
+
+struct PrefillTask {
+  int64_t seq, kv_head, row0, rows, cost;
+};
+
+template <int D, typename kv_t, typename Row>
+static void prefill_kernel(const float* q, const kv_t* kv, const int32_t* block_tables, const int32_t* seq_lens,
+                           const int64_t* q_start, float* out, int64_t num_seqs, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, float scale, Row load_row,
+                           int64_t window) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t row_width = D + Row::kExtra;
+  const int64_t token_stride = num_kv_heads * row_width;
+  const int64_t kv_stride = block_size * token_stride;
+  const int64_t block_stride = 2 * kv_stride;
+  std::vector<PrefillTask> tasks;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t n = q_start[s + 1] - q_start[s], base = seq_lens[s] - n;  // row r sits at base + r
+    for (int64_t r0 = 0; r0 < n; r0 += kTile) {
+      const int64_t rows = std::min(kTile, n - r0);
+      const int64_t hi = base + r0 + rows;  // keys [lo, hi)
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, base + r0 - window + 1) : 0;
+      for (int64_t h = 0; h < num_kv_heads; ++h) tasks.push_back({s, h, r0, rows, rows * (hi - lo)});
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const PrefillTask& a, const PrefillTask& b) { return a.cost > b.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  const int64_t vectors = kTile * group;  // query vectors of one task
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(vectors * D), acc(vectors * D), keys_t(D * kKeys), values(kKeys * D), row(D),
+        peak(vectors), total(vectors);
+    for (int64_t worker = begin; worker < end; ++worker) {
+      for (int64_t i = next.fetch_add(1); i < num_tasks; i = next.fetch_add(1)) {
+        const PrefillTask& t = tasks[i];
+        const int64_t n = q_start[t.seq + 1] - q_start[t.seq], base = seq_lens[t.seq] - n;
+        const int32_t* table = block_tables + t.seq * max_blocks;
+        const int64_t nv = t.rows * group;
+        // vector v = r * group + g: row row0 + r of the chunk, query head kv_head * group + g
+        for (int64_t v = 0; v < nv; ++v) {
+          const float* src =
+              q + ((q_start[t.seq] + t.row0 + v / group) * num_heads + t.kv_head * group + v % group) * D;
+          for (int d = 0; d < D; ++d) qf[v * D + d] = src[d] * scale;
+        }
+        std::fill(acc.begin(), acc.begin() + nv * D, 0.f);
+        std::fill(peak.begin(), peak.begin() + nv, -INFINITY);
+        std::fill(total.begin(), total.begin() + nv, 0.f);
+        const int64_t hi = base + t.row0 + t.rows;
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, base + t.row0 - window + 1) : 0;
+        for (int64_t k0 = lo - lo % kKeys; k0 < hi; k0 += kKeys) {
+          for (int64_t j = 0; j < kKeys; ++j) {  // K transposed (one dim's kKeys values side by side), V as rows
+            const int64_t p = k0 + j;
+            if (p < lo || p >= hi) {  // zeros keep the unused lanes finite; they are masked below
+              for (int d = 0; d < D; ++d) keys_t[d * kKeys + j] = values[j * D + d] = 0.f;
+              continue;
+            }
+            const kv_t* k = kv + table[p / block_size] * block_stride + (p % block_size) * token_stride +
+                            t.kv_head * row_width;
+            load_row(k, row.data(), D);
+            for (int d = 0; d < D; ++d) keys_t[d * kKeys + j] = row[d];
+            load_row(k + kv_stride, values.data() + j * D, D);
+          }
+          for (int64_t v0 = 0; v0 < nv; v0 += kVec) {
+            const int nq = static_cast<int>(std::min<int64_t>(kVec, nv - v0));
+            const float* qv = qf.data() + v0 * D;
+            v16 s0 = {}, s1 = {}, s2 = {}, s3 = {};
+            for (int d = 0; d < D; ++d) {
+              const v16 k = load_v16(keys_t.data() + d * kKeys);
+              s0 += splat(qv[d]) * k;
+              if (nq > 1) s1 += splat(qv[D + d]) * k;
+              if (nq > 2) s2 += splat(qv[2 * D + d]) * k;
+              if (nq > 3) s3 += splat(qv[3 * D + d]) * k;
+            }
+            const v16 scores[kVec] = {s0, s1, s2, s3};
+            for (int u = 0; u < nq; ++u) {
+              const int64_t v = v0 + u, pos = base + t.row0 + v / group;
+              // the keys this row sees in the tile: [jlo, jhi); the rest score -inf
+              const int64_t jlo = (window > 0 ? pos - window + 1 : 0) - k0, jhi = pos + 1 - k0;
+              float sc[kKeys];
+              std::memcpy(sc, &scores[u], sizeof sc);
+              float tile_peak = -INFINITY;
+#pragma omp simd reduction(max : tile_peak)
+              for (int j = 0; j < kKeys; ++j) {
+                sc[j] = (j >= jlo && j < jhi) ? sc[j] : -INFINITY;
+                tile_peak = std::max(tile_peak, sc[j]);
+              }
+              if (tile_peak == -INFINITY) continue;  // nothing visible to this row here
+              const float new_peak = std::max(peak[v], tile_peak);
+              float w[kKeys], sum = 0.f;
+              // vectorised exp (libmvec under -ffast-math): a scalar expf per key was most of the time
+#pragma omp simd reduction(+ : sum)
+              for (int j = 0; j < kKeys; ++j) {
+                w[j] = expf(sc[j] - new_peak);
+                sum += w[j];
+              }
+              float* a = acc.data() + v * D;
+              if (peak[v] != new_peak) {
+                const float shrink = expf(peak[v] - new_peak);  // 0 on the first tile (peak -inf)
+                total[v] *= shrink;
+                for (int d = 0; d < D; ++d) a[d] *= shrink;
+                peak[v] = new_peak;
+              }
+              total[v] += sum;
+              v16 r[D / 16];  // this vector's output, in registers across the tile's keys
+              for (int c = 0; c < D / 16; ++c) r[c] = load_v16(a + 16 * c);
+              for (int j = 0; j < kKeys; ++j) {
+                const v16 wj = splat(w[j]);
+                const float* vr = values.data() + j * D;
+                for (int c = 0; c < D / 16; ++c) r[c] += wj * load_v16(vr + 16 * c);
+              }
+              for (int c = 0; c < D / 16; ++c) store_v16(a + 16 * c, r[c]);
+            }
+          }
+        }
+        for (int64_t v = 0; v < nv; ++v) {
+          float* dst = out + ((q_start[t.seq] + t.row0 + v / group) * num_heads + t.kv_head * group + v % group) * D;
+          const float inv = total[v] > 0.f ? 1.f / total[v] : 0.f;
+          for (int d = 0; d < D; ++d) dst[d] = acc[v * D + d] * inv;
+        }
+      }
+    }
+  });
+}
+
+// The head dims compiled in (each a multiple of 16: whole v16 registers); others use torch's SDPA.
+template <typename kv_t, typename Row>
+static void prefill_for_head_dim(int64_t D, const float* q, const kv_t* kv, const int32_t* tables,
+                                 const int32_t* lens, const int64_t* starts, float* out, int64_t S, int64_t H,
+                                 int64_t KVH, int64_t BS, int64_t MB, float scale, Row row, int64_t window) {
+  switch (D) {
+    case 64: return prefill_kernel<64>(q, kv, tables, lens, starts, out, S, H, KVH, BS, MB, scale, row, window);
+    case 128: return prefill_kernel<128>(q, kv, tables, lens, starts, out, S, H, KVH, BS, MB, scale, row, window);
+    case 256: return prefill_kernel<256>(q, kv, tables, lens, starts, out, S, H, KVH, BS, MB, scale, row, window);
+    default: TORCH_CHECK(false, "paged_prefill: head dim ", D, " is not compiled in (64, 128, 256)");
+  }
+}
+
+// query [T,H,D] (any float dtype; attended in float32), query_start [S+1] int64 (row offsets of each
+// sequence's new rows), seq_lens [S] (context including the new rows). Returns float32 [T,H,D].
+torch::Tensor paged_prefill(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
+                            torch::Tensor seq_lens, torch::Tensor query_start, double scale, torch::Tensor fp8_table,
+                            int64_t window) {
+  TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5, "query [T,H,D], kv_cache [NB,2,BS,KVH,W]");
+  const auto kv_type = kv_cache.scalar_type();
+  const bool is_int8 = kv_type == at::ScalarType::Char;
+  const bool is_fp8 = kv_type == at::ScalarType::Float8_e4m3fn || kv_type == at::ScalarType::Float8_e5m2;
+  query = query.contiguous().to(torch::kFloat);
+  kv_cache = kv_cache.contiguous();
+  block_tables = block_tables.to(torch::kInt32).contiguous();
+  seq_lens = seq_lens.to(torch::kInt32).contiguous();
+  query_start = query_start.to(torch::kInt64).contiguous();
+  const int64_t S = seq_lens.size(0), H = query.size(1), D = query.size(2);
+  TORCH_CHECK(query_start.size(0) == S + 1 && query_start[S].item<int64_t>() == query.size(0),
+              "query_start: S + 1 offsets ending at the query's rows");
+  auto out = torch::empty_like(query);
+  const int64_t BS = kv_cache.size(2), KVH = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(4) == D + (is_int8 ? 4 : 0), "kv_cache row width does not match the head dim");
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t* starts = query_start.data_ptr<int64_t>();
+  const int64_t MB = block_tables.size(1);
+  const float sc = static_cast<float>(scale);
+  const float* qp = query.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  if (is_int8) {
+    prefill_for_head_dim<int8_t>(D, qp, kv_cache.data_ptr<int8_t>(), tables, lens, starts, op, S, H, KVH, BS, MB,
+                                 sc, Int8Row{}, window);
+  } else if (is_fp8) {
+    TORCH_CHECK(fp8_table.scalar_type() == at::kFloat && fp8_table.numel() == 256, "fp8_table: 256 floats");
+    auto table = fp8_table.contiguous();
+    prefill_for_head_dim<uint8_t>(D, qp, static_cast<const uint8_t*>(kv_cache.data_ptr()), tables, lens, starts,
+                                  op, S, H, KVH, BS, MB, sc, TableRow{table.data_ptr<float>()}, window);
+  } else {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv_type, "paged_prefill", [&] {
+      prefill_for_head_dim<scalar_t>(D, qp, kv_cache.data_ptr<scalar_t>(), tables, lens, starts, op, S, H, KVH, BS,
+                                     MB, sc, CastRow<scalar_t>{}, window);
+    });
+  }
+  return out;
+}
+
 // kv_cache: float32/bf16/fp16 [NB,2,BS,KVH,D] (query is cast to it); int8 [NB,2,BS,KVH,D+4] with an fp32
 // scale per row; fp8 e4m3/e5m2 [NB,2,BS,KVH,D] decoded through fp8_table (256 floats). Quantized caches
 // keep the query's dtype for the query and the output.
@@ -190,7 +400,7 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor kv_cache, torch::T
 }
 """
 
-SPEC = KernelSpec(name="kvscope_cpu_decode", source=_CPP_SOURCE, functions=("paged_decode",))
+SPEC = KernelSpec(name="kvscope_cpu_decode", source=_CPP_SOURCE, functions=("paged_decode", "paged_prefill"))
 
 KERNEL = CachedKernel(SPEC, "KVSCOPE_CPU_DECODE_KERNEL")
 
@@ -235,3 +445,19 @@ def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     table = fp8_table(kv_cache.dtype) if kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else _NO_TABLE
     return kernel.paged_decode(query, kv_cache, block_tables, seq_lens, scale, table,  # type: ignore[attr-defined]
                                sliding_window or 0)
+
+
+# Head dims paged_prefill is compiled for (whole 16-float registers); other models use torch's SDPA.
+PREFILL_HEAD_DIMS = (64, 128, 256)
+
+
+def paged_prefill(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                  query_start: torch.Tensor, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """Attention of each sequence's new rows (``query_start``: the S + 1 row offsets; a
+    sequence's rows are the last of its ``seq_lens`` positions) over its paged context,
+    causal, in one call for the whole step. Returns float32 ``[rows, heads, head_dim]``."""
+    kernel = load_kernel()
+    assert kernel is not None
+    table = fp8_table(kv_cache.dtype) if kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else _NO_TABLE
+    return kernel.paged_prefill(query, kv_cache, block_tables, seq_lens,  # type: ignore[attr-defined]
+                                query_start, scale, table, sliding_window or 0)

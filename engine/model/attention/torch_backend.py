@@ -49,9 +49,13 @@ class TorchAttentionBackend:
         # Set by ModelRunner.enable_cpu_decode_kernel() (startup phase F): a
         # compiled kernel that reads the paged cache in place for pure decodes.
         self.decode_kernel: Callable[..., torch.Tensor] | None = None
+        # Set with decode_kernel: the C++ kernel that attends every prefill chunk of a step over the
+        # paged cache in one call (cpu_decode.paged_prefill), where the kernel plan chose it.
+        self.prefill_kernel: Callable[..., torch.Tensor] | None = None
         # Set by the kernel plan (engine/model/llama.py install_kernel_plan): per step-size class,
-        # (chunk rows up to, whether a float32 prefill chunk's SDPA runs on q, K, V rounded to bf16).
-        self.prefill_bf16: tuple[tuple[int, bool], ...] = ()
+        # (chunk rows up to, how a chunk attends: "torch" SDPA in float32, "bf16" SDPA on q, K, V
+        # rounded to bf16, "paged" the prefill kernel). Empty: "torch".
+        self.prefill_attention: tuple[tuple[int, str], ...] = ()
         self._plan_meta: AttentionMetadata | None = None
         self._plans: dict[tuple[int, int | None], _BatchPlan] = {}  # (group, window) -> plan of _plan_meta
         # slot_mapping -> (the mapping itself, its valid rows or None, K rows, V rows): one entry per
@@ -172,9 +176,9 @@ class TorchAttentionBackend:
         out = out.reshape(seqs, max_q, num_heads, head_dim)
         return out[plan.seq_index, plan.row_index].to(out_dtype)
 
-    def _prefill_in_bf16(self, rows: int) -> bool:
-        """Whether a float32 prefill chunk of ``rows`` tokens attends in bf16 (the kernel plan's choice)."""
-        return next((bf16 for limit, bf16 in self.prefill_bf16 if rows <= limit), False)
+    def _prefill_choice(self, rows: int) -> str:
+        """How a prefill chunk of ``rows`` tokens attends (the kernel plan's choice; "torch" without one)."""
+        return next((choice for limit, choice in self.prefill_attention if rows <= limit), "torch")
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                 seq_lens: torch.Tensor, scale: float, sliding_window: int | None) -> torch.Tensor:
@@ -189,8 +193,9 @@ class TorchAttentionBackend:
         self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, group: int,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
-        """A batch with prefill chunks: decodes go through the kernel together;
-        each prefill chunk gets its own SDPA over exactly its context, so no
+        """A batch with prefill chunks: decodes go through the kernel together; the chunks
+        the kernel plan gave to the paged prefill kernel go through it together, in place over
+        the cache; every other chunk gets its own SDPA over exactly its context, so no
         padded [seqs, max_q, max_context] mask is built (causal within the chunk,
         all cached context visible; a sliding-window layer reads only the blocks
         its window reaches and masks the older keys of those)."""
@@ -206,12 +211,28 @@ class TorchAttentionBackend:
         decodes = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
         if decodes:
             index = torch.tensor(decodes, device=query.device)
-            rows = torch.tensor([starts[i] for i in decodes], device=query.device)
-            out[rows] = self._decode(query[rows], kv_cache, meta.block_tables[index], meta.seq_lens[index],
+            decode_rows = torch.tensor([starts[i] for i in decodes], device=query.device)
+            out[decode_rows] = self._decode(query[decode_rows], kv_cache, meta.block_tables[index], meta.seq_lens[index],
                                      scale, sliding_window)
-        for i, n in enumerate(meta.query_lens_cpu):
-            if n == 1:
+        chunks = [i for i, n in enumerate(meta.query_lens_cpu) if n > 1]
+        choices = {i: self._prefill_choice(meta.query_lens_cpu[i]) for i in chunks}
+        paged = [i for i in chunks if choices[i] == "paged" and self.prefill_kernel is not None]
+        if paged:  # every such chunk in one call, reading the cache in place
+            assert self.prefill_kernel is not None
+            offsets = [0]
+            for i in paged:
+                offsets.append(offsets[-1] + meta.query_lens_cpu[i])
+            index = torch.tensor(paged, device=query.device)
+            if len(paged) == 1:  # one chunk (a long prompt's step): its rows are a slice
+                rows: slice | torch.Tensor = slice(starts[paged[0]], starts[paged[0] + 1])
+            else:
+                rows = torch.cat([torch.arange(starts[i], starts[i + 1], device=query.device) for i in paged])
+            out[rows] = self.prefill_kernel(query[rows], kv_cache, meta.block_tables[index], meta.seq_lens[index],
+                                            torch.tensor(offsets), scale, sliding_window).to(out.dtype)
+        for i in chunks:
+            if choices[i] == "paged" and self.prefill_kernel is not None:
                 continue
+            n = meta.query_lens_cpu[i]
             context = meta.seq_lens_cpu[i]
             # The first key any row of the chunk sees: 0, or the first row's window start.
             first = 0 if sliding_window is None else max(0, context - n - sliding_window + 1)
@@ -227,7 +248,7 @@ class TorchAttentionBackend:
             key = kv[:, 0].reshape(-1, num_kv_heads, head_dim)[: context - skipped].transpose(0, 1)[None]
             value = kv[:, 1].reshape(-1, num_kv_heads, head_dim)[: context - skipped].transpose(0, 1)[None]
             q = query[starts[i] : starts[i] + n].transpose(0, 1)[None]  # [1, heads, n, head_dim]
-            if q.dtype == torch.float32 and self._prefill_in_bf16(n):  # torch's flash SDPA in bf16
+            if q.dtype == torch.float32 and choices[i] == "bf16":  # torch's flash SDPA in bf16
                 q, key, value = q.to(torch.bfloat16), key.to(torch.bfloat16), value.to(torch.bfloat16)
             if context == n and (sliding_window is None or n <= sliding_window):
                 o = F.scaled_dot_product_attention(q, key, value, is_causal=True, scale=scale, enable_gqa=group > 1)
