@@ -125,6 +125,24 @@ def test_the_bf16_candidate_multiplies_by_a_prepacked_copy_with_the_same_bits() 
         assert torch.equal(route(x), expected), rows
 
 
+def test_fp32pack_sums_in_float32_for_every_group_the_lm_head_included() -> None:
+    """The float32 weight packed once for oneDNN: float32 sums (within 1e-5 of F.linear, not
+    bf16-rounded), so it is a candidate for the LM head too; dtype-preserving for any rows."""
+    if not kernel_plan.mkldnn_linear_available():
+        pytest.skip("this torch has no oneDNN linear")
+    weight = torch.randn(4096, 96, generator=torch.Generator().manual_seed(2))
+    assert "fp32pack" in kernel_plan.candidates_for(weight, None, None, native_bf16=True, group="head")
+    assert "bf16" not in kernel_plan.candidates_for(weight, None, None, native_bf16=True, group="head")
+    route, extra = kernel_plan.build_route([(1, "torch"), (8, "fp32pack"), (64, "fp32pack"), (1 << 62, "fp32pack")],
+                                           weight, None, None, "head")
+    assert extra["fp32_packed"].is_mkldnn
+    for rows in (2, 16, 200):
+        x = torch.randn(rows, 96)
+        out = route(x)
+        assert out.dtype == torch.float32
+        assert kernel_plan.relative_error(out, F.linear(x, weight)) < 1e-5
+
+
 @pytest.fixture
 def two_layer_runner(smollm_config) -> ModelRunner:
     """SmolLM2's shapes with 2 layers of random weights, Q4_1 packed (the GEMV candidate), the
