@@ -39,6 +39,7 @@ from engine.model.attention.kv_quant import (
 from engine.model.attention.torch_backend import TorchAttentionBackend
 from engine.model.runner import ModelRunner, ScheduledSeq
 from engine.modelspec.config import ModelConfig
+from tests.model.test_cpu_prefill import paged_batch
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 QUANTIZED = (torch.int8, *FP8)
@@ -129,29 +130,8 @@ def test_triton_backend_refuses_quantized_caches() -> None:
 
 def _paged(seq_lens: list[int], query_lens: list[int], heads: int, kv_heads: int, head_dim: int,
            dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """A quantized paged cache with shuffled block tables, and the batch's queries/metadata."""
-    gen = torch.Generator().manual_seed(seed)
-    block_size = 16
-    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 5
-    raw = torch.randn(num_blocks, 2, block_size, kv_heads, head_dim, generator=gen) * 3
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    width, used, tables = max(blocks_per_seq), 0, []
-    for n in blocks_per_seq:
-        tables.append(order[used : used + n] + [0] * (width - n))
-        used += n
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(starts[-1], dtype=torch.int64),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor(tables, dtype=torch.int32),
-        max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-        query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
-    )
-    return torch.randn(starts[-1], heads, head_dim, generator=gen), quantize_for_cache(raw, dtype), meta
+    """A quantized paged cache of 16-token blocks with shuffled block tables, and the batch's queries/metadata."""
+    return paged_batch(seq_lens, query_lens, heads, kv_heads, head_dim, 16, dtype, seed)
 
 
 @pytest.mark.parametrize("kv_dtype", QUANTIZED)
