@@ -401,7 +401,7 @@ class LlamaForCausalLM(nn.Module):
                 return "off: the CPU GEMV kernel is unavailable"
             return f"off: {self.dtype} weights (the fused layer serves float32)"
         if kv_cache_dtype not in cpu_layer.KV_DTYPES:
-            return f"off: {kv_cache_dtype} KV cache (the fused layer serves float32 and int8)"
+            return f"off: {kv_cache_dtype} KV cache (the fused layer serves float32, bfloat16 and int8)"
         if getattr(self.backend, "decode_kernel", None) is None:
             return "off: the paged-decode kernel is not in use"
         if cpu_layer.load_kernel() is None:

@@ -82,6 +82,21 @@ def test_startup_resolves_auto_by_isa_and_leaves_the_callers_config_alone(monkey
     assert (config.dtype, config.max_model_len, config.max_num_batched_tokens) == ("auto", None, 8192)
 
 
+@pytest.mark.parametrize(("text", "kv"), [(ZEN3, "auto"), (ZEN4, "bfloat16"), (SKYLAKE_X, "auto"),
+                                          (SAPPHIRE_RAPIDS, "bfloat16")])
+def test_the_kv_cache_is_bf16_where_bf16_is_native_under_the_plans_auto_dtype(text: str, kv: str) -> None:
+    """--kv-cache-dtype auto under the kernel plan's --dtype auto (float32 activations): bf16 storage
+    on AVX512-BF16/AMX (decode attention is bound by the bytes it reads), the model dtype's elsewhere;
+    an explicit --kv-cache-dtype or --dtype is kept as given."""
+    model, cpu, caps = load_model_config("smollm2-135m"), torch.device("cpu"), detect(text, "AVX512")
+    resolution = resolve_config(EngineConfig(dtype="auto"), model, cpu, caps)
+    assert resolution.config.kv_cache_dtype == kv
+    assert ("bf16" in resolution.kv_cache_dtype_reason) == (kv == "bfloat16")
+    assert resolve_config(EngineConfig(dtype="auto", kv_cache_dtype="float32"), model, cpu,
+                          caps).config.kv_cache_dtype == "float32"
+    assert resolve_config(EngineConfig(dtype="float32"), model, cpu, caps).config.kv_cache_dtype == "auto"
+
+
 def test_capability_read_from_flags_is_torchs_on_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     from pathlib import Path
 

@@ -108,6 +108,17 @@ def test_fused_layer_with_an_int8_kv_cache(cpu_layer_kernel, smollm_config, smol
     _compare(runner, prompts, 8, monkeypatch, atol=0.15)
 
 
+def test_fused_layer_with_a_bf16_kv_cache(cpu_layer_kernel, smollm_config, smollm_tokenizer, monkeypatch) -> None:
+    """The bf16 cache (the CPU default under --dtype auto where bf16 is native): K and V rounded
+    to nearest even as torch's .to(bfloat16) rounds them, float32 queries and sums on both paths.
+    Same tokens; a K or V value on a rounding boundary can land one bf16 step apart when the
+    float sums before it differ (measured on Zen 4: max logit difference 2.3e-2)."""
+    runner = _runner(smollm_config, kv_cache_dtype="bfloat16")
+    assert runner.model.fused_decode_status(runner.kv_cache_dtype).startswith("enabled")
+    prompts = [smollm_tokenizer.encode(p) for p in ("The three primary colors are", "import numpy as")]
+    _compare(runner, prompts, 8, monkeypatch, atol=0.08)
+
+
 def test_fused_layer_with_a_qkv_bias(cpu_layer_kernel, smollm_config, monkeypatch) -> None:
     """Dummy weights packed to Q4_1, with a QKV bias (Qwen2's layout) and an untied head."""
     config = dataclasses.replace(smollm_config, num_layers=2, vocab_size=4096, tie_word_embeddings=False,
@@ -132,7 +143,7 @@ def test_batches_beyond_the_gemv_rows_use_float_gemm_inside_the_call(cpu_layer_k
 
 def test_status_names_why_the_fused_layer_is_off(cpu_layer_kernel, smollm_config, monkeypatch) -> None:
     runner = _runner(smollm_config)
-    assert runner.model.fused_decode_status(torch.bfloat16).startswith("off: torch.bfloat16 KV cache")
+    assert runner.model.fused_decode_status(torch.float16).startswith("off: torch.float16 KV cache")
     monkeypatch.setenv(cpu_layer.KERNEL_ENV, "0")
     assert runner.model.fused_decode_status(torch.float32) == f"off: {cpu_layer.KERNEL_ENV}=0"
     plain = ModelRunner(smollm_config, dtype="float32", quantization=None)

@@ -365,7 +365,10 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor kv_cache, torch::T
   const auto kv_type = kv_cache.scalar_type();
   const bool is_int8 = kv_type == at::ScalarType::Char;
   const bool is_fp8 = kv_type == at::ScalarType::Float8_e4m3fn || kv_type == at::ScalarType::Float8_e5m2;
-  query = (is_int8 || is_fp8) ? query.contiguous() : query.contiguous().to(kv_type);
+  // A float32 query over a bf16/fp16 cache stays float32 (the CPU default under --dtype auto where bf16
+  // is native): only K and V are rounded, as they were when stored.
+  const bool float_query = query.scalar_type() == at::kFloat;
+  query = (is_int8 || is_fp8 || float_query) ? query.contiguous() : query.contiguous().to(kv_type);
   kv_cache = kv_cache.contiguous();
   block_tables = block_tables.to(torch::kInt32).contiguous();
   seq_lens = seq_lens.to(torch::kInt32).contiguous();
@@ -389,6 +392,11 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor kv_cache, torch::T
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_fp8", [&] {
       decode_kernel<uint8_t, scalar_t>(query.data_ptr<scalar_t>(), bytes, tables, lens, out.data_ptr<scalar_t>(),
                                        S, H, KVH, D, BS, MB, sc, TableRow{table.data_ptr<float>()}, window);
+    });
+  } else if (float_query) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv_type, "paged_decode_f32q", [&] {
+      decode_kernel<scalar_t, float>(query.data_ptr<float>(), kv_cache.data_ptr<scalar_t>(), tables, lens,
+                                     out.data_ptr<float>(), S, H, KVH, D, BS, MB, sc, CastRow<scalar_t>{}, window);
     });
   } else {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv_type, "paged_decode", [&] {
@@ -438,8 +446,8 @@ def ensure_built(log: Callable[[str], None] | None = None) -> BuildReport | None
 def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """Attention of one query row per sequence over its paged context (only its last
-    ``sliding_window`` positions for a sliding-window layer). A plain cache returns its
-    own dtype; an int8/fp8 cache returns the query's dtype."""
+    ``sliding_window`` positions for a sliding-window layer). A float32 query, or any query
+    over an int8/fp8 cache, keeps its dtype; another query is cast to the cache's dtype."""
     kernel = load_kernel()
     assert kernel is not None
     table = fp8_table(kv_cache.dtype) if kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else _NO_TABLE

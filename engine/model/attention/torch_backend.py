@@ -202,7 +202,7 @@ class TorchAttentionBackend:
         assert self.decode_kernel is not None and meta.query_lens_cpu is not None and meta.seq_lens_cpu is not None
         block_size, num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[3], query.shape[2]
         quantized = is_quantized(kv_cache.dtype)
-        if not quantized:  # a quantized cache is dequantized to the query's dtype instead
+        if not quantized and query.dtype != torch.float32:  # a float32 query keeps its dtype over any cache
             query = query.to(kv_cache.dtype)
         out = torch.empty_like(query)
         starts = [0]
@@ -241,6 +241,8 @@ class TorchAttentionBackend:
             kv = kv_cache[blocks]  # [blocks, 2, block_size, kv_heads, width]
             if quantized:
                 kv = dequantize_from_cache(kv, query.dtype)
+            elif kv.dtype != query.dtype:  # a bf16 cache under float32 queries: widened exactly
+                kv = kv.to(query.dtype)
             skipped = first_block * block_size  # positions before the gathered blocks
             # 4-D [1, heads, len, head_dim] with enable_gqa: torch's fused CPU kernel takes only
             # 4-D inputs; 3-D ones fall back to the math path (AVX2 Zen 3, 512 new rows over a

@@ -13,12 +13,12 @@ in the same order and arithmetic, in one call:
 
 It is compiled from the cpu_gemv, cpu_norm and cpu_decode sources plus the glue
 below, so there is one copy of each kernel's arithmetic. Each projection uses the
-GEMV for as many rows as it wins (``GEMV_MAX_ROWS``, 8 on AVX2) and torch's float
-GEMM (``at::mm_out`` over the float weight, as ``F.linear``; over the bf16 copy with rows rounded
-to bf16 where the kernel plan chose bf16 GEMM for those sizes) for more, so a decode
-batch of up to ``MAX_ROWS`` sequences saves its ~10 ms of dispatch too. It serves
-float32 activations (the CPU dtype on ISAs without native bf16) with a float32 or
-int8 KV cache and q8_0/q4_1/q4_1x8 projections; any other step takes the layer-by-op path.
+GEMV at every size it serves under the kernel plan (which times the layer against the
+op-by-op path at each step class and stops it where it loses); with the plan off, for as many
+rows as the GEMV wins (``GEMV_MAX_ROWS``, 8 on AVX2) and torch's float32 GEMM (``at::mm_out``,
+as ``F.linear``) for more, so a decode batch of up to ``MAX_ROWS`` sequences saves its ~10 ms
+of dispatch too. It serves float32 activations with a float32, bf16 or int8 KV cache and
+q8_0/q4_1/q4_1x8 projections; any other step takes the layer-by-op path.
 """
 
 from __future__ import annotations
@@ -37,11 +37,12 @@ KERNEL_ENV = "KVSCOPE_CPU_LAYER_KERNEL"
 # --max-num-seqs); each projection picks GEMV or float GEMM by rows inside the call.
 MAX_ROWS = 256
 FORMAT_CODES = {"q8_0": 0, "q4_1": 1, "q4_1x8": 2}
-KV_DTYPES = (torch.float32, torch.int8)
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 
 _GLUE = r"""
 // One projection into y [M, N]: the GEMV over its blocks (fmt 0: q8_0, 1: q4_1, 2: q4_1x8) for at most
-// `limit` rows, where it wins; torch's GEMM over `w_float` for more (float32, or the kernel plan's bf16 copy).
+// `limit` rows (the kernel plan's: every row the layer serves; the fallback constants': where it wins on
+// AVX2); torch's float32 GEMM over `w_float` for more.
 static void project(const torch::Tensor& w, int64_t fmt, const torch::Tensor& w_float, int64_t limit,
                     const float* x, int64_t M, int64_t K, float* y) {
   const int64_t N = w.size(0);
@@ -49,12 +50,7 @@ static void project(const torch::Tensor& w, int64_t fmt, const torch::Tensor& w_
     auto opts = torch::TensorOptions().dtype(torch::kFloat);
     auto xt = torch::from_blob(const_cast<float*>(x), {M, K}, opts);
     auto yt = torch::from_blob(y, {M, N}, opts);
-    if (w_float.scalar_type() == torch::kBFloat16) {
-      // the kernel plan's bf16 GEMM (oneDNN: AVX512-BF16 or AMX): rows rounded to bf16, fp32 rows back
-      yt.copy_(at::mm(xt.to(torch::kBFloat16), w_float.t()));
-    } else {
-      at::mm_out(yt, xt, w_float.t());
-    }
+    at::mm_out(yt, xt, w_float.t());
     return;
   }
   if (fmt == 0) {
@@ -69,10 +65,19 @@ static void project(const torch::Tensor& w, int64_t fmt, const torch::Tensor& w_
   }
 }
 
-// Store one head's K or V row (head_dim floats) in a float32 or int8 cache row.
-static inline void store_row(const float* src, void* dst, int64_t D, bool int8) {
-  if (!int8) {
+// How the cache stores a K or V element.
+enum class KvStore { kFloat, kInt8, kBFloat16 };
+
+// Store one head's K or V row (head_dim floats) in a float32, bf16 (rounded to nearest even, as
+// torch's .to(bfloat16)) or int8 cache row.
+static inline void store_row(const float* src, void* dst, int64_t D, KvStore kind) {
+  if (kind == KvStore::kFloat) {
     std::memcpy(dst, src, D * sizeof(float));
+    return;
+  }
+  if (kind == KvStore::kBFloat16) {
+    c10::BFloat16* b = static_cast<c10::BFloat16*>(dst);
+    for (int64_t d = 0; d < D; ++d) b[d] = c10::BFloat16(src[d]);
     return;
   }
   float amax = 0.f;
@@ -98,7 +103,10 @@ torch::Tensor decode_layer(torch::Tensor hidden, torch::Tensor ln1, torch::Tenso
                            double scale) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == torch::kFloat, "decode_layer: hidden [M, H] float32");
   const bool int8 = kv_cache.scalar_type() == at::ScalarType::Char;
-  TORCH_CHECK(int8 || kv_cache.scalar_type() == torch::kFloat, "decode_layer: float32 or int8 KV cache");
+  const bool bf16 = kv_cache.scalar_type() == at::ScalarType::BFloat16;
+  TORCH_CHECK(int8 || bf16 || kv_cache.scalar_type() == torch::kFloat,
+              "decode_layer: float32, bfloat16 or int8 KV cache");
+  const KvStore kind = int8 ? KvStore::kInt8 : bf16 ? KvStore::kBFloat16 : KvStore::kFloat;
   hidden = hidden.contiguous();
   const int64_t M = hidden.size(0), H = hidden.size(1), D = cos.size(-1);
   const int64_t QH = num_heads, KVH = num_kv_heads, NQ = QH * D, NKV = KVH * D, NQKV = NQ + 2 * NKV;
@@ -128,7 +136,7 @@ torch::Tensor decode_layer(torch::Tensor hidden, torch::Tensor ln1, torch::Tenso
   // Rotary on the Q and K heads (they sit side by side), then K and V into the cache.
   std::vector<float> tmp(D);
   char* cache = static_cast<char*>(kv_cache.data_ptr());
-  const int64_t elem = int8 ? 1 : 4, token_stride = KVH * W * elem, kv_stride = BS * token_stride;
+  const int64_t elem = int8 ? 1 : bf16 ? 2 : 4, token_stride = KVH * W * elem, kv_stride = BS * token_stride;
   for (int64_t m = 0; m < M; ++m) {
     const float* c = cp + m * D;
     const float* s = sp + m * D;
@@ -141,8 +149,8 @@ torch::Tensor decode_layer(torch::Tensor hidden, torch::Tensor ln1, torch::Tenso
     if (slot < 0) continue;
     char* k_dst = cache + (slot / BS) * 2 * kv_stride + (slot % BS) * token_stride;
     for (int64_t h = 0; h < KVH; ++h) {
-      store_row(qkvp + m * NQKV + NQ + h * D, k_dst + h * W * elem, D, int8);
-      store_row(qkvp + m * NQKV + NQ + NKV + h * D, k_dst + kv_stride + h * W * elem, D, int8);
+      store_row(qkvp + m * NQKV + NQ + h * D, k_dst + h * W * elem, D, kind);
+      store_row(qkvp + m * NQKV + NQ + NKV + h * D, k_dst + kv_stride + h * W * elem, D, kind);
     }
   }
   // Attention over the paged context: the query is Q's slice of each qkv row, copied
@@ -156,6 +164,10 @@ torch::Tensor decode_layer(torch::Tensor hidden, torch::Tensor ln1, torch::Tenso
     decode_kernel<int8_t, float>(q.data_ptr<float>(), kv_cache.data_ptr<int8_t>(), tables.data_ptr<int32_t>(),
                                  lens.data_ptr<int32_t>(), attn.data_ptr<float>(), M, QH, KVH, D, BS,
                                  tables.size(1), sc, Int8Row{});
+  } else if (bf16) {
+    decode_kernel<c10::BFloat16, float>(q.data_ptr<float>(), kv_cache.data_ptr<c10::BFloat16>(),
+                                        tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), attn.data_ptr<float>(),
+                                        M, QH, KVH, D, BS, tables.size(1), sc, CastRow<c10::BFloat16>{});
   } else {
     decode_kernel<float, float>(q.data_ptr<float>(), kv_cache.data_ptr<float>(), tables.data_ptr<int32_t>(),
                                 lens.data_ptr<int32_t>(), attn.data_ptr<float>(), M, QH, KVH, D, BS,
