@@ -25,22 +25,29 @@ def paged_batch(seq_lens: list[int], query_lens: list[int], heads: int, kv_heads
     raw = torch.randn(num_blocks, 2, block_size, kv_heads, head_dim, generator=gen) * 2
     cache = quantize_for_cache(raw, cache_dtype) if is_quantized(cache_dtype) else raw.to(cache_dtype)
     order = torch.randperm(num_blocks, generator=gen).tolist()
-    width, used, tables = max(blocks_per_seq), 0, []
+    tables, used = [], 0
     for n in blocks_per_seq:
-        tables.append(order[used : used + n] + [0] * (width - n))
+        tables.append(order[used : used + n])
         used += n
+    meta = step_metadata(seq_lens, query_lens, tables)
+    return torch.randn(sum(query_lens), heads, head_dim, generator=gen), cache, meta
+
+
+def step_metadata(seq_lens: list[int], query_lens: list[int], tables: list[list[int]]) -> AttentionMetadata:
+    """The metadata of a step whose sequence i has ``query_lens[i]`` new rows at the end of its
+    ``seq_lens[i]`` positions, in blocks ``tables[i]`` (padded with block 0)."""
+    width = max(len(t) for t in tables)
     starts = [0]
     for n in query_lens:
         starts.append(starts[-1] + n)
-    meta = AttentionMetadata(
+    return AttentionMetadata(
         slot_mapping=torch.zeros(starts[-1], dtype=torch.int64),
         query_start_loc=torch.tensor(starts, dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor(tables, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
         max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-        query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
+        query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens),
     )
-    return torch.randn(starts[-1], heads, head_dim, generator=gen), cache, meta
 
 
 def reference(query: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,

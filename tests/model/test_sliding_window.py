@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model.attention.base import AttentionMetadata
 from engine.model.attention.torch_backend import TorchAttentionBackend
+from tests.model.test_cpu_prefill import step_metadata
 
 BLOCK = 4
 HEADS, KV_HEADS, DIM = 4, 2, 8
@@ -45,18 +45,8 @@ def _batch(seq_lens: list[int], query_lens: list[int], seed: int = 0):
             cache[ids[t // BLOCK], 0, t % BLOCK], cache[ids[t // BLOCK], 1, t % BLOCK] = k[t], v[t]
         tables.append(ids)
         dense.append((k, v))
-    width = max(len(t) for t in tables)
-    starts = [0]
-    for q in query_lens:
-        starts.append(starts[-1] + q)
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(starts[-1], dtype=torch.int64),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-        query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens),
-    )
+    meta = step_metadata(seq_lens, query_lens, tables)
+    starts = meta.query_start_loc.tolist()
     query = torch.randn(starts[-1], HEADS, DIM, generator=gen)
     expected = torch.cat([
         _reference(query[starts[i]:starts[i + 1]], k, v, list(range(n - q, n)), WINDOW, 0.3)
