@@ -31,6 +31,13 @@ def _runner(config, kv_cache_dtype: str = "auto", int8_activations: bool = False
     return runner
 
 
+@pytest.fixture(scope="module")
+def bundled_runner(cpu_layer_kernel, smollm_config) -> ModelRunner:
+    """The bundled model at int4 with a float32 cache, loaded once for the tests that only read it
+    (each prefills its own sequences into the same blocks): a load is ~3 s of the default suite."""
+    return _runner(smollm_config)
+
+
 def _decode(runner: ModelRunner, prompts: list[list[int]], steps: int, fused: bool,
             monkeypatch: pytest.MonkeyPatch,
             forced: list[list[int]] | None = None) -> tuple[list[list[int]], list[torch.Tensor]]:
@@ -64,10 +71,10 @@ def _compare(runner: ModelRunner, prompts: list[list[int]], steps: int, monkeypa
     assert any(not torch.equal(a, b) for a, b in zip(logits[1:], ref_logits[1:], strict=True))
 
 
-def test_fused_layer_matches_the_op_by_op_step(cpu_layer_kernel, smollm_config, smollm_tokenizer, monkeypatch) -> None:
+def test_fused_layer_matches_the_op_by_op_step(bundled_runner, cpu_layer_kernel, smollm_config, smollm_tokenizer, monkeypatch) -> None:
     """The bundled GGUF at int4 (its own Q4_1 blocks), 3 sequences x 12 decode steps.
     Measured (AVX2 Zen 3): identical greedy tokens, logits within 2.8e-5 of the op-by-op path."""
-    runner = _runner(smollm_config)
+    runner = bundled_runner
     assert runner.model.fused_decode_status(runner.kv_cache_dtype) == (
         "enabled for pure-decode steps of <= 256 sequences (GEMV up to 8 rows, float GEMM above)")
     prompts = [smollm_tokenizer.encode(p) for p in ("The capital of France is", "def add(a, b):", "Once upon")]
@@ -132,17 +139,17 @@ def test_fused_layer_with_a_qkv_bias(cpu_layer_kernel, smollm_config, monkeypatc
     _compare(runner, [list(range(5, 40)), list(range(100, 117))], 6, monkeypatch, atol=1e-3)
 
 
-def test_batches_beyond_the_gemv_rows_use_float_gemm_inside_the_call(cpu_layer_kernel, smollm_config,
+def test_batches_beyond_the_gemv_rows_use_float_gemm_inside_the_call(bundled_runner, cpu_layer_kernel, smollm_config,
                                                                      monkeypatch) -> None:
     """12 sequences (more rows than the GEMV serves): each projection multiplies the float
     weights with torch's GEMM inside the fused call, as F.linear does in the op-by-op path."""
-    runner = _runner(smollm_config)
+    runner = bundled_runner
     prompts = [[100 + i, 200 + i, 300 + i, 400 + i] for i in range(12)]
     _compare(runner, prompts, 3, monkeypatch, atol=2e-3)
 
 
-def test_status_names_why_the_fused_layer_is_off(cpu_layer_kernel, smollm_config, monkeypatch) -> None:
-    runner = _runner(smollm_config)
+def test_status_names_why_the_fused_layer_is_off(bundled_runner, cpu_layer_kernel, smollm_config, monkeypatch) -> None:
+    runner = bundled_runner
     assert runner.model.fused_decode_status(torch.float16).startswith("off: torch.float16 KV cache")
     monkeypatch.setenv(cpu_layer.KERNEL_ENV, "0")
     assert runner.model.fused_decode_status(torch.float32) == f"off: {cpu_layer.KERNEL_ENV}=0"
