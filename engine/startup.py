@@ -167,6 +167,13 @@ def _multi_rank(config: EngineConfig) -> bool:
     return config.tensor_parallel_size > 1 or (config.pipeline_parallel_size or 1) > 1
 
 
+def _plan_picks_auto_dtype(config: EngineConfig, model: ModelConfig, device: torch.device) -> bool:
+    """``--dtype auto`` on one CPU rank with the kernel plan on and no family rule: float32
+    activations, each projection's weights by the plan's measurement."""
+    return (config.dtype == "auto" and device.type == "cpu" and model.family.cpu_dtype is None
+            and not _multi_rank(config) and kernel_plan.plan_enabled())
+
+
 def resolve_dtype(config: EngineConfig, model: ModelConfig, device: torch.device,
                   caps: CpuCapabilities | None = None) -> DtypeChoice:
     """``--dtype`` as given, or for ``auto`` the fastest correct dtype here: on CPU by
@@ -176,7 +183,7 @@ def resolve_dtype(config: EngineConfig, model: ModelConfig, device: torch.device
         return DtypeChoice(config.dtype, "--dtype " + config.dtype)
     if device.type == "cpu" and model.family.cpu_dtype is not None:  # the family's own rule (the registry)
         return DtypeChoice(*model.family.cpu_dtype)
-    if device.type == "cpu" and not _multi_rank(config) and kernel_plan.plan_enabled():
+    if _plan_picks_auto_dtype(config, model, device):
         return DtypeChoice(kernel_plan.AUTO_DTYPE, kernel_plan.AUTO_DTYPE_REASON)
     if device.type == "cpu":
         return choose_cpu_dtype(caps or detect())
@@ -246,8 +253,8 @@ def resolve_config(config: EngineConfig, model: ModelConfig, device: torch.devic
     backend = config.attention_backend
     if backend == "auto":
         backend = "triton" if device.type == "cuda" else "torch"
-    by_plan = config.dtype == "auto" and dtype_choice.reason == kernel_plan.AUTO_DTYPE_REASON
-    kv_cache_dtype, kv_reason = resolve_kv_cache_dtype(config, device, caps, by_plan)
+    kv_cache_dtype, kv_reason = resolve_kv_cache_dtype(config, device, caps,
+                                                       _plan_picks_auto_dtype(config, model, device))
     resolved = dataclasses.replace(
         config, device=device.type, max_num_batched_tokens=batched, dtype=dtype_choice.dtype,
         max_model_len=max_model_len, attention_backend=backend, quantization=quantization,

@@ -72,9 +72,9 @@ LAYER_GROUPS = GROUPS[:4]
 # for the head dim). Decode rows run the paged-decode kernel.
 ATTENTION = "attn"
 ATTENTION_CANDIDATES = ("torch", "bf16", "paged")
-# The copies a plan's candidates keep, registered as ``<projection>_<suffix>`` buffers: bf16 (dense;
-# dropped once packed, kept where this torch has no oneDNN linear), the oneDNN-packed bf16 copy the
-# route multiplies by, the float32 weight packed likewise, the int8 weights and their scales.
+# The copies a plan's candidates keep, registered as ``<projection>_<suffix>`` buffers: bf16 (dense,
+# only where this torch has no oneDNN linear), the oneDNN-packed bf16 copy, the float32 weight packed
+# likewise, the int8 weights and their scales.
 PLAN_COPY_SUFFIXES = ("bf16", "bf16_packed", "fp32_packed", "int8pack", "int8pack_scale")
 
 
@@ -186,17 +186,13 @@ def implementation(candidate: str, weight: torch.Tensor, quantized: Any, gemv_ke
     if candidate == "fp32pack":
         packed32 = pack_for_mkldnn(weight.float().contiguous())
         assert packed32 is not None, "fp32pack is a candidate only where oneDNN's linear is available"
-        linear = torch.ops.mkldnn._linear_pointwise
-        return Implementation(lambda x: linear(x.float(), packed32, None, "none", [], "").to(x.dtype),
-                              {"fp32_packed": packed32})
+        return Implementation(_packed_linear(packed32, torch.float32), {"fp32_packed": packed32})
     if candidate == "bf16":
         w16 = weight.to(torch.bfloat16).contiguous()
         packed = pack_for_mkldnn(w16)
         if packed is None:
             return Implementation(lambda x: F.linear(x.to(torch.bfloat16), w16).to(x.dtype), {"bf16": w16})
-        linear = torch.ops.mkldnn._linear_pointwise
-        return Implementation(lambda x: linear(x.to(torch.bfloat16), packed, None, "none", [], "").to(x.dtype),
-                              {"bf16": w16, "bf16_packed": packed})
+        return Implementation(_packed_linear(packed, torch.bfloat16), {"bf16_packed": packed})
     if candidate == "int8pack":
         scale = (weight.float().abs().amax(dim=1) / 127.0).clamp_min(1e-12)
         q = torch.round(weight.float() / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
@@ -218,6 +214,14 @@ def pack_for_mkldnn(weight: torch.Tensor) -> torch.Tensor | None:
         return torch.ops.mkldnn._reorder_linear_weight(weight, 256)  # type: ignore[no-any-return]
     except (AttributeError, RuntimeError):
         return None
+
+
+def _packed_linear(packed: torch.Tensor, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x @ W.T`` over a :func:`pack_for_mkldnn` weight of ``dtype``, rows cast to it and back."""
+    import torch
+
+    linear = torch.ops.mkldnn._linear_pointwise
+    return lambda x: linear(x.to(dtype), packed, None, "none", [], "").to(x.dtype)
 
 
 @functools.cache

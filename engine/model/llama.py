@@ -725,8 +725,6 @@ class LlamaForCausalLM(nn.Module):
                     # its only other path is a dense at::linear, which reorders a bf16 weight on every
                     # call (Zen 4: 16-row decode steps took 80 ms on it against ~25 ms on the GEMV).
                     q.max_rows = (MAX_ROWS if name != "head" else plan.gemv_limit(group)) if usable else 0
-                if "bf16_packed" in extra:  # the route multiplies by the packed copy alone
-                    module._buffers.pop(f"{name}_bf16", None)
         self._fused_max_rows = plan.fused_max_rows
 
     def weights_bytes(self) -> int:

@@ -31,6 +31,7 @@ from types import ModuleType
 
 import torch
 
+from engine.model.attention.kv_quant import FP8_DTYPES
 from engine.model.kernels.build import BuildReport, CachedKernel, KernelSpec
 
 _CPP_SOURCE = r"""
@@ -437,6 +438,11 @@ def fp8_table(dtype: torch.dtype) -> torch.Tensor:
     return _FP8_TABLES[dtype]
 
 
+def _table_for(kv_dtype: torch.dtype) -> torch.Tensor:
+    """The kernels' fp8 table argument: the cache dtype's table, empty for any other cache."""
+    return fp8_table(kv_dtype) if kv_dtype in FP8_DTYPES else _NO_TABLE
+
+
 def ensure_built(log: Callable[[str], None] | None = None) -> BuildReport | None:
     """Build or load the kernel now (startup's background thread, ``engine build-kernels``);
     None when it is switched off."""
@@ -450,8 +456,7 @@ def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     over an int8/fp8 cache, keeps its dtype; another query is cast to the cache's dtype."""
     kernel = load_kernel()
     assert kernel is not None
-    table = fp8_table(kv_cache.dtype) if kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else _NO_TABLE
-    return kernel.paged_decode(query, kv_cache, block_tables, seq_lens, scale, table,  # type: ignore[attr-defined]
+    return kernel.paged_decode(query, kv_cache, block_tables, seq_lens, scale, _table_for(kv_cache.dtype),  # type: ignore[attr-defined]
                                sliding_window or 0)
 
 
@@ -466,6 +471,5 @@ def paged_prefill(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
     causal, in one call for the whole step. Returns float32 ``[rows, heads, head_dim]``."""
     kernel = load_kernel()
     assert kernel is not None
-    table = fp8_table(kv_cache.dtype) if kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else _NO_TABLE
     return kernel.paged_prefill(query, kv_cache, block_tables, seq_lens,  # type: ignore[attr-defined]
-                                query_start, scale, table, sliding_window or 0)
+                                query_start, scale, _table_for(kv_cache.dtype), sliding_window or 0)

@@ -216,9 +216,9 @@ class TorchAttentionBackend:
                                      scale, sliding_window)
         chunks = [i for i, n in enumerate(meta.query_lens_cpu) if n > 1]
         choices = {i: self._prefill_choice(meta.query_lens_cpu[i]) for i in chunks}
-        paged = [i for i in chunks if choices[i] == "paged" and self.prefill_kernel is not None]
-        if paged:  # every such chunk in one call, reading the cache in place
-            assert self.prefill_kernel is not None
+        kernel = self.prefill_kernel
+        paged = [i for i in chunks if choices[i] == "paged"] if kernel is not None else []
+        if kernel is not None and paged:  # every such chunk in one call, reading the cache in place
             offsets = [0]
             for i in paged:
                 offsets.append(offsets[-1] + meta.query_lens_cpu[i])
@@ -227,10 +227,10 @@ class TorchAttentionBackend:
                 rows: slice | torch.Tensor = slice(starts[paged[0]], starts[paged[0] + 1])
             else:
                 rows = torch.cat([torch.arange(starts[i], starts[i + 1], device=query.device) for i in paged])
-            out[rows] = self.prefill_kernel(query[rows], kv_cache, meta.block_tables[index], meta.seq_lens[index],
-                                            torch.tensor(offsets), scale, sliding_window).to(out.dtype)
+            out[rows] = kernel(query[rows], kv_cache, meta.block_tables[index], meta.seq_lens[index],
+                               torch.tensor(offsets), scale, sliding_window).to(out.dtype)
         for i in chunks:
-            if choices[i] == "paged" and self.prefill_kernel is not None:
+            if i in paged:
                 continue
             n = meta.query_lens_cpu[i]
             context = meta.seq_lens_cpu[i]
