@@ -179,7 +179,7 @@ def test_dtype_bfloat16_reports_its_bf16_parts_and_answers_with_float32_logits(t
     from engine.events import EventBus, StartupPhase
     from engine.llm import LLM
     from engine.model import profile_cache
-    from tests.model.test_model_reference import WATER, WATER_ANSWER
+    from tests.model.test_model_reference import WATER, WATER_ANSWER, WATER_TOKENS
 
     monkeypatch.setenv(profile_cache.PROFILE_CACHE_ENV, str(tmp_path))
     events: list[object] = []
@@ -199,4 +199,4 @@ def test_dtype_bfloat16_reports_its_bf16_parts_and_answers_with_float32_logits(t
         runner = llm.engine.runner
         logits = runner.logits_for([ScheduledSeq("p", list(range(100, 140)), 0, [0, 1, 2])])["p"]
         assert logits.dtype == torch.float32 and _bf16_representable(logits) < 0.2
-        assert llm.chat(WATER, SamplingParams(temperature=0.0, max_tokens=12))[0].text == WATER_ANSWER
+        assert llm.chat(WATER, SamplingParams(temperature=0.0, max_tokens=WATER_TOKENS))[0].text == WATER_ANSWER

@@ -11,10 +11,12 @@ from engine.model.runner import ScheduledSeq
 # With the template's default system prompt this is 37 tokens.
 CHAT = [{"role": "user", "content": "Name three primary colors, please."}]
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]  # a 0.08-logit near-tie at its first token
-# The README's question: each of its first ten answer tokens leads by >= 2.0 logits in fp32, --dtype auto
-# and bf16 (Zen 4), so every path answers it alike.
+# The README's question: each of its ten answer tokens leads by >= 2.1 logits in fp32, --dtype auto
+# and bf16 (Zen 4), so every path answers it alike. The end-of-text after them leads " This" by only
+# 0.28, which a plan's bf16 prefill may flip: the README's examples stop at WATER_TOKENS.
 WATER = [{"role": "user", "content": "What is the chemical symbol for water?"}]
 WATER_ANSWER = "The chemical symbol for water is H2O."
+WATER_TOKENS = 10
 
 
 def chat_ids(tokenizer, messages) -> list[int]:
