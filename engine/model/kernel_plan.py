@@ -7,7 +7,7 @@ speed, while its bf16 GEMM was 4x faster). So at the first start for a (weights,
 formats, dtype, ISA, torch, kernel sources, threads) the engine times, for each group
 (QKV, O, gate/up, down on one layer, and the LM head; each on at most its first
 ``WEIGHT_ROWS_TIMED`` output rows, time being linear in them, and scaled to the whole weight) and each step-size class the scheduler makes (``STEP_CLASSES``:
-1, 2-8, 9-64, 65+, one representative row count each), the candidates this machine has:
+1, 2-8, 9-16, 17-32, 33-64, 65+, one representative row count each), the candidates this machine has:
 
 * ``gemv``: kvscope's GEMV over the GGUF blocks (q4_1x8: int8 activations; q4_1 and q8_0:
   float activations), engine/model/kernels/cpu_gemv.py;
@@ -59,7 +59,7 @@ if TYPE_CHECKING:  # torch is imported where it runs: ``engine plan`` reads the 
     import torch
 
 PLAN_ENV = "KVSCOPE_KERNEL_PLAN"
-PLAN_FORMAT_VERSION = 1
+PLAN_FORMAT_VERSION = 2  # 2: the 9-64 class split into 9-16, 17-32, 33-64
 PLANS_FOLDER = "kernel_plans"  # under the profiles folder (engine/model/profile_cache.py)
 GROUPS = ("qkv", "o", "gate_up", "down", "head")
 # The model attribute each group's weight and quantized copy are named by.
@@ -91,7 +91,11 @@ class StepClass:
         return str(self.lo) if self.hi == self.lo else f"{self.lo}-{self.hi}" if self.hi else f"{self.lo}+"
 
 
-STEP_CLASSES = (StepClass(1, 1, 1), StepClass(2, 8, 8), StepClass(9, 64, 64), StepClass(65, None, 256))
+# Decode batches of 9-64 are split in three: a GEMM's fixed cost makes it win at 64 rows and lose
+# at 12 to the GEMV (time linear in rows), and one class timed at 64 ran a 12-sequence decode
+# step through bf16 GEMMs op by op in 60 ms instead of the fused layer's ~25 (Zen 4, AVX-512).
+STEP_CLASSES = (StepClass(1, 1, 1), StepClass(2, 8, 8), StepClass(9, 16, 16), StepClass(17, 32, 32),
+                StepClass(33, 64, 64), StepClass(65, None, 256))
 CANDIDATES = ("gemv", "torch", "fp32pack", "bf16", "int8pack")
 # Candidates whose time grows with rows like a GEMV's (a weight row re-read per few activation
 # rows): one more than PRUNE_FACTOR x behind at a smaller class cannot catch up at a bigger one,
@@ -101,7 +105,7 @@ ROW_LINEAR = frozenset({"gemv", "int8pack"})
 MAX_ROWS_TIMED = {"int8pack": 8}
 ACCURACY_BOUND = 1e-2  # relative RMS error against the fp32 reference (int8 activations: ~5e-3 on N(0,1) inputs)
 # Total measuring time of one start. Measured once per (model, formats, ISA, torch, threads,
-# kernel sources) and stored, so only a first start pays it: ~0.3-0.6 s on a quiet 2-core
+# kernel sources) and stored, so only a first start pays it: ~0.8-1.7 s on a quiet 2-core
 # Zen 4 (AVX-512) for SmolLM2; cells a loaded machine does not reach keep the fallback's
 # choice and are measured at the next start (``KernelPlan.unmeasured``).
 MEASURE_BOUND_S = 2.0
@@ -109,9 +113,6 @@ PRUNE_FACTOR = 3.0
 TIMED_REPS = 3  # min of this many calls after one untimed call (which gives the output checked)
 CELL_BUDGET_S = 0.02  # past this, a cell stops adding rounds (its candidates have one timing each at least)
 WEIGHT_ROWS_TIMED = 1024  # a multiple of 8 (q4_1x8 interleaves 8 rows)
-# The fused layer is timed at every class (its 256-row decode step costs ~0.1 s to time): past 64
-# rows a packed bf16 GEMM (AMX, AVX512-BF16) can beat its GEMV, so where it stops is measured.
-FUSED_CLASSES_TIMED = 4
 FUSED_CONTEXT = 32  # tokens each sequence of the fused-layer timing attends over
 # --max-num-batched-tokens on CPU: one step's projections at about this many seconds
 # (attention, norms and sampling add ~15-25 % at 500 tokens), so a long prefill never
@@ -812,7 +813,7 @@ def fused_timing(model: Any) -> FusedTiming | None:
         layer, args = model.layers[0], model._fused_layers[0]
         timings, notes = [], []
         generator = torch.Generator().manual_seed(1)
-        for sc in STEP_CLASSES[:FUSED_CLASSES_TIMED]:
+        for sc in STEP_CLASSES:  # every class: past 64 rows a packed bf16 GEMM can beat its GEMV
             if time.perf_counter() > deadline:
                 notes.append(f"fused decode layer not timed at {sc.rows} rows: the bound was reached (op by op)")
                 break

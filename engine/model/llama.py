@@ -427,7 +427,7 @@ class LlamaForCausalLM(nn.Module):
         bf16_model = self.dtype == torch.bfloat16
 
         def picked(groups: Sequence[str], candidate: str = "bf16") -> str:
-            """``group classes`` the plan runs by ``candidate``, e.g. "gate_up 9-64,65+"."""
+            """``group classes`` the plan runs by ``candidate``, e.g. "gate_up 33-64,65+"."""
             if plan is None:
                 return ""
             parts = []

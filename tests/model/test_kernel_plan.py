@@ -52,10 +52,13 @@ def _injected_plan() -> KernelPlan:
 
 def test_a_plan_from_injected_timings_routes_by_step_size() -> None:
     plan = _injected_plan()
-    assert plan.choices("gate_up") == [(1, "gemv"), (8, "gemv"), (64, "bf16"), (1 << 62, "bf16")]
-    assert plan.choices("qkv") == [(1, "gemv"), (8, "gemv"), (64, "torch"), (1 << 62, "torch")]
-    assert plan.gemv_limit("down") == 8 and plan.uses("bf16")
-    assert "qkv 1:gemv 2-8:gemv 9-64:torch 65+:torch" in plan.summary()
+    # the GEMV (linear in rows) wins to 16 rows, a GEMM (a fixed cost, then cheap rows) from 32
+    assert plan.choices("gate_up") == [(1, "gemv"), (8, "gemv"), (16, "gemv"), (32, "bf16"), (64, "bf16"),
+                                       (1 << 62, "bf16")]
+    assert plan.choices("qkv") == [(1, "gemv"), (8, "gemv"), (16, "gemv"), (32, "torch"), (64, "torch"),
+                                   (1 << 62, "torch")]
+    assert plan.gemv_limit("down") == 16 and plan.uses("bf16")
+    assert "qkv 1:gemv 2-8:gemv 9-16:gemv 17-32:torch 33-64:torch 65+:torch" in plan.summary()
     again = KernelPlan.from_json(json.loads(json.dumps(plan.to_json())))
     assert again.cells == plan.cells and again.fused_max_rows == 8
     # the table names every candidate's µs, the rejected ones, and each choice
@@ -77,7 +80,7 @@ def test_the_token_budget_follows_the_measured_prefill_speed() -> None:
 
 
 def test_the_fused_layer_serves_the_rows_where_it_wins_from_one_up() -> None:
-    one, eight, sixty_four = STEP_CLASSES[:3]
+    (one, eight), sixty_four = STEP_CLASSES[:2], STEP_CLASSES[4]
     rows, notes = kernel_plan.fused_rows_from([(one, 80.0, 190.0, 1e-6), (eight, 400.0, 700.0, 1e-6),
                                                (sixty_four, 9000.0, 8000.0, 1e-6)], 256)
     assert rows == 8 and notes[2].endswith("-> op by op")

@@ -52,7 +52,8 @@ def test_step_events_fold_to_the_routers_own_counts(tiny_folder) -> None:
     bus.subscribe(lambda e: steps.append(e) if isinstance(e, StepEvent) else None)
     bus.subscribe(view.apply)
     bus.subscribe(facts)
-    with LLM(str(folder), bus=bus, dtype="float32", max_model_len=64, stats_interval=0.0) as llm:
+    with LLM(str(folder), bus=bus, dtype="float32", max_model_len=64, stats_interval=0.0,
+             kv_cache_memory_bytes=8 * 2**20) as llm:  # a pool of its own: no share of the host's free memory
         outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
     assert all(len(s.expert_counts) == 2 and len(s.expert_counts[0]) == 8 for s in steps)
     for s in steps:  # each step's rows: its computed tokens x top-2
