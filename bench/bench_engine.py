@@ -533,8 +533,11 @@ def start_engines(args: argparse.Namespace, variants: list[Variant]) -> tuple[li
               flush=True)
     for e in engines:
         plan = getattr(e.llm.engine.runner, "kernel_plan", None)
+        config = e.llm.engine.startup.config
+        decode_step = config.max_decode_step_tokens
         print(f"{e.label}: {plan.summary() if plan is not None else 'kernel plan off (fallback constants)'}; "
-              f"--max-num-batched-tokens {e.llm.engine.startup.config.max_num_batched_tokens}", flush=True)
+              f"--max-num-batched-tokens {config.max_num_batched_tokens}"
+              + (f", --max-decode-step-tokens {decode_step}" if decode_step else ""), flush=True)
     smollm = args.model == DEFAULT_MODEL
     if not args.no_hf and smollm:
         engines.append(HfEngine(args.threads))

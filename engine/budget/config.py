@@ -33,6 +33,9 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    # kvscope's --max-decode-step-tokens: the budget of a step in which a request decodes
+    # (engine/core/scheduler.py); None = max_num_batched_tokens (vLLM). CPU default: derived.
+    max_decode_step_tokens: int | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0
@@ -69,6 +72,7 @@ class EngineConfig:
     # Optional features' settings, written by to_dict only when given, so the config of a
     # run without them (a recording's header) is what it was before they existed.
     WRITTEN_WHEN_SET: ClassVar[tuple[str, ...]] = ("kv_events_config", "disable_hybrid_kv_cache_manager",
+                                                 "max_decode_step_tokens",
                                                  "data_parallel_size", "data_parallel_rank",
                                                  "pipeline_parallel_size", "nnodes", "node_rank", "master_addr",
                                                  "master_port", "rendezvous_timeout_s")

@@ -108,6 +108,10 @@ def add_budget_flags(p: argparse.ArgumentParser) -> None:
 def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=_positive_int("--max-num-seqs"), default=256)
     p.add_argument("--max-num-batched-tokens", type=_positive_int("--max-num-batched-tokens"), default=8192)
+    p.add_argument("--max-decode-step-tokens", type=_positive_int("--max-decode-step-tokens"), default=None,
+                   help="kvscope's: the token budget of a step in which a request decodes, so a long prompt "
+                        "stalls the decodes beside it for one bounded step (a step of prompts only may take "
+                        "--max-num-batched-tokens); default on CPU: derived from the kernel plan, else off")
     p.add_argument("--long-prefill-token-threshold", type=int, default=0)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of prompt prefixes already computed (default on)")
@@ -293,7 +297,8 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> Engin
     cfg.dtype = parse_dtype(args.dtype)
     for name in (
         "kv_cache_dtype", "tensor_parallel_size", "gpu_memory_utilization", "kv_cache_memory_bytes",
-        "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
+        "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_decode_step_tokens",
+        "long_prefill_token_threshold",
         "enable_prefix_caching", "scheduling_policy", "load_format", "device", "attention_backend", "compile",
         "enforce_eager", "seed", "stats_interval", "log_prompts", "events_path", "num_threads", "quantization",
         "kv_events_config", "disable_hybrid_kv_cache_manager", "data_parallel_size", "pipeline_parallel_size",

@@ -9,6 +9,11 @@ only requests whose ``num_computed_tokens`` catch up with their ``token_ids``:
    arrival) is preempted — blocks freed, progress reset, put at the front of the
    waiting queue — and the allocation retried. A request with nothing to compute
    is skipped (``continue``, not ``break``), as in vLLM.
+   A step's budget is ``max_num_batched_tokens``; with ``max_decode_step_tokens`` set
+   (kvscope's, on CPU by default), a step in which some running request decodes gets
+   at most that many (at least one per decoding request), so a long prompt stalls the
+   decodes beside it for one bounded step, while a step with no decode to stall (only
+   prompts) may still take the whole budget.
 2. Waiting requests, only if nothing was preempted this step, while budget,
    ``max_num_seqs`` and blocks allow: prefix lookup, then as much of the prompt as
    the budget (and ``long_prefill_token_threshold``) leaves: chunked prefill. The
@@ -69,6 +74,9 @@ class SchedulerConfig:
     max_model_len: int = 8192
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0  # 0 = off
+    # kvscope's: the budget of a step in which a running request decodes (0 = off: every
+    # step gets max_num_batched_tokens, as in vLLM); see the module docstring
+    max_decode_step_tokens: int = 0
     policy: str = "fcfs"  # fcfs | priority
     # vision-language models (engine/core/encoder_cache.py): embeddings the encoder may
     # produce per step and the cache may hold; 0 = a text model
@@ -98,6 +106,7 @@ class SchedulerConfig:
             max_model_len=int(max_model_len or flags.get("max_model_len") or defaults.max_model_len),
             enable_prefix_caching=bool(flags.get("enable_prefix_caching", defaults.enable_prefix_caching)),
             long_prefill_token_threshold=int(flags.get("long_prefill_token_threshold") or 0),
+            max_decode_step_tokens=int(flags.get("max_decode_step_tokens") or 0),
             policy=str(flags.get("scheduling_policy") or flags.get("policy") or defaults.policy),
             enable_kv_cache_events=bool((flags.get("kv_events_config") or {}).get("enable_kv_cache_events")),
             kv_cache_groups=groups_from_config(flags.get("kv_cache_groups")),
@@ -244,6 +253,7 @@ class _StepPlan:
     """What one ``schedule`` call has decided so far."""
 
     budget: int
+    limit: int  # the step's whole budget (``budget`` is what is left of it)
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     tokens: dict[str, int] = field(default_factory=dict)
     preempted: list[str] = field(default_factory=list)
@@ -396,7 +406,8 @@ class Scheduler:
 
     # -------------------------------------------------------------- schedule
     def schedule(self, now: float) -> SchedulerOutput:
-        plan = _StepPlan(budget=self.config.max_num_batched_tokens, encoder_budget=self.config.encoder_compute_budget)
+        budget = self._step_budget()
+        plan = _StepPlan(budget=budget, limit=budget, encoder_budget=self.config.encoder_compute_budget)
         publishing = self._publishing()
         self.kv.pool.step = self.step_index  # an eviction remembers its step (prefix misses say when)
         self._schedule_running(plan, now, publishing)
@@ -408,6 +419,16 @@ class Scheduler:
         for s in plan.scheduled:
             s.request.num_computed_tokens += s.num_tokens
         return self._output(plan)
+
+    def _step_budget(self) -> int:
+        """This step's token budget: ``max_num_batched_tokens``, or with ``max_decode_step_tokens``
+        set and some running request decoding, that (at least one token per decoding request)."""
+        cfg = self.config
+        bound = cfg.max_decode_step_tokens
+        if not bound or bound >= cfg.max_num_batched_tokens:
+            return cfg.max_num_batched_tokens
+        decoding = sum(1 for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens)
+        return min(cfg.max_num_batched_tokens, max(bound, decoding)) if decoding else cfg.max_num_batched_tokens
 
     def _chunk(self, remaining: int, budget: int) -> int:
         """How many of ``remaining`` tokens fit this step (threshold, then budget)."""
@@ -551,7 +572,7 @@ class Scheduler:
             elif len(self.running) >= cfg.max_num_seqs:  # no slot: the budget left would not matter
                 common = [WAIT_MAX_NUM_SEQS, cfg.max_num_seqs]
             else:
-                common = [WAIT_TOKEN_BUDGET, cfg.max_num_batched_tokens]
+                common = [WAIT_TOKEN_BUDGET, plan.limit]
             return {req.request_id: common for req in waiting.head(WAITING_REASONS_CAP)}, omitted
         blocked, why = plan.blocked
         reasons: dict[str, list[Any]] = {}

@@ -199,6 +199,9 @@ class KvCacheData(PhaseData):
     # CPU: the step token budget the scheduler runs and why (derived from the kernel plan's prefill speed)
     max_num_batched_tokens: int | None = NOT_REPORTED
     max_num_batched_tokens_reason: str | None = NOT_REPORTED
+    # kvscope's budget of a step in which a request decodes (the scheduler's), and why; unset: off
+    max_decode_step_tokens: int | None = NOT_REPORTED
+    max_decode_step_tokens_reason: str | None = NOT_REPORTED
 
 
 @dataclass(frozen=True, slots=True)

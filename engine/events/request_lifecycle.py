@@ -63,7 +63,7 @@ FINISHED_KEPT = 2048  # finished lives a long-running fold keeps (oldest dropped
 
 # each code's words; ``{0}``, ``{1}``: the entry's details after the code
 WAIT_TEXT = {
-    WAIT_TOKEN_BUDGET: "the step's token budget (--max-num-batched-tokens {0}) was spent",
+    WAIT_TOKEN_BUDGET: "the step's token budget ({0} tokens) was spent",
     WAIT_MAX_NUM_SEQS: "--max-num-seqs reached: all {0} sequence slots taken",
     WAIT_BLOCKS: "blocks short: needs {0}, {1} free",
     WAIT_NEVER_FITS: "can never fit: needs {0} blocks, the pool has {1} in total",

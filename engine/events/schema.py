@@ -246,7 +246,7 @@ class RequestRejected(Event):
 # ------------------------------------------------------------------------ steps
 # Why a waiting request was not admitted in a step (a step event's ``waiting_reasons``:
 # request id -> [code, details...]); what no fold of the other fields can tell.
-WAIT_TOKEN_BUDGET = "token_budget"  # [code, max_num_batched_tokens]: the step's token budget was spent
+WAIT_TOKEN_BUDGET = "token_budget"  # [code, the step's budget]: its token budget was spent (--max-num-batched-tokens, or --max-decode-step-tokens in a step with decodes)
 WAIT_MAX_NUM_SEQS = "max_num_seqs"  # [code, max_num_seqs]: every sequence slot was taken
 WAIT_BLOCKS = "blocks"  # [code, blocks needed, blocks free]: the pool is short for its next chunk now
 WAIT_NEVER_FITS = "never_fits"  # [code, blocks needed, blocks in the pool]: it can never be admitted

@@ -65,6 +65,7 @@ class RecordedFlags(msgspec.Struct):
     max_model_len: int | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    max_decode_step_tokens: int | None = None
     block_size: int | None = None
     enable_prefix_caching: bool | None = None
     long_prefill_token_threshold: int | None = None

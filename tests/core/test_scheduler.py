@@ -113,6 +113,34 @@ def test_long_prefill_threshold_shares_the_budget() -> None:
     assert {s.request_id: s.num_tokens for s in out.scheduled} == {"long": 16, "short": 10}
 
 
+def test_a_step_with_decodes_keeps_to_the_decode_step_budget() -> None:
+    """--max-decode-step-tokens: prompts alone may fill --max-num-batched-tokens; once a request
+    decodes, a step holds at most the decode-step budget (its decodes included), so the next
+    prompt is chunked beside it; a budget below the decodes still schedules every decode."""
+    sched = Scheduler(_config(max_num_batched_tokens=64, max_decode_step_tokens=16, max_model_len=128))
+    sched.add_request(Request("first", list(range(40)), 5), 0.0)
+    out, _ = _step(sched, 0.0)
+    assert [(s.request_id, s.num_tokens) for s in out.scheduled] == [("first", 40)]  # no decode: one step
+    sched.add_request(Request("second", list(range(100, 140)), 5), 1.0)
+    shapes = []
+    for t in range(2, 6):
+        out, _ = _step(sched, float(t))
+        shapes.append([(s.request_id, s.num_tokens, s.kind) for s in out.scheduled])
+    assert shapes == [[("first", 1, "decode"), ("second", 15, "prefill")],
+                      [("first", 1, "decode"), ("second", 15, "prefill")],
+                      [("first", 1, "decode"), ("second", 10, "prefill")],
+                      [("first", 1, "decode"), ("second", 1, "decode")]]
+    bus, _ = _recorder()  # a listener: the scheduler says why the waiting wait
+    crowded = Scheduler(_config(max_num_batched_tokens=64, max_decode_step_tokens=2, max_model_len=128), bus)
+    for i in range(4):
+        crowded.add_request(Request(f"d{i}", list(range(i * 10, i * 10 + 8)), 5), 0.0)
+    _step(crowded, 0.0)
+    crowded.add_request(Request("late", list(range(300, 340)), 5), 1.0)
+    result = run_step(crowded, FixedTokenExecutor(7), bus, 1.0)
+    assert sorted(s.request_id for s in result.output.scheduled) == ["d0", "d1", "d2", "d3"]  # 4 decodes > 2
+    assert result.event is not None and result.event.waiting_reasons == {"late": ["token_budget", 4]}
+
+
 def test_fcfs_preempts_the_most_recent_and_admits_nothing_that_step() -> None:
     bus, events = _recorder()
     # 6 blocks of 4: a and b take 2 each at once, then grow into the last 2 and collide

@@ -82,7 +82,7 @@ def test_every_prefix_stop_cause_is_named_at_its_admission() -> None:
 
 def test_every_waiting_reason_is_named_at_its_steps() -> None:
     lives = fcfs_run()
-    assert said(lives["t2"], 8, "waited 1 step: the step's token budget (--max-num-batched-tokens 128) was spent")
+    assert said(lives["t2"], 8, "waited 1 step: the step's token budget (128 tokens) was spent")
     assert said(lives["t3"], 8, "waited 2 steps (to step 9): the step's token budget")
     assert said(lives["s4"], 16, "waited 4 steps (to step 19): --max-num-seqs reached: all 3 sequence slots taken")
     b2 = lives["b2"]

@@ -79,6 +79,30 @@ def test_the_token_budget_follows_the_measured_prefill_speed() -> None:
     assert kernel_plan.derived_batch_budget(slow, 30)[0] == kernel_plan.BUDGET_MIN
 
 
+def test_the_plans_budget_bounds_the_steps_with_decodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CPU defaults a plan's derived budget becomes --max-decode-step-tokens (steps with
+    decodes), and a step of prompts only may take vLLM's CPU default; explicit flags are kept
+    (--max-num-batched-tokens alone: every step, as in vLLM)."""
+    from engine.budget.config import EngineConfig
+    from engine.modelspec.readers import load_model_config
+    from engine.startup import CPU_PROMPT_STEP_TOKENS, resolve_config
+
+    monkeypatch.setenv(kernel_plan.PLAN_ENV, json.dumps(_injected_plan().to_json()))
+    model, cpu = load_model_config("smollm2-135m"), torch.device("cpu")
+    derived, why = kernel_plan.derived_batch_budget(_injected_plan(), model.num_layers)
+    resolution = resolve_config(EngineConfig(), model, cpu)
+    assert resolution.config.max_num_batched_tokens == CPU_PROMPT_STEP_TOKENS > derived
+    assert resolution.config.max_decode_step_tokens == derived and resolution.decode_step_tokens_reason == why
+    assert f"--max-decode-step-tokens {derived:,}" in resolution.batched_tokens_reason
+    assert resolution.config.to_dict()["max_decode_step_tokens"] == derived  # the engine.config event's
+    explicit = resolve_config(EngineConfig(max_num_batched_tokens=256), model, cpu).config
+    assert (explicit.max_num_batched_tokens, explicit.max_decode_step_tokens) == (256, None)
+    assert "max_decode_step_tokens" not in explicit.to_dict()
+    chosen = resolve_config(EngineConfig(max_decode_step_tokens=64), model, cpu)
+    assert (chosen.config.max_num_batched_tokens, chosen.config.max_decode_step_tokens) == (CPU_PROMPT_STEP_TOKENS, 64)
+    assert chosen.decode_step_tokens_reason == "--max-decode-step-tokens"
+
+
 def test_the_fused_layer_serves_the_rows_where_it_wins_from_one_up() -> None:
     (one, eight), sixty_four = STEP_CLASSES[:2], STEP_CLASSES[4]
     rows, notes = kernel_plan.fused_rows_from([(one, 80.0, 190.0, 1e-6), (eight, 400.0, 700.0, 1e-6),

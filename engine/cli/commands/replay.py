@@ -119,7 +119,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"verified steps 0..{args.at}: every decision matches the recording")
         print(replayer.render_state())
         return 0
+    cfg = replayer.config
+    decode_step = f", max-decode-step-tokens {cfg.max_decode_step_tokens}" if cfg.max_decode_step_tokens else ""
     print(f"OK: {report.steps_replayed:,} steps replayed; every decision matches the recording "
-          f"(scheduler: {replayer.config.num_blocks:,} blocks of {replayer.config.block_size}, "
-          f"max-num-seqs {replayer.config.max_num_seqs}, max-num-batched-tokens {replayer.config.max_num_batched_tokens})")
+          f"(scheduler: {cfg.num_blocks:,} blocks of {cfg.block_size}, "
+          f"max-num-seqs {cfg.max_num_seqs}, max-num-batched-tokens {cfg.max_num_batched_tokens}{decode_step})")
     return 0
