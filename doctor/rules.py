@@ -329,6 +329,36 @@ def _budget_for(baseline: float, per_token: float, current: int) -> int:
     return max(MIN_ADVISED_BUDGET, min(current // 2, 2 ** int(math.log2(tokens))))
 
 
+def _decode_step_knob(facts: RunFacts) -> tuple[str, int]:
+    """The flag that bounds a step carrying decodes, and its value: kvscope's
+    ``--max-decode-step-tokens`` where the run set it below the step budget, else
+    ``--max-num-batched-tokens`` (every step's, as in vLLM)."""
+    budget = int(facts.flag("max_num_batched_tokens", 8192))
+    bound = int(facts.flag("max_decode_step_tokens", 0))
+    return ("--max-decode-step-tokens", bound) if 0 < bound < budget else ("--max-num-batched-tokens", budget)
+
+
+def _step_budget(facts: RunFacts, step: StepRow) -> int:
+    """The token budget ``step`` ran under (engine/core/scheduler.py ``_step_budget``; its
+    scheduled decodes stand for the requests that were decoding)."""
+    budget = int(facts.flag("max_num_batched_tokens", 8192))
+    bound = int(facts.flag("max_decode_step_tokens", 0))
+    if 0 < bound < budget and step.num_decode_tokens:
+        return min(budget, max(bound, step.num_decode_tokens))
+    return budget
+
+
+def _smaller_chunks(facts: RunFacts, baseline: float, per_token: float, why: str) -> list[Fix]:
+    """The fix that shrinks the chunks beside decodes: the knob that bounds those steps, when
+    it is above the smallest budget worth advising."""
+    flag, current = _decode_step_knob(facts)
+    if current <= MIN_ADVISED_BUDGET:
+        return []
+    proposed = _budget_for(baseline, per_token, current)
+    return [Fix(flag, current, proposed, why.format(proposed=proposed, step=_ms(baseline + proposed * per_token)),
+                numbers={"per_token_s": per_token})]
+
+
 def long_prompt_spikes(facts: RunFacts) -> Iterable[Finding]:
     """Latency spikes when long documents arrive: their prefill chunks make every decode wait."""
     baseline = decode_baseline_s(facts)
@@ -358,11 +388,9 @@ def long_prompt_spikes(facts: RunFacts) -> Iterable[Finding]:
     if len(ranked) > 3:
         evidence.append(f"and {len(ranked) - 3} more long prompts")
     per_token = _chunk_cost_per_token(spikes, baseline)
-    proposed = _budget_for(baseline, per_token, budget)
-    fixes = [Fix("--max-num-batched-tokens", budget, proposed,
-                 f"a prompt chunk costs {per_token * 1e6:,.1f} µs per token here, so a {proposed:,}-token chunk keeps "
-                 f"a step near {_ms(baseline + proposed * per_token)} instead of {_ms(worst.duration_s)}",
-                 numbers={"per_token_s": per_token}),
+    fixes = [*_smaller_chunks(facts, baseline, per_token,
+                              f"a prompt chunk costs {per_token * 1e6:,.1f} µs per token here, so a {{proposed:,}}-token "
+                              f"chunk keeps a step near {{step}} instead of {_ms(worst.duration_s)}"),
              Fix("route long-context traffic to its own replicas", None, None,
                  f"{len(ranked)} prompts of at least {budget // 2:,} tokens shared steps with streaming requests")]
     first = min(steps[0].index for steps in by_request.values())
@@ -392,17 +420,16 @@ def decode_starved(facts: RunFacts) -> Iterable[Finding]:
     typical = statistics.median(s.duration_s for s in slowed)
     prefill_share = sum(s.num_prefill_tokens for s in slowed) / sum(s.num_tokens for s in slowed)
     per_token = _chunk_cost_per_token(slowed, baseline)
-    proposed = _budget_for(baseline, per_token, budget)
     evidence = [f"{share * 100:.0f} % of the {decode_total:,} decode tokens were produced in {len(slowed)} steps "
                 f"carrying prefill ({_steps(slowed[0].index, slowed[-1].index)}), whose median step took "
                 f"{_ms(typical)} against {_ms(baseline)} for decode-only steps",
                 f"prefill was {prefill_share * 100:.0f} % of the tokens in those steps"]
-    fixes = [Fix("--max-num-batched-tokens", budget, proposed,
-                 f"smaller chunks: a step near {_ms(baseline + proposed * per_token)} at {per_token * 1e6:,.1f} µs "
-                 "per prompt token")]
+    fixes = _smaller_chunks(facts, baseline, per_token,
+                            f"smaller chunks: a step near {{step}} at {per_token * 1e6:,.1f} µs per prompt token")
     threshold = int(facts.flag("long_prefill_token_threshold", 0))
     if not threshold:
-        fixes.append(Fix("--long-prefill-token-threshold", 0, proposed // 2,
+        cap = fixes[0].proposed if fixes else _decode_step_knob(facts)[1]
+        fixes.append(Fix("--long-prefill-token-threshold", 0, int(cap) // 2,
                          "caps each prompt's chunk so several prompts share a step's budget"))
     yield Finding("decode_starved", WARNING, "decode starved by prefill", evidence,
                   "prompts keep the step budget full of prefill, so every streaming request's next token waits",
@@ -423,7 +450,7 @@ def ttft_token_budget(facts: RunFacts) -> Iterable[Finding]:
     """TTFT rises while every step's token budget is full and prompts wait."""
     budget = int(facts.flag("max_num_batched_tokens", 8192))
     seqs = int(facts.flag("max_num_seqs", 256))
-    full = [s for s in facts.steps if s.num_waiting > 0 and s.num_tokens >= budget * 0.98
+    full = [s for s in facts.steps if s.num_waiting > 0 and s.num_tokens >= _step_budget(facts, s) * 0.98
             and s.num_running < seqs and not s.preempted and s.kv_usage < KV_FULL]
     thirds = _thirds(list(facts.requests.values()))
     if len(full) < MIN_BINDING_STEPS or thirds is None or thirds[1] < TTFT_RISE * max(thirds[0], 1e-9):
@@ -431,19 +458,25 @@ def ttft_token_budget(facts: RunFacts) -> Iterable[Finding]:
     first_ttft, last_ttft = thirds
     numbers: dict[str, Any] = {"full_steps": len(full), "ttft_first_third_s": first_ttft,
                                "ttft_last_third_s": last_ttft}
-    why = "each step admits twice the prompt tokens"
-    fixes = []
-    plan_now, plan_new = replan(facts), replan(facts, max_num_batched_tokens=budget * 2)
-    if plan_now is not None and plan_new is not None:
-        grows = (plan_new.activation_peak_bytes - plan_now.activation_peak_bytes) / GiB
-        why += (f"; the activation peak grows {grows:.2f} GiB, so the pool goes from {plan_now.kv_cache_tokens:,} "
-                f"to {plan_new.kv_cache_tokens:,} tokens" if plan_new.kv_cache_tokens != plan_now.kv_cache_tokens
-                else f"; the budget formula keeps the pool at {plan_now.kv_cache_tokens:,} tokens")
-        numbers["pool_tokens_after"] = plan_new.kv_cache_tokens
+    flag, bound = _decode_step_knob(facts)
+    by_decodes = sum(_step_budget(facts, s) < budget for s in full)  # steps bound by --max-decode-step-tokens
+    if flag == "--max-decode-step-tokens" and 2 * by_decodes > len(full):
+        budget = bound  # the profile run (and so the pool) does not depend on it
+        why = ("a step with decodes admits twice the prompt tokens (each such step grows by that many tokens' "
+               "compute, so the decodes beside it wait longer)")
+    else:
+        flag, why = "--max-num-batched-tokens", "each step admits twice the prompt tokens"
+        plan_now, plan_new = replan(facts), replan(facts, max_num_batched_tokens=budget * 2)
+        if plan_now is not None and plan_new is not None:
+            grows = (plan_new.activation_peak_bytes - plan_now.activation_peak_bytes) / GiB
+            why += (f"; the activation peak grows {grows:.2f} GiB, so the pool goes from {plan_now.kv_cache_tokens:,} "
+                    f"to {plan_new.kv_cache_tokens:,} tokens" if plan_new.kv_cache_tokens != plan_now.kv_cache_tokens
+                    else f"; the budget formula keeps the pool at {plan_now.kv_cache_tokens:,} tokens")
+            numbers["pool_tokens_after"] = plan_new.kv_cache_tokens
     evidence = [f"the {budget:,}-token step budget was full on {len(full)} steps with prompts waiting "
                 f"({_steps(full[0].index, full[-1].index)})",
                 f"median TTFT rose from {first_ttft:,.2f} s (first third of arrivals) to {last_ttft:,.2f} s (last third)"]
-    fixes.append(Fix("--max-num-batched-tokens", budget, budget * 2, why))
+    fixes = [Fix(flag, budget, budget * 2, why)]
     fixes.append(Fix("or add a replica", None, None,
                      "where steps are compute-bound a bigger budget only makes them longer: the arrival rate then "
                      "exceeds what one engine prefills (the what-if above tells which)"))

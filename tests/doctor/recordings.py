@@ -41,6 +41,11 @@ COMMANDS: dict[str, str] = {
     # 40 prompts/s through a 512-token step budget
     "ttft_token_budget": "--max-num-batched-tokens 512 --num-prompts 60 --random-input-len 1000:2000 "
                          "--random-output-len 20:60 --arrival poisson --request-rate 40 --arrival-unit s",
+    # the same arrivals under kvscope's CPU-style budgets: prompts alone may take 4,096 tokens a step,
+    # a step with decodes 512 (--max-decode-step-tokens), and that is what binds
+    "ttft_decode_step": "--max-num-batched-tokens 4096 --max-decode-step-tokens 512 --num-prompts 60 "
+                        "--random-input-len 1000:2000 --random-output-len 20:60 --arrival poisson --request-rate 40 "
+                        "--arrival-unit s",
     # a 512-token shared prefix on a 160-block pool: its cached blocks are evicted
     "prefix_evicted": "--num-gpu-blocks-override 160 --max-num-seqs 32 --max-model-len 2048 --num-prompts 60 "
                       "--random-input-len 600:900 --random-output-len 50:100 --shared-prefix-fraction 0.7 "

@@ -88,6 +88,18 @@ def test_ttft_rises_while_the_token_budget_is_full() -> None:
     assert (fix.current, fix.proposed) == (512, 1024)
 
 
+def test_ttft_rule_names_the_decode_step_budget_that_binds() -> None:
+    """Under kvscope's two budgets the steps that fill are those with decodes, at
+    --max-decode-step-tokens, far below --max-num-batched-tokens: the rule counts them full
+    against their own budget and names that flag."""
+    f = finding("ttft_decode_step", "ttft_token_budget")
+    assert f.numbers["full_steps"] == 165 and "pool_tokens_after" not in f.numbers
+    assert f.evidence[0].startswith("the 512-token step budget was full on 165 steps")
+    fix = fix_for(f, "--max-decode-step-tokens")
+    assert (fix.current, fix.proposed) == (512, 1024)
+    assert not any(x.flag == "--max-num-batched-tokens" for x in f.fixes)
+
+
 def test_shared_prefix_evicted() -> None:
     f = finding("prefix_evicted", "prefix_cache_low")
     assert f.numbers["shared_prefix_tokens"] == 512 and f.numbers["evicted_prefix_blocks"] > 0
