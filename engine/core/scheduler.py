@@ -118,6 +118,8 @@ class SchedulerConfig:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_decode_step_tokens < 0:
+            raise ValueError(f"max_decode_step_tokens must be positive (0: off), got {self.max_decode_step_tokens}")
 
 
 class ScheduledRequest:

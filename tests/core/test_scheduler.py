@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.step_loop import FixedTokenExecutor, run_step
@@ -139,6 +141,8 @@ def test_a_step_with_decodes_keeps_to_the_decode_step_budget() -> None:
     result = run_step(crowded, FixedTokenExecutor(7), bus, 1.0)
     assert sorted(s.request_id for s in result.output.scheduled) == ["d0", "d1", "d2", "d3"]  # 4 decodes > 2
     assert result.event is not None and result.event.waiting_reasons == {"late": ["token_budget", 4]}
+    with pytest.raises(ValueError, match="max_decode_step_tokens must be positive"):
+        _config(max_decode_step_tokens=-1)
 
 
 def test_fcfs_preempts_the_most_recent_and_admits_nothing_that_step() -> None:

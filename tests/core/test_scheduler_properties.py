@@ -34,11 +34,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_num_seqs=st.integers(1, 5),
         budget=st.integers(1, 24),
         threshold=st.sampled_from([0, 0, 3]),
+        decode_step=st.sampled_from([0, 0, 2, 6]),
         policy=st.sampled_from(sorted(POLICIES)),
         caching=st.booleans(),
     )
     def setup(
-        self, num_blocks: int, block_size: int, max_num_seqs: int, budget: int, threshold: int, policy: str, caching: bool
+        self, num_blocks: int, block_size: int, max_num_seqs: int, budget: int, threshold: int, decode_step: int,
+        policy: str, caching: bool,
     ) -> None:
         self.config = SchedulerConfig(
             num_blocks=num_blocks,
@@ -48,6 +50,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_model_len=64,
             enable_prefix_caching=caching,
             long_prefill_token_threshold=threshold,
+            max_decode_step_tokens=decode_step,
             policy=policy,
         )
         self.bus = EventBus(clock=lambda: 0.0)
@@ -82,8 +85,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(stop_mask=st.integers(0, 2**8 - 1), token=st.integers(1, 40))
     def step(self, stop_mask: int, token: int) -> None:
         self.now += 1.0
+        decoding = sum(r.num_computed_tokens >= r.num_prompt_tokens for r in self.sched.running)
         out = self.sched.schedule(self.now)
         assert out.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
+        bound = self.config.max_decode_step_tokens
+        if bound and decoding:  # a step with decodes: at most its bound, or one token per decoding request
+            assert out.total_num_scheduled_tokens <= max(bound, decoding)
         assert len(out.scheduled) <= self.config.max_num_seqs
         if self.config.long_prefill_token_threshold:
             assert all(s.num_tokens <= self.config.long_prefill_token_threshold for s in out.scheduled)
