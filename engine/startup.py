@@ -600,13 +600,6 @@ def _phase_budget(b: PhaseHandle, s: StartupInputs, reading: MemoryReading) -> N
                                                 config.dtype),
                      s.budget_groups, bytes_per_kv_token_per_layer(
         model, config.kv_cache_dtype, config.tensor_parallel_size, config.dtype) if s.kv_cache_groups else 0)
-    if config.kv_cache_memory_bytes is None and reading.free < requested:
-        raise BudgetError(
-            f"free memory on device ({reading.free / GiB:.2f}/{reading.total / GiB:.2f} GiB) is less than "
-            f"desired memory utilization ({config.gpu_memory_utilization}, {requested / GiB:.2f} GiB); "
-            f"lower --gpu-memory-utilization to {reading.free / reading.total:.2f} or less"
-            + (", or give --device-memory GiB" if device.type == "cpu" else ", or free the device")
-        )
     needed_weights = weights_bytes(s.model, config.dtype, config.tensor_parallel_size)
     if s.stage_layers is not None:
         stages = config.pipeline_parallel_size or 1
@@ -614,6 +607,22 @@ def _phase_budget(b: PhaseHandle, s: StartupInputs, reading: MemoryReading) -> N
                                              s.stage_layers[1] == s.model.num_layers, config.dtype,
                                              config.tensor_parallel_size)
         s.log.info(f"pipeline stage of {stages}: layers {s.stage_layers[0]}-{s.stage_layers[1] - 1}")
+    # On CPU with neither memory flag, phase E caps the pool at vLLM's VLLM_CPU_KVCACHE_SPACE
+    # default: this start needs the weights and that pool, not 0.9 of the host's memory, so a
+    # host whose other processes hold a few GiB still starts (as vLLM's CPU build does).
+    cpu_capped = device.type == "cpu" and config.kv_cache_memory_bytes is None and config.device_memory_gib is None
+    capped_need = needed_weights + CPU_DEFAULT_KV_SPACE_GIB * GiB
+    if cpu_capped and capped_need <= reading.free < requested:
+        s.log.info(f"free memory {reading.free / GiB:.2f} GiB is below the requested {requested / GiB:.2f} GiB; the "
+                   f"CPU pool is capped at {CPU_DEFAULT_KV_SPACE_GIB:g} GiB, so this start needs about "
+                   f"{capped_need / GiB:.2f} GiB with the weights: going on")
+    elif config.kv_cache_memory_bytes is None and reading.free < requested:
+        raise BudgetError(
+            f"free memory on device ({reading.free / GiB:.2f}/{reading.total / GiB:.2f} GiB) is less than "
+            f"desired memory utilization ({config.gpu_memory_utilization}, {requested / GiB:.2f} GiB); "
+            f"lower --gpu-memory-utilization to {reading.free / reading.total:.2f} or less"
+            + (", or give --device-memory GiB" if device.type == "cpu" else ", or free the device")
+        )
     if config.kv_cache_memory_bytes is None and needed_weights > requested:
         raise BudgetError(
             f"the weights ({needed_weights / GiB:.2f} GiB in {config.dtype}) do not fit the requested "

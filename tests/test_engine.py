@@ -319,3 +319,33 @@ def test_a_fixed_pool_is_sized_by_the_hybrid_layout_when_the_model_has_a_window(
     # 8 MiB // (16 x 4,096 bytes x 3 layers) = 85 blocks < 256 (full) + 5 x (ceil(1,023 / 16) + 1) = 581
     with pytest.raises(BudgetError, match=r"85 blocks .* fewer than the 581 .* 6 KV cache groups"):
         check_fixed_pool(small, per_token, groups, per_layer)
+
+
+def test_a_cpu_start_at_defaults_needs_its_capped_pool_not_most_of_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With neither --device-memory nor --kv-cache-memory-bytes the CPU pool is capped at 4 GiB
+    (vLLM's VLLM_CPU_KVCACHE_SPACE), so a host whose other processes (or this process: the
+    budget's total counts its own RSS) hold more than 10 % still starts; a host without room
+    for the weights and that pool is refused, with the numbers."""
+    import dataclasses
+
+    from engine import startup
+    from engine.errors import BudgetError
+
+    real = startup.read_memory
+    gib = 1 << 30
+
+    def host(free_gib: float):
+        return lambda device, memory_gib=None: dataclasses.replace(real(device, memory_gib), total=24 * gib,
+                                                                   free=int(free_gib * gib))
+
+    events: list[Event] = []
+    bus = EventBus()
+    bus.subscribe(events.append)
+    monkeypatch.setattr(startup, "read_memory", host(12.0))  # half the host free: 0.9 x 24 GiB is not
+    with LLM("smollm2-135m", bus=bus, max_model_len=256, max_num_batched_tokens=64, stats_interval=0.0) as llm:
+        assert llm.generate(["Hi"], SamplingParams(temperature=0.0, max_tokens=2))[0].token_ids
+    phase_e = next(e for e in events if isinstance(e, StartupPhase) and e.phase == "E" and e.status == "end")
+    assert phase_e.data["cpu_default_cap"] is True
+    monkeypatch.setattr(startup, "read_memory", host(3.0))  # not even the 4 GiB pool
+    with pytest.raises(BudgetError, match=r"free memory on device \(3.00/24.00 GiB\) is less than"):
+        LLM("smollm2-135m", max_model_len=256, max_num_batched_tokens=64, stats_interval=0.0)
