@@ -23,8 +23,8 @@ from tests.monitor.test_fleet_app import until
 from tests.monitor.test_monitor_layout import widget_lines
 from tests.test_data_parallel import dp_server  # noqa: F401  (the server fixture)
 
-REQUESTS = 8
-MAX_TOKENS = 200  # long enough that both ranks still run requests when the key is pressed
+REQUESTS = 32  # 16 a rank behind --max-num-seqs 8: a second wave queues behind the first
+MAX_TOKENS = 250  # the most a 5-token prompt gets under the server's --max-model-len 256
 
 
 def _generate(url: str, index: int) -> int:
