@@ -31,7 +31,13 @@ from engine.budget.memory import GiB, required_utilization
 from engine.budget.stages import DEFAULT_MICRO_BATCHES, PipelinePlan, fill_drain_bubble, stage_layer_ranges
 from engine.events.dp_balance import DP_IMBALANCE_BOUND, DP_MIN_MEAN_LOAD
 from engine.events.request_lifecycle import wait_reason_text
-from engine.events.schema import PREFIX_EVICTED, PREFIX_SHORT_PROMPT, PREFIX_WINDOW, WAIT_NEVER_FITS
+from engine.events.schema import (
+    PREFIX_EVICTED,
+    PREFIX_SHORT_PROMPT,
+    PREFIX_WINDOW,
+    WAIT_NEVER_FITS,
+    step_token_budget,
+)
 
 WARNING = "warning"
 CRITICAL = "critical"
@@ -339,13 +345,10 @@ def _decode_step_knob(facts: RunFacts) -> tuple[str, int]:
 
 
 def _step_budget(facts: RunFacts, step: StepRow) -> int:
-    """The token budget ``step`` ran under (engine/core/scheduler.py ``_step_budget``; its
-    scheduled decodes stand for the requests that were decoding)."""
-    budget = int(facts.flag("max_num_batched_tokens", 8192))
-    bound = int(facts.flag("max_decode_step_tokens", 0))
-    if 0 < bound < budget and step.num_decode_tokens:
-        return min(budget, max(bound, step.num_decode_tokens))
-    return budget
+    """The token budget ``step`` ran under, by the scheduler's own rule (its scheduled decodes
+    stand for the requests that were decoding)."""
+    return step_token_budget(int(facts.flag("max_num_batched_tokens", 8192)),
+                             int(facts.flag("max_decode_step_tokens", 0)), step.num_decode_tokens)
 
 
 def _smaller_chunks(facts: RunFacts, baseline: float, per_token: float, why: str) -> list[Fix]:

@@ -172,6 +172,13 @@ def _multi_rank(config: EngineConfig) -> bool:
     return config.tensor_parallel_size > 1 or (config.pipeline_parallel_size or 1) > 1
 
 
+def _cpu_pool_capped(config: EngineConfig, device: torch.device) -> bool:
+    """On CPU with neither ``--kv-cache-memory-bytes`` nor ``--device-memory``, phase E caps the
+    pool at ``CPU_DEFAULT_KV_SPACE_GIB`` (vLLM's VLLM_CPU_KVCACHE_SPACE default), and phase B
+    needs only the weights and that pool free."""
+    return device.type == "cpu" and config.kv_cache_memory_bytes is None and config.device_memory_gib is None
+
+
 def _plan_picks_auto_dtype(config: EngineConfig, model: ModelConfig, device: torch.device) -> bool:
     """``--dtype auto`` on one CPU rank with the kernel plan on and no family rule: float32
     activations, each projection's weights by the plan's measurement."""
@@ -610,9 +617,8 @@ def _phase_budget(b: PhaseHandle, s: StartupInputs, reading: MemoryReading) -> N
     # On CPU with neither memory flag, phase E caps the pool at vLLM's VLLM_CPU_KVCACHE_SPACE
     # default: this start needs the weights and that pool, not 0.9 of the host's memory, so a
     # host whose other processes hold a few GiB still starts (as vLLM's CPU build does).
-    cpu_capped = device.type == "cpu" and config.kv_cache_memory_bytes is None and config.device_memory_gib is None
     capped_need = needed_weights + CPU_DEFAULT_KV_SPACE_GIB * GiB
-    if cpu_capped and capped_need <= reading.free < requested:
+    if _cpu_pool_capped(config, device) and capped_need <= reading.free < requested:
         s.log.info(f"free memory {reading.free / GiB:.2f} GiB is below the requested {requested / GiB:.2f} GiB; the "
                    f"CPU pool is capped at {CPU_DEFAULT_KV_SPACE_GIB:g} GiB, so this start needs about "
                    f"{capped_need / GiB:.2f} GiB with the weights: going on")
@@ -705,8 +711,7 @@ def _phase_kv_cache(e: PhaseHandle, s: StartupInputs, reading: MemoryReading, we
     plan_kwargs["disable_hybrid_kv_cache_manager"] = not runs_hybrid
     plan_kwargs["kv_cache_groups"] = runner_groups if runs_hybrid else None
     plan = plan_memory(kv_cache_memory_bytes=kv_bytes, check_fits=False, **plan_kwargs)
-    if (device.type == "cpu" and kv_bytes is None and config.device_memory_gib is None
-            and plan.kv_pool_bytes > CPU_DEFAULT_KV_SPACE_GIB * GiB):
+    if _cpu_pool_capped(config, device) and plan.kv_pool_bytes > CPU_DEFAULT_KV_SPACE_GIB * GiB:
         plan = plan_memory(kv_cache_memory_bytes=int(CPU_DEFAULT_KV_SPACE_GIB * GiB), check_fits=False,
                            **plan_kwargs)
         capped = True

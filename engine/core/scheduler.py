@@ -60,6 +60,7 @@ from engine.events.schema import (
     WAIT_PRIORITY,
     WAIT_TOKEN_BUDGET,
     WAITING_REASONS_CAP,
+    step_token_budget,
 )
 
 
@@ -423,14 +424,12 @@ class Scheduler:
         return self._output(plan)
 
     def _step_budget(self) -> int:
-        """This step's token budget: ``max_num_batched_tokens``, or with ``max_decode_step_tokens``
-        set and some running request decoding, that (at least one token per decoding request)."""
+        """This step's token budget (:func:`step_token_budget`), counting the running requests
+        that decode only where a decode-step bound is set."""
         cfg = self.config
-        bound = cfg.max_decode_step_tokens
-        if not bound or bound >= cfg.max_num_batched_tokens:
-            return cfg.max_num_batched_tokens
-        decoding = sum(1 for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens)
-        return min(cfg.max_num_batched_tokens, max(bound, decoding)) if decoding else cfg.max_num_batched_tokens
+        decoding = (sum(1 for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens)
+                    if cfg.max_decode_step_tokens else 0)
+        return step_token_budget(cfg.max_num_batched_tokens, cfg.max_decode_step_tokens, decoding)
 
     def _chunk(self, remaining: int, budget: int) -> int:
         """How many of ``remaining`` tokens fit this step (threshold, then budget)."""

@@ -258,6 +258,17 @@ WAIT_REASONS = (WAIT_TOKEN_BUDGET, WAIT_MAX_NUM_SEQS, WAIT_BLOCKS, WAIT_NEVER_FI
                 WAIT_ENCODER, WAIT_PREEMPTING)
 WAITING_REASONS_CAP = 16  # requests explained per step, from the head of the queue; the rest are counted
 
+
+def step_token_budget(max_num_batched_tokens: int, max_decode_step_tokens: int, decoding: int) -> int:
+    """A step's token budget: ``max_num_batched_tokens``, or, with ``max_decode_step_tokens``
+    set below it and ``decoding`` running requests decoding, that bound (at least one token per
+    decoding request). The scheduler's rule (engine/core/scheduler.py) and the doctor's reading
+    of a recorded step's budget (a ``token_budget`` wait names it): here, where both may import it."""
+    if not decoding or not 0 < max_decode_step_tokens < max_num_batched_tokens:
+        return max_num_batched_tokens
+    return min(max_num_batched_tokens, max(max_decode_step_tokens, decoding))
+
+
 # Where an admitted request's prefix-cache match stopped (a step event's ``prefix_lookups``:
 # request id -> [hit tokens, cause, details...]).
 PREFIX_SHORT_PROMPT = "short_prompt"  # the prompt is shorter than one block: nothing can be cached
