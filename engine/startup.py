@@ -67,6 +67,7 @@ from engine.model.device import (
 )
 from engine.model.kernels.background import KernelBuilds
 from engine.model.loader import LoadInfo
+from engine.model.host_allocator import tune_for_steps
 from engine.model.parallel import RankLayout, TensorParallel, check_shardable, replica_free_bytes
 from engine.model.runner import ModelRunner
 from engine.model.tokenizer import Tokenizer
@@ -585,8 +586,8 @@ def _phase_init(a: PhaseHandle, s: StartupInputs, reading: MemoryReading) -> Ker
              f"{reading.free / GiB:.2f} GiB free; torch {torch.__version__}, {torch.get_num_threads()} threads")
     kernels: KernelBuilds | None = None
     if s.caps is not None:
-        a.record = dataclasses.replace(a.record, cpu=s.caps.summary())
-        log.info(f"CPU: {s.caps.line()}")
+        a.record = dataclasses.replace(a.record, cpu=s.caps.summary(), allocator=tune_for_steps())
+        log.info(f"CPU: {s.caps.line()}; allocator: {a.record.allocator}")
         # Compiling the CPU kernels (seconds to a minute, once per CPU type and
         # torch version) overlaps weight loading and the profile run.
         kernels = KernelBuilds.start(log)

@@ -112,6 +112,7 @@ class InitData(PhaseData):
     dtype: str | None = NOT_REPORTED  # the resolved --dtype
     dtype_reason: str | None = NOT_REPORTED
     cpu: Mapping[str, Any] | None = NOT_REPORTED  # CPU only: CpuCapabilities.summary()
+    allocator: str | None = NOT_REPORTED  # CPU only: how the host allocator was set for step tensors
 
 
 @dataclass(frozen=True, slots=True)

@@ -145,6 +145,10 @@ class Implementation:
 
     call: Callable[[torch.Tensor], torch.Tensor]
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    # A candidate that computes in another dtype (bf16): the call without its cast back, and that
+    # dtype, so the next op can take the output as it is (engine/model/llama.py mlp_block).
+    native: Callable[[torch.Tensor], torch.Tensor] | None = None
+    computes_in: torch.dtype | None = None
 
 
 def candidates_for(weight: torch.Tensor, quantized: Any, gemv_kernel: Any, native_bf16: bool,
@@ -192,8 +196,12 @@ def implementation(candidate: str, weight: torch.Tensor, quantized: Any, gemv_ke
         w16 = weight.to(torch.bfloat16).contiguous()
         packed = pack_for_mkldnn(w16)
         if packed is None:
-            return Implementation(lambda x: F.linear(x.to(torch.bfloat16), w16).to(x.dtype), {"bf16": w16})
-        return Implementation(_packed_linear(packed, torch.bfloat16), {"bf16_packed": packed})
+            def dense(x: torch.Tensor) -> torch.Tensor:
+                return F.linear(x.to(torch.bfloat16), w16)
+
+            return Implementation(lambda x: dense(x).to(x.dtype), {"bf16": w16}, dense, torch.bfloat16)
+        native = _packed_linear(packed, torch.bfloat16, cast_back=False)
+        return Implementation(_packed_linear(packed, torch.bfloat16), {"bf16_packed": packed}, native, torch.bfloat16)
     if candidate == "int8pack":
         scale = (weight.float().abs().amax(dim=1) / 127.0).clamp_min(1e-12)
         q = torch.round(weight.float() / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
@@ -217,11 +225,15 @@ def pack_for_mkldnn(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def _packed_linear(packed: torch.Tensor, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``x @ W.T`` over a :func:`pack_for_mkldnn` weight of ``dtype``, rows cast to it and back."""
+def _packed_linear(packed: torch.Tensor, dtype: torch.dtype,
+                   cast_back: bool = True) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x @ W.T`` over a :func:`pack_for_mkldnn` weight of ``dtype``, rows cast to it (and the
+    output back to the rows' dtype unless ``cast_back`` is False)."""
     import torch
 
     linear = torch.ops.mkldnn._linear_pointwise
+    if not cast_back:
+        return lambda x: linear(x.to(dtype), packed, None, "none", [], "")
     return lambda x: linear(x.to(dtype), packed, None, "none", [], "").to(x.dtype)
 
 
@@ -243,18 +255,29 @@ def mkldnn_linear_available() -> bool:
 class Route:
     """One projection's implementation by step size: the first whose row limit holds."""
 
-    __slots__ = ("calls", "limits")
+    __slots__ = ("impls", "limits")
 
-    def __init__(self, limits: Sequence[int], calls: Sequence[Callable[[torch.Tensor], torch.Tensor]]) -> None:
+    def __init__(self, limits: Sequence[int], impls: Sequence[Implementation]) -> None:
         self.limits = tuple(limits)
-        self.calls = tuple(calls)
+        self.impls = tuple(impls)
+
+    def _for(self, rows: int) -> Implementation:
+        for limit, impl in zip(self.limits, self.impls, strict=True):
+            if rows <= limit:
+                return impl
+        return self.impls[-1]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        for limit, call in zip(self.limits, self.calls, strict=True):
-            if rows <= limit:
-                return call(x)
-        return self.calls[-1](x)
+        return self._for(x.shape[0]).call(x)
+
+    def native(self, x: torch.Tensor) -> torch.Tensor:
+        """The output in the dtype the implementation computes in (no cast back)."""
+        impl = self._for(x.shape[0])
+        return (impl.native or impl.call)(x)
+
+    def computes_in(self, rows: int) -> torch.dtype | None:
+        """The dtype a step of ``rows`` rows is cast to (None: the rows' own)."""
+        return self._for(rows).computes_in
 
 
 def build_route(choices: Sequence[tuple[int, str]], weight: torch.Tensor, quantized: Any,
@@ -262,7 +285,7 @@ def build_route(choices: Sequence[tuple[int, str]], weight: torch.Tensor, quanti
     """The route for ``choices`` (``(row limit, candidate)`` per class, in order; the last
     class unbounded) and the copies it keeps."""
     limits: list[int] = []
-    calls: list[Callable[[torch.Tensor], torch.Tensor]] = []
+    impls: list[Implementation] = []
     made: dict[str, Implementation] = {}
     last = None
     for limit, candidate in choices:
@@ -272,11 +295,11 @@ def build_route(choices: Sequence[tuple[int, str]], weight: torch.Tensor, quanti
             limits[-1] = limit  # same candidate as the class below: one range
             continue
         limits.append(limit)
-        calls.append(made[candidate].call)
+        impls.append(made[candidate])
         last = candidate
     limits[-1] = 1 << 62
     extra = {name: t for impl in made.values() for name, t in impl.extra.items()}
-    return Route(limits, calls), extra
+    return Route(limits, impls), extra
 
 
 # ---------------------------------------------------------------------- the plan

@@ -26,6 +26,7 @@ from torch import nn
 
 from engine.model.attention.base import AttentionBackend, AttentionMetadata
 from engine.model.kernels.cpu_norm import rms_norm
+from engine.model.kernels.cpu_act import silu_and_mul
 from engine.model.rope_scaling import llama3_scaled_inv_freq
 from engine.modelspec.config import ModelConfig, RopeScaling
 
@@ -271,8 +272,16 @@ class DecoderLayer(nn.Module):
     def mlp_block(self, hidden: torch.Tensor) -> torch.Tensor:
         """Norm, gate/up, SiLU-and-multiply, down, residual: the part ``torch.compile`` fuses."""
         x = rms_norm(hidden, self.post_attention_layernorm, self.eps)
-        gate, up = linear_maybe_quantized(self, x, "gate_up_proj", self.gate_up_proj).split(self.intermediate_size, dim=-1)
-        return hidden + self.reduce_rows(linear_maybe_quantized(self, F.silu(gate) * up, "down_proj", self.down_proj))
+        gate_route, down_route = self.kernel_routes.get("gate_up_proj"), self.kernel_routes.get("down_proj")
+        if gate_route is None or down_route is None:
+            gate_up = linear_maybe_quantized(self, x, "gate_up_proj", self.gate_up_proj)
+            down = linear_maybe_quantized(self, silu_and_mul(gate_up, gate_up.dtype), "down_proj", self.down_proj)
+            return hidden + self.reduce_rows(down)
+        # By the kernel plan: a bf16 gate/up GEMM's output goes to SiLU-and-multiply as it is, and that
+        # writes the dtype the down projection computes in (no float32 round trip between them).
+        rows = x.shape[0]
+        act = silu_and_mul(gate_route.native(x), down_route.computes_in(rows) or x.dtype)
+        return hidden + self.reduce_rows(down_route(act).to(hidden.dtype))
 
 
 def qk_normed_qkv(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

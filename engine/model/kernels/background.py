@@ -16,7 +16,7 @@ from engine.model.kernels.build import BuildReport
 
 # Modules exposing ``ensure_built(log) -> BuildReport | None`` (None: switched off).
 CPU_KERNEL_MODULES = ("engine.model.attention.cpu_decode", "engine.model.kernels.cpu_gemv", "engine.model.kernels.cpu_norm",
-                      "engine.model.kernels.cpu_layer")
+                      "engine.model.kernels.cpu_act", "engine.model.kernels.cpu_layer")
 
 
 def build_all(log: Callable[[str], None] | None = None) -> list[BuildReport]:
