@@ -65,9 +65,9 @@ from engine.model.device import (
     resolve_device,
     versions,
 )
+from engine.model.host_allocator import tune_for_steps
 from engine.model.kernels.background import KernelBuilds
 from engine.model.loader import LoadInfo
-from engine.model.host_allocator import tune_for_steps
 from engine.model.parallel import RankLayout, TensorParallel, check_shardable, replica_free_bytes
 from engine.model.runner import ModelRunner
 from engine.model.tokenizer import Tokenizer

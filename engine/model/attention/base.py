@@ -14,8 +14,8 @@ decode is simply ``q_len == 1``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -33,6 +33,8 @@ class AttentionMetadata:
     # Host copies, so CPU code can plan without device syncs.
     query_lens_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
+    # A backend's plan of this step's rows, made by its first layer and read by the others.
+    layout: Any = field(default=None, compare=False, repr=False)
 
     @property
     def num_seqs(self) -> int:

