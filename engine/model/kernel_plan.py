@@ -119,8 +119,8 @@ FUSED_CONTEXT = 32  # tokens each sequence of the fused-layer timing attends ove
 # ~15-25 %), so the bound scales with the CPU. Measured on bench/workloads.py's batches (Zen 4,
 # AVX512-BF16, 2 threads), a 0.1 s target (128 tokens, steps of 100-150 ms) cost more than it
 # bounded: prompts arriving together were prefilled ~110 tokens a step beside the decodes, so
-# batch-16's ITL p99 was 154 ms (42 ms at ~1 s: fewer slow steps, under 1 % of the gaps) and
-# batch-64's TTFT p99 31.6 s (14.9-16.5 s); vLLM-CPU's own 2,048-token steps take ~1.5-2 s here.
+# batch-16's ITL p99 was 154 ms (42-61 ms at ~1 s: fewer slow steps, under 1 % of the gaps) and
+# batch-64's TTFT p99 31.6 s (16.5-19.3 s); vLLM-CPU's own 2,048-token steps take ~1.5-2 s here.
 STEP_TARGET_S = 1.0
 BUDGET_MIN, BUDGET_MAX, BUDGET_QUANTUM = 128, 8192, 64
 
