@@ -17,7 +17,6 @@ Without the kernel the torch ops run.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
@@ -101,9 +100,8 @@ def ensure_built(log: Callable[[str], None] | None = None) -> BuildReport | None
 def silu_and_mul(gate_up: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """``silu(gate) * up`` of ``gate_up = [gate | up]`` (``[rows, 2 * width]``), in float32 and
     returned in ``out_dtype``: through the kernel on CPU when it is built, else torch's ops."""
-    if (gate_up.device.type == "cpu" and gate_up.dim() == 2 and gate_up.dtype in _KERNEL_DTYPES
-            and out_dtype in _KERNEL_DTYPES and os.environ.get(KERNEL_ENV, "1") != "0"):
-        module = KERNEL.get()
+    if gate_up.device.type == "cpu" and gate_up.dim() == 2 and gate_up.dtype in _KERNEL_DTYPES and out_dtype in _KERNEL_DTYPES:
+        module = KERNEL.get()  # None when KVSCOPE_CPU_ACT_KERNEL=0 or not built here
         if module is not None:
             return module.silu_and_mul(gate_up, out_dtype == torch.bfloat16)  # type: ignore[attr-defined,no-any-return]
     gate, up = gate_up.chunk(2, dim=-1)

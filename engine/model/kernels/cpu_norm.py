@@ -11,7 +11,6 @@ without it, ``F.rms_norm`` runs.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
@@ -73,8 +72,8 @@ def ensure_built(log: Callable[[str], None] | None = None) -> BuildReport | None
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``F.rms_norm(x, (width,), weight, eps)``, through the kernel on CPU when it is built."""
-    if x.device.type == "cpu" and x.dtype == weight.dtype and os.environ.get(KERNEL_ENV, "1") != "0":
-        module = KERNEL.get()
+    if x.device.type == "cpu" and x.dtype == weight.dtype:
+        module = KERNEL.get()  # None when KVSCOPE_CPU_NORM_KERNEL=0 or not built here
         if module is not None:
             return module.rms_norm(x, weight, eps)  # type: ignore[attr-defined]
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
