@@ -292,13 +292,14 @@ def resolve_config(config: EngineConfig, model: ModelConfig, device: torch.devic
 def kernel_plan_key(config: EngineConfig, model: ModelConfig, quantization: str | None, dtype: str,
                     caps: CpuCapabilities | None, dtype_auto: bool) -> str:
     """The stored kernel plan's key: the weights' content, their formats (quantization, the
-    q4_1x8 layout), dtype (and whether it was auto), load format, the CPU's kernel ISA and
-    flags, torch, threads."""
+    q4_1x8 layout), dtype (and whether it was auto), load format, KV cache dtype (which prefill
+    kernels can read it), the CPU's kernel ISA and flags, torch, threads."""
     from engine.model.kernels import cpu_gemv
 
     return kernel_plan.plan_key({
         "weights": profile_cache.weights_identity(model.path, _model_facts(model)), "quantization": quantization,
         "x8": cpu_gemv.int8_activations_enabled(), "dtype": dtype, "dtype_auto": dtype_auto, "load_format": config.load_format,
+        "kv_cache_dtype": config.kv_cache_dtype,
         "cpu": (caps or detect()).kernel_key, "torch": torch.__version__, "threads": torch.get_num_threads(),
     })
 

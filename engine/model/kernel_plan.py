@@ -69,9 +69,10 @@ LAYER_GROUPS = GROUPS[:4]
 # SDPA over the gathered context in float32, or on q, K, V rounded to bf16 (torch's flash kernel in
 # bf16; AVX512-BF16 or AMX; where bf16 is native and --dtype auto), or "paged", kvscope's C++ kernel
 # reading the cache in place (engine/model/attention/cpu_decode.py paged_prefill; where it is built
-# for the head dim). Decode rows run the paged-decode kernel.
+# for the head dim), or "paged_bf16", its vdpbf16ps twin (over a bf16 cache on AVX512-BF16, where
+# bf16 is allowed). Decode rows run the paged-decode kernel.
 ATTENTION = "attn"
-ATTENTION_CANDIDATES = ("torch", "bf16", "paged")
+ATTENTION_CANDIDATES = ("torch", "bf16", "paged", "paged_bf16")
 # The copies a plan's candidates keep, registered as ``<projection>_<suffix>`` buffers: bf16 (dense,
 # only where this torch has no oneDNN linear), the oneDNN-packed bf16 copy, the float32 weight packed
 # likewise, the int8 weights and their scales.
@@ -634,12 +635,13 @@ def _note_ratios(cell: Cell, ratios: dict[tuple[str, str, int], float]) -> None:
 
 def attention_candidates(model: Any, bf16: bool) -> tuple[str, ...]:
     """The prefill-attention candidates ``model``'s backend has: float32 SDPA always; bf16 SDPA
-    when ``bf16`` (native, ``--dtype auto``); the paged kernel where the backend has it."""
+    when ``bf16`` (native, ``--dtype auto``); the paged kernels the backend has (the bf16 one
+    only when ``bf16``)."""
     out = ["torch"]
     if bf16:
         out.append("bf16")
-    if getattr(model.backend, "prefill_kernel", None) is not None:
-        out.append("paged")
+    kernels = getattr(model.backend, "prefill_kernels", {})
+    out.extend(name for name in ("paged", "paged_bf16") if name in kernels and (bf16 or name == "paged"))
     return tuple(out)
 
 
@@ -647,8 +649,9 @@ def _attention_cells(model: Any, candidates: Sequence[str], generator: torch.Gen
                      done: Mapping[tuple[str, str], Cell] | None = None) -> list[Cell]:
     """Prefill attention of one ``rows``-token causal chunk (layer 0's heads) per multi-row class,
     each candidate as the backend runs it over a paged cache of 16-token blocks: torch's SDPA over
-    the gathered context (float32, or q, K, V rounded to bf16) and the paged kernel reading it in
-    place; checked against float32 SDPA."""
+    the gathered context (float32, or q, K, V rounded to bf16) and the paged kernels reading it in
+    place (over the cache dtype the engine stores, where they read it); checked against float32
+    SDPA over the same K and V."""
     import torch
     import torch.nn.functional as F
 
@@ -682,13 +685,17 @@ def _attention_cells(model: Any, candidates: Sequence[str], generator: torch.Gen
         q = torch.randn(rows, heads, head_dim, generator=generator)
         blocks = -(-rows // block)
         cache = torch.randn(blocks, 2, block, kv_heads, head_dim, generator=generator)
+        stored = getattr(model.backend, "kv_cache_dtype", None)
+        if stored in (torch.bfloat16, torch.float16):  # the engine's K and V, and the reference's, as stored
+            cache = cache.to(stored)
         calls = {"torch": functools.partial(sdpa, q, cache, rows, torch.float32)}
         if "bf16" in candidates:
             calls["bf16"] = functools.partial(sdpa, q, cache, rows, torch.bfloat16)
-        if "paged" in candidates:
-            table = torch.arange(blocks, dtype=torch.int32)[None]
-            calls["paged"] = functools.partial(model.backend.prefill_kernel, q, cache, table,
-                                               torch.tensor([rows], dtype=torch.int32), torch.tensor([0, rows]), scale)
+        table = torch.arange(blocks, dtype=torch.int32)[None]
+        for name in ("paged", "paged_bf16"):
+            if name in candidates:
+                calls[name] = functools.partial(model.backend.prefill_kernels[name], q, cache, table,
+                                                torch.tensor([rows], dtype=torch.int32), torch.tensor([0, rows]), scale)
         reference = calls["torch"]()
         cell.error = {name: relative_error(call(), reference) for name, call in calls.items()}
         cell.us.update(_timed_round_robin(calls))

@@ -74,6 +74,8 @@ _PROJECTION_PARTS = {
 # Phase F's ``precision`` of prefill attention where the kernel plan gave every chunk size to the
 # paged prefill kernel (engine/model/attention/cpu_decode.py).
 PAGED_PREFILL = "the paged prefill kernel over the cache in place, float32 sums (the kernel plan)"
+PAGED_PREFILL_BF16 = ("the paged prefill kernel over the cache in place, bf16 products (q and the softmax weights "
+                      "rounded to bf16), float32 sums (the kernel plan)")
 
 
 @dataclass(slots=True)
@@ -449,7 +451,8 @@ class LlamaForCausalLM(nn.Module):
         projections = picked(("qkv", "o", "gate_up", "down"))
         attention = picked((ATTENTION,))
         paged = picked((ATTENTION,), "paged")
-        multi_row = [sc.name for sc in STEP_CLASSES if sc.lo > 1]
+        paged_bf16 = picked((ATTENTION,), "paged_bf16")
+        every_class = f"{ATTENTION} " + ",".join(sc.name for sc in STEP_CLASSES if sc.lo > 1)
         sdpa = ("torch SDPA in bfloat16" if bf16_model else
                 f"torch SDPA in float32; bf16 for chunks of {attention.split(' ', 1)[1]} rows (the kernel plan)"
                 if attention else f"torch SDPA in {name}")
@@ -459,9 +462,12 @@ class LlamaForCausalLM(nn.Module):
             "projections": ("bfloat16 weights and activations (bf16 GEMM; the GEMV over GGUF blocks sums in float32)"
                             if bf16_model else f"float32; bf16 GEMM (the kernel plan) for {projections}"
                             if projections else name),
-            "prefill_attention": (PAGED_PREFILL if paged == f"{ATTENTION} " + ",".join(multi_row) else sdpa + (
-                f"; the paged prefill kernel, float32 sums, for chunks of {paged.split(' ', 1)[1]} rows "
-                "(the kernel plan)" if paged else "")),
+            "prefill_attention": (
+                PAGED_PREFILL if paged == every_class else PAGED_PREFILL_BF16 if paged_bf16 == every_class
+                else sdpa + (f"; the paged prefill kernel, float32 sums, for chunks of {paged.split(' ', 1)[1]} rows "
+                             "(the kernel plan)" if paged else "")
+                + (f"; the paged prefill kernel with bf16 products, float32 sums, for chunks of "
+                   f"{paged_bf16.split(' ', 1)[1]} rows (the kernel plan)" if paged_bf16 else "")),
             "decode_attention": f"{name} queries over a {str(kv_cache_dtype).removeprefix('torch.')} cache, "
                                 "float32 sums",
             "lm_head": "float32 sums, float32 logits (bf16 weights widened exactly)" if bf16_model

@@ -300,8 +300,10 @@ class ModelRunner:
         if cpu_decode.load_kernel() is None:
             return cpu_decode.unavailable_reason() or "the kernel could not be built"
         self.backend.decode_kernel = cpu_decode.paged_decode
-        if self.model.config.head_dim in cpu_decode.PREFILL_HEAD_DIMS:  # the kernel plan times it for prefill
-            self.backend.prefill_kernel = cpu_decode.paged_prefill
+        if self.model.config.head_dim in cpu_decode.PREFILL_HEAD_DIMS:  # the kernel plan times them for prefill
+            self.backend.prefill_kernels["paged"] = cpu_decode.paged_prefill
+            if self.kv_cache_dtype == torch.bfloat16 and cpu_decode.bf16_prefill_available():
+                self.backend.prefill_kernels["paged_bf16"] = cpu_decode.paged_prefill_bf16
         return None
 
     def resolve_kernel_plan(self, key: str, caps: CpuCapabilities, log: Any = None,

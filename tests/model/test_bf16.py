@@ -15,10 +15,11 @@ import torch.nn.functional as F
 
 from engine.core.sampling_params import SamplingParams
 from engine.model import kernel_plan
+from engine.model.attention import cpu_decode
 from engine.model.kernel_plan import ACCURACY_BOUND, ATTENTION, STEP_CLASSES, Cell, KernelPlan, relative_error
 from engine.model.kernels import cpu_layer, cpu_norm
 from engine.model.kernels.cpu_gemv import dequantize
-from engine.model.llama import PAGED_PREFILL
+from engine.model.llama import PAGED_PREFILL, PAGED_PREFILL_BF16
 from engine.model.runner import ModelRunner, ScheduledSeq
 
 # bf16 keeps 8 significant bits: one rounding of an output is at most 2^-9 relative (RMS ~1.1e-3).
@@ -27,10 +28,10 @@ GREEDY = SamplingParams(temperature=0.0)
 MULTI_ROW = ",".join(sc.name for sc in STEP_CLASSES if sc.lo > 1)  # the classes of more than one row
 
 
-def _small_runner(config, dtype: str, quantization: str | None = None) -> ModelRunner:
+def _small_runner(config, dtype: str, quantization: str | None = None, kv_cache_dtype: str = "auto") -> ModelRunner:
     small = dataclasses.replace(config, num_layers=1, vocab_size=2048, intermediate_size=512)
-    runner = ModelRunner(small, dtype=dtype,
-                         quantization=quantization, load_format="dummy")
+    runner = ModelRunner(small, dtype=dtype, quantization=quantization, load_format="dummy",
+                         kv_cache_dtype=kv_cache_dtype)
     runner.load_weights()
     runner.allocate_kv_cache(96)
     return runner
@@ -127,6 +128,37 @@ def test_bf16_sdpa_prefill_matches_float32_within_the_plan_bound(smollm_config, 
         assert set(cell.us) == set(candidates) and cell.error["torch"] == 0.0
         assert 0 < cell.error["bf16"] < ACCURACY_BOUND and cell.error["paged"] < 1e-5  # float32 sums
         assert cell.chosen in candidates
+
+
+def test_the_bf16_prefill_kernel_is_a_candidate_over_a_bf16_cache_where_the_cpu_has_it(smollm_config,
+                                                                                         cpu_decode_kernel) -> None:
+    """``--dtype auto`` on a bf16-native CPU stores a bf16 cache: the plan times the vdpbf16ps
+    prefill kernel beside the float32 one, over that cache (the float32 kernel then matches the
+    reference exactly, the bf16 one within its rounding), and a 40-token prefill on it stays
+    within the plan's bound. Without AVX512-BF16, or over a float32 cache, it is no candidate."""
+    runner = _small_runner(smollm_config, "float32", kv_cache_dtype="bfloat16")
+    assert runner.enable_cpu_decode_kernel() is None
+    has_it = cpu_decode.bf16_prefill_available()
+    assert ("paged_bf16" in runner.backend.prefill_kernels) == has_it
+    candidates = kernel_plan.attention_candidates(runner.model, bf16=True)
+    assert candidates == ("torch", "bf16", "paged") + (("paged_bf16",) if has_it else ())
+    assert "paged_bf16" not in kernel_plan.attention_candidates(runner.model, bf16=False)  # --dtype float32
+    float32_cache = _small_runner(smollm_config, "float32")
+    float32_cache.enable_cpu_decode_kernel()
+    assert "paged_bf16" not in float32_cache.backend.prefill_kernels
+    if not has_it:
+        return
+    cells = kernel_plan._attention_cells(runner.model, candidates, torch.Generator().manual_seed(0), float("inf"))
+    for cell in cells:
+        assert cell.error["paged"] < 1e-5 and 1e-4 < cell.error["paged_bf16"] < ACCURACY_BOUND
+    prompt = list(range(100, 140))
+    runner.model.install_kernel_plan(_plan({ATTENTION: "paged"}))
+    exact = _prefill_logits(runner, prompt)
+    runner.model.install_kernel_plan(_plan({ATTENTION: "paged_bf16"}))
+    rounded = _prefill_logits(runner, prompt)
+    assert not torch.equal(rounded, exact) and relative_error(rounded, exact) < ACCURACY_BOUND
+    report = runner.model.precision_report(runner.kv_cache_dtype)
+    assert report["prefill_attention"] == PAGED_PREFILL_BF16
 
 
 def _decode_step(runner: ModelRunner, rows: int, fused: bool, monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:

@@ -11,7 +11,8 @@ positions (the older keys are never touched, not just masked).
 ``paged_prefill`` does the same for the prefill chunks of a step (causal within a chunk,
 its cached context visible): all of them in one call, flash style, with no gathered copy
 and no padded mask; the kernel plan (engine/model/kernel_plan.py) times it against
-torch's SDPA and picks it where it wins.
+torch's SDPA and picks it where it wins. ``paged_prefill_bf16`` is its twin with both products
+on AVX512-BF16's vdpbf16ps over a bf16 cache (twice float32 FMA's work per instruction).
 
 Quantized caches (engine/model/attention/kv_quant.py) are read in place too: int8 rows
 are widened and multiplied by the fp32 scale stored right after them, fp8 bytes
@@ -42,6 +43,9 @@ _CPP_SOURCE = r"""
 #include <cmath>
 #include <cstring>
 #include <vector>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 // How one head's stored K or V row becomes head_dim floats. kExtra: stored
 // elements after the values (int8's fp32 scale), so a head's row is
@@ -313,6 +317,196 @@ static void prefill_for_head_dim(int64_t D, const float* q, const kv_t* kv, cons
   }
 }
 
+// The same walk with both products on AVX512-BF16's vdpbf16ps (32 bf16 multiplies into 16 float
+// sums per instruction, twice float32 FMA's work). Lanes hold 16 query vectors rather than 16 keys:
+// each key's bf16 row is broadcast as dim pairs straight from a staged copy of the cache row (no
+// transpose), and the online softmax runs down the lanes, 16 vectors at once. V is staged with
+// consecutive keys' values interleaved (the pairs p·V sums over). Only q and the softmax weights are
+// rounded (K and V are stored in bf16): the rounding torch's bf16 flash SDPA does too.
+#if defined(__AVX512BF16__)
+constexpr bool kBf16Dot = true;
+
+static inline uint32_t bf16_bits(float x) {  // round to nearest even; inputs are finite
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+
+static inline __m512i bf16_pairs(__m512 lo, __m512 hi) {  // lane i: bf16(lo[i]) | bf16(hi[i]) << 16
+  const __m512i a = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(lo));
+  const __m512i b = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(hi));
+  return _mm512_or_si512(a, _mm512_slli_epi32(b, 16));
+}
+
+// exp inline (a libmvec call in the loop would spill every live register): 2^n * e^r, r in
+// [-ln2/2, ln2/2], degree-6 Taylor (relative error ~2e-7, far below the bf16 rounding that follows).
+// Inputs below -87 give ~1e-38, not 0: callers zero masked lanes themselves.
+static inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);  // ln 2 in two parts (Cody-Waite)
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+constexpr int64_t kTileB = 32;  // query rows per task
+
+template <int D>
+static void prefill_kernel_bf16(const float* q, const uint16_t* kv, const int32_t* block_tables,
+                                const int32_t* seq_lens, const int64_t* q_start, float* out, int64_t num_seqs,
+                                int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t max_blocks,
+                                float scale, int64_t window) {
+  constexpr int P = D / 2;                                // dim pairs
+  constexpr int C = D / 16;                               // output registers of one query vector
+  constexpr int kV = D <= 64 ? 4 : (D <= 128 ? 2 : 1);  // vectors whose outputs stay in registers together
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * D;
+  const int64_t kv_stride = block_size * token_stride;
+  const int64_t block_stride = 2 * kv_stride;
+  std::vector<PrefillTask> tasks;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t n = q_start[s + 1] - q_start[s], base = seq_lens[s] - n;
+    for (int64_t r0 = 0; r0 < n; r0 += kTileB) {
+      const int64_t rows = std::min(kTileB, n - r0);
+      const int64_t hi = base + r0 + rows;
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, base + r0 - window + 1) : 0;
+      for (int64_t h = 0; h < num_kv_heads; ++h) tasks.push_back({s, h, r0, rows, rows * (hi - lo)});
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const PrefillTask& a, const PrefillTask& b) { return a.cost > b.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  const int64_t lanes = (kTileB * group + 15) / 16 * 16;  // query vectors of one task, padded to whole registers
+  static const uint16_t zeros[D] = {};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> qt(lanes / 16 * P * 16), kbuf(kKeys * P), vt(kKeys / 2 * C * 16), wbuf(kKeys / 2 * 16);
+    std::vector<float> acc(lanes * D), peak(lanes), total(lanes), shrink(16);
+    std::vector<int32_t> pos(lanes);
+    const uint16_t* vrow[kKeys];
+    for (int64_t worker = begin; worker < end; ++worker) {
+      for (int64_t i = next.fetch_add(1); i < num_tasks; i = next.fetch_add(1)) {
+        const PrefillTask& t = tasks[i];
+        const int64_t n = q_start[t.seq + 1] - q_start[t.seq], base = seq_lens[t.seq] - n;
+        const int32_t* table = block_tables + t.seq * max_blocks;
+        const int64_t nv = t.rows * group, groups = (nv + 15) / 16;
+        // qt[g][m][lane]: dims 2m, 2m+1 of vector 16g + lane (row v / group, head v % group), scaled, as bf16
+        for (int64_t v = 0; v < groups * 16; ++v) {
+          uint32_t* dst = qt.data() + (v / 16) * P * 16 + v % 16;
+          if (v >= nv) {
+            for (int m = 0; m < P; ++m) dst[m * 16] = 0;
+            pos[v] = -1;  // sees no key
+            continue;
+          }
+          const float* src =
+              q + ((q_start[t.seq] + t.row0 + v / group) * num_heads + t.kv_head * group + v % group) * D;
+          for (int m = 0; m < P; ++m) dst[m * 16] = bf16_bits(src[2 * m] * scale) | bf16_bits(src[2 * m + 1] * scale) << 16;
+          pos[v] = static_cast<int32_t>(base + t.row0 + v / group);
+        }
+        std::fill(acc.begin(), acc.begin() + groups * 16 * D, 0.f);
+        std::fill(peak.begin(), peak.begin() + groups * 16, -INFINITY);
+        std::fill(total.begin(), total.begin() + groups * 16, 0.f);
+        const int64_t hi = base + t.row0 + t.rows;
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, base + t.row0 - window + 1) : 0;
+        for (int64_t k0 = lo - lo % kKeys; k0 < hi; k0 += kKeys) {
+          for (int64_t j = 0; j < kKeys; ++j) {  // stage the tile's K rows; zeros where no row sees the key
+            const int64_t p = k0 + j;
+            if (p < lo || p >= hi) {
+              std::memset(kbuf.data() + j * P, 0, D * sizeof(uint16_t));
+              vrow[j] = zeros;
+              continue;
+            }
+            const uint16_t* k = kv + table[p / block_size] * block_stride + (p % block_size) * token_stride +
+                                t.kv_head * D;
+            std::memcpy(kbuf.data() + j * P, k, D * sizeof(uint16_t));
+            vrow[j] = k + kv_stride;
+          }
+          for (int64_t jp = 0; jp < kKeys / 2; ++jp) {  // vt[jp][c][i]: dim 16c + i of keys 2jp, 2jp + 1
+            for (int c = 0; c < C; ++c) {
+              const __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(vrow[2 * jp] + 16 * c)));
+              const __m512i b = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(vrow[2 * jp + 1] + 16 * c)));
+              _mm512_storeu_si512(vt.data() + (jp * C + c) * 16, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+            }
+          }
+          for (int64_t g = 0; g < groups; ++g) {
+            const int32_t first_pos = pos[g * 16], last_pos = pos[std::min<int64_t>(nv, g * 16 + 16) - 1];
+            if (last_pos < k0 || (window > 0 && first_pos - window + 1 >= k0 + kKeys)) continue;  // nothing visible
+            __m512 s[kKeys];
+            for (int j = 0; j < kKeys; ++j) s[j] = _mm512_setzero_ps();
+            const uint32_t* qg = qt.data() + g * P * 16;
+            for (int m = 0; m < P; ++m) {
+              const __m512bh qm = (__m512bh)_mm512_loadu_si512(qg + m * 16);
+              for (int j = 0; j < kKeys; ++j)
+                s[j] = _mm512_dpbf16_ps(s[j], qm, (__m512bh)_mm512_set1_epi32(static_cast<int>(kbuf[j * P + m])));
+            }
+            const __m512i posv = _mm512_loadu_si512(pos.data() + g * 16);
+            const __m512i lov = _mm512_sub_epi32(posv, _mm512_set1_epi32(static_cast<int>(window > 0 ? window - 1 : 0)));
+            const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+            __m512 tile_peak = neg_inf;
+            __mmask16 seen[kKeys];
+            for (int j = 0; j < kKeys; ++j) {
+              const __m512i p = _mm512_set1_epi32(static_cast<int>(k0 + j));
+              seen[j] = _mm512_cmple_epi32_mask(p, posv);
+              if (window > 0) seen[j] &= _mm512_cmpge_epi32_mask(p, lov);
+              tile_peak = _mm512_max_ps(tile_peak, _mm512_mask_mov_ps(neg_inf, seen[j], s[j]));
+            }
+            const __m512 old_peak = _mm512_loadu_ps(peak.data() + g * 16);
+            const __m512 new_peak = _mm512_max_ps(old_peak, tile_peak);
+            _mm512_storeu_ps(peak.data() + g * 16, new_peak);
+            // a lane that has seen no key yet subtracts 0 (its weights are masked to 0 anyway)
+            const __m512 ref = _mm512_mask_mov_ps(new_peak, _mm512_cmp_ps_mask(new_peak, neg_inf, _CMP_EQ_OQ),
+                                                  _mm512_setzero_ps());
+            const __m512 shrink_v = exp512(_mm512_sub_ps(old_peak, ref));  // ~0 where old_peak is -inf
+            _mm512_storeu_ps(shrink.data(), shrink_v);
+            __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(total.data() + g * 16), shrink_v);
+            for (int j = 0; j < kKeys; ++j) {
+              s[j] = _mm512_maskz_mov_ps(seen[j], exp512(_mm512_sub_ps(s[j], ref)));
+              sum = _mm512_add_ps(sum, s[j]);
+            }
+            _mm512_storeu_ps(total.data() + g * 16, sum);
+            for (int jp = 0; jp < kKeys / 2; ++jp) _mm512_storeu_si512(wbuf.data() + jp * 16, bf16_pairs(s[2 * jp], s[2 * jp + 1]));
+            const int64_t in_group = std::min<int64_t>(16, nv - g * 16);
+            for (int64_t u0 = 0; u0 < in_group; u0 += kV) {
+              float* a = acc.data() + (g * 16 + u0) * D;
+              __m512 r[kV][C];
+              for (int u = 0; u < kV; ++u) {
+                const __m512 f = _mm512_set1_ps(shrink[u0 + u]);
+                for (int c = 0; c < C; ++c) r[u][c] = _mm512_mul_ps(_mm512_loadu_ps(a + u * D + 16 * c), f);
+              }
+              for (int jp = 0; jp < kKeys / 2; ++jp) {
+                for (int c = 0; c < C; ++c) {
+                  const __m512bh vc = (__m512bh)_mm512_loadu_si512(vt.data() + (jp * C + c) * 16);
+                  for (int u = 0; u < kV; ++u)
+                    r[u][c] = _mm512_dpbf16_ps(
+                        r[u][c], (__m512bh)_mm512_set1_epi32(static_cast<int>(wbuf[jp * 16 + u0 + u])), vc);
+                }
+              }
+              for (int u = 0; u < kV; ++u)
+                for (int c = 0; c < C; ++c) _mm512_storeu_ps(a + u * D + 16 * c, r[u][c]);
+            }
+          }
+        }
+        for (int64_t v = 0; v < nv; ++v) {
+          float* dst = out + ((q_start[t.seq] + t.row0 + v / group) * num_heads + t.kv_head * group + v % group) * D;
+          const float inv = total[v] > 0.f ? 1.f / total[v] : 0.f;
+          for (int d = 0; d < D; ++d) dst[d] = acc[v * D + d] * inv;
+        }
+      }
+    }
+  });
+}
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
 // query [T,H,D] (any float dtype; attended in float32), query_start [S+1] int64 (row offsets of each
 // sequence's new rows), seq_lens [S] (context including the new rows). Returns float32 [T,H,D].
 torch::Tensor paged_prefill(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
@@ -356,6 +550,45 @@ torch::Tensor paged_prefill(torch::Tensor query, torch::Tensor kv_cache, torch::
   }
   return out;
 }
+
+// paged_prefill with vdpbf16ps over a bf16 cache (above); only where the compiler targets AVX512-BF16.
+torch::Tensor paged_prefill_bf16(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
+                                 torch::Tensor seq_lens, torch::Tensor query_start, double scale, int64_t window) {
+#if defined(__AVX512BF16__)
+  TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5, "query [T,H,D], kv_cache [NB,2,BS,KVH,D]");
+  TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16, "paged_prefill_bf16 reads a bf16 cache");
+  query = query.contiguous().to(torch::kFloat);
+  kv_cache = kv_cache.contiguous();
+  block_tables = block_tables.to(torch::kInt32).contiguous();
+  seq_lens = seq_lens.to(torch::kInt32).contiguous();
+  query_start = query_start.to(torch::kInt64).contiguous();
+  const int64_t S = seq_lens.size(0), H = query.size(1), D = query.size(2);
+  TORCH_CHECK(query_start.size(0) == S + 1 && query_start[S].item<int64_t>() == query.size(0),
+              "query_start: S + 1 offsets ending at the query's rows");
+  TORCH_CHECK(kv_cache.size(4) == D, "kv_cache row width does not match the head dim");
+  auto out = torch::empty_like(query);
+  const int64_t BS = kv_cache.size(2), KVH = kv_cache.size(3), MB = block_tables.size(1);
+  const auto* kv = reinterpret_cast<const uint16_t*>(kv_cache.data_ptr<at::BFloat16>());
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t* starts = query_start.data_ptr<int64_t>();
+  const float sc = static_cast<float>(scale);
+  const float* qp = query.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  switch (D) {
+    case 64: prefill_kernel_bf16<64>(qp, kv, tables, lens, starts, op, S, H, KVH, BS, MB, sc, window); break;
+    case 128: prefill_kernel_bf16<128>(qp, kv, tables, lens, starts, op, S, H, KVH, BS, MB, sc, window); break;
+    case 256: prefill_kernel_bf16<256>(qp, kv, tables, lens, starts, op, S, H, KVH, BS, MB, sc, window); break;
+    default: TORCH_CHECK(false, "paged_prefill_bf16: head dim ", D, " is not compiled in (64, 128, 256)");
+  }
+  return out;
+#else
+  TORCH_CHECK(false, "paged_prefill_bf16: built without AVX512-BF16");
+  return query;
+#endif
+}
+
+bool has_bf16_dot() { return kBf16Dot; }
 
 // kv_cache: float32/bf16/fp16 [NB,2,BS,KVH,D] (query is cast to it); int8 [NB,2,BS,KVH,D+4] with an fp32
 // scale per row; fp8 e4m3/e5m2 [NB,2,BS,KVH,D] decoded through fp8_table (256 floats). Quantized caches
@@ -409,7 +642,8 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor kv_cache, torch::T
 }
 """
 
-SPEC = KernelSpec(name="kvscope_cpu_decode", source=_CPP_SOURCE, functions=("paged_decode", "paged_prefill"))
+SPEC = KernelSpec(name="kvscope_cpu_decode", source=_CPP_SOURCE,
+                  functions=("paged_decode", "paged_prefill", "paged_prefill_bf16", "has_bf16_dot"))
 
 KERNEL = CachedKernel(SPEC, "KVSCOPE_CPU_DECODE_KERNEL")
 
@@ -473,3 +707,22 @@ def paged_prefill(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
     assert kernel is not None
     return kernel.paged_prefill(query, kv_cache, block_tables, seq_lens,  # type: ignore[attr-defined]
                                 query_start, scale, _table_for(kv_cache.dtype), sliding_window or 0)
+
+
+def bf16_prefill_available() -> bool:
+    """Whether :func:`paged_prefill_bf16` runs here: the kernel is built, by a compiler that
+    targets AVX512-BF16 (``-march=native`` on such a CPU)."""
+    kernel = load_kernel()
+    return kernel is not None and bool(kernel.has_bf16_dot())  # type: ignore[attr-defined]
+
+
+def paged_prefill_bf16(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                       seq_lens: torch.Tensor, query_start: torch.Tensor, scale: float,
+                       sliding_window: int | None = None) -> torch.Tensor:
+    """:func:`paged_prefill` over a bf16 cache with q·K and p·V on vdpbf16ps: q and the softmax
+    weights are rounded to bf16 (~2e-3 relative, like torch's bf16 flash SDPA), the sums stay
+    float32. Returns float32 ``[rows, heads, head_dim]``."""
+    kernel = load_kernel()
+    assert kernel is not None
+    return kernel.paged_prefill_bf16(query, kv_cache, block_tables, seq_lens,  # type: ignore[attr-defined]
+                                     query_start, scale, sliding_window or 0)

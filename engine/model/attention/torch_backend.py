@@ -49,13 +49,15 @@ class TorchAttentionBackend:
         # Set by ModelRunner.enable_cpu_decode_kernel() (startup phase F): a
         # compiled kernel that reads the paged cache in place for pure decodes.
         self.decode_kernel: Callable[..., torch.Tensor] | None = None
-        # Set with decode_kernel: the C++ kernel that attends every prefill chunk of a step over the
-        # paged cache in one call (cpu_decode.paged_prefill), where the kernel plan chose it.
-        self.prefill_kernel: Callable[..., torch.Tensor] | None = None
+        # Set with decode_kernel: the C++ kernels that attend every prefill chunk of a step over the
+        # paged cache in one call, by plan name: "paged" (cpu_decode.paged_prefill, float32 sums) and,
+        # over a bf16 cache on AVX512-BF16, "paged_bf16" (paged_prefill_bf16), where the plan chose them.
+        self.prefill_kernels: dict[str, Callable[..., torch.Tensor]] = {}
         # Set by the kernel plan (engine/model/llama.py install_kernel_plan): per step-size class,
         # (chunk rows up to, how a chunk attends: "torch" SDPA in float32, "bf16" SDPA on q, K, V
-        # rounded to bf16, "paged" the prefill kernel). Empty: "torch".
+        # rounded to bf16, or a prefill kernel's name). Empty: "torch".
         self.prefill_attention: tuple[tuple[int, str], ...] = ()
+        self.kv_cache_dtype: torch.dtype | None = None  # the runner's cache dtype (check_kv_cache_dtype)
         self._plan_meta: AttentionMetadata | None = None
         self._plans: dict[tuple[int, int | None], _BatchPlan] = {}  # (group, window) -> plan of _plan_meta
         # slot_mapping -> (the mapping itself, its valid rows or None, K rows, V rows): one entry per
@@ -64,7 +66,9 @@ class TorchAttentionBackend:
 
     def check_kv_cache_dtype(self, dtype: torch.dtype) -> None:
         """Every storage dtype works here: quantized caches are dequantized in torch
-        (and read in place by the CPU decode kernel)."""
+        (and read in place by the CPU decode kernel). Kept: the kernel plan times the prefill
+        kernels over a cache of this dtype."""
+        self.kv_cache_dtype = dtype
 
     # ------------------------------------------------------------------ cache writes
     def write_kv(
@@ -177,8 +181,13 @@ class TorchAttentionBackend:
         return out[plan.seq_index, plan.row_index].to(out_dtype)
 
     def _prefill_choice(self, rows: int) -> str:
-        """How a prefill chunk of ``rows`` tokens attends (the kernel plan's choice; "torch" without one)."""
-        return next((choice for limit, choice in self.prefill_attention if rows <= limit), "torch")
+        """How a prefill chunk of ``rows`` tokens attends (the kernel plan's choice; "torch" without
+        one). A prefill kernel this backend does not have (a stored plan's bf16 kernel over another
+        cache dtype) falls back to the float32 one, or to SDPA."""
+        choice = next((choice for limit, choice in self.prefill_attention if rows <= limit), "torch")
+        if choice.startswith("paged") and choice not in self.prefill_kernels:
+            return "paged" if "paged" in self.prefill_kernels else "torch"
+        return choice
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                 seq_lens: torch.Tensor, scale: float, sliding_window: int | None) -> torch.Tensor:
@@ -208,19 +217,18 @@ class TorchAttentionBackend:
         layout = meta.layout
         if not isinstance(layout, _MixedLayout) or layout.owner is not self:  # once a step: the layers' rows match
             layout = meta.layout = _MixedLayout.of(self, meta.query_lens_cpu, self._prefill_choice,
-                                                   self.prefill_kernel is not None, query.device)
-        starts, chunks, choices, paged = layout.starts, layout.chunks, layout.choices, layout.paged
+                                                   set(self.prefill_kernels), query.device)
+        starts, chunks, choices = layout.starts, layout.chunks, layout.choices
         if layout.decode_rows is not None:
             decode_index = layout.decode_index
             out[layout.decode_rows] = self._decode(query[layout.decode_rows], kv_cache, meta.block_tables[decode_index],
                                                    meta.seq_lens[decode_index], scale, sliding_window)
-        kernel = self.prefill_kernel
-        if kernel is not None and paged:  # every such chunk in one call, reading the cache in place
-            out[layout.paged_rows] = kernel(query[layout.paged_rows], kv_cache, meta.block_tables[layout.paged_index],
-                                            meta.seq_lens[layout.paged_index], layout.paged_offsets, scale,
-                                            sliding_window).to(out.dtype)
+        for name, taken in layout.paged.items():  # each kernel's chunks in one call, reading the cache in place
+            out[taken.rows] = self.prefill_kernels[name](
+                query[taken.rows], kv_cache, meta.block_tables[taken.index], meta.seq_lens[taken.index],
+                taken.offsets, scale, sliding_window).to(out.dtype)
         for i in chunks:
-            if i in paged:
+            if choices[i] in layout.paged:
                 continue
             n = meta.query_lens_cpu[i]
             context = meta.seq_lens_cpu[i]
@@ -256,6 +264,15 @@ class TorchAttentionBackend:
 
 
 @dataclass(slots=True)
+class _PagedChunks:
+    """The chunks one prefill kernel takes together in a step."""
+
+    index: torch.Tensor  # their sequences
+    rows: slice | torch.Tensor  # their query rows
+    offsets: torch.Tensor  # each one's first row within ``rows`` (and the total last)
+
+
+@dataclass(slots=True)
 class _MixedLayout:
     """Where a mixed step's decode rows and prefill chunks sit, and how each chunk attends:
     the same for every layer of the step, so made once (``AttentionMetadata.layout``)."""
@@ -264,35 +281,32 @@ class _MixedLayout:
     starts: list[int]  # row offset of each sequence's rows (and the total last)
     chunks: list[int]  # sequences with more than one new row
     choices: dict[int, str]  # chunk -> the kernel plan's prefill choice
-    paged: list[int]  # the chunks the paged prefill kernel takes, together
+    paged: dict[str, _PagedChunks]  # prefill kernel name -> the chunks it takes
     decode_index: torch.Tensor | None = None
     decode_rows: torch.Tensor | None = None
-    paged_index: torch.Tensor | None = None
-    paged_rows: slice | torch.Tensor | None = None
-    paged_offsets: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, owner: object, query_lens: list[int], choice: Callable[[int], str], has_paged_kernel: bool,
+    def of(cls, owner: object, query_lens: list[int], choice: Callable[[int], str], kernels: set[str],
            device: torch.device) -> _MixedLayout:
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
         chunks = [i for i, n in enumerate(query_lens) if n > 1]
         choices = {i: choice(query_lens[i]) for i in chunks}
-        paged = [i for i in chunks if choices[i] == "paged"] if has_paged_kernel else []
+        paged = {}
+        for name in sorted(kernels):
+            taken = [i for i in chunks if choices[i] == name]
+            if not taken:
+                continue
+            offsets = [0]
+            for i in taken:
+                offsets.append(offsets[-1] + query_lens[i])
+            rows = (slice(starts[taken[0]], starts[taken[0] + 1]) if len(taken) == 1  # one chunk: a slice
+                    else torch.cat([torch.arange(starts[i], starts[i + 1], device=device) for i in taken]))
+            paged[name] = _PagedChunks(torch.tensor(taken, device=device), rows, torch.tensor(offsets))
         layout = cls(owner, starts, chunks, choices, paged)
         decodes = [i for i, n in enumerate(query_lens) if n == 1]
         if decodes:
             layout.decode_index = torch.tensor(decodes, device=device)
             layout.decode_rows = torch.tensor([starts[i] for i in decodes], device=device)
-        if paged:
-            offsets = [0]
-            for i in paged:
-                offsets.append(offsets[-1] + query_lens[i])
-            layout.paged_offsets = torch.tensor(offsets)
-            layout.paged_index = torch.tensor(paged, device=device)
-            if len(paged) == 1:  # one chunk (a long prompt's step): its rows are a slice
-                layout.paged_rows = slice(starts[paged[0]], starts[paged[0] + 1])
-            else:
-                layout.paged_rows = torch.cat([torch.arange(starts[i], starts[i + 1], device=device) for i in paged])
         return layout
