@@ -107,12 +107,14 @@ def test_fused_layer_with_int8_activations_matches_the_op_by_op_step(cpu_layer_k
 
 def test_fused_layer_with_an_int8_kv_cache(cpu_layer_kernel, smollm_config, smollm_tokenizer, monkeypatch) -> None:
     """The int8 cache rows (values and the fp32 scale after them) are written as kv_quant
-    writes them, so both paths read the same cache. Measured (AVX2): identical tokens, max
-    logit difference 3.0e-2 (a value on a rounding boundary can land one int8 step apart)."""
+    writes them, so both paths read the same cache. Measured: identical tokens, max logit
+    difference 3.0e-2 (AVX2, per-row decode kernel) and 0.20-0.25 (Zen 4, the tiled decode
+    kernel): a value on a rounding boundary lands one int8 step apart, and 30 layers of
+    one-step differences in K and V add up in the later steps."""
     runner = _runner(smollm_config, kv_cache_dtype="int8")
     assert runner.model.fused_decode_status(runner.kv_cache_dtype).startswith("enabled")
     prompts = [smollm_tokenizer.encode(p) for p in ("The three primary colors are", "import numpy as")]
-    _compare(runner, prompts, 8, monkeypatch, atol=0.15)
+    _compare(runner, prompts, 8, monkeypatch, atol=0.35)
 
 
 def test_fused_layer_with_a_bf16_kv_cache(cpu_layer_kernel, smollm_config, smollm_tokenizer, monkeypatch) -> None:

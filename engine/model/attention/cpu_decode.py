@@ -43,7 +43,7 @@ _CPP_SOURCE = r"""
 #include <cmath>
 #include <cstring>
 #include <vector>
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -78,11 +78,13 @@ struct TableRow {  // fp8 (scale 1.0): each byte's float value from a 256-entry 
   }
 };
 
+// Any head dim: a horizontal sum per key and query row (decode_kernel below runs the tiled
+// kernel for the compiled head dims).
 template <typename kv_t, typename q_t, typename Row>
-static void decode_kernel(const q_t* q, const kv_t* kv, const int32_t* block_tables, const int32_t* seq_lens,
-                          q_t* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                          int64_t block_size, int64_t max_blocks, float scale, Row load_row,
-                          int64_t window = 0) {
+static void decode_kernel_rows(const q_t* q, const kv_t* kv, const int32_t* block_tables, const int32_t* seq_lens,
+                               q_t* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                               int64_t block_size, int64_t max_blocks, float scale, Row load_row,
+                               int64_t window = 0) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row_width = head_dim + Row::kExtra;      // one head's stored row
   const int64_t token_stride = num_kv_heads * row_width;  // next slot in a block
@@ -179,6 +181,37 @@ static inline v16 load_v16(const float* p) {
   return r;
 }
 static inline void store_v16(float* p, v16 x) { std::memcpy(p, &x, sizeof x); }
+typedef int i16 __attribute__((vector_size(64)));  // 16 int lanes: shuffle indices, exponents
+
+// e^x for x <= 0 (softmax weights), 16 lanes in registers: a libmvec call inside a loop spills
+// every live register, and its results depend on how the loop was peeled. 2^n * e^r with r in
+// [-ln2/2, ln2/2], degree-6 Taylor (relative error ~2e-7). Inputs below -87 give ~1e-38, not 0:
+// callers zero masked lanes.
+constexpr float kExpTaylor[] = {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};  // after 1/720, Horner
+
+static inline v16 exp_v16(v16 x) {
+#if defined(__AVX512F__)
+  __m512 v = _mm512_max_ps((__m512)x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  v = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), v);  // ln 2 in two parts (Cody-Waite)
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), v);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  for (float c : kExpTaylor) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return (v16)_mm512_scalef_ps(p, n);
+#else
+  x = x < splat(-87.f) ? splat(-87.f) : x;
+  const i16 n = __builtin_convertvector(x * splat(1.44269504f) - splat(0.5f), i16);  // rounded: x <= 0
+  const v16 nf = __builtin_convertvector(n, v16);
+  const v16 r = x - nf * splat(0.693145752f) - nf * splat(1.42860677e-6f);
+  v16 p = splat(1.f / 720);
+  for (float c : kExpTaylor) p = p * r + splat(c);
+  const i16 bits = (n + 127) << 23;  // 2^n, n >= -126 after the clamp
+  v16 two_n;
+  std::memcpy(&two_n, &bits, sizeof bits);
+  return p * two_n;
+#endif
+}
 
 struct PrefillTask {
   int64_t seq, kv_head, row0, rows, cost;
@@ -317,6 +350,182 @@ static void prefill_for_head_dim(int64_t D, const float* q, const kv_t* kv, cons
   }
 }
 
+// Decode attention for a compiled head dim, 16 keys at a time (a tile of a 16-token block, every KV
+// head of the task: contiguous in the cache): each head's K rows are widened into a float tile and
+// each query row's 16 dot products summed across lanes together by a butterfly of shuffles (~3
+// instructions a key, where a horizontal sum per key took ~10); p·V keeps up to kDecodeRows rows'
+// outputs in registers across a tile's keys instead of reloading and storing them at every key.
+// Float32 sums throughout, like decode_kernel_rows.
+static inline v16 shuffle2(v16 a, v16 b, i16 idx) { return __builtin_shuffle(a, b, idx); }
+
+// Lane j of the result: the sum of part[j]'s 16 lanes.
+static inline v16 lane_sums(const v16* part) {
+  // level with stride w: lanes whose (k / w) is even take a's, the others b's; x + y pairs them
+  const i16 x1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+  const i16 y1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+  const i16 x2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+  const i16 y2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+  const i16 x3 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+  const i16 y3 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+  const i16 x4 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const i16 y4 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  v16 l1[8], l2[4], l3[2];
+  for (int i = 0; i < 8; ++i) l1[i] = shuffle2(part[2 * i], part[2 * i + 1], x1) + shuffle2(part[2 * i], part[2 * i + 1], y1);
+  for (int i = 0; i < 4; ++i) l2[i] = shuffle2(l1[2 * i], l1[2 * i + 1], x2) + shuffle2(l1[2 * i], l1[2 * i + 1], y2);
+  for (int i = 0; i < 2; ++i) l3[i] = shuffle2(l2[2 * i], l2[2 * i + 1], x3) + shuffle2(l2[2 * i], l2[2 * i + 1], y3);
+  return shuffle2(l3[0], l3[1], x4) + shuffle2(l3[0], l3[1], y4);
+}
+
+template <int D, typename kv_t, typename q_t, typename Row>
+static void decode_kernel_tiled(const q_t* q, const kv_t* kv, const int32_t* block_tables, const int32_t* seq_lens,
+                                q_t* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                                int64_t block_size, int64_t max_blocks, float scale, Row load_row, int64_t window) {
+  constexpr int C = D / 16;
+  constexpr int kDecodeRows = D <= 64 ? 4 : (D <= 128 ? 2 : 1);  // p·V rows in registers together
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t row_width = D + Row::kExtra;
+  const int64_t token_stride = num_kv_heads * row_width;
+  const int64_t kv_stride = block_size * token_stride;
+  const int64_t block_stride = 2 * kv_stride;
+  // A task is one sequence with all its KV heads; with few sequences, one head, so every thread has work.
+  const int64_t heads_per_task = num_seqs >= 2 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t tasks_per_seq = num_kv_heads / heads_per_task;
+  const int64_t rows = heads_per_task * group;  // query rows of one task
+  at::parallel_for(0, num_seqs * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(rows * D), keys(16 * D), vrow(D), acc(rows * D), scores;
+    const kv_t* tile[16];   // the current tile's K rows (head 0 of the task); V is kv_stride further
+    const kv_t* ahead[16];  // the next tile's, prefetched while this one is summed
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / tasks_per_seq, h0 = (task % tasks_per_seq) * heads_per_task;
+      const int64_t first = window > 0 ? std::max<int64_t>(0, seq_lens[s] - window) : 0;
+      const int64_t len = seq_lens[s] - first, padded = (len + 15) / 16 * 16;
+      const int32_t* table = block_tables + s * max_blocks;
+      // The rows of keys t0 ... t0 + 15 (fewer at the end): one division per tile, not per key.
+      auto tile_rows = [&](int64_t t0, const kv_t** out_rows) -> int64_t {
+        const int64_t n = std::max<int64_t>(0, std::min<int64_t>(16, len - t0));
+        int64_t blk = (first + t0) / block_size, off = (first + t0) % block_size;
+        for (int64_t j = 0; j < n; ++j) {
+          out_rows[j] = kv + table[blk] * block_stride + off * token_stride + h0 * row_width;
+          if (++off == block_size) off = 0, ++blk;
+        }
+        return n;
+      };
+      auto prefetch = [&](const kv_t* row) {
+        const char* bytes = reinterpret_cast<const char*>(row);
+        for (int64_t b = 0; b < static_cast<int64_t>(row_width * sizeof(kv_t)); b += 64) __builtin_prefetch(bytes + b);
+      };
+      scores.resize(rows * std::max<int64_t>(padded, 16));
+      // row r: query head h0 * group + r (KV head h0 + r / group)
+      for (int64_t r = 0; r < rows; ++r)
+        for (int d = 0; d < D; ++d) qf[r * D + d] = static_cast<float>(q[(s * num_heads + h0 * group + r) * D + d]) * scale;
+      // q·K, 16 keys at a time with every head of the task (a tile of a block is contiguous in the cache)
+      int64_t nt = tile_rows(0, tile);
+      for (int64_t t0 = 0; t0 < len; t0 += 16) {
+        const int64_t next = tile_rows(t0 + 16, ahead);
+        for (int64_t h = 0; h < heads_per_task; ++h) {
+          for (int64_t j = 0; j < next; ++j) prefetch(ahead[j] + h * row_width);
+          for (int64_t j = 0; j < 16; ++j) {
+            if (j < nt) load_row(tile[j] + h * row_width, keys.data() + j * D, D);
+            else std::fill(keys.begin() + j * D, keys.begin() + (j + 1) * D, 0.f);
+          }
+          for (int64_t r = h * group; r < (h + 1) * group; ++r) {
+            v16 qr[C], part[16];
+            for (int c = 0; c < C; ++c) qr[c] = load_v16(qf.data() + r * D + 16 * c);
+            for (int j = 0; j < 16; ++j) {
+              const float* k = keys.data() + j * D;
+              v16 sum = qr[0] * load_v16(k);
+              for (int c = 1; c < C; ++c) sum += qr[c] * load_v16(k + 16 * c);
+              part[j] = sum;
+            }
+            store_v16(scores.data() + r * padded + t0, lane_sums(part));
+          }
+        }
+        std::copy(ahead, ahead + next, tile);
+        nt = next;
+      }
+      // softmax over each row's len scores, 16 at a time; the last tile's lanes past len are masked
+      const int64_t tail = len % 16;  // 0: the last tile is full
+      for (int64_t r = 0; r < (len > 0 ? rows : 0); ++r) {  // an empty context has nothing to normalise
+        float* sc = scores.data() + r * padded;
+        for (int64_t t = len; t < padded; ++t) sc[t] = -INFINITY;
+        v16 peak = splat(-INFINITY);
+        for (int64_t t = 0; t < padded; t += 16) {
+          const v16 x = load_v16(sc + t);
+          peak = x > peak ? x : peak;
+        }
+        float top = peak[0];
+        for (int l = 1; l < 16; ++l) top = std::max(top, peak[l]);
+        v16 total = {};
+        for (int64_t t = 0; t < padded; t += 16) {
+          v16 e = exp_v16(load_v16(sc + t) - splat(top));
+          if (t + 16 > len)
+            for (int64_t l = tail; l < 16; ++l) e[l] = 0.f;  // past the context (exp_v16 gives ~1e-38, not 0)
+          store_v16(sc + t, e);
+          total += e;
+        }
+        float sum = 0.f;
+        for (int l = 0; l < 16; ++l) sum += total[l];
+        const v16 inv = splat(1.f / sum);
+        for (int64_t t = 0; t < padded; t += 16) store_v16(sc + t, load_v16(sc + t) * inv);
+      }
+      // p·V in the same order; kDecodeRows rows' outputs stay in registers across a tile's keys
+      std::fill(acc.begin(), acc.end(), 0.f);
+      nt = tile_rows(0, tile);
+      for (int64_t t0 = 0; t0 < len; t0 += 16) {
+        const int64_t next = tile_rows(t0 + 16, ahead);
+        for (int64_t h = 0; h < heads_per_task; ++h) {
+          for (int64_t j = 0; j < next; ++j) prefetch(ahead[j] + kv_stride + h * row_width);
+          for (int64_t r0 = h * group; r0 < (h + 1) * group; r0 += kDecodeRows) {
+            const int64_t nr = std::min<int64_t>(kDecodeRows, (h + 1) * group - r0);
+            v16 o[kDecodeRows][C];
+            for (int u = 0; u < kDecodeRows; ++u)
+              for (int c = 0; c < C; ++c) o[u][c] = u < nr ? load_v16(acc.data() + (r0 + u) * D + 16 * c) : v16{};
+            for (int64_t j = 0; j < nt; ++j) {
+              load_row(tile[j] + kv_stride + h * row_width, vrow.data(), D);
+              v16 v[C];
+              for (int c = 0; c < C; ++c) v[c] = load_v16(vrow.data() + 16 * c);
+              for (int u = 0; u < kDecodeRows; ++u) {
+                if (u >= nr) break;
+                const v16 w = splat(scores[(r0 + u) * padded + t0 + j]);
+                for (int c = 0; c < C; ++c) o[u][c] += w * v[c];
+              }
+            }
+            for (int u = 0; u < nr; ++u)
+              for (int c = 0; c < C; ++c) store_v16(acc.data() + (r0 + u) * D + 16 * c, o[u][c]);
+          }
+        }
+        std::copy(ahead, ahead + next, tile);
+        nt = next;
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        q_t* dst = out + (s * num_heads + h0 * group + r) * D;
+        for (int d = 0; d < D; ++d) dst[d] = static_cast<q_t>(acc[r * D + d]);
+      }
+    }
+  });
+}
+
+// Decode attention: the tiled kernel for the compiled head dims, the per-row one for others.
+template <typename kv_t, typename q_t, typename Row>
+static void decode_kernel(const q_t* q, const kv_t* kv, const int32_t* block_tables, const int32_t* seq_lens,
+                          q_t* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                          int64_t block_size, int64_t max_blocks, float scale, Row load_row, int64_t window = 0) {
+  switch (head_dim) {
+    case 64:
+      return decode_kernel_tiled<64>(q, kv, block_tables, seq_lens, out, num_seqs, num_heads, num_kv_heads,
+                                     block_size, max_blocks, scale, load_row, window);
+    case 128:
+      return decode_kernel_tiled<128>(q, kv, block_tables, seq_lens, out, num_seqs, num_heads, num_kv_heads,
+                                      block_size, max_blocks, scale, load_row, window);
+    case 256:
+      return decode_kernel_tiled<256>(q, kv, block_tables, seq_lens, out, num_seqs, num_heads, num_kv_heads,
+                                      block_size, max_blocks, scale, load_row, window);
+    default:
+      return decode_kernel_rows(q, kv, block_tables, seq_lens, out, num_seqs, num_heads, num_kv_heads, head_dim,
+                                block_size, max_blocks, scale, load_row, window);
+  }
+}
+
 // The same walk with both products on AVX512-BF16's vdpbf16ps (32 bf16 multiplies into 16 float
 // sums per instruction, twice float32 FMA's work). Lanes hold 16 query vectors rather than 16 keys:
 // each key's bf16 row is broadcast as dim pairs straight from a staged copy of the cache row (no
@@ -336,25 +545,6 @@ static inline __m512i bf16_pairs(__m512 lo, __m512 hi) {  // lane i: bf16(lo[i])
   const __m512i a = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(lo));
   const __m512i b = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(hi));
   return _mm512_or_si512(a, _mm512_slli_epi32(b, 16));
-}
-
-// exp inline (a libmvec call in the loop would spill every live register): 2^n * e^r, r in
-// [-ln2/2, ln2/2], degree-6 Taylor (relative error ~2e-7, far below the bf16 rounding that follows).
-// Inputs below -87 give ~1e-38, not 0: callers zero masked lanes themselves.
-static inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);  // ln 2 in two parts (Cody-Waite)
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
 }
 
 constexpr int64_t kTileB = 32;  // query rows per task
@@ -464,11 +654,11 @@ static void prefill_kernel_bf16(const float* q, const uint16_t* kv, const int32_
             // a lane that has seen no key yet subtracts 0 (its weights are masked to 0 anyway)
             const __m512 ref = _mm512_mask_mov_ps(new_peak, _mm512_cmp_ps_mask(new_peak, neg_inf, _CMP_EQ_OQ),
                                                   _mm512_setzero_ps());
-            const __m512 shrink_v = exp512(_mm512_sub_ps(old_peak, ref));  // ~0 where old_peak is -inf
+            const __m512 shrink_v = (__m512)exp_v16((v16)_mm512_sub_ps(old_peak, ref));  // ~0 where old_peak is -inf
             _mm512_storeu_ps(shrink.data(), shrink_v);
             __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(total.data() + g * 16), shrink_v);
             for (int j = 0; j < kKeys; ++j) {
-              s[j] = _mm512_maskz_mov_ps(seen[j], exp512(_mm512_sub_ps(s[j], ref)));
+              s[j] = _mm512_maskz_mov_ps(seen[j], (__m512)exp_v16((v16)_mm512_sub_ps(s[j], ref)));
               sum = _mm512_add_ps(sum, s[j]);
             }
             _mm512_storeu_ps(total.data() + g * 16, sum);
