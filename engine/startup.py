@@ -263,9 +263,12 @@ def resolve_config(config: EngineConfig, model: ModelConfig, device: torch.devic
         batched_reason = "the GPU default (vLLM's)"
     decode_step = config.max_decode_step_tokens
     decode_reason = "--max-decode-step-tokens" if decode_step is not None else ""
+    # before the budget: the stored plan is keyed by the cache dtype its prefill kernels read
+    kv_cache_dtype, kv_reason = resolve_kv_cache_dtype(config, device, caps,
+                                                       _plan_picks_auto_dtype(config, model, device))
     if device.type == "cpu" and batched == GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS:  # flag left at its GPU default
         batched, batched_reason, derived = cpu_batch_budget(config, model, quantization, dtype_choice.dtype, caps,
-                                                            config.dtype == "auto")
+                                                            config.dtype == "auto", kv_cache_dtype)
         if derived:  # steps with decodes bounded by the plan's speed; steps of prompts only by vLLM's CPU default
             if decode_step is None:
                 decode_step, decode_reason = batched, batched_reason
@@ -277,8 +280,6 @@ def resolve_config(config: EngineConfig, model: ModelConfig, device: torch.devic
     backend = config.attention_backend
     if backend == "auto":
         backend = "triton" if device.type == "cuda" else "torch"
-    kv_cache_dtype, kv_reason = resolve_kv_cache_dtype(config, device, caps,
-                                                       _plan_picks_auto_dtype(config, model, device))
     resolved = dataclasses.replace(
         config, device=device.type, max_num_batched_tokens=batched, max_decode_step_tokens=decode_step,
         dtype=dtype_choice.dtype,
@@ -290,7 +291,7 @@ def resolve_config(config: EngineConfig, model: ModelConfig, device: torch.devic
 
 
 def kernel_plan_key(config: EngineConfig, model: ModelConfig, quantization: str | None, dtype: str,
-                    caps: CpuCapabilities | None, dtype_auto: bool) -> str:
+                    caps: CpuCapabilities | None, dtype_auto: bool, kv_cache_dtype: str) -> str:
     """The stored kernel plan's key: the weights' content, their formats (quantization, the
     q4_1x8 layout), dtype (and whether it was auto), load format, KV cache dtype (which prefill
     kernels can read it), the CPU's kernel ISA and flags, torch, threads."""
@@ -299,13 +300,13 @@ def kernel_plan_key(config: EngineConfig, model: ModelConfig, quantization: str 
     return kernel_plan.plan_key({
         "weights": profile_cache.weights_identity(model.path, _model_facts(model)), "quantization": quantization,
         "x8": cpu_gemv.int8_activations_enabled(), "dtype": dtype, "dtype_auto": dtype_auto, "load_format": config.load_format,
-        "kv_cache_dtype": config.kv_cache_dtype,
+        "kv_cache_dtype": kv_cache_dtype,
         "cpu": (caps or detect()).kernel_key, "torch": torch.__version__, "threads": torch.get_num_threads(),
     })
 
 
 def cpu_batch_budget(config: EngineConfig, model: ModelConfig, quantization: str | None, dtype: str,
-                     caps: CpuCapabilities | None, dtype_auto: bool) -> tuple[int, str, bool]:
+                     caps: CpuCapabilities | None, dtype_auto: bool, kv_cache_dtype: str) -> tuple[int, str, bool]:
     """The CPU default token budget, why, and whether it was derived: from the stored kernel
     plan's prefill speed (one step near ``kernel_plan.STEP_TARGET_S``), else the fixed default."""
     fixed = CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -313,7 +314,7 @@ def cpu_batch_budget(config: EngineConfig, model: ModelConfig, quantization: str
         return fixed, (f"the CPU default {fixed} (no kernel plan: {kernel_plan.PLAN_ENV}=off, tensor or pipeline "
                        "parallel)"), False
     plan = kernel_plan.pinned() or kernel_plan.load_stored(kernel_plan_key(config, model, quantization, dtype, caps,
-                                                                                    dtype_auto))
+                                                                                    dtype_auto, kv_cache_dtype))
     if plan is None:
         return fixed, (f"the CPU default {fixed}: no measured kernel plan for these weights on this CPU yet (this "
                        "start measures one; the next derives the budget from its prefill speed)"), False
@@ -661,7 +662,8 @@ def _phase_load_weights(c: PhaseHandle, s: StartupInputs, progress: Callable[[in
     if s.device.type == "cpu" and parallel is None and not _multi_rank(config) and kernel_plan.plan_enabled():
         # measured (or read back) here, not in phase F: phase D profiles, and phase E sizes, what it runs
         before = runner.model.weights_bytes()
-        key = kernel_plan_key(config, model, config.quantization, config.dtype, s.caps, s.resolution.dtype_auto)
+        key = kernel_plan_key(config, model, config.quantization, config.dtype, s.caps, s.resolution.dtype_auto,
+                              config.kv_cache_dtype)
         runner.resolve_kernel_plan(key, s.caps or detect(), log, approximate=s.resolution.dtype_auto)
         info.weights_bytes = runner.model.weights_bytes()
         # float weights no step multiplies by under the plan are not kept (engine/model/llama.py)

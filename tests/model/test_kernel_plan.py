@@ -116,6 +116,31 @@ def test_the_plans_budget_bounds_the_steps_with_decodes(monkeypatch: pytest.Monk
     assert chosen.decode_step_tokens_reason == "--max-decode-step-tokens"
 
 
+@pytest.mark.parametrize("dtype", ["auto", "float32"])
+def test_the_next_start_derives_its_budget_from_the_plan_phase_f_stored(dtype: str, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Phase F stores the plan under the resolved config's key (the KV cache dtype ``auto``
+    resolved, e.g. to bf16 where bf16 is native); the next start reads it back before resolving
+    that config, to derive its token budget: both must name the same plan."""
+    from engine.budget.config import EngineConfig
+    from engine.modelspec.readers import load_model_config
+    from engine.startup import kernel_plan_key, resolve_config
+
+    monkeypatch.setenv(profile_cache.PROFILE_CACHE_ENV, str(tmp_path))
+    monkeypatch.delenv(kernel_plan.PLAN_ENV, raising=False)
+    model, cpu, caps = load_model_config("smollm2-135m"), torch.device("cpu"), detect()
+    config = EngineConfig(dtype=dtype)
+    first = resolve_config(config, model, cpu, caps)
+    assert first.config.max_decode_step_tokens is None  # nothing stored yet: the fixed default
+    resolved = first.config
+    plan = _scaled(_injected_plan(), 4.0)  # slow enough to bound the steps with decodes
+    plan.key = kernel_plan_key(resolved, model, resolved.quantization, resolved.dtype, caps, first.dtype_auto,
+                               resolved.kv_cache_dtype)  # what phase F computes
+    kernel_plan.store(plan)
+    derived = kernel_plan.derived_batch_budget(plan, model.num_layers)[0]
+    assert resolve_config(config, model, cpu, caps).config.max_decode_step_tokens == derived
+
+
 def test_the_fused_layer_serves_the_rows_where_it_wins_from_one_up() -> None:
     (one, eight), sixty_four = STEP_CLASSES[:2], STEP_CLASSES[4]
     rows, notes = kernel_plan.fused_rows_from([(one, 80.0, 190.0, 1e-6), (eight, 400.0, 700.0, 1e-6),
