@@ -217,6 +217,26 @@ struct PrefillTask {
   int64_t seq, kv_head, row0, rows, cost;
 };
 
+// The tasks of a prefill call: tiles of `tile` query rows of one sequence times one KV head,
+// costliest first (a causal chunk's last tiles see far more keys than its first; workers pull
+// them from a shared counter).
+static std::vector<PrefillTask> prefill_tasks(const int64_t* q_start, const int32_t* seq_lens, int64_t num_seqs,
+                                              int64_t num_kv_heads, int64_t window, int64_t tile) {
+  std::vector<PrefillTask> tasks;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t n = q_start[s + 1] - q_start[s], base = seq_lens[s] - n;  // row r sits at base + r
+    for (int64_t r0 = 0; r0 < n; r0 += tile) {
+      const int64_t rows = std::min(tile, n - r0);
+      const int64_t hi = base + r0 + rows;  // keys [lo, hi)
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, base + r0 - window + 1) : 0;
+      for (int64_t h = 0; h < num_kv_heads; ++h) tasks.push_back({s, h, r0, rows, rows * (hi - lo)});
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const PrefillTask& a, const PrefillTask& b) { return a.cost > b.cost; });
+  return tasks;
+}
+
 template <int D, typename kv_t, typename Row>
 static void prefill_kernel(const float* q, const kv_t* kv, const int32_t* block_tables, const int32_t* seq_lens,
                            const int64_t* q_start, float* out, int64_t num_seqs, int64_t num_heads,
@@ -227,18 +247,7 @@ static void prefill_kernel(const float* q, const kv_t* kv, const int32_t* block_
   const int64_t token_stride = num_kv_heads * row_width;
   const int64_t kv_stride = block_size * token_stride;
   const int64_t block_stride = 2 * kv_stride;
-  std::vector<PrefillTask> tasks;
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t n = q_start[s + 1] - q_start[s], base = seq_lens[s] - n;  // row r sits at base + r
-    for (int64_t r0 = 0; r0 < n; r0 += kTile) {
-      const int64_t rows = std::min(kTile, n - r0);
-      const int64_t hi = base + r0 + rows;  // keys [lo, hi)
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, base + r0 - window + 1) : 0;
-      for (int64_t h = 0; h < num_kv_heads; ++h) tasks.push_back({s, h, r0, rows, rows * (hi - lo)});
-    }
-  }
-  std::stable_sort(tasks.begin(), tasks.end(),
-                   [](const PrefillTask& a, const PrefillTask& b) { return a.cost > b.cost; });
+  const std::vector<PrefillTask> tasks = prefill_tasks(q_start, seq_lens, num_seqs, num_kv_heads, window, kTile);
   std::atomic<int64_t> next{0};
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   const int64_t vectors = kTile * group;  // query vectors of one task
@@ -561,18 +570,7 @@ static void prefill_kernel_bf16(const float* q, const uint16_t* kv, const int32_
   const int64_t token_stride = num_kv_heads * D;
   const int64_t kv_stride = block_size * token_stride;
   const int64_t block_stride = 2 * kv_stride;
-  std::vector<PrefillTask> tasks;
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t n = q_start[s + 1] - q_start[s], base = seq_lens[s] - n;
-    for (int64_t r0 = 0; r0 < n; r0 += kTileB) {
-      const int64_t rows = std::min(kTileB, n - r0);
-      const int64_t hi = base + r0 + rows;
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, base + r0 - window + 1) : 0;
-      for (int64_t h = 0; h < num_kv_heads; ++h) tasks.push_back({s, h, r0, rows, rows * (hi - lo)});
-    }
-  }
-  std::stable_sort(tasks.begin(), tasks.end(),
-                   [](const PrefillTask& a, const PrefillTask& b) { return a.cost > b.cost; });
+  const std::vector<PrefillTask> tasks = prefill_tasks(q_start, seq_lens, num_seqs, num_kv_heads, window, kTileB);
   std::atomic<int64_t> next{0};
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   const int64_t lanes = (kTileB * group + 15) / 16 * 16;  // query vectors of one task, padded to whole registers
@@ -697,6 +695,20 @@ static void prefill_kernel_bf16(const float* q, const uint16_t* kv, const int32_
 constexpr bool kBf16Dot = false;
 #endif
 
+// Both prefill entry points' inputs as the kernels read them: float32 query, contiguous cache,
+// int32 tables and lengths, int64 row offsets (S + 1 of them, ending at the query's rows).
+static void prefill_inputs(torch::Tensor& query, torch::Tensor& kv_cache, torch::Tensor& block_tables,
+                           torch::Tensor& seq_lens, torch::Tensor& query_start) {
+  query = query.contiguous().to(torch::kFloat);
+  kv_cache = kv_cache.contiguous();
+  block_tables = block_tables.to(torch::kInt32).contiguous();
+  seq_lens = seq_lens.to(torch::kInt32).contiguous();
+  query_start = query_start.to(torch::kInt64).contiguous();
+  const int64_t S = seq_lens.size(0);
+  TORCH_CHECK(query_start.size(0) == S + 1 && query_start[S].item<int64_t>() == query.size(0),
+              "query_start: S + 1 offsets ending at the query's rows");
+}
+
 // query [T,H,D] (any float dtype; attended in float32), query_start [S+1] int64 (row offsets of each
 // sequence's new rows), seq_lens [S] (context including the new rows). Returns float32 [T,H,D].
 torch::Tensor paged_prefill(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
@@ -706,14 +718,8 @@ torch::Tensor paged_prefill(torch::Tensor query, torch::Tensor kv_cache, torch::
   const auto kv_type = kv_cache.scalar_type();
   const bool is_int8 = kv_type == at::ScalarType::Char;
   const bool is_fp8 = kv_type == at::ScalarType::Float8_e4m3fn || kv_type == at::ScalarType::Float8_e5m2;
-  query = query.contiguous().to(torch::kFloat);
-  kv_cache = kv_cache.contiguous();
-  block_tables = block_tables.to(torch::kInt32).contiguous();
-  seq_lens = seq_lens.to(torch::kInt32).contiguous();
-  query_start = query_start.to(torch::kInt64).contiguous();
+  prefill_inputs(query, kv_cache, block_tables, seq_lens, query_start);
   const int64_t S = seq_lens.size(0), H = query.size(1), D = query.size(2);
-  TORCH_CHECK(query_start.size(0) == S + 1 && query_start[S].item<int64_t>() == query.size(0),
-              "query_start: S + 1 offsets ending at the query's rows");
   auto out = torch::empty_like(query);
   const int64_t BS = kv_cache.size(2), KVH = kv_cache.size(3);
   TORCH_CHECK(kv_cache.size(4) == D + (is_int8 ? 4 : 0), "kv_cache row width does not match the head dim");
@@ -747,14 +753,8 @@ torch::Tensor paged_prefill_bf16(torch::Tensor query, torch::Tensor kv_cache, to
 #if defined(__AVX512BF16__)
   TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5, "query [T,H,D], kv_cache [NB,2,BS,KVH,D]");
   TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16, "paged_prefill_bf16 reads a bf16 cache");
-  query = query.contiguous().to(torch::kFloat);
-  kv_cache = kv_cache.contiguous();
-  block_tables = block_tables.to(torch::kInt32).contiguous();
-  seq_lens = seq_lens.to(torch::kInt32).contiguous();
-  query_start = query_start.to(torch::kInt64).contiguous();
+  prefill_inputs(query, kv_cache, block_tables, seq_lens, query_start);
   const int64_t S = seq_lens.size(0), H = query.size(1), D = query.size(2);
-  TORCH_CHECK(query_start.size(0) == S + 1 && query_start[S].item<int64_t>() == query.size(0),
-              "query_start: S + 1 offsets ending at the query's rows");
   TORCH_CHECK(kv_cache.size(4) == D, "kv_cache row width does not match the head dim");
   auto out = torch::empty_like(query);
   const int64_t BS = kv_cache.size(2), KVH = kv_cache.size(3), MB = block_tables.size(1);
