@@ -18,6 +18,7 @@ from engine.core.sampling_params import SamplingParams  # noqa: E402
 from engine.errors import UserError  # noqa: E402
 from engine.events import EventBus  # noqa: E402
 from engine.llm_engine import LLMEngine, RequestOutput  # noqa: E402
+from engine.model.sampler import TokenLogprobs  # noqa: E402
 from engine.modelspec.presets import BUNDLED_MODEL_NAME  # noqa: E402
 
 ChatMessages = Sequence[dict[str, str]]
@@ -61,6 +62,10 @@ class LLM:
         checked = [self.engine.prepare_prompt(p, params) for p, params in zip(prompts, params_list, strict=True)]
         order = [self.engine.add_request(prompt) for prompt in checked]
         finals: dict[str, RequestOutput] = {}
+        # engine.step()'s outputs carry each step's logprobs (and the prompt's, once): the final
+        # output carries the whole request's, as vLLM's LLM.generate returns them
+        logprobs: dict[str, list[TokenLogprobs]] = {}
+        prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
         progress = _progress(len(order)) if use_tqdm and len(order) > 1 else None
         task = progress.add_task("generate", total=len(order)) if progress else None
         if progress:
@@ -68,7 +73,13 @@ class LLM:
         try:
             while self.engine.has_unfinished():
                 for out in self.engine.step():
+                    if out.logprobs:
+                        logprobs.setdefault(out.request_id, []).extend(out.logprobs)
+                    if out.prompt_logprobs is not None:
+                        prompt_logprobs[out.request_id] = out.prompt_logprobs
                     if out.finished:
+                        out.logprobs = logprobs.pop(out.request_id, None)
+                        out.prompt_logprobs = prompt_logprobs.pop(out.request_id, None)
                         finals[out.request_id] = out
                         if progress is not None and task is not None:
                             progress.advance(task)
