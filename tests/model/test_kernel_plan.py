@@ -373,3 +373,20 @@ def test_greedy_agreement_on_this_machines_plan(tmp_path: Path, monkeypatch: pyt
     # int8-activation GEMV over the Q4_1 blocks (the default before the plan as well) then takes
     # the other side of a near-tie. 24 leaves room for another CPU's plan.
     assert agreed >= 24, (agreed, plan.summary())
+
+
+def test_engine_plan_shows_the_plan_a_default_start_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``--threads 1`` start (the test suite's) stores a newer plan than the default start's;
+    ``engine plan`` shows the one measured at the thread count a start without --threads runs."""
+    from engine.cli.commands.plan import stored_kernel_plan_lines
+
+    monkeypatch.setenv(profile_cache.PROFILE_CACHE_ENV, str(tmp_path))
+    default = torch.get_num_threads()
+    cells = [_cell("qkv", "1", {"gemv": 10.0, "torch": 20.0}, {"gemv": 0.0, "torch": 0.0})]
+    for key, threads, when, chosen in (("a", default, 1.0, "gemv"), ("b", default + 1, 2.0, "torch")):
+        plan = KernelPlan([dataclasses.replace(cells[0], chosen=chosen)], model="m", threads=threads,
+                          measured_at=when, key=key)
+        kernel_plan.store(plan)
+    lines = stored_kernel_plan_lines("m")
+    assert f"({default} threads; 2 stored" in lines[0]
+    assert any("-> gemv" in line for line in lines) and not any("-> torch" in line for line in lines)

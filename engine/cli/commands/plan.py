@@ -285,11 +285,15 @@ def render_text(console: Console, model: ModelConfig, plan: MemoryPlan, gpu_name
 
 def stored_kernel_plan_lines(name: str) -> list[str]:
     """The newest kernel plan a CPU start stored for this model here (engine/model/kernel_plan.py;
-    its table), or nothing when no start has measured one."""
+    its table), one measured at the thread count a default start runs first (a ``--threads 1``
+    start's plan is not what ``engine serve`` runs), or nothing when no start has measured one."""
     plans = kernel_plan.stored_for_model(name)
     if not plans:
         return []
-    newest = plans[0]
+    import torch
+
+    default_threads = torch.get_num_threads()  # a start without --threads keeps torch's default
+    newest = next((p for p in plans if p.threads == default_threads), plans[0])
     return [f"  the kernel plan a CPU start measured for {name} here ({newest.threads} threads; "
             f"{len(plans)} stored for its flag sets; KVSCOPE_KERNEL_PLAN=off runs the fallback constants):",
             *(f"  {line}" for line in newest.table_lines())]
