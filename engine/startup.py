@@ -82,10 +82,16 @@ CPU_DEFAULT_KV_SPACE_GIB = 4.0
 # ~20 s; 2,048 keeps startup short and still lets a long prompt prefill in chunks.
 GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
-# With a budget derived from the kernel plan bounding the steps that carry decodes, a step of
-# prompts only (nobody's next token waits on it) may take this many, vLLM's CPU server default:
-# a 500-token prompt prefills in one 0.53 s step instead of four 128-token ones (0.60-0.70 s;
-# Zen 4, AVX-512 BF16), and a batch's first prompts start together.
+# The least a step takes on CPU once a kernel plan is stored: vLLM's CPU server default, so
+# kvscope's steps are composed as vLLM-CPU's (decodes first, then up to this many prompt tokens)
+# and, each token being faster, a workload's slowed gaps between tokens are as many as under
+# vLLM-CPU and shorter. A tighter bound on the steps that carry decodes (a one-second one, 1,088 tokens
+# on 2 Zen 3 cores) prefills the same prompts in more steps, each stalling every running decode:
+# on AVX2 Zen 3 batch-16 then had 20 slow gaps of its ~2,450 against 7 at 2,048, which crossed
+# the 1 % that ITL p99 counts (580 ms against vLLM-CPU's 240 in `make bench`; 71-88 ms at
+# 2,048). It also prefills a 500-token prompt in one 0.53 s step instead of four 128-token ones
+# (0.60-0.70 s; Zen 4, AVX-512 BF16). --max-decode-step-tokens bounds the steps with decodes
+# where the largest gap between tokens matters more than the p99.
 CPU_PROMPT_STEP_TOKENS = 2048
 
 
@@ -269,12 +275,14 @@ def resolve_config(config: EngineConfig, model: ModelConfig, device: torch.devic
     if device.type == "cpu" and batched == GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS:  # flag left at its GPU default
         batched, batched_reason, derived = cpu_batch_budget(config, model, quantization, dtype_choice.dtype, caps,
                                                             config.dtype == "auto", kv_cache_dtype)
-        if derived:  # steps with decodes bounded by the plan's speed; steps of prompts only by vLLM's CPU default
-            if decode_step is None:
-                decode_step, decode_reason = batched, batched_reason
-            batched = max(CPU_PROMPT_STEP_TOKENS, decode_step)
-            batched_reason = (f"the CPU default for a step of prompts only: {batched:,} (vLLM's CPU server default); "
-                              f"a step with decodes takes at most --max-decode-step-tokens {decode_step:,}")
+        if derived and batched < CPU_PROMPT_STEP_TOKENS:  # never fewer tokens a step than vLLM-CPU takes
+            batched_reason = (f"the CPU default {CPU_PROMPT_STEP_TOKENS:,} (vLLM's CPU server default): steps composed "
+                              f"as vLLM-CPU's, each faster; the plan's one-second budget here would be {batched:,}, "
+                              "and a tighter bound slows more gaps between tokens (ITL p99) than it shortens")
+            batched = CPU_PROMPT_STEP_TOKENS
+        if derived and decode_step is not None:
+            batched = max(batched, decode_step)  # the flag bounds the steps with decodes, below the others'
+            batched_reason += f"; a step with decodes takes at most --max-decode-step-tokens {decode_step:,}"
     if decode_step is not None and decode_step >= batched:
         decode_step, decode_reason = None, ""  # no tighter than every step's budget: off
     backend = config.attention_backend

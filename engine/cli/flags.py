@@ -111,7 +111,8 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-decode-step-tokens", type=_positive_int("--max-decode-step-tokens"), default=None,
                    help="kvscope's: the token budget of a step in which a request decodes, so a long prompt "
                         "stalls the decodes beside it for one bounded step (a step of prompts only may take "
-                        "--max-num-batched-tokens); default on CPU: derived from the kernel plan, else off")
+                        "--max-num-batched-tokens); default off: fewer, longer prefill steps slow fewer gaps between "
+                        "tokens, so set it where the largest gap matters more than the p99")
     p.add_argument("--long-prefill-token-threshold", type=int, default=0)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of prompt prefixes already computed (default on)")

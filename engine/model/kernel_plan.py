@@ -115,13 +115,15 @@ TIMED_REPS = 3  # min of this many calls after one untimed call (which gives the
 CELL_BUDGET_S = 0.02  # past this, a cell stops adding rounds (its candidates have one timing each at least)
 WEIGHT_ROWS_TIMED = 1024  # a multiple of 8 (q4_1x8 interleaves 8 rows)
 FUSED_CONTEXT = 32  # tokens each sequence of the fused-layer timing attends over
-# The CPU default bound of a step with decodes (--max-decode-step-tokens): its projections at
-# about this many seconds at the plan's measured speed (attention, norms and sampling add
-# ~15-25 %), so the bound scales with the CPU. Measured on bench/workloads.py's batches (Zen 4,
-# AVX512-BF16, 2 threads), a 0.1 s target (128 tokens, steps of 100-150 ms) cost more than it
-# bounded: prompts arriving together were prefilled ~110 tokens a step beside the decodes, so
-# batch-16's ITL p99 was 154 ms (42-61 ms at ~1 s: fewer slow steps, under 1 % of the gaps) and
-# batch-64's TTFT p99 31.6 s (16.5-19.3 s); vLLM-CPU's own 2,048-token steps take ~1.5-2 s here.
+# The CPU default token budget where the plan's measured speed fits more than vLLM-CPU's 2,048
+# tokens (engine/startup.py CPU_PROMPT_STEP_TOKENS, the floor) in about this many seconds of
+# projections (attention, norms and sampling add ~15-25 %), so the budget scales with a fast CPU.
+# Tighter targets were measured on bench/workloads.py's batches and dropped: every step that
+# prefills stalls every running decode, so a smaller step prefills the same prompts in more
+# slowed gaps. At 0.1 s (Zen 4, AVX512-BF16, 2 threads: 128 tokens) batch-16's ITL p99 was 154 ms
+# (42-61 ms at ~1 s); at 1 s on the steps with decodes (AVX2 Zen 3: 1,088 tokens) batch-16 had
+# 20 slow gaps of ~2,450 against 7 at 2,048, past the 1 % that p99 counts (580 ms against
+# vLLM-CPU's 240 in `make bench`).
 STEP_TARGET_S = 1.0
 BUDGET_MIN, BUDGET_MAX, BUDGET_QUANTUM = 128, 8192, 64
 
