@@ -2,10 +2,11 @@
 on top of :class:`~engine.core.block_pool.BlockPool`.
 
 A block gets a hash once it is full: ``hash((parent_hash, tuple(its token ids)))``
-with the first block's parent ``NONE_HASH``, so equal hashes mean equal whole
-prefixes. Python's hash of a tuple of ints is deterministic across runs (it does
-not depend on PYTHONHASHSEED). Requests compute their block hashes lazily, only
-as far as they are needed.
+with the first block's parent ``NONE_HASH``, or under vLLM's ``cache_salt`` the salt's
+own root (:func:`root_hash`), so equal hashes mean equal whole prefixes with equal
+salts. Python's hash of a tuple of ints is deterministic across runs (it does not
+depend on PYTHONHASHSEED). Requests compute their block hashes lazily, only as far
+as they are needed.
 
 Prefix-cache statistics are counted in tokens, as vLLM does: each lookup adds the
 request's token count to the queries and the hit length to the hits.
@@ -13,6 +14,7 @@ request's token count to the queries and the hit length to the hits.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 from engine.core.block_pool import BlockDeltas, BlockPool
@@ -28,6 +30,16 @@ from engine.events.schema import (
 NONE_HASH = 0x6B7673636F7065  # parent "hash" of a request's first block
 
 
+def root_hash(req: Request) -> int:
+    """The parent of a request's first block: ``NONE_HASH``, or one derived from its
+    ``cache_salt`` (sha256, not ``hash(str)``, which changes with PYTHONHASHSEED: KV events
+    carry these hashes to other processes)."""
+    salt = req.sampling.cache_salt if req.sampling is not None else None
+    if not salt:
+        return NONE_HASH
+    return hash((NONE_HASH, int.from_bytes(hashlib.sha256(salt.encode()).digest()[:8], "little")))
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -38,7 +50,7 @@ def extend_block_hashes(req: Request, num_full_blocks: int, block_size: int) -> 
     hashes = req.block_hashes
     if len(hashes) < num_full_blocks:
         tokens = req.token_ids
-        parent = hashes[-1] if hashes else NONE_HASH
+        parent = hashes[-1] if hashes else root_hash(req)
         for i in range(len(hashes), num_full_blocks):
             parent = hash((parent, tuple(tokens[i * block_size : (i + 1) * block_size])))
             hashes.append(parent)

@@ -47,6 +47,10 @@ class SamplingParams:
     # with this many alternatives (0: the token alone); None: off. Such a request reads no
     # prefix-cache hit (every prompt position's logits are computed), as in vLLM.
     prompt_logprobs: int | None = None
+    # vLLM's cache_salt: mixed into the hash of the request's first KV block, so its prompt shares
+    # prefix-cache blocks only with requests sending the same salt (a tenant's cache is not
+    # probed by another's timing); None: the shared cache
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -75,6 +79,9 @@ class SamplingParams:
             raise UserError(f"logprobs {self.logprobs}: must be in 0..{MAX_LOGPROBS}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
             raise UserError(f"prompt_logprobs {self.prompt_logprobs}: must be in 0..{MAX_LOGPROBS}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise UserError(f"cache_salt {str(self.cache_salt)[:60]!r}: must be a non-empty string if given "
+                            "(omit it to share the prefix cache)")
 
     def _check_logit_bias(self) -> None:
         if self.logit_bias is None:

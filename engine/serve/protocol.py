@@ -157,6 +157,7 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float | None = None
     logprobs: Any = None
     prompt_logprobs: Any = None  # vLLM's; checked by prompt_logprobs_count()
+    cache_salt: Any = None  # vLLM's: this request's prefix-cache partition (SamplingParams checks it)
     logit_bias: dict[str, Any] | None = None
     user: str | None = None
     metadata: Any = None
@@ -305,6 +306,7 @@ class _SamplingFields(BaseModel):
                 logit_bias=self._logit_bias(),
                 logprobs=self.logprobs_count(),
                 prompt_logprobs=self.prompt_logprobs_count(),
+                cache_salt=self.cache_salt,
             )
         except UserError as exc:
             raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None

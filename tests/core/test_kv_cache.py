@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from engine.core.kv_cache import KVCacheManager
 from engine.core.request import Request
 
@@ -113,3 +115,43 @@ def test_a_finished_requests_blocks_are_evicted_tail_first() -> None:
         assert still == sorted(still, reverse=True), f"after {i} blocks taken, cached: {still}"  # a prefix
         kv.free(taker)
     assert not any(kv.pool.lookup(h) is not None for h in a.block_hashes[:4])  # all gone in the end
+
+
+def test_cache_salt_partitions_the_prefix_cache() -> None:
+    """vLLM's cache_salt: a prompt hits only blocks cached under the same salt (none under
+    another salt or under no salt), and the salt's root hash is the same in every process."""
+    import subprocess
+    import sys
+
+    from engine.core.kv_cache import root_hash
+    from engine.core.sampling_params import SamplingParams
+
+    kv = KVCacheManager(num_blocks=500, block_size=16)
+    prompt = list(range(1000, 1100))
+
+    def salted(rid: str, salt: str | None) -> Request:
+        return Request(rid, prompt, 10, sampling=SamplingParams(cache_salt=salt))
+
+    assert _admit(kv, salted("a", "tenant-1")) == 0
+    assert _admit(kv, salted("b", "tenant-2")) == 0
+    assert _admit(kv, salted("c", None)) == 0
+    assert _admit(kv, salted("d", "tenant-1")) == 96
+    assert _admit(kv, salted("e", None)) == 96
+    here = root_hash(salted("f", "tenant-1"))
+    code = ("from engine.core.kv_cache import root_hash; from engine.core.request import Request; "
+            "from engine.core.sampling_params import SamplingParams; "
+            "print(root_hash(Request('x', [1], 1, sampling=SamplingParams(cache_salt='tenant-1'))))")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={"PYTHONHASHSEED": "123", "PATH": ""}, cwd=Path(__file__).resolve().parents[2])
+    assert int(other.stdout) == here
+
+
+def test_an_empty_or_non_string_cache_salt_is_refused() -> None:
+    import pytest
+
+    from engine.core.sampling_params import SamplingParams
+    from engine.errors import UserError
+
+    for bad in ("", 7):
+        with pytest.raises(UserError, match=r"cache_salt .* non-empty string"):
+            SamplingParams(cache_salt=bad)  # type: ignore[arg-type]

@@ -230,6 +230,24 @@ def test_usage_names_the_cached_prompt_tokens(client: openai.OpenAI) -> None:
     assert cached > 0 and cached % 16 == 0 and cached < again.usage.prompt_tokens
 
 
+def test_cache_salt_keeps_a_tenants_prefix_cache_its_own(server: Server, client: openai.OpenAI) -> None:
+    """vLLM's cache_salt: the same prompt under another salt (or none) hits nothing of a salted
+    request's blocks, under the same salt it hits them; an empty salt is a 400 naming the field."""
+    prompt = _long_prompt(5, 40)
+
+    def cached(salt: str | None) -> int:
+        extra = {} if salt is None else {"cache_salt": salt}
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, extra_body=extra)
+        return out.usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0 and cached(None) == 0
+    assert cached("tenant-a") > 0 and cached(None) > 0
+    refused = httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "cache_salt": ""})
+    assert refused.status_code == 400 and "cache_salt" in refused.text
+
+
 def test_profile_endpoints_write_a_trace_that_loads(server: Server, client: openai.OpenAI) -> None:
     assert server.post("/stop_profile", {}).status_code == 400  # nothing to stop
     started = server.post("/start_profile", {})
