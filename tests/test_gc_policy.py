@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gc
 
+import pytest
+
 from engine.gc_policy import STARTUP_GEN0_THRESHOLD, defer_collections, restore_collections
 
 
@@ -24,13 +26,17 @@ def test_deferring_raises_only_the_young_threshold_and_restoring_puts_it_back() 
         gc.set_threshold(*before)
 
 
-def test_an_engine_start_restores_the_thresholds() -> None:
+def test_an_engine_start_restores_the_thresholds(monkeypatch: pytest.MonkeyPatch) -> None:
     """The entry points defer collection before torch loads; phase G's end restores it."""
     from engine.llm import LLM
+    from engine.model import kernel_plan
+
+    monkeypatch.setenv(kernel_plan.PLAN_ENV, "off")  # the thresholds, not the plan: a short start
 
     restore_collections()
     default = gc.get_threshold()
     defer_collections()
-    llm = LLM(load_format="dummy", max_model_len=256, kv_cache_memory_bytes=1 << 24, stats_interval=0.0)
+    llm = LLM(load_format="dummy", max_model_len=256, kv_cache_memory_bytes=1 << 24, stats_interval=0.0,
+              max_num_batched_tokens=64)
     assert llm.engine is not None
     assert gc.get_threshold() == default
