@@ -13,8 +13,10 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -121,11 +123,29 @@ def tiny_dp_server(folder: Path, *flags: str, port: int | None = None) -> Iterat
                 server.kill()
 
 
+def free_port_run(count: int) -> int:
+    """The first of ``count`` consecutive ports free on every interface, below Linux's ephemeral
+    range (32768-60999): the ranks bind kv_port + rank, and a port the kernel hands out for an
+    outgoing connection (the ranks' own sockets among them) took kv_port + 1 in a run."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 32768 - count)
+        sockets = [socket.socket() for _ in range(count)]
+        try:
+            for i, sock in enumerate(sockets):
+                sock.bind(("", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free ports in 20000-32767")
+
+
 @pytest.fixture(scope="module")
 def dp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    port, kv_port = free_port(), free_port()
-    while kv_port + 1 == port:  # rank 1 publishes on kv_port + 1
-        kv_port = free_port()
+    port, kv_port = free_port(), free_port_run(2)  # rank 1 publishes on kv_port + 1
     kv_config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{kv_port}"})
     with tiny_dp_server(tmp_path_factory.mktemp("tiny-llama"), "--kv-events-config", kv_config,
                         port=port) as server:

@@ -259,6 +259,14 @@ def mkldnn_linear_available() -> bool:
     return True
 
 
+def mkldnn_bf16_pack_available() -> bool:
+    """Whether oneDNN packs a bf16 weight here: it needs AVX512-BW/VL/DQ or AVX-NE-CONVERT, so on
+    AVX2 the bf16 candidate keeps a dense bf16 copy (``bf16``) instead of a packed one."""
+    import torch
+
+    return pack_for_mkldnn(torch.ones(8, 8, dtype=torch.bfloat16)) is not None
+
+
 class Route:
     """One projection's implementation by step size: the first whose row limit holds."""
 

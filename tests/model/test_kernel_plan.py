@@ -187,7 +187,7 @@ def test_the_bf16_candidate_multiplies_by_a_prepacked_copy_with_the_same_bits() 
     weight = torch.randn(192, 96, generator=torch.Generator().manual_seed(1))
     route, extra = kernel_plan.build_route([(1, "torch"), (8, "torch"), (64, "bf16"), (1 << 62, "bf16")],
                                            weight, None, None)
-    if kernel_plan.pack_for_mkldnn(weight.to(torch.bfloat16)) is not None:
+    if kernel_plan.mkldnn_bf16_pack_available():
         assert extra["bf16_packed"].is_mkldnn and set(extra) == {"bf16_packed"}  # no dense copy beside it
     else:  # oneDNN packs bf16 only with AVX512-BW/VL/DQ or AVX-NE-CONVERT: AVX2 keeps the dense copy
         assert extra["bf16"].dtype == torch.bfloat16 and set(extra) == {"bf16"}

@@ -143,8 +143,11 @@ def test_server_ttft_matches_the_client_under_load(server: Server) -> None:
     gaps = {rid: measured[rid] - finished[rid].ttft_s for rid in measured}
     shown = {rid[-6:]: (round(gaps[rid], 4), round(preprocess[rid], 3)) for rid in measured}
     assert all(abs(gap) < TTFT_TOLERANCE_S for gap in gaps.values()), f"(client - server TTFT, preprocess) s: {shown}"
-    # counted from the scheduler's admission, the server's TTFT would be short by this much
-    assert max(preprocess.values()) > 3 * TTFT_TOLERANCE_S, shown
+    # Counted from the scheduler's admission, the server's TTFT would be short by this much, so the
+    # check above tells the two apart once a wait exceeds the tolerance (with a margin for the
+    # clients' lag). How long the waits are follows the machine's step time: 0.65 s at load 8-10 on
+    # Zen 4, 0.30 s on a quieter AVX2 Zen 3.
+    assert max(preprocess.values()) > 1.5 * TTFT_TOLERANCE_S, shown
 
 
 # ------------------------------------------------- 2. streaming chat framing
