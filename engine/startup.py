@@ -281,8 +281,11 @@ def resolve_config(config: EngineConfig, model: ModelConfig, device: torch.devic
                               "and a tighter bound slows more gaps between tokens (ITL p99) than it shortens")
             batched = CPU_PROMPT_STEP_TOKENS
         if derived and decode_step is not None:
-            batched = max(batched, decode_step)  # the flag bounds the steps with decodes, below the others'
-            batched_reason += f"; a step with decodes takes at most --max-decode-step-tokens {decode_step:,}"
+            if decode_step < batched:  # the flag bounds the steps with decodes, below the others'
+                batched_reason += f"; a step with decodes takes at most --max-decode-step-tokens {decode_step:,}"
+            else:  # more than the CPU default: every step's budget (the decode bound is then off, below)
+                batched, batched_reason = decode_step, (f"--max-decode-step-tokens {decode_step:,}, above the CPU "
+                                                        "default: every step's budget")
     if decode_step is not None and decode_step >= batched:
         decode_step, decode_reason = None, ""  # no tighter than every step's budget: off
     backend = config.attention_backend

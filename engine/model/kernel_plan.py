@@ -118,12 +118,8 @@ FUSED_CONTEXT = 32  # tokens each sequence of the fused-layer timing attends ove
 # The CPU default token budget where the plan's measured speed fits more than vLLM-CPU's 2,048
 # tokens (engine/startup.py CPU_PROMPT_STEP_TOKENS, the floor) in about this many seconds of
 # projections (attention, norms and sampling add ~15-25 %), so the budget scales with a fast CPU.
-# Tighter targets were measured on bench/workloads.py's batches and dropped: every step that
-# prefills stalls every running decode, so a smaller step prefills the same prompts in more
-# slowed gaps. At 0.1 s (Zen 4, AVX512-BF16, 2 threads: 128 tokens) batch-16's ITL p99 was 154 ms
-# (42-61 ms at ~1 s); at 1 s on the steps with decodes (AVX2 Zen 3: 1,088 tokens) batch-16 had
-# 20 slow gaps of ~2,450 against 7 at 2,048, past the 1 % that p99 counts (580 ms against
-# vLLM-CPU's 240 in `make bench`).
+# Tighter step targets (0.1 s; one second on the steps with decodes alone) were measured and
+# dropped: CPU_PROMPT_STEP_TOKENS' comment has the figures.
 STEP_TARGET_S = 1.0
 BUDGET_MIN, BUDGET_MAX, BUDGET_QUANTUM = 128, 8192, 64
 
