@@ -354,7 +354,7 @@ def resolve_quantization(config: EngineConfig, model: ModelConfig, device: torch
         return config.quantization, f"--quantization {config.quantization}"
     if device.type != "cpu":
         return None, "auto: the GEMV kernels are CPU kernels"
-    from engine.model.loader import native_quantization
+    from engine.model.gguf_blocks import native_quantization
 
     method, reason = native_quantization(model, config.load_format)
     return method, f"auto: {reason}"

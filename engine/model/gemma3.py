@@ -153,7 +153,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return hidden
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.embed_tokens) * self.embed_scale
+        return super().embed(input_ids) * self.embed_scale
 
     def fused_decode_status(self, kv_cache_dtype: torch.dtype) -> str:
         return "off: the fused C++ layer is Llama's shape (Gemma 3 runs its layers op by op)"

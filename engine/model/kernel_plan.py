@@ -97,13 +97,15 @@ class StepClass:
 # step through bf16 GEMMs op by op in 60 ms instead of the fused layer's ~25 (Zen 4, AVX-512).
 STEP_CLASSES = (StepClass(1, 1, 1), StepClass(2, 8, 8), StepClass(9, 16, 16), StepClass(17, 32, 32),
                 StepClass(33, 64, 64), StepClass(65, None, 256))
-CANDIDATES = ("gemv", "torch", "fp32pack", "bf16", "int8pack")
+CANDIDATES = ("gemv", "dequant", "torch", "fp32pack", "bf16", "int8pack")
 # Candidates whose time grows with rows like a GEMV's (a weight row re-read per few activation
 # rows): one more than PRUNE_FACTOR x behind at a smaller class cannot catch up at a bigger one,
 # so it is not timed there (int8pack took 0.65 s for one 256-row QKV on Zen 4). GEMMs are always timed.
 ROW_LINEAR = frozenset({"gemv", "int8pack"})
 # torch's int8pack is a weight-only GEMV: timed at decode sizes only.
 MAX_ROWS_TIMED = {"int8pack": 8}
+# dequant widens the whole weight on every call: only a prefill-sized step can pay that back.
+MIN_ROWS_TIMED = {"dequant": 64}
 ACCURACY_BOUND = 1e-2  # relative RMS error against the fp32 reference (int8 activations: ~5e-3 on N(0,1) inputs)
 # Total measuring time of one start. Measured once per (model, formats, ISA, torch, threads,
 # kernel sources) and stored, so only a first start pays it: ~0.8-1.7 s on a quiet 2-core
@@ -162,8 +164,10 @@ def candidates_for(weight: torch.Tensor, quantized: Any, gemv_kernel: Any, nativ
     import torch
 
     out = []
-    if quantized is not None and gemv_kernel is not None:
+    if quantized is not None and quantized.gemv is not None:
         out.append("gemv")
+        if weight.dtype == torch.float32 and group != "head":
+            out.append("dequant")  # no float copy held: the blocks widened each call, then one GEMM
     out.append("torch")
     if weight.dtype == torch.float32 and mkldnn_linear_available():
         out.append("fp32pack")
@@ -183,8 +187,9 @@ def implementation(candidate: str, weight: torch.Tensor, quantized: Any, gemv_ke
     import torch.nn.functional as F
 
     if candidate == "gemv":
-        fn, blocks = getattr(gemv_kernel, f"gemv_{quantized.fmt}"), quantized.blocks
-        return Implementation(lambda x: fn(x, blocks, 0))
+        return Implementation(quantized.matmul)
+    if candidate == "dequant":
+        return Implementation(lambda x: F.linear(x, quantized.dequantize().to(x.dtype)))
     if candidate == "torch":
         if group == "head":
             from engine.model.llama import fp32_linear
@@ -497,6 +502,7 @@ class _Target:
 def _targets(model: Any, gemv_kernel: Any, native_bf16: bool, approximate: bool) -> list[_Target]:
     """Each group's weight (layer 0's, and the LM head) cut to its first ``WEIGHT_ROWS_TIMED``
     rows, with its quantized copy cut alike."""
+    from engine.model.weight_blocks import holds_nothing
 
     out = []
     for group in GROUPS:
@@ -507,14 +513,18 @@ def _targets(model: Any, gemv_kernel: Any, native_bf16: bool, approximate: bool)
             continue  # a sparse (MoE) layer's empty dense MLP: its cells stay torch, never run
         rows = min(WEIGHT_ROWS_TIMED, whole.shape[0])
         q = module.quantized.get(attr)
-        q_rows = None if q is None else replace(q, blocks=q.blocks[:rows])
+        q_rows = None if q is None else q.first_rows(rows)
+        if q_rows is not None and q is not None:
+            q_rows.bind_like(q)
         candidates = candidates_for(whole, q, gemv_kernel, native_bf16, group, approximate)
         blocks_weight = None
         if q_rows is not None and q_rows.source != "gguf":  # a GGUF's float weights are its blocks' values
-            from engine.model.kernels.cpu_gemv import dequantize
-
-            blocks_weight = dequantize(q_rows.blocks, q_rows.fmt)
-        out.append(_Target(group, whole[:rows], q_rows, candidates, whole.shape[0], blocks_weight))
+            blocks_weight = q_rows.dequantize()
+        weight = whole[:rows]
+        if holds_nothing(whole):  # read as blocks, no float copy held: the slice's values made for the timing
+            assert q_rows is not None
+            weight = q_rows.dequantize().to(whole.dtype)
+        out.append(_Target(group, weight, q_rows, candidates, whole.shape[0], blocks_weight))
     return out
 
 

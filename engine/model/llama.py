@@ -17,32 +17,33 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model import weight_blocks
 from engine.model.attention.base import AttentionBackend, AttentionMetadata
 from engine.model.kernels.cpu_act import silu_and_mul
 from engine.model.kernels.cpu_norm import rms_norm
+from engine.model.quantized_linear import QuantizedLinear
 from engine.model.rope_scaling import llama3_scaled_inv_freq
+from engine.model.weight_blocks import PROJECTIONS as _PROJECTIONS
+from engine.model.weight_blocks import holds_nothing as _holds_nothing
 from engine.modelspec.config import ModelConfig, RopeScaling
 
 QUANTIZATION_METHODS = ("int8", "int4", "native")
 # method -> (GGUF block formats used as they are, the format float weights are packed into).
 # int4 keeps a Q8_0 tensor (SmolLM2's tied embedding/LM head) as Q8_0: requantizing it
 # to 4 bits would add error the GGUF does not have. native (chosen by --quantization auto
-# for a file whose types the kernels read only in part, Gemma 3): the GGUF's own Q8_0/Q4_1
-# blocks where it has them, nothing packed (every other weight stays float).
+# for a file of mixed block types, a K-quant file): the GGUF's own blocks in every format a
+# kernel reads (engine/model/quantized_linear.py), nothing packed (other weights stay float).
 _METHOD_FORMATS: dict[str, tuple[tuple[str, ...], str | None]] = {
     "int8": (("q8_0",), "q8_0"),
     "int4": (("q4_1", "q8_0"), "q4_1"),
-    "native": (("q4_1", "q8_0"), None),
+    "native": (("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"), None),
 }
-# Buffer suffix of each format (bench_engine.py finds quantized copies by ``_int<bits>``).
-_BUFFER_SUFFIX = {"q8_0": "int8", "q4_1": "int4", "q4_1x8": "int4"}
 # Token rows (a step's tokens) up to which the GEMV kernel beats torch's float32 GEMM, per
 # kernel ISA: per format for the projections, and for the LM head (49152 x 576, where float
 # GEMM is slowest per row). AVX2 (Zen 3, 1 thread, shared machine, bench/bench_gemv.py, µs
@@ -58,36 +59,15 @@ GEMV_MAX_ROWS: dict[str, dict[str, int]] = {
     "avx512": {"q8_0": 8, "q4_1": 8, "q4_1x8": _EVERY_STEP, "head": 16},
     "scalar": {"q8_0": 1, "q4_1": 1, "q4_1x8": 1, "head": 1},
 }
-_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # The kernel plan's group of each projection (engine/model/kernel_plan.py GROUP_ATTRS), and back.
 _GROUP_OF = {"qkv_proj": "qkv", "o_proj": "o", "gate_up_proj": "gate_up", "down_proj": "down"}
 _GROUP_ATTRS = {**{group: name for name, group in _GROUP_OF.items()}, "head": "head"}
-# HF tensors each fused projection is made of, in row order.
-_PROJECTION_PARTS = {
-    "qkv_proj": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-    "o_proj": ("self_attn.o_proj.weight",),
-    "gate_up_proj": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-    "down_proj": ("mlp.down_proj.weight",),
-}
-
 
 # Phase F's ``precision`` of prefill attention where the kernel plan gave every chunk size to the
 # paged prefill kernel (engine/model/attention/cpu_decode.py).
 PAGED_PREFILL = "the paged prefill kernel over the cache in place, float32 sums (the kernel plan)"
 PAGED_PREFILL_BF16 = ("the paged prefill kernel over the cache in place, bf16 products (q and the softmax weights "
                       "rounded to bf16), float32 sums (the kernel plan)")
-
-
-@dataclass(slots=True)
-class QuantizedLinear:
-    """A weight's quantized copy (also registered as a buffer, so it counts in
-    ``weights_bytes``) and how to multiply by it once the kernel is resolved."""
-
-    blocks: torch.Tensor  # uint8 [out, in / 32 * block bytes]
-    fmt: str  # "q8_0" | "q4_1"
-    source: str  # "gguf" (the file's own blocks) | "packed" (quantized from floats here)
-    max_rows: int = 0  # steps of at most this many tokens use ``gemv``; 0: always the float weights
-    gemv: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 def linear_maybe_quantized(module: nn.Module, x: torch.Tensor, name: str, weight: torch.Tensor,
@@ -102,7 +82,7 @@ def linear_maybe_quantized(module: nn.Module, x: torch.Tensor, name: str, weight
     q = module.quantized.get(name)
     if q is None or x.shape[0] > q.max_rows:
         return F.linear(x, weight, bias)
-    out = q.gemv(x, q.blocks)  # type: ignore[misc]
+    out = q.gemv(x)
     return out if bias is None else out + bias
 
 
@@ -110,22 +90,6 @@ def linear_maybe_quantized(module: nn.Module, x: torch.Tensor, name: str, weight
 # slice is widened once into a buffer that stays in cache for its GEMM (widening the
 # whole LM head per call cost ~50 ms at one row; Zen 4, indicative, loaded machine).
 FP32_SLICE_BYTES = 2 << 20
-
-
-def _holds_nothing(t: torch.Tensor) -> bool:
-    """A placeholder for a weight the kernel plan dropped: its shape over one element."""
-    return not t.is_mkldnn and t.dim() == 2 and t.numel() > 1 and t.stride() == (0, 0)
-
-
-def _restore_float(layer: nn.Module, name: str) -> torch.Tensor:
-    """``layer``'s dropped float ``name`` made again from its GGUF blocks (their values exactly)."""
-    from engine.model.kernels.cpu_gemv import dequantize
-
-    q: QuantizedLinear = layer.quantized[name]  # type: ignore[index, assignment]
-    dtype = getattr(layer, name).dtype
-    weight = nn.Parameter(dequantize(q.blocks, q.fmt).to(dtype), requires_grad=False)
-    setattr(layer, name, weight)
-    return weight
 
 
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -257,7 +221,7 @@ class DecoderLayer(nn.Module):
         if self.sliding_window is not None:
             return None  # the C++ layer attends to the whole context
         if self.qkv_proj.dtype != torch.float32 or any(q is None or q.gemv is None or q.fmt not in FORMAT_CODES
-                                                        for q in entries):
+                                                        or len(q.parts) != 1 for q in entries):
             return None
         qkv, o, gate_up, down = entries
         assert qkv is not None and o is not None and gate_up is not None and down is not None
@@ -329,6 +293,8 @@ class LlamaForCausalLM(nn.Module):
         )
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.quantized: dict[str, QuantizedLinear] = {}  # the LM head's, as "head"
+        # The embedding's GGUF blocks where its float copy is not held (engine/model/gguf_blocks.py).
+        self._embed_blocks: QuantizedLinear | None = None
         self.kernel_routes: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}  # the head's, by the plan
         self.kernel_plan: Any = None  # engine/model/kernel_plan.KernelPlan once installed; None: the constants
         self._fused_max_rows = 1 << 30  # the plan's limit for fused pure-decode steps (cpu_layer.MAX_ROWS caps it)
@@ -383,6 +349,9 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        blocks = self.embed_blocks()
+        if blocks is not None:  # the file's blocks: only the rows this step reads are dequantized
+            return blocks.dequantize_rows(input_ids).to(self.dtype)
         return F.embedding(input_ids, self.embed_tokens)
 
     def _layer_kernel_for(self, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> Any:
@@ -496,113 +465,38 @@ class LlamaForCausalLM(nn.Module):
             return route(x)
         q = self.quantized.get("head")
         if q is not None and q.gemv is not None and x.shape[0] <= q.max_rows:
-            return q.gemv(x, q.blocks)  # the GEMV sums in float32 and returns float32 rows for float32 rows
+            return q.gemv(x)  # the GEMV sums in float32 and returns float32 rows for float32 rows
         return fp32_linear(x, self.head_weight)
 
-    # ------------------------------------------------------------------ quantization
-    @torch.no_grad()
-    def quantize_weights(self, method: str,
-                         gguf_blocks: Mapping[str, tuple[str, torch.Tensor]] | None = None) -> dict[str, int]:
-        """Add weight-only quantized copies of the projections and the LM head (call after
-        loading). ``gguf_blocks`` (:func:`engine.model.loader.read_gguf_blocks`) supplies a
-        GGUF's own blocks, used as they are where the method takes their format; other
-        weights are packed from the floats. The kernel is resolved at the first forward
-        (startup builds it in the background meanwhile). Returns counts per
-        ``"<format> <source>"`` (``"float"``: in-features not a multiple of 32, kept float)."""
-        from engine.model.kernels import cpu_gemv
-
+    # ------------------------------------------------------------------ quantization (engine/model/weight_blocks.py)
+    def quantize_weights(self, method: str, gguf_blocks: Mapping[str, tuple[str, torch.Tensor]] | None = None,
+                         pack: bool = True) -> dict[str, int]:
+        """Install weight-only quantized entries of the projections and the LM head (after
+        loading): a GGUF's own blocks (:func:`engine.model.gguf_blocks.read_gguf_blocks`) where the
+        method takes their format, other weights packed from the floats. The kernel is bound
+        at the first forward. Returns counts per ``"<format> <source>"``."""
         if method not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization {method!r}: use one of {', '.join(QUANTIZATION_METHODS)}")
         exact, packed_fmt = _METHOD_FORMATS[method]
-        blocks_by_name = gguf_blocks or {}
-        head_name = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
-        targets: list[tuple[nn.Module, str, torch.Tensor, tuple[str, ...]]] = [
-            (self, "head", self.head_weight, (head_name,))
-        ]
-        for index, layer in enumerate(self.layers):
-            targets.extend((layer, name, getattr(layer, name),
-                            tuple(f"model.layers.{index}.{part}" for part in _PROJECTION_PARTS[name]))
-                           for name in _PROJECTIONS)
-        counts: dict[str, int] = {}
-        interleave = cpu_gemv.int8_activations_enabled()
-        for module, name, weight, parts in targets:
-            found = [blocks_by_name.get(part) for part in parts]
-            fmts = {f[0] for f in found if f is not None}
-            entry: QuantizedLinear | None = None
-            if all(f is not None for f in found) and len(fmts) == 1 and fmts <= set(exact):
-                fmt = fmts.pop()
-                blocks = torch.cat([f[1] for f in found if f is not None]).to(weight.device)
-                if blocks.shape == (weight.shape[0], weight.shape[1] // cpu_gemv.QK * cpu_gemv.BLOCK_BYTES[fmt]):
-                    entry = QuantizedLinear(blocks.contiguous(), fmt, "gguf")
-            if entry is None and packed_fmt is not None and weight.shape[1] % cpu_gemv.QK == 0:
-                pack = cpu_gemv.quantize_q8_0 if packed_fmt == "q8_0" else cpu_gemv.quantize_q4_1
-                entry = QuantizedLinear(pack(weight), packed_fmt, "packed")
-            if entry is None:
-                counts["float"] = counts.get("float", 0) + 1
-                continue
-            if entry.fmt == "q4_1" and interleave and weight.shape[0] % cpu_gemv.X8_ROWS == 0:
-                # 8 rows interleaved: the kernel's int8 dot covers 8 rows per instruction.
-                entry = QuantizedLinear(cpu_gemv.interleave_q4_1(entry.blocks), "q4_1x8", entry.source)
-            self._install_quantized(module, name, entry, counts)
-        self._gemv_pending = True
-        return counts
-
-    @staticmethod
-    def _install_quantized(module: nn.Module, name: str, entry: QuantizedLinear, counts: dict[str, int]) -> None:
-        module.register_buffer(f"{name}_{_BUFFER_SUFFIX[entry.fmt]}", entry.blocks, persistent=False)
-        module.quantized[name] = entry  # type: ignore[index, operator]
-        key = f"{entry.fmt} {entry.source}"
-        counts[key] = counts.get(key, 0) + 1
-
-    def _quantized_modules(self) -> dict[str, nn.Module]:
-        return {"": self, **{f"layers.{i}.": layer for i, layer in enumerate(self.layers)}}
+        return weight_blocks.quantize_weights(self, method, exact, packed_fmt if pack else None, gguf_blocks)
 
     def quantized_state(self, counts: Mapping[str, int]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        """The quantized copies as flat tensors (``"layers.3.qkv_proj"``) and their
-        ``"<format> <source>"`` per name, plus the weights kept float: what the startup
-        cache stores so a warm start skips reading, concatenating and interleaving blocks."""
-        tensors: dict[str, torch.Tensor] = {}
-        formats = {"float": str(counts.get("float", 0))}
-        for prefix, module in self._quantized_modules().items():
-            for name, q in module.quantized.items():  # type: ignore[operator]
-                tensors[prefix + name] = q.blocks
-                formats[prefix + name] = f"{q.fmt} {q.source}"
-        return tensors, formats
+        return weight_blocks.quantized_state(self, counts)
 
     def restore_quantized(self, tensors: Mapping[str, torch.Tensor], formats: Mapping[str, str]) -> dict[str, int] | None:
-        """Install copies saved by :meth:`quantized_state`; None, with nothing installed,
-        when they do not fit this model (another shape or an older layout)."""
-        from engine.model.kernels import cpu_gemv
-
-        plan: list[tuple[nn.Module, str, QuantizedLinear]] = []
-        for prefix, module in self._quantized_modules().items():
-            for name in ("head",) if prefix == "" else _PROJECTIONS:
-                key = prefix + name
-                if key not in tensors:
-                    continue
-                fmt, _, source = formats.get(key, "").partition(" ")
-                weight = self.head_weight if name == "head" else getattr(module, name)
-                blocks = tensors[key]
-                expected = (weight.shape[0], weight.shape[1] // cpu_gemv.QK * cpu_gemv.BLOCK_BYTES.get(fmt, 0))
-                if fmt not in _BUFFER_SUFFIX or blocks.dtype != torch.uint8 or tuple(blocks.shape) != expected:
-                    return None
-                plan.append((module, name, QuantizedLinear(blocks, fmt, source)))
-        kept_float = int(formats.get("float", "0"))
-        if len(plan) + kept_float != 1 + len(self.layers) * len(_PROJECTIONS):
-            return None
-        counts: dict[str, int] = {"float": kept_float} if kept_float else {}
-        for module, name, entry in plan:
-            self._install_quantized(module, name, entry, counts)
-        self._gemv_pending = True
-        return counts
+        return weight_blocks.restore_quantized(self, tensors, formats)
 
     def quantized_linears(self) -> list[QuantizedLinear]:
-        return [*self.quantized.values(), *(q for layer in self.layers for q in layer.quantized.values())]
+        return [q for _, _, q in weight_blocks.entries_of(self)]
+
+    def embed_blocks(self) -> QuantizedLinear | None:
+        """The embedding's blocks when its float copy is not held (a GGUF read as blocks)."""
+        return self._embed_blocks if _holds_nothing(self.embed_tokens) else None
 
     def resolve_gemv(self) -> str | None:
-        """Point every quantized copy at its kernel, or record (and log) why the float
-        weights keep running: no compiler, ``KVSCOPE_CPU_GEMV_KERNEL=0``, not on CPU.
-        Returns that reason, or None when the kernels are in use."""
+        """Point every quantized entry at its kernel, or record (and log) why some run their
+        float weights: no compiler, a kernel switched off, not on CPU. Returns that reason,
+        or None when the kernels are in use."""
         from engine.model.kernels import cpu_gemv
 
         self._gemv_pending = False
@@ -612,32 +506,26 @@ class LlamaForCausalLM(nn.Module):
             if self.kernel_plan is not None:
                 self._route_by_plan(None)
             return None
-        kernel = cpu_gemv.load_kernel() if self.embed_tokens.device.type == "cpu" else None
-        if kernel is None:
-            why = cpu_gemv.unavailable_reason() if self.embed_tokens.device.type == "cpu" else "not on CPU"
-            self.quantization_fallback = (f"CPU GEMV kernel unavailable ({why}): the quantized copies are "
-                                          "unused, every step runs the float weights through torch F.linear")
-            for q in entries:
-                q.gemv, q.max_rows = None, 0
+        self.quantization_fallback = weight_blocks.bind(self)
+        if self.quantization_fallback is not None:
             from engine.logs import get_logger
 
             get_logger("kvscope.quantization").warning(self.quantization_fallback)
-            if self.kernel_plan is not None:
-                self._route_by_plan(None)
-            return self.quantization_fallback
-        limits = GEMV_MAX_ROWS.get(kernel.isa(), GEMV_MAX_ROWS["scalar"])  # type: ignore[attr-defined]
-        for q in entries:
-            fn = getattr(kernel, f"gemv_{q.fmt}")
-            # Float activations: int8 ones (llama.cpp's Q8 x Q4 dot) measured no faster here.
-            q.gemv = lambda x, blocks, fn=fn: fn(x, blocks, 0)
-            q.max_rows = limits["head" if q is self.quantized.get("head") else q.fmt]
-        self.quantization_fallback = None
+        gemv_kernel = cpu_gemv.load_kernel() if self.embed_tokens.device.type == "cpu" else None
+        isa = gemv_kernel.isa() if gemv_kernel is not None else "scalar"  # type: ignore[attr-defined]
+        limits = GEMV_MAX_ROWS.get(isa, GEMV_MAX_ROWS["scalar"])
+        for module, name, q in weight_blocks.entries_of(self):
+            if q.gemv is None:
+                continue
+            held = not _holds_nothing(getattr(module, weight_blocks.float_attr(self, module, name)))
+            # A weight read as blocks has no float copy for torch past the limit: its kernel runs every step.
+            q.max_rows = limits["head" if name == "head" else q.fmt] if held and q.fmt in limits else _EVERY_STEP
         if self.kernel_plan is not None:
-            self._route_by_plan(kernel)
+            self._route_by_plan(gemv_kernel)
         self._fused_layers = self._fused_args()
         if self.kernel_plan is not None and self._drop_unused_float_weights():
             self._fused_layers = self._fused_args()  # the args held the dropped parameters
-        return None
+        return self.quantization_fallback
 
     def _fused_args(self) -> list[tuple[tuple[object, ...], tuple[object, ...]]]:
         fused = [layer.fused_decode_args() for layer in self.layers]  # type: ignore[operator]
@@ -680,28 +568,18 @@ class LlamaForCausalLM(nn.Module):
                    if _holds_nothing(w := getattr(layer, name)))
 
     def restore_float_weights(self) -> int:
-        """Make the dropped float weights again from their GGUF blocks (a plan that uses them, a
+        """Make the float weights not held again from their blocks (a plan that uses them, a
         re-measurement). Returns how many were restored."""
-        restored = 0
-        for layer in self.layers:
-            for name in _PROJECTIONS:
-                if _holds_nothing(getattr(layer, name)):
-                    _restore_float(layer, name)
-                    restored += 1
-        return restored
+        return weight_blocks.restore_float_weights(self)
 
     def fallback_candidate(self, group: str, rows: int) -> str:
         """What the constants (``GEMV_MAX_ROWS``) run for ``group`` (a kernel plan group) at
         ``rows``: the kernel plan's choice for cells it did not measure."""
-        from engine.model.kernels import cpu_gemv
-
+        if self._gemv_pending:
+            self.resolve_gemv()
         module = self if group == "head" else self.layers[0]
         q = module.quantized.get(_GROUP_ATTRS[group])
-        kernel = cpu_gemv.load_kernel() if q is not None else None
-        if q is None or kernel is None:
-            return "torch"
-        limits = GEMV_MAX_ROWS.get(kernel.isa(), GEMV_MAX_ROWS["scalar"])
-        return "gemv" if rows <= limits["head" if group == "head" else q.fmt] else "torch"
+        return "gemv" if q is not None and q.gemv is not None and rows <= q.max_rows else "torch"
 
     def install_kernel_plan(self, plan: Any) -> None:
         """Run by ``plan`` (engine/model/kernel_plan.py): each projection's route by step size,
@@ -719,7 +597,7 @@ class LlamaForCausalLM(nn.Module):
         from engine.model.kernels.cpu_layer import MAX_ROWS
 
         plan = self.kernel_plan
-        for prefix, module in self._quantized_modules().items():
+        for prefix, module in weight_blocks.quantized_modules(self).items():
             for name in ("head",) if prefix == "" else _PROJECTIONS:
                 group = "head" if name == "head" else _GROUP_OF[name]
                 q = module.quantized.get(name)  # type: ignore[operator]
@@ -727,7 +605,8 @@ class LlamaForCausalLM(nn.Module):
                 choices = [(hi, "torch" if c == "gemv" and not usable else c) for hi, c in plan.choices(group)]
                 weight = self.head_weight if name == "head" else getattr(module, name)
                 if _holds_nothing(weight) and any(c != "gemv" for _, c in choices):
-                    weight = _restore_float(module, name)  # an earlier plan dropped it; this one multiplies by it
+                    # not held (read as blocks, or an earlier plan dropped it); this plan multiplies by it
+                    weight = weight_blocks.restore_float(self, module, name)
                 route, extra = build_route(choices, weight, q, kernel, group)
                 module.kernel_routes[name] = route  # type: ignore[index, operator]
                 for suffix in PLAN_COPY_SUFFIXES:  # an earlier plan's copies

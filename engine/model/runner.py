@@ -12,7 +12,7 @@ import math
 import mmap
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -27,8 +27,9 @@ from engine.model.attention.base import AttentionMetadata, allocate_kv_cache
 from engine.model.attention.kv_quant import kv_cache_shape, kv_cache_torch_dtype
 from engine.model.attention.selector import get_attention_backend
 from engine.model.cuda_graphs import DecodeGraphs
+from engine.model.gguf_blocks import read_gguf_blocks
 from engine.model.llama import QUANTIZATION_METHODS, LlamaForCausalLM
-from engine.model.loader import LoadInfo, ProgressCallback, load_weights_into, read_gguf_blocks
+from engine.model.loader import LoadInfo, ProgressCallback, load_weights_into
 from engine.model.parallel import TensorParallel
 from engine.model.sampler import Sampler, TokenLogprobs, prompt_token_logprobs, token_logprobs
 from engine.modelspec.config import CANONICAL_DTYPE, ModelConfig
@@ -192,35 +193,52 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ setup
     def load_weights(self, progress: ProgressCallback | None = None) -> LoadInfo:
-        """Load (and quantize, with ``quantization``); ``weights_bytes`` counts every copy held."""
+        """Load (and quantize, with ``quantization``); ``weights_bytes`` counts every copy held.
+        A GGUF whose own blocks the quantization takes is read as those blocks, mapped from
+        the file, with no float copy (engine/model/gguf_blocks.py)."""
+        if self.reads_blocks():
+            from engine.model.gguf_blocks import load_as_blocks
+
+            return load_as_blocks(self, progress)
         info = load_weights_into(self.model, self.model_config, self.load_format, progress, seed=self.seed)
         if self.quantization is not None:
-            self.quantization_counts = self._quantize(self.quantization)
+            blocks = read_gguf_blocks(self.model_config, self.load_format) if self.device.type == "cpu" else {}
+            self.quantization_counts = self.install_quantized(self.quantization, blocks, pack=True)
             info.weights_bytes = self.model.weights_bytes()
         return info
 
-    def _quantize(self, method: str) -> dict[str, int]:
-        """The quantized copies: from the startup cache when a GGUF's were stored for this
-        shape and layout (mapped, ~0.3 s of reading, concatenating and interleaving saved),
-        else a GGUF's own Q4_1/Q8_0 blocks (read raw: the floats may come from the cache)."""
+    def reads_blocks(self) -> bool:
+        """Whether the weights load as the GGUF's own blocks: on CPU, one process holding the
+        whole model, and a quantization that is the file's own (``--quantization auto``'s pick)."""
+        from engine.model.gguf_blocks import native_quantization
+
+        if self.device.type != "cpu" or self.quantization is None or hasattr(self.model, "load_cached_slices"):
+            return False
+        return native_quantization(self.model_config, self.load_format)[0] == self.quantization
+
+    def install_quantized(self, method: str, blocks: Mapping[str, tuple[str, torch.Tensor]],
+                          pack: bool = True) -> dict[str, int]:
+        """The quantized entries: from the startup cache when an int4/int8 layout (rows moved or
+        interleaved at load) was stored for this shape (~0.3 s saved), else ``blocks`` (the
+        GGUF's own) where the method takes their format, the rest packed from the floats
+        (``pack``) or kept float."""
         from engine.model.kernels import cpu_gemv
         from engine.model.loader import resolve_load_format, weights_location
         from engine.model.startup_cache import load_cached_tensors, quantized_path, save_cached_tensors
 
         on_cpu_gguf = self.device.type == "cpu" and resolve_load_format(self.model_config, self.load_format) == "gguf"
         entry = None
-        if on_cpu_gguf:
+        if on_cpu_gguf and method in ("int4", "int8"):
             c = self.model.config
             layout = (f"x8={int(cpu_gemv.int8_activations_enabled())} heads={c.num_attention_heads}/{c.num_kv_heads} "
-                      f"hidden={c.hidden_size} ffn={c.intermediate_size} vocab={c.vocab_size}")
+                      f"hidden={c.hidden_size} ffn={c.intermediate_size} vocab={c.vocab_size} pack={int(pack)}")
             entry = quantized_path(weights_location(self.model_config), self.dtype, method, layout)
         cached = load_cached_tensors(entry) if entry is not None else None
         if cached is not None:
             counts = self.model.restore_quantized(*cached)
             if counts is not None:
                 return counts
-        blocks = read_gguf_blocks(self.model_config, self.load_format) if self.device.type == "cpu" else {}
-        counts = self.model.quantize_weights(method, blocks)
+        counts = self.model.quantize_weights(method, blocks, pack=pack)
         if entry is not None:
             with contextlib.suppress(OSError):  # a read-only cache folder: the next start quantizes again
                 save_cached_tensors(entry, *self.model.quantized_state(counts))

@@ -13,7 +13,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.errors import UserError
 from engine.model.kernels import cpu_gemv
 from engine.model.llama import GEMV_MAX_ROWS
-from engine.model.loader import read_gguf_blocks
+from engine.model.gguf_blocks import read_gguf_blocks
 from engine.model.runner import ModelRunner, ScheduledSeq
 
 PACKERS = {"q8_0": cpu_gemv.quantize_q8_0, "q4_1": cpu_gemv.quantize_q4_1}
@@ -142,15 +142,18 @@ def quantized_runners(smollm_config, kernel) -> _Runners:
     return _Runners(smollm_config)
 
 
-def test_int4_uses_the_gguf_blocks_exactly(smollm_config, quantized_runners) -> None:
+def test_int4_uses_the_gguf_blocks_exactly(smollm_config, smollm_runner_fp32, quantized_runners) -> None:
     """The repacked (fused, rotary-unpermuted) Q4_1/Q8_0 blocks dequantize, by gguf's own
-    ``dequantize``, to exactly the float weights the loader made from the same file."""
+    ``dequantize``, to exactly the float weights the loader makes from the same file; the
+    block-backed model holds no float copy of them."""
     runner = quantized_runners["int4"]
     assert runner.quantization_counts == {"q8_0 gguf": 1, "q4_1x8 gguf": 4 * smollm_config.num_layers}
-    model = runner.model
-    for module, name, weight in [(model, "head", model.embed_tokens),
-                                 *((model.layers[i], n, getattr(model.layers[i], n))
+    model, floats = runner.model, smollm_runner_fp32.model
+    for module, name, weight in [(model, "head", floats.embed_tokens),
+                                 *((model.layers[i], n, getattr(floats.layers[i], n))
                                    for i in (0, 17) for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))]:
+        own = model.embed_tokens if name == "head" else getattr(module, name)
+        assert own.stride() == (0, 0), f"{name}: a float copy is held beside the blocks"
         q = module.quantized[name]
         assert q.fmt == ("q8_0" if name == "head" else "q4_1x8") and q.source == "gguf"
         rows = q.blocks if q.fmt == "q8_0" else cpu_gemv.deinterleave_q4_1(q.blocks)
@@ -163,12 +166,17 @@ def test_int4_uses_the_gguf_blocks_exactly(smollm_config, quantized_runners) -> 
 
 def test_weights_bytes_count_every_copy(smollm_runner_fp32, quantized_runners) -> None:
     plain = smollm_runner_fp32.model.weights_bytes()
-    for method in ("int8", "int4"):
-        runner = quantized_runners[method]
-        held = sum(q.blocks.numel() for q in runner.model.quantized_linears())
-        assert runner.model.weights_bytes() == plain + held, method
-    # int4: 20 bytes per 32 projection weights, the head's 34 (Q8_0): ~96 MB beside 538 MB of fp32
-    assert 0.15 < sum(q.blocks.numel() for q in quantized_runners["int4"].model.quantized_linears()) / plain < 0.2
+    # int8 on a Q4_1 file packs Q8_0 copies beside the float weights
+    packed = quantized_runners["int8"]
+    held = sum(q.nbytes for q in packed.model.quantized_linears())
+    assert packed.model.weights_bytes() == plain + held
+    # int4 is the file's own blocks (the bundled GGUF is Q4_1, its head Q8_0): no float copy of
+    # any of them, only the norms; 20 bytes per 32 projection weights, the head's 34
+    native = quantized_runners["int4"].model
+    blocks = sum(q.nbytes for q in native.quantized_linears())
+    norms = sum(p.numel() * 4 for n, p in native.named_parameters() if "norm" in n)
+    assert native.weights_bytes() == blocks + norms
+    assert 0.15 < blocks / plain < 0.2
 
 
 def test_unknown_quantization_is_a_user_error(smollm_config) -> None:
