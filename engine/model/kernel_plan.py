@@ -49,11 +49,14 @@ import hashlib
 import json
 import math
 import os
+import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from engine.model import plan_stability
 
 if TYPE_CHECKING:  # torch is imported where it runs: ``engine plan`` reads the switch and stored plans without it
     import torch
@@ -113,8 +116,9 @@ ACCURACY_BOUND = 1e-2  # relative RMS error against the fp32 reference (int8 act
 # choice and are measured at the next start (``KernelPlan.unmeasured``).
 MEASURE_BOUND_S = 2.0
 PRUNE_FACTOR = 3.0
-TIMED_REPS = 3  # min of this many calls after one untimed call (which gives the output checked)
-CELL_BUDGET_S = 0.02  # past this, a cell stops adding rounds (its candidates have one timing each at least)
+TIMED_REPS = 3  # interleaved rounds at least after one untimed call (which gives the output checked); the median counts
+MAX_ROUNDS = 5  # rounds while a cell is within CELL_BUDGET_S (cheap cells: a steadier median)
+CELL_BUDGET_S = 0.02  # past this, a cell adds no rounds beyond TIMED_REPS
 WEIGHT_ROWS_TIMED = 1024  # a multiple of 8 (q4_1x8 interleaves 8 rows)
 FUSED_CONTEXT = 32  # tokens each sequence of the fused-layer timing attends over
 # The CPU default token budget where the plan's measured speed fits more than vLLM-CPU's 2,048
@@ -454,9 +458,12 @@ def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
     return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def choose(cell: Cell, bound: float = ACCURACY_BOUND) -> Cell:
+def choose(cell: Cell, bound: float = ACCURACY_BOUND, incumbent: str = "",
+           margin: float = plan_stability.MARGIN) -> Cell:
     """Fill ``chosen``/``why``/``rejected`` from ``us`` and ``error``: the fastest candidate whose
-    error is within ``bound`` (a candidate failing the bound is rejected whatever its speed)."""
+    error is within ``bound`` (a candidate failing the bound is rejected whatever its speed), unless
+    ``incumbent`` (the previous plan's or the fallback's choice) passed and the fastest is not
+    ``margin`` faster: then the incumbent stays (engine/model/plan_stability.py)."""
     for name, err in cell.error.items():
         if not math.isfinite(err) or err > bound:
             cell.rejected[name] = f"error {err:.2e} > {bound:g}"
@@ -465,28 +472,34 @@ def choose(cell: Cell, bound: float = ACCURACY_BOUND) -> Cell:
         cell.chosen, cell.why = "torch", "no candidate passed: torch's float GEMM"
         return cell
     best = min(passing, key=passing.__getitem__)
+    if plan_stability.keep_incumbent(cell, passing, best, incumbent, margin):
+        return cell
     others = sorted((us, n) for n, us in passing.items() if n != best)
     cell.chosen = best
     cell.why = (f"fastest within the bound ({passing[best]:,.1f} µs; next {others[0][1]} {others[0][0]:,.1f} µs)"
                 if others else "the only candidate within the bound")
+    if incumbent in passing and incumbent != best:
+        cell.why += f"; over the {margin:.0%} margin against the incumbent {incumbent}"
     return cell
 
 
-def _timed_round_robin(calls: Mapping[str, Callable[[], Any]], reps: int = TIMED_REPS) -> dict[str, float]:
-    """µs of each call: the fastest of ``reps`` rounds (fewer once a cell has taken
-    ``CELL_BUDGET_S``), each round calling every candidate once, so a burst of load from
-    other processes slows one round of all rather than one candidate."""
-    best = dict.fromkeys(calls, math.inf)
-    cell_start = time.perf_counter()
-    for _ in range(reps):
-        if (best and all(math.isfinite(v) for v in best.values())
-                and time.perf_counter() - cell_start > CELL_BUDGET_S):
+def _timed_round_robin(calls: Mapping[str, Callable[[], Any]], reps: int = TIMED_REPS,
+                       clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """µs of each call: the median of its interleaved rounds, each round calling every candidate
+    once (so a burst of load from other processes slows one round of all rather than one
+    candidate): ``reps`` rounds, up to ``MAX_ROUNDS`` while the cell is within ``CELL_BUDGET_S``.
+    The median, not the fastest: :func:`choose`'s margin compares typical times, and one lucky
+    round decided plans that flipped between quiet starts (engine/model/plan_stability.py)."""
+    rounds: dict[str, list[float]] = {name: [] for name in calls}
+    cell_start = clock()
+    for done in range(MAX_ROUNDS):
+        if done >= reps and clock() - cell_start > CELL_BUDGET_S:
             break
         for name, call in calls.items():
-            call_start = time.perf_counter()
+            call_start = clock()
             call()
-            best[name] = min(best[name], time.perf_counter() - call_start)
-    return {name: s * 1e6 for name, s in best.items()}
+            rounds[name].append(clock() - call_start)
+    return {name: statistics.median(times) * 1e6 for name, times in rounds.items()}
 
 
 @dataclass(slots=True)
@@ -530,13 +543,16 @@ def _targets(model: Any, gemv_kernel: Any, native_bf16: bool, approximate: bool)
 
 def measure(model: Any, gemv_kernel: Any, native_bf16: bool, isa: str, fallback: Callable[[str, int], str],
             bound_s: float | None = None, fused: FusedTiming | None = None,
-            approximate: bool = True, resume: KernelPlan | None = None) -> KernelPlan:
+            approximate: bool = True, resume: KernelPlan | None = None,
+            incumbent: KernelPlan | None = None) -> KernelPlan:
     """Time every candidate of every group at every step class on ``model``'s weights (layer 0,
     the LM head's first rows) and choose. ``fallback(group, rows)``: the constants' candidate
     for cells the time bound leaves unmeasured. ``fused``: times the fused decode layer.
     The biggest class (prefill, which also sets the token budget) is measured first, then
     single rows (decode), then the rest. ``resume``: an earlier start's partial plan, whose
-    measured cells (and fused timing) are kept and only the rest measured."""
+    measured cells (and fused timing) are kept and only the rest measured. Each measured choice
+    must beat its incumbent by ``plan_stability.MARGIN``: ``incumbent``'s (a quiet earlier
+    plan), else the fallback's."""
     import torch
 
     bound_s = MEASURE_BOUND_S if bound_s is None else bound_s
@@ -569,25 +585,16 @@ def measure(model: Any, gemv_kernel: Any, native_bf16: bool, isa: str, fallback:
         attention = attention_candidates(model, approximate and native_bf16)
         if len(attention) > 1:
             cells.extend(_attention_cells(model, attention, generator, deadline, done))
+    _hold_incumbents([c for c in cells if c.key not in done and c.measured], incumbent, fallback)
     order = {(sc.name, g): i for i, (sc, g) in enumerate((sc, g) for sc in STEP_CLASSES
                                                           for g in (*GROUPS, ATTENTION))}
     cells.sort(key=lambda c: order[(c.step, c.group)])
     plan = KernelPlan(cells=cells, isa=isa, bound_s=bound_s, measured_at=time.time(),
                       load_average=round(os.getloadavg()[0], 2), cpus=os.cpu_count() or 0)
-    notes: list[str] = []
-    if fused is not None:
-        if resume is not None and resume.fused_timed:
-            plan.fused_max_rows = resume.fused_max_rows
-            notes.extend(n for n in resume.notes if n.startswith("fused decode layer"))
-        elif time.perf_counter() > deadline:
-            from engine.model.kernels.cpu_layer import MAX_ROWS
-
-            plan.fused_max_rows = MAX_ROWS  # the fallback: every pure-decode step the fused layer takes
-            plan.fused_timed = False
-            notes.append("fused decode layer not timed: the bound was reached (fallback: on; the next start times it)")
-        else:
-            plan.fused_max_rows, fused_notes = fused(plan, deadline)
-            notes.extend(fused_notes)
+    notes = _fused_part(plan, fused, deadline, resume, incumbent)
+    kept = plan_stability.kept_note(c for c in cells if c.key not in done)
+    if kept is not None:
+        notes.append(kept)
     notes.append(f"each weight timed on at most its first {WEIGHT_ROWS_TIMED:,} output rows, µs scaled to the "
                  "whole weight (time is linear in rows)")
     if resume is not None:
@@ -595,6 +602,34 @@ def measure(model: Any, gemv_kernel: Any, native_bf16: bool, isa: str, fallback:
     plan.notes = notes
     plan.measure_seconds = time.perf_counter() - start + (resume.measure_seconds if resume is not None else 0.0)
     return plan
+
+
+def _hold_incumbents(cells: Sequence[Cell], incumbent: KernelPlan | None, fallback: Callable[[str, int], str]) -> None:
+    """Choose each measured cell again against its incumbent: ``incumbent``'s choice (a quiet
+    earlier plan's), else the fallback constants' (float32 SDPA for attention)."""
+    for cell in cells:
+        default = "torch" if cell.group == ATTENTION else fallback(cell.group, cell.rows)
+        choose(cell, incumbent=plan_stability.incumbent_for(incumbent, cell.group, cell.step, default))
+
+
+def _fused_part(plan: KernelPlan, fused: FusedTiming | None, deadline: float, resume: KernelPlan | None,
+                incumbent: KernelPlan | None) -> list[str]:
+    """Set ``plan``'s fused-layer rows: ``resume``'s timing, the fallback's (on) past the bound, or
+    timed now against the incumbent rows (``incumbent``'s, else the fallback's); its notes."""
+    if fused is None:
+        return []
+    from engine.model.kernels.cpu_layer import MAX_ROWS
+
+    if resume is not None and resume.fused_timed:
+        plan.fused_max_rows = resume.fused_max_rows
+        return [n for n in resume.notes if n.startswith("fused decode layer")]
+    if time.perf_counter() > deadline:
+        plan.fused_max_rows = MAX_ROWS  # the fallback: every pure-decode step the fused layer takes
+        plan.fused_timed = False
+        return ["fused decode layer not timed: the bound was reached (fallback: on; the next start times it)"]
+    plan.fused_max_rows = plan_stability.incumbent_fused_rows(incumbent, MAX_ROWS)  # what the timing must beat
+    plan.fused_max_rows, notes = fused(plan, deadline)
+    return notes
 
 
 def _measure_cell(cell: Cell, target: _Target, impls: dict[tuple[str, str], Implementation],
@@ -724,16 +759,19 @@ FusedTiming = Callable[[KernelPlan, float], tuple[int, list[str]]]
 
 
 def fused_rows_from(timings: Sequence[tuple[StepClass, float, float, float]], max_rows: int,
-                    bound: float = ACCURACY_BOUND) -> tuple[int, list[str]]:
+                    bound: float = ACCURACY_BOUND, incumbent_rows: int | None = None) -> tuple[int, list[str]]:
     """From ``(class, fused µs, op-by-op µs, fused error)`` in class order: the rows up to which
     the fused layer wins from one row up (through the last class timed: ``max_rows``), and a
-    note per class."""
+    note per class. ``incumbent_rows``: the rows the previous plan (or the fallback) ran fused;
+    a class changes sides only on ``plan_stability.MARGIN`` (None: the faster wins)."""
     rows, notes, winning = 0, [], True
     for sc, fused_us, layer_us, err in timings:
-        ok = err <= bound and fused_us < layer_us
+        held = None if incumbent_rows is None else min(sc.hi or max_rows, max_rows) <= incumbent_rows
+        ok = err <= bound and plan_stability.fused_wins(fused_us, layer_us, held)
+        kept = " (kept as incumbent: within the margin)" if err <= bound and ok != (fused_us < layer_us) else ""
         notes.append(f"fused decode layer at {sc.rows} rows: {fused_us:,.1f} µs vs op-by-op {layer_us:,.1f} µs"
                      + (f" (error {err:.2e} > {bound:g}: rejected)" if err > bound else "")
-                     + (" -> fused" if ok and winning else " -> op by op"))
+                     + (" -> fused" if ok and winning else " -> op by op") + kept)
         if winning and ok:
             rows = min(sc.hi or max_rows, max_rows)
         else:
@@ -790,12 +828,14 @@ def store(plan: KernelPlan) -> None:
         atomic_write(path, lambda tmp: Path(tmp).write_text(text))
 
 
-def measured_overloaded(plan: KernelPlan) -> bool:
+def measured_overloaded(plan: KernelPlan, load: float | None = None) -> bool:
     """True when ``plan`` was measured with more runnable threads than CPUs and the machine is
-    quieter now: parallel kernels then wait for descheduled threads (a 20 µs GEMV took 20 ms
-    at load 8 on 2 cores), so such a plan is measured again once the load allows."""
-    cpus = plan.cpus or os.cpu_count() or 1
-    return plan.load_average > cpus and os.getloadavg()[0] <= cpus
+    quieter now (``load``: the 1-minute load average, read when None): parallel kernels then wait
+    for descheduled threads (a 20 µs GEMV took 20 ms at load 8 on 2 cores), so such a plan is
+    measured again once the load allows."""
+    cpus = plan_stability.cpu_count(plan)
+    load = plan_stability.current_load() if load is None else load
+    return plan_stability.plan_loaded(plan) and not plan_stability.is_loaded(load, cpus)
 
 
 def stored_for_model(name: str) -> list[KernelPlan]:
@@ -857,6 +897,7 @@ def fused_timing(model: Any) -> FusedTiming | None:
     kernel = cpu_layer.load_kernel()
 
     def run(plan: KernelPlan, deadline: float) -> tuple[int, list[str]]:
+        incumbent_rows = plan.fused_max_rows  # what measure() set: the previous plan's rows, or the fallback's
         model.install_kernel_plan(replace(plan, fused_max_rows=cpu_layer.MAX_ROWS))
         if not model._fused_layers:
             return 0, ["fused decode layer does not apply to this model's layers or weights"]
@@ -869,7 +910,7 @@ def fused_timing(model: Any) -> FusedTiming | None:
                 break
             timings.append((sc, *_fused_against_layer(model, layer, kernel, args, min(sc.rows, cpu_layer.MAX_ROWS),
                                                       generator)))
-        rows, fused_notes = fused_rows_from(timings, cpu_layer.MAX_ROWS)
+        rows, fused_notes = fused_rows_from(timings, cpu_layer.MAX_ROWS, incumbent_rows=incumbent_rows)
         return rows, fused_notes + notes
 
     return run
@@ -920,25 +961,90 @@ def resolve(model: Any, key: str, native_bf16: bool, isa: str, log: Any = None,
 
     if not plan_enabled() or getattr(model, "expert_counter", None) is not None:
         return None  # a MoE model's experts run grouped (engine/model/moe.py); the plan times dense layers
-    plan = pinned()
-    if plan is None and plan_setting().lower() != "measure":
-        plan = load_stored(key)
-    remeasure = plan is not None and plan.source == "stored" and measured_overloaded(plan)
+    load = plan_stability.current_load()
+    plan, previous = _start_plan(key, model.config.name, isa, load, log)
+    remeasure = plan is not None and plan.source == "stored" and measured_overloaded(plan, load)
     if remeasure and log is not None:
         log.info(f"the stored kernel plan was measured at load average {plan.load_average:g} on {plan.cpus} CPUs "  # type: ignore[union-attr]
-                 f"(other processes' threads skew its timings); the load is {os.getloadavg()[0]:.2f} now: measuring again")
+                 f"(other processes' threads skew its timings); the load is {load:.2f} now: measuring again")
     resume = plan if plan is not None and plan.source == "stored" and not remeasure and plan.unmeasured else None
+    if resume is not None and plan_stability.defer_resume(resume, load):
+        resume = None
+        if log is not None:
+            log.info(f"the stored kernel plan left {plan.unmeasured} cells on the fallback constants; the load is "  # type: ignore[union-attr]
+                     f"{load:.2f} on {plan_stability.cpu_count(plan)} CPUs: a quieter start measures them")
     if resume is not None and log is not None:
         log.info(f"the stored kernel plan left {resume.unmeasured} cells on the fallback constants (its bound was "
                  "reached): measuring them now")
     if plan is None or remeasure or resume is not None:
+        incumbent = resume or _incumbent_plan(previous, model.config.name, isa)
         model.restore_float_weights()  # an earlier plan's dropped float weights: measured against
         gemv_kernel = cpu_gemv.load_kernel() if model.quantized_linears() else None
         plan = measure(model, gemv_kernel, native_bf16, isa, model.fallback_candidate, fused=fused_timing(model),
-                       approximate=approximate, resume=resume)
+                       approximate=approximate, resume=resume,
+                       incumbent=incumbent)
         plan.key, plan.model, plan.threads = key, model.config.name, torch.get_num_threads()
-        store(plan)
+        plan = _settle_measured(plan, previous, log)
     model.install_kernel_plan(plan)
     if log is not None:
         log.info(plan.summary())
     return plan
+
+
+def _stored_like(name: str, isa: str) -> list[KernelPlan]:
+    """The stored plans of model ``name`` on this ISA at this thread count (any other flags or sources)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    return [p for p in stored_for_model(name) if p.isa == isa and p.threads == threads]
+
+
+def _start_plan(key: str, name: str, isa: str, load: float, log: Any) -> tuple[KernelPlan | None, KernelPlan | None]:
+    """``(the plan to start from, the plan stored under key)``: the pinned plan; the stored one (on a
+    loaded machine the last quiet plan instead of a loaded one, plan_stability.settle_stored); or
+    None to measure (nothing stored, or ``KVSCOPE_KERNEL_PLAN=measure``)."""
+    plan = pinned()
+    if plan is not None:
+        return plan, None
+    previous = load_stored(key)
+    if previous is None or plan_setting().lower() == "measure":
+        return None, previous
+    settled = plan_stability.settle_stored(previous, load, _stored_like(name, isa))
+    if settled.message and log is not None:
+        log.warning(settled.message)
+    return settled.plan, previous
+
+
+def _incumbent_plan(previous: KernelPlan | None, name: str, isa: str) -> KernelPlan | None:
+    """The plan whose choices a new measurement must beat by the margin: the stored plan of this key
+    if it was measured quiet, else the newest quiet plan of the model here (its choices this start
+    cannot run are no incumbents: choose() keeps only one that passed), else None (the fallback's)."""
+    if previous is not None and not plan_stability.plan_loaded(previous):
+        return previous
+    quiet = [p for p in _stored_like(name, isa) if not plan_stability.plan_loaded(p)]
+    return max(quiet, key=lambda p: p.measured_at, default=None)
+
+
+def _settle_measured(plan: KernelPlan, previous: KernelPlan | None, log: Any) -> KernelPlan:
+    """Store ``plan`` unless it was measured loaded over a quiet plan; what this start runs (a loaded
+    measurement gives way to the last quiet plan it can run: plan_stability.settle_measured)."""
+    settled = plan_stability.settle_measured(plan, previous, _stored_like(plan.model, plan.isa))
+    if settled.store:
+        store(plan)
+    if settled.message and log is not None:
+        log.warning(settled.message)
+    return settled.plan
+
+
+def stored_for_start(key: str, name: str, isa: str, load: float | None = None) -> KernelPlan | None:
+    """The plan a start with ``key`` would run before measuring (engine/startup.py derives the
+    token budget from it): pinned, or stored (the last quiet plan in place of a loaded one on a
+    loaded machine); None when nothing is stored."""
+    plan = pinned()
+    if plan is not None:
+        return plan
+    stored = load_stored(key)
+    if stored is None:
+        return None
+    load = plan_stability.current_load() if load is None else load
+    return plan_stability.settle_stored(stored, load, _stored_like(name, isa)).plan
