@@ -685,14 +685,19 @@ def _phase_load_weights(c: PhaseHandle, s: StartupInputs, progress: Callable[[in
     c.record = LoadWeightsData(weights_bytes=info.weights_bytes, load_seconds=info.load_seconds,
                                load_format=info.load_format, source=info.source, num_tensors=info.num_tensors,
                                weights_cache=info.cache, quantization=config.quantization,
-                               quantization_reason=quantization_reason)
+                               quantization_reason=quantization_reason, file_tensor_bytes=info.file_tensor_bytes,
+                               block_bytes=info.block_bytes)
     if plan_bytes is not None:
         c.record = dataclasses.replace(c.record, kernel_plan_bytes=plan_bytes, kernel_plan_dropped_bytes=dropped)
         if dropped:
             log.info(f"kernel plan: {dropped / GiB:.4f} GiB of float weights dropped (every step size runs their "
                      "GGUF blocks or a bf16/int8 copy)")
     log.info(f"Model loading took {info.weights_bytes / GiB:.4f} GiB and {info.load_seconds:.2f} seconds"
-             + (f" (weights cache {info.cache})" if info.cache != "none" else ""))
+             + (f" (weights cache {info.cache})" if info.cache not in ("none", "mapped") else ""))
+    if info.file_tensor_bytes:
+        log.info(f"weights read as the GGUF's blocks, mapped: {(info.block_bytes or 0) / GiB:.4f} GiB of blocks for "
+                 f"{info.file_tensor_bytes / GiB:.4f} GiB of tensors in the file"
+                 + (f"; the kernel plan's float copies {plan_bytes / GiB:.4f} GiB" if plan_bytes else ""))
     log.info(f"quantization {config.quantization or 'none'} ({quantization_reason})")
     return runner, tokenizer, info
 

@@ -146,6 +146,10 @@ class LoadWeightsData(PhaseData):
     # CPU: the float weights the kernel plan never multiplies by (the GGUF blocks or a copy at every
     # step size), not kept and not in weights_bytes (engine/model/llama.py _drop_unused_float_weights)
     kernel_plan_dropped_bytes: int | None = NOT_REPORTED
+    # CPU, a GGUF read as blocks (engine/model/gguf_blocks.py): the file's tensor bytes, and the bytes of
+    # its blocks the weights hold (views of the mapped file, or copies where rows moved)
+    file_tensor_bytes: int | None = NOT_REPORTED
+    block_bytes: int | None = NOT_REPORTED
 
 
 @dataclass(frozen=True, slots=True)

@@ -162,6 +162,7 @@ def _drop_floats(model: Any, blocks: dict[str, tuple[str, torch.Tensor]]) -> Non
         model._embed_blocks = model.quantized["head"]
     elif embed is not None and fits(embed[0], model.embed_tokens.shape[1]) and embed[0] in BLOCK_FORMATS:
         model._embed_blocks = QuantizedLinear.single(embed[1], embed[0], "gguf", int(model.embed_tokens.shape[1]))
+        model.register_buffer("embed_tokens_blocks", embed[1], persistent=False)  # counted in weights_bytes
         model.embed_tokens = placeholder(model.embed_tokens)
 
 
@@ -197,5 +198,10 @@ def load_as_blocks(runner: Any, progress: ProgressCallback | None = None) -> Loa
         from engine.errors import UserError
 
         raise UserError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+    entries = model.quantized_linears()
+    held_blocks = sum(q.nbytes for q in entries)
+    if model._embed_blocks is not None and not any(q is model._embed_blocks for q in entries):
+        held_blocks += model._embed_blocks.nbytes
     return LoadInfo(load_format="gguf", source=str(path), weights_bytes=model.weights_bytes(),
-                    load_seconds=time.perf_counter() - start, num_tensors=total, cache="mapped")
+                    load_seconds=time.perf_counter() - start, num_tensors=total, cache="mapped",
+                    file_tensor_bytes=sum(_tensor_bytes(t) for t in header.tensors), block_bytes=held_blocks)

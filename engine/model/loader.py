@@ -38,7 +38,9 @@ class LoadInfo:
     weights_bytes: int
     load_seconds: float
     num_tensors: int
-    cache: str = "none"  # GGUF: "hit", "miss" (read the file, cache written) or "off"; else "none"
+    cache: str = "none"  # GGUF: "hit", "miss" (read the file, cache written), "off", or "mapped" (read as blocks)
+    file_tensor_bytes: int | None = None  # a GGUF read as blocks: its tensors' bytes
+    block_bytes: int | None = None  # ... and the bytes of blocks the weights hold
 
 
 def gguf_to_hf_name(name: str, architecture: str = "llama") -> str | None:

@@ -111,16 +111,18 @@ def entry_from_file(weight: torch.Tensor, found: list[tuple[str, torch.Tensor] |
     ``exact`` and the rows add up to the weight's shape."""
     if not found or any(f is None or f[0] not in exact or not fits(f[0], weight.shape[1]) for f in found):
         return None
-    parts = [BlockPart(f[0], f[1]) for f in found if f is not None]
-    merged: list[BlockPart] = []
-    for part in parts:  # neighbours of one format are one part: one kernel call covers them
-        if merged and merged[-1].fmt == part.fmt:
-            merged[-1] = BlockPart(part.fmt, torch.cat([merged[-1].blocks, part.blocks]))
-        else:
-            merged.append(part)
-    entry = QuantizedLinear(tuple(merged), int(weight.shape[1]), "gguf")
-    widths_ok = all(p.blocks.shape[1] == row_bytes(p.fmt, int(weight.shape[1])) for p in merged)
-    return entry if widths_ok and entry.out_features == weight.shape[0] else None
+    # One part per file tensor, even where neighbours share a format: a part stays a view of the mapped
+    # file (a concatenation would copy it), and the kernel quantizes the activations once for all parts.
+    parts = tuple(BlockPart(f[0], f[1]) for f in found if f is not None)
+    entry = QuantizedLinear(parts, int(weight.shape[1]), "gguf")
+    widths_ok = all(p.blocks.shape[1] == row_bytes(p.fmt, int(weight.shape[1])) for p in parts)
+    if not widths_ok or entry.out_features != weight.shape[0]:
+        return None
+    if len({p.fmt for p in parts}) == 1 and parts[0].fmt in GEMV_FORMATS:
+        # one format the GEMV module reads (SmolLM2's Q4_1): one tensor, interleaved next
+        blocks = parts[0].blocks if len(parts) == 1 else torch.cat([p.blocks for p in parts])
+        return QuantizedLinear.single(blocks, parts[0].fmt, "gguf", entry.in_features)
+    return entry
 
 
 @torch.no_grad()

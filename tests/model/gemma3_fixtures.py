@@ -29,10 +29,12 @@ def gemma3_config() -> ModelConfig:
     return load_model_config(GEMMA3)
 
 
-def gemma3_runner(blocks: int = 128, decode_kernel: bool = True):
+def gemma3_runner(blocks: int = 128, decode_kernel: bool = True, quantization: str | None = None):
+    """``quantization="native"``: the file's own blocks, as ``--quantization auto`` loads it on CPU."""
     from engine.model.runner import ModelRunner
 
-    runner = ModelRunner(gemma3_config(), dtype="float32", block_size=16, attention_backend="torch")
+    runner = ModelRunner(gemma3_config(), dtype="float32", block_size=16, attention_backend="torch",
+                         quantization=quantization)
     runner.load_weights()
     runner.allocate_kv_cache(blocks)
     if decode_kernel:

@@ -39,6 +39,12 @@ def runner():
 
 
 @pytest.fixture(scope="module")
+def block_runner():
+    """The file's own blocks (Q4_K, Q5_0, Q6_K, Q8_0) multiplied with int8 activations."""
+    return gemma3_runner(blocks=64, quantization="native")
+
+
+@pytest.fixture(scope="module")
 def tokenizer():
     from engine.model.startup_cache import cached_tokenizer
 
@@ -81,3 +87,20 @@ def test_past_the_sliding_window_agrees_with_transformers(runner, hf_gemma3, tok
     print(f"\nGemma 3 270M, 700-token prompt vs transformers, fp32: top-1 {agree}/{total}, max diff {worst:.3g}")
     assert agree / total >= MIN_TOP1_AGREEMENT
     assert worst < MAX_LOGIT_DIFF
+
+
+# The int8-activation path rounds every projection's input per 32 values (as llama.cpp does):
+# measured (AVX-512 VNNI Zen 4) top-1 against transformers' fp32 on the same file; the bound is the issue's.
+MIN_TOP1_BLOCKS = 0.97
+
+
+@pytest.mark.slow
+def test_blocks_with_int8_activations_agree_with_transformers(block_runner, hf_gemma3, tokenizer) -> None:
+    assert block_runner.model.resolve_gemv() is None  # every projection on its block kernel
+    agree = total = 0
+    for prompt in PROMPTS:
+        ids = tokenizer.encode(prompt, add_special_tokens=True)
+        a, n, _ = _compare(block_runner, hf_gemma3, ids, chunk=5)
+        agree, total = agree + a, total + n
+    print(f"\nGemma 3 270M blocks + int8 activations vs transformers fp32: top-1 {agree}/{total}")
+    assert agree / total >= MIN_TOP1_BLOCKS
