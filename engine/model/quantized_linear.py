@@ -25,18 +25,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-# Block formats by name: (ggml type id, weights a block, bytes a block). "q4_1x8" is the
-# Q4_1 blocks of 8 rows interleaved at load (engine/model/kernels/cpu_gemv.py), same bytes.
+from engine.model.kernels.cpu_quant import FORMAT_IDS, block_geometry
+
+# Block formats by name: (ggml type id, weights a block, bytes a block), the kernel module's facts.
+# "q4_1x8" is the Q4_1 blocks of 8 rows interleaved at load (engine/model/kernels/cpu_gemv.py), same bytes.
 BLOCK_FORMATS: dict[str, tuple[int, int, int]] = {
-    "q4_0": (2, 32, 18),
-    "q4_1": (3, 32, 20),
-    "q5_0": (6, 32, 22),
-    "q5_1": (7, 32, 24),
-    "q8_0": (8, 32, 34),
-    "q4_k": (12, 256, 144),
-    "q5_k": (13, 256, 176),
-    "q6_k": (14, 256, 210),
-    "q4_1x8": (3, 32, 20),
+    **{name: (code, *block_geometry(code)) for name, code in FORMAT_IDS.items()},
+    "q4_1x8": (FORMAT_IDS["q4_1"], *block_geometry("q4_1")),
 }
 # ggml type id -> format name, for the formats a GGUF tensor can be read in as it is.
 FORMAT_OF_GGML_TYPE = {ggml_id: name for name, (ggml_id, _, _) in BLOCK_FORMATS.items() if name != "q4_1x8"}
