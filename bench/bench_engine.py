@@ -370,7 +370,8 @@ def verdict_rows(results: Results, warm: dict[str, dict[str, Any]], peers_missin
                Target("batch-64 TTFT p99 <= vLLM-CPU's", "batch-64", "vLLM", False, ttft_p99),
                Target("batch-64 ITL p99 <= vLLM-CPU's", "batch-64", "vLLM", False, itl_p99),
                Target("batch-16 ITL p99 (prefill alongside) <= vLLM-CPU's", "batch-16", "vLLM", False, itl_p99),
-               Target("single-stream decode tok/s >= 1.0x llama.cpp", "single", "llama.cpp")]
+               Target("single-stream decode tok/s >= 1.0x llama.cpp", "single", "llama.cpp"),
+               Target("prefill-500 tok/s >= 1.0x llama.cpp", "prefill-500", "llama.cpp")]
     lines = ["| target | kvscope engines: median ratio to the peer (per rep) | best | verdict |", "|---|---|---|---|"]
     for t in targets:
         lines.append(_comparison_row(results, t, peers_missing))
@@ -542,14 +543,11 @@ def start_engines(args: argparse.Namespace, variants: list[Variant]) -> tuple[li
     if not args.no_hf and smollm:
         engines.append(HfEngine(args.threads))
     missing = {}
-    vllm_peers = [(f"vLLM {dtype}", partial(VllmEngine, dtype=dtype)) for dtype in vllm_dtypes()]
+    vllm_peers = [(f"vLLM {dtype}", partial(VllmEngine, dtype=dtype, model=args.model)) for dtype in vllm_dtypes()]
     for name, flag, make, python in (*((n, args.no_vllm, f, VLLM_PYTHON) for n, f in vllm_peers),
                                      ("llama.cpp", args.no_llama, partial(LlamaCppEngine, model=args.model),
                                       LLAMA_PYTHON)):
-        if name.startswith("vLLM") and not smollm:
-            flag, why = True, f"skipped: the vLLM peer runs SmolLM2's HF export only, not {args.model}"
-        else:
-            why = "skipped by a --no-* flag"
+        why = "skipped by a --no-* flag"
         peer, why = (None, why) if flag else start_peer(name, make, python, args.threads)
         if peer is None:
             missing[name.split()[0]] = f"{name} {why.splitlines()[0]}"

