@@ -91,6 +91,7 @@ class LLM:
     def chat(self, messages: ChatMessages | Sequence[ChatMessages], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = False) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[index]
+        self.tokenizer.warn_chat_template_once()  # a GGUF with no template of its own: one line per LLM
         prompts = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True) for c in conversations]
         # the rendered template holds the BOS already: no second one (vLLM's add_special_tokens=False)
         encoded = [self.engine.encode_prompt(p, add_special_tokens=False) for p in prompts]

@@ -220,15 +220,16 @@ def cached_tokenizer(source: Path) -> Any:
         try:
             meta = json.loads(paths[1].read_text())
             backend = BackendTokenizer.from_file(str(paths[0]))
+            # an entry written before chat_template_note existed lacks the key: rebuilt below
             return Tokenizer(backend, meta["bos_token_id"], meta["eos_token_id"], meta["chat_template"],
-                             meta["stop_token_ids"], meta["add_bos_token"])
+                             meta["stop_token_ids"], meta["add_bos_token"], meta["chat_template_note"])
         except Exception:
             pass  # unusable entry: rebuild and overwrite it
     tokenizer = Tokenizer.from_gguf(source)
     if paths is not None:
         meta = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
                 "chat_template": tokenizer.chat_template, "stop_token_ids": tokenizer.stop_token_ids,
-                "add_bos_token": tokenizer.add_bos_token}
+                "add_bos_token": tokenizer.add_bos_token, "chat_template_note": tokenizer.chat_template_note}
         try:
             atomic_write(paths[0], lambda tmp: tokenizer.backend.save(tmp))
             atomic_write(paths[1], lambda tmp: Path(tmp).write_text(json.dumps(meta)))

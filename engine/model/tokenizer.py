@@ -68,6 +68,7 @@ SPIECE_SPACE = "\u2581"
 # Gemma 3's chat template (google/gemma-3-270m-it's tokenizer_config.json), for GGUF files
 # that carry none (llama.cpp's converter leaves it out of some): turns are
 # <start_of_turn>user|model ... <end_of_turn>, a system message is folded into the first user turn.
+GEMMA3_TEMPLATE_NAME = "Gemma 3's instruction-tuned template (google/gemma-3-270m-it's <start_of_turn> turns)"
 GEMMA3_CHAT_TEMPLATE = (
     "{{ bos_token }}\n"
     "{%- if messages[0]['role'] == 'system' -%}\n"
@@ -161,6 +162,14 @@ def _gguf_field(reader: Any, key: str) -> Any:
     return None if field is None else field.contents()
 
 
+def _no_template_note(path: Path, fallback: str | None) -> str:
+    """The one warning line for a GGUF with no ``tokenizer.chat_template``."""
+    if fallback is None:
+        return f"{path.name} carries no chat template and kvscope has no fallback for its tokenizer: chat is refused"
+    return (f"{path.name} carries no chat template: chats use {fallback}; a base model (no instruction "
+            "tuning) answers it by echoing and drifting")
+
+
 class Tokenizer:
     def __init__(
         self,
@@ -170,12 +179,16 @@ class Tokenizer:
         chat_template: str | None,
         extra_stop_token_ids: Iterable[int] = (),
         add_bos_token: bool = False,
+        chat_template_note: str | None = None,
     ) -> None:
         self.backend = backend
         self._max_token_bytes: int | None = None
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.chat_template = chat_template
+        # why a chat may not be what the model was trained on (the GGUF carries no template): warned once
+        self.chat_template_note = chat_template_note
+        self._chat_template_warned = False
         self.add_bos_token = add_bos_token
         stops = [eos_token_id] if eos_token_id is not None else []
         stops += [t for t in extra_stop_token_ids if t not in stops]
@@ -234,13 +247,15 @@ class Tokenizer:
             backend.add_tokens(user)
         eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
         eot = _gguf_field(reader, "tokenizer.ggml.eot_token_id")
+        template = _gguf_field(reader, "tokenizer.chat_template")
         return cls(
             backend,
             bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_id=eos,
-            chat_template=_gguf_field(reader, "tokenizer.chat_template"),
+            chat_template=template,
             extra_stop_token_ids=[eot] if eot is not None else [],
             add_bos_token=bool(_gguf_field(reader, "tokenizer.ggml.add_bos_token") or False),
+            chat_template_note=None if template else _no_template_note(path, None),
         )
 
     @classmethod
@@ -256,13 +271,15 @@ class Tokenizer:
         end_of_turn = backend.token_to_id(GEMMA_END_OF_TURN)
         eot = _gguf_field(reader, "tokenizer.ggml.eot_token_id")
         add_bos = _gguf_field(reader, "tokenizer.ggml.add_bos_token")
+        template = _gguf_field(reader, "tokenizer.chat_template")
         return cls(
             backend,
             bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_id=_gguf_field(reader, "tokenizer.ggml.eos_token_id"),
-            chat_template=_gguf_field(reader, "tokenizer.chat_template") or GEMMA3_CHAT_TEMPLATE,
+            chat_template=template or GEMMA3_CHAT_TEMPLATE,
             extra_stop_token_ids=[t for t in (eot, end_of_turn) if t is not None],
             add_bos_token=True if add_bos is None else bool(add_bos),  # llama.cpp's default for SentencePiece
+            chat_template_note=None if template else _no_template_note(path, GEMMA3_TEMPLATE_NAME),
         )
 
     @classmethod
@@ -346,6 +363,16 @@ class Tokenizer:
         return self.backend.token_to_id(token)
 
     # ------------------------------------------------------------------ chat
+    def warn_chat_template_once(self) -> None:
+        """Log :attr:`chat_template_note`, the first time only (``generate --chat``, ``LLM.chat``):
+        a chat rendered with a fallback template, or refused for want of one, is worth one line."""
+        if self.chat_template_note is None or self._chat_template_warned:
+            return
+        self._chat_template_warned = True
+        from engine.logs import get_logger
+
+        get_logger("kvscope.tokenizer").warning(self.chat_template_note)
+
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],

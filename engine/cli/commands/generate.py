@@ -53,6 +53,7 @@ def _generate(args: argparse.Namespace, engine: LLMEngine, params: SamplingParam
     with engine:
         prompt: str | list[int] = args.prompt
         if args.chat:  # the rendered template holds the BOS already: encoded without a second one
+            engine.tokenizer.warn_chat_template_once()  # a GGUF with no template of its own
             rendered = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
                                                             add_generation_prompt=True)
             prompt = engine.encode_prompt(str(rendered), add_special_tokens=False)
