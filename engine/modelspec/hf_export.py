@@ -52,7 +52,7 @@ class HFExport:
 # ---------------------------------------------------------------- rope
 
 
-def _llama3_divisors(theta: float, head_dim: int, s: RopeScaling) -> list[float]:
+def llama3_divisors(theta: float, head_dim: int, s: RopeScaling) -> list[float]:
     """transformers' ``_compute_llama3_parameters`` as one divisor per rotary frequency."""
     low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
     high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
@@ -92,7 +92,7 @@ def _solve_llama3(theta: float, head_dim: int, divisors: tuple[float, ...]) -> R
 
 def _llama3_from_divisors(config: ModelConfig, divisors: tuple[float, ...]) -> RopeScaling:
     scaling = _solve_llama3(config.rope_theta, config.head_dim, divisors)
-    again = _llama3_divisors(config.rope_theta, config.head_dim, scaling)
+    again = llama3_divisors(config.rope_theta, config.head_dim, scaling)
     if len(again) != len(divisors) or any(abs(x - y) > 1e-4 * y for x, y in zip(again, divisors, strict=True)):
         raise UserError(f"{config.path or config.name}: its rope_freqs divisors are no llama3 rope scaling, and "
                         "transformers has no other form for them; export the model's HF folder instead")
