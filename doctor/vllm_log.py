@@ -27,7 +27,8 @@ from logparse.patterns import BULK_MARKERS, FIGURE_NAMES
 # logparse's check ids under the doctor's rule names (the same failure, read from a log).
 RULE_OF_CHECK = {"max_seq_len_exceeds_kv": "startup_refused", "no_cache_blocks": "startup_refused",
                  "free_below_request": "startup_oom", "oom": "startup_oom", "oom_sampler": "startup_oom",
-                 "oom_graph_capture": "startup_oom",
+                 "oom_graph_capture": "startup_oom", "kv_below_max_model_len": "startup_refused",
+                 "startup_failed": "startup_failed", "engine_died": "engine_died",
                  "preemption": "pool_binds"}
 CAUSES = {"startup_refused": "the pool cannot hold one --max-model-len request: lower the context, raise the memory "
                              "cap, use an fp8 KV cache or add tensor parallelism",
@@ -54,13 +55,23 @@ def _printed_figures(explanation: Explanation) -> str | None:
 def finding_of(check: Check, explanation: Explanation) -> Finding:
     rule = RULE_OF_CHECK.get(check.id, f"vllm_{check.id}")
     evidence = [f"line {check.line}: {check.detail}" if check.line else check.detail]
+    numbers: dict[str, Any] = {"line": check.line, "check": check.id}
+    startup = explanation.startup
+    cause = CAUSES.get(rule, check.title)
+    if startup is not None and check.kind == "failure":
+        # every failure of a start names its cause and the last phase reached (logparse/failed_start.py)
+        if check.id not in ("startup_failed", "engine_died"):
+            evidence.append(f"{startup.headline()} (line {startup.line}; phase from {startup.phase_source})")
+        else:
+            cause = startup.cause_text()
+        numbers.update(phase=startup.phase, phase_name=startup.phase_name, cause=startup.cause,
+                       failed_start=not startup.runtime)
     figures = _printed_figures(explanation)
     if figures:
         evidence.append(figures)
-    numbers: dict[str, Any] = {"line": check.line, "check": check.id}
     numbers.update({k: explanation.facts[k] for k in EVIDENCE_FIGURES if k in explanation.facts})
     return Finding(rule, CRITICAL if check.kind == "failure" else WARNING, check.title, evidence,
-                   CAUSES.get(rule, check.title), [dataclasses.replace(fix) for fix in check.fix], numbers=numbers)
+                   cause, [dataclasses.replace(fix) for fix in check.fix], numbers=numbers)
 
 
 STATS_MARKER = BULK_MARKERS["stats"][0]  # every vLLM release's stats line holds it

@@ -41,6 +41,7 @@ from engine.modelspec.config import ModelConfig
 from engine.modelspec.presets import resolve_preset_name
 from engine.modelspec.readers import load_model_config
 from logparse.catalogue import mask
+from logparse.failed_start import StartupFailure, StartupWatch, kv_below_check, startup_outcome
 from logparse.fastscan import BulkRun, iter_summary
 from logparse.parser import Record, iter_records
 from logparse.patterns import FIGURE_NAMES, LEDGER_KEYS, NOISE_SOURCES, PHASE_NAMES
@@ -233,6 +234,7 @@ class Explanation:
     plan: dict[str, Any]
     kvscope_plan: MemoryPlan | None = None
     coverage: Coverage = field(default_factory=Coverage)
+    startup: StartupFailure | None = None  # the failed start (or runtime death) logparse/failed_start.py found
 
     @property
     def ledger(self) -> dict[str, Any]:
@@ -246,6 +248,7 @@ class Explanation:
             "ledger": self.ledger,
             "coverage": self.coverage.to_json(),
             "timeline": [span.to_json() for span in self.timeline],
+            "startup": self.startup.to_json() if self.startup is not None else None,
         }
 
 
@@ -289,6 +292,10 @@ def explain(source: str | Path | Iterable[bytes | str], options: Options | None 
         if check.id == "no_cache_blocks" and any(c.id == check.id for c in checks):
             continue  # '# GPU blocks: 0' and the ValueError after it report one failure
         checks.append(check)
+    kv_below = kv_below_check(facts, fact_lines, budget, checks)
+    if kv_below is not None:
+        checks.append(kv_below)
+    startup = startup_outcome(fold.watch, fold.failures, fold.last_phase, fold.last_line, checks)
     if preemptions_v0 or preemptions_v1:
         checks.append(_preemption(preemptions_v0, preemptions_v1, preemption_line, facts))
     if options.profile:
@@ -311,6 +318,7 @@ def explain(source: str | Path | Iterable[bytes | str], options: Options | None 
         plan=plan_json,
         kvscope_plan=kv_plan,
         coverage=fold.coverage,
+        startup=startup,
     )
 
 
@@ -333,12 +341,16 @@ class _Fold:
         self.last_phase = "A"
         self.coverage = Coverage()
         self.tracebacks = TracebackTracker()
+        self.watch = StartupWatch()
+        self.last_line = 0
 
     def add(self, record: Record) -> None:
         if self.keep_records:
             self.records.append(record)
         self.coverage.add(record)
         self.tracebacks.add(record)
+        self.watch.add(record, self.last_phase)
+        self.last_line = record.end_line
         pattern = record.pattern
         if pattern is None:
             return
@@ -373,6 +385,8 @@ class _Fold:
         """A run of stats/access lines (phase R, no durations, no failures), counted."""
         self.coverage.add_bulk(run)
         self.tracebacks.interrupt()
+        self.watch.add_run(run.first_line)
+        self.last_line = run.last_line
         for pattern in run.patterns:
             span = self._span(pattern.phase, run.first_line, run.first_time)
             span.last_line = max(span.last_line, run.last_line)

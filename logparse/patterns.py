@@ -79,6 +79,7 @@ _LOG_ONLY_FIGURES: dict[str, FigureName] = {
     "graph_capture_s": FigureName("Graph capturing finished in", "s"),
     "init_engine_s": FigureName("init engine (profile, create kv cache, warmup model) took", "s"),
     "compilation_s": FigureName("init engine … (compilation:", "s"),
+    "tpu_compile_s": FigureName("Compilation finished in … [secs]", "s"),
 }
 # Every figure logparse shows beside another (``diff``, ``--profile``), in display order: the
 # ledger, the budget lines around it, and the durations vLLM prints.
@@ -399,6 +400,10 @@ PATTERNS: tuple[LinePattern, ...] = (
       r"init engine \(profile, create kv cache, warmup model\) took <init_engine_s:num> s",
       "Wall time of profiling + KV sizing + allocation + compile + graph capture + sampler warm-up "
       "(model loading excluded).", extract=(r"\(compilation: <compilation_s:num> s",)),
+    P("tpu_precompile", "F", "0.7–0.33 (TPU)", "Compiling the model with|Compiling sampling with|Compilation finished in"
+      "|-- num_tokens: ", r"(?:Compiling (?:the model|sampling) with different input shapes|Compilation finished in"
+      r" (?:in )?<tpu_compile_s:num> \[secs\]|^\s*-- num_tokens: <num_tokens:int>)",
+      "TPU (XLA): one graph is compiled per padded token count and sampler shape before serving."),
     P("cpu_warmup", "F", "0.10–0.33", "Warming up", r"^Warming up (?:model for the compilation|done)",
       "CPU backend warm-up."),
     # ------------------------------------------------------------------ G: ready
@@ -449,7 +454,7 @@ PATTERNS: tuple[LinePattern, ...] = (
       r"CUDA out of memory occurred when warming up sampler with <num_dummy_requests:int> dummy requests",
       "The sampler's warm-up with max-num-seqs dummy requests ran out of memory.", failure="oom_sampler"),
     P("cuda_oom", "X", "torch", "out of memory",
-      r"(?:OutOfMemoryError|RuntimeError): CUDA out of memory\.",
+      r"(?:OutOfMemoryError|RuntimeError): (?:CUDA|HIP) out of memory\.",
       "torch allocation failure; which phase it hit decides the fix.",
       extract=(r"Tried to allocate <oom_tried:num> (?P<oom_unit>[GMK]iB)",
                r"total capacity of <oom_total_gib:num> GiB of which <oom_free:num> (?P<oom_free_unit>[GMK]iB) is free"),

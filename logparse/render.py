@@ -138,6 +138,8 @@ def render_terminal(exp: Explanation, out: TextIO | None = None, summary: bool =
     title.append(f"   vLLM {short(exp.facts.get('vllm_version'))}   model {short(exp.facts.get('model'))}   "
                  f"{coverage_line(exp)}", style="dim")
     console.print(title)
+    if exp.startup is not None:
+        console.print(Text(exp.startup.sentence(), style="bold red"))
     if not summary:
         console.rule("lines")
         shown = 0
@@ -214,6 +216,8 @@ def render_markdown(exp: Explanation, summary: bool = False) -> str:
     out = [f"# logparse: `{exp.path}`", "",
            f"vLLM {short(exp.facts.get('vllm_version'))} · model {short(exp.facts.get('model'))} · "
            f"{coverage_line(exp)}", ""]
+    if exp.startup is not None:
+        out += [f"**{_md(exp.startup.sentence())}**", ""]
     if not summary:
         out += ["## Lines", "", "| line | phase | pattern | fields | meaning |", "|---:|:-:|---|---|---|"]
         for r in exp.records:

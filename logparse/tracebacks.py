@@ -12,6 +12,8 @@ records the place its frames show.
 
 from __future__ import annotations
 
+import re
+
 from logparse.parser import Record
 
 # (place, words a frame of that place contains), most specific first: a capture runs
@@ -20,12 +22,20 @@ PLACES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("graph_capture", ("capture_model", "_capture_cudagraphs", "torch/cuda/graphs.py", "capture_begin",
                        "capture_end", "cuda_graph.py", "_warmup_and_capture", "capture_graph")),
     ("sampler_warmup", ("_dummy_sampler_run",)),
-    ("kv_allocation", ("initialize_kv_cache", "_allocate_kv_cache", "initialize_from_config", "_reshape_kv_cache")),
+    ("kv_allocation", ("initialize_kv_cache", "_allocate_kv_cache", "initialize_from_config", "_reshape_kv_cache",
+                       "_allocate_kv_cache_tensors", "initialize_kv_cache_tensors", "_init_cache_engine")),
     ("profiling", ("profile_run", "determine_available_memory", "determine_num_available_blocks")),
     ("loading", ("load_model", "load_weights")),
+    ("device_init", ("init_device", "init_worker_distributed_environment", "ncclCommInitRank",
+                     "initialize_model_parallel", "init_distributed_environment")),
 )
 # the startup phase (engine/events/phase_names.py letters) each place belongs to
-PLACE_PHASES = {"graph_capture": "F", "sampler_warmup": "F", "kv_allocation": "E", "profiling": "D", "loading": "C"}
+PLACE_PHASES = {"graph_capture": "F", "sampler_warmup": "F", "kv_allocation": "E", "profiling": "D", "loading": "C",
+                "device_init": "A"}
+# A place's words match whole identifiers: V1's _initialize_kv_caches wraps profiling, allocation and
+# capture alike, so it must not read as initialize_kv_cache (allocation).
+_PLACE_RES = tuple((place, re.compile("|".join(rf"(?<!\w){re.escape(w)}(?!\w)" for w in words)))
+                   for place, words in PLACES)
 MAX_FRAMES = 400  # per process; a longer traceback keeps its last frames, where the failure is
 MAX_PROCESSES = 64
 
@@ -33,8 +43,8 @@ MAX_PROCESSES = 64
 def place_in(frames: list[str]) -> str | None:
     """The first place of :data:`PLACES` any frame names (frames of the innermost call last)."""
     text = "\n".join(frames)
-    for place, words in PLACES:
-        if any(word in text for word in words):
+    for place, regex in _PLACE_RES:
+        if regex.search(text):
             return place
     return None
 
