@@ -10,11 +10,13 @@ from doctor.rules import CRITICAL, Finding, exit_status
 
 STYLE = {CRITICAL: "bold red", "warning": "yellow"}
 STATUS_WORDS = {0: "healthy", 1: "warnings", 2: "critical"}
+CUT_NOTE = "log cut:"  # logparse/completeness.py's notes: the verdict covers only the lines the log has
 
 
 def to_json(source: str, kind: str, findings: Sequence[Finding], notes: Sequence[str] = ()) -> dict[str, Any]:
     status = exit_status(findings)
     return {"source": source, "kind": kind, "status": STATUS_WORDS[status], "exit_status": status,
+            "log_cut": any(n.startswith(CUT_NOTE) for n in notes),
             "findings": [f.to_json() for f in findings], "notes": list(notes)}
 
 
@@ -41,7 +43,8 @@ def finding_lines(finding: Finding, markup: bool = True) -> list[str]:
 def render_text(source: str, kind: str, findings: Sequence[Finding], notes: Sequence[str] = (),
                 markup: bool = True) -> str:
     status = exit_status(findings)
-    lines = [f"kvscope doctor: {source} ({kind}): {STATUS_WORDS[status]}, "
+    cut = " (as far as the log goes: it is cut, see the notes)" if any(n.startswith(CUT_NOTE) for n in notes) else ""
+    lines = [f"kvscope doctor: {source} ({kind}): {STATUS_WORDS[status]}{cut}, "
              f"{len(findings)} finding{'' if len(findings) == 1 else 's'}"]
     for finding in findings:
         lines.append("")

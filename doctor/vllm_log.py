@@ -160,6 +160,8 @@ def diagnose_log(path: str | Path, notes: list[str] | None = None) -> list[Findi
     explanation = explain(path, keep_records=False)
     findings = [finding_of(c, explanation) for c in explanation.checks
                 if c.ok is False and c.kind in ("failure", "warning")]
+    if notes is not None:
+        notes += [cut.sentence() for cut in explanation.cuts]
     fleet = log_fleet(path, explanation.facts)
     if fleet is not None:
         engines = sorted({e for r in fleet.rounds for e in r.readings})

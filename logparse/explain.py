@@ -41,6 +41,7 @@ from engine.modelspec.config import ModelConfig
 from engine.modelspec.presets import resolve_preset_name
 from engine.modelspec.readers import load_model_config
 from logparse.catalogue import mask
+from logparse.completeness import CompletenessWatch, Cut
 from logparse.failed_start import StartupFailure, StartupWatch, kv_below_check, startup_outcome
 from logparse.fastscan import BulkRun, iter_summary
 from logparse.parser import Record, iter_records
@@ -235,6 +236,7 @@ class Explanation:
     kvscope_plan: MemoryPlan | None = None
     coverage: Coverage = field(default_factory=Coverage)
     startup: StartupFailure | None = None  # the failed start (or runtime death) logparse/failed_start.py found
+    cuts: list[Cut] = field(default_factory=list)  # how the log is not whole (logparse/completeness.py)
 
     @property
     def ledger(self) -> dict[str, Any]:
@@ -249,6 +251,7 @@ class Explanation:
             "coverage": self.coverage.to_json(),
             "timeline": [span.to_json() for span in self.timeline],
             "startup": self.startup.to_json() if self.startup is not None else None,
+            "cuts": [cut.to_json() for cut in self.cuts],
         }
 
 
@@ -296,6 +299,8 @@ def explain(source: str | Path | Iterable[bytes | str], options: Options | None 
     if kv_below is not None:
         checks.append(kv_below)
     startup = startup_outcome(fold.watch, fold.failures, fold.last_phase, fold.last_line, checks)
+    cuts = fold.complete.cuts(facts, fold.watch.in_traceback, fold.watch.ready_line is not None,
+                              startup is not None and not startup.runtime, fold.last_line)
     if preemptions_v0 or preemptions_v1:
         checks.append(_preemption(preemptions_v0, preemptions_v1, preemption_line, facts))
     if options.profile:
@@ -319,6 +324,7 @@ def explain(source: str | Path | Iterable[bytes | str], options: Options | None 
         kvscope_plan=kv_plan,
         coverage=fold.coverage,
         startup=startup,
+        cuts=cuts,
     )
 
 
@@ -342,6 +348,7 @@ class _Fold:
         self.coverage = Coverage()
         self.tracebacks = TracebackTracker()
         self.watch = StartupWatch()
+        self.complete = CompletenessWatch()
         self.last_line = 0
 
     def add(self, record: Record) -> None:
@@ -350,6 +357,7 @@ class _Fold:
         self.coverage.add(record)
         self.tracebacks.add(record)
         self.watch.add(record, self.last_phase)
+        self.complete.add(record)
         self.last_line = record.end_line
         pattern = record.pattern
         if pattern is None:
@@ -386,6 +394,7 @@ class _Fold:
         self.coverage.add_bulk(run)
         self.tracebacks.interrupt()
         self.watch.add_run(run.first_line)
+        self.complete.add_run(run.first_line)
         self.last_line = run.last_line
         for pattern in run.patterns:
             span = self._span(pattern.phase, run.first_line, run.first_time)

@@ -140,6 +140,8 @@ def render_terminal(exp: Explanation, out: TextIO | None = None, summary: bool =
     console.print(title)
     if exp.startup is not None:
         console.print(Text(exp.startup.sentence(), style="bold red"))
+    for cut in exp.cuts:
+        console.print(Text(cut.sentence(), style="yellow"))
     if not summary:
         console.rule("lines")
         shown = 0
@@ -218,6 +220,7 @@ def render_markdown(exp: Explanation, summary: bool = False) -> str:
            f"{coverage_line(exp)}", ""]
     if exp.startup is not None:
         out += [f"**{_md(exp.startup.sentence())}**", ""]
+    out += [f"_{_md(cut.sentence())}_\n" for cut in exp.cuts]
     if not summary:
         out += ["## Lines", "", "| line | phase | pattern | fields | meaning |", "|---:|:-:|---|---|---|"]
         for r in exp.records:
