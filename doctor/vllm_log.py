@@ -21,7 +21,7 @@ from typing import Any
 from doctor.rules import CRITICAL, WARNING, Finding
 from doctor.vllm_dp import LOG_INTERVAL_S, EngineRound, VllmFleet, dp_imbalance_finding
 from logparse.explain import Check, Explanation, explain
-from logparse.parser import MAX_LINE_BYTES, decode_physical, match_message, strip_prefix
+from logparse.parser import MAX_LINE_BYTES, decode_physical, learn_prefix, match_message, strip_prefix
 from logparse.patterns import BULK_MARKERS, FIGURE_NAMES
 
 # logparse's check ids under the doctor's rule names (the same failure, read from a log).
@@ -117,6 +117,7 @@ def log_fleet(path: str | Path, facts: dict[str, Any] | None = None) -> VllmFlee
     if not _has_second_engine(path):
         return None
     facts = facts or {}
+    learned = learn_prefix(path)  # the log's own line prefix, as logparse reads it
     rounds: list[EngineRound] = []
     current: EngineRound | None = None
     year_s = 0.0
@@ -126,7 +127,7 @@ def log_fleet(path: str | Path, facts: dict[str, Any] | None = None) -> VllmFlee
             if STATS_MARKER not in raw:
                 continue
             for _, text in decode_physical(number, raw[:MAX_LINE_BYTES]):
-                prefix = strip_prefix(text)
+                prefix = strip_prefix(text, learned)
                 pattern, fields, _ = match_message(prefix.text)
                 if pattern is None or pattern.id != "stats" or "engine" not in fields:
                     continue  # "N Engines Aggregated:" or a V0 line: no engine's own queue

@@ -170,12 +170,14 @@ class Coverage:
     known_templates: set[str] = field(default_factory=set)  # pattern ids, catalogue ids, noise sources
     unknown_templates: dict[str, UnknownTemplate] = field(default_factory=dict)
     unknown_templates_dropped: int = 0  # records of unknown templates past UNKNOWN_TEMPLATES_KEPT
+    ray_folded: int = 0  # lines Ray printed once for many ('[repeated Nx across cluster]': N - 1 each)
 
     @property
     def records(self) -> int:
         return self.recognised + self.catalogued + sum(self.noise.values()) + self.unknown
 
     def add(self, record: Record) -> None:
+        self.ray_folded += record.repeated - 1
         if record.pattern is not None:
             self.recognised += 1
             self.known_templates.add(record.pattern.id)
@@ -210,7 +212,7 @@ class Coverage:
         templates = len(self.known_templates) + len(self.unknown_templates)
         return {"records": self.records, "recognised": self.recognised, "catalogued": self.catalogued,
                 "noise": sum(self.noise.values()), "unknown": self.unknown,
-                "unknown_share": round(self.unknown / total, 6),
+                "unknown_share": round(self.unknown / total, 6), "ray_folded_lines": self.ray_folded,
                 "noise_by_source": {k: v for k, v in self.noise.items() if v}, "unknown_lines": list(self.unknown_lines),
                 "templates": {"known": len(self.known_templates), "unknown": len(self.unknown_templates),
                               "unknown_share": round(len(self.unknown_templates) / (templates or 1), 6),

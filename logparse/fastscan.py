@@ -33,7 +33,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from logparse.parser import MAX_LINE_BYTES, Record, RecordAssembler, decode_physical, strip_prefix
+from logparse.parser import (
+    MAX_LINE_BYTES,
+    Record,
+    RecordAssembler,
+    decode_physical,
+    learn_prefix,
+    strip_prefix,
+)
 from logparse.patterns import BULK_LINE_STARTS, BULK_MARKERS, PATTERNS_BY_ID, LinePattern
 
 CHUNK_BYTES = 8 << 20  # read size; lines are never split across chunks
@@ -73,7 +80,7 @@ def iter_summary(source: str | Path | BinaryIO) -> Iterator[Record | BulkRun]:
         with open(source, "rb") as fh:
             yield from iter_summary(fh)
         return
-    assembler = RecordAssembler()
+    assembler = RecordAssembler(learn_prefix(source))  # the same learned prefix as iter_records
     next_line = [1]  # the first physical line of the next chunk, advanced by _scan_chunk
     for chunk in _line_chunks(source):
         yield from _scan_chunk(chunk, next_line, assembler)

@@ -27,6 +27,7 @@ import ahocorasick
 
 from logparse.catalogue import Template, catalogue
 from logparse.patterns import BLANK, BULK_MARKERS, NOISE, PATTERNS, TEXT_FIELDS, LinePattern
+from logparse.prefixes import learn_from, replay, strip_ansi
 
 MAX_LINE_BYTES = 1 << 20  # a longer physical line keeps its first MiB; the rest is skipped
 MATCH_CHARS = 8192  # patterns see at most this much of a message (config lines are ~3-5 kB)
@@ -34,7 +35,6 @@ MAX_RECORD_CHARS = 16384  # a record joined from wrapped lines stops growing her
 WRAP_MIN_CHARS = 78  # a previous line at least this long may have been hard-wrapped
 DEDUP_WINDOW = 4096
 
-_ANSI = re.compile(r"(?:\x1b|\^\[)\[[0-9;?]*[A-Za-z]")
 _EXTERNAL_TS = re.compile(
     r"^(?:\[\d{4}-\d\d-\d\dT[\d:.]+Z?\]"  # Buildkite
     r"|\d{4}-\d\d-\d\dT[\d:.]+(?:Z|[+-]\d\d:?\d\d)?"  # docker --timestamps / k8s / structlog iso
@@ -44,7 +44,10 @@ _EXTERNAL_TS = re.compile(
 )
 _GUTTER = re.compile(r"^\s*\|\s")  # web UI table gutter ("  | ")
 _COMPOSE = re.compile(r"^[A-Za-z0-9][\w.\-]{0,100}[-_]\d+\s+\|\s?")  # docker compose service ("vllm-1  | ")
-_PROCESS = re.compile(r"^\((?P<proc>[^()]{0,200}?pid=\d+[^()]{0,100})\)\s?")
+# a process prefix; its name may nest parentheses twice (Ray Data's "MapWorker(MapBatches(UDF)) pid=N")
+_PROC_NAME = r"(?:[^()]|\([^()]{0,200}(?:\([^()]{0,200}\))?[^()]{0,200}\)){0,200}?"
+_PROCESS = re.compile(rf"^\((?P<proc>{_PROC_NAME}pid=\d+[^()]{{0,100}})\)\s?")
+_RANK = re.compile(r"^\[rank(?P<rank>\d+)\]:\s?")  # torch.distributed's per-rank prefix
 _STAGE = re.compile(r"^\[Stage-\d+\]\s?")
 _VLLM_PREFIX = re.compile(
     r"^(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL)"
@@ -55,9 +58,10 @@ _VLLM_PREFIX = re.compile(
 _FILE_ONLY = re.compile(r"^\[(?P<file>[\w.\-/]{1,200}\.py:\d+)\]\s?")
 _UVICORN = re.compile(r"^(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL):\s+")
 _STRUCTLOG = re.compile(r"^\[(?P<level>debug|info|warning|error|critical)\s*\]\s+")
-_RAY_REPEAT = re.compile(r"\s*\[repeated (?P<n>\d+)x across cluster\]\s*$")
+# Ray's deduplication count, with the notice Ray adds the first time it folds lines
+_RAY_REPEAT = re.compile(r"\s*\[repeated (?P<n>\d+)x across cluster\](?:\s*\(Ray deduplicates logs by default.*)?\s*$")
 _GLUED = re.compile(
-    r"(?:\([^()]{0,200}?pid=\d+[^()]{0,100}\)\s?)*(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d"
+    rf"(?:\({_PROC_NAME}pid=\d+[^()]{{0,100}}\)\s?)*(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d"
 )
 _NUMBER = re.compile(r"^-?\d[\d,]*(?:\.\d+)?$")
 
@@ -197,18 +201,23 @@ class _Prefix:
     repeated: int = 1
     indented: bool = False
     has_prefix: bool = False
+    learned: bool = False  # the log's own learned prefix was on the line (logparse/prefixes.py)
 
 
-def strip_prefix(line: str) -> _Prefix:
-    """Remove every kind of prefix around a vLLM message (see the module doc)."""
-    if "\x1b" in line or "^[" in line:
-        line = _ANSI.sub("", line)
-    line = line.rstrip()
+def strip_prefix(line: str, learned: re.Pattern[str] | None = None) -> _Prefix:
+    """Remove every kind of prefix around a vLLM message (see the module doc); ``learned`` is
+    the log's own prefix (:func:`logparse.prefixes.learn`), removed first."""
+    line = strip_ansi(line).rstrip()
     if line.startswith("│") or line.endswith("│"):
         line = line.strip("│").rstrip()
         if line.startswith(" "):
             line = line[1:]
-    out = _Prefix(text=line)
+    has_learned = False
+    if learned is not None:
+        m = learned.match(line)
+        if m is not None and m.end() > 0:
+            line, has_learned = line[m.end():], True
+    out = _Prefix(text=line, learned=has_learned)
     m = _GUTTER.match(line) or _COMPOSE.match(line)
     if m:
         line = line[m.end():]
@@ -226,11 +235,11 @@ def strip_prefix(line: str) -> _Prefix:
             out.text, out.level, out.time = decoded
             out.has_prefix = True
             return out
-    while line.startswith("("):
-        m = _PROCESS.match(line)
+    while line.startswith(("(", "[rank")):
+        m = _PROCESS.match(line) or _RANK.match(line)
         if not m:
             break
-        out.process = m.group("proc")
+        out.process = m.group("proc") if "proc" in m.groupdict() else f"rank{m.group('rank')}"
         out.has_prefix = True
         line = line[m.end():]
     if line.startswith("[Stage-"):
@@ -344,11 +353,29 @@ def _bounded_lines(fh: BinaryIO) -> Iterator[bytes]:
 
 
 def iter_records(source: str | Path | BinaryIO | Iterable[bytes | str]) -> Iterator[Record]:
-    """Parse a log into :class:`Record` objects, one pending record at a time."""
-    assembler = RecordAssembler()
-    for number, physical in iter_physical_lines(source):
+    """Parse a log into :class:`Record` objects, one pending record at a time, its own line
+    prefix learned from its first lines (:mod:`logparse.prefixes`)."""
+    lines = iter_physical_lines(source)
+    learned, held = learn_from(lines)
+    assembler = RecordAssembler(learned)
+    for number, physical in replay(held, lines):
         yield from assembler.feed(number, physical)
     yield from assembler.finish()
+
+
+def learn_prefix(source: str | Path | BinaryIO) -> re.Pattern[str] | None:
+    """The learned prefix of a file (or a seekable binary stream, read back to where it was), as
+    :func:`iter_records` learns it: for readers that parse a file in their own way."""
+    if isinstance(source, str | Path):
+        with open(source, "rb") as fh:
+            return learn_from(iter_physical_lines(fh))[0]
+    if not source.seekable():
+        return None
+    start = source.tell()
+    try:
+        return learn_from(iter_physical_lines(source))[0]
+    finally:
+        source.seek(start)
 
 
 class RecordAssembler:
@@ -357,7 +384,8 @@ class RecordAssembler:
     :func:`iter_records` feeds it every line; the fast summary (logparse/fastscan.py)
     feeds it every line it does not count in a run."""
 
-    def __init__(self) -> None:
+    def __init__(self, learned: re.Pattern[str] | None = None) -> None:
+        self.learned = learned  # the log's own line prefix (logparse/prefixes.py)
         self.pending: Record | None = None
         self.previous_len = 0
         self.seen: dict[tuple[str, str], tuple[int, str | None]] = {}
@@ -365,7 +393,7 @@ class RecordAssembler:
 
     def feed(self, number: int, physical: str) -> Iterator[Record]:
         for piece in _split_glued(physical):
-            prefix = strip_prefix(piece)
+            prefix = strip_prefix(piece, self.learned)
             text = prefix.text
             pattern, fields, printed = match_message(text) if text else (None, {}, {})
             pending = self.pending
@@ -374,8 +402,10 @@ class RecordAssembler:
                 and not prefix.has_prefix
                 and pattern is None
                 and text
-                # indented: a continuation line; long unmatched previous line: a terminal hard wrap
-                and (prefix.indented or (self.previous_len >= WRAP_MIN_CHARS and pending.pattern is None))
+                # indented: a continuation line; long unmatched previous line: a terminal hard wrap (which
+                # never repeats the log's own prefix)
+                and (prefix.indented or (not prefix.learned and self.previous_len >= WRAP_MIN_CHARS
+                                         and pending.pattern is None))
                 and len(pending.text) < MAX_RECORD_CHARS
             )
             self.previous_len = len(piece)

@@ -674,9 +674,10 @@ N = NoisePattern
 # First match wins; an empty message (a prefix alone, a blank line) is ``BLANK``.
 NOISE: tuple[NoisePattern, ...] = (
     N("traceback", "Traceback (most recent call last)|File \"|^^^|~~~|During handling of the above exception|"
-      "The above exception was the direct cause",
+      "The above exception was the direct cause|Error: |Exception: |Error(",
       r"Traceback \(most recent call last\):|^\s*(?:File \"[^\"]+\", line \d+, in |[\^~]{3,}[\s\^~]*$|During "
-      r"handling of the above exception|The above exception was the direct cause)",
+      r"handling of the above exception|The above exception was the direct cause)"
+      r"|^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)(?:\(\w+\))?: ",  # the exception line that ends it
       "A Python traceback: its frames are read for the failure's place (graph capture, profiling, loading)."),
     N("numa", "NUMA|numa", r"NUMA|numa_|numactl", "NUMA placement notes from torch or the C++ runtime."),
     N("python-warning", "Warning: |warnings.warn(", r"^\S+\.py:\d+: \w*Warning: |^\s*warnings\.warn\(",
@@ -688,8 +689,8 @@ NOISE: tuple[NoisePattern, ...] = (
       "Triton's availability."),
     N("transformers", "`torch_dtype` is deprecated|use_fast", r"`torch_dtype` is deprecated|slow image processor as `use_fast`",
       "Hugging Face transformers' deprecation and processor notes."),
-    N("wrapper", "kserve|instructlab", r"\bkserve\b|\binstructlab\.", "A serving wrapper's own log line (KServe, "
-      "InstructLab) around vLLM's."),
+    N("wrapper", "kserve|instructlab|[vLLM] Elapsed time", r"\bkserve\b|\binstructlab\.|^\[vLLM\] Elapsed time for batch",
+      "A serving wrapper's own log line (KServe, InstructLab, Ray Data's vLLM stage) around vLLM's."),
     N("nanobind", "nanobind", r"^nanobind: ", "nanobind's leak report at interpreter exit (Triton's bindings)."),
     N("flashinfer", "flashinfer|FlashInfer", r"(?i)flashinfer", "FlashInfer kernels' notes."),
     N("nccl", "NCCL", r"\bNCCL (?:INFO|WARN|version)\b|^NCCL version", "NCCL's own log lines."),
