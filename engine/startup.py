@@ -81,8 +81,9 @@ CPU_DEFAULT_KV_SPACE_GIB = 4.0
 # The profile run on 2 CPU cores at vLLM's GPU default of 8,192 tokens takes
 # ~20 s; 2,048 keeps startup short and still lets a long prompt prefill in chunks.
 GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
-# The least a step takes on CPU once a kernel plan is stored: vLLM's CPU server default, so
+CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS = 512  # without a kernel plan (KVSCOPE_KERNEL_PLAN=off, tensor or pipeline parallel)
+# The least a step takes on CPU with the kernel plan on, from the first start (before a plan is
+# stored: the budget must not change between the first start and the next): vLLM's CPU server default, so
 # kvscope's steps are composed as vLLM-CPU's (decodes first, then up to this many prompt tokens)
 # and, each token being faster, a workload's slowed gaps between tokens are as many as under
 # vLLM-CPU and shorter. A tighter bound on the steps that carry decodes (a one-second one, 1,088 tokens
@@ -275,11 +276,6 @@ def resolve_config(config: EngineConfig, model: ModelConfig, device: torch.devic
     if device.type == "cpu" and batched == GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS:  # flag left at its GPU default
         batched, batched_reason, derived = cpu_batch_budget(config, model, quantization, dtype_choice.dtype, caps,
                                                             config.dtype == "auto", kv_cache_dtype)
-        if derived and batched < CPU_PROMPT_STEP_TOKENS:  # never fewer tokens a step than vLLM-CPU takes
-            batched_reason = (f"the CPU default {CPU_PROMPT_STEP_TOKENS:,} (vLLM's CPU server default): steps composed "
-                              f"as vLLM-CPU's, each faster; the plan's one-second budget here would be {batched:,}, "
-                              "and a tighter bound slows more gaps between tokens (ITL p99) than it shortens")
-            batched = CPU_PROMPT_STEP_TOKENS
         if derived and decode_step is not None:
             if decode_step < batched:  # the flag bounds the steps with decodes, below the others'
                 batched_reason += f"; a step with decodes takes at most --max-decode-step-tokens {decode_step:,}"
@@ -318,21 +314,27 @@ def kernel_plan_key(config: EngineConfig, model: ModelConfig, quantization: str 
 
 def cpu_batch_budget(config: EngineConfig, model: ModelConfig, quantization: str | None, dtype: str,
                      caps: CpuCapabilities | None, dtype_auto: bool, kv_cache_dtype: str) -> tuple[int, str, bool]:
-    """The CPU default token budget, why, and whether it was derived: from the stored kernel
-    plan's prefill speed (one step near ``kernel_plan.STEP_TARGET_S``), else the fixed default."""
-    fixed = CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
+    """The CPU default token budget, why, and whether it is the kernel plan's: vLLM-CPU's
+    ``CPU_PROMPT_STEP_TOKENS``, raised where the stored plan's prefill speed fits more in one step
+    near ``kernel_plan.STEP_TARGET_S``. The first start (no plan stored yet) runs the budget a later
+    one does unless its plan measures a CPU that fast; without a plan, the fixed default."""
+    fixed, floor = CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS, CPU_PROMPT_STEP_TOKENS
     if _multi_rank(config) or not kernel_plan.plan_enabled():
         return fixed, (f"the CPU default {fixed} (no kernel plan: {kernel_plan.PLAN_ENV}=off, tensor or pipeline "
                        "parallel)"), False
-    plan = kernel_plan.pinned() or kernel_plan.load_stored(kernel_plan_key(config, model, quantization, dtype, caps,
-                                                                                    dtype_auto, kv_cache_dtype))
+    key = kernel_plan_key(config, model, quantization, dtype, caps, dtype_auto, kv_cache_dtype)
+    plan = kernel_plan.stored_for_start(key, model.name, (caps or detect()).isa)
+    default = f"the CPU default {floor:,} (vLLM's CPU server default): steps composed as vLLM-CPU's, each faster"
     if plan is None:
-        return fixed, (f"the CPU default {fixed}: no measured kernel plan for these weights on this CPU yet (this "
-                       "start measures one; the next derives the budget from its prefill speed)"), False
+        return floor, (f"{default}; no kernel plan stored for these weights on this CPU yet (this start measures one; "
+                       "a plan only raises the budget, where its prefill speed fits more tokens in a step)"), True
     derived = kernel_plan.derived_batch_budget(plan, model.num_layers)
     if derived is None:
-        return fixed, (f"the CPU default {fixed}: the stored kernel plan has no prefill-sized timings (its measuring "
-                       f"reached the time bound first; {kernel_plan.PLAN_ENV}=measure measures again)"), False
+        return floor, (f"{default}; the stored kernel plan has no prefill-sized timings (its measuring reached the "
+                       f"time bound first; {kernel_plan.PLAN_ENV}=measure measures again)"), True
+    if derived[0] < floor:  # never fewer tokens a step than vLLM-CPU takes
+        return floor, (f"{default}; the plan's one-second budget here would be {derived[0]:,}, and a tighter "
+                       "bound slows more gaps between tokens (ITL p99) than it shortens"), True
     return (*derived, True)
 
 

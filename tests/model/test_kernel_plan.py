@@ -125,25 +125,30 @@ def test_the_next_start_derives_its_budget_from_the_plan_phase_f_stored(dtype: s
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Phase F stores the plan under the resolved config's key (the KV cache dtype ``auto``
     resolved, e.g. to bf16 where bf16 is native); the next start reads it back before resolving
-    that config, to derive its token budget: both must name the same plan."""
+    that config, to derive its token budget: both must name the same plan. The first start, with
+    nothing stored, runs vLLM-CPU's 2,048 as a later start on a CPU this slow would: a plan only
+    raises the budget."""
     from engine.budget.config import EngineConfig
     from engine.modelspec.readers import load_model_config
-    from engine.startup import CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS, kernel_plan_key, resolve_config
+    from engine.startup import CPU_PROMPT_STEP_TOKENS, kernel_plan_key, resolve_config
 
     monkeypatch.setenv(profile_cache.PROFILE_CACHE_ENV, str(tmp_path))
     monkeypatch.delenv(kernel_plan.PLAN_ENV, raising=False)
     model, cpu, caps = load_model_config("smollm2-135m"), torch.device("cpu"), detect()
     config = EngineConfig(dtype=dtype)
     first = resolve_config(config, model, cpu, caps)
-    assert first.config.max_num_batched_tokens == CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS  # nothing stored yet
+    assert first.config.max_num_batched_tokens == CPU_PROMPT_STEP_TOKENS  # nothing stored yet: vLLM-CPU's default
+    assert "no kernel plan stored" in first.batched_tokens_reason
     resolved = first.config
     plan = _injected_plan()  # fast enough to budget more than vLLM-CPU's 2,048
     plan.key = kernel_plan_key(resolved, model, resolved.quantization, resolved.dtype, caps, first.dtype_auto,
                                resolved.kv_cache_dtype)  # what phase F computes
     kernel_plan.store(plan)
     derived = kernel_plan.derived_batch_budget(plan, model.num_layers)[0]
-    assert derived != CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
+    assert derived > CPU_PROMPT_STEP_TOKENS
     assert resolve_config(config, model, cpu, caps).config.max_num_batched_tokens == derived
+    kernel_plan.store(_scaled(plan, 4.0))  # a CPU four times slower: the same budget as its first start
+    assert resolve_config(config, model, cpu, caps).config.max_num_batched_tokens == CPU_PROMPT_STEP_TOKENS
 
 
 def test_the_fused_layer_serves_the_rows_where_it_wins_from_one_up() -> None:
