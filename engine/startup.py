@@ -39,7 +39,7 @@ from engine.budget.memory import (
     weights_bytes,
 )
 from engine.budget.stages import stage_kv_cache_groups, stage_model, stage_weights_bytes
-from engine.core.kv_cache_groups import KVCacheGroup, groups_to_config, is_hybrid, kv_cache_groups
+from engine.core.kv_cache_groups import KVCacheGroup, config_groups, groups_to_config, kv_cache_groups
 from engine.core.scheduler import SchedulerConfig
 from engine.errors import BudgetError, UserError
 from engine.events import PHASES, EngineConfigEvent, EventBus, StartupPhase, StartupProgress
@@ -487,7 +487,7 @@ def model_kv_cache_groups(model: ModelConfig) -> tuple[KVCacheGroup, ...]:
         groups = kv_cache_groups(model.layer_types, model.sliding_window, model.num_layers)
     except ValueError as exc:
         raise UserError(f"{model.name}: {exc}") from None
-    return groups if is_hybrid(groups) else ()
+    return config_groups(groups)
 
 
 def resolved_config_dict(s: StartupInputs) -> dict[str, Any]:
@@ -725,11 +725,11 @@ def _phase_kv_cache(e: PhaseHandle, s: StartupInputs, reading: MemoryReading, we
         non_torch=profile.non_torch_bytes, max_num_batched_tokens=config.max_num_batched_tokens,
         max_num_seqs=config.max_num_seqs,
     )
-    # A model with sliding layers: the hybrid layout only when the runner reads one block table
-    # per group (a hybrid ModelRunner.kv_cache_groups, once the runner is wired to the hybrid
-    # manager); until then every layer holds full attention's blocks and the event says so.
+    # A model with sliding layers: the hybrid layout when the runner's groups name several
+    # tables (ModelRunner.kv_cache_groups, () for one full-attention group: under
+    # --disable-hybrid-kv-cache-manager every layer holds full attention's blocks and the event says so).
     runner_groups = tuple(getattr(runner, "kv_cache_groups", None) or ())
-    runs_hybrid = bool(runner_groups) and is_hybrid(runner_groups)
+    runs_hybrid = bool(runner_groups)
     plan_kwargs["disable_hybrid_kv_cache_manager"] = not runs_hybrid
     plan_kwargs["kv_cache_groups"] = runner_groups if runs_hybrid else None
     plan = plan_memory(kv_cache_memory_bytes=kv_bytes, check_fits=False, **plan_kwargs)

@@ -15,7 +15,9 @@ Gemma 3 270M (18 layers, five sliding then one full, three times): 15 sliding an
 full layers -> size 3 -> five sliding groups (layers 0,6,12 / 1,7,13 / ...) then one
 full group (5, 11, 17).
 
-A model whose layers are all full attention has one group: today's single block table.
+A model whose layers are all full attention has one group. A config's ``kv_cache_groups``
+() stands for that group (:func:`resolve_groups`; :func:`config_groups` is the inverse), so a
+full-attention model's config, recording and profile key name no groups.
 """
 
 from __future__ import annotations
@@ -135,8 +137,24 @@ def kv_cache_groups(layer_types: Sequence[str] | None, sliding_window: int | Non
 
 
 def is_hybrid(groups: Sequence[KVCacheGroup]) -> bool:
-    """More than one group, or a window: anything but today's single full-attention table."""
+    """More than one group, or a window: anything but one full-attention group."""
     return len(groups) > 1 or any(g.spec.is_sliding for g in groups)
+
+
+# What a config's () stands for: one full-attention group of every layer (the layers are
+# the runner's business; the KV cache manager reads only the spec).
+DEFAULT_GROUPS = (KVCacheGroup(FULL, ()),)
+
+
+def resolve_groups(groups: Sequence[KVCacheGroup]) -> tuple[KVCacheGroup, ...]:
+    """The groups a config's ``kv_cache_groups`` stands for: () is one full-attention group."""
+    return tuple(groups) or DEFAULT_GROUPS
+
+
+def config_groups(groups: Sequence[KVCacheGroup]) -> tuple[KVCacheGroup, ...]:
+    """The groups as a config names them: () for one full-attention group (the default),
+    so its ``engine.config``, recordings and profile keys read as they always have."""
+    return tuple(groups) if is_hybrid(groups) else ()
 
 
 def groups_to_config(groups: Iterable[KVCacheGroup]) -> list[dict[str, Any]]:

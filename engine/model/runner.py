@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import torch
 
-from engine.core.kv_cache_groups import KVCacheGroup, is_hybrid
+from engine.core.kv_cache_groups import FULL, KVCacheGroup, config_groups
 from engine.core.sampling_params import SamplingParams
 from engine.errors import UserError
 from engine.logs import log_failure
@@ -51,19 +51,22 @@ class ScheduledSeq:
     request_id: str
     token_ids: list[int]  # the tokens computed this step (a prefill chunk, or the last token for a decode)
     start_position: int  # tokens already in the KV cache before this step
-    block_ids: list[int]  # the sequence's whole block table
+    block_ids: list[int]  # its whole block table when there is one KV cache group (else see block_tables)
     needs_sample: bool = True  # True when this step reaches the end of the known tokens
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    # A hybrid KV cache (ModelRunner.kv_cache_groups): one whole table per group, in the
-    # groups' order (the scheduler's ``ScheduledRequest.block_tables``); required there, since
-    # groups share KV tensors and one table for all would overwrite one group's pages with
-    # another's. None: one full-attention table, ``block_ids``.
+    # Its whole tables, one per KV cache group in the groups' order (the scheduler's
+    # ``ScheduledRequest.block_tables``); what the runner reads. None: ``(block_ids,)``, the
+    # one group of a caller that names one table.
     block_tables: Sequence[list[int]] | None = None
     # vLLM's prompt_logprobs (``sampling.prompt_logprobs`` alternatives): the prompt tokens this
     # chunk's rows predict, row i the token after position start_position + i (the prompt's
     # last position predicts an output token, so it has none). None: the LM head runs on the
     # sampled row only, as for every other request.
     prompt_targets: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_tables is None:
+            self.block_tables = (self.block_ids,)
 
 
 @dataclass(slots=True)
@@ -77,18 +80,23 @@ class StepTimings:
 class PreparedBatch:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    meta: AttentionMetadata  # group 0's with a hybrid KV cache
+    # One metadata per KV cache group: its block tables and slot mapping (the query and
+    # sequence tensors are shared objects, so the backend plans a step once).
+    metas: list[AttentionMetadata]
     sample_rows: torch.Tensor  # [num_sampled] index of each sampled sequence's last token
     sample_seqs: list[ScheduledSeq]
     sample_positions: list[int]  # position of the token each sampled row produces
-    # A hybrid KV cache: one metadata per group (its block tables and slot mapping; the
-    # query/sequence tensors are shared objects, so the backend plans a step once); else None.
-    group_metas: list[AttentionMetadata] | None = None
+
+    @property
+    def meta(self) -> AttentionMetadata:
+        """The first group's metadata (the only one with one group)."""
+        return self.metas[0]
 
     @property
     def model_meta(self) -> AttentionMetadata | list[AttentionMetadata]:
-        """What the model's forward takes: one metadata, or one per KV cache group."""
-        return self.group_metas if self.group_metas is not None else self.meta
+        """What the model's forward takes: with one group its metadata serves every layer;
+        with several, a layer reads ``meta[layer.kv_cache_group]``."""
+        return self.metas[0] if len(self.metas) == 1 else self.metas
 
 
 def zeroed_lazy_cpu_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -144,8 +152,8 @@ class ModelRunner:
     ) -> None:
         """``parallel``: this rank's process group when ``--tensor-parallel-size`` > 1; the
         model is then this rank's slice and only rank 0 gets logits and samples.
-        ``kv_cache_groups``: the hybrid KV cache's groups (engine/core/kv_cache_groups.py;
-        see :meth:`set_kv_cache_groups`); () or one full-attention group: one table."""
+        ``kv_cache_groups``: the KV cache groups (engine/core/kv_cache_groups.py; see
+        :meth:`set_kv_cache_groups`); () is one full-attention group of every layer."""
         self.model_config = model_config
         self.parallel = parallel
         self.dtype = torch_dtype(dtype)
@@ -174,7 +182,8 @@ class ModelRunner:
         self.sampler = Sampler(seed=seed)
         self.kv_caches: list[torch.Tensor] = []  # one per layer (layers may share a tensor)
         self.kv_tensors: list[torch.Tensor] = []  # the distinct KV tensors (one per layer, or per group slot)
-        self.kv_cache_groups: tuple[KVCacheGroup, ...] = ()
+        self.kv_cache_groups: tuple[KVCacheGroup, ...] = ()  # as a config names them: () for one full group
+        self.block_table_groups: tuple[KVCacheGroup, ...] = ()  # the groups a step's tables come in
         self._layer_slots: list[int] = []
         self.set_kv_cache_groups(kv_cache_groups)
         self.last_timings = StepTimings()
@@ -247,55 +256,62 @@ class ModelRunner:
     # ------------------------------------------------------------------ KV cache layout
     @property
     def hybrid_kv_cache(self) -> bool:
-        """True when each KV cache group's layers read their own block table (vLLM's hybrid
-        layout); phase E then sizes the pool by the hybrid page (engine/budget/memory.py)."""
+        """True when the layout is vLLM's hybrid one (several groups or a window: layers
+        share KV tensors across groups); phase E then sizes the pool by the hybrid page
+        (engine/budget/memory.py)."""
         return bool(self.kv_cache_groups)
 
     @property
     def layers_per_group(self) -> int:
-        """KV tensors of a hybrid pool: the largest group's layer count (vLLM's uniform page)."""
-        return max(len(g.layers) for g in self.kv_cache_groups) if self.kv_cache_groups else 0
+        """KV tensors of the pool: the largest group's layer count (vLLM's uniform page)."""
+        return max((len(g.layers) for g in self.block_table_groups), default=0)
 
     def set_kv_cache_groups(self, groups: Sequence[KVCacheGroup]) -> None:
-        """Lay the KV cache out for ``groups`` (vLLM's hybrid layout): layer ``l`` of group
-        ``g`` reads and writes through group ``g``'s block tables and slot mapping, and the
-        layers at the same position of every group share one KV tensor, so the pool is
+        """Lay the KV cache out for ``groups`` (vLLM's layout): layer ``l`` of group ``g``
+        reads and writes through group ``g``'s block tables and slot mapping, and the layers
+        at the same position of every group share one KV tensor, so the pool is
         ``layers_per_group`` tensors of ``[num_blocks, 2, block_size, kv_heads, head_dim]``
-        and one block id is one page in each. () (or one full-attention group) is one table
-        for every layer: a sliding-window layer then keeps its whole past and masks it.
+        and one block id is one page in each. () is one full-attention group of every
+        layer: one tensor per layer. A full-attention group may hold sliding-window layers
+        (``disable_hybrid_kv_cache_manager``): they keep their whole past and mask it.
         Drops any allocated cache: call :meth:`allocate_kv_cache` after."""
-        hybrid = tuple(groups) if groups and is_hybrid(groups) else ()
         layers = self.model.layers
+        named = config_groups(groups)
+        resolved = named or (KVCacheGroup(FULL, tuple(range(len(layers)))),)
+        if sorted(i for g in resolved for i in g.layers) != list(range(len(layers))):
+            raise ValueError(f"KV cache groups {[g.layers for g in resolved]} do not cover the model's "
+                             f"{len(layers)} layers exactly once")
+        if len(resolved) > 1 and not all(hasattr(layer, "kv_cache_group") for layer in layers):
+            raise UserError(f"{self.model_config.name}: its layers read one block table; the hybrid KV cache "
+                            "serves models whose layers carry a KV cache group (Gemma 3)")
         slots = list(range(len(layers)))
-        if hybrid:
-            if sorted(i for g in hybrid for i in g.layers) != list(range(len(layers))):
-                raise ValueError(f"KV cache groups {[g.layers for g in hybrid]} do not cover the model's "
-                                 f"{len(layers)} layers exactly once")
-            if not all(hasattr(layer, "kv_cache_group") for layer in layers):
-                raise UserError(f"{self.model_config.name}: its layers read one block table; the hybrid KV cache "
-                                "serves models whose layers carry a KV cache group (Gemma 3)")
-            for g, group in enumerate(hybrid):
-                for slot, index in enumerate(group.layers):
-                    layer = layers[index]
-                    if getattr(layer, "sliding_window", None) != group.spec.sliding_window:
-                        raise ValueError(f"layer {index} attends with window {layer.sliding_window}, its KV cache "
-                                         f"group {g} with {group.spec.sliding_window}")
-                    layer.kv_cache_group = g
-                    slots[index] = slot
-        else:
-            for layer in layers:
+        for g, group in enumerate(resolved):
+            window = group.spec.sliding_window
+            for slot, index in enumerate(group.layers):
+                layer = layers[index]
+                if window is not None and getattr(layer, "sliding_window", None) != window:
+                    raise ValueError(f"layer {index} attends with window {getattr(layer, 'sliding_window', None)}, "
+                                     f"its KV cache group {g} with {window}")
                 if hasattr(layer, "kv_cache_group"):
-                    layer.kv_cache_group = 0
-        self.kv_cache_groups = hybrid
+                    layer.kv_cache_group = g
+                slots[index] = slot
+        self.kv_cache_groups = named
+        self.block_table_groups = resolved
         self._layer_slots = slots
         self.kv_caches, self.kv_tensors = [], []
+
+    @property
+    def null_block_reserved(self) -> bool:
+        """Whether the scheduler's pool keeps block 0 as the null block (a window group needs
+        one): nothing outside a real request may write it."""
+        return any(g.spec.is_sliding for g in self.block_table_groups)
 
     def allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
         """The pool: one tensor per layer, or with KV cache groups one per position in a
         group (``layers_per_group``), shared by the layers at that position. Returns the
         per-layer list (shared tensors repeated)."""
         c = self.model.config  # this rank's KV heads under tensor parallelism
-        count = self.layers_per_group or c.num_layers
+        count = self.layers_per_group
         if self.device.type == "cpu":
             shape = kv_cache_shape(num_blocks, self.block_size, c.num_kv_heads, c.head_dim, self.kv_cache_dtype)
             tensors = [zeroed_lazy_cpu_tensor(shape, self.kv_cache_dtype) for _ in range(count)]
@@ -304,7 +320,7 @@ class ModelRunner:
                 count, num_blocks, self.block_size, c.num_kv_heads, c.head_dim, self.kv_cache_dtype, self.device,
             )
         self.kv_tensors = tensors
-        self.kv_caches = [tensors[slot] for slot in self._layer_slots] if self.kv_cache_groups else tensors
+        self.kv_caches = [tensors[slot] for slot in self._layer_slots]
         return self.kv_caches
 
     def enable_cpu_decode_kernel(self) -> str | None:
@@ -342,73 +358,22 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
     def prepare(self, batch: Sequence[ScheduledSeq]) -> PreparedBatch:
+        """One block-table tensor and slot mapping per KV cache group (a sliding-window
+        group's table holds the null block, 0, where its window has passed; the new tokens'
+        slots are always in real blocks, so nothing writes block 0), with the query and
+        sequence tensors built once and shared by every group's metadata."""
         if not batch:
             raise ValueError("empty batch")
-        if self.kv_cache_groups:
-            return self._prepare_groups(batch)
-        bs = self.block_size
-        query_lens = [len(s.token_ids) for s in batch]
-        seq_lens = [s.start_position + n for s, n in zip(batch, query_lens, strict=True)]
-        for s, total in zip(batch, seq_lens, strict=True):
-            if len(s.block_ids) * bs < total:
-                raise ValueError(f"request {s.request_id}: {len(s.block_ids)} blocks cannot hold {total} tokens")
-        width = max(len(s.block_ids) for s in batch)
-        device = self.device
-        block_tables = torch.tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in batch], dtype=torch.int32)
-        input_ids, starts, seq_index, positions = _token_layout(batch, query_lens)
-        slot_mapping = block_tables[seq_index, positions // bs].to(torch.int64) * bs + positions % bs
-
-        sample_seqs = [s for s in batch if s.needs_sample]
-        sample_rows = torch.tensor(
-            [int(starts[i + 1]) - 1 for i, s in enumerate(batch) if s.needs_sample], dtype=torch.int64
-        )
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(device),
-            query_start_loc=starts.to(torch.int32).to(device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=block_tables.to(device),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-        )
-        return PreparedBatch(
-            input_ids=input_ids.to(device),
-            positions=positions.to(device),
-            meta=meta,
-            sample_rows=sample_rows.to(device),
-            sample_seqs=sample_seqs,
-            sample_positions=[s.start_position + len(s.token_ids) for s in sample_seqs],
-        )
-
-    def _prepare_groups(self, batch: Sequence[ScheduledSeq]) -> PreparedBatch:
-        """:meth:`prepare` for a hybrid KV cache: one block-table tensor and slot mapping per
-        group (a sliding-window group's table holds the null block, 0, where its window has
-        passed; the new tokens' slots are always in real blocks, so nothing writes block 0),
-        with the query and sequence tensors built once and shared by every group's metadata."""
         bs, device = self.block_size, self.device
-        num_groups = len(self.kv_cache_groups)
         query_lens = [len(s.token_ids) for s in batch]
         seq_lens = [s.start_position + n for s, n in zip(batch, query_lens, strict=True)]
-        tables_of: list[Sequence[list[int]]] = []
-        for s in batch:
-            if s.block_tables is None:
-                raise ValueError(f"request {s.request_id}: a hybrid KV cache needs one block table per group "
-                                 "(ScheduledSeq.block_tables)")
-            tables_of.append(s.block_tables)
-        for s, tables, total in zip(batch, tables_of, seq_lens, strict=True):
-            if len(tables) != num_groups:
-                raise ValueError(f"request {s.request_id}: {len(tables)} block tables for {num_groups} KV cache groups")
-            for g, table in enumerate(tables):
-                if len(table) * bs < total:
-                    raise ValueError(f"request {s.request_id}: group {g}'s {len(table)} blocks cannot hold "
-                                     f"{total} tokens")
+        tables_of = self._tables_of(batch, seq_lens)
         input_ids, starts, seq_index, positions = _token_layout(batch, query_lens)
         block_index, offset = positions // bs, positions % bs
         query_start_loc = starts.to(torch.int32).to(device)
         seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
         metas: list[AttentionMetadata] = []
-        for g in range(num_groups):
+        for g in range(len(self.block_table_groups)):
             width = max(len(tables[g]) for tables in tables_of)
             block_tables = torch.tensor([tables[g] + [0] * (width - len(tables[g])) for tables in tables_of],
                                         dtype=torch.int32)
@@ -423,10 +388,27 @@ class ModelRunner:
             [int(starts[i + 1]) - 1 for i, s in enumerate(batch) if s.needs_sample], dtype=torch.int64
         )
         return PreparedBatch(
-            input_ids=input_ids.to(device), positions=positions.to(device), meta=metas[0],
+            input_ids=input_ids.to(device), positions=positions.to(device), metas=metas,
             sample_rows=sample_rows.to(device), sample_seqs=sample_seqs,
-            sample_positions=[s.start_position + len(s.token_ids) for s in sample_seqs], group_metas=metas,
+            sample_positions=[s.start_position + len(s.token_ids) for s in sample_seqs],
         )
+
+    def _tables_of(self, batch: Sequence[ScheduledSeq], seq_lens: list[int]) -> list[Sequence[list[int]]]:
+        """Each sequence's tables, one per group, checked to hold its tokens: groups share KV
+        tensors, so one table for all would overwrite one group's pages with another's."""
+        num_groups, bs = len(self.block_table_groups), self.block_size
+        out: list[Sequence[list[int]]] = []
+        for s, total in zip(batch, seq_lens, strict=True):
+            tables = s.block_tables
+            assert tables is not None  # __post_init__ made it
+            if len(tables) != num_groups:
+                raise ValueError(f"request {s.request_id}: {len(tables)} block tables for {num_groups} KV cache groups")
+            for g, table in enumerate(tables):
+                if len(table) * bs < total:
+                    raise ValueError(f"request {s.request_id}: group {g}'s {len(table)} blocks cannot hold "
+                                     f"{total} tokens")
+            out.append(tables)
+        return out
 
     def compute_logits(self, batch: Sequence[ScheduledSeq]) -> tuple[PreparedBatch, torch.Tensor | None]:
         """Run the forward; logits ``[num_sampled, vocab]`` float32 for the sequences that need a
@@ -437,7 +419,7 @@ class ModelRunner:
         prepared = self.prepare(batch)
         t1 = time.perf_counter()
         graphs = self.decode_graphs
-        if graphs is not None and prepared.group_metas is None and graphs.can_run(prepared.meta):
+        if graphs is not None and len(prepared.metas) == 1 and graphs.can_run(prepared.meta):
             hidden = graphs.run(prepared.input_ids, prepared.positions, prepared.meta)
         else:
             hidden = self.model(prepared.input_ids, prepared.positions, self.kv_caches, prepared.model_meta)
@@ -563,14 +545,14 @@ class ModelRunner:
         start = time.perf_counter()
         if not self.kv_caches:
             return 0.0
-        # a hybrid pool's block 0 is the null block: never written, so the warm-up keeps off it
-        first = 1 if self.kv_cache_groups and self.num_blocks > 1 else 0
+        # block 0 may be the null block (a window group's): never written, so the warm-up keeps off it
+        first = 1 if self.null_block_reserved and self.num_blocks > 1 else 0
         blocks = [first + b % (self.num_blocks - first) for b in range(4)]
         greedy = SamplingParams(temperature=0.0)
         sampled = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
         decodes = max(1, min(max_num_seqs, 8))
         # every group on the same blocks: the warm-up's values are never read
-        tables = [blocks] * len(self.kv_cache_groups) if self.kv_cache_groups else None
+        tables = [blocks] * len(self.block_table_groups)
         shapes = [
             [ScheduledSeq("warm-0", [0], 15, blocks, True, greedy, tables)],
             [ScheduledSeq(f"warm-{i}", [0], 15 + i, blocks, True, sampled, tables) for i in range(decodes)],
@@ -596,13 +578,13 @@ class ModelRunner:
         try:
             num_seqs = max(1, min(max_num_seqs, max_num_batched_tokens))
             per_seq, extra = divmod(max_num_batched_tokens, num_seqs)
-            first = 1 if self.kv_cache_groups and self.num_blocks > 1 else 0  # a hybrid pool's null block
+            first = 1 if self.null_block_reserved and self.num_blocks > 1 else 0  # keep off the null block
             params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
             batch = []
             for i in range(num_seqs):
                 n = per_seq + (extra if i == num_seqs - 1 else 0)
                 blocks = [first + b % (self.num_blocks - first) for b in range(-(-n // self.block_size))]
-                tables = [blocks] * len(self.kv_cache_groups) if self.kv_cache_groups else None
+                tables = [blocks] * len(self.block_table_groups)
                 batch.append(ScheduledSeq(f"profile-{i}", [0] * n, 0, blocks, True, params, tables))
             self.compute_logits(batch)
             t0 = time.perf_counter()

@@ -36,8 +36,8 @@ from engine.budget.vision import multimodal_from_flags, vision_preset
 from engine.core.encoder_cache import MultimodalInput
 from engine.core.kv_cache_groups import (
     KVCacheGroup,
+    config_groups,
     groups_to_config,
-    is_hybrid,
     kv_cache_groups,
     parse_layer_pattern,
 )
@@ -268,7 +268,7 @@ def model_kv_cache_groups(model: ModelConfig, layer_pattern: str | None = None,
         groups = kv_cache_groups(layer_types, window, model.num_layers)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    return groups if is_hybrid(groups) else ()
+    return config_groups(groups)
 
 
 def build_setup(
