@@ -6,15 +6,15 @@ blocks hold prefix-cache content. Applying every step event of a run in order
 reproduces the scheduler's own table exactly (tests/core/test_step_events.py checks
 this step by step).
 
-A hybrid KV cache (several groups; engine/core/hybrid_kv_cache.py) folds per group:
-``group_tables`` request id -> one list of real blocks per group (the null block a
-sliding window leaves at freed positions is not listed), split by the step's
-``allocated_groups`` counts; ``freed_by_window`` (folded before ``allocated``) takes blocks out of a running
-request's table and marks them ``window_freed`` (block id -> the group whose window
-released it: left by the window, not by a finish) until a request takes them again or
-a finish or preemption releases them (a block shared by two requests can leave one's
-window and later be freed by the other's finish). ``tables`` stays every request's blocks, group after
-group, so owners and counts read the same for either kind of pool.
+The fold is per KV cache group (engine/core/kv_cache_coordinator.py): ``group_tables``
+request id -> one list of real blocks per group (the null block a sliding window leaves
+at freed positions is not listed), split by the step's ``allocated_groups`` counts; a
+step without counts (one full-attention group's events) is one group's. ``freed_by_window``
+(folded before ``allocated``) takes blocks out of a running request's table and marks
+them ``window_freed`` (block id -> the group whose window released it: left by the
+window, not by a finish) until a request takes them again or a finish or preemption
+releases them (a block shared by two requests can leave one's window and later be freed
+by the other's finish). ``tables`` is every request's blocks, group after group.
 
 An abort frees a request's blocks between steps; those frees travel in the next
 step event, and there may be none (the last request aborted). So the fold also
@@ -44,7 +44,7 @@ class BlockTableState:
     cached: set[int] = field(default_factory=set)
     num_blocks: int = 0
     last_step: int = -1
-    group_tables: dict[str, list[list[int]]] = field(default_factory=dict)  # hybrid pools only
+    group_tables: dict[str, list[list[int]]] = field(default_factory=dict)  # request -> one list per group
     window_freed: dict[int, int] = field(default_factory=dict)  # block -> group: last released by a window
     _aborted: dict[str, list[int]] = field(default_factory=dict)
 
@@ -69,15 +69,8 @@ class BlockTableState:
         self.cached.difference_update(event.evicted)
         self.cached.update(event.cached)
         tables = self.tables
-        if event.allocated_groups or event.freed_by_window or event.freed_groups:
-            self._apply_groups(event, strict)
-        else:
-            for rid, blocks in event.allocated.items():
-                table = tables.get(rid)
-                if table is None:
-                    tables[rid] = list(blocks)
-                else:
-                    table.extend(blocks)
+        self._apply_window_frees(event, strict)
+        self._apply_allocations(event)
         window_freed = self.window_freed
         for rid, blocks in event.freed.items():
             self.group_tables.pop(rid, None)
@@ -88,10 +81,10 @@ class BlockTableState:
             if strict and held != list(blocks):
                 raise FoldError(f"step {event.index}: {rid} freed {len(blocks)} blocks but held {len(held)}")
 
-    def _apply_groups(self, event: StepEvent, strict: bool) -> None:
-        """A hybrid pool's window frees, then its allocations, group by group: a block
-        leaves a window only after the step that computed past it, so a block freed by
-        a window in this step may be taken again in it, never the other way round."""
+    def _apply_window_frees(self, event: StepEvent, strict: bool) -> None:
+        """The step's window frees, before its allocations: a block leaves a window only
+        after the step that computed past it, so a block freed by a window in this step
+        may be taken again in it, never the other way round."""
         window_freed = self.window_freed
         for rid, blocks in event.freed_by_window.items():
             groups = self.group_tables.get(rid)
@@ -111,7 +104,11 @@ class BlockTableState:
             gone = set(blocks)
             for table in groups:
                 table[:] = [b for b in table if b not in gone]
-            self.tables[rid] = [b for table in groups for b in table]
+            self.tables[rid] = _concat(groups)
+
+    def _apply_allocations(self, event: StepEvent) -> None:
+        """Each request's new blocks, split into its groups by the step's counts (none: one group)."""
+        window_freed = self.window_freed
         for rid, blocks in event.allocated.items():
             counts = event.allocated_groups.get(rid) or [len(blocks)]
             groups = self.group_tables.get(rid)
@@ -121,12 +118,13 @@ class BlockTableState:
             for table, count in zip(groups, counts, strict=False):
                 table.extend(blocks[start : start + count])
                 start += count
-            for b in blocks:
-                window_freed.pop(b, None)
-            self.tables[rid] = [b for table in groups for b in table]
+            if window_freed:
+                for b in blocks:
+                    window_freed.pop(b, None)
+            self.tables[rid] = _concat(groups)
 
     def block_groups(self) -> dict[int, int]:
-        """Block id -> the KV cache group whose table holds it (hybrid pools; {} otherwise)."""
+        """Block id -> the KV cache group whose table holds it."""
         return {b: g for groups in self.group_tables.values() for g, table in enumerate(groups) for b in table}
 
     def owners(self) -> dict[int, list[str]]:
@@ -148,3 +146,8 @@ def fold_step_events(events: Iterable[Event], strict: bool = True) -> BlockTable
     for event in events:
         state.apply_event(event, strict)
     return state
+
+
+def _concat(groups: list[list[int]]) -> list[int]:
+    """Every group's blocks, group after group (one group's list itself: it grows in place)."""
+    return groups[0] if len(groups) == 1 else [b for table in groups for b in table]

@@ -29,12 +29,12 @@ u64 integers. Equal prefixes give equal hashes within kvscope, never equal to vL
 ``medium`` is ``"GPU"`` on CUDA (and in ``engine simulate``) and ``"CPU"`` on CPU,
 read from phase A's ``device``; ``block_size`` from ``engine.config``.
 
-A hybrid KV cache (engine/core/hybrid_kv_cache.py) caches each group's blocks under
+The KV cache (engine/core/kv_cache_coordinator.py) caches each group's blocks under
 (hash, group), as vLLM does: a ``BlockStored`` names its run's ``group_idx`` and that
 group's spec (``kv_cache_spec_kind`` ``"full_attention"`` or ``"sliding_window"``,
 ``kv_cache_spec_sliding_window`` the window), read from ``engine.config``'s
-``kv_cache_groups``; removals are one ``BlockRemoved`` per group. A stream without
-groups is one full-attention group 0, as before.
+``kv_cache_groups``; removals are one ``BlockRemoved`` per group. A stream that names no
+groups is one full-attention group 0.
 """
 
 from __future__ import annotations
@@ -134,16 +134,14 @@ class KVEventFold:
     def step_events(self, step: StepEvent) -> list[KVCacheEvent]:
         events: list[KVCacheEvent] = []
         if step.evicted_hashes:
-            groups = step.evicted_groups
-            if not groups:
-                events.append(BlockRemoved(block_hashes=[h & U64_MASK for h in step.evicted_hashes],
-                                           medium=self.medium, group_idx=0))
-            else:  # one BlockRemoved per group, in the order each group first lost a block
-                by_group: dict[int, list[int]] = {}
-                for h, group in zip(step.evicted_hashes, groups, strict=True):
-                    by_group.setdefault(group, []).append(h & U64_MASK)
-                events.extend(BlockRemoved(block_hashes=hashes, medium=self.medium, group_idx=group)
-                              for group, hashes in by_group.items())
+            # one BlockRemoved per group, in the order each group first lost a block (a step
+            # that names no groups: group 0's)
+            groups = step.evicted_groups or [0] * len(step.evicted_hashes)
+            by_group: dict[int, list[int]] = {}
+            for h, group in zip(step.evicted_hashes, groups, strict=True):
+                by_group.setdefault(group, []).append(h & U64_MASK)
+            events.extend(BlockRemoved(block_hashes=hashes, medium=self.medium, group_idx=group)
+                          for group, hashes in by_group.items())
         for run in step.cached_runs:  # one request's consecutive blocks: one BlockStored
             parent = run["parent_hash"]
             hashes = run["hashes"]

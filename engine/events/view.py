@@ -26,8 +26,8 @@ Snapshot dict format (``SNAPSHOT_VERSION`` 1), all plain JSON::
       "requests": {rid: {"state", "prompt_tokens", "max_tokens", "computed_tokens",
                          "generated_tokens", "blocks": [int], "prefix_hit_tokens",
                          "arrived_t", "ttft_s", "num_preemptions",
-                         "group_blocks": [[int], ...]}},   # hybrid KV cache only: ``blocks``
-                                                           # by KV cache group (config order)
+                         "group_blocks": [[int], ...]}},   # several KV cache groups only: ``blocks``
+                                                           # by group (config order)
       "cached": [int],                                     # blocks holding cached KV
       "window_freed": [[block, group], ...],               # hybrid only: free blocks a sliding
                                                            # window released (not a finish)
@@ -55,9 +55,10 @@ A data-parallel server's snapshot adds ``data_parallel`` (every rank's counts,
 Block owners are not stored: they are the union of every request's ``blocks``,
 so the snapshot cannot disagree with itself; nor is a held block's KV cache group
 (``block_groups``): it is the index of the request's ``group_blocks`` list holding it.
-The hybrid entries are written only for a hybrid KV cache (``engine.config``'s
-``kv_cache_groups``), so a full-attention snapshot is what it was, and a snapshot
-without them loads as full attention. The block table itself is folded
+Every request's blocks are held per group; ``group_blocks`` is written only when there
+are several (one group's are ``blocks``), and ``window_freed`` only when a window freed
+something, so a full-attention snapshot is what it always was, and one without them
+loads as one group. The block table itself is folded
 by :class:`engine.events.block_table.BlockTableState`, the same fold replay and
 the tests use.
 
@@ -124,7 +125,7 @@ class RequestView:
     arrived_t: float = 0.0
     ttft_s: float | None = None
     num_preemptions: int = 0
-    # A hybrid KV cache: ``blocks`` split by KV cache group (config order); [] otherwise.
+    # ``blocks`` split by KV cache group (config order): one list with one group; [] when it holds none.
     group_blocks: list[list[int]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -139,10 +140,12 @@ class RequestView:
             "arrived_t": self.arrived_t,
             "ttft_s": self.ttft_s,
             "num_preemptions": self.num_preemptions,
-        } | ({"group_blocks": [list(g) for g in self.group_blocks]} if self.group_blocks else {})
+        } | ({"group_blocks": [list(g) for g in self.group_blocks]} if len(self.group_blocks) > 1 else {})
 
     @classmethod
     def from_dict(cls, request_id: str, data: dict[str, Any]) -> RequestView:
+        blocks = [int(b) for b in data.get("blocks", [])]
+        groups = [[int(b) for b in g] for g in data.get("group_blocks") or []]
         return cls(
             request_id=request_id,
             state=data.get("state", WAITING),
@@ -150,12 +153,12 @@ class RequestView:
             max_tokens=int(data.get("max_tokens", 0)),
             computed_tokens=int(data.get("computed_tokens", 0)),
             generated_tokens=int(data.get("generated_tokens", 0)),
-            blocks=[int(b) for b in data.get("blocks", [])],
+            blocks=blocks,
             prefix_hit_tokens=int(data.get("prefix_hit_tokens", 0)),
             arrived_t=float(data.get("arrived_t", 0.0)),
             ttft_s=data.get("ttft_s"),
             num_preemptions=int(data.get("num_preemptions", 0)),
-            group_blocks=[[int(b) for b in g] for g in data.get("group_blocks") or []],
+            group_blocks=groups or ([blocks] if blocks else []),  # none written: one group's
         )
 
 
@@ -312,8 +315,7 @@ class EngineView:
 
     @property
     def block_groups(self) -> dict[int, int]:
-        """Held block id -> its KV cache group (hybrid KV cache; {} for full attention);
-        rebuilt lazily like :attr:`block_owners`."""
+        """Held block id -> its KV cache group; rebuilt lazily like :attr:`block_owners`."""
         if self._groups is None:
             self._groups = self.table.block_groups()
         return self._groups
@@ -328,7 +330,7 @@ class EngineView:
     @property
     def kv_cache_groups(self) -> list[dict[str, Any]]:
         """``engine.config``'s ``kv_cache_groups`` (``{"kind", "sliding_window", "layers"}``
-        each, config order); [] for full attention everywhere."""
+        each, config order); [] when it names none (one full-attention group)."""
         groups = self.config.get("kv_cache_groups")
         return [dict(g) for g in groups if isinstance(g, dict)] if isinstance(groups, list) else []
 
@@ -517,8 +519,8 @@ class EngineView:
         block: ``hit`` is the one multiple of the block size in
         ``((num_allocated - 1) * bs - num_new, num_allocated * bs - num_new]``.
 
-        A hybrid KV cache allocates every group's table: ``num_allocated`` is then one
-        full-attention group's count (a sliding window's table has the null block, not
+        Every group's table is allocated: ``num_allocated`` is one full-attention group's
+        count (a sliding window's table has the null block, not
         listed, wherever the hit lies wholly before its window). With no full-attention
         group the largest count is exact for a hit shorter than the window; a request
         resumed alone takes the step's hits less the new requests' instead."""
@@ -527,18 +529,17 @@ class EngineView:
             return req.prefix_hit_tokens
         bs = int(self.ledger.get("block_size") or self.config.get("block_size") or 0)
         counts = ev.allocated_groups.get(rid)
-        if counts is None:  # one full-attention table (and recordings before the hybrid fields)
-            num_allocated = len(ev.allocated.get(rid, ()))
+        kinds = [g.get("kind") for g in self.kv_cache_groups]
+        if counts is None:  # the step names no groups: one full-attention table's
+            counts, kinds = [len(ev.allocated.get(rid, ()))], ["full_attention"]
+        full = [i for i, kind in enumerate(kinds) if kind == "full_attention" and i < len(counts)]
+        if full:
+            num_allocated = counts[full[0]]
+        elif kinds and len(ev.resumed) == 1:
+            new_hits = sum(self.requests[r].prefix_hit_tokens for r in ev.new if r in self.requests)
+            return max(0, ev.prefix_hits_tokens - new_hits)
         else:
-            kinds = [g.get("kind") for g in self.kv_cache_groups]
-            full = [i for i, kind in enumerate(kinds) if kind == "full_attention" and i < len(counts)]
-            if full:
-                num_allocated = counts[full[0]]
-            elif kinds and len(ev.resumed) == 1:
-                new_hits = sum(self.requests[r].prefix_hit_tokens for r in ev.new if r in self.requests)
-                return max(0, ev.prefix_hits_tokens - new_hits)
-            else:
-                num_allocated = max(counts, default=0)
+            num_allocated = max(counts, default=0)
         if bs <= 0 or num_allocated <= 0:
             return 0
         hit = (num_allocated * bs - num_new) // bs * bs

@@ -143,7 +143,7 @@ class BlockMap(ScrollView, can_focus=True):
         return {b: frozenset(o) for b, o in self._view.block_owners.items() if o}
 
     def groups_by_block(self) -> dict[int, int]:
-        """What a hybrid map colours a held block by: block -> KV cache group ({} otherwise)."""
+        """What a map drawn by group colours a held block by: block -> KV cache group."""
         return dict(self._view.block_groups) if self._view is not None else {}
 
     def window_freed_blocks(self) -> dict[int, int]:
@@ -189,8 +189,10 @@ class BlockMap(ScrollView, can_focus=True):
         self._groups = view.kv_cache_groups
         groups = view.block_groups
         window = view.window_freed
+        # drawn by group when the run names its groups (several, or a window): one
+        # full-attention group's map colours by request
         self._num_groups = max(len(self._groups), max(groups.values(), default=-1) + 1,
-                               max(window.values(), default=-1) + 1) if self._groups or groups or window else 0
+                               max(window.values(), default=-1) + 1) if self._groups or window else 0
         group_styles = [Style(color=group_colour(g)) for g in range(self._num_groups)]
         cells: list[tuple[str, Style]] = []
         if per == 1:

@@ -168,11 +168,12 @@ class Queues(Vertical):
         self._show_groups()
 
     def _show_groups(self) -> None:
-        """The selected request's blocks per group, shown while it holds any (hybrid only)."""
+        """The selected request's blocks per group, shown while it holds any (when the run
+        names its groups: one full-attention group's layout is as it always was)."""
         view = self._view
         req = view.requests.get(self._selected) if view is not None and self._selected is not None else None
         label = self.query_one("#request-groups", Label)
-        if view is None or req is None or not req.group_blocks:
+        if view is None or req is None or not view.kv_cache_groups or not req.group_blocks:
             label.display = False
             return
         label.update(group_counts_text(req, view.kv_cache_groups))

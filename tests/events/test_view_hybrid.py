@@ -54,17 +54,13 @@ def _check_against_scheduler(sim: Simulation, view: EngineView, event: StepEvent
         if mine is None or mine.state != "running":
             continue
         assert mine.computed_tokens == req.num_computed_tokens, (event.index, rid)
-        tables = req.group_block_ids or (req.block_ids,)
-        null = getattr(sched.kv, "null_block", None)  # a hybrid pool's: stands where a window freed
-        real = [[b for b in table if b != null] for table in tables]
-        if null is not None:
-            assert mine.group_blocks == real, (event.index, rid)
-            assert mine.blocks == [b for table in real for b in table]
-            for g, table in enumerate(real):
-                for b in table:
-                    assert view.block_groups[b] == g
-        else:
-            assert mine.group_blocks == [] and mine.blocks == list(req.block_ids)
+        null = sched.kv.pool.null_block  # a window group's: stands where a window freed
+        real = [[b for b in table if b != null] for table in req.block_tables]
+        assert mine.group_blocks == real, (event.index, rid)  # one list with one group
+        assert mine.blocks == [b for table in real for b in table]
+        for g, table in enumerate(real):
+            for b in table:
+                assert view.block_groups[b] == g
     ref_cnt = sched.kv.pool.ref_cnt
     for b in view.window_freed:  # a block the map would draw as left by the window is free in the pool
         assert ref_cnt[b] == 0 or view.block_owners.get(b), (event.index, b)
@@ -106,10 +102,11 @@ def test_snapshot_carries_groups_and_window_frees_and_resumes_the_fold() -> None
         assert loaded.window_freed == whole.window_freed and loaded.finished == whole.finished
 
 
-def test_an_old_snapshot_without_group_entries_loads_as_full_attention() -> None:
+def test_a_snapshot_without_group_entries_loads_as_one_group() -> None:
     state = {"version": 1, "requests": {"r1": {"state": "running", "blocks": [3, 4]}}, "cached": [3]}
     view = EngineView.from_snapshot(state)
-    assert view.requests["r1"].group_blocks == [] and view.block_groups == {} and view.window_freed == {}
+    assert view.requests["r1"].group_blocks == [[3, 4]] and view.block_groups == {3: 0, 4: 0}
+    assert view.window_freed == {} and view.snapshot()["requests"]["r1"].get("group_blocks") is None
     assert view.block_owners == {3: {"r1"}, 4: {"r1"}}
 
 
