@@ -271,9 +271,9 @@ class LLMEngine:
         """The model executor (engine/core/step_loop.py): the runner samples one token per
         sampling sequence, then the detokenisers find stop strings, which the scheduler's
         update needs to decide who finished."""
-        # a hybrid KV cache's requests carry one table per group (group_block_ids); () otherwise
+        # every request carries one table per KV cache group (one with full attention everywhere)
         batch = [ScheduledSeq(s.request_id, s.token_ids, s.start_position, s.block_ids, s.samples,
-                              s.request.sampling, s.request.group_block_ids or None, self._prompt_targets(s))
+                              s.request.sampling, s.block_tables, self._prompt_targets(s))
                  for s in out.scheduled]
         collectives: dict[str, float] = {}
         if self.workers is not None and batch:  # the collectives' cost, or each stage's bubble and bytes sent

@@ -16,7 +16,7 @@ in O(1), which a prefix hit on a free cached block needs.
 
 Unlike vLLM, block 0 is reserved as the null block only when a sliding-window
 group needs one (``reserve_null_block``): a full-attention pool uses all
-``num_blocks``, as it always has. The null block stands in a sliding-window
+``num_blocks``. The null block stands in a sliding-window
 group's table for positions that lie outside the window; it is never free,
 never hashed and never counted as used.
 
@@ -80,39 +80,37 @@ class StoredRun:
 class BlockDeltas:
     """Block changes of one scheduler step, in the form the ``step`` event carries.
 
-    ``allocated`` request id -> block ids appended to its table (prefix hits
-    first, then new blocks); ``freed`` request id -> block ids it released;
-    ``cached`` block ids that are cached at the end of the step but were not
-    registered before it (an ordered set); ``evicted`` block ids that were cached
-    before the step and lost that content during it. With ``record_contents``,
-    ``stored`` holds what the newly cached blocks hold (:class:`StoredRun`, in
-    ``cached`` order) and ``evicted_hashes`` the hash each evicted block lost. Folding
-    applies ``evicted`` before ``cached`` and ``allocated`` before ``freed``; with
-    these net sets that order reproduces the pool exactly even when one block is
-    evicted and re-cached within a step.
+    Per request and KV cache group (one list per group, group order):
+    ``allocated_by_group`` request id -> block ids appended to its tables (prefix hits
+    first, then new blocks); ``freed_by_group`` request id -> block ids it released by a
+    finish, abort or preemption; ``window_freed_by_group`` the blocks a sliding-window
+    group released because they left the window. ``cached`` block ids that are cached at
+    the end of the step but were not registered before it (an ordered set; each maps to
+    its group); ``evicted`` block ids that were cached before the step and lost that
+    content during it (``evicted_groups``: the group each was cached in). With
+    ``record_contents``, ``stored`` holds what the newly cached blocks hold
+    (:class:`StoredRun`, in ``cached`` order) and ``evicted_hashes`` the hash each evicted
+    block lost. Folding applies ``evicted`` before ``cached`` and ``allocated`` before
+    ``freed``; with these net sets that order reproduces the pool exactly even when one
+    block is evicted and re-cached within a step.
 
-    With ``num_groups`` (a hybrid pool: several KV cache groups or a window) the
-    per-request changes are kept per group instead: ``allocated_by_group`` /
-    ``freed_by_group`` request id -> one block list per group, and
-    ``window_freed_by_group`` the blocks a sliding-window group released because
-    they left the window (not a finish). ``cached`` maps each block to its group;
-    ``evicted_groups`` is the group each evicted block was cached in.
+    ``grouped``: the step event names each change's group (several groups, or a window);
+    one full-attention group's events carry the flat lists alone, as they always have.
     """
 
-    __slots__ = ("allocated", "allocated_by_group", "cached", "evicted", "evicted_groups", "evicted_hashes", "freed",
-                 "freed_by_group", "num_groups", "prefix_hit_tokens", "prefix_query_tokens", "stored",
+    __slots__ = ("allocated_by_group", "cached", "evicted", "evicted_groups", "evicted_hashes", "freed_by_group",
+                 "grouped", "num_groups", "prefix_hit_tokens", "prefix_query_tokens", "stored",
                  "window_freed_by_group")
 
-    def __init__(self, record_contents: bool = False, num_groups: int = 0) -> None:
-        self.allocated: dict[str, list[int]] = {}
-        self.freed: dict[str, list[int]] = {}
+    def __init__(self, record_contents: bool = False, num_groups: int = 1, grouped: bool = False) -> None:
         self.cached: dict[int, int] = {}  # block -> the group whose hash it now holds
         self.evicted: list[int] = []
         self.stored: list[StoredRun] | None = [] if record_contents else None
         self.evicted_hashes: list[int] | None = [] if record_contents else None
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
-        self.num_groups = num_groups  # 0: one full-attention group, the flat dicts above
+        self.num_groups = num_groups
+        self.grouped = grouped
         self.allocated_by_group: dict[str, list[list[int]]] = {}
         self.freed_by_group: dict[str, list[list[int]]] = {}
         self.window_freed_by_group: dict[str, list[list[int]]] = {}
@@ -134,13 +132,12 @@ class BlockDeltas:
         self._group_lists(self.window_freed_by_group, request_id)[group].extend(block_ids)
 
     def all_allocated(self) -> dict[str, list[int]]:
-        """Request id -> blocks appended to its tables: a hybrid pool's every group's,
-        group order (what ``allocated`` holds for one full-attention group)."""
-        return flatten_groups(self.allocated_by_group) if self.num_groups else self.allocated
+        """Request id -> blocks appended to its tables, every group's, group order."""
+        return flatten_groups(self.allocated_by_group)
 
     def all_freed(self) -> dict[str, list[int]]:
         """Request id -> blocks released by a finish, abort or preemption (every group's)."""
-        return flatten_groups(self.freed_by_group) if self.num_groups else self.freed
+        return flatten_groups(self.freed_by_group)
 
     @property
     def records_contents(self) -> bool:
@@ -177,14 +174,15 @@ class BlockDeltas:
                 self._drop_stored(block_id)
         else:
             self.evicted.append(block_id)
-            if self.num_groups:
-                self.evicted_groups.append(group)
+            self.evicted_groups.append(group)
             if self.evicted_hashes is not None:
                 self.evicted_hashes.append(block_hash)
 
 
 def flatten_groups(by_group: dict[str, list[list[int]]]) -> dict[str, list[int]]:
-    return {rid: [b for blocks in lists for b in blocks] for rid, lists in by_group.items()}
+    """Request id -> its blocks, group after group (one group's list as it is)."""
+    return {rid: lists[0] if len(lists) == 1 else [b for blocks in lists for b in blocks]
+            for rid, lists in by_group.items()}
 
 
 def group_counts(by_group: dict[str, list[list[int]]]) -> dict[str, list[int]]:
@@ -198,7 +196,7 @@ class BlockPool:
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  record_contents: bool = False, *, num_groups: int = 1, reserve_null_block: bool = False,
-                 group_deltas: bool = False) -> None:
+                 grouped_events: bool = False) -> None:
         if num_blocks <= (1 if reserve_null_block else 0):
             raise ValueError(f"num_blocks must be positive{' beyond the null block' if reserve_null_block else ''}, "
                              f"got {num_blocks}")
@@ -214,8 +212,9 @@ class BlockPool:
         self.cached_block_maps: list[dict[int, int]] = [{} for _ in range(num_groups)]
         self.cached_block_map = self.cached_block_maps[0]
         self.block_group: list[int] = [0] * num_blocks  # the group whose hash a cached block holds
-        # a hybrid pool's deltas say which group each block change belongs to
-        self.delta_groups = num_groups if (group_deltas or num_groups > 1 or reserve_null_block) else 0
+        self.num_groups = num_groups
+        # the step events name each block change's group (BlockDeltas.grouped)
+        self.grouped_events = grouped_events
         head = num_blocks  # sentinel
         # initial queue 0, 1, ..., n-1 so the lowest ids are handed out first
         self._next: list[int] = [*range(1, num_blocks + 1), 0]
@@ -237,7 +236,7 @@ class BlockPool:
 
     def new_deltas(self) -> BlockDeltas:
         """A fresh record of block changes, shaped for this pool."""
-        return BlockDeltas(self.record_contents, self.delta_groups)
+        return BlockDeltas(self.record_contents, self.num_groups, self.grouped_events)
 
     def take_deltas(self) -> BlockDeltas:
         """Hand over the block changes recorded so far and start a new record."""

@@ -1,5 +1,11 @@
-"""The KV cache manager: prefix lookup, slot allocation and freeing per request,
-on top of :class:`~engine.core.block_pool.BlockPool`.
+"""The KV cache manager: the scheduler's one face on the KV cache (vLLM V1's
+``KVCacheManager``), whatever the model's KV cache groups: prefix lookup and its
+statistics, slot allocation and freeing per request, over a
+:class:`~engine.core.kv_cache_coordinator.KVCacheCoordinator` (one single-type manager
+per group, one shared :class:`~engine.core.block_pool.BlockPool`).
+
+A request's tables are ``Request.block_tables``: one list per group, in the groups'
+order (one list for a model whose layers all attend fully).
 
 A block gets a hash once it is full: ``hash((parent_hash, tuple(its token ids)))``
 with the first block's parent ``NONE_HASH``, or under vLLM's ``cache_salt`` the salt's
@@ -15,16 +21,21 @@ request's token count to the queries and the hit length to the hits.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 from engine.core.block_pool import BlockDeltas, BlockPool
-from engine.core.request import Request
+from engine.core.kv_cache_coordinator import KVCacheCoordinator
+from engine.core.kv_cache_groups import KVCacheGroup, resolve_groups
+from engine.core.request import BlockTables, Request
+from engine.core.single_type_kv_cache import cdiv
 from engine.events.schema import (
     PREFIX_COMPLETE,
     PREFIX_DIVERGED,
     PREFIX_EVICTED,
     PREFIX_LAST_TOKEN,
     PREFIX_SHORT_PROMPT,
+    PREFIX_WINDOW,
 )
 
 NONE_HASH = 0x6B7673636F7065  # parent "hash" of a request's first block
@@ -40,13 +51,9 @@ def root_hash(req: Request) -> int:
     return hash((NONE_HASH, int.from_bytes(hashlib.sha256(salt.encode()).digest()[:8], "little")))
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def extend_block_hashes(req: Request, num_full_blocks: int, block_size: int) -> list[int]:
     """The request's chained block hashes, computed lazily up to ``num_full_blocks``
-    (every KV cache manager, single-group or hybrid, hashes the one chain)."""
+    (one chain for every KV cache group)."""
     hashes = req.block_hashes
     if len(hashes) < num_full_blocks:
         tokens = req.token_ids
@@ -76,47 +83,42 @@ def prefix_stop(req: Request, hit_tokens: int, block_size: int, pool: BlockPool)
 
 
 class KVCacheManager:
-    """Per-request block tables over one :class:`BlockPool`.
+    """Per-request block tables, one per KV cache group, over one :class:`BlockPool`.
 
-    A request's table is ``request.block_ids`` (positions in order).
+    ``kv_cache_groups`` () stands for one full-attention group (every layer);
+    ``max_num_batched_tokens`` bounds what a sliding-window group holds beside its window.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 record_block_contents: bool = False) -> None:
+                 record_block_contents: bool = False, *, kv_cache_groups: Sequence[KVCacheGroup] = (),
+                 max_num_batched_tokens: int = 8192) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         # vLLM's enable_kv_cache_events: step events say what each cached block holds
         self.record_block_contents = record_block_contents
-        self.pool = BlockPool(num_blocks, block_size, enable_caching, record_block_contents)
+        self.coordinator = KVCacheCoordinator(resolve_groups(kv_cache_groups), num_blocks, block_size,
+                                              enable_caching, record_block_contents, max_num_batched_tokens)
+        self.pool: BlockPool = self.coordinator.pool
+        self.groups = self.coordinator.groups
+        self.specs = self.coordinator.specs
+        self.null_block = self.pool.null_block  # a window group's stand-in for positions it freed
         self.prefix_query_tokens = 0  # totals since start, in tokens
         self.prefix_hit_tokens = 0
         self.last_shortfall = (0, 0)  # (blocks needed, blocks free) of the last allocation refused
 
-    # ------------------------------------------------------------------ hashing
-    def _extend_block_hashes(self, req: Request, num_full_blocks: int) -> list[int]:
-        return extend_block_hashes(req, num_full_blocks, self.block_size)
-
     # ------------------------------------------------------------------ lookup
-    def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
-        """Longest cached run of the request's full blocks: (block ids, hit tokens).
+    def get_computed_blocks(self, req: Request) -> tuple[BlockTables, int]:
+        """Longest cached prefix every group serves: (per-group hit tables, hit tokens).
 
         Never the whole sequence: the last token is always recomputed so the model
         produces logits for it. Statistics are not touched here (a request that
         does not fit is looked up again next step); see :meth:`record_lookup`.
         """
         if not self.enable_caching:
-            return [], 0
-        num_tokens = len(req.token_ids)
-        max_hit_blocks = (num_tokens - 1) // self.block_size
-        hashes = self._extend_block_hashes(req, max_hit_blocks)
-        lookup = self.pool.cached_block_map.get
-        hits: list[int] = []
-        for i in range(max_hit_blocks):
-            b = lookup(hashes[i])
-            if b is None:
-                break
-            hits.append(b)
-        return hits, len(hits) * self.block_size
+            return self.coordinator.empty_tables(), 0
+        max_hit_blocks = (len(req.token_ids) - 1) // self.block_size
+        hashes = extend_block_hashes(req, max_hit_blocks, self.block_size)
+        return self.coordinator.find_longest_cache_hit(hashes, max_hit_blocks)
 
     def record_lookup(self, num_tokens: int, hit_tokens: int) -> None:
         """Count one admitted request's prefix lookup, in tokens (queries, hits)."""
@@ -129,131 +131,67 @@ class KVCacheManager:
         deltas.prefix_hit_tokens += hit_tokens
 
     def explain_hit(self, req: Request, hit_tokens: int) -> list[Any]:
-        """Where the lookup that hit ``hit_tokens`` stopped and why (:func:`prefix_stop`)."""
+        """Where the lookup that hit ``hit_tokens`` stopped and why (:func:`prefix_stop`); a
+        hit shorter than the full-attention groups alone would serve stopped at a sliding
+        window (it lacked the blocks just before the hit's end)."""
+        max_blocks = (len(req.token_ids) - 1) // self.block_size
+        full_tokens = self.coordinator.full_attention_hit_tokens(req.block_hashes, max_blocks)
+        if full_tokens is not None and full_tokens > hit_tokens:
+            return [hit_tokens, PREFIX_WINDOW, full_tokens]
         return prefix_stop(req, hit_tokens, self.block_size, self.pool)
 
     # -------------------------------------------------------------- allocation
     def blocks_needed(self, num_tokens: int) -> int:
-        """Blocks a request of ``num_tokens`` tokens holds at its longest."""
-        return cdiv(num_tokens, self.block_size)
+        """The most blocks one request of ``num_tokens`` tokens holds at once, every group."""
+        return self.coordinator.blocks_needed(num_tokens)
 
     def can_ever_fit(self, num_tokens: int) -> bool:
-        return cdiv(num_tokens, self.block_size) <= self.pool.num_blocks
+        return self.blocks_needed(num_tokens) <= self.pool.num_usable
 
     def allocate_slots(
         self,
         req: Request,
         num_new_tokens: int,
-        computed_blocks: list[int] | None = None,
+        computed_blocks: BlockTables | None = None,
         num_computed_hit_tokens: int = 0,
     ) -> list[int] | None:
-        """Make room for ``num_new_tokens`` more tokens of ``req``.
+        """Make room for ``num_new_tokens`` more tokens of ``req`` in every group.
 
         ``computed_blocks`` / ``num_computed_hit_tokens`` are a prefix hit from
-        :meth:`get_computed_blocks` for a request being admitted (its table must be
-        empty). Returns the blocks appended to the table (hits first), or None,
-        changing nothing, when the pool cannot supply them. Full blocks among the
-        tokens known after this step are registered in the prefix cache now, before
-        the forward pass, as vLLM does: a request admitted later in the same step
-        may hit them because the step writes all KV before attention reads it.
+        :meth:`get_computed_blocks` for a request being admitted (its tables must be
+        empty). Window blocks the request no longer reads are freed first, even when the
+        rest does not fit. Returns the real blocks appended (every group's, group order;
+        hits first), or None, changing nothing else, when the pool cannot supply them.
+        Full blocks among the tokens known after this step are registered in the prefix
+        cache now, before the forward pass, as vLLM does: a request admitted later in the
+        same step may hit them because the step writes all KV before attention reads it.
         """
-        pool = self.pool
-        bs = self.block_size
-        table = req.block_ids
-        num_hits = len(computed_blocks) if computed_blocks else 0
+        coordinator, bs = self.coordinator, self.block_size
+        if coordinator.sliding_groups and req.num_computed_tokens:
+            coordinator.remove_skipped_blocks(req, req.num_computed_tokens)
         computed = req.num_computed_tokens + num_computed_hit_tokens
-        num_needed = (computed + num_new_tokens + bs - 1) // bs - num_hits - len(table)
-        if num_hits:
-            assert computed_blocks is not None
-            ref_cnt = pool.ref_cnt
-            evictable_hits = sum(1 for b in computed_blocks if ref_cnt[b] == 0)
-            if num_needed + evictable_hits > pool.num_free:
-                self.last_shortfall = (num_needed + evictable_hits, pool.num_free)
-                return None
-            pool.touch(computed_blocks)
-            new_blocks = list(computed_blocks)
-            if num_needed > 0:
-                new_blocks += pool.get_new_blocks(num_needed)
-            table.extend(new_blocks)
-            # hit blocks are already registered in the cache
-            req.num_hashed_blocks = num_hits
-        elif num_needed > 0:
-            if num_needed > pool.num_free:
-                self.last_shortfall = (num_needed, pool.num_free)
-                return None
-            new_blocks = pool.get_new_blocks(num_needed)
-            table.extend(new_blocks)
-        else:
-            new_blocks = []
-        if new_blocks:
-            allocated = pool.deltas.allocated
-            prior = allocated.get(req.request_id)
-            if prior is None:
-                allocated[req.request_id] = list(new_blocks)
-            else:
-                prior.extend(new_blocks)
+        num_slot_blocks = cdiv(computed + num_new_tokens, bs)
+        hits = computed_blocks if num_computed_hit_tokens else None
+        num_needed = coordinator.num_blocks_to_allocate(req.block_tables, hits, num_slot_blocks)
+        num_free = self.pool.num_free
+        if num_needed > num_free:
+            self.last_shortfall = (num_needed, num_free)
+            return None
+        appended = coordinator.allocate(req, hits, num_slot_blocks)
         if self.enable_caching:
             num_tokens = len(req.token_ids)
             known = computed + num_new_tokens
             num_full = (known if known < num_tokens else num_tokens) // bs
             if num_full > req.num_hashed_blocks:
-                self._cache_full_blocks(req, num_full)
-        return new_blocks
-
-    def _cache_full_blocks(self, req: Request, num_full_blocks: int) -> None:
-        hashes = self._extend_block_hashes(req, num_full_blocks)
-        table = req.block_ids
-        cache_block = self.pool.cache_block
-        block_hash = self.pool.block_hash
-        if self.record_block_contents:
-            self._cache_and_record(req, hashes, num_full_blocks)
-            return
-        for i in range(req.num_hashed_blocks, num_full_blocks):
-            b = table[i]
-            if block_hash[b] is None:
-                cache_block(b, hashes[i])
-        req.num_hashed_blocks = num_full_blocks
-
-    def _cache_and_record(self, req: Request, hashes: list[int], num_full_blocks: int) -> None:
-        """:meth:`_cache_full_blocks` recording what the blocks hold: one run of the
-        request's consecutive new blocks, cut where a block is not cached by it (already
-        hashed, or its content held by another block)."""
-        table, tokens, bs = req.block_ids, req.token_ids, self.block_size
-        pool = self.pool
-        block_hash = pool.block_hash
-        run = None
-        start = 0  # the run's first position; its tokens are one slice once it ends
-        for i in range(req.num_hashed_blocks, num_full_blocks):
-            b = table[i]
-            if block_hash[b] is None:
-                if run is None:
-                    run, start = pool.deltas.start_run(hashes[i - 1] if i else None), i
-                if pool.cache_block(b, hashes[i], run):
-                    continue
-            if run is not None:
-                run.token_ids = tokens[start * bs : i * bs]
-                run = None
-        if run is not None:
-            run.token_ids = tokens[start * bs : num_full_blocks * bs]
-        req.num_hashed_blocks = num_full_blocks
+                coordinator.cache_full_blocks(req, extend_block_hashes(req, num_full, bs), num_full)
+        return appended
 
     # ------------------------------------------------------------------- free
     def free(self, req: Request) -> list[int]:
-        """Release the request's blocks, tail first so its least-shared blocks are
-        evicted before its prefix. Returns the released table (position order)."""
-        table = req.block_ids
-        if not table:
-            return table
-        self.pool.free_blocks(reversed(table))
-        freed = self.pool.deltas.freed
-        prior = freed.get(req.request_id)
-        if prior is None:
-            freed[req.request_id] = table
-        else:
-            prior.extend(table)
-        req.block_ids = []
-        req.num_hashed_blocks = 0
-        return table
+        """Release every group's blocks, the request's tail first so its least-shared
+        blocks are evicted before its prefix. Returns the real blocks released (group
+        order, positions in order)."""
+        return self.coordinator.free(req)
 
     # ------------------------------------------------------------------ state
     def take_deltas(self) -> BlockDeltas:
@@ -271,3 +209,8 @@ class KVCacheManager:
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+    def window_violations(self, req: Request, num_computed_tokens: int) -> list[tuple[int, int]]:
+        """(group, position) of each real block a sliding-window group holds wholly before
+        the window of the token after ``num_computed_tokens``; for tests."""
+        return self.coordinator.window_violations(req, num_computed_tokens)

@@ -13,6 +13,10 @@ from collections.abc import Iterable
 from engine.core.encoder_cache import MultimodalInput
 from engine.core.sampling_params import SamplingParams
 
+# A request's block tables: one list of block ids per KV cache group (positions in order),
+# in the groups' order; one list for a model whose layers all attend fully.
+BlockTables = tuple[list[int], ...]
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -47,11 +51,12 @@ class Request:
 
     Scheduler-owned state (read by everyone, written only by the scheduler and the
     KV cache manager): ``status``, ``num_computed_tokens`` (tokens whose KV is in
-    the cache, advanced optimistically when a step is scheduled), ``block_ids``
-    (the request's block table, in position order), ``block_hashes`` (chained
-    hashes of its full blocks, filled lazily by the KV cache manager),
-    ``group_block_ids`` (a hybrid KV cache's tables, one per group; ``block_tables``
-    reads either form), ``num_cached_tokens`` (prefix-cache hit on first admission; -1 until then),
+    the cache, advanced optimistically when a step is scheduled), ``block_tables``
+    (:data:`BlockTables`: one table per KV cache group, positions in order, every
+    group's covering the same positions; a sliding-window group's holds the null block
+    where positions left the window; () while it holds no blocks), ``block_hashes``
+    (chained hashes of its full blocks, filled lazily by the KV cache manager),
+    ``num_cached_tokens`` (prefix-cache hit on first admission; -1 until then),
     ``num_preemptions``, ``queued_time`` (when :meth:`Scheduler.submit` took it; its
     ``arrival_time`` may be earlier: the time before is its preprocessing).
 
@@ -68,13 +73,12 @@ class Request:
         "arrival_order",
         "arrival_time",
         "block_hashes",
-        "block_ids",
+        "block_tables",
         "eos_token_id",
         "error",
         "finished_time",
         "first_scheduled_time",
         "first_token_time",
-        "group_block_ids",
         "ignore_eos",
         "inter_token_latencies",
         "last_token_time",
@@ -138,11 +142,9 @@ class Request:
         self.token_ids: list[int] = list(self.prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
-        self.block_ids: list[int] = []
-        # a hybrid KV cache (several groups): one table per group, block_ids is group 0's
-        self.group_block_ids: tuple[list[int], ...] = ()
+        self.block_tables: BlockTables = ()  # made by the KV cache manager at the first allocation
         self.block_hashes: list[int] = []
-        self.num_hashed_blocks = 0  # leading blocks of block_ids already registered in the prefix cache
+        self.num_hashed_blocks = 0  # leading positions of the tables already registered in the prefix cache
         self.num_cached_tokens = -1
         self.num_preemptions = 0
 
@@ -159,10 +161,9 @@ class Request:
         return len(self.token_ids)
 
     @property
-    def block_tables(self) -> tuple[list[int], ...]:
-        """One block table per KV cache group (a single full-attention group: ``block_ids``).
-        A sliding-window group's table holds the null block where positions left the window."""
-        return self.group_block_ids or (self.block_ids,)
+    def num_table_blocks(self) -> int:
+        """Positions its tables cover, in blocks (every group's table covers the same)."""
+        return len(self.block_tables[0]) if self.block_tables else 0
 
     @property
     def num_output_tokens(self) -> int:
@@ -180,5 +181,5 @@ class Request:
         return (
             f"Request({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
             f"out={len(self.output_token_ids)}/{self.max_tokens}, computed={self.num_computed_tokens}, "
-            f"blocks={len(self.block_ids)})"
+            f"blocks={self.num_table_blocks})"
         )

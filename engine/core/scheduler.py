@@ -37,10 +37,10 @@ from typing import Any
 
 from engine.core.block_pool import BlockDeltas
 from engine.core.encoder_cache import EncoderCacheManager
-from engine.core.hybrid_kv_cache import KVCache, create_kv_cache_manager
+from engine.core.kv_cache import KVCacheManager
 from engine.core.kv_cache_groups import KVCacheGroup, groups_from_config
 from engine.core.policy import POLICIES, create_request_queue
-from engine.core.request import FINISH_REASONS, Request, RequestStatus
+from engine.core.request import FINISH_REASONS, BlockTables, Request, RequestStatus
 from engine.events import (
     EventBus,
     RequestArrived,
@@ -87,7 +87,7 @@ class SchedulerConfig:
     # hash, parent hash and token ids and each evicted block's hash (the KV events sink's facts)
     enable_kv_cache_events: bool = False
     # the model's KV cache groups (engine/core/kv_cache_groups.py); () = one full-attention
-    # group, today's single block table
+    # group (kv_cache_groups.resolve_groups)
     kv_cache_groups: tuple[KVCacheGroup, ...] = ()
 
     @classmethod
@@ -127,16 +127,16 @@ class ScheduledRequest:
     """What the model runner needs for one request in one step.
 
     ``token_ids`` are the tokens to compute (positions ``start_position`` ..
-    ``start_position + num_tokens - 1``); ``block_ids`` is the request's whole
-    block table (a live list: valid until the next ``schedule``), group 0's with a
-    hybrid KV cache, whose every group's table ``block_tables`` gives (one per KV
-    cache group, in the config's group order; the null block where a sliding window
-    freed a position); ``samples`` is
+    ``start_position + num_tokens - 1``); ``block_tables`` are the request's whole
+    tables, one per KV cache group in the config's group order (live lists: valid until
+    the next ``schedule``; the null block where a sliding window freed a position), and
+    ``block_ids`` the first of them (every group's table covers the same positions);
+    ``samples`` is
     True when this step reaches the end of the known tokens, so the runner must
     sample one token for it (a prompt's last chunk or a decode step).
     """
 
-    __slots__ = ("block_ids", "is_prefill", "num_tokens", "request", "samples", "start_position")
+    __slots__ = ("is_prefill", "num_tokens", "request", "samples", "start_position")
 
     def __init__(
         self, request: Request, start_position: int, num_tokens: int, is_prefill: bool, samples: bool
@@ -146,16 +146,20 @@ class ScheduledRequest:
         self.num_tokens = num_tokens
         self.is_prefill = is_prefill
         self.samples = samples
-        self.block_ids = request.block_ids
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
 
     @property
-    def block_tables(self) -> tuple[list[int], ...]:
+    def block_tables(self) -> BlockTables:
         """One block table per KV cache group (live lists, valid until the next ``schedule``)."""
         return self.request.block_tables
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The first group's table (its length is every group's)."""
+        return self.request.block_tables[0]
 
     @property
     def token_ids(self) -> list[int]:
@@ -302,9 +306,10 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, bus: EventBus | None = None) -> None:
         self.config = config
         self.bus = bus
-        self.kv: KVCache = create_kv_cache_manager(
-            config.kv_cache_groups, config.num_blocks, config.block_size, config.enable_prefix_caching,
-            record_block_contents=config.enable_kv_cache_events, max_num_batched_tokens=config.max_num_batched_tokens)
+        self.kv = KVCacheManager(
+            config.num_blocks, config.block_size, config.enable_prefix_caching,
+            record_block_contents=config.enable_kv_cache_events, kv_cache_groups=config.kv_cache_groups,
+            max_num_batched_tokens=config.max_num_batched_tokens)
         self.encoder_cache = EncoderCacheManager(config.encoder_cache_size)
         self._encoder_freed: list[tuple[str, int]] = []
         self.requests: dict[str, Request] = {}  # unfinished requests
@@ -781,8 +786,8 @@ class Scheduler:
 
     # ----------------------------------------------------------- inspection
     def block_table(self) -> dict[str, list[int]]:
-        """Request id -> block ids for every request holding blocks (a hybrid KV cache:
-        every group's real blocks, group order). For tests/snapshots."""
+        """Request id -> block ids for every request holding blocks: every group's real
+        blocks, group order. For tests/snapshots."""
         null = self.kv.pool.null_block
         out: dict[str, list[int]] = {}
         for rid, r in self.requests.items():

@@ -24,7 +24,7 @@ def cached_runs(deltas: BlockDeltas) -> list[dict[str, Any]]:
     order; empty unless the pool records contents."""
     if deltas.stored is None:
         return []
-    if deltas.num_groups:  # a hybrid KV cache: each run's group
+    if deltas.grouped:  # several groups (or a window): each run's group
         return [{"block_ids": run.block_ids, "hashes": run.hashes, "parent_hash": run.parent_hash,
                  "token_ids": run.token_ids, "group_idx": run.group}
                 for stored in deltas.stored for run in stored.pieces()]
@@ -33,8 +33,9 @@ def cached_runs(deltas: BlockDeltas) -> list[dict[str, Any]]:
 
 
 def group_fields(deltas: BlockDeltas) -> dict[str, Any]:
-    """A hybrid KV cache's per-group step fields (none for one full-attention group)."""
-    if not deltas.num_groups:
+    """The step's per-group fields: written when the pool has several groups or a window
+    (one full-attention group's events carry the flat lists alone)."""
+    if not deltas.grouped:
         return {}
     return {
         "allocated_groups": group_counts(deltas.allocated_by_group),

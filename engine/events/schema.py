@@ -303,8 +303,8 @@ class StepEvent(Event):
     (engine/core/kv_cache.py). Both are absent otherwise and in older recordings
     (read as empty).
 
-    A hybrid KV cache (several KV cache groups, or a sliding window;
-    engine/core/hybrid_kv_cache.py) says which group each block change belongs to:
+    A KV cache of several groups, or with a sliding window
+    (engine/core/kv_cache_coordinator.py), says which group each block change belongs to:
     ``allocated`` and ``freed`` list every group's blocks, group after group, and
     ``allocated_groups`` / ``freed_groups`` request id -> how many of them each group
     has; ``cached_groups`` / ``evicted_groups`` the group of each ``cached`` /

@@ -20,9 +20,10 @@ Events carry token counts, never token ids, so replay supplies the ids:
   replayed prompt starts with that request's first ``hit`` tokens and continues
   with ids nobody else has. Limitation: hits of a resumed (preempted) request on
   another request's blocks, and sharing longer than the recorded first hit, are
-  not reconstructed. A hybrid KV cache's groups come from ``engine.config``'s
-  ``kv_cache_groups``; its hits are read in a full-attention group (a model of
-  sliding windows only has its hits not reconstructed).
+  not reconstructed. The KV cache groups come from ``engine.config``'s
+  ``kv_cache_groups`` (none named: one full-attention group); hits are read in the
+  first full-attention group's table (a model of sliding windows only has its hits
+  not reconstructed).
 
 A recording cut at any byte replays up to its last whole step and says so.
 """
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.budget.memory import GiB
+from engine.core.kv_cache_groups import resolve_groups
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.core.step_loop import ExecutedStep, run_step
@@ -210,15 +212,15 @@ class _PromptBuilder:
         block_source: dict[int, tuple[str, int]] = {}  # block -> (request that wrote it, table position)
         table_len: dict[str, int] = {}
         admitted: set[str] = set()
+        if hit_group is None:  # windows only: no table holds a hit from position 0
+            return
         for step in steps:
             ev = step.event
             for rid, blocks in ev.allocated.items():
-                counts = ev.allocated_groups.get(rid)
-                if counts is not None:  # a hybrid pool: the hits are read in a full-attention group's table
-                    if hit_group is None:
-                        continue
-                    offset = sum(counts[:hit_group])
-                    blocks = blocks[offset : offset + counts[hit_group]]
+                # every group's blocks, group after group (no counts: one group's)
+                counts = ev.allocated_groups.get(rid) or [len(blocks)]
+                g = hit_group if hit_group < len(counts) else 0
+                blocks = blocks[sum(counts[:g]) : sum(counts[: g + 1])]
                 start = table_len.get(rid, 0)
                 num_hit = 0
                 if rid not in admitted and rid in first_hit and start == 0:
@@ -288,10 +290,10 @@ class Replayer:
         self.steps, self.tail_events = split_steps(recording.events)
         self.phases = _phase_data(recording.events)
         self.scheduler = Scheduler(self.config)
-        # a hybrid pool's hits are reconstructed from its first full-attention group (positions
-        # from 0, no null block); with windows only they are not (see the module docstring)
-        groups = self.config.kv_cache_groups
-        hit_group = next((i for i, g in enumerate(groups) if not g.spec.is_sliding), None) if groups else 0
+        # hits are reconstructed from the first full-attention group (positions from 0, no null
+        # block); with windows only they are not (see the module docstring)
+        groups = resolve_groups(self.config.kv_cache_groups)
+        hit_group = next((i for i, g in enumerate(groups) if not g.spec.is_sliding), None)
         self._prompts = _PromptBuilder(self.steps, self.config.block_size, recording.events, hit_group)
         self._stop_at: dict[int, set[str]] = {}
         self._fail_at: dict[int, set[str]] = {}  # requests whose own sampling/detokenising raised
@@ -364,7 +366,7 @@ class Replayer:
         return (
             f"  {request_id}: {req.status.value}, prompt {req.num_prompt_tokens}, output "
             f"{req.num_output_tokens}/{req.max_tokens}, computed {req.num_computed_tokens}, "
-            f"{len(req.block_ids)} blocks, {req.num_preemptions} preemptions"
+            f"{req.num_table_blocks} blocks, {req.num_preemptions} preemptions"
         )
 
     def render_divergence(self, div: Divergence, width: int = 60) -> str:
@@ -396,7 +398,7 @@ class Replayer:
         cfg = self.config
         step = self.last_replayed.index if self.last_replayed is not None else -1
         lines = [f"state after step {step}"]
-        running = [f"{r.request_id}({r.num_computed_tokens}/{r.num_tokens} tok, {len(r.block_ids)} blk)"
+        running = [f"{r.request_id}({r.num_computed_tokens}/{r.num_tokens} tok, {r.num_table_blocks} blk)"
                    for r in sched.running]
         waiting = [r.request_id + (" [preempted]" if r.status is RequestStatus.PREEMPTED else "") for r in sched.waiting]
         lines.append(f"running ({len(running)}/{cfg.max_num_seqs}): " + (", ".join(running) or "-"))

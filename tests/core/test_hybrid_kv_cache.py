@@ -1,11 +1,11 @@
-"""The hybrid KV cache manager: vLLM's grouping rule, the window rule, prefix hits
-across groups, and a full-attention-only config taking today's path."""
+"""The KV cache manager over several groups (its coordinator and single-type managers):
+vLLM's grouping rule, the window rule, prefix hits across groups, and one full-attention
+group as the one-group case of the same code."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.core.hybrid_kv_cache import HybridKVCacheManager, create_kv_cache_manager
 from engine.core.kv_cache import KVCacheManager
 from engine.core.kv_cache_groups import (
     FULL,
@@ -20,6 +20,7 @@ from engine.core.kv_cache_groups import (
 )
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler, SchedulerConfig
+from engine.core.single_type_kv_cache import FullAttentionManager, SlidingWindowManager
 from engine.core.step_loop import FixedTokenExecutor, run_step
 
 S, F = SLIDING_ATTENTION, FULL_ATTENTION
@@ -44,12 +45,16 @@ def test_grouping_uses_the_larger_count_when_it_is_under_one_and_a_half_times_th
     assert [(g.spec.sliding_window, g.layers) for g in groups] == [(None, (0, 3)), (64, (1, 4)), (64, (2,))]
 
 
-def test_all_full_attention_is_one_group_and_todays_manager() -> None:
+def test_all_full_attention_is_one_group_of_the_one_manager() -> None:
     groups = kv_cache_groups([F] * 4, None)
     assert groups == (KVCacheGroup(FULL, (0, 1, 2, 3)),)
-    assert type(create_kv_cache_manager(groups, 8, 4)) is KVCacheManager
-    assert type(create_kv_cache_manager((), 8, 4)) is KVCacheManager
-    assert type(create_kv_cache_manager(kv_cache_groups([S, F], 8), 8, 4)) is HybridKVCacheManager
+    for named in (groups, ()):  # () is what a config names one full-attention group
+        kv = KVCacheManager(8, 4, kv_cache_groups=named)
+        assert [type(m) for m in kv.coordinator.managers] == [FullAttentionManager]
+        assert kv.pool.null_block is None and kv.pool.num_usable == 8 and not kv.pool.grouped_events
+    kv = KVCacheManager(8, 4, kv_cache_groups=kv_cache_groups([S, F], 8))
+    assert [type(m) for m in kv.coordinator.managers] == [SlidingWindowManager, FullAttentionManager]
+    assert kv.pool.null_block == 0 and kv.pool.num_usable == 7 and kv.pool.grouped_events
 
 
 def test_skipped_tokens_follow_vllms_example() -> None:
@@ -59,9 +64,9 @@ def test_skipped_tokens_follow_vllms_example() -> None:
     assert FULL.num_skipped_tokens(1000) == 0
 
 
-def _hybrid(window: int = 4, num_blocks: int = 32, block_size: int = 2) -> HybridKVCacheManager:
+def _hybrid(window: int = 4, num_blocks: int = 32, block_size: int = 2) -> KVCacheManager:
     groups = (KVCacheGroup(KVCacheSpec(window), (0,)), KVCacheGroup(FULL, (1,)))
-    return HybridKVCacheManager(groups, num_blocks, block_size)
+    return KVCacheManager(num_blocks, block_size, kv_cache_groups=groups)
 
 
 def test_a_sliding_group_frees_the_blocks_that_left_the_window_and_keeps_the_table_length() -> None:
@@ -91,7 +96,7 @@ def test_a_sliding_group_frees_the_blocks_that_left_the_window_and_keeps_the_tab
 def test_a_window_hit_needs_only_the_blocks_inside_the_window_and_searches_from_the_right() -> None:
     # window 5, block 2: a hit ending at position p needs ceil(4 / 2) = 2 blocks before p
     groups = (KVCacheGroup(KVCacheSpec(5), (0,)),)
-    kv = HybridKVCacheManager(groups, 64, 2)
+    kv = KVCacheManager(64, 2, kv_cache_groups=groups)
     null = kv.pool.null_block
     prompt = list(range(100, 120))
     first = Request("first", prompt, 4)
@@ -110,7 +115,7 @@ def test_a_window_hit_needs_only_the_blocks_inside_the_window_and_searches_from_
     assert hits is not None
     assert hits[0][:8] == [null] * 8 and null not in hits[0][8:]
     # a full-attention group would have hit nothing: its scan stops at position 0
-    hybrid = HybridKVCacheManager((KVCacheGroup(KVCacheSpec(5), (0,)), KVCacheGroup(FULL, (1,))), 64, 2)
+    hybrid = KVCacheManager(64, 2, kv_cache_groups=(KVCacheGroup(KVCacheSpec(5), (0,)), KVCacheGroup(FULL, (1,))))
     third = Request("third", [*prompt, 7], 4)
     hybrid.allocate_slots(Request("w", prompt, 4), 20)
     w_hits, w_tokens = hybrid.get_computed_blocks(third)
@@ -153,13 +158,13 @@ def _run(sched: Scheduler, prompts: list[list[int]], steps: int = 200) -> list[t
 
 
 @pytest.mark.parametrize("caching", [True, False])
-def test_one_full_group_through_the_hybrid_manager_decides_as_todays_manager(caching: bool) -> None:
+def test_a_named_full_attention_group_decides_as_the_default_one(caching: bool) -> None:
     config = SchedulerConfig(num_blocks=12, block_size=2, max_num_batched_tokens=8, enable_prefix_caching=caching)
     prompts = [[1, 2, 3, 4, 5, i] for i in range(6)] + [list(range(40, 52))]
-    today = Scheduler(config)
-    hybrid = Scheduler(config)
-    hybrid.kv = HybridKVCacheManager((KVCacheGroup(FULL, (0,)),), 12, 2, caching, max_num_batched_tokens=8)
-    assert _run(today, prompts) == _run(hybrid, prompts)
+    default = Scheduler(config)
+    named = Scheduler(config)
+    named.kv = KVCacheManager(12, 2, caching, kv_cache_groups=(KVCacheGroup(FULL, (0,)),), max_num_batched_tokens=8)
+    assert _run(default, prompts) == _run(named, prompts)
 
 
 def test_a_request_is_rejected_only_when_every_groups_most_blocks_exceed_the_pool() -> None:

@@ -17,8 +17,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine.core.hybrid_kv_cache import HybridKVCacheManager
-from engine.core.kv_cache import cdiv
+from engine.core.kv_cache import KVCacheManager, cdiv
 from engine.core.kv_cache_groups import FULL, KVCacheGroup, KVCacheSpec
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler, SchedulerConfig
@@ -53,7 +52,7 @@ class HybridMachine(RuleBasedStateMachine):
         self.bus = EventBus(clock=lambda: 0.0)
         self.sched = Scheduler(self.config, self.bus)
         kv = self.sched.kv
-        assert isinstance(kv, HybridKVCacheManager)
+        assert isinstance(kv, KVCacheManager)
         self.kv = kv
         self.fold = BlockTableState()
         self.bus.subscribe(self._on_event)

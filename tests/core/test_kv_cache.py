@@ -1,4 +1,5 @@
-"""KVCacheManager: prefix hits in full blocks, allocation, freeing, usage."""
+"""KVCacheManager with one full-attention group: prefix hits in full blocks, allocation,
+freeing, usage."""
 
 from __future__ import annotations
 
@@ -24,11 +25,11 @@ def test_shared_1000_token_prefix_hits_992_tokens() -> None:
     second = Request("b", [*prefix, *range(7000, 7040)], 10)
     assert _admit(kv, first) == 0
     assert _admit(kv, second) == 992
-    assert second.block_ids[:62] == first.block_ids[:62]
-    assert second.block_ids[62] != first.block_ids[62]
+    assert second.block_tables[0][:62] == first.block_tables[0][:62]
+    assert second.block_tables[0][62] != first.block_tables[0][62]
     assert kv.prefix_query_tokens == 2 * 1040
     assert kv.prefix_hit_tokens == 992
-    kv.pool.check_integrity([first.block_ids, second.block_ids])
+    kv.pool.check_integrity([*first.block_tables, *second.block_tables])
 
 
 def test_hit_never_covers_the_whole_prompt() -> None:
@@ -37,7 +38,7 @@ def test_hit_never_covers_the_whole_prompt() -> None:
     _admit(kv, Request("a", tokens, 4))
     again = Request("b", tokens, 4)
     hits, hit_tokens = kv.get_computed_blocks(again)
-    assert hit_tokens == 16 and len(hits) == 1  # the last token must be computed
+    assert hit_tokens == 16 and [len(h) for h in hits] == [1]  # one group; the last token must be computed
 
 
 def test_hit_survives_the_owner_finishing_until_evicted() -> None:
@@ -59,18 +60,18 @@ def test_allocation_failure_changes_nothing() -> None:
     kv = KVCacheManager(num_blocks=3, block_size=4)
     a = Request("a", list(range(8)), 4)
     _admit(kv, a)
-    before = (kv.pool.num_free, list(a.block_ids))
+    before = (kv.pool.num_free, list(a.block_tables[0]))
     b = Request("b", list(range(50, 62)), 4)
     assert kv.allocate_slots(b, 12) is None
-    assert (kv.pool.num_free, list(a.block_ids)) == before and b.block_ids == []
-    kv.pool.check_integrity([a.block_ids])
+    assert (kv.pool.num_free, list(a.block_tables[0])) == before and b.block_tables == ()
+    kv.pool.check_integrity(a.block_tables)
 
 
 def test_decode_allocates_a_block_only_at_a_boundary() -> None:
     kv = KVCacheManager(num_blocks=8, block_size=4)
     r = Request("a", list(range(4)), 8)
     _admit(kv, r)
-    assert len(r.block_ids) == 1
+    assert r.num_table_blocks == 1
     r.token_ids.append(99)
     assert kv.allocate_slots(r, 1) == [1]
     r.num_computed_tokens += 1
@@ -83,10 +84,10 @@ def test_free_is_reverse_order_and_usage_counts_cached_as_free() -> None:
     r = Request("a", list(range(12)), 2)
     _admit(kv, r)
     assert kv.usage == 0.3
-    table = list(r.block_ids)
+    table = list(r.block_tables[0])
     assert kv.free(r) == table
     assert kv.pool.free_queue_order()[-3:] == table[::-1]
-    assert kv.usage == 0.0 and r.block_ids == []
+    assert kv.usage == 0.0 and r.block_tables == ()
 
 
 def test_caching_disabled_never_hits() -> None:

@@ -164,7 +164,7 @@ def test_fcfs_preempts_the_most_recent_and_admits_nothing_that_step() -> None:
             break
     assert preempted_at is not None
     b = sched.requests["b"]
-    assert b.status is RequestStatus.PREEMPTED and b.num_preemptions == 1 and b.block_ids == []
+    assert b.status is RequestStatus.PREEMPTED and b.num_preemptions == 1 and b.block_tables == ()
     assert next(iter(sched.waiting)) is b  # front of the queue
     assert next(e for e in events if e.type == "request.preempted").request_id == "b"  # type: ignore[attr-defined]
     # the output it already produced is kept and recomputed on resumption

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from engine.budget.config import EngineConfig
-from engine.core.hybrid_kv_cache import HybridKVCacheManager
+from engine.core.single_type_kv_cache import SlidingWindowManager
 from engine.events import EngineConfigEvent, EventBus, JsonlSink, StepEvent, read_events
 from engine.events.block_table import fold_step_events
 from engine.events.kv_events import BlockRemoved, BlockStored, KVEventFold
@@ -40,7 +40,7 @@ def hybrid_recording(tmp_path_factory: pytest.TempPathFactory) -> Path:
     spec = WorkloadSpec(40, (200, 2500), (200, 800), arrival="poisson", rate=30.0, unit="s",
                         shared_prefix_fraction=0.0, seed=7)
     sim = Simulation(setup, bus, stats_interval=1.0)
-    assert isinstance(sim.scheduler.kv, HybridKVCacheManager)
+    assert sum(isinstance(m, SlidingWindowManager) for m in sim.scheduler.kv.coordinator.managers) == 6
     result = sim.run(generate_workload(spec))
     sink.close()
     assert result.finished == 40 and result.preemptions > 0
@@ -50,7 +50,7 @@ def hybrid_recording(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_replay_verifies_a_hybrid_recording(hybrid_recording: Path) -> None:
     rec = load_recording(hybrid_recording)
     replayer = Replayer(rec)
-    assert isinstance(replayer.scheduler.kv, HybridKVCacheManager)
+    assert len(replayer.scheduler.kv.groups) == 7  # engine.config's groups: the same manager
     report = replayer.run()
     assert report.ok, replayer.render_divergence(report.divergence)  # type: ignore[arg-type]
 
