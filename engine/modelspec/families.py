@@ -14,7 +14,7 @@ that are the family's own). An architecture in no entry is refused when its conf
 and refuses, before any weights load, a file whose architecture, tokenizer type or
 tensor types kvscope cannot run, naming what is missing and what is supported.
 
-Add a family: docs/architecture.md, "Add a model family".
+Add a family: docs/models.md, "Adding a model family".
 """
 
 from __future__ import annotations
