@@ -16,11 +16,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import io
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, TextIO
@@ -753,17 +752,25 @@ def iter_jsonl(source: str | Path | TextIO) -> Iterator[dict[str, Any] | None]:
         yield row
 
 
-def _numbered_rows(source: str | Path | TextIO) -> Iterator[tuple[int, dict[str, Any] | None]]:
-    """(line number, JSON object or None) for each non-blank line."""
+def _numbered_rows(source: str | Path | TextIO | bytes, name: str | None = None,
+                   max_total_bytes: int | None = None) -> Iterator[tuple[int, dict[str, Any] | None]]:
+    """(line number, JSON object or None) for each non-blank line, read through the bounded
+    reader (engine/events/bounded.py: plain or gzipped, line-length, depth and size caps)."""
+    from engine.events.bounded import MAX_LINE_BYTES, InputLimitError, check_json_depth, text_lines
     from engine.events.validate import decode_object
 
-    if isinstance(source, str | Path):
-        with open(source, encoding="utf-8", errors="replace") as fh:
-            yield from _numbered_rows(fh)
-        return
-    for number, line in enumerate(source, start=1):
+    name = name or (str(source) if isinstance(source, str | Path) else "<stream>")
+    lines: Iterable[tuple[int, str]]
+    if isinstance(source, str | Path | bytes):
+        lines = text_lines(source, name, max_total_bytes)
+    else:
+        lines = enumerate(source, start=1)
+    for number, line in lines:
+        if len(line) > MAX_LINE_BYTES:
+            raise InputLimitError(f"{name}: line {number}: longer than {MAX_LINE_BYTES >> 20} MiB: not a recording")
         line = line.strip()
         if line:
+            check_json_depth(line, name, number)
             yield number, decode_object(line)
 
 
@@ -775,39 +782,45 @@ def read_events(source: str | Path | TextIO | bytes, name: str | None = None) ->
     does not parse (only a cut tail is expected), and when a field of the header or of
     an event is not of its declared type (engine/events/validate.py: the field is named).
     """
-    from engine.events.validate import SchemaError, check_header, event_from_row
+    from engine.events.bounded import max_recording_bytes
+    from engine.events.validate import SchemaError, event_from_row
 
     name = name or (str(source) if isinstance(source, str | Path) else "<stream>")
-    if isinstance(source, bytes):
-        source = io.StringIO(source.decode("utf-8", errors="replace"))
-    rows = list(_numbered_rows(source))
-    head = rows[0][1] if rows else None
-    if head is None or head.get("schema") != SCHEMA_NAME:
+    # streamed: the header is judged before the second line is read, a bad line before the next one
+    rows = _numbered_rows(source, name, max_recording_bytes())
+    first = next(rows, None)
+    head = first[1] if first else None
+    if first is None or head is None or head.get("schema") != SCHEMA_NAME:
         raise ValueError(f"{name}: not a kvscope event file (first line must be the {SCHEMA_NAME} header)")
-    try:
-        check_header(head)
-    except SchemaError as exc:
-        raise ValueError(f"{name}: line {rows[0][0]}: the header's {exc}") from None
-    if head.get("version", 0) > SCHEMA_VERSION:
-        raise ValueError(
-            f"{name}: line {rows[0][0]} (the header): schema version {head.get('version')} is newer than this "
-            f"kvscope reads ({SCHEMA_VERSION})"
-        )
+    _check_head(head, name, first[0])
     events: list[Event] = []
-    truncated = False
-    body = rows[1:]
-    for i, (number, row) in enumerate(body):
+    bad: tuple[int, str | None] | None = None  # a line that is not an event: a cut tail if nothing follows
+    for number, row in rows:
+        if bad is not None:
+            raise ValueError(f"{name}: line {bad[0]} is not a valid event")
         kind = row.get("type") if row is not None else None
         if row is None or not isinstance(kind, str) or kind not in EVENT_TYPES:
-            if i == len(body) - 1:
-                truncated = True
-                break
-            raise ValueError(f"{name}: line {number} is not a valid event")
+            bad = (number, None)
+            continue
         try:
             events.append(event_from_row(row))
         except SchemaError as exc:  # a whole line with a value of the wrong type: damage, not a cut
             raise ValueError(f"{name}: line {number}: {kind} event's {exc}") from None
-    return Recording(header=head, events=events, truncated=truncated)
+    return Recording(header=head, events=events, truncated=bad is not None)
+
+
+def _check_head(head: dict[str, Any], name: str, number: int) -> None:
+    from engine.events.validate import SchemaError, check_header
+
+    try:
+        check_header(head)
+    except SchemaError as exc:
+        raise ValueError(f"{name}: line {number}: the header's {exc}") from None
+    if head.get("version", 0) > SCHEMA_VERSION:
+        raise ValueError(
+            f"{name}: line {number} (the header): schema version {head.get('version')} is newer than this "
+            f"kvscope reads ({SCHEMA_VERSION})"
+        )
 
 
 def open_sink(path: str | os.PathLike[str], config: dict[str, Any] | None = None) -> JsonlSink:

@@ -8,15 +8,17 @@ blocks in order, exactly the GGUF tensor's bytes. Per-32 activation scales fit e
 K-quants' sub-blocks are 32 or 16 weights), so one quantization of ``x`` serves a layer whose
 parts have different types (:func:`quant_matmul_segments`, as Q4_K_M files mix Q4_K and Q6_K).
 
-Layout of the quantized activations (``QuantActs`` in the C++): per 128 values (four 32-blocks
-A..D) the first halves ``A0..15 B0..15 C0..15 D0..15`` then the second halves. Every format
-unpacks a 128-weight group into that order with a few shuffles, so one 64-byte ``vpdpbusd``
-gives each 32-block its own four int32 lanes, and a group costs one float FMA per row with the
-weight's (sub)scales times the activation scales. The constant parts of the weights (Q4_0's -8,
-Q5_0's -16, Q6_K's -32, Q8_0's +128 bias on VNNI, the Q4_1/Q5_1/K-quant minimums) are one more
-FMA against the activations' per-block sums. The weight row streams once; it is unpacked once
-per block and multiplied into a tile of up to 8 (AVX-512) or 4 (AVX2) activation rows; rows
-of ``W`` are split over torch's intra-op threads in big contiguous chunks (``at::parallel_for``).
+Layout of the quantized activations (``QuantActs`` in the C++): 32-blocks interleaved 4 bytes at
+a time, so int32 lane l of a ``vpdpbusd`` belongs to block l % (blocks per group). On AVX-512 a
+group is 8 blocks (256 values): every format unpacks 8 blocks of weights (one K-quant block, or 8
+ggml blocks gathered with VBMI byte permutes) into the same order with a few shuffles, four 64-byte
+``vpdpbusd`` fold into the 8 blocks' dots, and a row costs one float FMA per 8 blocks with the
+weights' (sub)scales times the activation scales. AVX2 uses 4-block groups. The constant parts of
+the weights (Q4_0's -8, Q5_0's -16, Q6_K's -32, Q8_0's +128 bias on VNNI, the Q4_1/Q5_1/K-quant
+minimums) are one more FMA against the activations' per-block sums. A weight row streams once;
+each group is unpacked once and multiplied into a tile of up to 8 (AVX-512) or 4 (AVX2)
+activation rows; rows of ``W`` are split over torch's intra-op threads in big contiguous chunks
+(``at::parallel_for``).
 
 Builds: the engine compiles with ``-march=native``; ``KVSCOPE_CPU_QUANT_ISA`` = ``native``
 (default) | ``avx512`` (no VNNI) | ``avx2`` | ``scalar`` loads the same source compiled with the
@@ -126,11 +128,22 @@ inline uint32_t load_u32(const uint8_t* p) {
 }
 
 // ---------------------------------------------------------------- activations (ggml's Q8_1, per 32)
-// Rows padded to whole 128-value groups (zeros). Per group: the four 32-blocks' first halves, then
-// their second halves, so a 64-byte load pairs with a format's unpacked weights. d: each block's
-// scale on its four dot lanes; s32 / s16: d * sum(q) per 32-block / per 16 values (natural order,
-// padded so a 16-float load at any group stays inside the row).
+// Rows padded to whole groups (zeros) whose 32-blocks are interleaved 4 bytes at a time, so int32
+// lane l of a vpdpbusd belongs to block l % (blocks per group):
+// * AVX-512: 8 blocks (256 values), 32 bytes per 4 values: b0[0..3] b1[0..3] .. b7[0..3] b0[4..7]
+//   ..; a 64-byte dot folded once gives the 8 blocks' dots in the 8 lanes of a ymm, scaled by
+//   the 8 block scales as they are stored (natural order).
+// * AVX2 and scalar: 4 blocks (128 values): their values 0..15 as b0[0..3] b1[0..3] b2[0..3]
+//   b3[0..3] b0[4..7] .., then 16..31 the same way; one 4-float broadcast scales a row's lanes.
+// d: each 32-block's scale; s32 / s16: d * sum(q) per 32 / per 16 values (see s16_pos); all
+// zero-padded to a multiple of 16 floats.
+#if defined(KVQ_AVX512)
+constexpr int64_t kGroup = 256;
+#else
 constexpr int64_t kGroup = 128;
+#endif
+
+inline int64_t pad16(int64_t n) { return (n + 15) / 16 * 16; }
 
 struct QuantActs {
   int64_t M = 0, K = 0, groups = 0;
@@ -144,36 +157,53 @@ struct QuantActs {
 };
 
 // Where value i (0..31) of 32-block kb lands in a row of QuantActs::q.
-inline int64_t act_pos(int64_t kb, int i) { return (kb >> 2) * kGroup + (i >> 4) * 64 + (kb & 3) * 16 + (i & 15); }
-
-// One 32-block: d = amax / 127, q = round-half-even(x / d) (as x * (1 / d), like ggml and the tests).
-inline void quantize_block(const float* x, QuantActs& a, int64_t r, int64_t kb) {
-  int8_t* q = a.q.data() + r * a.q_stride;
-  float amax = 0.f;
+inline int64_t act_pos(int64_t kb, int i) {
 #if defined(KVQ_AVX512)
-  const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
-  amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  return (kb >> 3) * kGroup + (i >> 2) * 32 + (kb & 7) * 4 + (i & 3);
+#else
+  return (kb >> 2) * kGroup + (i >> 4) * 64 + ((i & 15) >> 2) * 16 + (kb & 3) * 4 + (i & 3);
+#endif
+}
+
+// Where the sum of values 16h..16h+15 of 32-block kb lands in a row of QuantActs::s16: natural
+// order, except on AVX-512: per group, the 8 blocks' first halves, then their second halves.
+inline int64_t s16_pos(int64_t kb, int h) {
+#if defined(KVQ_AVX512)
+  return (kb >> 3) * 16 + h * 8 + (kb & 7);
+#else
+  return 2 * kb + h;
+#endif
+}
+
+// One 32-block: d = amax / 127, q = round-half-even(x * (1 / d)) (like ggml, and the tests).
+inline void quantize_block(const float* x, QuantActs& a, int64_t r, int64_t kb) {
+  int8_t v[32];
+  float amax = 0.f;
+  int lo = 0, hi = 0;
+#if defined(KVQ_AVX512)
+  const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+  amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
   const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-  const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
-  const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
-  _mm_storeu_si128((__m128i*)(q + act_pos(kb, 0)), _mm512_cvtepi32_epi8(q0));
-  _mm_storeu_si128((__m128i*)(q + act_pos(kb, 16)), _mm512_cvtepi32_epi8(q1));
-  const int lo = _mm512_reduce_add_epi32(q0), hi = _mm512_reduce_add_epi32(q1);
+  const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(id)));
+  const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(id)));
+  _mm_storeu_si128((__m128i*)v, _mm512_cvtepi32_epi8(q0));
+  _mm_storeu_si128((__m128i*)(v + 16), _mm512_cvtepi32_epi8(q1));
+  lo = _mm512_reduce_add_epi32(q0);
+  hi = _mm512_reduce_add_epi32(q1);
 #else
   for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
   const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-  int lo = 0, hi = 0;
   for (int i = 0; i < 32; ++i) {
-    const int v = (int)std::nearbyint(x[i] * id);
-    q[act_pos(kb, i)] = (int8_t)v;
-    (i < 16 ? lo : hi) += v;
+    v[i] = (int8_t)std::nearbyint(x[i] * id);
+    (i < 16 ? lo : hi) += v[i];
   }
 #endif
-  float* dl = a.d.data() + r * a.d_stride + (kb >> 2) * 16 + (kb & 3) * 4;
-  dl[0] = dl[1] = dl[2] = dl[3] = d;
+  int8_t* q = a.q.data() + r * a.q_stride;
+  for (int c = 0; c < 8; ++c) std::memcpy(q + act_pos(kb, 4 * c), v + 4 * c, 4);
+  a.d[r * a.d_stride + kb] = d;
   a.s32[r * a.s32_stride + kb] = d * (float)(lo + hi);
-  a.s16[r * a.s16_stride + 2 * kb] = d * (float)lo;
-  a.s16[r * a.s16_stride + 2 * kb + 1] = d * (float)hi;
+  a.s16[r * a.s16_stride + s16_pos(kb, 0)] = d * (float)lo;
+  a.s16[r * a.s16_stride + s16_pos(kb, 1)] = d * (float)hi;
 }
 
 // x: M rows of K floats (row stride ldx), K a multiple of 32. Reuses a's buffers.
@@ -182,9 +212,9 @@ inline void quantize_acts(const float* x, int64_t M, int64_t K, int64_t ldx, Qua
   a.K = K;
   a.groups = (K + kGroup - 1) / kGroup;
   a.q_stride = a.groups * kGroup;
-  a.d_stride = a.groups * 16;
-  a.s32_stride = a.groups * 4 + 12;
-  a.s16_stride = a.groups * 8 + 8;
+  a.d_stride = pad16(a.q_stride / 32);
+  a.s32_stride = pad16(a.q_stride / 32);
+  a.s16_stride = pad16(a.q_stride / 16);
   a.q.assign(M * a.q_stride, 0);
   a.d.assign(M * a.d_stride, 0.f);
   a.s32.assign(M * a.s32_stride, 0.f);
@@ -199,8 +229,10 @@ inline void quantize_acts(const float* x, int64_t M, int64_t K, int64_t ldx, Qua
 // ---------------------------------------------------------------- block formats
 // decode(): 32-block j of a ggml block as integers, w[i] = sc[i / 16] * v[i] (+ mn), computed in
 // ggml's (and gguf-py's) float order so dequantize() is bit-exact (the build has no -ffast-math
-// and no FMA contraction). The SIMD matmul paths unpack a unit (4 ggml blocks of 32, or one
-// K-quant block) into groups of 128 weights laid out as the activations (see QuantActs).
+// and no FMA contraction); the scalar matmul uses it too. The SIMD paths unpack a unit (4 ggml
+// blocks of 32, or one K-quant block) into groups of 128 weights laid out as the activations,
+// and write the group's coefficients of the activation sums (kOffPer floats against s32, or
+// s16 for Q6_K: minimums, or -offset * d for the unsigned-stored formats) to mo.
 struct BlockInts {
   int8_t v[32];
   float sc[2];
@@ -208,22 +240,18 @@ struct BlockInts {
 };
 
 #if defined(KVQ_AVX512)
-struct Group {
-  __m512i w0, w1;       // unsigned weight bytes: first / second halves of the 4 blocks
-  __m512 s0, s1;        // per-lane float scales of w0's / w1's dot lanes (s1: two-scale formats)
-  __m512 mo;            // coefficients of the activation sums (s32: 4 lanes, s16: 8 lanes; rest 0)
-  __mmask64 n0, n1;     // Q8_0 without VNNI: the negative weights (w0 / w1 hold |q|)
+// A unit (8 blocks, 256 weights) unpacked as the activations: w[c] holds values 8c..8c+7 of the 8
+// blocks, lane 8t + b = block b's values 8c + 4t .. 8c + 4t + 3.
+struct Unit {
+  __m512i w[4];        // unsigned weight bytes (Q8_0 without VNNI: |q|)
+  __m256 s0, s1;       // the blocks' scales (two-scale formats: s0 for values 0..15, s1 for 16..31)
+  __m256 mo;           // coefficients of the blocks' activation sums (s32): minimums, or -offset * d
+  __mmask64 neg[4];    // Q8_0 without VNNI: where q < 0
 };
-static const __m512i kLane4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-static inline __m512 lanes4(__m128 v) { return _mm512_permutexvar_ps(kLane4, _mm512_castps128_ps512(v)); }
-static inline __m512 zext4(__m128 v) { return _mm512_maskz_mov_ps(0x000F, _mm512_castps128_ps512(v)); }
+constexpr int kStepBlocks = 8;  // 32-blocks per unpacked unit
 static inline __m512i low_nibbles(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
-// 4 unaligned 16-byte pieces p, p + stride, ... as one vector
-static inline __m512i gather4x16(const uint8_t* p, int64_t stride) {
-  __m512i z = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)p));
-  z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i*)(p + stride)), 1);
-  z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i*)(p + 2 * stride)), 2);
-  return _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i*)(p + 3 * stride)), 3);
+static inline __mmask64 bytes_mask(int64_t n) {  // the first n (clamped to 0..64) bytes
+  return n >= 64 ? ~0ull : n <= 0 ? 0ull : (1ull << n) - 1;
 }
 static inline __m512i dp(__m512i acc, __m512i w, __m512i a) {
 #if defined(KVQ_VNNI)
@@ -232,41 +260,87 @@ static inline __m512i dp(__m512i acc, __m512i w, __m512i a) {
   return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, a), _mm512_set1_epi16(1)));
 #endif
 }
-// Both halves into the same lanes (weights below 32: the int16 pair sums cannot saturate).
-static inline __m512i dp2(const Group& g, __m512i a0, __m512i a1) {
-#if defined(KVQ_VNNI)
-  return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), g.w0, a0), g.w1, a1);
-#else
-  const __m512i s = _mm512_add_epi16(_mm512_maddubs_epi16(g.w0, a0), _mm512_maddubs_epi16(g.w1, a1));
-  return _mm512_madd_epi16(s, _mm512_set1_epi16(1));
-#endif
+static inline __m256 upper8(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+static inline __m256i fold(__m512i v) { return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)); }
+// Shuffle tables computed at compile time (constant data: no guarded statics in the hot loops).
+struct alignas(64) Lanes32 {
+  int32_t v[16];
+};
+struct alignas(64) Bytes64 {
+  uint8_t v[64];
+};
+template <class Fn>
+constexpr Lanes32 lanes32(Fn f) {  // lane l = f(l)
+  Lanes32 t{};
+  for (int l = 0; l < 16; ++l) t.v[l] = f(l);
+  return t;
 }
+template <class Fn>
+constexpr Bytes64 bytes64(Fn f) {  // byte p = f(p)
+  Bytes64 t{};
+  for (int p = 0; p < 64; ++p) t.v[p] = (uint8_t)f(p);
+  return t;
+}
+static inline __m512i ld(const Lanes32& t) { return _mm512_load_si512((const void*)t.v); }
+static inline __m512i ld(const Bytes64& t) { return _mm512_load_si512((const void*)t.v); }
+static inline __m256 fp16x8(const uint8_t* p, int64_t stride, int n = 8) {  // n < 8: the rest 0
+  uint16_t h[8] = {};
+  for (int i = 0; i < n && i < 8; ++i) std::memcpy(h + i, p + i * stride, 2);
+  return _mm256_cvtph_ps(_mm_setr_epi16((short)h[0], (short)h[1], (short)h[2], (short)h[3], (short)h[4], (short)h[5],
+                                        (short)h[6], (short)h[7]));
+}
+// 4 unaligned 16-byte pieces p, p + stride, ... as one vector
+static inline __m512i gather4x16(const uint8_t* p, int64_t stride) {
+  __m512i z = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)p));
+  z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i*)(p + stride)), 1);
+  z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i*)(p + 2 * stride)), 2);
+  return _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i*)(p + 3 * stride)), 3);
+}
+// Q5_0/Q5_1: hv holds the 8 blocks' 5th-bit words twice (dword l = block l % 8's); the byte mask of
+// w[c]: byte i of lane 8t + b is bit 8c + 4t + i of block b's word.
+#if defined(__AVX512BITALG__)
+static inline __mmask64 fifth_mask(__m512i hv, int c) {
+  static constexpr Bytes64 kBits = bytes64([](int p) { return ((p >> 2) & 1) * 32 + 4 * (p >> 5) + (p & 3); });
+  return _mm512_bitshuffle_epi64_mask(hv, _mm512_add_epi8(ld(kBits), _mm512_set1_epi8((char)(8 * c))));
+}
+#else
+static inline __mmask64 fifth_mask(__m512i hv, int c) {  // shift the lane's 4 bits to byte 0, copy it, test bit i
+  static constexpr Lanes32 kShift = lanes32([](int l) { return 4 * (l >> 3); });
+  static constexpr Bytes64 kByte0 = bytes64([](int p) { return p & 12; });
+  const __m512i cnt = _mm512_add_epi32(ld(kShift), _mm512_set1_epi32(8 * c));
+  const __m512i b0 = _mm512_shuffle_epi8(_mm512_srlv_epi32(hv, cnt), ld(kByte0));
+  return _mm512_test_epi8_mask(b0, _mm512_set1_epi32(0x08040201));
+}
+#endif
 #elif defined(KVQ_AVX2)
+constexpr int kStepBlocks = 4;  // 32-blocks per unpacked step (offset coefficients per step: 4 or 8)
 struct Group {
-  __m256i w0a, w0b, w1a, w1b;  // first halves of blocks A|B, C|D; second halves of A|B, C|D
-  __m256 s0a, s0b, s1a, s1b;   // per-lane float scales of those dot lanes
-  __m256 mo;                   // coefficients of the activation sums (s32: 4 lanes, s16: 8; rest 0)
+  __m256i w0a, w0b, w1a, w1b;  // values 0..15 of 4 blocks (lanes: block l % 4) in two parts, then 16..31
+  __m256 s0, s1;               // scales of the w0* / w1* dot lanes; s1: two-scale formats
 };
 static inline __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
-static inline __m256 lanes_pair(__m256 v, int i, int j) {  // [v[i] x4, v[j] x4]
-  return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(i, i, i, i, j, j, j, j));
+static inline __m256i mb(__m256i w, __m256i a) { return _mm256_maddubs_epi16(w, a); }
+static inline __m256i madd1(__m256i s) { return _mm256_madd_epi16(s, _mm256_set1_epi16(1)); }
+static inline __m256i cast128(__m128i v) { return _mm256_castsi128_si256(v); }
+// Two 8-byte pieces of p as dwords [p0, p1, q0, q1] in the low half.
+static inline __m256i two_pieces(const uint8_t* p, const uint8_t* q) {
+  return cast128(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i*)p), _mm_loadl_epi64((const __m128i*)q)));
 }
-static inline __m256 zext4(__m128 v) { return _mm256_insertf128_ps(_mm256_setzero_ps(), v, 0); }
-static inline __m256i dp(__m256i w, __m256i a) { return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1)); }
-static inline __m256i dp2(__m256i w0, __m256i a0, __m256i w1, __m256i a1) {
-  const __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(w0, a0), _mm256_maddubs_epi16(w1, a1));
-  return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
-}
-// The 32 bits of m as 32 bytes, 0x10 where the bit is set (byte i <- bit i), for the 5th bit.
-static inline __m256i bits_to_0x10(uint32_t m) {
-  const __m256i shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                        2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-  const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-  const __m256i b = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)m), shuf), bit);
-  return _mm256_and_si256(_mm256_cmpeq_epi8(b, bit), _mm256_set1_epi8(0x10));
+// Lanes of 4 bytes: byte i of lane 4j + b = 0x10 where bit `first` + 4j + i of h[b] is set (j = 0, 1).
+static inline __m256i fifth_bits(__m256i hv, int first) {
+  const __m256i pick = _mm256_set1_epi32(0x01010101 * (first >> 3));  // byte first / 8 of each word
+  const __m256i bytes = _mm256_shuffle_epi8(hv, _mm256_add_epi8(
+      _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12),
+      pick));
+  const __m256i bit = _mm256_setr_epi32(0x08040201, 0x08040201, 0x08040201, 0x08040201, (int)0x80402010u,
+                                        (int)0x80402010u, (int)0x80402010u, (int)0x80402010u);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(0x10));
 }
 #endif
 
+#if !defined(KVQ_AVX512) && !defined(KVQ_AVX2)
+constexpr int kStepBlocks = 4;
+#else
 static inline __m128 fp16x4(const uint8_t* p, int64_t stride) {
 #if defined(__F16C__)
   uint16_t h[4];
@@ -276,14 +350,16 @@ static inline __m128 fp16x4(const uint8_t* p, int64_t stride) {
   return _mm_setr_ps(fp16(p), fp16(p + stride), fp16(p + 2 * stride), fp16(p + 3 * stride));
 #endif
 }
+#endif
 
-// Common to the four 32-weight formats with 4-bit quants (+ a 5th bit): qs at byte offset kQs.
+// The four 32-weight formats with 4-bit quants (+ a 5th bit at kQh): qs at byte offset kQs, low
+// nibbles values 0..15, high nibbles 16..31; stored unsigned, w = d * (q - kOffset) or d * q + m.
 template <int kBytes_, int kQs, int kQh, bool kMin, int kOffset>
 struct Small {
   static constexpr int64_t kBlockWeights = 32, kBlockBytes = kBytes_;
-  static constexpr int kSub = 1, kUnitBlocks = 4, kGroups = 1;
+  static constexpr int kSub = 1, kGroups = 1;
+  static constexpr int kUnitBlocks = kStepBlocks, kOffPer = kStepBlocks;  // offset coefficients against s32
   static constexpr bool kTwoScales = false, kHasMin = kMin;
-  static constexpr int kOff = 32;  // coefficients against s32
   struct Prep {};
   static inline void decode(const uint8_t* b, int, BlockInts& o) {
     const uint8_t* qs = b + kQs;
@@ -298,53 +374,106 @@ struct Small {
   }
   static inline void prepare(const uint8_t*, Prep&) {}
 #if defined(KVQ_AVX512)
-  static inline void group(const uint8_t* u, const Prep&, int, Group& g) {
-    const __m512i z = gather4x16(u + kQs, kBytes_);
-    g.w0 = low_nibbles(z);
-    g.w1 = low_nibbles(_mm512_srli_epi16(z, 4));
-    if (kQh >= 0) {
-      uint64_t m0 = 0, m1 = 0;
-      for (int i = 0; i < 4; ++i) {
-        const uint64_t h = load_u32(u + i * kBytes_ + (kQh >= 0 ? kQh : 0));
-        m0 |= (h & 0xFFFF) << (16 * i);
-        m1 |= (h >> 16) << (16 * i);
-      }
-      g.w0 = _mm512_mask_add_epi8(g.w0, (__mmask64)m0, g.w0, _mm512_set1_epi8(16));
-      g.w1 = _mm512_mask_add_epi8(g.w1, (__mmask64)m1, g.w1, _mm512_set1_epi8(16));
+#if defined(__AVX512VBMI__)
+  // Byte gathers over a unit (8 blocks, at most 192 bytes): byte p of a gathered vector comes from
+  // unit byte source(kind, p), out of bytes 0..127 or, past 127, out of 64..191 (two two-source
+  // byte permutes, blended). Kinds 0, 1: the blocks' qs bytes 4t + i, 8 + 4t + i at lane 8t + b;
+  // kind 2: the 8 d (bytes 0..15), the 8 m (16..31), the 8 words of 5th bits (32..63).
+  struct Gather {
+    Bytes64 first, second;
+    uint64_t from_second;
+  };
+  static constexpr int source(int kind, int p) {
+    if (kind < 2) return ((p >> 2) & 7) * kBytes_ + kQs + 8 * kind + 4 * (p >> 5) + (p & 3);
+    if (p < 16) return (p >> 1) * kBytes_ + (p & 1);
+    if (p < 32) return kMin ? ((p - 16) >> 1) * kBytes_ + 2 + (p & 1) : 0;
+    return kQh >= 0 ? ((p - 32) >> 2) * kBytes_ + (kQh >= 0 ? kQh : 0) + (p & 3) : 0;
+  }
+  static constexpr Gather gather_table(int kind) {
+    Gather t{};
+    for (int p = 0; p < 64; ++p) {
+      const int o = source(kind, p);
+      t.first.v[p] = (uint8_t)(o < 128 ? o : 0);
+      t.second.v[p] = (uint8_t)(o < 128 ? 0 : o - 64);
+      if (o >= 128) t.from_second |= 1ull << p;
     }
-    const __m128 d = fp16x4(u, kBytes_);
-    g.s0 = lanes4(d);
-    g.mo = zext4(kMin ? fp16x4(u + 2, kBytes_) : _mm_mul_ps(d, _mm_set1_ps(-(float)kOffset)));
+    return t;
+  }
+#endif
+  // nblocks < 8: the row's last, partial unit, read in place (the missing blocks read as zeros:
+  // zero weights with zero scales).
+  static inline void unit(const uint8_t* u, int nblocks, Unit& g) {
+    __m512i x0, x1, hv = _mm512_setzero_si512();
+    __m256 d, m;
+#if defined(__AVX512VBMI__)
+    static constexpr Gather kQs0 = gather_table(0), kQs1 = gather_table(1), kMeta = gather_table(2);
+    const int64_t nbytes = nblocks * kBytes_;
+    const __m512i b0 = _mm512_maskz_loadu_epi8(bytes_mask(nbytes), u);
+    const __m512i b1 = _mm512_maskz_loadu_epi8(bytes_mask(nbytes - 64), u + 64);
+    const __m512i b2 = _mm512_maskz_loadu_epi8(bytes_mask(nbytes - 128), u + 128);
+    auto gather = [&](const Gather& t) {
+      return _mm512_mask_blend_epi8((__mmask64)t.from_second, _mm512_permutex2var_epi8(b0, ld(t.first), b1),
+                                    _mm512_permutex2var_epi8(b1, ld(t.second), b2));
+    };
+    x0 = gather(kQs0);
+    x1 = gather(kQs1);
+    const __m512i meta = gather(kMeta);
+    d = _mm256_cvtph_ps(_mm512_castsi512_si128(meta));
+    m = _mm256_cvtph_ps(_mm512_extracti32x4_epi32(meta, 1));
+    hv = _mm512_shuffle_i64x2(meta, meta, _MM_SHUFFLE(3, 2, 3, 2));
+#else
+    // the blocks' qs as 8 x 16 bytes (dword 4b + j), lane 8t + b <- dword t (x0) or 2 + t (x1) of block b
+    alignas(64) uint8_t padded[8 * kBytes_];
+    if (nblocks < 8) {  // gathers below read whole blocks: copy the partial unit, zero-padded
+      std::memset(padded, 0, sizeof(padded));
+      std::memcpy(padded, u, nblocks * kBytes_);
+      u = padded;
+    }
+    static constexpr Lanes32 pick_t = lanes32([](int l) { return ((l & 7) < 4 ? 4 * (l & 7) : 16 + 4 * ((l & 7) - 4)) + (l >> 3); });
+    const __m512i pick = ld(pick_t);
+    const __m512i lo = gather4x16(u + kQs, kBytes_), hi = gather4x16(u + 4 * kBytes_ + kQs, kBytes_);
+    x0 = _mm512_permutex2var_epi32(lo, pick, hi);
+    x1 = _mm512_permutex2var_epi32(lo, _mm512_add_epi32(pick, _mm512_set1_epi32(2)), hi);
+    d = fp16x8(u, kBytes_);
+    m = kMin ? fp16x8(u + 2, kBytes_) : d;
+    if (kQh >= 0) {
+      int32_t h[8];
+      for (int i = 0; i < 8; ++i) h[i] = (int32_t)load_u32(u + i * kBytes_ + (kQh >= 0 ? kQh : 0));
+      hv = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)h));
+    }
+#endif
+    g.w[0] = low_nibbles(x0);
+    g.w[1] = low_nibbles(x1);
+    g.w[2] = low_nibbles(_mm512_srli_epi16(x0, 4));
+    g.w[3] = low_nibbles(_mm512_srli_epi16(x1, 4));
+    if (kQh >= 0)
+      for (int c = 0; c < 4; ++c) g.w[c] = _mm512_mask_add_epi8(g.w[c], fifth_mask(hv, c), g.w[c], _mm512_set1_epi8(16));
+    g.s0 = d;
+    g.mo = kMin ? m : _mm256_mul_ps(d, _mm256_set1_ps(-(float)kOffset));
   }
 #elif defined(KVQ_AVX2)
-  static inline void group(const uint8_t* u, const Prep&, int, Group& g) {
-    __m256i x[4];  // blocks' qs: [A|B], [C|D] (first halves in the low nibbles, second in the high)
-    const __m256i ab = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(u + kQs))),
-                                               _mm_loadu_si128((const __m128i*)(u + kBytes_ + kQs)), 1);
-    const __m256i cd = _mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(u + 2 * kBytes_ + kQs))),
-        _mm_loadu_si128((const __m128i*)(u + 3 * kBytes_ + kQs)), 1);
-    x[0] = low_nibbles(ab);
-    x[1] = low_nibbles(cd);
-    x[2] = low_nibbles(_mm256_srli_epi16(ab, 4));
-    x[3] = low_nibbles(_mm256_srli_epi16(cd, 4));
+  static inline void group(const uint8_t* u, const Prep&, int, Group& g, float* mo) {
+    auto qs = [&](int i) { return _mm_loadu_si128((const __m128i*)(u + i * kBytes_ + kQs)); };
+    const __m256i x0 = _mm256_inserti128_si256(cast128(qs(0)), qs(2), 1), x1 = _mm256_inserti128_si256(cast128(qs(1)), qs(3), 1);
+    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+    const __m256i a = _mm256_permutevar8x32_epi32(_mm256_unpacklo_epi32(x0, x1), order);  // dwords 0, 1 of A..D
+    const __m256i b = _mm256_permutevar8x32_epi32(_mm256_unpackhi_epi32(x0, x1), order);  // dwords 2, 3
+    g.w0a = low_nibbles(a);
+    g.w0b = low_nibbles(b);
+    g.w1a = low_nibbles(_mm256_srli_epi16(a, 4));
+    g.w1b = low_nibbles(_mm256_srli_epi16(b, 4));
     if (kQh >= 0) {
       uint32_t h[4];
       for (int i = 0; i < 4; ++i) h[i] = load_u32(u + i * kBytes_ + (kQh >= 0 ? kQh : 0));
-      x[0] = _mm256_or_si256(x[0], bits_to_0x10((h[0] & 0xFFFF) | (h[1] << 16)));
-      x[1] = _mm256_or_si256(x[1], bits_to_0x10((h[2] & 0xFFFF) | (h[3] << 16)));
-      x[2] = _mm256_or_si256(x[2], bits_to_0x10((h[0] >> 16) | (h[1] & 0xFFFF0000u)));
-      x[3] = _mm256_or_si256(x[3], bits_to_0x10((h[2] >> 16) | (h[3] & 0xFFFF0000u)));
+      const __m256i hv = _mm256_broadcastsi128_si256(_mm_setr_epi32((int)h[0], (int)h[1], (int)h[2], (int)h[3]));
+      g.w0a = _mm256_or_si256(g.w0a, fifth_bits(hv, 0));
+      g.w0b = _mm256_or_si256(g.w0b, fifth_bits(hv, 8));
+      g.w1a = _mm256_or_si256(g.w1a, fifth_bits(hv, 16));
+      g.w1b = _mm256_or_si256(g.w1b, fifth_bits(hv, 24));
     }
-    g.w0a = x[0];
-    g.w0b = x[1];
-    g.w1a = x[2];
-    g.w1b = x[3];
     const __m128 d = fp16x4(u, kBytes_);
-    const __m256 d8 = _mm256_castps128_ps256(d);
-    g.s0a = lanes_pair(d8, 0, 1);
-    g.s0b = lanes_pair(d8, 2, 3);
-    g.mo = zext4(kMin ? fp16x4(u + 2, kBytes_) : _mm_mul_ps(d, _mm_set1_ps(-(float)kOffset)));
+    g.s0 = _mm256_broadcast_ps(&d);
+    _mm_storeu_ps(mo, kMin ? fp16x4(u + 2, kBytes_) : _mm_mul_ps(d, _mm_set1_ps(-(float)kOffset)));
   }
 #endif
 };
@@ -356,12 +485,12 @@ using FQ5_1 = Small<24, 8, 4, true, 0>;
 
 struct FQ8_0 {
   static constexpr int64_t kBlockWeights = 32, kBlockBytes = 34;
-  static constexpr int kSub = 1, kUnitBlocks = 4, kGroups = 1;
+  static constexpr int kSub = 1, kUnitBlocks = kStepBlocks, kGroups = 1;
   static constexpr bool kTwoScales = false, kHasMin = false;
 #if defined(KVQ_VNNI)
-  static constexpr int kOff = 32;  // weights biased by +128 to unsigned: subtract 128 * d * s32
+  static constexpr int kOffPer = kStepBlocks;  // weights stored +128 (unsigned): subtract 128 * d * s32
 #else
-  static constexpr int kOff = 0;  // sign trick: |q| times sign-adjusted activations
+  static constexpr int kOffPer = 0;  // sign trick: |q| times the activations negated where q < 0
 #endif
   struct Prep {};
   static inline void decode(const uint8_t* b, int, BlockInts& o) {
@@ -371,39 +500,58 @@ struct FQ8_0 {
   }
   static inline void prepare(const uint8_t*, Prep&) {}
 #if defined(KVQ_AVX512)
-  static inline void group(const uint8_t* u, const Prep&, int, Group& g) {
-    const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(u + 2))),
-                                          _mm256_loadu_si256((const __m256i*)(u + 36)), 1);
-    const __m512i cd = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(u + 70))),
-                                          _mm256_loadu_si256((const __m256i*)(u + 104)), 1);
-    g.w0 = _mm512_shuffle_i64x2(ab, cd, _MM_SHUFFLE(2, 0, 2, 0));
-    g.w1 = _mm512_shuffle_i64x2(ab, cd, _MM_SHUFFLE(3, 1, 3, 1));
-    const __m128 d = fp16x4(u, 34);
-    g.s0 = lanes4(d);
+  static inline void unit(const uint8_t* u, int nblocks, Unit& g) {  // nblocks < 8: the missing ones read as 0
+    auto quants = [&](int b) {
+      return b < nblocks ? _mm256_loadu_si256((const __m256i*)(u + 34 * b + 2)) : _mm256_setzero_si256();
+    };
+    auto pair = [&](int b) {  // blocks b, b + 1: their quants as dwords 0..7, 8..15
+      return _mm512_inserti64x4(_mm512_castsi256_si512(quants(b)), quants(b + 1), 1);
+    };
+    const __m512i z01 = pair(0), z23 = pair(2), z45 = pair(4), z67 = pair(6);
+    // lane 4v + b (b < 4): dword v of block b, v = 0..3 (then 4..7 with + 4)
+    static constexpr Lanes32 first_t = lanes32([](int l) {
+      const int v = l >> 2, b = l & 3;
+      return b < 2 ? 8 * b + v : 16 + 8 * (b - 2) + v;
+    });
+    const __m512i first = ld(first_t);
+    // lane 8t + b: dword 2c + t of block b, out of the 4-block vectors (blocks 0..3, then 4..7)
+    static constexpr Lanes32 second_t = lanes32([](int l) {
+      const int t = l >> 3, b = l & 7;
+      return b < 4 ? 4 * t + b : 16 + 4 * t + b - 4;
+    });
+    const __m512i second = ld(second_t);
+    const __m512i four = _mm512_set1_epi32(4), eight = _mm512_set1_epi32(8);
+    const __m512i p0 = _mm512_permutex2var_epi32(z01, first, z23), p1 = _mm512_permutex2var_epi32(z01, _mm512_add_epi32(first, four), z23);
+    const __m512i p2 = _mm512_permutex2var_epi32(z45, first, z67), p3 = _mm512_permutex2var_epi32(z45, _mm512_add_epi32(first, four), z67);
+    g.w[0] = _mm512_permutex2var_epi32(p0, second, p2);
+    g.w[1] = _mm512_permutex2var_epi32(p0, _mm512_add_epi32(second, eight), p2);
+    g.w[2] = _mm512_permutex2var_epi32(p1, second, p3);
+    g.w[3] = _mm512_permutex2var_epi32(p1, _mm512_add_epi32(second, eight), p3);
+    g.s0 = fp16x8(u, 34, nblocks);
 #if defined(KVQ_VNNI)
-    g.w0 = _mm512_xor_si512(g.w0, _mm512_set1_epi8((char)0x80));
-    g.w1 = _mm512_xor_si512(g.w1, _mm512_set1_epi8((char)0x80));
-    g.mo = zext4(_mm_mul_ps(d, _mm_set1_ps(-128.f)));
+    for (int c = 0; c < 4; ++c) g.w[c] = _mm512_xor_si512(g.w[c], _mm512_set1_epi8((char)0x80));
+    g.mo = _mm256_mul_ps(g.s0, _mm256_set1_ps(-128.f));
 #else
-    g.n0 = _mm512_movepi8_mask(g.w0);
-    g.n1 = _mm512_movepi8_mask(g.w1);
-    g.w0 = _mm512_abs_epi8(g.w0);
-    g.w1 = _mm512_abs_epi8(g.w1);
-    g.mo = _mm512_setzero_ps();
+    for (int c = 0; c < 4; ++c) {
+      g.neg[c] = _mm512_movepi8_mask(g.w[c]);
+      g.w[c] = _mm512_abs_epi8(g.w[c]);
+    }
 #endif
   }
 #elif defined(KVQ_AVX2)
-  static inline void group(const uint8_t* u, const Prep&, int, Group& g) {  // signed weights
-    const __m256i a = _mm256_loadu_si256((const __m256i*)(u + 2)), b = _mm256_loadu_si256((const __m256i*)(u + 36));
-    const __m256i c = _mm256_loadu_si256((const __m256i*)(u + 70)), d = _mm256_loadu_si256((const __m256i*)(u + 104));
-    g.w0a = _mm256_permute2x128_si256(a, b, 0x20);
-    g.w1a = _mm256_permute2x128_si256(a, b, 0x31);
-    g.w0b = _mm256_permute2x128_si256(c, d, 0x20);
-    g.w1b = _mm256_permute2x128_si256(c, d, 0x31);
-    const __m256 d8 = _mm256_castps128_ps256(fp16x4(u, 34));
-    g.s0a = lanes_pair(d8, 0, 1);
-    g.s0b = lanes_pair(d8, 2, 3);
-    g.mo = _mm256_setzero_ps();
+  static inline void group(const uint8_t* u, const Prep&, int, Group& g, float*) {  // signed weights
+    auto ld = [&](int i) { return _mm256_loadu_si256((const __m256i*)(u + 2 + 34 * i)); };
+    const __m256i a = ld(0), b = ld(1), c = ld(2), d = ld(3);
+    const __m256i t0 = _mm256_unpacklo_epi32(a, b), t1 = _mm256_unpackhi_epi32(a, b);
+    const __m256i t2 = _mm256_unpacklo_epi32(c, d), t3 = _mm256_unpackhi_epi32(c, d);
+    const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);  // dwords 0|4, 1|5
+    const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);  // dwords 2|6, 3|7
+    g.w0a = _mm256_permute2x128_si256(u0, u1, 0x20);
+    g.w1a = _mm256_permute2x128_si256(u0, u1, 0x31);
+    g.w0b = _mm256_permute2x128_si256(u2, u3, 0x20);
+    g.w1b = _mm256_permute2x128_si256(u2, u3, 0x31);
+    const __m128 s = fp16x4(u, 34);
+    g.s0 = _mm256_broadcast_ps(&s);
   }
 #endif
 };
@@ -425,9 +573,8 @@ inline void kquant_scales(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
 template <bool kFive>
 struct KQuant45 {
   static constexpr int64_t kBlockWeights = 256, kBlockBytes = kFive ? 176 : 144;
-  static constexpr int kSub = 8, kUnitBlocks = 1, kGroups = 2;
+  static constexpr int kSub = 8, kUnitBlocks = 1, kGroups = 2, kOffPer = kStepBlocks;  // minimums against s32
   static constexpr bool kTwoScales = false, kHasMin = true;
-  static constexpr int kOff = 32;
   static constexpr int kQs = kFive ? 48 : 16;
   static inline void decode(const uint8_t* b, int j, BlockInts& o) {
     uint8_t sc[8], mn[8];
@@ -442,7 +589,7 @@ struct KQuant45 {
     o.sc[0] = o.sc[1] = fp16(b) * (float)sc[j];
     o.mn = -(fp16(b + 2) * (float)mn[j]);
   }
-#if defined(KVQ_AVX512)
+#if defined(KVQ_AVX512) || defined(KVQ_AVX2)
   struct Prep {
     __m256 sc, mn;  // d * scale, -dmin * min of the 8 sub-blocks
   };
@@ -455,68 +602,66 @@ struct KQuant45 {
     p.sc = _mm256_mul_ps(_mm256_set1_ps(fp16(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)s8))));
     p.mn = _mm256_mul_ps(_mm256_set1_ps(-fp16(b + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)m8))));
   }
-  static inline void group(const uint8_t* b, const Prep& p, int gi, Group& g) {
-    // group gi: sub-blocks 4gi..4gi+3 = low/high nibbles of qs[64gi..64gi+31] and qs[64gi+32..64gi+63]
-    const __m512i l = _mm512_loadu_si512((const void*)(b + kQs + 64 * gi));
-    const __m512i cnt = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0);
-    g.w0 = low_nibbles(_mm512_srlv_epi64(_mm512_shuffle_i64x2(l, l, _MM_SHUFFLE(2, 2, 0, 0)), cnt));
-    g.w1 = low_nibbles(_mm512_srlv_epi64(_mm512_shuffle_i64x2(l, l, _MM_SHUFFLE(3, 3, 1, 1)), cnt));
-    if (kFive) {  // lane k of the group: bit 4gi + k of qh[l]
-      const __m512i bits = _mm512_set_epi32(0x08080808, 0x08080808, 0x08080808, 0x08080808, 0x04040404, 0x04040404,
-                                            0x04040404, 0x04040404, 0x02020202, 0x02020202, 0x02020202, 0x02020202,
-                                            0x01010101, 0x01010101, 0x01010101, 0x01010101);
-      const __m512i bm = gi ? _mm512_slli_epi32(bits, 4) : bits;
-      const __m512i h0 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(b + 16)));
-      const __m512i h1 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(b + 32)));
-      g.w0 = _mm512_mask_add_epi8(g.w0, _mm512_test_epi8_mask(h0, bm), g.w0, _mm512_set1_epi8(16));
-      g.w1 = _mm512_mask_add_epi8(g.w1, _mm512_test_epi8_mask(h1, bm), g.w1, _mm512_set1_epi8(16));
-    }
-    const __m512 sc = _mm512_castps256_ps512(p.sc);
-    g.s0 = _mm512_permutexvar_ps(_mm512_add_epi32(kLane4, _mm512_set1_epi32(4 * gi)), sc);
-    g.mo = zext4(gi ? _mm256_extractf128_ps(p.mn, 1) : _mm256_castps256_ps128(p.mn));
-  }
-#elif defined(KVQ_AVX2)
-  struct Prep {
-    __m256 sc, mn;
-  };
-  static inline void prepare(const uint8_t* b, Prep& p) {
-    uint8_t sc[8], mn[8];
-    kquant_scales(b + 4, sc, mn);
-    uint64_t s8, m8;
-    std::memcpy(&s8, sc, 8);
-    std::memcpy(&m8, mn, 8);
-    p.sc = _mm256_mul_ps(_mm256_set1_ps(fp16(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)s8))));
-    p.mn = _mm256_mul_ps(_mm256_set1_ps(-fp16(b + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)m8))));
-  }
-  static inline __m256i nibble_pair(const uint8_t* p) {  // [p[0..15] low nibbles, p[0..15] high nibbles]
-    const __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)p));
-    return low_nibbles(_mm256_srlv_epi64(t, _mm256_set_epi64x(4, 4, 0, 0)));
-  }
-  static inline __m256i fifth(__m256i w, __m128i h, int bit_a, int bit_b) {  // bits of qh for lanes A|B
-    const __m256i bm = _mm256_setr_m128i(_mm_set1_epi8((char)(1 << bit_a)), _mm_set1_epi8((char)(1 << bit_b)));
-    const __m256i t = _mm256_and_si256(_mm256_broadcastsi128_si256(h), bm);
-    return _mm256_or_si256(w, _mm256_and_si256(_mm256_cmpeq_epi8(t, bm), _mm256_set1_epi8(0x10)));
-  }
-  static inline void group(const uint8_t* b, const Prep& p, int gi, Group& g) {
-    const uint8_t* qs = b + kQs + 64 * gi;
-    g.w0a = nibble_pair(qs);       // sub-blocks 4gi, 4gi+1: weights 0..15
-    g.w0b = nibble_pair(qs + 32);  // 4gi+2, 4gi+3: weights 0..15
-    g.w1a = nibble_pair(qs + 16);
-    g.w1b = nibble_pair(qs + 48);
-    if (kFive) {
-      const __m128i h0 = _mm_loadu_si128((const __m128i*)(b + 16)), h1 = _mm_loadu_si128((const __m128i*)(b + 32));
-      g.w0a = fifth(g.w0a, h0, 4 * gi, 4 * gi + 1);
-      g.w0b = fifth(g.w0b, h0, 4 * gi + 2, 4 * gi + 3);
-      g.w1a = fifth(g.w1a, h1, 4 * gi, 4 * gi + 1);
-      g.w1b = fifth(g.w1b, h1, 4 * gi + 2, 4 * gi + 3);
-    }
-    g.s0a = lanes_pair(p.sc, 4 * gi, 4 * gi + 1);
-    g.s0b = lanes_pair(p.sc, 4 * gi + 2, 4 * gi + 3);
-    g.mo = zext4(gi ? _mm256_extractf128_ps(p.mn, 1) : _mm256_castps256_ps128(p.mn));
-  }
 #else
   struct Prep {};
   static inline void prepare(const uint8_t*, Prep&) {}
+#endif
+#if defined(KVQ_AVX512)
+  static inline void unit(const uint8_t* b, int, Unit& g) {  // whole K-quant blocks only
+    Prep p;
+    prepare(b, p);
+    // w[c] lane 8t + k: sub-block k's values 8c + 4t..: qs dword 8 (k / 2) + 2c + t, high nibbles for odd k
+    static constexpr Lanes32 idx_t = lanes32([](int l) { return 8 * ((l & 7) >> 1) + (l >> 3); });
+    const __m512i idx = ld(idx_t);
+    static constexpr Lanes32 cnt_t = lanes32([](int l) { return 4 * (l & 1); });
+    const __m512i cnt = ld(cnt_t);
+    const __m512i q0 = _mm512_loadu_si512((const void*)(b + kQs)), q1 = _mm512_loadu_si512((const void*)(b + kQs + 64));
+    for (int c = 0; c < 4; ++c)
+      g.w[c] = low_nibbles(_mm512_srlv_epi32(_mm512_permutex2var_epi32(q0, _mm512_add_epi32(idx, _mm512_set1_epi32(2 * c)), q1), cnt));
+    if (kFive) {  // bit k of qh byte 8c + 4t + i
+      static constexpr Lanes32 hidx_t = lanes32([](int l) { return l >> 3; });
+      const __m512i hidx = ld(hidx_t);
+      static constexpr Lanes32 bit_t = lanes32([](int l) { return (int)(0x01010101u << (l & 7)); });
+      const __m512i bit = ld(bit_t);
+      const __m512i qh = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(b + 16)));
+      for (int c = 0; c < 4; ++c) {
+        const __m512i h = _mm512_permutexvar_epi32(_mm512_add_epi32(hidx, _mm512_set1_epi32(2 * c)), qh);
+        g.w[c] = _mm512_mask_add_epi8(g.w[c], _mm512_test_epi8_mask(h, bit), g.w[c], _mm512_set1_epi8(16));
+      }
+    }
+    g.s0 = p.sc;
+    g.mo = p.mn;
+  }
+#elif defined(KVQ_AVX2)
+  // dwords j, j + 1 (A, B: low / high nibbles) and 8 + j, 9 + j (C, D) of the group's qs -> lanes 4j + b
+  static inline __m256i nibbles(const uint8_t* qs) {
+    const __m256i t = _mm256_permutevar8x32_epi32(two_pieces(qs, qs + 32), _mm256_setr_epi32(0, 0, 2, 2, 1, 1, 3, 3));
+    return low_nibbles(_mm256_srlv_epi32(t, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4)));
+  }
+  static inline __m256i fifth(__m256i w, const uint8_t* qh, __m256i bm) {
+    const __m256i h = _mm256_permutevar8x32_epi32(cast128(_mm_loadl_epi64((const __m128i*)qh)),
+                                                  _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+    return _mm256_or_si256(w, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, bm), bm), _mm256_set1_epi8(0x10)));
+  }
+  static inline void group(const uint8_t* b, const Prep& p, int gi, Group& g, float* mo) {
+    const uint8_t* qs = b + kQs + 64 * gi;
+    g.w0a = nibbles(qs);
+    g.w0b = nibbles(qs + 8);
+    g.w1a = nibbles(qs + 16);
+    g.w1b = nibbles(qs + 24);
+    if (kFive) {
+      const __m256i bits = _mm256_setr_epi32(0x01010101, 0x02020202, 0x04040404, 0x08080808, 0x01010101, 0x02020202,
+                                             0x04040404, 0x08080808);
+      const __m256i bm = gi ? _mm256_slli_epi32(bits, 4) : bits;
+      g.w0a = fifth(g.w0a, b + 16, bm);
+      g.w0b = fifth(g.w0b, b + 24, bm);
+      g.w1a = fifth(g.w1a, b + 32, bm);
+      g.w1b = fifth(g.w1b, b + 40, bm);
+    }
+    const __m256i pick = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3), _mm256_set1_epi32(4 * gi));
+    g.s0 = _mm256_permutevar8x32_ps(p.sc, pick);
+    _mm_storeu_ps(mo, gi ? _mm256_extractf128_ps(p.mn, 1) : _mm256_castps256_ps128(p.mn));
+  }
 #endif
 };
 
@@ -529,9 +674,8 @@ using FQ5_K = KQuant45<true>;
 // of qh[32n + l]; w = d * scale[i / 16] * (q - 32).
 struct FQ6_K {
   static constexpr int64_t kBlockWeights = 256, kBlockBytes = 210;
-  static constexpr int kSub = 8, kUnitBlocks = 1, kGroups = 2;
+  static constexpr int kSub = 8, kUnitBlocks = 1, kGroups = 2, kOffPer = 2 * kStepBlocks;  // -32 d scale vs s16
   static constexpr bool kTwoScales = true, kHasMin = false;
-  static constexpr int kOff = 16;  // -32 * d * scale against s16
   static inline void decode(const uint8_t* b, int j, BlockInts& o) {
     const int n = j >> 2, k = j & 3;
     const uint8_t* ql = b + 64 * n + 32 * (k & 1);
@@ -546,32 +690,33 @@ struct FQ6_K {
     o.mn = 0.f;
   }
 #if defined(KVQ_AVX512)
-  struct Prep {
-    __m512 sc;  // d * scale of the 16 sub-blocks of 16
-  };
-  static inline void prepare(const uint8_t* b, Prep& p) {
-    p.sc = _mm512_mul_ps(_mm512_set1_ps(fp16(b + 208)),
-                         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 192)))));
-  }
-  static inline void group(const uint8_t* b, const Prep& p, int n, Group& g) {
-    const __m512i l = _mm512_loadu_si512((const void*)(b + 64 * n));  // [ql0..15, ql16..31, ql32..47, ql48..63]
-    const __m512i cnt = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
-    g.w0 = low_nibbles(_mm512_srlv_epi64(_mm512_shuffle_i64x2(l, l, _MM_SHUFFLE(2, 0, 2, 0)), cnt));
-    g.w1 = low_nibbles(_mm512_srlv_epi64(_mm512_shuffle_i64x2(l, l, _MM_SHUFFLE(3, 1, 3, 1)), cnt));
-    // lane k takes bits 2k, 2k+1 of qh: rotate each dword so they land on bits 4, 5 of their byte
-    const __m512i rot = _mm512_set_epi32(30, 30, 30, 30, 0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4);
-    const __m512i mask = _mm512_set1_epi8(0x30);
-    const __m512i h0 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(b + 128 + 32 * n)));
-    const __m512i h1 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(b + 144 + 32 * n)));
-    g.w0 = _mm512_or_si512(g.w0, _mm512_and_si512(_mm512_rolv_epi32(h0, rot), mask));
-    g.w1 = _mm512_or_si512(g.w1, _mm512_and_si512(_mm512_rolv_epi32(h1, rot), mask));
-    const __m512i even = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
-    const __m512i base = _mm512_set1_epi32(8 * n);
-    g.s0 = _mm512_permutexvar_ps(_mm512_add_epi32(even, base), p.sc);
-    g.s1 = _mm512_permutexvar_ps(_mm512_add_epi32(even, _mm512_add_epi32(base, _mm512_set1_epi32(1))), p.sc);
-    const __m512i first8 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 0, 0, 0, 0, 0, 0, 0, 0);
-    g.mo = _mm512_mul_ps(_mm512_maskz_permutexvar_ps(0x00FF, _mm512_add_epi32(first8, base), p.sc),
-                         _mm512_set1_ps(-32.f));
+  struct Prep {};
+  static inline void prepare(const uint8_t*, Prep&) {}
+  static inline void unit(const uint8_t* b, int, Unit& g) {  // whole K-quant blocks only (mo: -32 s0, -32 s1)
+    // w[c] lane 8t + k, block k = 4n + j: ql dword 16n + 8 (j & 1) + 2c + t (high nibbles for j >= 2),
+    // qh dword 8n + 2c + t, bits 2j, 2j + 1 rotated onto 4, 5
+    static constexpr Lanes32 lidx_t = lanes32([](int l) { return 16 * ((l & 7) >> 2) + 8 * (l & 1) + (l >> 3); });
+    const __m512i lidx = ld(lidx_t);
+    static constexpr Lanes32 lcnt_t = lanes32([](int l) { return 4 * ((l & 3) >> 1); });
+    const __m512i lcnt = ld(lcnt_t);
+    static constexpr Lanes32 hidx_t = lanes32([](int l) { return 8 * ((l & 7) >> 2) + (l >> 3); });
+    const __m512i hidx = ld(hidx_t);
+    static constexpr Lanes32 rot_t = lanes32([](int l) { return (int)((0x1e000204u >> (8 * (l & 3))) & 0xff); });
+    const __m512i rot = ld(rot_t);
+    const __m512i l0 = _mm512_loadu_si512((const void*)b), l1 = _mm512_loadu_si512((const void*)(b + 64));
+    const __m512i qh = _mm512_loadu_si512((const void*)(b + 128));
+    for (int c = 0; c < 4; ++c) {
+      const __m512i two_c = _mm512_set1_epi32(2 * c);
+      const __m512i lo = low_nibbles(_mm512_srlv_epi32(_mm512_permutex2var_epi32(l0, _mm512_add_epi32(lidx, two_c), l1), lcnt));
+      const __m512i hi = _mm512_rolv_epi32(_mm512_permutexvar_epi32(_mm512_add_epi32(hidx, two_c), qh), rot);
+      g.w[c] = _mm512_or_si512(lo, _mm512_and_si512(hi, _mm512_set1_epi8(0x30)));
+    }
+    const __m512 sc = _mm512_mul_ps(_mm512_set1_ps(fp16(b + 208)),
+                                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 192)))));
+    static constexpr Lanes32 even_t = lanes32([](int l) { return 2 * (l & 7); });
+    const __m512i even = ld(even_t);
+    g.s0 = _mm512_castps512_ps256(_mm512_permutexvar_ps(even, sc));
+    g.s1 = _mm512_castps512_ps256(_mm512_permutexvar_ps(_mm512_add_epi32(even, _mm512_set1_epi32(1)), sc));
   }
 #elif defined(KVQ_AVX2)
   struct Prep {
@@ -582,26 +727,27 @@ struct FQ6_K {
     p.sc[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(b + 192)))));
     p.sc[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(b + 200)))));
   }
-  static inline void group(const uint8_t* b, const Prep& p, int n, Group& g) {
+  // values 4j..4j+7 of blocks A..D (j = 0, 2 / 4, 6 of the half): ql at ql + j and ql + 32 + j, qh at qh + j
+  static inline __m256i part(const uint8_t* ql, const uint8_t* qh) {
+    const __m256i t = _mm256_permutevar8x32_epi32(two_pieces(ql, ql + 32), _mm256_setr_epi32(0, 2, 0, 2, 1, 3, 1, 3));
+    const __m256i lo = low_nibbles(_mm256_srlv_epi32(t, _mm256_setr_epi32(0, 0, 4, 4, 0, 0, 4, 4)));
+    const __m256i h = _mm256_permutevar8x32_epi32(cast128(_mm_loadl_epi64((const __m128i*)qh)),
+                                                  _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+    // bits 2k, 2k+1 onto 4, 5: left by 4, 2, 0 for A..C, right by 2 for D (counts past 31 give 0)
+    const __m256i hb = _mm256_or_si256(_mm256_sllv_epi32(h, _mm256_setr_epi32(4, 2, 0, 32, 4, 2, 0, 32)),
+                                       _mm256_srlv_epi32(h, _mm256_setr_epi32(32, 32, 32, 2, 32, 32, 32, 2)));
+    return _mm256_or_si256(lo, _mm256_and_si256(hb, _mm256_set1_epi8(0x30)));
+  }
+  static inline void group(const uint8_t* b, const Prep& p, int n, Group& g, float* mo) {
     const uint8_t* ql = b + 64 * n;
-    const __m256i x = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)ql)),
-                                              _mm_loadu_si128((const __m128i*)(ql + 32)), 1);
-    const __m256i y = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(ql + 16))),
-                                              _mm_loadu_si128((const __m128i*)(ql + 48)), 1);
-    const __m256i mask = _mm256_set1_epi8(0x30);
-    const __m256i left = _mm256_setr_epi32(4, 4, 4, 4, 2, 2, 2, 2), right = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2);
-    const __m256i h0 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(b + 128 + 32 * n)));
-    const __m256i h1 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(b + 144 + 32 * n)));
-    g.w0a = _mm256_or_si256(low_nibbles(x), _mm256_and_si256(_mm256_sllv_epi32(h0, left), mask));  // A|B 0..15
-    g.w0b = _mm256_or_si256(low_nibbles(_mm256_srli_epi16(x, 4)), _mm256_and_si256(_mm256_srlv_epi32(h0, right), mask));
-    g.w1a = _mm256_or_si256(low_nibbles(y), _mm256_and_si256(_mm256_sllv_epi32(h1, left), mask));
-    g.w1b = _mm256_or_si256(low_nibbles(_mm256_srli_epi16(y, 4)), _mm256_and_si256(_mm256_srlv_epi32(h1, right), mask));
-    const __m256 s = p.sc[n];
-    g.s0a = lanes_pair(s, 0, 2);
-    g.s0b = lanes_pair(s, 4, 6);
-    g.s1a = lanes_pair(s, 1, 3);
-    g.s1b = lanes_pair(s, 5, 7);
-    g.mo = _mm256_mul_ps(s, _mm256_set1_ps(-32.f));
+    const uint8_t* qh = b + 128 + 32 * n;
+    g.w0a = part(ql, qh);
+    g.w0b = part(ql + 8, qh + 8);
+    g.w1a = part(ql + 16, qh + 16);
+    g.w1b = part(ql + 24, qh + 24);
+    g.s0 = _mm256_permutevar8x32_ps(p.sc[n], _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6));
+    g.s1 = _mm256_permutevar8x32_ps(p.sc[n], _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7));
+    _mm256_storeu_ps(mo, _mm256_mul_ps(p.sc[n], _mm256_set1_ps(-32.f)));
   }
 #else
   struct Prep {};
@@ -610,69 +756,98 @@ struct FQ6_K {
 };
 
 // ---------------------------------------------------------------- one weight row x R activation rows
+// y[r * ldy] for r < R: each unit's groups unpacked once and used by every row; the constant parts
+// of the weights (mo, one float per 32 or 16 weights) are dotted with the activation sums at the end.
 #if defined(KVQ_AVX512)
 constexpr int kMaxRows = 8;
 
-template <class F>
-static inline __m512i dot_group(const Group& g, __m512i a0, __m512i a1) {
-  if constexpr (std::is_same_v<F, FQ8_0>) {
-#if !defined(KVQ_VNNI)
-    // |q| x activations negated where q < 0; the halves apart (|q| * a pair sums reach 32512)
-    const __m512i z = _mm512_setzero_si512(), ones = _mm512_set1_epi16(1);
-    const __m512i p0 = _mm512_madd_epi16(_mm512_maddubs_epi16(g.w0, _mm512_mask_sub_epi8(a0, g.n0, z, a0)), ones);
-    const __m512i p1 = _mm512_madd_epi16(_mm512_maddubs_epi16(g.w1, _mm512_mask_sub_epi8(a1, g.n1, z, a1)), ones);
-    return _mm512_add_epi32(p0, p1);
-#endif
-  }
-  return dp2(g, a0, a1);
+static inline float hsum(__m256 s) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
 }
 
-// y[r * ldy] for r < R: unit u's groups unpacked once, then used by every row.
-template <class F, int R>
-static void tile(const uint8_t* wrow, int64_t units, const uint8_t* tail, const QuantActs& a, int64_t r0, float* y,
-                 int64_t ldy) {
-  constexpr int NA = R <= 2 ? 2 : 1;  // independent accumulator chains per row (groups alternate)
-  __m512 acc[R][NA], off[R];
-  for (int r = 0; r < R; ++r) {
-    for (int k = 0; k < NA; ++k) acc[r][k] = _mm512_setzero_ps();
-    off[r] = _mm512_setzero_ps();
+static inline __m512i mb(__m512i w, __m512i a) { return _mm512_maddubs_epi16(w, a); }
+static inline __m512i madd1(__m512i s) { return _mm512_madd_epi16(s, _mm512_set1_epi16(1)); }
+
+// The 8 blocks' integer dots with one row (one-scale formats).
+template <class F>
+static inline __m256i unit_dot(const Unit& g, const __m512i* a) {
+  if constexpr (std::is_same_v<F, FQ8_0>) {
+#if !defined(KVQ_VNNI)
+    // |q| x activations negated where q < 0; each part apart (|q| * a pair sums reach 32512)
+    const __m512i z = _mm512_setzero_si512();
+    __m512i s = z;
+    for (int c = 0; c < 4; ++c) s = _mm512_add_epi32(s, madd1(mb(g.w[c], _mm512_mask_sub_epi8(a[c], g.neg[c], z, a[c]))));
+    return fold(s);
+#endif
   }
+#if defined(KVQ_VNNI)
+  const __m512i z = _mm512_setzero_si512();
+  return fold(_mm512_add_epi32(dp(dp(z, g.w[0], a[0]), g.w[1], a[1]), dp(dp(z, g.w[2], a[2]), g.w[3], a[3])));
+#else  // weights below 32: four products per int16 lane stay below 32767
+  return fold(madd1(_mm512_add_epi16(_mm512_add_epi16(mb(g.w[0], a[0]), mb(g.w[1], a[1])),
+                                     _mm512_add_epi16(mb(g.w[2], a[2]), mb(g.w[3], a[3])))));
+#endif
+}
+
+// Values 0..15 and 16..31 of the 8 blocks apart (two-scale formats; 6-bit weights: two products
+// per int16 lane stay below 32767).
+static inline void unit_dot_halves(const Unit& g, const __m512i* a, __m256i& first, __m256i& second) {
+#if defined(KVQ_VNNI)
+  const __m512i z = _mm512_setzero_si512();
+  first = fold(dp(dp(z, g.w[0], a[0]), g.w[1], a[1]));
+  second = fold(dp(dp(z, g.w[2], a[2]), g.w[3], a[3]));
+#else
+  first = fold(madd1(_mm512_add_epi16(mb(g.w[0], a[0]), mb(g.w[1], a[1]))));
+  second = fold(madd1(_mm512_add_epi16(mb(g.w[2], a[2]), mb(g.w[3], a[3]))));
+#endif
+}
+
+// Per unit and row: the 8 blocks' dots scaled by weight and activation scales, plus the weights'
+// constant parts (g.mo, or -32 * the scales for Q6_K) times the activation sums, one FMA each.
+template <class F, int R>
+static void tile(const uint8_t* wrow, int64_t units, int rest, const uint8_t*, const QuantActs& a, int64_t r0, float*,
+                 float* y, int64_t ldy) {
   const int8_t* q0 = a.qrow(r0);
   const float* d0 = a.drow(r0);
-  const float* so = F::kOff == 16 ? a.s16row(r0) : a.s32row(r0);
-  const int64_t so_stride = F::kOff == 16 ? a.s16_stride : a.s32_stride;
-  const int64_t n_units = units + (tail != nullptr);
-  for (int64_t u = 0; u < n_units; ++u) {
-    const uint8_t* ub = u < units ? wrow + u * F::kUnitBlocks * F::kBlockBytes : tail;
-    typename F::Prep p;
-    F::prepare(ub, p);
-    for (int gk = 0; gk < F::kGroups; ++gk) {
-      Group g;
-      F::group(ub, p, gk, g);
-      const int64_t gi = u * F::kGroups + gk;
-      const int k = NA == 1 ? 0 : (int)(gi & 1);
-      for (int r = 0; r < R; ++r) {
-        const int8_t* q = q0 + r * a.q_stride + gi * kGroup;
-        const __m512i a0 = _mm512_loadu_si512((const void*)q), a1 = _mm512_loadu_si512((const void*)(q + 64));
-        const __m512 da = _mm512_loadu_ps(d0 + r * a.d_stride + gi * 16);
-        if constexpr (F::kTwoScales) {
-          const __m512i z = _mm512_setzero_si512();
-          __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dp(z, g.w0, a0)), g.s0);
-          t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp(z, g.w1, a1)), g.s1, t);
-          acc[r][k] = _mm512_fmadd_ps(t, da, acc[r][k]);
-        } else {
-          acc[r][k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_group<F>(g, a0, a1)), _mm512_mul_ps(g.s0, da), acc[r][k]);
-        }
-        if constexpr (F::kOff != 0)
-          off[r] = _mm512_fmadd_ps(g.mo, _mm512_loadu_ps(so + r * so_stride + gi * (F::kOff == 16 ? 8 : 4)), off[r]);
+  const float* so = F::kTwoScales ? a.s16row(r0) : a.s32row(r0);
+  const int64_t so_stride = F::kTwoScales ? a.s16_stride : a.s32_stride;
+  const int64_t n_units = units + (rest > 0);
+  auto step = [&](int64_t u, __m256* acc) {  // unit u into the rows' accumulators
+    Unit g;
+    const uint8_t* ub = wrow + u * F::kUnitBlocks * F::kBlockBytes;
+    if (u < units)
+      F::unit(ub, F::kUnitBlocks, g);
+    else
+      F::unit(ub, rest, g);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* q = q0 + r * a.q_stride + u * kGroup;
+      __m512i x[4];
+      for (int c = 0; c < 4; ++c) x[c] = _mm512_loadu_si512((const void*)(q + 64 * c));
+      const __m256 da = _mm256_loadu_ps(d0 + r * a.d_stride + u * 8);
+      const float* sr = so + r * so_stride;
+      if constexpr (F::kTwoScales) {
+        __m256i first, second;
+        unit_dot_halves(g, x, first, second);
+        const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(second), g.s1, _mm256_mul_ps(_mm256_cvtepi32_ps(first), g.s0));
+        const __m256 o = _mm256_fmadd_ps(g.s1, _mm256_loadu_ps(sr + u * 16 + 8), _mm256_mul_ps(g.s0, _mm256_loadu_ps(sr + u * 16)));
+        acc[r] = _mm256_fmadd_ps(o, _mm256_set1_ps(-32.f), _mm256_fmadd_ps(t, da, acc[r]));
+      } else {
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(unit_dot<F>(g, x)), _mm256_mul_ps(g.s0, da), acc[r]);
+        if constexpr (F::kOffPer > 0) acc[r] = _mm256_fmadd_ps(g.mo, _mm256_loadu_ps(sr + u * 8), acc[r]);
       }
     }
+  };
+  __m256 acc[R], acc2[R];  // few rows: units alternate between two chains (indices fixed: registers)
+  for (int r = 0; r < R; ++r) acc[r] = acc2[r] = _mm256_setzero_ps();
+  constexpr bool kTwoChains = R <= 2;
+  for (int64_t u = 0; u < n_units; u += kTwoChains ? 2 : 1) {
+    step(u, acc);
+    if (kTwoChains && u + 1 < n_units) step(u + 1, acc2);
   }
-  for (int r = 0; r < R; ++r) {
-    __m512 s = _mm512_add_ps(acc[r][0], off[r]);
-    if (NA > 1) s = _mm512_add_ps(s, acc[r][NA - 1]);
-    y[r * ldy] = _mm512_reduce_add_ps(s);
-  }
+  for (int r = 0; r < R; ++r) y[r * ldy] = hsum(kTwoChains ? _mm256_add_ps(acc[r], acc2[r]) : acc[r]);
 }
 #elif defined(KVQ_AVX2)
 constexpr int kMaxRows = 4;  // 16 ymm registers
@@ -684,64 +859,63 @@ static inline float hsum(__m256 s) {
   return _mm_cvtss_f32(h);
 }
 
-template <class F>
-static inline __m256i dot_pair(__m256i w0, __m256i a0, __m256i w1, __m256i a1) {
-  if constexpr (std::is_same_v<F, FQ8_0>) {  // sign trick; the halves apart (pair sums reach 32512)
-    const __m256i p0 = dp(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(a0, w0));
-    return _mm256_add_epi32(p0, dp(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(a1, w1)));
-  }
-  return dp2(w0, a0, w1, a1);
+static inline __m256i signed_dot(__m256i w, __m256i a) {
+  return madd1(mb(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w)));
 }
 
 template <class F, int R>
-static void tile(const uint8_t* wrow, int64_t units, const uint8_t* tail, const QuantActs& a, int64_t r0, float* y,
-                 int64_t ldy) {
-  __m256 acc[R], off[R];
-  for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm256_setzero_ps();
+static void tile(const uint8_t* wrow, int64_t units, int, const uint8_t* tail, const QuantActs& a, int64_t r0,
+                 float* mo, float* y, int64_t ldy) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const int8_t* q0 = a.qrow(r0);
   const float* d0 = a.drow(r0);
-  const float* so = F::kOff == 16 ? a.s16row(r0) : a.s32row(r0);
-  const int64_t so_stride = F::kOff == 16 ? a.s16_stride : a.s32_stride;
   const int64_t n_units = units + (tail != nullptr);
   for (int64_t u = 0; u < n_units; ++u) {
     const uint8_t* ub = u < units ? wrow + u * F::kUnitBlocks * F::kBlockBytes : tail;
     typename F::Prep p;
     F::prepare(ub, p);
     for (int gk = 0; gk < F::kGroups; ++gk) {
-      Group g;
-      F::group(ub, p, gk, g);
       const int64_t gi = u * F::kGroups + gk;
+      Group g;
+      F::group(ub, p, gk, g, mo + gi * F::kOffPer);
       for (int r = 0; r < R; ++r) {
         const int8_t* q = q0 + r * a.q_stride + gi * kGroup;
-        const __m256i a0a = _mm256_loadu_si256((const __m256i*)q), a0b = _mm256_loadu_si256((const __m256i*)(q + 32));
-        const __m256i a1a = _mm256_loadu_si256((const __m256i*)(q + 64)), a1b = _mm256_loadu_si256((const __m256i*)(q + 96));
-        const float* dr = d0 + r * a.d_stride + gi * 16;
-        const __m256 da = _mm256_loadu_ps(dr), db = _mm256_loadu_ps(dr + 8);
-        if constexpr (F::kTwoScales) {
-          __m256 ta = _mm256_mul_ps(_mm256_cvtepi32_ps(dp(g.w0a, a0a)), g.s0a);
-          ta = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp(g.w1a, a1a)), g.s1a, ta);
-          __m256 tb = _mm256_mul_ps(_mm256_cvtepi32_ps(dp(g.w0b, a0b)), g.s0b);
-          tb = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp(g.w1b, a1b)), g.s1b, tb);
-          acc[r] = _mm256_fmadd_ps(ta, da, acc[r]);
-          acc[r] = _mm256_fmadd_ps(tb, db, acc[r]);
-        } else {
-          const __m256i pa = dot_pair<F>(g.w0a, a0a, g.w1a, a1a), pb = dot_pair<F>(g.w0b, a0b, g.w1b, a1b);
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pa), _mm256_mul_ps(g.s0a, da), acc[r]);
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pb), _mm256_mul_ps(g.s0b, db), acc[r]);
+        auto ld = [&](int o) { return _mm256_loadu_si256((const __m256i*)(q + o)); };
+        const __m256 da = _mm256_broadcast_ps((const __m128*)(d0 + r * a.d_stride + gi * 4));
+        if constexpr (std::is_same_v<F, FQ8_0>) {  // halves apart: |q| * a pair sums reach 32512
+          const __m256i s = _mm256_add_epi32(_mm256_add_epi32(signed_dot(g.w0a, ld(0)), signed_dot(g.w0b, ld(32))),
+                                             _mm256_add_epi32(signed_dot(g.w1a, ld(64)), signed_dot(g.w1b, ld(96))));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(g.s0, da), acc[r]);
+        } else if constexpr (F::kTwoScales) {  // 6-bit weights: two products per int16 lane stay below 32767
+          const __m256i s0 = madd1(_mm256_add_epi16(mb(g.w0a, ld(0)), mb(g.w0b, ld(32))));
+          const __m256i s1 = madd1(_mm256_add_epi16(mb(g.w1a, ld(64)), mb(g.w1b, ld(96))));
+          const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), g.s1, _mm256_mul_ps(_mm256_cvtepi32_ps(s0), g.s0));
+          acc[r] = _mm256_fmadd_ps(t, da, acc[r]);
+        } else {  // weights below 32: four products per int16 lane stay below 32767
+          const __m256i s = _mm256_add_epi16(_mm256_add_epi16(mb(g.w0a, ld(0)), mb(g.w0b, ld(32))),
+                                             _mm256_add_epi16(mb(g.w1a, ld(64)), mb(g.w1b, ld(96))));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(madd1(s)), _mm256_mul_ps(g.s0, da), acc[r]);
         }
-        if constexpr (F::kOff != 0)
-          off[r] = _mm256_fmadd_ps(g.mo, _mm256_loadu_ps(so + r * so_stride + gi * (F::kOff == 16 ? 8 : 4)), off[r]);
       }
     }
   }
-  for (int r = 0; r < R; ++r) y[r * ldy] = hsum(_mm256_add_ps(acc[r], off[r]));
+  if constexpr (F::kOffPer > 0) {
+    const float* s0 = F::kTwoScales ? a.s16row(r0) : a.s32row(r0);
+    const int64_t stride = F::kTwoScales ? a.s16_stride : a.s32_stride, n = pad16(n_units * F::kGroups * F::kOffPer);
+    for (int64_t i = 0; i < n; i += 8) {
+      const __m256 m = _mm256_loadu_ps(mo + i);
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(s0 + r * stride + i), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r * ldy] = hsum(acc[r]);
 }
 #else
 constexpr int kMaxRows = 4;
 
 template <class F, int R>
-static void tile(const uint8_t* wrow, int64_t units, const uint8_t* tail, const QuantActs& a, int64_t r0, float* y,
-                 int64_t ldy) {
+static void tile(const uint8_t* wrow, int64_t units, int, const uint8_t* tail, const QuantActs& a, int64_t r0, float*,
+                 float* y, int64_t ldy) {
   float acc[R] = {};
   BlockInts b;
   const int64_t nblk = units * F::kUnitBlocks + (tail != nullptr ? F::kUnitBlocks : 0);
@@ -752,14 +926,13 @@ static void tile(const uint8_t* wrow, int64_t units, const uint8_t* tail, const 
       F::decode(bp, j, b);
       const int64_t kb = blk * F::kSub + j;
       for (int r = 0; r < R; ++r) {
-        const int8_t* q = a.qrow(r0 + r) + act_pos(kb, 0);
+        const int8_t* q = a.qrow(r0 + r);
         int lo = 0, hi = 0;
         for (int i = 0; i < 16; ++i) {
-          lo += b.v[i] * q[i];
-          hi += b.v[16 + i] * q[64 + i];
+          lo += b.v[i] * q[act_pos(kb, i)];
+          hi += b.v[16 + i] * q[act_pos(kb, 16 + i)];
         }
-        const float da = a.drow(r0 + r)[(kb >> 2) * 16 + (kb & 3) * 4];
-        acc[r] += da * (b.sc[0] * (float)lo + b.sc[1] * (float)hi);
+        acc[r] += a.drow(r0 + r)[kb] * (b.sc[0] * (float)lo + b.sc[1] * (float)hi);
         if (F::kHasMin) acc[r] += b.mn * a.s32row(r0 + r)[kb];
       }
     }
@@ -769,31 +942,35 @@ static void tile(const uint8_t* wrow, int64_t units, const uint8_t* tail, const 
 #endif
 
 template <class F>
-static void tile_rows(int R, const uint8_t* wrow, int64_t units, const uint8_t* tail, const QuantActs& a, int64_t r0,
-                      float* y, int64_t ldy) {
+static void tile_rows(int R, const uint8_t* wrow, int64_t units, int rest, const uint8_t* tail, const QuantActs& a,
+                      int64_t r0, float* mo, float* y, int64_t ldy) {
   switch (R) {
-    case 1: tile<F, 1>(wrow, units, tail, a, r0, y, ldy); break;
-    case 2: tile<F, 2>(wrow, units, tail, a, r0, y, ldy); break;
-    case 3: tile<F, 3>(wrow, units, tail, a, r0, y, ldy); break;
-    case 4: tile<F, 4>(wrow, units, tail, a, r0, y, ldy); break;
+    case 1: tile<F, 1>(wrow, units, rest, tail, a, r0, mo, y, ldy); break;
+    case 2: tile<F, 2>(wrow, units, rest, tail, a, r0, mo, y, ldy); break;
+    case 3: tile<F, 3>(wrow, units, rest, tail, a, r0, mo, y, ldy); break;
+    case 4: tile<F, 4>(wrow, units, rest, tail, a, r0, mo, y, ldy); break;
 #if defined(KVQ_AVX512)
-    case 5: tile<F, 5>(wrow, units, tail, a, r0, y, ldy); break;
-    case 6: tile<F, 6>(wrow, units, tail, a, r0, y, ldy); break;
-    case 7: tile<F, 7>(wrow, units, tail, a, r0, y, ldy); break;
-    case 8: tile<F, 8>(wrow, units, tail, a, r0, y, ldy); break;
+    case 5: tile<F, 5>(wrow, units, rest, tail, a, r0, mo, y, ldy); break;
+    case 6: tile<F, 6>(wrow, units, rest, tail, a, r0, mo, y, ldy); break;
+    case 7: tile<F, 7>(wrow, units, rest, tail, a, r0, mo, y, ldy); break;
+    case 8: tile<F, 8>(wrow, units, rest, tail, a, r0, mo, y, ldy); break;
 #endif
     default: break;
   }
 }
 
 // Output rows n0..n1 of one weight, serially: chunks of weight rows that stay in L1 times
-// tiles of activation rows. A row whose last unit is partial (K not a multiple of 128) has it
-// copied, zero-padded, to a local unit: zero bytes are zero weights with zero scales.
+// tiles of activation rows. A row's last, partial unit of 32-blocks (K not a multiple of the
+// group) is read in place with masked loads on AVX-512; AVX2 and scalar copy it, zero-padded, to
+// a local unit (zero bytes are zero weights with zero scales).
 template <class F>
 static void range_fmt(const uint8_t* W, int64_t n0, int64_t n1, const QuantActs& a, float* y, int64_t ldy) {
   const int64_t nblk = a.K / F::kBlockWeights, row_bytes = nblk * F::kBlockBytes;
   const int64_t units = nblk / F::kUnitBlocks, rest = nblk % F::kUnitBlocks;
+#if !defined(KVQ_AVX512)
   alignas(64) uint8_t tail[F::kUnitBlocks * F::kBlockBytes + 64];
+#endif
+  std::vector<float> mo(pad16((units + 1) * 16) + 16, 0.f);  // the row's offset coefficients
   const int64_t chunk = std::max<int64_t>(1, 16384 / std::max<int64_t>(row_bytes, 1));
   const int64_t tiles = (a.M + kMaxRows - 1) / kMaxRows;
   for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
@@ -804,12 +981,14 @@ static void range_fmt(const uint8_t* W, int64_t n0, int64_t n1, const QuantActs&
       for (int64_t n = c0; n < c1; ++n) {
         const uint8_t* wrow = W + n * row_bytes;
         const uint8_t* tp = nullptr;
+#if !defined(KVQ_AVX512)
         if (rest) {
           std::memset(tail, 0, sizeof(tail));
           std::memcpy(tail, wrow + units * F::kUnitBlocks * F::kBlockBytes, rest * F::kBlockBytes);
           tp = tail;
         }
-        tile_rows<F>(R, wrow, units, tp, a, r0, y + r0 * ldy + n, ldy);
+#endif
+        tile_rows<F>(R, wrow, units, (int)rest, tp, a, r0, mo.data(), y + r0 * ldy + n, ldy);
       }
       r0 += R;
     }
@@ -1035,7 +1214,7 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
   for (int64_t r = 0; r < M; ++r)
     for (int64_t kb = 0; kb < K / 32; ++kb) {
       for (int i = 0; i < 32; ++i) qp[r * K + kb * 32 + i] = a.qrow(r)[kq::act_pos(kb, i)];
-      dp[r * (K / 32) + kb] = a.drow(r)[(kb >> 2) * 16 + (kb & 3) * 4];
+      dp[r * (K / 32) + kb] = a.drow(r)[kb];
     }
   return {q, d};
 }
