@@ -9,7 +9,6 @@ is a log.
 
 from __future__ import annotations
 
-import gzip
 import time
 from datetime import datetime
 from pathlib import Path
@@ -21,13 +20,13 @@ from doctor.facts import RunFacts
 from doctor.vllm_dp import EngineRound, VllmFleet
 from engine.errors import UserError
 from engine.events import SCHEMA_NAME, Recording, read_events
+from engine.events.bounded import GZIP_MAGIC
 from engine.events.feed import LIVE, REFUSED, HttpFeed, events_url
 
 RECORDING = "recording"
 LIVE_URL = "live"
 VLLM_METRICS = "vllm-metrics"
 VLLM_LOG = "vllm-log"
-GZIP_MAGIC = b"\x1f\x8b"
 METRICS_INTERVAL_S = 1.0  # between scrapes of a vLLM server's /metrics
 MIN_SCRAPES = 10  # a short --duration scrapes faster, so a run of SUSTAINED_ROUNDS can show
 # vLLM's per-engine gauges and counter read from /metrics (every series labelled engine = DP rank
@@ -59,12 +58,12 @@ def kind_of(source: str) -> str:
 
 
 def _read_recording(path: Path) -> Recording:
+    """Read through the bounded reader (engine/events/bounded.py): plain or gzipped, streamed."""
     try:
-        raw = path.read_bytes()
-        return read_events(gzip.decompress(raw) if raw.startswith(GZIP_MAGIC) else raw, name=str(path))
-    except (OSError, EOFError) as exc:
+        return read_events(path)
+    except OSError as exc:
         raise InputError(f"{path}: {exc}") from None
-    except ValueError as exc:  # read_events names the file, the line and the field
+    except ValueError as exc:  # read_events names the file, the line and the field (or the cap broken)
         raise InputError(str(exc)) from None
 
 

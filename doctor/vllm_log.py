@@ -20,8 +20,16 @@ from typing import Any
 
 from doctor.rules import CRITICAL, WARNING, Finding
 from doctor.vllm_dp import LOG_INTERVAL_S, EngineRound, VllmFleet, dp_imbalance_finding
+from engine.events.bounded import open_binary
 from logparse.explain import Check, Explanation, explain
-from logparse.parser import MAX_LINE_BYTES, decode_physical, learn_prefix, match_message, strip_prefix
+from logparse.parser import (
+    MAX_LINE_BYTES,
+    bounded_lines,
+    decode_physical,
+    learn_prefix,
+    match_message,
+    strip_prefix,
+)
 from logparse.patterns import BULK_MARKERS, FIGURE_NAMES
 
 # logparse's check ids under the doctor's rule names (the same failure, read from a log).
@@ -85,7 +93,7 @@ def _has_second_engine(path: Path) -> bool:
     """Whether any engine beyond 000 printed a stats line: a byte search, so a one-engine
     log's millions of stats lines are never parsed for the balance."""
     overlap = b""
-    with path.open("rb") as fh:
+    with open_binary(path, tolerant=True) as fh:
         while chunk := fh.read(SCAN_BYTES):
             if _SECOND_ENGINE.search(overlap + chunk):
                 return True
@@ -122,8 +130,8 @@ def log_fleet(path: str | Path, facts: dict[str, Any] | None = None) -> VllmFlee
     current: EngineRound | None = None
     year_s = 0.0
     last_clock_s: float | None = None
-    with path.open("rb") as fh:
-        for number, raw in enumerate(fh, 1):
+    with open_binary(path, tolerant=True) as fh:
+        for number, raw in enumerate(bounded_lines(fh), 1):  # an over-long line keeps its first MiB
             if STATS_MARKER not in raw:
                 continue
             for _, text in decode_physical(number, raw[:MAX_LINE_BYTES]):

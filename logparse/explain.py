@@ -220,6 +220,7 @@ class Coverage:
                 "unknown_templates": [t.to_json() for t in self.top_unknown()]}
 
 UNKNOWN_LINES_KEPT = 200
+MAX_KEPT_RECORDS = 10_000  # records explain keeps to show (each up to ~18 kB); the fold sees every one
 
 
 @dataclass(slots=True)
@@ -354,8 +355,8 @@ class _Fold:
         self.last_line = 0
 
     def add(self, record: Record) -> None:
-        if self.keep_records:
-            self.records.append(record)
+        if self.keep_records and len(self.records) < MAX_KEPT_RECORDS:
+            self.records.append(record)  # past the cap the log is folded, not kept: memory stays bounded
         self.coverage.add(record)
         self.tracebacks.add(record)
         self.watch.add(record, self.last_phase)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from engine.events.bounded import open_binary
 from logparse.parser import (
     MAX_LINE_BYTES,
     Record,
@@ -77,7 +78,7 @@ class BulkRun:
 def iter_summary(source: str | Path | BinaryIO) -> Iterator[Record | BulkRun]:
     """The records of ``source`` in order, with certified runs of bulk lines as :class:`BulkRun`."""
     if isinstance(source, str | Path):
-        with open(source, "rb") as fh:
+        with open_binary(source, tolerant=True) as fh:  # gzipped or plain, a decompression bomb refused
             yield from iter_summary(fh)
         return
     assembler = RecordAssembler(learn_prefix(source))  # the same learned prefix as iter_records

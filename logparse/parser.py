@@ -25,6 +25,7 @@ from typing import Any, BinaryIO
 
 import ahocorasick
 
+from engine.events.bounded import json_depth, open_binary
 from logparse.catalogue import Template, catalogue
 from logparse.patterns import BLANK, BULK_MARKERS, NOISE, PATTERNS, TEXT_FIELDS, LinePattern
 from logparse.prefixes import learn_from, replay, strip_ansi
@@ -34,6 +35,7 @@ MATCH_CHARS = 8192  # patterns see at most this much of a message (config lines 
 MAX_RECORD_CHARS = 16384  # a record joined from wrapped lines stops growing here
 WRAP_MIN_CHARS = 78  # a previous line at least this long may have been hard-wrapped
 DEDUP_WINDOW = 4096
+JSON_DEPTH = 64  # a JSON log line nested deeper is not a log record
 
 _EXTERNAL_TS = re.compile(
     r"^(?:\[\d{4}-\d\d-\d\dT[\d:.]+Z?\]"  # Buildkite
@@ -281,8 +283,8 @@ def strip_prefix(line: str, learned: re.Pattern[str] | None = None) -> _Prefix:
 
 def _json_message(line: str) -> tuple[str, str | None, str | None] | None:
     """vLLM 0.32+ JSON formatter or kvscope's structlog JSON renderer."""
-    if len(line) > MATCH_CHARS * 8:
-        return None
+    if len(line) > MATCH_CHARS * 8 or json_depth(line, stop_at=JSON_DEPTH) > JSON_DEPTH:
+        return None  # no log record nests deeper; json.loads would recurse until RecursionError
     try:
         obj = json.loads(line)
     except ValueError:
@@ -315,11 +317,11 @@ def iter_physical_lines(source: str | Path | BinaryIO | Iterable[bytes | str]) -
     """(line number, decoded text) for each physical line; invalid UTF-8 is replaced,
     lines beyond :data:`MAX_LINE_BYTES` are cut, ``\\r`` redraws are split."""
     if isinstance(source, str | Path):
-        with open(source, "rb") as fh:
+        with open_binary(source, tolerant=True) as fh:  # gzipped or plain, bombs refused (engine/events/bounded.py)
             yield from iter_physical_lines(fh)
         return
     if isinstance(source, io.IOBase) or hasattr(source, "readline"):
-        chunks: Iterable[bytes | str] = _bounded_lines(source)  # type: ignore[arg-type]
+        chunks: Iterable[bytes | str] = bounded_lines(source)  # type: ignore[arg-type]
     else:
         chunks = source
     for number, chunk in enumerate(chunks, 1):
@@ -339,7 +341,7 @@ def decode_physical(number: int, chunk: bytes | str) -> Iterator[tuple[int, str]
     yield number, text
 
 
-def _bounded_lines(fh: BinaryIO) -> Iterator[bytes]:
+def bounded_lines(fh: BinaryIO) -> Iterator[bytes]:
     while True:
         chunk = fh.readline(MAX_LINE_BYTES)
         if not chunk:
@@ -367,7 +369,7 @@ def learn_prefix(source: str | Path | BinaryIO) -> re.Pattern[str] | None:
     """The learned prefix of a file (or a seekable binary stream, read back to where it was), as
     :func:`iter_records` learns it: for readers that parse a file in their own way."""
     if isinstance(source, str | Path):
-        with open(source, "rb") as fh:
+        with open_binary(source, tolerant=True) as fh:
             return learn_from(iter_physical_lines(fh))[0]
     if not source.seekable():
         return None

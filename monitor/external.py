@@ -160,8 +160,10 @@ def load_external_timeline(path: str | Path, checkpoint_every: int = 50) -> Repl
     path = Path(path)
     if not path.is_file():
         return None  # load_timeline words the error
-    with path.open(encoding="utf-8", errors="replace") as fh:
-        first = next(iter_jsonl(fh), None)
+    try:  # the first line only, through the bounded reader (engine/events/bounded.py)
+        first = next(iter_jsonl(path), None)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
     config = first.get("config") if first else None
     if not isinstance(config, dict) or config.get("source") != RECORDER:
         return None  # a damaged header is load_timeline's to word

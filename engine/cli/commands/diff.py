@@ -23,9 +23,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
-import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +32,6 @@ from engine.errors import UserError
 if TYPE_CHECKING:
     from engine.events.run_diff import Comparison, RunDiff, RunProfile
 
-GZIP_MAGIC = b"\x1f\x8b"
 HOW_TO_RECORD = "record one with --events FILE: engine run-workload, serve, generate or simulate"
 
 
@@ -71,10 +68,9 @@ def load_profile(path_text: str, force: bool) -> RunProfile:
     path = Path(path_text)
     if not path.is_file():
         raise UserError(f"{path_text}: no such file; give a kvscope recording ({HOW_TO_RECORD})")
-    try:
-        raw = path.read_bytes()
-        recording = read_events(gzip.decompress(raw) if raw.startswith(GZIP_MAGIC) else raw, name=path_text)
-    except (OSError, EOFError, zlib.error) as exc:
+    try:  # streamed through engine/events/bounded.py: plain or gzipped, every cap a one-line error
+        recording = read_events(path, name=path_text)
+    except OSError as exc:
         raise UserError(f"{path_text}: cannot be read ({exc}); give a whole recording, plain or gzipped") from None
     except ValueError as exc:  # read_events names the file and the line
         raise UserError(f"{exc}; {HOW_TO_RECORD}") from None
