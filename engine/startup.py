@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from engine.budget.config import EngineConfig
+from engine.budget.fixes import BudgetRefused, recorded_fixes
 from engine.budget.memory import (
     GiB,
     MemoryPlan,
@@ -33,15 +33,20 @@ from engine.budget.memory import (
     bytes_per_kv_token,
     bytes_per_kv_token_per_layer,
     check_plan_fits,
+    fixed_pool_fixes,
+    free_memory_fixes,
     kv_cache_size_line,
+    longest_fitting_len,
     max_concurrency_line,
     plan_memory,
     weights_bytes,
+    weights_fixes,
 )
 from engine.budget.stages import stage_kv_cache_groups, stage_model, stage_weights_bytes
+from engine.config import EngineConfig
 from engine.core.kv_cache_groups import KVCacheGroup, config_groups, groups_to_config, kv_cache_groups
 from engine.core.scheduler import SchedulerConfig
-from engine.errors import BudgetError, UserError
+from engine.errors import UserError
 from engine.events import PHASES, EngineConfigEvent, EventBus, StartupPhase, StartupProgress
 from engine.events.phase_data import (
     BudgetData,
@@ -160,8 +165,8 @@ class PhaseRecorder:
             reason = str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}"
             self.bus.publish(StartupPhase(phase=letter, name=name, status="failed", duration_s=duration,
                                           memory_before=before, memory_after=self.reading().to_dict(),
-                                          data=handle.data(), reason=reason, rank=self.rank,
-                                          pp_rank=self.pp_rank, tp_rank=self.tp_rank))
+                                          data=handle.data(), reason=reason, fixes=recorded_fixes(exc),
+                                          rank=self.rank, pp_rank=self.pp_rank, tp_rank=self.tp_rank))
             self.log.error(f"phase {letter} ({name}) failed", reason=reason)
             raise
         duration = time.perf_counter() - start
@@ -388,14 +393,11 @@ def check_fixed_pool(config: EngineConfig, bytes_per_token: int, groups: Sequenc
     if tokens >= config.max_model_len:
         return
     needed = -(-config.max_model_len // config.block_size) * block_bytes
-    advice = f"raise --kv-cache-memory-bytes to at least {needed:,} ({needed / GiB:.3f} GiB)"
-    if tokens >= config.block_size:
-        advice += f" or lower --max-model-len to {tokens:,} or less"
-    raise BudgetError(
+    raise BudgetRefused(
         f"--kv-cache-memory-bytes {pool:,} holds {tokens:,} tokens ({pool // block_bytes:,} blocks of "
         f"{config.block_size} x {bytes_per_token:,} bytes per token), fewer than one request of "
-        f"--max-model-len {config.max_model_len:,}; {advice}"
-    )
+        f"--max-model-len {config.max_model_len:,}",
+        fixed_pool_fixes(pool, needed, config.max_model_len, tokens if tokens >= config.block_size else 0))
 
 
 def _check_fixed_hybrid_pool(config: EngineConfig, pool: int, groups: Sequence[KVCacheGroup],
@@ -407,13 +409,13 @@ def _check_fixed_hybrid_pool(config: EngineConfig, pool: int, groups: Sequence[K
                                     config.max_num_batched_tokens) for g in groups)
     if blocks >= needed:
         return
-    raise BudgetError(
+    fits_len = longest_fitting_len([g.spec.sliding_window for g in groups], blocks, config.block_size,
+                                   config.max_num_batched_tokens, config.max_model_len)
+    raise BudgetRefused(
         f"--kv-cache-memory-bytes {pool:,} holds {blocks:,} blocks of {block_bytes:,} bytes (a page of "
         f"{config.block_size} tokens for each of a group's layers), fewer than the {needed:,} one request of "
-        f"--max-model-len {config.max_model_len:,} holds across its {len(groups)} KV cache groups; raise "
-        f"--kv-cache-memory-bytes to at least {needed * block_bytes:,} ({needed * block_bytes / GiB:.3f} GiB) "
-        f"or lower --max-model-len"
-    )
+        f"--max-model-len {config.max_model_len:,} holds across its {len(groups)} KV cache groups",
+        fixed_pool_fixes(pool, needed * block_bytes, config.max_model_len, fits_len))
 
 
 @dataclass(frozen=True, slots=True)
@@ -639,19 +641,16 @@ def _phase_budget(b: PhaseHandle, s: StartupInputs, reading: MemoryReading) -> N
                    f"CPU pool is capped at {CPU_DEFAULT_KV_SPACE_GIB:g} GiB, so this start needs about "
                    f"{capped_need / GiB:.2f} GiB with the weights: going on")
     elif config.kv_cache_memory_bytes is None and reading.free < requested:
-        raise BudgetError(
+        raise BudgetRefused(
             f"free memory on device ({reading.free / GiB:.2f}/{reading.total / GiB:.2f} GiB) is less than "
-            f"desired memory utilization ({config.gpu_memory_utilization}, {requested / GiB:.2f} GiB); "
-            f"lower --gpu-memory-utilization to {reading.free / reading.total:.2f} or less"
-            + (", or give --device-memory GiB" if device.type == "cpu" else ", or free the device")
-        )
+            f"desired memory utilization ({config.gpu_memory_utilization}, {requested / GiB:.2f} GiB)",
+            free_memory_fixes(reading.free, reading.total, config.gpu_memory_utilization,
+                              device.type == "cpu"))
     if config.kv_cache_memory_bytes is None and needed_weights > requested:
-        raise BudgetError(
+        raise BudgetRefused(
             f"the weights ({needed_weights / GiB:.2f} GiB in {config.dtype}) do not fit the requested "
-            f"{requested / GiB:.2f} GiB ({reading.total / GiB:.2f} GiB x {config.gpu_memory_utilization}); "
-            f"raise --gpu-memory-utilization to at least {needed_weights / reading.total:.2f}"
-            + (" or --device-memory" if device.type == "cpu" else "")
-        )
+            f"{requested / GiB:.2f} GiB ({reading.total / GiB:.2f} GiB x {config.gpu_memory_utilization})",
+            weights_fixes(needed_weights, reading.total, config.gpu_memory_utilization, device.type == "cpu"))
     s.log.info(f"budget: requested {requested / GiB:.2f} GiB = {reading.total / GiB:.2f} GiB x "
                f"{config.gpu_memory_utilization}")
 

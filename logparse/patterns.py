@@ -625,6 +625,10 @@ PATTERNS: tuple[LinePattern, ...] = (
     P("model_kernel_warmup", "F", "0.2x–0.33", "Warming up", r"^Warming up <model_family:word> Triton kernels",
       "A model-specific kernel warm-up before serving."),
     P("request_added", "R", "0.4–0.10 (DEBUG)", "Added request", r"^Added request <request_id:word>", "A request entered the queue."),
+    P("cpu_reserved_cpus_low", "A", "0.2x–0.33 (CPU)", "VLLM_CPU_NUM_OF_RESERVED_CPU is less than",
+      r"VLLM_CPU_NUM_OF_RESERVED_CPU is less than the minimum requirement",
+      "CPU backend: fewer cores are kept free for the server's own threads than vLLM wants; the OpenMP threads "
+      "then share cores with them."),
     P("cpu_torch_threads_reduced", "A", "0.32–0.33", "Reducing Torch threads from",
       r"Reducing Torch threads from <torch_threads_before:int> to <torch_threads:int> for serving",
       "CPU backend: one intra-op thread per rank while serving unless OMP_NUM_THREADS says otherwise."),
@@ -680,7 +684,7 @@ NOISE: tuple[NoisePattern, ...] = (
       r"|^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)(?:\(\w+\))?: ",  # the exception line that ends it
       "A Python traceback: its frames are read for the failure's place (graph capture, profiling, loading)."),
     N("numa", "NUMA|numa", r"NUMA|numa_|numactl", "NUMA placement notes from torch or the C++ runtime."),
-    N("python-warning", "Warning: |warnings.warn(", r"^\S+\.py:\d+: \w*Warning: |^\s*warnings\.warn\(",
+    N("python-warning", "Warning: |warnings.warn(", r"^\S+\.py:\d+: \w*Warning: |^\s*warnings\.warn\(|^[A-Z]\w*Warning: ",
       "A Python warnings.warn() line (file:line: Category: text) and the code line printed under it."),
     N("torch", "] Warning: |UserWarning|CUDA kernel errors might be|CUDA_LAUNCH_BLOCKING|TORCH_USE_CUDA_DSA|[rank",
       r"^\[[WIEF]\d{3,4} [\d:.]+ [^\]]+\] |UserWarning|CUDA kernel errors might be asynchronously|CUDA_LAUNCH_BLOCKING"
@@ -691,6 +695,8 @@ NOISE: tuple[NoisePattern, ...] = (
       "Hugging Face transformers' deprecation and processor notes."),
     N("wrapper", "kserve|instructlab|[vLLM] Elapsed time", r"\bkserve\b|\binstructlab\.|^\[vLLM\] Elapsed time for batch",
       "A serving wrapper's own log line (KServe, InstructLab, Ray Data's vLLM stage) around vLLM's."),
+    N("tilelang", "[TileLang:", r"\[TileLang:[\w.]+:[A-Z]+\]", "TileLang's JIT compiling a kernel (DeepSeek V4's "
+      "fused kernels): begun and completed, seconds each."),
     N("nanobind", "nanobind", r"^nanobind: ", "nanobind's leak report at interpreter exit (Triton's bindings)."),
     N("flashinfer", "flashinfer|FlashInfer", r"(?i)flashinfer", "FlashInfer kernels' notes."),
     N("nccl", "NCCL", r"\bNCCL (?:INFO|WARN|version)\b|^NCCL version", "NCCL's own log lines."),

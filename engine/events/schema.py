@@ -95,11 +95,14 @@ class StartupPhase(Event):
     so a one-rank recording is what it always was. ``pp_rank`` / ``tp_rank``: under
     pipeline parallelism, the stage whose phase it is and the rank within the stage
     (every stage runs A–G for its own layers and KV pool, engine/pipeline.py); None (not
-    written) otherwise.
+    written) otherwise. ``fixes``: a refused budget's fixes as data (engine/budget/fixes.py
+    ``Fix.to_json``: flag, current, proposed, why), any one of which makes it fit; the
+    ``reason`` sentence is rendered from them. Written only on a failure that has them, so
+    other recordings are as they were; older recordings have the sentence alone.
     """
 
     type: ClassVar[str] = "startup.phase"
-    written_when_set: ClassVar[frozenset[str]] = frozenset({"rank", "pp_rank", "tp_rank"})
+    written_when_set: ClassVar[frozenset[str]] = frozenset({"rank", "pp_rank", "tp_rank", "fixes"})
     phase: str = "A"
     name: str = "init"
     status: str = "begin"
@@ -108,6 +111,7 @@ class StartupPhase(Event):
     memory_after: dict[str, Any] | None = None
     data: dict[str, Any] = field(default_factory=dict)
     reason: str | None = None
+    fixes: list[dict[str, Any]] = field(default_factory=list)
     planned: bool = False
     simulated: bool = False
     rank: int | None = None

@@ -89,7 +89,7 @@ def test_the_plans_budget_never_takes_fewer_tokens_a_step_than_vllm_cpu(monkeypa
     vLLM-CPU's: a tighter bound on steps with decodes slowed more gaps than ITL p99's 1 %),
     and says so; --max-decode-step-tokens still bounds the steps with decodes; explicit flags
     are kept (--max-num-batched-tokens alone: every step, as in vLLM)."""
-    from engine.budget.config import EngineConfig
+    from engine.config import EngineConfig
     from engine.modelspec.readers import load_model_config
     from engine.startup import CPU_PROMPT_STEP_TOKENS, resolve_config
 
@@ -128,7 +128,7 @@ def test_the_next_start_derives_its_budget_from_the_plan_phase_f_stored(dtype: s
     that config, to derive its token budget: both must name the same plan. The first start, with
     nothing stored, runs vLLM-CPU's 2,048 as a later start on a CPU this slow would: a plan only
     raises the budget."""
-    from engine.budget.config import EngineConfig
+    from engine.config import EngineConfig
     from engine.modelspec.readers import load_model_config
     from engine.startup import CPU_PROMPT_STEP_TOKENS, kernel_plan_key, resolve_config
 
