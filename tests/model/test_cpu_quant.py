@@ -286,3 +286,42 @@ def test_gemma3_270m_tensors(kernels: dict[str, object]) -> None:
     for isa, kernel in kernels.items():
         got = kernel.dequantize_rows(rows, embedding.ggml_type, tokens)  # type: ignore[attr-defined]
         assert torch.equal(got, gguf_dequantize(rows[tokens], "q8_0")), isa
+
+
+# ---------------------------------------------------------------------- bounds
+def _before_guard_page(data: torch.Tensor) -> tuple[torch.Tensor, object]:
+    """A copy of ``data`` (uint8) ending exactly where an inaccessible page begins: a kernel that
+    reads past its last byte faults. Returns the tensor and the mapping that keeps it alive."""
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    nbytes = data.numel()
+    pages = -(-nbytes // page) + 1
+    buf = mmap.mmap(-1, pages * page, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    assert libc.mprotect(base + (pages - 1) * page, page, 0) == 0, ctypes.get_errno()  # PROT_NONE
+    start = (pages - 1) * page - nbytes
+    view = np.frombuffer(buf, dtype=np.uint8, count=nbytes, offset=start)
+    view[:] = data.numpy().reshape(-1)
+    return torch.from_numpy(view).view(data.shape), buf
+
+
+def test_reads_stay_inside_the_weight(kernels: dict[str, object]) -> None:
+    """Every format, ISA and tail (partial last groups included) with the weight's last byte
+    just before a PROT_NONE page."""
+    for fmt in FORMATS:
+        for in_features in ((32, 96, 160, 640, 288) if fmt in SMALL_FORMATS else (256, 768)):
+            blocks = random_blocks(fmt, 3, in_features, seed=in_features)
+            guarded, mapping = _before_guard_page(blocks)
+            x = torch.randn(2, in_features, generator=torch.Generator().manual_seed(0))
+            for isa, kernel in kernels.items():
+                code = cpu_quant.format_id(fmt)
+                want = kernel.quant_matmul(x, blocks, code)  # type: ignore[attr-defined]
+                assert torch.equal(kernel.quant_matmul(x, guarded, code), want), (isa, fmt)  # type: ignore[attr-defined]
+                assert torch.equal(kernel.dequantize_rows(guarded, code, torch.tensor([2])),  # type: ignore[attr-defined]
+                                   kernel.dequantize(blocks, code)[2:])  # type: ignore[attr-defined]
+            del guarded
+            mapping.close()  # type: ignore[attr-defined]
