@@ -55,7 +55,7 @@ lint: setup
 
 # The pure core, the event layer, the budget, the kernel cache, the doctor's rules and the monitor's
 # readers of other servers (settings in pyproject.toml).
-TYPECHECKED := engine/core engine/events engine/budget/memory.py \
+TYPECHECKED := engine/core engine/events engine/budget/memory.py engine/budget/fixes.py engine/config.py \
 	engine/modelspec engine/model/cpu_caps.py engine/gc_policy.py engine/model/kernels/build.py \
 	engine/model/profile_cache.py engine/model/kernel_plan.py engine/cli/program.py engine/cli/vllm_flags.py \
 	doctor/facts.py doctor/rules.py doctor/budget.py doctor/vllm_dp.py \

@@ -14,7 +14,7 @@ import random
 import statistics
 import time
 
-from engine.budget.config import EngineConfig
+from engine.config import EngineConfig
 from engine.events import Event, EventBus
 from engine.sim.simulate import build_setup, simulate
 from engine.sim.workload import WorkloadSpec, generate_workload

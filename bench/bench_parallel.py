@@ -38,8 +38,8 @@ from typing import Any
 from bench.bench_server import wait_healthy
 from bench.greedy_run import greedy_run
 from bench.machine import cpu_isa, header_lines
-from engine.budget.config import EngineConfig
 from engine.budget.stages import DEFAULT_MICRO_BATCHES, fill_drain_bubble
+from engine.config import EngineConfig
 from engine.dp_core import rank_events_path
 from engine.events import StepEvent, read_events
 from engine.events.dp_balance import DataParallelLoad

@@ -29,7 +29,7 @@ import torch
 
 from bench.greedy_run import greedy_run
 from bench.machine import header_lines
-from engine.budget.config import EngineConfig
+from engine.config import EngineConfig
 from engine.events import StartupPhase, StepEvent
 from engine.modelspec.readers import load_model_config
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from engine.budget.config import EngineConfig
+from engine.config import EngineConfig
 from engine.events import Event, EventBus
 
 

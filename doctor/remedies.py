@@ -21,8 +21,8 @@ from typing import Any
 from doctor.budget import model_of, replan, replan_stages
 from doctor.facts import RunFacts
 from doctor.rules import Finding, Fix
-from engine.budget.config import EngineConfig
 from engine.budget.stages import DEFAULT_MICRO_BATCHES
+from engine.config import EngineConfig
 from engine.errors import UserError
 from engine.sim.simulate import (
     DEFAULT_EFFICIENCY,

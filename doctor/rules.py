@@ -163,25 +163,17 @@ def _utilization_fix(facts: RunFacts, need_tokens: int) -> Fix | None:
 
 
 # ------------------------------------------------------------------ startup
-# The budget check words its advice "raise ... or lower ... to 16 or less": split before each verb.
-_OPTION_SPLIT = re.compile(r" or (?=(?:raise|lower|increasing|decreasing|use|a smaller|add)\b)")
-
-
 def startup_refused(facts: RunFacts) -> Iterable[Finding]:
-    """Startup refuses because the context does not fit (phase B/E's budget check)."""
+    """Startup refuses because the context does not fit (phase B/E's budget check). The
+    fixes are the ones the check recorded on the failed phase (flag, current, proposed,
+    why); a recording made before it recorded them has only the sentence."""
     failed = facts.failed_phase
     if failed is None or not failed.reason or "out of memory" in failed.reason.lower():
         return
     reason = failed.reason
-    if failed.phase not in ("B", "E") and "kv cache" not in reason.lower():
+    if not failed.fixes and failed.phase not in ("B", "E") and "kv cache" not in reason.lower():
         return
-    fixes = []
-    _, _, advice = reason.partition("; try ")
-    if not advice:
-        _, _, advice = reason.rpartition("; ")
-    for option in filter(None, (part.strip() for part in _OPTION_SPLIT.split(advice))):
-        flag = next((w for w in option.split() if w.startswith("--")), option)
-        fixes.append(Fix(flag, None, None, option))
+    fixes = [Fix.from_json(row) for row in failed.fixes] or fixes_from_old_sentence(reason)
     kv = facts.kv_cache
     numbers: dict[str, Any] = {"phase": failed.phase}
     if kv is not None and kv.kv_cache_tokens is not None:
@@ -190,6 +182,25 @@ def startup_refused(facts: RunFacts) -> Iterable[Finding]:
                   [f"phase {failed.phase} ({failed.name}) failed: {reason}"],
                   "the pool cannot hold one --max-model-len request: lower the context, raise the memory cap, "
                   "use an fp8 KV cache or add tensor parallelism", fixes, numbers=numbers)
+
+
+# The fallback for recordings made before the budget check recorded its fixes (startup.phase
+# ``fixes``, engine/budget/fixes.py): their refusal is a sentence, "...; try raise ... or lower
+# ... to 16 or less" (or "...; raise ..."), split before each verb. Nothing else parses a fix.
+_OPTION_SPLIT = re.compile(r" or (?=(?:raise|lower|increasing|decreasing|use|a smaller|add)\b)")
+
+
+def fixes_from_old_sentence(reason: str) -> list[Fix]:
+    """An old recording's refusal sentence as fixes: each option's first ``--flag`` and the
+    option's words as its why, values unknown (the sentence does not separate them)."""
+    _, _, advice = reason.partition("; try ")
+    if not advice:
+        _, _, advice = reason.rpartition("; ")
+    fixes = []
+    for option in filter(None, (part.strip() for part in _OPTION_SPLIT.split(advice))):
+        flag = next((w for w in option.split() if w.startswith("--")), option)
+        fixes.append(Fix(flag, None, None, option))
+    return fixes
 
 
 _OOM_WHERE = {"C": "while loading the weights", "D": "in the profile run (the worst-case step)",

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.budget.config import EngineConfig
+from engine.config import EngineConfig
 from engine.errors import UserError
 from engine.events import (
     EventBus,

@@ -13,7 +13,7 @@ from engine.gc_policy import defer_collections
 
 defer_collections()  # before torch loads: see engine/gc_policy.py
 
-from engine.budget.config import EngineConfig, parse_dtype  # noqa: E402
+from engine.config import EngineConfig, parse_dtype  # noqa: E402
 from engine.core.sampling_params import SamplingParams  # noqa: E402
 from engine.errors import UserError  # noqa: E402
 from engine.events import EventBus  # noqa: E402

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from engine.budget.config import EngineConfig
+from engine.config import EngineConfig
 from engine.core.request import FINISH_REASONS, Request, RequestStatus
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput

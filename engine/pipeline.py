@@ -86,8 +86,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.budget.config import EngineConfig
 from engine.budget.stages import stage_kv_cache_groups, stage_layer_ranges  # vLLM's get_pp_indices
+from engine.config import EngineConfig
 from engine.errors import ReplicaError, UserError
 
 MICRO_BATCHES = 2  # in flight at once: stage p runs micro-batch i while stage p+1 runs i-1

@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.budget.config import EngineConfig
+from engine.config import EngineConfig
 from engine.errors import ReplicaError, UserError
 from engine.events import PHASES, EventBus, LogEvent, StartupPhase
 from engine.events.schema import event_from_dict

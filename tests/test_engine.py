@@ -253,6 +253,16 @@ def test_a_fixed_pool_too_small_is_refused_in_phase_b_before_weights_load(tmp_pa
     assert {e.phase for e in phases_seen} == {"A", "B"}  # refused before phase C loads anything
     first, refusal = phases_seen[0], failed[0]
     assert refusal.t - first.t < 2.0
+    # the fixes are recorded as data, and engine doctor reads them from there (issue 48)
+    flags = [(f["flag"], f["current"]) for f in refusal.fixes]
+    assert flags[0] == ("--kv-cache-memory-bytes", 4 << 20 if pool == "4Mi" else 1)
+    assert [f for f, _ in flags] == (["--kv-cache-memory-bytes", "--max-model-len"] if pool == "4Mi"
+                                     else ["--kv-cache-memory-bytes"])
+    from doctor.inputs import facts_from_recording
+    from doctor.rules import diagnose
+
+    (finding,) = diagnose(facts_from_recording(events))
+    assert finding.rule == "startup_refused" and [f.to_json() for f in finding.fixes] == refusal.fixes
 
 
 def test_text_reaches_events_only_with_log_prompts(recorded) -> None:
@@ -299,8 +309,8 @@ def test_a_fixed_pool_is_sized_by_the_hybrid_layout_when_the_model_has_a_window(
     32,768-token request (full attention would need 1.125 GiB); 8 MiB does not hold 4,096."""
     import dataclasses
 
-    from engine.budget.config import EngineConfig
     from engine.budget.memory import bytes_per_kv_token, bytes_per_kv_token_per_layer
+    from engine.config import EngineConfig
     from engine.errors import BudgetError
     from engine.modelspec.readers import load_model_config
     from engine.startup import check_fixed_pool, model_kv_cache_groups

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.budget.config import EngineConfig
 from engine.budget.stages import plan_stages, stage_kv_cache_groups
+from engine.config import EngineConfig
 from engine.core.kv_cache_groups import FULL, KVCacheGroup, KVCacheSpec
 from engine.core.sampling_params import SamplingParams
 from engine.events import PHASES, Event, EventBus, StartupPhase, StepEvent

@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from bench.bench_server import free_port, wait_healthy
-from engine.budget.config import EngineConfig
+from engine.config import EngineConfig
 from engine.errors import UserError
 from engine.pipeline import Rendezvous
 from tests.paths import ROOT

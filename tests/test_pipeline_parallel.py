@@ -23,7 +23,7 @@ import psutil
 import pytest
 import torch
 
-from engine.budget.config import EngineConfig
+from engine.config import EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.errors import ReplicaError, UserError
 from engine.events import PHASES, Event, EventBus, StartupPhase, StepEvent

@@ -18,9 +18,9 @@ import psutil
 import pytest
 import torch
 
-from engine.budget.config import EngineConfig
 from engine.budget.memory import GiB, bytes_per_kv_token
 from engine.cli.main import build_parser
+from engine.config import EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.errors import BudgetError, ReplicaError, UserError
 from engine.events import PHASES, Event, EventBus, LogEvent, StartupPhase, StepEvent, event_from_dict

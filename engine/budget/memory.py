@@ -43,9 +43,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from engine.budget.fixes import BudgetRefused, Fix
 from engine.budget.vision import MultimodalBudget
 from engine.core.kv_cache_groups import KVCacheGroup, is_hybrid, kv_cache_groups
-from engine.errors import BudgetError, UserError
+from engine.errors import UserError
 from engine.events.ledger import BY_NAME as LEDGER_ITEM
 from engine.events.phase_data import BudgetData, KvCacheData, LoadWeightsData, PhaseData, ProfileRunData
 from engine.modelspec.config import (
@@ -353,7 +354,7 @@ def plan_memory(
     (a VL model's :func:`~engine.budget.vision.plan_multimodal`) adds the vision
     weights and the encoder's share of the profile to those estimates (a given or
     measured figure already holds them). Raises
-    :class:`BudgetError` (with the numbers and the flags that would fix it) when
+    :class:`~engine.budget.fixes.BudgetRefused` (the numbers, and the fixes as data) when
     the pool is negative or cannot hold one ``max_model_len`` request.
 
     The KV layout: ``kv_cache_groups`` (default: the model's own, from its ``layer_types``
@@ -456,80 +457,140 @@ def _tokens_and_concurrency(num_blocks: int, block_size: int, max_model_len: int
 
 def check_plan_fits(plan: MemoryPlan) -> None:
     """Refuse a plan whose pool holds no block or less than one ``--max-model-len``
-    request. The advice names only flags that change the outcome, with values that
-    work: when the pool size is fixed (``--kv-cache-memory-bytes``, or the CPU
-    default cap) utilization does not matter; a utilization above 1 is never advised."""
+    request, with :class:`BudgetRefused`'s fixes. They name only flags that change the
+    outcome, with values that work: when the pool size is fixed (``--kv-cache-memory-bytes``,
+    or the CPU default cap) utilization does not matter; a utilization above 1 is never advised."""
     fixed_pool = plan.kv_pool_overridden
-    non_kv = plan.weights_bytes + plan.activation_peak_bytes + plan.non_torch_bytes
     need_pool = -(-plan.max_model_len // plan.block_size) * plan.block_bytes
     if plan.kv_cache_groups:
         need_pool = plan.blocks_per_request * plan.block_bytes  # vLLM's _max_memory_usage_bytes_from_groups
     if plan.kv_pool_bytes <= 0 and not fixed_pool:
-        need_util = required_utilization(plan, need_pool)
-        fix = (f"raise --gpu-memory-utilization to at least {need_util:.2f}" if need_util <= 1 else
-               "it cannot fit at any --gpu-memory-utilization: use a smaller model, --dtype, "
-               "--quantization or --tensor-parallel-size")
-        raise BudgetError(
-            f"no memory left for the KV cache: requested {plan.requested_bytes / GiB:.2f} GiB "
-            f"({plan.total_bytes / GiB:.2f} GiB x {plan.gpu_memory_utilization}) but weights "
-            f"{plan.weights_bytes / GiB:.2f} + activation peak {plan.activation_peak_bytes / GiB:.2f} + "
-            f"non-torch {plan.non_torch_bytes / GiB:.2f} = {non_kv / GiB:.2f} GiB; {fix}"
-            + " or lower --max-num-batched-tokens / --max-num-seqs"
-        )
+        _refuse_no_pool(plan, need_pool)
     if plan.kv_cache_groups and plan.num_blocks < plan.blocks_per_request:
         _refuse_hybrid(plan, need_pool, fixed_pool)
     if not plan.kv_cache_groups and plan.kv_cache_tokens < plan.max_model_len:
         fits_len = plan.kv_cache_tokens
         fixes = _fit_fixes(plan, need_pool, fixed_pool, fits_len if fits_len >= plan.block_size else 0)
-        raise BudgetError(
+        raise BudgetRefused(
             f"the model's max seq len ({plan.max_model_len:,}) is larger than the maximum number of tokens "
-            f"that can be stored in KV cache ({plan.kv_cache_tokens:,}); try " + " or ".join(fixes)
-        )
+            f"that can be stored in KV cache ({plan.kv_cache_tokens:,})", fixes)
 
 
-def _hybrid_max_model_len(plan: MemoryPlan) -> int:
-    """The longest --max-model-len whose request fits the hybrid pool (vLLM's
+def at_least(fraction: float) -> float:
+    """``fraction`` rounded up to the 2 decimals a flag is given with, so the advised value
+    suffices (0.693 -> 0.70, not 0.69); the 1e-9 keeps an exact 0.70 from becoming 0.71."""
+    return math.ceil(fraction * 100 - 1e-9) / 100
+
+
+def _refuse_no_pool(plan: MemoryPlan, need_pool: int) -> None:
+    non_kv = plan.weights_bytes + plan.activation_peak_bytes + plan.non_torch_bytes
+    need_util = required_utilization(plan, need_pool)
+    fixes = [Fix("--gpu-memory-utilization", plan.gpu_memory_utilization, at_least(need_util),
+                 f"needs {(non_kv + need_pool) / GiB:.2f} GiB with one request's KV cache")
+             if need_util <= 1 else
+             Fix("", None, None, "it cannot fit at any --gpu-memory-utilization: use a smaller model, --dtype, "
+                 "--quantization or --tensor-parallel-size"),
+             Fix("--max-num-batched-tokens", None, None,
+                 "lower --max-num-batched-tokens / --max-num-seqs: the activation peak shrinks with them",
+                 numbers={"activation_peak_bytes": plan.activation_peak_bytes})]
+    raise BudgetRefused(
+        f"no memory left for the KV cache: requested {plan.requested_bytes / GiB:.2f} GiB "
+        f"({plan.total_bytes / GiB:.2f} GiB x {plan.gpu_memory_utilization}) but weights "
+        f"{plan.weights_bytes / GiB:.2f} + activation peak {plan.activation_peak_bytes / GiB:.2f} + "
+        f"non-torch {plan.non_torch_bytes / GiB:.2f} = {non_kv / GiB:.2f} GiB", fixes)
+
+
+def longest_fitting_len(windows: Sequence[int | None], num_blocks: int, block_size: int,
+                        max_num_batched_tokens: int, upper: int) -> int:
+    """The longest --max-model-len up to ``upper`` whose one request fits ``num_blocks`` in KV
+    cache groups of these sliding windows (None: full attention); 0 when none does (vLLM's
     ``_estimate_max_model_len_from_groups``: a binary search over the same sum)."""
     def need(length: int) -> int:
-        return sum(blocks_per_request(g.sliding_window, length, plan.block_size, plan.kv_max_num_batched_tokens)
-                   for g in plan.kv_cache_groups)
+        return sum(blocks_per_request(w, length, block_size, max_num_batched_tokens) for w in windows)
 
-    lo, hi, best = 1, plan.max_model_len, 0
+    lo, hi, best = 1, upper, 0
     while lo <= hi:
         mid = (lo + hi) // 2
-        if need(mid) <= plan.num_blocks:
+        if need(mid) <= num_blocks:
             best, lo = mid, mid + 1
         else:
             hi = mid - 1
     return best
 
 
-def _fit_fixes(plan: MemoryPlan, need_pool: int, fixed_pool: bool, fits_len: int) -> list[str]:
+def _fit_fixes(plan: MemoryPlan, need_pool: int, fixed_pool: bool, fits_len: int) -> list[Fix]:
     """The flags that make one max-model-len request fit, for both layouts' refusals: a
     bigger fixed pool or utilization, then ``fits_len`` as --max-model-len (0: none fits)."""
-    fixes = []
     if fixed_pool:
-        fixes.append(f"raise --kv-cache-memory-bytes to at least {need_pool:,} ({need_pool / GiB:.3f} GiB)")
-    else:
-        need_util = required_utilization(plan, need_pool)
-        if need_util <= 1:
-            fixes.append(f"increasing --gpu-memory-utilization to {need_util:.2f} (needs "
-                         f"{need_pool / GiB:.2f} GiB of KV pool, have {plan.kv_pool_bytes / GiB:.2f})")
+        return fixed_pool_fixes(plan.kv_pool_bytes, need_pool, plan.max_model_len, fits_len)
+    fixes = []
+    need_util = required_utilization(plan, need_pool)
+    if need_util <= 1:
+        fixes.append(Fix("--gpu-memory-utilization", plan.gpu_memory_utilization, at_least(need_util),
+                         f"{_request_needs(plan.max_model_len, need_pool)}, the pool has "
+                         f"{plan.kv_pool_bytes / GiB:.2f}"))
+    return _with_length_fix(fixes, plan.max_model_len, fits_len)
+
+
+def _request_needs(max_model_len: int, need_pool: int) -> str:
+    return f"one request of --max-model-len {max_model_len:,} needs {need_pool / GiB:.3f} GiB of KV cache"
+
+
+def _with_length_fix(fixes: list[Fix], max_model_len: int, fits_len: int) -> list[Fix]:
     if fits_len > 0:
-        fixes.append(f"decreasing --max-model-len to {fits_len:,} or less")
+        fixes.append(Fix("--max-model-len", max_model_len, fits_len, "the longest request the pool holds"))
     if not fixes:
-        fixes.append("a smaller model, --quantization or a larger device")
+        fixes.append(Fix("", None, None, "a smaller model, --quantization or a larger device"))
     return fixes
 
 
+def fixed_pool_fixes(pool: int, need_pool: int, max_model_len: int, fits_len: int) -> list[Fix]:
+    """A fixed pool (``--kv-cache-memory-bytes``) too small for one request: a pool of
+    ``need_pool`` bytes, or ``fits_len`` as --max-model-len (0: no length fits)."""
+    return _with_length_fix([Fix("--kv-cache-memory-bytes", pool, need_pool, _request_needs(max_model_len, need_pool))],
+                            max_model_len, fits_len)
+
+
+def at_most(fraction: float) -> float:
+    """``fraction`` rounded down to 2 decimals, so the advised value is within the bound."""
+    return math.floor(fraction * 100 + 1e-9) / 100
+
+
+def free_memory_fixes(free: int, total: int, utilization: float, cpu: bool) -> list[Fix]:
+    """Less memory free than ``total x utilization`` requests: a lower utilization, or on CPU
+    a smaller budget total (--device-memory), or on a GPU the memory other processes hold."""
+    fixes = [Fix("--gpu-memory-utilization", utilization, at_most(free / total),
+                 f"{free / GiB:.2f} of {total / GiB:.2f} GiB are free")]
+    if cpu:
+        fixes.append(Fix("--device-memory", round(total / GiB, 2), at_most(free / utilization / GiB),
+                         f"the budget's total, of which {utilization} is requested"))
+    else:
+        fixes.append(Fix("", None, None, "free the device (other processes hold what is not free)"))
+    return fixes
+
+
+def weights_fixes(weights: int, total: int, utilization: float, cpu: bool) -> list[Fix]:
+    """Weights larger than ``total x utilization``: a utilization that holds them, or on CPU
+    a larger budget total (--device-memory, if the host has the memory)."""
+    fixes = []
+    if weights <= total:
+        fixes.append(Fix("--gpu-memory-utilization", utilization, at_least(weights / total),
+                         f"the weights need {weights / GiB:.2f} GiB"))
+    if cpu:
+        fixes.append(Fix("--device-memory", round(total / GiB, 2), at_least(weights / utilization / GiB),
+                         "the budget's total, if the host has the memory"))
+    return fixes or [Fix("", None, None, "a smaller model, --quantization or --tensor-parallel-size")]
+
+
 def _refuse_hybrid(plan: MemoryPlan, need_pool: int, fixed_pool: bool) -> None:
-    fixes = _fit_fixes(plan, need_pool, fixed_pool, _hybrid_max_model_len(plan))
-    raise BudgetError(
+    fits_len = longest_fitting_len([g.sliding_window for g in plan.kv_cache_groups], plan.num_blocks,
+                                   plan.block_size, plan.kv_max_num_batched_tokens, plan.max_model_len)
+    raise BudgetRefused(
         f"to serve at least one request with the model's max seq len ({plan.max_model_len:,}), "
         f"{need_pool / GiB:.2f} GiB of KV cache is needed ({plan.blocks_per_request:,} blocks over "
         f"{len(plan.kv_cache_groups)} KV cache groups), which is larger than the available KV cache memory "
-        f"({plan.kv_pool_bytes / GiB:.2f} GiB, {plan.num_blocks:,} blocks); try " + " or ".join(fixes)
-    )
+        f"({plan.kv_pool_bytes / GiB:.2f} GiB, {plan.num_blocks:,} blocks)",
+        _fit_fixes(plan, need_pool, fixed_pool, fits_len))
 
 
 def parse_gib(value: str, flag: str) -> float:

@@ -9,12 +9,13 @@ only the current one."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from engine.budget.config import EngineConfig, parse_dtype
 from engine.budget.memory import parse_bytes, parse_gib, parse_kv_cache_dtype
 from engine.budget.vision import parse_item_size
+from engine.config import PARSE, EngineConfig, cli_dest
 from engine.core.policy import POLICIES
 from engine.errors import UserError
 from engine.events.kv_events_config import parse_kv_events_config
@@ -294,23 +295,16 @@ def model_from_args(args: argparse.Namespace) -> str:
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
-    cfg = EngineConfig(model=model_from_args(args))
-    cfg.dtype = parse_dtype(args.dtype)
-    for name in (
-        "kv_cache_dtype", "tensor_parallel_size", "gpu_memory_utilization", "kv_cache_memory_bytes",
-        "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_decode_step_tokens",
-        "long_prefill_token_threshold",
-        "enable_prefix_caching", "scheduling_policy", "load_format", "device", "attention_backend", "compile",
-        "enforce_eager", "seed", "stats_interval", "log_prompts", "events_path", "num_threads", "quantization",
-        "kv_events_config", "disable_hybrid_kv_cache_manager", "data_parallel_size", "pipeline_parallel_size",
-        "nnodes", "node_rank", "master_addr", "master_port", "rendezvous_timeout_s",
-    ):
-        if hasattr(args, name):
-            setattr(cfg, name, getattr(args, name))
-    if getattr(args, "device_memory", None) is not None:
-        cfg.device_memory_gib = args.device_memory
-    if getattr(args, "served_model_name", None):
-        cfg.served_model_name = args.served_model_name
-    for key, value in overrides.items():
-        setattr(cfg, key, value)
-    return cfg
+    """The config the flags describe: every EngineConfig field whose argument this command
+    defines (engine/config.py's ``cli_dest``, parsed by its ``parse``), the rest at their
+    defaults, then ``overrides``. The model is the positional MODEL, --model or the bundled one."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(EngineConfig):
+        dest = cli_dest(f)
+        if dest is None or not hasattr(args, dest):
+            continue
+        parse = f.metadata.get(PARSE)
+        value = getattr(args, dest)
+        values[f.name] = parse(value) if parse is not None else value
+    values["model"] = model_from_args(args)
+    return EngineConfig(**{**values, **overrides})

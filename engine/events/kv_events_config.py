@@ -1,6 +1,6 @@
-"""``--kv-events-config``: vLLM's ``KVEventsConfig`` (``vllm/config/kv_events.py``),
-same field names, same defaults, parsed from the flag's JSON with an error that
-names what to change.
+"""``--kv-events-config``: vLLM's ``KVEventsConfig`` (declared with the other flags in
+:mod:`engine.config`, as vLLM's is in ``vllm/config/kv_events.py``), parsed from the
+flag's JSON with an error that names what to change.
 
 Standard library only: the flag is checked before torch, msgspec or zmq load.
 ``enable_kv_cache_events`` turns on the facts (step events carry what each cached
@@ -11,43 +11,15 @@ block holds, see :class:`~engine.events.StepEvent`); ``publisher`` says where th
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from dataclasses import dataclass
 from typing import Any
 
+from engine.config import KVEventsConfig
 from engine.errors import UserError
 
 PUBLISHERS = ("null", "zmq")
 ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 FLAG = "--kv-events-config"
-
-
-@dataclass(slots=True)
-class KVEventsConfig:
-    """vLLM's KV event publishing settings (the docstrings are vLLM's meanings)."""
-
-    enable_kv_cache_events: bool = False  # record block stored/removed facts and publish them
-    publisher: str | None = None  # "null" | "zmq"; None: "zmq" when events are enabled, else "null"
-    endpoint: str = "tcp://*:5557"  # PUB address: bound when it holds "*" or "::" or is ipc/inproc, else connected
-    replay_endpoint: str | None = None  # ROUTER address answering replay requests (None: no replay socket)
-    buffer_steps: int = 10_000  # batches (one per step with changes) kept for replay
-    hwm: int = 100_000  # ZMQ send high-water mark of the PUB socket: beyond it a slow subscriber loses messages
-    max_queue_size: int = 100_000  # batches waiting for the publisher thread; beyond it they are dropped (counted)
-    topic: str = ""  # first frame of every message; subscribers filter on it ({pod}, {model}: kv@{pod}@{model} is llm-d's)
-
-    def __post_init__(self) -> None:
-        if self.publisher is None:
-            self.publisher = "zmq" if self.enable_kv_cache_events else "null"
-
-    @property
-    def publishes(self) -> bool:
-        """True when a ZMQ publisher must run."""
-        return self.enable_kv_cache_events and self.publisher == "zmq"
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
 
 _TYPES: dict[str, tuple[type, ...]] = {
     "enable_kv_cache_events": (bool,),

@@ -49,10 +49,11 @@ import msgspec
 import zmq
 from prometheus_client import CollectorRegistry, Counter
 
+from engine.config import KVEventsConfig
 from engine.errors import UserError
 from engine.events import Event
 from engine.events.kv_events import EventBatch, KVEventFold
-from engine.events.kv_events_config import FLAG, KVEventsConfig, binds
+from engine.events.kv_events_config import FLAG, binds
 from engine.events.kv_snapshot import SNAPSHOT_REQUEST, CachedBlockMirror
 from engine.logs import get_logger
 

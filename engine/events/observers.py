@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from engine.config import KVEventsConfig
 from engine.errors import UserError
-from engine.events.kv_events_config import KVEventsConfig
 from engine.events.schema import Event, EventBus, JsonlSink
 
 if TYPE_CHECKING:

@@ -8,8 +8,9 @@ is converted by msgspec into the type that declares it: an event into its datacl
 :class:`RecordingHeader`. Where a dataclass leaves a shape open (``dict[str, Any]``)
 but readers compute with what is inside, the shape is declared here too: each startup
 phase's ``data`` (its record in engine/events/phase_data.py), the memory readings
-around a phase, a step's ``scheduled`` entries and ``cached_runs``, an encoder step's
-items, and the flags of the header and ``engine.config``.
+around a phase and a refused phase's fixes, a step's ``scheduled`` entries and
+``cached_runs``, an encoder step's items, and the flags of the header and ``engine.config``
+(derived from engine/config.py's EngineConfig, the one declaration of the flags).
 
 A value of the wrong type raises :class:`SchemaError` naming the field;
 ``read_events`` adds the file and the line. Keys nobody declares are let through,
@@ -20,12 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import types
 import typing
 from collections.abc import Mapping
 from typing import Any
 
 import msgspec
 
+from engine.config import EngineConfig
 from engine.events.phase_data import PHASE_DATA
 from engine.events.schema import (
     EVENT_TYPES,
@@ -47,60 +50,37 @@ class SchemaError(ValueError):
         self.problem = problem
 
 
-class RecordedFlags(msgspec.Struct):
-    """The flags of a header's ``config`` and of ``engine.config``, typed as
-    engine/budget/config.py's EngineConfig declares them (tests/events/test_validate.py
-    holds the two together; config.py is not imported here, it reads model files).
-    Null is allowed everywhere: readers take the default for a flag that is null."""
-
-    model: str | None = None
-    served_model_name: str | None = None
-    dtype: str | None = None
-    kv_cache_dtype: str | None = None
-    load_format: str | None = None
-    device: str | None = None
-    gpu_memory_utilization: float | None = None
-    device_memory_gib: float | None = None
-    kv_cache_memory_bytes: int | None = None
-    max_model_len: int | None = None
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    max_decode_step_tokens: int | None = None
-    block_size: int | None = None
-    enable_prefix_caching: bool | None = None
-    long_prefill_token_threshold: int | None = None
-    scheduling_policy: str | None = None
-    tensor_parallel_size: int | None = None
-    attention_backend: str | None = None
-    compile: bool | None = None
-    enforce_eager: bool | None = None
-    cuda_graph_sizes: list[int] | None = None
-    seed: int | None = None
-    stats_interval: float | None = None
-    log_prompts: bool | None = None
-    events_path: str | None = None
-    num_threads: int | None = None
-    quantization: str | None = None
-    kv_events_config: dict[str, Any] | None = None
-    disable_hybrid_kv_cache_manager: bool | None = None
-    data_parallel_size: int | None = None
-    data_parallel_rank: int | None = None
-    pipeline_parallel_size: int | None = None
-    nnodes: int | None = None
-    node_rank: int | None = None
-    master_addr: str | None = None
-    master_port: int | None = None
-    rendezvous_timeout_s: float | None = None
-    simulation: dict[str, Any] | None = None  # engine simulate: the GPU preset and pool it simulated
+def _recorded_type(hint: Any) -> Any:
+    """How a flag of type ``hint`` reads back: a dataclass-valued one (``kv_events_config``)
+    as the dict ``EngineConfig.to_dict`` wrote, and null allowed for every one (readers take
+    the default for a flag that is null)."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
+        hint = args[0]
+    return (dict[str, Any] if dataclasses.is_dataclass(hint) else hint) | None
 
 
-class RecordingHeader(msgspec.Struct):
-    """A recording's first line (engine/events/schema.py ``header()``)."""
+def recorded_flags(config: type[EngineConfig] = EngineConfig) -> type[msgspec.Struct]:
+    """The flags of a header's ``config`` and of ``engine.config``: every field of
+    engine/config.py's EngineConfig, typed as it declares them (so a new flag is checked on
+    read without a line here), and ``simulation``, which only ``engine simulate`` writes
+    (the GPU preset and pool it simulated)."""
+    hints = typing.get_type_hints(config)
+    fields = [(f.name, _recorded_type(hints[f.name]), None) for f in dataclasses.fields(config)]
+    fields.append(("simulation", dict[str, Any] | None, None))
+    return msgspec.defstruct("RecordedFlags", fields, module=__name__)
 
-    schema: str
-    version: int = 0
-    config: RecordedFlags = msgspec.field(default_factory=RecordedFlags)
-    started_unix: float | None = None
+
+RecordedFlags = recorded_flags()
+
+# A recording's first line (engine/events/schema.py ``header()``). Built as RecordedFlags is,
+# because its ``config`` is of that derived type.
+RecordingHeader = msgspec.defstruct("RecordingHeader", [
+    ("schema", str),
+    ("version", int, 0),
+    ("config", RecordedFlags, msgspec.field(default_factory=RecordedFlags)),
+    ("started_unix", float | None, None),
+], module=__name__)
 
 
 class MemoryReadingData(msgspec.Struct):
@@ -115,6 +95,18 @@ class MemoryReadingData(msgspec.Struct):
     peak: int | None = None
     source: str | None = None
     process_used: int | None = None
+
+
+class FixData(msgspec.Struct):
+    """One of a failed phase's ``fixes``: engine/budget/fixes.py's ``Fix.to_json`` (not
+    imported: the budget wing sits above this one)."""
+
+    flag: str = ""
+    current: Any = None
+    proposed: Any = None
+    why: str = ""
+    effect: str | None = None
+    numbers: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 class CachedRunData(msgspec.Struct):
@@ -136,7 +128,8 @@ def _phase_schema(record: type) -> type:
 
 # The shapes inside fields a dataclass types as open, per event class: field -> declared type.
 _INNER_SHAPES: dict[type[Event], dict[str, Any]] = {
-    StartupPhase: {"memory_before": MemoryReadingData | None, "memory_after": MemoryReadingData | None},
+    StartupPhase: {"memory_before": MemoryReadingData | None, "memory_after": MemoryReadingData | None,
+                   "fixes": list[FixData]},
     StepEvent: {"scheduled": dict[str, tuple[int, str]], "cached_runs": list[CachedRunData],
                 "waiting_reasons": dict[str, list[str | int]], "prefix_lookups": dict[str, list[str | int]]},
     EncoderStepEvent: {"encoded": list[tuple[str, int, int]], "freed": list[tuple[str, int]]},

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from prometheus_client import CollectorRegistry
 
-from engine.budget.config import EngineConfig
+from engine.config import EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.errors import UserError
 from engine.events import EngineStopped, EventBus

@@ -45,7 +45,7 @@ from typing import Any, Literal
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 
-from engine.budget.config import EngineConfig
+from engine.config import EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.dp_core import RANKED_EVENTS, CoreFacts, core_main
 from engine.errors import ReplicaError, UserError

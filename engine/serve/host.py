@@ -18,7 +18,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from engine.budget.config import EngineConfig
+from engine.config import EngineConfig
 from engine.errors import UserError
 from engine.events import Event, EventBus, dumps
 from engine.events.metrics import PrometheusMetrics

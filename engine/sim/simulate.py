@@ -29,10 +29,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.budget.config import EngineConfig
 from engine.budget.memory import GiB, GpuPreset, MemoryPlan, gpu_preset, plan_memory
 from engine.budget.stages import DEFAULT_MICRO_BATCHES, PipelinePlan, plan_stages
 from engine.budget.vision import multimodal_from_flags, vision_preset
+from engine.config import EngineConfig
 from engine.core.encoder_cache import MultimodalInput
 from engine.core.kv_cache_groups import (
     KVCacheGroup,

@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from engine.budget.config import EngineConfig
 from engine.budget.memory import GiB, MemoryPlan, blocks_per_request, check_plan_fits, plan_memory
+from engine.config import EngineConfig
 from engine.errors import BudgetError
 from engine.modelspec.presets import MODEL_PRESETS
 from engine.modelspec.readers import load_model_config
@@ -135,7 +135,7 @@ def test_a_hybrid_pool_too_small_for_one_request_is_refused_with_vllms_estimate(
     # -> L <= 75,680 (vLLM's _estimate_max_model_len_from_groups binary-searches the same sum).
     plan = plan27(10, 131_072)
     assert plan.num_blocks == 8_192
-    with pytest.raises(BudgetError, match=r"decreasing --max-model-len to 75,680 or less"):
+    with pytest.raises(BudgetError, match=r"lower --max-model-len to 75,680 or less"):
         check_plan_fits(plan)
     # a 36,032-token pool (fewer tokens than one request) still serves a 131,072-token request
     # in a hybrid layout: the windows hold 577 blocks each, not 8,192

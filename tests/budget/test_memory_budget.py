@@ -108,7 +108,7 @@ def test_refuses_when_one_request_does_not_fit_and_names_the_fix() -> None:
     with pytest.raises(BudgetError) as info:
         plan_memory(model=LLAMA8, total_bytes=40 * GiB, gpu_memory_utilization=0.5, max_model_len=131072,
                     activation_peak=GiB, non_torch=0)
-    assert "increasing --gpu-memory-utilization to 0.80" in str(info.value)
+    assert "raise --gpu-memory-utilization to at least 0.80" in str(info.value)
 
 
 def test_required_utilization_round_trip() -> None:

@@ -12,8 +12,8 @@ import pytest
 from doctor.budget import replan, replan_stages
 from doctor.facts import RunFacts
 from doctor.rules import DP_SUSTAINED_STEPS, Finding, diagnose
-from engine.budget.config import EngineConfig
 from engine.budget.stages import fill_drain_bubble
+from engine.config import EngineConfig
 from engine.events import Event, EventBus, RequestArrived, StepEvent
 from engine.events.dp_balance import DP_IMBALANCE_BOUND
 from engine.sim.simulate import build_setup, publish_startup, simulate

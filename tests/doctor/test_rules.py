@@ -4,6 +4,7 @@ the fix computed through the budget formula; and silence on a healthy run."""
 
 from __future__ import annotations
 
+import json
 from functools import cache
 
 import pytest
@@ -13,7 +14,10 @@ from doctor.facts import RunFacts
 from doctor.inputs import facts_from_recording
 from doctor.rules import CRITICAL, WARNING, Finding, diagnose, exit_status
 from doctor.vllm_log import diagnose_log
-from engine.events import EngineConfigEvent, EventBus, StartupPhase
+from engine.budget.fixes import BudgetRefused, Fix, recorded_fixes
+from engine.budget.memory import fixed_pool_fixes
+from engine.events import EngineConfigEvent, EventBus, StartupPhase, dumps
+from engine.events.validate import event_from_row
 from tests.doctor.recordings import path_of
 from tests.paths import DATA
 
@@ -108,12 +112,43 @@ def test_shared_prefix_evicted() -> None:
 
 
 def test_startup_refused_from_a_real_start() -> None:
+    """A recording made before the budget check recorded its fixes: the one fallback that
+    reads them out of the sentence (doctor/rules.py ``fixes_from_old_sentence``)."""
     (f,) = diagnose(facts("startup_refused"))
     assert f.rule == "startup_refused" and f.severity == CRITICAL and f.where == "startup"
     assert "phase B (budget) failed" in f.evidence[0]
     assert [x.why for x in f.fixes] == ["raise --kv-cache-memory-bytes to at least 377,487,360 (0.352 GiB)",
                                         "lower --max-model-len to 16 or less"]
     assert exit_status([f]) == 2
+
+
+def refused_run(reason: str, fixes: list[Fix]) -> RunFacts:
+    """A run whose phase B failed, its event read back from its JSON line as a recording's is."""
+    bus, run = EventBus(), RunFacts()
+    bus.subscribe(run)
+    event = StartupPhase(phase="B", name="budget", status="failed", reason=reason,
+                         fixes=recorded_fixes(BudgetRefused("refused", fixes)))
+    bus.publish(event_from_row(json.loads(dumps(event.to_dict()))))
+    return run
+
+
+def test_startup_refused_takes_the_recorded_fixes_not_the_sentence() -> None:
+    fixes = fixed_pool_fixes(4 << 20, 94_371_840, 4096, 176)
+    # a sentence the old parser would split differently: the fixes come from the data alone
+    (f,) = diagnose(refused_run("--kv-cache-memory-bytes 4,194,304 is too small; try something else", fixes))
+    assert f.rule == "startup_refused" and f.fixes == fixes
+    assert [(x.flag, x.current, x.proposed) for x in f.fixes] == [
+        ("--kv-cache-memory-bytes", 4 << 20, 94_371_840), ("--max-model-len", 4096, 176)]
+    assert f.fixes[1].text() == "--max-model-len 4096 -> 176: the longest request the pool holds"
+
+
+def test_startup_refused_from_an_old_sentence_only_event() -> None:
+    reason = ("the model's max seq len (4,096) is larger than the maximum number of tokens that can be stored in "
+              "KV cache (176); try increasing --gpu-memory-utilization to 0.95 (needs 0.35 GiB of KV pool, have "
+              "0.01) or decreasing --max-model-len to 176 or less")
+    (f,) = diagnose(refused_run(reason, []))
+    assert [(x.flag, x.proposed) for x in f.fixes] == [("--gpu-memory-utilization", None), ("--max-model-len", None)]
+    assert f.fixes[1].why == "decreasing --max-model-len to 176 or less"
 
 
 @pytest.mark.parametrize("name", [pytest.param("pool_binds", marks=pytest.mark.slow),

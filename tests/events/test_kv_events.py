@@ -19,14 +19,14 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from zmq.utils.monitor import recv_monitor_message
 
-from engine.budget.config import EngineConfig
 from engine.cli.main import main
+from engine.config import EngineConfig, KVEventsConfig
 from engine.core.block_pool import BlockPool
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.errors import UserError
 from engine.events import Event, EventBus, StepEvent, dumps, event_from_dict, read_events
 from engine.events.kv_events import KVEventFold
-from engine.events.kv_events_config import KVEventsConfig, parse_kv_events_config
+from engine.events.kv_events_config import parse_kv_events_config
 from engine.events.kv_publisher import KVEventsSink, expand_topic
 from engine.sim.driver import DriverRequest, run_driver
 

@@ -15,15 +15,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.budget.config import EngineConfig
+from engine.config import EngineConfig, KVEventsConfig
 from engine.events import Event, StartupPhase, read_events
-from engine.events.kv_events_config import KVEventsConfig
 from engine.events.phase_data import PHASE_DATA
-from engine.events.validate import RecordedFlags
+from engine.events.validate import RecordedFlags, SchemaError, event_from_row, recorded_flags
 from tests.paths import DATA, SAMPLES
 
 # A real run of the bundled model (engine run-workload --events), 537 events.
@@ -158,9 +158,57 @@ def _without_none(hint: Any) -> Any:
 
 def test_the_declared_flag_types_follow_engine_config() -> None:
     flags = typing.get_type_hints(RecordedFlags)
-    engine_flags = typing.get_type_hints(EngineConfig, localns={"KVEventsConfig": KVEventsConfig})
+    engine_flags = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
         declared = _without_none(engine_flags[f.name])
         assert f.name in flags, f"RecordedFlags lacks EngineConfig.{f.name}"
         expected = dict[str, Any] if dataclasses.is_dataclass(declared) else declared
         assert _without_none(flags[f.name]) == expected, f.name
+
+
+def test_the_recorded_flags_are_engine_configs_fields_and_no_other() -> None:
+    """Derived from EngineConfig (engine/config.py), not written again: every field, plus
+    ``simulation``, which engine simulate adds to its header."""
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    assert set(RecordedFlags.__struct_fields__) == names | {"simulation"}
+
+
+@dataclasses.dataclass
+class _WiderConfig(EngineConfig):
+    """EngineConfig with a flag added, as the next issue would add one."""
+
+    new_budget_knob: int | None = None
+    new_feature: KVEventsConfig | None = None
+
+
+def test_a_new_engine_config_field_is_recorded_and_checked_without_a_line_in_validate() -> None:
+    flags = recorded_flags(_WiderConfig)
+    hints = typing.get_type_hints(flags)
+    assert hints["new_budget_knob"] == int | None and hints["new_feature"] == dict[str, Any] | None
+    wider = _WiderConfig(new_budget_knob=3, new_feature=KVEventsConfig(enable_kv_cache_events=True))
+    msgspec.convert(wider.to_dict(), flags)  # what the engine writes reads back
+    with pytest.raises(msgspec.ValidationError, match=r"new_budget_knob"):
+        msgspec.convert({**wider.to_dict(), "new_budget_knob": "three"}, flags)
+
+
+def test_optional_flags_are_written_only_when_set() -> None:
+    """``when_set`` in a field's metadata: a run without the feature records no key for it,
+    so its recording is what it was before the flag existed; set, it reads back checked."""
+    when_set = {f.name for f in dataclasses.fields(EngineConfig) if f.metadata.get("when_set")}
+    assert {"kv_events_config", "data_parallel_size", "max_decode_step_tokens"} <= when_set
+    assert not when_set & set(EngineConfig().to_dict())
+    config = EngineConfig(data_parallel_size=2, kv_events_config=KVEventsConfig(enable_kv_cache_events=True))
+    written = config.to_dict()
+    assert written["data_parallel_size"] == 2 and written["kv_events_config"]["publisher"] == "zmq"
+    msgspec.convert(written, RecordedFlags)
+
+
+def test_a_refused_phases_fixes_are_checked_on_read() -> None:
+    row = {"type": "startup.phase", "seq": 1, "t": 0.0, "phase": "B", "name": "budget", "status": "failed",
+           "reason": "too small; try lower --max-model-len to 16 or less",
+           "fixes": [{"flag": "--max-model-len", "current": 4096, "proposed": 16, "why": "the pool holds 16"}]}
+    event = event_from_row(row)
+    assert isinstance(event, StartupPhase) and event.fixes[0]["proposed"] == 16
+    assert "fixes" not in StartupPhase(phase="B", status="end").to_dict()  # other phases are as they were
+    with pytest.raises(SchemaError, match=r"fixes\[0\]\.flag"):
+        event_from_row({**row, "fixes": [{"flag": 3}]})

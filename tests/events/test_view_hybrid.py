@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from engine.budget.config import EngineConfig
+from engine.config import EngineConfig
 from engine.events import Event, EventBus, StepEvent
 from engine.events.view import EngineView
 from engine.sim.simulate import Simulation, build_setup

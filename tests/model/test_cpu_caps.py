@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.budget.config import EngineConfig
+from engine.config import EngineConfig
 from engine.model.cpu_caps import choose_cpu_dtype, detect, parse_cpuinfo
 from engine.modelspec.readers import load_model_config
 from engine.startup import resolve_config, resolve_dtype

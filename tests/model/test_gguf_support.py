@@ -42,7 +42,7 @@ def write_tiny_gguf(path: Path, architecture: str, tokenizer: str = "gpt2", tens
 
 
 def test_unsupported_architecture_is_refused_before_phase_c(tmp_path: Path) -> None:
-    from engine.budget.config import EngineConfig
+    from engine.config import EngineConfig
     from engine.startup import start_engine
 
     path = write_tiny_gguf(tmp_path / "tiny-mamba.gguf", "mamba")

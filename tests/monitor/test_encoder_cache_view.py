@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from engine.budget.config import EngineConfig
+from engine.config import EngineConfig
 from engine.events import EventBus
 from engine.events.view import EngineView
 from engine.sim.simulate import Simulation, build_setup

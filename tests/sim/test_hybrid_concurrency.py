@@ -14,7 +14,7 @@ import math
 
 import pytest
 
-from engine.budget.config import EngineConfig
+from engine.config import EngineConfig
 from engine.events import EventBus, StepEvent
 from engine.events.view import EngineView
 from engine.modelspec.readers import load_model_config

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.budget.config import EngineConfig
+from engine.config import EngineConfig
 from engine.core.single_type_kv_cache import SlidingWindowManager
 from engine.events import EngineConfigEvent, EventBus, JsonlSink, StepEvent, read_events
 from engine.events.block_table import fold_step_events

@@ -9,9 +9,9 @@ import io
 
 import pytest
 
-from engine.budget.config import EngineConfig
 from engine.budget.stages import DEFAULT_MICRO_BATCHES, fill_drain_bubble, plan_stages
 from engine.cli import main
+from engine.config import EngineConfig
 from engine.errors import UserError
 from engine.events import EventBus, RequestArrived, StepEvent, read_events
 from engine.events.dp_balance import DataParallelLoad

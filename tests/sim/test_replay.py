@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.budget.config import EngineConfig
 from engine.cli import main
+from engine.config import EngineConfig
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.step_events import publish_step_event

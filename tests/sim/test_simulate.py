@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.budget.config import EngineConfig
 from engine.cli import main
+from engine.config import EngineConfig
 from engine.events import EventBus, RequestArrived, StartupPhase, StatsEvent, StepEvent, read_events
 from engine.events.view import EngineView
 from engine.sim.simulate import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.budget.config import EngineConfig
+from engine.config import EngineConfig
 from engine.events import EventBus, read_events
 from engine.events.schema import EncoderStepEvent, Event, StepEvent
 from engine.sim.simulate import Simulation, build_setup

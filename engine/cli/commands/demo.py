@@ -23,9 +23,9 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from engine.budget.config import EngineConfig
 from engine.cli.dashboard import load_dashboard
 from engine.cli.flags import add_workload_flags, bytes_type, workload_spec_from_args
+from engine.config import EngineConfig
 from engine.errors import UserError
 from engine.events import EventBus
 from engine.logs import configure_logging

@@ -28,7 +28,7 @@ from engine.profiling import profile_dir
 from engine.serve.settings import LOOPBACK_HOSTS, ServerSettings
 
 if TYPE_CHECKING:  # the app and the engine load torch: only once the flags are checked
-    from engine.budget.config import EngineConfig
+    from engine.config import EngineConfig
     from engine.events import EventBus
     from engine.serve.host import EngineHost
 
