@@ -11,9 +11,9 @@ import torch
 
 from engine.core.sampling_params import SamplingParams
 from engine.errors import UserError
+from engine.model.gguf_blocks import read_gguf_blocks
 from engine.model.kernels import cpu_gemv
 from engine.model.llama import GEMV_MAX_ROWS
-from engine.model.gguf_blocks import read_gguf_blocks
 from engine.model.runner import ModelRunner, ScheduledSeq
 
 PACKERS = {"q8_0": cpu_gemv.quantize_q8_0, "q4_1": cpu_gemv.quantize_q4_1}
