@@ -590,7 +590,7 @@ def measure(model: Any, gemv_kernel: Any, native_bf16: bool, isa: str, fallback:
                                                           for g in (*GROUPS, ATTENTION))}
     cells.sort(key=lambda c: order[(c.step, c.group)])
     plan = KernelPlan(cells=cells, isa=isa, bound_s=bound_s, measured_at=time.time(),
-                      load_average=round(os.getloadavg()[0], 2), cpus=os.cpu_count() or 0)
+                      load_average=round(plan_stability.current_load(), 2), cpus=os.cpu_count() or 0)
     notes = _fused_part(plan, fused, deadline, resume, incumbent)
     kept = plan_stability.kept_note(c for c in cells if c.key not in done)
     if kept is not None:

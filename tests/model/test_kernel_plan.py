@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from engine.errors import UserError
 from engine.events import Event, EventBus, StartupPhase
 from engine.llm import LLM
-from engine.model import kernel_plan, profile_cache
+from engine.model import kernel_plan, plan_stability, profile_cache
 from engine.model.cpu_caps import detect
 from engine.model.kernel_plan import ACCURACY_BOUND, STEP_CLASSES, Cell, KernelPlan, choose
 from engine.model.runner import ModelRunner, ScheduledSeq
@@ -255,10 +255,18 @@ def _logits(runner: ModelRunner) -> torch.Tensor:
     return torch.stack([runner.logits_for([prompt])["p"], runner.logits_for([decode])["d"]])
 
 
+def _every_cell_measured_quiet(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No time bound and a quiet load average (plan_stability.current_load): what these tests check
+    holds at any load (a loaded machine took 4-8 s for what a quiet one measures within the 2 s bound)."""
+    monkeypatch.setattr(kernel_plan, "MEASURE_BOUND_S", 600.0)
+    monkeypatch.setattr(plan_stability, "current_load", lambda: 0.5)
+
+
 @pytest.mark.slow  # ~3 s quiet (random weights of SmolLM2's shapes, packed), more on a loaded machine
 def test_measured_on_real_weights_stored_and_reused(two_layer_runner: ModelRunner, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch, cpu_gemv_kernel) -> None:
     monkeypatch.setenv(profile_cache.PROFILE_CACHE_ENV, str(tmp_path))
+    _every_cell_measured_quiet(monkeypatch)
     runner = two_layer_runner
     reference = _logits(runner)  # the fallback constants' routes
     plan = runner.resolve_kernel_plan("test-key", detect())
@@ -333,19 +341,16 @@ def _phase_events(**flags: object) -> dict[str, dict]:
 @pytest.mark.slow  # three engine starts: ~10 s on a quiet 2-core machine
 def test_a_warm_start_reuses_the_stored_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(profile_cache.PROFILE_CACHE_ENV, str(tmp_path))
+    _every_cell_measured_quiet(monkeypatch)
     first = _phase_events(dtype="auto")
     plan = first["F"]["kernel_plan"]
     assert plan["source"] == "measured" and plan["cells"]
     assert first["A"]["dtype"] == "float32" and "kernel plan" in first["A"]["dtype_reason"]
     assert "mmap threshold" in first["A"]["allocator"] or "defaults" in first["A"]["allocator"]  # host_allocator
     assert first["C"]["kernel_plan_bytes"] >= 0
+    assert all(c["measured"] for c in plan["cells"]) and plan["fused_timed"]  # no bound: every cell
     second = _phase_events(dtype="auto")
     reused = second["F"]["kernel_plan"]
-    if any(not c["measured"] for c in plan["cells"]) or not plan["fused_timed"]:
-        # a loaded first start ran out of its bound: the second measured the rest, a third reuses it
-        assert reused["source"] == "measured" and all(c["measured"] for c in reused["cells"])
-        plan, second = reused, _phase_events(dtype="auto")
-        reused = second["F"]["kernel_plan"]
     assert reused["source"] == "stored"  # read back, not measured again: the same table, the same time
     assert reused["cells"] == plan["cells"] and reused["measured_at"] == plan["measured_at"]
     assert len(list((tmp_path / kernel_plan.PLANS_FOLDER).glob("*.json"))) == 1
