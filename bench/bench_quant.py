@@ -10,6 +10,11 @@ Q4_K_M mix does, using Q5_0 there). Each (shape, rows) cell times every method i
 shared CPU hits all methods alike. Each call takes the next of enough copies of its weight to
 fill ``--cold-mib`` MiB, so weights stream from memory as in a decode step. GB/s is the weight
 bytes a call reads divided by its time.
+
+``--clock cpu`` times each method by its thread's CPU time instead of wall time (with
+``--threads 1`` only): on a machine shared with other engineers' jobs (load 10 on 2 cores), a
+2-thread call waits whenever either thread is descheduled, so wall-clock medians there measure
+the scheduler (cells of one 28 ms quantum), not the kernel.
 """
 
 from __future__ import annotations
@@ -86,33 +91,33 @@ def make_calls(inp: int, out: int, rows: int, formats: list[str], isas: list[str
 
 
 def time_interleaved(calls: dict[str, tuple[Callable[[], object], int]], rounds: int,
-                     budget_s: float = 0.02) -> dict[str, float]:
+                     budget_s: float = 0.02, clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     """Median seconds per call of each method, the methods alternating within every round."""
     inner: dict[str, int] = {}
     for name, (fn, _) in calls.items():
         fn()
-        start = time.perf_counter()
+        start = clock()
         fn()
-        one = max(time.perf_counter() - start, 1e-6)
+        one = max(clock() - start, 1e-6)
         inner[name] = max(1, min(500, int(budget_s / one)))
     samples: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(rounds):
         for name, (fn, _) in calls.items():
-            start = time.perf_counter()
+            start = clock()
             for _ in range(inner[name]):
                 fn()
-            samples[name].append((time.perf_counter() - start) / inner[name])
+            samples[name].append((clock() - start) / inner[name])
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def table(shapes: list[str], rows_list: list[int], formats: list[str], isas: list[str], rounds: int,
-          cold_bytes: int, with_gemv: bool) -> list[str]:
+          cold_bytes: int, with_gemv: bool, clock: Callable[[], float] = time.perf_counter) -> list[str]:
     lines = ["| shape (in x out) | rows | method | µs | weight GB/s | x fp32 |", "|---|---|---|---|---|---|"]
     for shape in shapes:
         inp, out = SHAPES[shape]
         for rows in rows_list:
             calls = make_calls(inp, out, rows, formats, isas, cold_bytes, with_gemv)
-            times = time_interleaved(calls, rounds)
+            times = time_interleaved(calls, rounds, clock=clock)
             for name, seconds in times.items():
                 gbs = calls[name][1] / seconds / 1e9
                 lines.append(f"| {shape} | {rows} | {name} | {seconds * 1e6:.0f} | {gbs:.1f} | "
@@ -131,7 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--cold-mib", type=int, default=128, help="weight copies cycled per method (0: one copy)")
     parser.add_argument("--no-gemv", action="store_true", help="leave out cpu_gemv's q4_1x8")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: the thread's CPU time (needs --threads 1; for a shared, loaded machine)")
     args = parser.parse_args(argv)
+    if args.clock == "cpu" and args.threads != 1:
+        parser.error("--clock cpu times the calling thread only: add --threads 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     isas = args.isa.split(",")
@@ -143,9 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     with_gemv = not args.no_gemv and cpu_gemv.load_kernel(print) is not None
     names = ", ".join(f"{isa}: {kernel.isa()}" for isa, kernel in kernels.items())  # type: ignore[union-attr]
     print(f"## cpu_quant ({names}; torch {torch.backends.cpu.get_cpu_capability()}, "
-          f"{torch.get_num_threads()} threads, {args.cold_mib} MiB of weight copies)\n")
+          f"{torch.get_num_threads()} threads, {args.cold_mib} MiB of weight copies, {args.clock} clock)\n")
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     lines = table(args.shapes.split(","), [int(r) for r in args.rows.split(",")], args.formats.split(","), isas,
-                  args.rounds, args.cold_mib * 2**20, with_gemv)
+                  args.rounds, args.cold_mib * 2**20, with_gemv, clock)
     print("\n".join(lines))
     return 0
 

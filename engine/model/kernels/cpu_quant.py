@@ -75,6 +75,10 @@ _CPP_CORE = r"""
 
 namespace kvscope_quant {
 
+// The unpackers and dot helpers must inline into the tile loops: a call there spills the
+// accumulators and the unpacked weights to the stack (and costs a vzeroupper).
+#define KVQ_INLINE inline __attribute__((always_inline))
+
 enum Format : int { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
 struct Geometry {
@@ -128,50 +132,40 @@ inline uint32_t load_u32(const uint8_t* p) {
 }
 
 // ---------------------------------------------------------------- activations (ggml's Q8_1, per 32)
-// Rows padded to whole groups (zeros) whose 32-blocks are interleaved 4 bytes at a time, so int32
-// lane l of a vpdpbusd belongs to block l % (blocks per group):
+// Rows padded to whole groups of 32-blocks (zeros), stored group by group, each group's rows
+// side by side ([group][row][...]): a tile of rows then reads one unit of every row at fixed
+// offsets from one pointer per array. Within a group the blocks are interleaved 4 bytes at a
+// time, so int32 lane l of a vpdpbusd belongs to block l % (blocks per group):
 // * AVX-512: 8 blocks (256 values), 32 bytes per 4 values: b0[0..3] b1[0..3] .. b7[0..3] b0[4..7]
-//   ..; a 64-byte dot folded once gives the 8 blocks' dots in the 8 lanes of a ymm, scaled by
-//   the 8 block scales as they are stored (natural order).
+//   ..; a 64-byte dot folded once gives the 8 blocks' dots in the 8 lanes of a ymm.
 // * AVX2 and scalar: 4 blocks (128 values): their values 0..15 as b0[0..3] b1[0..3] b2[0..3]
-//   b3[0..3] b0[4..7] .., then 16..31 the same way; one 4-float broadcast scales a row's lanes.
-// d: each 32-block's scale; s32 / s16: d * sum(q) per 32 / per 16 values (see s16_pos); all
-// zero-padded to a multiple of 16 floats.
+//   b3[0..3] b0[4..7] .., then 16..31 the same way; a 4-float broadcast scales a row's lanes.
+// Per group and row: d, each block's scale; s32, d * sum(q) per block; s16, d * sum(q) of the
+// blocks' values 0..15, then of their values 16..31.
 #if defined(KVQ_AVX512)
 constexpr int64_t kGroup = 256;
 #else
 constexpr int64_t kGroup = 128;
 #endif
-
-inline int64_t pad16(int64_t n) { return (n + 15) / 16 * 16; }
+constexpr int64_t kGroupBlocks = kGroup / 32;
 
 struct QuantActs {
   int64_t M = 0, K = 0, groups = 0;
-  int64_t q_stride = 0, d_stride = 0, s32_stride = 0, s16_stride = 0;
-  std::vector<int8_t> q;
-  std::vector<float> d, s32, s16;
-  const int8_t* qrow(int64_t r) const { return q.data() + r * q_stride; }
-  const float* drow(int64_t r) const { return d.data() + r * d_stride; }
-  const float* s32row(int64_t r) const { return s32.data() + r * s32_stride; }
-  const float* s16row(int64_t r) const { return s16.data() + r * s16_stride; }
+  std::vector<int8_t> q;      // [groups][M][kGroup]
+  std::vector<float> d, s32;  // [groups][M][kGroupBlocks]
+  std::vector<float> s16;     // [groups][M][2 * kGroupBlocks]
+  const int8_t* qg(int64_t g, int64_t r) const { return q.data() + (g * M + r) * kGroup; }
+  const float* dg(int64_t g, int64_t r) const { return d.data() + (g * M + r) * kGroupBlocks; }
+  const float* s32g(int64_t g, int64_t r) const { return s32.data() + (g * M + r) * kGroupBlocks; }
+  const float* s16g(int64_t g, int64_t r) const { return s16.data() + (g * M + r) * 2 * kGroupBlocks; }
 };
 
-// Where value i (0..31) of 32-block kb lands in a row of QuantActs::q.
-inline int64_t act_pos(int64_t kb, int i) {
+// Where value i (0..31) of block k (0 .. kGroupBlocks - 1) lands in its group.
+inline int64_t act_pos(int64_t k, int i) {
 #if defined(KVQ_AVX512)
-  return (kb >> 3) * kGroup + (i >> 2) * 32 + (kb & 7) * 4 + (i & 3);
+  return (i >> 2) * 32 + k * 4 + (i & 3);
 #else
-  return (kb >> 2) * kGroup + (i >> 4) * 64 + ((i & 15) >> 2) * 16 + (kb & 3) * 4 + (i & 3);
-#endif
-}
-
-// Where the sum of values 16h..16h+15 of 32-block kb lands in a row of QuantActs::s16: natural
-// order, except on AVX-512: per group, the 8 blocks' first halves, then their second halves.
-inline int64_t s16_pos(int64_t kb, int h) {
-#if defined(KVQ_AVX512)
-  return (kb >> 3) * 16 + h * 8 + (kb & 7);
-#else
-  return 2 * kb + h;
+  return (i >> 4) * 64 + ((i & 15) >> 2) * 16 + k * 4 + (i & 3);
 #endif
 }
 
@@ -198,12 +192,13 @@ inline void quantize_block(const float* x, QuantActs& a, int64_t r, int64_t kb) 
     (i < 16 ? lo : hi) += v[i];
   }
 #endif
-  int8_t* q = a.q.data() + r * a.q_stride;
-  for (int c = 0; c < 8; ++c) std::memcpy(q + act_pos(kb, 4 * c), v + 4 * c, 4);
-  a.d[r * a.d_stride + kb] = d;
-  a.s32[r * a.s32_stride + kb] = d * (float)(lo + hi);
-  a.s16[r * a.s16_stride + s16_pos(kb, 0)] = d * (float)lo;
-  a.s16[r * a.s16_stride + s16_pos(kb, 1)] = d * (float)hi;
+  const int64_t g = kb / kGroupBlocks, k = kb % kGroupBlocks, at = g * a.M + r;
+  int8_t* q = a.q.data() + at * kGroup;
+  for (int c = 0; c < 8; ++c) std::memcpy(q + act_pos(k, 4 * c), v + 4 * c, 4);
+  a.d[at * kGroupBlocks + k] = d;
+  a.s32[at * kGroupBlocks + k] = d * (float)(lo + hi);
+  a.s16[at * 2 * kGroupBlocks + k] = d * (float)lo;
+  a.s16[at * 2 * kGroupBlocks + kGroupBlocks + k] = d * (float)hi;
 }
 
 // x: M rows of K floats (row stride ldx), K a multiple of 32. Reuses a's buffers.
@@ -211,14 +206,10 @@ inline void quantize_acts(const float* x, int64_t M, int64_t K, int64_t ldx, Qua
   a.M = M;
   a.K = K;
   a.groups = (K + kGroup - 1) / kGroup;
-  a.q_stride = a.groups * kGroup;
-  a.d_stride = pad16(a.q_stride / 32);
-  a.s32_stride = pad16(a.q_stride / 32);
-  a.s16_stride = pad16(a.q_stride / 16);
-  a.q.assign(M * a.q_stride, 0);
-  a.d.assign(M * a.d_stride, 0.f);
-  a.s32.assign(M * a.s32_stride, 0.f);
-  a.s16.assign(M * a.s16_stride, 0.f);
+  a.q.assign(a.groups * M * kGroup, 0);
+  a.d.assign(a.groups * M * kGroupBlocks, 0.f);
+  a.s32.assign(a.groups * M * kGroupBlocks, 0.f);
+  a.s16.assign(a.groups * M * 2 * kGroupBlocks, 0.f);
   const int64_t nb = K / 32;
   at::parallel_for(0, M, std::max<int64_t>(1, 32768 / std::max<int64_t>(K, 1)), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
@@ -230,9 +221,9 @@ inline void quantize_acts(const float* x, int64_t M, int64_t K, int64_t ldx, Qua
 // decode(): 32-block j of a ggml block as integers, w[i] = sc[i / 16] * v[i] (+ mn), computed in
 // ggml's (and gguf-py's) float order so dequantize() is bit-exact (the build has no -ffast-math
 // and no FMA contraction); the scalar matmul uses it too. The SIMD paths unpack a unit (4 ggml
-// blocks of 32, or one K-quant block) into groups of 128 weights laid out as the activations,
-// and write the group's coefficients of the activation sums (kOffPer floats against s32, or
-// s16 for Q6_K: minimums, or -offset * d for the unsigned-stored formats) to mo.
+// blocks of 32, or one K-quant block) into groups laid out as the activations, with the
+// coefficients of the activation sums (mo: minimums, or -offset * d for the formats stored
+// unsigned; Q6_K: -32 times its scales).
 struct BlockInts {
   int8_t v[32];
   float sc[2];
@@ -249,19 +240,19 @@ struct Unit {
   __mmask64 neg[4];    // Q8_0 without VNNI: where q < 0
 };
 constexpr int kStepBlocks = 8;  // 32-blocks per unpacked unit
-static inline __m512i low_nibbles(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
-static inline __mmask64 bytes_mask(int64_t n) {  // the first n (clamped to 0..64) bytes
+static KVQ_INLINE __m512i low_nibbles(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
+static KVQ_INLINE __mmask64 bytes_mask(int64_t n) {  // the first n (clamped to 0..64) bytes
   return n >= 64 ? ~0ull : n <= 0 ? 0ull : (1ull << n) - 1;
 }
-static inline __m512i dp(__m512i acc, __m512i w, __m512i a) {
+static KVQ_INLINE __m512i dp(__m512i acc, __m512i w, __m512i a) {
 #if defined(KVQ_VNNI)
   return _mm512_dpbusd_epi32(acc, w, a);
 #else
   return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, a), _mm512_set1_epi16(1)));
 #endif
 }
-static inline __m256 upper8(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
-static inline __m256i fold(__m512i v) { return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)); }
+static KVQ_INLINE __m256 upper8(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+static KVQ_INLINE __m256i fold(__m512i v) { return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)); }
 // Shuffle tables computed at compile time (constant data: no guarded statics in the hot loops).
 struct alignas(64) Lanes32 {
   int32_t v[16];
@@ -281,16 +272,16 @@ constexpr Bytes64 bytes64(Fn f) {  // byte p = f(p)
   for (int p = 0; p < 64; ++p) t.v[p] = (uint8_t)f(p);
   return t;
 }
-static inline __m512i ld(const Lanes32& t) { return _mm512_load_si512((const void*)t.v); }
-static inline __m512i ld(const Bytes64& t) { return _mm512_load_si512((const void*)t.v); }
-static inline __m256 fp16x8(const uint8_t* p, int64_t stride, int n = 8) {  // n < 8: the rest 0
+static KVQ_INLINE __m512i ld(const Lanes32& t) { return _mm512_load_si512((const void*)t.v); }
+static KVQ_INLINE __m512i ld(const Bytes64& t) { return _mm512_load_si512((const void*)t.v); }
+static KVQ_INLINE __m256 fp16x8(const uint8_t* p, int64_t stride, int n = 8) {  // n < 8: the rest 0
   uint16_t h[8] = {};
   for (int i = 0; i < n && i < 8; ++i) std::memcpy(h + i, p + i * stride, 2);
   return _mm256_cvtph_ps(_mm_setr_epi16((short)h[0], (short)h[1], (short)h[2], (short)h[3], (short)h[4], (short)h[5],
                                         (short)h[6], (short)h[7]));
 }
 // 4 unaligned 16-byte pieces p, p + stride, ... as one vector
-static inline __m512i gather4x16(const uint8_t* p, int64_t stride) {
+static KVQ_INLINE __m512i gather4x16(const uint8_t* p, int64_t stride) {
   __m512i z = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)p));
   z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i*)(p + stride)), 1);
   z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i*)(p + 2 * stride)), 2);
@@ -299,12 +290,12 @@ static inline __m512i gather4x16(const uint8_t* p, int64_t stride) {
 // Q5_0/Q5_1: hv holds the 8 blocks' 5th-bit words twice (dword l = block l % 8's); the byte mask of
 // w[c]: byte i of lane 8t + b is bit 8c + 4t + i of block b's word.
 #if defined(__AVX512BITALG__)
-static inline __mmask64 fifth_mask(__m512i hv, int c) {
+static KVQ_INLINE __mmask64 fifth_mask(__m512i hv, int c) {
   static constexpr Bytes64 kBits = bytes64([](int p) { return ((p >> 2) & 1) * 32 + 4 * (p >> 5) + (p & 3); });
   return _mm512_bitshuffle_epi64_mask(hv, _mm512_add_epi8(ld(kBits), _mm512_set1_epi8((char)(8 * c))));
 }
 #else
-static inline __mmask64 fifth_mask(__m512i hv, int c) {  // shift the lane's 4 bits to byte 0, copy it, test bit i
+static KVQ_INLINE __mmask64 fifth_mask(__m512i hv, int c) {  // shift the lane's 4 bits to byte 0, copy it, test bit i
   static constexpr Lanes32 kShift = lanes32([](int l) { return 4 * (l >> 3); });
   static constexpr Bytes64 kByte0 = bytes64([](int p) { return p & 12; });
   const __m512i cnt = _mm512_add_epi32(ld(kShift), _mm512_set1_epi32(8 * c));
@@ -313,21 +304,23 @@ static inline __mmask64 fifth_mask(__m512i hv, int c) {  // shift the lane's 4 b
 }
 #endif
 #elif defined(KVQ_AVX2)
-constexpr int kStepBlocks = 4;  // 32-blocks per unpacked step (offset coefficients per step: 4 or 8)
+constexpr int kStepBlocks = 4;  // 32-blocks per unpacked group
 struct Group {
   __m256i w0a, w0b, w1a, w1b;  // values 0..15 of 4 blocks (lanes: block l % 4) in two parts, then 16..31
   __m256 s0, s1;               // scales of the w0* / w1* dot lanes; s1: two-scale formats
+  __m256 mo;                   // coefficients of the activation sums: s32 (lanes 0..3, rest 0) or s16
 };
-static inline __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
-static inline __m256i mb(__m256i w, __m256i a) { return _mm256_maddubs_epi16(w, a); }
-static inline __m256i madd1(__m256i s) { return _mm256_madd_epi16(s, _mm256_set1_epi16(1)); }
-static inline __m256i cast128(__m128i v) { return _mm256_castsi128_si256(v); }
+static KVQ_INLINE __m256 zext4(__m128 v) { return _mm256_insertf128_ps(_mm256_setzero_ps(), v, 0); }
+static KVQ_INLINE __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
+static KVQ_INLINE __m256i mb(__m256i w, __m256i a) { return _mm256_maddubs_epi16(w, a); }
+static KVQ_INLINE __m256i madd1(__m256i s) { return _mm256_madd_epi16(s, _mm256_set1_epi16(1)); }
+static KVQ_INLINE __m256i cast128(__m128i v) { return _mm256_castsi128_si256(v); }
 // Two 8-byte pieces of p as dwords [p0, p1, q0, q1] in the low half.
-static inline __m256i two_pieces(const uint8_t* p, const uint8_t* q) {
+static KVQ_INLINE __m256i two_pieces(const uint8_t* p, const uint8_t* q) {
   return cast128(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i*)p), _mm_loadl_epi64((const __m128i*)q)));
 }
 // Lanes of 4 bytes: byte i of lane 4j + b = 0x10 where bit `first` + 4j + i of h[b] is set (j = 0, 1).
-static inline __m256i fifth_bits(__m256i hv, int first) {
+static KVQ_INLINE __m256i fifth_bits(__m256i hv, int first) {
   const __m256i pick = _mm256_set1_epi32(0x01010101 * (first >> 3));  // byte first / 8 of each word
   const __m256i bytes = _mm256_shuffle_epi8(hv, _mm256_add_epi8(
       _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12),
@@ -341,7 +334,7 @@ static inline __m256i fifth_bits(__m256i hv, int first) {
 #if !defined(KVQ_AVX512) && !defined(KVQ_AVX2)
 constexpr int kStepBlocks = 4;
 #else
-static inline __m128 fp16x4(const uint8_t* p, int64_t stride) {
+static KVQ_INLINE __m128 fp16x4(const uint8_t* p, int64_t stride) {
 #if defined(__F16C__)
   uint16_t h[4];
   for (int i = 0; i < 4; ++i) std::memcpy(h + i, p + i * stride, 2);
@@ -361,7 +354,7 @@ struct Small {
   static constexpr int kUnitBlocks = kStepBlocks, kOffPer = kStepBlocks;  // offset coefficients against s32
   static constexpr bool kTwoScales = false, kHasMin = kMin;
   struct Prep {};
-  static inline void decode(const uint8_t* b, int, BlockInts& o) {
+  static KVQ_INLINE void decode(const uint8_t* b, int, BlockInts& o) {
     const uint8_t* qs = b + kQs;
     const uint32_t qh = kQh >= 0 ? load_u32(b + (kQh >= 0 ? kQh : 0)) : 0u;
     for (int i = 0; i < 16; ++i) {
@@ -372,7 +365,7 @@ struct Small {
     o.sc[0] = o.sc[1] = fp16(b);
     o.mn = kMin ? fp16(b + 2) : 0.f;
   }
-  static inline void prepare(const uint8_t*, Prep&) {}
+  static KVQ_INLINE void prepare(const uint8_t*, Prep&) {}
 #if defined(KVQ_AVX512)
 #if defined(__AVX512VBMI__)
   // Byte gathers over a unit (8 blocks, at most 192 bytes): byte p of a gathered vector comes from
@@ -402,7 +395,7 @@ struct Small {
 #endif
   // nblocks < 8: the row's last, partial unit, read in place (the missing blocks read as zeros:
   // zero weights with zero scales).
-  static inline void unit(const uint8_t* u, int nblocks, Unit& g) {
+  static KVQ_INLINE void unit(const uint8_t* u, int nblocks, Unit& g) {
     __m512i x0, x1, hv = _mm512_setzero_si512();
     __m256 d, m;
 #if defined(__AVX512VBMI__)
@@ -452,7 +445,7 @@ struct Small {
     g.mo = kMin ? m : _mm256_mul_ps(d, _mm256_set1_ps(-(float)kOffset));
   }
 #elif defined(KVQ_AVX2)
-  static inline void group(const uint8_t* u, const Prep&, int, Group& g, float* mo) {
+  static KVQ_INLINE void group(const uint8_t* u, const Prep&, int, Group& g) {
     auto qs = [&](int i) { return _mm_loadu_si128((const __m128i*)(u + i * kBytes_ + kQs)); };
     const __m256i x0 = _mm256_inserti128_si256(cast128(qs(0)), qs(2), 1), x1 = _mm256_inserti128_si256(cast128(qs(1)), qs(3), 1);
     const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
@@ -473,7 +466,7 @@ struct Small {
     }
     const __m128 d = fp16x4(u, kBytes_);
     g.s0 = _mm256_broadcast_ps(&d);
-    _mm_storeu_ps(mo, kMin ? fp16x4(u + 2, kBytes_) : _mm_mul_ps(d, _mm_set1_ps(-(float)kOffset)));
+    g.mo = zext4(kMin ? fp16x4(u + 2, kBytes_) : _mm_mul_ps(d, _mm_set1_ps(-(float)kOffset)));
   }
 #endif
 };
@@ -493,14 +486,14 @@ struct FQ8_0 {
   static constexpr int kOffPer = 0;  // sign trick: |q| times the activations negated where q < 0
 #endif
   struct Prep {};
-  static inline void decode(const uint8_t* b, int, BlockInts& o) {
+  static KVQ_INLINE void decode(const uint8_t* b, int, BlockInts& o) {
     std::memcpy(o.v, b + 2, 32);
     o.sc[0] = o.sc[1] = fp16(b);
     o.mn = 0.f;
   }
-  static inline void prepare(const uint8_t*, Prep&) {}
+  static KVQ_INLINE void prepare(const uint8_t*, Prep&) {}
 #if defined(KVQ_AVX512)
-  static inline void unit(const uint8_t* u, int nblocks, Unit& g) {  // nblocks < 8: the missing ones read as 0
+  static KVQ_INLINE void unit(const uint8_t* u, int nblocks, Unit& g) {  // nblocks < 8: the missing ones read as 0
     auto quants = [&](int b) {
       return b < nblocks ? _mm256_loadu_si256((const __m256i*)(u + 34 * b + 2)) : _mm256_setzero_si256();
     };
@@ -539,7 +532,7 @@ struct FQ8_0 {
 #endif
   }
 #elif defined(KVQ_AVX2)
-  static inline void group(const uint8_t* u, const Prep&, int, Group& g, float*) {  // signed weights
+  static KVQ_INLINE void group(const uint8_t* u, const Prep&, int, Group& g) {  // signed weights
     auto ld = [&](int i) { return _mm256_loadu_si256((const __m256i*)(u + 2 + 34 * i)); };
     const __m256i a = ld(0), b = ld(1), c = ld(2), d = ld(3);
     const __m256i t0 = _mm256_unpacklo_epi32(a, b), t1 = _mm256_unpackhi_epi32(a, b);
@@ -576,7 +569,7 @@ struct KQuant45 {
   static constexpr int kSub = 8, kUnitBlocks = 1, kGroups = 2, kOffPer = kStepBlocks;  // minimums against s32
   static constexpr bool kTwoScales = false, kHasMin = true;
   static constexpr int kQs = kFive ? 48 : 16;
-  static inline void decode(const uint8_t* b, int j, BlockInts& o) {
+  static KVQ_INLINE void decode(const uint8_t* b, int j, BlockInts& o) {
     uint8_t sc[8], mn[8];
     kquant_scales(b + 4, sc, mn);
     const uint8_t* qs = b + kQs + 32 * (j >> 1);
@@ -593,7 +586,7 @@ struct KQuant45 {
   struct Prep {
     __m256 sc, mn;  // d * scale, -dmin * min of the 8 sub-blocks
   };
-  static inline void prepare(const uint8_t* b, Prep& p) {
+  static KVQ_INLINE void prepare(const uint8_t* b, Prep& p) {
     uint8_t sc[8], mn[8];
     kquant_scales(b + 4, sc, mn);
     uint64_t s8, m8;
@@ -604,10 +597,10 @@ struct KQuant45 {
   }
 #else
   struct Prep {};
-  static inline void prepare(const uint8_t*, Prep&) {}
+  static KVQ_INLINE void prepare(const uint8_t*, Prep&) {}
 #endif
 #if defined(KVQ_AVX512)
-  static inline void unit(const uint8_t* b, int, Unit& g) {  // whole K-quant blocks only
+  static KVQ_INLINE void unit(const uint8_t* b, int, Unit& g) {  // whole K-quant blocks only
     Prep p;
     prepare(b, p);
     // w[c] lane 8t + k: sub-block k's values 8c + 4t..: qs dword 8 (k / 2) + 2c + t, high nibbles for odd k
@@ -634,16 +627,16 @@ struct KQuant45 {
   }
 #elif defined(KVQ_AVX2)
   // dwords j, j + 1 (A, B: low / high nibbles) and 8 + j, 9 + j (C, D) of the group's qs -> lanes 4j + b
-  static inline __m256i nibbles(const uint8_t* qs) {
+  static KVQ_INLINE __m256i nibbles(const uint8_t* qs) {
     const __m256i t = _mm256_permutevar8x32_epi32(two_pieces(qs, qs + 32), _mm256_setr_epi32(0, 0, 2, 2, 1, 1, 3, 3));
     return low_nibbles(_mm256_srlv_epi32(t, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4)));
   }
-  static inline __m256i fifth(__m256i w, const uint8_t* qh, __m256i bm) {
+  static KVQ_INLINE __m256i fifth(__m256i w, const uint8_t* qh, __m256i bm) {
     const __m256i h = _mm256_permutevar8x32_epi32(cast128(_mm_loadl_epi64((const __m128i*)qh)),
                                                   _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
     return _mm256_or_si256(w, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, bm), bm), _mm256_set1_epi8(0x10)));
   }
-  static inline void group(const uint8_t* b, const Prep& p, int gi, Group& g, float* mo) {
+  static KVQ_INLINE void group(const uint8_t* b, const Prep& p, int gi, Group& g) {
     const uint8_t* qs = b + kQs + 64 * gi;
     g.w0a = nibbles(qs);
     g.w0b = nibbles(qs + 8);
@@ -660,7 +653,7 @@ struct KQuant45 {
     }
     const __m256i pick = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3), _mm256_set1_epi32(4 * gi));
     g.s0 = _mm256_permutevar8x32_ps(p.sc, pick);
-    _mm_storeu_ps(mo, gi ? _mm256_extractf128_ps(p.mn, 1) : _mm256_castps256_ps128(p.mn));
+    g.mo = zext4(gi ? _mm256_extractf128_ps(p.mn, 1) : _mm256_castps256_ps128(p.mn));
   }
 #endif
 };
@@ -676,7 +669,7 @@ struct FQ6_K {
   static constexpr int64_t kBlockWeights = 256, kBlockBytes = 210;
   static constexpr int kSub = 8, kUnitBlocks = 1, kGroups = 2, kOffPer = 2 * kStepBlocks;  // -32 d scale vs s16
   static constexpr bool kTwoScales = true, kHasMin = false;
-  static inline void decode(const uint8_t* b, int j, BlockInts& o) {
+  static KVQ_INLINE void decode(const uint8_t* b, int j, BlockInts& o) {
     const int n = j >> 2, k = j & 3;
     const uint8_t* ql = b + 64 * n + 32 * (k & 1);
     const uint8_t* qh = b + 128 + 32 * n;
@@ -691,8 +684,8 @@ struct FQ6_K {
   }
 #if defined(KVQ_AVX512)
   struct Prep {};
-  static inline void prepare(const uint8_t*, Prep&) {}
-  static inline void unit(const uint8_t* b, int, Unit& g) {  // whole K-quant blocks only (mo: -32 s0, -32 s1)
+  static KVQ_INLINE void prepare(const uint8_t*, Prep&) {}
+  static KVQ_INLINE void unit(const uint8_t* b, int, Unit& g) {  // whole K-quant blocks only (mo: -32 s0, -32 s1)
     // w[c] lane 8t + k, block k = 4n + j: ql dword 16n + 8 (j & 1) + 2c + t (high nibbles for j >= 2),
     // qh dword 8n + 2c + t, bits 2j, 2j + 1 rotated onto 4, 5
     static constexpr Lanes32 lidx_t = lanes32([](int l) { return 16 * ((l & 7) >> 2) + 8 * (l & 1) + (l >> 3); });
@@ -722,13 +715,13 @@ struct FQ6_K {
   struct Prep {
     __m256 sc[2];  // d * scale, sub-blocks 0..7 and 8..15
   };
-  static inline void prepare(const uint8_t* b, Prep& p) {
+  static KVQ_INLINE void prepare(const uint8_t* b, Prep& p) {
     const __m256 d = _mm256_set1_ps(fp16(b + 208));
     p.sc[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(b + 192)))));
     p.sc[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(b + 200)))));
   }
   // values 4j..4j+7 of blocks A..D (j = 0, 2 / 4, 6 of the half): ql at ql + j and ql + 32 + j, qh at qh + j
-  static inline __m256i part(const uint8_t* ql, const uint8_t* qh) {
+  static KVQ_INLINE __m256i part(const uint8_t* ql, const uint8_t* qh) {
     const __m256i t = _mm256_permutevar8x32_epi32(two_pieces(ql, ql + 32), _mm256_setr_epi32(0, 2, 0, 2, 1, 3, 1, 3));
     const __m256i lo = low_nibbles(_mm256_srlv_epi32(t, _mm256_setr_epi32(0, 0, 4, 4, 0, 0, 4, 4)));
     const __m256i h = _mm256_permutevar8x32_epi32(cast128(_mm_loadl_epi64((const __m128i*)qh)),
@@ -738,7 +731,7 @@ struct FQ6_K {
                                        _mm256_srlv_epi32(h, _mm256_setr_epi32(32, 32, 32, 2, 32, 32, 32, 2)));
     return _mm256_or_si256(lo, _mm256_and_si256(hb, _mm256_set1_epi8(0x30)));
   }
-  static inline void group(const uint8_t* b, const Prep& p, int n, Group& g, float* mo) {
+  static KVQ_INLINE void group(const uint8_t* b, const Prep& p, int n, Group& g) {
     const uint8_t* ql = b + 64 * n;
     const uint8_t* qh = b + 128 + 32 * n;
     g.w0a = part(ql, qh);
@@ -747,11 +740,11 @@ struct FQ6_K {
     g.w1b = part(ql + 24, qh + 24);
     g.s0 = _mm256_permutevar8x32_ps(p.sc[n], _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6));
     g.s1 = _mm256_permutevar8x32_ps(p.sc[n], _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7));
-    _mm256_storeu_ps(mo, _mm256_mul_ps(p.sc[n], _mm256_set1_ps(-32.f)));
+    g.mo = _mm256_mul_ps(_mm256_blend_ps(g.s0, g.s1, 0xF0), _mm256_set1_ps(-32.f));  // vs s16: firsts, seconds
   }
 #else
   struct Prep {};
-  static inline void prepare(const uint8_t*, Prep&) {}
+  static KVQ_INLINE void prepare(const uint8_t*, Prep&) {}
 #endif
 };
 
@@ -761,19 +754,19 @@ struct FQ6_K {
 #if defined(KVQ_AVX512)
 constexpr int kMaxRows = 8;
 
-static inline float hsum(__m256 s) {
+static KVQ_INLINE float hsum(__m256 s) {
   __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
   h = _mm_add_ps(h, _mm_movehl_ps(h, h));
   h = _mm_add_ss(h, _mm_movehdup_ps(h));
   return _mm_cvtss_f32(h);
 }
 
-static inline __m512i mb(__m512i w, __m512i a) { return _mm512_maddubs_epi16(w, a); }
-static inline __m512i madd1(__m512i s) { return _mm512_madd_epi16(s, _mm512_set1_epi16(1)); }
+static KVQ_INLINE __m512i mb(__m512i w, __m512i a) { return _mm512_maddubs_epi16(w, a); }
+static KVQ_INLINE __m512i madd1(__m512i s) { return _mm512_madd_epi16(s, _mm512_set1_epi16(1)); }
 
 // The 8 blocks' integer dots with one row (one-scale formats).
 template <class F>
-static inline __m256i unit_dot(const Unit& g, const __m512i* a) {
+static KVQ_INLINE __m256i unit_dot(const Unit& g, const __m512i* a) {
   if constexpr (std::is_same_v<F, FQ8_0>) {
 #if !defined(KVQ_VNNI)
     // |q| x activations negated where q < 0; each part apart (|q| * a pair sums reach 32512)
@@ -794,7 +787,7 @@ static inline __m256i unit_dot(const Unit& g, const __m512i* a) {
 
 // Values 0..15 and 16..31 of the 8 blocks apart (two-scale formats; 6-bit weights: two products
 // per int16 lane stay below 32767).
-static inline void unit_dot_halves(const Unit& g, const __m512i* a, __m256i& first, __m256i& second) {
+static KVQ_INLINE void unit_dot_halves(const Unit& g, const __m512i* a, __m256i& first, __m256i& second) {
 #if defined(KVQ_VNNI)
   const __m512i z = _mm512_setzero_si512();
   first = fold(dp(dp(z, g.w[0], a[0]), g.w[1], a[1]));
@@ -808,35 +801,36 @@ static inline void unit_dot_halves(const Unit& g, const __m512i* a, __m256i& fir
 // Per unit and row: the 8 blocks' dots scaled by weight and activation scales, plus the weights'
 // constant parts (g.mo, or -32 * the scales for Q6_K) times the activation sums, one FMA each.
 template <class F, int R>
-static void tile(const uint8_t* wrow, int64_t units, int rest, const uint8_t*, const QuantActs& a, int64_t r0, float*,
-                 float* y, int64_t ldy) {
-  const int8_t* q0 = a.qrow(r0);
-  const float* d0 = a.drow(r0);
-  const float* so = F::kTwoScales ? a.s16row(r0) : a.s32row(r0);
-  const int64_t so_stride = F::kTwoScales ? a.s16_stride : a.s32_stride;
+static void tile(const uint8_t* wrow, int64_t units, int rest, const uint8_t*, const QuantActs& a, int64_t r0, float* y,
+                 int64_t ldy) {
   const int64_t n_units = units + (rest > 0);
-  auto step = [&](int64_t u, __m256* acc) {  // unit u into the rows' accumulators
+  auto step = [&](int64_t u, __m256* acc) __attribute__((always_inline)) {  // unit u into the rows' accumulators
     Unit g;
     const uint8_t* ub = wrow + u * F::kUnitBlocks * F::kBlockBytes;
     if (u < units)
       F::unit(ub, F::kUnitBlocks, g);
     else
       F::unit(ub, rest, g);
+    const int8_t* qu = a.qg(u, r0);  // unit u of rows r0.. (rows at fixed offsets)
+    const float* du = a.dg(u, r0);
+    const float* su = F::kTwoScales ? a.s16g(u, r0) : a.s32g(u, r0);
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const int8_t* q = q0 + r * a.q_stride + u * kGroup;
+      const int8_t* q = qu + r * kGroup;
       __m512i x[4];
+#pragma GCC unroll 4
       for (int c = 0; c < 4; ++c) x[c] = _mm512_loadu_si512((const void*)(q + 64 * c));
-      const __m256 da = _mm256_loadu_ps(d0 + r * a.d_stride + u * 8);
-      const float* sr = so + r * so_stride;
+      const __m256 da = _mm256_loadu_ps(du + r * 8);
       if constexpr (F::kTwoScales) {
         __m256i first, second;
         unit_dot_halves(g, x, first, second);
         const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(second), g.s1, _mm256_mul_ps(_mm256_cvtepi32_ps(first), g.s0));
-        const __m256 o = _mm256_fmadd_ps(g.s1, _mm256_loadu_ps(sr + u * 16 + 8), _mm256_mul_ps(g.s0, _mm256_loadu_ps(sr + u * 16)));
+        const float* s = su + r * 16;
+        const __m256 o = _mm256_fmadd_ps(g.s1, _mm256_loadu_ps(s + 8), _mm256_mul_ps(g.s0, _mm256_loadu_ps(s)));
         acc[r] = _mm256_fmadd_ps(o, _mm256_set1_ps(-32.f), _mm256_fmadd_ps(t, da, acc[r]));
       } else {
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(unit_dot<F>(g, x)), _mm256_mul_ps(g.s0, da), acc[r]);
-        if constexpr (F::kOffPer > 0) acc[r] = _mm256_fmadd_ps(g.mo, _mm256_loadu_ps(sr + u * 8), acc[r]);
+        if constexpr (F::kOffPer > 0) acc[r] = _mm256_fmadd_ps(g.mo, _mm256_loadu_ps(su + r * 8), acc[r]);
       }
     }
   };
@@ -852,24 +846,22 @@ static void tile(const uint8_t* wrow, int64_t units, int rest, const uint8_t*, c
 #elif defined(KVQ_AVX2)
 constexpr int kMaxRows = 4;  // 16 ymm registers
 
-static inline float hsum(__m256 s) {
+static KVQ_INLINE float hsum(__m256 s) {
   __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
   h = _mm_add_ps(h, _mm_movehl_ps(h, h));
   h = _mm_add_ss(h, _mm_movehdup_ps(h));
   return _mm_cvtss_f32(h);
 }
 
-static inline __m256i signed_dot(__m256i w, __m256i a) {
+static KVQ_INLINE __m256i signed_dot(__m256i w, __m256i a) {
   return madd1(mb(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w)));
 }
 
 template <class F, int R>
 static void tile(const uint8_t* wrow, int64_t units, int, const uint8_t* tail, const QuantActs& a, int64_t r0,
-                 float* mo, float* y, int64_t ldy) {
+                 float* y, int64_t ldy) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const int8_t* q0 = a.qrow(r0);
-  const float* d0 = a.drow(r0);
   const int64_t n_units = units + (tail != nullptr);
   for (int64_t u = 0; u < n_units; ++u) {
     const uint8_t* ub = u < units ? wrow + u * F::kUnitBlocks * F::kBlockBytes : tail;
@@ -878,11 +870,15 @@ static void tile(const uint8_t* wrow, int64_t units, int, const uint8_t* tail, c
     for (int gk = 0; gk < F::kGroups; ++gk) {
       const int64_t gi = u * F::kGroups + gk;
       Group g;
-      F::group(ub, p, gk, g, mo + gi * F::kOffPer);
+      F::group(ub, p, gk, g);
+      const int8_t* qu = a.qg(gi, r0);  // group gi of rows r0.. (rows at fixed offsets)
+      const float* du = a.dg(gi, r0);
+      const float* su = F::kTwoScales ? a.s16g(gi, r0) : a.s32g(gi, r0);
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        const int8_t* q = q0 + r * a.q_stride + gi * kGroup;
+        const int8_t* q = qu + r * kGroup;
         auto ld = [&](int o) { return _mm256_loadu_si256((const __m256i*)(q + o)); };
-        const __m256 da = _mm256_broadcast_ps((const __m128*)(d0 + r * a.d_stride + gi * 4));
+        const __m256 da = _mm256_broadcast_ps((const __m128*)(du + r * 4));
         if constexpr (std::is_same_v<F, FQ8_0>) {  // halves apart: |q| * a pair sums reach 32512
           const __m256i s = _mm256_add_epi32(_mm256_add_epi32(signed_dot(g.w0a, ld(0)), signed_dot(g.w0b, ld(32))),
                                              _mm256_add_epi32(signed_dot(g.w1a, ld(64)), signed_dot(g.w1b, ld(96))));
@@ -891,21 +887,15 @@ static void tile(const uint8_t* wrow, int64_t units, int, const uint8_t* tail, c
           const __m256i s0 = madd1(_mm256_add_epi16(mb(g.w0a, ld(0)), mb(g.w0b, ld(32))));
           const __m256i s1 = madd1(_mm256_add_epi16(mb(g.w1a, ld(64)), mb(g.w1b, ld(96))));
           const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), g.s1, _mm256_mul_ps(_mm256_cvtepi32_ps(s0), g.s0));
-          acc[r] = _mm256_fmadd_ps(t, da, acc[r]);
+          acc[r] = _mm256_fmadd_ps(g.mo, _mm256_loadu_ps(su + r * 8), _mm256_fmadd_ps(t, da, acc[r]));
         } else {  // weights below 32: four products per int16 lane stay below 32767
           const __m256i s = _mm256_add_epi16(_mm256_add_epi16(mb(g.w0a, ld(0)), mb(g.w0b, ld(32))),
                                              _mm256_add_epi16(mb(g.w1a, ld(64)), mb(g.w1b, ld(96))));
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(madd1(s)), _mm256_mul_ps(g.s0, da), acc[r]);
+          if constexpr (F::kOffPer > 0)
+            acc[r] = _mm256_fmadd_ps(g.mo, _mm256_broadcast_ps((const __m128*)(su + r * 4)), acc[r]);
         }
       }
-    }
-  }
-  if constexpr (F::kOffPer > 0) {
-    const float* s0 = F::kTwoScales ? a.s16row(r0) : a.s32row(r0);
-    const int64_t stride = F::kTwoScales ? a.s16_stride : a.s32_stride, n = pad16(n_units * F::kGroups * F::kOffPer);
-    for (int64_t i = 0; i < n; i += 8) {
-      const __m256 m = _mm256_loadu_ps(mo + i);
-      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(s0 + r * stride + i), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) y[r * ldy] = hsum(acc[r]);
@@ -914,7 +904,7 @@ static void tile(const uint8_t* wrow, int64_t units, int, const uint8_t* tail, c
 constexpr int kMaxRows = 4;
 
 template <class F, int R>
-static void tile(const uint8_t* wrow, int64_t units, int, const uint8_t* tail, const QuantActs& a, int64_t r0, float*,
+static void tile(const uint8_t* wrow, int64_t units, int, const uint8_t* tail, const QuantActs& a, int64_t r0,
                  float* y, int64_t ldy) {
   float acc[R] = {};
   BlockInts b;
@@ -924,16 +914,16 @@ static void tile(const uint8_t* wrow, int64_t units, int, const uint8_t* tail, c
                                                      : tail + (blk - units * F::kUnitBlocks) * F::kBlockBytes;
     for (int j = 0; j < F::kSub; ++j) {
       F::decode(bp, j, b);
-      const int64_t kb = blk * F::kSub + j;
+      const int64_t kb = blk * F::kSub + j, gi = kb / kGroupBlocks, k = kb % kGroupBlocks;
       for (int r = 0; r < R; ++r) {
-        const int8_t* q = a.qrow(r0 + r);
+        const int8_t* q = a.qg(gi, r0 + r);
         int lo = 0, hi = 0;
         for (int i = 0; i < 16; ++i) {
-          lo += b.v[i] * q[act_pos(kb, i)];
-          hi += b.v[16 + i] * q[act_pos(kb, 16 + i)];
+          lo += b.v[i] * q[act_pos(k, i)];
+          hi += b.v[16 + i] * q[act_pos(k, 16 + i)];
         }
-        acc[r] += a.drow(r0 + r)[kb] * (b.sc[0] * (float)lo + b.sc[1] * (float)hi);
-        if (F::kHasMin) acc[r] += b.mn * a.s32row(r0 + r)[kb];
+        acc[r] += a.dg(gi, r0 + r)[k] * (b.sc[0] * (float)lo + b.sc[1] * (float)hi);
+        if (F::kHasMin) acc[r] += b.mn * a.s32g(gi, r0 + r)[k];
       }
     }
   }
@@ -943,17 +933,17 @@ static void tile(const uint8_t* wrow, int64_t units, int, const uint8_t* tail, c
 
 template <class F>
 static void tile_rows(int R, const uint8_t* wrow, int64_t units, int rest, const uint8_t* tail, const QuantActs& a,
-                      int64_t r0, float* mo, float* y, int64_t ldy) {
+                      int64_t r0, float* y, int64_t ldy) {
   switch (R) {
-    case 1: tile<F, 1>(wrow, units, rest, tail, a, r0, mo, y, ldy); break;
-    case 2: tile<F, 2>(wrow, units, rest, tail, a, r0, mo, y, ldy); break;
-    case 3: tile<F, 3>(wrow, units, rest, tail, a, r0, mo, y, ldy); break;
-    case 4: tile<F, 4>(wrow, units, rest, tail, a, r0, mo, y, ldy); break;
+    case 1: tile<F, 1>(wrow, units, rest, tail, a, r0, y, ldy); break;
+    case 2: tile<F, 2>(wrow, units, rest, tail, a, r0, y, ldy); break;
+    case 3: tile<F, 3>(wrow, units, rest, tail, a, r0, y, ldy); break;
+    case 4: tile<F, 4>(wrow, units, rest, tail, a, r0, y, ldy); break;
 #if defined(KVQ_AVX512)
-    case 5: tile<F, 5>(wrow, units, rest, tail, a, r0, mo, y, ldy); break;
-    case 6: tile<F, 6>(wrow, units, rest, tail, a, r0, mo, y, ldy); break;
-    case 7: tile<F, 7>(wrow, units, rest, tail, a, r0, mo, y, ldy); break;
-    case 8: tile<F, 8>(wrow, units, rest, tail, a, r0, mo, y, ldy); break;
+    case 5: tile<F, 5>(wrow, units, rest, tail, a, r0, y, ldy); break;
+    case 6: tile<F, 6>(wrow, units, rest, tail, a, r0, y, ldy); break;
+    case 7: tile<F, 7>(wrow, units, rest, tail, a, r0, y, ldy); break;
+    case 8: tile<F, 8>(wrow, units, rest, tail, a, r0, y, ldy); break;
 #endif
     default: break;
   }
@@ -970,7 +960,6 @@ static void range_fmt(const uint8_t* W, int64_t n0, int64_t n1, const QuantActs&
 #if !defined(KVQ_AVX512)
   alignas(64) uint8_t tail[F::kUnitBlocks * F::kBlockBytes + 64];
 #endif
-  std::vector<float> mo(pad16((units + 1) * 16) + 16, 0.f);  // the row's offset coefficients
   const int64_t chunk = std::max<int64_t>(1, 16384 / std::max<int64_t>(row_bytes, 1));
   const int64_t tiles = (a.M + kMaxRows - 1) / kMaxRows;
   for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
@@ -988,7 +977,7 @@ static void range_fmt(const uint8_t* W, int64_t n0, int64_t n1, const QuantActs&
           tp = tail;
         }
 #endif
-        tile_rows<F>(R, wrow, units, (int)rest, tp, a, r0, mo.data(), y + r0 * ldy + n, ldy);
+        tile_rows<F>(R, wrow, units, (int)rest, tp, a, r0, y + r0 * ldy + n, ldy);
       }
       r0 += R;
     }
@@ -1213,8 +1202,9 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
   float* dp = d.data_ptr<float>();
   for (int64_t r = 0; r < M; ++r)
     for (int64_t kb = 0; kb < K / 32; ++kb) {
-      for (int i = 0; i < 32; ++i) qp[r * K + kb * 32 + i] = a.qrow(r)[kq::act_pos(kb, i)];
-      dp[r * (K / 32) + kb] = a.drow(r)[kb];
+      const int64_t g = kb / kq::kGroupBlocks, k = kb % kq::kGroupBlocks;
+      for (int i = 0; i < 32; ++i) qp[r * K + kb * 32 + i] = a.qg(g, r)[kq::act_pos(k, i)];
+      dp[r * (K / 32) + kb] = a.dg(g, r)[k];
     }
   return {q, d};
 }
