@@ -98,8 +98,8 @@ class BlockDeltas:
     one full-attention group's events carry the flat lists alone, as they always have.
     """
 
-    __slots__ = ("allocated_by_group", "cached", "evicted", "evicted_groups", "evicted_hashes", "freed_by_group",
-                 "grouped", "num_groups", "prefix_hit_tokens", "prefix_query_tokens", "stored",
+    __slots__ = ("_groups", "allocated_by_group", "cached", "evicted", "evicted_groups", "evicted_hashes",
+                 "freed_by_group", "grouped", "num_groups", "prefix_hit_tokens", "prefix_query_tokens", "stored",
                  "window_freed_by_group")
 
     def __init__(self, record_contents: bool = False, num_groups: int = 1, grouped: bool = False) -> None:
@@ -110,6 +110,7 @@ class BlockDeltas:
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.num_groups = num_groups
+        self._groups = range(num_groups)
         self.grouped = grouped
         self.allocated_by_group: dict[str, list[list[int]]] = {}
         self.freed_by_group: dict[str, list[list[int]]] = {}
@@ -119,7 +120,7 @@ class BlockDeltas:
     def _group_lists(self, by_group: dict[str, list[list[int]]], request_id: str) -> list[list[int]]:
         lists = by_group.get(request_id)
         if lists is None:
-            lists = by_group[request_id] = [[] for _ in range(self.num_groups)]
+            lists = by_group[request_id] = [[] for _ in self._groups]
         return lists
 
     def record_allocated(self, request_id: str, group: int, block_ids: list[int]) -> None:

@@ -28,7 +28,7 @@ from engine.core.block_pool import BlockDeltas, BlockPool
 from engine.core.kv_cache_coordinator import KVCacheCoordinator
 from engine.core.kv_cache_groups import KVCacheGroup, resolve_groups
 from engine.core.request import BlockTables, Request
-from engine.core.single_type_kv_cache import cdiv
+from engine.core.single_type_kv_cache import cdiv as cdiv  # re-exported: callers' and tests' helper
 from engine.events.schema import (
     PREFIX_COMPLETE,
     PREFIX_DIVERGED,
@@ -102,6 +102,7 @@ class KVCacheManager:
         self.groups = self.coordinator.groups
         self.specs = self.coordinator.specs
         self.null_block = self.pool.null_block  # a window group's stand-in for positions it freed
+        self._has_window = bool(self.coordinator.sliding_groups)
         self.prefix_query_tokens = 0  # totals since start, in tokens
         self.prefix_hit_tokens = 0
         self.last_shortfall = (0, 0)  # (blocks needed, blocks free) of the last allocation refused
@@ -166,25 +167,38 @@ class KVCacheManager:
         cache now, before the forward pass, as vLLM does: a request admitted later in the
         same step may hit them because the step writes all KV before attention reads it.
         """
-        coordinator, bs = self.coordinator, self.block_size
-        if coordinator.sliding_groups and req.num_computed_tokens:
-            coordinator.remove_skipped_blocks(req, req.num_computed_tokens)
-        computed = req.num_computed_tokens + num_computed_hit_tokens
-        num_slot_blocks = cdiv(computed + num_new_tokens, bs)
-        hits = computed_blocks if num_computed_hit_tokens else None
+        bs = self.block_size
+        computed = req.num_computed_tokens
+        if computed and self._has_window:
+            self.coordinator.remove_skipped_blocks(req, computed)
+        computed += num_computed_hit_tokens
+        known = computed + num_new_tokens
+        num_slot_blocks = (known + bs - 1) // bs  # cdiv inline: this runs per request per step
+        tables = req.block_tables
+        if num_computed_hit_tokens or not tables or len(tables[0]) < num_slot_blocks:
+            hits = computed_blocks if num_computed_hit_tokens else None
+            appended = self._allocate(req, hits, num_slot_blocks)
+            if appended is None:
+                return None
+        else:  # every group's table covers the same positions: none needs a block (most decodes)
+            appended = []
+        if self.enable_caching:
+            num_tokens = len(req.token_ids)
+            num_full = (known if known < num_tokens else num_tokens) // bs
+            if num_full > req.num_hashed_blocks:
+                self.coordinator.cache_full_blocks(req, extend_block_hashes(req, num_full, bs), num_full)
+        return appended
+
+    def _allocate(self, req: Request, hits: BlockTables | None, num_slot_blocks: int) -> list[int] | None:
+        """Every group's blocks for ``num_slot_blocks`` positions, or None (recording the
+        shortfall) when the pool cannot supply them."""
+        coordinator = self.coordinator
         num_needed = coordinator.num_blocks_to_allocate(req.block_tables, hits, num_slot_blocks)
         num_free = self.pool.num_free
         if num_needed > num_free:
             self.last_shortfall = (num_needed, num_free)
             return None
-        appended = coordinator.allocate(req, hits, num_slot_blocks)
-        if self.enable_caching:
-            num_tokens = len(req.token_ids)
-            known = computed + num_new_tokens
-            num_full = (known if known < num_tokens else num_tokens) // bs
-            if num_full > req.num_hashed_blocks:
-                coordinator.cache_full_blocks(req, extend_block_hashes(req, num_full, bs), num_full)
-        return appended
+        return coordinator.allocate(req, hits, num_slot_blocks)
 
     # ------------------------------------------------------------------- free
     def free(self, req: Request) -> list[int]:

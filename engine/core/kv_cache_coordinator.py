@@ -133,11 +133,10 @@ class KVCacheCoordinator:
     def num_blocks_to_allocate(self, tables: BlockTables, hits: BlockTables | None, num_slot_blocks: int) -> int:
         """Blocks every group together takes from the free queue for ``num_slot_blocks``
         positions (new ones, and free cached hit blocks)."""
-        total = 0
-        for g, manager in enumerate(self.managers):
-            table = tables[g] if tables else _NO_BLOCKS
-            total += manager.num_blocks_to_allocate(table, hits[g] if hits is not None else None, num_slot_blocks)
-        return total
+        if hits is None:  # every group's table covers the same positions: each needs as many
+            return len(self.managers) * max(0, num_slot_blocks - (len(tables[0]) if tables else 0))
+        return sum(manager.num_blocks_to_allocate(tables[g] if tables else _NO_BLOCKS, hits[g], num_slot_blocks)
+                   for g, manager in enumerate(self.managers))
 
     def allocate(self, req: Request, hits: BlockTables | None, num_slot_blocks: int) -> list[int]:
         """Take the hit (an admission) and extend every group's table to ``num_slot_blocks``
@@ -152,14 +151,14 @@ class KVCacheCoordinator:
             for manager, table, hit in zip(managers, tables, hits, strict=True):
                 manager.take_hit(table, hit)
             req.num_hashed_blocks = len(hits[0])  # hit blocks are registered in the cache already
-        deltas = self.pool.deltas
+        record, rid = self.pool.deltas.record_allocated, req.request_id
         appended: list[int] = []
-        for g, (manager, table) in enumerate(zip(managers, tables, strict=True)):
-            new = manager.allocate_new_blocks(table, num_slot_blocks)
-            real = manager.real_blocks(hits[g]) + new if hits is not None else new
+        for g, manager in enumerate(managers):
+            new = manager.allocate_new_blocks(tables[g], num_slot_blocks)
+            real = new if hits is None else manager.real_blocks(hits[g]) + new
             if real:
-                deltas.record_allocated(req.request_id, g, real)
-                appended.extend(real)
+                record(rid, g, real)
+                appended += real
         return appended
 
     def cache_full_blocks(self, req: Request, hashes: list[int], num_full_blocks: int) -> None:
