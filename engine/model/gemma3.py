@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +57,8 @@ _EXTRA_LAYER_TENSORS = ("pre_feedforward_layernorm.weight", "post_feedforward_la
 class Gemma3DecoderLayer(DecoderLayer):
     """One Gemma 3 layer. Parameter names follow transformers' (``post_attention_layernorm``
     is the norm of the attention output here, not Llama's pre-MLP norm)."""
+
+    fused_entry = "decode_layer_gemma3"  # its pure-decode call in engine/model/kernels/cpu_layer.py
 
     def __init__(self, config: ModelConfig, index: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__(config, dtype, device)
@@ -98,9 +101,18 @@ class Gemma3DecoderLayer(DecoderLayer):
         down = linear_maybe_quantized(self, F.gelu(gate, approximate="tanh") * up, "down_proj", self.down_proj)
         return hidden + rms_norm(down, self.post_feedforward_layernorm, self.eps)
 
-    def fused_decode_args(self) -> None:  # type: ignore[override]
-        """The fused C++ decode layer is Llama's shape (no QK-norm, two norms): never here."""
-        return None
+    def fused_decode_args(self) -> tuple[tuple[object, ...], tuple[object, ...]] | None:
+        """The fixed arguments of :func:`engine.model.kernels.cpu_layer` ``decode_layer_gemma3`` for
+        this layer (before and after the per-step ones; a sliding layer's window in ``after``), or
+        None when a projection has no quantized copy with a kernel or the weights are not float32."""
+        projections = self.fused_projections()
+        if projections is None:
+            return None
+        qkv, o, gate_up, down = projections
+        before = (self.input_layernorm, self.post_attention_layernorm, self.pre_feedforward_layernorm,
+                  self.post_feedforward_layernorm, self.q_norm, self.k_norm, *qkv, *o, *gate_up, *down)
+        after = (self.num_heads, self.num_kv_heads, self.eps, self.scale, self.sliding_window or 0)
+        return before, after
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
@@ -138,8 +150,32 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         ``meta[layer.kv_cache_group]``)."""
         if self._gemv_pending:
             self.resolve_gemv()
-        hidden = self.decoder_layers(self.embed(input_ids), positions, kv_caches, meta)
+        hidden = self.embed(input_ids)
+        first = meta if isinstance(meta, AttentionMetadata) else meta[0]
+        layer_kernel = self._layer_kernel_for(first, kv_caches)
+        if layer_kernel is not None:
+            hidden = self.fused_decoder_layers(layer_kernel, hidden, positions, kv_caches, meta)
+        else:
+            hidden = self.decoder_layers(hidden, positions, kv_caches, meta)
         return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+
+    def fused_decoder_layers(self, layer_kernel: Any, hidden: torch.Tensor, positions: torch.Tensor,
+                             kv_caches: Sequence[torch.Tensor],
+                             meta: AttentionMetadata | Sequence[AttentionMetadata]) -> torch.Tensor:
+        """A pure-decode step's layers, each one C++ call (engine/model/kernels/cpu_layer.py) with its
+        rope (the local base for sliding layers) and its KV cache group's slots, block table and seq lens."""
+        rows = hidden.shape[0]
+        cos_sin = {sliding: tuple(t.view(rows, -1) for t in rotary.cos_sin(positions, self.dtype))
+                   for sliding, rotary in ((False, self.rotary), (True, self.rotary_local))}
+        per_group: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        for layer, (before, after), kv_cache in zip(self.layers, self._fused_layers, kv_caches, strict=True):
+            group = layer.kv_cache_group
+            if group not in per_group:  # each group's int64 slots once a step
+                m = meta if isinstance(meta, AttentionMetadata) else meta[group]
+                per_group[group] = (m.slot_mapping.to(torch.int64), m.block_tables, m.seq_lens)
+            hidden = layer_kernel.decode_layer_gemma3(hidden, *before, *cos_sin[layer.is_sliding], kv_cache,
+                                                      *per_group[group], *after)
+        return hidden
 
     def decoder_layers(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[torch.Tensor],
                        meta: AttentionMetadata | Sequence[AttentionMetadata]) -> torch.Tensor:
@@ -154,9 +190,6 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return super().embed(input_ids) * self.embed_scale
-
-    def fused_decode_status(self, kv_cache_dtype: torch.dtype) -> str:
-        return "off: the fused C++ layer is Llama's shape (Gemma 3 runs its layers op by op)"
 
     # ------------------------------------------------------------------ weights
     def _fused_target(self, hf_name: str) -> tuple[torch.Tensor, int, int] | None:

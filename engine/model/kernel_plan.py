@@ -658,6 +658,9 @@ def _measure_cell(cell: Cell, target: _Target, impls: dict[tuple[str, str], Impl
         if cell.rows > MAX_ROWS_TIMED.get(name, cell.rows):
             cell.rejected[name] = f"not timed above {MAX_ROWS_TIMED[name]} rows (a GEMV: time linear in rows)"
             continue
+        if cell.rows < MIN_ROWS_TIMED.get(name, 0):
+            cell.rejected[name] = f"not timed below {MIN_ROWS_TIMED[name]} rows (widens the whole weight each call)"
+            continue
         impl = impls.get((target.group, name))
         if impl is None:
             impl = impls[(target.group, name)] = implementation(name, weight, target.quantized, gemv_kernel,
@@ -910,6 +913,10 @@ def fused_timing(model: Any) -> FusedTiming | None:
                 break
             timings.append((sc, *_fused_against_layer(model, layer, kernel, args, min(sc.rows, cpu_layer.MAX_ROWS),
                                                       generator)))
+        if not timings:  # the bound came first (installing the plan's copies took it): as past the bound
+            plan.fused_timed = False  # else "off" was stored as if measured, and no later start timed it
+            return cpu_layer.MAX_ROWS, ["fused decode layer not timed: the bound was reached (fallback: on; "
+                                        "the next start times it)"]
         rows, fused_notes = fused_rows_from(timings, cpu_layer.MAX_ROWS, incumbent_rows=incumbent_rows)
         return rows, fused_notes + notes
 
@@ -933,12 +940,13 @@ def _fused_against_layer(model: Any, layer: Any, kernel: Any, args: tuple[tuple[
     meta = AttentionMetadata(slot_mapping=slots, query_start_loc=torch.arange(rows + 1, dtype=torch.int32),
                              seq_lens=lens, block_tables=tables, max_query_len=1, max_seq_len=FUSED_CONTEXT + 1,
                              query_lens_cpu=[1] * rows, seq_lens_cpu=[FUSED_CONTEXT + 1] * rows)
-    cos, sin = model.rotary.cos_sin(torch.full((rows,), FUSED_CONTEXT), model.dtype)
+    rotary = model.rotary_local if getattr(layer, "is_sliding", False) else model.rotary  # Gemma 3's two bases
+    cos, sin = rotary.cos_sin(torch.full((rows,), FUSED_CONTEXT), model.dtype)
     hidden = torch.randn(rows, layer.input_layernorm.shape[0], generator=generator)
+    entry = getattr(kernel, getattr(layer, "fused_entry", "decode_layer"))  # Gemma 3: decode_layer_gemma3
 
     def fused_call() -> torch.Tensor:
-        return kernel.decode_layer(hidden, *before, cos.view(rows, -1), sin.view(rows, -1), cache, slots, tables,
-                                   lens, *after)
+        return entry(hidden, *before, cos.view(rows, -1), sin.view(rows, -1), cache, slots, tables, lens, *after)
 
     def layer_call() -> torch.Tensor:
         return layer(hidden, cos, sin, cache, meta, model.backend)
@@ -978,7 +986,8 @@ def resolve(model: Any, key: str, native_bf16: bool, isa: str, log: Any = None,
                  "reached): measuring them now")
     if plan is None or remeasure or resume is not None:
         incumbent = resume or _incumbent_plan(previous, model.config.name, isa)
-        model.restore_float_weights()  # an earlier plan's dropped float weights: measured against
+        if model._gemv_pending:
+            model.resolve_gemv()  # each quantized weight bound to its kernel (the GEMV candidate)
         gemv_kernel = cpu_gemv.load_kernel() if model.quantized_linears() else None
         plan = measure(model, gemv_kernel, native_bf16, isa, model.fallback_candidate, fused=fused_timing(model),
                        approximate=approximate, resume=resume,

@@ -215,25 +215,25 @@ class DecoderLayer(nn.Module):
         """The fixed arguments of :func:`engine.model.kernels.cpu_layer` ``decode_layer`` for this
         layer (before and after the per-step ones), or None when a projection has no
         quantized copy with a kernel or the weights are not float32."""
-        from engine.model.kernels.cpu_layer import FORMAT_CODES
-
-        entries = [self.quantized.get(name) for name in _PROJECTIONS]
-        if self.sliding_window is not None:
-            return None  # the C++ layer attends to the whole context
-        if self.qkv_proj.dtype != torch.float32 or any(q is None or q.gemv is None or q.fmt not in FORMAT_CODES
-                                                        or len(q.parts) != 1 for q in entries):
+        projections = self.fused_projections()
+        if projections is None:
             return None
-        qkv, o, gate_up, down = entries
-        assert qkv is not None and o is not None and gate_up is not None and down is not None
+        qkv, o, gate_up, down = projections
         bias = self.qkv_bias if self.qkv_bias is not None else torch.empty(0)
-        past = {name: getattr(self, name) for name in _PROJECTIONS}  # past a GEMV limit (the fallback constants')
-        before = (self.input_layernorm, self.post_attention_layernorm,
-                  qkv.blocks, FORMAT_CODES[qkv.fmt], past["qkv_proj"], qkv.max_rows, bias,
-                  o.blocks, FORMAT_CODES[o.fmt], past["o_proj"], o.max_rows,
-                  gate_up.blocks, FORMAT_CODES[gate_up.fmt], past["gate_up_proj"], gate_up.max_rows,
-                  down.blocks, FORMAT_CODES[down.fmt], past["down_proj"], down.max_rows)
-        after = (self.num_heads, self.num_kv_heads, self.eps, 1.0 / math.sqrt(self.head_dim))
+        before = (self.input_layernorm, self.post_attention_layernorm, *qkv, bias, *o, *gate_up, *down)
+        after = (self.num_heads, self.num_kv_heads, self.eps, 1.0 / math.sqrt(self.head_dim), self.sliding_window or 0)
         return before, after
+
+    def fused_projections(self) -> list[tuple[list[torch.Tensor], list[int], torch.Tensor, int]] | None:
+        """Each projection's arguments to the fused layer (:func:`engine.model.kernels.cpu_layer.projection_args`:
+        its block parts in any GGUF format, the float weight past its GEMV limit), or None when the
+        weights are not float32 or a projection has no quantized copy with a kernel."""
+        from engine.model.kernels.cpu_layer import projection_args
+
+        if self.qkv_proj.dtype != torch.float32:
+            return None
+        args = [projection_args(self.quantized.get(name), getattr(self, name)) for name in _PROJECTIONS]
+        return None if any(a is None for a in args) else args  # type: ignore[return-value]
 
     def mlp_block(self, hidden: torch.Tensor) -> torch.Tensor:
         """Norm, gate/up, SiLU-and-multiply, down, residual: the part ``torch.compile`` fuses."""

@@ -75,8 +75,9 @@ def test_fused_layer_matches_the_op_by_op_step(bundled_runner, cpu_layer_kernel,
     """The bundled GGUF at int4 (its own Q4_1 blocks), 3 sequences x 12 decode steps.
     Measured (AVX2 Zen 3): identical greedy tokens, logits within 2.8e-5 of the op-by-op path."""
     runner = bundled_runner
+    # A GGUF read as blocks holds no float copy of its projections: the GEMV serves every batch size.
     assert runner.model.fused_decode_status(runner.kv_cache_dtype) == (
-        "enabled for pure-decode steps of <= 256 sequences (GEMV up to 8 rows, float GEMM above)")
+        "enabled for pure-decode steps of <= 256 sequences (GEMV at every batch size)")
     prompts = [smollm_tokenizer.encode(p) for p in ("The capital of France is", "def add(a, b):", "Once upon")]
     _compare(runner, prompts, 12, monkeypatch, atol=2e-3)
 
@@ -141,11 +142,16 @@ def test_fused_layer_with_a_qkv_bias(cpu_layer_kernel, smollm_config, monkeypatc
     _compare(runner, [list(range(5, 40)), list(range(100, 117))], 6, monkeypatch, atol=1e-3)
 
 
-def test_batches_beyond_the_gemv_rows_use_float_gemm_inside_the_call(bundled_runner, cpu_layer_kernel, smollm_config,
+def test_batches_beyond_the_gemv_rows_use_float_gemm_inside_the_call(cpu_layer_kernel, smollm_config,
                                                                      monkeypatch) -> None:
     """12 sequences (more rows than the GEMV serves): each projection multiplies the float
-    weights with torch's GEMM inside the fused call, as F.linear does in the op-by-op path."""
-    runner = bundled_runner
+    weights with torch's GEMM inside the fused call, as F.linear does in the op-by-op path.
+    The float weights are made again from the blocks (a GGUF read as blocks holds none)."""
+    runner = _runner(smollm_config)
+    assert runner.model.restore_float_weights() > 0
+    runner.model.resolve_gemv()
+    assert runner.model.fused_decode_status(runner.kv_cache_dtype) == (
+        "enabled for pure-decode steps of <= 256 sequences (GEMV up to 8 rows, float GEMM above)")
     prompts = [[100 + i, 200 + i, 300 + i, 400 + i] for i in range(12)]
     _compare(runner, prompts, 3, monkeypatch, atol=2e-3)
 
