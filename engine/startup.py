@@ -59,7 +59,7 @@ from engine.events.phase_data import (
 )
 from engine.gc_policy import restore_collections
 from engine.logs import get_logger
-from engine.model import kernel_plan, profile_cache
+from engine.model import kernel_plan, profile_cache, profile_parts
 from engine.model.cpu_caps import CpuCapabilities, DtypeChoice, choose_cpu_dtype, detect
 from engine.model.cuda_graphs import DecodeGraphs, graphs_supported
 from engine.model.device import (
@@ -227,6 +227,9 @@ class ResolvedConfig:
     decode_step_tokens_reason: str = ""  # why --max-decode-step-tokens is what it is ("" = not set)
     dtype_auto: bool = False  # --dtype auto: the kernel plan may round weights to bf16/int8 where that wins
     kv_cache_dtype_reason: str = "--kv-cache-dtype"
+    # The CPU default budget: vLLM-CPU's 2,048 or more, from the kernel plan stored at the time (a
+    # later start's may differ), so phase D's stored profile holds up to kernel_plan.BUDGET_MAX tokens.
+    budget_from_plan: bool = False
 
 
 # Why --kv-cache-dtype auto stores bf16 on a CPU with native bf16 under --dtype auto (phase A's log line).
@@ -278,15 +281,18 @@ def resolve_config(config: EngineConfig, model: ModelConfig, device: torch.devic
     # before the budget: the stored plan is keyed by the cache dtype its prefill kernels read
     kv_cache_dtype, kv_reason = resolve_kv_cache_dtype(config, device, caps,
                                                        _plan_picks_auto_dtype(config, model, device))
+    budget_from_plan = False  # the budget a stored kernel plan may change from one start to the next
     if device.type == "cpu" and batched == GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS:  # flag left at its GPU default
         batched, batched_reason, derived = cpu_batch_budget(config, model, quantization, dtype_choice.dtype, caps,
                                                             config.dtype == "auto", kv_cache_dtype)
+        budget_from_plan = derived
         if derived and decode_step is not None:
             if decode_step < batched:  # the flag bounds the steps with decodes, below the others'
                 batched_reason += f"; a step with decodes takes at most --max-decode-step-tokens {decode_step:,}"
             else:  # more than the CPU default: every step's budget (the decode bound is then off, below)
                 batched, batched_reason = decode_step, (f"--max-decode-step-tokens {decode_step:,}, above the CPU "
                                                         "default: every step's budget")
+                budget_from_plan = False
     if decode_step is not None and decode_step >= batched:
         decode_step, decode_reason = None, ""  # no tighter than every step's budget: off
     backend = config.attention_backend
@@ -299,7 +305,7 @@ def resolve_config(config: EngineConfig, model: ModelConfig, device: torch.devic
         cuda_graph_sizes=list(config.cuda_graph_sizes), kv_cache_dtype=kv_cache_dtype,
     )
     return ResolvedConfig(resolved, dtype_choice.reason, quantization_reason, batched_reason, decode_reason,
-                          config.dtype == "auto", kv_reason)
+                          config.dtype == "auto", kv_reason, budget_from_plan)
 
 
 def kernel_plan_key(config: EngineConfig, model: ModelConfig, quantization: str | None, dtype: str,
@@ -570,13 +576,15 @@ def _phases_b_to_g(s: StartupInputs, phases: PhaseRecorder, reading: MemoryReadi
     with phases.phase("D") as d:
         bus.publish(StartupProgress(phase="D", what="profile run", done=0, total=1, unit="steps"))
         profile = _profile_run(runner, s.config, s.model, s.device, log,
-                               shared=parallel is not None or stage is not None)
+                               shared=parallel is not None or stage is not None,
+                               cover=kernel_plan.BUDGET_MAX if s.resolution.budget_from_plan else None)
         bus.publish(StartupProgress(phase="D", what="profile run", done=1, total=1, unit="steps"))
         d.record = ProfileRunData(
             activation_peak_bytes=profile.activation_peak_bytes, non_torch_bytes=profile.non_torch_bytes,
             method=profile.method, max_num_batched_tokens=s.config.max_num_batched_tokens,
             max_num_seqs=s.config.max_num_seqs, estimated=(), forward_s=profile.forward_s,
-            sample_s=profile.sample_s, cached=profile.cached, measured_at=profile.measured_at)
+            sample_s=profile.sample_s, cached=profile.cached, measured_at=profile.measured_at,
+            profiled_tokens=profile.profiled_tokens or (s.config.max_num_batched_tokens,))
     with phases.phase("E") as e:
         plan = _phase_kv_cache(e, s, reading, info.weights_bytes, profile, runner, parallel, stage)
     with phases.phase("F") as f:
@@ -802,44 +810,54 @@ def _model_facts(model: ModelConfig) -> dict[str, Any]:
     return {k: v for k, v in asdict(model).items() if k not in ModelConfig.FAMILY_FIELDS or v is not None}
 
 
-def _profile_key(config: EngineConfig, model: ModelConfig, groups: tuple[KVCacheGroup, ...] = ()) -> str:
-    # the hybrid layout only when there is one, so a full-attention model's key is what it was
+def _profile_key(config: EngineConfig, model: ModelConfig, groups: tuple[KVCacheGroup, ...] = (),
+                 points: profile_parts.Points | None = None) -> str:
+    # the hybrid layout only when there is one, so a full-attention model's key is what it was;
+    # measured in parts, the step sizes profiled instead of the budget (the line holds at any)
     layout = {"kv_cache_groups": groups_to_config(groups)} if groups else {}
-    return profile_cache.profile_key({**layout,
+    step = {"max_num_batched_tokens": config.max_num_batched_tokens} if points is None else {"profile_points": points}
+    return profile_cache.profile_key({**layout, **step,
         "weights": profile_cache.weights_identity(model.path, _model_facts(model)), "dtype": config.dtype,
         "quantization": config.quantization, "kv_cache_dtype": config.kv_cache_dtype,
         "attention_backend": config.attention_backend, "block_size": config.block_size,
-        "load_format": config.load_format, "max_num_batched_tokens": config.max_num_batched_tokens,
+        "load_format": config.load_format,
         "max_num_seqs": config.max_num_seqs, "threads": torch.get_num_threads(), "torch": torch.__version__,
         "isa": torch.backends.cpu.get_cpu_capability(),
     })
 
 
 def _profile_run(runner: ModelRunner, config: EngineConfig, model: ModelConfig, device: torch.device,
-                 log: Any, shared: bool = False) -> profile_cache.ProfileResult:
-    """Phase D's measurement: the worst-case forward and sampler pass under the peak
-    tracker, or on CPU the stored result of the same measurement (engine/model/profile_cache.py).
-    ``shared`` (tensor parallelism): the forward is collective, so every rank measures
-    (one rank reusing a stored result would leave the others waiting in its all-reduces)."""
-    key = _profile_key(config, model, runner.kv_cache_groups) if device.type == "cpu" and not shared else None
+                 log: Any, shared: bool = False, cover: int | None = None) -> profile_cache.ProfileResult:
+    """Phase D's measurement: on CPU the worst-case step's peak measured in parts, as a function of
+    its tokens that holds up to ``cover`` (engine/model/profile_parts.py), or its stored result
+    (engine/model/profile_cache.py) evaluated at this budget; else the whole step under the peak
+    tracker. ``shared`` (tensor or pipeline parallelism): the forward is collective, so every rank
+    measures the whole step (one rank reusing a stored result would leave the others waiting)."""
+    tokens, seqs = config.max_num_batched_tokens, config.max_num_seqs
+    local = device.type == "cpu" and not shared
+    points = profile_parts.forward_points(tokens, seqs, cover) if local and profile_parts.applies(runner) else None
+    key = _profile_key(config, model, runner.kv_cache_groups, points) if local else None
     stored = profile_cache.load(key) if key is not None else None
     if stored is not None:
+        stored = stored.at_tokens(tokens)
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(stored.measured_at))
         log.info(f"profile run: reused the measurement of {when} for these weights, flags and sources: "
-                 f"activation peak {stored.activation_peak_bytes / GiB:.3f} GiB, "
+                 f"activation peak {stored.activation_peak_bytes / GiB:.3f} GiB at {tokens:,} tokens, "
                  f"non-torch {stored.non_torch_bytes / GiB:.3f} GiB ({profile_cache.PROFILE_CACHE_ENV}=0 measures again)")
         return stored
-    log.info(f"profile run: one forward of {config.max_num_batched_tokens:,} tokens over "
-             f"{min(config.max_num_seqs, config.max_num_batched_tokens)} sequences (the worst-case step) "
-             f"and a sampler pass over {config.max_num_seqs} rows")
-    timings, peak = measure_peak(device, lambda: runner.profile_run(config.max_num_batched_tokens,
-                                                                    config.max_num_seqs))
-    result = profile_cache.ProfileResult(peak.activation_peak_bytes, peak.non_torch_bytes, peak.method,
-                                         timings.forward_s, timings.sample_s, time.time())
-    log.info(f"profile run: {config.max_num_batched_tokens} tokens over {config.max_num_seqs} sequences; "
-             f"activation peak {peak.activation_peak_bytes / GiB:.3f} GiB, non-torch "
-             f"{peak.non_torch_bytes / GiB:.3f} GiB ({peak.method}); forward {timings.forward_s:.2f} s, "
-             f"sampler {timings.sample_s:.2f} s")
+    if points is not None:
+        log.info(f"profile run in parts: the forward at {points[0][0]:,} and {points[1][0]:,} tokens, the LM head "
+                 f"over {seqs} rows, the sampler on a few rows, scaled to a {tokens:,}-token step")
+        result = profile_parts.profile(runner, points, tokens, seqs)
+    else:
+        log.info(f"profile run: one forward of {tokens:,} tokens over {min(seqs, tokens)} sequences (the "
+                 f"worst-case step) and a sampler pass over {seqs} rows")
+        timings, peak = measure_peak(device, lambda: runner.profile_run(tokens, seqs))
+        result = profile_cache.ProfileResult(peak.activation_peak_bytes, peak.non_torch_bytes, peak.method,
+                                             timings.forward_s, timings.sample_s, time.time(), tokens=tokens)
+    log.info(f"profile run: {tokens} tokens over {seqs} sequences; activation peak "
+             f"{result.activation_peak_bytes / GiB:.3f} GiB, non-torch {result.non_torch_bytes / GiB:.3f} GiB "
+             f"({result.method}); forward {result.forward_s:.2f} s, sampler {result.sample_s:.2f} s")
     if key is not None:
         profile_cache.store(key, result)
     return result

@@ -169,6 +169,8 @@ class ProfileRunData(PhaseData):
     sample_s: float | None = NOT_REPORTED
     cached: bool | None = NOT_REPORTED
     measured_at: float | None = NOT_REPORTED
+    # the step sizes the forward ran at: the budget, or two points of a line evaluated at it (CPU, in parts)
+    profiled_tokens: tuple[int, ...] | None = NOT_REPORTED
     # VL models (engine/budget/vision.py): what the encoder adds to the profile
     encoder_activation_peak_bytes: int | None = NOT_REPORTED  # the tower's run on the profiled items
     encoder_cache_tokens: int | None = NOT_REPORTED  # the encoder cache budget: min(compute budget, cache size)

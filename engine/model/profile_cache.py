@@ -1,14 +1,14 @@
 """Phase D's measured result, kept on disk so a warm CPU start does not re-measure it.
 
-On a 2-core CPU the profile run (one forward of ``--max-num-batched-tokens`` under
-the tensor-bytes tracker plus a sampler pass over ``--max-num-seqs`` rows) is
-~2.4 s of a ~6.5 s start, and it measures the same peak every time for the same
-inputs. The entry is keyed by everything that decides that peak: the weights'
-content (not their path), dtype, quantization, KV cache dtype, attention backend,
-block size, the step shape (``max_num_batched_tokens``, ``max_num_seqs``), threads,
-torch version, ISA, and a hash of the source files that allocate during the run
-(everything under engine/model/). Change any of them and the run is
-measured again. CUDA always measures: free device memory is shared with other
+On a 2-core CPU the profile run measures the same peak every time for the same inputs. On
+CPU it is measured in parts (engine/model/profile_parts.py): the entry holds the peak as a
+function of the step's tokens, so a start whose kernel plan chose another step budget
+evaluates the stored line at its own (``ProfileResult.at_tokens``). The entry is keyed by
+everything that decides that peak: the weights' content (not their path), dtype,
+quantization, KV cache dtype, attention backend, block size, the step shape (the step sizes
+profiled, or ``max_num_batched_tokens`` where the whole step is measured; ``max_num_seqs``),
+threads, torch version, ISA, and a hash of the source files that allocate during the run
+(everything under engine/model/). Change any of them and the run is measured again. CUDA always measures: free device memory is shared with other
 processes and the run also warms compiled kernels.
 
 An entry is one small JSON file under ``<cache dir>/profiles/`` (or the folder
@@ -32,7 +32,7 @@ from typing import Any
 from engine.model.startup_cache import atomic_write, cache_dir, content_fingerprint, touch
 
 PROFILE_CACHE_ENV = "KVSCOPE_PROFILE_CACHE"
-PROFILE_FORMAT_VERSION = 1
+PROFILE_FORMAT_VERSION = 2  # 2: the peak as a function of the step's tokens (engine/model/profile_parts.py)
 MAX_ENTRIES = 64  # a few bytes each; the oldest go past this
 # Sources whose allocations the profile run measures: the whole model wing.
 _MODEL_ROOT = Path(__file__).resolve().parent
@@ -40,13 +40,28 @@ _MODEL_ROOT = Path(__file__).resolve().parent
 
 @dataclass(slots=True, frozen=True)
 class ProfileResult:
-    activation_peak_bytes: int
+    activation_peak_bytes: int  # at ``tokens`` step tokens
     non_torch_bytes: int
     method: str
     forward_s: float
     sample_s: float
     measured_at: float  # unix time of the measurement
     cached: bool = False  # True when read back from the cache rather than measured now
+    # The peak at any step's tokens (engine/model/profile_parts.py PeakFunction.to_json()); None: the
+    # whole step was measured at ``tokens`` only.
+    peak_function: dict[str, Any] | None = None
+    tokens: int = 0
+    profiled_tokens: tuple[int, ...] = ()  # the step sizes the forward ran at
+
+    def at_tokens(self, tokens: int) -> ProfileResult:
+        """This profile for a step of ``tokens`` (a stored one reused under another budget): the
+        peak function evaluated there; a profile of the whole step only at its own ``tokens``."""
+        if self.peak_function is None or tokens == self.tokens:
+            return self
+        from engine.model.profile_parts import PeakFunction
+
+        peak = PeakFunction.from_json(self.peak_function).at(tokens)
+        return replace(self, activation_peak_bytes=peak, tokens=tokens)
 
 
 def profile_root() -> Path | None:
@@ -109,6 +124,8 @@ def load(key: str) -> ProfileResult | None:
     try:
         data = json.loads(path.read_text())
         result = ProfileResult(**{f.name: data[f.name] for f in fields(ProfileResult) if f.name != "cached"})
+        result = replace(result, profiled_tokens=tuple(result.profiled_tokens))
+        result.at_tokens(result.tokens + 1)  # a malformed peak function is a miss, not a failed start
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if result.activation_peak_bytes <= 0 or result.non_torch_bytes < 0:
