@@ -32,6 +32,7 @@ BENCHMARKS: list[tuple[str, list[str], int]] = [
     ("bench.bench_logparse", [], 600),
     ("bench.bench_monitor", [], 600),
     ("bench.bench_simulate", [], 600),
+    ("bench.bench_capacity", [], 2400),  # engine capacity's predicted max rate against a live sweep of the real engine
     ("bench.bench_server", [], 900),
     ("bench.bench_tp", [], 1800),
     ("bench.bench_parallel", [], 1800),  # issue 37: PP=2 / DP=2 bubble and balance, the same layouts simulated

@@ -202,7 +202,7 @@ def add_engine_flags(p: argparse.ArgumentParser, positional_model: bool = False)
                         "started by torch.multiprocessing, rank 0 in this process (engine/workers.py)")
 
 
-def _add_aliased(p: argparse.ArgumentParser | argparse._ArgumentGroup, name: str, **kwargs: Any) -> argparse.Action:
+def add_aliased(p: argparse.ArgumentParser | argparse._ArgumentGroup, name: str, **kwargs: Any) -> argparse.Action:
     """``name`` plus its retired spellings as one argument (one ``dest``). Only
     ``name`` stays in the action's option strings, so ``--help``, the usage line
     and argparse's errors show one spelling; the old ones still parse."""
@@ -233,11 +233,11 @@ def add_workload_flags(
     arrival patterns only the simulator runs (uniform, by step, closed loop,
     traces); the real engine's arrivals are Poisson in seconds at --request-rate."""
     w = p.add_argument_group("workload", RANGE_HELP)
-    _add_aliased(w, "--num-prompts", type=_positive_int("--num-prompts"), default=num_prompts, metavar="N",
+    add_aliased(w, "--num-prompts", type=_positive_int("--num-prompts"), default=num_prompts, metavar="N",
                  help=num_prompts_help or f"requests in the workload (default {num_prompts})")
-    _add_aliased(w, "--random-input-len", default=input_len, metavar="LO:HI",
+    add_aliased(w, "--random-input-len", default=input_len, metavar="LO:HI",
                  help=f"prompt tokens per request (default {input_len})")
-    _add_aliased(w, "--random-output-len", default=output_len, metavar="LO:HI",
+    add_aliased(w, "--random-output-len", default=output_len, metavar="LO:HI",
                  help=f"tokens generated per request, EOS ignored (default {output_len})")
     if simulated:
         w.add_argument("--arrival", choices=ARRIVALS, default="at-once",
@@ -248,10 +248,10 @@ def add_workload_flags(
                        help="uniform arrivals: the window, in steps or seconds as --arrival-unit says")
     rate_help = ("poisson arrivals: requests per --arrival-unit" if simulated else
                  f"requests per second, Poisson arrivals; inf sends them all at once (default {request_rate:g})")
-    _add_aliased(w, "--request-rate", type=float, default=request_rate, metavar="R", help=rate_help)
+    add_aliased(w, "--request-rate", type=float, default=request_rate, metavar="R", help=rate_help)
     w.add_argument("--shared-prefix-fraction", type=float, default=shared_prefix_fraction, metavar="F",
                    help=f"fraction of requests that start with one shared prefix (default {shared_prefix_fraction:g})")
-    _add_aliased(w, "--shared-prefix-len", type=int, default=shared_prefix_len, metavar="N",
+    add_aliased(w, "--shared-prefix-len", type=int, default=shared_prefix_len, metavar="N",
                  help=f"tokens in that shared prefix, at most a prompt's length minus one (default {shared_prefix_len})")
     if simulated:
         w.add_argument("--concurrency", type=_positive_int("--concurrency"), default=None, metavar="N",

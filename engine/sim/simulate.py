@@ -27,7 +27,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from engine.budget.memory import GiB, GpuPreset, MemoryPlan, gpu_preset, plan_memory
 from engine.budget.stages import DEFAULT_MICRO_BATCHES, PipelinePlan, plan_stages
@@ -148,6 +148,13 @@ class CostModel:
         return num_requests / self.step_seconds(num_requests, num_requests * context_tokens)
 
 
+class StepCost(Protocol):
+    """A step's seconds from what it schedules, measured rather than derived (engine/sim/step_fit.py
+    fits one to a recording's own steps); a setup that has one runs it instead of the roofline."""
+
+    def seconds(self, prefill_tokens: int, decode_rows: int, kv_tokens_read: int) -> float: ...
+
+
 @dataclass(frozen=True, slots=True)
 class PipelineCost:
     """A pipeline-parallel replica's step (issue 37): each stage's GPU has its own roofline
@@ -230,6 +237,7 @@ class SimSetup:
     cost: CostModel
     pipeline: PipelinePlan | None = None  # --pipeline-parallel-size > 1: every stage's plan
     pipeline_cost: PipelineCost | None = None
+    step_cost: StepCost | None = None  # a measured cost (engine capacity's fit) in place of the roofline
 
     @property
     def data_parallel_size(self) -> int:
@@ -666,7 +674,9 @@ class CostModelExecutor:
             timings = pipeline.step([(s.num_tokens, s.start_position + s.num_tokens) for s in output.scheduled])
             seconds = timings["duration_s"]
         else:
-            seconds = self.sim.setup.cost.step_seconds(num_tokens, kv_read)
+            fitted = self.sim.setup.step_cost
+            seconds = (fitted.seconds(output.num_prefill_tokens, output.num_decode_tokens, kv_read) if fitted
+                       else self.sim.setup.cost.step_seconds(num_tokens, kv_read))
             timings = {"forward_s": seconds, "duration_s": seconds}
         if output.encoder_inputs:  # the encoder runs first, then the forward that reads its outputs
             encode = self.sim.setup.cost.encoder_seconds(sum(tokens for _, _, tokens in output.encoder_inputs))
