@@ -560,12 +560,29 @@ class LlamaForCausalLM(nn.Module):
                 dropped += weight.numel() * weight.element_size()
                 placeholder = torch.zeros(1, 1, dtype=weight.dtype, device=weight.device).expand(weight.shape)
                 setattr(layer, name, nn.Parameter(placeholder, requires_grad=False))
-        return dropped
+        return dropped + self._drop_unused_head_weight()
+
+    def _drop_unused_head_weight(self) -> int:
+        """The LM head's float weight when no step multiplies by it (the plan routes every step size
+        to the GEMV or to a copy of its own) and its GGUF blocks make it again. A tied head is the
+        embedding: dropped only where the embedding reads its rows from the blocks too (Gemma 3
+        270M's 262,144 x 640 head: 640 MiB, held beside its 640 MiB fp32pack copy before)."""
+        q = self.quantized.get("head")
+        attr = weight_blocks.head_attr(self)
+        weight = getattr(self, attr)
+        if (q is None or q.gemv is None or q.source != "gguf" or _holds_nothing(weight)
+                or any(c == "torch" for _, c in self.kernel_plan.choices("head"))
+                or (self.lm_head is None and self._embed_blocks is None)):
+            return 0
+        setattr(self, attr, weight_blocks.placeholder(weight))
+        return weight.numel() * weight.element_size()
 
     def dropped_float_bytes(self) -> int:
         """Bytes of the float weights the kernel plan dropped (phase C's ``kernel_plan_dropped_bytes``)."""
-        return sum(w.numel() * w.element_size() for layer in self.layers for name in _PROJECTIONS
-                   if _holds_nothing(w := getattr(layer, name)))
+        head = getattr(self, weight_blocks.head_attr(self))
+        return (sum(w.numel() * w.element_size() for layer in self.layers for name in _PROJECTIONS
+                    if _holds_nothing(w := getattr(layer, name)))
+                + (head.numel() * head.element_size() if _holds_nothing(head) else 0))
 
     def restore_float_weights(self) -> int:
         """Make the float weights not held again from their blocks (a plan that uses them, a

@@ -27,6 +27,8 @@ import torch
 
 from engine.model.kernels.cpu_quant import FORMAT_IDS, block_geometry
 
+X8_ROWS = 8  # rows the q4_1x8 layout interleaves (engine/model/kernels/cpu_gemv.py)
+
 # Block formats by name: (ggml type id, weights a block, bytes a block), the kernel module's facts.
 # "q4_1x8" is the Q4_1 blocks of 8 rows interleaved at load (engine/model/kernels/cpu_gemv.py), same bytes.
 BLOCK_FORMATS: dict[str, tuple[int, int, int]] = {
@@ -155,8 +157,14 @@ class QuantizedLinear:
         """float32 ``[len(ids), in]`` of the rows ``ids`` (an embedding lookup): only those
         rows are read. A one-part weight only (an embedding is one tensor)."""
         flat = ids.reshape(-1).to(torch.int64)
-        out = dequantize_part(self.parts[0], self.in_features, flat) if len(self.parts) == 1 else \
-            self.dequantize().index_select(0, flat)
+        if len(self.parts) > 1:
+            out = self.dequantize().index_select(0, flat)
+        elif self.parts[0].fmt == "q4_1x8":  # rows interleaved by 8: their whole groups, then the rows
+            groups, where = torch.unique(flat // X8_ROWS, return_inverse=True)
+            rows = (groups[:, None] * X8_ROWS + torch.arange(X8_ROWS)).reshape(-1)
+            out = dequantize_part(self.parts[0], self.in_features, rows)[where * X8_ROWS + flat % X8_ROWS]
+        else:
+            out = dequantize_part(self.parts[0], self.in_features, flat)
         return out.reshape(*ids.shape, self.in_features)
 
 

@@ -15,6 +15,7 @@ import torch
 from engine.model.kernel_plan import STEP_CLASSES, Cell, KernelPlan
 from engine.model.kernels import cpu_gemv, cpu_layer
 from engine.model.runner import ModelRunner, ScheduledSeq
+from engine.model.weight_blocks import holds_nothing
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 GROUP = {"qkv_proj": "qkv", "o_proj": "o", "gate_up_proj": "gate_up", "down_proj": "down"}
@@ -77,6 +78,30 @@ def test_float_weights_the_plan_never_uses_are_dropped_and_made_again(gguf_like_
     assert all(torch.equal(getattr(layer, n), originals[n]) for n in PROJECTIONS)
 
 
+def test_the_tied_heads_float_weight_is_dropped_when_no_step_multiplies_by_it(gguf_like_runner,
+                                                                                cpu_layer_kernel) -> None:
+    """A tied head whose blocks are the file's (as Gemma 3's Q8_0 embedding): a plan that runs the
+    GEMV at one row and its own packed fp32 copy past it never reads the float embedding, so it is
+    not held (Gemma 3 270M: 640 MiB less); the embedding reads its rows from the blocks, the logits
+    hold, and a plan that multiplies by the float weight makes it again, exactly."""
+    runner = gguf_like_runner
+    model = runner.model
+    q = model.quantized["head"]
+    with torch.no_grad():
+        model.embed_tokens.copy_(q.dequantize())
+    q.source, model._embed_blocks = "gguf", q  # what engine/model/gguf_blocks.py sets for a tied GGUF head
+    original = model.embed_tokens.detach().clone()
+    model.install_kernel_plan(_plan({"head": "torch"}))
+    assert not holds_nothing(model.embed_tokens)
+    reference = _logits(runner)
+    model.install_kernel_plan(_plan({"head": "fp32pack"}))
+    assert holds_nothing(model.embed_tokens)
+    assert model.dropped_float_bytes() == _float_bytes(model.layers[0], PROJECTIONS) + original.numel() * 4
+    torch.testing.assert_close(_logits(runner), reference, rtol=1e-4, atol=1e-4)  # oneDNN's sum order
+    model.install_kernel_plan(_plan({"head": "torch"}))
+    assert torch.equal(model.embed_tokens, original)
+
+
 def test_a_packed_weight_is_never_dropped(gguf_like_runner) -> None:
     """Blocks packed here from higher-precision floats cannot make those floats again: kept."""
     runner = gguf_like_runner
@@ -108,4 +133,6 @@ def test_phase_c_counts_what_the_plan_keeps(tmp_path, monkeypatch) -> None:
         config = load_model_config("smollm2-135m")
         h, i, q, kv = config.hidden_size, config.intermediate_size, config.num_attention_heads, config.num_kv_heads
         per_layer = (q + 2 * kv) * config.head_dim * h + h * q * config.head_dim + 2 * i * h + h * i
-        assert dropped == config.num_layers * per_layer * 4
+        # the tied head's float (the embedding) too, where no step size multiplies by it
+        head = config.vocab_size * h * 4 if all(c != "torch" for _, c in plan.choices("head")) else 0
+        assert dropped == config.num_layers * per_layer * 4 + head
