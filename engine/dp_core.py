@@ -9,7 +9,7 @@ core is :func:`core_main`, started with multiprocessing's spawn context by
 Commands (server → core): ``("add", request_id, prompt_ids, params, priority, age)`` (``age``:
 seconds since the server received it, or None),
 ``("abort", request_id)``, ``("abort_all",)``, ``("stop",)``, ``("profile", token, "start" or
-"stop", trace_dir)`` (``POST /start_profile`` / ``/stop_profile``: the torch profiler in this
+"stop", trace_dir, limits)`` (``POST /start_profile`` / ``/stop_profile``: the torch profiler in this
 core's process, around its steps).
 
 Messages (core → server):
@@ -176,14 +176,17 @@ def _serve(rank: int, config: EngineConfig, conn: Any) -> None:
         engine.close()
 
 
-def _profile(profiler: Any, rank: int, command: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
-    """A profile command run here: (the profiler, made at the first, and the answer to send)."""
-    from engine.profiling import TorchProfiler
+def _profile(profiler: Any, engine: Any, rank: int, command: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
+    """A profile command run here: (the profiler, made at the first, and the answer to send).
+    A start carries its limits (``ProfileLimits.to_dict``); this core's steps count them."""
+    from engine.profiling import ProfileLimits, TorchProfiler
 
-    _, token, action, trace_dir = command
+    _, token, action, trace_dir, *limits = command
     profiler = profiler or TorchProfiler(trace_dir, label=f"dp{rank}")
     try:
-        return profiler, ("profiled", token, getattr(profiler, action)(), None)
+        result = (profiler.start(engine, ProfileLimits.from_dict(limits[0] if limits else None))
+                  if action == "start" else profiler.stop())
+        return profiler, ("profiled", token, result, None)
     except UserError as exc:
         return profiler, ("profiled", token, None, f"data-parallel rank {rank}: {exc}")
 
@@ -218,7 +221,7 @@ def _loop(engine: Any, conn: Any, forwarder: _Forwarder) -> None:
                     for request_id in list(engine.scheduler.requests):
                         flush_step |= engine.abort(request_id)
                 elif kind == "profile":
-                    profiler, answer = _profile(profiler, forwarder.rank, command)
+                    profiler, answer = _profile(profiler, engine, forwarder.rank, command)
                     conn.send(answer)
         if stop:
             for request_id in list(engine.scheduler.requests):

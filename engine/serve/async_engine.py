@@ -32,7 +32,7 @@ from engine.llm_engine import CheckedPrompt, LLMEngine, RequestOutput
 from engine.logs import log_failure
 
 if TYPE_CHECKING:
-    from engine.profiling import TorchProfiler
+    from engine.profiling import ProfileLimits, TorchProfiler
 
 IDLE_WAIT_S = 0.05  # how long an idle engine thread blocks on its command queue
 
@@ -216,9 +216,11 @@ class EngineFront:
         tokenizer and limits."""
         raise NotImplementedError
 
-    async def profile(self, profiler: TorchProfiler, action: Literal["start", "stop"]) -> list[str]:
-        """``POST /start_profile`` / ``/stop_profile``: ``profiler.start`` / ``stop`` where the
-        steps run; the trace folder (start) or the traces written (stop), one per engine core."""
+    async def profile(self, profiler: TorchProfiler, action: Literal["start", "stop"],
+                      limits: ProfileLimits | None = None) -> list[str]:
+        """``POST /start_profile`` / ``/stop_profile``: ``profiler.start`` (within ``limits``) /
+        ``stop`` where the steps run; the trace folder (start) or the traces written (stop), one
+        per engine core."""
         raise NotImplementedError
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
@@ -366,9 +368,12 @@ class AsyncEngine(EngineFront):
         """Abort every request in the engine; each stream ends with finish_reason "abort"."""
         self._commands.put(_AbortAll())
 
-    async def profile(self, profiler: TorchProfiler, action: Literal["start", "stop"]) -> list[str]:
-        """The profiler on the engine thread, which runs the steps."""
-        return [await self.call(getattr(profiler, action))]
+    async def profile(self, profiler: TorchProfiler, action: Literal["start", "stop"],
+                      limits: ProfileLimits | None = None) -> list[str]:
+        """The profiler on the engine thread, which runs the steps (and tells it each one)."""
+        if action == "stop":
+            return [await self.call(profiler.stop)]
+        return [await self.call(lambda engine: profiler.start(engine, limits))]
 
     # ---------------------------------------------------------- engine thread
     def _run(self) -> None:

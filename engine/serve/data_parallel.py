@@ -54,7 +54,7 @@ from engine.events.dp_balance import WAITING_WEIGHT
 from engine.events.metrics import PrometheusMetrics
 from engine.llm_engine import CheckedPrompt, LLMEngine, RequestOutput
 from engine.logs import get_logger
-from engine.profiling import TorchProfiler
+from engine.profiling import ProfileLimits, TorchProfiler
 from engine.serve.async_engine import EngineDead, EngineFront, RequestFailed, RequestStream, _aborted_output
 from engine.serve.host import EngineHost, EventHub, LockedLifecycle, LockedView
 from engine.serve.settings import ServerSettings
@@ -342,9 +342,11 @@ class DataParallelEngine(EngineFront):
         for rid, (_, stream) in left:
             stream.post(_aborted_output(rid, stream))
 
-    async def profile(self, profiler: TorchProfiler, action: Literal["start", "stop"]) -> list[str]:
-        """The torch profiler in every rank's engine core; each answer in rank order (the trace
-        folder, or each core's trace). A rank's refusal is raised after every rank answered."""
+    async def profile(self, profiler: TorchProfiler, action: Literal["start", "stop"],
+                      limits: ProfileLimits | None = None) -> list[str]:
+        """The torch profiler in every rank's engine core, each within ``limits`` counted on its
+        own steps; each answer in rank order (the trace folder, or each core's trace). A rank's
+        refusal is raised after every rank answered."""
         if not self.alive:
             raise EngineDead("the engine cores are not running")
         loop = asyncio.get_running_loop()
@@ -354,7 +356,7 @@ class DataParallelEngine(EngineFront):
             with self._lock:
                 token = next(self._ids)
                 self._profiling[token] = (core.rank, loop, future)
-            core.send(("profile", token, action, profiler.trace_dir))
+            core.send(("profile", token, action, profiler.trace_dir, (limits or ProfileLimits.capped()).to_dict()))
             futures.append(future)
         answers = await asyncio.gather(*futures, return_exceptions=True)
         failed = next((a for a in answers if isinstance(a, BaseException)), None)

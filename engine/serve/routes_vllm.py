@@ -3,10 +3,11 @@ them: ``POST /tokenize`` and ``/detokenize`` (``vllm bench serve`` aligns prompt
 with them), ``GET /server_info`` (guidellm records it with a benchmark), ``GET /load``
 (the requests in flight), ``GET /kv_event_sources`` (where the KV events are published)
 and ``POST /start_profile`` / ``/stop_profile`` (``vllm bench serve --profile``: the
-torch profiler on the engine thread, engine/profiling.py)."""
+torch profiler on the engine thread, bounded by steps or seconds, engine/profiling.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import sys
@@ -19,6 +20,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, StrictBool
 
 from engine.errors import UserError
+from engine.profiling import ProfileLimits
 from engine.serve.host import EngineHost
 from engine.serve.protocol import APIError, ChatMessage
 from engine.serve.route_support import KEYED, host_of
@@ -142,8 +144,26 @@ async def kv_event_sources(request: Request) -> JSONResponse:
 @router.post("/start_profile", dependencies=KEYED)
 async def start_profile(request: Request) -> dict[str, Any]:
     """Start the torch profiler where the steps run: the engine thread, or under
-    ``--data-parallel-size`` every rank's engine core (vLLM's route; 200 once it runs)."""
-    return {"status": "profiling", "trace_dir": (await _profiler_call(request, "start"))[0]}
+    ``--data-parallel-size`` every rank's engine core (vLLM's route; 200 once it runs).
+    ``max_steps`` / ``max_seconds`` (query parameters or a JSON body) stop it by itself;
+    without either the default caps do (engine/profiling.py)."""
+    limits = await _profile_limits(request)
+    return {"status": "profiling", "trace_dir": (await _profiler_call(request, "start", limits))[0],
+            "limits": limits.to_dict()}
+
+
+async def _profile_limits(request: Request) -> ProfileLimits:
+    body = await request.body()
+    try:
+        values = json.loads(body) if body.strip() else {}
+    except ValueError:
+        values = None
+    if not isinstance(values, dict):
+        raise APIError(400, "the /start_profile body is a JSON object such as {\"max_steps\": 50}, or empty")
+    try:
+        return ProfileLimits.parse({**values, **request.query_params})
+    except UserError as exc:
+        raise APIError(400, str(exc)) from None
 
 
 @router.post("/stop_profile", dependencies=KEYED)
@@ -155,10 +175,11 @@ async def stop_profile(request: Request) -> dict[str, Any]:
     return {"status": "stopped", "trace": traces[0], "traces": traces}
 
 
-async def _profiler_call(request: Request, action: Literal["start", "stop"]) -> list[str]:
+async def _profiler_call(request: Request, action: Literal["start", "stop"],
+                         limits: ProfileLimits | None = None) -> list[str]:
     """The profiler's ``start`` or ``stop`` run where the steps run; its refusal (a UserError) is a 400."""
     host = host_of(request)
     try:
-        return await host.engine.profile(host.profiler, action)
+        return await host.engine.profile(host.profiler, action, limits)
     except UserError as exc:
         raise APIError(400, str(exc)) from None

@@ -116,3 +116,14 @@ def test_profiling_covers_every_rank_and_writes_each_trace_beside_the_events(dp_
         events = json.loads(trace.read_text())["traceEvents"]
         assert any("aten::" in str(e.get("name", "")) for e in events)  # that core's steps ran torch ops
     assert httpx.post(f"{url}/stop_profile", timeout=60).status_code == 400  # nothing left running
+
+
+def test_a_profiles_step_limit_reaches_every_rank(dp_server: dict[str, Any]) -> None:
+    url = dp_server["url"]
+    started = httpx.post(f"{url}/start_profile", json={"max_steps": 2}, timeout=60)
+    assert started.status_code == 200 and started.json()["limits"]["max_steps"] == 2
+    _load(url)  # each rank stops its own profile after two of its steps
+    stopped = httpx.post(f"{url}/stop_profile", timeout=120)
+    assert stopped.status_code == 200, stopped.text
+    traces = stopped.json()["traces"]
+    assert len(set(traces)) == 2 and all(Path(t).is_file() for t in traces)

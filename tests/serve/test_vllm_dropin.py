@@ -265,6 +265,23 @@ def test_profile_endpoints_write_a_trace_that_loads(server: Server, client: open
     assert any("aten::" in str(e.get("name", "")) for e in events)  # the engine thread's torch ops
 
 
+def test_profiles_are_bounded_and_each_keeps_its_own_file(server: Server, client: openai.OpenAI) -> None:
+    traces = set()
+    for _ in range(10):  # within a second or two: the names must still differ
+        assert server.post("/start_profile", {}).status_code == 200
+        traces.add(server.post("/stop_profile", {}).json()["trace"])
+    assert len(traces) == 10 and all(Path(t).is_file() for t in traces)
+    started = httpx.post(server.url + "/start_profile?max_steps=2", timeout=60)
+    assert started.status_code == 200 and started.json()["limits"] == {"max_steps": 2, "max_seconds": None,
+                                                                        "default": False}
+    client.completions.create(model=MODEL, prompt="Bounded", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    stopped = server.post("/stop_profile", {})  # it stopped itself: the answer is the trace it wrote
+    assert stopped.status_code == 200 and Path(stopped.json()["trace"]).is_file()
+    assert "torch profiler stopped itself: 2 steps reached its limit (max_steps=2)" in server.log_path.read_text()
+    refused = server.post("/start_profile", {"max_seconds": "soon"})
+    assert refused.status_code == 400 and "max_seconds='soon': give a number of seconds above 0" in refused.text
+
+
 def test_logprobs_on_both_apis(client: openai.OpenAI) -> None:
     """Greedy answers: every token is its own best alternative, the lists line up with the
     tokens, and a stream carries the same log-probabilities as the whole answer."""
