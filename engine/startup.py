@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from engine import startup_eta
 from engine.budget.fixes import BudgetRefused, recorded_fixes
 from engine.budget.memory import (
     GiB,
@@ -544,6 +545,30 @@ def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, i
                                pp_rank=stage.pp_rank, tp_rank=stage.tp_rank)
     else:
         phases = PhaseRecorder(bus, s.device, s.config.device_memory_gib, log, rank=rank.rank if rank else None)
+    eta = _eta_session(s, bus, lead=(rank is None or rank.rank == 0) and (stage is None or stage.rank == 0))
+    try:
+        result = _phases_a_to_g(config, s, phases, bus, progress, log, rank, stage)
+        if eta is not None:
+            eta.record(result.phase_seconds)
+        return result
+    finally:
+        if eta is not None:
+            eta.close()
+
+
+def _eta_session(s: StartupInputs, bus: EventBus, lead: bool) -> startup_eta.EtaSession | None:
+    """The lead rank's prediction of this start, published before phase A (engine/startup_eta.py)."""
+    if not lead:
+        return None
+    key = startup_eta.start_key(s.config.to_dict(), s.model.path, s.model.name)
+    return startup_eta.EtaSession(bus, s.log, key, startup_eta.model_bytes_of(s.model.path),
+                                  startup_eta.history_path()).open()
+
+
+def _phases_a_to_g(config: EngineConfig, s: StartupInputs, phases: PhaseRecorder, bus: EventBus,
+                   progress: Callable[[int, int], None] | None, log: Any, rank: RankLayout | None,
+                   stage: Any) -> StartupResult:
+    """Phases A-G of :func:`start_engine`."""
     parallel: TensorParallel | None = None
     with phases.phase("A") as a:
         if rank is not None:

@@ -35,6 +35,7 @@ from engine.events.schema import (
     RequestScheduled,
     SinkFailed,
     SnapshotEvent,
+    StartupEta,
     StartupPhase,
     StartupProgress,
     StatsEvent,
@@ -52,6 +53,6 @@ from engine.events.schema import (
 __all__ = [
     "EVENT_TYPES", "PHASES", "SCHEMA_NAME", "SCHEMA_VERSION", "EngineConfigEvent", "EngineStopped", "Event", "EventBus", "JsonlSink",
     "KvEventBatch", "LogEvent", "MetricsScrape", "Recording", "RequestArrived", "RequestFinished", "RequestFirstToken", "RequestPreempted",
-    "RequestRejected", "RequestScheduled", "SinkFailed", "SnapshotEvent", "StartupPhase", "StartupProgress", "StatsEvent", "StepEvent", "Subscriber",
+    "RequestRejected", "RequestScheduled", "SinkFailed", "SnapshotEvent", "StartupEta", "StartupPhase", "StartupProgress", "StatsEvent", "StepEvent", "Subscriber",
     "dumps", "event_from_dict", "header", "iter_jsonl", "open_sink", "read_events", "sink_name",
 ]

@@ -139,6 +139,21 @@ class StartupProgress(Event):
     total: float | None = None
     unit: str = ""
 
+@dataclass(slots=True)
+class StartupEta(Event):
+    """The startup's prediction of itself (engine/startup_eta.py), published once before
+    phase A: ``phases`` maps each phase letter to its predicted seconds, ``sources`` to where
+    that came from (``history``: this machine's earlier starts of the same model and flags;
+    ``read rate``: the model's bytes over phase C's measured read rate; ``machine``: other
+    starts here; ``default``), ``starts`` counts the earlier starts read, ``key`` names the
+    model and flags. The dashboard shows elapsed against predicted; ``/health`` the ETA."""
+
+    type: ClassVar[str] = "startup.eta"
+    phases: dict[str, float] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)
+    starts: int = 0
+    key: str = ""
+
 
 # --------------------------------------------------------------------- requests
 @dataclass(slots=True)
@@ -499,6 +514,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
         EngineConfigEvent,
         StartupPhase,
         StartupProgress,
+        StartupEta,
         RequestArrived,
         RequestScheduled,
         RequestFirstToken,

@@ -87,6 +87,7 @@ from engine.events import (
     RequestScheduled,
     SinkFailed,
     SnapshotEvent,
+    StartupEta,
     StartupPhase,
     StartupProgress,
     StatsEvent,
@@ -178,6 +179,8 @@ class PhaseView:
     # The latest startup.progress of this phase: {"what", "done", "total", "unit", "t"}
     # (total None when unknown); cleared when the phase begins again.
     progress: dict[str, Any] | None = None
+    # The startup's prediction of this phase (startup.eta), seconds; None: no prediction
+    predicted_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -191,7 +194,7 @@ class PhaseView:
             "memory_measure": self.memory_measure,
             "started_t": self.started_t,
             "progress": dict(self.progress) if self.progress is not None else None,
-        }
+        } | ({"predicted_s": self.predicted_s} if self.predicted_s is not None else {})
 
 
 def _phase_views(phases: dict[str, Any]) -> dict[str, PhaseView]:
@@ -208,9 +211,37 @@ def _phase_views(phases: dict[str, Any]) -> dict[str, PhaseView]:
             memory_measure=p.get("memory_measure"),
             started_t=p.get("started_t"),
             progress=dict(p["progress"]) if p.get("progress") is not None else None,
+            predicted_s=p.get("predicted_s"),
         )
         for k, p in phases.items()
     }
+
+
+def startup_eta(phases: dict[str, PhaseView], now: float) -> dict[str, Any] | None:
+    """While a start is predicted and not finished: the running (or next) phase, its elapsed and
+    predicted seconds, and the seconds left (what is left of this phase's prediction, never
+    below 0, plus the phases to come). None before a prediction or once phase G ended."""
+    if not any(p.predicted_s is not None for p in phases.values()):
+        return None
+    ready = phases.get("G")
+    if ready is not None and ready.status in ("end", "skipped"):
+        return None
+    current = next((p for p in phases.values() if p.status in ("running", "failed")), None)
+    if current is None:
+        current = next((phases[k] for k in PHASES if k in phases and phases[k].status == "pending"), None)
+    if current is None:
+        return None
+    elapsed = max(0.0, now - current.started_t) if current.started_t is not None else 0.0
+    later = [k for k in PHASES if k > current.phase]
+    left = max(0.0, (current.predicted_s or 0.0) - elapsed) + sum(
+        phases[k].predicted_s or 0.0 for k in later if k in phases and phases[k].status == "pending")
+    return {"phase": current.phase, "name": current.name, "status": current.status, "elapsed_s": elapsed,
+            "predicted_s": current.predicted_s, "eta_s": left}
+
+
+def snapshot_startup_eta(state: dict[str, Any], now: float) -> dict[str, Any] | None:
+    """:func:`startup_eta` of a snapshot's phases (``/health`` reads the server's snapshot)."""
+    return startup_eta(_phase_views(state.get("phases") or {}), now)
 
 
 # What a phase's memory delta measures, by where the reading came from: on CUDA the
@@ -423,6 +454,11 @@ class EngineView:
                 ledger[key] = value
         if ev.memory_after and not ev.rank:
             self.device = dict(ev.memory_after)
+
+    def _on_eta(self, ev: StartupEta) -> None:
+        for letter, seconds in ev.phases.items():
+            if letter in PHASES:
+                self._phase(letter).predicted_s = seconds
 
     def _on_progress(self, ev: StartupProgress) -> None:
         view = self._phase(ev.phase)
@@ -654,6 +690,7 @@ _HANDLERS: dict[type, Any] = {
     EngineConfigEvent: EngineView._on_config,
     StartupPhase: EngineView._on_phase,
     StartupProgress: EngineView._on_progress,
+    StartupEta: EngineView._on_eta,
     RequestArrived: EngineView._on_arrived,
     RequestScheduled: EngineView._on_scheduled,
     RequestFirstToken: EngineView._on_first_token,

@@ -29,6 +29,7 @@ from engine.serve.host import LOOPBACK_HOSTS, EngineHost, EventHub, LockedView, 
 from engine.serve.http_limits import BoundedBody
 from engine.serve.protocol import APIError, ErrorResponse
 from engine.serve.route_support import StampArrival, error_response
+from engine.serve.startup_health import STARTING, StartupGate, engine_state
 
 __all__ = ["LOOPBACK_HOSTS", "EngineHost", "EventHub", "LockedView", "ServerSettings", "build_app"]
 
@@ -60,6 +61,8 @@ def build_app(host: EngineHost) -> FastAPI:
                        timeout_s=settings.body_timeout_s)
     # Outermost: every request's clock starts before its body is read (TTFT from arrival).
     app.add_middleware(StampArrival, clock=host.bus.now, in_flight=host.in_flight)
+    # Outside that: during startup, what needs the engine waits for it (/health says how long)
+    app.add_middleware(StartupGate, host=host)
 
     for exc_class, handler in EXCEPTION_HANDLERS:
         app.add_exception_handler(exc_class, handler)
@@ -74,10 +77,10 @@ def build_app(host: EngineHost) -> FastAPI:
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     host: EngineHost = app.state.host
     loop = asyncio.get_running_loop()
-    await loop.run_in_executor(None, host.engine.wait_ready)
-    yield
+    yield  # serving from the start: the engine starts on its thread, StartupGate holds what needs it
     host.begin_shutdown()
-    await loop.run_in_executor(None, partial(host.engine.shutdown, 0.0))
+    if engine_state(host.engine)[0] != STARTING:  # stopped mid-startup: its daemon thread ends with the process
+        await loop.run_in_executor(None, partial(host.engine.shutdown, 0.0))
 
 
 # ---------------------------------------------------------------- errors

@@ -29,6 +29,7 @@ from engine.serve.route_support import (
     sse,
     streaming,
 )
+from engine.serve.startup_health import starting_response
 
 SSE_KEEPALIVE_S = 15.0
 
@@ -54,6 +55,9 @@ async def health(request: Request) -> Response:
     if engine.error is not None:  # the thread died after startup; the server is on its way out (exit 1)
         return error_response(503, f"the engine stopped: {type(engine.error).__name__}: {engine.error}",
                               type_="service_unavailable", code="engine_dead")
+    starting = starting_response(host)  # during startup: the phase running and the ETA
+    if starting is not None:
+        return starting
     return error_response(503, "the engine is not running", type_="service_unavailable")
 
 

@@ -80,6 +80,24 @@ def phase_detail(phase: PhaseView) -> str | Text:
     return ", ".join(parts)
 
 
+def _short(seconds: float) -> str:
+    return f"{seconds:.1f}" if seconds < 10 else f"{seconds:.0f}"
+
+
+def duration_text(phase: PhaseView, now: float) -> str | Text:
+    """``2.10``, or a running phase's ``12.3…``; with the startup's prediction (startup.eta)
+    elapsed against predicted: ``12.3/~30`` running (red once past it), ``2.10/~2.5`` done."""
+    predicted = phase.predicted_s
+    if phase.duration_s is not None:
+        return f"{phase.duration_s:.2f}" + (f"/~{_short(predicted)}" if predicted is not None else "")
+    if phase.status == "running" and phase.started_t is not None:
+        elapsed = max(0.0, now - phase.started_t)
+        if predicted is None:
+            return Text(f"{elapsed:.1f}…", style="yellow")
+        return Text(f"{elapsed:.1f}/~{_short(predicted)}", style="red" if elapsed > predicted else "yellow")
+    return f"~{_short(predicted)}" if predicted is not None and phase.status == "pending" else "-"
+
+
 # Fixed widths for the short columns; details takes the rest and wraps, so a phase's
 # numbers are all on screen at 120 columns.
 FIXED_COLUMNS = (("phase", 5), ("name", 14), ("status", 7), ("duration s", 10), ("memory Δ GiB", 12))
@@ -116,12 +134,7 @@ class StartupTable(DataTable[object]):
         for letter, name in PHASES.items():
             phase = view.phases.get(letter, PhaseView(phase=letter, name=name))
             status = Text(STATUS_WORD.get(phase.status, phase.status), style=STATUS_STYLE.get(phase.status, ""))
-            if phase.duration_s is not None:
-                duration: str | Text = f"{phase.duration_s:.2f}"
-            elif phase.status == "running" and phase.started_t is not None:
-                duration = Text(f"{max(0.0, now - phase.started_t):.1f}…", style="yellow")
-            else:
-                duration = "-"
+            duration = duration_text(phase, now)
             self.add_row(letter, phase.name, status, duration, memory_delta_text(phase), phase_detail(phase),
                          key=letter, height=None)
         for rank, phases in sorted(view.rank_phases.items()):

@@ -234,8 +234,11 @@ class KvscopeServer(uvicorn.Server):
         super().__init__(config)
         self.kvscope_host = host
         self.engine_failure: BaseException | None = None
+        self.started_engine = False  # startup has ended (well or not): announced, or the server stops
 
     async def on_tick(self, counter: int) -> bool:
+        if not self.started_engine:
+            self._watch_startup()
         error = self.kvscope_host.engine.error
         if error is not None and self.engine_failure is None:
             self.engine_failure = error
@@ -244,6 +247,20 @@ class KvscopeServer(uvicorn.Server):
             self.kvscope_host.begin_shutdown()
             self.should_exit = True
         return await super().on_tick(counter)
+
+    def _watch_startup(self) -> None:
+        """Once startup ends: say where the engine serves, or stop the server (a failed
+        startup is re-raised by the caller: exit 2)."""
+        from engine.serve.startup_health import FAILED, READY, engine_state
+
+        state, _ = engine_state(self.kvscope_host.engine)
+        if state == READY:
+            get_logger("kvscope.serve").info(
+                f"serving {self.kvscope_host.settings.served_model_name} on http://{self.config.host}:"
+                f"{self.config.port} (OpenAI API under /v1, metrics /metrics, events /events)")
+        elif state == FAILED:
+            self.should_exit = True
+        self.started_engine = state != "starting"
 
     def handle_exit(self, sig: int, frame: object) -> None:
         if not self.should_exit:
@@ -326,20 +343,21 @@ def _serve(args: argparse.Namespace, settings: ServerSettings, config: EngineCon
     from engine.serve.host import EngineHost
 
     host = EngineHost.create(config, settings, bus=bus)
-    try:
-        host.engine.wait_ready()  # a startup UserError exits 2 here; no request was ever accepted
-    except BaseException:
-        listener.close()
-        raise
     if settings.chat_template is not None:  # the chat route renders with it (also under --monitor)
         log.info("chat template from --chat-template replaces the model's own")
     if args.trust_remote_code:
         log.info("--trust-remote-code changes nothing: kvscope runs no code from a model repository")
-    log.info(f"serving {settings.served_model_name} on http://{args.host}:{args.port} "
-             f"(OpenAI API under /v1, metrics /metrics, events /events)")
     server = make_server(host, args.host, args.port, log_level=args.uvicorn_log_level,
                          access_log=not args.disable_uvicorn_access_log)
-    server.run(sockets=[listener])
+    server.run(sockets=[listener])  # /health answers 503 with the phase and the ETA until the engine is ready
+    from engine.serve.startup_health import STARTING, engine_state
+
+    state, startup_failure = engine_state(host.engine)
+    if startup_failure is not None:
+        raise startup_failure  # a startup UserError exits 2 here; no request reached the engine
+    if state == STARTING:
+        log.info("server stopped during startup")
+        return 0
     if server.engine_failure is not None:
         log.error(f"server stopped: the engine thread died ({engine_failure_reason(server.engine_failure)}); "
                   "exit status 1 so a supervisor restarts it")
