@@ -22,6 +22,11 @@ VLLM_ONLY_FLAGS: dict[str, str] = {
     "--max-lora-rank": "no LoRA adapters",
     "--speculative-config": "no speculative decoding",
     "--kv-transfer-config": "no disaggregated prefill",
+    # vLLM 0.33: KV blocks spilled from GPU memory to a CPU tier (native or LMCache backend)
+    "--kv-offloading-size": "no second KV tier of GiB in host memory: the KV cache is one pool "
+                            "(--kv-cache-memory-bytes sizes it; on CPU it is host memory already) and a "
+                            "preempted request is recomputed",
+    "--kv-offloading-backend": "neither native nor lmcache offloading: no second KV tier (see --kv-offloading-size)",
     "--enable-auto-tool-choice": "no tool calling",
     "--tool-call-parser": "no tool calling",
     "--reasoning-parser": "",

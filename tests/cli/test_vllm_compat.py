@@ -45,6 +45,10 @@ def test_a_vllm_serve_command_line_parses(tmp_path: Path) -> None:
          ["vLLM flags kvscope does not have: --enable-chunked-prefill", "--max-num-partial-prefills",
           "also unrecognized: --nope"]),
         (["serve", "--nope"], ["unrecognized arguments: --nope"]),
+        # vLLM 0.33's KV offloading: each refused with what kvscope has instead
+        (["serve", "--kv-offloading-size", "64"], ["vLLM flag kvscope does not have: --kv-offloading-size",
+                                                    "--kv-cache-memory-bytes sizes it", "remove it"]),
+        (["serve", "--kv-offloading-backend=native"], ["--kv-offloading-backend (neither native nor lmcache"]),
         (["serve", "--tokenizer", "meta-llama/Llama-3.1-8B"], ["--tokenizer meta-llama/Llama-3.1-8B", "leave --tokenizer out"]),
         (["serve", "--chat-template", "{{ broken"], ["--chat-template: not a Jinja template"]),
         (["serve", "--chat-template", "missing.jinja"], ["--chat-template missing.jinja: cannot read it"]),

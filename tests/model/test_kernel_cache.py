@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from engine.model.kernels import build
-from engine.model.kernels.build import KernelSpec, build_lock, load_kernel
+from engine.model.kernels.build import KernelSpec, build_lock, choose_cxx_standard, cxx_standard, load_kernel
 
 HOLD_LOCK = """
 import sys, time
@@ -103,3 +103,27 @@ def test_a_start_after_a_builder_killed_mid_compile_builds_and_caches(tmp_path: 
     assert not (folder / f"scratch-{child.pid}").exists()
     _, again = load_kernel(TINY, root=tmp_path)
     assert again.status == "cached" and again.seconds < 1
+
+
+CMAKE_20 = """set_target_properties(torch PROPERTIES
+    INTERFACE_INCLUDE_DIRECTORIES "${TORCH_INCLUDE_DIRS}"
+    CXX_STANDARD 20
+)"""
+
+
+def test_the_cxx_standard_is_the_one_torch_was_built_for() -> None:
+    """torch's own CMake config names its standard; without it, C++20 from torch 2.14 on
+    (its ATen headers need it), C++17 before."""
+    assert choose_cxx_standard("2.13.0+cpu", CMAKE_20) == "-std=c++20"
+    assert choose_cxx_standard("2.14.0", CMAKE_20.replace("20", "23")) == "-std=c++23"
+    assert choose_cxx_standard("2.14.0", None) == "-std=c++20"
+    assert choose_cxx_standard("2.15.1+cu130", "") == "-std=c++20"
+    assert choose_cxx_standard("2.13.1", None) == "-std=c++17"
+    assert choose_cxx_standard("2.4.0", "no standard named here") == "-std=c++17"
+    import torch
+
+    config = Path(torch.__file__).parent / "share" / "cmake" / "Torch" / "TorchConfig.cmake"
+    if config.is_file() and "CXX_STANDARD" in config.read_text():  # the torch in use says it itself
+        assert cxx_standard() == choose_cxx_standard("0.0", config.read_text())
+    else:
+        assert cxx_standard() == choose_cxx_standard(torch.__version__, None)

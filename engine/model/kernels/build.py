@@ -24,6 +24,7 @@ import hashlib
 import importlib.machinery
 import importlib.util
 import os
+import re
 import shutil
 import sys
 import threading
@@ -39,6 +40,32 @@ from engine.model.cpu_caps import detect
 KERNEL_CACHE_ENV = "KVSCOPE_KERNEL_CACHE"
 # How often a waiting or building process says it is still at it.
 PROGRESS_EVERY_S = 10.0
+
+
+# Before torch's CMake config names its standard: the ATen headers need C++20 from this torch on.
+CXX20_TORCH = (2, 14)
+
+
+def choose_cxx_standard(torch_version: str, torch_config_cmake: str | None) -> str:
+    """The ``-std=`` flag the kernels compile with: the standard torch's own headers were built
+    for (``CXX_STANDARD N`` in its ``TorchConfig.cmake``), else by its version: C++20 from
+    torch 2.14 on (its ATen headers use C++20 features), C++17 before."""
+    match = re.search(r"CXX_STANDARD\s+(\d+)", torch_config_cmake or "")
+    if match:
+        return f"-std=c++{match.group(1)}"
+    parts = re.match(r"(\d+)\.(\d+)", torch_version)
+    version = (int(parts.group(1)), int(parts.group(2))) if parts else (0, 0)
+    return "-std=c++20" if version >= CXX20_TORCH else "-std=c++17"
+
+
+def cxx_standard() -> str:
+    """:func:`choose_cxx_standard` for the torch in use. Passed after torch's own flags (the last
+    ``-std`` wins), so a torch whose ``load_inline`` still adds an older standard than its
+    headers need builds all the same. Not part of the cache key: torch's version decides it."""
+    import torch
+
+    config = Path(torch.__file__).parent / "share" / "cmake" / "Torch" / "TorchConfig.cmake"
+    return choose_cxx_standard(torch.__version__, config.read_text(errors="replace") if config.is_file() else None)
 
 
 def kernel_cache_root() -> Path:
@@ -220,8 +247,8 @@ def load_kernel(spec: KernelSpec, log: Callable[[str], None] | None = None,
 
             with _ticker(say, PROGRESS_EVERY_S):
                 module = load_inline(name=module_name, cpp_sources=spec.source, functions=list(spec.functions),
-                                     extra_cflags=list(spec.cflags), extra_ldflags=list(spec.ldflags),
-                                     build_directory=str(scratch), verbose=False)
+                                     extra_cflags=[*spec.cflags, cxx_standard()],
+                                     extra_ldflags=list(spec.ldflags), build_directory=str(scratch), verbose=False)
             built = scratch / f"{module_name}.so"
             os.replace(built, target)  # atomic: a reader sees no file or the whole file
             shutil.rmtree(scratch, ignore_errors=True)
