@@ -47,6 +47,7 @@ from logparse.fastscan import BulkRun, iter_summary
 from logparse.parser import Record, iter_records
 from logparse.patterns import FIGURE_NAMES, LEDGER_KEYS, NOISE_SOURCES, PHASE_NAMES
 from logparse.reconcile import block_size, hybrid_concurrency, hybrid_hint, model_name, own_figures
+from logparse.startup_phases import PhaseClock, StartupTimes
 from logparse.tracebacks import PLACE_PHASES, TracebackTracker
 
 STARTUP_PHASES = "ABCDEFG"
@@ -241,6 +242,8 @@ class Explanation:
     coverage: Coverage = field(default_factory=Coverage)
     startup: StartupFailure | None = None  # the failed start (or runtime death) logparse/failed_start.py found
     cuts: list[Cut] = field(default_factory=list)  # how the log is not whole (logparse/completeness.py)
+    # each startup phase's seconds (logparse/startup_phases.py)
+    startup_times: StartupTimes = field(default_factory=lambda: StartupTimes([], None))
 
     @property
     def ledger(self) -> dict[str, Any]:
@@ -256,6 +259,7 @@ class Explanation:
             "timeline": [span.to_json() for span in self.timeline],
             "startup": self.startup.to_json() if self.startup is not None else None,
             "cuts": [cut.to_json() for cut in self.cuts],
+            "startup_times": self.startup_times.to_json(),
         }
 
 
@@ -333,6 +337,7 @@ def explain(source: str | Path | Iterable[bytes | str], options: Options | None 
         coverage=fold.coverage,
         startup=startup,
         cuts=cuts,
+        startup_times=fold.clock.times({s.phase: s.durations for s in timeline}),
     )
 
 
@@ -357,6 +362,7 @@ class _Fold:
         self.tracebacks = TracebackTracker()
         self.watch = StartupWatch()
         self.complete = CompletenessWatch()
+        self.clock = PhaseClock()
         self.last_line = 0
 
     def add(self, record: Record) -> None:
@@ -372,6 +378,7 @@ class _Fold:
         pattern = record.pattern
         if pattern is None:
             return
+        self.clock.add(pattern.phase if record.duplicate_of is None else None, record.line, record.time)
         if pattern.phase != "R":
             for name, value in record.fields.items():
                 if name not in self.facts:
@@ -405,6 +412,7 @@ class _Fold:
         self.tracebacks.interrupt()
         self.watch.add_run(run.first_line)
         self.complete.add_run(run.first_line)
+        self.clock.add("R", run.first_line, run.first_time)
         self.last_line = run.last_line
         for pattern in run.patterns:
             span = self._span(pattern.phase, run.first_line, run.first_time)

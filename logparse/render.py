@@ -15,6 +15,7 @@ from rich.text import Text
 from engine.events.ledger import label as ledger_label
 from logparse.explain import Check, Explanation
 from logparse.patterns import FIGURE_NAMES, LEDGER_KEYS
+from logparse.startup_phases import render_times
 
 PHASE_STYLES = {
     "A": "cyan", "B": "bright_blue", "C": "green", "D": "magenta", "E": "bright_green",
@@ -179,6 +180,10 @@ def render_terminal(exp: Explanation, out: TextIO | None = None, summary: bool =
                              f"{span.first_line}–{span.last_line}", span.first_time or "—", span.last_time or "—",
                              fmt(span.span_s), ", ".join(f"{k}={fmt(v)}" for k, v in span.durations.items()))
         console.print(timeline)
+    if exp.startup_times.phases:
+        console.rule("startup phases (seconds)")
+        for row in render_times(exp.startup_times):
+            console.print(Text(row))
     if exp.coverage.unknown_templates:
         console.rule("unrecognised lines by template (numbers, strings, paths masked)")
         for row in unknown_template_rows(exp):
@@ -241,6 +246,10 @@ def render_markdown(exp: Explanation, summary: bool = False) -> str:
             out.append(f"| {s.phase} {s.span_name} | {s.first_line}–{s.last_line} | "
                        f"{s.first_time or '—'} | {s.last_time or '—'} | {fmt(s.span_s)} | "
                        + ", ".join(f"{k}={fmt(v)}" for k, v in s.durations.items()) + " |")
+    if exp.startup_times.phases:
+        out += ["", "## Startup phases", "", "| phase | seconds | source |", "|---|---:|---|"]
+        out += [f"| {p.phase} {p.name} | {fmt(p.seconds)} | {p.source} |" for p in exp.startup_times.phases]
+        out.append(f"| whole start | {fmt(exp.startup_times.total_s)} | log times |")
     if exp.coverage.unknown_templates:
         out += ["", "## Unrecognised lines by template", "", "| records | first line | template (masked) |",
                 "|---:|---:|---|"]

@@ -15,8 +15,13 @@ them anyway. The machine (torch, CPU, threads, the simulator's cost model) may d
 Exit status: 0 no regression, 1 a regression beyond --threshold, 2 bad input or runs that
 are not comparable (without --force).
 
+Two vLLM logs (``.log``, or any file whose first line is not JSON) are compared as two
+startups instead: each phase A-G's seconds (vLLM's printed figures, else the log's own
+timestamps) and the whole start, side by side (logparse's reading; exit 0).
+
 Examples:
   engine diff before.jsonl after.jsonl
+  engine diff vllm-cold.log vllm-warm.log
   engine diff before.jsonl after.jsonl --threshold 5 --json
 """
 
@@ -85,9 +90,32 @@ def load_profile(path_text: str, force: bool) -> RunProfile:
     return profile
 
 
+def is_log(path_text: str) -> bool:
+    """A vLLM log rather than a kvscope recording: named ``.log`` / ``.txt`` (gzipped or not),
+    or a first line that is not JSON (every recording's first line is its JSON header)."""
+    name = path_text.removesuffix(".gz")
+    if name.endswith((".log", ".txt")):
+        return True
+    if name.endswith((".jsonl", ".json")):
+        return False
+    from engine.events.bounded import open_binary
+
+    try:
+        with open_binary(path_text, tolerant=True) as fh:
+            first = fh.readline(4096).lstrip()
+    except (OSError, ValueError):
+        return False  # load_profile says what is wrong with it
+    return bool(first) and not first.startswith(b"{")
+
+
 def run(args: argparse.Namespace) -> int:
     from engine.events.run_diff import diff_runs
 
+    if is_log(args.a) and is_log(args.b):  # two vLLM startups, phase by phase (logparse)
+        from engine.cli.plugins import load_plugin
+
+        compare = load_plugin("kvscope.logdiff", "engine diff a.log b.log compares vLLM logs through logparse")
+        return int(compare(args.a, args.b, as_json=args.json))
     a = load_profile(args.a, args.force)
     b = load_profile(args.b, args.force)
     diff = diff_runs(a, b, threshold=args.threshold / 100)
