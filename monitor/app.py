@@ -29,6 +29,7 @@ from engine.events import EngineStopped, Event, EventBus, LogEvent
 from engine.events.feed import LIVE, BusFeed, LiveFeed
 from engine.events.view import EngineView
 from monitor.gpu import GpuReader
+from monitor.playback import PlaybackClock
 from monitor.state import Timeline
 from monitor.widgets.block_map import BlockMap
 from monitor.widgets.diagnosis import Diagnosis
@@ -102,6 +103,7 @@ class MonitorApp(App[None]):
         self._autoplay = autoplay
         self._budget = 0.0  # fractional steps owed to the player
         self._wall_clock = wall_clock
+        self._playback = PlaybackClock(wall_clock)  # replay moves by the clock's seconds, not by ticks
         self._clock_anchor: tuple[float, float] | None = None  # (view.t, wall clock when it arrived)
         self._clock_rendered = 0.0  # wall clock of the last render of clock-driven cells
         self.gpu = gpu  # NVML (monitor/gpu.py) unless a test or --gpu-readings gives another reader
@@ -237,7 +239,7 @@ class MonitorApp(App[None]):
             except NoMatches:  # a tick that lands while the screen is torn down
                 return
         elif self.playing and self.timeline is not None:
-            self._budget += self.speed * TICK_S
+            self._budget += self.speed * self._playback.elapsed()
             steps = int(self._budget)
             if steps:
                 self._budget -= steps
@@ -307,7 +309,9 @@ class MonitorApp(App[None]):
         if self.view.dp_rank == self.asked_rank:
             self.asked_rank = None
 
-    def watch_playing(self) -> None:
+    def watch_playing(self, playing: bool) -> None:
+        if playing:
+            self._playback.start()
         if self.is_mounted:
             self._update_bar()
 

@@ -12,6 +12,7 @@ the GPU reader's snapshots. Enter on a kvscope replica ends the app with its URL
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import ClassVar
 
 from rich.text import Text
@@ -23,6 +24,7 @@ from textual.widgets import DataTable, Footer, Static
 
 from monitor.external import ExternalFeed, ReplicaTimeline, fold_into
 from monitor.gpu import GpuReader
+from monitor.playback import PlaybackClock
 from monitor.poller import KVSCOPE
 from monitor.replica import LIVE, ReplicaState
 from monitor.widgets.fleet_table import FleetSummary, FleetTable
@@ -61,7 +63,8 @@ class ReplicaScreen(Screen[None]):
         yield Footer(show_command_palette=False)
 
     def on_mount(self) -> None:
-        self.app.refresh_screens()  # type: ignore[attr-defined]
+        if isinstance(self.app, FleetApp):
+            self.app.refresh_screens()
 
 
 class FleetApp(App[str | None]):
@@ -92,13 +95,14 @@ class FleetApp(App[str | None]):
     def __init__(self, sources: list[str] | None = None, *, feed: ExternalFeed | None = None,
                  timeline: ReplicaTimeline | None = None, gpu: GpuReader | None = None, detail: str | None = None,
                  states: dict[str, ReplicaState] | None = None, kinds: dict[str, str] | None = None,
-                 source_name: str = "", refresh_s: float = REFRESH_S) -> None:
+                 source_name: str = "", refresh_s: float = REFRESH_S,
+                 wall_clock: Callable[[], float] = time.monotonic) -> None:
         if (feed is None) == (timeline is None):
             raise ValueError("FleetApp needs exactly one of feed= or timeline=")
         super().__init__()
         self.feed = feed
         self.timeline = timeline
-        names = sources or (feed.urls if feed is not None else timeline.sources)  # type: ignore[union-attr]
+        names = sources or (feed.urls if feed is not None else timeline.sources if timeline is not None else [])
         self.states: dict[str, ReplicaState] = states if states is not None else (
             timeline.states if timeline is not None else {s: ReplicaState(source=s) for s in names})
         for source, kind in (kinds or {}).items():
@@ -107,10 +111,12 @@ class FleetApp(App[str | None]):
         self.gpu = gpu
         self.detail = detail
         self.refresh_s = refresh_s
+        self._wall_clock = wall_clock
         self._dirty = False  # live: folded events not drawn yet
         self._drawn_at = 0.0
         self.playing = False  # replay: advancing through the recording at PLAY_SPEED times its pace
-        self._play_t = 0.0  # the playback clock, in recorded seconds
+        self._play_t = 0.0  # where the replay has played to, in recorded seconds
+        self._playback = PlaybackClock(wall_clock)
         if not self.states:
             raise ValueError("FleetApp needs at least one source")
         self.source_name = source_name or (f"fleet of {len(self.states)}" if len(self.states) > 1 else names[0])
@@ -144,13 +150,13 @@ class FleetApp(App[str | None]):
     def _tick(self) -> None:
         if self.feed is not None:
             self._dirty = fold_into(self.states, self.feed.drain()) or self._dirty
-            now = time.monotonic()
+            now = self._wall_clock()
             if self._dirty and now - self._drawn_at >= self.refresh_s:
                 self._dirty, self._drawn_at = False, now
                 self.refresh_screens()
         elif self.playing and self.timeline is not None:
-            # PLAY_SPEED times the recording's own pace, on a playback clock of recorded time.
-            self._play_t = max(self._play_t, self.timeline.t) + TICK_S * PLAY_SPEED
+            # PLAY_SPEED times the recording's own pace: recorded seconds per second of the clock.
+            self._play_t = max(self._play_t, self.timeline.t) + self._playback.elapsed() * PLAY_SPEED
             target = self.timeline.position_at(self._play_t)
             if self.timeline.position >= len(self.timeline) - 1:
                 self.playing = False
@@ -230,6 +236,7 @@ class FleetApp(App[str | None]):
         self.playing = not self.playing
         if self.playing and self.timeline is not None:
             self._play_t = self.timeline.t
+            self._playback.start()
 
     def action_step(self, delta: int) -> None:
         if self.timeline is not None:

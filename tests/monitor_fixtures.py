@@ -16,6 +16,7 @@ The simulated clock makes it byte-for-byte reproducible (the header records the
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -80,3 +81,17 @@ class ManualClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+# Only a bound on a hung app, never a pace: a condition is met by the state it names.
+LIVENESS_S = 60.0
+
+
+async def until(pilot, condition, timeout_s: float = LIVENESS_S) -> None:  # type: ignore[no-untyped-def]
+    """Wait until ``condition()`` holds. ``Pilot.press`` returns once the process looks idle
+    by its CPU time (textual's ``wait_for_idle``), which on a loaded machine can come before
+    a key's action has run: a test waits for the state the key brings, not for a while."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await pilot.pause(0.05)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import time
 
 import pytest
 from rich.console import Console
@@ -33,7 +32,7 @@ from tests.monitor.external_fixtures import (
     vllm_kv_batches,
     vllm_metrics_texts,
 )
-from tests.monitor_fixtures import SAMPLE
+from tests.monitor_fixtures import SAMPLE, ManualClock, until
 from tests.paths import ROOT
 
 NVML_READINGS = ROOT / "tests" / "data" / "nvml" / "h100x2-readings.json"
@@ -44,13 +43,6 @@ def plain(widget) -> str:  # type: ignore[no-untyped-def]
     console = Console(width=220, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
     console.print(widget.content)
     return console.export_text()
-
-
-async def until(pilot, condition, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await pilot.pause(0.05)
 
 
 def test_fleet_live_vllm_dashboard_and_a_replica_down_and_back() -> None:
@@ -190,20 +182,45 @@ def test_gpu_screen_against_the_ledger_snapshot(snap_compare, size: tuple[int, i
 
 
 def test_recording_plays_and_seeks() -> None:
-    timeline = _recorded_fleet()  # scrapes 0, 20.4, 47.6 and 73.2 s apart, gpu-c down at 60 s
-    app = FleetApp(timeline=timeline, gpu=None, source_name="fleet.jsonl")
+    """Playback moves by the seconds of the clock it is given (10x the recording's pace),
+    however many timer ticks a loaded machine skips; the test sets that clock."""
+    timeline = _recorded_fleet()  # scrapes at 0, 0.1, 0.2, 20.4, 20.5, 20.6, 47.6, 47.7, 73.2, 73.3 s
+    clock = ManualClock(100.0)
+    app = FleetApp(timeline=timeline, gpu=None, source_name="fleet.jsonl", wall_clock=clock)
+    last = len(timeline) - 1
 
     async def run() -> None:
         async with app.run_test(size=(120, 40)) as pilot:
             await pilot.press("end")
-            assert timeline.position == len(timeline) - 1 and app.states["http://gpu-a:8000"].scrapes == 4
+            await until(pilot, lambda: timeline.position == last)
+            assert app.states["http://gpu-a:8000"].scrapes == 4
             await pilot.press("home", "period")
-            assert timeline.position == 1 and app.states["http://gpu-a:8000"].scrapes == 1
-            await pilot.press("space")  # 10x the recording's pace: 2.5 recorded seconds a tick
-            await until(pilot, lambda: timeline.position == 2, timeout_s=5)  # t 0.1 -> 0.2 s
-            assert app.playing
-            await pilot.press("end", "comma")  # the last scrape but one (73.2 s): it plays to the end and stops
-            await until(pilot, lambda: not app.playing, timeout_s=5)
-            assert timeline.position == len(timeline) - 1
+            await until(pilot, lambda: timeline.position == 1)
+            assert app.states["http://gpu-a:8000"].scrapes == 1
+            await pilot.press("space")
+            await until(pilot, lambda: app.playing)
+            await pilot.pause(0.3)  # ticks come, the clock stands: nothing plays
+            assert timeline.position == 1
+            clock.now += 0.005  # half a recorded second from scrape 1 (0.1 s): short of scrape 2 (0.2 s)
+            await pilot.pause(0.3)
+            assert timeline.position == 1 and app.playing
+            clock.now += 1.0  # 10.15 s: past scrape 2, short of scrape 3 (20.4 s)
+            await until(pilot, lambda: timeline.position == 2)
+            await pilot.pause(0.3)
+            assert timeline.position == 2 and app.playing
+            await pilot.press("space")  # paused; then from the last scrape but one it plays to the end and stops
+            await until(pilot, lambda: not app.playing)
+            await pilot.press("end")
+            await until(pilot, lambda: timeline.position == last)
+            await pilot.press("comma")
+            await until(pilot, lambda: timeline.position == last - 1)
+            clock.now += 60.0  # while paused: not owed to the replay
+            await pilot.press("space")
+            await until(pilot, lambda: app.playing)
+            await pilot.pause(0.3)
+            assert timeline.position == last - 1
+            clock.now += 1.0  # ten recorded seconds: past the last scrape, 0.1 s on
+            await until(pilot, lambda: not app.playing)
+            assert timeline.position == last
 
     asyncio.run(run())

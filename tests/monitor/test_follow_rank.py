@@ -31,6 +31,7 @@ from monitor.widgets.title_bar import TitleBar
 from tests.monitor.test_fleet_app import plain
 from tests.monitor.test_monitor_layout import widget_lines
 from tests.monitor.test_parallel_panel import two_rank_run
+from tests.monitor_fixtures import ManualClock, until
 
 SHOWN = 100  # a step position where rank 0 holds r2, r4, r6 and rank 1 r3, r5, r7, r8
 
@@ -76,6 +77,10 @@ def header(app: MonitorApp) -> str:
     return " ".join(widget_lines(app.query_one(TitleBar)))
 
 
+def footer(app: MonitorApp) -> str:
+    return " ".join(widget_lines(app.query_one(Footer)))
+
+
 def assert_shows(app: MonitorApp, alone: EngineView) -> None:
     """The block map, both queues and the charts are exactly the rank's own view."""
     assert table_ids(app, "running") == {r.request_id for r in alone.running}
@@ -103,36 +108,35 @@ def assert_stage_rows(panel: str, events: Sequence[Event], now: float) -> None:
 
 
 async def test_r_follows_rank_1_in_replay_and_the_header_names_it(recording: list[Event]) -> None:
+    """Each key is followed by a wait for the state it brings (``until``), not a pause: a
+    loaded machine runs a key's action after ``Pilot.press`` has returned."""
     rank0, rank1 = rank_alone(recording, 0, SHOWN), rank_alone(recording, 1, SHOWN)
     assert set(rank0.requests) == {"r2", "r4", "r6"} and set(rank1.requests) == {"r3", "r5", "r7", "r8"}
-    app = MonitorApp(timeline=Timeline(recording, checkpoint_every=50), source_name="dp2pp2.jsonl")
+    timeline = Timeline(recording, checkpoint_every=50)
+    app = MonitorApp(timeline=timeline, source_name="dp2pp2.jsonl", wall_clock=ManualClock())
     async with app.run_test(size=(120, 40)) as pilot:
-        app.seek(SHOWN)
-        await pilot.pause()
-        assert "◆ DP rank 0 of 2" in header(app)
+        app.seek(SHOWN)  # the header is what the screen shows: drawn at the next refresh
+        await until(pilot, lambda: "◆ DP rank 0 of 2" in header(app))
         assert_shows(app, rank0)
-        footer = " ".join(widget_lines(app.query_one(Footer)))
-        assert "r R rank" in footer and "q quit" in footer  # the key fits beside the others at 120 columns
+        # The footer is recomposed after the bindings change: the key fits beside the others at 120 columns.
+        await until(pilot, lambda: "r R rank" in footer(app))
+        assert "q quit" in footer(app)
         await pilot.press("r")
-        await pilot.pause()
-        assert app.view.dp_rank == 1 and "◆ DP rank 1 of 2" in header(app)
+        await until(pilot, lambda: app.view.dp_rank == 1 and "◆ DP rank 1 of 2" in header(app))
         assert_shows(app, rank1)
         await pilot.press("2")
-        await pilot.pause()
-        panel = plain(app.query_one(ParallelPanel))
-        assert "the block map, queues and step charts show DP rank 1" in panel
-        assert_stage_rows(panel, recording, app.view.t)
+        await until(pilot, lambda: "the block map, queues and step charts show DP rank 1"
+                    in plain(app.query_one(ParallelPanel)))
+        assert_stage_rows(plain(app.query_one(ParallelPanel)), recording, app.view.t)
         # Moving on keeps rank 1: a short hop folds forward, a long one restores rank 1's checkpoint.
         await pilot.press("period", "right_square_bracket")
-        await pilot.pause()
-        assert app.timeline is not None and app.timeline.position == SHOWN + 101
+        await until(pilot, lambda: timeline.position == SHOWN + 101)
         assert_shows(app, rank_alone(recording, 1, SHOWN + 101))
         await pilot.press("comma")  # back one: from the checkpoint before it
-        await pilot.pause()
+        await until(pilot, lambda: timeline.position == SHOWN + 100)
         assert_shows(app, rank_alone(recording, 1, SHOWN + 100))
         await pilot.press("R")  # two ranks: the previous is rank 0
-        await pilot.pause()
-        assert "◆ DP rank 0 of 2" in header(app)
+        await until(pilot, lambda: app.view.dp_rank == 0 and "◆ DP rank 0 of 2" in header(app))
         assert_shows(app, rank_alone(recording, 0, SHOWN + 100))
 
 

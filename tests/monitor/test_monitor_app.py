@@ -22,7 +22,7 @@ from monitor.widgets.block_map import BlockMap
 from monitor.widgets.events_log import EventsLog
 from monitor.widgets.queues import RequestTable
 from monitor.widgets.replay_bar import ReplayBar
-from tests.monitor_fixtures import SAMPLE, owners_at, record_driver_run
+from tests.monitor_fixtures import SAMPLE, ManualClock, owners_at, record_driver_run, until
 from tests.paths import SAMPLES
 
 SIZE = (160, 50)
@@ -46,36 +46,39 @@ async def test_seek_to_step_k_shows_the_independently_folded_block_table(driver_
 
 
 async def test_replay_controls_move_through_the_recording() -> None:
+    """Every key waits for the state it brings (``until``); playback moves by the seconds of
+    the clock the test sets, at the speed the keys chose, however often the timer ticks."""
     timeline = load_timeline(SAMPLE, checkpoint_every=50)
-    app = MonitorApp(timeline=timeline)
+    clock = ManualClock(50.0)
+    app = MonitorApp(timeline=timeline, wall_clock=clock)
+
+    async def keys(*pressed: str, step: int) -> None:
+        await pilot.press(*pressed)  # pilot: the run_test's, below
+        await until(pilot, lambda: app.view.step == step)
+
     async with app.run_test(size=SIZE) as pilot:
-        await pilot.pause()
-        assert app.view.step == 0
-        await pilot.press("period", "period", "period")
-        assert app.view.step == 3
-        await pilot.press("comma")
-        assert app.view.step == 2
-        await pilot.press("right_square_bracket")
-        assert app.view.step == 102
-        await pilot.press("left_square_bracket", "left_square_bracket")
-        assert app.view.step == 0
-        await pilot.press("n")
-        assert app.view.step == timeline.preemption_steps[0]
+        await until(pilot, lambda: app.view.step == 0)
+        await keys("period", "period", "period", step=3)
+        await keys("comma", step=2)
+        await keys("right_square_bracket", step=102)
+        await keys("left_square_bracket", "left_square_bracket", step=0)
+        await keys("n", step=timeline.preemption_steps[0])
         assert app.view.series["preempted"][-1] > 0
         before = app.view.step
-        await pilot.press("a")
-        assert app.view.step == min(k for k in timeline.arrival_steps if k > before)
-        await pilot.press("end")
-        assert app.view.step == 441  # the recording's last step
-        await pilot.press("home", "f", "f")
-        assert app.speed == 50.0
+        await keys("a", step=min(k for k in timeline.arrival_steps if k > before))
+        await keys("end", step=441)  # the recording's last step
+        await keys("home", step=0)
+        await pilot.press("f", "f")
+        await until(pilot, lambda: app.speed == 50.0)
         await pilot.press("s")
-        assert app.speed == 20.0
+        await until(pilot, lambda: app.speed == 20.0)
         await pilot.press("space")
-        assert app.playing
-        await pilot.pause(0.35)  # 20 steps/s for ~0.35 s: a few steps, never a wall-clock assertion on count
+        await until(pilot, lambda: app.playing)
+        clock.now += 0.5  # 20 steps/s for half a second of the clock: 10 steps
+        await until(pilot, lambda: app.view.step == 10)
         await pilot.press("space")
-        assert not app.playing and app.view.step > 0
+        await until(pilot, lambda: not app.playing)
+        assert app.view.step == 10
 
 
 async def test_selecting_a_request_highlights_its_blocks() -> None:
