@@ -6,5 +6,6 @@
 - ``remedies``: the simulator's what-if for each fix
 - ``inputs``: recordings, live ``/events`` streams, vLLM logs as ``RunFacts``
 - ``vllm_log``: logparse's checks worded as findings
+- ``vllm_dp``: a real vLLM's data-parallel balance
 - ``report``, ``cli``: the text/JSON report and the command behind the ``kvscope.doctor`` entry point
 """

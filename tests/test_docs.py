@@ -10,6 +10,7 @@ Runs in about a second: the parsers are built, nothing is started."""
 from __future__ import annotations
 
 import argparse
+import ast
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -228,6 +229,48 @@ def test_the_map_names_no_module_that_is_gone() -> None:
                 if not (path.with_suffix(".py").exists() or path.is_dir()):
                     gone.append(f"{folder}/{name}")
     assert not gone, "docs/architecture.md names modules that do not exist: " + ", ".join(gone)
+
+
+# --------------------------------------------------------------------------- the wings' tables of contents
+def toc_names(init: Path) -> list[str]:
+    """What a package's ``__init__`` docstring lists: each ``- ``name``[, ``name``]: what`` line's names."""
+    doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
+    names = []
+    for line in doc.splitlines():
+        if line.startswith("- ``") and ": " in line:
+            names += re.findall(r"``([\w.]+)``", line.split(": ", 1)[0])
+    return names
+
+
+def wing_packages() -> list[Path]:
+    return sorted(p.parent for wing in WINGS for p in (ROOT / wing).rglob("__init__.py") if "__pycache__" not in p.parts)
+
+
+def toc_problems(package: Path) -> list[str]:
+    """The modules and subpackages beside a package's ``__init__`` that its table of contents
+    lacks, and the names it lists that are not there."""
+    modules = {p.stem for p in package.glob("*.py") if p.name != "__init__.py"}
+    modules |= {p.name for p in package.iterdir() if (p / "__init__.py").is_file()}
+    named = set(toc_names(package / "__init__.py"))
+    return [f"lacks {m}" for m in sorted(modules - named)] + [f"names {m}, which is gone" for m in sorted(named - modules)]
+
+
+@pytest.mark.parametrize("package", wing_packages(), ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_wings_table_of_contents_names_its_modules(package: Path) -> None:
+    """Each package's ``__init__`` names every module and subpackage beside it, one line each
+    (``- ``name``: what it holds``), and nothing that is gone."""
+    problems = toc_problems(package)
+    assert not problems, f"{package.relative_to(ROOT)}/__init__.py's table of contents: {'; '.join(problems)}"
+
+
+def test_the_table_of_contents_check_sees_a_missing_and_a_gone_module(tmp_path: Path) -> None:
+    (tmp_path / "__init__.py").write_text('"""A wing.\n\n- ``kept``, ``gone``: two\n- not a ``name``\n"""\n')
+    (tmp_path / "kept.py").write_text("")
+    (tmp_path / "new.py").write_text("")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "__init__.py").write_text("")
+    assert toc_names(tmp_path / "__init__.py") == ["kept", "gone"]
+    assert toc_problems(tmp_path) == ["lacks new", "lacks sub", "names gone, which is gone"]
 
 
 # --------------------------------------------------------------------------- BENCHMARKS.md

@@ -1,8 +1,15 @@
-"""The ``engine`` command: :func:`main` wires the subcommands under
-:mod:`engine.cli.commands` (one module each, ``register(subparsers)`` + ``run(args)``);
-:mod:`~engine.cli.program` is how every kvscope command line runs and fails (shared
-with monitor and logparse); :mod:`~engine.cli.flags` defines vLLM's flag names once;
-:mod:`~engine.cli.dashboard` finds the monitor through its entry point."""
+"""The ``engine`` command: ``main`` wires the subcommands under ``commands`` (one module each,
+``register(subparsers)`` + ``run(args)``).
+
+- ``main``: the parser and every subcommand wired
+- ``__main__``: ``python -m engine.cli``
+- ``program``: how every kvscope command line runs and fails (shared with monitor and logparse)
+- ``flags``: flags copied from ``EngineConfig``, the workload flags
+- ``vllm_flags``: vLLM flags kvscope lacks, explained
+- ``exporters``: the trace and exporter flags
+- ``plugins``, ``dashboard``: the entry points (the dashboard, the doctor)
+- ``commands``: one module per subcommand
+"""
 
 from engine.cli.main import build_parser, main
 

@@ -1,10 +1,16 @@
-"""Serving: :mod:`~engine.serve.app` (``build_app``: assembles the FastAPI app from the
-routers, middleware and OpenAI-shaped error handlers), :mod:`~engine.serve.routes_openai`
-(``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``),
-:mod:`~engine.serve.routes_observability` (``/health``, ``/metrics``, ``/debug/state``,
-``/events``), :mod:`~engine.serve.route_support` (what the routes share: the host behind
-a request, the API-key checks, error responses, SSE streaming),
-:mod:`~engine.serve.host` (the server settings, the bus subscribers and the engine host),
-:mod:`~engine.serve.http_limits` (the header deadline, keep-alive and body size and time bounds),
-:mod:`~engine.serve.async_engine` (the engine thread behind it) and
-:mod:`~engine.serve.protocol` (the OpenAI request and response types)."""
+"""Serving: the OpenAI- and vLLM-compatible server over one engine host (or D data-parallel cores).
+
+- ``app``: ``build_app``: routers, middleware, OpenAI-shaped error handlers
+- ``routes_openai``: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``
+- ``routes_observability``: ``/health``, ``/metrics``, ``/debug/*``, ``/events``
+- ``routes_vllm``: vLLM's own routes
+- ``route_support``: what routes share: the host, API keys, SSE, errors
+- ``protocol``: OpenAI's wire format as pydantic models
+- ``logprobs``: logprobs in OpenAI's two shapes
+- ``http_limits``: time and size bounds per connection and request
+- ``async_engine``: the engine thread and its command queue
+- ``host``: the engine side with no HTTP: subscribers, the request fold
+- ``startup_health``: ``/health`` during startup (the phase, the ETA); requests held until ready
+- ``data_parallel``: D engine cores behind one server
+- ``settings``: the server's settings, no torch
+"""

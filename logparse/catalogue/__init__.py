@@ -13,6 +13,8 @@ message first needs it; one Aho-Corasick automaton over each template's longest 
 picks the few templates a message can be, so a message costs one scan however many
 templates there are. What stays unknown is grouped by :func:`mask` (numbers, quoted
 names, paths, ids masked), so one warning repeated a hundred times is one template.
+
+- ``generate``: the catalogue written from vLLM's released sources (run by hand)
 """
 
 from __future__ import annotations
