@@ -158,6 +158,10 @@ class EngineConfig:
     master_port: int | None = field(default=None, metadata=meta(when_set=True))
     rendezvous_timeout_s: float | None = field(default=None,
                                                metadata=meta(when_set=True, cli="--rendezvous-timeout"))
+    # kvscope's --stall-timeout S (engine serve): an engine core with work that finishes no step
+    # for S seconds is stalled (engine/serve/stall.py); 0 = off; None = derived from this
+    # machine's step times: max(30 s, 10 x the longest of phase D's worst-case step and the steps run)
+    stall_timeout_s: float | None = field(default=None, metadata=meta(when_set=True, cli="--stall-timeout"))
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

@@ -137,8 +137,9 @@ class _Forwarder:
         return taken
 
 
-def core_main(rank: int, config: EngineConfig, conn: Any, parent_pid: int) -> None:
-    """The process of data-parallel rank ``rank``: startup, then commands and steps until stopped."""
+def core_main(rank: int, config: EngineConfig, conn: Any, parent_pid: int, heartbeat: Any = None) -> None:
+    """The process of data-parallel rank ``rank``: startup, then commands and steps until stopped.
+    ``heartbeat``: the shared buffer of its step heartbeat (engine/heartbeat.py), which the server reads."""
     from engine.workers import _die_with_parent
 
     _die_with_parent(parent_pid)
@@ -146,8 +147,11 @@ def core_main(rank: int, config: EngineConfig, conn: Any, parent_pid: int) -> No
 
     configure_logging()
     code = 0
+    from engine.stacks import register_stack_signal
+
+    stacks = register_stack_signal()  # the server's stall detector asks for every thread's stack
     try:
-        _serve(rank, config, conn)
+        _serve(rank, config, conn, heartbeat)
     except BaseException as exc:
         code = 1
         with contextlib.suppress(OSError):  # the server has gone: nobody to tell
@@ -155,17 +159,20 @@ def core_main(rank: int, config: EngineConfig, conn: Any, parent_pid: int) -> No
                        isinstance(exc, UserError)))
     finally:
         conn.close()
+        stacks.unlink(missing_ok=True)
     os._exit(code)  # as engine/workers.py: no interpreter teardown waiting on gloo peers
 
 
-def _serve(rank: int, config: EngineConfig, conn: Any) -> None:
+def _serve(rank: int, config: EngineConfig, conn: Any, heartbeat: Any = None) -> None:
+    from engine.heartbeat import Heartbeat
     from engine.llm_engine import LLMEngine
 
     bus = EventBus()
     forwarder = _Forwarder(rank, conn)
     bus.subscribe(forwarder.stamp)  # first: every later subscriber sees the rank
     bus.subscribe(forwarder.keep)
-    engine = LLMEngine(core_config(config, rank), bus=bus)
+    engine = LLMEngine(core_config(config, rank), bus=bus,
+                       heartbeat=Heartbeat(heartbeat) if heartbeat is not None else None)
     try:
         startup = engine.startup
         conn.send(("ready", CoreFacts(os.getpid(), engine.tokenizer, startup.scheduler_config, startup.model_config,
@@ -196,6 +203,7 @@ def _loop(engine: Any, conn: Any, forwarder: _Forwarder) -> None:
     flush_step = False  # an abort freed blocks: publish one step so the events show it
     profiler = None  # the torch profiler, made at the first profile command
     while True:
+        engine.heartbeat.idle()  # a turn of the loop: alive between steps
         busy = engine.has_unfinished() or flush_step
         accepted: list[tuple[str, str | None]] = []
         stop = False
@@ -220,6 +228,10 @@ def _loop(engine: Any, conn: Any, forwarder: _Forwarder) -> None:
                 elif kind == "abort_all":
                     for request_id in list(engine.scheduler.requests):
                         flush_step |= engine.abort(request_id)
+                elif kind == "note":  # ("note", event dict): the server's stall detector's verdict on this core,
+                    from engine.events import event_from_dict  # recorded here (this core's recording)
+
+                    engine.bus.publish(event_from_dict(command[1]))
                 elif kind == "profile":
                     profiler, answer = _profile(profiler, engine, forwarder.rank, command)
                     conn.send(answer)

@@ -25,6 +25,7 @@ from engine.core.step_loop import ExecutedStep, run_step
 from engine.errors import UserError
 from engine.events import EventBus
 from engine.events.observers import ObserverFlags, attach_observers
+from engine.heartbeat import DETOKENIZE, FORWARD, UPDATE, Heartbeat
 from engine.logs import log_failure
 from engine.model.device import device_word
 from engine.model.runner import ScheduledSeq
@@ -84,9 +85,10 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, bus: EventBus | None = None,
                  progress: Callable[[int, int], None] | None = None,
-                 metrics_registry: CollectorRegistry | None = None) -> None:
+                 metrics_registry: CollectorRegistry | None = None, heartbeat: Heartbeat | None = None) -> None:
         """``metrics_registry``: where sinks that count their own losses register those
-        counters (the server's ``/metrics``); None keeps them private."""
+        counters (the server's ``/metrics``); None keeps them private. ``heartbeat``: where the
+        steps beat (engine/heartbeat.py; a data-parallel core's is in the server's shared memory)."""
         stages = config.pipeline_parallel_size or 1
         if (config.data_parallel_size or 1) > 1 and config.data_parallel_rank is None:
             raise UserError(f"--data-parallel-size {config.data_parallel_size} runs engine cores behind "
@@ -100,6 +102,8 @@ class LLMEngine:
                 config = dataclasses.replace(config, quantization=None)
         self.config = config
         self.bus = bus or EventBus()
+        self.heartbeat = heartbeat or Heartbeat()  # what the stall detector reads of this core's steps
+        profile_listener = self.bus.subscribe(self.heartbeat.on_event)  # phase D's step time: the limit's yardstick
         # ranks 1..N-1 under --tensor-parallel-size N; this host's stages 1.. under --pipeline-parallel-size
         self.workers: WorkerGroup | None = None
         self.pipeline: PipelineRunner | None = None  # stages 1..P-1 under --pipeline-parallel-size P
@@ -135,6 +139,7 @@ class LLMEngine:
             raise
         finally:
             self.observers.end_startup()
+            self.bus.unsubscribe(profile_listener)
         self.tokenizer = self.startup.tokenizer
         self.runner = self.pipeline or self.startup.runner
         self.scheduler = Scheduler(self.startup.scheduler_config, self.bus)
@@ -264,7 +269,10 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        result = run_step(self.scheduler, self, self.bus, self.now(), host_clock=time.perf_counter)
+        scheduler, beat = self.scheduler, self.heartbeat
+        beat.begin_step(scheduler.num_waiting, scheduler.num_running)
+        result = run_step(scheduler, self, self.bus, self.now(), host_clock=time.perf_counter)
+        beat.end_step(scheduler.num_waiting, scheduler.num_running, len(result.output.scheduled))
         return self._outputs(result.output, result.executed, result.finished)
 
     def execute(self, out: SchedulerOutput, now: float) -> ExecutedStep:
@@ -275,11 +283,14 @@ class LLMEngine:
         batch = [ScheduledSeq(s.request_id, s.token_ids, s.start_position, s.block_ids, s.samples,
                               s.request.sampling, s.block_tables, self._prompt_targets(s))
                  for s in out.scheduled]
+        self.heartbeat.scheduled(len(batch))
+        self.heartbeat.phase(FORWARD)
         collectives: dict[str, float] = {}
         if self.workers is not None and batch:  # the collectives' cost, or each stage's bubble and bytes sent
             sampled_ids, collectives = self.workers.execute(self.runner, batch)
         else:
             sampled_ids = self.runner.execute(batch) if batch else {}
+        self.heartbeat.phase(DETOKENIZE)
         timings = self.runner.last_timings
         failed = dict(self.runner.last_failed)
         self._step_logprobs = getattr(self.runner, "last_logprobs", {})
@@ -302,6 +313,7 @@ class LLMEngine:
                 stopped_by_string.add(rid)
             if self.config.log_prompts:
                 self.scheduler.requests[rid].output_text = detok.text
+        self.heartbeat.phase(UPDATE)
         return ExecutedStep(
             {rid: [tok] for rid, tok in sampled_ids.items() if rid not in failed}, self.now(), stopped_by_string,
             deltas, {"forward_s": timings.prepare_s + timings.forward_s, "sample_s": timings.sample_s,

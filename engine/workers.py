@@ -334,8 +334,10 @@ def worker_main(layout: Any, config: EngineConfig, messages: Any, parent_pid: in
     ``layout``: a tensor-parallel RankLayout, or a pipeline StageLayout."""
     _die_with_parent(parent_pid)
     from engine.logs import configure_logging
+    from engine.stacks import register_stack_signal
 
     configure_logging(level="warning")  # rank 0 logs the replica; a worker's events carry its numbers
+    stacks = register_stack_signal()  # the stall detector's dump asks every rank for its stacks
     from engine.model.parallel import RankLayout
     from engine.startup import start_engine
 
@@ -367,6 +369,7 @@ def worker_main(layout: Any, config: EngineConfig, messages: Any, parent_pid: in
     finally:
         messages.close()
         messages.join_thread()  # every message is in the pipe before the process ends
+        stacks.unlink(missing_ok=True)
     # os._exit, not sys.exit: the interpreter's teardown of the gloo group waits seconds on
     # peers that are leaving too; nothing is left to flush.
     os._exit(code)

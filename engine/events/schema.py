@@ -470,6 +470,38 @@ class EngineStopped(Event):
 
 
 @dataclass(slots=True)
+class EngineStalled(Event):
+    """An engine core has work and finished no step within the stall limit (``--stall-timeout``;
+    engine/serve/stall.py): ``rank`` (the data-parallel rank, 0 for one core) is alive or not,
+    but makes no progress. ``phase`` is what its step was doing (engine/heartbeat.py's phases),
+    ``stalled_s`` how long it had been at it, ``last_step`` the last step it finished (its
+    ``index``, None before any), ``requests`` the ids it held, ``dump`` the file of its stacks,
+    last step and requests (None when none could be written)."""
+
+    type: ClassVar[str] = "engine.stalled"
+    rank: int = 0
+    phase: str = ""
+    stalled_s: float = 0.0
+    limit_s: float = 0.0
+    last_step: int | None = None
+    num_waiting: int = 0
+    num_running: int = 0
+    requests: list[str] = field(default_factory=list)
+    dump: str | None = None
+
+
+@dataclass(slots=True)
+class EngineRecovered(Event):
+    """A stalled engine core finished a step again (or its work left): ``stalled_s`` from the
+    start of the stalled step (or the last sign of progress) until now."""
+
+    type: ClassVar[str] = "engine.recovered"
+    rank: int = 0
+    stalled_s: float = 0.0
+    last_step: int | None = None
+
+
+@dataclass(slots=True)
 class SinkFailed(Event):
     """A subscriber of the bus (the recording, an exporter, a metrics fold) raised: the
     bus stopped delivering to it and the engine went on. ``sink`` names it, ``error``
@@ -527,6 +559,8 @@ EVENT_TYPES: dict[str, type[Event]] = {
         SnapshotEvent,
         LogEvent,
         EngineStopped,
+        EngineStalled,
+        EngineRecovered,
         SinkFailed,
         MetricsScrape,
         KvEventBatch,
@@ -581,6 +615,7 @@ class EventBus:
         self._seq = 0
         self._delivering = False
         self._queued: collections.deque[Event] = collections.deque()
+        self._guard: threading.RLock | None = None  # see guard()
         self.failed_sinks: dict[str, str] = {}  # sink name -> the error that stopped it
 
     @property
@@ -602,7 +637,21 @@ class EventBus:
         with self._lock:
             self._subscribers = tuple(s for s in self._subscribers if s is not fn)
 
+    def guard(self) -> None:
+        """From now on every publish holds a lock, so another thread may publish too: the
+        stall detector's ``engine.stalled`` while the engine thread is stuck mid-step (the
+        lock is free then; held, it is held for one event's delivery)."""
+        if self._guard is None:
+            self._guard = threading.RLock()
+
     def publish(self, event: Event) -> Event:
+        guard = self._guard
+        if guard is None:
+            return self._publish(event)
+        with guard:
+            return self._publish(event)
+
+    def _publish(self, event: Event) -> Event:
         self._seq += 1
         event.seq = self._seq
         event.t = self._clock()

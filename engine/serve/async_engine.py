@@ -28,6 +28,7 @@ from engine.config import EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.errors import UserError
 from engine.events import EngineStopped, EventBus
+from engine.heartbeat import Heartbeat
 from engine.llm_engine import CheckedPrompt, LLMEngine, RequestOutput
 from engine.logs import log_failure
 
@@ -290,6 +291,7 @@ class AsyncEngine(EngineFront):
         self._error: BaseException | None = None
         self._draining = False
         self._thread = threading.Thread(target=self._run, name="kvscope-engine", daemon=True)
+        self.heartbeat = Heartbeat()  # the engine's steps, for the stall detector (engine/serve/stall.py)
         self._ids = 0
         self._ids_lock = threading.Lock()
 
@@ -378,7 +380,8 @@ class AsyncEngine(EngineFront):
     # ---------------------------------------------------------- engine thread
     def _run(self) -> None:
         try:
-            self.engine = LLMEngine(self.config, bus=self.bus, metrics_registry=self.metrics_registry)
+            self.engine = LLMEngine(self.config, bus=self.bus, metrics_registry=self.metrics_registry,
+                                    heartbeat=self.heartbeat)
         except BaseException as exc:  # re-raised by wait_ready in the caller's thread
             self._startup_error = exc
             self._stopped.set()
@@ -402,6 +405,7 @@ class AsyncEngine(EngineFront):
     def _loop(self, engine: LLMEngine) -> None:
         flush_step = False  # aborts freed blocks: publish one step so the event stream shows it
         while True:
+            engine.heartbeat.idle()  # a turn of the loop: alive between steps
             idle = not engine.has_unfinished()
             try:
                 command = self._commands.get(timeout=IDLE_WAIT_S) if idle and not flush_step else \

@@ -52,14 +52,17 @@ from engine.errors import ReplicaError, UserError
 from engine.events import EngineStopped, Event, EventBus, StepEvent, event_from_dict
 from engine.events.dp_balance import WAITING_WEIGHT
 from engine.events.metrics import PrometheusMetrics
+from engine.heartbeat import Heartbeat
 from engine.llm_engine import CheckedPrompt, LLMEngine, RequestOutput
 from engine.logs import get_logger
 from engine.profiling import ProfileLimits, TorchProfiler
 from engine.serve.async_engine import EngineDead, EngineFront, RequestFailed, RequestStream, _aborted_output
 from engine.serve.host import EngineHost, EventHub, LockedLifecycle, LockedView
 from engine.serve.settings import ServerSettings
+from engine.serve.stall import data_parallel_detector
 
 STOP_WAIT_S = 5.0  # a core's time to leave by itself after "stop", before terminate/kill
+NOTED = ("engine.stalled", "engine.recovered")  # published here by the stall detector, then sent to the core
 EXIT_WAIT_S = 5.0  # how long a core that closed its pipe gets to show its exit status
 
 
@@ -82,6 +85,7 @@ class CoreClient:
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     publish_lock: threading.Lock = field(default_factory=threading.Lock)
     reader: threading.Thread | None = None
+    heartbeat: Heartbeat = field(default_factory=Heartbeat)  # the core writes it in shared memory; stall.py reads
 
     def send(self, command: tuple[Any, ...]) -> None:
         with self.send_lock, contextlib.suppress(OSError, ValueError):  # a dead core: its reader reports it
@@ -227,13 +231,14 @@ class DataParallelEngine(EngineFront):
         context = multiprocessing.get_context("spawn")
         for rank, (bus, view) in enumerate(zip(self._buses, self._views, strict=True)):
             ours, theirs = context.Pipe(duplex=True)
+            beat = Heartbeat(Heartbeat.shared_buffer())  # the core's steps, readable here while it is stuck
             # Not a daemon: a core starts its own tensor-parallel workers; it dies with this
             # process through PR_SET_PDEATHSIG instead (engine/workers.py).
             process = context.Process(target=core_main, name=f"kvscope-dp-rank{rank}",
-                                      args=(rank, self.config, theirs, os.getpid()))
+                                      args=(rank, self.config, theirs, os.getpid(), beat.buffer))
             process.start()
             theirs.close()
-            core = CoreClient(rank, process, ours, bus, view)
+            core = CoreClient(rank, process, ours, bus, view, heartbeat=beat)
             self.cores.append(core)
             self._log.info(f"data-parallel rank {rank}: engine core pid {process.pid}")
         # The cores are not daemons: at interpreter exit multiprocessing would wait for them, so
@@ -304,6 +309,11 @@ class DataParallelEngine(EngineFront):
     # -------------------------------------------------------------- requests
     def next_request_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}"
+
+    def pending_on(self, core: CoreClient) -> int:
+        """Requests given to ``core`` and not answered in full (the stall detector's "has work")."""
+        with self._lock:
+            return sum(1 for owner, _ in self._streams.values() if owner is core)
 
     def choose(self) -> CoreClient:
         """vLLM's rule (module docstring); call with ``self._lock`` held."""
@@ -410,6 +420,8 @@ class DataParallelEngine(EngineFront):
 
     def _publish(self, core: CoreClient, rows: list[dict[str, Any]]) -> None:
         for row in rows:
+            if row.get("type") in NOTED:  # the stall detector's own verdict, back from the core's recording
+                continue
             event = event_from_dict(row)
             if isinstance(event, StepEvent):
                 with self._lock:  # the counts vLLM's coordinator reports: the scheduler's own
@@ -513,4 +525,5 @@ def data_parallel_host(config: EngineConfig, settings: ServerSettings, registry:
                       lifecycle=DataParallelLifecycle(lifecycles),  # type: ignore[arg-type]
                       profiler=TorchProfiler(settings.profile_dir or os.getcwd()))
     engine.start()  # last: nothing above may fail with engine cores left running
+    host.stall = data_parallel_detector(config, engine).start()
     return host

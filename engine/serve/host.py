@@ -28,6 +28,7 @@ from engine.llm_engine import LLMEngine
 from engine.profiling import TorchProfiler
 from engine.serve.async_engine import AsyncEngine
 from engine.serve.settings import LOOPBACK_HOSTS, ServerSettings
+from engine.serve.stall import StallDetector, one_core_detector
 
 __all__ = ["LOOPBACK_HOSTS", "EngineHost", "EventHub", "LockedView", "ServerSettings", "SseClient"]
 
@@ -181,6 +182,7 @@ class EngineHost:
     lifecycle: LockedLifecycle
     profiler: TorchProfiler = field(default_factory=lambda: TorchProfiler(os.getcwd()))  # /start_profile
     in_flight: InFlight = field(default_factory=lambda: InFlight())  # /load
+    stall: StallDetector | None = None  # --stall-timeout: /health's engine_stalled (engine/serve/stall.py)
 
     @classmethod
     def create(cls, config: EngineConfig, settings: ServerSettings,
@@ -203,7 +205,8 @@ class EngineHost:
         engine = AsyncEngine(config, bus, max_waiting_requests=settings.max_waiting_requests,
                              metrics_registry=metrics.registry).start()
         return cls(settings=settings, bus=bus, engine=engine, view=view, metrics=metrics, hub=hub,
-                   lifecycle=lifecycle, profiler=TorchProfiler(settings.profile_dir or os.getcwd()))
+                   lifecycle=lifecycle, profiler=TorchProfiler(settings.profile_dir or os.getcwd()),
+                   stall=one_core_detector(config, bus, engine, view.snapshot).start())
 
     @property
     def llm(self) -> LLMEngine:

@@ -42,11 +42,16 @@ router = APIRouter()
                                             '{"status": "degraded", "failed_sinks": {sink: error}}',
                              "content": {}},
                        503: {"description": "The engine is not running (starting, stopping, or stopped by a "
-                                            "failure the message names)",
+                                            "failure the message names), or an engine core is stalled: "
+                                            '{"error": "engine_stalled", "rank", "phase", "stalled_s", '
+                                            '"limit_s", "last_step", "requests", "dump", "message"}',
                              "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}})
 async def health(request: Request) -> Response:
     host = host_of(request)
     engine = host.engine
+    stalled = host.stall.health() if engine.alive and host.stall is not None else None
+    if stalled is not None:  # alive but making no progress (engine/serve/stall.py): the rank and what it was doing
+        return JSONResponse(stalled, status_code=503)
     if engine.alive:
         failed = host.bus.failed_sinks
         if failed:  # serving goes on (200), but a recording or an exporter stopped: say which and why

@@ -69,6 +69,12 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
                    help='CORS: origins browser pages may call from, as vLLM\'s flag (a JSON list, e.g. \'["*"]\', '
                         "or comma-separated); default none (vLLM's default is [\"*\"])")
     p.add_argument("--monitor", action="store_true", help="show the live dashboard in this terminal")
+    p.add_argument("--stall-timeout", dest="stall_timeout_s", type=_stall_timeout, default=None, metavar="S",
+                   help="kvscope's: an engine core with requests that finishes no step for S seconds is stalled: "
+                        "/health answers 503 engine_stalled naming the rank, an engine.stalled event is published "
+                        "and a dump (stacks, last step, requests) is written beside the recording; 0 turns it off. "
+                        "Default: derived from this machine's step times, max(30 s, 10 x the longest of the profile "
+                        "run's worst-case step and every step run), so a long prefill never trips it")
     timeouts = p.add_argument_group(
         "connection timeouts", "how long a client may hold a connection without giving the server a whole request; "
                                "past each bound the server answers 408 (in OpenAI's error shape) or just closes")
@@ -125,6 +131,18 @@ def _sample_rate(text: str) -> float:
     if not 0 < rate <= 1:
         raise argparse.ArgumentTypeError(f"--kv-cache-metrics-sample {text!r}: must be a fraction in (0, 1], e.g. 0.01")
     return rate
+
+
+def _stall_timeout(text: str) -> float:
+    """--stall-timeout: seconds >= 0 (0: off)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"--stall-timeout {text!r}: give seconds, e.g. 60, or 0 to turn the stall "
+                                         "detector off")
+    return value
 
 
 def _seconds(text: str) -> float:
