@@ -206,7 +206,7 @@ class MonitorApp(App[None]):
             self._num_ranks = len(self.dp_ranks())
             self.refresh_bindings()
         self.query_one(TitleBar).show(self.source_name, connection, self.view.failed_sinks, self.view.engine_error,
-                                      followed=self.followed_rank_text())
+                                      followed=self.followed_rank_text(), stalled=self.view.stalled)
         self.query_one(ReplayBar).show(
             source=self.source_name, step=self.view.step, position=tl.position if tl else 0,
             length=len(tl) if tl else 0, playing=self.playing, speed=self.speed, live=self.live,

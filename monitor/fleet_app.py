@@ -177,6 +177,9 @@ class FleetApp(App[str | None]):
                         f"{len(self.timeline)} · t={self.timeline.t:.1f} s", style="bold cyan")
         else:
             text.append(f"● {live}/{len(states)} live", style="bold green" if live == len(states) else "bold yellow")
+        stalled = [s.source for s in states if s.stall_text()]
+        if stalled:
+            text.append(f"  ⏸ STALLED {', '.join(middle_cut(s, 30) for s in stalled)}", style="bold red")
         return text
 
     def refresh_screens(self) -> None:
@@ -188,7 +191,8 @@ class FleetApp(App[str | None]):
                 return  # pushed but not composed yet: its on_mount draws it
             screen.query_one("#replica-title", Static).update(
                 Text(f"kvscope monitor · {middle_cut(state.source, 60)} · {state.kind} · {state.status}"
-                     + (f" ({state.reason})" if state.reason else "")).append("   Esc: fleet", style="dim"))
+                     + (f" ({state.reason})" if state.reason else "")).append(state.stall_text(), style="bold red")
+                .append("   Esc: fleet", style="dim"))
             screen.query_one(ReplicaPanel).update_state(state)
             screen.query_one(ParallelPanel).update_state(state)
             kv_source = self.feed.kv_sources.get(state.source) if self.feed is not None else (

@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.events import Event, KvEventBatch, LogEvent, MetricsScrape
+from engine.events.frozen_counters import FrozenCounters
 from engine.events.parallel_window import RankReading, RankWindow, rank_window
 from monitor.kv_events import PrefixCache
 from monitor.prometheus import EngineMetrics, Histogram, parse_metrics
@@ -79,6 +80,8 @@ class ReplicaState:
     kv_rates: deque[tuple[float, int, int]] = field(default_factory=lambda: deque(maxlen=SERIES_LEN))
     kv_series: dict[str, deque[float]] = field(
         default_factory=lambda: {n: deque(maxlen=SERIES_LEN) for n in ("cached", "stored_per_s", "removed_per_s")})
+    # requests running while the token counters stay frozen: a stall seen from /metrics
+    frozen: FrozenCounters = field(default_factory=FrozenCounters)
 
     # ---------------------------------------------------------------- folding
     def apply(self, event: Event) -> None:
@@ -103,6 +106,7 @@ class ReplicaState:
             if state is None:
                 state = self.engines[label] = EngineState(engine=label)
             self._engine_scrape(state, t, reading)
+            self.frozen.observe(t, label, round(reading.running), reading.prompt_tokens + reading.generation_tokens)
         self._kv_sample(t)
         self.last_scrape_t = t
 
@@ -177,6 +181,13 @@ class ReplicaState:
                 windows.append(window)
         return windows
 
+    def stall_text(self) -> str:
+        """``⏸ STALLED engine 0: 3 running, no token counted for 75 s`` while an engine's counters
+        are frozen with requests running for FrozenCounters.frozen_s; "" otherwise."""
+        runs = self.frozen.stalled()
+        return "".join(f"  ⏸ STALLED engine {e}: {run.running} running, no token counted for {run.seconds:,.0f} s"
+                       for e, run in sorted(runs.items()))
+
     def hit_rate(self) -> float | None:
         rates = [s.hit_rate for s in self.engines.values() if s.hit_rate is not None]
         return sum(rates) / len(rates) if rates else None
@@ -214,4 +225,5 @@ class ReplicaState:
         clone.prefix = self.prefix.copy()
         clone.kv_rates = copy.copy(self.kv_rates)
         clone.kv_series = copy.deepcopy(self.kv_series)
+        clone.frozen = copy.deepcopy(self.frozen)
         return clone

@@ -34,6 +34,8 @@ Snapshot dict format (``SNAPSHOT_VERSION`` 1), all plain JSON::
       "finished": int, "rejected": int, "preemptions": int,
       "failed_sinks": {sink: error},                       # sinks the bus stopped (sink.failed)
       "engine_error": str | null,                          # why the engine loop stopped (engine.stopped)
+      "stalled": {rank: {"phase", "stalled_s", "limit_s", "last_step", "t", "dump"}},  # cores stalled now
+                                                           # (engine.stalled until engine.recovered; absent: none)
       "series": {"step": [...], "prefill": [...], "decode": [...], "running": [...],
                  "waiting": [...], "kv_pct": [...], "step_ms": [...],
                  "preempted": [...]},                      # last ``series_window`` steps
@@ -98,7 +100,7 @@ from engine.events.block_table import BlockTableState
 from engine.events.expert_load import ExpertLoad
 from engine.events.ledger import LEDGER
 from engine.events.parallel_window import ParallelWindow
-from engine.events.schema import EncoderStepEvent
+from engine.events.schema import EncoderStepEvent, EngineRecovered, EngineStalled
 
 SNAPSHOT_VERSION = 1
 SERIES_NAMES = ("step", "prefill", "decode", "running", "waiting", "kv_pct", "step_ms", "preempted")
@@ -316,6 +318,7 @@ class EngineView:
         self.preemptions = 0
         self.failed_sinks: dict[str, str] = {}  # sink name -> the error that stopped it (sink.failed)
         self.engine_error: str | None = None  # engine.stopped: why the engine loop stopped
+        self.stalled: dict[int, dict[str, Any]] = {}  # engine.stalled, by rank, until its engine.recovered
         self.series: dict[str, deque[float]] = {n: deque(maxlen=series_window) for n in SERIES_NAMES}
         self.recent: deque[Event] = deque(maxlen=recent_window)
         self.stats: StatsEvent | None = None
@@ -417,6 +420,13 @@ class EngineView:
 
     def _on_engine_stopped(self, ev: EngineStopped) -> None:
         self.engine_error = ev.error
+
+    def _on_stalled(self, ev: EngineStalled) -> None:
+        self.stalled[ev.rank] = {"phase": ev.phase, "stalled_s": ev.stalled_s, "limit_s": ev.limit_s,
+                                 "last_step": ev.last_step, "t": ev.t, "dump": ev.dump}
+
+    def _on_recovered(self, ev: EngineRecovered) -> None:
+        self.stalled.pop(ev.rank, None)
 
     def _on_config(self, ev: EngineConfigEvent) -> None:
         self.config = dict(ev.config)
@@ -621,7 +631,8 @@ class EngineView:
              if self.encoder_cache_capacity else {}) \
           | ({"experts": self.experts.to_dict()} if self.experts.num_layers else {}) \
           | ({"parallel": self.parallel.to_dict()} if self.parallel.parallel else {}) \
-          | ({"dp_rank": self.dp_rank} if self.dp_rank is not None else {})
+          | ({"dp_rank": self.dp_rank} if self.dp_rank is not None else {}) \
+          | ({"stalled": {str(r): dict(s) for r, s in self.stalled.items()}} if self.stalled else {})
 
     @classmethod
     def from_snapshot(
@@ -669,6 +680,7 @@ class EngineView:
         self.preemptions = int(state.get("preemptions", 0))
         self.failed_sinks = {str(k): str(v) for k, v in dict(state.get("failed_sinks") or {}).items()}
         self.engine_error = state.get("engine_error")
+        self.stalled = {int(r): dict(s) for r, s in (state.get("stalled") or {}).items()}
         series = state.get("series", {})
         self.series = {n: deque(series.get(n, []), maxlen=self.series_window) for n in SERIES_NAMES}
         self.recent = deque(
@@ -703,6 +715,8 @@ _HANDLERS: dict[type, Any] = {
     SnapshotEvent: EngineView._on_snapshot,
     SinkFailed: EngineView._on_sink_failed,
     EngineStopped: EngineView._on_engine_stopped,
+    EngineStalled: EngineView._on_stalled,
+    EngineRecovered: EngineView._on_recovered,
     LogEvent: None,
 }
 _HANDLERS = {k: v for k, v in _HANDLERS.items() if v is not None}

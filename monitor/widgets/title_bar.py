@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from rich.text import Text
 from textual.widgets import Static
@@ -33,6 +34,12 @@ def connection_text(connection: Connection, now: float | None = None) -> Text:
     return text
 
 
+def stall_text(rank: int, stall: dict[str, Any]) -> str:
+    """``rank 1 in forward, no step for 42 s (limit 30 s)``: what an ``engine.stalled`` said."""
+    return (f"rank {rank} in {stall.get('phase') or '?'}, no step for {float(stall.get('stalled_s') or 0):,.0f} s "
+            f"(limit {float(stall.get('limit_s') or 0):,.0f} s)")
+
+
 def middle_cut(text: str, width: int) -> str:
     """``text`` in at most ``width`` cells, cut in the middle (``http://…:8000/events``)."""
     if len(text) <= width:
@@ -45,15 +52,20 @@ def middle_cut(text: str, width: int) -> str:
 
 class TitleBar(Static):
     """``kvscope monitor · SOURCE`` and, for a live feed, its connection badge, the DP rank
-    the dashboard follows (``followed``: ``DP rank 1 of 2``; with several ranks), then any
-    event sink the engine stopped (``sink.failed``: a full disk under ``--events``). When
-    the line is too long the source is cut in its middle, never the badges or why."""
+    the dashboard follows (``followed``: ``DP rank 1 of 2``; with several ranks), any engine
+    core stalled (``engine.stalled`` until ``engine.recovered``: ``⏸ STALLED rank 1 in
+    forward``), then any event sink the engine stopped (``sink.failed``: a full disk under
+    ``--events``). When the line is too long the source is cut in its middle, never the
+    badges or why."""
 
     def show(self, source: str, connection: Connection | None, failed_sinks: dict[str, str] | None = None,
-             engine_error: str | None = None, followed: str = "") -> None:
+             engine_error: str | None = None, followed: str = "",
+             stalled: dict[int, dict[str, Any]] | None = None) -> None:
         badge = Text("  ").append_text(connection_text(connection)) if connection is not None else Text()
         if followed:
             badge.append("  ").append(f"◆ {followed}", style="bold magenta")
+        for rank, stall in sorted((stalled or {}).items()):
+            badge.append("  ⏸ STALLED ", style="bold red").append(stall_text(rank, stall))
         if engine_error:
             badge.append("  ✕ ENGINE STOPPED ", style="bold red").append(engine_error)
         if failed_sinks:  # the engine serves on, but a recording or an exporter has stopped
