@@ -21,6 +21,7 @@ from doctor.report import render_json, render_text
 from doctor.rules import Finding, diagnose, exit_status
 from doctor.vllm_dp import dp_imbalance_finding
 from doctor.vllm_log import diagnose_log
+from doctor.vllm_stall import stall_findings
 
 
 def examine(source: str, *, duration_s: float = 10.0, api_key: str | None = None,
@@ -36,7 +37,7 @@ def examine(source: str, *, duration_s: float = 10.0, api_key: str | None = None
         notes.append(f"a vLLM server (no /events): {len(fleet.rounds)} scrapes of /metrics over {duration_s:g} s, "
                      f"the queues of {len(engines)} engine{'' if len(engines) == 1 else 's'} judged for balance")
         finding = dp_imbalance_finding(fleet)
-        return kind, [finding] if finding is not None else [], notes
+        return kind, ([finding] if finding is not None else []) + stall_findings(fleet, duration_s), notes
     if kind in (RECORDING, LIVE_URL):
         facts = facts_from_recording(source) if kind == RECORDING else facts_from_server(source, duration_s, api_key)
         if not facts.steps and facts.failed_phase is None:

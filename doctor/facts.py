@@ -36,7 +36,7 @@ from engine.events.expert_load import ExpertLoad
 from engine.events.phase_data import KvCacheData
 from engine.events.pipeline_idle import PipelineIdle
 from engine.events.request_lifecycle import RequestLifecycle
-from engine.events.schema import WAIT_MAX_NUM_SEQS
+from engine.events.schema import WAIT_MAX_NUM_SEQS, EngineRecovered, EngineStalled
 
 
 @dataclass(slots=True)
@@ -102,6 +102,21 @@ class RequestFacts:
 
 
 @dataclass(slots=True)
+class StallFacts:
+    """One ``engine.stalled`` and, if it came, its ``engine.recovered``."""
+
+    rank: int
+    t: float
+    phase: str
+    stalled_s: float
+    limit_s: float
+    last_step: int | None
+    requests: list[str]
+    dump: str | None
+    recovered_after_s: float | None = None  # None: not recovered when the events end
+
+
+@dataclass(slots=True)
 class RunFacts:
     """Subscribe it to a bus or call it with each event; read the fields."""
 
@@ -131,6 +146,7 @@ class RunFacts:
     dp: DataParallelLoad = field(default_factory=DataParallelLoad)
     ranks: dict[int, RunFacts] = field(default_factory=dict)
     own_rank: int = 0  # a rank's fold (in ``ranks``) takes its events as they are
+    stalls: list[StallFacts] = field(default_factory=list)  # every core's, in order (engine.stalled)
 
     def __call__(self, event: Event) -> None:
         if self.own_rank == 0:
@@ -173,6 +189,8 @@ class RunFacts:
         elif isinstance(event, LogEvent):
             if event.level in ("warning", "error", "critical"):
                 self.errors.append(event)
+        elif isinstance(event, EngineStalled | EngineRecovered):
+            self._stall(event)
         elif isinstance(event, SnapshotEvent):
             self._snapshot(event.state)
 
@@ -229,6 +247,15 @@ class RunFacts:
         self._pending_first.clear()
         self._pending_finish.clear()
 
+    def _stall(self, event: EngineStalled | EngineRecovered) -> None:
+        open_ = next((s for s in reversed(self.stalls) if s.rank == event.rank and s.recovered_after_s is None), None)
+        if isinstance(event, EngineRecovered):
+            if open_ is not None:
+                open_.recovered_after_s = event.stalled_s
+        elif open_ is None or open_.t != event.t:  # a snapshot's recent events may repeat one
+            self.stalls.append(StallFacts(event.rank, event.t, event.phase, event.stalled_s, event.limit_s,
+                                          event.last_step, list(event.requests), event.dump))
+
     def _snapshot(self, state: dict[str, Any]) -> None:
         """A live stream starts with the server's view: its flags, phases and the
         recent events it kept (older steps are gone; the rules say so by range)."""
@@ -246,6 +273,11 @@ class RunFacts:
                 self(event_from_dict(row))
             except (ValueError, TypeError):
                 continue  # a record this version does not know: the live events that follow still count
+        for rank, stall in (state.get("stalled") or {}).items():  # stalled now, its event past the recent ones
+            if not any(s.rank == int(rank) and s.recovered_after_s is None for s in self.stalls):
+                self.stalls.append(StallFacts(int(rank), float(stall.get("t") or 0.0), str(stall.get("phase") or ""),
+                                              float(stall.get("stalled_s") or 0.0), float(stall.get("limit_s") or 0.0),
+                                              stall.get("last_step"), [], stall.get("dump")))
 
     # ---------------------------------------------------------------- readings
     @property

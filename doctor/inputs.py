@@ -33,6 +33,7 @@ MIN_SCRAPES = 10  # a short --duration scrapes faster, so a run of SUSTAINED_ROU
 # since 0.8.3); gpu_cache_usage_perc is the name before 0.9, read where the new one is absent.
 QUEUE_FAMILIES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
                   "vllm:gpu_cache_usage_perc", "vllm:generation_tokens")
+TOKEN_FAMILIES = ("vllm:prompt_tokens", "vllm:generation_tokens")  # counters a stalled engine leaves frozen
 
 
 class InputError(UserError):
@@ -150,10 +151,26 @@ def engine_readings(text: str) -> tuple[dict[int, tuple[int, int, float]], dict[
     """One /metrics scrape: ``{engine: (waiting, running, KV usage share)}`` and each engine's
     generated tokens so far, read with prometheus_client's parser (only vLLM's queue
     families are handed to it)."""
+    values = _engine_values(text, QUEUE_FAMILIES)
+    readings = {e: (round(v.get("vllm:num_requests_waiting", 0.0)), round(v.get("vllm:num_requests_running", 0.0)),
+                    v.get("vllm:kv_cache_usage_perc", v.get("vllm:gpu_cache_usage_perc", 0.0)))
+                for e, v in values.items() if "vllm:num_requests_running" in v or "vllm:num_requests_waiting" in v}
+    generated = {e: v["vllm:generation_tokens"] for e, v in values.items() if "vllm:generation_tokens" in v}
+    return readings, generated
+
+
+def engine_token_totals(text: str) -> dict[int, float]:
+    """One /metrics scrape: each engine's prompt + generation tokens counted so far."""
+    return {e: sum(v.get(name, 0.0) for name in TOKEN_FAMILIES)
+            for e, v in _engine_values(text, TOKEN_FAMILIES).items() if any(name in v for name in TOKEN_FAMILIES)}
+
+
+def _engine_values(text: str, families: tuple[str, ...]) -> dict[int, dict[str, float]]:
+    """``{engine: {family: value}}`` of ``families`` in one scrape (prometheus_client's parser)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     kept = "\n".join(line for line in text.splitlines()
-                     if line.removeprefix("# HELP ").removeprefix("# TYPE ").startswith(QUEUE_FAMILIES))
+                     if line.removeprefix("# HELP ").removeprefix("# TYPE ").startswith(families))
     values: dict[int, dict[str, float]] = {}
     try:
         for family in text_string_to_metric_families(kept + "\n"):
@@ -165,11 +182,7 @@ def engine_readings(text: str) -> tuple[dict[int, tuple[int, int, float]], dict[
                     values.setdefault(int(engine), {})[family.name] = sample.value
     except ValueError as exc:
         raise InputError(f"/metrics: not a Prometheus exposition ({exc})") from None
-    readings = {e: (round(v.get("vllm:num_requests_waiting", 0.0)), round(v.get("vllm:num_requests_running", 0.0)),
-                    v.get("vllm:kv_cache_usage_perc", v.get("vllm:gpu_cache_usage_perc", 0.0)))
-                for e, v in values.items() if "vllm:num_requests_running" in v or "vllm:num_requests_waiting" in v}
-    generated = {e: v["vllm:generation_tokens"] for e, v in values.items() if "vllm:generation_tokens" in v}
-    return readings, generated
+    return values
 
 
 def sample_vllm_metrics(url: str, duration_s: float, api_key: str | None = None,
@@ -194,7 +207,8 @@ def sample_vllm_metrics(url: str, duration_s: float, api_key: str | None = None,
             tps = ({e: (n - previous[1][e]) / (t - previous[0]) for e, n in generated.items()
                     if e in previous[1] and n >= previous[1][e]} if previous and t > previous[0] else {})
             previous = (t, generated)
-            rounds.append(EngineRound(t, readings, len(rounds) + 1, datetime.now().strftime("%H:%M:%S"), tps))
+            rounds.append(EngineRound(t, readings, len(rounds) + 1, datetime.now().strftime("%H:%M:%S"), tps,
+                                      engine_token_totals(r.text)))
             if t >= duration_s:
                 break
             time.sleep(max(0.0, start + len(rounds) * interval - time.monotonic()))

@@ -47,6 +47,7 @@ class EngineRound:
     ordinal: int
     clock: str | None = None
     generation_tps: dict[int, float] = field(default_factory=dict)  # what the engine generated, tokens/s
+    tokens: dict[int, float] = field(default_factory=dict)  # prompt + generation tokens counted so far (/metrics)
 
 
 @dataclass(slots=True)
