@@ -107,7 +107,8 @@ def _start_record(row: dict[str, Any]) -> StartRecord | None:
     seconds = {k: float(v) for k, v in phases.items() if k in PHASES and isinstance(v, int | float)
                and not isinstance(v, bool) and 0 <= v < float("inf")}
     size = row.get("model_bytes")
-    return StartRecord(float(row["at"]), seconds, int(size) if _positive(size) else None) if seconds else None
+    model_bytes = int(size) if isinstance(size, int | float) and _positive(size) else None
+    return StartRecord(float(row["at"]), seconds, model_bytes) if seconds else None
 
 
 def history_path() -> Path | None:
