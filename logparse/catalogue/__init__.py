@@ -1,9 +1,10 @@
 """Every line vLLM's own source can log, as generated data.
 
-``vllm_templates.json.gz`` holds every logger call of vLLM's releases 0.4–0.33
-(written by :mod:`logparse.catalogue.generate` from the released sources): a level, the
-message as literal parts and placeholders (``["f", "elapsed"]``: the conversion and
-the argument's source text), the files and the releases that print it. The
+``vllm_templates.json.gz`` holds every logger call of vLLM's releases 0.4–0.33 and of the
+plugins real logs show (tpu-inference, vllm-ascend, vllm-omni, vllm-gaudi), written by
+:mod:`logparse.catalogue.generate` from the released sources: a level, the message as
+literal parts and placeholders (``["f", "elapsed"]``: the conversion and the argument's
+source text), the files and the releases (vLLM's, then the plugins') that print it. The
 hand-written rows of :mod:`logparse.patterns` give a line its meaning (phase, figures,
 failures, fixes); this catalogue recognises the rest, so a line no row knows is still
 "vLLM's, from this file, at this level" rather than unknown.
@@ -109,9 +110,10 @@ class Template:
     level: str  # DEBUG | INFO | WARNING | ERROR | CRITICAL
     parts: tuple[Part, ...]
     files: tuple[str, ...]
-    releases: str  # "0.4.3–0.9.2, 0.12.0"
+    releases: str  # "0.4.3–0.9.2, 0.12.0, tpu-inference 0.27.0"
     anchor: str
     specificity: int  # literal characters: a more specific template is tried first
+    span: int = 0  # vLLM releases that print it (0: a plugin's alone): on a tie the longest-lived is tried first
     regex: re.Pattern[str] | None = field(default=None, compare=False)
 
     @property
@@ -143,13 +145,15 @@ class Catalogue:
 
     def __init__(self, data: dict[str, Any]) -> None:
         self.releases: list[str] = list(data["releases"])
+        self.plugins: list[str] = list(data.get("plugins", []))  # "tpu-inference 0.27.0": absent in older files
         self.templates: list[Template] = []
         for i, row in enumerate(data["templates"]):
             parts = [p if isinstance(p, str) else list(p) for p in row["p"]]
-            spans = ", ".join(self.releases[a] if a == b else f"{self.releases[a]}–{self.releases[b]}" for a, b in row["r"])
+            spans = ", ".join([*(self.releases[a] if a == b else f"{self.releases[a]}–{self.releases[b]}"
+                                 for a, b in row["r"]), *(self.plugins[g] for g in row.get("g", ()))])
             self.templates.append(Template(
                 i, _LEVEL_NAMES[row["l"].upper()], tuple(parts), tuple(row["f"]), spans, anchor_of(parts),
-                sum(len(t) for t in literals(parts))))
+                sum(len(t) for t in literals(parts)), span=sum(b - a + 1 for a, b in row["r"])))
         self._automaton = ahocorasick.Automaton()
         by_anchor: dict[str, list[int]] = {}
         for t in self.templates:
@@ -165,7 +169,7 @@ class Catalogue:
         if not self.templates:
             return []
         ids = {i for _, found in self._automaton.iter(message) for i in found}
-        return sorted((self.templates[i] for i in ids), key=lambda t: -t.specificity)
+        return sorted((self.templates[i] for i in ids), key=lambda t: (-t.specificity, -t.span, t.id))
 
     def match(self, message: str) -> tuple[Template, dict[str, str]] | None:
         """The most specific template whose expression matches ``message`` (its first

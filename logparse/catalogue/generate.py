@@ -16,6 +16,17 @@ placeholders (the conversion and the argument's source text). Identical template
 one level are one entry listing the releases and files they appear in. The output,
 ``logparse/catalogue/vllm_templates.json.gz``, is read by :mod:`logparse.catalogue`,
 which turns each template into a regular expression when first needed.
+
+Plugins print into vLLM's log too (tpu-inference on TPUs, vllm-ascend on NPUs, vllm-omni's
+stages, vllm-gaudi). Their logger calls are added to the existing catalogue, one release
+of each, without the vLLM wheels again::
+
+    git -C tpu-inference archive v0.27.0 tpu_inference | tar -x -C src/tpu-inference-0.27.0
+    python -m logparse.catalogue.generate --plugin tpu-inference=src/tpu-inference-0.27.0
+
+Each becomes a release named ``tpu-inference 0.27.0`` under ``plugins``; a template it
+prints lists that release's index under ``g`` (a template vLLM prints too keeps its
+vLLM releases under ``r``).
 """
 
 from __future__ import annotations
@@ -224,6 +235,18 @@ def calls_in(source: str) -> list[tuple[str, list[Part]]]:
     return out
 
 
+# a plugin's distribution name -> the package its logger calls live in
+PLUGIN_PACKAGES = {"tpu-inference": "tpu_inference", "vllm-ascend": "vllm_ascend", "vllm-omni": "vllm_omni",
+                   "vllm-gaudi": "vllm_gaudi"}
+
+
+def package_sources(root: Path, package: str) -> Iterator[tuple[str, str]]:
+    """(module path, source) of every module of ``package`` under ``root`` (or ``root`` itself)."""
+    base = root if (root / package).is_dir() else root.parent
+    for file in sorted((base / package).rglob("*.py")):
+        yield file.relative_to(base).as_posix(), file.read_text(encoding="utf-8", errors="replace")
+
+
 def release_sources(path: Path) -> tuple[str, Iterator[tuple[str, str]]]:
     """A release's name and its (module path, source) pairs, from a wheel or a folder."""
     m = _RELEASE.search(path.name if path.suffix == ".whl" else str(path))
@@ -237,12 +260,7 @@ def release_sources(path: Path) -> tuple[str, Iterator[tuple[str, str]]]:
                 if name.startswith("vllm/") and name.endswith(".py"):
                     yield name, wheel.read(name).decode("utf-8", errors="replace")
 
-    def from_folder() -> Iterator[tuple[str, str]]:
-        root = path if (path / "vllm").is_dir() else path.parent
-        for file in sorted((root / "vllm").rglob("*.py")):
-            yield file.relative_to(root).as_posix(), file.read_text(encoding="utf-8", errors="replace")
-
-    return release, from_wheel() if path.suffix == ".whl" else from_folder()
+    return release, from_wheel() if path.suffix == ".whl" else package_sources(path, "vllm")
 
 
 def _release_key(release: str) -> tuple[int, ...]:
@@ -292,16 +310,64 @@ def _ranges(indices: list[int]) -> list[list[int]]:
     return runs
 
 
+def add_plugin(data: dict, name: str, path: Path) -> int:
+    """Add one plugin release's logger calls (``path`` holds its package, named for the release:
+    ``.../tpu-inference-0.27.0``) to a generated catalogue; returns the calls read. Added twice,
+    a release is listed once (its calls are merged)."""
+    package = PLUGIN_PACKAGES.get(name, name.replace("-", "_"))
+    m = _RELEASE.search(path.name)
+    label = f"{name} {m.group(1)}" if m else name
+    plugins: list[str] = data.setdefault("plugins", [])
+    if label not in plugins:
+        plugins.append(label)
+    index = plugins.index(label)
+    rows = {(row["l"], json.dumps(row["p"])): row for row in data["templates"]}
+    count = 0
+    for module, source in package_sources(path, package):
+        for level, parts in calls_in(source):
+            if not is_matchable(parts):
+                data["unmatchable_calls_skipped"] = data.get("unmatchable_calls_skipped", 0) + 1
+                continue
+            key = (level[0], json.dumps(parts))
+            row = rows.get(key)
+            if row is None:
+                row = rows[key] = {"l": level[0], "p": parts, "f": [], "r": []}
+                data["templates"].append(row)
+            if module not in row["f"]:
+                row["f"].append(module)
+            if index not in row.setdefault("g", []):
+                row["g"].append(index)
+            count += 1
+    data["templates"].sort(key=lambda row: (row["f"][0], json.dumps(row["p"])))
+    return count
+
+
+def _read(path: Path) -> dict:
+    with gzip.open(path, "rt", encoding="utf-8") as fh:
+        return dict(json.load(fh))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("releases", nargs="+", type=Path, help="vLLM wheels or folders holding vllm/, one per release")
+    parser.add_argument("releases", nargs="*", type=Path, help="vLLM wheels or folders holding vllm/, one per release")
+    parser.add_argument("--plugin", action="append", default=[], metavar="NAME=FOLDER",
+                        help="add a plugin release's logger calls to the catalogue (NAME: "
+                             f"{', '.join(PLUGIN_PACKAGES)}; FOLDER holds its package, named for the release)")
     parser.add_argument("--out", type=Path, default=CATALOGUE_PATH)
     args = parser.parse_args(argv)
-    data = generate(args.releases)
+    if not args.releases and not args.plugin:
+        parser.error("name vLLM releases, or --plugin NAME=FOLDER to add a plugin's calls to the catalogue")
+    data = generate(args.releases) if args.releases else _read(args.out)
+    for spec in args.plugin:
+        name, sep, folder = spec.partition("=")
+        if not sep or not folder:
+            parser.error(f"--plugin {spec!r}: write NAME=FOLDER, e.g. tpu-inference=src/tpu-inference-0.27.0")
+        print(f"{name} ({folder}): {add_plugin(data, name, Path(folder))} logger calls", file=sys.stderr)
     raw = json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
     with gzip.GzipFile(args.out, "wb", compresslevel=9, mtime=0) as fh:  # mtime 0: the same input, the same bytes
         fh.write(raw)
-    print(f"{len(data['templates'])} templates from {len(data['releases'])} releases "
+    print(f"{len(data['templates'])} templates from {len(data['releases'])} releases and "
+          f"{len(data.get('plugins', []))} plugin releases "
           f"({data['unmatchable_calls_skipped']} calls with too little literal text skipped) -> {args.out}",
           file=sys.stderr)
     return 0
