@@ -92,6 +92,7 @@ _ANCHOR_TABLE = _anchor_table()
 _PREFILTER = _prefilter(_ANCHOR_TABLE)
 _NOISE_PREFILTER = _prefilter([(anchor, (i,)) for i, noise in enumerate(NOISE) for anchor in noise.anchors])
 _TRACEBACK_CODE = re.compile(r"^\s+\S")  # the code line Python prints under a frame, indented
+_FRAME = re.compile(r'^\s*File "[^"]+", line \d+, in ')
 
 
 @dataclass(slots=True)
@@ -392,6 +393,8 @@ class RecordAssembler:
         self.previous_len = 0
         self.seen: dict[tuple[str, str], tuple[int, str | None]] = {}
         self.frame_process: str | bool | None = False  # the process whose traceback frame came last (False: none)
+        self.after_frame = False  # the last record was a frame line: the next is its code, however indented
+        self.at_start = True  # no record closed yet: a paste that starts mid-traceback starts with a code line
 
     def feed(self, number: int, physical: str) -> Iterator[Record]:
         for piece in _split_glued(physical):
@@ -442,20 +445,33 @@ class RecordAssembler:
         self.pending = None
 
     def _close(self, record: Record) -> Record:
+        code_line = self._is_code_line(record)
+        self.at_start = False
         if record.pattern is None:
-            code_line = self.frame_process == record.process and _TRACEBACK_CODE.match(record.text)
             found = None if code_line or not record.text else catalogue().match(record.text)
             if found is not None:  # vLLM's own line, from its source: vLLM's even where it names Triton or NUMA
                 record.template, record.template_args = found
-                self.frame_process = False
+                self.frame_process, self.after_frame = False, False
                 return record
             record.noise = match_noise(record.text)
-            if record.noise is None and self.frame_process == record.process and _TRACEBACK_CODE.match(record.text):
+            if record.noise is None and code_line:
                 record.noise = "traceback"  # the code line under a frame, printed with its own log prefix
-            self.frame_process = record.process if record.noise == "traceback" else False
-        elif not (self.frame_process == record.process and _TRACEBACK_CODE.match(record.text)):
-            self.frame_process = False  # an echoed source line that a pattern knows keeps the traceback open
+            if record.noise != BLANK:  # a blank line the paste doubled keeps the traceback open
+                self.frame_process = record.process if record.noise == "traceback" else False
+                self.after_frame = record.noise == "traceback" and bool(_FRAME.match(record.text))
+        elif not code_line:
+            self.frame_process, self.after_frame = False, False  # an echoed source line a pattern knows keeps it open
         return _mark_duplicate(record, self.seen)
+
+    def _is_code_line(self, record: Record) -> bool:
+        """Whether ``record`` is the source line Python prints under a traceback frame: indented
+        under a frame of its own process (or as a paste's first line, cut mid-traceback), or the
+        line right after a frame where the paste lost the indentation."""
+        if self.frame_process == record.process and self.after_frame and record.text:
+            return True
+        if not _TRACEBACK_CODE.match(record.text):
+            return False
+        return self.frame_process == record.process or self.at_start
 
 
 def _mark_duplicate(record: Record, seen: dict[tuple[str, str], tuple[int, str | None]]) -> Record:

@@ -679,22 +679,31 @@ N = NoisePattern
 NOISE: tuple[NoisePattern, ...] = (
     N("traceback", "Traceback (most recent call last)|File \"|^^^|~~~|During handling of the above exception|"
       "The above exception was the direct cause|Error: |Exception: |Error(",
-      r"Traceback \(most recent call last\):|^\s*(?:File \"[^\"]+\", line \d+, in |[\^~]{3,}[\s\^~]*$|During "
+      r"Traceback \(most recent call last\):|^\s*(?:File \"[^\"]+\", line \d+, in |[\^~]{3,}[\s\^~]*(?:$|File \")|During "
       r"handling of the above exception|The above exception was the direct cause)"
       r"|^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)(?:\(\w+\))?: ",  # the exception line that ends it
       "A Python traceback: its frames are read for the failure's place (graph capture, profiling, loading)."),
     N("numa", "NUMA|numa", r"NUMA|numa_|numactl", "NUMA placement notes from torch or the C++ runtime."),
-    N("python-warning", "Warning: |warnings.warn(", r"^\S+\.py:\d+: \w*Warning: |^\s*warnings\.warn\(|^[A-Z]\w*Warning: ",
-      "A Python warnings.warn() line (file:line: Category: text) and the code line printed under it."),
+    N("python-warning", "Warning: |warnings.warn(",
+      r"^(?:\S+\.py|<frozen [\w.]+>):\d+: \w*Warning: |^\s*warnings\.warn\(|^[A-Z]\w*Warning: ",
+      "A Python warnings.warn() line (file:line: Category: text, the file a frozen module's name when an "
+      "import warns) and the code line printed under it."),
     N("torch", "] Warning: |UserWarning|CUDA kernel errors might be|CUDA_LAUNCH_BLOCKING|TORCH_USE_CUDA_DSA|[rank",
       r"^\[[WIEF]\d{3,4} [\d:.]+ [^\]]+\] |UserWarning|CUDA kernel errors might be asynchronously|CUDA_LAUNCH_BLOCKING"
       r"|TORCH_USE_CUDA_DSA|^\[rank\d+\]:\[[WIEF]", "torch's own warnings and CUDA error hints."),
     N("triton", "Triton|triton", r"^Triton is installed|Triton not installed|^Triton module has been replaced|\btriton[._]",
       "Triton's availability."),
-    N("transformers", "`torch_dtype` is deprecated|use_fast", r"`torch_dtype` is deprecated|slow image processor as `use_fast`",
-      "Hugging Face transformers' deprecation and processor notes."),
-    N("wrapper", "kserve|instructlab|[vLLM] Elapsed time", r"\bkserve\b|\binstructlab\.|^\[vLLM\] Elapsed time for batch",
-      "A serving wrapper's own log line (KServe, InstructLab, Ray Data's vLLM stage) around vLLM's."),
+    N("transformers", "`torch_dtype` is deprecated|use_fast|Special tokens have been added",
+      r"`torch_dtype` is deprecated|slow image processor as `use_fast`|^Special tokens have been added in the vocabulary",
+      "Hugging Face transformers' deprecation, processor and tokenizer notes."),
+    N("wrapper", "kserve|instructlab|[vLLM] Elapsed time|xinference",
+      r"\bkserve\b|\binstructlab\.|^\[vLLM\] Elapsed time for batch|\bxinference\.[\w.]+ \d+ [A-Z]+ ",
+      "A serving wrapper's own log line (KServe, InstructLab, Xinference, Ray Data's vLLM stage) around vLLM's."),
+    N("ray", " -- |marked dead|Raylet is terminated",
+      r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}\s+[A-Z]+ \w+\.py:\d+ -- |has been marked dead because the "
+      r"detector|^Raylet is terminated", "Ray's own log lines: ray.init and the cluster it joins, raylet's node "
+      "health (a node marked dead ends its workers, and the vLLM ranks on it)."),
+    N("aiter", "[aiter]", r"^\[aiter\] ", "AMD AITER's kernel modules being imported or JIT-built (ROCm)."),
     N("tilelang", "[TileLang:", r"\[TileLang:[\w.]+:[A-Z]+\]", "TileLang's JIT compiling a kernel (DeepSeek V4's "
       "fused kernels): begun and completed, seconds each."),
     N("nanobind", "nanobind", r"^nanobind: ", "nanobind's leak report at interpreter exit (Triton's bindings)."),
