@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -46,7 +46,15 @@ from logparse.failed_start import StartupFailure, StartupWatch, kv_below_check, 
 from logparse.fastscan import BulkRun, iter_summary
 from logparse.parser import Record, iter_records
 from logparse.patterns import FIGURE_NAMES, LEDGER_KEYS, NOISE_SOURCES, PHASE_NAMES
-from logparse.reconcile import block_size, hybrid_concurrency, hybrid_hint, model_name, own_figures
+from logparse.reconcile import (
+    block_size,
+    graph_in_pool,
+    hybrid_concurrency,
+    hybrid_hint,
+    model_name,
+    own_figures,
+    tokens_follow_concurrency,
+)
 from logparse.startup_phases import PhaseClock, StartupTimes
 from logparse.tracebacks import PLACE_PHASES, TracebackTracker
 
@@ -299,7 +307,8 @@ def explain(source: str | Path | Iterable[bytes | str], options: Options | None 
             facts["block_size"], facts["block_size_source"] = size, size_source
     model, model_note = _identify_model(options, facts)
     budget = _vllm_budget(facts, printed, options)
-    kv_plan, plan_json = _kvscope_plan(facts, budget, model, model_note, options)
+    graph = graph_in_pool(budget, facts, _remainder_tolerance(printed) + unit(printed.get("cuda_graph_gib")))
+    kv_plan, plan_json = _kvscope_plan(facts, budget, model, model_note, graph)
     checks = _derived_checks(facts, printed, fact_lines, budget, model)
     for record, phase in failures:
         check = _failure(record, phase, facts, budget, model, kv_plan, fold.tracebacks.place_of(record),
@@ -522,17 +531,8 @@ def kv_bytes_per_token(facts: dict[str, Any], model: ModelConfig | None) -> int 
         return None
 
 
-def _kvscope_plan(facts: dict[str, Any], budget: dict[str, Any], model: ModelConfig | None, model_note: str,
-                  options: Options) -> tuple[MemoryPlan | None, dict[str, Any]]:
-    out: dict[str, Any] = {"model": model.name if model else None, "model_source": model_note,
-                           "vllm": budget, "kvscope": None, "inputs": {}, "rows": [], "profile": None}
-    if model is None:
-        out["unavailable"] = f"kvscope plan needs the model: {model_note}"
-        return None, out
-    total = budget["total_gib"]
-    if total is None:
-        out["unavailable"] = "kvscope plan needs the device size: the log does not print it; pass --gpu or --gpu-memory"
-        return None, out
+def _plan_inputs(facts: dict[str, Any], budget: dict[str, Any], model: ModelConfig, total: float) -> dict[str, Any]:
+    """The flags kvscope's plan takes, each from the log where it prints it, with where it came from."""
     util = budget["gpu_memory_utilization"]
     util_src = budget["gpu_memory_utilization_source"]
     if util is None:
@@ -541,7 +541,7 @@ def _kvscope_plan(facts: dict[str, Any], budget: dict[str, Any], model: ModelCon
     max_len_src = "log"
     if not isinstance(max_len, int) or max_len <= 0:
         max_len, max_len_src = model.max_position_embeddings, "model's max_position_embeddings"
-    inputs = {
+    return {
         "total_gib": total, "gpu_memory_utilization": round(util, 6), "gpu_memory_utilization_source": util_src,
         "max_model_len": max_len, "max_model_len_source": max_len_src,
         "dtype": _model_dtype(facts, model), "kv_cache_dtype": _kv_dtype(facts),
@@ -551,21 +551,43 @@ def _kvscope_plan(facts: dict[str, Any], budget: dict[str, Any], model: ModelCon
         "max_num_batched_tokens": int(facts.get("max_num_batched_tokens", 8192)),
         "max_num_seqs": int(facts.get("max_num_seqs", 256)),
     }
+
+
+def _kvscope_plan(facts: dict[str, Any], budget: dict[str, Any], model: ModelConfig | None, model_note: str,
+                  graph: float | None) -> tuple[MemoryPlan | None, dict[str, Any]]:
+    """kvscope's plan for the log's model and flags, on the log's own figures where it prints them
+    (``graph``: the CUDA-graph GiB the log shows vLLM took out of the KV pool, logparse/reconcile.py)."""
+    out: dict[str, Any] = {"model": model.name if model else None, "model_source": model_note,
+                           "vllm": budget, "kvscope": None, "inputs": {}, "rows": [], "profile": None}
+    if model is None:
+        out["unavailable"] = f"kvscope plan needs the model: {model_note}"
+        return None, out
+    total = budget["total_gib"]
+    if total is None:
+        out["unavailable"] = "kvscope plan needs the device size: the log does not print it; pass --gpu or --gpu-memory"
+        return None, out
+    inputs = _plan_inputs(facts, budget, model, total)
+    util = budget["gpu_memory_utilization"] if budget["gpu_memory_utilization"] is not None else 0.9  # unrounded
+    max_len = inputs["max_model_len"]
     own = own_figures(facts)  # the log's measured weights / activation / non-torch, before any estimate
-    inputs["from_log"] = sorted(own)
+    inputs["from_log"] = sorted([*own, *(["cuda_graph"] if graph is not None else [])])
     out["inputs"] = inputs
+    arguments: dict[str, Any] = dict(
+        model=model, total_bytes=int(total * GiB), gpu_memory_utilization=min(1.0, max(1e-6, util)),
+        max_model_len=max_len, block_size=inputs["block_size"], kv_cache_dtype=inputs["kv_cache_dtype"],
+        dtype=inputs["dtype"], tensor_parallel_size=inputs["tensor_parallel_size"],
+        max_num_batched_tokens=inputs["max_num_batched_tokens"], max_num_seqs=inputs["max_num_seqs"],
+        check_fits=False, weights=own.get("weights"), activation_peak=own.get("activation_peak"),
+        non_torch=own.get("non_torch"),
+        multimodal=multimodal_from_flags(  # a VL preset's vision weights and encoder; None for text models
+            model, max_num_batched_tokens=inputs["max_num_batched_tokens"], max_num_seqs=inputs["max_num_seqs"],
+            dtype=inputs["dtype"], tensor_parallel_size=inputs["tensor_parallel_size"]))
     try:
-        plan = plan_memory(
-            model=model, total_bytes=int(total * GiB), gpu_memory_utilization=min(1.0, max(1e-6, util)),
-            max_model_len=max_len, block_size=inputs["block_size"], kv_cache_dtype=inputs["kv_cache_dtype"],
-            dtype=inputs["dtype"], tensor_parallel_size=inputs["tensor_parallel_size"],
-            max_num_batched_tokens=inputs["max_num_batched_tokens"], max_num_seqs=inputs["max_num_seqs"],
-            check_fits=False, weights=own.get("weights"), activation_peak=own.get("activation_peak"),
-            non_torch=own.get("non_torch"),
-            multimodal=multimodal_from_flags(  # a VL preset's vision weights and encoder; None for text models
-                model, max_num_batched_tokens=inputs["max_num_batched_tokens"], max_num_seqs=inputs["max_num_seqs"],
-                dtype=inputs["dtype"], tensor_parallel_size=inputs["tensor_parallel_size"]),
-        )
+        plan = plan_memory(**arguments)
+        if graph is not None:  # the same pool less the graph estimate, its blocks and tokens recounted
+            graph_bytes = int(graph * GiB)
+            pool = plan_memory(**arguments, kv_cache_memory_bytes=max(0, plan.kv_pool_bytes - graph_bytes))
+            plan = replace(pool, cuda_graph_bytes=graph_bytes, kv_pool_overridden=plan.kv_pool_overridden)
     except UserError as exc:
         out["unavailable"] = f"kvscope plan: {exc}"
         return None, out
@@ -580,8 +602,9 @@ _ROW_NOTES = {
     "peak_activation_gib": "kvscope estimates the spike from shapes (max-num-batched-tokens, sampler logits); vLLM "
                            "measures one dummy worst-case step",
     "non_torch_gib": "kvscope assumes a fixed 0.3 GiB (0.7 with TP); vLLM measures CUDA context growth, NCCL, workspaces",
-    "cuda_graph_gib": "kvscope's plan reserves nothing for CUDA graphs; vLLM since v0.21 subtracts an estimated graph "
-                      "pool from the KV pool, earlier versions take it from the 1 - util margin",
+    "cuda_graph_gib": "vLLM since v0.21 subtracts an estimated CUDA graph pool from the KV pool (kvscope's plan then "
+                      "takes the log's estimate out of its pool too), earlier versions take it from the 1 - util "
+                      "margin (kvscope's plan reserves nothing)",
     "kv_cache_gib": "the remainder: differs by exactly the non-KV differences above",
 }
 
@@ -645,16 +668,19 @@ def _hybrid_layout(facts: dict[str, Any], model: ModelConfig | None,
 
 
 def _hybrid_checks(facts: dict[str, Any], printed: dict[str, str], lines: dict[str, int],
-                   plan: MemoryPlan | None, model: ModelConfig | None) -> list[Check]:
+                   plan: MemoryPlan | None, model: ModelConfig | None, tokens_follow: bool = False) -> list[Check]:
     """The KV lines of a hybrid model reconciled with kvscope's plan: the padding vLLM warns of,
-    the tokens the printed pool holds, and the concurrency the printed size implies."""
+    the tokens the printed pool holds, and the concurrency the printed size implies. Where the
+    printed tokens are the concurrency's (``tokens_follow``), only the padding is the layout's."""
     tokens, kv, conc = facts.get("kv_cache_tokens"), facts.get("kv_cache_gib"), facts.get("max_concurrency")
     padding = facts.get("padding_layers")
     if plan is None:
+        judged = ("the printed tokens are its concurrency x max-model-len, judged as such; pass --model to reconcile "
+                  "the pool" if tokens_follow else "so the KV size and concurrency follow per-group blocks; pass "
+                  "--model to reconcile them")
         return [Check("hybrid_layout", "hybrid KV layout", None,
                       f"vLLM added {padding} padding layers: its hybrid KV cache manager groups sliding-window and "
-                      "full-attention layers, so the KV size and concurrency follow per-group blocks; pass --model "
-                      "to reconcile them", line=lines.get("padding_layers"))]
+                      f"full-attention layers, {judged}", line=lines.get("padding_layers"))]
     checks: list[Check] = []
     groups = len(plan.kv_cache_groups)
     block = plan.block_size
@@ -669,6 +695,8 @@ def _hybrid_checks(facts: dict[str, Any], printed: dict[str, str], lines: dict[s
             f"{sum(len(g.layers) for g in plan.kv_cache_groups)} layers = {pad} padding layers against a printed {padding}",
             formula="num_groups x layers_per_group - num_layers", expected=padding, actual=pad, tolerance=0,
             line=lines.get("padding_layers")))
+    if tokens_follow:  # tokens = int(concurrency x max-model-len): per-group blocks are not in them
+        return checks
     if kv is not None and tokens is not None:
         half = unit(printed.get("kv_cache_gib")) / 2
         lo, mid, hi = (_hybrid_layout(facts, model, p) for p in (kv - half, kv, kv + half))
@@ -726,11 +754,14 @@ def _derived_checks(facts: dict[str, Any], printed: dict[str, str], lines: dict[
     block = int(facts.get("block_size", 16))
     if tokens is None and facts.get("gpu_blocks") is not None:
         tokens = int(facts["gpu_blocks"]) * block
+    follows = tokens_follow_concurrency(facts, lines)  # tokens = int(concurrency x max-model-len), any layout
     hybrid = _hybrid_layout(facts, model)
     if hybrid is not None or facts.get("padding_layers") is not None:
-        # vLLM's hybrid layout: neither tokens x every layer's bytes nor tokens / max-model-len holds
-        checks += _hybrid_checks(facts, printed, lines, hybrid, model)
-        tokens = per_token = None  # the full-attention checks below do not apply
+        # vLLM's hybrid layout: tokens x every layer's bytes does not hold, nor (before vLLM printed the
+        # tokens its concurrency implies) tokens / max-model-len
+        checks += _hybrid_checks(facts, printed, lines, hybrid, model, follows)
+        per_token = None
+        tokens = tokens if follows else None
     if tokens is not None and kv is not None and per_token is not None and tokens > 0:
         actual = tokens * per_token / GiB
         tol = unit(printed.get("kv_cache_gib")) + block * per_token / GiB
@@ -749,7 +780,7 @@ def _derived_checks(facts: dict[str, Any], printed: dict[str, str], lines: dict[
         tol = unit(printed.get("max_concurrency"))
         ok: bool | None = _within(actual, conc, tol)
         why = "; since 0.9.2 vLLM counts blocks per request, which differs for sliding-window or hybrid models"
-        if not ok and "hybrid_hint_line" in facts and hybrid_concurrency(conc, tokens, max_len, tol):
+        if not ok and "hybrid_hint_line" in facts and not follows and hybrid_concurrency(conc, tokens, max_len, tol):
             # a line names Mamba / linear attention / padding layers (logparse/reconcile.py): not judged, explained
             ok, why = None, ("; vLLM counted blocks per request over its KV cache groups (Mamba / linear-attention "
                              "state takes one block, a sliding window its window), so its figure is higher: pass "
@@ -795,9 +826,7 @@ def _derived_checks(facts: dict[str, Any], printed: dict[str, str], lines: dict[
                 line=lines.get("kv_cache_gib")))
         else:
             actual = req_b - non_kv_b
-            tol = unit(printed.get("kv_cache_gib")) + unit(printed.get("requested_gib") or "0.01") + (
-                unit(printed.get("non_kv_gib")) if "non_kv_gib" in printed else sum(
-                    unit(printed.get(k)) for k in ("weights_gib", "peak_activation_gib", "non_torch_gib")))
+            tol = _remainder_tolerance(printed)
             graph_note = ""
             ok = _within(actual, kv, tol)
             graph = facts.get("cuda_graph_gib")
@@ -810,6 +839,13 @@ def _derived_checks(facts: dict[str, Any], printed: dict[str, str], lines: dict[
                 formula="requested_gib - non_kv_gib", expected=kv, actual=round(actual, 4), tolerance=tol,
                 line=lines.get("kv_cache_gib")))
     return checks
+
+
+def _remainder_tolerance(printed: dict[str, str]) -> float:
+    """The precision of KV = requested - non-KV as printed: one unit of each figure's last digit."""
+    return unit(printed.get("kv_cache_gib")) + unit(printed.get("requested_gib") or "0.01") + (
+        unit(printed.get("non_kv_gib")) if "non_kv_gib" in printed else sum(
+            unit(printed.get(k)) for k in ("weights_gib", "peak_activation_gib", "non_torch_gib")))
 
 
 # ------------------------------------------------------------------ failures and their fixes
