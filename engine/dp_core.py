@@ -6,8 +6,10 @@ core; each core is a process with its own scheduler, KV pool and model (and, und
 core is :func:`core_main`, started with multiprocessing's spawn context by
 :class:`engine.serve.data_parallel.DataParallelEngine`, and a duplex ``Pipe`` joins the two.
 
-Commands (server → core): ``("add", request_id, prompt_ids, params, priority, age)`` (``age``:
-seconds since the server received it, or None),
+Commands (server → core): ``("add", request_id, prompt_ids, params, priority, age, sent)``
+(``age``: seconds since the server received it when it sent the command, or None; ``sent``:
+the server's ``time.monotonic()`` then, so the time the command waited in the pipe while
+the core ran a step counts too),
 ``("abort", request_id)``, ``("abort_all",)``, ``("stop",)``, ``("profile", token, "start" or
 "stop", trace_dir, limits)`` (``POST /start_profile`` / ``/stop_profile``: the torch profiler in this
 core's process, around its steps).
@@ -29,7 +31,8 @@ Every step and request event is stamped with the core's ``dp_rank`` before any s
 sees it (the first subscriber), so the core's own recording (``--events run.jsonl``
 becomes ``run.dp1.jsonl`` on rank 1) and the server's folds agree. KV cache events
 publish on the endpoint's port + rank with ``data_parallel_rank`` in each batch, as
-vLLM's ``ZmqEventPublisher.offset_endpoint_port`` does.
+vLLM's ``ZmqEventPublisher.offset_endpoint_port`` does; with port 0 each rank binds a port
+the OS picks and the ready message carries its config as bound (``/kv_event_sources``).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,22 +74,32 @@ class CoreFacts:
     scheduler_config: Any  # engine.core.scheduler.SchedulerConfig
     model_config: Any  # engine.modelspec.config.ModelConfig
     num_blocks: int
+    config: EngineConfig | None = None  # the flags this core resolved (/server_info's effective values)
+    plan: Any = None  # its engine.budget.memory.MemoryPlan (/v1/server/kv-cache)
+    kv_events: dict[str, Any] | None = None  # its KVEventsConfig as bound (/kv_event_sources); None: no publisher
 
 
 def offset_endpoint(endpoint: str | None, rank: int) -> str | None:
-    """vLLM's rule for rank ``rank``'s KV events address: a TCP port + rank (a wildcard
-    port stays a wildcard), an ipc/inproc name + ``_dp{rank}``."""
+    """vLLM's rule for rank ``rank``'s KV events address: a TCP port + rank (port 0 and a
+    wildcard port stay as they are: each rank binds a port the OS picks and reports it),
+    an ipc/inproc name + ``_dp{rank}``."""
     if not endpoint or rank == 0:
         return endpoint
     if endpoint.startswith(("inproc://", "ipc://")):
         return f"{endpoint}_dp{rank}"
     base, _, port = endpoint.rpartition(":")
-    if not port.isdigit():
+    if not port.isdigit() or int(port) == 0:
         return endpoint
     if int(port) + rank > 65535:
         raise UserError(f"--kv-events-config: endpoint {endpoint!r} + data-parallel rank {rank} is past port 65535; "
                         "give a lower port")
     return f"{base}:{int(port) + rank}"
+
+
+def transit_s(sent_monotonic: float) -> float:
+    """Seconds since the server sent a command at ``sent_monotonic`` (its ``time.monotonic()``:
+    CLOCK_MONOTONIC is one clock for every process of the host)."""
+    return max(0.0, time.monotonic() - sent_monotonic)
 
 
 def rank_events_path(path: str | None, rank: int) -> str | None:
@@ -175,8 +189,10 @@ def _serve(rank: int, config: EngineConfig, conn: Any, heartbeat: Any = None) ->
                        heartbeat=Heartbeat(heartbeat) if heartbeat is not None else None)
     try:
         startup = engine.startup
+        sources = engine.kv_event_sources()
         conn.send(("ready", CoreFacts(os.getpid(), engine.tokenizer, startup.scheduler_config, startup.model_config,
-                                      startup.plan.num_blocks)))
+                                      startup.plan.num_blocks, startup.config, startup.plan,
+                                      sources.get(str(rank)))))
         forwarder.live = False
         _loop(engine, conn, forwarder)
     finally:
@@ -215,9 +231,10 @@ def _loop(engine: Any, conn: Any, forwarder: _Forwarder) -> None:
                     stop = True
                     break
                 if kind == "add":
-                    _, request_id, prompt, params, priority, age = command  # prompt: checked by the server
-                    # the server's receipt, as an age: this core's bus has its own clock
-                    arrival = {} if age is None else {"arrival_time": engine.now() - age}
+                    _, request_id, prompt, params, priority, age, sent = command  # prompt: checked by the server
+                    # the server's receipt, as an age when sent plus the time in the pipe since
+                    # (time.monotonic is the host's one clock; this core's bus has its own zero)
+                    arrival = {} if age is None else {"arrival_time": engine.now() - age - transit_s(sent)}
                     try:
                         engine.add_request(prompt, params, request_id=request_id, priority=priority, **arrival)
                         accepted.append((request_id, None))

@@ -156,6 +156,12 @@ class LLMEngine:
     def now(self) -> float:
         return self.bus.now()
 
+    def kv_event_sources(self) -> dict[str, dict[str, Any]]:
+        """vLLM's ``GET /kv_event_sources``: this engine's KVEventsConfig as bound, under its
+        data-parallel rank (a string key, as JSON has them); empty without a ZMQ publisher."""
+        sink = self.observers.kv_events
+        return {} if sink is None else {str(self.config.data_parallel_rank or 0): sink.resolved.to_dict()}
+
     def _eos_ids(self) -> set[int]:
         ids = set(getattr(self.tokenizer, "eos_token_ids", None) or [])
         eos = getattr(self.tokenizer, "eos_token_id", None) or self.startup.model_config.eos_token_id

@@ -80,7 +80,7 @@ def _gpu_reader(args: argparse.Namespace) -> GpuReader | None:
 def _kv(args: argparse.Namespace, source: str, discover: bool = False) -> list[KvEndpoint]:
     """The KV-event endpoint to subscribe to: ``--kv-events`` as vLLM's ``--kv-events-config``
     names it (vLLM's bind/connect rule applied in mirror), or with ``discover`` and no flag,
-    what the server's ``GET /kv_event_sources`` (vLLM 0.32) lists."""
+    what the server's ``GET /kv_event_sources`` (vLLM 0.32 and later) lists."""
     from urllib.parse import urlsplit
 
     from monitor.external import KvEndpoint
@@ -101,7 +101,7 @@ def _discovered_kv(source: str, host: str, timeout_s: float) -> list[KvEndpoint]
     import httpx
 
     from monitor.external import KvEndpoint
-    from monitor.kv_events import replay_side, sources_listed, subscriber_side
+    from monitor.kv_events import discovered_side, replay_side, sources_listed
 
     try:
         response = httpx.get(source.rstrip("/") + "/kv_event_sources", timeout=timeout_s)
@@ -119,7 +119,7 @@ def _discovered_kv(source: str, host: str, timeout_s: float) -> list[KvEndpoint]
     if len(sources) > 1:
         print(f"monitor: {len(sources)} KV-event sources (one per DP rank); following rank "
               f"{first.get('data_parallel_rank') or 0}'s", file=sys.stderr)
-    endpoint, bind = subscriber_side(first["endpoint"], host)
+    endpoint, bind = discovered_side(first["endpoint"], host)
     replay = first.get("replay_endpoint")
     return [KvEndpoint(source, endpoint, replay_side(replay, host) if replay else None, bind=bind,
                        topic=str(first.get("topic") or ""))]

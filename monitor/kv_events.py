@@ -20,6 +20,7 @@ and hands each batch on as a :class:`~engine.events.KvEventBatch`.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections import deque
@@ -77,14 +78,39 @@ def subscriber_side(endpoint: str, server_host: str) -> tuple[str, bool]:
 
 
 def sources_listed(body: Any) -> list[dict[str, Any]]:
-    """``GET /kv_event_sources``'s answer (vLLM 0.32: a JSON array of ``{data_parallel_rank,
-    endpoint, replay_endpoint, topic}``; ``{"sources": [...]}`` read too), by DP rank."""
-    rows = body.get("sources") if isinstance(body, dict) else body
+    """``GET /kv_event_sources``'s answer, by DP rank, as rows with ``data_parallel_rank``:
+    vLLM 0.33's map of each rank (a string key) to its ``KVEventsConfig`` as resolved,
+    vLLM 0.32's array of ``{data_parallel_rank, endpoint, replay_endpoint, topic}``, or
+    ``{"sources": [...]}``."""
+    if isinstance(body, dict) and "sources" not in body and all(str(k).isdigit() for k in body):
+        rows: Any = [{**config, "data_parallel_rank": int(rank)} if isinstance(config, dict) else config
+                     for rank, config in body.items()]
+    else:
+        rows = body.get("sources") if isinstance(body, dict) else body
     if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("endpoint"), str)
                                              for r in rows):
-        raise UserError("GET /kv_event_sources answered something other than a list of {endpoint, replay_endpoint, "
-                        "topic, data_parallel_rank}; pass --kv-events ENDPOINT")
+        raise UserError("GET /kv_event_sources answered something other than a map of DP rank to KVEventsConfig "
+                        "or a list of {endpoint, replay_endpoint, topic, data_parallel_rank}; pass --kv-events "
+                        "ENDPOINT")
     return sorted(rows, key=lambda r: r.get("data_parallel_rank") or 0)
+
+
+def discovered_side(endpoint: str, server_host: str) -> tuple[str, bool]:
+    """:func:`subscriber_side` for an endpoint a server reported as in use: a TCP address
+    with a host of its own is either one the publisher bound (vLLM 0.33 reports
+    ``tcp://*:0`` as the node's address and the port it got) or one it connects to (this
+    side binds it); a probe bind tells them apart: taken (or not this host's) is bound there."""
+    address, bind = subscriber_side(endpoint, server_host)
+    if not bind:
+        return address, False
+    host, _, port = address[len("tcp://"):].rpartition(":")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host.strip("[]"), int(port)))
+        except (OSError, ValueError):
+            return address, False
+    return address, True
 
 
 def replay_side(endpoint: str, server_host: str) -> str:

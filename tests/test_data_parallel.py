@@ -66,6 +66,7 @@ def test_kv_events_of_rank_r_publish_on_the_port_plus_r_and_each_rank_records_it
     assert offset_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
     assert offset_endpoint("tcp://*:5557", 3) == "tcp://*:5560"
     assert offset_endpoint("tcp://127.0.0.1:*", 1) == "tcp://127.0.0.1:*"  # a free port each
+    assert offset_endpoint("tcp://*:0", 3) == "tcp://*:0"  # port 0: each rank binds one the OS picks
     assert offset_endpoint("ipc:///tmp/kv", 1) == "ipc:///tmp/kv_dp1"
     assert offset_endpoint(None, 1) is None
     assert rank_events_path("/x/run.jsonl.gz", 1) == "/x/run.dp1.jsonl.gz"
@@ -95,16 +96,17 @@ def test_step_and_request_events_carry_dp_rank_written_only_when_not_0() -> None
 
 
 @contextlib.contextmanager
-def tiny_dp_server(folder: Path, *flags: str, port: int | None = None) -> Iterator[dict[str, Any]]:
-    """``engine serve --data-parallel-size 2`` on the tiny Llama's dummy weights in ``folder``,
-    recording to ``folder/run.jsonl``, with ``flags`` added, on ``port`` (a free one if None);
-    stopped (SIGTERM, then kill) after."""
-    (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
+def tiny_dp_server(folder: Path, *flags: str, port: int | None = None, model: dict[str, Any] | None = None,
+                   base: tuple[str, ...] = ("--max-model-len", "256", "--kv-cache-memory-bytes", "8Mi",
+                                            "--max-num-batched-tokens", "128")) -> Iterator[dict[str, Any]]:
+    """``engine serve --data-parallel-size 2`` on the tiny Llama's dummy weights in ``folder``
+    (or ``model``'s config), recording to ``folder/run.jsonl``, with ``base`` and ``flags``
+    added, on ``port`` (a free one if None); stopped (SIGTERM, then kill) after."""
+    (folder / "config.json").write_text(json.dumps(model or TINY_LLAMA))
     port = port or free_port()
     events = folder / "run.jsonl"
     command = [sys.executable, "-m", "engine.cli", "serve", "--model", str(folder), "--load-format", "dummy",
-               "--data-parallel-size", "2", "--port", str(port), "--max-model-len", "256", "--dtype", "float32",
-               "-q", "none", "--kv-cache-memory-bytes", "8Mi", "--max-num-batched-tokens", "128",
+               "--data-parallel-size", "2", "--port", str(port), "--dtype", "float32", "-q", "none", *base,
                "--max-num-seqs", "8", "--stats-interval", "0", "--events", str(events),
                "--uvicorn-log-level", "warning", *flags]
     log = folder / "serve.log"

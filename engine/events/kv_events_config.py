@@ -35,8 +35,10 @@ _TYPES: dict[str, tuple[type, ...]] = {
 
 def binds(endpoint: str) -> bool:
     """vLLM's rule for its PUB socket: bind a stable address (wildcard, IPv6 any, ipc,
-    inproc), connect otherwise. A subscriber applies it in mirror."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+    inproc) or port 0 (the OS picks one: nothing to connect to), connect otherwise. A
+    subscriber applies it in mirror."""
+    return ("*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+            or endpoint.endswith(":0"))
 
 
 def _type_word(types: tuple[type, ...]) -> str:
@@ -82,6 +84,7 @@ def kv_events_config_from_dict(data: dict[str, Any], flag: str = FLAG) -> KVEven
     if config.hwm < 0:
         raise UserError(f"{flag}: hwm must be 0 (no limit) or positive, got {config.hwm}")
     # the same address twice cannot be bound twice (a wildcard port ":*" binds two free ports)
-    if config.publishes and config.replay_endpoint == config.endpoint and not config.endpoint.endswith(":*"):
+    if (config.publishes and config.replay_endpoint == config.endpoint
+            and not config.endpoint.endswith((":*", ":0"))):
         raise UserError(f"{flag}: endpoint and replay_endpoint are both {config.endpoint!r}; give two addresses")
     return config

@@ -4,8 +4,10 @@ published over ZMQ exactly as vLLM's ``ZmqEventPublisher`` does.
 - PUB socket at ``endpoint``: every message is three frames, the topic (UTF-8), the
   batch's sequence number (8 bytes, big-endian, from 0, one per batch sent) and the
   msgpack payload. Bound when the address holds ``*`` or ``::`` or is ipc/inproc
-  (``tcp://127.0.0.1:*`` binds a free port: :attr:`ZmqEventPublisher.endpoint` is the
-  one bound), else connected, as vLLM decides.
+  or asks for port 0, else connected, as vLLM decides. Port 0 (or ``*``) binds a port
+  the OS picks, and :attr:`ZmqEventPublisher.endpoint` is the one bound, a wildcard host
+  given as this node's address (``tcp://*:0`` publishes ``tcp://10.0.0.5:41873``), so
+  ``GET /kv_event_sources`` tells subscribers where to dial, as vLLM 0.33 does.
 - ROUTER socket at ``replay_endpoint`` (optional): a request ``[identity, b"",
   start_seq (8 B BE)]`` is answered with one ``[identity, b"", topic, seq, payload]``
   per buffered batch from ``start_seq`` on (the last ``buffer_steps`` batches), then the
@@ -108,14 +110,16 @@ class ZmqEventPublisher:
 
     @staticmethod
     def _open(socket: zmq.Socket, address: str, name: str, bind: bool | None = None) -> str:
+        """Bind or connect ``socket``; the address a subscriber dials: as bound (the port the
+        OS picked for ``:0`` or ``:*``, a wildcard host as this node's address), or as given."""
         try:
             if bind if bind is not None else binds(address):
                 socket.bind(address)
-                return socket.getsockopt_string(zmq.LAST_ENDPOINT)
+                return dialable(socket.getsockopt_string(zmq.LAST_ENDPOINT))
             socket.connect(address)
             return address
         except zmq.ZMQError as exc:
-            raise UserError(f"{FLAG}: {name} {address!r}: {exc} (give a free port, or tcp://127.0.0.1:* for any)") from None
+            raise UserError(f"{FLAG}: {name} {address!r}: {exc} (give a free port, or tcp://*:0 for any)") from None
 
     def publish(self, batch: EventBatch) -> bool:
         """Queue ``batch`` for the thread; False (nothing waits) when the queue is full."""
@@ -239,6 +243,35 @@ class ZmqEventPublisher:
                 os.close(fd)
 
 
+WILDCARD_HOSTS = ("0.0.0.0", "[::]", "*", "::")
+
+
+def node_ip() -> str:
+    """This node's address for others to dial, as vLLM's ``get_ip``: ``$VLLM_HOST_IP``, else
+    the address of the interface that routes outwards (a UDP connect sends nothing), else
+    loopback."""
+    given = os.environ.get("VLLM_HOST_IP") or os.environ.get("KVSCOPE_HOST_IP")
+    if given:
+        return given
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(("8.8.8.8", 80))
+        return str(probe.getsockname()[0])
+    return "127.0.0.1"
+
+
+def dialable(bound: str) -> str:
+    """A bound ``tcp://0.0.0.0:P`` (a wildcard bind listens on every interface) as
+    ``tcp://<this node>:P``, which a subscriber on another host can dial too; any other
+    address as it is (vLLM 0.33 publishes the node's address for ``tcp://*:0`` alike)."""
+    if not bound.startswith("tcp://"):
+        return bound
+    host, _, port = bound[len("tcp://"):].rpartition(":")
+    if host not in WILDCARD_HOSTS:
+        return bound
+    ip = node_ip()
+    return f"tcp://{f'[{ip}]' if ':' in ip else ip}:{port}"
+
+
 def expand_topic(topic: str, model_name: str) -> str:
     """``{pod}`` and ``{model}`` in a topic become this pod's name and the served model, so
     ``"kv@{pod}@{model}"`` is llm-d's convention (its indexer reads the pod and the model
@@ -270,6 +303,9 @@ class KVEventsSink:
         self.batches = 0  # batches the fold made: sent + dropped + still queued
         config = dataclasses.replace(config, topic=expand_topic(config.topic, model_name))
         self.publisher = ZmqEventPublisher(config, on_sent=self._published.inc)
+        # vLLM's /kv_event_sources entry: the config in force, its endpoints as bound
+        self.resolved = dataclasses.replace(config, endpoint=self.publisher.endpoint,
+                                            replay_endpoint=self.publisher.replay_endpoint)
         log = get_logger("kvscope.kv_events")
         replay = f", replay on {self.publisher.replay_endpoint}" if self.publisher.replay_endpoint else ""
         log.info(f"KV cache events: publishing on {self.publisher.endpoint} (topic {config.topic!r}){replay}")

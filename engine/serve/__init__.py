@@ -4,6 +4,7 @@
 - ``routes_openai``: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``
 - ``routes_observability``: ``/health``, ``/metrics``, ``/debug/*``, ``/events``
 - ``routes_vllm``: vLLM's own routes
+- ``kv_cache_info``: ``GET /v1/server/kv-cache``: the KV cache in force as vLLM's ``KVCacheRuntimeInfo``
 - ``route_support``: what routes share: the host, API keys, SSE, errors
 - ``protocol``: OpenAI's wire format as pydantic models
 - ``logprobs``: logprobs in OpenAI's two shapes

@@ -24,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.serve import routes_observability, routes_openai, routes_vllm
+from engine.serve import kv_cache_info, routes_observability, routes_openai, routes_vllm
 from engine.serve.host import LOOPBACK_HOSTS, EngineHost, EventHub, LockedView, ServerSettings
 from engine.serve.http_limits import BoundedBody
 from engine.serve.protocol import APIError, ErrorResponse
@@ -70,6 +70,7 @@ def build_app(host: EngineHost) -> FastAPI:
     app.include_router(routes_openai.router)
     app.include_router(routes_observability.router)
     app.include_router(routes_vllm.router)
+    app.include_router(kv_cache_info.router)
     return app
 
 

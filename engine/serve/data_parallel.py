@@ -115,15 +115,22 @@ class ReplicaFrontend:
     check_prompt = LLMEngine.check_prompt
     prepare_prompt = LLMEngine.prepare_prompt
 
-    def __init__(self, config: EngineConfig, facts: CoreFacts) -> None:
+    def __init__(self, config: EngineConfig, cores: Sequence[CoreFacts]) -> None:
+        facts = cores[0]
         self.config = config
         self.tokenizer = facts.tokenizer
-        self.startup = facts  # .scheduler_config and .model_config, as LLMEngine.startup has them
+        self.startup = facts  # .config, .scheduler_config and .model_config, as LLMEngine.startup has them
+        # each rank's KVEventsConfig as it bound it (its ready message), by rank as vLLM's frontend keeps them
+        self._kv_event_sources = {str(rank): core.kv_events for rank, core in enumerate(cores)
+                                  if core.kv_events is not None}
 
     @property
     def max_model_len(self) -> int:
         return int(self.startup.scheduler_config.max_model_len)
 
+    def kv_event_sources(self) -> dict[str, dict[str, Any]]:
+        """LLMEngine.kv_event_sources over every rank."""
+        return dict(self._kv_event_sources)
 
 class MergedRegistry:
     """The ranks' registries as one: each family once, with every rank's samples (a
@@ -325,7 +332,8 @@ class DataParallelEngine(EngineFront):
     async def add_request(self, prompt: Sequence[int] | CheckedPrompt, params: SamplingParams, request_id: str,
                           priority: int = 0, arrival_time: float | None = None) -> RequestStream:
         """AsyncEngine.add_request on the least loaded rank. ``arrival_time`` (this process's
-        bus clock) travels as an age, since each core has its own clock."""
+        bus clock) travels as an age plus the send time, since each core has its own clock:
+        the core's TTFT and e2e count from the HTTP receipt, as one engine's do."""
         self._refuse_unless_accepting(f"the engine is not running{f': {self._error}' if self._error else ''}")
         stream = RequestStream(self, request_id, prompt, params, asyncio.get_running_loop(), priority)
         with self._lock:
@@ -333,8 +341,9 @@ class DataParallelEngine(EngineFront):
             core = self.choose()
             self._streams[request_id] = (core, stream)
         age = None if arrival_time is None else max(0.0, self.bus.now() - arrival_time)
-        # a checked prompt travels as checked (every rank runs the same model and limits)
-        core.send(("add", request_id, stream.prompt, params, priority, age))
+        # a checked prompt travels as checked (every rank runs the same model and limits); the
+        # send time lets the core count the wait in the pipe too (it reads between steps)
+        core.send(("add", request_id, stream.prompt, params, priority, age, time.monotonic()))
         return await self._await_accepted(stream)
 
     def abort(self, request_id: str) -> None:
@@ -451,7 +460,7 @@ class DataParallelEngine(EngineFront):
 
     def _maybe_ready(self) -> None:
         if all(core.facts is not None for core in self.cores) and not self._ready.is_set():
-            self._frontend = ReplicaFrontend(self.config, self.cores[0].facts)  # type: ignore[arg-type]
+            self._frontend = ReplicaFrontend(self.config, [core.facts for core in self.cores if core.facts])
             self._log.info(f"data parallelism: {len(self.cores)} engine cores ready, requests to the least loaded "
                            f"({WAITING_WEIGHT} x waiting + running)")
             self._ready.set()
@@ -475,13 +484,15 @@ class DataParallelEngine(EngineFront):
         self._stop_cores(dead=core)
         with self._lock:
             left, self._streams = list(self._streams.items()), {}
+        dead = EngineDead(f"the engine stopped: {error}")
         for _, (_, stream) in left:
-            stream.post(EngineDead(f"the engine stopped: {error}"))
+            stream.post_accepted(dead)  # a request the core took but had not yet acknowledged waits on this
+            stream.post(dead)
         with self._lock:
             unanswered, self._profiling = list(self._profiling.values()), {}
         for _, loop, future in unanswered:
             with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_settle, future, None, EngineDead(f"the engine stopped: {error}"))
+                loop.call_soon_threadsafe(_settle, future, None, dead)
         stopped = EngineStopped(error=f"{type(error).__name__}: {error}")
         for each in {id(c.bus): c for c in (core, self.cores[0])}.values():  # the dead rank's bus and rank 0's
             each.publish(EngineStopped(error=stopped.error))

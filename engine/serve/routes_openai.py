@@ -196,6 +196,8 @@ async def _final_output(stream: RequestStream) -> RequestOutput:
                 prompt = output.prompt_logprobs if prompt is None else prompt
     except RequestFailed as exc:  # this request only: the engine serves the others on
         raise APIError(500, str(exc), type_="internal_error") from None
+    except EngineDead as exc:  # the cause /health names; the engine's stop was logged once, where it happened
+        raise APIError(503, str(exc), type_="service_unavailable", code="engine_dead") from None
     assert last is not None and last.finished
     last.logprobs = logprobs if stream.params.logprobs is not None else None
     last.prompt_logprobs = prompt

@@ -106,11 +106,31 @@ async def server_info(request: Request, config_format: str = "text") -> dict[str
     and the system's versions."""
     if config_format not in ("text", "json"):
         raise APIError(400, f"config_format {config_format!r}: use text or json", param="config_format")
-    config = host_of(request).llm.config.to_dict()
+    config = effective_config(host_of(request).llm)
     shown: Any = config if config_format == "json" else ", ".join(f"{k}={v!r}" for k, v in config.items())
     env = {k: v for k, v in sorted(os.environ.items())
            if k.startswith(ENV_PREFIXES) and not any(word in k for word in SECRET_WORDS)}
     return {"vllm_config": shown, "vllm_env": env, "system_env": _system_env()}
+
+
+# The scheduler's limits in force, under the flags' names: startup may derive them (on CPU the
+# step budget is vLLM-CPU's 2,048 or the kernel plan's, not the flag's GPU default of 8,192).
+_SCHEDULER_LIMITS = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size",
+                     "enable_prefix_caching", "long_prefill_token_threshold")
+
+
+def effective_config(llm: Any) -> dict[str, Any]:
+    """The engine's flags as it runs: startup's resolved config (every ``auto`` and device
+    default filled in; under data parallelism rank 0's) with the scheduler's limits in
+    force, the step budget for decodes (None: every step's) and the KV pool's
+    ``num_gpu_blocks``, as vLLM's cache config reports it."""
+    resolved = getattr(llm.startup, "config", None) or llm.config
+    limits = llm.startup.scheduler_config
+    config = resolved.to_dict()
+    config.update({name: getattr(limits, name) for name in _SCHEDULER_LIMITS})
+    config["max_decode_step_tokens"] = limits.max_decode_step_tokens or None
+    config["num_gpu_blocks"] = limits.num_blocks
+    return config
 
 
 def _system_env() -> dict[str, Any]:
@@ -130,15 +150,12 @@ async def load(request: Request) -> dict[str, int]:
 
 @router.get("/kv_event_sources", dependencies=KEYED)
 async def kv_event_sources(request: Request) -> JSONResponse:
-    """vLLM 0.32's discovery list: one ``{data_parallel_rank, endpoint, replay_endpoint,
-    topic}`` per publisher, the endpoints as bound (a wildcard port resolved); ``[]``
-    without ``--kv-events-config``."""
-    sink = host_of(request).llm.observers.kv_events
-    if sink is None:
-        return JSONResponse([])
-    publisher = sink.publisher
-    return JSONResponse([{"data_parallel_rank": sink.fold.data_parallel_rank, "endpoint": publisher.endpoint,
-                          "replay_endpoint": publisher.replay_endpoint, "topic": publisher.topic}])
+    """vLLM's discovery map: each data-parallel rank (a string key) to its KVEventsConfig
+    as resolved (``publisher``, ``endpoint``, ``replay_endpoint``, ``topic``,
+    ``enable_kv_cache_events``, ``hwm``, ``buffer_steps``, ``max_queue_size``), the
+    endpoints as bound (the port the OS picked for ``:0``, a wildcard host as this
+    node's address); ``{}`` without a ZMQ publisher."""
+    return JSONResponse(host_of(request).llm.kv_event_sources())
 
 
 @router.post("/start_profile", dependencies=KEYED)

@@ -27,7 +27,7 @@ from engine.errors import UserError
 from engine.events import Event, EventBus, StepEvent, dumps, event_from_dict, read_events
 from engine.events.kv_events import KVEventFold
 from engine.events.kv_events_config import parse_kv_events_config
-from engine.events.kv_publisher import KVEventsSink, expand_topic
+from engine.events.kv_publisher import KVEventsSink, dialable, expand_topic, node_ip
 from engine.sim.driver import DriverRequest, run_driver
 
 TOPIC = "kv-events"
@@ -335,6 +335,40 @@ def test_an_endpoint_in_use_is_a_clear_error() -> None:
             KVEventsSink(_config(endpoint=f"tcp://*:{port}"))
     finally:
         first.close()
+
+
+def test_port_0_binds_a_port_the_os_picks_and_the_sink_reports_it_as_dialable(
+        recorded: tuple[list[Event], Scheduler], monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.33's ``tcp://*:0``: each publisher binds a port of its own and reports the
+    address bound, a wildcard host as this node's address (``$VLLM_HOST_IP`` first), so
+    a subscriber dials what ``/kv_event_sources`` says; the resolved config keeps every
+    other field as given."""
+    monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
+    sinks = [KVEventsSink(_config(endpoint="tcp://*:0", replay_endpoint="tcp://*:0", hwm=77)) for _ in range(2)]
+    try:
+        ports = set()
+        for sink in sinks:
+            resolved = sink.resolved.to_dict()
+            host, port = resolved["endpoint"][len("tcp://"):].rsplit(":", 1)
+            assert host == "127.0.0.1" and int(port) > 0
+            assert resolved["replay_endpoint"].startswith("tcp://127.0.0.1:")
+            assert {k: v for k, v in resolved.items() if "endpoint" not in k} == {
+                "enable_kv_cache_events": True, "publisher": "zmq", "buffer_steps": 10_000, "hwm": 77,
+                "max_queue_size": 100_000, "topic": TOPIC}
+            ports |= {port, resolved["replay_endpoint"].rsplit(":", 1)[1]}
+        assert len(ports) == 4  # two publishers, two sockets each: four ports
+        sub = _subscriber(sinks[1].resolved.endpoint)
+        _feed(sinks[1], recorded[0][:40])
+        assert sinks[1].flush() and _receive(sub, 1)
+        sub.close(linger=0)
+    finally:
+        for sink in sinks:
+            sink.close()
+    assert dialable("tcp://0.0.0.0:5557") == "tcp://127.0.0.1:5557"
+    assert dialable("tcp://10.1.2.3:5557") == "tcp://10.1.2.3:5557"  # bound to one address: that one
+    assert dialable("ipc:///tmp/kv") == "ipc:///tmp/kv"
+    monkeypatch.delenv("VLLM_HOST_IP")
+    assert node_ip()  # the outward interface's address, or loopback on a machine with no route
 
 
 def test_a_block_stored_and_evicted_within_one_step_is_reported_as_neither() -> None:

@@ -9,7 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
+import zmq
 
+from bench.bench_server import free_port
 from engine.errors import UserError
 from engine.events import KvEventBatch, MetricsScrape, read_events
 from monitor.external import ReplicaTimeline, load_external_timeline
@@ -18,6 +20,7 @@ from monitor.kv_events import (
     PrefixCache,
     check_endpoint,
     decode_batch,
+    discovered_side,
     replay_side,
     sources_listed,
     subscriber_side,
@@ -134,6 +137,28 @@ def test_the_subscriber_mirrors_vllms_bind_rule() -> None:
     assert sources_listed({"sources": rows[:1]}) == rows[:1]
     with pytest.raises(UserError, match="kv_event_sources"):
         sources_listed({"error": "not found"})
+    # vLLM 0.33: a map of each DP rank to its KVEventsConfig as resolved
+    resolved = {"1": {"endpoint": "tcp://10.0.0.5:41002", "replay_endpoint": None, "topic": "kv", "hwm": 100_000},
+                "0": {"endpoint": "tcp://10.0.0.5:41001", "replay_endpoint": None, "topic": "kv", "hwm": 100_000}}
+    assert [(r["data_parallel_rank"], r["endpoint"]) for r in sources_listed(resolved)] == [
+        (0, "tcp://10.0.0.5:41001"), (1, "tcp://10.0.0.5:41002")]
+    assert sources_listed({}) == []  # no publisher
+
+
+def test_a_discovered_endpoint_is_bound_only_where_nothing_listens() -> None:
+    """A server reports the address its publisher uses: one it bound (vLLM 0.33's port 0
+    names the node's address) is dialed, one it connects to (nothing listens yet) is bound."""
+    taken = zmq.Context.instance().socket(zmq.PUB)
+    taken.bind("tcp://127.0.0.1:*")
+    try:
+        bound = taken.getsockopt_string(zmq.LAST_ENDPOINT)
+        assert discovered_side(bound, "h") == (bound, False)
+        assert discovered_side("tcp://192.0.2.77:5557", "h") == ("tcp://192.0.2.77:5557", False)  # not this host's
+        assert discovered_side("tcp://*:5557", "10.1.2.3") == ("tcp://10.1.2.3:5557", False)
+        free = f"tcp://127.0.0.1:{free_port()}"
+        assert discovered_side(free, "h") == (free, True)
+    finally:
+        taken.close(linger=0)
 
 
 def test_a_bound_subscriber_receives_from_a_publisher_that_connects() -> None:

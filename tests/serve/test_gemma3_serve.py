@@ -14,6 +14,7 @@ import pytest
 
 from bench.bench_server import free_port, start_server, stop_server
 from engine.modelspec.presets import gemma3_270m_path
+from tests.serve.vllm_shapes import KVCacheRuntimeInfo
 
 pytestmark = pytest.mark.skipif(gemma3_270m_path() is None,
                                 reason="Gemma 3 270M GGUF not assembled: run `make setup`")
@@ -96,6 +97,14 @@ def test_kv_events_metrics_and_events_name_the_hybrid_groups(tmp_path: Path) -> 
             first = next(line for line in stream.iter_lines() if line.startswith("data: "))
         groups = json.loads(first.removeprefix("data: "))["state"]["config"]["kv_cache_groups"]
         assert len(groups) == 6
+        # vLLM's KVCacheRuntimeInfo (experimental route): five sliding groups of three layers, one full
+        kv = KVCacheRuntimeInfo.model_validate(httpx.get(f"{url}/v1/server/kv-cache", timeout=10).json())
+        assert [(g.spec_type, g.sliding_window) for g in kv.groups] == [("SlidingWindowSpec", 512)] * 5 + [
+            ("FullAttentionSpec", None)]
+        assert kv.groups[0].layer_names == [f"model.layers.{i}.self_attn" for i in (0, 6, 12)]
+        assert kv.groups[5].layer_names == [f"model.layers.{i}.self_attn" for i in (5, 11, 17)]
+        assert {(g.num_kv_heads, g.head_size, g.block_size) for g in kv.groups} == {(1, 256, 16)}
+        assert kv.num_gpu_blocks and kv.kv_cache_size_tokens and kv.max_concurrency
         families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text)}
         assert "vllm:kv_cache_usage_perc" in families
     finally:

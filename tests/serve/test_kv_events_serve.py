@@ -54,12 +54,14 @@ def test_serve_publishes_vllm_kv_events_for_shared_prefixes(tmp_path) -> None:
         while monitor.poll(100):
             recv_monitor_message(monitor)
         sub.poll(200)
-        # vLLM 0.32's discovery route names the endpoints; the monitor, applying vLLM's rule in
-        # mirror, binds where this server connects (this test's SUB stands in for it)
+        # vLLM's discovery route maps each DP rank to its KVEventsConfig as resolved; the
+        # monitor, applying vLLM's rule in mirror, binds where this server connects (this
+        # test's SUB stands in for it: the address is taken, so a probe tells it apart)
         sources = httpx.get(f"http://127.0.0.1:{port}/kv_event_sources", timeout=10).json()
-        assert sources == [{"data_parallel_rank": 0, "endpoint": endpoint, "replay_endpoint": replay,
-                            "topic": "kv-events"}]
-        assert subscriber_side(sources[0]["endpoint"], "127.0.0.1") == (endpoint, True)
+        assert sources == {"0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
+                                 "replay_endpoint": replay, "buffer_steps": 10_000, "hwm": 100_000,
+                                 "max_queue_size": 100_000, "topic": "kv-events"}}
+        assert subscriber_side(sources["0"]["endpoint"], "127.0.0.1") == (endpoint, True)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         model = client.models.list().data[0].id
         for suffix in ("Then it rains.", "Then the sun sets over the hills.", "Then nothing happens at all."):
