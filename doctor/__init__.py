@@ -7,5 +7,6 @@
 - ``inputs``: recordings, live ``/events`` streams, vLLM logs as ``RunFacts``
 - ``vllm_log``: logparse's checks worded as findings
 - ``vllm_dp``: a real vLLM's data-parallel balance
+- ``vllm_stall``: a real vLLM's stall from its ``/metrics``
 - ``report``, ``cli``: the text/JSON report and the command behind the ``kvscope.doctor`` entry point
 """

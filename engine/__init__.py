@@ -16,6 +16,8 @@
 - ``pipeline``: pipeline-parallel stages, micro-batches, activations between stages
 - ``workers``: tensor-parallel ranks and this host's pipeline stages as processes
 - ``dp_core``: one data-parallel engine core in its own process
+- ``heartbeat``: each engine core's step heartbeat: the step under way, its phase, the queue
+- ``stacks``: every thread's Python stack, of this process or of a data-parallel core
 - ``profiling``: the torch profiler around steps (``/start_profile``, ``/stop_profile``)
 - ``logs``: structlog in vLLM's line format, or JSON lines
 - ``errors``: ``UserError``: one line, exit 2, no traceback

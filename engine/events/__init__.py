@@ -21,6 +21,7 @@ The folds:
 - ``run_diff``: a run's profile, and two profiles compared
 - ``expert_load``: MoE expert counts over a window
 - ``dp_balance``: data-parallel ranks' load over a run
+- ``frozen_counters``: a stall seen from ``/metrics``: requests running, token counters frozen
 - ``pipeline_idle``: pipeline stages' bubbles over a run
 - ``parallel_window``: the last seconds of both, for the monitor
 - ``feed``: live feeds: the in-process bus, a server's ``/events``

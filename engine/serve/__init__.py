@@ -13,5 +13,7 @@
 - ``host``: the engine side with no HTTP: subscribers, the request fold
 - ``startup_health``: ``/health`` during startup (the phase, the ETA); requests held until ready
 - ``data_parallel``: D engine cores behind one server
+- ``stall``: the stall detector: a core with work and no step within the limit
+- ``stall_dump``: a stalled core's dump: stacks, last step, requests and blocks
 - ``settings``: the server's settings, no torch
 """
