@@ -37,6 +37,7 @@ from engine.events.phase_data import KvCacheData
 from engine.events.pipeline_idle import PipelineIdle
 from engine.events.request_lifecycle import RequestLifecycle
 from engine.events.schema import WAIT_MAX_NUM_SEQS, EngineRecovered, EngineStalled
+from engine.events.sessions import SessionFold
 
 
 @dataclass(slots=True)
@@ -132,6 +133,8 @@ class RunFacts:
     events: int = 0
     # every request's life (waits with reasons, prefix lookups, preemptions): the request rules' input
     lives: RequestLifecycle = field(default_factory=lambda: RequestLifecycle(finished_kept=None))
+    # sessions' turns: whether each found the previous turn's context still resident
+    sessions: SessionFold = field(default_factory=SessionFold)
     _running: dict[str, None] = field(default_factory=dict)  # running after the last step, admission order
     # a MoE model's per-expert routed tokens over the whole run (the step events' expert_counts)
     experts: ExpertLoad = field(default_factory=lambda: ExpertLoad(window=None))
@@ -157,6 +160,7 @@ class RunFacts:
                 return
         self.events += 1
         self.lives(event)
+        self.sessions(event)
         if isinstance(event, StepEvent):
             self._step(event)
         elif isinstance(event, RequestArrived):

@@ -982,6 +982,49 @@ def request_thrashing(facts: RunFacts) -> Iterable[Finding]:
                   {"request": worst.request_id, "preemptions": len(p), "tokens_recomputed": lost})
 
 
+def session_context_lost(facts: RunFacts) -> Iterable[Finding]:
+    """Sessions whose turns re-prefill more than half their prefix: the previous turn's
+    blocks were evicted before the next turn came (engine/events/sessions.py names the
+    requests whose allocations took them). The fix is the pool that keeps the context through
+    the gap (the fold's ``pool_to_keep``)."""
+    lost = facts.sessions.lost_turns()
+    if not lost:
+        return
+    turns = [t for _, t in lost]
+    reprefilled = sum(t.reprefill_tokens for t in turns)
+    evidence = [f"{len(turns)} turns of {len({s.key for s, _ in lost})} sessions re-prefilled more than half their "
+                f"prefix: {reprefilled:,} tokens computed again"]
+    for session, turn in lost[:3]:
+        takers = sorted({b.by_request for b in turn.lost if b.by_request})
+        evidence.append(f"session {session.key} turn {turn.index} ({turn.request_id}): {turn.resident} of "
+                        f"{turn.prev_blocks} blocks of {turn.previous} still resident, {turn.reprefill_tokens:,} of "
+                        f"{turn.prefix_tokens:,} prefix tokens re-prefilled"
+                        + (f"; evicted by {', '.join(takers[:3])}" if takers else ""))
+    pool = max((s.kv_blocks_total for s in facts.steps), default=0)
+    # at least the lost blocks more: a bigger pool admits more at once, so a run's own figure can fall short
+    needs = max(max(t.pool_to_keep for t in turns), pool + max(len(t.lost) for t in turns))
+    fixes: list[Fix] = []
+    if pool:
+        block = facts.block_size
+        fixes.append(Fix("--num-gpu-blocks-override", pool, needs,
+                         f"{needs:,} blocks ({needs * block:,} tokens): the blocks in use when a turn ended, its "
+                         "context, and every fresh block handed out before the next turn, so the context is never "
+                         "the least recently freed block when one is taken",
+                         numbers={"blocks": needs}))
+        plan = replan(facts)
+        if plan is not None and plan.bytes_per_token:
+            fixes.append(Fix("--kv-cache-memory-bytes", facts.flag("kv_cache_memory_bytes"),
+                             needs * block * plan.bytes_per_token,
+                             f"{needs * block * plan.bytes_per_token / GiB:.2f} GiB of KV: the same {needs:,} blocks"))
+        fixes += [f for f in (_utilization_fix(facts, needs * block),) if f is not None]
+    yield Finding("session_context_lost", WARNING,
+                  f"session context lost: {len(turns)} turns re-prefilled more than half their prefix", evidence,
+                  "the previous turn's blocks were evicted by other requests' allocations before the next turn "
+                  "arrived; the pool is too small for the gap between turns", fixes,
+                  min(t.admitted_step or 0 for t in turns), max(t.admitted_step or 0 for t in turns),
+                  {"turns": len(turns), "reprefill_tokens": reprefilled, "blocks_needed": needs, "pool_blocks": pool})
+
+
 # What a stalled core was doing, by its heartbeat's phase (engine/heartbeat.py), and where to look.
 _STALL_CAUSES = {
     "forward": "the model's forward did not return: a kernel, a collective between ranks or the device hung "
@@ -1024,7 +1067,8 @@ def engine_stalled(facts: RunFacts) -> Iterable[Finding]:
         yield _stall_finding(stall)
 
 
-REQUEST_RULES: tuple[Rule, ...] = (stuck_engine, seqs_held_by_deferred, prefix_miss_causes, request_thrashing)
+REQUEST_RULES: tuple[Rule, ...] = (stuck_engine, seqs_held_by_deferred, prefix_miss_causes, request_thrashing,
+                                   session_context_lost)
 
 
 RULES: tuple[Rule, ...] = (startup_refused, startup_oom, pool_binds, max_num_seqs_binds, long_prompt_spikes,

@@ -57,6 +57,7 @@ from engine.events import (
     RequestScheduled,
     StepEvent,
 )
+from engine.events.schema import ABORT_SHUTDOWN
 
 IDLE_POLL_S = 0.05  # how long an idle core waits on its pipe for the next command
 # The events that say which rank's scheduler they come from.
@@ -240,11 +241,11 @@ def _loop(engine: Any, conn: Any, forwarder: _Forwarder) -> None:
                         accepted.append((request_id, None))
                     except UserError as exc:
                         accepted.append((request_id, str(exc)))
-                elif kind == "abort":
-                    flush_step |= engine.abort(command[1])
-                elif kind == "abort_all":
+                elif kind == "abort":  # ("abort", id, cause)
+                    flush_step |= engine.abort(*command[1:])
+                elif kind == "abort_all":  # the server's shutdown timer
                     for request_id in list(engine.scheduler.requests):
-                        flush_step |= engine.abort(request_id)
+                        flush_step |= engine.abort(request_id, ABORT_SHUTDOWN)
                 elif kind == "note":  # ("note", event dict): the server's stall detector's verdict on this core,
                     from engine.events import event_from_dict  # recorded here (this core's recording)
 
@@ -254,7 +255,7 @@ def _loop(engine: Any, conn: Any, forwarder: _Forwarder) -> None:
                     conn.send(answer)
         if stop:
             for request_id in list(engine.scheduler.requests):
-                engine.abort(request_id)
+                engine.abort(request_id, ABORT_SHUTDOWN)
             outputs = engine.step() if engine.has_unfinished() or flush_step else []
             conn.send(("step", forwarder.take(), outputs, accepted))
             return

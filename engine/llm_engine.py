@@ -25,6 +25,7 @@ from engine.core.step_loop import ExecutedStep, run_step
 from engine.errors import UserError
 from engine.events import EventBus
 from engine.events.observers import ObserverFlags, attach_observers
+from engine.events.schema import ABORT_CLIENT_DISCONNECT
 from engine.heartbeat import DETOKENIZE, FORWARD, UPDATE, Heartbeat
 from engine.logs import log_failure
 from engine.model.device import device_word
@@ -265,10 +266,11 @@ class LLMEngine:
             self._prompt_logprobs[rid] = [None] * len(prompt_ids)
         return rid
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, cause: str = ABORT_CLIENT_DISCONNECT) -> bool:
+        """Abort a request; ``cause`` (engine/events/schema.py ABORT_CAUSES) goes on its finish event."""
         self._detok.pop(request_id, None)
         self._prompt_logprobs.pop(request_id, None)
-        return self.scheduler.abort(request_id, self.now())
+        return self.scheduler.abort(request_id, self.now(), cause)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

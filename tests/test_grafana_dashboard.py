@@ -87,7 +87,10 @@ def test_every_expression_parses_and_names_only_served_series(queries) -> None:
     for needed in ("vllm:num_preemptions_by_reason_total", "vllm:time_to_first_token_seconds_bucket",
                    "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
                    "vllm:prefix_cache_hits_total", "vllm:kv_block_lifetime_seconds_bucket",
-                   "vllm:estimated_flops_per_gpu_total", "vllm:kv_cache_usage_perc", "vllm:num_requests_waiting"):
+                   "vllm:estimated_flops_per_gpu_total", "vllm:kv_cache_usage_perc", "vllm:num_requests_waiting",
+                   # the accounting panels: counters against per-request sums, aborts by cause
+                   "vllm:request_prompt_tokens_sum", "vllm:request_generation_tokens_sum",
+                   "kvscope:request_abort_total", "kvscope:prompt_tokens_discarded_total"):
         assert needed in everything, needed
 
 

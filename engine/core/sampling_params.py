@@ -51,6 +51,9 @@ class SamplingParams:
     # prefix-cache blocks only with requests sending the same salt (a tenant's cache is not
     # probed by another's timing); None: the shared cache
     cache_salt: str | None = None
+    # the conversation this request continues (engine/events/sessions.py): observed on its
+    # request.arrived event, never scheduled by; None: no session
+    session: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

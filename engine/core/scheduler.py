@@ -51,6 +51,7 @@ from engine.events import (
     RequestScheduled,
 )
 from engine.events.schema import (
+    ABORT_CLIENT_DISCONNECT,
     WAIT_BEHIND,
     WAIT_BLOCKS,
     WAIT_ENCODER,
@@ -349,6 +350,7 @@ class Scheduler:
                     preprocess_s=max(now - req.arrival_time, 0.0),
                     sampling=({"temperature": req.sampling.temperature, "top_p": req.sampling.top_p}
                               if req.sampling is not None else None),
+                    session=(req.sampling.session or "") if req.sampling is not None else "",
                 )
             )
         return None
@@ -712,11 +714,13 @@ class Scheduler:
             self.bus.publish(finished_event(req))
 
     # ----------------------------------------------------------------- abort
-    def abort(self, request_id: str, now: float) -> bool:
-        """Stop a request now and free everything it holds; False if unknown or done."""
+    def abort(self, request_id: str, now: float, cause: str = ABORT_CLIENT_DISCONNECT) -> bool:
+        """Stop a request now and free everything it holds; False if unknown or done.
+        ``cause``: why (one of engine/events/schema.py's ABORT_CAUSES), on its finish event."""
         req = self.requests.get(request_id)
         if req is None:
             return False
+        req.abort_cause = cause
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         else:
@@ -785,4 +789,7 @@ def finished_event(req: Request) -> RequestFinished:
         inter_token_latencies_s=list(req.inter_token_latencies),
         output_text=req.output_text,
         error=req.error,
+        abort_cause=req.abort_cause if req.status is RequestStatus.FINISHED_ABORTED else "",
+        # a prefill cut short: the prompt KV computed and thrown away (no token counter has it)
+        computed_prompt_tokens=min(req.num_computed_tokens, req.num_prompt_tokens) if first is None else 0,
     )

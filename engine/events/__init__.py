@@ -18,6 +18,9 @@ The folds:
 - ``block_table``: block tables rebuilt from step events
 - ``tally``: ``RunTally``, a run's totals, peaks and per-request times
 - ``request_lifecycle``: one request's whole life; per-request metrics
+- ``accounting``: every arrival finished once with a typed reason; aborts by cause, discarded prefill work
+- ``kv_occupancy``: KV occupancy by token slots, filled against allocated per KV cache group
+- ``sessions``: a session's turns: the previous turn's blocks still resident, who evicted the rest
 - ``run_diff``: a run's profile, and two profiles compared
 - ``expert_load``: MoE expert counts over a window
 - ``dp_balance``: data-parallel ranks' load over a run
@@ -30,6 +33,7 @@ The outputs:
 
 - ``observers``: the one place that builds a bus's sinks from config and flags
 - ``metrics``: vLLM's Prometheus families
+- ``priority_metrics``: the bucketed ``priority`` label, ``request_priority``, ``scheduler_policy_info``
 - ``block_residency``: the ``--kv-cache-metrics`` histograms
 - ``stats``: the periodic stats line and ``stats`` event
 - ``iteration_details``: vLLM's ``Iteration(N)`` log line

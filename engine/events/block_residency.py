@@ -9,7 +9,12 @@ than vLLM's 1 % sample (``vllm/v1/core/kv_cache_metrics.py``):
 - when its cached contents are *evicted* (the block is taken for reuse) the fold
   observes its lifetime (eviction - birth), its idle time (eviction - last access,
   or birth when never hit) and every gap between consecutive accesses (vLLM keeps the
-  last four accesses per sampled block; kvscope keeps them all).
+  last four accesses per sampled block; kvscope keeps them all);
+- with ``age_at_hit`` (sglang PR#38559's "age at hit"), each prefix-cache hit observes the
+  block's age since its last access, or its birth when never hit: the traffic's reuse
+  time. Its counterpart at eviction is ``idle_before_evict``, the same clock read when the
+  content is dropped; an eviction-age curve right of the hit-age curve means evictions land
+  on content the traffic had finished with.
 
 The step event says all of this without engine state: ``evicted`` blocks lose their
 content, and an ``allocated`` block is a hit when it was cached before the step
@@ -38,12 +43,14 @@ class BlockResidency:
     """Feeds ``lifetime``, ``idle_before_evict`` and ``reuse_gap`` with seconds as
     step events are applied (:meth:`apply`)."""
 
-    __slots__ = ("_accesses", "_birth", "_cached", "_holders", "_idle", "_lifetime", "_reuse_gap")
+    __slots__ = ("_accesses", "_age_at_hit", "_birth", "_cached", "_holders", "_idle", "_lifetime", "_reuse_gap")
 
-    def __init__(self, lifetime: Observe, idle_before_evict: Observe, reuse_gap: Observe) -> None:
+    def __init__(self, lifetime: Observe, idle_before_evict: Observe, reuse_gap: Observe,
+                 age_at_hit: Observe | None = None) -> None:
         self._lifetime = lifetime
         self._idle = idle_before_evict
         self._reuse_gap = reuse_gap
+        self._age_at_hit = age_at_hit
         self._birth: dict[int, float] = {}  # block id -> when it was last handed out fresh
         self._accesses: dict[int, list[float]] = {}  # block id -> its prefix hits since birth
         self._cached: set[int] = set()  # blocks holding prefix-cache content now
@@ -72,6 +79,10 @@ class BlockResidency:
             for block in blocks:
                 if block in cached or block in handed_out or (block in holders and block not in freed_now):
                     hits = accesses.get(block)
+                    if self._age_at_hit is not None:
+                        last = hits[-1] if hits else birth.get(block)
+                        if last is not None:  # else born before this fold started listening
+                            self._age_at_hit(now - last)
                     if hits is None:
                         accesses[block] = [now]
                     else:

@@ -14,12 +14,19 @@ event (DESIGN principle 1).
 
 Where each value comes from:
 - running / waiting / KV usage / prefix-cache queries and hits / preemptions /
-  iteration tokens: the ``step`` event;
+  iteration tokens: the ``step`` event; ``kv_cache_token_usage_perc`` (experimental, vLLM
+  PR#57336's name): the step's blocks less their unfilled tails, the requests' computed
+  tokens folded by a private :class:`~engine.events.view.EngineView`
+  (engine/events/kv_occupancy.py);
 - prompt and generation tokens: :class:`engine.events.stats.TokenTally` (shared with
   the stats line), vLLM's counting;
 - TTFT: ``request.first_token``; every other per-request histogram and
   ``request_success_total{finished_reason}``: ``request.finished`` (aborted
-  requests included, as vLLM);
+  requests included, as vLLM); ``request_prompt_tokens`` / ``request_generation_tokens``
+  observe what the token counters counted for the request, so their sums equal
+  ``prompt_tokens_total`` / ``generation_tokens_total`` exactly once every request has
+  finished; aborts by cause and the prefill work of requests that ended before their
+  first token: engine/events/accounting.py;
 - ``cache_config_info``: ``engine.config`` (``--kv-cache-memory-bytes`` among the
   flags) plus the phase E ``startup.phase`` event's ``num_blocks`` /
   ``kv_cache_tokens`` / ``max_concurrency``, under vLLM's CacheConfig field names;
@@ -35,7 +42,10 @@ Where each value comes from:
   (``kv_block_lifetime_seconds``, ``kv_block_idle_before_evict_seconds``,
   ``kv_block_reuse_gap_seconds``): the step events' block deltas folded by
   :class:`engine.events.block_residency.BlockResidency`, every block observed;
-- the V0-era ``avg_*_throughput_toks_per_s`` gauges: the ``stats`` event.
+- the V0-era ``avg_*_throughput_toks_per_s`` gauges: the ``stats`` event;
+- ``scheduler_policy_info{policy}``: the constructor's policy, then ``engine.config``'s; under
+  ``--scheduling-policy priority`` the finished-request families' ``priority`` label and
+  ``request_priority``: each request's ``request.arrived`` priority.
 
 The same fact is also exported under the other names vLLM serves or served
 (``request_time_per_output_token_seconds``, ``time_per_output_token_seconds``,
@@ -64,11 +74,21 @@ from engine.events import (
     StatsEvent,
     StepEvent,
 )
+from engine.events.accounting import AbortMetrics
 from engine.events.block_residency import BlockResidency
+from engine.events.kv_occupancy import step_token_usage
 from engine.events.phase_data import KvCacheData, LoadWeightsData, read_phase
+from engine.events.priority_metrics import (
+    PRIORITY_LABEL,
+    REQUEST_PRIORITY_BUCKETS,
+    ByPriority,
+    priority_bucket,
+    scheduler_policy_info,
+)
 from engine.events.roofline import Roofline
 from engine.events.schema import PREEMPTION_REASONS
 from engine.events.stats import TokenTally, kv_cache_usage
+from engine.events.view import EngineView
 
 # ---------------------------------------------------------------- vLLM buckets
 # vllm/v1/metrics: time_to_first_token (0.8.4+)
@@ -158,7 +178,9 @@ class PrometheusMetrics:
     request-token histograms (vLLM's 1-2-5 series); without it they are created
     when the engine.config event arrives. ``kv_cache_metrics`` adds the block
     residency histograms (vLLM's ``--kv-cache-metrics``; off, they cost nothing).
-    ``render()`` is the /metrics body.
+    ``scheduling_policy`` "priority" adds the bucketed ``priority`` label to the
+    finished-request families and ``vllm:request_priority``
+    (engine/events/priority_metrics.py). ``render()`` is the /metrics body.
     """
 
     def __init__(
@@ -168,6 +190,7 @@ class PrometheusMetrics:
         engine_index: str = "0",
         max_model_len: int | None = None,
         kv_cache_metrics: bool = False,
+        scheduling_policy: str | None = None,
     ) -> None:
         self.registry = registry
         self.model_name = model_name
@@ -186,6 +209,25 @@ class PrometheusMetrics:
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
             return Histogram(name, doc, labels, registry=registry, buckets=buckets).labels(*values)
 
+        # --scheduling-policy priority: finished-request families carry vLLM PR#58078's bucketed
+        # priority label (engine/events/priority_metrics.py), the bucket of the request at hand
+        self._priority_labels = scheduling_policy == "priority"
+        self._bucket = "0"
+        self._priorities: dict[str, int] = {}  # request id -> priority, from arrival to finish
+
+        def request_histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            if not self._priority_labels:
+                return histogram(name, doc, buckets)
+            family = Histogram(name, doc, (*labels, PRIORITY_LABEL), registry=registry, buckets=buckets)
+            return ByPriority(family, values, lambda: self._bucket)
+
+        self._request_histogram = request_histogram
+        self._set_policy = scheduler_policy_info(registry, labels, values)
+        self._set_policy(scheduling_policy or "fcfs")
+        self.request_priority: Any = (
+            histogram("vllm:request_priority", "Histogram of the priorities of finished requests.",
+                      REQUEST_PRIORITY_BUCKETS) if self._priority_labels else None)
+
         self.num_requests_running = gauge(
             "vllm:num_requests_running", "Number of requests in model execution batches."
         )
@@ -195,6 +237,12 @@ class PrometheusMetrics:
         self.kv_cache_usage_perc = gauge(
             "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
         )
+        # experimental: vLLM PR#57336's name (open), token slots holding K/V over all slots
+        self.kv_cache_token_usage_perc = gauge(
+            "vllm:kv_cache_token_usage_perc",
+            "Experimental: KV-cache token slots holding a token's K/V over all token slots (the block gauge counts "
+            "a block holding one token as full). 1 means 100 percent usage.")
+        self._occupancy = EngineView(series_window=1, recent_window=1)  # per-request computed tokens and tables
         self.prefix_cache_queries = counter(
             "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
         )
@@ -212,50 +260,53 @@ class PrometheusMetrics:
         self._sink_failures = Counter("kvscope:event_sink_failures",
                                       "Event sinks (recording, exporters, folds) that raised and were stopped; "
                                       "the engine went on without them.", (*labels, "sink"), registry=registry)
+        self.accounting = AbortMetrics(registry, labels, values)  # aborts by cause, prefill work discarded
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         self._request_success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
-            (*labels, "finished_reason"),
+            (*labels, "finished_reason", *((PRIORITY_LABEL,) if self._priority_labels else ())),
             registry=registry,
         )
+        self._success_by_priority = (ByPriority(self._request_success, values, lambda: self._bucket)
+                                     if self._priority_labels else None)
         self._success_by_reason = {
             reason: self._request_success.labels(*values, reason) for reason in FINISHED_REASONS
-        }
-        self.time_to_first_token = histogram(
+        } if not self._priority_labels else {}
+        self.time_to_first_token = request_histogram(
             "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
         )
-        self.inter_token_latency = histogram(
+        self.inter_token_latency = request_histogram(
             "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS
         )
-        self.e2e_request_latency = histogram(
+        self.e2e_request_latency = request_histogram(
             "vllm:e2e_request_latency_seconds",
             "Histogram of e2e request latency in seconds.",
             REQUEST_LATENCY_BUCKETS,
         )
-        self.request_queue_time = histogram(
+        self.request_queue_time = request_histogram(
             "vllm:request_queue_time_seconds",
             "Histogram of time spent in WAITING phase for request.",
             REQUEST_LATENCY_BUCKETS,
         )
-        self.request_preprocess_time = histogram(
+        self.request_preprocess_time = request_histogram(
             "kvscope:request_preprocess_time_seconds",
             "Histogram of time from the server receiving a request to the scheduler taking it (parsing, "
             "tokenising, the queue to the engine thread); TTFT and e2e include it.",
             REQUEST_LATENCY_BUCKETS,
         )
-        self.request_inference_time = histogram(
+        self.request_inference_time = request_histogram(
             "vllm:request_inference_time_seconds",
             "Histogram of time spent in RUNNING phase for request.",
             REQUEST_LATENCY_BUCKETS,
         )
-        self.request_prefill_time = histogram(
+        self.request_prefill_time = request_histogram(
             "vllm:request_prefill_time_seconds",
             "Histogram of time spent in PREFILL phase for request.",
             REQUEST_LATENCY_BUCKETS,
         )
-        self.request_decode_time = histogram(
+        self.request_decode_time = request_histogram(
             "vllm:request_decode_time_seconds",
             "Histogram of time spent in DECODE phase for request.",
             REQUEST_LATENCY_BUCKETS,
@@ -267,19 +318,19 @@ class PrometheusMetrics:
         )
         # Same facts under the other names vLLM serves or served, so tools that look for
         # them (vllm-htop's *time_per_output_token*, V0-era dashboards) find data.
-        self.request_time_per_output_token = histogram(
+        self.request_time_per_output_token = request_histogram(
             "vllm:request_time_per_output_token_seconds",
             "Histogram of time_per_output_token_seconds per request.",
             ITL_BUCKETS,
         )
-        self.time_per_output_token = histogram(
+        self.time_per_output_token = request_histogram(
             "vllm:time_per_output_token_seconds",
             "Histogram of time per output token in seconds (vLLM's old name of inter_token_latency).",
             ITL_BUCKETS,
         )
-        self.request_params_n = histogram("vllm:request_params_n", "Histogram of the n request parameter.",
+        self.request_params_n = request_histogram("vllm:request_params_n", "Histogram of the n request parameter.",
                                           REQUEST_PARAMS_N_BUCKETS)
-        self.request_num_preemptions = histogram(
+        self.request_num_preemptions = request_histogram(
             "vllm:request_num_preemptions", "Number of preemptions per finished request.", REQUEST_PREEMPTION_BUCKETS
         )
         self.prompt_tokens_cached = counter(
@@ -318,16 +369,27 @@ class PrometheusMetrics:
         self._weights_bytes: int | None = None
         self.block_residency: BlockResidency | None = None
         if kv_cache_metrics:
-            residency = [
+            lifetime, idle, reuse_gap, age_at_hit, age_at_eviction = [
                 histogram(name, doc, KV_CACHE_RESIDENCY_BUCKETS).observe
                 for name, doc in (
                     ("vllm:kv_block_lifetime_seconds", "KV cache block lifetime from allocation to eviction."),
                     ("vllm:kv_block_idle_before_evict_seconds",
                      "Idle time before KV cache block eviction (since its last prefix-cache hit)."),
                     ("vllm:kv_block_reuse_gap_seconds", "Time between consecutive KV cache block accesses."),
+                    ("kvscope:kv_block_age_at_hit_seconds",
+                     "Age of a KV cache block at each prefix-cache hit: seconds since its last hit, or its "
+                     "allocation when never hit (every block, no sampling)."),
+                    ("kvscope:kv_block_age_at_eviction_seconds",
+                     "Age of a KV cache block when its cached contents are evicted: seconds since its last hit, "
+                     "or its allocation when never hit (every block, no sampling)."),
                 )
             ]
-            self.block_residency = BlockResidency(*residency)
+
+            def idle_and_age(seconds: float) -> None:  # one clock, read at eviction, under both names
+                idle(seconds)
+                age_at_eviction(seconds)
+
+            self.block_residency = BlockResidency(lifetime, idle_and_age, reuse_gap, age_at_hit)
         self.avg_prompt_throughput = gauge(
             "vllm:avg_prompt_throughput_toks_per_s",
             "Average prefill throughput in tokens/s over the last stats interval (vLLM V0's gauge).",
@@ -367,9 +429,24 @@ class PrometheusMetrics:
 
     # ------------------------------------------------------------- subscriber
     def __call__(self, event: Event) -> None:
+        self._occupancy.apply(event)
         handler = self._handlers.get(type(event))
         if handler is not None:
+            if self._priority_labels:
+                self._priority_of(event)
             handler(event)
+
+    def _priority_of(self, event: Event) -> None:
+        """Set the priority bucket the finished-request families observe under: the request's."""
+        if isinstance(event, RequestArrived):
+            self._priorities[event.request_id] = event.priority
+        request_id = getattr(event, "request_id", None)
+        if request_id is not None:
+            priority = self._priorities.get(request_id, 0)
+            self._bucket = priority_bucket(priority)
+            if isinstance(event, RequestFinished):
+                self._priorities.pop(request_id, None)
+                self.request_priority.observe(priority)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of the registry (the /metrics body)."""
@@ -384,6 +461,7 @@ class PrometheusMetrics:
         self.num_requests_waiting.set(event.num_waiting)
         self.waiting_for_capacity.set(event.num_waiting)
         self.kv_cache_usage_perc.set(kv_cache_usage(event))
+        self.kv_cache_token_usage_perc.set(step_token_usage(self._occupancy, event))
         if event.prefix_queries_tokens:
             self.prefix_cache_queries.inc(event.prefix_queries_tokens)
         if event.prefix_hits_tokens:
@@ -427,16 +505,18 @@ class PrometheusMetrics:
         self.time_to_first_token.observe(event.ttft_s)
 
     def _on_finished(self, event: RequestFinished) -> None:
-        prompt, generated = self.tokens.finished(event)
+        prompt, generated, prompt_total, generated_total = self.tokens.settle(event)
         if prompt:
             self.prompt_tokens.inc(prompt)
         if generated:
             self.generation_tokens.inc(generated)
-        success = self._success_by_reason.get(event.reason)
+        success = (self._success_by_priority.child(event.reason) if self._success_by_priority is not None
+                   else self._success_by_reason.get(event.reason))
         if success is None:
             success = self._request_success.labels(*self._label_values, event.reason)
             self._success_by_reason[event.reason] = success
         success.inc()
+        self.accounting.finished(event)
         self.e2e_request_latency.observe(event.e2e_s)
         self.request_queue_time.observe(event.queue_time_s)
         self.request_inference_time.observe(event.inference_time_s)
@@ -444,8 +524,10 @@ class PrometheusMetrics:
         self.request_decode_time.observe(event.decode_time_s)
         if self.request_prompt_tokens is None:
             self._create_request_token_histograms(FALLBACK_MAX_MODEL_LEN)
-        self.request_prompt_tokens.observe(event.prompt_tokens)
-        self.request_generation_tokens.observe(event.output_tokens)
+        # what the counters counted for it: their sums are vllm:prompt_tokens_total and
+        # vllm:generation_tokens_total exactly, aborted and failed requests included
+        self.request_prompt_tokens.observe(prompt_total)
+        self.request_generation_tokens.observe(generated_total)
         self.request_max_num_generation_tokens.observe(event.output_tokens)  # n = 1: the one sequence
         max_tokens = self._max_tokens.pop(event.request_id, None)
         if max_tokens is not None:
@@ -466,6 +548,7 @@ class PrometheusMetrics:
 
     def _on_config(self, event: EngineConfigEvent) -> None:
         config = event.config
+        self._set_policy(str(config.get("scheduling_policy") or "fcfs"))
         self._model_summary = event.model
         self._tensor_parallel_size = int(config.get("tensor_parallel_size") or 1)
         self._size_roofline()
@@ -522,21 +605,10 @@ class PrometheusMetrics:
 
     def _create_request_token_histograms(self, max_model_len: int) -> None:
         buckets = tuple(float(b) for b in build_1_2_5_buckets(max_model_len))
-        labels, values = self._label_names, self._label_values
-        self.request_prompt_tokens = Histogram(
-            "vllm:request_prompt_tokens",
-            "Number of prefill tokens processed.",
-            labels,
-            registry=self.registry,
-            buckets=buckets,
-        ).labels(*values)
-        self.request_generation_tokens = Histogram(
-            "vllm:request_generation_tokens",
-            "Number of generation tokens processed.",
-            labels,
-            registry=self.registry,
-            buckets=buckets,
-        ).labels(*values)
+        self.request_prompt_tokens = self._request_histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", buckets)
+        self.request_generation_tokens = self._request_histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", buckets)
         for attribute, name, doc in (
             ("request_prefill_kv_computed_tokens", "vllm:request_prefill_kv_computed_tokens",
              "Histogram of new KV tokens computed during prefill (excluding cached tokens)."),
@@ -545,8 +617,7 @@ class PrometheusMetrics:
             ("request_params_max_tokens", "vllm:request_params_max_tokens",
              "Histogram of the max_tokens request parameter."),
         ):
-            setattr(self, attribute, Histogram(name, doc, labels, registry=self.registry, buckets=buckets)
-                    .labels(*values))
+            setattr(self, attribute, self._request_histogram(name, doc, buckets))
 
     def _set_cache_config(self, **fields: Any) -> None:
         """Replace the single cache_config_info series (value 1) with updated labels;

@@ -163,10 +163,12 @@ class RequestArrived(Event):
     then the key is not written). ``preprocess_s``: how long before this event the
     server received it (parsing, tokenising, the queue to the engine thread; vLLM's
     arrival_time is the receipt): its TTFT and e2e count from ``t - preprocess_s``,
-    its queue time from ``t``. Written only when not 0."""
+    its queue time from ``t``. Written only when not 0. ``session``: the conversation it
+    continues (an ``X-Session-Id`` header, else its ``cache_salt``, else its ``user``;
+    engine/events/sessions.py folds turns by it); written only when set."""
 
     type: ClassVar[str] = "request.arrived"
-    written_when_set: ClassVar[frozenset[str]] = frozenset({"dp_rank", "sampling", "preprocess_s"})
+    written_when_set: ClassVar[frozenset[str]] = frozenset({"dp_rank", "sampling", "preprocess_s", "session"})
     request_id: str = ""
     prompt_tokens: int = 0
     max_tokens: int = 0
@@ -175,6 +177,7 @@ class RequestArrived(Event):
     sampling: dict[str, float] | None = None
     preprocess_s: float = 0.0
     dp_rank: int = 0  # the data-parallel rank whose engine core it is; written only when not 0
+    session: str = ""
 
 
 @dataclass(slots=True)
@@ -225,13 +228,27 @@ class RequestPreempted(Event):
     dp_rank: int = 0  # the data-parallel rank whose engine core it is; written only when not 0
 
 
+# Why an aborted request was aborted (a ``request.finished`` event's ``abort_cause``).
+ABORT_CLIENT_DISCONNECT = "client_disconnect"  # the client left or cancelled before the last token
+ABORT_TIMEOUT = "timeout"  # a deadline the caller set ran out
+ABORT_SHUTDOWN = "shutdown"  # the server stopped (--shutdown-timeout ran out, or it was stopped at once)
+ABORT_CAUSES = (ABORT_CLIENT_DISCONNECT, ABORT_TIMEOUT, ABORT_SHUTDOWN)
+
+
 @dataclass(slots=True)
 class RequestFinished(Event):
     """A request left the engine. reason: ``stop`` | ``length`` | ``abort`` | ``error``
-    (its own sampling or detokenising raised; ``error`` says what)."""
+    (its own sampling or detokenising raised; ``error`` says what). Every request that
+    reached the engine (``request.arrived``) gets exactly one.
+
+    ``abort_cause`` (reason ``abort``): one of :data:`ABORT_CAUSES`; absent in recordings
+    before it existed. ``computed_prompt_tokens``: for a request that ended before its
+    first token, the prompt tokens whose KV it had computed (its prefill's work, which no
+    token counter bills); absent (0) otherwise."""
 
     type: ClassVar[str] = "request.finished"
-    written_when_set: ClassVar[frozenset[str]] = frozenset({"dp_rank", "error"})
+    written_when_set: ClassVar[frozenset[str]] = frozenset({"dp_rank", "error", "abort_cause",
+                                                            "computed_prompt_tokens"})
     request_id: str = ""
     reason: str = "stop"
     prompt_tokens: int = 0
@@ -248,6 +265,8 @@ class RequestFinished(Event):
     output_text: str | None = None  # only with --log-prompts
     error: str | None = None  # reason "error": the exception, in one line
     dp_rank: int = 0  # the data-parallel rank whose engine core it is; written only when not 0
+    abort_cause: str = ""
+    computed_prompt_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -139,12 +139,21 @@ class TokenTally:
 
     def finished(self, event: RequestFinished) -> tuple[int, int]:
         """(prompt, generated) tokens not counted yet for a finished request."""
+        prompt, generated, _, _ = self.settle(event)
+        return prompt, generated
+
+    def settle(self, event: RequestFinished) -> tuple[int, int, int, int]:
+        """A finished request's (prompt, generated) tokens not counted yet, then its whole
+        (prompt, generated) count: what the per-request histograms observe, so their sums
+        are the counters' totals exactly, aborted requests included (a prompt counts only
+        once its prefill completed; an abort before that counts 0 prompt tokens)."""
         entry = self._live.pop(event.request_id, None)
         if entry is None:
             prompt = event.prompt_tokens if event.ttft_s is not None else 0
-            return prompt, event.output_tokens
+            return prompt, event.output_tokens, prompt, event.output_tokens
         prompt = event.prompt_tokens if (not entry[2] and event.ttft_s is not None) else 0
-        return prompt, max(0, event.output_tokens - entry[1])
+        generated = max(0, event.output_tokens - entry[1])
+        return prompt, generated, prompt + (entry[0] if entry[2] else 0), entry[1] + generated
 
 
 class PrefixHitWindow:

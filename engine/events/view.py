@@ -98,6 +98,7 @@ from engine.events import (
 )
 from engine.events.block_table import BlockTableState
 from engine.events.expert_load import ExpertLoad
+from engine.events.kv_occupancy import KvOccupancy, view_occupancy
 from engine.events.ledger import LEDGER
 from engine.events.parallel_window import ParallelWindow
 from engine.events.schema import EncoderStepEvent, EngineRecovered, EngineStalled
@@ -367,6 +368,12 @@ class EngineView:
         each, config order); [] when it names none (one full-attention group)."""
         groups = self.config.get("kv_cache_groups")
         return [dict(g) for g in groups if isinstance(g, dict)] if isinstance(groups, list) else []
+
+    @property
+    def occupancy(self) -> KvOccupancy:
+        """The pool by token slots: filled against allocated per KV cache group, PR#57336's
+        token usage, and the partly filled blocks (engine/events/kv_occupancy.py)."""
+        return view_occupancy(self)
 
     @property
     def num_blocks(self) -> int:

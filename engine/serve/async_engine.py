@@ -28,6 +28,7 @@ from engine.config import EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.errors import UserError
 from engine.events import EngineStopped, EventBus
+from engine.events.schema import ABORT_CLIENT_DISCONNECT, ABORT_SHUTDOWN
 from engine.heartbeat import Heartbeat
 from engine.llm_engine import CheckedPrompt, LLMEngine, RequestOutput
 from engine.logs import log_failure
@@ -130,6 +131,7 @@ class _Add:
 @dataclass(slots=True)
 class _Abort:
     request_id: str
+    cause: str = ABORT_CLIENT_DISCONNECT
 
 
 @dataclass(slots=True)
@@ -209,7 +211,7 @@ class EngineFront:
                           request_id: str, priority: int = 0, arrival_time: float | None = None) -> RequestStream:
         raise NotImplementedError
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, cause: str = ABORT_CLIENT_DISCONNECT) -> None:
         raise NotImplementedError
 
     def wait_ready(self, timeout: float | None = None) -> Any:
@@ -349,13 +351,14 @@ class AsyncEngine(EngineFront):
         self._commands.put(_Add(stream))
         return await self._await_accepted(stream)
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request (the engine thread frees its blocks at the next step boundary).
+    def abort(self, request_id: str, cause: str = ABORT_CLIENT_DISCONNECT) -> None:
+        """Abort a request (the engine thread frees its blocks at the next step boundary);
+        ``cause`` goes on its ``request.finished`` event (a stream left early: the client's).
         A request abandoned before its first token leaves the waiting count here: left
         in it, a few client time-outs would hold ``--max-waiting-requests`` shut for good."""
         with self._waiting_lock:
             self._waiting.discard(request_id)
-        self._commands.put(_Abort(request_id))
+        self._commands.put(_Abort(request_id, cause))
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """``fn(engine)``'s result, run on the engine thread between two steps."""
@@ -451,11 +454,11 @@ class AsyncEngine(EngineFront):
             stream.post_accepted(None)
             return False
         self._streams.pop(command.request_id, None)
-        return engine.abort(command.request_id)
+        return engine.abort(command.request_id, command.cause)
 
     def _abort_all(self, engine: LLMEngine) -> None:
         for rid, stream in list(self._streams.items()):
-            engine.abort(rid)
+            engine.abort(rid, ABORT_SHUTDOWN)
             stream.post(_aborted_output(rid, stream))
         self._streams.clear()
 

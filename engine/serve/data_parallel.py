@@ -52,6 +52,7 @@ from engine.errors import ReplicaError, UserError
 from engine.events import EngineStopped, Event, EventBus, StepEvent, event_from_dict
 from engine.events.dp_balance import WAITING_WEIGHT
 from engine.events.metrics import PrometheusMetrics
+from engine.events.schema import ABORT_CLIENT_DISCONNECT
 from engine.heartbeat import Heartbeat
 from engine.llm_engine import CheckedPrompt, LLMEngine, RequestOutput
 from engine.logs import get_logger
@@ -346,12 +347,12 @@ class DataParallelEngine(EngineFront):
         core.send(("add", request_id, stream.prompt, params, priority, age, time.monotonic()))
         return await self._await_accepted(stream)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, cause: str = ABORT_CLIENT_DISCONNECT) -> None:
         with self._lock:
             self._waiting.discard(request_id)
             entry = self._streams.pop(request_id, None)
         if entry is not None:
-            entry[0].send(("abort", request_id))
+            entry[0].send(("abort", request_id, cause))
 
     def abort_all(self) -> None:
         with self._lock:
@@ -521,7 +522,8 @@ def data_parallel_host(config: EngineConfig, settings: ServerSettings, registry:
     views = [LockedView() for _ in range(size)]
     metrics = [PrometheusMetrics(registry if rank == 0 and registry is not None else CollectorRegistry(),
                                  settings.served_model_name, engine_index=str(rank), max_model_len=config.max_model_len,
-                                 kv_cache_metrics=settings.kv_cache_metrics) for rank in range(size)]
+                                 kv_cache_metrics=settings.kv_cache_metrics,
+                                 scheduling_policy=config.scheduling_policy) for rank in range(size)]
     hub = EventHub()
     lifecycles = [LockedLifecycle() for _ in range(size)]
     for rank in range(size):

@@ -196,7 +196,8 @@ class EngineHost:
             return data_parallel_host(config, settings, registry, bus)
         bus = bus or EventBus()
         metrics = PrometheusMetrics(registry or CollectorRegistry(), settings.served_model_name,
-                                    max_model_len=config.max_model_len, kv_cache_metrics=settings.kv_cache_metrics)
+                                    max_model_len=config.max_model_len, kv_cache_metrics=settings.kv_cache_metrics,
+                                    scheduling_policy=config.scheduling_policy)
         view = LockedView()
         hub = EventHub()
         lifecycle = LockedLifecycle()

@@ -287,8 +287,10 @@ class _SamplingFields(BaseModel):
             bias[int(key)] = float(value)
         return bias
 
-    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        """A :class:`SamplingParams`; its validation errors become HTTP 400."""
+    def sampling_params(self, max_tokens: int | None, session_header: str | None = None) -> SamplingParams:
+        """A :class:`SamplingParams`; its validation errors become HTTP 400. ``session_header``:
+        the request's ``X-Session-Id`` (see :func:`session_key`)."""
+        session = session_key(session_header, self.cache_salt, self.user)
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         try:
             return SamplingParams(
@@ -307,6 +309,7 @@ class _SamplingFields(BaseModel):
                 logprobs=self.logprobs_count(),
                 prompt_logprobs=self.prompt_logprobs_count(),
                 cache_salt=self.cache_salt,
+                session=session,
             )
         except UserError as exc:
             raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
@@ -314,6 +317,23 @@ class _SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+SESSION_HEADER = "X-Session-Id"
+MAX_SESSION_KEY = 256  # characters: a key is recorded on every request's arrival event
+
+
+def session_key(header: str | None, cache_salt: Any, user: str | None) -> str | None:
+    """The conversation a request continues (engine/events/sessions.py): its ``X-Session-Id``
+    header, else its ``cache_salt`` (a tenant's or conversation's cache partition), else its
+    ``user``; None when it names none. HTTP 400 for a key over :data:`MAX_SESSION_KEY` characters."""
+    for name, value in ((SESSION_HEADER, header), ("cache_salt", cache_salt), ("user", user)):
+        if isinstance(value, str) and value:
+            if len(value) > MAX_SESSION_KEY:
+                raise APIError(400, f"{name}: {len(value):,} characters; a session key is at most "
+                                    f"{MAX_SESSION_KEY} (send a shorter id, or a hash of it)", param=name)
+            return value
+    return None
 
 
 def _count(value: Any, name: str) -> int | None:

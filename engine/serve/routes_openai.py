@@ -28,6 +28,7 @@ from engine.serve.host import EngineHost
 from engine.serve.logprobs import Decoder, chat_logprobs, completion_logprobs, prompt_logprobs
 from engine.serve.protocol import (
     IGNORED_FIELDS_SHOWN,
+    SESSION_HEADER,
     APIError,
     AssistantMessage,
     ChatChoice,
@@ -65,7 +66,7 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
     _check_model(host, body.model)
     _warn_ignored(body)
     metrics_of = _metrics_of(host, body)
-    params = body.sampling_params(body.max_tokens)
+    params = body.sampling_params(body.max_tokens, request.headers.get(SESSION_HEADER))
     checked = await _prepare(host, body.single_prompt(), params)
     stream = await _submit(host, checked, params, "cmpl", body.priority, arrival_of(request))
     model = host.settings.served_model_name
@@ -83,7 +84,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     _check_model(host, body.model)
     _warn_ignored(body)
     metrics_of = _metrics_of(host, body)
-    params = body.sampling_params(body.effective_max_tokens())
+    params = body.sampling_params(body.effective_max_tokens(), request.headers.get(SESSION_HEADER))
     try:
         prompt = await anyio.to_thread.run_sync(partial(
             host.llm.tokenizer.apply_chat_template, body.conversation(),

@@ -316,7 +316,10 @@ class Replayer:
                     ev.t,
                 )
             elif isinstance(ev, RequestFinished):
-                sched.abort(ev.request_id, ev.t)
+                if ev.abort_cause:  # the recorded cause; older recordings: the scheduler's default
+                    sched.abort(ev.request_id, ev.t, ev.abort_cause)
+                else:
+                    sched.abort(ev.request_id, ev.t)
 
     def execute(self, output: SchedulerOutput, now: float) -> ExecutedStep:
         """The replay's executor: each sampling request answers the filler token, or

@@ -41,6 +41,7 @@ SHADES = "░▒▓█"
 FREE_CHAR = "·"
 CACHED_CHAR = "○"
 USED_CHAR = "■"
+PARTIAL_CHAR = "▪"  # a request's last block, partly filled: slots allocated that hold no token yet
 SELECTED_STYLE = Style(color="#000000", bgcolor="#ffff5f", bold=True)
 GROUP_USED_STYLE = Style(color="#59a14f")
 WINDOW_CHAR = "◁"  # left its sliding window while the request ran (not freed by a finish)
@@ -53,8 +54,9 @@ def request_colour(request_id: str) -> str:
 
 
 class BlockMap(ScrollView, can_focus=True):
-    """Cells coloured by owner (a hybrid pool: by KV cache group; ◁ left a window);
-    cached-free ○, free ·; zoomed out, cells shaded by occupancy."""
+    """Cells coloured by owner (a hybrid pool: by KV cache group; ◁ left a window); a
+    request's partly filled last block ▪; cached-free ○, free ·; zoomed out, cells shaded by
+    occupancy."""
 
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("plus,equals_sign", "zoom_in", "zoom", key_display="+", group=ZOOM),
@@ -116,6 +118,8 @@ class BlockMap(ScrollView, can_focus=True):
                 used.append(USED_CHAR, style=Style(color=colour))
             used.append(" used (colour = request)")
             items.append(used)
+        if per == 1:
+            items.append(Text.assemble((PARTIAL_CHAR, GROUP_USED_STYLE), " partly filled"))
         else:
             items.append(Text.assemble((SHADES, GROUP_USED_STYLE), " share of the cell's blocks used"))
         items.append(Text.assemble((USED_CHAR if per == 1 else SHADES[-1], SELECTED_STYLE), " selected request"))
@@ -197,20 +201,22 @@ class BlockMap(ScrollView, can_focus=True):
         cells: list[tuple[str, Style]] = []
         if per == 1:
             styles: dict[str, Style] = {}
+            partial = view.occupancy.partial
             for b in range(self._num_blocks):
                 holders = owners.get(b)
                 if holders:
+                    char = PARTIAL_CHAR if b in partial else USED_CHAR
                     if selected is not None and selected in holders:
-                        cells.append((USED_CHAR, SELECTED_STYLE))
+                        cells.append((char, SELECTED_STYLE))
                         continue
                     if self._num_groups:
-                        cells.append((USED_CHAR, group_styles[groups.get(b, 0)]))
+                        cells.append((char, group_styles[groups.get(b, 0)]))
                         continue
                     rid = min(holders)
                     style = styles.get(rid)
                     if style is None:
                         style = styles[rid] = Style(color=request_colour(rid))
-                    cells.append((USED_CHAR, style))
+                    cells.append((char, style))
                 elif b in window:
                     cells.append((WINDOW_CHAR, group_styles[window[b]]))
                 elif b in cached:

@@ -100,6 +100,19 @@ def rank_ledger_lines(view: EngineView) -> list[Text]:
     return lines
 
 
+def occupancy_text(view: EngineView) -> str:
+    """The KV pool by token slots (engine/events/kv_occupancy.py): what the held blocks hold,
+    and per KV cache group when there are several; empty until the block size is known."""
+    occupancy = view.occupancy
+    if not occupancy.total_slots:
+        return ""
+    text = (f" · tokens {occupancy.token_usage:.1%} of slots ({occupancy.filled:,} filled of "
+            f"{occupancy.allocated:,} allocated, {occupancy.fill:.0%})")
+    if len(occupancy.groups) > 1:
+        text += " · " + ", ".join(f"group {g} {group.fill:.0%}" for g, group in enumerate(occupancy.groups))
+    return text
+
+
 class MemoryBar(Static):
     """A stacked bar sized to the widget, with a GiB legend and the device reading."""
 
@@ -134,6 +147,7 @@ class MemoryBar(Static):
             f" · KV {view.kv_used}/{view.num_blocks} blocks used, {view.kv_cached_free} cached-free",
             style="dim",
         )
+        info.append(occupancy_text(view))
         if view.encoder_cache_capacity:  # a vision-language model's second budget, beside the KV pool
             info.append(f" · encoder cache {view.encoder_cache_used:,}/{view.encoder_cache_capacity:,} tokens")
         dev = view.device or {}

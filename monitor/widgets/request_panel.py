@@ -2,8 +2,10 @@
 its row), step by step, from the event layer's fold (engine/events/request_lifecycle.py):
 when it arrived, each run of steps it waited and why, where its prefix-cache match
 stopped, its prefill chunks, preemptions (for whom, what it held), decode runs and gaps,
-blocks held and its finish. Its blocks light up in the block map meanwhile (the app sets
-the map's selection).
+blocks held and its finish. A request of a session adds the session's turns
+(engine/events/sessions.py): the previous turn's blocks still resident at each, and the
+request whose allocation evicted each lost one, at which step. Its blocks light up in the
+block map meanwhile (the app sets the map's selection).
 
 Like the Diagnosis panel it keeps its own fold: live, the app hands it the events it
 drains; in replay, the recording's events up to the shown step (folded forward as the
@@ -20,8 +22,10 @@ from textual.widgets import Static
 
 from engine.events import Event
 from engine.events.request_lifecycle import RequestLifecycle
+from engine.events.sessions import SessionFold
 
 MAX_LINES = 14  # the newest lines of a long life; the rest is engine replay --request's
+MAX_SESSION_LINES = 8  # the newest lines of its session's turns; the rest is engine replay --session's
 
 
 class RequestPanel(Static):
@@ -30,6 +34,7 @@ class RequestPanel(Static):
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__("", id=id)
         self.lives = RequestLifecycle()
+        self.sessions = SessionFold()
         self.request_id: str | None = None
         self._folded = 0  # replay: how many of the recording's events are in self.lives
 
@@ -41,15 +46,17 @@ class RequestPanel(Static):
         """Live: the events the app just drained."""
         for event in events:
             self.lives(event)
+            self.sessions(event)
         if events:
             self._show_life()
 
     def show_until(self, events: Sequence[Event], end: int) -> None:
         """Replay: the recording's ``events[:end]`` (the shown step's end)."""
         if end < self._folded:
-            self.lives, self._folded = RequestLifecycle(), 0
+            self.lives, self.sessions, self._folded = RequestLifecycle(), SessionFold(), 0
         for event in events[self._folded:end]:
             self.lives(event)
+            self.sessions(event)
         self._folded = end
         self._show_life()
 
@@ -73,6 +80,23 @@ class RequestPanel(Static):
         for step, what in rows:
             text.append(f"  {'' if step is None else step:>6} ", style="cyan")
             text.append(f"{what}\n")
+        return text.append_text(self.session_text(life.request_id))
+
+    def session_text(self, request_id: str) -> Text:
+        """The turns of the session ``request_id`` belongs to; empty when it names none."""
+        session = next((s for s in self.sessions.sessions.values()
+                        if any(t.request_id == request_id for t in s.turns)), None)
+        if session is None:
+            return Text()
+        lines = session.render().splitlines()
+        text = Text(lines[0] + "\n", style="bold")
+        rest = lines[1:]
+        if len(rest) > MAX_SESSION_LINES:
+            text.append(f"  … {len(rest) - MAX_SESSION_LINES} earlier lines (engine replay --session {session.key})\n",
+                        style="dim")
+            rest = rest[-MAX_SESSION_LINES:]
+        for line in rest:
+            text.append(line + "\n", style="red" if "CONTEXT LOST" in line else "")
         return text
 
     def _show_life(self) -> None:

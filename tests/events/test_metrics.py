@@ -155,7 +155,12 @@ def test_counts_agree_with_the_events(scripted) -> None:
                  "request_decode_time_seconds", "request_inference_time_seconds", "request_prompt_tokens",
                  "request_generation_tokens"):  # fmt: skip
         assert sample_value(f, f"vllm:{name}", f"vllm:{name}_count") == finished, name
-    assert sample_value(f, "vllm:request_prompt_tokens", "vllm:request_prompt_tokens_sum") == 20 + 40 + 30
+    # the per-request sums are the counters' totals: the 30-token prompt aborted before its first
+    # token is observed (count 3) with the 0 prompt tokens the counter billed for it
+    assert sample_value(f, "vllm:request_prompt_tokens", "vllm:request_prompt_tokens_sum") == 20 + 40 == \
+        sample_value(f, "vllm:prompt_tokens", "vllm:prompt_tokens_total")
+    assert sample_value(f, "vllm:request_generation_tokens", "vllm:request_generation_tokens_sum") == \
+        sample_value(f, "vllm:generation_tokens", "vllm:generation_tokens_total")
     assert sample_value(f, "vllm:e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds_sum") == 4.6
     assert sample_value(f, "vllm:time_to_first_token_seconds", "vllm:time_to_first_token_seconds_count") == 2
     itl_count = sample_value(f, "vllm:inter_token_latency_seconds", "vllm:inter_token_latency_seconds_count")

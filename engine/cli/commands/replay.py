@@ -14,6 +14,10 @@
                                        step it waited and why, prefill chunks, where its
                                        prefix-cache match stopped, preemptions, decode,
                                        blocks held, finish (--json: the same as data)
+  engine replay run.jsonl --session K  a session's turns: for each, how many of the
+                                       previous turn's blocks were still resident, and
+                                       each lost block with the request whose allocation
+                                       evicted it and the step (--json: the same as data)
 
 Works on recordings of the real engine (--events) and of engine simulate; a
 recording cut at any byte is replayed up to its last whole step.
@@ -37,7 +41,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--at", type=int, default=None, metavar="STEP", help="print the state after this step")
     p.add_argument("--request", default=None, metavar="ID",
                    help="print one request's life, step by step, folded from the recording's events")
-    p.add_argument("--json", action="store_true", help="with --request: the life as one JSON object")
+    p.add_argument("--session", default=None, metavar="KEY",
+                   help="print one session's turns (its X-Session-Id, cache_salt or user): the previous turn's "
+                        "blocks still resident at each turn, and who evicted the rest")
+    p.add_argument("--json", action="store_true", help="with --request or --session: the same as one JSON object")
     add_exporter_flags(p, replay=True)
     p.set_defaults(func=run)
 
@@ -82,12 +89,33 @@ def show_request(recording: Recording, request_id: str, as_json: bool) -> int:
     return 0
 
 
+def show_session(recording: Recording, key: str, as_json: bool) -> int:
+    """``--session KEY``: the session's turns from the events alone (no scheduler re-run)."""
+    from engine.events import dumps
+    from engine.events.sessions import SessionFold
+
+    fold = SessionFold()
+    for event in recording.events:
+        if not getattr(event, "dp_rank", 0):  # block ids are per engine core: rank 0's pool
+            fold(event)
+    session = fold.get(key)
+    if session is None:
+        known = list(fold.sessions)
+        sample = ", ".join(known[:8]) + (" …" if len(known) > 8 else "")
+        raise UserError(f"--session {key}: no request of the recording names this session ({len(known)} sessions: "
+                        f"{sample or 'none; a session is an X-Session-Id header, a cache_salt or a user'})")
+    print(dumps(session.to_dict()) if as_json else session.render())
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     recording = load_recording(args.recording)
-    if args.json and args.request is None:
-        raise UserError("--json goes with --request ID (the life of one request as data)")
+    if args.json and args.request is None and args.session is None:
+        raise UserError("--json goes with --request ID or --session KEY (the same as data)")
     if args.request is not None:
         return show_request(recording, args.request, args.json)
+    if args.session is not None:
+        return show_session(recording, args.session, args.json)
     if exporters_asked(args):
         export(args, recording)
         if not args.verify and args.at is None:
