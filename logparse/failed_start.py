@@ -13,7 +13,9 @@ and places it: by the traceback's frames where they name a place (graph capture,
 KV allocation, loading, device init), else by the last startup phase the log printed.
 
 A failure after the server was ready (its routes, ``Application startup complete``, a stats
-or access line) is no failed start: it is reported as an engine that died at runtime.
+or access line, or a traceback whose frames are the engine's busy loop, a request's step, the
+output handler or shutdown, where a paste keeps none of those lines) is no failed start: it is
+reported as an engine that died at runtime.
 A log whose KV pool is printed smaller than one max-model-len request (``# GPU blocks: 229``
 x 16 = 3,664 tokens < 4,096) is a failed start even where the paste lost vLLM's error line:
 :func:`kv_below_max_len_check`.
@@ -28,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from engine.budget.fixes import Fix
 from logparse.parser import Record
 from logparse.patterns import PHASE_NAMES
-from logparse.tracebacks import MAX_FRAMES, PLACE_PHASES, place_in
+from logparse.tracebacks import MAX_FRAMES, PLACE_PHASES, RUNTIME_PLACES, place_in
 
 if TYPE_CHECKING:
     from logparse.explain import Check
@@ -221,11 +223,15 @@ class StartupWatch:
             return None
         best = min(signals, key=lambda s: (CAUSE_ORDER.index(s.cause), s.line))
         first = min(signals, key=lambda s: s.line)
-        runtime = self.ready_line is not None and self.ready_line < first.line
-        place = place_in(self.frames) or next((METHOD_PLACES[s.method] for s in signals
+        # a cut traceback's frames never became a signal's: they are the recent ones
+        place = place_in(self.frames or self.recent_frames) or next((METHOD_PLACES[s.method] for s in signals
                                                 if s.method in METHOD_PLACES), None)
-        if runtime:
+        ready = self.ready_line is not None and self.ready_line < first.line
+        runtime = ready or place in RUNTIME_PLACES  # frames in the busy loop or shutdown: the server had started
+        if ready:
             phase, source = "R", "a line only a ready server prints (line " + f"{self.ready_line})"
+        elif runtime:
+            phase, source = "R", f"the traceback's frames ({place})"
         elif best.implied:
             phase, source = best.phase, "the failure's own line"
         elif place is not None:

@@ -27,11 +27,16 @@ PLACES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("profiling", ("profile_run", "determine_available_memory", "determine_num_available_blocks")),
     ("loading", ("load_model", "load_weights")),
     ("device_init", ("init_device", "init_worker_distributed_environment", "ncclCommInitRank",
-                     "initialize_model_parallel", "init_distributed_environment")),
+                     "initialize_model_parallel", "init_distributed_environment", "init_worker")),
+    # past startup, tried last: the engine's busy loop, a request's step, the output handler, shutdown
+    ("serving", ("run_busy_loop", "_process_engine_step", "execute_model_with_error_logging", "output_handler",
+                 "_run_engine", "step_with_batch_queue")),
+    ("shutdown", ("shutdown", "destroy_model_parallel", "destroy_process_group")),
 )
-# the startup phase (engine/events/phase_names.py letters) each place belongs to
+# the startup phase (engine/events/phase_names.py letters) each place belongs to; R: after startup
 PLACE_PHASES = {"graph_capture": "F", "sampler_warmup": "F", "kv_allocation": "E", "profiling": "D", "loading": "C",
-                "device_init": "A"}
+                "device_init": "A", "serving": "R", "shutdown": "R"}
+RUNTIME_PLACES = frozenset({"serving", "shutdown"})  # a traceback there is no failed start
 # A place's words match whole identifiers: V1's _initialize_kv_caches wraps profiling, allocation and
 # capture alike, so it must not read as initialize_kv_cache (allocation).
 _PLACE_RES = tuple((place, re.compile("|".join(rf"(?<!\w){re.escape(w)}(?!\w)" for w in words)))

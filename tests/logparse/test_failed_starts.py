@@ -100,3 +100,32 @@ def test_healthy_starts_are_not_failed_starts() -> None:
     for name in ("v0.10.2-qwen3-235b-a22b-fp8-8xl40s-tp8-ep-slice.log", "v0.32.0-smollm2-135m-cpu-zen3-tp1-eager-complete.log",
                  "v0.11.0rc2-gemma-3-27b-it-rocm-tp1-hybrid-kv-padding.log", "v0.6.4-llama3.1-8b-rtx3090-tp1-20k-ok.log"):
         assert explain(DATA / "vllm-logs" / name).startup is None, name
+
+
+# Public pastes of an engine that died after its start, where the paste keeps no line a ready server
+# prints: the traceback's frames say it (the busy loop, the output handler, shutdown) -> engine_died, phase R
+RUNTIME_DEATHS = {
+    "v0.2x-engine-core-dead-runtime-traceback.log": ("exception", "serving"),  # EngineDeadError, run_busy_loop
+    "v0.2x-runtime-oom-async-llm-output-handler.log": ("oom", "serving"),  # AsyncLLM output_handler failed
+    "v0.10.x-xpu-arc-a770-engine-core-busy-loop-traceback-bare.log": ("cut_traceback", "serving"),
+    "v0.8.x-vllmworker-shutdown-destroy-process-group.log": ("cut_traceback", "shutdown"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RUNTIME_DEATHS))
+def test_a_traceback_in_the_serving_loop_is_a_runtime_death_not_a_failed_start(name: str) -> None:
+    cause, place = RUNTIME_DEATHS[name]
+    exp = explain(PUBLIC / name)
+    failure = exp.startup
+    assert failure is not None and failure.runtime and failure.phase == "R"
+    assert (failure.cause, failure.place) == (cause, place)
+    assert failure.headline().startswith("the engine died at runtime")
+    assert not any(c.id == "startup_failed" for c in exp.checks)
+
+
+def test_a_cut_traceback_is_placed_by_its_frames_and_a_plugins_frames_count() -> None:
+    # vllm-ascend's model_runner_v1.initialize_kv_cache_tensors: KV allocation (E), although the paste
+    # ends before the exception line and shows no startup line
+    failure = explain(PUBLIC / "v0.11.x-ascend-engine-core-dp0-initialize-kv-cache-assert.log").startup
+    assert failure is not None and not failure.runtime
+    assert (failure.cause, failure.place, failure.phase) == ("cut_traceback", "kv_allocation", "E")
