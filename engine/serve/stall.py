@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.events import Event, EventBus, StepEvent
+from engine.events import Event, EventBus, RequestScheduled, StepEvent
 from engine.events.schema import EngineRecovered, EngineStalled
 from engine.heartbeat import Beat, Heartbeat
 from engine.logs import get_logger, log_failure
@@ -59,16 +59,21 @@ def derived_limit(beat: Beat, floor_s: float = FLOOR_S) -> float:
 
 
 class LastStep:
-    """Bus subscriber: the core's last ``step`` event (the scheduler's last output, as published)."""
+    """Bus subscriber: the core's last ``step`` event (the scheduler's last output, as published)
+    and the requests admitted since (``request.scheduled``: in the step under way, which the
+    view still shows waiting until that step's event)."""
 
     sink_name = "stall detector (last step)"
 
     def __init__(self) -> None:
         self.event: StepEvent | None = None
+        self.admitted: list[str] = []
 
     def __call__(self, event: Event) -> None:
         if isinstance(event, StepEvent):
-            self.event = event
+            self.event, self.admitted = event, []
+        elif isinstance(event, RequestScheduled):
+            self.admitted.append(event.request_id)
 
 
 @dataclass(eq=False)
@@ -147,7 +152,7 @@ class StallDetector:
         since = beat.since()
         last = core.last_step.event
         state = _quietly(core.snapshot, {})
-        rows = request_rows(state)
+        rows = request_rows(state, core.last_step.admitted)
         record: dict[str, Any] = {"error": "engine_stalled", "rank": core.rank, "phase": beat.phase,
                   "message": (f"engine core {core.rank} has finished no step for {now - since:,.1f} s (limit "
                               f"{limit:,.1f} s) with work pending; it was in {beat.phase}"),

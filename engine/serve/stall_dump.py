@@ -13,6 +13,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +29,17 @@ def dump_path(events_path: str | None, rank: int, when: float | None = None) -> 
     return Path(tempfile.gettempdir()) / f"kvscope-{os.getpid()}.stall-dp{rank}-{stamp}.json"
 
 
-def request_rows(state: dict[str, Any]) -> list[dict[str, Any]]:
-    """The requests a view snapshot holds, running first: id, state, tokens and blocks."""
-    rows = [{"id": rid, "state": r.get("state"), "prompt_tokens": r.get("prompt_tokens", 0),
+def request_rows(state: dict[str, Any], admitted: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """The requests a view snapshot holds, running first: id, state, tokens and blocks. A request
+    ``admitted`` into the step under way is ``scheduled`` (the view says waiting until that step ends)."""
+    scheduled = set(admitted)
+    rows = [{"id": rid, "state": "scheduled" if rid in scheduled and r.get("state") == "waiting" else r.get("state"),
+             "prompt_tokens": r.get("prompt_tokens", 0),
              "computed_tokens": r.get("computed_tokens", 0), "generated_tokens": r.get("generated_tokens", 0),
              "blocks": len(r.get("blocks") or [])}
             for rid, r in (state.get("requests") or {}).items() if r.get("state") in ("running", "waiting")]
-    return sorted(rows, key=lambda row: (row["state"] != "running", row["id"]))
+    order = {"running": 0, "scheduled": 1}
+    return sorted(rows, key=lambda row: (order.get(row["state"], 2), row["id"]))
 
 
 def write_dump(path: Path, record: dict[str, Any], stacks: dict[str, str], last_step: dict[str, Any] | None,
