@@ -3,7 +3,7 @@
 A vLLM start fails in many ways and says so in many words: ``EngineCore failed to start``,
 ``EngineCore hit an exception``, a worker that ``died unexpectedly``, an exception in a
 worker ``while processing method init_device``, ``torch.OutOfMemoryError``, ``NCCL error``,
-``ray.exceptions.RayTaskError(...)``, ``CUDA error: an illegal memory access``, or only a
+``ray.exceptions.RayTaskError(...)``, a Ray node marked dead, ``CUDA error: an illegal memory access``, or only a
 traceback the paste cuts before its last line. :class:`StartupWatch` sees every record as it
 streams past (any record: a hand-written pattern, a line from vLLM's source, noise or an
 unknown line) and keeps the *signals* of a failure, each with its line, its class and the
@@ -66,6 +66,8 @@ _MARKERS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("engine_core", re.compile(r"^Process (?:EngineCore\w*|SpawnProcess-\d+):$|EngineCore failed to start|Engine core initialization failed|EngineCore hit an "
                                r"exception|EngineCore encountered a fatal error|Engine process failed to start|"
                                r"Engine core proc \S+ died unexpectedly")),
+    ("ray", re.compile(r"has been marked dead because the detector has missed too many heartbeats|^Raylet is "
+                       r"terminated")),  # a Ray node lost: the vLLM ranks on it with it
     ("worker_died", re.compile(r"Worker proc \S+ died unexpectedly|\bproc \S+ died unexpectedly|Worker \S+ pid \d+ "
                                r"died, exit code|WorkerProc (?:hit an exception|failed to start|initialization "
                                r"failed)|Exception in worker \S+ while processing method (?P<method>\w+)|Error "

@@ -93,6 +93,8 @@ _PREFILTER = _prefilter(_ANCHOR_TABLE)
 _NOISE_PREFILTER = _prefilter([(anchor, (i,)) for i, noise in enumerate(NOISE) for anchor in noise.anchors])
 _TRACEBACK_CODE = re.compile(r"^\s+\S")  # the code line Python prints under a frame, indented
 _FRAME = re.compile(r'^\s*File "[^"]+", line \d+, in ')
+# a line that opens a record of its own (a date-time, Ray's system processes): never a hard-wrapped continuation
+_OWN_RECORD = re.compile(r"^(?:\d{4}-\d\d-\d\d[ T]\d\d:\d\d|\((?:raylet|gcs_server|autoscaler|monitor)\b[^)]{0,100}\) )")
 
 
 @dataclass(slots=True)
@@ -408,9 +410,9 @@ class RecordAssembler:
                 and pattern is None
                 and text
                 # indented: a continuation line; long unmatched previous line: a terminal hard wrap (which
-                # never repeats the log's own prefix)
+                # never repeats the log's own prefix, nor starts with a date-time of its own)
                 and (prefix.indented or (not prefix.learned and self.previous_len >= WRAP_MIN_CHARS
-                                         and pending.pattern is None))
+                                         and pending.pattern is None and not _OWN_RECORD.match(text)))
                 and len(pending.text) < MAX_RECORD_CHARS
             )
             self.previous_len = len(piece)

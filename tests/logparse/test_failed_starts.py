@@ -30,6 +30,8 @@ FAILED_STARTS = {
     "v0.8.5-worker-exception-profile-run.log": ("worker_died", "D", "profiling"),
     "v0.5.3-nccl-init-device.log": ("nccl", "A", "device_init"),
     "v0.2.7-kv-below-max-model-len.log": ("kv_below_max_len", "E", None),
+    # ray.init's own lines, then raylet: a node marked dead (its ranks with it); each line its own record
+    "v0.4.x-ray-cluster-raylet-node-marked-dead.log": ("ray", "?", None),
 }
 
 
