@@ -106,8 +106,7 @@ def occupancy_text(view: EngineView) -> str:
     occupancy = view.occupancy
     if not occupancy.total_slots:
         return ""
-    text = (f" · tokens {occupancy.token_usage:.1%} of slots ({occupancy.filled:,} filled of "
-            f"{occupancy.allocated:,} allocated, {occupancy.fill:.0%})")
+    text = f" · tokens {occupancy.token_usage:.1%} of slots ({occupancy.fill:.0%} of allocated)"
     if len(occupancy.groups) > 1:
         text += " · " + ", ".join(f"group {g} {group.fill:.0%}" for g, group in enumerate(occupancy.groups))
     return text
