@@ -259,7 +259,7 @@ def eta_line(letter: str, elapsed_s: float, predicted_s: float | None) -> str:
     if predicted_s is None:
         return head
     if elapsed_s > predicted_s:
-        return f"{head}, ~{_seconds_text(predicted_s)} s predicted (longer than this machine's earlier starts)"
+        return f"{head}, past the ~{_seconds_text(predicted_s)} s predicted"
     return f"{head} of ~{_seconds_text(predicted_s)} s"
 
 
