@@ -343,9 +343,9 @@ PATTERNS: tuple[LinePattern, ...] = (
       "The pool came out at zero blocks: weights + activation peak + non-torch left nothing of total x util "
       "(V0 raises 'No available memory for the cache blocks' next).", failure="no_cache_blocks"),
     P("v0_blocks", "E", "0.4.0–0.10.2", "blocks: ",
-      r"(?:# )?(?P<device>GPU|CUDA|cuda) blocks: <gpu_blocks:int>, # CPU blocks: <cpu_blocks:int>",
+      r"(?:# )?(?P<device>GPU|CUDA|cuda|TPU|HPU|NPU|XPU) blocks: <gpu_blocks:int>, # CPU blocks: <cpu_blocks:int>",
       "V0 pool in blocks: GPU = (total x util - peak) / block bytes, min over ranks; CPU = swap space "
-      "(default 4 GiB) / block bytes."),
+      "(default 4 GiB) / block bytes. TPU, Gaudi (HPU) and NPU executors print their device's pool the same way."),
     P("v1_gpu_blocks", "E", "0.6.4–0.7.3", "# GPU blocks", r"# GPU blocks: <gpu_blocks:int>$",
       "Early V1 pool in blocks = available // page size // layers."),
     P("cpu_blocks", "E", "0.5–0.10.2", "# CPU blocks", r"^# CPU blocks: <cpu_blocks:int>$",

@@ -71,3 +71,42 @@ def test_the_unknown_share_of_the_corpus_is_at_most_3_percent() -> None:
         unknown += coverage.unknown
     assert records > 500
     assert unknown / records <= MAX_UNKNOWN_SHARE, f"{unknown} of {records} records unknown"
+
+
+# Figures read from public pastes through their prefixes (file -> facts explain must read), and the
+# checks those figures pass
+FIGURES: dict[str, tuple[dict[str, object], set[str]]] = {
+    # a Kubernetes console's border around V0 0.8's budget lines: 79.19 x 0.90 = 71.27; 71.27 - 15.09 = 56.18
+    "v0.8.x-k8s-console-border-memory-profiling.log": (
+        {"total_gib": 79.19, "weights_gib": 12.55, "kv_cache_gib": 56.18, "gpu_blocks": 7191}, {"requested", "kv_remainder"}),
+    # V1 in 0.7: 1,381 blocks x 16 / 2,048 = 10.79x
+    "v0.7.1-v1-gpu-blocks-max-concurrency-w8a8-70b.log": ({"gpu_blocks": 1381, "max_concurrency": 10.79}, {"concurrency"}),
+    "v0.11.x-engine-core-dp0-kv-tokens-graph-capture-bars.log": (
+        {"kv_cache_tokens": 1_587_648, "max_concurrency": 775.22, "max_model_len": 2048}, {"concurrency"}),
+    # journald with a Cyrillic month, learned as the log's own prefix: 215,401 / 8,192 = 26.29x
+    "vunknown-1cat-fork-journald-cyrillic-sm70-kv-tokens.log": (
+        {"kv_cache_gib": 5.35, "kv_cache_tokens": 215_401, "max_concurrency": 26.29}, {"concurrency"}),
+    "v0.2x-mrv2-tp4-free-memory-cudagraph-2.04-gib.log": (
+        {"total_gib": 79.11, "cuda_graph_gib": 2.04, "kv_cache_gib": 63.25}, {"requested", "kv_remainder"}),
+    # TPU and Gaudi executors print their pool as V0's GPU executor does
+    "v0.6.x-tpu-ray-repeated-across-cluster-compile.log": ({"gpu_blocks": 18_736, "cpu_blocks": 11_912}, set()),
+    "v0.6.x-gaudi-hpu-blocks-buckets.log": ({"gpu_blocks": 3184, "cpu_blocks": 256}, set()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FIGURES))
+def test_figures_are_read_through_the_pastes_prefixes(name: str) -> None:
+    facts, passing = FIGURES[name]
+    exp = explain(PUBLIC / name)
+    assert {k: exp.facts.get(k) for k in facts} == facts
+    assert {c.id for c in exp.checks if c.ok is True} >= passing
+    assert not [c.id for c in exp.checks if c.ok is False]
+
+
+def test_prefixes_of_the_pastes_are_read() -> None:
+    ansi = explain(PUBLIC / "v0.7.3-ascend-caret-ansi-worker-platform-eager.log")  # '^[[1;36m(VllmWorkerProcess pid=N)^[[0;0m'
+    assert {r.process for r in ansi.records} == {"VllmWorkerProcess pid=113915", "VllmWorkerProcess pid=113919"}
+    ray = explain(PUBLIC / "v0.6.x-tpu-ray-repeated-across-cluster-compile.log")
+    assert ray.coverage.ray_folded == 6  # [repeated 5x] + [repeated 2x] x 2 -> 4 + 1 + 1
+    ci = explain(PUBLIC / "v0.1x-buildkite-timestamp-free-memory-cuda1.log")  # '[2026-02-24T20:21:58Z] (EngineCore_DP0 pid=N)'
+    assert ci.startup is not None and ci.startup.cause == "free_memory"
