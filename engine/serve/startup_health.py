@@ -54,12 +54,14 @@ def starting_message(status: dict[str, Any]) -> str:
     if status.get("phase") is None:
         return "the engine is starting"
     text = f"the engine is starting: phase {status['phase']} {status['name']}"
-    if status.get("elapsed_s") is not None:
-        text += f", {status['elapsed_s']:.1f} s"
-        if status.get("predicted_s") is not None:
-            text += f" of ~{status['predicted_s']:.1f} s"
-    if status.get("eta_s") is not None:
-        text += f"; ready in ~{status['eta_s']:.0f} s"
+    elapsed, predicted, eta = status.get("elapsed_s"), status.get("predicted_s"), status.get("eta_s")
+    if elapsed is not None:
+        text += f", {elapsed:.1f} s"
+    late = elapsed is not None and predicted is not None and elapsed > predicted
+    if predicted is not None:
+        text += f", past the ~{predicted:.1f} s predicted" if late else f" of ~{predicted:.1f} s"
+    if eta is not None:  # past its prediction, a phase's own rest is unknown: only the phases after it count
+        text += f"; the phases after it ~{eta:.0f} s" if late else f"; ready in ~{eta:.0f} s"
     return text
 
 

@@ -21,6 +21,7 @@ from engine.events import Event, EventBus, StartupPhase
 from engine.llm import engine_config
 from engine.modelspec.presets import bundled_gguf_path
 from engine.serve.host import EngineHost, ServerSettings
+from engine.serve.startup_health import starting_message
 from engine.startup_eta import HISTORY_ENV
 
 pytestmark = pytest.mark.skipif(bundled_gguf_path() is None, reason="the bundled SmolLM2 GGUF is not installed")
@@ -99,3 +100,13 @@ def test_health_says_the_phase_and_the_eta_during_startup_and_requests_wait(star
     assert answer.status_code == 200, answer.text  # held through startup, then served
     assert answer.json()["usage"]["completion_tokens"] <= 2
     _until(lambda: httpx.get(url + "/health", timeout=10).status_code == 200, 60, "/health 200 once ready")
+
+
+def test_the_starting_message() -> None:
+    status = {"phase": "C", "name": "load_weights", "status": "running", "elapsed_s": 12.0, "predicted_s": 30.0,
+              "eta_s": 25.4}
+    assert starting_message(status) == "the engine is starting: phase C load_weights, 12.0 s of ~30.0 s; ready in ~25 s"
+    late = {**status, "elapsed_s": 40.0, "eta_s": 7.0}
+    assert starting_message(late) == ("the engine is starting: phase C load_weights, 40.0 s, past the ~30.0 s "
+                                      "predicted; the phases after it ~7 s")
+    assert starting_message({"phase": None}) == "the engine is starting"
