@@ -20,7 +20,7 @@ import structlog
 from engine.config import EngineConfig
 from engine.core.request import FINISH_REASONS, Request, RequestStatus
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from engine.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, finished_event
 from engine.core.step_loop import ExecutedStep, run_step
 from engine.errors import UserError
 from engine.events import EventBus
@@ -271,6 +271,18 @@ class LLMEngine:
         self._detok.pop(request_id, None)
         self._prompt_logprobs.pop(request_id, None)
         return self.scheduler.abort(request_id, self.now(), cause)
+
+    def fail_unfinished(self, error: str) -> int:
+        """The engine loop stopped: every request still in it finishes with reason ``error`` (one
+        ``request.finished`` each, so every arrival stays accounted for). Its blocks are not freed:
+        the engine's state is unknown and it is closing. Returns how many there were."""
+        now = self.now()
+        requests = list(self.scheduler.requests.values())
+        for req in requests:
+            req.status, req.error, req.finished_time = RequestStatus.FINISHED_ERROR, error, now
+            self.bus.publish(finished_event(req))
+        self.scheduler.requests.clear()
+        return len(requests)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -398,6 +398,8 @@ class AsyncEngine(EngineFront):
             self._error = exc
             for stream in list(self._streams.values()):
                 stream.post(EngineDead(f"the engine stopped: {exc}"))
+            with contextlib.suppress(Exception):  # each request still in it finishes, reason error
+                engine.fail_unfinished(f"the engine stopped: {type(exc).__name__}: {exc}")
             # the recording, the dashboard and the metrics hear why (before close() ends the recording)
             self.bus.publish(EngineStopped(error=f"{type(exc).__name__}: {exc}"))
             raise
