@@ -155,18 +155,54 @@ def expr_parts(node: ast.expr, local: dict[str, ast.expr], depth: int = 0) -> li
     return None
 
 
-def _local_strings(function: ast.AST) -> dict[str, ast.expr]:
-    """Names a function assigns a message to (``msg = (...)``; ``msg += ...`` appended), so
-    ``logger.info(msg)`` reads the message."""
-    out: dict[str, ast.expr] = {}
+_MESSAGE_NODES = (ast.Constant, ast.JoinedStr, ast.BinOp, ast.Call)
+
+
+def _assigned(node: ast.AST) -> tuple[str, ast.expr] | None:
+    """(name, value) of ``name = <message>`` or ``name: str = <message>``."""
+    if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+        target, value = node.targets[0].id, node.value
+    elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
+        target, value = node.target.id, node.value
+    else:
+        return None
+    return (target, value) if isinstance(value, _MESSAGE_NODES) else None
+
+
+def _local_strings(function: ast.AST, module: dict[str, list[ast.expr]] | None = None) -> dict[str, list[ast.expr]]:
+    """The messages a name can hold where ``logger.info(name)`` is called: each assignment in the
+    function (``msg = (...)`` in two branches is two messages; ``msg += ...`` appends to the first),
+    the parameter's default (``message: str = "%storch.compile took %.2f s"``), else the module's
+    constant of that name."""
+    out: dict[str, list[ast.expr]] = {name: list(values) for name, values in (module or {}).items()}
+    own: set[str] = set()
+    if isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+        params = function.args.posonlyargs + function.args.args
+        defaults = list(zip(params[len(params) - len(function.args.defaults):], function.args.defaults, strict=True))
+        defaults += [(a, d) for a, d in zip(function.args.kwonlyargs, function.args.kw_defaults, strict=True) if d]
+        for arg, default in defaults:
+            if isinstance(default, _MESSAGE_NODES):
+                out[arg.arg], own = [default], own | {arg.arg}
     for node in ast.walk(function):
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            name = node.targets[0].id
-            if name not in out and isinstance(node.value, ast.Constant | ast.JoinedStr | ast.BinOp | ast.Call):
-                out[name] = node.value
+        found = _assigned(node)
+        if found is not None:
+            name, value = found
+            if name not in own:
+                out[name], own = [], own | {name}
+            out[name].append(value)
         elif isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name) and isinstance(node.op, ast.Add) \
-                and node.target.id in out:
-            out[node.target.id] = ast.BinOp(out[node.target.id], ast.Add(), node.value)
+                and node.target.id in own:
+            out[node.target.id][0] = ast.BinOp(out[node.target.id][0], ast.Add(), node.value)
+    return out
+
+
+def _module_strings(tree: ast.Module) -> dict[str, list[ast.expr]]:
+    """Module-level message constants (``_WARNING = ("No available shared memory ...")``)."""
+    out: dict[str, list[ast.expr]] = {}
+    for node in tree.body:
+        found = _assigned(node)
+        if found is not None:
+            out.setdefault(found[0], []).append(found[1])
     return out
 
 
@@ -214,24 +250,32 @@ def calls_in(source: str) -> list[tuple[str, list[Part]]]:
         return []
     finder = _CallFinder()
     finder.visit(tree)
-    locals_of: dict[int, dict[str, ast.expr]] = {}
+    module = _module_strings(tree)
+    locals_of: dict[int, dict[str, list[ast.expr]]] = {}
     out: list[tuple[str, list[Part]]] = []
     for level, node, function in finder.found:
         first, rest = node.args[0], list(node.args[1:])
         if isinstance(first, ast.Constant) and isinstance(first.value, str) and rest:
-            parts: list[Part] | None = percent_parts(first.value, rest)
-        elif isinstance(first, ast.Constant) and isinstance(first.value, str):
-            parts = [first.value.replace("%%", "%")]
-        else:
-            local: dict[str, ast.expr] = {}
-            if function is not None and isinstance(first, ast.Name):
-                if id(function) not in locals_of:
-                    locals_of[id(function)] = _local_strings(function)
-                local = locals_of[id(function)]
+            out.append((level, merge_literals(percent_parts(first.value, rest))))
+            continue
+        if isinstance(first, ast.Constant) and isinstance(first.value, str):
+            out.append((level, merge_literals([first.value.replace("%%", "%")])))
+            continue
+        strings = module
+        if function is not None and isinstance(first, ast.Name):
+            if id(function) not in locals_of:
+                locals_of[id(function)] = _local_strings(function, module)
+            strings = locals_of[id(function)]
+        # a name holding one of several messages is a template per message
+        choices = strings.get(first.id, [first]) if isinstance(first, ast.Name) else [first]
+        for choice in choices:
+            local = {name: values[0] for name, values in strings.items() if values}
+            if isinstance(first, ast.Name):
+                local[first.id] = choice
             parts = expr_parts(first, local)
             if parts is not None and rest:  # a computed format string with % arguments
                 parts = [q for p in parts for q in (percent_parts(p, rest) if isinstance(p, str) else [p])]
-        out.append((level, merge_literals(parts) if parts is not None else []))  # [] : a message we cannot read
+            out.append((level, merge_literals(parts) if parts is not None else []))  # []: a message we cannot read
     return out
 
 
