@@ -94,7 +94,7 @@ def test_corpus_json_ledger_matches_index(row: dict[str, str], capsys: pytest.Ca
     out = json.loads(capsys.readouterr().out)
     failed = [c["id"] for c in out["checks"] if c["ok"] is False and c["kind"] != "warning"]
     assert status == (1 if failed else 0), f"exit {status} with failed checks {failed}"
-    assert set(out) == {"records", "checks", "plan", "ledger", "coverage", "timeline", "startup", "cuts"}
+    assert set(out) == {"records", "checks", "plan", "ledger", "coverage", "timeline", "startup", "cuts", "startup_times"}
     assert tuple(out["ledger"]) == LEDGER_KEYS
     ledger = out["ledger"]
     for key, want in _expected_ledger(row).items():
