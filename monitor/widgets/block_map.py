@@ -119,7 +119,7 @@ class BlockMap(ScrollView, can_focus=True):
             used.append(" used (colour = request)")
             items.append(used)
         if per == 1:
-            items.append(Text.assemble((PARTIAL_CHAR, GROUP_USED_STYLE), " partly filled"))
+            items.append(Text.assemble((PARTIAL_CHAR, Style(color=PALETTE[0])), " partly filled"))
         else:
             items.append(Text.assemble((SHADES, GROUP_USED_STYLE), " share of the cell's blocks used"))
         items.append(Text.assemble((USED_CHAR if per == 1 else SHADES[-1], SELECTED_STYLE), " selected request"))
