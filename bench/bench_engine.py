@@ -117,35 +117,17 @@ def parse_variants(text: str) -> list[Variant]:
 class KvscopeEngine:
     supports = None
 
-    def __init__(self, variant: Variant, threads: int, observability: bool = False,
-                 model: str = DEFAULT_MODEL) -> None:
+    def __init__(self, variant: Variant, threads: int, model: str = DEFAULT_MODEL) -> None:
         from engine.llm import LLM
 
         self.variant = variant
-        self.tmp = tempfile.TemporaryDirectory()
         extra: dict[str, Any] = {"stats_interval": 0.0, "kv_cache_memory_bytes": KV_POOL_BYTES, "dtype": "auto"}
-        self.events_seen = 0
-        if observability:
-            extra.update(stats_interval=10.0, events=str(Path(self.tmp.name) / "run.jsonl"))
         start = time.perf_counter()
         self.llm = LLM(model, threads=threads, **extra, **MODEL_FLAGS.get(model, {}), **variant.flags)
         self.startup_s = time.perf_counter() - start
         self.dtype = str(self.llm.engine.runner.dtype).removeprefix("torch.")  # what --dtype auto resolved to
         suffix = "" if variant.spec == "auto" else f" {variant.spec}"
-        self.label = f"kvscope {SHORT_DTYPE.get(self.dtype, self.dtype)}{suffix}" + (" (all sinks)" if observability else "")
-        if observability:
-            self._subscribe_sinks()
-
-    def _subscribe_sinks(self) -> None:
-        from prometheus_client import CollectorRegistry
-
-        from engine.events.metrics import PrometheusMetrics
-
-        self.llm.engine.bus.subscribe(PrometheusMetrics(CollectorRegistry(), "smollm2"))
-        self.llm.engine.bus.subscribe(self._count)
-
-    def _count(self, event: Any) -> None:
-        self.events_seen += 1
+        self.label = f"kvscope {SHORT_DTYPE.get(self.dtype, self.dtype)}{suffix}"
 
     def run(self, workload: Workload) -> RunResult:
         from engine.core.sampling_params import SamplingParams
@@ -363,7 +345,7 @@ class Target:
 
 
 def verdict_rows(results: Results, warm: dict[str, dict[str, Any]], peers_missing: dict[str, str],
-                 reps: int) -> list[str]:
+                 reps: int, observability_ratio: float | None = None) -> list[str]:
     targets = [Target("batch-16 output tok/s >= 1.0x vLLM-CPU", "batch-16", "vLLM"),
                Target("batch-64 output tok/s >= 1.0x vLLM-CPU", "batch-64", "vLLM"),
                Target("prefill-500 tok/s >= 1.0x vLLM-CPU", "prefill-500", "vLLM"),
@@ -376,6 +358,7 @@ def verdict_rows(results: Results, warm: dict[str, dict[str, Any]], peers_missin
     for t in targets:
         lines.append(_comparison_row(results, t, peers_missing))
     lines.append(_startup_row(warm))
+    lines.append(_observability_row(observability_ratio))
     if reps < 3:
         lines += ["", f"Only {reps} repetition(s): indicative, not a verdict (the targets ask for >= 3)."]
     return lines
@@ -459,22 +442,45 @@ def startup_lines(warm: dict[str, dict[str, Any]]) -> list[str]:
             f"start took {w['first_launch_to_ready_s']:.2f} s" for spec, w in warm.items()]
 
 
-def observability(engine: KvscopeEngine, threads: int, workload: Workload, reps: int) -> tuple[list[str], float]:
-    """Same flags, all sinks on vs all off, interleaved off/on pairs so drift hits both alike."""
-    on = KvscopeEngine(engine.variant, threads, observability=True)
-    on.run(WARMUP)
-    # Once through the workload itself: the KV pool is mapped lazily, so a fresh engine pays
-    # first-touch page faults on blocks the measured engine touched in its own earlier runs.
-    on.run(workload)
-    pairs = [(engine.run(workload), on.run(workload)) for _ in range(max(1, reps))]
-    ratio = statistics.median(b.tok_per_s / a.tok_per_s for a, b in pairs)
-    off_run, on_run = pairs[-1]
-    on.close()
-    return [f"- {engine.label}, {workload.name}: all sinks on (JSONL + PrometheusMetrics + stats + subscriber, "
-            f"{on.events_seen:,} events) {on_run.tok_per_s:.1f} tok/s vs all off {off_run.tok_per_s:.1f} tok/s "
-            f"(last pair); median on/off ratio over {len(pairs)} interleaved pairs {ratio:.3f} (target >= 0.99; wall "
-            f"clock, so a shared machine's run-to-run noise is in it: bench.bench_sinks measures what the sinks "
-            f"themselves cost the step loop)"], ratio
+OBSERVABILITY_GOAL = 0.99  # all signals on / all off, output tok/s
+
+
+def observability(engine: KvscopeEngine, workload: Workload, reps: int) -> tuple[list[str], float]:
+    """The same engine with every signal family subscribed (bench/bench_observability.py) and
+    with none, in interleaved pairs (order alternating) so drift hits both alike; tok/s on the
+    process's CPU clock (other load on a shared machine does not count), wall beside. Two
+    engines would differ by more than the sinks: their pools' pages and allocations."""
+    from bench.bench_observability import Context, subscribed
+
+    cpu: dict[bool, list[float]] = {False: [], True: []}
+    wall: dict[bool, list[float]] = {False: [], True: []}
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = Context(engine.llm, [], Path(tmp))
+        for pair in range(max(1, reps) + 1):  # pair 0 warms the sinks up, and is not counted
+            for on in ((False, True) if pair % 2 else (True, False)):
+                with subscribed(ctx, "all" if on else None):
+                    start = time.process_time()
+                    run = engine.run(workload)
+                    seconds = time.process_time() - start
+                if pair:
+                    cpu[on].append(run.output_tokens / seconds)
+                    wall[on].append(run.tok_per_s)
+        ctx.close()
+    ratio = statistics.median(b / a for a, b in zip(cpu[False], cpu[True], strict=True))
+    wall_ratio = statistics.median(b / a for a, b in zip(wall[False], wall[True], strict=True))
+    return [f"- {engine.label}, {workload.name}: every signal family on (bench.bench_observability's all: JSONL, "
+            f"/events, Prometheus with block residency, KV events, OTLP, Perfetto, forward-pass, per-request) vs all "
+            f"off, the same engine: median on/off output tok/s over {len(cpu[True])} interleaved pairs {ratio:.3f} on "
+            f"the process's CPU clock ({', '.join(f'{b / a:.3f}' for a, b in zip(cpu[False], cpu[True], strict=True))}"
+            f"), {wall_ratio:.3f} on the wall clock (target >= {OBSERVABILITY_GOAL}; each family alone: "
+            f"bench.bench_observability)"], ratio
+
+
+def _observability_row(ratio: float | None) -> str:
+    name = f"all signals on: output tok/s >= {OBSERVABILITY_GOAL}x all off (same engine, CPU clock)"
+    if ratio is None or ratio != ratio:  # not measured (NaN)
+        return f"| {name} | n/a: not measured | - | n/a |"
+    return f"| {name} | {ratio:.3f} | {ratio:.3f} | {'pass' if ratio >= OBSERVABILITY_GOAL else 'MISS'} |"
 
 
 # ---------------------------------------------------------------------- main
@@ -584,13 +590,13 @@ def main(argv: list[str] | None = None) -> int:
     startups = {e.label: e.startup_s for e in engines}
     limits = best_limits(limits, machine_limits(args.threads))  # measured before and after the runs
     limits_text = limit_lines(kvscope, results, limits)
-    obs_text, obs_ratio = (observability(kvscope[0], args.threads, make_workloads(args.seed, args.scale)[0], args.reps)
+    obs_text, obs_ratio = (observability(kvscope[0], make_workloads(args.seed, args.scale)[0], args.reps)
                            if kvscope else ([], float("nan")))
     for e in kvscope:
         e.close()
     warm = warm_startups([e.variant for e in kvscope], args.threads, args.model)
     report = ["## kvscope vs peers", "", *results_table(results, startups), "", *ratio_table(results), "",
-              "## Verdict", "", *verdict_rows(results, warm, missing, args.reps), "",
+              "## Verdict", "", *verdict_rows(results, warm, missing, args.reps, obs_ratio), "",
               "## Warm startup to ready", "", *startup_lines(warm), "",
               "## Distance to the limit", "", *limits_text, "", "## Observability overhead", "", *obs_text, "",
               f"load average at the end: {load_average()}"]

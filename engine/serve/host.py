@@ -20,9 +20,10 @@ from prometheus_client import CollectorRegistry
 
 from engine.config import EngineConfig
 from engine.errors import UserError
-from engine.events import Event, EventBus, dumps
+from engine.events import Event, EventBus
 from engine.events.metrics import PrometheusMetrics
 from engine.events.request_lifecycle import RequestLifecycle, request_metrics
+from engine.events.schema import event_line
 from engine.events.view import EngineView
 from engine.llm_engine import LLMEngine
 from engine.profiling import TorchProfiler
@@ -140,7 +141,7 @@ class EventHub:
         clients = self._clients
         if not clients:
             return
-        item = (rank, event.seq, dumps(event.to_dict()))
+        item = (rank, event.seq, event_line(event))
         for client in clients:
             client.post(item)
 

@@ -102,3 +102,21 @@ def test_sink_flushes_every_event(tmp_path: Path) -> None:
     # Not closed: a concurrent reader already sees the whole line.
     assert len(read_events(path).events) == 1
     sink.close()
+
+
+def test_an_event_is_serialised_once_for_every_sink_that_writes_it() -> None:
+    """The recording and /events share one line per event; the same object published again
+    (a replay re-stamps it) is serialised again, with its new stamps."""
+    from engine.events.schema import dumps, event_line
+
+    bus = EventBus()
+    recording = io.StringIO()
+    sink = JsonlSink(recording)
+    lines: list[str] = []
+    bus.subscribe(sink)
+    bus.subscribe(lambda event: lines.append(event_line(event)))
+    event = RequestArrived(request_id="r1", prompt_tokens=3, max_tokens=4)
+    bus.publish(event)
+    assert lines[0] is event_line(event) and lines[0] == dumps(event.to_dict())
+    bus.publish(event)  # seq 2 now: a new line, not the cached one
+    assert json.loads(lines[1])["seq"] == 2 and recording.getvalue().splitlines()[1:] == lines
