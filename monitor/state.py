@@ -42,11 +42,10 @@ class Timeline:
         self.checkpoint_every = max(1, checkpoint_every)
         self.series_window = series_window
         self.step_positions: list[int] = [i for i, e in enumerate(self.events) if isinstance(e, StepEvent)]
+        steps = [e for e in self.events if isinstance(e, StepEvent)]  # step position k is steps[k]
         # Data-parallel ranks count their steps apart, so interleaved indices go back and forth:
         # the running maximum keeps the list sorted for go-to-step's bisect.
-        self.step_indices: list[int] = list(itertools.accumulate(
-            (self.events[i].index for i in self.step_positions), max))  # type: ignore[attr-defined]
-        steps = [e for e in self.events if isinstance(e, StepEvent)]  # step position k is steps[k]
+        self.step_indices: list[int] = list(itertools.accumulate((step.index for step in steps), max))
         # The DP ranks that stepped; the one followed first is the view's own choice (the first
         # stamped event's rank), so a one-rank recording folds as it always did.
         self.ranks: list[int] = sorted({step.dp_rank for step in steps})

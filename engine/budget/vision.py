@@ -442,9 +442,12 @@ def multimodal_from_flags(
         if not vision.video:
             raise UserError(f"--mm-video-size/--mm-video-frames: {model.name} takes images only")
         known = sizes.get("video")
-        if video_size is None and known is None:
+        if video_size is not None:
+            w, h = video_size
+        elif known is not None:
+            w, h = known.width, known.height
+        else:
             raise UserError("--mm-video-frames needs --mm-video-size WIDTHxHEIGHT (the frames' size)")
-        w, h = video_size if video_size is not None else (known.width, known.height)  # type: ignore[union-attr]
         frames = video_frames if video_frames is not None else (known.frames if known else 2 * vision.temporal_patch_size)
         if frames < 1:
             raise UserError(f"--mm-video-frames {frames}: give at least 1")

@@ -20,7 +20,7 @@ ENTRY_POINT_GROUP = "kvscope.dashboard"
 
 def load_dashboard() -> Callable[[EventBus, Callable[[], dict[str, Any]] | None, str], None]:
     """The registered dashboard launcher; a UserError when none is installed."""
-    return load_plugin(ENTRY_POINT_GROUP, "--monitor needs the kvscope monitor package")  # type: ignore[no-any-return]
+    return load_plugin(ENTRY_POINT_GROUP, "--monitor needs the kvscope monitor package")
 
 
 def run_dashboard(bus: EventBus, snapshot_fn: Callable[[], dict[str, Any]] | None, title: str) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from typing import NoReturn, TypeAlias
 
 from engine.errors import UserError
 
@@ -21,7 +21,11 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def program(prog: str, description: str) -> tuple[ArgumentParser, argparse._SubParsersAction]:  # type: ignore[type-arg]
+# What every subcommand's ``register`` takes (argparse's action is generic in typeshed only).
+Subparsers: TypeAlias = "argparse._SubParsersAction[ArgumentParser]"
+
+
+def program(prog: str, description: str) -> tuple[ArgumentParser, Subparsers]:
     """A top-level parser and the subparsers action its subcommands register on."""
     parser = ArgumentParser(prog=prog, description=description)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=ArgumentParser)

@@ -122,4 +122,6 @@ def publish_step_event(
         return None
     if output.encoder_cache_capacity:
         bus.publish(build_encoder_event(output, timings))
-    return bus.publish(build_step_event(output, timings))  # type: ignore[return-value]
+    event = build_step_event(output, timings)
+    bus.publish(event)  # stamps seq and t on the event itself
+    return event

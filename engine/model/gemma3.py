@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -136,7 +136,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     @property
     def kv_cache_groups(self) -> list[int]:
         """Each layer's KV cache group (all 0 on one full-attention table)."""
-        return [layer.kv_cache_group for layer in self.layers]  # type: ignore[misc]
+        return [layer.kv_cache_group for layer in cast("list[Gemma3DecoderLayer]", list(self.layers))]
 
     @torch.inference_mode()
     def forward(

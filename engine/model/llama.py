@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -233,7 +233,8 @@ class DecoderLayer(nn.Module):
         if self.qkv_proj.dtype != torch.float32:
             return None
         args = [projection_args(self.quantized.get(name), getattr(self, name)) for name in _PROJECTIONS]
-        return None if any(a is None for a in args) else args  # type: ignore[return-value]
+        held = [a for a in args if a is not None]
+        return held if len(held) == len(args) else None
 
     def mlp_block(self, hidden: torch.Tensor) -> torch.Tensor:
         """Norm, gate/up, SiLU-and-multiply, down, residual: the part ``torch.compile`` fuses."""
@@ -265,6 +266,11 @@ def qk_normed_qkv(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: 
     qk = apply_rotary(torch.cat((q, k), dim=1), cos, sin)
     q, k = qk.split([layer.num_heads, layer.num_kv_heads], dim=1)
     return q, k, v
+
+
+def decoder_layers(layers: nn.ModuleList) -> list[DecoderLayer]:
+    """A model's layers as their class (``nn.ModuleList`` types its items as any module)."""
+    return cast("list[DecoderLayer]", list(layers))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -512,7 +518,7 @@ class LlamaForCausalLM(nn.Module):
 
             get_logger("kvscope.quantization").warning(self.quantization_fallback)
         gemv_kernel = cpu_gemv.load_kernel() if self.embed_tokens.device.type == "cpu" else None
-        isa = gemv_kernel.isa() if gemv_kernel is not None else "scalar"  # type: ignore[attr-defined]
+        isa = gemv_kernel.isa() if gemv_kernel is not None else "scalar"
         limits = GEMV_MAX_ROWS.get(isa, GEMV_MAX_ROWS["scalar"])
         for module, name, q in weight_blocks.entries_of(self):
             if q.gemv is None:
@@ -528,18 +534,18 @@ class LlamaForCausalLM(nn.Module):
         return self.quantization_fallback
 
     def _fused_args(self) -> list[tuple[tuple[object, ...], tuple[object, ...]]]:
-        fused = [layer.fused_decode_args() for layer in self.layers]  # type: ignore[operator]
+        fused = [layer.fused_decode_args() for layer in decoder_layers(self.layers)]
         return [f for f in fused if f is not None] if fused and all(f is not None for f in fused) else []
 
     # ------------------------------------------------------------------ weights the plan never multiplies by
-    def _float_weight_unused(self, layer: nn.Module, name: str) -> bool:
+    def _float_weight_unused(self, layer: DecoderLayer, name: str) -> bool:
         """True when no step the kernel plan routes multiplies by ``layer``'s float ``name``:
         the GEMV (or a bf16/int8 copy) at every step size, and the fused layer (if on) never
         past its GEMV limit on the float weight. Only a GGUF's own blocks: their values are the
         float weights exactly, so :meth:`restore_float_weights` can make them again."""
         from engine.model.kernels.cpu_layer import MAX_ROWS
 
-        q = layer.quantized.get(name)  # type: ignore[union-attr, operator]
+        q = layer.quantized.get(name)
         if q is None or q.gemv is None or q.source != "gguf":
             return False
         if any(c == "torch" for _, c in self.kernel_plan.choices(_GROUP_OF[name])):
@@ -552,7 +558,7 @@ class LlamaForCausalLM(nn.Module):
         placeholder of its shape that holds one element (``weights_bytes`` counts nothing for
         it; phase C's ``kernel_plan_bytes`` goes down by it). Returns the bytes dropped."""
         dropped = 0
-        for layer in self.layers:
+        for layer in decoder_layers(self.layers):
             for name in _PROJECTIONS:
                 weight = getattr(layer, name)
                 if _holds_nothing(weight) or not self._float_weight_unused(layer, name):
@@ -617,7 +623,7 @@ class LlamaForCausalLM(nn.Module):
         for prefix, module in weight_blocks.quantized_modules(self).items():
             for name in ("head",) if prefix == "" else _PROJECTIONS:
                 group = "head" if name == "head" else _GROUP_OF[name]
-                q = module.quantized.get(name)  # type: ignore[operator]
+                q = module.quantized.get(name)
                 usable = q is not None and q.gemv is not None
                 choices = [(hi, "torch" if c == "gemv" and not usable else c) for hi, c in plan.choices(group)]
                 weight = self.head_weight if name == "head" else getattr(module, name)
@@ -625,7 +631,7 @@ class LlamaForCausalLM(nn.Module):
                     # not held (read as blocks, or an earlier plan dropped it); this plan multiplies by it
                     weight = weight_blocks.restore_float(self, module, name)
                 route, extra = build_route(choices, weight, q, kernel, group)
-                module.kernel_routes[name] = route  # type: ignore[index, operator]
+                module.kernel_routes[name] = route
                 for suffix in PLAN_COPY_SUFFIXES:  # an earlier plan's copies
                     module._buffers.pop(f"{name}_{suffix}", None)
                 for suffix, tensor in extra.items():
@@ -661,7 +667,7 @@ class LlamaForCausalLM(nn.Module):
         index = int(index_str)
         if index >= len(self.layers):
             return None  # dummy/reduced-layer configs reading a bigger file
-        layer: DecoderLayer = self.layers[index]  # type: ignore[assignment]
+        layer = decoder_layers(self.layers)[index]
         q, kv, inter = layer.q_size, layer.kv_size, layer.intermediate_size
         table: dict[str, tuple[torch.Tensor | None, int, int]] = {
             "input_layernorm.weight": (layer.input_layernorm, 0, layer.input_layernorm.shape[0]),

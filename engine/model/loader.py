@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,6 +23,9 @@ from engine.modelspec.config import ModelConfig
 from engine.modelspec.families import GGUF_GLOBAL_NAMES, family_for_architecture
 from engine.modelspec.gguf_header import read_gguf_header
 from engine.modelspec.readers import resolve_model_file
+
+if TYPE_CHECKING:
+    from engine.model.llama import LlamaForCausalLM
 
 # (tensors done, tensors total) -> None; the engine turns it into a progress event.
 ProgressCallback = Callable[[int, int], None]
@@ -197,7 +201,7 @@ def load_hf_state_dict(config: ModelConfig, load_format: str = "auto", dtype: to
 
 
 def load_weights_into(
-    model: torch.nn.Module,
+    model: LlamaForCausalLM,
     config: ModelConfig,
     load_format: str = "auto",
     progress: ProgressCallback | None = None,
@@ -212,38 +216,38 @@ def load_weights_into(
     count = 0
     cache = "none"
     if fmt == "dummy":
-        count = model.init_dummy_weights(seed=seed)  # type: ignore[operator]
+        count = model.init_dummy_weights(seed=seed)
         if progress:
             progress(count, count)
         source = None
     else:
         location = weights_location(config)
         source = str(location)
-        cache_path = (weights_path(location, model.dtype, *_cache_key_parts(config))  # type: ignore[arg-type]
+        cache_path = (weights_path(location, model.dtype, *_cache_key_parts(config))
                       if fmt == "gguf" and location.is_file() else None)
         if fmt == "gguf":
             cache = "off" if cache_path is None else "miss"
         # A tensor-parallel rank holds slices: it reads the whole model's entry and never writes one.
-        sliced = hasattr(model, "load_cached_slices")
-        if cache_path is not None and (model.load_cached_slices(cache_path) if sliced  # type: ignore[operator]
+        load_slices = getattr(model, "load_cached_slices", None)  # TensorParallelLlama's
+        if cache_path is not None and (load_slices(cache_path) if load_slices is not None
                                        else load_cached_weights(model, cache_path)):
             cache = "hit"
-            count = len(model.hf_names())  # type: ignore[operator]
+            count = len(model.hf_names())
             if progress:
                 progress(count, count)
         else:
             seen: set[str] = set()
             for name, array, total in iter_hf_tensors(config, fmt):
                 tensor = torch.from_numpy(np.require(array, requirements=["C", "W"])) if isinstance(array, np.ndarray) else array
-                model.load_hf_tensor(name, tensor)  # type: ignore[operator]
+                model.load_hf_tensor(name, tensor)
                 seen.add(name)
                 count += 1
                 if progress:
                     progress(count, total)
-            missing = model.missing_hf_names(seen)  # type: ignore[operator]
+            missing = model.missing_hf_names(seen)
             if missing:
                 raise UserError(f"{source}: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
-            if cache_path is not None and not sliced:
+            if cache_path is not None and load_slices is None:
                 try:
                     save_cached_weights(model, cache_path)
                 except OSError:

@@ -21,6 +21,7 @@ holds one layer's router and experts and fills them from a family's HF names
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,7 @@ from torch import nn
 from engine.errors import UserError
 from engine.model.attention.base import AttentionBackend
 from engine.model.kernels.cpu_norm import rms_norm
+from engine.model.llama import DecoderLayer, LlamaForCausalLM
 from engine.modelspec.config import ModelConfig
 
 
@@ -199,18 +201,16 @@ class SparseMoeMLP(nn.Module):
         return table.get(tensor)
 
 
-class SparseLayerMixin:
+class SparseLayerMixin(DecoderLayer):
     """A decoder layer whose MLP is sparse where the config says so (``is_moe_layer``): put
-    before the family's layer class and set ``expert_names``; it replaces the dense MLP in
-    ``mlp_block``."""
+    before the family's layer class (a ``DecoderLayer``) and set ``expert_names``; it replaces
+    the dense MLP in ``mlp_block``."""
 
     expert_names: ExpertNames  # the family's HF names for its router and experts
     moe: SparseMoeMLP | None
-    post_attention_layernorm: torch.Tensor
-    eps: float
 
     def __init__(self, config: ModelConfig, index: int, dtype: torch.dtype, device: torch.device | str) -> None:
-        super().__init__(config, dtype, device)  # type: ignore[call-arg]  # the family's layer class
+        super().__init__(config, dtype, device)  # the family's layer class
         self.make_sparse(config, index, self.expert_names, dtype, device)
 
     def make_sparse(self, config: ModelConfig, index: int, names: ExpertNames, dtype: torch.dtype,
@@ -225,7 +225,7 @@ class SparseLayerMixin:
 
     def mlp_block(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.moe is None:
-            return super().mlp_block(hidden)  # type: ignore[misc, no-any-return]
+            return super().mlp_block(hidden)
         return hidden + self.moe(rms_norm(hidden, self.post_attention_layernorm, self.eps))
 
     def fused_decode_args(self) -> None:
@@ -233,24 +233,23 @@ class SparseLayerMixin:
         return None
 
 
-class SparseModelMixin:
-    """A model with sparse layers (put before the family's model class and set ``layer_class``):
-    their expert weights by the family's HF names, one :class:`ExpertCounter` over every MoE
-    layer, and no quantized copies (they cover dense projections only)."""
+class SparseModelMixin(LlamaForCausalLM):
+    """A model with sparse layers (put before the family's model class, a ``LlamaForCausalLM``,
+    and set ``layer_class``): their expert weights by the family's HF names, one
+    :class:`ExpertCounter` over every MoE layer, and no quantized copies (they cover dense
+    projections only)."""
 
-    layers: nn.ModuleList
-    quantized: dict[str, Any]
     family_label = "this MoE family"
     layer_class: type[SparseLayerMixin]  # the family's sparse decoder layer
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu") -> None:
-        super().__init__(config, backend, dtype, device)  # type: ignore[call-arg]  # the family's model class
+        super().__init__(config, backend, dtype, device)  # the family's model class
         self.attach_expert_counter(int(config.num_experts or 0))
 
     def _make_layer(self, index: int, config: ModelConfig, dtype: torch.dtype,
                     device: torch.device | str) -> nn.Module:
-        return self.layer_class(config, index, dtype, device)  # type: ignore[return-value]
+        return self.layer_class(config, index, dtype, device)
 
     def attach_expert_counter(self, num_experts: int) -> None:
         moe_layers = [i for i, layer in enumerate(self.layers) if layer.moe is not None]
@@ -262,7 +261,8 @@ class SparseModelMixin:
     def fused_decode_status(self, kv_cache_dtype: torch.dtype) -> str:
         return f"off: the fused C++ layer is Llama's dense shape ({self.family_label} runs its layers op by op)"
 
-    def quantize_weights(self, method: str, gguf_blocks: object = None) -> dict[str, int]:
+    def quantize_weights(self, method: str, gguf_blocks: Mapping[str, tuple[str, torch.Tensor]] | None = None,
+                         pack: bool = True) -> dict[str, int]:
         raise UserError(f"--quantization {method}: the weight-only quantized copies cover dense projections; "
                         f"kvscope runs {self.family_label}'s experts in float (use --quantization none)")
 
@@ -286,7 +286,7 @@ class SparseModelMixin:
             found = moe.target(tail)
             if found is not None or tail.startswith(("mlp.", moe.names.experts, moe.names.router)):
                 return found  # a dense MLP name in a sparse layer fills nothing
-        return super()._fused_target(hf_name)  # type: ignore[misc, no-any-return]
+        return super()._fused_target(hf_name)
 
     @torch.no_grad()
     def load_hf_tensor(self, hf_name: str, tensor: torch.Tensor) -> None:
@@ -294,7 +294,7 @@ class SparseModelMixin:
         if sparse is not None and sparse[1] in STACKED_EXPERTS:
             sparse[0].load_stacked(STACKED_EXPERTS[sparse[1]], tensor)
             return
-        super().load_hf_tensor(hf_name, tensor)  # type: ignore[misc]
+        super().load_hf_tensor(hf_name, tensor)
 
     def missing_hf_names(self, seen: set[str]) -> set[str]:
         """A layer's experts loaded from stacked tensors (a GGUF) cover their per-expert names."""
@@ -305,10 +305,10 @@ class SparseModelMixin:
                 names = moe.names
                 covered.update(f"model.layers.{index}.{names.experts}{e}.{t}" for e in range(moe.num_experts)
                                for t in (names.gate, names.up, names.down))
-        return super().missing_hf_names(covered)  # type: ignore[misc, no-any-return]
+        return super().missing_hf_names(covered)
 
     def hf_names(self) -> list[str]:
-        names = [n for n in super().hf_names()  # type: ignore[misc]
+        names = [n for n in super().hf_names()
                  if not ((s := self._sparse_layer(n)) is not None and s[1].startswith("mlp."))]
         for index, layer in enumerate(self.layers):
             if layer.moe is not None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -76,7 +77,7 @@ def dequantize_part(part: BlockPart, in_features: int, rows: torch.Tensor | None
 
     kernel = cpu_quant.load_kernel()
     if kernel is not None:
-        return kernel.dequantize(blocks.contiguous(), BLOCK_FORMATS[part.fmt][0])  # type: ignore[no-any-return]
+        return kernel.dequantize(blocks.contiguous(), BLOCK_FORMATS[part.fmt][0])
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
 
@@ -94,7 +95,7 @@ class QuantizedLinear:
     source: str  # "gguf" (the file's own blocks) | "packed" (quantized from floats here)
     max_rows: int = 0  # steps of at most this many tokens use ``gemv``; 0: always the float weights
     gemv: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False)
-    kernels: tuple[object, object] = field(default=(None, None), repr=False)  # (GEMV, block-type) bound with
+    kernels: tuple[ModuleType | None, ModuleType | None] = field(default=(None, None), repr=False)  # (GEMV, block-type) bound with
 
     @classmethod
     def single(cls, blocks: torch.Tensor, fmt: str, source: str, in_features: int | None = None) -> QuantizedLinear:
@@ -168,7 +169,8 @@ class QuantizedLinear:
         return out.reshape(*ids.shape, self.in_features)
 
 
-def bind_kernels(entries: Sequence[QuantizedLinear], gemv_kernel: object, quant_kernel: object) -> list[str]:
+def bind_kernels(entries: Sequence[QuantizedLinear], gemv_kernel: ModuleType | None,
+                 quant_kernel: ModuleType | None) -> list[str]:
     """Point each entry at its kernel: the GEMV module's for a one-part Q8_0/Q4_1/q4_1x8
     weight, the block-type module's for the rest. Returns why entries stay unbound (no
     kernel for their formats): those run their float weights."""
@@ -186,11 +188,11 @@ def bind_kernels(entries: Sequence[QuantizedLinear], gemv_kernel: object, quant_
     return sorted(set(missing))
 
 
-def _segments_call(kernel: object, q: QuantizedLinear) -> Callable[[torch.Tensor], torch.Tensor]:
+def _segments_call(kernel: ModuleType, q: QuantizedLinear) -> Callable[[torch.Tensor], torch.Tensor]:
     codes = [BLOCK_FORMATS[p.fmt][0] for p in q.parts]
     blocks = [p.blocks for p in q.parts]
     if len(blocks) == 1:
-        fn1, w, code = kernel.quant_matmul, blocks[0], codes[0]  # type: ignore[attr-defined]
-        return lambda x: fn1(x, w, code)  # type: ignore[no-any-return]
-    fn = kernel.quant_matmul_segments  # type: ignore[attr-defined]
-    return lambda x: fn(x, blocks, codes)  # type: ignore[no-any-return]
+        fn1, w, code = kernel.quant_matmul, blocks[0], codes[0]
+        return lambda x: fn1(x, w, code)
+    fn = kernel.quant_matmul_segments
+    return lambda x: fn(x, blocks, codes)

@@ -31,7 +31,7 @@ class Qwen3DecoderLayer(DecoderLayer):
                       sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return qk_normed_qkv(self, x, cos, sin, self.qkv_bias)
 
-    def fused_decode_args(self) -> None:  # type: ignore[override]
+    def fused_decode_args(self) -> None:
         """The fused C++ decode layer is Llama's shape (no QK-norm): never here."""
         return None
 

@@ -14,8 +14,8 @@ kernel can be built.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -43,6 +43,17 @@ BUFFER_SUFFIX = {"q8_0": "int8", "q4_1": "int4", "q4_1x8": "int4", "q4_0": "int4
                  "q5_1": "int5", "q4_k": "int4", "q5_k": "int5", "q6_k": "int6"}
 
 
+class BlockHolder(Protocol):
+    """A module that holds quantized entries: the model (its LM head's, as ``"head"``) and each
+    decoder layer (its projections'), with the kernel plan's route for each."""
+
+    quantized: dict[str, QuantizedLinear]
+    kernel_routes: dict[str, Callable[[torch.Tensor], torch.Tensor]]
+    _buffers: dict[str, torch.Tensor | None]
+
+    def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None: ...
+
+
 def holds_nothing(t: torch.Tensor) -> bool:
     """A placeholder for a float weight not held: its shape over one element."""
     return not t.is_mkldnn and t.dim() == 2 and t.numel() > 1 and t.stride() == (0, 0)
@@ -59,15 +70,15 @@ def head_attr(model: Any) -> str:
     return "embed_tokens" if model.lm_head is None else "lm_head"
 
 
-def float_attr(model: Any, module: nn.Module, name: str) -> str:
+def float_attr(model: Any, module: BlockHolder, name: str) -> str:
     """The float parameter behind quantized entry ``name`` of ``module``."""
     return head_attr(model) if name == "head" else name
 
 
-def restore_float(model: Any, module: nn.Module, name: str) -> torch.Tensor:
+def restore_float(model: Any, module: BlockHolder, name: str) -> torch.Tensor:
     """``module``'s float weight behind entry ``name`` made again from its blocks (their
     values exactly), in the model's dtype."""
-    q: QuantizedLinear = module.quantized[name]  # type: ignore[index, assignment]
+    q = module.quantized[name]
     attr = float_attr(model, module, name)
     dtype = getattr(module, attr).dtype
     weight = nn.Parameter(q.dequantize().to(dtype), requires_grad=False)
@@ -75,29 +86,29 @@ def restore_float(model: Any, module: nn.Module, name: str) -> torch.Tensor:
     return weight
 
 
-def quantized_modules(model: Any) -> dict[str, nn.Module]:
+def quantized_modules(model: Any) -> dict[str, BlockHolder]:
     return {"": model, **{f"layers.{i}.": layer for i, layer in enumerate(model.layers)}}
 
 
-def entries_of(model: Any) -> list[tuple[nn.Module, str, QuantizedLinear]]:
+def entries_of(model: Any) -> list[tuple[BlockHolder, str, QuantizedLinear]]:
     return [(module, name, q) for module in quantized_modules(model).values()
-            for name, q in module.quantized.items()]  # type: ignore[operator]
+            for name, q in module.quantized.items()]
 
 
-def install(module: nn.Module, name: str, entry: QuantizedLinear, counts: dict[str, int]) -> None:
+def install(module: BlockHolder, name: str, entry: QuantizedLinear, counts: dict[str, int]) -> None:
     """Hold ``entry`` on ``module`` (its parts as buffers, so ``weights_bytes`` counts them)."""
     for i, part in enumerate(entry.parts):
         suffix = BUFFER_SUFFIX[part.fmt] + (f"_{i}" if len(entry.parts) > 1 else "")
         module.register_buffer(f"{name}_{suffix}", part.blocks, persistent=False)
-    module.quantized[name] = entry  # type: ignore[index, operator]
+    module.quantized[name] = entry
     key = f"{entry.fmt if entry.fmt != 'mixed' else '+'.join(entry.formats)} {entry.source}"
     counts[key] = counts.get(key, 0) + 1
 
 
-def targets(model: Any) -> list[tuple[nn.Module, str, torch.Tensor, tuple[str, ...]]]:
+def targets(model: Any) -> list[tuple[BlockHolder, str, torch.Tensor, tuple[str, ...]]]:
     """``(module, entry name, float weight, HF parts)`` of the LM head and every projection."""
     head_name = "model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight"
-    out: list[tuple[nn.Module, str, torch.Tensor, tuple[str, ...]]] = [
+    out: list[tuple[BlockHolder, str, torch.Tensor, tuple[str, ...]]] = [
         (model, "head", getattr(model, head_attr(model)), (head_name,))]
     for index, layer in enumerate(model.layers):
         out.extend((layer, name, getattr(layer, name),
@@ -159,7 +170,7 @@ def quantized_state(model: Any, counts: Mapping[str, int]) -> tuple[dict[str, to
     tensors: dict[str, torch.Tensor] = {}
     formats = {"float": str(counts.get("float", 0))}
     for prefix, module in quantized_modules(model).items():
-        for name, q in module.quantized.items():  # type: ignore[operator]
+        for name, q in module.quantized.items():
             if len(q.parts) == 1:
                 tensors[prefix + name] = q.blocks
                 formats[prefix + name] = f"{q.fmt} {q.source}"
@@ -170,7 +181,7 @@ def restore_quantized(model: Any, tensors: Mapping[str, torch.Tensor],
                       formats: Mapping[str, str]) -> dict[str, int] | None:
     """Install entries saved by :func:`quantized_state`; None, with nothing installed, when
     they do not fit this model (another shape or an older layout)."""
-    plan: list[tuple[nn.Module, str, QuantizedLinear]] = []
+    plan: list[tuple[BlockHolder, str, QuantizedLinear]] = []
     for prefix, module in quantized_modules(model).items():
         for name in ("head",) if prefix == "" else PROJECTIONS:
             key = prefix + name

@@ -417,7 +417,7 @@ def family_for_architecture(architecture: str) -> Family:
 def model_class_for(config: ModelConfig) -> type[Any]:
     """The family's model class (imported now: the first torch the model wing loads)."""
     module, _, name = family_for_architecture(config.architecture).model_class.partition(":")
-    return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
+    return getattr(importlib.import_module(module), name)
 
 
 def _ggml_type_name(kind: int) -> str:

@@ -191,6 +191,20 @@ class EngineFront:
         raise NotImplementedError
 
     @property
+    def ready(self) -> bool:
+        """Started well and still running (``/health``, the routes' 503 before it)."""
+        raise NotImplementedError
+
+    def shutdown(self, drain_timeout_s: float = 10.0) -> None:
+        raise NotImplementedError
+
+    def next_request_id(self, prefix: str) -> str:
+        raise NotImplementedError
+
+    def abort_all(self) -> None:
+        raise NotImplementedError
+
+    @property
     def error(self) -> BaseException | None:
         """What stopped the engine after startup (None while it runs or after a clean stop)."""
         return self._error

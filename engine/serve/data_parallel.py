@@ -133,11 +133,12 @@ class ReplicaFrontend:
         """LLMEngine.kv_event_sources over every rank."""
         return dict(self._kv_event_sources)
 
-class MergedRegistry:
+class MergedRegistry(CollectorRegistry):
     """The ranks' registries as one: each family once, with every rank's samples (a
     family repeated in the exposition is a scrape error for Prometheus)."""
 
     def __init__(self, registries: Sequence[CollectorRegistry]) -> None:
+        super().__init__()
         self.registries = registries
 
     def collect(self) -> Iterator[Metric]:
@@ -160,7 +161,7 @@ class DataParallelMetrics:
         self.registry = self.ranks[0].registry
 
     def render(self) -> bytes:
-        return generate_latest(MergedRegistry([m.registry for m in self.ranks]))  # type: ignore[arg-type]
+        return generate_latest(MergedRegistry([m.registry for m in self.ranks]))
 
 
 class DataParallelView:
@@ -533,9 +534,8 @@ def data_parallel_host(config: EngineConfig, settings: ServerSettings, registry:
         # rank 0: every event; the others' startup and stats events would read as rank 0's
         buses[rank].subscribe(hub if rank == 0 else hub.feed(rank, RANKED_EVENTS))
     engine = DataParallelEngine(config, buses, views, max_waiting_requests=settings.max_waiting_requests)
-    host = EngineHost(settings=settings, bus=buses[0], engine=engine, view=DataParallelView(engine),  # type: ignore[arg-type]
-                      metrics=DataParallelMetrics(metrics), hub=hub,  # type: ignore[arg-type]
-                      lifecycle=DataParallelLifecycle(lifecycles),  # type: ignore[arg-type]
+    host = EngineHost(settings=settings, bus=buses[0], engine=engine, view=DataParallelView(engine),
+                      metrics=DataParallelMetrics(metrics), hub=hub, lifecycle=DataParallelLifecycle(lifecycles),
                       profiler=TorchProfiler(settings.profile_dir or os.getcwd()))
     engine.start()  # last: nothing above may fail with engine cores left running
     host.stall = data_parallel_detector(config, engine).start()

@@ -14,7 +14,7 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry
 
@@ -27,7 +27,7 @@ from engine.events.schema import event_line
 from engine.events.view import EngineView
 from engine.llm_engine import LLMEngine
 from engine.profiling import TorchProfiler
-from engine.serve.async_engine import AsyncEngine
+from engine.serve.async_engine import AsyncEngine, EngineFront
 from engine.serve.settings import LOOPBACK_HOSTS, ServerSettings
 from engine.serve.stall import StallDetector, one_core_detector
 
@@ -130,12 +130,12 @@ class EventHub:
 
     def feed(self, rank: int, kinds: tuple[type[Event], ...]) -> Callable[[Event], None]:
         """A subscriber for rank ``rank``'s bus that passes on the events of ``kinds`` only."""
+
         def post(event: Event) -> None:
             if isinstance(event, kinds):
                 self._post(rank, event)
 
-        post.sink_name = f"EventHub(dp rank {rank})"  # type: ignore[attr-defined]
-        return post
+        return RankFeed(f"EventHub(dp rank {rank})", post)
 
     def _post(self, rank: int, event: Event) -> None:
         clients = self._clients
@@ -160,6 +160,43 @@ class EventHub:
             client.post(None)
 
 
+class RankFeed:
+    """A subscriber with the name the bus reports it by (``sink_name``) when it fails."""
+
+    def __init__(self, sink_name: str, post: Callable[[Event], None]) -> None:
+        self.sink_name = sink_name
+        self._post = post
+
+    def __call__(self, event: Event) -> None:
+        self._post(event)
+
+
+class StateView(Protocol):
+    """``host.view``: one engine core's view (:class:`LockedView`) or D ranks' read as one
+    (engine/serve/data_parallel.py's ``DataParallelView``): what /debug/state and /events read."""
+
+    def snapshot(self) -> dict[str, Any]: ...
+
+    def snapshot_of_rank(self, rank: int) -> dict[str, Any]: ...
+
+
+class RequestLives(Protocol):
+    """``host.lifecycle``: every request's life, one core's (:class:`LockedLifecycle`) or
+    every rank's (``DataParallelLifecycle``): what /debug/requests reads."""
+
+    def life(self, request_id: str) -> dict[str, Any] | None: ...
+
+    def metrics(self, request_id: str) -> dict[str, Any] | None: ...
+
+    def rows(self, state: str | None, now: float) -> list[dict[str, Any]]: ...
+
+
+class MetricsText(Protocol):
+    """``host.metrics``: the Prometheus exposition, one core's families or every rank's merged."""
+
+    def render(self) -> bytes: ...
+
+
 class InFlight:
     """The completion and chat requests received and not yet answered in full (vLLM's
     server load); counted by :class:`~engine.serve.route_support.StampArrival`."""
@@ -172,15 +209,17 @@ class InFlight:
 
 @dataclass
 class EngineHost:
-    """The engine thread plus its subscribers and the server settings."""
+    """The engine thread plus its subscribers and the server settings. One engine core or D
+    (engine/serve/data_parallel.py) behind the same faces: the engine (``EngineFront``), the
+    view, the metrics and the request lives (the protocols above)."""
 
     settings: ServerSettings
     bus: EventBus
-    engine: AsyncEngine
-    view: LockedView
-    metrics: PrometheusMetrics
+    engine: EngineFront
+    view: StateView
+    metrics: MetricsText
     hub: EventHub
-    lifecycle: LockedLifecycle
+    lifecycle: RequestLives
     profiler: TorchProfiler = field(default_factory=lambda: TorchProfiler(os.getcwd()))  # /start_profile
     in_flight: InFlight = field(default_factory=lambda: InFlight())  # /load
     stall: StallDetector | None = None  # --stall-timeout: /health's engine_stalled (engine/serve/stall.py)

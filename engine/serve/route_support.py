@@ -22,7 +22,7 @@ from engine.serve.protocol import APIError
 
 def host_of(request: Request) -> EngineHost:
     """The host :func:`engine.serve.app.build_app` stored on the app."""
-    return request.app.state.host  # type: ignore[no-any-return]
+    return request.app.state.host
 
 
 # --------------------------------------------------------------- arrival

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from engine.budget.memory import GiB, GpuPreset
 from engine.config import EngineConfig
@@ -88,23 +89,24 @@ class Deployment:
                 f"{s.max_model_len:,}")
 
 
-def _model_config(name: str, summary: dict[str, object]) -> ModelConfig:
+def _model_config(name: str, summary: dict[str, Any]) -> ModelConfig:  # the engine.config event's JSON
     """The recorded model: its preset or file when this machine has it, else its recorded shapes."""
     try:
         return load_model_config(name)
     except UserError:
         try:
-            return ModelConfig(name, **{k: int(summary[k]) for k in _SHAPE_FIELDS})  # type: ignore[call-overload]
+            shapes: dict[str, Any] = {k: int(summary[k]) for k in _SHAPE_FIELDS}
+            return ModelConfig(name, **shapes)
         except (KeyError, TypeError, ValueError):
             raise UserError(f"the recording's model {name!r} is neither a preset nor a file here, and its "
                             "engine.config event lacks its shapes") from None
 
 
-def _recorded_bytes_per_token(rec: Recording, summary: dict[str, object]) -> int:
+def _recorded_bytes_per_token(rec: Recording, summary: dict[str, Any]) -> int:
     for ev in rec.events:
         if isinstance(ev, StartupPhase) and ev.phase == "E" and ev.data.get("bytes_per_token"):
             return int(ev.data["bytes_per_token"])
-    return int(summary.get("bytes_per_kv_token") or 0)  # type: ignore[call-overload]
+    return int(summary.get("bytes_per_kv_token") or 0)
 
 
 def this_machine(rec: Recording, fit: StepFit, overrides: Overrides) -> Deployment:

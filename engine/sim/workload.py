@@ -36,11 +36,14 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from engine.errors import UserError
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
 
 ARRIVALS = ("at-once", "uniform", "poisson")
 ARRIVAL_UNITS = ("step", "s")
@@ -260,10 +263,10 @@ class VocabTokenIds:
         self._prefix: list[int] = []
 
     @classmethod
-    def for_engine(cls, engine: object, seed: int = 0) -> VocabTokenIds:
+    def for_engine(cls, engine: LLMEngine, seed: int = 0) -> VocabTokenIds:
         """Draws from a started :class:`~engine.llm_engine.LLMEngine`'s ordinary vocabulary."""
-        tok = engine.tokenizer  # type: ignore[attr-defined]
-        vocab_size = engine.startup.model_config.vocab_size  # type: ignore[attr-defined]
+        tok = engine.tokenizer
+        vocab_size = engine.startup.model_config.vocab_size
         return cls(ordinary_token_ids(vocab_size, set(getattr(tok, "special_token_ids", set()))), seed)
 
     def prompt(self, req: WorkloadRequest) -> list[int]:

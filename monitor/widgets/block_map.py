@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from rich.segment import Segment
 from rich.style import Style
@@ -73,8 +73,8 @@ class BlockMap(ScrollView, can_focus=True):
     blocks_per_cell: reactive[int] = reactive(0)  # 0 = fit the pool to the visible area
     selected: reactive[str | None] = reactive(None)
 
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+    def __init__(self, **kwargs: Any) -> None:  # Textual's name, id, classes, disabled
+        super().__init__(**kwargs)
         self._view: EngineView | None = None
         self._cells: list[tuple[str, Style]] = []
         self._num_blocks = 0

@@ -75,8 +75,8 @@ def wrap_fields(head: str, fields: list[str], width: int) -> list[str]:
 class EventsLog(Vertical):
     """An input to filter by, and the last matching events."""
 
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+    def __init__(self, **kwargs: Any) -> None:  # Textual's name, id, classes, disabled
+        super().__init__(**kwargs)
         self._view: EngineView | None = None
 
     def compose(self) -> ComposeResult:

@@ -49,7 +49,8 @@ def group_legend_items(groups: list[dict[str, object]], num_groups: int, glyph: 
     """One item per run of consecutive groups of one spec: each group's ``glyph`` in its
     colour, the spec's name and the layers: ``■■■■■ sliding 512 (5 groups × 3 layers)``,
     ``■ full (3 layers)``. Groups the config does not name are ``group g``."""
-    specs = [(group_label(g), len(g.get("layers") or ())) for g in groups]  # type: ignore[arg-type]
+    specs = [(group_label(g), len(layers) if isinstance(layers := g.get("layers"), list | tuple) else 0)
+             for g in groups]
     specs += [(f"group {g}", 0) for g in range(len(specs), num_groups)]
     items: list[Text] = []
     start = 0

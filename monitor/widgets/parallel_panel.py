@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from rich.console import Group
+from rich.console import Group, JustifyMethod
 from rich.table import Table
 from rich.text import Text
 from textual.widgets import Static
@@ -56,10 +56,10 @@ def stage_table(rank_stages: Mapping[int, Sequence[StageWindow]], window_s: floa
     by_rank = len(rank_stages) > 1
     table = Table(box=None, padding=(0, 2), show_edge=False, title_justify="left",
                   title=f"PP stages{' per DP rank' if by_rank else ''} (last {window_s:g} s of steps)")
-    columns = (("rank", "right"),) if by_rank else ()
+    columns: tuple[tuple[str, JustifyMethod], ...] = (("rank", "right"),) if by_rank else ()
     for column, justify in (*columns, ("stage", "right"), ("busy", "right"), ("", "left"),
                             ("bubble/step", "right"), ("sent", "right")):
-        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+        table.add_column(column, justify=justify)
     for rank, stages in rank_stages.items():
         for stage in stages:
             cells = round(stage.utilisation * BAR_CELLS)

@@ -5,6 +5,7 @@ for a hybrid KV cache, the selected request's blocks per KV cache group; a row p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from rich.style import Style
 from rich.text import Text
@@ -56,8 +57,8 @@ def request_row(req: RequestView, now: float) -> tuple[object, ...]:
 class RequestTable(DataTable[object]):
     """One queue; clicking a header sorts by that column (again: reverse)."""
 
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(cursor_type="row", zebra_stripes=True, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, **kwargs: Any) -> None:  # Textual's name, id, classes, disabled
+        super().__init__(cursor_type="row", zebra_stripes=True, **kwargs)
         self.sort_column: str | None = None
         self.sort_reverse = False
 
@@ -138,8 +139,8 @@ class Queues(Vertical):
 
         request_id: str | None
 
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+    def __init__(self, **kwargs: Any) -> None:  # Textual's name, id, classes, disabled
+        super().__init__(**kwargs)
         self._view: EngineView | None = None
         self._selected: str | None = None
 

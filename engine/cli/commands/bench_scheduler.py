@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from engine.cli.program import Subparsers
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.errors import UserError
@@ -132,7 +133,7 @@ def measure(trace: str, sink: str, repeats: int) -> dict[str, Any]:
     }
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: Subparsers) -> None:
     p = subparsers.add_parser(
         "bench-scheduler",
         help="scheduler steps per second on fixed traces (no model)",

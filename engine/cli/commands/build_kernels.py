@@ -7,12 +7,13 @@ from __future__ import annotations
 import argparse
 import time
 
+from engine.cli.program import Subparsers
 from engine.model.cpu_caps import detect
 from engine.model.kernels.background import build_all
 from engine.model.kernels.build import kernel_cache_root
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: Subparsers) -> None:
     p = sub.add_parser("build-kernels", help="compile the CPU kernels into the shared kernel cache")
     p.set_defaults(func=run)
 

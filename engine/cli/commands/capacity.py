@@ -25,6 +25,7 @@ from typing import Any
 
 from engine.budget.memory import GPU_PRESETS
 from engine.cli.flags import add_aliased
+from engine.cli.program import Subparsers
 from engine.errors import UserError
 from engine.sim.capacity import (
     DEFAULT_TOLERANCE,
@@ -55,7 +56,7 @@ from engine.sim.traces import TRACE_FORMATS, Trace, arrival_rate, read_trace, re
 from engine.sim.workload import WorkloadRequest
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: Subparsers) -> None:
     p = sub.add_parser("capacity", help="the highest request rate a trace can be served at within an SLO",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", required=True, metavar="FILE", help="the workload: a recording, bench result, aiperf "

@@ -32,6 +32,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engine.cli.program import Subparsers
 from engine.errors import UserError
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
 HOW_TO_RECORD = "record one with --events FILE: engine run-workload, serve, generate or simulate"
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: Subparsers) -> None:
     p = sub.add_parser("diff", help="what changed between two recordings; exit 1 when the second regressed",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("a", metavar="A.jsonl", help="the baseline recording (.jsonl or .jsonl.gz)")

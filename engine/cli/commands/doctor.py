@@ -22,12 +22,13 @@ from __future__ import annotations
 import argparse
 
 from engine.cli.plugins import load_plugin
+from engine.cli.program import Subparsers
 from engine.errors import UserError
 
 ENTRY_POINT_GROUP = "kvscope.doctor"
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: Subparsers) -> None:
     p = sub.add_parser("doctor", help="diagnose a recording, a live server or a vLLM log, with the fix in numbers",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", metavar="URL|RECORDING|LOG",

@@ -10,6 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
+from engine.cli.program import Subparsers
 from engine.errors import UserError
 from engine.modelspec.hf_export import hf_config, hf_export_for, hf_tensors
 from engine.modelspec.readers import load_model_config
@@ -45,7 +46,7 @@ def export_hf(model: str, out: Path, dtype: str = "float32") -> Path:
     return out
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser(
         "export-hf", help="write an HF model folder (safetensors + tokenizer) from a GGUF or HF model"
     )

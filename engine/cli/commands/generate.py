@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from engine.cli.exporters import add_exporter_flags, attach_exporters
 from engine.cli.flags import add_engine_flags, engine_config_from_args
+from engine.cli.program import Subparsers
 from engine.core.sampling_params import SamplingParams
 from engine.logs import configure_logging
 
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: Subparsers) -> None:
     p = sub.add_parser("generate", help="generate text for one prompt with the real engine")
     add_engine_flags(p, positional_model=True)
     p.add_argument("--prompt", required=True, help="the prompt text")

@@ -28,12 +28,13 @@ from __future__ import annotations
 import argparse
 
 from engine.cli.exporters import add_exporter_flags, build_exporters, exporters_asked, recording_wall_start
+from engine.cli.program import Subparsers
 from engine.errors import UserError
 from engine.events import Recording
 from engine.sim.replay import Replayer, ReplayReport, load_recording
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: Subparsers) -> None:
     p = sub.add_parser("replay", help="re-run the scheduler from a recording; verify decisions or inspect a step",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("recording", help="JSONL event file")

@@ -18,6 +18,7 @@ from engine.cli.flags import (
     engine_config_from_args,
     workload_spec_from_args,
 )
+from engine.cli.program import Subparsers
 from engine.errors import UserError
 from engine.events import EngineConfigEvent, Event, EventBus, RequestArrived, RequestFinished
 from engine.logs import configure_logging
@@ -38,7 +39,7 @@ EOS ignored), sent at Poisson arrivals in seconds or all at once. Record it with
 --events run.jsonl for the monitor and replay; --monitor shows the live dashboard."""
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: Subparsers) -> None:
     p = sub.add_parser("run-workload", help="run a synthetic workload through the real engine and record it",
                        description=DESCRIPTION)
     add_engine_flags(p, positional_model=True)
@@ -88,8 +89,9 @@ def run_with_monitor(args: argparse.Namespace, workload: list[WorkloadRequest], 
     run_dashboard(bus, None, title)
     stop.set()
     worker.join(timeout=30)
-    if "error" in result:
-        raise result["error"]  # type: ignore[misc]
+    error = result.get("error")
+    if isinstance(error, BaseException):
+        raise error
     summary = result.get("summary")
     return summary if isinstance(summary, WorkloadSummary) else None
 

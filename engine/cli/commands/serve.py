@@ -21,6 +21,7 @@ import uvicorn
 
 from engine.cli.exporters import add_exporter_flags, attach_exporters
 from engine.cli.flags import add_engine_flags, engine_config_from_args, model_from_args
+from engine.cli.program import Subparsers
 from engine.errors import UserError
 from engine.logs import configure_logging, get_logger
 from engine.modelspec.presets import BUNDLED_MODEL_NAME
@@ -35,7 +36,7 @@ if TYPE_CHECKING:  # the app and the engine load torch: only once the flags are 
 API_KEY_ENV = "KVSCOPE_API_KEY"
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: Subparsers) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI API, /metrics and the live /events stream")
     add_engine_flags(p, positional_model=True)
     add_server_flags(p)

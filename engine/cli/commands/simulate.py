@@ -41,6 +41,7 @@ from engine.cli.flags import (
     multimodal_flags,
     workload_spec_from_args,
 )
+from engine.cli.program import Subparsers
 from engine.errors import UserError
 from engine.events import EventBus
 from engine.events.dp_balance import DP_IMBALANCE_BOUND
@@ -64,7 +65,7 @@ from engine.sim.workload import WorkloadRequest, generate_workload, load_trace, 
 SWEEPS = ("max-num-batched-tokens", "concurrency")
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: Subparsers) -> None:
     p = sub.add_parser("simulate", help="simulate serving at GPU scale: real scheduler, roofline cost model",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_flags(p, default_model=DEFAULT_MODEL)

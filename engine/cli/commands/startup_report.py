@@ -7,6 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
+from engine.cli.program import Subparsers
 from engine.errors import UserError
 
 DESCRIPTION = """Read the startup.phase events of one or more recordings (engine serve / run-workload /
@@ -15,7 +16,7 @@ and compilation time for cold starts and warm ones (a warm start reused the stor
 measurement), then each phase A-G. --output-json writes vllm bench startup's JSON."""
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: Subparsers) -> None:
     p = sub.add_parser("startup-report", help="vllm bench startup's report from recordings' phase events",
                        description=DESCRIPTION)
     p.add_argument("recordings", nargs="+", help="events files (.jsonl), one start each")

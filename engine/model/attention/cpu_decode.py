@@ -880,7 +880,7 @@ def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     over an int8/fp8 cache, keeps its dtype; another query is cast to the cache's dtype."""
     kernel = load_kernel()
     assert kernel is not None
-    return kernel.paged_decode(query, kv_cache, block_tables, seq_lens, scale, _table_for(kv_cache.dtype),  # type: ignore[attr-defined]
+    return kernel.paged_decode(query, kv_cache, block_tables, seq_lens, scale, _table_for(kv_cache.dtype),
                                sliding_window or 0)
 
 
@@ -895,7 +895,7 @@ def paged_prefill(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
     causal, in one call for the whole step. Returns float32 ``[rows, heads, head_dim]``."""
     kernel = load_kernel()
     assert kernel is not None
-    return kernel.paged_prefill(query, kv_cache, block_tables, seq_lens,  # type: ignore[attr-defined]
+    return kernel.paged_prefill(query, kv_cache, block_tables, seq_lens,
                                 query_start, scale, _table_for(kv_cache.dtype), sliding_window or 0)
 
 
@@ -903,7 +903,7 @@ def bf16_prefill_available() -> bool:
     """Whether :func:`paged_prefill_bf16` runs here: the kernel is built, by a compiler that
     targets AVX512-BF16 (``-march=native`` on such a CPU)."""
     kernel = load_kernel()
-    return kernel is not None and bool(kernel.has_bf16_dot())  # type: ignore[attr-defined]
+    return kernel is not None and bool(kernel.has_bf16_dot())
 
 
 def paged_prefill_bf16(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -914,5 +914,5 @@ def paged_prefill_bf16(query: torch.Tensor, kv_cache: torch.Tensor, block_tables
     float32. Returns float32 ``[rows, heads, head_dim]``."""
     kernel = load_kernel()
     assert kernel is not None
-    return kernel.paged_prefill_bf16(query, kv_cache, block_tables, seq_lens,  # type: ignore[attr-defined]
+    return kernel.paged_prefill_bf16(query, kv_cache, block_tables, seq_lens,
                                      query_start, scale, sliding_window or 0)

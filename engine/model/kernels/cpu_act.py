@@ -103,7 +103,7 @@ def silu_and_mul(gate_up: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     if gate_up.device.type == "cpu" and gate_up.dim() == 2 and gate_up.dtype in _KERNEL_DTYPES and out_dtype in _KERNEL_DTYPES:
         module = KERNEL.get()  # None when KVSCOPE_CPU_ACT_KERNEL=0 or not built here
         if module is not None:
-            return module.silu_and_mul(gate_up, out_dtype == torch.bfloat16)  # type: ignore[attr-defined,no-any-return]
+            return module.silu_and_mul(gate_up, out_dtype == torch.bfloat16)
     gate, up = gate_up.chunk(2, dim=-1)
     if gate_up.dtype != out_dtype:  # computed in float32, as the kernel does
         gate, up = gate.float(), up.float()

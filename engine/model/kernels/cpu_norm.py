@@ -75,5 +75,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.device.type == "cpu" and x.dtype == weight.dtype:
         module = KERNEL.get()  # None when KVSCOPE_CPU_NORM_KERNEL=0 or not built here
         if module is not None:
-            return module.rms_norm(x, weight, eps)  # type: ignore[attr-defined]
+            return module.rms_norm(x, weight, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
