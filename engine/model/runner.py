@@ -23,7 +23,7 @@ from engine.core.kv_cache_groups import FULL, KVCacheGroup, config_groups
 from engine.core.sampling_params import SamplingParams
 from engine.errors import UserError
 from engine.logs import log_failure
-from engine.model.attention.base import AttentionMetadata, allocate_kv_cache
+from engine.model.attention.base import AttentionBackend, AttentionMetadata, allocate_kv_cache
 from engine.model.attention.kv_quant import kv_cache_shape, kv_cache_torch_dtype
 from engine.model.attention.selector import get_attention_backend
 from engine.model.cuda_graphs import DecodeGraphs
@@ -135,6 +135,18 @@ def torch_dtype(name: str) -> torch.dtype:
     return TORCH_DTYPES[canonical]
 
 
+def build_model(model_config: ModelConfig, backend: AttentionBackend, parallel: TensorParallel | None,
+                dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """The model this rank runs: its family's class, or this rank's slice under tensor parallelism."""
+    if parallel is not None and parallel.world_size > 1:
+        from engine.model.parallel_llama import TensorParallelLlama
+
+        return TensorParallelLlama(model_config, backend, parallel, dtype=dtype, device=device)
+    from engine.modelspec.families import model_class_for
+
+    return model_class_for(model_config)(model_config, backend, dtype=dtype, device=device)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -169,16 +181,7 @@ class ModelRunner:
         self.quantization_counts: dict[str, int] = {}  # "<format> <source>" -> weights (load_weights)
         self.backend = get_attention_backend(attention_backend, self.device)
         self.backend.check_kv_cache_dtype(self.kv_cache_dtype)  # a UserError before any weights load
-        if parallel is not None and parallel.world_size > 1:
-            from engine.model.parallel_llama import TensorParallelLlama
-
-            self.model: LlamaForCausalLM = TensorParallelLlama(model_config, self.backend, parallel, dtype=self.dtype,
-                                                               device=self.device)
-        else:
-            from engine.modelspec.families import model_class_for
-
-            self.model = model_class_for(model_config)(model_config, self.backend, dtype=self.dtype,
-                                                       device=self.device)
+        self.model = build_model(model_config, self.backend, parallel, self.dtype, self.device)
         self.sampler = Sampler(seed=seed)
         self.kv_caches: list[torch.Tensor] = []  # one per layer (layers may share a tensor)
         self.kv_tensors: list[torch.Tensor] = []  # the distinct KV tensors (one per layer, or per group slot)

@@ -72,54 +72,57 @@ def _read_cached(path_text: str, size: int, mtime_ns: int) -> GGUFHeader:
         raise UserError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
 
 
+def _string(buf: mmap.mmap, at: int) -> tuple[str, int]:
+    """The string at ``at`` and the position after it."""
+    (size,) = struct.unpack_from("<Q", buf, at)
+    if at + 8 + size > len(buf):
+        raise ValueError(f"string of {size} bytes runs past the end of the file")
+    return bytes(buf[at + 8 : at + 8 + size]).decode("utf-8", errors="replace"), at + 8 + size
+
+
+def _skip(buf: mmap.mmap, kind: int, at: int, path: Path) -> int:
+    """The position after the metadata value of type ``kind`` at ``at``."""
+    if kind in _SCALAR_FORMATS:
+        return at + struct.calcsize(_SCALAR_FORMATS[kind])
+    if kind == _STRING:
+        return at + 8 + struct.unpack_from("<Q", buf, at)[0]
+    if kind == _ARRAY:
+        item, count = struct.unpack_from("<IQ", buf, at)
+        at += 12
+        if item in _SCALAR_FORMATS:
+            return at + count * struct.calcsize(_SCALAR_FORMATS[item])
+        if item == _STRING:  # a vocabulary: ~100k strings, so one tight loop, no recursion
+            unpack_length = struct.Struct("<Q").unpack_from
+            for _ in range(count):
+                at += 8 + unpack_length(buf, at)[0]
+            return at
+        for _ in range(count):
+            at = _skip(buf, item, at, path)
+        return at
+    raise UserError(f"{path}: unknown GGUF metadata type {kind} (a newer GGUF version?)")
+
+
 def _parse(buf: mmap.mmap, path: Path) -> GGUFHeader:
     magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", buf, 0)
     if magic != b"GGUF" or version < 2:
         raise UserError(f"{path}: not a GGUF v2+ file (magic {magic!r}, version {version})")
     pos = 24
-
-    def string(at: int) -> tuple[str, int]:
-        (size,) = struct.unpack_from("<Q", buf, at)
-        if at + 8 + size > len(buf):
-            raise ValueError(f"string of {size} bytes runs past the end of the file")
-        return bytes(buf[at + 8 : at + 8 + size]).decode("utf-8", errors="replace"), at + 8 + size
-
-    def skip(kind: int, at: int) -> int:
-        if kind in _SCALAR_FORMATS:
-            return at + struct.calcsize(_SCALAR_FORMATS[kind])
-        if kind == _STRING:
-            return at + 8 + struct.unpack_from("<Q", buf, at)[0]
-        if kind == _ARRAY:
-            item, count = struct.unpack_from("<IQ", buf, at)
-            at += 12
-            if item in _SCALAR_FORMATS:
-                return at + count * struct.calcsize(_SCALAR_FORMATS[item])
-            if item == _STRING:  # a vocabulary: ~100k strings, so one tight loop, no recursion
-                unpack_length = struct.Struct("<Q").unpack_from
-                for _ in range(count):
-                    at += 8 + unpack_length(buf, at)[0]
-                return at
-            for _ in range(count):
-                at = skip(item, at)
-            return at
-        raise UserError(f"{path}: unknown GGUF metadata type {kind} (a newer GGUF version?)")
-
     metadata: dict[str, MetadataValue] = {}
     for _ in range(n_kv):
-        key, pos = string(pos)
+        key, pos = _string(buf, pos)
         (kind,) = struct.unpack_from("<I", buf, pos)
         pos += 4
         if kind in _SCALAR_FORMATS:
             (metadata[key],) = struct.unpack_from(_SCALAR_FORMATS[kind], buf, pos)
         elif kind == _STRING:
-            metadata[key], _ = string(pos)
+            metadata[key], _ = _string(buf, pos)
         elif kind == _ARRAY:
             item, count = struct.unpack_from("<IQ", buf, pos)
             metadata[key] = ArrayValue(int(item), int(count))
-        pos = skip(kind, pos)
+        pos = _skip(buf, kind, pos, path)
     tensors = []
     for _ in range(n_tensors):
-        name, pos = string(pos)
+        name, pos = _string(buf, pos)
         (n_dims,) = struct.unpack_from("<I", buf, pos)
         dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
         kind, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.cli.dashboard import load_dashboard
 from engine.cli.flags import add_workload_flags, bytes_type, workload_spec_from_args
+from engine.cli.program import Subparsers
 from engine.config import EngineConfig
 from engine.errors import UserError
 from engine.events import EventBus
@@ -48,7 +49,7 @@ requests get preempted. Without a terminal it runs headless: --duration
 seconds of load from ready, sized to the machine, then a summary."""
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: Subparsers) -> None:
     p = sub.add_parser("demo", help="the bundled model serving a synthetic load, with the live dashboard",
                        description=DESCRIPTION)
     add_workload_flags(p, num_prompts=None, input_len="32:256", output_len="16:128", request_rate=3.0,
@@ -250,13 +251,7 @@ def run(args: argparse.Namespace) -> int:
         if headless:
             print(f"engine demo: {config.model} on {url}, {args.num_prompts} streaming requests at "
                   f"{args.request_rate:g}/s (headless: {args.duration:g} s of load once ready)", flush=True)
-            # --duration counts from ready (startup's time is its own); streams still open
-            # DRAIN_GRACE_S after it are cut
-            while load_thread.is_alive():
-                load = holder.get("load")
-                if load is not None and time.monotonic() - load.started > args.duration + DRAIN_GRACE_S:
-                    break
-                load_thread.join(timeout=0.5)
+            _wait_for_load(load_thread, holder, args.duration)
         elif run_dashboard is not None:
             run_dashboard(bus, host.view.snapshot, f"engine demo {url}")
     finally:
@@ -270,9 +265,23 @@ def run(args: argparse.Namespace) -> int:
     load = holder.get("load")
     if load is None:
         raise UserError("the demo load never started (the server did not come up)")
-    state = host.view.snapshot()
+    return _report(load, host.view.snapshot(), summary, args.num_prompts, start)
+
+
+def _wait_for_load(load_thread: threading.Thread, holder: dict[str, DemoLoad], duration: float) -> None:
+    """Headless: until the load ends, or ``duration`` after ready (startup's time is its own);
+    streams still open ``DRAIN_GRACE_S`` after it are cut."""
+    while load_thread.is_alive():
+        load = holder.get("load")
+        if load is not None and time.monotonic() - load.started > duration + DRAIN_GRACE_S:
+            break
+        load_thread.join(timeout=0.5)
+
+
+def _report(load: DemoLoad, state: dict[str, Any], summary: SummaryCollector, num_prompts: int, start: float) -> int:
+    """What the demo did, as ``vllm bench serve`` words it; 1 when a request failed."""
     not_sent = f" ({load.skipped} not sent: they would not have finished within --duration)" if load.skipped else ""
-    print(f"ready after {load.started - start:.1f} s; sent {load.sent} of {args.num_prompts} requests{not_sent}, "
+    print(f"ready after {load.started - start:.1f} s; sent {load.sent} of {num_prompts} requests{not_sent}, "
           f"{load.completed} completed in {time.monotonic() - load.started:.1f} s; "
           f"KV pool {state['kv']['total']} blocks, {state['preemptions']} preemptions")
     summary.summary.wall_s = time.monotonic() - load.started  # the load's time, not the startup's

@@ -38,6 +38,7 @@ from engine.cli.flags import (
     model_from_args,
     multimodal_flags,
 )
+from engine.cli.program import Subparsers
 from engine.errors import UserError
 from engine.events import PHASES, EngineConfigEvent, EventBus, JsonlSink, StartupPhase
 from engine.events.ledger import label
@@ -55,7 +56,7 @@ BAR_SEGMENTS: tuple[tuple[str, str], ...] = (
 )
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: Subparsers) -> None:
     p = sub.add_parser("plan", help="compute the memory budget and KV cache size for a model on a GPU",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_flags(p)
@@ -207,12 +208,9 @@ def _row(label: str, gib: float, note: str = "") -> str:
     return f"  {label:<32}{gib:>10.3f} GiB{('   ' + note) if note else ''}"
 
 
-def render_text(console: Console, model: ModelConfig, plan: MemoryPlan, gpu_name: str, args: argparse.Namespace) -> None:
-    def note(name: str, given: float | None) -> str:
-        if given is not None:
-            return "given"
-        return "estimated from shapes" if name in plan.estimated else "from shapes"
-
+def _print_model(console: Console, model: ModelConfig, plan: MemoryPlan, gpu_name: str,
+                 args: argparse.Namespace) -> None:
+    """The model, its parameters and what one KV token costs (per group on a hybrid model)."""
     kv_b = kv_dtype_bytes(args.kv_cache_dtype, model.dtype if args.dtype == "auto" else args.dtype)
     kv_heads = max(1, model.num_kv_heads // args.tensor_parallel_size)
     mm = plan.multimodal
@@ -235,6 +233,15 @@ def render_text(console: Console, model: ModelConfig, plan: MemoryPlan, gpu_name
         for line in hybrid_group_lines(plan):
             console.print(line, highlight=False)
     console.print()
+
+
+def _ledger_rows(plan: MemoryPlan, args: argparse.Namespace) -> list[str]:
+    """The memory ledger, each quantity with where it came from (given, or from shapes)."""
+    def note(name: str, given: float | None) -> str:
+        if given is not None:
+            return "given"
+        return "estimated from shapes" if name in plan.estimated else "from shapes"
+
     lines = [
         _row(label("total_bytes"), plan.total_bytes / GiB),
         _row(f"{label('requested_bytes')} (x {plan.gpu_memory_utilization:g})", plan.requested_bytes / GiB),
@@ -246,8 +253,15 @@ def render_text(console: Console, model: ModelConfig, plan: MemoryPlan, gpu_name
              "--kv-cache-memory-bytes" if plan.kv_pool_overridden else ""),
         _row("outside the budget (1 - util)", (plan.total_bytes - plan.requested_bytes) / GiB),
     ]
-    if mm is not None:
-        lines[2:4] = multimodal_ledger_rows(plan, mm, args)
+    if plan.multimodal is not None:
+        lines[2:4] = multimodal_ledger_rows(plan, plan.multimodal, args)
+    return lines
+
+
+def render_text(console: Console, model: ModelConfig, plan: MemoryPlan, gpu_name: str, args: argparse.Namespace) -> None:
+    _print_model(console, model, plan, gpu_name, args)
+    mm = plan.multimodal
+    lines = _ledger_rows(plan, args)
     tp = args.tensor_parallel_size
     console.print("[bold]Memory ledger[/]" + (f" (per GPU: each of the {tp} ranks holds 1/{tp} of the weights "
                                               "and of every token's KV heads)" if tp > 1 else ""), highlight=False)
