@@ -57,6 +57,7 @@ from bench.workloads import percentile
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 TOK_PER_S_GOAL = 0.99  # all on / all off, decode tok/s
 ITL_P99_GOAL = 1.02  # all on / all off, ITL p99
+COST_GOAL = 0.01  # the sinks' own CPU per step, as a share of an all-off decode step's CPU
 Sink = Callable[[Any], None]
 
 
@@ -243,6 +244,7 @@ class Run:
     sink_threads_s: float = 0.0  # CPU seconds of the threads the family's sinks started
     by_sink: dict[str, float] = field(default_factory=dict)  # engine-thread seconds per sink
     steps: int = 0
+    decode_steps: int = 0
 
     def tok_per_s(self, clock: str) -> float:
         return self.decode_tokens / (self.decode_cpu_s if clock == "cpu" else self.decode_wall_s)
@@ -319,6 +321,7 @@ def _decode(engine: Any, rng: random.Random, requests: int, prompt_len: int, out
         run.steps += 1
         if len(last) == requests:  # every request has its first token: a decode step
             run.decode_tokens += sum(len(o.new_token_ids) for o in outs)
+            run.decode_steps += 1
             run.decode_wall_s += now_wall - wall
             run.decode_cpu_s += now_cpu - cpu
         for out in outs:
@@ -351,6 +354,12 @@ class Pairs:
         names = {name for r in self.on for name in r.by_sink}
         out = {name: statistics.median(r.by_sink.get(name, 0.0) / r.steps for r in self.on) * 1e6 for name in names}
         return {**out, "sink threads": statistics.median(r.sink_threads_s / r.steps for r in self.on) * 1e6}
+
+    def cost_share(self) -> float:
+        """The sinks' own cost per step over an all-off decode step's CPU: the floor under the
+        tok/s ratio that a shared machine's noise does not move."""
+        step_us = statistics.median(r.decode_cpu_s / r.decode_steps for r in self.off if r.decode_steps) * 1e6
+        return self.cost_us_per_step() / step_us
 
     def cost_us_per_step(self) -> float:
         """The sinks' own cost: engine-thread time inside them plus their threads' CPU, per step."""
@@ -398,6 +407,11 @@ def verdict(results: list[Pairs]) -> list[str]:
         cpu, wall = every.median(what, "cpu"), every.median(what, "wall")
         ok = cpu >= goal if higher else cpu <= goal
         lines.append(f"| {name} | {cpu:.4f} (wall {wall:.4f}; {len(every.on)} pairs) | {'pass' if ok else 'MISS'} |")
+    if every is not None:
+        share = every.cost_share()
+        lines.append(f"| all signals on: the sinks' own CPU <= {COST_GOAL:.0%} of a decode step's | {share:.2%} "
+                     f"({every.cost_us_per_step():,.0f} µs a step, engine thread and the sinks' threads) | "
+                     f"{'pass' if share <= COST_GOAL else 'MISS'} |")
     return lines
 
 
