@@ -37,8 +37,10 @@ $(STAMP): pyproject.toml Makefile
 demo: setup
 	$(BIN)/engine demo
 
+# Two pytest-xdist workers, each taking a whole test file at a time (--dist loadfile), so a file's
+# module fixtures (a server, a model) start once; session fixtures start once per worker.
 test: setup
-	$(BIN)/python -m pytest -q -m "not slow and not triton and not gpu" -p no:cacheprovider
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow and not triton and not gpu" -p no:cacheprovider
 
 test-triton: setup
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m triton -p no:cacheprovider
