@@ -200,6 +200,25 @@ def load_hf_state_dict(config: ModelConfig, load_format: str = "auto", dtype: to
     return out
 
 
+def _load_each_tensor(model: LlamaForCausalLM, config: ModelConfig, fmt: str, progress: ProgressCallback | None,
+                      source: str) -> int:
+    """Every tensor of the checkpoint into ``model`` by its HF name; a UserError naming what is
+    missing. Returns how many were read."""
+    seen: set[str] = set()
+    count = 0
+    for name, array, total in iter_hf_tensors(config, fmt):
+        tensor = torch.from_numpy(np.require(array, requirements=["C", "W"])) if isinstance(array, np.ndarray) else array
+        model.load_hf_tensor(name, tensor)
+        seen.add(name)
+        count += 1
+        if progress:
+            progress(count, total)
+    missing = model.missing_hf_names(seen)
+    if missing:
+        raise UserError(f"{source}: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+    return count
+
+
 def load_weights_into(
     model: LlamaForCausalLM,
     config: ModelConfig,
@@ -236,17 +255,7 @@ def load_weights_into(
             if progress:
                 progress(count, count)
         else:
-            seen: set[str] = set()
-            for name, array, total in iter_hf_tensors(config, fmt):
-                tensor = torch.from_numpy(np.require(array, requirements=["C", "W"])) if isinstance(array, np.ndarray) else array
-                model.load_hf_tensor(name, tensor)
-                seen.add(name)
-                count += 1
-                if progress:
-                    progress(count, total)
-            missing = model.missing_hf_names(seen)
-            if missing:
-                raise UserError(f"{source}: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+            count = _load_each_tensor(model, config, fmt, progress, source)
             if cache_path is not None and load_slices is None:
                 try:
                     save_cached_weights(model, cache_path)

@@ -262,35 +262,40 @@ def plot_sweep(name: str, rows: list[dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
+def _run_sweep(args: argparse.Namespace, setup: SimSetup) -> int:
+    """``--sweep NAME=LEVELS``: one simulated run per level, a row each (and a plot)."""
+    if args.otlp_traces_endpoint or args.trace_out:
+        raise UserError("--otlp-traces-endpoint and --trace-out trace one run: drop --sweep, or run one level")
+    name, levels = parse_sweep(args.sweep)
+    if args.plot:  # fail fast, before the sweep runs, when matplotlib is missing
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UserError("--plot needs matplotlib: pip install 'kvscope[plot]'") from None
+    if name == "max-num-batched-tokens":
+        rows = _with_ms(long_prompt_sweep(setup, levels))
+        columns = TOKENS_COLUMNS
+    else:
+        rows = _with_ms(concurrency_sweep(setup, levels, prompt_range=parse_range(args.random_input_len, "--random-input-len"),
+                                          output_range=parse_range(args.random_output_len, "--random-output-len"),
+                                          seed=args.workload_seed))
+        columns = CONCURRENCY_COLUMNS
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+    else:
+        print(f"kvscope simulate --sweep {name}: {setup.model.name} on {setup.gpu.name} (simulated)")
+        print(render_rows(rows, columns))
+    if args.plot:
+        plot_sweep(name, rows, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     setup = setup_from_args(args)
     if args.sweep:
-        if args.otlp_traces_endpoint or args.trace_out:
-            raise UserError("--otlp-traces-endpoint and --trace-out trace one run: drop --sweep, or run one level")
-        name, levels = parse_sweep(args.sweep)
-        if args.plot:  # fail fast, before the sweep runs, when matplotlib is missing
-            try:
-                import matplotlib  # noqa: F401
-            except ImportError:
-                raise UserError("--plot needs matplotlib: pip install 'kvscope[plot]'") from None
-        if name == "max-num-batched-tokens":
-            rows = _with_ms(long_prompt_sweep(setup, levels))
-            columns = TOKENS_COLUMNS
-        else:
-            rows = _with_ms(concurrency_sweep(setup, levels, prompt_range=parse_range(args.random_input_len, "--random-input-len"),
-                                              output_range=parse_range(args.random_output_len, "--random-output-len"),
-                                              seed=args.workload_seed))
-            columns = CONCURRENCY_COLUMNS
-        if args.json:
-            for row in rows:
-                print(json.dumps(row))
-        else:
-            print(f"kvscope simulate --sweep {name}: {setup.model.name} on {setup.gpu.name} (simulated)")
-            print(render_rows(rows, columns))
-        if args.plot:
-            plot_sweep(name, rows, args.plot)
-            print(f"wrote {args.plot}")
-        return 0
+        return _run_sweep(args, setup)
     if args.plot:
         raise UserError("--plot draws a sweep: add --sweep max-num-batched-tokens=... or --sweep concurrency=...")
     workload = workload_from_args(args)
