@@ -13,11 +13,15 @@ from doctor.rules import CRITICAL, WARNING, Finding
 from doctor.vllm_dp import VllmFleet, engine_name
 from engine.events.frozen_counters import FROZEN_S, FrozenCounters
 
+# Frozen for less than this says nothing: one decode step under load, or any prefill, takes that long.
+MIN_FROZEN_S = 5.0
+
 
 def stall_findings(fleet: VllmFleet, duration_s: float) -> list[Finding]:
     """One finding per engine whose counters stayed frozen with requests running for
-    ``min(FROZEN_S, duration_s)`` (the whole sample when it is shorter than FROZEN_S)."""
-    frozen = FrozenCounters(frozen_s=min(FROZEN_S, max(duration_s * 0.9, 0.0)))
+    ``min(FROZEN_S, duration_s)`` (the whole sample when it is shorter than FROZEN_S), and never
+    less than :data:`MIN_FROZEN_S`."""
+    frozen = FrozenCounters(frozen_s=max(min(FROZEN_S, duration_s * 0.9), MIN_FROZEN_S))
     for round_ in fleet.rounds:
         for engine, (_, running, _) in round_.readings.items():
             if engine in round_.tokens:

@@ -274,6 +274,9 @@ class PrometheusMetrics:
         self._success_by_reason = {
             reason: self._request_success.labels(*values, reason) for reason in FINISHED_REASONS
         } if not self._priority_labels else {}
+        if self._success_by_priority is not None:  # vLLM's series per reason, at the default priority's bucket
+            for reason in FINISHED_REASONS:
+                self._success_by_priority.child(reason)
         self.time_to_first_token = request_histogram(
             "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
         )
