@@ -33,7 +33,8 @@ from tests.model.gemma3_fixtures import gemma3_config, gemma3_runner
 from tests.model.test_cpu_quant import random_blocks
 
 BLOCK = 16
-LAYER_RTOL = 1e-5  # relative difference of a layer's output (int8 activations on both paths)
+LAYER_RTOL = 5e-4  # a layer's output: float32 rounding (2-4e-7) unless an activation sits on an int8 rounding
+# boundary, where the two paths' sums (C++ vs torch norms) round it one step apart: 6.8e-5 seen once in a full run
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
