@@ -313,7 +313,8 @@ def _decode(engine: Any, rng: random.Random, requests: int, prompt_len: int, out
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for _ in range(requests):
         engine.add_request([rng.randrange(1000, 40000) for _ in range(prompt_len)], params)
-    run, last = Run(), {}  # last: request id -> (wall, CPU) at its latest token
+    run = Run()
+    last: dict[str, tuple[float, float]] = {}  # request id -> (wall, CPU) at its latest token
     wall, cpu = time.perf_counter(), time.process_time()
     while engine.has_unfinished():
         outs = engine.step()
@@ -433,7 +434,7 @@ def start_engine(threads: int) -> tuple[Any, list[Any]]:
     from engine.events import EventBus
     from engine.llm import LLM
 
-    bus, startup_events = EventBus(), []
+    bus, startup_events = EventBus(), list[Any]()
     bus.subscribe(startup_events.append)
     llm = LLM(bus=bus, threads=threads, stats_interval=0.0, kv_cache_memory_bytes=1 << 28, max_model_len=1024,
               dtype="auto")

@@ -70,7 +70,7 @@ class ProfileLimits:
         """From ``/start_profile``'s query parameters or JSON body; a bad value is a
         :class:`UserError` that says what to send instead."""
         steps, seconds = values.get("max_steps"), values.get("max_seconds")
-        return cls.capped(None if steps is None else _positive(steps, "max_steps", int),
+        return cls.capped(None if steps is None else int(_positive(steps, "max_steps", int)),
                           None if seconds is None else _positive(seconds, "max_seconds", float))
 
     def to_dict(self) -> dict[str, Any]:
