@@ -9,8 +9,8 @@ memory formula.
 - ``tracebacks``: where a failure happened, from its frames
 - ``failed_start``: whether, where and why a start failed
 - ``completeness``: a cut log named
-- ``startup_phases``: each startup phase's seconds from a log; two starts phase by phase
 - ``explain``: the ledger, checks, failures and the plan comparison
+- ``startup_phases``: each startup phase's seconds from a log; two starts phase by phase
 - ``reconcile``: the log's own figures set beside the plan
 - ``render``: terminal, Markdown and JSON output
 - ``catalogue``: every logger call of vLLM's releases, as data

@@ -133,6 +133,7 @@ class ReplicaFrontend:
         """LLMEngine.kv_event_sources over every rank."""
         return dict(self._kv_event_sources)
 
+
 class MergedRegistry(CollectorRegistry):
     """The ranks' registries as one: each family once, with every rank's samples (a
     family repeated in the exposition is a scrape error for Prometheus)."""
