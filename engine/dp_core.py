@@ -253,6 +253,9 @@ def _loop(engine: Any, conn: Any, forwarder: _Forwarder) -> None:
                 elif kind == "profile":
                     profiler, answer = _profile(profiler, engine, forwarder.rank, command)
                     conn.send(answer)
+        if accepted:  # the arrivals and acceptances go before a step that may be long, or this core's last
+            conn.send(("step", forwarder.take(), [], accepted))
+            accepted = []
         if stop:
             for request_id in list(engine.scheduler.requests):
                 engine.abort(request_id, ABORT_SHUTDOWN)

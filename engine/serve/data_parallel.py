@@ -47,12 +47,12 @@ from prometheus_client.metrics_core import Metric
 
 from engine.config import EngineConfig
 from engine.core.sampling_params import SamplingParams
-from engine.dp_core import RANKED_EVENTS, CoreFacts, core_main
+from engine.dp_core import RANKED_EVENTS, CoreFacts, core_main, rank_events_path
 from engine.errors import ReplicaError, UserError
 from engine.events import EngineStopped, Event, EventBus, StepEvent, event_from_dict
 from engine.events.dp_balance import WAITING_WEIGHT
 from engine.events.metrics import PrometheusMetrics
-from engine.events.schema import ABORT_CLIENT_DISCONNECT
+from engine.events.schema import ABORT_CLIENT_DISCONNECT, RequestFinished, event_line
 from engine.heartbeat import Heartbeat
 from engine.llm_engine import CheckedPrompt, LLMEngine, RequestOutput
 from engine.logs import get_logger
@@ -497,6 +497,12 @@ class DataParallelEngine(EngineFront):
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_settle, future, None, dead)
         stopped = EngineStopped(error=f"{type(error).__name__}: {error}")
+        # What the dead core held ends here (it cannot say so itself): on its bus and in its recording.
+        ends = [RequestFinished(request_id=request_id, reason="error", error=stopped.error, dp_rank=core.rank)
+                for request_id in core.view.request_ids()]
+        for end in ends:
+            core.publish(end)
+        _append_to_recording(rank_events_path(self.config.events_path, core.rank), ends)
         for each in {id(c.bus): c for c in (core, self.cores[0])}.values():  # the dead rank's bus and rank 0's
             each.publish(EngineStopped(error=stopped.error))
         if self._ready.is_set():
@@ -504,6 +510,20 @@ class DataParallelEngine(EngineFront):
         else:
             self._startup_error = error
             self._ready.set()
+
+
+def _append_to_recording(path: str | None, events: list[RequestFinished]) -> None:
+    """``events`` appended to a dead core's recording (its process wrote every line whole and
+    flushed it; a line cut by the kill is dropped first, so the file stays readable)."""
+    if path is None or not events or not os.path.exists(path):
+        return
+    with contextlib.suppress(OSError), open(path, "rb+") as f:
+        end = f.seek(0, os.SEEK_END)
+        tail_at = f.seek(max(0, end - (1 << 20)))  # the last MiB holds the last newline (lines are events)
+        last_newline = f.read().rfind(b"\n")
+        f.truncate(tail_at + last_newline + 1 if last_newline >= 0 else end)
+        f.seek(0, os.SEEK_END)
+        f.write("".join(event_line(e) + "\n" for e in events).encode("utf-8", "surrogatepass"))
 
 
 def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:

@@ -52,6 +52,11 @@ class LockedView:
         with self._lock:
             return self.view.snapshot()
 
+    def request_ids(self) -> list[str]:
+        """The requests the engine holds: arrived and not yet finished."""
+        with self._lock:
+            return list(self.view.requests)
+
     def snapshot_of_rank(self, rank: int) -> dict[str, Any]:
         """``GET /debug/state?dp_rank=``: one engine core here, rank 0."""
         if rank != 0:

@@ -209,3 +209,11 @@ def test_a_dead_core_gives_waiting_clients_its_cause_and_the_log_one_line(server
     assert "Traceback" not in log and "internal error" not in log, log[-3000:]
     # the core's line and the server's two lines as it stops: none per request (four were in flight)
     assert sum(cause in line for line in log.splitlines()) <= 3, log[-3000:]
+    # every request that reached the killed core has its one request.finished in its recording,
+    # written by the server (reason error, naming the cause): the core could not
+    events = read_events(Path(str(server["events"]).replace("run.jsonl", "run.dp1.jsonl"))).events
+    arrived = [e.request_id for e in events if e.type == "request.arrived"]
+    finished = [e for e in events if e.type == "request.finished"]
+    assert arrived and sorted(e.request_id for e in finished) == sorted(arrived), (arrived, finished)
+    errors = [e for e in finished if e.reason == "error"]  # the earlier tests' requests finished as they should
+    assert errors and all(cause in e.error for e in errors), finished
