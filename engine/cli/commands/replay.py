@@ -26,6 +26,7 @@ recording cut at any byte is replayed up to its last whole step.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable
 
 from engine.cli.exporters import add_exporter_flags, build_exporters, exporters_asked, recording_wall_start
 from engine.cli.program import Subparsers
@@ -74,6 +75,12 @@ def _cut_note(report: ReplayReport, replayer: Replayer) -> str | None:
     return f"note: the recording is incomplete ({what}): replayed up to its last whole step, {where}{extra}"
 
 
+def _first_names(names: Iterable[str], shown: int = 8) -> tuple[int, str]:
+    """How many ``names`` there are and the first ``shown`` of them, for a "no such" message."""
+    known = list(names)
+    return len(known), ", ".join(known[:shown]) + (" …" if len(known) > shown else "")
+
+
 def show_request(recording: Recording, request_id: str, as_json: bool) -> int:
     """``--request ID``: the request's life from the events alone (no scheduler re-run)."""
     from engine.events import dumps
@@ -82,10 +89,9 @@ def show_request(recording: Recording, request_id: str, as_json: bool) -> int:
     fold = lifecycle_of(recording.events)
     life = fold.get(request_id)
     if life is None:
-        known = list(fold.lives)
-        sample = ", ".join(known[:8]) + (" …" if len(known) > 8 else "")
+        count, sample = _first_names(fold.lives)
         raise UserError(f"--request {request_id}: no such request in {recording.header.get('config', {}).get('events_path') or 'the recording'}"
-                        f" ({len(known)} requests: {sample or 'none'})")
+                        f" ({count} requests: {sample or 'none'})")
     print(dumps(life.to_dict()) if as_json else life.render())
     return 0
 
@@ -101,9 +107,8 @@ def show_session(recording: Recording, key: str, as_json: bool) -> int:
             fold(event)
     session = fold.get(key)
     if session is None:
-        known = list(fold.sessions)
-        sample = ", ".join(known[:8]) + (" …" if len(known) > 8 else "")
-        raise UserError(f"--session {key}: no request of the recording names this session ({len(known)} sessions: "
+        count, sample = _first_names(fold.sessions)
+        raise UserError(f"--session {key}: no request of the recording names this session ({count} sessions: "
                         f"{sample or 'none; a session is an X-Session-Id header, a cache_salt or a user'})")
     print(dumps(session.to_dict()) if as_json else session.render())
     return 0
