@@ -158,7 +158,7 @@ def _prometheus(residency: bool) -> Callable[[Context], Signal]:
     def build(ctx: Context) -> Signal:
         from prometheus_client import CollectorRegistry
 
-        from engine.events.metrics import PrometheusMetrics
+        from engine.events.exporters.metrics import PrometheusMetrics
 
         metrics = PrometheusMetrics(CollectorRegistry(), "smollm2", max_model_len=ctx.llm.engine.config.max_model_len,
                                     kv_cache_metrics=residency)
@@ -168,22 +168,22 @@ def _prometheus(residency: bool) -> Callable[[Context], Signal]:
 
 
 def _kv_events(ctx: Context) -> Signal:
-    from engine.events.kv_events_config import KVEventsConfig
-    from engine.events.kv_publisher import KVEventsSink
+    from engine.events.exporters.kv_events_config import KVEventsConfig
+    from engine.events.exporters.kv_publisher import KVEventsSink
 
     sink = KVEventsSink(KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*"))
     return Signal({"kv-events": ctx.fed(sink)}, [sink.close], [sink.flush], record_contents=True)
 
 
 def _otlp(ctx: Context) -> Signal:
-    from engine.events.otel import OtlpTraceSink, span_exporter
+    from engine.events.exporters.otel import OtlpTraceSink, span_exporter
 
     sink = OtlpTraceSink(span_exporter(ctx.otlp_url(), "http/protobuf"), wall_start_unix=time.time())
     return Signal({"otlp": ctx.fed(sink)}, [sink.close], [sink.provider.force_flush])  # the run's spans exported
 
 
 def _perfetto(ctx: Context) -> Signal:
-    from engine.events.perfetto import PerfettoTrace
+    from engine.events.exporters.perfetto import PerfettoTrace
 
     sink = ctx.fed(PerfettoTrace(ctx.folder / f"run{ctx.runs}.trace.json"))
     return Signal({"perfetto": sink}, [sink.close])
@@ -191,7 +191,7 @@ def _perfetto(ctx: Context) -> Signal:
 
 def _forward_pass(ctx: Context) -> Signal:
     from bench.bench_server import free_port
-    from engine.events.forward_pass import ForwardPassPublisher
+    from engine.events.exporters.forward_pass import ForwardPassPublisher
 
     sink = ForwardPassPublisher(free_port())
     return Signal({"forward-pass": ctx.fed(sink)}, [sink.close])

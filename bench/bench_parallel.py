@@ -42,8 +42,8 @@ from engine.budget.stages import DEFAULT_MICRO_BATCHES, fill_drain_bubble
 from engine.config import EngineConfig
 from engine.dp_core import rank_events_path
 from engine.events import StepEvent, read_events
-from engine.events.dp_balance import DataParallelLoad
-from engine.events.pipeline_idle import PipelineIdle
+from engine.events.folds.dp_balance import DataParallelLoad
+from engine.events.folds.pipeline_idle import PipelineIdle
 from engine.sim.data_parallel import DataParallelSimulation
 from engine.sim.simulate import SimResult, Simulation, build_setup
 from engine.sim.workload import WorkloadSpec, generate_workload

@@ -8,21 +8,21 @@ each sink alone, timing direct calls (the bus fan-out itself is not included):
 - ``seed-60``: the background's 60-request workload on a pool small enough to
   preempt.
 
-Sinks: a no-op baseline, :class:`engine.events.metrics.PrometheusMetrics` (``metrics``:
+Sinks: a no-op baseline, :class:`engine.events.exporters.metrics.PrometheusMetrics` (``metrics``:
 as a recording without ``engine.config`` feeds it; ``metrics-all``: sized by a
 llama-3.1-8b ``engine.config`` and phase C, so the MFU counters move, and with
 ``kv_cache_metrics``, so every block's residency is folded),
-:class:`engine.events.stats.StatsReporter` (10 s interval on a bus nobody else hears),
+:class:`engine.events.exporters.stats.StatsReporter` (10 s interval on a bus nobody else hears),
 :class:`engine.events.JsonlSink` into memory, for comparison,
-:class:`engine.events.otel.OtlpTraceSink` (the SDK's span building and batch
+:class:`engine.events.exporters.otel.OtlpTraceSink` (the SDK's span building and batch
 processor; the exporter discards, so no network is timed),
-:class:`engine.events.perfetto.PerfettoTrace` (the fold; the file is written once at
-the end, not timed) and :class:`engine.events.request_lifecycle.RequestLifecycle`
+:class:`engine.events.exporters.perfetto.PerfettoTrace` (the fold; the file is written once at
+the end, not timed) and :class:`engine.events.folds.request_lifecycle.RequestLifecycle`
 (every request's life, as the server keeps it for /debug/requests and per-request
 metrics). Output: one JSON line per (trace, sink) with events/s, ns per
 event, µs per step event (the whole stream's time minus the time of the stream
 without step events) and the whole stream's µs per generated token; then, per
-exporter (and the KV cache events sink, :class:`engine.events.kv_publisher.KVEventsSink`,
+exporter (and the KV cache events sink, :class:`engine.events.exporters.kv_publisher.KVEventsSink`,
 with block contents recorded), the driver's steps/s with it subscribed and without, in ``--pairs``
 interleaved runs of seed-60 (order alternating; process CPU time, so other load on
 a shared machine does not count), the median of the pairs' ratios and best against best.
@@ -56,11 +56,11 @@ from engine.events import (
     StartupPhase,
     StepEvent,
 )
-from engine.events.metrics import PrometheusMetrics
-from engine.events.perfetto import PerfettoTrace
+from engine.events.exporters.metrics import PrometheusMetrics
+from engine.events.exporters.perfetto import PerfettoTrace
+from engine.events.exporters.stats import StatsReporter
+from engine.events.folds.request_lifecycle import RequestLifecycle
 from engine.events.phase_data import LoadWeightsData
-from engine.events.request_lifecycle import RequestLifecycle
-from engine.events.stats import StatsReporter
 from engine.modelspec.presets import MODEL_PRESETS
 from engine.sim.driver import DriverRequest, background_workload, run_driver
 
@@ -99,7 +99,7 @@ def _noop(_event: Event) -> None:
 def _otlp_sink() -> Sink:
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-    from engine.events.otel import OtlpTraceSink
+    from engine.events.exporters.otel import OtlpTraceSink
 
     class Discard(SpanExporter):
         def export(self, spans: object) -> SpanExportResult:
@@ -141,8 +141,8 @@ EXPORTERS = ("otlp", "perfetto", "metrics-all", "lifecycle")
 def _kv_events_sink() -> Sink:
     """vLLM's KV cache events on a loopback PUB socket nobody subscribes to: the fold,
     the queue and the publisher thread's encoding and sends (ZMQ drops them unread)."""
-    from engine.events.kv_events_config import KVEventsConfig
-    from engine.events.kv_publisher import KVEventsSink
+    from engine.events.exporters.kv_events_config import KVEventsConfig
+    from engine.events.exporters.kv_publisher import KVEventsSink
 
     return KVEventsSink(KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*"))
 
@@ -270,7 +270,7 @@ def engine_pairs(pairs: int, threads: int = 2, requests: int = 16, output_len: i
     machine both on/off ratios move with the machine's speed, by up to 15 % from one run
     to the next at either thread count, far more than the effect; the bound does not."""
     from engine.core.sampling_params import SamplingParams
-    from engine.events.kv_events_config import KVEventsConfig
+    from engine.events.exporters.kv_events_config import KVEventsConfig
     from engine.llm import LLM
 
     llm = LLM(threads=threads, stats_interval=0.0, kv_cache_memory_bytes=1 << 28, max_model_len=1024,

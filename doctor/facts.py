@@ -31,13 +31,13 @@ from engine.events import (
     StepEvent,
     event_from_dict,
 )
-from engine.events.dp_balance import DataParallelLoad
-from engine.events.expert_load import ExpertLoad
+from engine.events.folds.dp_balance import DataParallelLoad
+from engine.events.folds.expert_load import ExpertLoad
+from engine.events.folds.pipeline_idle import PipelineIdle
+from engine.events.folds.request_lifecycle import RequestLifecycle
+from engine.events.folds.sessions import SessionFold
 from engine.events.phase_data import KvCacheData
-from engine.events.pipeline_idle import PipelineIdle
-from engine.events.request_lifecycle import RequestLifecycle
 from engine.events.schema import WAIT_MAX_NUM_SEQS, EngineRecovered, EngineStalled
-from engine.events.sessions import SessionFold
 
 
 @dataclass(slots=True)

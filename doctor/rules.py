@@ -29,8 +29,8 @@ from doctor.facts import RequestFacts, RunFacts, StallFacts, StepRow
 from engine.budget.fixes import Fix
 from engine.budget.memory import GiB, required_utilization
 from engine.budget.stages import DEFAULT_MICRO_BATCHES, PipelinePlan, fill_drain_bubble, stage_layer_ranges
-from engine.events.dp_balance import DP_IMBALANCE_BOUND, DP_MIN_MEAN_LOAD
-from engine.events.request_lifecycle import wait_reason_text
+from engine.events.folds.dp_balance import DP_IMBALANCE_BOUND, DP_MIN_MEAN_LOAD
+from engine.events.folds.request_lifecycle import wait_reason_text
 from engine.events.schema import (
     PREFIX_EVICTED,
     PREFIX_SHORT_PROMPT,
@@ -984,7 +984,7 @@ def request_thrashing(facts: RunFacts) -> Iterable[Finding]:
 
 def session_context_lost(facts: RunFacts) -> Iterable[Finding]:
     """Sessions whose turns re-prefill more than half their prefix: the previous turn's
-    blocks were evicted before the next turn came (engine/events/sessions.py names the
+    blocks were evicted before the next turn came (engine/events/folds/sessions.py names the
     requests whose allocations took them). The fix is the pool that keeps the context through
     the gap (the fold's ``pool_to_keep``)."""
     lost = facts.sessions.lost_turns()

@@ -6,7 +6,7 @@ periodic stats line ``Engine 001: ... Running: 31 reqs, Waiting: 108 reqs, GPU K
 usage: 98.6%, ...`` (doctor/vllm_log.py reads them) and the ``engine``-labelled gauges of
 ``/metrics`` (doctor/inputs.py samples them). Either becomes a list of
 :class:`EngineRound`, one per stats round or scrape, and each round is one
-``DataParallelLoad.observe`` of engine/events/dp_balance.py: the same fold, bound
+``DataParallelLoad.observe`` of engine/events/folds/dp_balance.py: the same fold, bound
 (``DP_IMBALANCE_BOUND`` x the mean waiting + running while the busiest engine queues,
 at least ``DP_MIN_MEAN_LOAD`` per engine) and runs as the events rule, held for
 ``SUSTAINED_ROUNDS`` rounds in a row (30 s of vLLM's 10 s log interval). The wording is
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from doctor.rules import KV_FULL, KV_LOW, WARNING, Finding
 from engine.budget.fixes import Fix
-from engine.events.dp_balance import (
+from engine.events.folds.dp_balance import (
     DP_IMBALANCE_BOUND,
     DP_MIN_MEAN_LOAD,
     WAITING_WEIGHT,

@@ -1,8 +1,8 @@
 """A real vLLM's stall, judged from its ``/metrics``: ``engine_stalled`` where an engine
 reports requests running while its token counters (``vllm:prompt_tokens_total`` +
-``vllm:generation_tokens_total``) stay frozen (engine/events/frozen_counters.py, the fold
+``vllm:generation_tokens_total``) stay frozen (engine/events/folds/frozen_counters.py, the fold
 ``monitor vllm`` shows too). ``engine doctor http://...`` samples for ``--duration``
-seconds; a run frozen for :data:`~engine.events.frozen_counters.FROZEN_S` is critical, one
+seconds; a run frozen for :data:`~engine.events.folds.frozen_counters.FROZEN_S` is critical, one
 frozen for the whole of a shorter sample a warning (a prefill that long also freezes them:
 sample longer to tell).
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from doctor.rules import CRITICAL, WARNING, Finding
 from doctor.vllm_dp import VllmFleet, engine_name
-from engine.events.frozen_counters import FROZEN_S, FrozenCounters
+from engine.events.folds.frozen_counters import FROZEN_S, FrozenCounters
 
 # Frozen for less than this says nothing: one decode step under load, or any prefill, takes that long.
 MIN_FROZEN_S = 5.0

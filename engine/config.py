@@ -74,7 +74,7 @@ def parse_dtype(value: str, flag: str = "--dtype") -> str:
 class KVEventsConfig:
     """``--kv-events-config``: vLLM's ``KVEventsConfig`` (``vllm/config/kv_events.py``),
     same field names, same defaults (the comments are vLLM's meanings); parsed and checked
-    by :mod:`engine.events.kv_events_config`, which publishes what it enables."""
+    by :mod:`engine.events.exporters.kv_events_config`, which publishes what it enables."""
 
     enable_kv_cache_events: bool = False  # record block stored/removed facts and publish them
     publisher: str | None = None  # "null" | "zmq"; None: "zmq" when events are enabled, else "null"

@@ -24,7 +24,7 @@ from engine.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, 
 from engine.core.step_loop import ExecutedStep, run_step
 from engine.errors import UserError
 from engine.events import EventBus
-from engine.events.observers import ObserverFlags, attach_observers
+from engine.events.exporters.observers import ObserverFlags, attach_observers
 from engine.events.schema import ABORT_CLIENT_DISCONNECT
 from engine.heartbeat import DETOKENIZE, FORWARD, UPDATE, Heartbeat
 from engine.logs import log_failure

@@ -1,6 +1,6 @@
 """The monitor app: one layout for live engines and recordings.
 
-State lives in an :class:`~engine.events.view.EngineView`; widgets render it. In
+State lives in an :class:`~engine.events.folds.view.EngineView`; widgets render it. In
 replay the view comes from a :class:`~monitor.state.Timeline` (seekable); live,
 events from a :class:`~engine.events.feed.LiveFeed` are folded on a timer. The
 monitor only reads: nothing here can change the engine.
@@ -27,7 +27,7 @@ from textual.widgets import Footer, Input, Label, TabbedContent, TabPane
 
 from engine.events import EngineStopped, Event, EventBus, LogEvent
 from engine.events.feed import LIVE, BusFeed, LiveFeed
-from engine.events.view import EngineView
+from engine.events.folds.view import EngineView
 from monitor.gpu import GpuReader
 from monitor.playback import PlaybackClock
 from monitor.state import Timeline

@@ -13,7 +13,7 @@ from textual.binding import Binding, BindingType
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
-from engine.events.view import EngineView
+from engine.events.folds.view import EngineView
 from monitor.gpu import GpuReader, device_index
 from monitor.widgets.gpu_panel import GpuPanel, LedgerFn
 

@@ -33,7 +33,7 @@ import zmq
 
 from engine.errors import UserError
 from engine.events import KvEventBatch
-from engine.events.kv_events_config import binds
+from engine.events.exporters.kv_events_config import binds
 
 END_OF_REPLAY = -1
 # Batches ZMQ holds for us while the drawing has the GIL (vLLM's publisher hwm default); past it

@@ -16,8 +16,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.events import Event, KvEventBatch, LogEvent, MetricsScrape
-from engine.events.frozen_counters import FrozenCounters
-from engine.events.parallel_window import RankReading, RankWindow, rank_window
+from engine.events.folds.frozen_counters import FrozenCounters
+from engine.events.folds.parallel_window import RankReading, RankWindow, rank_window
 from monitor.kv_events import PrefixCache
 from monitor.prometheus import EngineMetrics, Histogram, parse_metrics
 
@@ -170,7 +170,7 @@ class ReplicaState:
 
     def rank_windows(self) -> list[RankWindow]:
         """Each engine's (DP rank's) figures over the parallel panel's window, from the scrapes
-        of the last minute, as kvscope's events give them (engine/events/parallel_window.py)."""
+        of the last minute, as kvscope's events give them (engine/events/folds/parallel_window.py)."""
         now = self.last_scrape_t or 0.0
         windows = []
         for label, engine in self.engines.items():

@@ -1,6 +1,6 @@
 """Timeline: a recording the monitor can seek, indexed by step.
 
-The state itself is :class:`engine.events.view.EngineView`, the event layer's fold of
+The state itself is :class:`engine.events.folds.view.EngineView`, the event layer's fold of
 engine events (its snapshot format is documented there); widgets only render
 that view. This module holds what only the dashboard needs.
 
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.events import Event, RequestArrived, StepEvent
-from engine.events.view import EngineView, event_dp_rank
+from engine.events.folds.view import EngineView, event_dp_rank
 
 
 class Timeline:

@@ -21,8 +21,8 @@ from prometheus_client import CollectorRegistry
 from engine.budget.memory import bytes_per_kv_token, weights_bytes
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.events import EngineConfigEvent, Event, EventBus, StartupPhase
-from engine.events.iteration_details import IterationDetailsLog
-from engine.events.metrics import PrometheusMetrics
+from engine.events.exporters.iteration_details import IterationDetailsLog
+from engine.events.exporters.metrics import PrometheusMetrics
 from engine.events.phase_data import LoadWeightsData
 from engine.modelspec.presets import MODEL_PRESETS
 from engine.sim.driver import DriverRequest, run_driver

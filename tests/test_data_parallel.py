@@ -33,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.bench_server import free_port, wait_healthy
 from engine.dp_core import offset_endpoint, rank_events_path
 from engine.events import RequestFinished, StepEvent
-from engine.events.metrics import PrometheusMetrics
+from engine.events.exporters.metrics import PrometheusMetrics
 from engine.serve.data_parallel import CoreClient, DataParallelEngine, MergedRegistry
 from tests.paths import ROOT
 from tests.processes import wait_gone

@@ -15,7 +15,7 @@ import torch
 from engine.core.sampling_params import SamplingParams
 from engine.errors import UserError
 from engine.events import Event, EventBus, StartupPhase, StepEvent, read_events
-from engine.events.block_table import BlockTableState
+from engine.events.folds.block_table import BlockTableState
 from engine.llm import LLM
 from engine.llm_engine import CheckedPrompt
 from engine.logs import configure_logging

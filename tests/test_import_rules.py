@@ -28,8 +28,8 @@ from pathlib import Path
 from tests.paths import ROOT
 
 # What monitor/ may import from engine/, measured: the event wing (engine.events: the
-# records and the bus; engine.events.view: EngineView, the reducer the widgets render,
-# the budget ledger arriving in it through startup.phase events; engine.events.block_table,
+# records and the bus; engine.events.folds.view: EngineView, the reducer the widgets render,
+# the budget ledger arriving in it through startup.phase events; engine.events.folds.block_table,
 # the fold the view uses), engine.errors (UserError for the CLI) and engine.cli.program
 # (the command-line style all three commands share). The rule: the
 # monitor reads events, the view and the budget, never core/model internals. Not
@@ -37,9 +37,9 @@ from tests.paths import ROOT
 # the budget reaches the monitor as event data, not by recomputing it.
 MONITOR_MAY_IMPORT_FROM_ENGINE = (
     "engine.events",
-    "engine.events.view",
+    "engine.events.folds.view",
     "engine.errors",
-    "engine.events.block_table",
+    "engine.events.folds.block_table",
     "engine.cli.program",  # the one command-line style and exit convention shared by all three commands
     "engine.events.feed",  # the live feeds: the in-process bus and a server's GET /events stream
 )

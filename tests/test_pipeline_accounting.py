@@ -14,8 +14,8 @@ from prometheus_client import CollectorRegistry
 from engine.config import EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.events import Event, EventBus, RequestFinished, StepEvent
-from engine.events.accounting import RequestLedger
-from engine.events.metrics import PrometheusMetrics
+from engine.events.exporters.metrics import PrometheusMetrics
+from engine.events.folds.accounting import RequestLedger
 from engine.events.schema import ABORT_CLIENT_DISCONNECT, ABORT_SHUTDOWN
 from engine.modelspec.presets import bundled_gguf_path
 

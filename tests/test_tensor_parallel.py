@@ -103,7 +103,7 @@ def test_a_ranks_phase_says_its_rank_and_a_single_rank_recording_is_unchanged() 
 
 
 def test_the_view_keeps_each_ranks_phases_and_ledger_beside_rank_0s() -> None:
-    from engine.events.view import EngineView
+    from engine.events.folds.view import EngineView
     from monitor.widgets.memory_bar import rank_ledger_lines
     from monitor.widgets.startup_table import rank_row
 
@@ -132,7 +132,7 @@ def test_the_view_keeps_each_ranks_phases_and_ledger_beside_rank_0s() -> None:
 def test_metrics_take_the_replicas_pool_from_rank_0() -> None:
     from prometheus_client import CollectorRegistry
 
-    from engine.events.metrics import PrometheusMetrics
+    from engine.events.exporters.metrics import PrometheusMetrics
 
     bus = EventBus()
     metrics = PrometheusMetrics(CollectorRegistry(), model_name="m")

@@ -1,14 +1,14 @@
-"""The trace exporters' flags, turned into :class:`~engine.events.observers.ObserverFlags`
-for the one place that builds the sinks (engine/events/observers.py).
+"""The trace exporters' flags, turned into :class:`~engine.events.exporters.observers.ObserverFlags`
+for the one place that builds the sinks (engine/events/exporters/observers.py).
 
 ``--otlp-traces-endpoint URL`` (vLLM's flag; ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL``
 grpc | http/protobuf picks the transport, grpc by default, as vLLM) sends
-OpenTelemetry spans (engine/events/otel.py); ``--collect-detailed-traces`` (vLLM's
+OpenTelemetry spans (engine/events/exporters/otel.py); ``--collect-detailed-traces`` (vLLM's
 ``model`` | ``worker`` | ``all``) adds forward / execute seconds to each request span;
-``--trace-out PATH`` writes a Perfetto / Chrome trace (engine/events/perfetto.py) when
+``--trace-out PATH`` writes a Perfetto / Chrome trace (engine/events/exporters/perfetto.py) when
 the run ends. ``--trace`` stays the simulator's workload *input*; the output flag has
 its own name everywhere. ``--enable-logging-iteration-details`` (vLLM's) logs one
-``Iteration(N): ...`` line per step (engine/events/iteration_details.py). All are off
+``Iteration(N): ...`` line per step (engine/events/exporters/iteration_details.py). All are off
 unless given; opentelemetry is imported only when ``--otlp-traces-endpoint`` is.
 """
 
@@ -18,7 +18,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.events.observers import (
+from engine.events.exporters.observers import (
     DETAILED_TRACES,
     ObserverFlags,
     Observers,
@@ -49,7 +49,7 @@ def add_exporter_flags(p: argparse.ArgumentParser, *, replay: bool = False) -> N
     p.add_argument("--forward-pass-metrics-port", type=int, default=None, metavar="PORT",
                    help="as vLLM (PR #52061): publish each step's forward-pass metrics (vLLM's ForwardPassMetrics, "
                         "msgpack) on a ZMQ PUB socket bound at 127.0.0.1:PORT, an idle heartbeat when the engine "
-                        "empties (engine/events/forward_pass.py)")
+                        "empties (engine/events/exporters/forward_pass.py)")
     p.add_argument("--enable-logging-iteration-details", action="store_true",
                    help="as vLLM: log each step's context and generation requests and tokens and its model time "
                         "(Iteration(N): ... iteration elapsed time: X ms)")

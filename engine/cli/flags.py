@@ -18,7 +18,7 @@ from engine.budget.vision import parse_item_size
 from engine.config import PARSE, EngineConfig, cli_dest
 from engine.core.policy import POLICIES
 from engine.errors import UserError
-from engine.events.kv_events_config import parse_kv_events_config
+from engine.events.exporters.kv_events_config import parse_kv_events_config
 from engine.modelspec.presets import BUNDLED_MODEL_NAME
 from engine.sim.workload import ARRIVAL_UNITS, ARRIVALS, WorkloadSpec, parse_range
 
@@ -147,7 +147,7 @@ def multimodal_flags(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_kv_events_flag(p: argparse.ArgumentParser) -> None:
-    """vLLM's --kv-events-config (engine/events/kv_events_config.py), checked as it parses."""
+    """vLLM's --kv-events-config (engine/events/exporters/kv_events_config.py), checked as it parses."""
     p.add_argument("--kv-events-config", type=_user_error_as_argparse(parse_kv_events_config, "--kv-events-config"),
                    default=None, metavar="JSON",
                    help="vLLM's KVEventsConfig as JSON, e.g. '{\"enable_kv_cache_events\": true, \"endpoint\": "

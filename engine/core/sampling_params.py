@@ -51,7 +51,7 @@ class SamplingParams:
     # prefix-cache blocks only with requests sending the same salt (a tenant's cache is not
     # probed by another's timing); None: the shared cache
     cache_salt: str | None = None
-    # the conversation this request continues (engine/events/sessions.py): observed on its
+    # the conversation this request continues (engine/events/folds/sessions.py): observed on its
     # request.arrived event, never scheduled by; None: no session
     session: str | None = None
 

@@ -22,7 +22,7 @@ import httpx
 
 from engine.errors import UserError
 from engine.events import Event, EventBus, LogEvent, SnapshotEvent, event_from_dict
-from engine.events.view import snapshot_dp_rank
+from engine.events.folds.view import snapshot_dp_rank
 
 CONNECTING = "connecting"
 LIVE = "live"

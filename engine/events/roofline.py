@@ -2,7 +2,7 @@
 defined once for its two readers: ``engine simulate``'s cost model turns it into
 seconds (:class:`engine.sim.simulate.CostModel`), and ``/metrics`` adds it up as vLLM's
 MFU estimates (``vllm:estimated_flops_per_gpu_total`` and the read/write bytes
-counters, :mod:`engine.events.metrics`)::
+counters, :mod:`engine.events.exporters.metrics`)::
 
     FLOPs         = 2 x parameters x tokens computed
     bytes read    = weights + KV bytes of every scheduled request's context

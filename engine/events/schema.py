@@ -165,7 +165,7 @@ class RequestArrived(Event):
     arrival_time is the receipt): its TTFT and e2e count from ``t - preprocess_s``,
     its queue time from ``t``. Written only when not 0. ``session``: the conversation it
     continues (an ``X-Session-Id`` header, else its ``cache_salt``, else its ``user``;
-    engine/events/sessions.py folds turns by it); written only when set."""
+    engine/events/folds/sessions.py folds turns by it); written only when set."""
 
     type: ClassVar[str] = "request.arrived"
     written_when_set: ClassVar[frozenset[str]] = frozenset({"dp_rank", "sampling", "preprocess_s", "session"})
@@ -414,7 +414,7 @@ class StepEvent(Event):
     freed_by_window_groups: dict[str, list[int]] = field(default_factory=dict)
     # A mixture-of-experts model (engine/model/moe.py): per MoE layer, in the model's order, the
     # tokens the router sent to each expert in this step (a row sums to tokens x top-k;
-    # folded by engine/events/expert_load.py). Absent for a dense model.
+    # folded by engine/events/folds/expert_load.py). Absent for a dense model.
     expert_counts: list[list[int]] = field(default_factory=list)
     dp_rank: int = 0  # the data-parallel rank whose engine core it is; written only when not 0
     # Why requests waited and where prefix matches stopped (see the docstring).

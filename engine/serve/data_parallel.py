@@ -11,7 +11,7 @@ interface, so the routes and the server run unchanged:
   every 100 ms), and the chosen rank's waiting count raised by one at once so a burst
   between two reports spreads out.
 * **Events**: every rank's events are folded on a bus of that rank in this process: its
-  :class:`~engine.events.metrics.PrometheusMetrics` with ``engine`` = the rank (``/metrics``
+  :class:`~engine.events.exporters.metrics.PrometheusMetrics` with ``engine`` = the rank (``/metrics``
   merges the ranks' families, so each family has an ``engine="0"`` … series as vLLM's
   do), its view and its requests' lifecycle. ``/events`` streams rank 0's events and every
   other rank's step and request events (each with its ``dp_rank``); the dashboard and the
@@ -50,8 +50,8 @@ from engine.core.sampling_params import SamplingParams
 from engine.dp_core import RANKED_EVENTS, CoreFacts, core_main, rank_events_path
 from engine.errors import ReplicaError, UserError
 from engine.events import EngineStopped, Event, EventBus, StepEvent, event_from_dict
-from engine.events.dp_balance import WAITING_WEIGHT
-from engine.events.metrics import PrometheusMetrics
+from engine.events.exporters.metrics import PrometheusMetrics
+from engine.events.folds.dp_balance import WAITING_WEIGHT
 from engine.events.schema import ABORT_CLIENT_DISCONNECT, RequestFinished, event_line
 from engine.heartbeat import Heartbeat
 from engine.llm_engine import CheckedPrompt, LLMEngine, RequestOutput

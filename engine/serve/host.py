@@ -1,7 +1,7 @@
 """The engine side of the server, with no HTTP in it: the bus
 subscribers attached before the engine starts (:class:`LockedView` for ``/debug/state``,
 :class:`EventHub` for ``/events``, and
-:class:`~engine.events.metrics.PrometheusMetrics` for ``/metrics``) and
+:class:`~engine.events.exporters.metrics.PrometheusMetrics` for ``/metrics``) and
 :class:`EngineHost`, which holds them with the engine thread. The app stores one
 :class:`EngineHost` on ``app.state.host``; routes reach it through
 :func:`engine.serve.route_support.host_of`."""
@@ -21,10 +21,10 @@ from prometheus_client import CollectorRegistry
 from engine.config import EngineConfig
 from engine.errors import UserError
 from engine.events import Event, EventBus
-from engine.events.metrics import PrometheusMetrics
-from engine.events.request_lifecycle import RequestLifecycle, request_metrics
+from engine.events.exporters.metrics import PrometheusMetrics
+from engine.events.folds.request_lifecycle import RequestLifecycle, request_metrics
+from engine.events.folds.view import EngineView
 from engine.events.schema import event_line
-from engine.events.view import EngineView
 from engine.llm_engine import LLMEngine
 from engine.profiling import TorchProfiler
 from engine.serve.async_engine import AsyncEngine, EngineFront
@@ -66,7 +66,7 @@ class LockedView:
 
 
 class LockedLifecycle:
-    """Every request's life (engine/events/request_lifecycle.py), folded on the engine thread
+    """Every request's life (engine/events/folds/request_lifecycle.py), folded on the engine thread
     and read by ``GET /debug/requests`` (a copy under the lock: the fold moves on)."""
 
     def __init__(self) -> None:

@@ -324,7 +324,7 @@ MAX_SESSION_KEY = 256  # characters: a key is recorded on every request's arriva
 
 
 def session_key(header: str | None, cache_salt: Any, user: str | None) -> str | None:
-    """The conversation a request continues (engine/events/sessions.py): its ``X-Session-Id``
+    """The conversation a request continues (engine/events/folds/sessions.py): its ``X-Session-Id``
     header, else its ``cache_salt`` (a tenant's or conversation's cache partition), else its
     ``user``; None when it names none. HTTP 400 for a key over :data:`MAX_SESSION_KEY` characters."""
     for name, value in ((SESSION_HEADER, header), ("cache_salt", cache_salt), ("user", user)):

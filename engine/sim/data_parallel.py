@@ -11,7 +11,7 @@ by side on one time axis.
 
 Every rank publishes on the one bus through a :class:`RankBus` that stamps ``dp_rank``
 on the events that carry it, as the real cores' forwarders do, so one recording holds
-every rank and the doctor, the monitor and :class:`~engine.events.dp_balance.DataParallelLoad`
+every rank and the doctor, the monitor and :class:`~engine.events.folds.dp_balance.DataParallelLoad`
 read it unchanged. Within a rank events are in time order; across ranks a step's events
 carry its end time, so two ranks' events interleave within one step's length.
 """
@@ -29,7 +29,7 @@ from engine.core.scheduler import Scheduler
 from engine.core.step_loop import run_step
 from engine.errors import UserError
 from engine.events import Event, EventBus
-from engine.events.dp_balance import WAITING_WEIGHT, DataParallelLoad
+from engine.events.folds.dp_balance import WAITING_WEIGHT, DataParallelLoad
 from engine.sim.simulate import (
     LIMITS,
     CostModelExecutor,

@@ -16,7 +16,7 @@ from engine.core.request import Request
 from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.core.step_loop import FixedTokenExecutor, run_step
 from engine.events import EventBus
-from engine.events.tally import RunTally
+from engine.events.folds.tally import RunTally
 
 SAMPLED_TOKEN_ID = 7  # what the "model" always answers; never a stop token here
 

@@ -46,11 +46,11 @@ from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.core.step_loop import ExecutedStep, run_step
 from engine.errors import UserError
 from engine.events import PHASES, EngineConfigEvent, Event, EventBus, StartupPhase
+from engine.events.exporters.stats import StatsReporter
+from engine.events.folds.pipeline_idle import PipelineIdle
+from engine.events.folds.tally import RunTally
 from engine.events.phase_data import InitData
-from engine.events.pipeline_idle import PipelineIdle
 from engine.events.roofline import Roofline
-from engine.events.stats import StatsReporter
-from engine.events.tally import RunTally
 from engine.modelspec.config import DTYPE_BYTES, ModelConfig
 from engine.modelspec.readers import load_model_config
 from engine.sim.driver import SAMPLED_TOKEN_ID

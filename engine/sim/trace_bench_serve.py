@@ -1,5 +1,5 @@
 """``vllm bench serve --save-result`` JSON as a capacity trace (kvscope's ``run-workload
---result-json`` writes the same, engine/events/bench_outputs.py): ``input_lens`` and
+--result-json`` writes the same, engine/events/exporters/bench_outputs.py): ``input_lens`` and
 ``output_lens`` per request, arrivals from ``start_times`` (vLLM writes each request's
 ``perf_counter`` at its send, kvscope seconds from the first; either way only differences count).
 A result without ``start_times`` (older vLLM) keeps its lengths and gets Poisson arrivals at its

@@ -28,7 +28,7 @@ from textual.reactive import reactive
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from engine.events.view import EngineView
+from engine.events.folds.view import EngineView
 from monitor.widgets.legend import group_colour, group_legend_items, wrap_items
 
 PALETTE = (

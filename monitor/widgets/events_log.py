@@ -12,7 +12,7 @@ from textual.containers import Vertical
 from textual.widgets import Input, Static
 
 from engine.events import Event
-from engine.events.view import EngineView
+from engine.events.folds.view import EngineView
 from monitor.widgets.numbers import number
 
 TYPE_STYLE = {"request.preempted": "bold red", "request.rejected": "red", "request.finished": "green",

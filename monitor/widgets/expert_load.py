@@ -1,5 +1,5 @@
 """Expert load of a mixture-of-experts model: per MoE layer, a bar per expert (the tokens the
-router sent it over the view's window of steps, ``engine.events.expert_load``) and the
+router sent it over the view's window of steps, ``engine.events.folds.expert_load``) and the
 layer's imbalance (max / mean), with the hottest expert named. Hidden for dense models
 (their step events carry no expert counts)."""
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-from engine.events.expert_load import ExpertLoad
-from engine.events.view import EngineView
+from engine.events.folds.expert_load import ExpertLoad
+from engine.events.folds.view import EngineView
 from monitor.widgets.spark import BARS
 
 LABEL_WIDTH = 13  # "L 47  x1.93 " before the bars

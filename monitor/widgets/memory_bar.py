@@ -8,7 +8,7 @@ from rich.console import Group
 from rich.text import Text
 from textual.widgets import Static
 
-from engine.events.view import EngineView
+from engine.events.folds.view import EngineView
 from monitor.widgets.legend import wrap_items
 
 GiB = 1024**3
@@ -101,7 +101,7 @@ def rank_ledger_lines(view: EngineView) -> list[Text]:
 
 
 def occupancy_text(view: EngineView) -> str:
-    """The KV pool by token slots (engine/events/kv_occupancy.py): what the held blocks hold,
+    """The KV pool by token slots (engine/events/folds/kv_occupancy.py): what the held blocks hold,
     and per KV cache group when there are several; empty until the block size is known."""
     occupancy = view.occupancy
     if not occupancy.total_slots:

@@ -3,7 +3,7 @@ generation rate side by side with an imbalance verdict, and every pipeline stage
 utilisation and bytes sent per second (with DP x PP, each rank's stages and a verdict per
 rank). Shown only when the run has more than one DP rank or PP stage.
 
-The figures come from :mod:`engine.events.parallel_window` (the fold, the window and the
+The figures come from :mod:`engine.events.folds.parallel_window` (the fold, the window and the
 verdict, on the doctor's definitions and bound): kvscope's dashboard hands it the view's fold
 of step events (:meth:`ParallelPanel.update_view`), a vLLM replica's screen the
 ``engine``-labelled series of its scrapes (:meth:`ParallelPanel.update_state`)."""
@@ -17,8 +17,14 @@ from rich.table import Table
 from rich.text import Text
 from textual.widgets import Static
 
-from engine.events.parallel_window import WINDOW_S, RankWindow, StageWindow, imbalance_verdict, stage_verdict
-from engine.events.view import EngineView
+from engine.events.folds.parallel_window import (
+    WINDOW_S,
+    RankWindow,
+    StageWindow,
+    imbalance_verdict,
+    stage_verdict,
+)
+from engine.events.folds.view import EngineView
 from monitor.replica import ReplicaState
 from monitor.widgets.numbers import number
 

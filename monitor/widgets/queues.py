@@ -15,7 +15,7 @@ from textual.containers import Vertical
 from textual.message import Message
 from textual.widgets import DataTable, Label
 
-from engine.events.view import EngineView, RequestView
+from engine.events.folds.view import EngineView, RequestView
 from monitor.widgets.legend import group_colour, group_label
 from monitor.widgets.request_panel import RequestPanel
 

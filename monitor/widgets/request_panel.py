@@ -1,9 +1,9 @@
 """The request panel: the life of the request picked in the queues (Enter or a click on
-its row), step by step, from the event layer's fold (engine/events/request_lifecycle.py):
+its row), step by step, from the event layer's fold (engine/events/folds/request_lifecycle.py):
 when it arrived, each run of steps it waited and why, where its prefix-cache match
 stopped, its prefill chunks, preemptions (for whom, what it held), decode runs and gaps,
 blocks held and its finish. A request of a session adds the session's turns
-(engine/events/sessions.py): the previous turn's blocks still resident at each, and the
+(engine/events/folds/sessions.py): the previous turn's blocks still resident at each, and the
 request whose allocation evicted each lost one, at which step. Its blocks light up in the
 block map meanwhile (the app sets the map's selection).
 
@@ -21,8 +21,8 @@ from rich.text import Text
 from textual.widgets import Static
 
 from engine.events import Event
-from engine.events.request_lifecycle import RequestLifecycle
-from engine.events.sessions import SessionFold
+from engine.events.folds.request_lifecycle import RequestLifecycle
+from engine.events.folds.sessions import SessionFold
 
 MAX_LINES = 14  # the newest lines of a long life; the rest is engine replay --request's
 MAX_SESSION_LINES = 8  # the newest lines of its session's turns; the rest is engine replay --session's

@@ -10,8 +10,8 @@ from textual.widgets import DataTable
 from textual.widgets.data_table import ColumnKey
 
 from engine.events import PHASES
+from engine.events.folds.view import EngineView, PhaseView
 from engine.events.phase_data import ProfileRunData
-from engine.events.view import EngineView, PhaseView
 from monitor.widgets.numbers import number
 
 GiB = 1024**3

@@ -12,7 +12,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Label, Sparkline, Static
 
-from engine.events.view import EngineView
+from engine.events.folds.view import EngineView
 from monitor.widgets.numbers import number
 
 CHARTS = (

@@ -23,7 +23,7 @@ from engine.core.request import Request
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.step_events import publish_step_event
 from engine.events import Event, EventBus, StepEvent
-from engine.events.block_table import BlockTableState
+from engine.events.folds.block_table import BlockTableState
 
 STOP = 0
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12], [1, 2, 3, 4, 13, 14]]

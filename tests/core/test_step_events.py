@@ -9,7 +9,7 @@ from engine.core.request import Request
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.step_events import build_step_event, publish_step_event
 from engine.events import Event, EventBus, JsonlSink, StepEvent, read_events
-from engine.events.block_table import BlockTableState, fold_step_events
+from engine.events.folds.block_table import BlockTableState, fold_step_events
 
 
 def _run_with_fold_check(seed: int, sink: JsonlSink | None = None) -> tuple[int, int, Scheduler]:

@@ -19,7 +19,7 @@ from doctor.remedies import WhatIf
 from doctor.rules import diagnose
 from engine.cli.main import main
 from engine.events import SnapshotEvent, dumps, read_events
-from engine.events.view import EngineView
+from engine.events.folds.view import EngineView
 from tests.doctor.recordings import path_of
 from tests.paths import DATA
 

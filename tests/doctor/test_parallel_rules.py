@@ -15,7 +15,7 @@ from doctor.rules import DP_SUSTAINED_STEPS, Finding, diagnose
 from engine.budget.stages import fill_drain_bubble
 from engine.config import EngineConfig
 from engine.events import Event, EventBus, RequestArrived, StepEvent
-from engine.events.dp_balance import DP_IMBALANCE_BOUND
+from engine.events.folds.dp_balance import DP_IMBALANCE_BOUND
 from engine.sim.simulate import build_setup, publish_startup, simulate
 from engine.sim.workload import WorkloadSpec, generate_workload
 

@@ -16,7 +16,7 @@ from doctor.inputs import InputError, engine_readings
 from doctor.vllm_dp import SUSTAINED_ROUNDS, EngineRound, VllmFleet, dp_imbalance_finding
 from doctor.vllm_log import log_fleet
 from engine.cli.main import main
-from engine.events.dp_balance import DP_IMBALANCE_BOUND, DataParallelLoad
+from engine.events.folds.dp_balance import DP_IMBALANCE_BOUND, DataParallelLoad
 from tests.monitor.external_fixtures import MetricsServer
 from tests.paths import DATA
 

@@ -22,9 +22,9 @@ from engine.core.request import Request
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.step_loop import FixedTokenExecutor, run_step
 from engine.events import Event, EventBus, RequestFinished
-from engine.events.accounting import RequestLedger, finish_kind
-from engine.events.dp_balance import WAITING_WEIGHT
-from engine.events.metrics import PrometheusMetrics
+from engine.events.exporters.metrics import PrometheusMetrics
+from engine.events.folds.accounting import RequestLedger, finish_kind
+from engine.events.folds.dp_balance import WAITING_WEIGHT
 from engine.events.schema import ABORT_CAUSES, ABORT_CLIENT_DISCONNECT
 from engine.sim.data_parallel import RankBus
 

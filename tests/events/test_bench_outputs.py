@@ -1,4 +1,4 @@
-"""vllm bench's output shapes from kvscope's events (engine/events/bench_outputs.py), on the
+"""vllm bench's output shapes from kvscope's events (engine/events/exporters/bench_outputs.py), on the
 bundled real recording (samples/smollm2_run.jsonl: 40 requests through the real engine)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 from engine.cli.main import main
 from engine.events import RequestFinished, read_events
-from engine.events.bench_outputs import serve_result, startup_lines, startup_result, startup_run
+from engine.events.exporters.bench_outputs import serve_result, startup_lines, startup_result, startup_run
 
 SAMPLE = Path(__file__).resolve().parents[2] / "samples" / "smollm2_run.jsonl"
 

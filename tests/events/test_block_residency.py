@@ -10,7 +10,7 @@ from itertools import pairwise
 import pytest
 
 from engine.events import StepEvent
-from engine.events.block_residency import BlockResidency
+from engine.events.folds.block_residency import BlockResidency
 from engine.sim.driver import run_driver
 from tests.preempting_run import CONFIG, STEP_S, new_scheduler, requests
 

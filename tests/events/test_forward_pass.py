@@ -1,4 +1,4 @@
-"""Forward-pass metrics (engine/events/forward_pass.py) read by a subscriber written from
+"""Forward-pass metrics (engine/events/exporters/forward_pass.py) read by a subscriber written from
 vLLM's open PR #52061 (its example subscriber's structs and checks, copied here as the
 wire contract): three frames, an empty topic, the sequence number equal to counter_id,
 version 1, timing scope execute_model_cuda; the counts folded from a scripted run's
@@ -15,7 +15,7 @@ import zmq
 from bench.bench_server import free_port
 from engine.errors import UserError
 from engine.events import EventBus
-from engine.events.forward_pass import ForwardPassPublisher
+from engine.events.exporters.forward_pass import ForwardPassPublisher
 from engine.events.schema import RequestArrived, RequestFinished, RequestScheduled, StepEvent
 
 FPM_VERSION = 1

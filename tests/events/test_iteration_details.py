@@ -5,7 +5,7 @@ preemption with tokens out is a generation request, as in vLLM."""
 from __future__ import annotations
 
 from engine.events import RequestFinished, RequestFirstToken, StepEvent
-from engine.events.iteration_details import IterationDetailsLog
+from engine.events.exporters.iteration_details import IterationDetailsLog
 
 
 def test_context_and_generation_requests_step_by_step() -> None:

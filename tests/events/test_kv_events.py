@@ -1,4 +1,4 @@
-"""KV cache events, wire-compatible with vLLM (engine/events/kv_events*.py, kv_publisher.py).
+"""KV cache events, wire-compatible with vLLM (engine/events/exporters/kv_events*.py, kv_publisher.py).
 
 The subscriber here is written from the protocol, not from kvscope's classes: a plain
 ZMQ SUB socket, frames [topic, 8-byte big-endian seq, msgpack payload], payloads decoded
@@ -25,9 +25,9 @@ from engine.core.block_pool import BlockPool
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.errors import UserError
 from engine.events import Event, EventBus, StepEvent, dumps, event_from_dict, read_events
-from engine.events.kv_events import KVEventFold
-from engine.events.kv_events_config import parse_kv_events_config
-from engine.events.kv_publisher import KVEventsSink, dialable, expand_topic, node_ip
+from engine.events.exporters.kv_events import KVEventFold
+from engine.events.exporters.kv_events_config import parse_kv_events_config
+from engine.events.exporters.kv_publisher import KVEventsSink, dialable, expand_topic, node_ip
 from engine.sim.driver import DriverRequest, run_driver
 
 TOPIC = "kv-events"
@@ -267,7 +267,7 @@ def test_an_idle_publisher_is_woken_by_the_next_batch_and_answers_replays(
     """An idle publisher thread sleeps in its poll (no periodic wake-ups); the next batch
     wakes it through the pipe, long before its idle timeout would, and a replay request
     that arrives while it sleeps is answered."""
-    from engine.events.kv_publisher import IDLE_POLL_MS
+    from engine.events.exporters.kv_publisher import IDLE_POLL_MS
 
     events, _ = recorded
     steps = [e for e in events if isinstance(e, StepEvent) and e.cached_runs]

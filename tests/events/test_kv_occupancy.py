@@ -1,4 +1,4 @@
-"""KV occupancy by token slots (engine/events/kv_occupancy.py), folded from events, against
+"""KV occupancy by token slots (engine/events/folds/kv_occupancy.py), folded from events, against
 the scheduler's own state step by step: every group's held blocks and filled slots (each
 block's slots up to its holders' computed tokens), the partly filled blocks, and
 ``vllm:kv_cache_token_usage_perc``; full attention and a hybrid pool (a sliding window)."""
@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry
 from engine.core.kv_cache_groups import FULL, KVCacheGroup, KVCacheSpec
 from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.events import EngineConfigEvent, EventBus
-from engine.events.metrics import PrometheusMetrics
-from engine.events.view import EngineView
+from engine.events.exporters.metrics import PrometheusMetrics
+from engine.events.folds.view import EngineView
 from engine.sim.driver import DriverRequest, run_driver
 
 BLOCK = 16

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.events import Event, EventBus, RequestArrived, RequestFinished, RequestFirstToken
-from engine.events.metrics import PrometheusMetrics, build_1_2_5_buckets, observe_many
+from engine.events.exporters.metrics import PrometheusMetrics, build_1_2_5_buckets, observe_many
 from tests.scripted_events import MAX_MODEL_LEN, NUM_BLOCKS, new_bus, run_script
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -52,7 +52,7 @@ EXPECTED_FAMILIES = {
     "vllm:avg_generation_throughput_toks_per_s": "gauge",
 }
 
-# Copied from ../shared/reference/vllm-metrics.md (V1, 0.8.5+), not from engine.events.metrics.
+# Copied from ../shared/reference/vllm-metrics.md (V1, 0.8.5+), not from engine.events.exporters.metrics.
 REFERENCE_BUCKETS = {
     "vllm:time_to_first_token_seconds": [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5,
                                          5, 7.5, 10, 20, 40, 80, 160, 640, 2560],

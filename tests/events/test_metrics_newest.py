@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.events import EngineConfigEvent, RequestFinished, RequestPreempted, StartupPhase, StepEvent
-from engine.events.metrics import KV_CACHE_RESIDENCY_BUCKETS, PrometheusMetrics
+from engine.events.exporters.metrics import KV_CACHE_RESIDENCY_BUCKETS, PrometheusMetrics
 from engine.events.phase_data import KvCacheData
 from tests.paths import DATA
 from tests.preempting_run import SERVED_NAME, PreemptingRun, preempting_run

@@ -27,7 +27,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from engine.cli import main
 from engine.cli.exporters import recording_wall_start
 from engine.events import Recording, read_events
-from engine.events.otel import REQUEST_SPAN, STARTUP_SPAN, OtlpTraceSink, check_endpoint
+from engine.events.exporters.otel import REQUEST_SPAN, STARTUP_SPAN, OtlpTraceSink, check_endpoint
 from tests.events.test_perfetto import check_trace_event_format
 from tests.paths import SAMPLES
 
@@ -252,7 +252,7 @@ def test_each_request_span_has_vllms_phase_children_with_preemptions_as_events(
     """vLLM PR#44402's child spans, as the protocol carries them: vllm_queue, vllm_prefill,
     vllm_decode under each llm_request, back to back; a preemption is an event on the child
     it fell in, naming its reason and the request it made room for (issue 33)."""
-    from engine.events.otel import DECODE_SPAN, PREFILL_SPAN, QUEUE_SPAN
+    from engine.events.exporters.otel import DECODE_SPAN, PREFILL_SPAN, QUEUE_SPAN
 
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
     assert main(["replay", str(SAMPLES / "monitor_sim.jsonl"), "--otlp",

@@ -3,7 +3,7 @@ recording's steps and requests, one for one.
 
 The checks below are the format's rules as its spec states them (required fields
 per phase type, B/E pairing, counters' numeric values), written from the spec, not
-from engine/events/perfetto.py; they run on the real engine's recording and on a
+from engine/events/exporters/perfetto.py; they run on the real engine's recording and on a
 simulated one with preemptions.
 """
 
@@ -18,7 +18,7 @@ import pytest
 
 from engine.cli import main
 from engine.events import PHASES, read_events
-from engine.events.perfetto import PerfettoTrace, trace_of
+from engine.events.exporters.perfetto import PerfettoTrace, trace_of
 from tests.paths import SAMPLES
 
 RECORDINGS = ("smollm2_run.jsonl", "monitor_sim.jsonl")

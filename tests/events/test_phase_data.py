@@ -11,6 +11,7 @@ import pytest
 
 from engine.budget.memory import MemoryPlan
 from engine.events import PHASES, StartupPhase, dumps, read_events
+from engine.events.folds.view import LEDGER_KEYS
 from engine.events.phase_data import (
     PHASE_DATA,
     GraphsCompileData,
@@ -22,7 +23,6 @@ from engine.events.phase_data import (
     phase_record,
     read_phase,
 )
-from engine.events.view import LEDGER_KEYS
 from tests import paths
 
 SAMPLES = sorted(paths.SAMPLES.glob("*.jsonl"))

@@ -1,4 +1,4 @@
-"""Priority in the metrics (engine/events/priority_metrics.py, vLLM PR#58078's shapes): under
+"""Priority in the metrics (engine/events/exporters/priority_metrics.py, vLLM PR#58078's shapes): under
 ``--scheduling-policy priority`` the finished-request families carry the bucketed ``priority``
 label and ``vllm:request_priority`` holds the raw priorities; ``vllm:scheduler_policy_info``
 names the policy in force either way. Driven by a real priority-scheduled run."""
@@ -10,8 +10,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.core.scheduler import SchedulerConfig
 from engine.events import EngineConfigEvent, EventBus
-from engine.events.metrics import PrometheusMetrics
-from engine.events.priority_metrics import priority_bucket
+from engine.events.exporters.metrics import PrometheusMetrics
+from engine.events.exporters.priority_metrics import priority_bucket
 from engine.sim.driver import DriverRequest, run_driver
 
 PRIORITIES = (-7, -1, 0, 0, 1, 3, -2, 9)

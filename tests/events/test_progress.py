@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 
 from engine.events import StartupPhase, StartupProgress
-from engine.events.progress import ProgressPrinter, progress_text
+from engine.events.exporters.progress import ProgressPrinter, progress_text
 
 
 class Terminal(io.StringIO):

@@ -1,4 +1,4 @@
-"""The fold and the verdict behind ``engine diff`` (engine/events/run_diff.py): batch-shape
+"""The fold and the verdict behind ``engine diff`` (engine/events/folds/run_diff.py): batch-shape
 classes, the bootstrap interval of a median ratio on seeded samples, the threshold, and
 the comparability check over recordings of the simulator."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from engine.events import read_events
-from engine.events.run_diff import (
+from engine.events.folds.run_diff import (
     IMPROVEMENT,
     ONLY_IN_A,
     REGRESSION,

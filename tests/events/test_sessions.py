@@ -1,4 +1,4 @@
-"""Sessions (engine/events/sessions.py) on a scripted multi-turn workload through the real
+"""Sessions (engine/events/folds/sessions.py) on a scripted multi-turn workload through the real
 scheduler: three agent sessions of five turns, each turn's prompt the previous turn's whole
 context (prompt and answer) plus a new message, sent when the previous turn finished, with
 long unrelated requests between turns. In a large pool every turn finds the previous turn's
@@ -20,8 +20,8 @@ from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.events import EngineConfigEvent, Event, EventBus, StepEvent
+from engine.events.folds.sessions import SessionFold
 from engine.events.schema import JsonlSink
-from engine.events.sessions import SessionFold
 from engine.sim.driver import SAMPLED_TOKEN_ID, driver_step
 
 BLOCK = 16

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from engine.events import Event, EventBus, LogEvent, SinkFailed, StatsEvent, read_events, sink_name
-from engine.events.view import EngineView
+from engine.events.folds.view import EngineView
 from engine.modelspec.presets import bundled_gguf_path
 from tests.paths import ROOT
 

@@ -11,7 +11,7 @@ import pytest
 
 from engine.errors import UserError
 from engine.events import Event, EventBus, StatsEvent
-from engine.events.stats import PrefixHitWindow, StatsReporter, format_stats_line
+from engine.events.exporters.stats import PrefixHitWindow, StatsReporter, format_stats_line
 from engine.logs import configure_logging
 from tests.scripted_events import NUM_BLOCKS, new_bus, run_script
 

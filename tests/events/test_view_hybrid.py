@@ -14,7 +14,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.events import Event, EventBus, StepEvent
-from engine.events.view import EngineView
+from engine.events.folds.view import EngineView
 from engine.sim.simulate import Simulation, build_setup
 from engine.sim.workload import WorkloadSpec, generate_workload
 from tests.monitor.hybrid_fixtures import hybrid_state_at

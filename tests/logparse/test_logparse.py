@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from engine.events import EngineConfigEvent, EventBus, JsonlSink, StartupPhase
+from engine.events.folds.view import LEDGER_KEYS as VIEW_LEDGER_KEYS
 from engine.events.phase_data import PhaseData
-from engine.events.view import LEDGER_KEYS as VIEW_LEDGER_KEYS
 from logparse.cli import main
 from logparse.explain import Options, explain
 from logparse.parser import iter_records

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.events.expert_load import ExpertLoad
+from engine.events.folds.expert_load import ExpertLoad
 from engine.model.moe import ExpertCounter, grouped_experts, route
 
 

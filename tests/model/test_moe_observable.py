@@ -1,6 +1,6 @@
 """Experts made observable, end to end on the tiny Qwen3-MoE checkpoint (tests/model/tiny_moe.py):
 the whole engine's step events carry per-layer expert counts whose fold
-(engine/events/expert_load.py, as the EngineView and the doctor fold them) equals
+(engine/events/folds/expert_load.py, as the EngineView and the doctor fold them) equals
 transformers' own router top-k over every token the engine computed; the EngineView
 snapshot keeps them; the doctor's hot-expert rule reads them."""
 
@@ -14,8 +14,8 @@ import torch
 from doctor.facts import RunFacts
 from doctor.rules import HOT_EXPERT_IMBALANCE, hot_expert
 from engine.events import StepEvent
-from engine.events.expert_load import ExpertLoad
-from engine.events.view import EngineView
+from engine.events.folds.expert_load import ExpertLoad
+from engine.events.folds.view import EngineView
 from tests.model.tiny_moe import MOE_SHAPES, save_tiny_moe
 
 PROMPTS = ["the quick brown fox", "hello world, how are you today? the lazy dog jumps over"]

@@ -19,7 +19,7 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 from engine.events import EventBus
-from engine.events.metrics import PrometheusMetrics
+from engine.events.exporters.metrics import PrometheusMetrics
 from engine.sim.driver import DriverRequest, run_driver
 from tests.paths import ROOT
 

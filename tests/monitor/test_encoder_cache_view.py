@@ -7,7 +7,7 @@ from rich.console import Console
 
 from engine.config import EngineConfig
 from engine.events import EventBus
-from engine.events.view import EngineView
+from engine.events.folds.view import EngineView
 from engine.sim.simulate import Simulation, build_setup
 from engine.sim.workload import WorkloadRequest, with_mm_items
 from monitor.widgets.memory_bar import MemoryBar

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine.events import StepEvent
-from engine.events.expert_load import ExpertLoad
+from engine.events.folds.expert_load import ExpertLoad
 from monitor.app import MonitorApp
 from monitor.state import Timeline
 from monitor.widgets.expert_load import ExpertPanel, expert_lines

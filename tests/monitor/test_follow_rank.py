@@ -19,9 +19,9 @@ from textual.widgets import Footer
 
 from engine.events import Event, RequestArrived, SnapshotEvent, StepEvent, read_events
 from engine.events.feed import BusFeed, HttpFeed, LiveFeed
-from engine.events.parallel_window import WINDOW_S, ParallelWindow
-from engine.events.pipeline_idle import PipelineIdle
-from engine.events.view import EngineView, event_dp_rank
+from engine.events.folds.parallel_window import WINDOW_S, ParallelWindow
+from engine.events.folds.pipeline_idle import PipelineIdle
+from engine.events.folds.view import EngineView, event_dp_rank
 from monitor.app import MonitorApp
 from monitor.state import Timeline
 from monitor.widgets.block_map import BlockMap

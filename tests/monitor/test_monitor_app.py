@@ -14,7 +14,7 @@ import pytest
 from engine.errors import UserError
 from engine.events import EngineStopped, EventBus, LogEvent, SinkFailed, StepEvent, dumps, read_events
 from engine.events.feed import BusFeed, HttpFeed, parse_sse
-from engine.events.view import EngineView
+from engine.events.folds.view import EngineView
 from monitor.app import MonitorApp
 from monitor.cli import main as monitor_main
 from monitor.sources import load_timeline

@@ -13,7 +13,7 @@ import pytest
 
 from engine.events import LogEvent, SnapshotEvent, dumps, read_events
 from engine.events.feed import CONNECTING, DISCONNECTED, LIVE, REFUSED, HttpFeed
-from engine.events.view import EngineView
+from engine.events.folds.view import EngineView
 from monitor.app import MonitorApp
 from monitor.widgets.replay_bar import ReplayBar
 from monitor.widgets.title_bar import TitleBar

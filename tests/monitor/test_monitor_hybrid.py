@@ -48,7 +48,7 @@ async def test_the_block_map_draws_each_blocks_group_and_what_the_window_freed()
             assert block_map.effective_blocks_per_cell == 1
             selected = block_map.selected
             cached = app.view.cached
-            # a request's partly filled last block is ▪ (engine/events/kv_occupancy.py, checked against
+            # a request's partly filled last block is ▪ (engine/events/folds/kv_occupancy.py, checked against
             # the scheduler in tests/events/test_kv_occupancy.py)
             partial = app.view.occupancy.partial
             assert partial and set(partial) <= set(plain.owners())

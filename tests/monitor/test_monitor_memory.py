@@ -8,7 +8,7 @@ from textual.geometry import Region
 from textual.widget import Widget
 
 from engine.events import StartupPhase, StepEvent, read_events
-from engine.events.view import EngineView
+from engine.events.folds.view import EngineView
 from monitor.app import MonitorApp
 from monitor.sources import load_timeline
 from monitor.widgets.memory_bar import GiB, MemoryBar, bar_cells, legend_lines, memory_segments

@@ -7,7 +7,7 @@ import json
 
 from engine.events import EventBus, StartupPhase, StartupProgress
 from engine.events.feed import BusFeed
-from engine.events.view import EngineView
+from engine.events.folds.view import EngineView
 from monitor.app import MonitorApp
 from monitor.widgets.startup_table import StartupTable, progress_text
 from tests.monitor_fixtures import ManualClock

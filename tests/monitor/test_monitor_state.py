@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from engine.events import EventBus, SnapshotEvent, StepEvent, read_events
-from engine.events.view import EngineView
+from engine.events.folds.view import EngineView
 from monitor.state import Timeline
 from tests.monitor_fixtures import SAMPLE, owners_at, record_driver_run
 

@@ -28,14 +28,14 @@ from engine.events import (
     StepEvent,
 )
 from engine.events.feed import LiveFeed
-from engine.events.parallel_window import (
+from engine.events.folds.parallel_window import (
     ParallelWindow,
     RankWindow,
     imbalance_verdict,
     window_mean,
     window_rate,
 )
-from engine.events.view import EngineView
+from engine.events.folds.view import EngineView
 from monitor.external import ReplicaTimeline
 from monitor.fleet_app import FleetApp
 from monitor.poller import VLLM

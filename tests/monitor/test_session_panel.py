@@ -1,4 +1,4 @@
-"""The request panel shows the picked request's session (engine/events/sessions.py): each turn's
+"""The request panel shows the picked request's session (engine/events/folds/sessions.py): each turn's
 previous-turn blocks still resident, and each lost block's evicting request and step, moving
 with the replay. The recording is the scripted multi-turn workload of tests/events/test_sessions.py
 under a small pool, replayed in the real Textual app through Pilot."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.events import EventBus, StepEvent, read_events
+from engine.events.folds.sessions import SessionFold
 from engine.events.schema import JsonlSink
-from engine.events.sessions import SessionFold
 from monitor.app import MonitorApp
 from monitor.sources import load_timeline
 from monitor.widgets.request_panel import RequestPanel

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from engine.events import EventBus, MetricsScrape
 from engine.events.feed import BusFeed
+from engine.events.folds.view import EngineView
 from engine.events.schema import EngineRecovered, EngineStalled
-from engine.events.view import EngineView
 from monitor.app import MonitorApp
 from monitor.replica import ReplicaState
 

@@ -20,7 +20,7 @@ import pytest
 
 from bench.bench_server import free_port, start_server, stop_server
 from engine.events import RequestArrived, RequestFinished, read_events
-from engine.events.accounting import RequestLedger
+from engine.events.folds.accounting import RequestLedger
 from engine.modelspec.presets import bundled_gguf_path
 from tests.serve.test_server_hardening import Server
 

@@ -11,7 +11,7 @@ import pytest
 
 from engine.core.sampling_params import SamplingParams
 from engine.events import EngineStopped, Event, EventBus, RequestFinished
-from engine.events.accounting import RequestLedger
+from engine.events.folds.accounting import RequestLedger
 from engine.llm import engine_config
 from engine.llm_engine import LLMEngine
 from engine.modelspec.presets import bundled_gguf_path

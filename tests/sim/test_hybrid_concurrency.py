@@ -16,7 +16,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.events import EventBus, StepEvent
-from engine.events.view import EngineView
+from engine.events.folds.view import EngineView
 from engine.modelspec.readers import load_model_config
 from engine.sim.simulate import build_setup, simulate
 from engine.sim.workload import WorkloadRequest

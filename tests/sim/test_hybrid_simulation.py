@@ -16,8 +16,8 @@ import pytest
 from engine.config import EngineConfig
 from engine.core.single_type_kv_cache import SlidingWindowManager
 from engine.events import EngineConfigEvent, EventBus, JsonlSink, StepEvent, read_events
-from engine.events.block_table import fold_step_events
-from engine.events.kv_events import BlockRemoved, BlockStored, KVEventFold
+from engine.events.exporters.kv_events import BlockRemoved, BlockStored, KVEventFold
+from engine.events.folds.block_table import fold_step_events
 from engine.sim.replay import Replayer, load_recording
 from engine.sim.simulate import Simulation, build_setup
 from engine.sim.workload import WorkloadSpec, generate_workload

@@ -14,7 +14,7 @@ from engine.cli import main
 from engine.config import EngineConfig
 from engine.errors import UserError
 from engine.events import EventBus, RequestArrived, StepEvent, read_events
-from engine.events.dp_balance import DataParallelLoad
+from engine.events.folds.dp_balance import DataParallelLoad
 from engine.sim.data_parallel import DataParallelSimulation
 from engine.sim.simulate import CostModel, PipelineCost, build_setup, simulate, split_micro_batches
 from engine.sim.workload import WorkloadRequest, WorkloadSpec, generate_workload

@@ -15,7 +15,7 @@ import pytest
 from engine.cli import main
 from engine.config import EngineConfig
 from engine.events import EventBus, RequestArrived, StartupPhase, StatsEvent, StepEvent, read_events
-from engine.events.view import EngineView
+from engine.events.folds.view import EngineView
 from engine.sim.simulate import (
     LIMIT_KV,
     LIMIT_SEQS,

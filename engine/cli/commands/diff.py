@@ -4,7 +4,7 @@ Sets two recordings (the real engine's ``--events`` or ``engine simulate``'s; pl
 gzipped) side by side: startup phases, the KV pool, TTFT / inter-token / end-to-end
 percentiles, preemptions, prefix-cache hit rate, the block peak, and the step time of
 each batch shape (prefill tokens x decode sequences). The verdict compares medians with a
-bootstrap interval (engine/events/run_diff.py): a shape regressed when B's median step
+bootstrap interval (engine/events/folds/run_diff.py): a shape regressed when B's median step
 is more than --threshold above A's and the interval says it is not noise. Latencies are
 shown, not judged: they follow from the step times, the scheduling and the arrivals.
 
@@ -36,7 +36,7 @@ from engine.cli.program import Subparsers
 from engine.errors import UserError
 
 if TYPE_CHECKING:
-    from engine.events.run_diff import Comparison, RunDiff, RunProfile
+    from engine.events.folds.run_diff import Comparison, RunDiff, RunProfile
 
 HOW_TO_RECORD = "record one with --events FILE: engine run-workload, serve, generate or simulate"
 
@@ -68,7 +68,7 @@ def threshold_type(text: str) -> float:
 def load_profile(path_text: str, force: bool) -> RunProfile:
     """Read and fold one recording; a :class:`UserError` saying what to change when it is not one."""
     from engine.events import read_events
-    from engine.events.run_diff import profile_run
+    from engine.events.folds.run_diff import profile_run
     from engine.sim.replay import recorded_flags
 
     path = Path(path_text)
@@ -110,7 +110,7 @@ def is_log(path_text: str) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.events.run_diff import diff_runs
+    from engine.events.folds.run_diff import diff_runs
 
     if is_log(args.a) and is_log(args.b):  # two vLLM startups, phase by phase (logparse)
         from engine.cli.plugins import load_plugin
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
 
 # -------------------------------------------------------------------- the text form
 def render(diff: RunDiff, forced: bool = False) -> list[str]:
-    from engine.events.run_diff import LATENCIES, REGRESSION, startup_rows
+    from engine.events.folds.run_diff import LATENCIES, REGRESSION, startup_rows
 
     a, b = diff.a, diff.b
     lines = [f"A: {a.name}  ({a.kind}, {_model_name(a)}, {len(a.workload):,} requests, {a.steps:,} steps, "

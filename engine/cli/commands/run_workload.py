@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def write_result_json(args: argparse.Namespace, events: list[Event]) -> None:
-    from engine.events.bench_outputs import serve_result
+    from engine.events.exporters.bench_outputs import serve_result
 
     result = serve_result(events, backend="kvscope-offline",
                           num_prompts=args.num_prompts, request_rate=args.request_rate)

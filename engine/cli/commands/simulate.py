@@ -44,8 +44,8 @@ from engine.cli.flags import (
 from engine.cli.program import Subparsers
 from engine.errors import UserError
 from engine.events import EventBus
-from engine.events.dp_balance import DP_IMBALANCE_BOUND
-from engine.events.observers import Observers, attach_observers
+from engine.events.exporters.observers import Observers, attach_observers
+from engine.events.folds.dp_balance import DP_IMBALANCE_BOUND
 from engine.sim.data_parallel import DataParallelResult, DataParallelSimulation
 from engine.sim.simulate import (
     DEFAULT_EFFICIENCY,

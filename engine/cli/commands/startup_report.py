@@ -1,5 +1,5 @@
 """``engine startup-report``: ``vllm bench startup``'s report and JSON from kvscope recordings'
-phase events (engine/events/bench_outputs.py), so kvscope's starts sit beside vLLM's."""
+phase events (engine/events/exporters/bench_outputs.py), so kvscope's starts sit beside vLLM's."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def register(sub: Subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from engine.events import read_events
-    from engine.events.bench_outputs import startup_lines, startup_result, startup_run
+    from engine.events.exporters.bench_outputs import startup_lines, startup_result, startup_run
 
     runs = []
     for path in args.recordings:

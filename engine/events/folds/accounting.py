@@ -8,7 +8,7 @@ recording, under data parallelism where request ids are per rank), and
 :class:`AbortMetrics` exports what vLLM's families cannot say: aborts by cause and the
 prompt tokens a prefill computed for a request that ended before its first token (work
 done, in no token counter). The token counters and the per-request histograms are in
-engine/events/metrics.py, counted by one tally so their sums agree exactly.
+engine/events/exporters/metrics.py, counted by one tally so their sums agree exactly.
 """
 
 from __future__ import annotations

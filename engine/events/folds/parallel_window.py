@@ -1,6 +1,6 @@
 """The last seconds of data-parallel balance and pipeline idle time, for the live monitor.
 
-``engine/events/dp_balance.py`` and ``engine/events/pipeline_idle.py`` fold a whole run
+``engine/events/folds/dp_balance.py`` and ``engine/events/folds/pipeline_idle.py`` fold a whole run
 (the doctor, the simulator's summary, the bench); a dashboard needs the same figures over
 a moving window, and a verdict now. This module keeps their definitions, bound and floor,
 over the last ``WINDOW_S`` seconds of the source's clock:
@@ -36,8 +36,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.events.dp_balance import DP_IMBALANCE_BOUND, DP_MIN_MEAN_LOAD
-from engine.events.pipeline_idle import PipelineIdle
+from engine.events.folds.dp_balance import DP_IMBALANCE_BOUND, DP_MIN_MEAN_LOAD
+from engine.events.folds.pipeline_idle import PipelineIdle
 from engine.events.schema import Event, RequestFirstToken, StepEvent
 
 WINDOW_S = 10.0

@@ -36,7 +36,7 @@ def priority_bucket(priority: int) -> str:
 
 class ByPriority:
     """A labelled family's child chosen by ``bucket()`` at each use (attributes delegate to it,
-    so ``observe``, ``inc`` and engine/events/metrics.py's ``observe_many`` work unchanged)."""
+    so ``observe``, ``inc`` and engine/events/exporters/metrics.py's ``observe_many`` work unchanged)."""
 
     __slots__ = ("_bucket", "_children", "_family", "_values")
 

@@ -4,7 +4,7 @@ Each recording is folded into a :class:`RunProfile` from its events alone: the f
 the model summary (``engine.config``), the requests as they arrived (the workload), the
 startup phases' seconds, the KV pool (phase E), every step's time by batch shape, TTFT,
 inter-token and end-to-end latencies, preemptions, prefix-cache hits and the block peak
-(the last four through :class:`~engine.events.tally.RunTally`, the simulator's and the
+(the last four through :class:`~engine.events.folds.tally.RunTally`, the simulator's and the
 driver's own fold). :func:`diff_runs` sets two profiles side by side.
 
 Two runs are comparable when the engine (real or simulated), the model, the flags and
@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.events.folds.tally import RunTally
 from engine.events.phase_data import InitData, KvCacheData, ProfileRunData, read_phase
 from engine.events.schema import (
     PHASES,
@@ -47,7 +48,6 @@ from engine.events.schema import (
     StartupPhase,
     StepEvent,
 )
-from engine.events.tally import RunTally
 
 # Flags that change what a run records or how it is named, not what it computes.
 RECORDING_ONLY_FLAGS = frozenset({"events_path", "served_model_name", "stats_interval", "log_prompts"})

@@ -6,7 +6,7 @@ Standard library only: the flag is checked before torch, msgspec or zmq load.
 ``enable_kv_cache_events`` turns on the facts (step events carry what each cached
 block holds, see :class:`~engine.events.StepEvent`); ``publisher`` says where they go:
 ``zmq`` (the default once events are enabled) publishes them
-(:mod:`engine.events.kv_publisher`), ``null`` only records them (``--events``).
+(:mod:`engine.events.exporters.kv_publisher`), ``null`` only records them (``--events``).
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ Where each value comes from:
 - running / waiting / KV usage / prefix-cache queries and hits / preemptions /
   iteration tokens: the ``step`` event; ``kv_cache_token_usage_perc`` (experimental, vLLM
   PR#57336's name): the step's blocks less their unfilled tails, the requests' computed
-  tokens folded by a private :class:`~engine.events.view.EngineView`
-  (engine/events/kv_occupancy.py);
-- prompt and generation tokens: :class:`engine.events.stats.TokenTally` (shared with
+  tokens folded by a private :class:`~engine.events.folds.view.EngineView`
+  (engine/events/folds/kv_occupancy.py);
+- prompt and generation tokens: :class:`engine.events.exporters.stats.TokenTally` (shared with
   the stats line), vLLM's counting;
 - TTFT: ``request.first_token``; every other per-request histogram and
   ``request_success_total{finished_reason}``: ``request.finished`` (aborted
@@ -26,7 +26,7 @@ Where each value comes from:
   observe what the token counters counted for the request, so their sums equal
   ``prompt_tokens_total`` / ``generation_tokens_total`` exactly once every request has
   finished; aborts by cause and the prefill work of requests that ended before their
-  first token: engine/events/accounting.py;
+  first token: engine/events/folds/accounting.py;
 - ``cache_config_info``: ``engine.config`` (``--kv-cache-memory-bytes`` among the
   flags) plus the phase E ``startup.phase`` event's ``num_blocks`` /
   ``kv_cache_tokens`` / ``max_concurrency``, under vLLM's CacheConfig field names;
@@ -41,7 +41,7 @@ Where each value comes from:
 - with ``kv_cache_metrics`` (``--kv-cache-metrics``) the block residency histograms
   (``kv_block_lifetime_seconds``, ``kv_block_idle_before_evict_seconds``,
   ``kv_block_reuse_gap_seconds``): the step events' block deltas folded by
-  :class:`engine.events.block_residency.BlockResidency`, every block observed;
+  :class:`engine.events.folds.block_residency.BlockResidency`, every block observed;
 - the V0-era ``avg_*_throughput_toks_per_s`` gauges: the ``stats`` event;
 - ``scheduler_policy_info{policy}``: the constructor's policy, then ``engine.config``'s; under
   ``--scheduling-policy priority`` the finished-request families' ``priority`` label and
@@ -74,21 +74,21 @@ from engine.events import (
     StatsEvent,
     StepEvent,
 )
-from engine.events.accounting import AbortMetrics
-from engine.events.block_residency import BlockResidency
-from engine.events.kv_occupancy import step_token_usage
-from engine.events.phase_data import KvCacheData, LoadWeightsData, read_phase
-from engine.events.priority_metrics import (
+from engine.events.exporters.priority_metrics import (
     PRIORITY_LABEL,
     REQUEST_PRIORITY_BUCKETS,
     ByPriority,
     priority_bucket,
     scheduler_policy_info,
 )
+from engine.events.exporters.stats import TokenTally, kv_cache_usage
+from engine.events.folds.accounting import AbortMetrics
+from engine.events.folds.block_residency import BlockResidency
+from engine.events.folds.kv_occupancy import step_token_usage
+from engine.events.folds.view import EngineView
+from engine.events.phase_data import KvCacheData, LoadWeightsData, read_phase
 from engine.events.roofline import Roofline
 from engine.events.schema import PREEMPTION_REASONS
-from engine.events.stats import TokenTally, kv_cache_usage
-from engine.events.view import EngineView
 
 # ---------------------------------------------------------------- vLLM buckets
 # vllm/v1/metrics: time_to_first_token (0.8.4+)
@@ -180,7 +180,7 @@ class PrometheusMetrics:
     residency histograms (vLLM's ``--kv-cache-metrics``; off, they cost nothing).
     ``scheduling_policy`` "priority" adds the bucketed ``priority`` label to the
     finished-request families and ``vllm:request_priority``
-    (engine/events/priority_metrics.py). ``render()`` is the /metrics body.
+    (engine/events/exporters/priority_metrics.py). ``render()`` is the /metrics body.
     """
 
     def __init__(
@@ -210,7 +210,7 @@ class PrometheusMetrics:
             return Histogram(name, doc, labels, registry=registry, buckets=buckets).labels(*values)
 
         # --scheduling-policy priority: finished-request families carry vLLM PR#58078's bucketed
-        # priority label (engine/events/priority_metrics.py), the bucket of the request at hand
+        # priority label (engine/events/exporters/priority_metrics.py), the bucket of the request at hand
         self._priority_labels = scheduling_policy == "priority"
         self._bucket = "0"
         self._priorities: dict[str, int] = {}  # request id -> priority, from arrival to finish

@@ -16,7 +16,7 @@ rate is hit tokens / queried tokens over the most recent 1000 requests;
 
 Everything here reads events only (DESIGN principle 1). Time is the event time
 axis (``event.t``), so a replayed or simulated run reports the same lines.
-:class:`TokenTally` is shared with the Prometheus sink (engine.events.metrics) so both
+:class:`TokenTally` is shared with the Prometheus sink (engine.events.exporters.metrics) so both
 count prompt and generation tokens the same way.
 """
 

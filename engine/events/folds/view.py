@@ -61,7 +61,7 @@ Every request's blocks are held per group; ``group_blocks`` is written only when
 are several (one group's are ``blocks``), and ``window_freed`` only when a window freed
 something, so a full-attention snapshot is what it always was, and one without them
 loads as one group. The block table itself is folded
-by :class:`engine.events.block_table.BlockTableState`, the same fold replay and
+by :class:`engine.events.folds.block_table.BlockTableState`, the same fold replay and
 the tests use.
 
 Seeking a recording (snapshot checkpoints every N steps) is the monitor's
@@ -96,11 +96,11 @@ from engine.events import (
     StepEvent,
     event_from_dict,
 )
-from engine.events.block_table import BlockTableState
-from engine.events.expert_load import ExpertLoad
-from engine.events.kv_occupancy import KvOccupancy, view_occupancy
+from engine.events.folds.block_table import BlockTableState
+from engine.events.folds.expert_load import ExpertLoad
+from engine.events.folds.kv_occupancy import KvOccupancy, view_occupancy
+from engine.events.folds.parallel_window import ParallelWindow
 from engine.events.ledger import LEDGER
-from engine.events.parallel_window import ParallelWindow
 from engine.events.schema import EncoderStepEvent, EngineRecovered, EngineStalled
 
 SNAPSHOT_VERSION = 1
@@ -372,7 +372,7 @@ class EngineView:
     @property
     def occupancy(self) -> KvOccupancy:
         """The pool by token slots: filled against allocated per KV cache group, PR#57336's
-        token usage, and the partly filled blocks (engine/events/kv_occupancy.py)."""
+        token usage, and the partly filled blocks (engine/events/folds/kv_occupancy.py)."""
         return view_occupancy(self)
 
     @property

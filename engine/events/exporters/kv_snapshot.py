@@ -4,7 +4,7 @@ batches the publisher sends and answers a snapshot, one ``BlockStored`` per cach
 block, every parent before its children (chain order), so a consumer that applies it to
 an empty index holds what the cache holds after the last batch sent.
 
-A snapshot is asked on the replay socket (engine/events/kv_publisher.py) with the start
+A snapshot is asked on the replay socket (engine/events/exporters/kv_publisher.py) with the start
 sequence number ``-2`` (:data:`SNAPSHOT_REQUEST`) instead of a real one; the answer is one
 message ``[b"", topic, seq, payload]`` whose ``seq`` is the last batch the snapshot
 includes (-1 before any), then the replay's end marker. Live batches after ``seq``
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from engine.events.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from engine.events.exporters.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
 SNAPSHOT_REQUEST = (-2).to_bytes(8, "big", signed=True)
 

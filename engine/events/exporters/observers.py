@@ -9,7 +9,7 @@ recording, the KV cache events, the startup progress bar, the stats line),
 (metrics, the view, the ``/events`` hub) belong to its routes and stay in
 engine/serve/host.py.
 
-Adding a sink: its module in engine/events/, the flag that asks for it as a field of
+Adding a sink: its module in engine/events/exporters/, the flag that asks for it as a field of
 :class:`ObserverFlags`, and one line in :func:`build_observers`. Heavy libraries
 (zmq for KV events, opentelemetry for spans) load only when their flag is given.
 """
@@ -30,9 +30,9 @@ from engine.events.schema import Event, EventBus, JsonlSink
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from engine.events.kv_publisher import KVEventsSink
-    from engine.events.progress import ProgressPrinter
-    from engine.events.stats import StatsReporter
+    from engine.events.exporters.kv_publisher import KVEventsSink
+    from engine.events.exporters.progress import ProgressPrinter
+    from engine.events.exporters.stats import StatsReporter
 
 # vLLM's --collect-detailed-traces choices -> (forward seconds, forward + sample seconds)
 DETAILED_TRACES: dict[str, tuple[bool, bool]] = {"model": (True, False), "worker": (False, True), "all": (True, True)}
@@ -99,7 +99,7 @@ class Observers:
         """The engine is ready: the stats line begins when ``--stats-interval`` asks for it
         (``device_word``: "GPU"/"CPU", the word before "KV cache usage")."""
         if self.bus is not None and self.stats_interval > 0 and self.stats is None:
-            from engine.events.stats import StatsReporter
+            from engine.events.exporters.stats import StatsReporter
 
             self.stats = StatsReporter(self.bus, self.stats_interval, device_word=device_word)
             self.bus.subscribe(self.stats)
@@ -133,7 +133,9 @@ def build_observers(flags: ObserverFlags, *, wall_start_unix: float, recording_c
             observers.recording = _recording(flags.events_path, recording_config, recording_started_unix)
             observers.sinks.append(observers.recording)
         if flags.kv_events_config is not None and flags.kv_events_config.publishes:
-            from engine.events.kv_publisher import KVEventsSink  # zmq and msgspec load only when asked
+            from engine.events.exporters.kv_publisher import (
+                KVEventsSink,  # zmq and msgspec load only when asked
+            )
 
             observers.kv_events = KVEventsSink(flags.kv_events_config, registry=registry, model_name=model_name or "",
                                                data_parallel_rank=data_parallel_rank)
@@ -147,13 +149,13 @@ def build_observers(flags: ObserverFlags, *, wall_start_unix: float, recording_c
             # delivery failures are the SDK's to report (its log names each one)
             observers.summary.append(f"sent OpenTelemetry spans to {flags.otlp_traces_endpoint} ({protocol})")
         if flags.forward_pass_metrics_port is not None:
-            from engine.events.forward_pass import ForwardPassPublisher  # zmq loads only when asked
+            from engine.events.exporters.forward_pass import ForwardPassPublisher  # zmq loads only when asked
 
             publisher = ForwardPassPublisher(flags.forward_pass_metrics_port, dp_rank=data_parallel_rank)
             observers.sinks.append(publisher)
             observers.summary.append(f"published forward-pass metrics on {publisher.endpoint}")
         if flags.iteration_details:
-            from engine.events.iteration_details import IterationDetailsLog
+            from engine.events.exporters.iteration_details import IterationDetailsLog
             from engine.logs import get_logger
 
             observers.sinks.append(IterationDetailsLog(get_logger("kvscope.core").info))
@@ -177,7 +179,7 @@ def attach_observers(bus: EventBus, flags: ObserverFlags, *, simulated_clock: bo
     for sink in observers.sinks:
         bus.subscribe(sink)
     if flags.progress:  # long phases show progress where the log lines go (a bar on a terminal)
-        from engine.events.progress import ProgressPrinter
+        from engine.events.exporters.progress import ProgressPrinter
         from engine.logs import console_stream, get_logger
 
         observers.progress = ProgressPrinter(console_stream(), get_logger("kvscope.startup").info)
@@ -193,7 +195,7 @@ def _recording(path: str, config: dict[str, Any] | None, started_unix: float | N
 
 
 def _perfetto(trace_out: str) -> Sink:
-    from engine.events.perfetto import PerfettoTrace
+    from engine.events.exporters.perfetto import PerfettoTrace
 
     path = Path(trace_out)
     try:
@@ -204,7 +206,7 @@ def _perfetto(trace_out: str) -> Sink:
 
 
 def _otlp(flags: ObserverFlags, wall_start_unix: float, model_name: str | None) -> tuple[Sink, str]:
-    from engine.events.otel import OtlpTraceSink, span_exporter, traces_protocol
+    from engine.events.exporters.otel import OtlpTraceSink, span_exporter, traces_protocol
 
     endpoint = flags.otlp_traces_endpoint or ""
     try:

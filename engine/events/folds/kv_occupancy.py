@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from engine.events.schema import StepEvent
 
 if TYPE_CHECKING:
-    from engine.events.view import EngineView, RequestView
+    from engine.events.folds.view import EngineView, RequestView
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""The KV cache events sink: :class:`~engine.events.kv_events.KVEventFold`'s batches
+"""The KV cache events sink: :class:`~engine.events.exporters.kv_events.KVEventFold`'s batches
 published over ZMQ exactly as vLLM's ``ZmqEventPublisher`` does.
 
 - PUB socket at ``endpoint``: every message is three frames, the topic (UTF-8), the
@@ -15,7 +15,7 @@ published over ZMQ exactly as vLLM's ``ZmqEventPublisher`` does.
   sends them. A DEALER that sends ``[b"", start_seq]`` receives ``[b"", topic, seq,
   payload]`` frames: the live socket's three after the delimiter. The start sequence -2 asks for a
   snapshot instead: every cached block as ``BlockStored`` in chain order, in one message
-  whose seq is the last batch it includes (engine/events/kv_snapshot.py).
+  whose seq is the last batch it includes (engine/events/exporters/kv_snapshot.py).
 
 The engine thread only folds and appends to a queue of at most ``max_queue_size``
 batches; encoding, sending and replay run on the publisher's own thread, so no
@@ -54,9 +54,9 @@ from prometheus_client import CollectorRegistry, Counter
 from engine.config import KVEventsConfig
 from engine.errors import UserError
 from engine.events import Event
-from engine.events.kv_events import EventBatch, KVEventFold
-from engine.events.kv_events_config import FLAG, binds
-from engine.events.kv_snapshot import SNAPSHOT_REQUEST, CachedBlockMirror
+from engine.events.exporters.kv_events import EventBatch, KVEventFold
+from engine.events.exporters.kv_events_config import FLAG, binds
+from engine.events.exporters.kv_snapshot import SNAPSHOT_REQUEST, CachedBlockMirror
 from engine.logs import get_logger
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's end marker
@@ -205,7 +205,7 @@ class ZmqEventPublisher:
             return
         identity, _, start = frames
         send = self._replay.send_multipart
-        if start == SNAPSHOT_REQUEST:  # the whole cache as of the last batch sent (engine/events/kv_snapshot.py)
+        if start == SNAPSHOT_REQUEST:  # the whole cache as of the last batch sent (engine/events/exporters/kv_snapshot.py)
             snapshot = msgspec.msgpack.encode(self._mirror.snapshot(self._rank))
             send((identity, b"", self._topic, (self.sent - 1).to_bytes(8, "big", signed=True), snapshot))
             send((identity, b"", b"", END_SEQ, b""))
