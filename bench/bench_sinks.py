@@ -17,7 +17,7 @@ llama-3.1-8b ``engine.config`` and phase C, so the MFU counters move, and with
 :class:`engine.events.exporters.otel.OtlpTraceSink` (the SDK's span building and batch
 processor; the exporter discards, so no network is timed),
 :class:`engine.events.exporters.perfetto.PerfettoTrace` (the fold; the file is written once at
-the end, not timed) and :class:`engine.events.folds.request_lifecycle.RequestLifecycle`
+the end, not timed) and :class:`engine.events.folds.request_record.RequestFold`
 (every request's life, as the server keeps it for /debug/requests and per-request
 metrics). Output: one JSON line per (trace, sink) with events/s, ns per
 event, µs per step event (the whole stream's time minus the time of the stream
@@ -59,7 +59,7 @@ from engine.events import (
 from engine.events.exporters.metrics import PrometheusMetrics
 from engine.events.exporters.perfetto import PerfettoTrace
 from engine.events.exporters.stats import StatsReporter
-from engine.events.folds.request_lifecycle import RequestLifecycle
+from engine.events.folds.request_record import RequestFold
 from engine.events.phase_data import LoadWeightsData
 from engine.modelspec.presets import MODEL_PRESETS
 from engine.sim.driver import DriverRequest, background_workload, run_driver
@@ -130,7 +130,7 @@ def sink_factories() -> dict[str, Callable[[], Sink]]:
         "jsonl": lambda: JsonlSink(io.StringIO()),
         "otlp": _otlp_sink,
         "perfetto": PerfettoTrace,
-        "lifecycle": RequestLifecycle,
+        "lifecycle": RequestFold,
     }
 
 

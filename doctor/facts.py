@@ -34,7 +34,7 @@ from engine.events import (
 from engine.events.folds.dp_balance import DataParallelLoad
 from engine.events.folds.expert_load import ExpertLoad
 from engine.events.folds.pipeline_idle import PipelineIdle
-from engine.events.folds.request_lifecycle import RequestLifecycle
+from engine.events.folds.request_record import RequestFold
 from engine.events.folds.sessions import SessionFold
 from engine.events.phase_data import KvCacheData
 from engine.events.schema import WAIT_MAX_NUM_SEQS, EngineRecovered, EngineStalled
@@ -132,7 +132,7 @@ class RunFacts:
     prefix_blocks: set[int] = field(default_factory=set)
     events: int = 0
     # every request's life (waits with reasons, prefix lookups, preemptions): the request rules' input
-    lives: RequestLifecycle = field(default_factory=lambda: RequestLifecycle(finished_kept=None))
+    lives: RequestFold = field(default_factory=lambda: RequestFold(finished_kept=None))
     # sessions' turns: whether each found the previous turn's context still resident
     sessions: SessionFold = field(default_factory=SessionFold)
     _running: dict[str, None] = field(default_factory=dict)  # running after the last step, admission order

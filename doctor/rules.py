@@ -30,7 +30,7 @@ from engine.budget.fixes import Fix
 from engine.budget.memory import GiB, required_utilization
 from engine.budget.stages import DEFAULT_MICRO_BATCHES, PipelinePlan, fill_drain_bubble, stage_layer_ranges
 from engine.events.folds.dp_balance import DP_IMBALANCE_BOUND, DP_MIN_MEAN_LOAD
-from engine.events.folds.request_lifecycle import wait_reason_text
+from engine.events.folds.request_record import wait_reason_text
 from engine.events.schema import (
     PREFIX_EVICTED,
     PREFIX_SHORT_PROMPT,

@@ -13,7 +13,7 @@ import pytest
 
 from engine.core.sampling_params import SamplingParams
 from engine.events import Event, EventBus
-from engine.events.folds.request_lifecycle import lifecycle_of
+from engine.events.folds.request_record import lifecycle_of
 from engine.llm import LLM
 
 pytestmark = pytest.mark.slow  # a model startup (seconds to a minute on a loaded 2-core machine)

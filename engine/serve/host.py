@@ -22,7 +22,7 @@ from engine.config import EngineConfig
 from engine.errors import UserError
 from engine.events import Event, EventBus
 from engine.events.exporters.metrics import PrometheusMetrics
-from engine.events.folds.request_lifecycle import RequestLifecycle, request_metrics
+from engine.events.folds.request_record import RequestFold, request_metrics
 from engine.events.folds.view import EngineView
 from engine.events.schema import event_line
 from engine.llm_engine import LLMEngine
@@ -66,11 +66,11 @@ class LockedView:
 
 
 class LockedLifecycle:
-    """Every request's life (engine/events/folds/request_lifecycle.py), folded on the engine thread
+    """Every request's life (engine/events/folds/request_record.py), folded on the engine thread
     and read by ``GET /debug/requests`` (a copy under the lock: the fold moves on)."""
 
     def __init__(self) -> None:
-        self.fold = RequestLifecycle()
+        self.fold = RequestFold()
         self._lock = threading.Lock()
 
     def __call__(self, event: Event) -> None:

@@ -3,7 +3,7 @@ Prometheus ``GET /metrics``, ``GET /debug/state`` (the
 :class:`~engine.events.folds.view.EngineView` snapshot plus the server's queue),
 ``GET /debug/requests`` (every request kvscope knows: id, state, age, tokens and why;
 ``?state=waiting`` for one state) and ``GET /debug/requests/{id}`` (one request's whole
-life, engine/events/folds/request_lifecycle.py), and ``GET /events`` (that snapshot, then every
+life, engine/events/folds/request_record.py), and ``GET /events`` (that snapshot, then every
 event, as server-sent events). Each reads a bus subscriber of
 :class:`~engine.serve.host.EngineHost`, never the engine."""
 
@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.errors import UserError
 from engine.events import SnapshotEvent, dumps
-from engine.events.folds.request_lifecycle import FINISHED_KEPT, STATES
+from engine.events.folds.request_record import FINISHED_KEPT, STATES
 from engine.serve.host import EngineHost, SseClient
 from engine.serve.route_support import (
     KEYED,

@@ -1,5 +1,5 @@
 """The request panel: the life of the request picked in the queues (Enter or a click on
-its row), step by step, from the event layer's fold (engine/events/folds/request_lifecycle.py):
+its row), step by step, from the event layer's fold (engine/events/folds/request_record.py):
 when it arrived, each run of steps it waited and why, where its prefix-cache match
 stopped, its prefill chunks, preemptions (for whom, what it held), decode runs and gaps,
 blocks held and its finish. A request of a session adds the session's turns
@@ -21,7 +21,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from engine.events import Event
-from engine.events.folds.request_lifecycle import RequestLifecycle
+from engine.events.folds.request_record import RequestFold
 from engine.events.folds.sessions import SessionFold
 
 MAX_LINES = 14  # the newest lines of a long life; the rest is engine replay --request's
@@ -33,7 +33,7 @@ class RequestPanel(Static):
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__("", id=id)
-        self.lives = RequestLifecycle()
+        self.lives = RequestFold()
         self.sessions = SessionFold()
         self.request_id: str | None = None
         self._folded = 0  # replay: how many of the recording's events are in self.lives
@@ -53,7 +53,7 @@ class RequestPanel(Static):
     def show_until(self, events: Sequence[Event], end: int) -> None:
         """Replay: the recording's ``events[:end]`` (the shown step's end)."""
         if end < self._folded:
-            self.lives, self.sessions, self._folded = RequestLifecycle(), SessionFold(), 0
+            self.lives, self.sessions, self._folded = RequestFold(), SessionFold(), 0
         for event in events[self._folded:end]:
             self.lives(event)
             self.sessions(event)

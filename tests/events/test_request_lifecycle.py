@@ -1,4 +1,4 @@
-"""A request's life folded from events (engine/events/folds/request_lifecycle.py, issue 33): a
+"""A request's life folded from events (engine/events/folds/request_record.py, issue 33): a
 scripted run of the real scheduler in which every waiting reason and every prefix-cache
 stop cause occurs, each named by the timeline at the step it happened (never_fits cannot
 occur here: the scheduler refuses such a request on arrival, and the timeline says so)."""
@@ -11,7 +11,7 @@ from engine.core.request import Request
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.step_loop import FixedTokenExecutor, run_step
 from engine.events import Event, EventBus, read_events
-from engine.events.folds.request_lifecycle import RequestLife, lifecycle_of
+from engine.events.folds.request_record import RequestRecord, lifecycle_of
 from tests.paths import SAMPLES
 
 Plan = dict[int, list[tuple[str, list[int], int, int]]]  # step -> (id, prompt, max_tokens, priority)
@@ -39,7 +39,7 @@ def ids(start: int, n: int) -> list[int]:
     return list(range(start, start + n))
 
 
-def said(life: RequestLife, step: int, words: str) -> bool:
+def said(life: RequestRecord, step: int, words: str) -> bool:
     """The timeline has a line at ``step`` containing ``words``."""
     return any(s == step and words in text for s, text in life.timeline())
 
@@ -47,7 +47,7 @@ def said(life: RequestLife, step: int, words: str) -> bool:
 SHARED = ids(1000, 40)  # 2 full blocks and 8 tokens
 
 
-def fcfs_run() -> dict[str, RequestLife]:
+def fcfs_run() -> dict[str, RequestRecord]:
     config = SchedulerConfig(num_blocks=32, block_size=16, max_num_seqs=3, max_num_batched_tokens=128,
                              max_model_len=1024)
     plan: Plan = {
@@ -138,7 +138,7 @@ def test_a_recording_before_the_reasons_still_folds() -> None:
 def test_per_request_metrics_are_the_finish_events_figures() -> None:
     """request_metrics (what include_metrics answers) against each request.finished."""
     from engine.events import RequestFinished
-    from engine.events.folds.request_lifecycle import request_metrics
+    from engine.events.folds.request_record import request_metrics
 
     config = SchedulerConfig(num_blocks=10, block_size=16, max_num_seqs=6, max_num_batched_tokens=64,
                              max_model_len=1024)

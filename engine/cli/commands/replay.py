@@ -84,7 +84,7 @@ def _first_names(names: Iterable[str], shown: int = 8) -> tuple[int, str]:
 def show_request(recording: Recording, request_id: str, as_json: bool) -> int:
     """``--request ID``: the request's life from the events alone (no scheduler re-run)."""
     from engine.events import dumps
-    from engine.events.folds.request_lifecycle import lifecycle_of
+    from engine.events.folds.request_record import lifecycle_of
 
     fold = lifecycle_of(recording.events)
     life = fold.get(request_id)

@@ -4,7 +4,7 @@ simulation. Each reads events (``engine.events``) and nothing of the engine's st
 - ``view``: ``EngineView``, the whole state, for ``/debug/state``, ``/events`` and the dashboard
 - ``block_table``: block tables rebuilt from step events
 - ``tally``: ``RunTally``, a run's totals, peaks and per-request times
-- ``request_lifecycle``: one request's whole life; per-request metrics
+- ``request_record``: ``RequestRecord``, one request's whole life, folded once (``RequestFold``) for every reader of request events; per-request metrics
 - ``accounting``: every arrival finished once with a typed reason; aborts by cause, discarded prefill work
 - ``kv_occupancy``: KV occupancy by token slots, filled against allocated per KV cache group
 - ``block_residency``: KV block lifetimes, idle times and reuse gaps (the ``--kv-cache-metrics`` histograms)

@@ -1,14 +1,16 @@
-"""One request's whole life, folded from events (issue 33): when it arrived, each step it
-waited and why, each prefill chunk, where its prefix-cache match stopped and why, each
-preemption (for whom, what it held, what it must recompute), its resumes, its decode
-steps and their gaps, the blocks it held over time, and how it finished.
+"""One request's record, folded once from its events: the one per-request fold every reader
+of request events shares (issue 33). When it arrived, each step it waited and why, each
+prefill chunk, where its prefix-cache match stopped and why, each preemption (for whom,
+what it held, what it must recompute), its resumes, its decode steps and their gaps, the
+blocks it held over time, and how it finished.
 
-:class:`RequestLifecycle` is a bus subscriber like every other fold: the server keeps one
-for ``GET /debug/requests``, ``engine replay --request`` folds a recording, the monitor's
-request panel folds what it has seen, and the OTLP and Perfetto exporters read the same
-per-step facts. Nothing here reads the engine: the step event's ``waiting_reasons`` and
-``prefix_lookups`` carry what no fold could derive; everything else follows from the
-other fields.
+:class:`RequestFold` is a bus subscriber like every other fold: the server keeps one for
+``GET /debug/requests``, ``engine replay --request`` folds a recording, the monitor's
+request panel folds what it has seen, the doctor's facts read it, and the exporters
+(OTLP, Perfetto, ``vllm bench`` outputs, forward-pass metrics) and the engine view read
+their requests from it, each keeping beside the record only what is its own. Nothing here
+reads the engine: the step event's ``waiting_reasons`` and ``prefix_lookups`` carry what
+no fold could derive; everything else follows from the other fields.
 
 Request events of a step (``request.preempted`` while scheduling, ``request.first_token``
 and ``request.finished`` while updating) are published before that step's ``step`` event,
@@ -153,7 +155,7 @@ class DecodeRun:
 
 
 @dataclass(slots=True)
-class RequestLife:
+class RequestRecord:
     """Everything the events say about one request; steps are ``StepEvent.index`` values."""
 
     request_id: str
@@ -292,15 +294,15 @@ class RequestLife:
                 "reason": list(reason) if reason else None}
 
 
-class RequestLifecycle:
-    """Bus subscriber: every request's :class:`RequestLife`. ``lives`` holds the requests in
+class RequestFold:
+    """Bus subscriber: every request's :class:`RequestRecord`. ``lives`` holds the requests in
     the engine (and, up to ``finished_kept``, finished ones, oldest dropped first; None
     keeps all, as a replay does)."""
 
     sink_name = "request lifecycle"
 
     def __init__(self, finished_kept: int | None = FINISHED_KEPT) -> None:
-        self.lives: OrderedDict[str, RequestLife] = OrderedDict()
+        self.lives: OrderedDict[str, RequestRecord] = OrderedDict()
         self.finished_kept = finished_kept
         self._waiting: dict[str, None] = {}  # requests waiting now, arrival order
         self._finished: list[str] = []  # finished lives, oldest first (for the bound)
@@ -343,10 +345,10 @@ class RequestLifecycle:
         elif isinstance(event, StartupPhase) and event.phase == "E" and event.data.get("block_size"):
             self._block_size = int(event.data["block_size"])
 
-    def _life(self, request_id: str) -> RequestLife:
+    def _life(self, request_id: str) -> RequestRecord:
         life = self.lives.get(request_id)
         if life is None:
-            life = self.lives[request_id] = RequestLife(request_id)
+            life = self.lives[request_id] = RequestRecord(request_id)
         return life
 
     def _finished_event(self, event: RequestFinished) -> None:
@@ -370,20 +372,37 @@ class RequestLifecycle:
             self.lives.pop(self._finished.pop(0), None)
 
     def _step(self, ev: StepEvent) -> None:
-        step, t = ev.index, ev.t
-        lives = self.lives
-        # who took each block evicted this step: a later prefix miss on it names them
+        step = ev.index
+        self._note_evictions(ev)
+        for rid in ev.preempted:
+            life = self._life(rid)
+            life.state, life.computed_tokens = WAITING, 0
+            self._waiting[rid] = None
+        self._admit(ev)
+        self._run(ev)
+        self._hold_blocks(ev)
+        self._waits(ev)
+        for rid, reason in ev.finished.items():
+            done = self.lives.get(rid)
+            if done is not None and done.finish_reason is None:  # a finish without its event
+                done.state, done.finish_reason, done.finish_step = FINISHED, reason, step
+                self._waiting.pop(rid, None)
+                self._retire(rid)
+        self._next_step = step + 1
+        self._last_t = ev.t
+
+    def _note_evictions(self, ev: StepEvent) -> None:
+        """Who took each block evicted this step: a later prefix miss on it names them."""
         if ev.evicted:
             takers = {b: rid for rid, blocks in ev.allocated.items() for b in blocks}
             for b in ev.evicted:
                 taker = takers.get(b)
                 if taker is not None:
-                    self._evicted_to[(step, b)] = taker
-        for rid in ev.preempted:
-            life = self._life(rid)
-            life.state, life.computed_tokens = WAITING, 0
-            self._waiting[rid] = None
-        lookups = ev.prefix_lookups
+                    self._evicted_to[(ev.index, b)] = taker
+
+    def _admit(self, ev: StepEvent) -> None:
+        """The requests admitted (new or resumed) in the step: where their prefix match stopped."""
+        step, lookups = ev.index, ev.prefix_lookups
         for rid in (*ev.new, *ev.resumed):
             life = self._life(rid)
             life.state = RUNNING
@@ -402,6 +421,10 @@ class RequestLifecycle:
                 life.computed_tokens = lookup.hit_tokens
             else:  # caching off, or a recording before prefix_lookups: request.scheduled's hit
                 life.computed_tokens = 0 if resumed else life.scheduled_hit_tokens
+
+    def _run(self, ev: StepEvent) -> None:
+        """The step's scheduled tokens: prefill chunks, decode runs and the tokens sampled."""
+        step, t, lives = ev.index, ev.t, self.lives
         previous = step - 1
         for rid, (num_tokens, kind) in ev.scheduled.items():  # per request per step: kept lean
             found = lives.get(rid)
@@ -428,14 +451,20 @@ class RequestLifecycle:
             if not counted and life.computed_tokens >= life.prompt_tokens + life.output_tokens:
                 life.output_tokens += 1  # the chunk that completes the context samples a token
             life.state = FINISHED if counted else RUNNING
+
+    def _hold_blocks(self, ev: StepEvent) -> None:
+        """The blocks each request holds after the step, on change."""
         for rid in (*ev.allocated, *ev.freed, *ev.freed_by_window):
             life = self._life(rid)
             held = life.held_blocks + len(ev.allocated.get(rid, ())) - len(ev.freed.get(rid, ())) \
                 - len(ev.freed_by_window.get(rid, ()))
-            life.blocks.append((step, held))
+            life.blocks.append((ev.index, held))
             if held > life.peak_blocks:
                 life.peak_blocks = held
-        reasons = ev.waiting_reasons
+
+    def _waits(self, ev: StepEvent) -> None:
+        """Why each request still waiting after the step waited."""
+        step, reasons, lives = ev.index, ev.waiting_reasons, self.lives
         if self._waiting:
             unlisted = [WAIT_UNLISTED] if ev.waiting_reasons_omitted else [WAIT_UNRECORDED]
             for rid in self._waiting:
@@ -447,17 +476,9 @@ class RequestLifecycle:
             if rid not in self._waiting:  # a live fold that missed its arrival
                 self._waiting[rid] = None
                 self._wait(self._life(rid), step, reasons[rid])
-        for rid, reason in ev.finished.items():
-            done = lives.get(rid)
-            if done is not None and done.finish_reason is None:  # a finish without its event
-                done.state, done.finish_reason, done.finish_step = FINISHED, reason, step
-                self._waiting.pop(rid, None)
-                self._retire(rid)
-        self._next_step = step + 1
-        self._last_t = t
 
     @staticmethod
-    def _wait(life: RequestLife, step: int, reason: list[Any]) -> None:
+    def _wait(life: RequestRecord, step: int, reason: list[Any]) -> None:
         runs = life.waits
         last = runs[-1] if runs else None
         if last is not None and last.last_step == step - 1 and last.reason == reason:
@@ -466,15 +487,15 @@ class RequestLifecycle:
             runs.append(WaitRun(step, step, list(reason)))
 
     # ------------------------------------------------------------ readings
-    def get(self, request_id: str) -> RequestLife | None:
+    def get(self, request_id: str) -> RequestRecord | None:
         return self.lives.get(request_id)
 
-    def in_state(self, state: str | None = None) -> list[RequestLife]:
+    def in_state(self, state: str | None = None) -> list[RequestRecord]:
         """The lives in ``state`` (all when None), arrival order."""
         return [life for life in self.lives.values() if state is None or life.state == state]
 
 
-def request_metrics(life: RequestLife) -> dict[str, Any]:
+def request_metrics(life: RequestRecord) -> dict[str, Any]:
     """A finished request's timings under vLLM's per-request metric names (PR#46768:
     ``time_to_first_token_ms``, ``generation_time_ms`` arrival to the last token,
     ``queue_time_ms``, ``mean_itl_ms``, ``tokens_per_second`` output tokens over the
@@ -493,9 +514,9 @@ def request_metrics(life: RequestLife) -> dict[str, Any]:
     }
 
 
-def lifecycle_of(events: list[Event] | Any) -> RequestLifecycle:
+def lifecycle_of(events: list[Event] | Any) -> RequestFold:
     """Fold ``events`` (a recording's) into every request's life."""
-    fold = RequestLifecycle(finished_kept=None)
+    fold = RequestFold(finished_kept=None)
     for event in events:
         fold(event)
     return fold
