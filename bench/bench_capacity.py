@@ -33,7 +33,7 @@ from bench.machine import header_lines
 from bench.workloads import make_workloads
 from engine.config import EngineConfig
 from engine.events import Event, EventBus, JsonlSink, StartupPhase
-from engine.events.schema import EngineConfigEvent
+from engine.events.startup_records import EngineConfigEvent
 from engine.sim.capacity import Objective, RunFold, parse_slo, scaled, search_capacity
 from engine.sim.capacity_setup import Overrides, this_machine
 from engine.sim.replay import load_recording

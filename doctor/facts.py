@@ -31,13 +31,14 @@ from engine.events import (
     StepEvent,
     event_from_dict,
 )
+from engine.events.engine_records import EngineRecovered, EngineStalled
 from engine.events.folds.dp_balance import DataParallelLoad
 from engine.events.folds.expert_load import ExpertLoad
 from engine.events.folds.pipeline_idle import PipelineIdle
 from engine.events.folds.request_record import RequestFold
 from engine.events.folds.sessions import SessionFold
 from engine.events.phase_data import KvCacheData
-from engine.events.schema import WAIT_MAX_NUM_SEQS, EngineRecovered, EngineStalled
+from engine.events.step_records import WAIT_MAX_NUM_SEQS
 
 
 @dataclass(slots=True)

@@ -31,7 +31,7 @@ from engine.budget.memory import GiB, required_utilization
 from engine.budget.stages import DEFAULT_MICRO_BATCHES, PipelinePlan, fill_drain_bubble, stage_layer_ranges
 from engine.events.folds.dp_balance import DP_IMBALANCE_BOUND, DP_MIN_MEAN_LOAD
 from engine.events.folds.request_record import wait_reason_text
-from engine.events.schema import (
+from engine.events.step_records import (
     PREFIX_EVICTED,
     PREFIX_SHORT_PROMPT,
     PREFIX_WINDOW,

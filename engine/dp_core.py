@@ -57,7 +57,7 @@ from engine.events import (
     RequestScheduled,
     StepEvent,
 )
-from engine.events.schema import ABORT_SHUTDOWN
+from engine.events.request_records import ABORT_SHUTDOWN
 
 IDLE_POLL_S = 0.05  # how long an idle core waits on its pipe for the next command
 # The events that say which rank's scheduler they come from.

@@ -25,7 +25,7 @@ from engine.core.step_loop import ExecutedStep, run_step
 from engine.errors import UserError
 from engine.events import EventBus
 from engine.events.exporters.observers import ObserverFlags, attach_observers
-from engine.events.schema import ABORT_CLIENT_DISCONNECT
+from engine.events.request_records import ABORT_CLIENT_DISCONNECT
 from engine.heartbeat import DETOKENIZE, FORWARD, UPDATE, Heartbeat
 from engine.logs import log_failure
 from engine.model.device import device_word
@@ -267,7 +267,7 @@ class LLMEngine:
         return rid
 
     def abort(self, request_id: str, cause: str = ABORT_CLIENT_DISCONNECT) -> bool:
-        """Abort a request; ``cause`` (engine/events/schema.py ABORT_CAUSES) goes on its finish event."""
+        """Abort a request; ``cause`` (engine/events/request_records.py ABORT_CAUSES) goes on its finish event."""
         self._detok.pop(request_id, None)
         self._prompt_logprobs.pop(request_id, None)
         return self.scheduler.abort(request_id, self.now(), cause)

@@ -16,7 +16,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.events import Event, EventBus, RequestFinished, StepEvent
 from engine.events.exporters.metrics import PrometheusMetrics
 from engine.events.folds.accounting import RequestLedger
-from engine.events.schema import ABORT_CLIENT_DISCONNECT, ABORT_SHUTDOWN
+from engine.events.request_records import ABORT_CLIENT_DISCONNECT, ABORT_SHUTDOWN
 from engine.modelspec.presets import bundled_gguf_path
 
 pytestmark = [pytest.mark.slow,

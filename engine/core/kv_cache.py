@@ -29,7 +29,7 @@ from engine.core.kv_cache_coordinator import KVCacheCoordinator
 from engine.core.kv_cache_groups import KVCacheGroup, resolve_groups
 from engine.core.request import BlockTables, Request
 from engine.core.single_type_kv_cache import cdiv as cdiv  # re-exported: callers' and tests' helper
-from engine.events.schema import (
+from engine.events.step_records import (
     PREFIX_COMPLETE,
     PREFIX_DIVERGED,
     PREFIX_EVICTED,
@@ -66,7 +66,7 @@ def extend_block_hashes(req: Request, num_full_blocks: int, block_size: int) -> 
 
 def prefix_stop(req: Request, hit_tokens: int, block_size: int, pool: BlockPool) -> list[Any]:
     """Where a prefix lookup of ``req`` that hit ``hit_tokens`` stopped, and why: a step
-    event's ``prefix_lookups`` entry (engine/events/schema.py's ``PREFIX_*`` causes). The
+    event's ``prefix_lookups`` entry (engine/events/step_records.py's ``PREFIX_*`` causes). The
     block after the hit is either beyond what a lookup may reuse (the prompt is shorter
     than a block, or its last block holds the last token, always recomputed) or its hash
     is not cached: evicted (the pool remembers when) or never there (diverged)."""

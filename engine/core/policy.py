@@ -12,7 +12,7 @@ from itertools import islice
 from typing import ClassVar
 
 from engine.core.request import Request
-from engine.events.schema import PREEMPTION_KV_FULL, PREEMPTION_PRIORITY
+from engine.events.request_records import PREEMPTION_KV_FULL, PREEMPTION_PRIORITY
 
 
 class RequestQueue:

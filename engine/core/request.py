@@ -143,7 +143,7 @@ class Request:
         self.token_ids: list[int] = list(self.prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
-        self.abort_cause = ""  # set by Scheduler.abort: why (engine/events/schema.py ABORT_CAUSES)
+        self.abort_cause = ""  # set by Scheduler.abort: why (engine/events/request_records.py ABORT_CAUSES)
         self.block_tables: BlockTables = ()  # made by the KV cache manager at the first allocation
         self.block_hashes: list[int] = []
         self.num_hashed_blocks = 0  # leading positions of the tables already registered in the prefix cache

@@ -50,8 +50,8 @@ from engine.events import (
     RequestRejected,
     RequestScheduled,
 )
-from engine.events.schema import (
-    ABORT_CLIENT_DISCONNECT,
+from engine.events.request_records import ABORT_CLIENT_DISCONNECT
+from engine.events.step_records import (
     WAIT_BEHIND,
     WAIT_BLOCKS,
     WAIT_ENCODER,
@@ -716,7 +716,7 @@ class Scheduler:
     # ----------------------------------------------------------------- abort
     def abort(self, request_id: str, now: float, cause: str = ABORT_CLIENT_DISCONNECT) -> bool:
         """Stop a request now and free everything it holds; False if unknown or done.
-        ``cause``: why (one of engine/events/schema.py's ABORT_CAUSES), on its finish event."""
+        ``cause``: why (one of engine/events/request_records.py's ABORT_CAUSES), on its finish event."""
         req = self.requests.get(request_id)
         if req is None:
             return False

@@ -14,7 +14,7 @@ from typing import Any
 from engine.core.block_pool import BlockDeltas, flatten_groups, group_counts
 from engine.core.scheduler import SchedulerOutput
 from engine.events import EventBus, StepEvent
-from engine.events.schema import EncoderStepEvent
+from engine.events.step_records import EncoderStepEvent
 
 TIMING_KEYS = ("schedule_s", "forward_s", "sample_s", "update_s", "duration_s")
 

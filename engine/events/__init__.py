@@ -1,10 +1,17 @@
 """The event wing: every decision the engine makes, as typed records, and everything folded
-from them. ``engine.events`` itself is the schema's public face (the records, the bus, the
-JSONL sink and reader, from ``schema``).
+from them. ``engine.events`` itself is the schema's public face: the records, the bus, the
+JSONL sink and reader, re-exported from the modules below.
 
 The records and how they are read, at the package root:
 
-- ``schema``: event records, the bus, the JSONL sink and reader, the step-budget rule
+- ``schema``: the schema's name and version, every record type under its wire name
+- ``record``: ``Event``, the base record: ``type``, ``seq``, ``t`` and its dict form
+- ``startup_records``: the configuration, startup phases A–G, their progress and ETA
+- ``request_records``: a request's life: arrived, scheduled, first token, preempted, finished, rejected
+- ``step_records``: the ``step`` event, why a request waited, the step-budget rule, encoder steps
+- ``engine_records``: stats, snapshots, logs, stalls, failed sinks; other engines' scrapes and KV batches
+- ``bus``: ``EventBus``, the synchronous fan-out that stamps ``seq`` and ``t``
+- ``recording``: the JSONL wire form, the recording's header, sink and reader
 - ``validate``: every recording line type-checked on read
 - ``bounded``: every user file read line by line under size, depth and inflation caps
 - ``phase_data``: each startup phase's numbers as a frozen record
@@ -22,42 +29,29 @@ The subpackages:
   one place that builds a bus's sinks
 """
 
-from engine.events.schema import (
-    EVENT_TYPES,
-    PHASES,
-    SCHEMA_NAME,
-    SCHEMA_VERSION,
-    EngineConfigEvent,
+from engine.events.bus import EventBus, Subscriber, sink_name
+from engine.events.engine_records import (
     EngineStopped,
-    Event,
-    EventBus,
-    JsonlSink,
     KvEventBatch,
     LogEvent,
     MetricsScrape,
-    Recording,
+    SinkFailed,
+    SnapshotEvent,
+    StatsEvent,
+)
+from engine.events.record import Event
+from engine.events.recording import JsonlSink, Recording, dumps, header, iter_jsonl, open_sink, read_events
+from engine.events.request_records import (
     RequestArrived,
     RequestFinished,
     RequestFirstToken,
     RequestPreempted,
     RequestRejected,
     RequestScheduled,
-    SinkFailed,
-    SnapshotEvent,
-    StartupEta,
-    StartupPhase,
-    StartupProgress,
-    StatsEvent,
-    StepEvent,
-    Subscriber,
-    dumps,
-    event_from_dict,
-    header,
-    iter_jsonl,
-    open_sink,
-    read_events,
-    sink_name,
 )
+from engine.events.schema import EVENT_TYPES, SCHEMA_NAME, SCHEMA_VERSION, event_from_dict
+from engine.events.startup_records import PHASES, EngineConfigEvent, StartupEta, StartupPhase, StartupProgress
+from engine.events.step_records import StepEvent
 
 __all__ = [
     "EVENT_TYPES", "PHASES", "SCHEMA_NAME", "SCHEMA_VERSION", "EngineConfigEvent", "EngineStopped", "Event", "EventBus", "JsonlSink",

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 if TYPE_CHECKING:
-    from engine.events.schema import StartupPhase
+    from engine.events.startup_records import StartupPhase
 
 
 class _NotReported:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.events.schema import PHASES
+from engine.events.startup_records import PHASES
 
 
 @dataclass(frozen=True, slots=True)

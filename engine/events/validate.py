@@ -4,7 +4,7 @@ A recording damaged in its bytes (a cut or garbled line) fails to parse; one dam
 in its types (``"t": "NaN"``, ``"allocated": null``, ``"config": null``) parses, and
 without a check would reach a reader as a traceback far from the cause. So every row
 is converted by msgspec into the type that declares it: an event into its dataclass
-(engine/events/schema.py; msgspec checks each field's annotation), the header into
+(engine/events/*_records.py; msgspec checks each field's annotation), the header into
 :class:`RecordingHeader`. Where a dataclass leaves a shape open (``dict[str, Any]``)
 but readers compute with what is inside, the shape is declared here too: each startup
 phase's ``data`` (its record in engine/events/phase_data.py), the memory readings
@@ -30,14 +30,10 @@ import msgspec
 
 from engine.config import EngineConfig
 from engine.events.phase_data import PHASE_DATA
-from engine.events.schema import (
-    EVENT_TYPES,
-    EncoderStepEvent,
-    EngineConfigEvent,
-    Event,
-    StartupPhase,
-    StepEvent,
-)
+from engine.events.record import Event
+from engine.events.schema import EVENT_TYPES
+from engine.events.startup_records import EngineConfigEvent, StartupPhase
+from engine.events.step_records import EncoderStepEvent, StepEvent
 
 
 class SchemaError(ValueError):
@@ -73,7 +69,7 @@ def recorded_flags(config: type[EngineConfig] = EngineConfig) -> type[msgspec.St
 
 RecordedFlags = recorded_flags()
 
-# A recording's first line (engine/events/schema.py ``header()``). Built as RecordedFlags is,
+# A recording's first line (engine/events/recording.py ``header()``). Built as RecordedFlags is,
 # because its ``config`` is of that derived type.
 RecordingHeader = msgspec.defstruct("RecordingHeader", [
     ("schema", str),

@@ -28,7 +28,7 @@ from engine.config import EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.errors import UserError
 from engine.events import EngineStopped, EventBus
-from engine.events.schema import ABORT_CLIENT_DISCONNECT, ABORT_SHUTDOWN
+from engine.events.request_records import ABORT_CLIENT_DISCONNECT, ABORT_SHUTDOWN
 from engine.heartbeat import Heartbeat
 from engine.llm_engine import CheckedPrompt, LLMEngine, RequestOutput
 from engine.logs import log_failure

@@ -52,7 +52,8 @@ from engine.errors import ReplicaError, UserError
 from engine.events import EngineStopped, Event, EventBus, StepEvent, event_from_dict
 from engine.events.exporters.metrics import PrometheusMetrics
 from engine.events.folds.dp_balance import WAITING_WEIGHT
-from engine.events.schema import ABORT_CLIENT_DISCONNECT, RequestFinished, event_line
+from engine.events.recording import event_line
+from engine.events.request_records import ABORT_CLIENT_DISCONNECT, RequestFinished
 from engine.heartbeat import Heartbeat
 from engine.llm_engine import CheckedPrompt, LLMEngine, RequestOutput
 from engine.logs import get_logger

@@ -24,7 +24,7 @@ from engine.events import Event, EventBus
 from engine.events.exporters.metrics import PrometheusMetrics
 from engine.events.folds.request_record import RequestFold, request_metrics
 from engine.events.folds.view import EngineView
-from engine.events.schema import event_line
+from engine.events.recording import event_line
 from engine.llm_engine import LLMEngine
 from engine.profiling import TorchProfiler
 from engine.serve.async_engine import AsyncEngine, EngineFront

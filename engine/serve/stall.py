@@ -41,7 +41,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.events import Event, EventBus, RequestScheduled, StepEvent
-from engine.events.schema import EngineRecovered, EngineStalled
+from engine.events.engine_records import EngineRecovered, EngineStalled
 from engine.heartbeat import Beat, Heartbeat
 from engine.logs import get_logger, log_failure
 from engine.serve.stall_dump import dump_path, request_rows, write_dump

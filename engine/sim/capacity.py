@@ -31,7 +31,7 @@ import numpy as np
 
 from engine.errors import UserError
 from engine.events import Event, EventBus, RequestFinished, RequestRejected, StepEvent
-from engine.events.schema import (
+from engine.events.step_records import (
     WAIT_BLOCKS,
     WAIT_MAX_NUM_SEQS,
     WAIT_NEVER_FITS,

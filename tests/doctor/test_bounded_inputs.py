@@ -18,7 +18,8 @@ import pytest
 
 from engine.events import SCHEMA_NAME
 from engine.events.bounded import InputLimitError, json_depth
-from engine.events.schema import SCHEMA_VERSION, read_events
+from engine.events.recording import read_events
+from engine.events.schema import SCHEMA_VERSION
 
 BIN = Path(sys.executable).parent
 LIMIT = 1 << 30  # RLIMIT_AS: the whole process, Python and its imports included

@@ -14,8 +14,8 @@ from doctor.rules import CRITICAL, WARNING, diagnose
 from doctor.vllm_dp import EngineRound, VllmFleet
 from doctor.vllm_stall import stall_findings
 from engine.events import EventBus, SnapshotEvent, StepEvent, open_sink
+from engine.events.engine_records import EngineRecovered, EngineStalled
 from engine.events.folds.frozen_counters import FROZEN_S
-from engine.events.schema import EngineRecovered, EngineStalled
 
 
 def _record(path: Path, recovered: bool) -> None:

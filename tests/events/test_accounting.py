@@ -25,7 +25,7 @@ from engine.events import Event, EventBus, RequestFinished
 from engine.events.exporters.metrics import PrometheusMetrics
 from engine.events.folds.accounting import RequestLedger, finish_kind
 from engine.events.folds.dp_balance import WAITING_WEIGHT
-from engine.events.schema import ABORT_CAUSES, ABORT_CLIENT_DISCONNECT
+from engine.events.request_records import ABORT_CAUSES, ABORT_CLIENT_DISCONNECT
 from engine.sim.data_parallel import RankBus
 
 RANKS = 2

@@ -107,7 +107,7 @@ def test_sink_flushes_every_event(tmp_path: Path) -> None:
 def test_an_event_is_serialised_once_for_every_sink_that_writes_it() -> None:
     """The recording and /events share one line per event; the same object published again
     (a replay re-stamps it) is serialised again, with its new stamps."""
-    from engine.events.schema import dumps, event_line
+    from engine.events.recording import dumps, event_line
 
     bus = EventBus()
     recording = io.StringIO()

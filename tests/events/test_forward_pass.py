@@ -16,7 +16,8 @@ from bench.bench_server import free_port
 from engine.errors import UserError
 from engine.events import EventBus
 from engine.events.exporters.forward_pass import ForwardPassPublisher
-from engine.events.schema import RequestArrived, RequestFinished, RequestScheduled, StepEvent
+from engine.events.request_records import RequestArrived, RequestFinished, RequestScheduled
+from engine.events.step_records import StepEvent
 
 FPM_VERSION = 1
 FPM_TIMING_SCOPE = "execute_model_cuda"

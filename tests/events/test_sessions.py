@@ -21,7 +21,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.events import EngineConfigEvent, Event, EventBus, StepEvent
 from engine.events.folds.sessions import SessionFold
-from engine.events.schema import JsonlSink
+from engine.events.recording import JsonlSink
 from engine.sim.driver import SAMPLED_TOKEN_ID, driver_step
 
 BLOCK = 16

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from engine.events import EventBus, StepEvent, read_events
 from engine.events.folds.sessions import SessionFold
-from engine.events.schema import JsonlSink
+from engine.events.recording import JsonlSink
 from monitor.app import MonitorApp
 from monitor.sources import load_timeline
 from monitor.widgets.request_panel import RequestPanel

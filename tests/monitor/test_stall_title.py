@@ -6,9 +6,9 @@ an engine whose token counters stay frozen with requests running."""
 from __future__ import annotations
 
 from engine.events import EventBus, MetricsScrape
+from engine.events.engine_records import EngineRecovered, EngineStalled
 from engine.events.feed import BusFeed
 from engine.events.folds.view import EngineView
-from engine.events.schema import EngineRecovered, EngineStalled
 from monitor.app import MonitorApp
 from monitor.replica import ReplicaState
 

@@ -19,7 +19,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.events import EventBus, read_events
-from engine.events.schema import EngineRecovered, EngineStalled
+from engine.events.engine_records import EngineRecovered, EngineStalled
 from engine.heartbeat import Beat, Heartbeat
 from engine.llm_engine import LLMEngine
 from engine.modelspec.presets import bundled_gguf_path

@@ -7,7 +7,8 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.events import EventBus, read_events
-from engine.events.schema import EncoderStepEvent, Event, StepEvent
+from engine.events.record import Event
+from engine.events.step_records import EncoderStepEvent, StepEvent
 from engine.sim.simulate import Simulation, build_setup
 from engine.sim.workload import WorkloadRequest, with_mm_items
 

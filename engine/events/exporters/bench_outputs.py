@@ -26,7 +26,9 @@ from typing import Any
 import numpy as np
 
 from engine.events.phase_data import GraphsCompileData, ProfileRunData, read_phase
-from engine.events.schema import EngineConfigEvent, Event, RequestArrived, RequestFinished, StartupPhase
+from engine.events.record import Event
+from engine.events.request_records import RequestArrived, RequestFinished
+from engine.events.startup_records import EngineConfigEvent, StartupPhase
 
 DEFAULT_PERCENTILES: tuple[float, ...] = (99.0,)  # vllm bench serve --metric-percentiles
 DEFAULT_PERCENTILE_METRICS: tuple[str, ...] = ("ttft", "tpot", "itl")  # its default for generation

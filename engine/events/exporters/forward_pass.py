@@ -28,7 +28,9 @@ from typing import Any
 
 import msgspec
 
-from engine.events.schema import Event, RequestArrived, RequestFinished, RequestScheduled, StepEvent
+from engine.events.record import Event
+from engine.events.request_records import RequestArrived, RequestFinished, RequestScheduled
+from engine.events.step_records import StepEvent
 
 FPM_VERSION = 1
 FPM_TIMING_SCOPE = "execute_model_cuda"  # vLLM's; its subscriber drops any other scope

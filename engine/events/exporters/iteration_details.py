@@ -20,7 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engine.events.schema import Event, RequestFinished, RequestFirstToken, StepEvent
+from engine.events.record import Event
+from engine.events.request_records import RequestFinished, RequestFirstToken
+from engine.events.step_records import StepEvent
 
 
 def iteration_details_line(iteration: int, context: tuple[int, int], generation: tuple[int, int],

@@ -87,8 +87,8 @@ from engine.events.folds.block_residency import BlockResidency
 from engine.events.folds.kv_occupancy import step_token_usage
 from engine.events.folds.view import EngineView
 from engine.events.phase_data import KvCacheData, LoadWeightsData, read_phase
+from engine.events.request_records import PREEMPTION_REASONS
 from engine.events.roofline import Roofline
-from engine.events.schema import PREEMPTION_REASONS
 
 # ---------------------------------------------------------------- vLLM buckets
 # vllm/v1/metrics: time_to_first_token (0.8.4+)

@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.config import KVEventsConfig
 from engine.errors import UserError
-from engine.events.schema import Event, EventBus, JsonlSink
+from engine.events.bus import EventBus
+from engine.events.record import Event
+from engine.events.recording import JsonlSink
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry

@@ -44,17 +44,16 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from engine.events.phase_names import VLLM_GROUPS, span_name, vllm_group
-from engine.events.schema import (
-    EngineConfigEvent,
-    Event,
+from engine.events.record import Event
+from engine.events.request_records import (
     RequestArrived,
     RequestFinished,
     RequestFirstToken,
     RequestPreempted,
     RequestScheduled,
-    StartupPhase,
-    StepEvent,
 )
+from engine.events.startup_records import EngineConfigEvent, StartupPhase
+from engine.events.step_records import StepEvent
 
 TRACES_PROTOCOL_ENV = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
 PROTOCOLS = ("grpc", "http/protobuf")  # vLLM's choices; grpc is its default

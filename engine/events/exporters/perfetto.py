@@ -39,15 +39,10 @@ from pathlib import Path
 from typing import Any
 
 from engine.events.phase_names import span_name
-from engine.events.schema import (
-    Event,
-    RequestArrived,
-    RequestFinished,
-    RequestFirstToken,
-    RequestPreempted,
-    StartupPhase,
-    StepEvent,
-)
+from engine.events.record import Event
+from engine.events.request_records import RequestArrived, RequestFinished, RequestFirstToken, RequestPreempted
+from engine.events.startup_records import StartupPhase
+from engine.events.step_records import StepEvent
 
 ENGINE_PID = 1
 REQUESTS_PID = 2

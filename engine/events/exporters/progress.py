@@ -8,7 +8,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from engine.events.schema import Event, StartupPhase, StartupProgress
+from engine.events.record import Event
+from engine.events.startup_records import StartupPhase, StartupProgress
 
 BAR_WIDTH = 24
 

@@ -2,7 +2,7 @@
 
 Each request that reached the engine (``request.arrived``) leaves it through exactly one
 ``request.finished``, whose reason is typed: ``stop``, ``length``, ``error``, or ``abort``
-with its cause (engine/events/schema.py ``ABORT_CAUSES``: the client left, a deadline, the
+with its cause (engine/events/request_records.py ``ABORT_CAUSES``: the client left, a deadline, the
 server's shutdown). :class:`RequestLedger` checks that promise over a run (live, on a
 recording, under data parallelism where request ids are per rank), and
 :class:`AbortMetrics` exports what vLLM's families cannot say: aborts by cause and the
@@ -19,7 +19,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
-from engine.events.schema import ABORT_CAUSES, Event, RequestArrived, RequestFinished, RequestRejected
+from engine.events.record import Event
+from engine.events.request_records import ABORT_CAUSES, RequestArrived, RequestFinished, RequestRejected
 
 UNKNOWN_CAUSE = "unknown"  # an abort in a recording made before causes were written
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from itertools import pairwise
 
-from engine.events.schema import StepEvent
+from engine.events.step_records import StepEvent
 
 Observe = Callable[[float], None]
 

@@ -19,7 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.events.schema import Event, RequestArrived, RequestFinished, StepEvent
+from engine.events.record import Event
+from engine.events.request_records import RequestArrived, RequestFinished
+from engine.events.step_records import StepEvent
 
 WAITING_WEIGHT = 4  # vLLM's DP load balancer: a rank's score is 4 x waiting + running, the lowest gets the request
 DP_IMBALANCE_BOUND = 1.5  # busiest rank's load over the mean beyond which a run is imbalanced

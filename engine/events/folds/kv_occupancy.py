@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.events.schema import StepEvent
+from engine.events.step_records import StepEvent
 
 if TYPE_CHECKING:
     from engine.events.folds.view import EngineView, RequestView

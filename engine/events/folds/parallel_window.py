@@ -38,7 +38,9 @@ from typing import Any
 
 from engine.events.folds.dp_balance import DP_IMBALANCE_BOUND, DP_MIN_MEAN_LOAD
 from engine.events.folds.pipeline_idle import PipelineIdle
-from engine.events.schema import Event, RequestFirstToken, StepEvent
+from engine.events.record import Event
+from engine.events.request_records import RequestFirstToken
+from engine.events.step_records import StepEvent
 
 WINDOW_S = 10.0
 KV_FLOOR_PCT = 10.0  # KV usage is judged once the busiest rank uses this much of its pool

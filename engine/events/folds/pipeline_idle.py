@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.events.schema import Event, StepEvent
+from engine.events.record import Event
+from engine.events.step_records import StepEvent
 
 
 @dataclass(slots=True)

@@ -24,7 +24,17 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from engine.events.schema import (
+from engine.events.record import Event
+from engine.events.request_records import (
+    RequestArrived,
+    RequestFinished,
+    RequestFirstToken,
+    RequestPreempted,
+    RequestRejected,
+    RequestScheduled,
+)
+from engine.events.startup_records import EngineConfigEvent, StartupPhase
+from engine.events.step_records import (
     PREFIX_COMPLETE,
     PREFIX_DIVERGED,
     PREFIX_EVICTED,
@@ -40,15 +50,6 @@ from engine.events.schema import (
     WAIT_PRIORITY,
     WAIT_TOKEN_BUDGET,
     WAITING_REASONS_CAP,
-    EngineConfigEvent,
-    Event,
-    RequestArrived,
-    RequestFinished,
-    RequestFirstToken,
-    RequestPreempted,
-    RequestRejected,
-    RequestScheduled,
-    StartupPhase,
     StepEvent,
 )
 

@@ -39,15 +39,10 @@ import numpy as np
 
 from engine.events.folds.tally import RunTally
 from engine.events.phase_data import InitData, KvCacheData, ProfileRunData, read_phase
-from engine.events.schema import (
-    PHASES,
-    EngineConfigEvent,
-    Event,
-    RequestArrived,
-    RequestFinished,
-    StartupPhase,
-    StepEvent,
-)
+from engine.events.record import Event
+from engine.events.request_records import RequestArrived, RequestFinished
+from engine.events.startup_records import PHASES, EngineConfigEvent, StartupPhase
+from engine.events.step_records import StepEvent
 
 # Flags that change what a run records or how it is named, not what it computes.
 RECORDING_ONLY_FLAGS = frozenset({"events_path", "served_model_name", "stats_interval", "log_prompts"})

@@ -29,7 +29,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.events.schema import Event, RequestArrived, RequestFinished, RequestScheduled, StepEvent
+from engine.events.record import Event
+from engine.events.request_records import RequestArrived, RequestFinished, RequestScheduled
+from engine.events.step_records import StepEvent
 
 REPREFILL_SHARE = 0.5  # a turn that re-prefills more than this share of its prefix lost its context
 

@@ -14,14 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.events.schema import (
-    EncoderStepEvent,
-    Event,
-    RequestFinished,
-    RequestFirstToken,
-    RequestRejected,
-    StepEvent,
-)
+from engine.events.record import Event
+from engine.events.request_records import RequestFinished, RequestFirstToken, RequestRejected
+from engine.events.step_records import EncoderStepEvent, StepEvent
 
 
 @dataclass(slots=True)

@@ -96,12 +96,13 @@ from engine.events import (
     StepEvent,
     event_from_dict,
 )
+from engine.events.engine_records import EngineRecovered, EngineStalled
 from engine.events.folds.block_table import BlockTableState
 from engine.events.folds.expert_load import ExpertLoad
 from engine.events.folds.kv_occupancy import KvOccupancy, view_occupancy
 from engine.events.folds.parallel_window import ParallelWindow
 from engine.events.ledger import LEDGER
-from engine.events.schema import EncoderStepEvent, EngineRecovered, EngineStalled
+from engine.events.step_records import EncoderStepEvent
 
 SNAPSHOT_VERSION = 1
 SERIES_NAMES = ("step", "prefill", "decode", "running", "waiting", "kv_pct", "step_ms", "preempted")
