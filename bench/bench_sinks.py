@@ -117,7 +117,7 @@ def _metrics_all() -> Sink:
                               model={**model.summary(), "bytes_per_kv_token": bytes_per_kv_token(model)}))
     metrics(StartupPhase(phase="C", name="load_weights", status="end",
                          data=LoadWeightsData(weights_bytes=weights_bytes(model)).to_dict()))
-    assert metrics.roofline is not None
+    assert metrics.mfu.roofline is not None
     return metrics
 
 

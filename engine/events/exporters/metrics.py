@@ -170,6 +170,126 @@ def observe_many(histogram: Histogram, amounts: Sequence[float]) -> None:
     histogram._sum.inc(sum(amounts))
 
 
+class LabelledFamilies:
+    """Declares metric families in one registry under the ``model_name`` and ``engine`` labels
+    (``values`` for this engine): a plain family comes back as its one labelled series, a family
+    with one more label (``counter_by``, ``gauge_by``) as the family, whose series the caller
+    creates. ``priority_bucket``, under ``--scheduling-policy priority``, gives the
+    finished-request histograms the bucketed ``priority`` label of the request at hand."""
+
+    def __init__(self, registry: CollectorRegistry, labels: tuple[str, ...], values: tuple[str, ...],
+                 priority_bucket: Callable[[], str] | None = None) -> None:
+        self.registry = registry
+        self.labels = labels
+        self.values = values
+        self.priority_bucket = priority_bucket
+
+    def gauge(self, name: str, doc: str) -> Any:
+        return Gauge(name, doc, self.labels, registry=self.registry).labels(*self.values)
+
+    def counter(self, name: str, doc: str) -> Any:
+        return Counter(name, doc, self.labels, registry=self.registry).labels(*self.values)
+
+    def histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+        return Histogram(name, doc, self.labels, registry=self.registry, buckets=buckets).labels(*self.values)
+
+    def request_histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+        """A finished-request histogram: plain, or by the request's priority bucket."""
+        if self.priority_bucket is None:
+            return self.histogram(name, doc, buckets)
+        family = Histogram(name, doc, (*self.labels, PRIORITY_LABEL), registry=self.registry, buckets=buckets)
+        return ByPriority(family, self.values, self.priority_bucket)
+
+    def counter_by(self, name: str, doc: str, label: str) -> Counter:
+        return Counter(name, doc, (*self.labels, label), registry=self.registry)
+
+    def gauge_by(self, name: str, doc: str, label: str) -> Gauge:
+        return Gauge(name, doc, (*self.labels, label), registry=self.registry)
+
+
+def block_residency_histograms(families: LabelledFamilies) -> BlockResidency:
+    """``--kv-cache-metrics``: vLLM's block residency histograms and kvscope's block ages,
+    fed by a :class:`BlockResidency` fold of the step events."""
+    lifetime, idle, reuse_gap, age_at_hit, age_at_eviction = [
+        families.histogram(name, doc, KV_CACHE_RESIDENCY_BUCKETS).observe
+        for name, doc in (
+            ("vllm:kv_block_lifetime_seconds", "KV cache block lifetime from allocation to eviction."),
+            ("vllm:kv_block_idle_before_evict_seconds",
+             "Idle time before KV cache block eviction (since its last prefix-cache hit)."),
+            ("vllm:kv_block_reuse_gap_seconds", "Time between consecutive KV cache block accesses."),
+            ("kvscope:kv_block_age_at_hit_seconds",
+             "Age of a KV cache block at each prefix-cache hit: seconds since its last hit, or its "
+             "allocation when never hit (every block, no sampling)."),
+            ("kvscope:kv_block_age_at_eviction_seconds",
+             "Age of a KV cache block when its cached contents are evicted: seconds since its last hit, "
+             "or its allocation when never hit (every block, no sampling)."),
+        )
+    ]
+
+    def idle_and_age(seconds: float) -> None:  # one clock, read at eviction, under both names
+        idle(seconds)
+        age_at_eviction(seconds)
+
+    return BlockResidency(lifetime, idle_and_age, reuse_gap, age_at_hit)
+
+
+class MfuEstimates:
+    """vLLM's MFU estimates (``vllm/v1/metrics/perf.py``): FLOPs and bytes read and written per
+    GPU, counted per step from the cost model's one formula (:class:`Roofline`) once
+    ``engine.config``'s model summary and phase C's weights have arrived. The counters are named
+    with ``_total`` in code, as in vLLM, so the wire names are the same."""
+
+    def __init__(self, families: LabelledFamilies) -> None:
+        self.estimated_flops = families.counter(
+            "vllm:estimated_flops_per_gpu_total",
+            "Estimated number of floating point operations per GPU (for Model Flops Utilization calculations).",
+        )
+        self.estimated_read_bytes = families.counter(
+            "vllm:estimated_read_bytes_per_gpu_total",
+            "Estimated number of bytes read from memory per GPU (for Model Flops Utilization calculations).",
+        )
+        self.estimated_write_bytes = families.counter(
+            "vllm:estimated_write_bytes_per_gpu_total",
+            "Estimated number of bytes written to memory per GPU (for Model Flops Utilization calculations).",
+        )
+        self.roofline: Roofline | None = None  # known once engine.config and phase C have arrived
+        self._model_summary: dict[str, Any] = {}
+        self._tensor_parallel_size = 1
+        self._weights_bytes: int | None = None
+
+    def configure(self, model_summary: dict[str, Any], tensor_parallel_size: int) -> None:
+        self._model_summary = model_summary
+        self._tensor_parallel_size = tensor_parallel_size
+        self._size_roofline()
+
+    def weights_loaded(self, weights_bytes: int) -> None:
+        self._weights_bytes = weights_bytes
+        self._size_roofline()
+
+    def count(self, event: StepEvent, num_tokens: int) -> None:
+        roofline = self.roofline
+        if roofline is not None and num_tokens:
+            self.estimated_flops.inc(roofline.flops(num_tokens))
+            self.estimated_read_bytes.inc(roofline.read_bytes(event.kv_tokens_read, num_tokens))
+            self.estimated_write_bytes.inc(roofline.write_bytes(num_tokens))
+
+    def _size_roofline(self) -> None:
+        """The per-GPU roofline once the model summary and the weights are known: each
+        tensor-parallel rank holds 1/tp of the parameters (the weights and the KV bytes
+        per token the events carry are per rank already)."""
+        parameters = self._model_summary.get("num_parameters")
+        kv_bytes = self._model_summary.get("bytes_per_kv_token")
+        if parameters is None or kv_bytes is None or self._weights_bytes is None:
+            return
+        tp = self._tensor_parallel_size
+        experts = int(self._model_summary.get("expert_parameters") or 0)  # a MoE model (ModelConfig.summary)
+        self.roofline = Roofline(int(parameters) // tp, self._weights_bytes, int(kv_bytes),
+                                 expert_parameters=experts // tp,
+                                 expert_weights_bytes=self._weights_bytes * experts // (int(parameters) or 1),
+                                 num_experts=int(self._model_summary.get("num_experts") or 0),
+                                 experts_per_token=int(self._model_summary.get("num_experts_per_tok") or 0))
+
+
 class PrometheusMetrics:
     """Bus subscriber that keeps vLLM V1's metric families in ``registry``.
 
@@ -199,205 +319,30 @@ class PrometheusMetrics:
         values = (model_name, self.engine_index)
         self._label_names = labels
         self._label_values = values
-
-        def gauge(name: str, doc: str) -> Any:
-            return Gauge(name, doc, labels, registry=registry).labels(*values)
-
-        def counter(name: str, doc: str) -> Any:
-            return Counter(name, doc, labels, registry=registry).labels(*values)
-
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
-            return Histogram(name, doc, labels, registry=registry, buckets=buckets).labels(*values)
-
         # --scheduling-policy priority: finished-request families carry vLLM PR#58078's bucketed
         # priority label (engine/events/exporters/priority_metrics.py), the bucket of the request at hand
         self._priority_labels = scheduling_policy == "priority"
         self._bucket = "0"
         self._priorities: dict[str, int] = {}  # request id -> priority, from arrival to finish
-
-        def request_histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
-            if not self._priority_labels:
-                return histogram(name, doc, buckets)
-            family = Histogram(name, doc, (*labels, PRIORITY_LABEL), registry=registry, buckets=buckets)
-            return ByPriority(family, values, lambda: self._bucket)
-
-        self._request_histogram = request_histogram
+        # The families are declared in the order /metrics lists them (the registry's order).
+        families = LabelledFamilies(registry, labels, values,
+                                    (lambda: self._bucket) if self._priority_labels else None)
+        self._request_histogram = families.request_histogram
         self._set_policy = scheduler_policy_info(registry, labels, values)
         self._set_policy(scheduling_policy or "fcfs")
         self.request_priority: Any = (
-            histogram("vllm:request_priority", "Histogram of the priorities of finished requests.",
-                      REQUEST_PRIORITY_BUCKETS) if self._priority_labels else None)
-
-        self.num_requests_running = gauge(
-            "vllm:num_requests_running", "Number of requests in model execution batches."
-        )
-        self.num_requests_waiting = gauge(
-            "vllm:num_requests_waiting", "Number of requests waiting to be processed."
-        )
-        self.kv_cache_usage_perc = gauge(
-            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
-        )
-        # experimental: vLLM PR#57336's name (open), token slots holding K/V over all slots
-        self.kv_cache_token_usage_perc = gauge(
-            "vllm:kv_cache_token_usage_perc",
-            "Experimental: KV-cache token slots holding a token's K/V over all token slots (the block gauge counts "
-            "a block holding one token as full). 1 means 100 percent usage.")
-        self._occupancy = EngineView(series_window=1, recent_window=1)  # per-request computed tokens and tables
-        self.prefix_cache_queries = counter(
-            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
-        )
-        self.prefix_cache_hits = counter(
-            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
-        )
-        self.num_preemptions = counter(
-            "vllm:num_preemptions", "Cumulative number of preemption from the engine."
-        )
-        by_reason = Counter("vllm:num_preemptions_by_reason",
-                            "Cumulative number of preemptions by reason (kv_full, priority).",
-                            (*labels, "reason"), registry=registry)
-        self._preemptions_by_reason = {reason: by_reason.labels(*values, reason) for reason in PREEMPTION_REASONS}
-        self._preemptions_by_reason_family = by_reason
-        self._sink_failures = Counter("kvscope:event_sink_failures",
-                                      "Event sinks (recording, exporters, folds) that raised and were stopped; "
-                                      "the engine went on without them.", (*labels, "sink"), registry=registry)
-        self.accounting = AbortMetrics(registry, labels, values)  # aborts by cause, prefill work discarded
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
-        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
-        self._request_success = Counter(
-            "vllm:request_success",
-            "Count of successfully processed requests.",
-            (*labels, "finished_reason", *((PRIORITY_LABEL,) if self._priority_labels else ())),
-            registry=registry,
-        )
-        self._success_by_priority = (ByPriority(self._request_success, values, lambda: self._bucket)
-                                     if self._priority_labels else None)
-        self._success_by_reason = {
-            reason: self._request_success.labels(*values, reason) for reason in FINISHED_REASONS
-        } if not self._priority_labels else {}
-        if self._success_by_priority is not None:  # vLLM's series per reason, at the default priority's bucket
-            for reason in FINISHED_REASONS:
-                self._success_by_priority.child(reason)
-        self.time_to_first_token = request_histogram(
-            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
-        )
-        self.inter_token_latency = request_histogram(
-            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS
-        )
-        self.e2e_request_latency = request_histogram(
-            "vllm:e2e_request_latency_seconds",
-            "Histogram of e2e request latency in seconds.",
-            REQUEST_LATENCY_BUCKETS,
-        )
-        self.request_queue_time = request_histogram(
-            "vllm:request_queue_time_seconds",
-            "Histogram of time spent in WAITING phase for request.",
-            REQUEST_LATENCY_BUCKETS,
-        )
-        self.request_preprocess_time = request_histogram(
-            "kvscope:request_preprocess_time_seconds",
-            "Histogram of time from the server receiving a request to the scheduler taking it (parsing, "
-            "tokenising, the queue to the engine thread); TTFT and e2e include it.",
-            REQUEST_LATENCY_BUCKETS,
-        )
-        self.request_inference_time = request_histogram(
-            "vllm:request_inference_time_seconds",
-            "Histogram of time spent in RUNNING phase for request.",
-            REQUEST_LATENCY_BUCKETS,
-        )
-        self.request_prefill_time = request_histogram(
-            "vllm:request_prefill_time_seconds",
-            "Histogram of time spent in PREFILL phase for request.",
-            REQUEST_LATENCY_BUCKETS,
-        )
-        self.request_decode_time = request_histogram(
-            "vllm:request_decode_time_seconds",
-            "Histogram of time spent in DECODE phase for request.",
-            REQUEST_LATENCY_BUCKETS,
-        )
-        self.iteration_tokens = histogram(
-            "vllm:iteration_tokens_total",
-            "Histogram of number of tokens per engine_step.",
-            ITERATION_TOKENS_BUCKETS,
-        )
-        # Same facts under the other names vLLM serves or served, so tools that look for
-        # them (vllm-htop's *time_per_output_token*, V0-era dashboards) find data.
-        self.request_time_per_output_token = request_histogram(
-            "vllm:request_time_per_output_token_seconds",
-            "Histogram of time_per_output_token_seconds per request.",
-            ITL_BUCKETS,
-        )
-        self.time_per_output_token = request_histogram(
-            "vllm:time_per_output_token_seconds",
-            "Histogram of time per output token in seconds (vLLM's old name of inter_token_latency).",
-            ITL_BUCKETS,
-        )
-        self.request_params_n = request_histogram("vllm:request_params_n", "Histogram of the n request parameter.",
-                                          REQUEST_PARAMS_N_BUCKETS)
-        self.request_num_preemptions = request_histogram(
-            "vllm:request_num_preemptions", "Number of preemptions per finished request.", REQUEST_PREEMPTION_BUCKETS
-        )
-        self.prompt_tokens_cached = counter(
-            "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local prefix-cache hits)."
-        )
-        # vLLM counts here cached tokens computed again because a hit covered the whole prompt
-        # (the last token must run to give logits). Local lookups stop one token short of the
-        # prompt, in kvscope as in vLLM, so only an external KV source could move it: 0.
-        counter("vllm:prompt_tokens_recomputed", "Number of cached tokens recomputed for forward pass.")
-        by_source = Counter("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
-                            (*labels, "source"), registry=registry)
-        self.prompt_tokens_computed = by_source.labels(*values, "local_compute")
-        self.prompt_tokens_cache_hit = by_source.labels(*values, "local_cache_hit")
-        by_source.labels(*values, "external_kv_transfer")  # present at 0, as vLLM pre-creates it
-        waiting_by_reason = Gauge("vllm:num_requests_waiting_by_reason", "Number of requests waiting, by reason.",
-                                  (*labels, "reason"), registry=registry)
-        self.waiting_for_capacity = waiting_by_reason.labels(*values, "capacity")
-        waiting_by_reason.labels(*values, "deferred").set(0)  # kvscope defers nothing (no KV transfer)
-        # MFU estimates: vLLM's counters (vllm/v1/metrics/perf.py), named with _total in code
-        # as there, so the wire names are the same; counted from the cost model's formula.
-        self.estimated_flops = counter(
-            "vllm:estimated_flops_per_gpu_total",
-            "Estimated number of floating point operations per GPU (for Model Flops Utilization calculations).",
-        )
-        self.estimated_read_bytes = counter(
-            "vllm:estimated_read_bytes_per_gpu_total",
-            "Estimated number of bytes read from memory per GPU (for Model Flops Utilization calculations).",
-        )
-        self.estimated_write_bytes = counter(
-            "vllm:estimated_write_bytes_per_gpu_total",
-            "Estimated number of bytes written to memory per GPU (for Model Flops Utilization calculations).",
-        )
-        self.roofline: Roofline | None = None  # known once engine.config and phase C have arrived
-        self._model_summary: dict[str, Any] = {}
-        self._tensor_parallel_size = 1
-        self._weights_bytes: int | None = None
-        self.block_residency: BlockResidency | None = None
-        if kv_cache_metrics:
-            lifetime, idle, reuse_gap, age_at_hit, age_at_eviction = [
-                histogram(name, doc, KV_CACHE_RESIDENCY_BUCKETS).observe
-                for name, doc in (
-                    ("vllm:kv_block_lifetime_seconds", "KV cache block lifetime from allocation to eviction."),
-                    ("vllm:kv_block_idle_before_evict_seconds",
-                     "Idle time before KV cache block eviction (since its last prefix-cache hit)."),
-                    ("vllm:kv_block_reuse_gap_seconds", "Time between consecutive KV cache block accesses."),
-                    ("kvscope:kv_block_age_at_hit_seconds",
-                     "Age of a KV cache block at each prefix-cache hit: seconds since its last hit, or its "
-                     "allocation when never hit (every block, no sampling)."),
-                    ("kvscope:kv_block_age_at_eviction_seconds",
-                     "Age of a KV cache block when its cached contents are evicted: seconds since its last hit, "
-                     "or its allocation when never hit (every block, no sampling)."),
-                )
-            ]
-
-            def idle_and_age(seconds: float) -> None:  # one clock, read at eviction, under both names
-                idle(seconds)
-                age_at_eviction(seconds)
-
-            self.block_residency = BlockResidency(lifetime, idle_and_age, reuse_gap, age_at_hit)
-        self.avg_prompt_throughput = gauge(
+            families.histogram("vllm:request_priority", "Histogram of the priorities of finished requests.",
+                               REQUEST_PRIORITY_BUCKETS) if self._priority_labels else None)
+        self._declare_engine_families(families)
+        self._declare_request_families(families)
+        self._declare_token_source_families(families)
+        self.mfu = MfuEstimates(families)
+        self.block_residency = block_residency_histograms(families) if kv_cache_metrics else None
+        self.avg_prompt_throughput = families.gauge(
             "vllm:avg_prompt_throughput_toks_per_s",
             "Average prefill throughput in tokens/s over the last stats interval (vLLM V0's gauge).",
         )
-        self.avg_generation_throughput = gauge(
+        self.avg_generation_throughput = families.gauge(
             "vllm:avg_generation_throughput_toks_per_s",
             "Average generation throughput in tokens/s over the last stats interval (vLLM V0's gauge).",
         )
@@ -416,9 +361,11 @@ class PrometheusMetrics:
             registry=registry,
         )
         self._cache_config: dict[str, str] | None = None
-
         self.tokens = TokenTally()
-        self._handlers: dict[type, Callable[[Any], None]] = {
+        self._handlers = self._event_handlers()
+
+    def _event_handlers(self) -> dict[type, Callable[[Any], None]]:
+        return {
             StepEvent: self._on_step,
             RequestPreempted: self._on_preempted,
             RequestArrived: self._on_arrived,
@@ -429,6 +376,139 @@ class PrometheusMetrics:
             StartupPhase: self._on_phase,
             SinkFailed: self._on_sink_failed,
         }
+
+    def _declare_engine_families(self, families: LabelledFamilies) -> None:
+        """The engine's state and running counts: requests running and waiting, KV usage, the
+        prefix cache, preemptions, failed sinks, aborts, tokens, finished requests."""
+        self.num_requests_running = families.gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches."
+        )
+        self.num_requests_waiting = families.gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed."
+        )
+        self.kv_cache_usage_perc = families.gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
+        )
+        # experimental: vLLM PR#57336's name (open), token slots holding K/V over all slots
+        self.kv_cache_token_usage_perc = families.gauge(
+            "vllm:kv_cache_token_usage_perc",
+            "Experimental: KV-cache token slots holding a token's K/V over all token slots (the block gauge counts "
+            "a block holding one token as full). 1 means 100 percent usage.")
+        self._occupancy = EngineView(series_window=1, recent_window=1)  # per-request computed tokens and tables
+        self.prefix_cache_queries = families.counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self.prefix_cache_hits = families.counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
+        self.num_preemptions = families.counter(
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine."
+        )
+        by_reason = families.counter_by("vllm:num_preemptions_by_reason",
+                                        "Cumulative number of preemptions by reason (kv_full, priority).", "reason")
+        self._preemptions_by_reason = {reason: by_reason.labels(*self._label_values, reason)
+                                       for reason in PREEMPTION_REASONS}
+        self._preemptions_by_reason_family = by_reason
+        self._sink_failures = families.counter_by(
+            "kvscope:event_sink_failures", "Event sinks (recording, exporters, folds) that raised and were stopped; "
+            "the engine went on without them.", "sink")
+        # aborts by cause, prefill work discarded
+        self.accounting = AbortMetrics(self.registry, self._label_names, self._label_values)
+        self.prompt_tokens = families.counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = families.counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self._declare_request_success(families)
+
+    def _declare_request_success(self, families: LabelledFamilies) -> None:
+        """``vllm:request_success``, one series per finish reason created up front as vLLM does
+        (under ``--scheduling-policy priority`` at the default priority's bucket)."""
+        values = self._label_values
+        self._request_success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            (*self._label_names, "finished_reason", *((PRIORITY_LABEL,) if self._priority_labels else ())),
+            registry=self.registry,
+        )
+        self._success_by_priority = (ByPriority(self._request_success, values, lambda: self._bucket)
+                                     if self._priority_labels else None)
+        self._success_by_reason = {
+            reason: self._request_success.labels(*values, reason) for reason in FINISHED_REASONS
+        } if not self._priority_labels else {}
+        if self._success_by_priority is not None:  # vLLM's series per reason, at the default priority's bucket
+            for reason in FINISHED_REASONS:
+                self._success_by_priority.child(reason)
+
+    def _declare_request_families(self, families: LabelledFamilies) -> None:
+        """The per-request latency and parameter histograms, and tokens per engine step."""
+        request_histogram = families.request_histogram
+        self.time_to_first_token = request_histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
+        self.inter_token_latency = request_histogram(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS
+        )
+        self.e2e_request_latency = request_histogram(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS
+        )
+        self.request_queue_time = request_histogram(
+            "vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_preprocess_time = request_histogram(
+            "kvscope:request_preprocess_time_seconds",
+            "Histogram of time from the server receiving a request to the scheduler taking it (parsing, "
+            "tokenising, the queue to the engine thread); TTFT and e2e include it.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_inference_time = request_histogram(
+            "vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_prefill_time = request_histogram(
+            "vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_decode_time = request_histogram(
+            "vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.iteration_tokens = families.histogram(
+            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", ITERATION_TOKENS_BUCKETS,
+        )
+        # Same facts under the other names vLLM serves or served, so tools that look for
+        # them (vllm-htop's *time_per_output_token*, V0-era dashboards) find data.
+        self.request_time_per_output_token = request_histogram(
+            "vllm:request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request.",
+            ITL_BUCKETS,
+        )
+        self.time_per_output_token = request_histogram(
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds (vLLM's old name of inter_token_latency).",
+            ITL_BUCKETS,
+        )
+        self.request_params_n = request_histogram("vllm:request_params_n", "Histogram of the n request parameter.",
+                                                  REQUEST_PARAMS_N_BUCKETS)
+        self.request_num_preemptions = request_histogram(
+            "vllm:request_num_preemptions", "Number of preemptions per finished request.", REQUEST_PREEMPTION_BUCKETS
+        )
+
+    def _declare_token_source_families(self, families: LabelledFamilies) -> None:
+        """Prompt tokens by where they came from, and waiting requests by reason."""
+        values = self._label_values
+        self.prompt_tokens_cached = families.counter(
+            "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local prefix-cache hits)."
+        )
+        # vLLM counts here cached tokens computed again because a hit covered the whole prompt
+        # (the last token must run to give logits). Local lookups stop one token short of the
+        # prompt, in kvscope as in vLLM, so only an external KV source could move it: 0.
+        families.counter("vllm:prompt_tokens_recomputed", "Number of cached tokens recomputed for forward pass.")
+        by_source = families.counter_by("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", "source")
+        self.prompt_tokens_computed = by_source.labels(*values, "local_compute")
+        self.prompt_tokens_cache_hit = by_source.labels(*values, "local_cache_hit")
+        by_source.labels(*values, "external_kv_transfer")  # present at 0, as vLLM pre-creates it
+        waiting_by_reason = families.gauge_by("vllm:num_requests_waiting_by_reason",
+                                              "Number of requests waiting, by reason.", "reason")
+        self.waiting_for_capacity = waiting_by_reason.labels(*values, "capacity")
+        waiting_by_reason.labels(*values, "deferred").set(0)  # kvscope defers nothing (no KV transfer)
 
     # ------------------------------------------------------------- subscriber
     def __call__(self, event: Event) -> None:
@@ -476,11 +556,7 @@ class PrometheusMetrics:
             self.generation_tokens.inc(generated)
         num_tokens = event.num_prefill_tokens + event.num_decode_tokens
         self.iteration_tokens.observe(num_tokens)
-        roofline = self.roofline
-        if roofline is not None and num_tokens:
-            self.estimated_flops.inc(roofline.flops(num_tokens))
-            self.estimated_read_bytes.inc(roofline.read_bytes(event.kv_tokens_read, num_tokens))
-            self.estimated_write_bytes.inc(roofline.write_bytes(num_tokens))
+        self.mfu.count(event, num_tokens)
         if self.block_residency is not None:
             self.block_residency.apply(event)
 
@@ -552,9 +628,7 @@ class PrometheusMetrics:
     def _on_config(self, event: EngineConfigEvent) -> None:
         config = event.config
         self._set_policy(str(config.get("scheduling_policy") or "fcfs"))
-        self._model_summary = event.model
-        self._tensor_parallel_size = int(config.get("tensor_parallel_size") or 1)
-        self._size_roofline()
+        self.mfu.configure(event.model, int(config.get("tensor_parallel_size") or 1))
         if self.request_prompt_tokens is None:
             self._create_request_token_histograms(_resolved_max_model_len(event) or FALLBACK_MAX_MODEL_LEN)
         self._set_cache_config(
@@ -572,8 +646,7 @@ class PrometheusMetrics:
             return
         weights = read_phase(event, LoadWeightsData)
         if weights is not None and weights.weights_bytes is not None:
-            self._weights_bytes = weights.weights_bytes
-            self._size_roofline()
+            self.mfu.weights_loaded(weights.weights_bytes)
         kv = read_phase(event, KvCacheData)
         if kv is None:
             return
@@ -590,22 +663,6 @@ class PrometheusMetrics:
             self._set_cache_config(**fields)
 
     # ---------------------------------------------------------------- helpers
-    def _size_roofline(self) -> None:
-        """The per-GPU roofline once the model summary and the weights are known: each
-        tensor-parallel rank holds 1/tp of the parameters (the weights and the KV bytes
-        per token the events carry are per rank already)."""
-        parameters = self._model_summary.get("num_parameters")
-        kv_bytes = self._model_summary.get("bytes_per_kv_token")
-        if parameters is None or kv_bytes is None or self._weights_bytes is None:
-            return
-        tp = self._tensor_parallel_size
-        experts = int(self._model_summary.get("expert_parameters") or 0)  # a MoE model (ModelConfig.summary)
-        self.roofline = Roofline(int(parameters) // tp, self._weights_bytes, int(kv_bytes),
-                                 expert_parameters=experts // tp,
-                                 expert_weights_bytes=self._weights_bytes * experts // (int(parameters) or 1),
-                                 num_experts=int(self._model_summary.get("num_experts") or 0),
-                                 experts_per_token=int(self._model_summary.get("num_experts_per_tok") or 0))
-
     def _create_request_token_histograms(self, max_model_len: int) -> None:
         buckets = tuple(float(b) for b in build_1_2_5_buckets(max_model_len))
         self.request_prompt_tokens = self._request_histogram(
