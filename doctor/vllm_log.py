@@ -21,7 +21,8 @@ from typing import Any
 from doctor.rules import CRITICAL, WARNING, Finding
 from doctor.vllm_dp import LOG_INTERVAL_S, EngineRound, VllmFleet, dp_imbalance_finding
 from engine.events.bounded import open_binary
-from logparse.explain import Check, Explanation, explain
+from logparse.check import Check
+from logparse.explain import Explanation, explain
 from logparse.parser import (
     MAX_LINE_BYTES,
     bounded_lines,

@@ -16,7 +16,8 @@ from pathlib import Path
 from engine.budget.memory import parse_gib
 from engine.cli.program import program, run_program
 from engine.errors import UserError
-from logparse.explain import Explanation, Options, explain
+from logparse.explain import Explanation, explain
+from logparse.options import Options
 from logparse.render import render_diff, render_json, render_markdown, render_terminal
 
 

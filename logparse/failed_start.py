@@ -25,15 +25,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engine.budget.fixes import Fix
+from logparse.check import Check
 from logparse.parser import Record
 from logparse.patterns import PHASE_NAMES
 from logparse.tracebacks import MAX_FRAMES, PLACE_PHASES, RUNTIME_PLACES, place_in
-
-if TYPE_CHECKING:
-    from logparse.explain import Check
 
 STARTUP_PHASES = "ABCDEFG"
 # The classes of failure, most specific first: the outcome names the first class any signal has.
@@ -53,7 +51,7 @@ CAUSE_WORDS = {
     "engine_core": "the engine core process died",
     "cut_traceback": "a traceback the log cuts before its exception line",
 }
-# logparse's failure checks (logparse/explain.py) under the class of failure they are.
+# logparse's failure checks (logparse/failures.py) under the class of failure they are.
 CHECK_CAUSES = {"kv_below_max_model_len": "kv_below_max_len", "max_seq_len_exceeds_kv": "kv_below_max_len",
                 "no_cache_blocks": "no_kv_memory", "free_below_request": "free_memory", "oom": "oom",
                 "oom_graph_capture": "oom", "oom_sampler": "oom", "profiling_error": "profiling"}
@@ -342,8 +340,6 @@ def kv_below_check(facts: dict[str, Any], lines: dict[str, int], budget: dict[st
                    checks: list[Check]) -> Check | None:
     """A failure check when the printed pool is below one max-model-len request and vLLM's own
     error line (max_seq_len_exceeds_kv) is not in the log to say so."""
-    from logparse.explain import Check
-
     if any(c.id == "max_seq_len_exceeds_kv" for c in checks):
         return None
     block = int(facts.get("block_size", 16))
@@ -364,8 +360,6 @@ def startup_outcome(watch: StartupWatch, failures: list[tuple[Record, str]], las
                     checks: list[Check]) -> StartupFailure | None:
     """The start's failure from the watch's signals and logparse's failure checks; a check of its own
     (startup_failed, or engine_died after the server was ready) where no memory check covers it."""
-    from logparse.explain import Check
-
     phases = {record.line: phase for record, phase in failures}
     found = [(c.id, c.line, f"{c.title}: {c.detail}", phases.get(c.line or -1, last_phase))
              for c in checks if c.kind == "failure" and c.ok is False]

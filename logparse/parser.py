@@ -212,16 +212,7 @@ class _Prefix:
 def strip_prefix(line: str, learned: re.Pattern[str] | None = None) -> _Prefix:
     """Remove every kind of prefix around a vLLM message (see the module doc); ``learned`` is
     the log's own prefix (:func:`logparse.prefixes.learn`), removed first."""
-    line = strip_ansi(line).rstrip()
-    if line.startswith("│") or line.endswith("│"):
-        line = line.strip("│").rstrip()
-        if line.startswith(" "):
-            line = line[1:]
-    has_learned = False
-    if learned is not None:
-        m = learned.match(line)
-        if m is not None and m.end() > 0:
-            line, has_learned = line[m.end():], True
+    line, has_learned = _strip_frame(line, learned)
     out = _Prefix(text=line, learned=has_learned)
     m = _GUTTER.match(line) or _COMPOSE.match(line)
     if m:
@@ -240,6 +231,34 @@ def strip_prefix(line: str, learned: re.Pattern[str] | None = None) -> _Prefix:
             out.text, out.level, out.time = decoded
             out.has_prefix = True
             return out
+    line = _strip_level_prefix(_strip_processes(line, out), out)
+    if "[repeated" in line:
+        m = _RAY_REPEAT.search(line)
+        if m:
+            out.repeated = int(m.group("n"))
+            line = line[: m.start()]
+    out.text = line.rstrip()
+    return out
+
+
+def _strip_frame(line: str, learned: re.Pattern[str] | None) -> tuple[str, bool]:
+    """The line without colour codes, a console's box border and the log's own learned prefix;
+    whether that prefix was there."""
+    line = strip_ansi(line).rstrip()
+    if line.startswith("│") or line.endswith("│"):
+        line = line.strip("│").rstrip()
+        if line.startswith(" "):
+            line = line[1:]
+    if learned is not None:
+        m = learned.match(line)
+        if m is not None and m.end() > 0:
+            return line[m.end():], True
+    return line, False
+
+
+def _strip_processes(line: str, out: _Prefix) -> str:
+    """Ray's and vLLM's process prefixes ("(EngineCore_0 pid=1)", "[rank0]") and a stage's
+    "[Stage-N]", the last process kept in ``out``."""
     while line.startswith(("(", "[rank")):
         m = _PROCESS.match(line) or _RANK.match(line)
         if not m:
@@ -251,6 +270,12 @@ def strip_prefix(line: str, learned: re.Pattern[str] | None = None) -> _Prefix:
         m = _STAGE.match(line)
         if m:
             line = line[m.end():]
+    return line
+
+
+def _strip_level_prefix(line: str, out: _Prefix) -> str:
+    """vLLM's "LEVEL date [file:line]" prefix, a file-only or structlog one, or uvicorn's
+    "LEVEL:", their level, time and source kept in ``out``."""
     m = _VLLM_PREFIX.match(line)
     if m:
         out.level = m.group("level")
@@ -275,13 +300,7 @@ def strip_prefix(line: str, learned: re.Pattern[str] | None = None) -> _Prefix:
             out.level = m.group("level")
             out.has_prefix = True
             line = line[m.end():]
-    if "[repeated" in line:
-        m = _RAY_REPEAT.search(line)
-        if m:
-            out.repeated = int(m.group("n"))
-            line = line[: m.start()]
-    out.text = line.rstrip()
-    return out
+    return line
 
 
 def _json_message(line: str) -> tuple[str, str | None, str | None] | None:

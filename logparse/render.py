@@ -13,7 +13,8 @@ from rich.table import Table
 from rich.text import Text
 
 from engine.events.ledger import label as ledger_label
-from logparse.explain import Check, Explanation
+from logparse.check import Check
+from logparse.explain import Explanation
 from logparse.patterns import FIGURE_NAMES, LEDGER_KEYS
 from logparse.startup_phases import render_times
 
@@ -135,51 +136,12 @@ def _console(out: TextIO | None) -> Console:
 def render_terminal(exp: Explanation, out: TextIO | None = None, summary: bool = False,
                     max_lines: int = 2000) -> None:
     console = _console(out)
-    title = Text(f"logparse: {exp.path}", style="bold")
-    title.append(f"   vLLM {short(exp.facts.get('vllm_version'))}   model {short(exp.facts.get('model'))}   "
-                 f"{coverage_line(exp)}", style="dim")
-    console.print(title)
-    if exp.startup is not None:
-        console.print(Text(exp.startup.sentence(), style="bold red"))
-    for cut in exp.cuts:
-        console.print(Text(cut.sentence(), style="yellow"))
+    _print_header(console, exp)
     if not summary:
         console.rule("lines")
-        shown = 0
-        for record in exp.records:
-            if shown >= max_lines:
-                console.print(Text(f"… {exp.record_count - shown:,} more records (use --json for all)", style="dim"))
-                break
-            shown += 1
-            phase = record.phase or ("~" if record.noise else "?")
-            line = Text(f"{record.line:>6} ", style="dim")
-            line.append(f"{phase} ", style=PHASE_STYLES.get(phase, "dim"))
-            line.append(record.text[:160] or "(prefix only)", style=PHASE_STYLES.get(phase, "dim") if record.pattern else "dim")
-            console.print(line)
-            if record.pattern is None:
-                if record.template is not None:
-                    console.print(Text(f"         vLLM {record.template.level} from {', '.join(record.template.files)} "
-                                       f"[{record.template.releases}]", style="dim"))
-                elif record.noise:
-                    console.print(Text(f"         not vLLM's: {record.noise}", style="dim"))
-                continue
-            if record.duplicate_of is not None:
-                console.print(Text(f"         same as line {record.duplicate_of} (another rank)", style="dim"))
-                continue
-            note = Text(f"         {record.pattern.id} [{record.pattern.versions}] ", style="dim")
-            if record.fields:
-                note.append(", ".join(f"{k}={fmt(v)}" for k, v in record.fields.items()), style="italic")
-            console.print(note)
-            console.print(Text(f"         {record.pattern.meaning}", style="dim"))
+        _print_lines(console, exp, max_lines)
         console.rule("timeline")
-        timeline = Table(show_edge=False)
-        for col in ("phase", "lines", "from", "to", "span s", "durations printed"):
-            timeline.add_column(col)
-        for span in exp.timeline:
-            timeline.add_row(Text(f"{span.phase} {span.span_name}", style=PHASE_STYLES.get(span.phase, "")),
-                             f"{span.first_line}–{span.last_line}", span.first_time or "—", span.last_time or "—",
-                             fmt(span.span_s), ", ".join(f"{k}={fmt(v)}" for k, v in span.durations.items()))
-        console.print(timeline)
+        _print_timeline(console, exp)
     if exp.startup_times.phases:
         console.rule("startup phases (seconds)")
         for row in render_times(exp.startup_times):
@@ -189,6 +151,69 @@ def render_terminal(exp: Explanation, out: TextIO | None = None, summary: bool =
         for row in unknown_template_rows(exp):
             console.print(Text(row, style="dim"))
     console.rule("memory ledger (GiB unless stated)")
+    _print_ledger(console, exp)
+    if exp.plan.get("profile"):
+        console.rule("kvscope run (--profile) beside vLLM")
+        _print_profile(console, exp)
+    console.rule("checks")
+    _print_checks(console, exp)
+
+
+def _print_header(console: Console, exp: Explanation) -> None:
+    """The log, its vLLM and model, its coverage; a failed start and a cut log in a line each."""
+    title = Text(f"logparse: {exp.path}", style="bold")
+    title.append(f"   vLLM {short(exp.facts.get('vllm_version'))}   model {short(exp.facts.get('model'))}   "
+                 f"{coverage_line(exp)}", style="dim")
+    console.print(title)
+    if exp.startup is not None:
+        console.print(Text(exp.startup.sentence(), style="bold red"))
+    for cut in exp.cuts:
+        console.print(Text(cut.sentence(), style="yellow"))
+
+
+def _print_lines(console: Console, exp: Explanation, max_lines: int) -> None:
+    """Each record, coloured by phase, with what logparse knows of it below."""
+    shown = 0
+    for record in exp.records:
+        if shown >= max_lines:
+            console.print(Text(f"… {exp.record_count - shown:,} more records (use --json for all)", style="dim"))
+            break
+        shown += 1
+        phase = record.phase or ("~" if record.noise else "?")
+        line = Text(f"{record.line:>6} ", style="dim")
+        line.append(f"{phase} ", style=PHASE_STYLES.get(phase, "dim"))
+        line.append(record.text[:160] or "(prefix only)", style=PHASE_STYLES.get(phase, "dim") if record.pattern else "dim")
+        console.print(line)
+        if record.pattern is None:
+            if record.template is not None:
+                console.print(Text(f"         vLLM {record.template.level} from {', '.join(record.template.files)} "
+                                   f"[{record.template.releases}]", style="dim"))
+            elif record.noise:
+                console.print(Text(f"         not vLLM's: {record.noise}", style="dim"))
+            continue
+        if record.duplicate_of is not None:
+            console.print(Text(f"         same as line {record.duplicate_of} (another rank)", style="dim"))
+            continue
+        note = Text(f"         {record.pattern.id} [{record.pattern.versions}] ", style="dim")
+        if record.fields:
+            note.append(", ".join(f"{k}={fmt(v)}" for k, v in record.fields.items()), style="italic")
+        console.print(note)
+        console.print(Text(f"         {record.pattern.meaning}", style="dim"))
+
+
+def _print_timeline(console: Console, exp: Explanation) -> None:
+    timeline = Table(show_edge=False)
+    for col in ("phase", "lines", "from", "to", "span s", "durations printed"):
+        timeline.add_column(col)
+    for span in exp.timeline:
+        timeline.add_row(Text(f"{span.phase} {span.span_name}", style=PHASE_STYLES.get(span.phase, "")),
+                         f"{span.first_line}–{span.last_line}", span.first_time or "—", span.last_time or "—",
+                         fmt(span.span_s), ", ".join(f"{k}={fmt(v)}" for k, v in span.durations.items()))
+    console.print(timeline)
+
+
+def _print_ledger(console: Console, exp: Explanation) -> None:
+    """vLLM's budget beside kvscope's plan, and why the plan is missing when it is."""
     ledger = Table(show_edge=False)
     for col in ("item", "vLLM", "kvscope plan", "note"):
         ledger.add_column(col, overflow="fold")
@@ -197,15 +222,18 @@ def render_terminal(exp: Explanation, out: TextIO | None = None, summary: bool =
     console.print(ledger)
     if exp.plan.get("unavailable"):
         console.print(Text(exp.plan["unavailable"], style="yellow"))
-    if exp.plan.get("profile"):
-        console.rule("kvscope run (--profile) beside vLLM")
-        prof = Table(show_edge=False)
-        for col in ("phase", "vLLM prints", "unit", "vLLM", "kvscope"):
-            prof.add_column(col)
-        for row in exp.plan["profile"]:
-            prof.add_row(row["phase"], *profile_label(row["item"]), fmt(row["vllm"]), fmt(row["kvscope"]))
-        console.print(prof)
-    console.rule("checks")
+
+
+def _print_profile(console: Console, exp: Explanation) -> None:
+    prof = Table(show_edge=False)
+    for col in ("phase", "vLLM prints", "unit", "vLLM", "kvscope"):
+        prof.add_column(col)
+    for row in exp.plan["profile"]:
+        prof.add_row(row["phase"], *profile_label(row["item"]), fmt(row["vllm"]), fmt(row["kvscope"]))
+    console.print(prof)
+
+
+def _print_checks(console: Console, exp: Explanation) -> None:
     if not exp.checks:
         console.print(Text("no check possible: the log lacks the figures they need", style="dim"))
     for check in exp.checks:

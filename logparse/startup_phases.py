@@ -11,7 +11,7 @@ order A–G (vLLM's processes log some lines of a later phase early: the order k
 lasts until the next phase begins. The whole start runs from the first timestamped line to the
 last line of phase G before the first runtime line.
 
-:class:`PhaseClock` is fed by logparse/explain.py's fold, one record at a time, with bounded
+:class:`PhaseClock` is fed by logparse/fold.py's RecordFold, one record at a time, with bounded
 memory; ``logparse explain`` prints the table, ``logparse diff`` and ``engine diff a.log b.log``
 set two starts side by side phase by phase.
 """
@@ -110,7 +110,7 @@ class PhaseClock:
 
     def times(self, durations: Mapping[str, Mapping[str, float]]) -> StartupTimes:
         """The phases found, in order A–G; ``durations``: each phase's printed seconds
-        (logparse/explain.py's spans)."""
+        (logparse/fold.py's spans)."""
         starts: list[tuple[str, int, str]] = []
         after = 0
         for phase in STARTUP:

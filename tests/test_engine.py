@@ -21,7 +21,8 @@ from engine.llm_engine import CheckedPrompt
 from engine.logs import configure_logging
 from engine.model.device import measure_peak
 from engine.sim.workload import VocabTokenIds, WorkloadSpec, generate_workload, ordinary_token_ids
-from logparse.explain import Options, explain
+from logparse.explain import explain
+from logparse.options import Options
 
 SMALL = dict(max_model_len=1024, kv_cache_memory_bytes=32 * 2**20, max_num_batched_tokens=512, max_num_seqs=32,
              stats_interval=0.0, dtype="bfloat16")

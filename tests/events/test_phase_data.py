@@ -105,7 +105,7 @@ def test_the_ledger_and_logparse_read_declared_fields() -> None:
     declared = {name for cls in PHASE_DATA.values() for name in field_names(cls)}
     assert set(LEDGER_KEYS) <= declared
     from engine.events.ledger import LEDGER
-    from logparse.explain import _PROFILE_FIELDS
+    from logparse.kvscope_recording import _PROFILE_FIELDS
 
     for cls, name in _PROFILE_FIELDS:
         assert name in field_names(cls), (cls.__name__, name)

@@ -15,7 +15,8 @@ from engine.events import EngineConfigEvent, EventBus, JsonlSink, StartupPhase
 from engine.events.folds.view import LEDGER_KEYS as VIEW_LEDGER_KEYS
 from engine.events.phase_data import PhaseData
 from logparse.cli import main
-from logparse.explain import Options, explain
+from logparse.explain import explain
+from logparse.options import Options
 from logparse.parser import iter_records
 from logparse.patterns import FIGURE_NAMES, LEDGER_KEYS, PATTERNS
 from logparse.render import short_names

@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from logparse.cli import main
-from logparse.explain import Options, explain
+from logparse.explain import explain
+from logparse.options import Options
 from logparse.render import render_json, render_markdown
 from tests.paths import DATA, SAMPLES
 

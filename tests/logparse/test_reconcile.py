@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from logparse.explain import Options, explain
+from logparse.explain import explain
+from logparse.options import Options
 from logparse.parser import iter_records
 from logparse.reconcile import block_size, model_name
 from tests.paths import DATA

@@ -12,7 +12,8 @@ import pytest
 
 from engine.events.phase_names import PHASE_SPANS
 from logparse.cli import main
-from logparse.explain import Options, explain
+from logparse.explain import explain
+from logparse.options import Options
 from logparse.parser import iter_records
 from tests.paths import DATA
 
