@@ -4,8 +4,9 @@
 events, a live ``/events`` stream or the in-process bus go through the same
 ``__call__``, so ``engine doctor`` and the monitor's Diagnosis panel judge the
 same numbers. It keeps per step only what the rules read (a :class:`StepRow`),
-per request its arrival, admission, preemptions, first token and finish, and
-the startup phases as published; nothing is read from the scheduler.
+per request the one record every reader of request events shares (``lives``, read
+through :class:`RequestFacts`), and the startup phases as published; nothing is read
+from the scheduler.
 
 A recording of several data-parallel ranks (events with ``dp_rank``) folds each rank
 > 0 into its own :class:`RunFacts` (``ranks``), so a step index always means one
@@ -14,6 +15,7 @@ scheduler's step; ``dp`` folds every rank's load for the imbalance rule.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +37,7 @@ from engine.events.engine_records import EngineRecovered, EngineStalled
 from engine.events.folds.dp_balance import DataParallelLoad
 from engine.events.folds.expert_load import ExpertLoad
 from engine.events.folds.pipeline_idle import PipelineIdle
-from engine.events.folds.request_record import RequestFold
+from engine.events.folds.request_record import RequestFold, RequestRecord
 from engine.events.folds.sessions import SessionFold
 from engine.events.phase_data import KvCacheData
 from engine.events.step_records import WAIT_MAX_NUM_SEQS
@@ -78,24 +80,73 @@ class StepRow:
         return self.num_prefill_tokens + self.num_decode_tokens
 
 
-@dataclass(slots=True)
 class RequestFacts:
-    """One request's life in events; steps are ``StepEvent.index`` values."""
+    """The doctor's reading of one request's record (engine/events/folds/request_record.py):
+    its figures as the request events gave them, and each fact the record places at a step
+    read as the first step this fold saw at or after it (none when no step came after)."""
 
-    request_id: str
-    prompt_tokens: int = 0
-    max_tokens: int = 0
-    arrival_t: float = 0.0
-    arrival_step: int | None = None  # the first step after it arrived
-    queue_time_s: float | None = None
-    prefix_hit_tokens: int = 0
-    preempted_at: list[int] = field(default_factory=list)
-    tokens_lost: int = 0
-    first_token_step: int | None = None
-    ttft_s: float | None = None
-    finish_step: int | None = None
-    output_tokens: int | None = None
-    finish_reason: str | None = None
+    __slots__ = ("_facts", "record")
+
+    def __init__(self, record: RequestRecord, facts: RunFacts) -> None:
+        self.record = record
+        self._facts = facts
+
+    @property
+    def request_id(self) -> str:
+        return self.record.request_id
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.record.prompt_tokens
+
+    @property
+    def max_tokens(self) -> int:
+        return self.record.max_tokens
+
+    @property
+    def arrival_t(self) -> float:
+        arrival = self.record.arrival
+        return arrival.t if arrival is not None else 0.0
+
+    @property
+    def arrival_step(self) -> int | None:
+        """The first step after it arrived."""
+        record = self.record
+        return None if record.arrival is None or record.arrival_step is None else self._facts.step_from(
+            record.arrival_step)
+
+    @property
+    def queue_time_s(self) -> float | None:
+        """``request.scheduled``'s (None before its first admission)."""
+        return self.record.queue_time_s if self.record.scheduled_t is not None else None
+
+    @property
+    def prefix_hit_tokens(self) -> int:
+        return self.record.scheduled_hit_tokens
+
+    @property
+    def preempted_at(self) -> list[int]:
+        steps = (self._facts.step_from(p.step) for p in self.record.preemptions)
+        return [step for step in steps if step is not None]
+
+    @property
+    def tokens_lost(self) -> int:
+        return sum(p.tokens_lost for p in self.record.preemptions)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.record.ttft_s
+
+    @property
+    def output_tokens(self) -> int | None:
+        """``request.finished``'s (None before it finished)."""
+        finished = self.record.finished
+        return finished.output_tokens if finished is not None else None
+
+    @property
+    def finish_reason(self) -> str | None:
+        finished = self.record.finished
+        return finished.reason if finished is not None else None
 
     @property
     def total_tokens(self) -> int:
@@ -139,10 +190,6 @@ class RunFacts:
     _running: dict[str, None] = field(default_factory=dict)  # running after the last step, admission order
     # a MoE model's per-expert routed tokens over the whole run (the step events' expert_counts)
     experts: ExpertLoad = field(default_factory=lambda: ExpertLoad(window=None))
-    # request events of a step arrive during its update, before the step event itself
-    _pending_first: list[str] = field(default_factory=list)
-    _pending_finish: list[str] = field(default_factory=list)
-    _unstepped: list[str] = field(default_factory=list)
     # pipeline parallelism: each stage's bubble and bytes over this engine's steps
     pipeline: PipelineIdle = field(default_factory=PipelineIdle)
     # data parallelism: every rank's load (all events), and each rank > 0's own fold, so the
@@ -164,25 +211,9 @@ class RunFacts:
         self.sessions(event)
         if isinstance(event, StepEvent):
             self._step(event)
-        elif isinstance(event, RequestArrived):
-            req = self.requests.setdefault(event.request_id, RequestFacts(event.request_id))
-            req.prompt_tokens, req.max_tokens, req.arrival_t = event.prompt_tokens, event.max_tokens, event.t
-            self._unstepped.append(event.request_id)
-        elif isinstance(event, RequestScheduled):
-            req = self._request(event.request_id)
-            req.queue_time_s, req.prefix_hit_tokens = event.queue_time_s, event.prefix_hit_tokens
-        elif isinstance(event, RequestPreempted):
-            self._request(event.request_id).tokens_lost += event.computed_tokens_lost
-        elif isinstance(event, RequestFirstToken):
-            self._request(event.request_id).ttft_s = event.ttft_s
-            self._pending_first.append(event.request_id)
-        elif isinstance(event, RequestFinished):
-            req = self._request(event.request_id)
-            req.output_tokens, req.finish_reason = event.output_tokens, event.reason
-            req.prompt_tokens = req.prompt_tokens or event.prompt_tokens
-            if req.ttft_s is None:
-                req.ttft_s = event.ttft_s
-            self._pending_finish.append(event.request_id)
+        elif isinstance(event, RequestArrived | RequestScheduled | RequestPreempted | RequestFirstToken
+                        | RequestFinished):
+            self._request(event.request_id)
         elif isinstance(event, StartupPhase):
             if event.status != "begin":
                 self.phases[event.phase] = event
@@ -211,7 +242,16 @@ class RunFacts:
         return facts
 
     def _request(self, request_id: str) -> RequestFacts:
-        return self.requests.setdefault(request_id, RequestFacts(request_id))
+        """The doctor's reading of a request its events named (the record is the fold's)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            req = self.requests[request_id] = RequestFacts(self.lives.lives[request_id], self)
+        return req
+
+    def step_from(self, step: int) -> int | None:
+        """The first step folded at or after ``step`` (a fold placed the fact there), None when none came."""
+        k = bisect.bisect_left(self.steps, step, key=lambda row: row.index)
+        return self.steps[k].index if k < len(self.steps) else None
 
     def _step(self, e: StepEvent) -> None:
         prefills = {rid: int(v[0]) for rid, v in e.scheduled.items() if len(v) > 1 and v[1] == "prefill"}
@@ -239,18 +279,7 @@ class RunFacts:
             hit_blocks = self._request(rid).prefix_hit_tokens // self.block_size
             self.prefix_blocks.update(e.allocated.get(rid, [])[:hit_blocks])
         for rid in e.preempted:
-            self._request(rid).preempted_at.append(e.index)
-        for rid in self._unstepped:
-            self.requests[rid].arrival_step = e.index
-        for rid in self._pending_first:
-            req = self._request(rid)
-            if req.first_token_step is None:
-                req.first_token_step = e.index
-        for rid in self._pending_finish:
-            self._request(rid).finish_step = e.index
-        self._unstepped.clear()
-        self._pending_first.clear()
-        self._pending_finish.clear()
+            self._request(rid)
 
     def _stall(self, event: EngineStalled | EngineRecovered) -> None:
         open_ = next((s for s in reversed(self.stalls) if s.rank == event.rank and s.recovered_after_s is None), None)

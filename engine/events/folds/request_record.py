@@ -62,6 +62,7 @@ STATES = (WAITING, RUNNING, FINISHED, REJECTED)
 WAIT_UNLISTED = "unlisted"  # beyond the WAITING_REASONS_CAP requests the step explained
 WAIT_UNRECORDED = "unrecorded"  # a recording made before steps carried waiting reasons
 FINISHED_KEPT = 2048  # finished lives a long-running fold keeps (oldest dropped first)
+UNWRITTEN_FIELDS = ("arrival", "scheduled_t", "finished")  # left out of to_dict, the /debug/requests answer
 
 
 # each code's words; ``{0}``, ``{1}``: the entry's details after the code
@@ -187,6 +188,10 @@ class RequestRecord:
     inter_token_latencies_s: list[float] = field(default_factory=list)
     error: str | None = None  # finish reason error / a rejection: why
     scheduled_hit_tokens: int = 0  # request.scheduled's prefix hit (the first admission)
+    # The events themselves, for the readers that need what only they say (not in to_dict):
+    arrival: RequestArrived | None = None  # its request.arrived: sampling, preprocess_s (when it was received)
+    scheduled_t: float | None = None  # request.scheduled's time: the first admission
+    finished: RequestFinished | None = None  # its request.finished: the engine's own figures and time split
 
     @property
     def held_blocks(self) -> int:
@@ -203,7 +208,7 @@ class RequestRecord:
         return self.lookups[0].hit_tokens if self.lookups else self.scheduled_hit_tokens
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
+        out = {key: value for key, value in asdict(self).items() if key not in UNWRITTEN_FIELDS}
         out["blocks"] = [list(pair) for pair in self.blocks]
         return out
 
@@ -320,10 +325,12 @@ class RequestFold:
             life = self._life(event.request_id)
             life.prompt_tokens, life.max_tokens, life.priority = event.prompt_tokens, event.max_tokens, event.priority
             life.arrived_t, life.arrival_step, life.state = event.t, self._next_step, WAITING
+            life.arrival = event
             self._waiting[event.request_id] = None
         elif isinstance(event, RequestScheduled):
             life = self._life(event.request_id)
             life.queue_time_s, life.scheduled_hit_tokens = event.queue_time_s, event.prefix_hit_tokens
+            life.scheduled_t = event.t
         elif isinstance(event, RequestPreempted):
             life = self._life(event.request_id)
             life.preemptions.append(Preemption(self._next_step, event.t, event.reason, event.for_request,
@@ -355,6 +362,7 @@ class RequestFold:
     def _finished_event(self, event: RequestFinished) -> None:
         life = self._life(event.request_id)
         life.state, life.finish_reason, life.finish_step = FINISHED, event.reason, self._next_step
+        life.finished = event
         life.finished_t, life.e2e_s, life.output_tokens = event.t, event.e2e_s, event.output_tokens
         life.prompt_tokens = life.prompt_tokens or event.prompt_tokens
         life.inter_token_latencies_s = list(event.inter_token_latencies_s)
