@@ -25,22 +25,16 @@ from typing import Any
 
 import numpy as np
 
+from engine.events.folds.request_record import RequestFold, RequestRecord
 from engine.events.phase_data import GraphsCompileData, ProfileRunData, read_phase
 from engine.events.record import Event
-from engine.events.request_records import RequestArrived, RequestFinished
+from engine.events.request_records import RequestFinished
 from engine.events.startup_records import EngineConfigEvent, StartupPhase
 
 DEFAULT_PERCENTILES: tuple[float, ...] = (99.0,)  # vllm bench serve --metric-percentiles
 DEFAULT_PERCENTILE_METRICS: tuple[str, ...] = ("ttft", "tpot", "itl")  # its default for generation
 PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
 STARTUP_PERCENTAGES = (10, 25, 50, 75, 90, 99)  # vllm bench startup's PERCENTAGES
-
-
-@dataclass(slots=True)
-class _Request:
-    start_s: float
-    prompt_tokens: int = 0
-    finished: RequestFinished | None = None
 
 
 def serve_result(events: Iterable[Event], *, model_id: str | None = None, tokenizer_id: str | None = None,
@@ -57,32 +51,10 @@ def serve_result(events: Iterable[Event], *, model_id: str | None = None, tokeni
     unknown = [m for m in percentile_metrics if m not in PERCENTILE_METRICS]
     if unknown:
         raise ValueError(f"percentile metrics {unknown}: vllm bench serve knows {', '.join(PERCENTILE_METRICS)}")
-    requests: dict[str, _Request] = {}
-    for event in events:
-        if isinstance(event, EngineConfigEvent) and model_id is None:
-            model_id = str(event.model.get("name") or event.config.get("model") or "")
-        elif isinstance(event, RequestArrived):
-            requests[event.request_id] = _Request(event.t - event.preprocess_s, event.prompt_tokens)
-        elif isinstance(event, RequestFinished) and event.request_id in requests:
-            requests[event.request_id].finished = event
-    done = [r for r in requests.values() if r.finished is not None]
-    done.sort(key=lambda r: r.start_s)
-    first = min((r.start_s for r in done), default=0.0)
-    ok = [r for r in done if r.finished is not None and r.finished.reason in ("stop", "length")]
-    failed = len(done) - len(ok)
-    ends = [r.start_s + _finished(r).e2e_s for r in done]
-    duration = (max(ends) - first) if ends else 0.0
-    input_lens = [r.prompt_tokens for r in done]
-    output_lens = [_finished(r).output_tokens for r in done]
-    total_input = sum(r.prompt_tokens for r in ok)
-    total_output = sum(_finished(r).output_tokens for r in ok)
-    ttfts = [_finished(r).ttft_s or 0.0 for r in done]
-    itls = [list(_finished(r).inter_token_latencies_s) for r in done]
-    latencies = [_finished(r).e2e_s for r in done]
-    tpots = [(_finished(r).e2e_s - (_finished(r).ttft_s or 0.0)) / (_finished(r).output_tokens - 1)
-             for r in ok if _finished(r).output_tokens > 1]
-    per_second, concurrent = _per_second_peaks(done, first)
-    result: dict[str, Any] = {
+    model_id, done = _finished_requests(events, model_id)
+    finishes = [_finish(r) for r in done]
+    ok = [f.reason in ("stop", "length") for f in finishes]
+    return {
         "date": (date or datetime.now()).strftime("%Y%m%d-%H%M%S"),
         "endpoint_type": backend,
         "backend": backend,
@@ -93,65 +65,111 @@ def serve_result(events: Iterable[Event], *, model_id: str | None = None, tokeni
         "request_rate": request_rate if request_rate < math.inf else "inf",
         "burstiness": burstiness,
         "max_concurrency": max_concurrency,
+        **_benchmark_result(done, finishes, ok),
+        **_statistics(_series(finishes, ok), percentile_metrics, percentiles),
+    }
+
+
+def _benchmark_result(done: list[RequestRecord], finishes: list[RequestFinished], ok: list[bool]) -> dict[str, Any]:
+    """``benchmark_result``'s totals and per-request lists, in vLLM's key order."""
+    starts = [_received(r) for r in done]
+    first = min(starts, default=0.0)
+    ends = [start + f.e2e_s for start, f in zip(starts, finishes, strict=True)]
+    duration = (max(ends) - first) if ends else 0.0
+    total_input = sum(r.prompt_tokens for r, good in zip(done, ok, strict=True) if good)
+    total_output = sum(f.output_tokens for f, good in zip(finishes, ok, strict=True) if good)
+    per_second, concurrent = _per_second_peaks(starts, finishes, first)
+    return {
         "duration": duration,
-        "completed": len(ok),
-        "failed": failed,
+        "completed": sum(ok),
+        "failed": len(done) - sum(ok),
         "total_input_tokens": total_input,
         "total_output_tokens": total_output,
-        "request_throughput": len(ok) / duration if duration else 0.0,
+        "request_throughput": sum(ok) / duration if duration else 0.0,
         "request_goodput": None,
         "output_throughput": total_output / duration if duration else 0.0,
         "total_token_throughput": (total_input + total_output) / duration if duration else 0.0,
-        "input_lens": input_lens,
-        "output_lens": output_lens,
-        "ttfts": ttfts,
-        "itls": itls,
-        "latencies": latencies,
-        "start_times": [r.start_s - first for r in done],
-        "queue_times": [_finished(r).queue_time_s for r in done],
-        "generated_texts": [_finished(r).output_text or "" for r in done],
-        "errors": [_finished(r).error or "" for r in done],
+        "input_lens": [r.prompt_tokens for r in done],
+        "output_lens": [f.output_tokens for f in finishes],
+        "ttfts": [f.ttft_s or 0.0 for f in finishes],
+        "itls": [list(f.inter_token_latencies_s) for f in finishes],
+        "latencies": [f.e2e_s for f in finishes],
+        "start_times": [start - first for start in starts],
+        "queue_times": [f.queue_time_s for f in finishes],
+        "generated_texts": [f.output_text or "" for f in finishes],
+        "errors": [f.error or "" for f in finishes],
         "max_output_tokens_per_s": per_second,
         "max_concurrent_requests": concurrent,
         "rtfx": 0.0,
     }
-    series = {"ttft": [t for r, t in zip(done, ttfts, strict=True) if r in ok], "tpot": tpots,
-              "itl": [x for r, row in zip(done, itls, strict=True) if r in ok for x in row],
-              "e2el": [lat for r, lat in zip(done, latencies, strict=True) if r in ok]}
-    for metric in percentile_metrics:
-        values = series[metric] or [0.0]
-        result[f"mean_{metric}_ms"] = float(np.mean(values)) * 1000
-        result[f"median_{metric}_ms"] = float(np.median(values)) * 1000
-        result[f"std_{metric}_ms"] = float(np.std(values)) * 1000
-        for p in percentiles:
-            word = str(int(p)) if int(p) == p else str(p)
-            result[f"p{word}_{metric}_ms"] = float(np.percentile(values, p)) * 1000
-    return result
 
 
-def _finished(request: _Request) -> RequestFinished:
+def _series(finishes: list[RequestFinished], ok: list[bool]) -> dict[str, list[float]]:
+    """Each percentile metric's values over the successful requests, in seconds."""
+    good = [f for f, success in zip(finishes, ok, strict=True) if success]
+    return {"ttft": [f.ttft_s or 0.0 for f in good],
+            "tpot": [(f.e2e_s - (f.ttft_s or 0.0)) / (f.output_tokens - 1) for f in good if f.output_tokens > 1],
+            "itl": [x for f in good for x in f.inter_token_latencies_s],
+            "e2el": [f.e2e_s for f in good]}
+
+
+def _finished_requests(events: Iterable[Event], model_id: str | None) -> tuple[str | None, list[RequestRecord]]:
+    """The records of the requests that arrived and finished, in the order they were received,
+    and ``model_id`` or else the model the run's first ``engine.config`` names."""
+    fold = RequestFold(finished_kept=None)
+    for event in events:
+        fold(event)
+        if isinstance(event, EngineConfigEvent) and model_id is None:
+            model_id = str(event.model.get("name") or event.config.get("model") or "")
+    done = [r for r in fold.lives.values() if r.arrival is not None and r.finished is not None]
+    done.sort(key=_received)
+    return model_id, done
+
+
+def _received(request: RequestRecord) -> float:
+    """When the server received it: its arrival less the preprocessing before it."""
+    arrival = request.arrival
+    assert arrival is not None
+    return arrival.t - arrival.preprocess_s
+
+
+def _finish(request: RequestRecord) -> RequestFinished:
     assert request.finished is not None
     return request.finished
 
 
-def _per_second_peaks(done: list[_Request], first: float) -> tuple[float, int]:
+def _statistics(series: dict[str, list[float]], metrics: Sequence[str],
+                percentiles: Sequence[float]) -> dict[str, float]:
+    """``mean_/median_/std_/pNN_`` of each selected metric, in milliseconds."""
+    out: dict[str, float] = {}
+    for metric in metrics:
+        values = series[metric] or [0.0]
+        out[f"mean_{metric}_ms"] = float(np.mean(values)) * 1000
+        out[f"median_{metric}_ms"] = float(np.median(values)) * 1000
+        out[f"std_{metric}_ms"] = float(np.std(values)) * 1000
+        for p in percentiles:
+            word = str(int(p)) if int(p) == p else str(p)
+            out[f"p{word}_{metric}_ms"] = float(np.percentile(values, p)) * 1000
+    return out
+
+
+def _per_second_peaks(starts: list[float], finishes: list[RequestFinished], first: float) -> tuple[float, int]:
     """vLLM's ``max_output_tokens_per_s`` and ``max_concurrent_requests``: tokens by the
     whole second they arrived in (first token at TTFT, each next one an ITL later), and the
     most requests in flight in any such second."""
     tokens: dict[int, int] = {}
     active: dict[int, int] = {}
-    for r in done:
-        f = _finished(r)
+    for start, f in zip(starts, finishes, strict=True):
         if f.ttft_s is None:
             continue
-        t = r.start_s - first + f.ttft_s
+        t = start - first + f.ttft_s
         stamps = [t]
         for gap in f.inter_token_latencies_s:
             t += gap
             stamps.append(t)
         for stamp in stamps:
             tokens[int(stamp)] = tokens.get(int(stamp), 0) + 1
-        for second in range(int(r.start_s - first), int(r.start_s - first + f.e2e_s) + 1):
+        for second in range(int(start - first), int(start - first + f.e2e_s) + 1):
             active[second] = active.get(second, 0) + 1
     return float(max(tokens.values(), default=0)), max(active.values(), default=0)
 
