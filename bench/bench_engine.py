@@ -81,7 +81,7 @@ class Variant:
 def parse_variant(spec: str) -> Variant | str:
     """The variant, or the reason this engine cannot run it (a skip line)."""
     from engine.budget import memory
-    from engine.model import llama
+    from engine.model.families import llama
 
     flags: dict[str, Any] = {}
     for part in spec.split("+"):
@@ -98,7 +98,7 @@ def parse_variant(spec: str) -> Variant | str:
         elif part in getattr(llama, "QUANTIZATION_METHODS", ()):
             flags["quantization"] = part
         else:
-            return f"--quantization {part} is not in engine.model.llama.QUANTIZATION_METHODS yet"
+            return f"--quantization {part} is not in engine.model.families.llama.QUANTIZATION_METHODS yet"
     return Variant(spec, flags)
 
 

@@ -1,5 +1,5 @@
 """One Qwen3-30B-A3B MoE layer's experts on this CPU (128 experts of 768, hidden 2048, top-8, bf16
-weights: 1.1 GiB), at 1, 16 and 256 tokens: kvscope's grouped experts (engine/model/moe.py: sort by
+weights: 1.1 GiB), at 1, 16 and 256 tokens: kvscope's grouped experts (engine/model/layers/moe.py: sort by
 expert, one matmul pair per active expert) against transformers' eager experts (a loop over active
 experts with a one-hot mask) and a per-token loop (each token's k experts one by one), median of
 interleaved rounds, with the experts each step touches and the GB/s of the expert weights read.
@@ -18,7 +18,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from engine.model.moe import grouped_experts, route
+from engine.model.layers.moe import grouped_experts, route
 
 HIDDEN, EXPERTS, WIDTH, TOP_K = 2048, 128, 768, 8
 

@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from bench.machine import header_lines
-from engine.model.tokenizer import StopMatcher, compile_stop_strings
+from engine.model.loading.tokenizer import StopMatcher, compile_stop_strings
 from engine.serve.protocol import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 
 TEXT = ("The history of the city is a long one, and the people of the valley tell it in many ways. "

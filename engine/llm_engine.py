@@ -28,10 +28,10 @@ from engine.events.exporters.observers import ObserverFlags, attach_observers
 from engine.events.request_records import ABORT_CLIENT_DISCONNECT
 from engine.heartbeat import DETOKENIZE, FORWARD, UPDATE, Heartbeat
 from engine.logs import log_failure
-from engine.model.device import device_word
+from engine.model.loading.tokenizer import IncrementalDetokenizer
+from engine.model.memory.device import device_word
 from engine.model.runner import ScheduledSeq
 from engine.model.sampler import TokenLogprobs
-from engine.model.tokenizer import IncrementalDetokenizer
 from engine.startup import StartupResult, start_engine
 from engine.workers import WorkerGroup
 

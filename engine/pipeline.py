@@ -391,7 +391,7 @@ class Stage:
                 results.append((p, self._recv((int(p.input_ids.shape[0]), hidden_size), layout.peer(-1))))
         for handle in sends:
             handle.wait()
-        counter = getattr(self.runner.model, "expert_counter", None)  # a MoE model (engine/model/moe.py)
+        counter = getattr(self.runner.model, "expert_counter", None)  # a MoE model (engine/model/layers/moe.py)
         self.stats.expert_counts = counter.take() if counter is not None else None
         return results
 

@@ -60,10 +60,14 @@ from engine.events.phase_data import (
 )
 from engine.gc_policy import restore_collections
 from engine.logs import get_logger
-from engine.model import kernel_plan, profile_cache, profile_parts
+from engine.model import kernel_plan
 from engine.model.cpu_caps import CpuCapabilities, DtypeChoice, choose_cpu_dtype, detect
 from engine.model.cuda_graphs import DecodeGraphs, graphs_supported
-from engine.model.device import (
+from engine.model.kernels.background import KernelBuilds
+from engine.model.loading.loader import LoadInfo
+from engine.model.loading.tokenizer import Tokenizer
+from engine.model.memory import profile_cache, profile_parts
+from engine.model.memory.device import (
     MemoryReading,
     device_word,
     measure_peak,
@@ -71,12 +75,9 @@ from engine.model.device import (
     resolve_device,
     versions,
 )
-from engine.model.host_allocator import tune_for_steps
-from engine.model.kernels.background import KernelBuilds
-from engine.model.loader import LoadInfo
+from engine.model.memory.host_allocator import tune_for_steps
 from engine.model.parallel import RankLayout, TensorParallel, check_shardable, replica_free_bytes
 from engine.model.runner import ModelRunner
-from engine.model.tokenizer import Tokenizer
 from engine.modelspec.config import ModelConfig
 from engine.modelspec.readers import load_model_config
 
@@ -368,7 +369,7 @@ def resolve_quantization(config: EngineConfig, model: ModelConfig, device: torch
         return config.quantization, f"--quantization {config.quantization}"
     if device.type != "cpu":
         return None, "auto: the GEMV kernels are CPU kernels"
-    from engine.model.gguf_blocks import native_quantization
+    from engine.model.loading.gguf_blocks import native_quantization
 
     method, reason = native_quantization(model, config.load_format)
     return method, f"auto: {reason}"
@@ -711,7 +712,7 @@ def _phase_load_weights(c: PhaseHandle, s: StartupInputs, progress: Callable[[in
                               config.kv_cache_dtype)
         runner.resolve_kernel_plan(key, s.caps or detect(), log, approximate=s.resolution.dtype_auto)
         info.weights_bytes = runner.model.weights_bytes()
-        # float weights no step multiplies by under the plan are not kept (engine/model/llama.py)
+        # float weights no step multiplies by under the plan are not kept (engine/model/families/llama.py)
         dropped = getattr(runner.model, "dropped_float_bytes", lambda: 0)()
         plan_bytes = info.weights_bytes - before + dropped
     tokenizer = _tokenizer_for(model) if config.load_format != "dummy" else _dummy_tokenizer(model)
@@ -815,7 +816,7 @@ def _cuda_phase_f(f: PhaseHandle, s: StartupInputs, runner: ModelRunner) -> None
     if reason is None and runner.hybrid_kv_cache:
         reason = "the hybrid KV cache's per-group block tables are not captured in the decode graphs yet"
     if reason is None and getattr(runner.model, "expert_counter", None) is not None:
-        # the grouped experts slice by each step's per-expert counts, read on the host (engine/model/moe.py)
+        # the grouped experts slice by each step's per-expert counts, read on the host (engine/model/layers/moe.py)
         reason = "a mixture-of-experts model's grouped experts size their matmuls per step: not capturable"
     if reason is not None:
         f.skipped = reason
@@ -854,8 +855,8 @@ def _profile_key(config: EngineConfig, model: ModelConfig, groups: tuple[KVCache
 def _profile_run(runner: ModelRunner, config: EngineConfig, model: ModelConfig, device: torch.device,
                  log: Any, shared: bool = False, cover: int | None = None) -> profile_cache.ProfileResult:
     """Phase D's measurement: on CPU the worst-case step's peak measured in parts, as a function of
-    its tokens that holds up to ``cover`` (engine/model/profile_parts.py), or its stored result
-    (engine/model/profile_cache.py) evaluated at this budget; else the whole step under the peak
+    its tokens that holds up to ``cover`` (engine/model/memory/profile_parts.py), or its stored result
+    (engine/model/memory/profile_cache.py) evaluated at this budget; else the whole step under the peak
     tracker. ``shared`` (tensor or pipeline parallelism): the forward is collective, so every rank
     measures the whole step (one rank reusing a stored result would leave the others waiting)."""
     tokens, seqs = config.max_num_batched_tokens, config.max_num_seqs
@@ -956,7 +957,7 @@ def _tokenizer_for(model: ModelConfig) -> Tokenizer:
     """A GGUF file's tokenizer comes from the startup cache (building its BPE takes seconds)."""
     from pathlib import Path
 
-    from engine.model.startup_cache import cached_tokenizer
+    from engine.model.loading.startup_cache import cached_tokenizer
     from engine.modelspec.readers import resolve_model_file
 
     location = Path(model.path) if model.path else resolve_model_file(model.name)

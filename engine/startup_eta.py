@@ -117,7 +117,7 @@ def history_path() -> Path | None:
     value = os.environ.get(HISTORY_ENV)
     if value is not None:
         return None if value.strip().lower() in ("", "off", "0", "none") else Path(value)
-    from engine.model.startup_cache import cache_dir  # torch is loaded by then: startup has begun
+    from engine.model.loading.startup_cache import cache_dir  # torch is loaded by then: startup has begun
 
     root = cache_dir()
     return None if root is None else root / HISTORY_NAME

@@ -45,7 +45,7 @@ def smollm_config() -> ModelConfig:
 
 @pytest.fixture(scope="session")
 def smollm_tokenizer(smollm_config: ModelConfig):
-    from engine.model.tokenizer import Tokenizer
+    from engine.model.loading.tokenizer import Tokenizer
 
     return Tokenizer.for_model(smollm_config)
 

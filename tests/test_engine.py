@@ -19,7 +19,7 @@ from engine.events.folds.block_table import BlockTableState
 from engine.llm import LLM
 from engine.llm_engine import CheckedPrompt
 from engine.logs import configure_logging
-from engine.model.device import measure_peak
+from engine.model.memory.device import measure_peak
 from engine.sim.workload import VocabTokenIds, WorkloadSpec, generate_workload, ordinary_token_ids
 from logparse.explain import explain
 from logparse.options import Options

@@ -144,9 +144,9 @@ class LoadWeightsData(PhaseData):
     # CPU: the copies the kernel plan's choices keep (bf16, int8), part of weights_bytes (engine/model/kernel_plan.py)
     kernel_plan_bytes: int | None = NOT_REPORTED
     # CPU: the float weights the kernel plan never multiplies by (the GGUF blocks or a copy at every
-    # step size), not kept and not in weights_bytes (engine/model/llama.py _drop_unused_float_weights)
+    # step size), not kept and not in weights_bytes (engine/model/families/llama.py _drop_unused_float_weights)
     kernel_plan_dropped_bytes: int | None = NOT_REPORTED
-    # CPU, a GGUF read as blocks (engine/model/gguf_blocks.py): the file's tensor bytes, and the bytes of
+    # CPU, a GGUF read as blocks (engine/model/loading/gguf_blocks.py): the file's tensor bytes, and the bytes of
     # its blocks the weights hold (views of the mapped file, or copies where rows moved)
     file_tensor_bytes: int | None = NOT_REPORTED
     block_bytes: int | None = NOT_REPORTED
@@ -230,7 +230,7 @@ class GraphsCompileData(PhaseData):
     # projection group and step size, the choice and why, the fused layer, where it came from)
     kernel_plan: Mapping[str, Any] | None = NOT_REPORTED
     # CPU: each part of a step (activations, rms_norm, projections, prefill/decode attention, lm_head,
-    # fused_decode_layer) and the dtype it runs in: which run in bf16 (engine/model/llama.py precision_report)
+    # fused_decode_layer) and the dtype it runs in: which run in bf16 (engine/model/families/llama.py precision_report)
     precision: Mapping[str, str] | None = NOT_REPORTED
 
 

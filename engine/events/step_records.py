@@ -140,7 +140,7 @@ class StepEvent(Event):
     evicted_groups: list[int] = field(default_factory=list)
     freed_by_window: dict[str, list[int]] = field(default_factory=dict)
     freed_by_window_groups: dict[str, list[int]] = field(default_factory=dict)
-    # A mixture-of-experts model (engine/model/moe.py): per MoE layer, in the model's order, the
+    # A mixture-of-experts model (engine/model/layers/moe.py): per MoE layer, in the model's order, the
     # tokens the router sent to each expert in this step (a row sums to tokens x top-k;
     # folded by engine/events/folds/expert_load.py). Absent for a dense model.
     expert_counts: list[list[int]] = field(default_factory=list)

@@ -80,7 +80,7 @@ RecordingHeader = msgspec.defstruct("RecordingHeader", [
 
 
 class MemoryReadingData(msgspec.Struct):
-    """``memory_before`` / ``memory_after`` of a startup phase: engine/model/device.py's
+    """``memory_before`` / ``memory_after`` of a startup phase: engine/model/memory/device.py's
     MemoryReading (not imported: it needs torch), bytes as integers."""
 
     device: str | None = None

@@ -25,7 +25,7 @@ formats, dtype, ISA, torch, kernel sources, threads) the engine times, for each 
   to bf16 (where bf16 is native and ``--dtype auto``), or kvscope's paged prefill kernel.
 
 The LM head's candidates take float32 rows and return float32 sums in every dtype mode (a bf16
-weight is widened slice by slice: engine/model/llama.py ``fp32_linear``). A float weight that
+weight is widened slice by slice: engine/model/families/llama.py ``fp32_linear``). A float weight that
 no chosen candidate multiplies by is dropped once the plan is installed (llama.py
 ``_drop_unused_float_weights``; phase C counts what is held).
 
@@ -36,9 +36,9 @@ for packed ones); the fastest that passes is chosen.
 A candidate more than ``PRUNE_FACTOR`` x slower than the best at one class is not timed at
 the bigger ones. Measuring stops at ``MEASURE_BOUND_S``: cells not reached keep the fallback
 constants' choice, say so, and are measured at the next start (the stored plan is resumed). The plan is stored beside phase D's profile
-(``kernel_plans/<key>.json`` under engine/model/profile_cache.py's folder) so a warm start reuses it, and ``KVSCOPE_KERNEL_PLAN``
+(``kernel_plans/<key>.json`` under engine/model/memory/profile_cache.py's folder) so a warm start reuses it, and ``KVSCOPE_KERNEL_PLAN``
 pins one (a path or the JSON itself), ``measure`` measures again, ``off`` runs the fallback
-constants (``GEMV_MAX_ROWS`` in engine/model/llama.py and the ISA's dtype rule).
+constants (``GEMV_MAX_ROWS`` in engine/model/families/llama.py and the ISA's dtype rule).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ if TYPE_CHECKING:  # torch is imported where it runs: ``engine plan`` reads the 
 
 PLAN_ENV = "KVSCOPE_KERNEL_PLAN"
 PLAN_FORMAT_VERSION = 2  # 2: the 9-64 class split into 9-16, 17-32, 33-64
-PLANS_FOLDER = "kernel_plans"  # under the profiles folder (engine/model/profile_cache.py)
+PLANS_FOLDER = "kernel_plans"  # under the profiles folder (engine/model/memory/profile_cache.py)
 GROUPS = ("qkv", "o", "gate_up", "down", "head")
 # The model attribute each group's weight and quantized copy are named by.
 GROUP_ATTRS = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj", "down": "down_proj", "head": "head"}
@@ -155,7 +155,7 @@ class Implementation:
     call: Callable[[torch.Tensor], torch.Tensor]
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
     # A candidate that computes in another dtype (bf16): the call without its cast back, and that
-    # dtype, so the next op can take the output as it is (engine/model/llama.py mlp_block).
+    # dtype, so the next op can take the output as it is (engine/model/families/llama.py mlp_block).
     native: Callable[[torch.Tensor], torch.Tensor] | None = None
     computes_in: torch.dtype | None = None
 
@@ -186,7 +186,7 @@ def implementation(candidate: str, weight: torch.Tensor, quantized: Any, gemv_ke
                    group: str = "") -> Implementation:
     """``candidate`` for ``weight`` (``[out, in]``), copies made now. The LM head's (``group``
     "head") take float32 rows and sum and return float32 in every dtype mode: its ``torch``
-    widens a bf16 weight slice by slice (engine/model/llama.py fp32_linear), never rounding logits to bf16."""
+    widens a bf16 weight slice by slice (engine/model/families/llama.py fp32_linear), never rounding logits to bf16."""
     import torch
     import torch.nn.functional as F
 
@@ -196,7 +196,7 @@ def implementation(candidate: str, weight: torch.Tensor, quantized: Any, gemv_ke
         return Implementation(lambda x: F.linear(x, quantized.dequantize().to(x.dtype)))
     if candidate == "torch":
         if group == "head":
-            from engine.model.llama import fp32_linear
+            from engine.model.families.llama import fp32_linear
 
             return Implementation(lambda x: fp32_linear(x, weight))
         return Implementation(lambda x: F.linear(x, weight))
@@ -515,7 +515,7 @@ class _Target:
 def _targets(model: Any, gemv_kernel: Any, native_bf16: bool, approximate: bool) -> list[_Target]:
     """Each group's weight (layer 0's, and the LM head) cut to its first ``WEIGHT_ROWS_TIMED``
     rows, with its quantized copy cut alike."""
-    from engine.model.weight_blocks import holds_nothing
+    from engine.model.loading.weight_blocks import holds_nothing
 
     out = []
     for group in GROUPS:
@@ -801,7 +801,7 @@ def plan_key(parts: Mapping[str, Any]) -> str:
 
 
 def _entry(key: str) -> Path | None:
-    from engine.model.profile_cache import profile_root
+    from engine.model.memory.profile_cache import profile_root
 
     root = profile_root()
     return None if root is None else root / PLANS_FOLDER / f"{key}.json"
@@ -821,7 +821,7 @@ def load_stored(key: str) -> KernelPlan | None:
 
 def store(plan: KernelPlan) -> None:
     """Write the plan beside the profiles (best effort: a read-only cache still starts)."""
-    from engine.model.startup_cache import atomic_write
+    from engine.model.loading.startup_cache import atomic_write
 
     path = _entry(plan.key)
     if path is None:
@@ -968,7 +968,7 @@ def resolve(model: Any, key: str, native_bf16: bool, isa: str, log: Any = None,
     from engine.model.kernels import cpu_gemv
 
     if not plan_enabled() or getattr(model, "expert_counter", None) is not None:
-        return None  # a MoE model's experts run grouped (engine/model/moe.py); the plan times dense layers
+        return None  # a MoE model's experts run grouped (engine/model/layers/moe.py); the plan times dense layers
     load = plan_stability.current_load()
     plan, previous = _start_plan(key, model.config.name, isa, load, log)
     remeasure = plan is not None and plan.source == "stored" and measured_overloaded(plan, load)

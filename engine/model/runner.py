@@ -27,9 +27,9 @@ from engine.model.attention.base import AttentionBackend, AttentionMetadata, all
 from engine.model.attention.kv_quant import kv_cache_shape, kv_cache_torch_dtype
 from engine.model.attention.selector import get_attention_backend
 from engine.model.cuda_graphs import DecodeGraphs
-from engine.model.gguf_blocks import read_gguf_blocks
-from engine.model.llama import QUANTIZATION_METHODS, LlamaForCausalLM
-from engine.model.loader import LoadInfo, ProgressCallback, load_weights_into
+from engine.model.families.llama import QUANTIZATION_METHODS, LlamaForCausalLM
+from engine.model.loading.gguf_blocks import read_gguf_blocks
+from engine.model.loading.loader import LoadInfo, ProgressCallback, load_weights_into
 from engine.model.parallel import TensorParallel
 from engine.model.sampler import Sampler, TokenLogprobs, prompt_token_logprobs, token_logprobs
 from engine.modelspec.config import CANONICAL_DTYPE, ModelConfig
@@ -139,7 +139,7 @@ def build_model(model_config: ModelConfig, backend: AttentionBackend, parallel: 
                 dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
     """The model this rank runs: its family's class, or this rank's slice under tensor parallelism."""
     if parallel is not None and parallel.world_size > 1:
-        from engine.model.parallel_llama import TensorParallelLlama
+        from engine.model.families.parallel_llama import TensorParallelLlama
 
         return TensorParallelLlama(model_config, backend, parallel, dtype=dtype, device=device)
     from engine.modelspec.families import model_class_for
@@ -207,9 +207,9 @@ class ModelRunner:
     def load_weights(self, progress: ProgressCallback | None = None) -> LoadInfo:
         """Load (and quantize, with ``quantization``); ``weights_bytes`` counts every copy held.
         A GGUF whose own blocks the quantization takes is read as those blocks, mapped from
-        the file, with no float copy (engine/model/gguf_blocks.py)."""
+        the file, with no float copy (engine/model/loading/gguf_blocks.py)."""
         if self.reads_blocks():
-            from engine.model.gguf_blocks import load_as_blocks
+            from engine.model.loading.gguf_blocks import load_as_blocks
 
             return load_as_blocks(self, progress)
         info = load_weights_into(self.model, self.model_config, self.load_format, progress, seed=self.seed)
@@ -222,7 +222,7 @@ class ModelRunner:
     def reads_blocks(self) -> bool:
         """Whether the weights load as the GGUF's own blocks: on CPU, one process holding the
         whole model, and a quantization that is the file's own (``--quantization auto``'s pick)."""
-        from engine.model.gguf_blocks import native_quantization
+        from engine.model.loading.gguf_blocks import native_quantization
 
         if self.device.type != "cpu" or self.quantization is None or hasattr(self.model, "load_cached_slices"):
             return False
@@ -235,8 +235,12 @@ class ModelRunner:
         GGUF's own) where the method takes their format, the rest packed from the floats
         (``pack``) or kept float."""
         from engine.model.kernels import cpu_gemv
-        from engine.model.loader import resolve_load_format, weights_location
-        from engine.model.startup_cache import load_cached_tensors, quantized_path, save_cached_tensors
+        from engine.model.loading.loader import resolve_load_format, weights_location
+        from engine.model.loading.startup_cache import (
+            load_cached_tensors,
+            quantized_path,
+            save_cached_tensors,
+        )
 
         on_cpu_gguf = self.device.type == "cpu" and resolve_load_format(self.model_config, self.load_format) == "gguf"
         entry = None
@@ -430,7 +434,7 @@ class ModelRunner:
         self.last_prompt_logprobs = self._prompt_logprobs(hidden, batch)
         t2 = time.perf_counter()
         self.last_timings = StepTimings(prepare_s=t1 - t0, forward_s=t2 - t1)
-        counter = getattr(self.model, "expert_counter", None)  # a MoE model (engine/model/moe.py)
+        counter = getattr(self.model, "expert_counter", None)  # a MoE model (engine/model/layers/moe.py)
         self.last_expert_counts = counter.take() if counter is not None else None
         return prepared, logits
 

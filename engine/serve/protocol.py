@@ -63,7 +63,7 @@ class APIError(Exception):
 # Bounds on what one request may ask the shared engine thread to do for every token.
 # vLLM has none; there, 10,000 stop strings of 100 characters (a 1 MB body) slowed
 # every other stream on the engine ~3.5x while the old matcher ran. The automaton
-# (engine/model/tokenizer.py::StopMatcher) makes a token's cost follow its text, but
+# (engine/model/loading/tokenizer.py::StopMatcher) makes a token's cost follow its text, but
 # building it and its memory (~40 bytes per character) still grow with the list, and
 # no client needs more: OpenAI accepts 4 stop strings; these are generous.
 MAX_STOP_STRINGS = 256

@@ -21,8 +21,8 @@ from engine.core.sampling_params import SamplingParams
 from engine.errors import UserError
 from engine.llm_engine import CheckedPrompt, RequestOutput
 from engine.logs import get_logger
+from engine.model.loading.tokenizer import StopMatcher
 from engine.model.sampler import TokenLogprobs
-from engine.model.tokenizer import StopMatcher
 from engine.serve.async_engine import EngineDead, Overloaded, RequestFailed, RequestStream
 from engine.serve.host import EngineHost
 from engine.serve.logprobs import Decoder, chat_logprobs, completion_logprobs, prompt_logprobs

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from engine.cli import main
-from engine.model.startup_cache import CACHE_ENV, cached_tokenizer, tokenizer_paths
-from engine.model.tokenizer import Tokenizer
+from engine.model.loading.startup_cache import CACHE_ENV, cached_tokenizer, tokenizer_paths
+from engine.model.loading.tokenizer import Tokenizer
 from tests.model.tiny_gemma3 import build_tiny_gemma3, write_gemma3_gguf
 from tests.model.tiny_hf import save_tiny_checkpoint, write_tiny_gguf
 

@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from engine.core.sampling_params import SamplingParams
 from engine.model import kernel_plan
 from engine.model.attention import cpu_decode
+from engine.model.families.llama import PAGED_PREFILL, PAGED_PREFILL_BF16
 from engine.model.kernel_plan import ACCURACY_BOUND, ATTENTION, STEP_CLASSES, Cell, KernelPlan, relative_error
 from engine.model.kernels import cpu_layer, cpu_norm
 from engine.model.kernels.cpu_gemv import dequantize
-from engine.model.llama import PAGED_PREFILL, PAGED_PREFILL_BF16
 from engine.model.runner import ModelRunner, ScheduledSeq
 
 # bf16 keeps 8 significant bits: one rounding of an output is at most 2^-9 relative (RMS ~1.1e-3).
@@ -75,7 +75,7 @@ def test_the_lm_head_returns_float32_sums_under_bfloat16(smollm_config, cpu_gemv
 
 
 def test_fp32_linear_widens_bf16_weights_exactly() -> None:
-    from engine.model.llama import fp32_linear
+    from engine.model.families.llama import fp32_linear
 
     generator = torch.Generator().manual_seed(1)
     weight = torch.randn(1000, 96, generator=generator).bfloat16()  # 1000 rows: several slices and a remainder
@@ -213,7 +213,7 @@ def test_dtype_bfloat16_reports_its_bf16_parts_and_answers_with_float32_logits(t
     and the README's question gets the README's answer."""
     from engine.events import EventBus, StartupPhase
     from engine.llm import LLM
-    from engine.model import profile_cache
+    from engine.model.memory import profile_cache
     from tests.model.test_model_reference import WATER, WATER_ANSWER, WATER_TOKENS
 
     monkeypatch.setenv(profile_cache.PROFILE_CACHE_ENV, str(tmp_path))

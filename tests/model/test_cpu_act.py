@@ -1,5 +1,5 @@
 """SiLU-and-multiply in one C++ pass (engine/model/kernels/cpu_act.py), and the MLP block that
-feeds it a bf16 gate/up GEMM's output as it is (engine/model/llama.py ``mlp_block`` by the
+feeds it a bf16 gate/up GEMM's output as it is (engine/model/families/llama.py ``mlp_block`` by the
 kernel plan's routes): the same numbers as torch's separate ops, in every dtype pair."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.model.families.llama import DecoderLayer
 from engine.model.kernel_plan import build_route
 from engine.model.kernels import cpu_act
 from engine.model.kernels.cpu_act import silu_and_mul
-from engine.model.llama import DecoderLayer
 from engine.modelspec.readers import load_model_config
 
 DTYPES = (torch.float32, torch.bfloat16)

@@ -24,10 +24,11 @@ import torch
 
 from engine.core.kv_cache_groups import kv_cache_groups
 from engine.core.sampling_params import SamplingParams
-from engine.model import kernel_plan, weight_blocks
+from engine.model import kernel_plan
 from engine.model.attention.base import AttentionMetadata
 from engine.model.kernels import cpu_layer
-from engine.model.quantized_linear import BlockPart, QuantizedLinear, dequantize_part
+from engine.model.layers.quantized_linear import BlockPart, QuantizedLinear, dequantize_part
+from engine.model.loading import weight_blocks
 from engine.model.runner import ModelRunner, ScheduledSeq
 from tests.model.gemma3_fixtures import gemma3_config, gemma3_runner
 from tests.model.test_cpu_quant import random_blocks
@@ -225,7 +226,7 @@ def test_gemma3_greedy_decode_fused_equals_op_by_op(cpu_layer_kernel, monkeypatc
     (measured on Zen 4: cosine >= 0.997, as SmolLM2's q4_1x8 pair in test_cpu_layer.py). So the
     prompts are ones whose greedy path has no near-tie (top-2 gap >= 0.3; "The capital of France
     is" has a 0.01 tie at its 12th token, which such a step flips)."""
-    from engine.model.startup_cache import cached_tokenizer
+    from engine.model.loading.startup_cache import cached_tokenizer
     from tests.model.gemma3_fixtures import gemma3_gguf_or_skip
 
     config = gemma3_config()

@@ -5,7 +5,13 @@ from __future__ import annotations
 import torch
 
 from engine.budget.memory import GiB
-from engine.model.device import TensorBytesTracker, device_word, measure_peak, read_memory, resolve_device
+from engine.model.memory.device import (
+    TensorBytesTracker,
+    device_word,
+    measure_peak,
+    read_memory,
+    resolve_device,
+)
 
 MiB = 1024**2
 

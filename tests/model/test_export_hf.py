@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine.cli import main
+from engine.model.loading.tokenizer import Tokenizer
 from engine.model.runner import ModelRunner, ScheduledSeq
-from engine.model.tokenizer import Tokenizer
 from engine.modelspec.readers import load_model_config
 
 pytestmark = pytest.mark.slow  # a full HF export and a transformers load: ~15 s on 2 cores (make test-slow)

@@ -169,7 +169,7 @@ def test_real_gemma3_270m_export_matches_the_engine(tmp_path: Path) -> None:
     assert written["layer_types"].count("full_attention") == 3
     model = transformers.Gemma3ForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     runner = gemma3_runner(blocks=8)
-    from engine.model.startup_cache import cached_tokenizer
+    from engine.model.loading.startup_cache import cached_tokenizer
 
     ids = cached_tokenizer(path).encode(GEMMA3_PROMPT, add_special_tokens=True)
     with torch.inference_mode():

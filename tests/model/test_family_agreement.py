@@ -226,7 +226,7 @@ def test_the_engine_generates_what_transformers_does_with_preemption(variant: st
     from engine.core.sampling_params import SamplingParams
     from engine.events import EventBus
     from engine.llm import LLM
-    from engine.model.tokenizer import Tokenizer
+    from engine.model.loading.tokenizer import Tokenizer
 
     folder, hf_model = tiny_checkpoints[variant]
     bus = EventBus()

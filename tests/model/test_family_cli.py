@@ -38,7 +38,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, A
 
 def greedy_text(folder: Path, model: Any) -> str:
     """transformers' greedy continuation of PROMPT, decoded by the folder's tokenizer."""
-    from engine.model.tokenizer import Tokenizer
+    from engine.model.loading.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_hf_folder(folder)
     ids = list(tokenizer.encode(PROMPT))

@@ -20,7 +20,7 @@ def runner():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from engine.model.startup_cache import cached_tokenizer
+    from engine.model.loading.startup_cache import cached_tokenizer
 
     return cached_tokenizer(gemma3_gguf_or_skip())
 

@@ -23,7 +23,7 @@ TEXTS = [
 @pytest.mark.slow  # transformers builds the 262,144-token tokenizer from the GGUF: ~60 s on 2 cores
 def test_encodings_match_transformers() -> None:
     transformers = pytest.importorskip("transformers")
-    from engine.model.startup_cache import cached_tokenizer
+    from engine.model.loading.startup_cache import cached_tokenizer
 
     path = gemma3_gguf_or_skip()
     ours = cached_tokenizer(path)

@@ -1,4 +1,4 @@
-"""A K-quant GGUF read as it is (engine/model/gguf_blocks.py): Gemma 3 270M's Q4_K_M file, whose
+"""A K-quant GGUF read as it is (engine/model/loading/gguf_blocks.py): Gemma 3 270M's Q4_K_M file, whose
 projections mix Q4_K, Q5_0, Q6_K and Q8_0, held as the file's blocks mapped from the file (no float
 copy of a projection or of the embedding), nothing written to the weights cache, the embedding's
 rows dequantized on lookup, and the logits of the int8-activation block kernels close to the
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.model.gguf_blocks import map_file, native_quantization, read_gguf_blocks
+from engine.model.loading.gguf_blocks import map_file, native_quantization, read_gguf_blocks
+from engine.model.loading.weight_blocks import PROJECTIONS, holds_nothing
 from engine.model.runner import ModelRunner, ScheduledSeq
-from engine.model.weight_blocks import PROJECTIONS, holds_nothing
 from tests.model.gemma3_fixtures import gemma3_config, gemma3_gguf_or_skip, run_teacher_forced
 
 

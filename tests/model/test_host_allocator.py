@@ -1,4 +1,4 @@
-"""glibc malloc tuned for step-sized tensors (engine/model/host_allocator.py): set where glibc
+"""glibc malloc tuned for step-sized tensors (engine/model/memory/host_allocator.py): set where glibc
 is, turned off by its variable, and reported in phase A's event."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import platform
 
 import pytest
 
-from engine.model import host_allocator
+from engine.model.memory import host_allocator
 
 
 def test_it_is_set_on_glibc_and_off_by_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,9 +18,10 @@ import torch.nn.functional as F
 from engine.errors import UserError
 from engine.events import Event, EventBus, StartupPhase
 from engine.llm import LLM
-from engine.model import kernel_plan, plan_stability, profile_cache
+from engine.model import kernel_plan, plan_stability
 from engine.model.cpu_caps import detect
 from engine.model.kernel_plan import ACCURACY_BOUND, STEP_CLASSES, Cell, KernelPlan, choose
+from engine.model.memory import profile_cache
 from engine.model.runner import ModelRunner, ScheduledSeq
 
 

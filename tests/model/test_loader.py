@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.errors import UserError
-from engine.model.loader import gguf_to_hf_name, permute_rotary_rows, unpermute_rotary_rows
+from engine.model.loading.loader import gguf_to_hf_name, permute_rotary_rows, unpermute_rotary_rows
 from engine.model.runner import ModelRunner, ScheduledSeq
 from engine.modelspec.presets import MODEL_PRESETS
 from engine.modelspec.readers import load_model_config

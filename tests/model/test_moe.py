@@ -1,4 +1,4 @@
-"""The sparse MoE block (engine/model/moe.py) against transformers' Qwen3-MoE block on the
+"""The sparse MoE block (engine/model/layers/moe.py) against transformers' Qwen3-MoE block on the
 same weights, and its expert counts against the router's own top-k."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.events.folds.expert_load import ExpertLoad
-from engine.model.moe import ExpertCounter, grouped_experts, route
+from engine.model.layers.moe import ExpertCounter, grouped_experts, route
 
 
 def _hf_block(norm_topk_prob: bool, seed: int = 0):

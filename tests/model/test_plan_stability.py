@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 
-from engine.model import kernel_plan, plan_stability, profile_cache
+from engine.model import kernel_plan, plan_stability
 from engine.model.kernel_plan import STEP_CLASSES, Cell, KernelPlan, choose
+from engine.model.memory import profile_cache
 
 NO_ERROR = {"gemv": 1e-3, "torch": 0.0, "bf16": 2e-3}
 

@@ -14,8 +14,8 @@ import torch
 
 from engine.model.kernel_plan import STEP_CLASSES, Cell, KernelPlan
 from engine.model.kernels import cpu_gemv, cpu_layer
+from engine.model.loading.weight_blocks import holds_nothing
 from engine.model.runner import ModelRunner, ScheduledSeq
-from engine.model.weight_blocks import holds_nothing
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 GROUP = {"qkv_proj": "qkv", "o_proj": "o", "gate_up_proj": "gate_up", "down_proj": "down"}
@@ -89,7 +89,7 @@ def test_the_tied_heads_float_weight_is_dropped_when_no_step_multiplies_by_it(gg
     q = model.quantized["head"]
     with torch.no_grad():
         model.embed_tokens.copy_(q.dequantize())
-    q.source, model._embed_blocks = "gguf", q  # what engine/model/gguf_blocks.py sets for a tied GGUF head
+    q.source, model._embed_blocks = "gguf", q  # what engine/model/loading/gguf_blocks.py sets for a tied GGUF head
     original = model.embed_tokens.detach().clone()
     model.install_kernel_plan(_plan({"head": "torch"}))
     assert not holds_nothing(model.embed_tokens)
@@ -116,7 +116,8 @@ def test_phase_c_counts_what_the_plan_keeps(tmp_path, monkeypatch) -> None:
     """Phase C's weights_bytes under this machine's plan is the constants' weights plus the plan's
     copies less the float weights it dropped; where the plan runs the GGUF blocks at every step
     size for every layer projection (Zen 4's, AVX2's), none of their float weights is held."""
-    from engine.model import kernel_plan, profile_cache
+    from engine.model import kernel_plan
+    from engine.model.memory import profile_cache
     from tests.model.test_kernel_plan import _phase_events
 
     monkeypatch.setenv(profile_cache.PROFILE_CACHE_ENV, str(tmp_path))

@@ -10,7 +10,7 @@ import pytest
 
 from engine.events import Event, EventBus, StartupPhase
 from engine.llm import LLM
-from engine.model import profile_cache
+from engine.model.memory import profile_cache
 
 # A small step shape keeps each measured profile run short.
 SMALL = dict(max_model_len=256, kv_cache_memory_bytes=16 * 2**20, max_num_batched_tokens=64, max_num_seqs=4,

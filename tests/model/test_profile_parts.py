@@ -1,4 +1,4 @@
-"""Phase D in parts (engine/model/profile_parts.py): the forward measured at two step sizes and
+"""Phase D in parts (engine/model/memory/profile_parts.py): the forward measured at two step sizes and
 kept as a line in the step's tokens, the sampler at two row counts scaled to --max-num-seqs; the peak is the whole step's, and a profile stored at one budget is reused,
 evaluated, at another."""
 
@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.model import profile_cache, profile_parts
-from engine.model.device import measure_peak
-from engine.model.profile_parts import Line, PeakFunction
+from engine.model.memory import profile_cache, profile_parts
+from engine.model.memory.device import measure_peak
+from engine.model.memory.profile_parts import Line, PeakFunction
 from engine.model.runner import ModelRunner
 
 

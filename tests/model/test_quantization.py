@@ -11,9 +11,9 @@ import torch
 
 from engine.core.sampling_params import SamplingParams
 from engine.errors import UserError
-from engine.model.gguf_blocks import read_gguf_blocks
+from engine.model.families.llama import GEMV_MAX_ROWS
 from engine.model.kernels import cpu_gemv
-from engine.model.llama import GEMV_MAX_ROWS
+from engine.model.loading.gguf_blocks import read_gguf_blocks
 from engine.model.runner import ModelRunner, ScheduledSeq
 
 PACKERS = {"q8_0": cpu_gemv.quantize_q8_0, "q4_1": cpu_gemv.quantize_q4_1}
@@ -292,7 +292,7 @@ def test_quantized_copies_round_trip_through_the_startup_cache_layout(smollm_con
     """What a warm start restores (mapped from the cache entry) is what quantizing made:
     the same blocks, formats and counts, the float-kept weights included; an entry made
     for another shape is refused whole."""
-    from engine.model.startup_cache import load_cached_tensors, save_cached_tensors
+    from engine.model.loading.startup_cache import load_cached_tensors, save_cached_tensors
 
     config = dataclasses.replace(smollm_config, num_layers=2, vocab_size=4096, intermediate_size=200,
                                  tie_word_embeddings=False, source="preset", path=None)

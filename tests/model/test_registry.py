@@ -24,7 +24,7 @@ TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "nu
 
 def test_every_family_names_a_model_class_that_builds_from_its_config() -> None:
     from engine.model.attention.torch_backend import TorchAttentionBackend
-    from engine.model.llama import LlamaForCausalLM
+    from engine.model.families.llama import LlamaForCausalLM
 
     for family in FAMILIES:
         for architecture in family.hf_architectures:

@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model.runner import ModelRunner
-from engine.model.startup_cache import (
+from engine.model.loading.startup_cache import (
     CACHE_ENV,
     cache_key,
     cached_tokenizer,
@@ -16,6 +15,7 @@ from engine.model.startup_cache import (
     prune_cache,
     weights_path,
 )
+from engine.model.runner import ModelRunner
 
 
 @pytest.mark.slow  # two cold weight loads: ~15 s on 2 cores (make test-slow)
@@ -110,7 +110,7 @@ def test_prune_removes_least_recently_used_entries_first(tmp_path: Path) -> None
 def test_mapped_safetensors_reads_every_tensor_without_copying(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
-    from engine.model.startup_cache import mapped_safetensors
+    from engine.model.loading.startup_cache import mapped_safetensors
 
     tensors = {"a": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(5, dtype=torch.bfloat16),
                "scalar": torch.tensor(2.5)}

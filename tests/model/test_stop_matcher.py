@@ -1,4 +1,4 @@
-"""The Aho-Corasick stop-string matcher (engine/model/tokenizer.py::StopMatcher) against
+"""The Aho-Corasick stop-string matcher (engine/model/loading/tokenizer.py::StopMatcher) against
 the matcher it replaced, kept here as the reference: random texts over a small alphabet
 (so stop strings occur, overlap and straddle pieces) fed in random pieces with random
 stop lists must give the same match (earliest start, the first listed on a tie) and the
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.model.tokenizer import IncrementalDetokenizer, StopMatcher
+from engine.model.loading.tokenizer import IncrementalDetokenizer, StopMatcher
 
 
 def find_stop_string(text: str, stops: Sequence[str], new_from: int = 0) -> tuple[int, str] | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.model.tokenizer import IncrementalDetokenizer, StopMatcher
+from engine.model.loading.tokenizer import IncrementalDetokenizer, StopMatcher
 
 TRICKY = [
     "Hello world", "  leading spaces", "trailing spaces   ", "tabs\tand\nnewlines\r\n\n\n",

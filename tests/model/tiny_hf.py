@@ -171,7 +171,7 @@ def write_tiny_gguf(model: Any, path: Path) -> Path:
 
 
 def _dense_gguf_tensors(model: Any) -> Iterator[tuple[str, Any]]:
-    from engine.model.loader import permute_rotary_rows
+    from engine.model.loading.loader import permute_rotary_rows
 
     config = model.config
     for name, array in untied_arrays(model):

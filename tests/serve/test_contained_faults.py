@@ -31,7 +31,7 @@ from engine.cli.commands.serve import make_server
 from engine.core.sampling_params import SamplingParams
 from engine.events import Event, RequestArrived, RequestFinished
 from engine.llm import engine_config
-from engine.model.tokenizer import IncrementalDetokenizer
+from engine.model.loading.tokenizer import IncrementalDetokenizer
 from engine.modelspec.presets import bundled_gguf_path
 from engine.serve.host import EngineHost, ServerSettings
 

@@ -34,7 +34,7 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
 
 @pytest.mark.slow  # 13 s warm on 2 cores (start-up with a 262,144-token vocabulary, both calls), more cold
 def test_chat_and_completions(client: openai.OpenAI) -> None:
-    from engine.model.startup_cache import cached_tokenizer
+    from engine.model.loading.startup_cache import cached_tokenizer
 
     tokenizer = cached_tokenizer(gemma3_270m_path())
     messages = [{"role": "user", "content": "What is the capital of France?"}]

@@ -90,7 +90,7 @@ def demo_pool_bytes(config: EngineConfig) -> int:
     """The default pool in bytes for :data:`DEMO_POOL_TOKENS` tokens in the dtype this
     machine runs (``--dtype auto`` is by ISA), so the demo behaves alike everywhere."""
     from engine.budget.memory import bytes_per_kv_token
-    from engine.model.device import resolve_device
+    from engine.model.memory.device import resolve_device
     from engine.modelspec.readers import load_model_config
     from engine.startup import resolve_dtype
 

@@ -26,9 +26,11 @@ def export_hf(model: str, out: Path, dtype: str = "float32") -> Path:
     if out.exists() and any(out.iterdir()):
         raise UserError(f"{out}: folder exists and is not empty; choose a new OUT folder")
     hf_export_for(config)  # a family with no transformers form is refused before the weights load
-    from engine.model.loader import load_hf_state_dict  # torch loads only once the arguments are checked
+    from engine.model.loading.loader import (
+        load_hf_state_dict,  # torch loads only once the arguments are checked
+    )
+    from engine.model.loading.tokenizer import Tokenizer
     from engine.model.runner import torch_dtype
-    from engine.model.tokenizer import Tokenizer
 
     canonical = str(torch_dtype(dtype)).removeprefix("torch.")
     tokenizer = Tokenizer.for_model(config)

@@ -19,7 +19,7 @@ bound on the attention (``window`` > 0: a layer sees its last ``window`` positio
 It is compiled from the cpu_gemv, cpu_norm, cpu_decode and cpu_quant (its ``CORE_SOURCE``)
 sources plus the glue below, so there is one copy of each kernel's arithmetic. A projection
 is a list of row segments, each a block tensor and a format code, multiplied as the op-by-op
-path multiplies it (engine/model/quantized_linear.py ``bind_kernels``): one q8_0/q4_1/q4_1x8
+path multiplies it (engine/model/layers/quantized_linear.py ``bind_kernels``): one q8_0/q4_1/q4_1x8
 tensor through cpu_gemv's GEMV (codes below ``QUANT_CODE_BASE``), any other (a K-quant, or a
 fused QKV whose Q/K are Q5_0 and V Q8_0) through cpu_quant's segments, the input rounded to
 int8 once per projection (codes ``QUANT_CODE_BASE`` + the ggml type id). Each projection uses
@@ -44,7 +44,7 @@ from engine.model.kernels import cpu_gemv, cpu_norm, cpu_quant
 from engine.model.kernels.build import BuildReport, CachedKernel, KernelSpec
 
 if TYPE_CHECKING:
-    from engine.model.quantized_linear import QuantizedLinear
+    from engine.model.layers.quantized_linear import QuantizedLinear
 
 KERNEL_ENV = "KVSCOPE_CPU_LAYER_KERNEL"
 # Pure-decode steps of up to this many sequences run fused (the scheduler's default

@@ -1,11 +1,11 @@
 """A decoder model's weights as blocks: which projections are held as GGUF blocks (or
 packed from floats), their kernels, and the float weights made again where no kernel runs.
 
-These are functions over a model (:class:`engine.model.llama.LlamaForCausalLM` or a
+These are functions over a model (:class:`engine.model.families.llama.LlamaForCausalLM` or a
 family's subclass) rather than methods of it: every family shares one way of holding and
 binding quantized weights, and the model class keeps its layers and forward.
 
-A model loaded from its GGUF blocks (:mod:`engine.model.gguf_blocks`) holds no float copy
+A model loaded from its GGUF blocks (:mod:`engine.model.loading.gguf_blocks`) holds no float copy
 of a block-backed projection or of the embedding: the float parameter is a placeholder
 of its shape over one element (:func:`holds_nothing`), made again from the blocks
 (:func:`restore_float`) where the kernel plan chooses a float implementation or no
@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from engine.model.quantized_linear import (
+from engine.model.layers.quantized_linear import (
     BLOCK_FORMATS,
     GEMV_FORMATS,
     BlockPart,

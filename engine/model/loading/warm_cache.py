@@ -1,4 +1,4 @@
-"""``python -m engine.model.warm_cache``: build each assembled model's tokenizer and float32
+"""``python -m engine.model.loading.warm_cache``: build each assembled model's tokenizer and float32
 weights into the startup cache (Gemma 3 270M's: ~40 s and ~25 s cold on 2 cores), so the
 first test run or start does not pay them; a warm cache makes it a few seconds of mapping.
 The Makefile's setup target runs it after engine/modelspec/model_files.py assembled the files
@@ -14,8 +14,8 @@ from engine.modelspec.model_files import CHUNKED_MODELS, ChunkedModel
 
 
 def warm_startup_cache(model: ChunkedModel) -> None:
+    from engine.model.loading.startup_cache import cached_tokenizer
     from engine.model.runner import ModelRunner
-    from engine.model.startup_cache import cached_tokenizer
     from engine.modelspec.readers import load_model_config
 
     start = time.perf_counter()

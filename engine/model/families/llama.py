@@ -23,14 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model import weight_blocks
 from engine.model.attention.base import AttentionBackend, AttentionMetadata
 from engine.model.kernels.cpu_act import silu_and_mul
 from engine.model.kernels.cpu_norm import rms_norm
-from engine.model.quantized_linear import QuantizedLinear
-from engine.model.rope_scaling import llama3_scaled_inv_freq
-from engine.model.weight_blocks import PROJECTIONS as _PROJECTIONS
-from engine.model.weight_blocks import holds_nothing as _holds_nothing
+from engine.model.layers.quantized_linear import QuantizedLinear
+from engine.model.layers.rope_scaling import llama3_scaled_inv_freq
+from engine.model.loading import weight_blocks
+from engine.model.loading.weight_blocks import PROJECTIONS as _PROJECTIONS
+from engine.model.loading.weight_blocks import holds_nothing as _holds_nothing
 from engine.modelspec.config import ModelConfig, RopeScaling
 
 QUANTIZATION_METHODS = ("int8", "int4", "native")
@@ -38,7 +38,7 @@ QUANTIZATION_METHODS = ("int8", "int4", "native")
 # int4 keeps a Q8_0 tensor (SmolLM2's tied embedding/LM head) as Q8_0: requantizing it
 # to 4 bits would add error the GGUF does not have. native (chosen by --quantization auto
 # for a file of mixed block types, a K-quant file): the GGUF's own blocks in every format a
-# kernel reads (engine/model/quantized_linear.py), nothing packed (other weights stay float).
+# kernel reads (engine/model/layers/quantized_linear.py), nothing packed (other weights stay float).
 _METHOD_FORMATS: dict[str, tuple[tuple[str, ...], str | None]] = {
     "int8": (("q8_0",), "q8_0"),
     "int4": (("q4_1", "q8_0"), "q4_1"),
@@ -161,7 +161,7 @@ class DecoderLayer(nn.Module):
         self.quantized: dict[str, QuantizedLinear] = {}
         self.kernel_routes: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}  # set by the kernel plan
         # Sums the row-parallel O and down outputs over the tensor-parallel ranks
-        # (engine/model/parallel_llama.py); one rank's are already whole.
+        # (engine/model/families/parallel_llama.py); one rank's are already whole.
         self.reduce_rows: Callable[[torch.Tensor], torch.Tensor] = _unreduced
         # A sliding-window layer (Mistral, Phi-3) sees its last sliding_window positions; it reads
         # KV cache group kv_cache_group's block table and slots (the runner sets it, hybrid cache).
@@ -299,7 +299,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.quantized: dict[str, QuantizedLinear] = {}  # the LM head's, as "head"
-        # The embedding's GGUF blocks where its float copy is not held (engine/model/gguf_blocks.py).
+        # The embedding's GGUF blocks where its float copy is not held (engine/model/loading/gguf_blocks.py).
         self._embed_blocks: QuantizedLinear | None = None
         self.kernel_routes: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}  # the head's, by the plan
         self.kernel_plan: Any = None  # engine/model/kernel_plan.KernelPlan once installed; None: the constants
@@ -474,11 +474,11 @@ class LlamaForCausalLM(nn.Module):
             return q.gemv(x)  # the GEMV sums in float32 and returns float32 rows for float32 rows
         return fp32_linear(x, self.head_weight)
 
-    # ------------------------------------------------------------------ quantization (engine/model/weight_blocks.py)
+    # ------------------------------------------------------------------ quantization (engine/model/loading/weight_blocks.py)
     def quantize_weights(self, method: str, gguf_blocks: Mapping[str, tuple[str, torch.Tensor]] | None = None,
                          pack: bool = True) -> dict[str, int]:
         """Install weight-only quantized entries of the projections and the LM head (after
-        loading): a GGUF's own blocks (:func:`engine.model.gguf_blocks.read_gguf_blocks`) where the
+        loading): a GGUF's own blocks (:func:`engine.model.loading.gguf_blocks.read_gguf_blocks`) where the
         method takes their format, other weights packed from the floats. The kernel is bound
         at the first forward. Returns counts per ``"<format> <source>"``."""
         if method not in QUANTIZATION_METHODS:

@@ -25,7 +25,7 @@ from engine.modelspec.gguf_header import read_gguf_header
 from engine.modelspec.readers import resolve_model_file
 
 if TYPE_CHECKING:
-    from engine.model.llama import LlamaForCausalLM
+    from engine.model.families.llama import LlamaForCausalLM
 
 # (tensors done, tensors total) -> None; the engine turns it into a progress event.
 ProgressCallback = Callable[[int, int], None]
@@ -226,9 +226,9 @@ def load_weights_into(
     progress: ProgressCallback | None = None,
     seed: int = 0,
 ) -> LoadInfo:
-    """Fill ``model`` (a :class:`engine.model.llama.LlamaForCausalLM`) from its source.
-    A GGUF file goes through the dequantized-weights cache (:mod:`engine.model.startup_cache`)."""
-    from engine.model.startup_cache import load_cached_weights, save_cached_weights, weights_path
+    """Fill ``model`` (a :class:`engine.model.families.llama.LlamaForCausalLM`) from its source.
+    A GGUF file goes through the dequantized-weights cache (:mod:`engine.model.loading.startup_cache`)."""
+    from engine.model.loading.startup_cache import load_cached_weights, save_cached_weights, weights_path
 
     start = time.perf_counter()
     fmt = resolve_load_format(config, load_format)

@@ -211,7 +211,7 @@ def cached_tokenizer(source: Path) -> Any:
     """The tokenizer built from a GGUF file, read from or written to the cache."""
     from tokenizers import Tokenizer as BackendTokenizer
 
-    from engine.model.tokenizer import Tokenizer
+    from engine.model.loading.tokenizer import Tokenizer
 
     paths = tokenizer_paths(source)
     if paths is not None and paths[0].is_file() and paths[1].is_file():

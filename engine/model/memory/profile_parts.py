@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine.model.profile_cache import ProfileResult
+    from engine.model.memory.profile_cache import ProfileResult
     from engine.model.runner import ModelRunner
 
 POINT_TOKENS = (128, 256)  # both in the plan's largest step class (65+ rows): one route for all three
@@ -146,7 +146,7 @@ def profile(runner: ModelRunner, points: Points, budget: int, max_num_seqs: int)
     ``budget``; what the process's RSS grew by and no live tensor explains is non-torch."""
     import psutil
 
-    from engine.model.profile_cache import ProfileResult
+    from engine.model.memory.profile_cache import ProfileResult
 
     process = psutil.Process()
     rss = process.memory_info().rss
@@ -176,7 +176,7 @@ def _measure(runner: ModelRunner, points: Points, max_num_seqs: int) -> PartsMea
     the first's figures (phase D's RSS reading sees it), as the second never counts it; what a
     step keeps until the next (the backend's last step) stays counted. No warm-up forward: a
     24-layer float32 forward cost ~4.5 s at 8 tokens as at 128 (load 5, 2 cores)."""
-    from engine.model.device import TensorBytesTracker
+    from engine.model.memory.device import TensorBytesTracker
 
     rows = row_points(max_num_seqs)
     start = time.perf_counter()
@@ -230,7 +230,7 @@ def _head_bytes(runner: ModelRunner, hidden: Any, rows: int) -> int:
     """What the LM head adds over ``rows`` of ``hidden``: the rows gathered, then its logits."""
     import torch
 
-    from engine.model.device import TensorBytesTracker
+    from engine.model.memory.device import TensorBytesTracker
 
     index = torch.arange(rows, device=hidden.device) % hidden.shape[0]
     with torch.inference_mode(), TensorBytesTracker() as tracker:
@@ -243,7 +243,7 @@ def _sampler_bytes(runner: ModelRunner, rows: int) -> int:
     import torch
 
     from engine.core.sampling_params import SamplingParams
-    from engine.model.device import TensorBytesTracker
+    from engine.model.memory.device import TensorBytesTracker
 
     params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
     with torch.inference_mode(), TensorBytesTracker() as tracker:

@@ -1,6 +1,6 @@
 """One rank's slice of a Llama (engine/model/parallel.py says how it splits).
 
-:class:`TensorParallelLlama` is :class:`~engine.model.llama.LlamaForCausalLM` built
+:class:`TensorParallelLlama` is :class:`~engine.model.families.llama.LlamaForCausalLM` built
 with one rank's shapes (:func:`~engine.model.parallel.rank_model_config`): the same
 layers, the same attention backend and paged KV pool, with three differences:
 
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.attention.base import AttentionBackend
-from engine.model.llama import LlamaForCausalLM, dummy_fill, fp32_linear
+from engine.model.families.llama import LlamaForCausalLM, dummy_fill, fp32_linear
 from engine.model.parallel import TensorParallel, kv_head_start, rank_model_config
 from engine.modelspec.config import ModelConfig
 
@@ -132,7 +132,7 @@ class TensorParallelLlama(LlamaForCausalLM):
         """Fill this rank's slices from the dequantized-weights cache entry a one-rank
         start wrote (whole fused tensors); False when absent or of other shapes. A
         sharded model never writes the cache: the entry stays the whole model's."""
-        from engine.model.startup_cache import load_cached_tensors
+        from engine.model.loading.startup_cache import load_cached_tensors
 
         cached = load_cached_tensors(path)
         if cached is None:

@@ -1,6 +1,6 @@
 """Gemma 3 (text) in plain torch, on the same paged KV cache and attention backends as Llama.
 
-What differs from :mod:`engine.model.llama`, each as transformers' ``Gemma3ForCausalLM``
+What differs from :mod:`engine.model.families.llama`, each as transformers' ``Gemma3ForCausalLM``
 computes it:
 
 * layers alternate by ``config.layer_types``: ``sliding_attention`` layers attend to the
@@ -39,14 +39,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.attention.base import AttentionBackend, AttentionMetadata
-from engine.model.kernels.cpu_norm import rms_norm
-from engine.model.llama import (
+from engine.model.families.llama import (
     DecoderLayer,
     LlamaForCausalLM,
     RotaryEmbedding,
     linear_maybe_quantized,
     qk_normed_qkv,
 )
+from engine.model.kernels.cpu_norm import rms_norm
 from engine.modelspec.config import ModelConfig
 
 # Per-layer tensors beyond Llama's (HF names under model.layers.N.).

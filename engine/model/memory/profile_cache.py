@@ -1,7 +1,7 @@
 """Phase D's measured result, kept on disk so a warm CPU start does not re-measure it.
 
 On a 2-core CPU the profile run measures the same peak every time for the same inputs. On
-CPU it is measured in parts (engine/model/profile_parts.py): the entry holds the peak as a
+CPU it is measured in parts (engine/model/memory/profile_parts.py): the entry holds the peak as a
 function of the step's tokens, so a start whose kernel plan chose another step budget
 evaluates the stored line at its own (``ProfileResult.at_tokens``). The entry is keyed by
 everything that decides that peak: the weights' content (not their path), dtype,
@@ -29,13 +29,13 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from engine.model.startup_cache import atomic_write, cache_dir, content_fingerprint, touch
+from engine.model.loading.startup_cache import atomic_write, cache_dir, content_fingerprint, touch
 
 PROFILE_CACHE_ENV = "KVSCOPE_PROFILE_CACHE"
-PROFILE_FORMAT_VERSION = 2  # 2: the peak as a function of the step's tokens (engine/model/profile_parts.py)
+PROFILE_FORMAT_VERSION = 2  # 2: the peak as a function of the step's tokens (engine/model/memory/profile_parts.py)
 MAX_ENTRIES = 64  # a few bytes each; the oldest go past this
 # Sources whose allocations the profile run measures: the whole model wing.
-_MODEL_ROOT = Path(__file__).resolve().parent
+_MODEL_ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(slots=True, frozen=True)
@@ -47,7 +47,7 @@ class ProfileResult:
     sample_s: float
     measured_at: float  # unix time of the measurement
     cached: bool = False  # True when read back from the cache rather than measured now
-    # The peak at any step's tokens (engine/model/profile_parts.py PeakFunction.to_json()); None: the
+    # The peak at any step's tokens (engine/model/memory/profile_parts.py PeakFunction.to_json()); None: the
     # whole step was measured at ``tokens`` only.
     peak_function: dict[str, Any] | None = None
     tokens: int = 0
@@ -58,7 +58,7 @@ class ProfileResult:
         peak function evaluated there; a profile of the whole step only at its own ``tokens``."""
         if self.peak_function is None or tokens == self.tokens:
             return self
-        from engine.model.profile_parts import PeakFunction
+        from engine.model.memory.profile_parts import PeakFunction
 
         peak = PeakFunction.from_json(self.peak_function).at(tokens)
         return replace(self, activation_peak_bytes=peak, tokens=tokens)

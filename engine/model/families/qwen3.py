@@ -1,6 +1,6 @@
 """Qwen3 (dense) in plain torch, on the same paged KV cache and attention backends as Llama.
 
-What differs from :mod:`engine.model.llama`, as transformers' ``Qwen3ForCausalLM`` computes
+What differs from :mod:`engine.model.families.llama`, as transformers' ``Qwen3ForCausalLM`` computes
 it: Q and K are RMS-normed per head (a ``head_dim`` weight each, ``rms_norm_eps``) after the
 projection and before the rotation (QK-norm), and the projections carry no bias unless
 config.json sets ``attention_bias``. ``head_dim`` is its own number (128 for every size),
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.model.llama import DecoderLayer, LlamaForCausalLM, qk_normed_qkv
+from engine.model.families.llama import DecoderLayer, LlamaForCausalLM, qk_normed_qkv
 from engine.modelspec.config import ModelConfig
 
 # Per-layer tensors beyond Llama's (HF names under model.layers.N.).

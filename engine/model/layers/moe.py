@@ -16,7 +16,7 @@ Expert weights are stored as vLLM stores them: ``w13 [experts, 2 * intermediate,
 (gate rows then up rows) and ``w2 [experts, hidden, intermediate]``. :class:`SparseMoeMLP`
 holds one layer's router and experts and fills them from a family's HF names
 (:class:`ExpertNames`); the two mixins make a family's layer and model sparse
-(engine/model/qwen3_moe.py, engine/model/qwen2_moe.py, engine/model/mixtral.py).
+(engine/model/families/qwen3_moe.py, engine/model/families/qwen2_moe.py, engine/model/families/mixtral.py).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from torch import nn
 
 from engine.errors import UserError
 from engine.model.attention.base import AttentionBackend
+from engine.model.families.llama import DecoderLayer, LlamaForCausalLM
 from engine.model.kernels.cpu_norm import rms_norm
-from engine.model.llama import DecoderLayer, LlamaForCausalLM
 from engine.modelspec.config import ModelConfig
 
 

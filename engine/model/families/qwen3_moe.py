@@ -1,7 +1,7 @@
 """Qwen3-MoE (``Qwen3MoeForCausalLM``, config.json ``model_type`` qwen3_moe) in plain torch.
 
 Attention is Qwen3's (QK-norm per head, no bias). A layer's MLP is a sparse mixture of
-experts (:mod:`engine.model.moe`: router -> softmax -> top ``num_experts_per_tok``,
+experts (:mod:`engine.model.layers.moe`: router -> softmax -> top ``num_experts_per_tok``,
 renormalised when ``norm_topk_prob``; each expert a SwiGLU of ``moe_intermediate_size``)
 unless transformers' rule makes it dense: a layer in ``mlp_only_layers``, or one whose
 ``index + 1`` is not a multiple of ``decoder_sparse_step``, runs Llama's dense MLP of
@@ -11,8 +11,8 @@ HF names: ``mlp.gate.weight`` (router), ``mlp.experts.<e>.{gate,up,down}_proj.we
 
 from __future__ import annotations
 
-from engine.model.moe import QWEN_MOE_NAMES, SparseLayerMixin, SparseModelMixin
-from engine.model.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM
+from engine.model.families.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM
+from engine.model.layers.moe import QWEN_MOE_NAMES, SparseLayerMixin, SparseModelMixin
 
 
 class Qwen3MoeDecoderLayer(SparseLayerMixin, Qwen3DecoderLayer):

@@ -3,14 +3,14 @@
 Attention is Llama's (no bias, no QK-norm; a config with a ``sliding_window`` is refused by
 the registry). Every layer's MLP is a sparse mixture of ``num_local_experts`` SwiGLU experts
 of ``intermediate_size``, the router's top ``num_experts_per_tok`` probabilities always
-renormalised (:mod:`engine.model.moe`). HF names: ``block_sparse_moe.gate.weight`` (router),
+renormalised (:mod:`engine.model.layers.moe`). HF names: ``block_sparse_moe.gate.weight`` (router),
 ``block_sparse_moe.experts.<e>.w1/w3/w2.weight`` (gate / up / down).
 """
 
 from __future__ import annotations
 
-from engine.model.llama import DecoderLayer, LlamaForCausalLM
-from engine.model.moe import MIXTRAL_NAMES, SparseLayerMixin, SparseModelMixin
+from engine.model.families.llama import DecoderLayer, LlamaForCausalLM
+from engine.model.layers.moe import MIXTRAL_NAMES, SparseLayerMixin, SparseModelMixin
 
 
 class MixtralDecoderLayer(SparseLayerMixin, DecoderLayer):

@@ -23,7 +23,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.model.loader import (
+from engine.model.layers.quantized_linear import (
+    BLOCK_FORMATS,
+    FORMAT_OF_GGML_TYPE,
+    QuantizedLinear,
+    fits,
+    row_bytes,
+)
+from engine.model.loading.loader import (
     LoadInfo,
     ProgressCallback,
     gguf_to_hf_name,
@@ -31,7 +38,6 @@ from engine.model.loader import (
     unpermute_rotary_rows,
     weights_location,
 )
-from engine.model.quantized_linear import BLOCK_FORMATS, FORMAT_OF_GGML_TYPE, QuantizedLinear, fits, row_bytes
 from engine.modelspec.config import ModelConfig
 from engine.modelspec.gguf_header import TensorInfo, read_gguf_header
 
@@ -136,7 +142,7 @@ def _float_tensor(data: torch.Tensor, start: int, info: TensorInfo) -> torch.Ten
 
 def _consumed_names(model: Any) -> set[str]:
     """HF names whose values the model now holds as blocks (its float parameters not needed)."""
-    from engine.model.weight_blocks import PROJECTION_PARTS
+    from engine.model.loading.weight_blocks import PROJECTION_PARTS
 
     names: set[str] = set()
     if "head" in model.quantized and model.quantized["head"].source == "gguf":
@@ -150,7 +156,7 @@ def _consumed_names(model: Any) -> set[str]:
 
 def _drop_floats(model: Any, blocks: dict[str, tuple[str, torch.Tensor]]) -> None:
     """Placeholders for every float parameter the blocks replace, and the embedding's blocks."""
-    from engine.model.weight_blocks import float_attr, placeholder
+    from engine.model.loading.weight_blocks import float_attr, placeholder
 
     for module in (model, *model.layers):
         for name, q in module.quantized.items():
