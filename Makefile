@@ -62,7 +62,7 @@ TYPECHECKED := engine/core engine/events engine/budget/memory.py engine/budget/f
 	engine/model/memory/profile_cache.py engine/model/kernel_plan.py engine/cli/program.py engine/cli/vllm_flags.py \
 	engine/startup_eta.py logparse/startup_phases.py \
 	engine/heartbeat.py engine/stacks.py engine/serve/stall.py engine/serve/stall_dump.py \
-	doctor/facts.py doctor/rules.py doctor/budget.py doctor/vllm_dp.py doctor/vllm_stall.py \
+	doctor/facts.py doctor/rules doctor/budget.py doctor/vllm_dp.py doctor/vllm_stall.py \
 	monitor/prometheus.py monitor/kv_events.py monitor/replica.py monitor/poller.py monitor/gpu.py
 
 typecheck: setup

@@ -18,7 +18,8 @@ from doctor.inputs import (
 )
 from doctor.remedies import add_effects
 from doctor.report import render_json, render_text
-from doctor.rules import Finding, diagnose, exit_status
+from doctor.rules.finding import Finding, exit_status
+from doctor.rules.registry import diagnose
 from doctor.vllm_dp import dp_imbalance_finding
 from doctor.vllm_log import diagnose_log
 from doctor.vllm_stall import stall_findings

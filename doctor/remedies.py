@@ -20,7 +20,8 @@ from typing import Any
 
 from doctor.budget import model_of, replan, replan_stages
 from doctor.facts import RunFacts
-from doctor.rules import Finding, Fix
+from doctor.rules.finding import Finding
+from engine.budget.fixes import Fix
 from engine.budget.stages import DEFAULT_MICRO_BATCHES
 from engine.config import EngineConfig
 from engine.errors import UserError

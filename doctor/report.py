@@ -6,7 +6,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from doctor.rules import CRITICAL, Finding, exit_status
+from doctor.rules.finding import CRITICAL, Finding, exit_status
 
 STYLE = {CRITICAL: "bold red", "warning": "yellow"}
 STATUS_WORDS = {0: "healthy", 1: "warnings", 2: "critical"}

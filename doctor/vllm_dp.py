@@ -20,7 +20,8 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-from doctor.rules import KV_FULL, KV_LOW, WARNING, Finding
+from doctor.rules.finding import WARNING, Finding
+from doctor.rules.kv_pool import KV_FULL, KV_LOW
 from engine.budget.fixes import Fix
 from engine.events.folds.dp_balance import (
     DP_IMBALANCE_BOUND,

@@ -18,7 +18,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from doctor.rules import CRITICAL, WARNING, Finding
+from doctor.rules.finding import CRITICAL, WARNING, Finding
 from doctor.vllm_dp import LOG_INTERVAL_S, EngineRound, VllmFleet, dp_imbalance_finding
 from engine.events.bounded import open_binary
 from logparse.check import Check

@@ -9,7 +9,7 @@ sample longer to tell).
 
 from __future__ import annotations
 
-from doctor.rules import CRITICAL, WARNING, Finding
+from doctor.rules.finding import CRITICAL, WARNING, Finding
 from doctor.vllm_dp import VllmFleet, engine_name
 from engine.events.folds.frozen_counters import FROZEN_S, FrozenCounters
 

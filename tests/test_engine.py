@@ -260,7 +260,7 @@ def test_a_fixed_pool_too_small_is_refused_in_phase_b_before_weights_load(tmp_pa
     assert [f for f, _ in flags] == (["--kv-cache-memory-bytes", "--max-model-len"] if pool == "4Mi"
                                      else ["--kv-cache-memory-bytes"])
     from doctor.inputs import facts_from_recording
-    from doctor.rules import diagnose
+    from doctor.rules.registry import diagnose
 
     (finding,) = diagnose(facts_from_recording(events))
     assert finding.rule == "startup_refused" and [f.to_json() for f in finding.fixes] == refusal.fixes

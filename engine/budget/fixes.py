@@ -4,7 +4,7 @@ once something predicted it, its effect. The budget check refuses with them
 phase records them; ``engine doctor``'s rules, logparse's failures and the monitor's
 Diagnosis panel all build or read these; text is made only where one is shown
 (:meth:`Fix.text`), so no reader parses a fix back out of a sentence (one named fallback in
-doctor/rules.py reads recordings made before the phase recorded them)."""
+doctor/rules/startup.py reads recordings made before the phase recorded them)."""
 
 from __future__ import annotations
 

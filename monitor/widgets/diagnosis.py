@@ -1,4 +1,4 @@
-"""Diagnosis: the doctor's rules (doctor/rules.py, the ones ``engine doctor`` runs)
+"""Diagnosis: the doctor's rules (doctor/rules/, the ones ``engine doctor`` runs)
 over the events seen so far, each finding with the step it started at, its
 evidence, cause and fix (the budget formula's numbers; the simulator's what-if is
 ``engine doctor``'s, too slow to run on every event).
@@ -19,7 +19,8 @@ from rich.text import Text
 from textual.widgets import Static
 
 from doctor.facts import RunFacts
-from doctor.rules import CRITICAL, Finding, diagnose
+from doctor.rules.finding import CRITICAL, Finding
+from doctor.rules.registry import diagnose
 from engine.events import Event
 
 STYLE = {CRITICAL: "bold red", "warning": "bold yellow"}

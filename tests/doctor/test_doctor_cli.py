@@ -16,7 +16,7 @@ import pytest
 from doctor.cli import examine
 from doctor.inputs import facts_from_recording
 from doctor.remedies import WhatIf
-from doctor.rules import diagnose
+from doctor.rules.registry import diagnose
 from engine.cli.main import main
 from engine.events import SnapshotEvent, dumps, read_events
 from engine.events.folds.view import EngineView

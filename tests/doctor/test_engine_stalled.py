@@ -10,7 +10,8 @@ from pathlib import Path
 
 from doctor.cli import examine
 from doctor.facts import RunFacts
-from doctor.rules import CRITICAL, WARNING, diagnose
+from doctor.rules.finding import CRITICAL, WARNING
+from doctor.rules.registry import diagnose
 from doctor.vllm_dp import EngineRound, VllmFleet
 from doctor.vllm_stall import stall_findings
 from engine.events import EventBus, SnapshotEvent, StepEvent, open_sink

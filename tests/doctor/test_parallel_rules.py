@@ -11,7 +11,9 @@ import pytest
 
 from doctor.budget import replan, replan_stages
 from doctor.facts import RunFacts
-from doctor.rules import DP_SUSTAINED_STEPS, Finding, diagnose
+from doctor.rules.finding import Finding
+from doctor.rules.parallelism import DP_SUSTAINED_STEPS
+from doctor.rules.registry import diagnose
 from engine.budget.stages import fill_drain_bubble
 from engine.config import EngineConfig
 from engine.events import Event, EventBus, RequestArrived, StepEvent

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from doctor.facts import RunFacts
 from doctor.inputs import facts_from_recording
-from doctor.rules import CRITICAL, diagnose
+from doctor.rules.finding import CRITICAL
+from doctor.rules.registry import diagnose
 from engine.core.scheduler import SchedulerConfig
 from engine.events import (
     EngineConfigEvent,

@@ -12,7 +12,8 @@ import pytest
 from doctor.budget import replan
 from doctor.facts import RunFacts
 from doctor.inputs import facts_from_recording
-from doctor.rules import CRITICAL, WARNING, Finding, diagnose, exit_status
+from doctor.rules.finding import CRITICAL, WARNING, Finding, exit_status
+from doctor.rules.registry import diagnose
 from doctor.vllm_log import diagnose_log
 from engine.budget.fixes import BudgetRefused, Fix, recorded_fixes
 from engine.budget.memory import fixed_pool_fixes
@@ -113,7 +114,7 @@ def test_shared_prefix_evicted() -> None:
 
 def test_startup_refused_from_a_real_start() -> None:
     """A recording made before the budget check recorded its fixes: the one fallback that
-    reads them out of the sentence (doctor/rules.py ``fixes_from_old_sentence``)."""
+    reads them out of the sentence (doctor/rules/startup.py ``fixes_from_old_sentence``)."""
     (f,) = diagnose(facts("startup_refused"))
     assert f.rule == "startup_refused" and f.severity == CRITICAL and f.where == "startup"
     assert "phase B (budget) failed" in f.evidence[0]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from doctor.facts import RunFacts
-from doctor.rules import session_context_lost
+from doctor.rules.requests import session_context_lost
 from engine.cli.main import main as engine_main
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams

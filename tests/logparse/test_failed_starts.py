@@ -10,7 +10,7 @@ import json
 import pytest
 
 from doctor.cli import examine
-from doctor.rules import exit_status
+from doctor.rules.finding import exit_status
 from engine.cli.main import main as engine_main
 from logparse.cli import main
 from logparse.explain import explain

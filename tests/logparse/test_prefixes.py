@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from doctor.cli import examine
-from doctor.rules import exit_status
+from doctor.rules.finding import exit_status
 from logparse.explain import explain
 from logparse.parser import iter_records, learn_prefix
 from logparse.prefixes import learn, strip_ansi

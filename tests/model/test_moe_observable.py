@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from doctor.facts import RunFacts
-from doctor.rules import HOT_EXPERT_IMBALANCE, hot_expert
+from doctor.rules.parallelism import HOT_EXPERT_IMBALANCE, hot_expert
 from engine.events import StepEvent
 from engine.events.folds.expert_load import ExpertLoad
 from engine.events.folds.view import EngineView
