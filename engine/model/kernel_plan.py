@@ -11,6 +11,9 @@ formats, dtype, ISA, torch, kernel sources, threads) the engine times, for each 
 
 * ``gemv``: kvscope's GEMV over the GGUF blocks (q4_1x8: int8 activations; q4_1 and q8_0:
   float activations), engine/model/kernels/cpu_gemv.py;
+* ``q8_0x16``: a Q8_0 weight's blocks regrouped 16 rows at a time at load (lossless), multiplied
+  with int8 activations, 16 outputs per vpdpbusd (engine/model/kernels/cpu_quant.py; offered where
+  the AVX-512 VNNI build runs): the many-row GEMM for a Q8_0 LM head;
 * ``torch``: ``F.linear`` over the model's float weights (fp32 GEMM for an fp32 model);
 * ``fp32pack``: oneDNN's linear over a float32 copy packed once (float32 sums: the LM head too);
 * ``bf16``: oneDNN's linear over a bf16 copy packed once (AMX or AVX512-BF16), only where bf16 is
@@ -79,7 +82,7 @@ ATTENTION_CANDIDATES = ("torch", "bf16", "paged", "paged_bf16")
 # The copies a plan's candidates keep, registered as ``<projection>_<suffix>`` buffers: bf16 (dense,
 # only where this torch has no oneDNN linear), the oneDNN-packed bf16 copy, the float32 weight packed
 # likewise, the int8 weights and their scales.
-PLAN_COPY_SUFFIXES = ("bf16", "bf16_packed", "fp32_packed", "int8pack", "int8pack_scale")
+PLAN_COPY_SUFFIXES = ("bf16", "bf16_packed", "fp32_packed", "int8pack", "int8pack_scale", "q8_0x16")
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +103,10 @@ class StepClass:
 # step through bf16 GEMMs op by op in 60 ms instead of the fused layer's ~25 (Zen 4, AVX-512).
 STEP_CLASSES = (StepClass(1, 1, 1), StepClass(2, 8, 8), StepClass(9, 16, 16), StepClass(17, 32, 32),
                 StepClass(33, 64, 64), StepClass(65, None, 256))
-CANDIDATES = ("gemv", "dequant", "torch", "fp32pack", "bf16", "int8pack")
+CANDIDATES = ("gemv", "q8_0x16", "dequant", "torch", "fp32pack", "bf16", "int8pack")
+# Candidates that multiply the GGUF's blocks (or a lossless regrouping of them), never the float
+# weight: their reference is the blocks' own values, and they need no float copy held.
+BLOCK_CANDIDATES = frozenset({"gemv", "q8_0x16"})
 # Candidates whose time grows with rows like a GEMV's (a weight row re-read per few activation
 # rows): one more than PRUNE_FACTOR x behind at a smaller class cannot catch up at a bigger one,
 # so it is not timed there (int8pack took 0.65 s for one 256-row QKV on Zen 4). GEMMs are always timed.
@@ -170,6 +176,8 @@ def candidates_for(weight: torch.Tensor, quantized: Any, gemv_kernel: Any, nativ
     out = []
     if quantized is not None and quantized.gemv is not None:
         out.append("gemv")
+        if quantized.formats == ("q8_0",) and q8_0x16_fast():
+            out.append("q8_0x16")
         if weight.dtype == torch.float32 and group != "head":
             out.append("dequant")  # no float copy held: the blocks widened each call, then one GEMM
     out.append("torch")
@@ -192,6 +200,8 @@ def implementation(candidate: str, weight: torch.Tensor, quantized: Any, gemv_ke
 
     if candidate == "gemv":
         return Implementation(quantized.matmul)
+    if candidate == "q8_0x16":
+        return _q8_0x16_implementation(quantized)
     if candidate == "dequant":
         return Implementation(lambda x: F.linear(x, quantized.dequantize().to(x.dtype)))
     if candidate == "torch":
@@ -221,6 +231,23 @@ def implementation(candidate: str, weight: torch.Tensor, quantized: Any, gemv_ke
         return Implementation(lambda x: torch._weight_int8pack_mm(x.to(dtype), q, scale.to(dtype)),
                               {"int8pack": q, "int8pack_scale": scale.to(dtype)})
     raise ValueError(f"kernel plan: unknown candidate {candidate!r} (known: {', '.join(CANDIDATES)})")
+
+
+def q8_0x16_fast() -> bool:
+    """Whether the block-type kernel is built here with its vpdpbusd q8_0x16 path."""
+    from engine.model.kernels import cpu_quant
+
+    kernel = cpu_quant.load_kernel()
+    return kernel is not None and bool(kernel.q8_0x16_native())
+
+
+def _q8_0x16_implementation(quantized: Any) -> Implementation:
+    from engine.model.kernels import cpu_quant
+
+    kernel = cpu_quant.load_kernel()
+    assert kernel is not None, "q8_0x16 is a candidate only where the block-type kernel is built"
+    packed, rows, matmul = kernel.pack_q8_0x16(quantized.blocks), quantized.out_features, kernel.q8_0x16_matmul
+    return Implementation(lambda x: matmul(x, packed, rows), {"q8_0x16": packed})
 
 
 def pack_for_mkldnn(weight: torch.Tensor) -> torch.Tensor | None:
@@ -670,7 +697,7 @@ def _measure_cell(cell: Cell, target: _Target, impls: dict[tuple[str, str], Impl
         except RuntimeError as exc:  # an op this torch build lacks for these dtypes
             cell.rejected[name] = f"failed: {str(exc).splitlines()[0][:120]}"
             continue
-        cell.error[name] = relative_error(out, blocks_reference if name == "gemv" and blocks_reference is not None
+        cell.error[name] = relative_error(out, blocks_reference if name in BLOCK_CANDIDATES and blocks_reference is not None
                                           else reference)
         calls[name] = functools.partial(impl.call, x)
     scale = target.full_rows / weight.shape[0]

@@ -616,7 +616,7 @@ class LlamaForCausalLM(nn.Module):
         self.resolve_gemv()
 
     def _route_by_plan(self, kernel: Any) -> None:
-        from engine.model.kernel_plan import PLAN_COPY_SUFFIXES, build_route
+        from engine.model.kernel_plan import BLOCK_CANDIDATES, PLAN_COPY_SUFFIXES, build_route
         from engine.model.kernels.cpu_layer import MAX_ROWS
 
         plan = self.kernel_plan
@@ -627,7 +627,7 @@ class LlamaForCausalLM(nn.Module):
                 usable = q is not None and q.gemv is not None
                 choices = [(hi, "torch" if c == "gemv" and not usable else c) for hi, c in plan.choices(group)]
                 weight = self.head_weight if name == "head" else getattr(module, name)
-                if _holds_nothing(weight) and any(c != "gemv" for _, c in choices):
+                if _holds_nothing(weight) and any(c not in BLOCK_CANDIDATES for _, c in choices):
                     # not held (read as blocks, or an earlier plan dropped it); this plan multiplies by it
                     weight = weight_blocks.restore_float(self, module, name)
                 route, extra = build_route(choices, weight, q, kernel, group)
