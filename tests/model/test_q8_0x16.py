@@ -81,7 +81,7 @@ def test_a_wrong_packed_shape_is_named() -> None:
 
 def test_the_plan_offers_it_for_a_q8_0_weight_where_native() -> None:
     from engine.model import kernel_plan
-    from engine.model.quantized_linear import QuantizedLinear, bind_kernels
+    from engine.model.layers.quantized_linear import QuantizedLinear, bind_kernels
 
     if cpu_quant.load_kernel() is None:
         pytest.skip("CPU quant kernel unavailable")
