@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.events.folds.request_record import RequestFold, RequestRecord
 from engine.events.phase_names import span_name
 from engine.events.record import Event
 from engine.events.request_records import RequestArrived, RequestFinished, RequestFirstToken, RequestPreempted
@@ -77,12 +78,18 @@ class _OpenSlice:
 
 @dataclass(slots=True)
 class _RequestTrack:
-    """One request's track while it is followed: the slice still growing, and a
-    finish that waits for the step that carried its last token."""
+    """One request's track while it is followed: its record (the shared fold's: its
+    arrival, and a finish that waits for the step that carried its last token), its
+    track id and the slice still growing."""
 
+    record: RequestRecord
     tid: int
     open: _OpenSlice | None = None
-    finish: tuple[float, dict[str, Any]] | None = None
+
+    def finish_args(self) -> dict[str, Any]:
+        finished = self.record.finished
+        assert finished is not None
+        return {"reason": finished.reason, "output_tokens": finished.output_tokens, "e2e_s": finished.e2e_s}
 
 
 class PerfettoTrace:
@@ -96,6 +103,7 @@ class PerfettoTrace:
         self._metadata: list[dict[str, Any]] = []
         self._phase_begin: dict[str, StartupPhase] = {}
         self._startup_end = 0.0
+        self.requests = RequestFold()  # every request's record, read by its track
         self._requests: dict[str, _RequestTrack] = {}  # followed now: arrived, not finished
         self._tracks = 0
         self._finishing: list[str] = []
@@ -153,14 +161,11 @@ class PerfettoTrace:
 
     # ------------------------------------------------------------- the fold
     def __call__(self, event: Event) -> None:
+        self.requests(event)
         if isinstance(event, StepEvent):
             self._step(event)
         elif isinstance(event, RequestArrived):
-            arrived = self._track(event.request_id, event.t, {"prompt_tokens": event.prompt_tokens,
-                                                            "max_tokens": event.max_tokens})
-            if event.preprocess_s:  # received earlier: parsing, tokenising, the queue to the engine thread
-                self._slice(REQUESTS_PID, arrived.tid, PREPROCESS, event.t - event.preprocess_s, event.t,
-                            {"preprocess_s": event.preprocess_s})
+            self._arrived(event.request_id)
         elif isinstance(event, RequestPreempted):
             self._preempted(event)
         elif isinstance(event, RequestFirstToken):
@@ -193,11 +198,19 @@ class PerfettoTrace:
         self._slice(ENGINE_PID, STARTUP_TID, f"{event.phase} {event.name}", start, end, args)
         self._startup_end = end
 
+    def _arrived(self, request_id: str) -> None:
+        record = self.requests.record(request_id)
+        t = record.arrived_t or 0.0
+        track = self._track(request_id, t, {"prompt_tokens": record.prompt_tokens, "max_tokens": record.max_tokens})
+        preprocess_s = record.arrival.preprocess_s if record.arrival is not None else 0.0
+        if preprocess_s:  # received earlier: parsing, tokenising, the queue to the engine thread
+            self._slice(REQUESTS_PID, track.tid, PREPROCESS, t - preprocess_s, t, {"preprocess_s": preprocess_s})
+
     def _track(self, request_id: str, t: float, args: dict[str, Any]) -> _RequestTrack:
         track = self._requests.get(request_id)
         if track is None:
             self._tracks += 1  # a track per request, never reused
-            track = self._requests[request_id] = _RequestTrack(tid=self._tracks)
+            track = self._requests[request_id] = _RequestTrack(self.requests.record(request_id), self._tracks)
             self._name_thread(REQUESTS_PID, track.tid, request_id)
             track.open = _OpenSlice(QUEUED, t, t, args)
         return track
@@ -228,19 +241,18 @@ class PerfettoTrace:
         track = self._requests.get(event.request_id)
         if track is None:
             return
-        args = {"reason": event.reason, "output_tokens": event.output_tokens, "e2e_s": event.e2e_s}
+        track.record = self.requests.record(event.request_id)  # now with its finish
         if track.open is not None and track.open.name in (QUEUED, QUEUED_AFTER_PREEMPTION):
             # never ran again (an abort while waiting): it ends here
             self._close(track, event.t)
-            self._end(event.request_id, track, event.t, args)
+            self._end(event.request_id, track, event.t)
             return
         # The step that sampled its last token is published after this event:
         # that step closes the decode slice.
-        track.finish = (event.t, args)
         self._finishing.append(event.request_id)
 
-    def _end(self, request_id: str, track: _RequestTrack, t: float, args: dict[str, Any]) -> None:
-        self._instant(track.tid, "finished", t, args)
+    def _end(self, request_id: str, track: _RequestTrack, t: float) -> None:
+        self._instant(track.tid, "finished", t, track.finish_args())
         del self._requests[request_id]
 
     def _step(self, event: StepEvent) -> None:
@@ -269,9 +281,9 @@ class PerfettoTrace:
                 self._slice(REQUESTS_PID, track.tid, "prefill", start, end, {"tokens": num_tokens})
         for request_id in self._finishing:
             finishing = self._requests.get(request_id)
-            if finishing is not None and finishing.finish is not None:
+            if finishing is not None:
                 stop = self._close(finishing)
-                self._end(request_id, finishing, max(end, stop), finishing.finish[1])
+                self._end(request_id, finishing, max(end, stop))
         self._finishing.clear()
         mix = ("mixed" if event.num_prefill_tokens and event.num_decode_tokens
                else "prefill" if event.num_prefill_tokens else "decode" if event.num_decode_tokens else "idle")
@@ -291,9 +303,9 @@ class PerfettoTrace:
         end where they last grew."""
         for request_id in list(self._finishing):
             track = self._requests.get(request_id)
-            if track is not None and track.finish is not None:
+            if track is not None and track.record.finished is not None:
                 stop = self._close(track)
-                self._end(request_id, track, max(track.finish[0], stop), track.finish[1])
+                self._end(request_id, track, max(track.record.finished.t, stop))
         self._finishing.clear()
         for track in self._requests.values():
             self._close(track)

@@ -322,26 +322,26 @@ class RequestFold:
         if isinstance(event, StepEvent):
             self._step(event)
         elif isinstance(event, RequestArrived):
-            life = self._life(event.request_id)
+            life = self.record(event.request_id)
             life.prompt_tokens, life.max_tokens, life.priority = event.prompt_tokens, event.max_tokens, event.priority
             life.arrived_t, life.arrival_step, life.state = event.t, self._next_step, WAITING
             life.arrival = event
             self._waiting[event.request_id] = None
         elif isinstance(event, RequestScheduled):
-            life = self._life(event.request_id)
+            life = self.record(event.request_id)
             life.queue_time_s, life.scheduled_hit_tokens = event.queue_time_s, event.prefix_hit_tokens
             life.scheduled_t = event.t
         elif isinstance(event, RequestPreempted):
-            life = self._life(event.request_id)
+            life = self.record(event.request_id)
             life.preemptions.append(Preemption(self._next_step, event.t, event.reason, event.for_request,
                                                event.blocks_freed, event.computed_tokens_lost))
         elif isinstance(event, RequestFirstToken):
-            life = self._life(event.request_id)
+            life = self.record(event.request_id)
             life.first_token_step, life.ttft_s = self._next_step, event.ttft_s
         elif isinstance(event, RequestFinished):
             self._finished_event(event)
         elif isinstance(event, RequestRejected):
-            life = self._life(event.request_id)
+            life = self.record(event.request_id)
             life.prompt_tokens, life.max_tokens = event.prompt_tokens, event.max_tokens
             life.state, life.error, life.arrival_step = REJECTED, event.reason, self._next_step
             if life.arrived_t is None:
@@ -353,14 +353,15 @@ class RequestFold:
         elif isinstance(event, StartupPhase) and event.phase == "E" and event.data.get("block_size"):
             self._block_size = int(event.data["block_size"])
 
-    def _life(self, request_id: str) -> RequestRecord:
+    def record(self, request_id: str) -> RequestRecord:
+        """The request's record, begun when it has none."""
         life = self.lives.get(request_id)
         if life is None:
             life = self.lives[request_id] = RequestRecord(request_id)
         return life
 
     def _finished_event(self, event: RequestFinished) -> None:
-        life = self._life(event.request_id)
+        life = self.record(event.request_id)
         life.state, life.finish_reason, life.finish_step = FINISHED, event.reason, self._next_step
         life.finished = event
         life.finished_t, life.e2e_s, life.output_tokens = event.t, event.e2e_s, event.output_tokens
@@ -384,7 +385,7 @@ class RequestFold:
         step = ev.index
         self._note_evictions(ev)
         for rid in ev.preempted:
-            life = self._life(rid)
+            life = self.record(rid)
             life.state, life.computed_tokens = WAITING, 0
             self._waiting[rid] = None
         self._admit(ev)
@@ -413,7 +414,7 @@ class RequestFold:
         """The requests admitted (new or resumed) in the step: where their prefix match stopped."""
         step, lookups = ev.index, ev.prefix_lookups
         for rid in (*ev.new, *ev.resumed):
-            life = self._life(rid)
+            life = self.record(rid)
             life.state = RUNNING
             self._waiting.pop(rid, None)
             resumed = rid in ev.resumed and life.first_scheduled_step is not None
@@ -437,7 +438,7 @@ class RequestFold:
         previous = step - 1
         for rid, (num_tokens, kind) in ev.scheduled.items():  # per request per step: kept lean
             found = lives.get(rid)
-            life = found if found is not None else self._life(rid)
+            life = found if found is not None else self.record(rid)
             life.computed_tokens += num_tokens
             counted = life.finish_reason is not None  # request.finished (before its last step) gave the count
             if kind == "decode":
@@ -464,7 +465,7 @@ class RequestFold:
     def _hold_blocks(self, ev: StepEvent) -> None:
         """The blocks each request holds after the step, on change."""
         for rid in (*ev.allocated, *ev.freed, *ev.freed_by_window):
-            life = self._life(rid)
+            life = self.record(rid)
             held = life.held_blocks + len(ev.allocated.get(rid, ())) - len(ev.freed.get(rid, ())) \
                 - len(ev.freed_by_window.get(rid, ()))
             life.blocks.append((ev.index, held))
@@ -484,7 +485,7 @@ class RequestFold:
         for rid in reasons:
             if rid not in self._waiting:  # a live fold that missed its arrival
                 self._waiting[rid] = None
-                self._wait(self._life(rid), step, reasons[rid])
+                self._wait(self.record(rid), step, reasons[rid])
 
     @staticmethod
     def _wait(life: RequestRecord, step: int, reason: list[Any]) -> None:
