@@ -9,16 +9,16 @@ message per scheduler step in the shape of vLLM's ``ForwardPassMetrics`` (open P
 - After a step that leaves nothing running or waiting, one idle heartbeat: every
   count 0 and ``wall_time`` 0, as vLLM's scheduler sends it on going idle.
 
-Everything is folded from the events the engine already publishes (``request.arrived``,
-``request.scheduled``, ``step``, ``request.finished``); no engine state is read. The
+Everything is folded from the events the engine already publishes, through the one
+per-request record (engine/events/folds/request_record.py); no engine state is read. The
 send runs on the thread that publishes the step with ``NOBLOCK`` on a PUB socket,
 which drops for a slow or absent subscriber (at ``SEND_HWM`` queued messages) and never
 waits, so no subscriber can slow a step.
 
 Differences from vLLM's: ``wall_time`` is the step's duration on kvscope's clock
 (schedule, forward, sample, update, on whatever device; ``timing_scope`` keeps vLLM's
-value so its subscriber accepts the message); a request resumed after a preemption
-counts its prompt as recomputed (its prefix-cache hit on resumption is not in the events).
+value so its subscriber accepts the message); in a recording made before step events carried
+``prefix_lookups``, a request resumed after a preemption counts its prompt as recomputed.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import Any
 
 import msgspec
 
+from engine.events.folds.request_record import WAITING, RequestFold, RequestRecord
 from engine.events.record import Event
-from engine.events.request_records import RequestArrived, RequestFinished, RequestScheduled
 from engine.events.step_records import StepEvent
 
 FPM_VERSION = 1
@@ -75,70 +75,55 @@ def _sum_var(values: list[int]) -> tuple[int, float]:
     return total, sum((v - mean) ** 2 for v in values) / len(values)
 
 
-@dataclass(slots=True)
-class _Request:
-    prompt_tokens: int
-    computed: int = 0  # tokens whose KV exists (a preemption sets it back to 0)
-    tokens: int = 0  # prompt + generated so far
-    preempted: bool = False
-    started: bool = False
+def _has_run(record: RequestRecord) -> bool:
+    """Whether any step has run it (a preempted one waits again)."""
+    return bool(record.chunks or record.decode_runs)
 
 
 @dataclass(slots=True)
 class ForwardPassFold:
     """The per-step metrics from the events; :meth:`apply` returns a message after each
-    step (and the idle heartbeat after the step that empties the engine)."""
+    step (and the idle heartbeat after the step that empties the engine). Each request's
+    tokens are its shared record's (engine/events/folds/request_record.py), kept while it
+    is in the engine."""
 
     worker_id: str = ""
     dp_rank: int = 0
-    requests: dict[str, _Request] = field(default_factory=dict)
+    requests: RequestFold = field(default_factory=lambda: RequestFold(finished_kept=0))
     active: bool = False
 
     def apply(self, event: Event) -> list[ForwardPassMetrics]:
-        if isinstance(event, RequestArrived):
-            self.requests[event.request_id] = _Request(event.prompt_tokens, tokens=event.prompt_tokens)
-        elif isinstance(event, RequestScheduled):
-            req = self.requests.get(event.request_id)
-            if req is not None:
-                req.computed = event.prefix_hit_tokens
-        elif isinstance(event, RequestFinished):
-            self.requests.pop(event.request_id, None)
-        elif isinstance(event, StepEvent):
-            return self._step(event)
-        return []
+        if not isinstance(event, StepEvent):
+            self.requests(event)
+            return []
+        # a request finished in this step leaves the fold with it: read the records first
+        lives = self.requests.lives
+        scheduled = [(lives.get(rid), num_tokens, kind) for rid, (num_tokens, kind, *_rest) in event.scheduled.items()]
+        self.requests(event)
+        return self._step(event, scheduled)
 
-    def _step(self, step: StepEvent) -> list[ForwardPassMetrics]:
+    def _step(self, step: StepEvent, scheduled: list[tuple[RequestRecord | None, int, str]]) -> list[ForwardPassMetrics]:
         prefill_lengths: list[int] = []
         decode_kv: list[int] = []
         prefill_tokens = prefill_kv = 0
-        for rid, (num_tokens, kind, *_rest) in step.scheduled.items():
-            req = self.requests.get(rid)
-            if req is None:
+        for record, num_tokens, kind in scheduled:
+            if record is None or record.arrival is None:
                 continue
-            req.started, req.preempted = True, False
             if kind == "prefill":
-                prefill_lengths.append(req.prompt_tokens)
+                prefill_lengths.append(record.prompt_tokens)
                 prefill_tokens += num_tokens
-                prefill_kv += req.computed
+                prefill_kv += record.computed_tokens - num_tokens  # before the step: hits and earlier chunks
             else:
-                decode_kv.append(req.computed + num_tokens)
-            req.computed += num_tokens
-            if req.computed >= req.tokens:  # the step sampled a token
-                req.tokens += 1
-        for rid in step.preempted:
-            req = self.requests.get(rid)
-            if req is not None:
-                req.preempted, req.computed = True, 0
-        for rid in step.finished:
-            self.requests.pop(rid, None)
-        queued_prefill = [r.prompt_tokens for r in self.requests.values() if not r.started]
-        queued_decode = [r.tokens for r in self.requests.values() if r.preempted]
-        scheduled = ScheduledRequestMetrics(len(prefill_lengths), prefill_tokens, _sum_var(prefill_lengths)[1],
-                                            prefill_kv, len(decode_kv), *_sum_var(decode_kv))
+                decode_kv.append(record.computed_tokens)
+        followed = [r for r in self.requests.lives.values() if r.arrival is not None]
+        queued_prefill = [r.prompt_tokens for r in followed if not _has_run(r)]
+        queued_decode = [r.prompt_tokens + r.output_tokens for r in followed if r.state == WAITING and _has_run(r)]
+        scheduled_metrics = ScheduledRequestMetrics(len(prefill_lengths), prefill_tokens, _sum_var(prefill_lengths)[1],
+                                                    prefill_kv, len(decode_kv), *_sum_var(decode_kv))
         queued = QueuedRequestMetrics(len(queued_prefill), *_sum_var(queued_prefill),
                                       len(queued_decode), *_sum_var(queued_decode))
         messages = [ForwardPassMetrics(worker_id=self.worker_id, dp_rank=self.dp_rank, wall_time=step.duration_s,
-                                       scheduled_requests=scheduled, queued_requests=queued)]
+                                       scheduled_requests=scheduled_metrics, queued_requests=queued)]
         self.active = bool(step.num_running or step.num_waiting)
         if not self.active:  # the engine went idle: vLLM's heartbeat, all zeros
             messages.append(ForwardPassMetrics(worker_id=self.worker_id, dp_rank=self.dp_rank))

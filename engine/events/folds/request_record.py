@@ -312,6 +312,9 @@ class RequestFold:
         self.finished_kept = finished_kept
         self._waiting: dict[str, None] = {}  # requests waiting now, arrival order
         self._finished: list[str] = []  # finished lives, oldest first (for the bound)
+        # lives dropped since the last step: a fold that keeps none finished (finished_kept=0) still
+        # sees a request's last step after its request.finished, and must not begin it again
+        self._dropped: set[str] = set()
         self._next_step = 0
         self._last_t = 0.0
         self._block_size = 0
@@ -331,6 +334,7 @@ class RequestFold:
             life = self.record(event.request_id)
             life.queue_time_s, life.scheduled_hit_tokens = event.queue_time_s, event.prefix_hit_tokens
             life.scheduled_t = event.t
+            life.computed_tokens = event.prefix_hit_tokens  # admitted: its cached tokens count as computed
         elif isinstance(event, RequestPreempted):
             life = self.record(event.request_id)
             life.preemptions.append(Preemption(self._next_step, event.t, event.reason, event.for_request,
@@ -379,7 +383,9 @@ class RequestFold:
         self._finished.append(request_id)
         kept = self.finished_kept
         if kept is not None and len(self._finished) > kept:
-            self.lives.pop(self._finished.pop(0), None)
+            dropped = self._finished.pop(0)
+            self.lives.pop(dropped, None)
+            self._dropped.add(dropped)
 
     def _step(self, ev: StepEvent) -> None:
         step = ev.index
@@ -400,6 +406,7 @@ class RequestFold:
                 self._retire(rid)
         self._next_step = step + 1
         self._last_t = ev.t
+        self._dropped.clear()
 
     def _note_evictions(self, ev: StepEvent) -> None:
         """Who took each block evicted this step: a later prefix miss on it names them."""
@@ -438,6 +445,8 @@ class RequestFold:
         previous = step - 1
         for rid, (num_tokens, kind) in ev.scheduled.items():  # per request per step: kept lean
             found = lives.get(rid)
+            if found is None and rid in self._dropped:
+                continue
             life = found if found is not None else self.record(rid)
             life.computed_tokens += num_tokens
             counted = life.finish_reason is not None  # request.finished (before its last step) gave the count
@@ -465,6 +474,8 @@ class RequestFold:
     def _hold_blocks(self, ev: StepEvent) -> None:
         """The blocks each request holds after the step, on change."""
         for rid in (*ev.allocated, *ev.freed, *ev.freed_by_window):
+            if rid in self._dropped:
+                continue
             life = self.record(rid)
             held = life.held_blocks + len(ev.allocated.get(rid, ())) - len(ev.freed.get(rid, ())) \
                 - len(ev.freed_by_window.get(rid, ()))
