@@ -4,7 +4,9 @@
 built from events with explicit start and end timestamps (the bus clock's seconds
 plus the wall-clock instant the clock started), so the same code traces a live
 engine and re-emits a recording (``engine replay run.jsonl --otlp URL``) with its
-original times.
+original times. A request's span reads its arrival, first admission and finish from its
+record (the shared fold, engine/events/folds/request_record.py) and keeps beside it only its
+span events and model seconds.
 
 Spans (vLLM's names, so a kvscope and a vLLM trace line up in Tempo or Jaeger):
 
@@ -43,6 +45,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from engine.events.folds.request_record import WAIT_UNLISTED, WAIT_UNRECORDED, RequestFold, RequestRecord
 from engine.events.phase_names import VLLM_GROUPS, span_name, vllm_group
 from engine.events.record import Event
 from engine.events.request_records import (
@@ -131,15 +134,27 @@ def span_exporter(url: str, protocol: str) -> SpanExporter:
 
 
 @dataclass(slots=True)
-class _RequestState:
-    """What a request's span needs, gathered from its events until it finishes."""
+class _SpanNotes:
+    """What a request's span keeps beside its record (the shared fold's) until it finishes:
+    its span events in the order they were published, and the model seconds of its steps."""
 
-    arrived: RequestArrived | None = None
     events: list[tuple[str, float, dict[str, Any]]] = field(default_factory=list)
-    admitted: dict[str, Any] = field(default_factory=dict)  # the first admission's prefix lookup, wait reason
-    last_wait: list[Any] | None = None  # the latest step's waiting reason (until admitted)
     forward_s: float = 0.0
     execute_s: float = 0.0
+
+
+def _admission(record: RequestRecord) -> dict[str, Any]:
+    """The first admission's prefix lookup and, when a step named one, why it waited before it."""
+    if not record.lookups:
+        return {}
+    lookup = record.lookups[0]
+    admitted: dict[str, Any] = {"kvscope.prefix.hit_tokens": lookup.hit_tokens, "kvscope.prefix.stop": lookup.cause,
+                                "kvscope.step": lookup.step}
+    named = [run.reason for run in record.waits if run.first_step < lookup.step and run.reason
+             and run.reason[0] not in (WAIT_UNLISTED, WAIT_UNRECORDED)]  # the fold's own codes name no reason
+    if named:
+        admitted["kvscope.wait_reason"] = named[-1][0]
+    return admitted
 
 
 def _scalar_attributes(prefix: str, values: dict[str, Any] | None) -> dict[str, Any]:
@@ -166,8 +181,9 @@ class OtlpTraceSink:
         self.model_name = model_name
         self.forward_times = forward_times
         self.execute_times = execute_times
-        self._requests: dict[str, _RequestState] = {}
-        self._finishing: list[RequestFinished] = []  # detailed traces: until their last step is counted
+        self.requests = RequestFold()  # every request's record: its arrival, admission and finish
+        self._notes: dict[str, _SpanNotes] = {}  # requests followed since their arrival, until their span
+        self._finishing: list[str] = []  # detailed traces: until their last step is counted
         self._startup: trace.Span | None = None
         self._groups: dict[str, trace.Span] = {}
         self._phase_starts: dict[str, float] = {}
@@ -178,13 +194,12 @@ class OtlpTraceSink:
 
     # ------------------------------------------------------------- the fold
     def __call__(self, event: Event) -> None:
+        self.requests(event)
         if isinstance(event, StepEvent):
-            if event.resumed or event.prefix_lookups or self.forward_times or self.execute_times:
+            if event.resumed or self.forward_times or self.execute_times:
                 self._step(event)
-            if event.waiting_reasons:
-                self._waits(event)
         elif isinstance(event, RequestArrived):
-            self._requests[event.request_id] = _RequestState(arrived=event)
+            self._notes[event.request_id] = _SpanNotes()
         elif isinstance(event, RequestScheduled):
             self._note(event.request_id, "scheduled", event.t, {"queue_time_s": event.queue_time_s,
                                                                 "prefix_hit_tokens": event.prefix_hit_tokens})
@@ -203,39 +218,25 @@ class OtlpTraceSink:
             self.model_name = event.config.get("served_model_name") or event.config.get("model")
 
     def _note(self, request_id: str, name: str, t: float, attributes: dict[str, Any]) -> None:
-        state = self._requests.get(request_id)
-        if state is not None:
-            state.events.append((name, t, attributes))
-
-    def _waits(self, event: StepEvent) -> None:
-        requests = self._requests
-        for request_id, reason in event.waiting_reasons.items():
-            state = requests.get(request_id)
-            if state is not None and not state.admitted:
-                state.last_wait = reason
+        notes = self._notes.get(request_id)
+        if notes is not None:
+            notes.events.append((name, t, attributes))
 
     def _step(self, event: StepEvent) -> None:
         for request_id in event.resumed:
             self._note(request_id, "resumed", event.t - event.duration_s, {"step": event.index})
-        for request_id, lookup in event.prefix_lookups.items():
-            state = self._requests.get(request_id)
-            if state is not None and not state.admitted:
-                state.admitted = {"kvscope.prefix.hit_tokens": lookup[0], "kvscope.prefix.stop": lookup[1],
-                                  "kvscope.step": event.index}
-                if state.last_wait:
-                    state.admitted["kvscope.wait_reason"] = state.last_wait[0]
         if self.forward_times or self.execute_times:
             for request_id in event.scheduled:
-                state = self._requests.get(request_id)
-                if state is not None:
-                    state.forward_s += event.forward_s
-                    state.execute_s += event.forward_s + event.sample_s
+                notes = self._notes.get(request_id)
+                if notes is not None:
+                    notes.forward_s += event.forward_s
+                    notes.execute_s += event.forward_s + event.sample_s
             self._end_finished()
 
     def _end_finished(self) -> None:
         """The spans of requests that finished in the step just counted."""
-        for finished in self._finishing:
-            self._request_span(finished, self._requests.pop(finished.request_id, None))
+        for request_id in self._finishing:
+            self._request_span(self.requests.record(request_id), self._notes.pop(request_id, None))
         self._finishing.clear()
 
     # --------------------------------------------------------------- startup
@@ -291,13 +292,16 @@ class OtlpTraceSink:
         if self.forward_times or self.execute_times:
             # the step that sampled its last token is published after this event,
             # and its forward seconds belong to the request: that step ends the span
-            self._finishing.append(event)
+            self._finishing.append(event.request_id)
             return
-        self._request_span(event, self._requests.pop(event.request_id, None))
+        self._request_span(self.requests.record(event.request_id), self._notes.pop(event.request_id, None))
 
-    def _request_span(self, event: RequestFinished, state: _RequestState | None) -> None:
-        state = state or _RequestState()  # a recording that begins after this request arrived
-        arrived = state.arrived
+    def _request_span(self, record: RequestRecord, notes: _SpanNotes | None) -> None:
+        event = record.finished
+        assert event is not None
+        # a recording that begins after this request arrived: neither arrival nor notes
+        arrived = record.arrival if notes is not None else None
+        notes = notes or _SpanNotes()
         start = arrived.t - arrived.preprocess_s if arrived is not None else event.t - event.e2e_s
         attributes: dict[str, Any] = {
             SpanAttributes.GEN_AI_REQUEST_ID: event.request_id,
@@ -327,30 +331,31 @@ class OtlpTraceSink:
                     if name in arrived.sampling:
                         attributes[key] = arrived.sampling[name]
         if self.forward_times:
-            attributes[SpanAttributes.GEN_AI_LATENCY_TIME_IN_MODEL_FORWARD] = state.forward_s
+            attributes[SpanAttributes.GEN_AI_LATENCY_TIME_IN_MODEL_FORWARD] = notes.forward_s
         if self.execute_times:
-            attributes[SpanAttributes.GEN_AI_LATENCY_TIME_IN_MODEL_EXECUTE] = state.execute_s
+            attributes[SpanAttributes.GEN_AI_LATENCY_TIME_IN_MODEL_EXECUTE] = notes.execute_s
         span = self.tracer.start_span(REQUEST_SPAN, kind=SpanKind.SERVER, start_time=self._ns(start),
                                       attributes=attributes)
-        for name, t, event_attributes in state.events:
+        for name, t, event_attributes in notes.events:
             span.add_event(name, event_attributes, timestamp=self._ns(t))
-        self._phase_spans(span, event, state, start)
+        self._phase_spans(span, event, notes, _admission(record) if arrived is not None else {}, start)
         span.end(end_time=self._ns(event.t))
 
-    def _phase_spans(self, parent: trace.Span, event: RequestFinished, state: _RequestState, start: float) -> None:
+    def _phase_spans(self, parent: trace.Span, event: RequestFinished, notes: _SpanNotes, admitted: dict[str, Any],
+                     start: float) -> None:
         """``vllm_queue``, ``vllm_prefill`` and ``vllm_decode`` under the request's span (the
         ones it reached), preemptions and resumes as events on the child they fell in."""
         end = event.t
-        notes = {name: t for name, t, _ in reversed(state.events)}  # each note's first time
-        scheduled = notes.get("scheduled", min(start + event.queue_time_s, end))
-        first = notes.get("first_token", start + event.ttft_s if event.ttft_s is not None else None)
+        first_times = {name: t for name, t, _ in reversed(notes.events)}  # each note's first time
+        scheduled = first_times.get("scheduled", min(start + event.queue_time_s, end))
+        first = first_times.get("first_token", start + event.ttft_s if event.ttft_s is not None else None)
         context = trace.set_span_in_context(parent)
-        queue_attributes = {k: v for k, v in state.admitted.items() if k == "kvscope.wait_reason"}
+        queue_attributes = {k: v for k, v in admitted.items() if k == "kvscope.wait_reason"}
         phases = [(QUEUE_SPAN, start, scheduled, queue_attributes)]
         if first is not None or event.output_tokens:
             prefill_end = first if first is not None else end
             phases.append((PREFILL_SPAN, scheduled, prefill_end,
-                           {k: v for k, v in state.admitted.items() if k != "kvscope.wait_reason"}))
+                           {k: v for k, v in admitted.items() if k != "kvscope.wait_reason"}))
             if first is not None:
                 phases.append((DECODE_SPAN, first, end, {"kvscope.output_tokens": event.output_tokens}))
         elif end > scheduled:
@@ -358,7 +363,7 @@ class OtlpTraceSink:
         for i, (name, begin, finish, attributes) in enumerate(phases):
             child = self.tracer.start_span(name, context=context, start_time=self._ns(begin), attributes=attributes)
             last = i == len(phases) - 1
-            for note, t, note_attributes in state.events:
+            for note, t, note_attributes in notes.events:
                 if note in ("preempted", "resumed") and begin <= t and (t < finish or last):
                     child.add_event(note, note_attributes, timestamp=self._ns(t))
             child.end(end_time=self._ns(max(finish, begin)))
