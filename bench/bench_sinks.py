@@ -41,7 +41,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry
 
@@ -254,6 +254,74 @@ def _thread_cpu_ns() -> dict[int, int]:
     return out
 
 
+def _call_each(sinks: Iterable[Sink], method: str) -> None:
+    """``method`` (flush, close) of every sink that has one."""
+    for sink in sinks:
+        call = getattr(sink, method, None)
+        if call is not None:
+            call()
+
+
+def _new_threads_cpu_s(threads_before: set[int], threads_start: dict[int, int]) -> float:
+    """CPU seconds of the threads started since ``threads_before`` was read (the sinks' own)."""
+    return sum(ns - threads_start.get(tid, 0) for tid, ns in _thread_cpu_ns().items()
+               if tid not in threads_before) / 1e9
+
+
+class EngineSinkRuns:
+    """One warmed real engine generating the same prompts again and again, with every sink
+    subscribed or none; the runs with sinks record what the sinks cost (``spent_on``: each
+    sink's share of the run, ``bounds``: the step loop's speed had all of it been taken)."""
+
+    def __init__(self, threads: int, requests: int, output_len: int) -> None:
+        from engine.core.sampling_params import SamplingParams
+        from engine.events.exporters.kv_events_config import KVEventsConfig
+        from engine.llm import LLM
+
+        self.llm = LLM(threads=threads, stats_interval=0.0, kv_cache_memory_bytes=1 << 28, max_model_len=1024,
+                       kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"))
+        self.prompts = [" ".join(f"word{i}-{j}" for j in range(24)) for i in range(requests)]
+        self.params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        # warm: one-off allocations, and the prompts' blocks cached as in every run after
+        self.llm.generate(self.prompts, self.params)
+        self.spent_on: dict[str, list[float]] = {}
+        self.bounds: list[float] = []
+
+    def run(self, with_sinks: bool) -> tuple[float, float]:
+        """One generate: steps per wall second and per process CPU second."""
+        steps = [0]
+
+        def count(event: Event) -> None:
+            if isinstance(event, StepEvent):
+                steps[0] += 1
+
+        bus = self.llm.engine.bus
+        threads_before = set(_thread_cpu_ns())
+        named = _all_sinks() if with_sinks else {}
+        spent = dict.fromkeys(named, 0.0)
+        subscribed = [_timed(sink, spent, name) for name, sink in named.items()] + [count]
+        for sink in subscribed:
+            bus.subscribe(sink)
+        threads_start = _thread_cpu_ns()
+        wall, cpu = time.perf_counter(), time.process_time()
+        self.llm.generate(self.prompts, self.params)
+        _call_each(named.values(), "flush")  # a sink's own thread finishes the run's work inside the timing
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        sink_threads_s = _new_threads_cpu_s(threads_before, threads_start)
+        for sink in subscribed:
+            bus.unsubscribe(sink)
+        _call_each(named.values(), "close")
+        self._record_cost(spent, sink_threads_s if with_sinks else None, wall)
+        return steps[0] / wall, steps[0] / cpu
+
+    def _record_cost(self, spent: dict[str, float], sink_threads_s: float | None, wall: float) -> None:
+        for name, seconds in spent.items():
+            self.spent_on.setdefault(name, []).append(seconds / wall)
+        if sink_threads_s is not None:
+            self.spent_on.setdefault("sink threads", []).append(sink_threads_s / wall)
+            self.bounds.append(1.0 - (sum(spent.values()) + sink_threads_s) / wall)
+
+
 def engine_pairs(pairs: int, threads: int = 2, requests: int = 16, output_len: int = 64) -> dict[str, object]:
     """The real engine's steps/s with every sink subscribed and with none, ``pairs``
     times, alternating which runs first. Block contents are recorded in both (vLLM's
@@ -269,62 +337,16 @@ def engine_pairs(pairs: int, threads: int = 2, requests: int = 16, output_len: i
     the step loop's speed if every one of them had been taken from it. On a shared 2-core
     machine both on/off ratios move with the machine's speed, by up to 15 % from one run
     to the next at either thread count, far more than the effect; the bound does not."""
-    from engine.core.sampling_params import SamplingParams
-    from engine.events.exporters.kv_events_config import KVEventsConfig
-    from engine.llm import LLM
-
-    llm = LLM(threads=threads, stats_interval=0.0, kv_cache_memory_bytes=1 << 28, max_model_len=1024,
-              kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"))
-    prompts = [" ".join(f"word{i}-{j}" for j in range(24)) for i in range(requests)]
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    llm.generate(prompts, params)  # warm: one-off allocations, and the prompts' blocks cached as in every run after
-    spent_on: dict[str, list[float]] = {}
-    bounds: list[float] = []
-
-    def run(with_sinks: bool) -> tuple[float, float]:
-        steps = [0]
-
-        def count(event: Event) -> None:
-            if isinstance(event, StepEvent):
-                steps[0] += 1
-
-        threads_before = set(_thread_cpu_ns())
-        named = _all_sinks() if with_sinks else {}
-        spent = dict.fromkeys(named, 0.0)
-        subscribed = [_timed(sink, spent, name) for name, sink in named.items()] + [count]
-        for sink in subscribed:
-            llm.engine.bus.subscribe(sink)
-        threads_start = _thread_cpu_ns()
-        wall, cpu = time.perf_counter(), time.process_time()
-        llm.generate(prompts, params)
-        for sink in named.values():  # a sink's own thread finishes the run's work inside the timing
-            flush = getattr(sink, "flush", None)
-            if flush is not None:
-                flush()
-        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-        sink_threads_s = sum(ns - threads_start.get(tid, 0) for tid, ns in _thread_cpu_ns().items()
-                             if tid not in threads_before) / 1e9
-        for sink in subscribed:
-            llm.engine.bus.unsubscribe(sink)
-        for sink in named.values():
-            close = getattr(sink, "close", None)
-            if close is not None:
-                close()
-        for name, seconds in spent.items():
-            spent_on.setdefault(name, []).append(seconds / wall)
-        if with_sinks:
-            spent_on.setdefault("sink threads", []).append(sink_threads_s / wall)
-            bounds.append(1.0 - (sum(spent.values()) + sink_threads_s) / wall)
-        return steps[0] / wall, steps[0] / cpu
-
+    runs = EngineSinkRuns(threads, requests, output_len)
     off: list[tuple[float, float]] = []
     on: list[tuple[float, float]] = []
     for pair in range(pairs):
         for with_sinks in ((False, True) if pair % 2 == 0 else (True, False)):
-            (on if with_sinks else off).append(run(with_sinks))
+            (on if with_sinks else off).append(runs.run(with_sinks))
     wall_ratios = [b[0] / a[0] for a, b in zip(off, on, strict=True)]
     cpu_ratios = [b[1] / a[1] for a, b in zip(off, on, strict=True)]
-    share = {name: statistics.median(values) for name, values in spent_on.items()}
+    share = {name: statistics.median(values) for name, values in runs.spent_on.items()}
+    bounds = runs.bounds
     return {"threads": threads, "requests": requests, "output_len": output_len, "pairs": pairs,
             "steps_per_wall_s_off": round(statistics.median(a for a, _ in off), 2),
             "steps_per_wall_s_on": round(statistics.median(b for b, _ in on), 2),

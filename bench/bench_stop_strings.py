@@ -85,69 +85,84 @@ def matcher_costs() -> list[dict[str, Any]]:
     return rows
 
 
-def engine_gaps(pairs: int, threads: int, output_len: int) -> dict[str, Any]:
-    from engine.core.sampling_params import SamplingParams
-    from engine.llm import LLM
+STREAM_PROMPT = "Write a long story about a city by a river. " * 3  # the greedy stream whose gaps are timed
+OTHER_PROMPT = "Describe the history of an old market town in detail. " * 3  # decodes beside it, with the stop list
 
-    llm = LLM(threads=threads, stats_interval=0.0, kv_cache_memory_bytes=1 << 28, max_model_len=1024)
-    engine = llm.engine
-    prompt_a = "Write a long story about a city by a river. " * 3
-    prompt_b = "Describe the history of an old market town in detail. " * 3
+
+def stop_variants() -> dict[str, tuple[list[str], bool]]:
+    """Each variant's stop list for the second request, and whether it runs the old matcher;
+    the automata built and cached, as the server's route does off the engine thread."""
     cap, issue = stop_list(MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS), stop_list(10_000, 100, seed=1)
     for stops in (cap, issue):
-        StopMatcher(stops)  # built and cached, as the server's route does off the engine thread
-    variants: dict[str, tuple[list[str], bool]] = {
+        StopMatcher(stops)
+    return {
         "plain": ([], False),
         f"cap {MAX_STOP_STRINGS}x{MAX_STOP_STRING_CHARS}": (cap, False),
         "issue 10000x100, automaton": (issue, False),
         "issue 10000x100, old matcher": (issue, True),
     }
 
-    def run(stops: list[str], old: bool) -> tuple[float, float, float]:
-        greedy = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-        other = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, stop=stops)
-        a = engine.add_request(prompt_a, greedy)
-        b = engine.add_request(prompt_b, other)
-        if old:
-            engine._detok[b].matcher = naive_matcher(stops)
-        times: list[tuple[float, float]] = []
-        start = time.perf_counter()
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.request_id == a and out.new_token_ids:
-                    times.append((time.perf_counter(), time.process_time()))
-                if out.request_id == b and out.finished:
-                    assert out.finish_reason == "length", out.finish_reason
-        wall = [t1[0] - t0[0] for t0, t1 in itertools.pairwise(times)]
-        cpu = [t1[1] - t0[1] for t0, t1 in itertools.pairwise(times)]
-        return statistics.median(wall), statistics.median(cpu), time.perf_counter() - start
 
-    run([], False)  # warm
+def stream_gaps(engine: Any, stops: list[str], old: bool, output_len: int) -> tuple[float, float, float]:
+    """The greedy stream's median inter-token gap in wall and in process CPU seconds while the
+    other request decodes with ``stops``, and the run's wall seconds."""
+    from engine.core.sampling_params import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    other = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, stop=stops)
+    a = engine.add_request(STREAM_PROMPT, greedy)
+    b = engine.add_request(OTHER_PROMPT, other)
+    if old:
+        engine._detok[b].matcher = naive_matcher(stops)
+    times: list[tuple[float, float]] = []
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == a and out.new_token_ids:
+                times.append((time.perf_counter(), time.process_time()))
+            if out.request_id == b and out.finished:
+                assert out.finish_reason == "length", out.finish_reason
+    wall = [t1[0] - t0[0] for t0, t1 in itertools.pairwise(times)]
+    cpu = [t1[1] - t0[1] for t0, t1 in itertools.pairwise(times)]
+    return statistics.median(wall), statistics.median(cpu), time.perf_counter() - start
+
+
+def variant_figures(medians: list[float], cpu_medians: list[float], walls: list[float], plain_medians: list[float],
+                    plain_cpu_medians: list[float]) -> dict[str, Any]:
+    """One variant's gaps per repetition and over the plain run's in the same repetition."""
+    ratios = [m / p for m, p in zip(medians, plain_medians, strict=True)]
+    cpu_ratios = [m / p for m, p in zip(cpu_medians, plain_cpu_medians, strict=True)]
+    return {
+        "median_gap_ms": [round(m * 1e3, 2) for m in medians],
+        "gap_ratio_vs_plain": [round(r, 3) for r in ratios],
+        "median_ratio": round(statistics.median(ratios), 3),
+        "median_cpu_gap_ms": [round(m * 1e3, 2) for m in cpu_medians],
+        "cpu_gap_ratio_vs_plain": [round(r, 3) for r in cpu_ratios],
+        "median_cpu_ratio": round(statistics.median(cpu_ratios), 3),
+        "run_s": [round(w, 2) for w in walls],
+    }
+
+
+def engine_gaps(pairs: int, threads: int, output_len: int) -> dict[str, Any]:
+    from engine.llm import LLM
+
+    llm = LLM(threads=threads, stats_interval=0.0, kv_cache_memory_bytes=1 << 28, max_model_len=1024)
+    variants = stop_variants()
+    stream_gaps(llm.engine, [], False, output_len)  # warm
     names = list(variants)
     medians: dict[str, list[float]] = {name: [] for name in names}
     cpu_medians: dict[str, list[float]] = {name: [] for name in names}
     walls: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(pairs):
         for name in names[rep % len(names):] + names[: rep % len(names)]:
-            gap, cpu_gap, wall = run(*variants[name])
+            gap, cpu_gap, wall = stream_gaps(llm.engine, *variants[name], output_len)
             medians[name].append(gap)
             cpu_medians[name].append(cpu_gap)
             walls[name].append(wall)
     llm.close()
-    result: dict[str, Any] = {"threads": threads, "output_len": output_len, "pairs": pairs, "variants": {}}
-    for name in names:
-        ratios = [m / p for m, p in zip(medians[name], medians["plain"], strict=True)]
-        cpu_ratios = [m / p for m, p in zip(cpu_medians[name], cpu_medians["plain"], strict=True)]
-        result["variants"][name] = {
-            "median_gap_ms": [round(m * 1e3, 2) for m in medians[name]],
-            "gap_ratio_vs_plain": [round(r, 3) for r in ratios],
-            "median_ratio": round(statistics.median(ratios), 3),
-            "median_cpu_gap_ms": [round(m * 1e3, 2) for m in cpu_medians[name]],
-            "cpu_gap_ratio_vs_plain": [round(r, 3) for r in cpu_ratios],
-            "median_cpu_ratio": round(statistics.median(cpu_ratios), 3),
-            "run_s": [round(w, 2) for w in walls[name]],
-        }
-    return result
+    return {"threads": threads, "output_len": output_len, "pairs": pairs, "variants": {
+        name: variant_figures(medians[name], cpu_medians[name], walls[name], medians["plain"], cpu_medians["plain"])
+        for name in names}}
 
 
 def main(argv: list[str] | None = None) -> int:

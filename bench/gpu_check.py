@@ -32,9 +32,13 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.model.runner import ModelRunner, ScheduledSeq
+    from engine.modelspec.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / ".bench" / "gpu_check.json"
@@ -80,19 +84,11 @@ def kernel_tests(device: torch.device) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- 3. runner
-def runner_check(device: torch.device, smoke: bool) -> dict[str, Any]:
-    """A dummy-weights model on the Triton backend: one prefill step of several
-    prompts, then decode steps; the last step's logits are recomputed with the
-    torch backend on the same weights and cache contents."""
-    from engine.model.attention.torch_backend import TorchAttentionBackend
-    from engine.model.runner import ModelRunner, ScheduledSeq
-    from engine.modelspec.readers import load_model_config
-
-    config = load_model_config("smollm2-135m" if smoke else GPU_MODEL)
-    dtype = "float32" if smoke else "bfloat16"
-    num_seqs, prompt_len, decode_steps = (2, 20, 2) if smoke else (8, 512, 16)
-    block_size = 16
-    blocks_per_seq = -(-(prompt_len + decode_steps) // block_size)
+def _triton_runner(config: ModelConfig, dtype: str, device: torch.device, block_size: int,
+                   num_blocks: int) -> tuple[ModelRunner, float]:
+    """The model on dummy weights with the Triton backend and a KV cache of ``num_blocks``
+    blocks, and the seconds that took."""
+    from engine.model.runner import ModelRunner
 
     start = time.perf_counter()
     runner = ModelRunner(
@@ -104,25 +100,22 @@ def runner_check(device: torch.device, smoke: bool) -> dict[str, Any]:
         load_format="dummy",
     )
     runner.load_weights()
-    runner.allocate_kv_cache(num_seqs * blocks_per_seq)
-    load_s = time.perf_counter() - start
+    runner.allocate_kv_cache(num_blocks)
+    return runner, time.perf_counter() - start
 
-    gen = torch.Generator().manual_seed(0)
-    prompts = [
-        torch.randint(0, config.vocab_size, (prompt_len,), generator=gen).tolist() for _ in range(num_seqs)
-    ]
-    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
-    batch = [ScheduledSeq(str(i), p, 0, tables[i]) for i, p in enumerate(prompts)]
-    sync(device)
-    start = time.perf_counter()
-    sampled = runner.execute(batch)
-    sync(device)
-    prefill_s = time.perf_counter() - start
+
+def _decode(runner: ModelRunner, device: torch.device, sampled: dict[str, int], tables: list[list[int]],
+            prompt_len: int, decode_steps: int) -> tuple[list[ScheduledSeq], dict[str, torch.Tensor], list[float]]:
+    """``decode_steps`` decode steps of every sequence, the last returning its logits instead
+    of sampling: that step's batch, its logits and each step's seconds."""
+    from engine.model.runner import ScheduledSeq
 
     decode_times = []
+    batch: list[ScheduledSeq] = []
+    triton_logits: dict[str, torch.Tensor] = {}
     for step in range(decode_steps):
         batch = [
-            ScheduledSeq(str(i), [sampled[str(i)]], prompt_len + step, tables[i]) for i in range(num_seqs)
+            ScheduledSeq(str(i), [sampled[str(i)]], prompt_len + step, tables[i]) for i in range(len(tables))
         ]
         start = time.perf_counter()
         if step == decode_steps - 1:
@@ -131,12 +124,46 @@ def runner_check(device: torch.device, smoke: bool) -> dict[str, Any]:
             sampled = runner.execute(batch)
         sync(device)
         decode_times.append(time.perf_counter() - start)
+    return batch, triton_logits, decode_times
 
-    # Same weights and cache, torch attention: re-run the last decode step (it rewrites the same slots).
+
+def _torch_logits(runner: ModelRunner, batch: list[ScheduledSeq]) -> dict[str, torch.Tensor]:
+    """Same weights and cache, torch attention: the last decode step again (it rewrites the same slots)."""
+    from engine.model.attention.torch_backend import TorchAttentionBackend
+
     triton_backend = runner.model.backend
     runner.model.backend = TorchAttentionBackend()
     torch_logits = runner.logits_for(batch)
     runner.model.backend = triton_backend
+    return torch_logits
+
+
+def runner_check(device: torch.device, smoke: bool) -> dict[str, Any]:
+    """A dummy-weights model on the Triton backend: one prefill step of several
+    prompts, then decode steps; the last step's logits are recomputed with the
+    torch backend on the same weights and cache contents."""
+    from engine.model.runner import ScheduledSeq
+    from engine.modelspec.readers import load_model_config
+
+    config = load_model_config("smollm2-135m" if smoke else GPU_MODEL)
+    dtype = "float32" if smoke else "bfloat16"
+    num_seqs, prompt_len, decode_steps = (2, 20, 2) if smoke else (8, 512, 16)
+    block_size = 16
+    blocks_per_seq = -(-(prompt_len + decode_steps) // block_size)
+    runner, load_s = _triton_runner(config, dtype, device, block_size, num_seqs * blocks_per_seq)
+
+    gen = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(0, config.vocab_size, (prompt_len,), generator=gen).tolist() for _ in range(num_seqs)
+    ]
+    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
+    sync(device)
+    start = time.perf_counter()
+    sampled = runner.execute([ScheduledSeq(str(i), p, 0, tables[i]) for i, p in enumerate(prompts)])
+    sync(device)
+    prefill_s = time.perf_counter() - start
+    batch, triton_logits, decode_times = _decode(runner, device, sampled, tables, prompt_len, decode_steps)
+    torch_logits = _torch_logits(runner, batch)
 
     max_diff = max(float((triton_logits[k] - torch_logits[k]).abs().max()) for k in triton_logits)
     scale = max(float(v.abs().max()) for v in torch_logits.values())

@@ -24,14 +24,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine.budget.memory import GiB, GpuPreset, MemoryPlan, gpu_preset, plan_memory
 from engine.budget.stages import DEFAULT_MICRO_BATCHES, PipelinePlan, plan_stages
-from engine.budget.vision import multimodal_from_flags, vision_preset
+from engine.budget.vision import MultimodalBudget, multimodal_from_flags, vision_preset
 from engine.config import EngineConfig
 from engine.core.encoder_cache import MultimodalInput
 from engine.core.kv_cache_groups import (
@@ -54,7 +53,7 @@ from engine.events.roofline import Roofline
 from engine.modelspec.config import DTYPE_BYTES, ModelConfig
 from engine.modelspec.readers import load_model_config
 from engine.sim.driver import SAMPLED_TOKEN_ID
-from engine.sim.workload import TokenIdSource, WorkloadRequest
+from engine.sim.workload import Arrivals, TokenIdSource, WorkloadRequest
 
 DEFAULT_MODEL = "llama-3.1-8b"
 DEFAULT_GPU = "h100-80gb"
@@ -279,6 +278,71 @@ def model_kv_cache_groups(model: ModelConfig, layer_pattern: str | None = None,
     return config_groups(groups)
 
 
+def _check_stage_flags(stages: int, groups: tuple[KVCacheGroup, ...], mm: MultimodalBudget | None, micro_batches: int,
+                       pipeline_link_gbs: float) -> None:
+    """Pipeline stages simulate full-attention text models, with at least one micro-batch over a real link."""
+    if stages > 1 and (groups or mm is not None):
+        raise UserError(f"--pipeline-parallel-size {stages}: sliding-window layers and vision encoders are not "
+                        "simulated in stages; drop --layer-pattern / --limit-mm-per-prompt or give -pp 1")
+    if micro_batches < 1 or pipeline_link_gbs <= 0:
+        raise UserError(f"--pipeline-micro-batches {micro_batches} / --pipeline-link-gbs {pipeline_link_gbs:g}: "
+                        "give at least 1 micro-batch and a positive link speed")
+
+
+def _plan_replica(model_cfg: ModelConfig, gpu_cfg: GpuPreset, eng: EngineConfig, dtype: str,
+                  groups: tuple[KVCacheGroup, ...], mm: MultimodalBudget | None,
+                  num_gpu_blocks_override: int | None) -> tuple[MemoryPlan, PipelinePlan | None]:
+    """The replica's memory plan (with several stages, the binding stage's) and its stages' plan, the pool
+    fixed where ``num_gpu_blocks_override`` says."""
+    max_model_len = eng.max_model_len or model_cfg.max_position_embeddings
+    stages = eng.pipeline_parallel_size or 1
+    plan_kwargs: dict[str, Any] = dict(
+        total_bytes=int(gpu_cfg.total_gib * GiB),
+        gpu_memory_utilization=eng.gpu_memory_utilization,
+        max_model_len=max_model_len,
+        block_size=eng.block_size,
+        kv_cache_dtype=eng.kv_cache_dtype,
+        dtype=dtype,
+        tensor_parallel_size=eng.tensor_parallel_size,
+        kv_cache_memory_bytes=eng.kv_cache_memory_bytes,
+        max_num_batched_tokens=eng.max_num_batched_tokens,
+        max_num_seqs=eng.max_num_seqs,
+    )
+    pipeline = None
+    if stages > 1:
+        pipeline = plan_stages(model_cfg, stages, **plan_kwargs)
+        plan = pipeline.binding_stage.plan
+        if num_gpu_blocks_override is None and pipeline.kv_cache_tokens < max_model_len:
+            raise UserError(f"--pipeline-parallel-size {stages} on {gpu_cfg.name}: stage "
+                            f"{pipeline.binding_stage.stage}'s GPU holds {max(0, pipeline.kv_cache_tokens):,} tokens "
+                            f"of KV, less than one --max-model-len {max_model_len:,} request; lower --max-model-len, "
+                            "raise --gpu-memory-utilization or add stages (engine plan -pp shows each stage)")
+    else:
+        plan = plan_memory(model=model_cfg, check_fits=num_gpu_blocks_override is None, multimodal=mm,
+                           kv_cache_groups=groups, **plan_kwargs)
+    if num_gpu_blocks_override is not None:
+        if num_gpu_blocks_override < 1:
+            raise UserError(f"--num-gpu-blocks-override {num_gpu_blocks_override}: must be at least 1")
+        plan = plan.with_num_blocks(num_gpu_blocks_override)
+    return plan, pipeline
+
+
+def _scheduler_config(eng: EngineConfig, plan: MemoryPlan, groups: tuple[KVCacheGroup, ...],
+                      mm: MultimodalBudget | None) -> SchedulerConfig:
+    """The scheduler's limits from the flags and the plan's pool, with the hybrid groups and the encoder's budgets."""
+    try:
+        sched = SchedulerConfig.from_flags(eng.to_dict(), num_blocks=plan.num_blocks, block_size=plan.block_size,
+                                           max_model_len=plan.max_model_len)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    if groups:
+        sched = dataclasses.replace(sched, kv_cache_groups=groups)
+    if mm is not None:
+        sched = dataclasses.replace(sched, encoder_compute_budget=mm.encoder_compute_budget,
+                                    encoder_cache_size=mm.encoder_cache_size)
+    return sched
+
+
 def build_setup(
     model: str | ModelConfig = DEFAULT_MODEL,
     gpu: str | GpuPreset = DEFAULT_GPU,
@@ -308,56 +372,13 @@ def build_setup(
     eng = dataclasses.replace(engine) if engine is not None else EngineConfig(model=model_cfg.name)
     eng.model = model_cfg.name
     dtype = model_cfg.dtype if eng.dtype == "auto" else eng.dtype
-    max_model_len = eng.max_model_len or model_cfg.max_position_embeddings
     mm = multimodal_from_flags(model_cfg, **(multimodal or {}), max_num_batched_tokens=eng.max_num_batched_tokens,
                                max_num_seqs=eng.max_num_seqs, dtype=dtype,
                                tensor_parallel_size=eng.tensor_parallel_size)
     groups = model_kv_cache_groups(model_cfg, layer_pattern, sliding_window)
-    stages = eng.pipeline_parallel_size or 1
-    if stages > 1 and (groups or mm is not None):
-        raise UserError(f"--pipeline-parallel-size {stages}: sliding-window layers and vision encoders are not "
-                        "simulated in stages; drop --layer-pattern / --limit-mm-per-prompt or give -pp 1")
-    if micro_batches < 1 or pipeline_link_gbs <= 0:
-        raise UserError(f"--pipeline-micro-batches {micro_batches} / --pipeline-link-gbs {pipeline_link_gbs:g}: "
-                        "give at least 1 micro-batch and a positive link speed")
-    plan_kwargs: dict[str, Any] = dict(
-        total_bytes=int(gpu_cfg.total_gib * GiB),
-        gpu_memory_utilization=eng.gpu_memory_utilization,
-        max_model_len=max_model_len,
-        block_size=eng.block_size,
-        kv_cache_dtype=eng.kv_cache_dtype,
-        dtype=dtype,
-        tensor_parallel_size=eng.tensor_parallel_size,
-        kv_cache_memory_bytes=eng.kv_cache_memory_bytes,
-        max_num_batched_tokens=eng.max_num_batched_tokens,
-        max_num_seqs=eng.max_num_seqs,
-    )
-    pipeline = None
-    if stages > 1:
-        pipeline = plan_stages(model_cfg, stages, **plan_kwargs)
-        plan = pipeline.binding_stage.plan
-        if num_gpu_blocks_override is None and pipeline.kv_cache_tokens < max_model_len:
-            raise UserError(f"--pipeline-parallel-size {stages} on {gpu_cfg.name}: stage "
-                            f"{pipeline.binding_stage.stage}'s GPU holds {max(0, pipeline.kv_cache_tokens):,} tokens "
-                            f"of KV, less than one --max-model-len {max_model_len:,} request; lower --max-model-len, "
-                            "raise --gpu-memory-utilization or add stages (engine plan -pp shows each stage)")
-    else:
-        plan = plan_memory(model=model_cfg, check_fits=num_gpu_blocks_override is None, multimodal=mm,
-                           kv_cache_groups=groups, **plan_kwargs)
-    if num_gpu_blocks_override is not None:
-        if num_gpu_blocks_override < 1:
-            raise UserError(f"--num-gpu-blocks-override {num_gpu_blocks_override}: must be at least 1")
-        plan = plan.with_num_blocks(num_gpu_blocks_override)
-    try:
-        sched = SchedulerConfig.from_flags(eng.to_dict(), num_blocks=plan.num_blocks, block_size=plan.block_size,
-                                           max_model_len=plan.max_model_len)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
-    if groups:
-        sched = dataclasses.replace(sched, kv_cache_groups=groups)
-    if mm is not None:
-        sched = dataclasses.replace(sched, encoder_compute_budget=mm.encoder_compute_budget,
-                                    encoder_cache_size=mm.encoder_cache_size)
+    _check_stage_flags(eng.pipeline_parallel_size or 1, groups, mm, micro_batches, pipeline_link_gbs)
+    plan, pipeline = _plan_replica(model_cfg, gpu_cfg, eng, dtype, groups, mm, num_gpu_blocks_override)
+    sched = _scheduler_config(eng, plan, groups, mm)
     eng.max_model_len = plan.max_model_len
     pipeline_cost = None
     if pipeline is not None:
@@ -577,72 +598,52 @@ class Simulation:
         bus = self.bus
         if startup and bus.has_subscribers:
             publish_startup(bus, self.setup)
-        sched = self.scheduler
-        cfg = sched.config
-        result = SimResult(num_blocks=cfg.num_blocks)
-        limit_steps = result.limit_steps
-        ids = TokenIdSource()
-        by_step = any(w.arrival_step is not None for w in workload)
-        if concurrency is not None and concurrency < 1:
-            raise UserError(f"concurrency {concurrency}: must be at least 1")
-        if concurrency is not None:
-            pending: deque[WorkloadRequest] = deque(workload)
-        elif by_step:
-            pending = deque(sorted(workload, key=lambda w: w.arrival_step or 0))
-        else:
-            pending = deque(sorted(workload, key=lambda w: w.arrival_time))
-        in_flight = 0
-        tick = 0
-        executor = CostModelExecutor(self, limit_steps)
-        tick_of_step: dict[int, int] = {}  # scheduler step index -> arrival tick
-
-        def admit(spec: WorkloadRequest, arrival_time: float) -> None:
-            nonlocal in_flight
-            req = Request(spec.request_id, ids.prompt(spec), spec.output_tokens, ignore_eos=True,
-                          arrival_time=arrival_time, priority=spec.priority, mm_inputs=mm_inputs(spec))
-            if sched.add_request(req, self.now):
-                result.arrival_tick[spec.request_id] = tick
-                in_flight += 1
-
+        result = SimResult(num_blocks=self.scheduler.config.num_blocks)
+        arrivals = Arrivals(workload, concurrency)
         bus.subscribe(result)
         try:
-            while result.steps < max_steps:
-                if concurrency is not None:
-                    while pending and in_flight < concurrency:
-                        admit(pending.popleft(), self.now)
-                elif by_step:
-                    while pending and (pending[0].arrival_step or 0) <= tick:
-                        admit(pending.popleft(), self.now)
-                else:
-                    while pending and pending[0].arrival_time <= self.now:
-                        spec = pending.popleft()
-                        admit(spec, spec.arrival_time)
-                if not sched.has_unfinished():
-                    if not pending:
-                        break
-                    if concurrency is not None:
-                        continue  # every finished request freed a slot; the loop admits more
-                    if by_step:
-                        tick = max(tick + 1, pending[0].arrival_step or 0)
-                    else:
-                        self.now = max(self.now, pending[0].arrival_time)
-                    continue
-                result.step_start_s.append(self.now)
-                step = run_step(sched, executor, bus, self.now)
-                tick_of_step[step.output.step_index] = tick
-                in_flight -= len(step.finished)
-                if on_step is not None:
-                    on_step(sched, step.output)
-                tick += 1
-                if stop_when is not None and stop_when(sched, step.output):
-                    break
+            tick_of_step = self._steps(arrivals, result, max_steps, stop_when, on_step)
         finally:
             bus.unsubscribe(result)
         result.first_token_tick = {r: tick_of_step[i] for r, i in result.first_token_step.items()}
-        result.completed = not sched.has_unfinished() and not pending
+        result.completed = not self.scheduler.has_unfinished() and not arrivals.pending
         result.sim_seconds = self.now
         result.wall_seconds = time.perf_counter() - wall_start
         return result
+
+    def _steps(self, arrivals: Arrivals, result: SimResult, max_steps: int, stop_when: StopWhen | None,
+               on_step: StepHook | None) -> dict[int, int]:
+        """The step loop: send what is due, step, repeat; returns each step's arrival tick."""
+        sched = self.scheduler
+        ids = TokenIdSource()
+        executor = CostModelExecutor(self, result.limit_steps)
+        tick_of_step: dict[int, int] = {}  # scheduler step index -> arrival tick
+
+        def send(spec: WorkloadRequest, arrival_time: float) -> bool:
+            req = Request(spec.request_id, ids.prompt(spec), spec.output_tokens, ignore_eos=True,
+                          arrival_time=arrival_time, priority=spec.priority, mm_inputs=mm_inputs(spec))
+            if not sched.add_request(req, self.now):
+                return False
+            result.arrival_tick[spec.request_id] = arrivals.tick
+            return True
+
+        while result.steps < max_steps:
+            arrivals.send_due(self.now, send)
+            if not sched.has_unfinished():
+                if not arrivals.pending:
+                    break
+                self.now = arrivals.skip_idle(self.now)
+                continue
+            result.step_start_s.append(self.now)
+            step = run_step(sched, executor, self.bus, self.now)
+            tick_of_step[step.output.step_index] = arrivals.tick
+            arrivals.in_flight -= len(step.finished)
+            if on_step is not None:
+                on_step(sched, step.output)
+            arrivals.tick += 1
+            if stop_when is not None and stop_when(sched, step.output):
+                break
+        return tick_of_step
 
 
 class CostModelExecutor:

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -211,6 +212,58 @@ def load_trace(path: str | Path) -> list[WorkloadRequest]:
     if len(steps) > 1:
         raise UserError(f"--trace {path}: give every line arrival_time or every line arrival_step, not a mix")
     return out
+
+
+# ------------------------------------------------------------------ sending a workload (the simulator's clock)
+class Arrivals:
+    """A workload's requests not yet sent and when each is due: closed-loop (``concurrency``
+    requests in flight, the next sent in workload order when one finishes), by scheduler tick
+    (``arrival_step``) or by simulated time. ``tick`` counts the steps run; ``in_flight`` the
+    requests sent and not finished."""
+
+    def __init__(self, workload: Sequence[WorkloadRequest], concurrency: int | None) -> None:
+        self.by_step = any(w.arrival_step is not None for w in workload)
+        if concurrency is not None and concurrency < 1:
+            raise UserError(f"concurrency {concurrency}: must be at least 1")
+        self.concurrency = concurrency
+        if concurrency is not None:
+            self.pending: deque[WorkloadRequest] = deque(workload)
+        elif self.by_step:
+            self.pending = deque(sorted(workload, key=lambda w: w.arrival_step or 0))
+        else:
+            self.pending = deque(sorted(workload, key=lambda w: w.arrival_time))
+        self.in_flight = 0
+        self.tick = 0
+
+    def send_due(self, now: float, send: Callable[[WorkloadRequest, float], bool]) -> None:
+        """Send every request due at ``now`` through ``send(request, arrival time)``, which says
+        whether the scheduler took it."""
+        pending = self.pending
+        if self.concurrency is not None:
+            while pending and self.in_flight < self.concurrency:
+                self._send(pending.popleft(), now, send)
+        elif self.by_step:
+            while pending and (pending[0].arrival_step or 0) <= self.tick:
+                self._send(pending.popleft(), now, send)
+        else:
+            while pending and pending[0].arrival_time <= now:
+                spec = pending.popleft()
+                self._send(spec, spec.arrival_time, send)
+
+    def _send(self, spec: WorkloadRequest, arrival_time: float, send: Callable[[WorkloadRequest, float], bool]) -> None:
+        if send(spec, arrival_time):
+            self.in_flight += 1
+
+    def skip_idle(self, now: float) -> float:
+        """Nothing runs and requests are still to come: the clock (or tick) moves to the next
+        arrival; returns the simulated time. Closed-loop, every finished request freed a slot
+        and the next :meth:`send_due` sends more."""
+        if self.concurrency is not None:
+            return now
+        if self.by_step:
+            self.tick = max(self.tick + 1, self.pending[0].arrival_step or 0)
+            return now
+        return max(now, self.pending[0].arrival_time)
 
 
 # ------------------------------------------------------------------ token ids

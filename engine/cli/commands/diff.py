@@ -136,8 +136,15 @@ def run(args: argparse.Namespace) -> int:
 
 # -------------------------------------------------------------------- the text form
 def render(diff: RunDiff, forced: bool = False) -> list[str]:
-    from engine.events.folds.run_diff import LATENCIES, REGRESSION, startup_rows
+    """The text report: the two runs, then startup, the KV pool, latencies, step times by batch shape
+    and the verdict, each a block of its own."""
+    a, b = diff.a, diff.b
+    return [*_header_lines(diff, forced), *_startup_lines(a, b), *_pool_lines(a, b), *_latency_lines(diff),
+            *_shape_lines(diff), "", _verdict_line(diff)]
 
+
+def _header_lines(diff: RunDiff, forced: bool) -> list[str]:
+    """What A and B are, whether they compare, and what else differs between them."""
     a, b = diff.a, diff.b
     lines = [f"A: {a.name}  ({a.kind}, {_model_name(a)}, {len(a.workload):,} requests, {a.steps:,} steps, "
              f"{a.busy_seconds:.3f} s in steps)",
@@ -153,17 +160,27 @@ def render(diff: RunDiff, forced: bool = False) -> list[str]:
         lines.append(f"note: {cut} ends in a cut line: compared up to its last whole line")
     for d in diff.environment:
         lines.append(f"environment {d.field}: {_value(d.a)} -> {_value(d.b)}")
+    return lines
+
+
+def _startup_lines(a: RunProfile, b: RunProfile) -> list[str]:
+    from engine.events.folds.run_diff import startup_rows
 
     if any(t.seconds for p in (a, b) for t in p.phases.values()):
-        lines += ["", f"{'startup phase':<22}{'A s':>10}{'B s':>10}{'change':>10}"]
+        lines = ["", f"{'startup phase':<22}{'A s':>10}{'B s':>10}{'change':>10}"]
         for letter, name, sa, sb, ca, cb in startup_rows(a, b):
             note = "  (phase D read a stored measurement in " + "/".join(
                 x for x, c in (("A", ca), ("B", cb)) if c) + ")" if ca != cb else ""
             lines.append(f"  {letter} {name:<18}{_num(sa, 3):>10}{_num(sb, 3):>10}{_change(sa, sb):>10}{note}")
-    elif a.phases or b.phases:
-        lines += ["", "startup phases: simulated, no time spent in either run"]
+        return lines
+    if a.phases or b.phases:
+        return ["", "startup phases: simulated, no time spent in either run"]
+    return []
 
-    lines += ["", f"{'':<22}{'A':>16}{'B':>16}{'change':>10}"]
+
+def _pool_lines(a: RunProfile, b: RunProfile) -> list[str]:
+    """The KV pool, its peak, the requests finished and preempted, and the prefix hit rate."""
+    lines = ["", f"{'':<22}{'A':>16}{'B':>16}{'change':>10}"]
     for title, va, vb in (("KV pool blocks", a.kv_blocks, b.kv_blocks),
                           ("KV pool bytes", a.kv_pool_bytes, b.kv_pool_bytes),
                           ("peak blocks used", a.tally.peak_blocks_used, b.tally.peak_blocks_used),
@@ -173,30 +190,42 @@ def render(diff: RunDiff, forced: bool = False) -> list[str]:
     ha, hb = a.prefix_hit_rate, b.prefix_hit_rate
     lines.append(f"  {'prefix hit rate':<20}{_pct(ha):>16}{_pct(hb):>16}"
                  f"{'' if ha is None or hb is None else f'{(hb - ha) * 100:+.1f} pt':>10}")
+    return lines
 
-    lines += ["", f"{'latency (ms)':<22}" + "".join(f"{q + ' ' + x:>11}" for q in ("p50", "p90", "p99")
-                                                    for x in ("A", "B")) + f"{'p50 B/A':>9}"]
+
+def _latency_lines(diff: RunDiff) -> list[str]:
+    from engine.events.folds.run_diff import LATENCIES
+
+    lines = ["", f"{'latency (ms)':<22}" + "".join(f"{q + ' ' + x:>11}" for q in ("p50", "p90", "p99")
+                                                   for x in ("A", "B")) + f"{'p50 B/A':>9}"]
     for key, title, _ in LATENCIES:
         pa, pb = diff.latency_percentiles[key]["a"] or {}, diff.latency_percentiles[key]["b"] or {}
         cells = "".join(f"{_ms(p.get(q)):>11}" for q in ("p50", "p90", "p99") for p in (pa, pb))
         ratio = f"{pb['p50'] / pa['p50']:.2f}" if pa.get("p50") and pb.get("p50") else ""
         lines.append(f"  {title:<20}{cells}{ratio:>9}")
+    return lines
 
-    lines += ["", f"step time by batch shape (ms)  threshold {diff.threshold * 100:g} %",
-              f"  {'prefill tokens':>14}{'decode seqs':>12}{'steps A':>9}{'steps B':>9}{'median A':>11}"
-              f"{'median B':>11}{'B/A':>7}  {'95 % interval':<16}verdict"]
+
+def _shape_lines(diff: RunDiff) -> list[str]:
+    """Each batch shape's step counts and medians, with the ratio, its interval and the verdict."""
+    lines = ["", f"step time by batch shape (ms)  threshold {diff.threshold * 100:g} %",
+             f"  {'prefill tokens':>14}{'decode seqs':>12}{'steps A':>9}{'steps B':>9}{'median A':>11}"
+             f"{'median B':>11}{'B/A':>7}  {'95 % interval':<16}verdict"]
     for shape, c in diff.shapes:
         lines.append(f"  {shape.prefill_label:>14}{shape.decode_label:>12}{c.n_a:>9,}{c.n_b:>9,}"
                      f"{_ms(c.median_a):>11}{_ms(c.median_b):>11}{_judged(c)}")
-    lines.append("")
-    if diff.regressions:
-        lines.append(f"verdict: {REGRESSION.upper()}: {len(diff.regressions)} batch shape(s) slower by more than "
-                     f"{diff.threshold * 100:g} % beyond the noise: " + "; ".join(
-                         f"{c.name} {c.ratio:.2f}x" for c in diff.regressions))
-    else:
-        better = f" ({len(diff.improvements)} faster)" if diff.improvements else ""
-        lines.append(f"verdict: no regression beyond {diff.threshold * 100:g} %{better}")
     return lines
+
+
+def _verdict_line(diff: RunDiff) -> str:
+    from engine.events.folds.run_diff import REGRESSION
+
+    if diff.regressions:
+        return (f"verdict: {REGRESSION.upper()}: {len(diff.regressions)} batch shape(s) slower by more than "
+                f"{diff.threshold * 100:g} % beyond the noise: " + "; ".join(
+                    f"{c.name} {c.ratio:.2f}x" for c in diff.regressions))
+    better = f" ({len(diff.improvements)} faster)" if diff.improvements else ""
+    return f"verdict: no regression beyond {diff.threshold * 100:g} %{better}"
 
 
 def _judged(c: Comparison) -> str:

@@ -56,6 +56,9 @@ class EnableDisable(argparse.Action):
 
 
 def add_server_flags(p: argparse.ArgumentParser) -> None:
+    """The server's own flags (the engine's are EngineConfig's, engine/cli/flags.py): where it listens and who
+    may call it, how it sheds load, shuts down and watches for stalls; then its connection timeouts and the
+    vLLM serve flags it accepts, each an argument group of its own."""
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,
@@ -76,6 +79,12 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
                         "and a dump (stacks, last step, requests) is written beside the recording; 0 turns it off. "
                         "Default: derived from this machine's step times, max(30 s, 10 x the longest of the profile "
                         "run's worst-case step and every step run), so a long prefill never trips it")
+    _add_timeout_flags(p)
+    _add_vllm_serve_flags(p)
+
+
+def _add_timeout_flags(p: argparse.ArgumentParser) -> None:
+    """How long a client may hold a connection without sending a whole request."""
     timeouts = p.add_argument_group(
         "connection timeouts", "how long a client may hold a connection without giving the server a whole request; "
                                "past each bound the server answers 408 (in OpenAI's error shape) or just closes")
@@ -90,6 +99,10 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     timeouts.add_argument("--timeout-body", type=_seconds, default=30.0, metavar="S",
                           help="408 and close when a request body is not complete S seconds after its headers, "
                                "however steadily it trickles (default 30)")
+
+
+def _add_vllm_serve_flags(p: argparse.ArgumentParser) -> None:
+    """``vllm serve``'s own flags, accepted so its command lines run unchanged (some only accepted)."""
     vllm = p.add_argument_group("vLLM serve flags", "accepted so a `vllm serve ...` command line runs unchanged")
     vllm.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                       help="a Jinja chat template (a file, or the template itself) instead of the model's own")
