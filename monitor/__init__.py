@@ -7,6 +7,9 @@ over other servers (vLLM or kvscope) from outside through ``/metrics`` and KV ev
 - ``sources``: where a dashboard's events come from
 - ``state``: ``Timeline``, a seekable recording
 - ``playback``: the replay's pace, by an injected clock's seconds
+- ``replay_control``: the replay's keys: play, speed, steps, jumps
+- ``rank_follow``: which data-parallel rank the dashboard follows
+- ``live_updates``: the live feed drained into the dashboard each tick
 - ``prometheus``: ``/metrics`` text into per-engine metrics
 - ``kv_events``: vLLM's KV events read from the wire
 - ``replica``: one replica's fold from outside

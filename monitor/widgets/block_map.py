@@ -187,62 +187,14 @@ class BlockMap(ScrollView, can_focus=True):
             return
         self._num_blocks = view.num_blocks
         per = self.effective_blocks_per_cell
-        owners = view.block_owners
-        cached = view.cached
-        selected = self.selected
         self._groups = view.kv_cache_groups
-        groups = view.block_groups
-        window = view.window_freed
+        groups, window = view.block_groups, view.window_freed
         # drawn by group when the run names its groups (several, or a window): one
         # full-attention group's map colours by request
         self._num_groups = max(len(self._groups), max(groups.values(), default=-1) + 1,
                                max(window.values(), default=-1) + 1) if self._groups or window else 0
         group_styles = [Style(color=group_colour(g)) for g in range(self._num_groups)]
-        cells: list[tuple[str, Style]] = []
-        if per == 1:
-            styles: dict[str, Style] = {}
-            partial = view.occupancy.partial
-            for b in range(self._num_blocks):
-                holders = owners.get(b)
-                if holders:
-                    char = PARTIAL_CHAR if b in partial else USED_CHAR
-                    if selected is not None and selected in holders:
-                        cells.append((char, SELECTED_STYLE))
-                        continue
-                    if self._num_groups:
-                        cells.append((char, group_styles[groups.get(b, 0)]))
-                        continue
-                    rid = min(holders)
-                    style = styles.get(rid)
-                    if style is None:
-                        style = styles[rid] = Style(color=request_colour(rid))
-                    cells.append((char, style))
-                elif b in window:
-                    cells.append((WINDOW_CHAR, group_styles[window[b]]))
-                elif b in cached:
-                    cells.append((CACHED_CHAR, CACHED_STYLE))
-                else:
-                    cells.append((FREE_CHAR, FREE_STYLE))
-        else:
-            selected_blocks = set(view.requests[selected].blocks) if selected in view.requests else set()
-            used_style = GROUP_USED_STYLE
-            for start in range(0, self._num_blocks, per):
-                stop = min(start + per, self._num_blocks)
-                used = sum(1 for b in range(start, stop) if b in owners)
-                if selected_blocks and any(b in selected_blocks for b in range(start, stop)):
-                    cells.append((SHADES[-1], SELECTED_STYLE))
-                elif used:
-                    shade = SHADES[min(len(SHADES) - 1, (used * len(SHADES) - 1) // (stop - start))]
-                    if self._num_groups:  # the group holding most of the cell's blocks
-                        held = [groups.get(b, 0) for b in range(start, stop) if b in owners]
-                        used_style = group_styles[max(set(held), key=held.count)]
-                    cells.append((shade, used_style))
-                elif window_in := [window[b] for b in range(start, stop) if b in window]:
-                    cells.append((WINDOW_CHAR, group_styles[max(set(window_in), key=window_in.count)]))
-                elif any(b in cached for b in range(start, stop)):
-                    cells.append((CACHED_CHAR, CACHED_STYLE))
-                else:
-                    cells.append((FREE_CHAR, FREE_STYLE))
+        cells = self._block_cells(view, group_styles) if per == 1 else self._zoomed_cells(view, per, group_styles)
         self._cells = cells
         legend = self.legend_text()
         if legend.markup != self._legend:
@@ -251,6 +203,63 @@ class BlockMap(ScrollView, can_focus=True):
         columns = self._columns()
         self.virtual_size = Size(columns, -(-len(cells) // columns))
         self.refresh()
+
+    def _block_cells(self, view: EngineView, group_styles: list[Style]) -> list[tuple[str, Style]]:
+        """One cell per block: its owner's colour (its group's, in a hybrid pool), the selected
+        request's blocks lit, a window's freed blocks, cached-free and free."""
+        owners, cached, selected = view.block_owners, view.cached, self.selected
+        groups, window, partial = view.block_groups, view.window_freed, view.occupancy.partial
+        styles: dict[str, Style] = {}  # one Style per request: render_line joins runs by identity
+        cells: list[tuple[str, Style]] = []
+        for b in range(self._num_blocks):
+            holders = owners.get(b)
+            if holders:
+                char = PARTIAL_CHAR if b in partial else USED_CHAR
+                if selected is not None and selected in holders:
+                    cells.append((char, SELECTED_STYLE))
+                    continue
+                if self._num_groups:
+                    cells.append((char, group_styles[groups.get(b, 0)]))
+                    continue
+                rid = min(holders)
+                style = styles.get(rid)
+                if style is None:
+                    style = styles[rid] = Style(color=request_colour(rid))
+                cells.append((char, style))
+            elif b in window:
+                cells.append((WINDOW_CHAR, group_styles[window[b]]))
+            elif b in cached:
+                cells.append((CACHED_CHAR, CACHED_STYLE))
+            else:
+                cells.append((FREE_CHAR, FREE_STYLE))
+        return cells
+
+    def _zoomed_cells(self, view: EngineView, per: int, group_styles: list[Style]) -> list[tuple[str, Style]]:
+        """``per`` blocks a cell, shaded by how many are in use (coloured by the group holding
+        most of them, in a hybrid pool); a cell holding a selected request's block lit."""
+        owners, cached, selected = view.block_owners, view.cached, self.selected
+        groups, window = view.block_groups, view.window_freed
+        selected_blocks = set(view.requests[selected].blocks) if selected in view.requests else set()
+        used_style = GROUP_USED_STYLE
+        cells: list[tuple[str, Style]] = []
+        for start in range(0, self._num_blocks, per):
+            stop = min(start + per, self._num_blocks)
+            used = sum(1 for b in range(start, stop) if b in owners)
+            if selected_blocks and any(b in selected_blocks for b in range(start, stop)):
+                cells.append((SHADES[-1], SELECTED_STYLE))
+            elif used:
+                shade = SHADES[min(len(SHADES) - 1, (used * len(SHADES) - 1) // (stop - start))]
+                if self._num_groups:  # the group holding most of the cell's blocks
+                    held = [groups.get(b, 0) for b in range(start, stop) if b in owners]
+                    used_style = group_styles[max(set(held), key=held.count)]
+                cells.append((shade, used_style))
+            elif window_in := [window[b] for b in range(start, stop) if b in window]:
+                cells.append((WINDOW_CHAR, group_styles[max(set(window_in), key=window_in.count)]))
+            elif any(b in cached for b in range(start, stop)):
+                cells.append((CACHED_CHAR, CACHED_STYLE))
+            else:
+                cells.append((FREE_CHAR, FREE_STYLE))
+        return cells
 
     def render_line(self, y: int) -> Strip:
         columns = self._columns()
