@@ -209,9 +209,7 @@ class TorchAttentionBackend:
         all cached context visible; a sliding-window layer reads only the blocks
         its window reaches and masks the older keys of those)."""
         assert self.decode_kernel is not None and meta.query_lens_cpu is not None and meta.seq_lens_cpu is not None
-        block_size, num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[3], query.shape[2]
-        quantized = is_quantized(kv_cache.dtype)
-        if not quantized and query.dtype != torch.float32:  # a float32 query keeps its dtype over any cache
+        if not is_quantized(kv_cache.dtype) and query.dtype != torch.float32:  # a float32 query keeps its dtype over any cache
             query = query.to(kv_cache.dtype)
         out = torch.empty_like(query)
         layout = meta.layout
@@ -231,36 +229,48 @@ class TorchAttentionBackend:
             if choices[i] in layout.paged:
                 continue
             n = meta.query_lens_cpu[i]
-            context = meta.seq_lens_cpu[i]
-            # The first key any row of the chunk sees: 0, or the first row's window start.
-            first = 0 if sliding_window is None else max(0, context - n - sliding_window + 1)
-            first_block = first // block_size
-            blocks = meta.block_tables[i, first_block : -(-context // block_size)].to(torch.int64)
-            kv = kv_cache[blocks]  # [blocks, 2, block_size, kv_heads, width]
-            if quantized:
-                kv = dequantize_from_cache(kv, query.dtype)
-            elif kv.dtype != query.dtype:  # a bf16 cache under float32 queries: widened exactly
-                kv = kv.to(query.dtype)
-            skipped = first_block * block_size  # positions before the gathered blocks
-            # 4-D [1, heads, len, head_dim] with enable_gqa: torch's fused CPU kernel takes only
-            # 4-D inputs; 3-D ones fall back to the math path (AVX2 Zen 3, 512 new rows over a
-            # 1,024-token context, 9 heads: 54.5 -> 13.0 ms; causal 512 x 512: 14.1 -> 6.5 ms).
-            key = kv[:, 0].reshape(-1, num_kv_heads, head_dim)[: context - skipped].transpose(0, 1)[None]
-            value = kv[:, 1].reshape(-1, num_kv_heads, head_dim)[: context - skipped].transpose(0, 1)[None]
-            q = query[starts[i] : starts[i] + n].transpose(0, 1)[None]  # [1, heads, n, head_dim]
-            if q.dtype == torch.float32 and choices[i] == "bf16":  # torch's flash SDPA in bf16
-                q, key, value = q.to(torch.bfloat16), key.to(torch.bfloat16), value.to(torch.bfloat16)
-            if context == n and (sliding_window is None or n <= sliding_window):
-                o = F.scaled_dot_product_attention(q, key, value, is_causal=True, scale=scale, enable_gqa=group > 1)
-            else:  # row r sits at absolute position context - n + r and sees everything up to it (in its window)
-                rows_pos = torch.arange(context - n, context, device=query.device)[:, None]
-                key_pos = torch.arange(skipped, context, device=query.device)[None, :]
-                mask = key_pos <= rows_pos
-                if sliding_window is not None:
-                    mask &= key_pos > rows_pos - sliding_window
-                o = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale, enable_gqa=group > 1)
-            out[starts[i] : starts[i] + n] = o[0].transpose(0, 1)
+            o = self._chunk_sdpa(query[starts[i] : starts[i] + n], kv_cache, meta.block_tables[i],
+                                 meta.seq_lens_cpu[i], choices[i] == "bf16", scale, group, sliding_window)
+            out[starts[i] : starts[i] + n] = o
         return out
+
+    @staticmethod
+    def _chunk_sdpa(q_rows: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, context: int,
+                    bf16: bool, scale: float, group: int, sliding_window: int | None) -> torch.Tensor:
+        """One prefill chunk's attention (``q_rows``: its ``[n, heads, head_dim]`` rows, the last
+        ``n`` of ``context`` positions) by SDPA over exactly the blocks its rows see, gathered
+        from the cache through ``block_table`` (its sequence's row); ``bf16``: q, K and V rounded
+        to bf16 (the kernel plan's choice) when the rows are float32."""
+        block_size, num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[3], q_rows.shape[2]
+        n = q_rows.shape[0]
+        # The first key any row of the chunk sees: 0, or the first row's window start.
+        first = 0 if sliding_window is None else max(0, context - n - sliding_window + 1)
+        first_block = first // block_size
+        blocks = block_table[first_block : -(-context // block_size)].to(torch.int64)
+        kv = kv_cache[blocks]  # [blocks, 2, block_size, kv_heads, width]
+        if is_quantized(kv_cache.dtype):
+            kv = dequantize_from_cache(kv, q_rows.dtype)
+        elif kv.dtype != q_rows.dtype:  # a bf16 cache under float32 queries: widened exactly
+            kv = kv.to(q_rows.dtype)
+        skipped = first_block * block_size  # positions before the gathered blocks
+        # 4-D [1, heads, len, head_dim] with enable_gqa: torch's fused CPU kernel takes only
+        # 4-D inputs; 3-D ones fall back to the math path (AVX2 Zen 3, 512 new rows over a
+        # 1,024-token context, 9 heads: 54.5 -> 13.0 ms; causal 512 x 512: 14.1 -> 6.5 ms).
+        key = kv[:, 0].reshape(-1, num_kv_heads, head_dim)[: context - skipped].transpose(0, 1)[None]
+        value = kv[:, 1].reshape(-1, num_kv_heads, head_dim)[: context - skipped].transpose(0, 1)[None]
+        q = q_rows.transpose(0, 1)[None]  # [1, heads, n, head_dim]
+        if q.dtype == torch.float32 and bf16:  # torch's flash SDPA in bf16
+            q, key, value = q.to(torch.bfloat16), key.to(torch.bfloat16), value.to(torch.bfloat16)
+        if context == n and (sliding_window is None or n <= sliding_window):
+            o = F.scaled_dot_product_attention(q, key, value, is_causal=True, scale=scale, enable_gqa=group > 1)
+        else:  # row r sits at absolute position context - n + r and sees everything up to it (in its window)
+            rows_pos = torch.arange(context - n, context, device=q_rows.device)[:, None]
+            key_pos = torch.arange(skipped, context, device=q_rows.device)[None, :]
+            mask = key_pos <= rows_pos
+            if sliding_window is not None:
+                mask &= key_pos > rows_pos - sliding_window
+            o = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale, enable_gqa=group > 1)
+        return o[0].transpose(0, 1)
 
 
 @dataclass(slots=True)

@@ -255,6 +255,30 @@ static void gated_activation(const float* gu, int64_t M, int64_t I, bool gelu, f
   }
 }
 
+// What both layer calls set up: hidden checked and made contiguous, the heads, the cache view, and the
+// buffers the layer writes: x (a normed row, then the MLP's activation), qkv, gu (gate and up side by
+// side), out (the layer's output) and proj (the O or down projection before its residual).
+struct LayerBuffers {
+  torch::Tensor hidden;
+  Heads h;
+  int64_t M, H, I2, I;
+  KvCache kv;
+  torch::Tensor x, qkv, gu, out, proj;
+};
+
+static LayerBuffers layer_buffers(const char* fn, const torch::Tensor& hidden, int64_t num_heads,
+                                  int64_t num_kv_heads, const torch::Tensor& cos, const torch::Tensor& wf_gate_up,
+                                  const torch::Tensor& kv_cache) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == torch::kFloat, fn, ": hidden [M, H] float32");
+  auto in = hidden.contiguous();
+  const Heads h(num_heads, num_kv_heads, cos.size(-1));
+  const int64_t M = in.size(0), H = in.size(1), I2 = wf_gate_up.size(0), I = I2 / 2;
+  const KvCache kv = kv_view(kv_cache, h);
+  auto opts = in.options();
+  return {in, h, M, H, I2, I, kv, torch::empty({M, std::max(H, I)}, opts), torch::empty({M, h.NQKV}, opts),
+          torch::empty({M, I2}, opts), torch::empty({M, H}, opts), torch::empty({M, H}, opts)};
+}
+
 // hidden [M, H] float32 -> the layer's output [M, H]. cos/sin_signed [M, D]: the rotary
 // factors (x * cos + roll(x, D/2) * sin_signed). kv_cache [NB, 2, BS, KVH, W] float32, bf16 or int8.
 // Each projection comes as (segment blocks, format codes, float weight, GEMV row limit).
@@ -270,40 +294,32 @@ torch::Tensor decode_layer(torch::Tensor hidden, torch::Tensor ln1, torch::Tenso
                            torch::Tensor kv_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
                            torch::Tensor seq_lens, int64_t num_heads, int64_t num_kv_heads, double eps,
                            double scale, int64_t window) {
-  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == torch::kFloat, "decode_layer: hidden [M, H] float32");
-  hidden = hidden.contiguous();
-  const Heads h(num_heads, num_kv_heads, cos.size(-1));
-  const int64_t M = hidden.size(0), H = hidden.size(1), I2 = wf_gate_up.size(0), I = I2 / 2;
-  const KvCache kv = kv_view(kv_cache, h);
-  auto opts = hidden.options();
-  auto x = torch::empty({M, std::max(H, I)}, opts);
-  auto qkv = torch::empty({M, h.NQKV}, opts);
-  auto gu = torch::empty({M, I2}, opts);
-  auto out = torch::empty({M, H}, opts);
-  float* xp = x.data_ptr<float>();
-  float* qkvp = qkv.data_ptr<float>();
+  const LayerBuffers b = layer_buffers("decode_layer", hidden, num_heads, num_kv_heads, cos, wf_gate_up, kv_cache);
+  const Heads& h = b.h;
+  const int64_t M = b.M, H = b.H, I2 = b.I2, I = b.I;
+  float* xp = b.x.data_ptr<float>();
+  float* qkvp = b.qkv.data_ptr<float>();
+  float* op = b.out.data_ptr<float>();
+  float* pp = b.proj.data_ptr<float>();
   const float e = static_cast<float>(eps);
 
-  rms_rows<float>(hidden.data_ptr<float>(), ln1.data_ptr<float>(), xp, M, H, e);
+  rms_rows<float>(b.hidden.data_ptr<float>(), ln1.data_ptr<float>(), xp, M, H, e);
   project({w_qkv, f_qkv, wf_qkv, l_qkv}, xp, M, H, h.NQKV, qkvp);
   if (qkv_bias.numel() > 0) {
     const float* b = qkv_bias.data_ptr<float>();
     for (int64_t m = 0; m < M; ++m) add_into(qkvp + m * h.NQKV, b, h.NQKV);
   }
-  rotate_and_store(qkvp, M, h, cos, sin_signed, kv, slot_mapping);
-  auto attn = attend(qkv, h, kv_cache, kv, block_tables, seq_lens, scale, window);
-  float* op = out.data_ptr<float>();
+  rotate_and_store(qkvp, M, h, cos, sin_signed, b.kv, slot_mapping);
+  auto attn = attend(b.qkv, h, kv_cache, b.kv, block_tables, seq_lens, scale, window);
   project({w_o, f_o, wf_o, l_o}, attn.data_ptr<float>(), M, h.NQ, H, op);
-  add_into(op, hidden.data_ptr<float>(), M * H);
+  add_into(op, b.hidden.data_ptr<float>(), M * H);
   rms_rows<float>(op, ln2.data_ptr<float>(), xp, M, H, e);
-  float* gup = gu.data_ptr<float>();
+  float* gup = b.gu.data_ptr<float>();
   project({w_gate_up, f_gate_up, wf_gate_up, l_gate_up}, xp, M, H, I2, gup);
   gated_activation(gup, M, I, false, xp);
-  auto down = torch::empty({M, H}, opts);
-  float* dp = down.data_ptr<float>();
-  project({w_down, f_down, wf_down, l_down}, xp, M, I, H, dp);
-  add_into(op, dp, M * H);
-  return out;
+  project({w_down, f_down, wf_down, l_down}, xp, M, I, H, pp);
+  add_into(op, pp, M * H);
+  return b.out;
 }
 
 // Gemma 3's layer: as decode_layer, with Q and K RMS-normed per head (q_norm / k_norm) before the
@@ -324,44 +340,37 @@ torch::Tensor decode_layer_gemma3(torch::Tensor hidden, torch::Tensor ln_in, tor
                                   torch::Tensor kv_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
                                   torch::Tensor seq_lens, int64_t num_heads, int64_t num_kv_heads, double eps,
                                   double scale, int64_t window) {
-  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == torch::kFloat, "decode_layer_gemma3: hidden [M, H] float32");
-  hidden = hidden.contiguous();
-  const Heads h(num_heads, num_kv_heads, cos.size(-1));
+  const LayerBuffers b = layer_buffers("decode_layer_gemma3", hidden, num_heads, num_kv_heads, cos, wf_gate_up,
+                                       kv_cache);
+  const Heads& h = b.h;
   TORCH_CHECK(q_norm.numel() == h.D && k_norm.numel() == h.D, "decode_layer_gemma3: q_norm / k_norm width");
-  const int64_t M = hidden.size(0), H = hidden.size(1), I2 = wf_gate_up.size(0), I = I2 / 2;
-  const KvCache kv = kv_view(kv_cache, h);
-  auto opts = hidden.options();
-  auto x = torch::empty({M, std::max(H, I)}, opts);
-  auto qkv = torch::empty({M, h.NQKV}, opts);
-  auto gu = torch::empty({M, I2}, opts);
-  auto out = torch::empty({M, H}, opts);
-  auto proj = torch::empty({M, H}, opts);
-  float* xp = x.data_ptr<float>();
-  float* qkvp = qkv.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  float* pp = proj.data_ptr<float>();
+  const int64_t M = b.M, H = b.H, I2 = b.I2, I = b.I;
+  float* xp = b.x.data_ptr<float>();
+  float* qkvp = b.qkv.data_ptr<float>();
+  float* op = b.out.data_ptr<float>();
+  float* pp = b.proj.data_ptr<float>();
   const float e = static_cast<float>(eps);
 
-  rms_rows<float>(hidden.data_ptr<float>(), ln_in.data_ptr<float>(), xp, M, H, e);
+  rms_rows<float>(b.hidden.data_ptr<float>(), ln_in.data_ptr<float>(), xp, M, H, e);
   project({w_qkv, f_qkv, wf_qkv, l_qkv}, xp, M, H, h.NQKV, qkvp);
   for (int64_t m = 0; m < M; ++m) {  // QK-norm in place: each Q head, then each K head (rows of D)
     float* row = qkvp + m * h.NQKV;
     rms_rows<float>(row, q_norm.data_ptr<float>(), row, h.QH, h.D, e);
     rms_rows<float>(row + h.NQ, k_norm.data_ptr<float>(), row + h.NQ, h.KVH, h.D, e);
   }
-  rotate_and_store(qkvp, M, h, cos, sin_signed, kv, slot_mapping);
-  auto attn = attend(qkv, h, kv_cache, kv, block_tables, seq_lens, scale, window);
+  rotate_and_store(qkvp, M, h, cos, sin_signed, b.kv, slot_mapping);
+  auto attn = attend(b.qkv, h, kv_cache, b.kv, block_tables, seq_lens, scale, window);
   project({w_o, f_o, wf_o, l_o}, attn.data_ptr<float>(), M, h.NQ, H, pp);
   rms_rows<float>(pp, ln_post_attn.data_ptr<float>(), op, M, H, e);
-  add_into(op, hidden.data_ptr<float>(), M * H);
+  add_into(op, b.hidden.data_ptr<float>(), M * H);
   rms_rows<float>(op, ln_pre_ff.data_ptr<float>(), xp, M, H, e);
-  float* gup = gu.data_ptr<float>();
+  float* gup = b.gu.data_ptr<float>();
   project({w_gate_up, f_gate_up, wf_gate_up, l_gate_up}, xp, M, H, I2, gup);
   gated_activation(gup, M, I, true, xp);
   project({w_down, f_down, wf_down, l_down}, xp, M, I, H, pp);
   rms_rows<float>(pp, ln_post_ff.data_ptr<float>(), pp, M, H, e);
   add_into(op, pp, M * H);
-  return out;
+  return b.out;
 }
 """
 
