@@ -59,7 +59,7 @@ lint: setup
 # readers of other servers (settings in pyproject.toml).
 TYPECHECKED := engine/core engine/events engine/budget/memory.py engine/budget/fixes.py engine/config.py \
 	engine/modelspec engine/model/cpu_caps.py engine/gc_policy.py engine/model/kernels/build.py \
-	engine/model/memory/profile_cache.py engine/model/kernel_plan.py engine/cli/program.py engine/cli/vllm_flags.py \
+	engine/model/memory/profile_cache.py engine/model/plan engine/cli/program.py engine/cli/vllm_flags.py \
 	engine/startup_eta.py logparse/startup_phases.py \
 	engine/heartbeat.py engine/stacks.py engine/serve/stall.py engine/serve/stall_dump.py \
 	doctor/facts.py doctor/rules doctor/budget.py doctor/vllm_dp.py doctor/vllm_stall.py \

@@ -535,7 +535,7 @@ def start_engines(args: argparse.Namespace, variants: list[Variant]) -> tuple[li
         engine = auto.llm.engine  # the engine's own reason (a model family may override the ISA's choice)
         reason = resolve_dtype(engine.config, engine.startup.model_config, torch.device("cpu")).reason
         print(f"kvscope --dtype auto chose {auto.dtype} on ISA {cpu_isa()} ({reason})", flush=True)
-        plan = getattr(engine.runner, "kernel_plan", None)  # engine/model/kernel_plan.py: measured at its first start
+        plan = getattr(engine.runner, "kernel_plan", None)  # engine/model/plan/: measured at its first start
         print("\n".join(plan.table_lines()) if plan is not None else "kvscope kernel plan: off (fallback constants)",
               flush=True)
     for e in engines:

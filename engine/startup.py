@@ -60,7 +60,6 @@ from engine.events.phase_data import (
 )
 from engine.gc_policy import restore_collections
 from engine.logs import get_logger
-from engine.model import kernel_plan
 from engine.model.cpu_caps import CpuCapabilities, DtypeChoice, choose_cpu_dtype, detect
 from engine.model.cuda_graphs import DecodeGraphs, graphs_supported
 from engine.model.kernels.background import KernelBuilds
@@ -77,6 +76,10 @@ from engine.model.memory.device import (
 )
 from engine.model.memory.host_allocator import tune_for_steps
 from engine.model.parallel import RankLayout, TensorParallel, check_shardable, replica_free_bytes
+from engine.model.plan.resolve import stored_for_start
+from engine.model.plan.setting import AUTO_DTYPE, AUTO_DTYPE_REASON, PLAN_ENV, plan_enabled
+from engine.model.plan.store import plan_key
+from engine.model.plan.token_budget import BUDGET_MAX, derived_batch_budget
 from engine.model.runner import ModelRunner
 from engine.modelspec.config import ModelConfig
 from engine.modelspec.readers import load_model_config
@@ -198,7 +201,7 @@ def _plan_picks_auto_dtype(config: EngineConfig, model: ModelConfig, device: tor
     """``--dtype auto`` on one CPU rank with the kernel plan on and no family rule: float32
     activations, each projection's weights by the plan's measurement."""
     return (config.dtype == "auto" and device.type == "cpu" and model.family.cpu_dtype is None
-            and not _multi_rank(config) and kernel_plan.plan_enabled())
+            and not _multi_rank(config) and plan_enabled())
 
 
 def resolve_dtype(config: EngineConfig, model: ModelConfig, device: torch.device,
@@ -211,7 +214,7 @@ def resolve_dtype(config: EngineConfig, model: ModelConfig, device: torch.device
     if device.type == "cpu" and model.family.cpu_dtype is not None:  # the family's own rule (the registry)
         return DtypeChoice(*model.family.cpu_dtype)
     if _plan_picks_auto_dtype(config, model, device):
-        return DtypeChoice(kernel_plan.AUTO_DTYPE, kernel_plan.AUTO_DTYPE_REASON)
+        return DtypeChoice(AUTO_DTYPE, AUTO_DTYPE_REASON)
     if device.type == "cpu":
         return choose_cpu_dtype(caps or detect())
     half = model.dtype if model.dtype in ("bfloat16", "float16") else "bfloat16"
@@ -230,7 +233,7 @@ class ResolvedConfig:
     dtype_auto: bool = False  # --dtype auto: the kernel plan may round weights to bf16/int8 where that wins
     kv_cache_dtype_reason: str = "--kv-cache-dtype"
     # The CPU default budget: vLLM-CPU's 2,048 or more, from the kernel plan stored at the time (a
-    # later start's may differ), so phase D's stored profile holds up to kernel_plan.BUDGET_MAX tokens.
+    # later start's may differ), so phase D's stored profile holds up to BUDGET_MAX tokens.
     budget_from_plan: bool = False
 
 
@@ -317,7 +320,7 @@ def kernel_plan_key(config: EngineConfig, model: ModelConfig, quantization: str 
     kernels can read it), the CPU's kernel ISA and flags, torch, threads."""
     from engine.model.kernels import cpu_gemv
 
-    return kernel_plan.plan_key({
+    return plan_key({
         "weights": profile_cache.weights_identity(model.path, _model_facts(model)), "quantization": quantization,
         "x8": cpu_gemv.int8_activations_enabled(), "dtype": dtype, "dtype_auto": dtype_auto, "load_format": config.load_format,
         "kv_cache_dtype": kv_cache_dtype,
@@ -329,22 +332,22 @@ def cpu_batch_budget(config: EngineConfig, model: ModelConfig, quantization: str
                      caps: CpuCapabilities | None, dtype_auto: bool, kv_cache_dtype: str) -> tuple[int, str, bool]:
     """The CPU default token budget, why, and whether it is the kernel plan's: vLLM-CPU's
     ``CPU_PROMPT_STEP_TOKENS``, raised where the stored plan's prefill speed fits more in one step
-    near ``kernel_plan.STEP_TARGET_S``. The first start (no plan stored yet) runs the budget a later
+    near ``STEP_TARGET_S``. The first start (no plan stored yet) runs the budget a later
     one does unless its plan measures a CPU that fast; without a plan, the fixed default."""
     fixed, floor = CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS, CPU_PROMPT_STEP_TOKENS
-    if _multi_rank(config) or not kernel_plan.plan_enabled():
-        return fixed, (f"the CPU default {fixed} (no kernel plan: {kernel_plan.PLAN_ENV}=off, tensor or pipeline "
+    if _multi_rank(config) or not plan_enabled():
+        return fixed, (f"the CPU default {fixed} (no kernel plan: {PLAN_ENV}=off, tensor or pipeline "
                        "parallel)"), False
     key = kernel_plan_key(config, model, quantization, dtype, caps, dtype_auto, kv_cache_dtype)
-    plan = kernel_plan.stored_for_start(key, model.name, (caps or detect()).isa)
+    plan = stored_for_start(key, model.name, (caps or detect()).isa)
     default = f"the CPU default {floor:,} (vLLM's CPU server default): steps composed as vLLM-CPU's, each faster"
     if plan is None:
         return floor, (f"{default}; no kernel plan stored for these weights on this CPU yet (this start measures one; "
                        "a plan only raises the budget, where its prefill speed fits more tokens in a step)"), True
-    derived = kernel_plan.derived_batch_budget(plan, model.num_layers)
+    derived = derived_batch_budget(plan, model.num_layers)
     if derived is None:
         return floor, (f"{default}; the stored kernel plan has no prefill-sized timings (its measuring reached the "
-                       f"time bound first; {kernel_plan.PLAN_ENV}=measure measures again)"), True
+                       f"time bound first; {PLAN_ENV}=measure measures again)"), True
     if derived[0] < floor:  # never fewer tokens a step than vLLM-CPU takes
         return floor, (f"{default}; the plan's one-second budget here would be {derived[0]:,}, and a tighter "
                        "bound slows more gaps between tokens (ITL p99) than it shortens"), True
@@ -603,7 +606,7 @@ def _phases_b_to_g(s: StartupInputs, phases: PhaseRecorder, reading: MemoryReadi
         bus.publish(StartupProgress(phase="D", what="profile run", done=0, total=1, unit="steps"))
         profile = _profile_run(runner, s.config, s.model, s.device, log,
                                shared=parallel is not None or stage is not None,
-                               cover=kernel_plan.BUDGET_MAX if s.resolution.budget_from_plan else None)
+                               cover=BUDGET_MAX if s.resolution.budget_from_plan else None)
         bus.publish(StartupProgress(phase="D", what="profile run", done=1, total=1, unit="steps"))
         d.record = ProfileRunData(
             activation_peak_bytes=profile.activation_peak_bytes, non_torch_bytes=profile.non_torch_bytes,
@@ -705,7 +708,7 @@ def _phase_load_weights(c: PhaseHandle, s: StartupInputs, progress: Callable[[in
         carve_stage(runner, s.stage_layers)
         info.weights_bytes = runner.model.weights_bytes()
     plan_bytes, dropped = None, 0
-    if s.device.type == "cpu" and parallel is None and not _multi_rank(config) and kernel_plan.plan_enabled():
+    if s.device.type == "cpu" and parallel is None and not _multi_rank(config) and plan_enabled():
         # measured (or read back) here, not in phase F: phase D profiles, and phase E sizes, what it runs
         before = runner.model.weights_bytes()
         key = kernel_plan_key(config, model, config.quantization, config.dtype, s.caps, s.resolution.dtype_auto,
@@ -934,7 +937,7 @@ def _cpu_phase_f(f: PhaseHandle, s: StartupInputs, runner: ModelRunner, kernels:
         for line in plan.table_lines():
             log.info(line)
     else:
-        log.info(f"kernel plan off ({kernel_plan.PLAN_ENV}=off, tensor parallel or not on CPU): the fallback "
+        log.info(f"kernel plan off ({PLAN_ENV}=off, tensor parallel or not on CPU): the fallback "
                  "constants (GEMV_MAX_ROWS) route the projections")
     log.info(f"CPU fused decode layers: {layers}")
     report = getattr(runner.model, "precision_report", None)  # the Llama family's (MoE and TP ranks included)

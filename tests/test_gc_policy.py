@@ -29,9 +29,9 @@ def test_deferring_raises_only_the_young_threshold_and_restoring_puts_it_back() 
 def test_an_engine_start_restores_the_thresholds(monkeypatch: pytest.MonkeyPatch) -> None:
     """The entry points defer collection before torch loads; phase G's end restores it."""
     from engine.llm import LLM
-    from engine.model import kernel_plan
+    from engine.model.plan import setting
 
-    monkeypatch.setenv(kernel_plan.PLAN_ENV, "off")  # the thresholds, not the plan: a short start
+    monkeypatch.setenv(setting.PLAN_ENV, "off")  # the thresholds, not the plan: a short start
 
     restore_collections()
     default = gc.get_threshold()

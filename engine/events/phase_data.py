@@ -141,7 +141,7 @@ class LoadWeightsData(PhaseData):
     quantization: str | None = NOT_REPORTED  # the resolved --quantization; null for float weights
     quantization_reason: str | None = NOT_REPORTED
     vision_weights_bytes: int | None = NOT_REPORTED  # VL models: the part of weights_bytes the vision tower holds
-    # CPU: the copies the kernel plan's choices keep (bf16, int8), part of weights_bytes (engine/model/kernel_plan.py)
+    # CPU: the copies the kernel plan's choices keep (bf16, int8), part of weights_bytes (engine/model/plan/candidates.py)
     kernel_plan_bytes: int | None = NOT_REPORTED
     # CPU: the float weights the kernel plan never multiplies by (the GGUF blocks or a copy at every
     # step size), not kept and not in weights_bytes (engine/model/families/llama.py _drop_unused_float_weights)
@@ -226,7 +226,7 @@ class GraphsCompileData(PhaseData):
     cpu_decode_layers: str | None = NOT_REPORTED
     compile_seconds: float | None = NOT_REPORTED  # only with --compile
     warmup_seconds: float | None = NOT_REPORTED
-    # CPU: the kernel plan (engine/model/kernel_plan.py KernelPlan.to_json(): each candidate's µs per
+    # CPU: the kernel plan (engine/model/plan/kernel_plan.py KernelPlan.to_json(): each candidate's µs per
     # projection group and step size, the choice and why, the fused layer, where it came from)
     kernel_plan: Mapping[str, Any] | None = NOT_REPORTED
     # CPU: each part of a step (activations, rms_norm, projections, prefill/decode attention, lm_head,

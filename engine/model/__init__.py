@@ -5,8 +5,7 @@ executors imports torch.
 - ``layers``: quantized projections, experts, rope scaling
 - ``loading``: weights, GGUF blocks, the tokenizer and the startup cache
 - ``memory``: device memory probes, phase D's activation peak, host malloc
-- ``kernel_plan``: the measured choice of kernel per projection and step size
-- ``plan_stability``: plans that hold still: margins and load
+- ``plan``: the kernel plan: the measured choice of kernel per projection and step size
 - ``runner``: ``ModelRunner``: a step's batch in, sampled tokens out
 - ``sampler``: the batched sampler and logprobs
 - ``cuda_graphs``: decode steps as CUDA graphs

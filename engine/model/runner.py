@@ -36,7 +36,7 @@ from engine.modelspec.config import CANONICAL_DTYPE, ModelConfig
 
 if TYPE_CHECKING:
     from engine.model.cpu_caps import CpuCapabilities
-    from engine.model.kernel_plan import KernelPlan
+    from engine.model.plan.kernel_plan import KernelPlan
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Prompt logprobs: the LM head runs on this many prompt positions at a time, so a long
@@ -350,13 +350,13 @@ class ModelRunner:
     def resolve_kernel_plan(self, key: str, caps: CpuCapabilities, log: Any = None,
                             approximate: bool = True) -> KernelPlan | None:
         """The kernel plan for these weights on this CPU (pinned, stored under ``key``, or
-        measured now), installed on the model (engine/model/kernel_plan.py); ``approximate``
+        measured now), installed on the model (engine/model/plan/resolve.py); ``approximate``
         (``--dtype auto``) lets it pick bf16 and int8 weights too. The paged-decode
         kernel is switched on first: the fused layer is timed against the op-by-op layer on it."""
-        from engine.model import kernel_plan
+        from engine.model.plan.resolve import resolve
 
         self.enable_cpu_decode_kernel()
-        self.kernel_plan = kernel_plan.resolve(self.model, key, caps.native_bf16, caps.isa, log, approximate)
+        self.kernel_plan = resolve(self.model, key, caps.native_bf16, caps.isa, log, approximate)
         return self.kernel_plan
 
     @property

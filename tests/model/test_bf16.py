@@ -14,12 +14,14 @@ import torch
 import torch.nn.functional as F
 
 from engine.core.sampling_params import SamplingParams
-from engine.model import kernel_plan
 from engine.model.attention import cpu_decode
 from engine.model.families.llama import PAGED_PREFILL, PAGED_PREFILL_BF16
-from engine.model.kernel_plan import ACCURACY_BOUND, ATTENTION, STEP_CLASSES, Cell, KernelPlan, relative_error
 from engine.model.kernels import cpu_layer, cpu_norm
 from engine.model.kernels.cpu_gemv import dequantize
+from engine.model.plan import attention_cells, kernel_plan
+from engine.model.plan.candidates import mkldnn_bf16_pack_available
+from engine.model.plan.choice import relative_error
+from engine.model.plan.kernel_plan import ACCURACY_BOUND, ATTENTION, STEP_CLASSES, Cell, KernelPlan
 from engine.model.runner import ModelRunner, ScheduledSeq
 
 # bf16 keeps 8 significant bits: one rounding of an output is at most 2^-9 relative (RMS ~1.1e-3).
@@ -120,9 +122,9 @@ def test_bf16_sdpa_prefill_matches_float32_within_the_plan_bound(smollm_config, 
     assert relative_error(bf16, float32) < ACCURACY_BOUND
     report = runner.model.precision_report(runner.kv_cache_dtype)
     assert report["prefill_attention"].startswith(f"torch SDPA in float32; bf16 for chunks of {MULTI_ROW}")
-    candidates = kernel_plan.attention_candidates(runner.model, bf16=True)
+    candidates = attention_cells.attention_candidates(runner.model, bf16=True)
     assert candidates == ("torch", "bf16", "paged")  # the paged prefill kernel is built for head dim 64
-    cells = kernel_plan._attention_cells(runner.model, candidates, torch.Generator().manual_seed(0), float("inf"))
+    cells = attention_cells.attention_cells(runner.model, candidates, torch.Generator().manual_seed(0), float("inf"))
     assert ",".join(c.step for c in cells) == MULTI_ROW
     for cell in cells:
         assert set(cell.us) == set(candidates) and cell.error["torch"] == 0.0
@@ -140,15 +142,15 @@ def test_the_bf16_prefill_kernel_is_a_candidate_over_a_bf16_cache_where_the_cpu_
     assert runner.enable_cpu_decode_kernel() is None
     has_it = cpu_decode.bf16_prefill_available()
     assert ("paged_bf16" in runner.backend.prefill_kernels) == has_it
-    candidates = kernel_plan.attention_candidates(runner.model, bf16=True)
+    candidates = attention_cells.attention_candidates(runner.model, bf16=True)
     assert candidates == ("torch", "bf16", "paged") + (("paged_bf16",) if has_it else ())
-    assert "paged_bf16" not in kernel_plan.attention_candidates(runner.model, bf16=False)  # --dtype float32
+    assert "paged_bf16" not in attention_cells.attention_candidates(runner.model, bf16=False)  # --dtype float32
     float32_cache = _small_runner(smollm_config, "float32")
     float32_cache.enable_cpu_decode_kernel()
     assert "paged_bf16" not in float32_cache.backend.prefill_kernels
     if not has_it:
         return
-    cells = kernel_plan._attention_cells(runner.model, candidates, torch.Generator().manual_seed(0), float("inf"))
+    cells = attention_cells.attention_cells(runner.model, candidates, torch.Generator().manual_seed(0), float("inf"))
     for cell in cells:
         assert cell.error["paged"] < 1e-5 and 1e-4 < cell.error["paged_bf16"] < ACCURACY_BOUND
     prompt = list(range(100, 140))
@@ -193,7 +195,7 @@ def test_the_fused_layer_runs_its_gemv_whatever_the_op_by_op_routes(smollm_confi
     op_by_op = _decode_step(runner, 12, False, monkeypatch)
     assert not torch.equal(fused, op_by_op)  # the op-by-op step ran the packed bf16 copies
     projections = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-    if kernel_plan.mkldnn_bf16_pack_available():
+    if mkldnn_bf16_pack_available():
         assert all(getattr(model.layers[0], f"{n}_bf16_packed").is_mkldnn for n in projections)
     else:  # AVX2: oneDNN cannot pack bf16, the plan keeps a dense bf16 copy
         assert all(getattr(model.layers[0], f"{n}_bf16").dtype == torch.bfloat16 for n in projections)

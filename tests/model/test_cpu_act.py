@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.families.llama import DecoderLayer
-from engine.model.kernel_plan import build_route
 from engine.model.kernels import cpu_act
 from engine.model.kernels.cpu_act import silu_and_mul
+from engine.model.plan.routes import build_route
 from engine.modelspec.readers import load_model_config
 
 DTYPES = (torch.float32, torch.bfloat16)

@@ -60,7 +60,7 @@ def test_this_machine_is_described() -> None:
 
 
 def test_startup_resolves_auto_by_isa_and_leaves_the_callers_config_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine.model import kernel_plan
+    from engine.model.plan import setting
 
     model = load_model_config("smollm2-135m")
     config = EngineConfig(dtype="auto")
@@ -69,7 +69,7 @@ def test_startup_resolves_auto_by_isa_and_leaves_the_callers_config_alone(monkey
     for caps in (detect(ZEN3, "AVX2"), detect(ZEN4, "AVX512")):
         choice = resolve_dtype(config, model, cpu, caps)
         assert choice.dtype == "float32" and "kernel plan" in choice.reason
-    monkeypatch.setenv(kernel_plan.PLAN_ENV, "off")  # the fallback: the ISA rule
+    monkeypatch.setenv(setting.PLAN_ENV, "off")  # the fallback: the ISA rule
     assert resolve_dtype(config, model, cpu, detect(ZEN3, "AVX2")).dtype == "float32"
     assert resolve_dtype(config, model, cpu, detect(ZEN4, "AVX512")).dtype == "bfloat16"
     explicit = EngineConfig(dtype="bfloat16")

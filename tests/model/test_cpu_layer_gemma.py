@@ -24,11 +24,11 @@ import torch
 
 from engine.core.kv_cache_groups import kv_cache_groups
 from engine.core.sampling_params import SamplingParams
-from engine.model import kernel_plan
 from engine.model.attention.base import AttentionMetadata
 from engine.model.kernels import cpu_layer
 from engine.model.layers.quantized_linear import BlockPart, QuantizedLinear, dequantize_part
 from engine.model.loading import weight_blocks
+from engine.model.plan import fused_layer
 from engine.model.runner import ModelRunner, ScheduledSeq
 from tests.model.gemma3_fixtures import gemma3_config, gemma3_runner
 from tests.model.test_cpu_quant import random_blocks
@@ -151,7 +151,7 @@ def test_fused_layer_over_any_block_format(blocks_model, seq_lens: list[int]) ->
 
 def test_the_kernel_plan_times_the_fused_layer(blocks_model) -> None:
     _, model = blocks_model
-    fused_us, layer_us, err = kernel_plan._fused_against_layer(
+    fused_us, layer_us, err = fused_layer._fused_against_layer(
         model, model.layers[0], cpu_layer.load_kernel(), model._fused_layers[0], 2, torch.Generator().manual_seed(0))
     assert fused_us > 0 and layer_us > 0 and err < LAYER_RTOL
 
@@ -187,9 +187,9 @@ def test_gemma3_sliding_layer_attends_its_window_only(gemma) -> None:
 
 
 def test_the_kernel_plan_times_gemma3s_fused_layer(gemma) -> None:
-    """kernel_plan.fused_timing's comparison on layer 0 (sliding, the local rope base)."""
+    """fused_layer.fused_timing's comparison on layer 0 (sliding, the local rope base)."""
     model = gemma.model
-    fused_us, layer_us, err = kernel_plan._fused_against_layer(
+    fused_us, layer_us, err = fused_layer._fused_against_layer(
         model, model.layers[0], cpu_layer.load_kernel(), model._fused_layers[0], 1, torch.Generator().manual_seed(0))
     assert fused_us > 0 and layer_us > 0 and err < LAYER_RTOL, err
 

@@ -1,4 +1,4 @@
-"""The kernel plan (engine/model/kernel_plan.py): the choice from injected timings (the
+"""The kernel plan (engine/model/plan/): the choice from injected timings (the
 fastest candidate within the accuracy bound, an inaccurate one rejected however fast), the
 routes it builds, the fused layer's rows, the token budget it derives, pinning by the
 environment variable, and on a real model: every candidate checked against fp32, the plan
@@ -18,10 +18,22 @@ import torch.nn.functional as F
 from engine.errors import UserError
 from engine.events import Event, EventBus, StartupPhase
 from engine.llm import LLM
-from engine.model import kernel_plan, plan_stability
 from engine.model.cpu_caps import detect
-from engine.model.kernel_plan import ACCURACY_BOUND, STEP_CLASSES, Cell, KernelPlan, choose
 from engine.model.memory import profile_cache
+from engine.model.plan import (
+    candidates,
+    choice,
+    fused_layer,
+    kernel_plan,
+    measurement,
+    routes,
+    setting,
+    stability,
+    store,
+    token_budget,
+)
+from engine.model.plan.choice import choose
+from engine.model.plan.kernel_plan import ACCURACY_BOUND, STEP_CLASSES, Cell, KernelPlan
 from engine.model.runner import ModelRunner, ScheduledSeq
 
 
@@ -72,10 +84,10 @@ def test_the_token_budget_follows_the_measured_prefill_speed() -> None:
     # biggest class, 256 rows: qkv torch 712 µs, the others bf16 406 µs: 3.17 µs a token a layer
     per_token = plan.prefill_us_per_token(num_layers=30)
     assert per_token == pytest.approx(30 * (712 + 3 * 406) / 256)
-    tokens, reason = kernel_plan.derived_batch_budget(plan, 30)
-    assert tokens == int(kernel_plan.STEP_TARGET_S * 1e6 / per_token) // 64 * 64
+    tokens, reason = token_budget.derived_batch_budget(plan, 30)
+    assert tokens == int(token_budget.STEP_TARGET_S * 1e6 / per_token) // 64 * 64
     assert "prefill speed" in reason and f"{tokens:,} tokens" in reason
-    assert kernel_plan.derived_batch_budget(_scaled(plan, 1000.0), 30)[0] == kernel_plan.BUDGET_MIN
+    assert token_budget.derived_batch_budget(_scaled(plan, 1000.0), 30)[0] == token_budget.BUDGET_MIN
 
 
 def _scaled(plan: KernelPlan, factor: float) -> KernelPlan:
@@ -96,15 +108,15 @@ def test_the_plans_budget_never_takes_fewer_tokens_a_step_than_vllm_cpu(monkeypa
 
     model, cpu = load_model_config("smollm2-135m"), torch.device("cpu")
     fast = _injected_plan()
-    monkeypatch.setenv(kernel_plan.PLAN_ENV, json.dumps(fast.to_json()))
-    fast_tokens, why = kernel_plan.derived_batch_budget(fast, model.num_layers)
+    monkeypatch.setenv(setting.PLAN_ENV, json.dumps(fast.to_json()))
+    fast_tokens, why = token_budget.derived_batch_budget(fast, model.num_layers)
     assert fast_tokens > CPU_PROMPT_STEP_TOKENS
     resolution = resolve_config(EngineConfig(), model, cpu)
     assert (resolution.config.max_num_batched_tokens, resolution.config.max_decode_step_tokens) == (fast_tokens, None)
     assert resolution.batched_tokens_reason == why
     slow = _scaled(fast, 4.0)  # a CPU four times slower: its one-second budget is under 2,048
-    monkeypatch.setenv(kernel_plan.PLAN_ENV, json.dumps(slow.to_json()))
-    derived = kernel_plan.derived_batch_budget(slow, model.num_layers)[0]
+    monkeypatch.setenv(setting.PLAN_ENV, json.dumps(slow.to_json()))
+    derived = token_budget.derived_batch_budget(slow, model.num_layers)[0]
     assert derived < CPU_PROMPT_STEP_TOKENS
     resolution = resolve_config(EngineConfig(), model, cpu)
     assert (resolution.config.max_num_batched_tokens, resolution.config.max_decode_step_tokens) == (
@@ -134,7 +146,7 @@ def test_the_next_start_derives_its_budget_from_the_plan_phase_f_stored(dtype: s
     from engine.startup import CPU_PROMPT_STEP_TOKENS, kernel_plan_key, resolve_config
 
     monkeypatch.setenv(profile_cache.PROFILE_CACHE_ENV, str(tmp_path))
-    monkeypatch.delenv(kernel_plan.PLAN_ENV, raising=False)
+    monkeypatch.delenv(setting.PLAN_ENV, raising=False)
     model, cpu, caps = load_model_config("smollm2-135m"), torch.device("cpu"), detect()
     config = EngineConfig(dtype=dtype)
     first = resolve_config(config, model, cpu, caps)
@@ -144,46 +156,46 @@ def test_the_next_start_derives_its_budget_from_the_plan_phase_f_stored(dtype: s
     plan = _injected_plan()  # fast enough to budget more than vLLM-CPU's 2,048
     plan.key = kernel_plan_key(resolved, model, resolved.quantization, resolved.dtype, caps, first.dtype_auto,
                                resolved.kv_cache_dtype)  # what phase F computes
-    kernel_plan.store(plan)
-    derived = kernel_plan.derived_batch_budget(plan, model.num_layers)[0]
+    store.store(plan)
+    derived = token_budget.derived_batch_budget(plan, model.num_layers)[0]
     assert derived > CPU_PROMPT_STEP_TOKENS
     assert resolve_config(config, model, cpu, caps).config.max_num_batched_tokens == derived
-    kernel_plan.store(_scaled(plan, 4.0))  # a CPU four times slower: the same budget as its first start
+    store.store(_scaled(plan, 4.0))  # a CPU four times slower: the same budget as its first start
     assert resolve_config(config, model, cpu, caps).config.max_num_batched_tokens == CPU_PROMPT_STEP_TOKENS
 
 
 def test_the_fused_layer_serves_the_rows_where_it_wins_from_one_up() -> None:
     (one, eight), sixty_four = STEP_CLASSES[:2], STEP_CLASSES[4]
-    rows, notes = kernel_plan.fused_rows_from([(one, 80.0, 190.0, 1e-6), (eight, 400.0, 700.0, 1e-6),
+    rows, notes = fused_layer.fused_rows_from([(one, 80.0, 190.0, 1e-6), (eight, 400.0, 700.0, 1e-6),
                                                (sixty_four, 9000.0, 8000.0, 1e-6)], 256)
     assert rows == 8 and notes[2].endswith("-> op by op")
-    assert kernel_plan.fused_rows_from([(one, 80.0, 190.0, 1e-6), (eight, 400.0, 700.0, 1e-6)], 256)[0] == 256
-    assert kernel_plan.fused_rows_from([(one, 80.0, 190.0, 0.5)], 256)[0] == 0  # fast but wrong
+    assert fused_layer.fused_rows_from([(one, 80.0, 190.0, 1e-6), (eight, 400.0, 700.0, 1e-6)], 256)[0] == 256
+    assert fused_layer.fused_rows_from([(one, 80.0, 190.0, 0.5)], 256)[0] == 0  # fast but wrong
 
 
 def test_a_pinned_plan_is_used_and_a_bad_one_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(_injected_plan().to_json()))
-    monkeypatch.setenv(kernel_plan.PLAN_ENV, str(path))
-    pinned = kernel_plan.pinned()
+    monkeypatch.setenv(setting.PLAN_ENV, str(path))
+    pinned = store.pinned()
     assert pinned is not None and pinned.source == "pinned" and pinned.fused_max_rows == 8
-    monkeypatch.setenv(kernel_plan.PLAN_ENV, json.dumps({**_injected_plan().to_json(), "format": 99}))
+    monkeypatch.setenv(setting.PLAN_ENV, json.dumps({**_injected_plan().to_json(), "format": 99}))
     with pytest.raises(UserError, match="KVSCOPE_KERNEL_PLAN"):
-        kernel_plan.pinned()
-    monkeypatch.setenv(kernel_plan.PLAN_ENV, "off")
-    assert not kernel_plan.plan_enabled() and kernel_plan.pinned() is None
+        store.pinned()
+    monkeypatch.setenv(setting.PLAN_ENV, "off")
+    assert not setting.plan_enabled() and store.pinned() is None
 
 
 def test_a_route_runs_each_step_size_class_on_its_candidate() -> None:
     weight = torch.randn(64, 96, generator=torch.Generator().manual_seed(0))
-    route, extra = kernel_plan.build_route([(1, "torch"), (8, "torch"), (64, "int8pack"), (1 << 62, "int8pack")],
+    route, extra = routes.build_route([(1, "torch"), (8, "torch"), (64, "int8pack"), (1 << 62, "int8pack")],
                                            weight, None, None)
     assert set(extra) == {"int8pack", "int8pack_scale"} and route.limits == (8, 1 << 62)
     small, big = torch.randn(8, 96), torch.randn(9, 96)
     assert torch.equal(route(small), F.linear(small, weight))
     rounded = route(big)  # the int8 copy: close to the float weights, not equal
     assert not torch.equal(rounded, F.linear(big, weight))
-    assert kernel_plan.relative_error(rounded, F.linear(big, weight)) < 2e-2
+    assert choice.relative_error(rounded, F.linear(big, weight)) < 2e-2
 
 
 def test_the_bf16_candidate_multiplies_by_a_prepacked_copy_with_the_same_bits() -> None:
@@ -191,9 +203,9 @@ def test_the_bf16_candidate_multiplies_by_a_prepacked_copy_with_the_same_bits() 
     faster at 8-256 rows on Zen 4) and keeps only the packed copy (the fused layer runs its GEMV).
     Where oneDNN cannot pack bf16 (AVX2), the plan keeps one dense bf16 copy, same bits."""
     weight = torch.randn(192, 96, generator=torch.Generator().manual_seed(1))
-    route, extra = kernel_plan.build_route([(1, "torch"), (8, "torch"), (64, "bf16"), (1 << 62, "bf16")],
+    route, extra = routes.build_route([(1, "torch"), (8, "torch"), (64, "bf16"), (1 << 62, "bf16")],
                                            weight, None, None)
-    if kernel_plan.mkldnn_bf16_pack_available():
+    if candidates.mkldnn_bf16_pack_available():
         assert extra["bf16_packed"].is_mkldnn and set(extra) == {"bf16_packed"}  # no dense copy beside it
     else:  # oneDNN packs bf16 only with AVX512-BW/VL/DQ or AVX-NE-CONVERT: AVX2 keeps the dense copy
         assert extra["bf16"].dtype == torch.bfloat16 and set(extra) == {"bf16"}
@@ -206,19 +218,19 @@ def test_the_bf16_candidate_multiplies_by_a_prepacked_copy_with_the_same_bits() 
 def test_fp32pack_sums_in_float32_for_every_group_the_lm_head_included() -> None:
     """The float32 weight packed once for oneDNN: float32 sums (within 1e-5 of F.linear, not
     bf16-rounded), so it is a candidate for the LM head too; dtype-preserving for any rows."""
-    if not kernel_plan.mkldnn_linear_available():
+    if not candidates.mkldnn_linear_available():
         pytest.skip("this torch has no oneDNN linear")
     weight = torch.randn(4096, 96, generator=torch.Generator().manual_seed(2))
-    assert "fp32pack" in kernel_plan.candidates_for(weight, None, None, native_bf16=True, group="head")
-    assert "bf16" not in kernel_plan.candidates_for(weight, None, None, native_bf16=True, group="head")
-    route, extra = kernel_plan.build_route([(1, "torch"), (8, "fp32pack"), (64, "fp32pack"), (1 << 62, "fp32pack")],
+    assert "fp32pack" in candidates.candidates_for(weight, None, None, native_bf16=True, group="head")
+    assert "bf16" not in candidates.candidates_for(weight, None, None, native_bf16=True, group="head")
+    route, extra = routes.build_route([(1, "torch"), (8, "fp32pack"), (64, "fp32pack"), (1 << 62, "fp32pack")],
                                            weight, None, None, "head")
     assert extra["fp32_packed"].is_mkldnn
     for rows in (2, 16, 200):
         x = torch.randn(rows, 96)
         out = route(x)
         assert out.dtype == torch.float32
-        assert kernel_plan.relative_error(out, F.linear(x, weight)) < 1e-5
+        assert choice.relative_error(out, F.linear(x, weight)) < 1e-5
 
 
 @pytest.fixture
@@ -257,10 +269,10 @@ def _logits(runner: ModelRunner) -> torch.Tensor:
 
 
 def _every_cell_measured_quiet(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No time bound and a quiet load average (plan_stability.current_load): what these tests check
+    """No time bound and a quiet load average (stability.current_load): what these tests check
     holds at any load (a loaded machine took 4-8 s for what a quiet one measures within the 2 s bound)."""
-    monkeypatch.setattr(kernel_plan, "MEASURE_BOUND_S", 600.0)
-    monkeypatch.setattr(plan_stability, "current_load", lambda: 0.5)
+    monkeypatch.setattr(measurement, "MEASURE_BOUND_S", 600.0)
+    monkeypatch.setattr(stability, "current_load", lambda: 0.5)
 
 
 @pytest.mark.slow  # ~3 s quiet (random weights of SmolLM2's shapes, packed), more on a loaded machine
@@ -280,7 +292,7 @@ def test_measured_on_real_weights_stored_and_reused(two_layer_runner: ModelRunne
         assert "gemv" in cell.us or "gemv" in cell.rejected or cell.group in ("head", kernel_plan.ATTENTION)
     attention = [c for c in measured if c.group == kernel_plan.ATTENTION]
     assert attention and all("paged" in c.us for c in attention)  # the prefill kernel, timed and checked
-    assert (tmp_path / kernel_plan.PLANS_FOLDER / "test-key.json").is_file()
+    assert (tmp_path / store.PLANS_FOLDER / "test-key.json").is_file()
     # the model now runs by the plan: its logits are fp32's within the bound each of the
     # path's projections kept (two layers' four groups and the head: each within the bound, so
     # the whole at most sqrt(9) x it where their errors are independent), as the constants' are
@@ -288,8 +300,8 @@ def test_measured_on_real_weights_stored_and_reused(two_layer_runner: ModelRunne
     runner.model.install_kernel_plan(_every_cell("torch", "torch"))
     exact = _logits(runner)
     path_bound = ACCURACY_BOUND * (2 * len(kernel_plan.LAYER_GROUPS) + 1) ** 0.5
-    assert kernel_plan.relative_error(reference, exact) < path_bound
-    assert kernel_plan.relative_error(routed, exact) < path_bound, plan.summary()
+    assert choice.relative_error(reference, exact) < path_bound
+    assert choice.relative_error(routed, exact) < path_bound, plan.summary()
     runner.model.install_kernel_plan(plan)
     again = runner.resolve_kernel_plan("test-key", detect())
     assert again is not None and again.source == "stored"
@@ -303,16 +315,16 @@ def test_a_partial_plan_is_resumed_at_the_next_start(two_layer_runner: ModelRunn
     measures only the rest (a loaded first start must not leave a plan on the fallback forever)."""
     monkeypatch.setenv(profile_cache.PROFILE_CACHE_ENV, str(tmp_path))
     runner = two_layer_runner
-    monkeypatch.setattr(kernel_plan, "MEASURE_BOUND_S", 0.0)  # nothing is reached
+    monkeypatch.setattr(measurement, "MEASURE_BOUND_S", 0.0)  # nothing is reached
     first = runner.resolve_kernel_plan("partial", detect())
     assert first is not None and first.unmeasured == len(first.cells) + (not first.fused_timed)
     assert all(not c.us and "next start" in c.why for c in first.cells)
-    monkeypatch.setattr(kernel_plan, "MEASURE_BOUND_S", 60.0)
+    monkeypatch.setattr(measurement, "MEASURE_BOUND_S", 60.0)
     whole = runner.resolve_kernel_plan("partial", detect())
     assert whole is not None and whole.source == "measured" and whole.unmeasured == 0
     assert any(n.startswith("resumed an earlier start's plan: 0 cells kept") for n in whole.notes)
     # a stored plan with two cells left on the fallback: those two are measured, the rest kept as stored
-    stored = tmp_path / kernel_plan.PLANS_FOLDER / "partial.json"
+    stored = tmp_path / store.PLANS_FOLDER / "partial.json"
     data = json.loads(stored.read_text())
     for cell in data["cells"][:2]:
         cell.update(us={}, error={}, rejected={}, measured=False, why="not measured")
@@ -354,8 +366,8 @@ def test_a_warm_start_reuses_the_stored_plan(tmp_path: Path, monkeypatch: pytest
     reused = second["F"]["kernel_plan"]
     assert reused["source"] == "stored"  # read back, not measured again: the same table, the same time
     assert reused["cells"] == plan["cells"] and reused["measured_at"] == plan["measured_at"]
-    assert len(list((tmp_path / kernel_plan.PLANS_FOLDER).glob("*.json"))) == 1
-    monkeypatch.setenv(kernel_plan.PLAN_ENV, "off")
+    assert len(list((tmp_path / store.PLANS_FOLDER).glob("*.json"))) == 1
+    monkeypatch.setenv(setting.PLAN_ENV, "off")
     off = _phase_events(dtype="auto")
     assert "kernel_plan" not in off["F"] and off["A"]["dtype_reason"] != first["A"]["dtype_reason"]
 
@@ -402,7 +414,7 @@ def test_engine_plan_shows_the_plan_a_default_start_runs(tmp_path: Path, monkeyp
     for key, threads, when, chosen in (("a", default, 1.0, "gemv"), ("b", default + 1, 2.0, "torch")):
         plan = KernelPlan([dataclasses.replace(cells[0], chosen=chosen)], model="m", threads=threads,
                           measured_at=when, key=key)
-        kernel_plan.store(plan)
+        store.store(plan)
     lines = stored_kernel_plan_lines("m")
     assert f"({default} threads; 2 stored" in lines[0]
     assert any("-> gemv" in line for line in lines) and not any("-> torch" in line for line in lines)

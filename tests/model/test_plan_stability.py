@@ -1,4 +1,4 @@
-"""Kernel plans that hold still (engine/model/plan_stability.py, engine/model/kernel_plan.py): a
+"""Kernel plans that hold still (engine/model/plan/stability.py, engine/model/plan/): a
 challenger replaces the incumbent only on the margin, over the median of interleaved rounds; a
 start on a loaded machine neither stores over a quiet plan nor runs its own skewed choices where a
 quiet plan exists, and a quiet start replaces a loaded plan. Every timing and load average here is
@@ -15,9 +15,19 @@ from typing import Any
 
 import pytest
 
-from engine.model import kernel_plan, plan_stability
-from engine.model.kernel_plan import STEP_CLASSES, Cell, KernelPlan, choose
 from engine.model.memory import profile_cache
+from engine.model.plan import (
+    choice,
+    fused_layer,
+    kernel_plan,
+    measurement,
+    resolve,
+    setting,
+    stability,
+    store,
+)
+from engine.model.plan.choice import choose
+from engine.model.plan.kernel_plan import STEP_CLASSES, Cell, KernelPlan
 
 NO_ERROR = {"gemv": 1e-3, "torch": 0.0, "bf16": 2e-3}
 
@@ -28,7 +38,7 @@ def _cell(us: dict[str, float], incumbent: str = "", group: str = "qkv", step: s
 
 
 def test_a_challenger_replaces_the_incumbent_only_past_the_margin() -> None:
-    assert pytest.approx(0.10) == plan_stability.MARGIN
+    assert pytest.approx(0.10) == stability.MARGIN
     within = _cell({"gemv": 100.0, "bf16": 95.0}, incumbent="gemv")  # 5 % faster: noise between quiet starts
     assert within.chosen == "gemv"
     assert within.why.startswith("kept as incumbent") and "5.3% faster" in within.why and "10% margin" in within.why
@@ -56,29 +66,29 @@ def test_rounds_are_interleaved_and_their_median_counts() -> None:
         now[0] += next(script[name])
 
     calls = {name: (lambda n=name: call(n)) for name in script}
-    us = kernel_plan._timed_round_robin(calls, reps=3, clock=clock)
-    assert order == ["gemv", "bf16"] * kernel_plan.MAX_ROUNDS  # interleaved; a cheap cell takes every round
+    us = choice.timed_round_robin(calls, reps=3, clock=clock)
+    assert order == ["gemv", "bf16"] * choice.MAX_ROUNDS  # interleaved; a cheap cell takes every round
     assert us == pytest.approx({"gemv": 119.0, "bf16": 100.0})
     # cheap cells get up to MAX_ROUNDS rounds within the cell budget; never fewer than TIMED_REPS
     ticks = itertools.count()
-    cheap = kernel_plan._timed_round_robin({"a": lambda: None}, clock=lambda: next(ticks) * 1e-6)
+    cheap = choice.timed_round_robin({"a": lambda: None}, clock=lambda: next(ticks) * 1e-6)
     assert cheap == pytest.approx({"a": 1.0})
     slow = itertools.count()
     rounds: list[int] = []
-    kernel_plan._timed_round_robin({"a": lambda: rounds.append(1)}, clock=lambda: next(slow) * 1.0)
-    assert len(rounds) == kernel_plan.TIMED_REPS
+    choice.timed_round_robin({"a": lambda: rounds.append(1)}, clock=lambda: next(slow) * 1.0)
+    assert len(rounds) == choice.TIMED_REPS
 
 
 def test_the_fused_layer_changes_sides_only_past_the_margin() -> None:
     one, eight = STEP_CLASSES[:2]
     close = [(one, 100.0, 104.0, 1e-6), (eight, 400.0, 380.0, 1e-6)]  # 4 % and 5 % apart
-    assert kernel_plan.fused_rows_from(close, 256)[0] == 1  # no incumbent: the faster at each
-    rows, notes = kernel_plan.fused_rows_from(close, 256, incumbent_rows=256)  # the fallback: fused everywhere
+    assert fused_layer.fused_rows_from(close, 256)[0] == 1  # no incumbent: the faster at each
+    rows, notes = fused_layer.fused_rows_from(close, 256, incumbent_rows=256)  # the fallback: fused everywhere
     assert rows == 256 and notes[1].endswith("-> fused (kept as incumbent: within the margin)")
-    assert kernel_plan.fused_rows_from(close, 256, incumbent_rows=0)[0] == 0  # op by op was running: it stays
+    assert fused_layer.fused_rows_from(close, 256, incumbent_rows=0)[0] == 0  # op by op was running: it stays
     clear = [(one, 100.0, 190.0, 1e-6), (eight, 400.0, 700.0, 1e-6)]
-    assert kernel_plan.fused_rows_from(clear, 256, incumbent_rows=0)[0] == 256
-    assert kernel_plan.fused_rows_from([(one, 80.0, 190.0, 0.5)], 256, incumbent_rows=256)[0] == 0  # wrong
+    assert fused_layer.fused_rows_from(clear, 256, incumbent_rows=0)[0] == 256
+    assert fused_layer.fused_rows_from([(one, 80.0, 190.0, 0.5)], 256, incumbent_rows=256)[0] == 0  # wrong
 
 
 def _plan(chosen: str, load: float, key: str = "k", when: float = 1.0, us: dict[str, float] | None = None,
@@ -94,50 +104,50 @@ def _plan(chosen: str, load: float, key: str = "k", when: float = 1.0, us: dict[
 
 def test_measured_choices_hold_the_previous_quiet_plans_or_the_fallbacks() -> None:
     fresh = [Cell("qkv", "1", 1, "", us={"gemv": 100.0, "bf16": 95.0}, error={"gemv": 0.0, "bf16": 0.0})]
-    kernel_plan._hold_incumbents(fresh, None, lambda group, rows: "gemv")  # a first plan: the fallback's
+    measurement._hold_incumbents(fresh, None, lambda group, rows: "gemv")  # a first plan: the fallback's
     assert fresh[0].chosen == "gemv" and fresh[0].why.startswith("kept as incumbent")
-    kernel_plan._hold_incumbents(fresh, _plan("bf16", load=0.5), lambda group, rows: "gemv")
+    measurement._hold_incumbents(fresh, _plan("bf16", load=0.5), lambda group, rows: "gemv")
     assert fresh[0].chosen == "bf16"  # the previous quiet plan's choice is the incumbent
-    kernel_plan._hold_incumbents(fresh, _plan("bf16", load=17.0), lambda group, rows: "gemv")
+    measurement._hold_incumbents(fresh, _plan("bf16", load=17.0), lambda group, rows: "gemv")
     assert fresh[0].chosen == "gemv"  # a loaded plan's choices are no incumbents: the fallback's again
-    note = plan_stability.kept_note(fresh)
+    note = stability.kept_note(fresh)
     assert note is not None and "qkv 1 gemv" in note
-    assert plan_stability.incumbent_fused_rows(_plan("gemv", 0.5, fused_timed=True), 256) == 256
-    assert plan_stability.incumbent_fused_rows(dataclasses.replace(_plan("gemv", 17.0), fused_max_rows=0), 256) == 256
+    assert stability.incumbent_fused_rows(_plan("gemv", 0.5, fused_timed=True), 256) == 256
+    assert stability.incumbent_fused_rows(dataclasses.replace(_plan("gemv", 17.0), fused_max_rows=0), 256) == 256
 
 
 def test_a_loaded_measurement_gives_way_to_the_quiet_plan_and_is_not_stored_over_it() -> None:
     quiet = _plan("gemv", load=1.2, when=1.0)
     loaded = _plan("bf16", load=17.0, when=2.0)
-    settled = plan_stability.settle_measured(loaded, quiet, [])
+    settled = stability.settle_measured(loaded, quiet, [])
     assert settled.plan.cells == quiet.cells and not settled.store
     assert "load average 17" in settled.plan.notes[-1] and "last quiet plan" in settled.plan.notes[-1]
     assert "not stored over a quiet plan" in settled.message
     # the same model and ISA under another key (another engine source): its choices run here
     other = _plan("gemv", load=0.8, key="older", when=0.5)
-    first = plan_stability.settle_measured(loaded, None, [other])
+    first = stability.settle_measured(loaded, None, [other])
     assert first.plan.key == "older" and first.store  # nothing quiet under this key: the measurement is kept
     # a quiet measurement runs and replaces whatever was stored
-    assert plan_stability.settle_measured(quiet, loaded, [other]) == plan_stability.Settled(quiet, True)
+    assert stability.settle_measured(quiet, loaded, [other]) == stability.Settled(quiet, True)
     # another configuration (other candidates timed) or ISA is no fallback
     float32 = _plan("torch", load=0.8, key="f32", us={"gemv": 100.0, "torch": 120.0})
-    assert plan_stability.settle_measured(loaded, None, [float32]).plan is loaded
-    assert plan_stability.settle_measured(loaded, None, [dataclasses.replace(other, isa="avx2")]).plan is loaded
+    assert stability.settle_measured(loaded, None, [float32]).plan is loaded
+    assert stability.settle_measured(loaded, None, [dataclasses.replace(other, isa="avx2")]).plan is loaded
 
 
 def test_a_loaded_start_runs_the_last_quiet_plan_and_a_quiet_start_measures_again() -> None:
     loaded = _plan("bf16", load=17.0, when=2.0)
     quiet = [_plan("gemv", load=0.8, key="a", when=0.5), _plan("gemv", load=1.9, key="b", when=1.5),
              _plan("gemv", load=9.0, key="c", when=1.8)]
-    settled = plan_stability.settle_stored(loaded, load=12.0, others=quiet)
+    settled = stability.settle_stored(loaded, load=12.0, others=quiet)
     assert settled.plan.key == "b" and "load is 12.00 now" in settled.message  # the newest quiet one
-    assert plan_stability.settle_stored(loaded, load=12.0, others=[]).plan is loaded  # nothing quiet: its own
-    assert plan_stability.settle_stored(loaded, load=1.0, others=quiet).plan is loaded
-    assert kernel_plan.measured_overloaded(loaded, load=1.0)  # quiet now: measured again
-    assert not kernel_plan.measured_overloaded(loaded, load=12.0)
-    assert not kernel_plan.measured_overloaded(quiet[0], load=1.0)
+    assert stability.settle_stored(loaded, load=12.0, others=[]).plan is loaded  # nothing quiet: its own
+    assert stability.settle_stored(loaded, load=1.0, others=quiet).plan is loaded
+    assert stability.measured_overloaded(loaded, load=1.0)  # quiet now: measured again
+    assert not stability.measured_overloaded(loaded, load=12.0)
+    assert not stability.measured_overloaded(quiet[0], load=1.0)
     partial = dataclasses.replace(quiet[0], fused_timed=False)
-    assert plan_stability.defer_resume(partial, load=8.0) and not plan_stability.defer_resume(partial, load=1.0)
+    assert stability.defer_resume(partial, load=8.0) and not stability.defer_resume(partial, load=1.0)
 
 
 class _Model:
@@ -174,35 +184,35 @@ def _start(monkeypatch: pytest.MonkeyPatch, load: float, measured: KernelPlan | 
         seen.update(kwargs, measured=True)
         return dataclasses.replace(measured, cells=[dataclasses.replace(c) for c in measured.cells])
 
-    monkeypatch.setattr(kernel_plan, "measure", measure)
-    monkeypatch.setattr(plan_stability, "current_load", lambda: load)
+    monkeypatch.setattr(resolve, "measure", measure)
+    monkeypatch.setattr(stability, "current_load", lambda: load)
     monkeypatch.setattr("torch.get_num_threads", lambda: 2)
     model = _Model()
-    plan = kernel_plan.resolve(model, "k", native_bf16=True, isa="avx512")
+    plan = resolve.resolve(model, "k", native_bf16=True, isa="avx512")
     assert plan is not None and model.installed is plan
     return plan, seen
 
 
 def test_starts_at_injected_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(profile_cache.PROFILE_CACHE_ENV, str(tmp_path))
-    monkeypatch.delenv(kernel_plan.PLAN_ENV, raising=False)
-    stored = tmp_path / kernel_plan.PLANS_FOLDER / "k.json"
+    monkeypatch.delenv(setting.PLAN_ENV, raising=False)
+    stored = tmp_path / store.PLANS_FOLDER / "k.json"
     quiet = _plan("gemv", load=1.0, when=1.0)
     _, seen = _start(monkeypatch, 1.0, quiet)  # a quiet first start: measured against the fallback, stored
     assert seen["incumbent"] is None and json.loads(stored.read_text())["cells"] == quiet.to_json()["cells"]
     assert _start(monkeypatch, 12.0, None)[0].source == "stored"  # a loaded start reuses the quiet plan
-    monkeypatch.setenv(kernel_plan.PLAN_ENV, "measure")  # told to measure, on a loaded machine
+    monkeypatch.setenv(setting.PLAN_ENV, "measure")  # told to measure, on a loaded machine
     skewed = _plan("bf16", load=17.0, when=2.0)
     ran, seen = _start(monkeypatch, 17.0, skewed)
     assert seen["incumbent"].measured_at == 1.0  # measured against the quiet plan
     assert [c.chosen for c in ran.cells] == [c.chosen for c in quiet.cells] and "last quiet plan" in ran.notes[-1]
     assert json.loads(stored.read_text())["load_average"] == 1.0  # not stored over the quiet plan
-    monkeypatch.delenv(kernel_plan.PLAN_ENV)
+    monkeypatch.delenv(setting.PLAN_ENV)
     stored.write_text(json.dumps({**skewed.to_json(), "source": "measured"}))  # a loaded plan is stored...
-    kernel_plan.store(dataclasses.replace(quiet, key="older", measured_at=0.5))  # ...and an older quiet one
+    store.store(dataclasses.replace(quiet, key="older", measured_at=0.5))  # ...and an older quiet one
     ran, _ = _start(monkeypatch, 12.0, None)  # still loaded: the quiet one runs, nothing measured
     assert ran.key == "older" and "last quiet plan" in ran.notes[-1]
-    assert kernel_plan.stored_for_start("k", "m", "avx512", load=12.0).key == "older"  # the budget's plan too
+    assert resolve.stored_for_start("k", "m", "avx512", load=12.0).key == "older"  # the budget's plan too
     replaced, seen = _start(monkeypatch, 1.0, _plan("gemv", load=0.9, when=3.0))  # quiet again: measured
     assert seen["measured"] and seen["incumbent"].key == "older"  # the last quiet plan's choices are the incumbents
     assert replaced.source == "measured" and json.loads(stored.read_text())["load_average"] == 0.9

@@ -12,9 +12,9 @@ import dataclasses
 import pytest
 import torch
 
-from engine.model.kernel_plan import STEP_CLASSES, Cell, KernelPlan
 from engine.model.kernels import cpu_gemv, cpu_layer
 from engine.model.loading.weight_blocks import holds_nothing
+from engine.model.plan.kernel_plan import STEP_CLASSES, Cell, KernelPlan
 from engine.model.runner import ModelRunner, ScheduledSeq
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -116,13 +116,13 @@ def test_phase_c_counts_what_the_plan_keeps(tmp_path, monkeypatch) -> None:
     """Phase C's weights_bytes under this machine's plan is the constants' weights plus the plan's
     copies less the float weights it dropped; where the plan runs the GGUF blocks at every step
     size for every layer projection (Zen 4's, AVX2's), none of their float weights is held."""
-    from engine.model import kernel_plan
     from engine.model.memory import profile_cache
+    from engine.model.plan import setting
     from tests.model.test_kernel_plan import _phase_events
 
     monkeypatch.setenv(profile_cache.PROFILE_CACHE_ENV, str(tmp_path))
     planned = _phase_events(dtype="float32")  # with the plan off, auto would be the ISA rule: bf16 on Zen 4
-    monkeypatch.setenv(kernel_plan.PLAN_ENV, "off")
+    monkeypatch.setenv(setting.PLAN_ENV, "off")
     constants = _phase_events(dtype="float32")
     c, off = planned["C"], constants["C"]
     dropped = c["kernel_plan_dropped_bytes"]

@@ -80,8 +80,8 @@ def test_a_wrong_packed_shape_is_named() -> None:
 
 
 def test_the_plan_offers_it_for_a_q8_0_weight_where_native() -> None:
-    from engine.model import kernel_plan
     from engine.model.layers.quantized_linear import QuantizedLinear, bind_kernels
+    from engine.model.plan import candidates
 
     if cpu_quant.load_kernel() is None:
         pytest.skip("CPU quant kernel unavailable")
@@ -90,10 +90,10 @@ def test_the_plan_offers_it_for_a_q8_0_weight_where_native() -> None:
     for fmt in ("q8_0", "q5_0"):
         q = QuantizedLinear.single(random_blocks(fmt, 37, 640, seed=1), fmt, "gguf")
         bind_kernels([q], None, cpu_quant.load_kernel())
-        offered = kernel_plan.candidates_for(weight, q, None, native_bf16=False, group="head")
+        offered = candidates.candidates_for(weight, q, None, native_bf16=False, group="head")
         assert ("q8_0x16" in offered) == (native and fmt == "q8_0"), (fmt, offered)
     if native:
-        impl = kernel_plan.implementation("q8_0x16", weight, q := QuantizedLinear.single(
+        impl = candidates.implementation("q8_0x16", weight, q := QuantizedLinear.single(
             random_blocks("q8_0", 37, 640, seed=2), "q8_0", "gguf"), None, "head")
         x = torch.randn(3, 640)
         assert torch.allclose(impl.call(x), cpu_quant.quant_matmul(x, q.blocks, "q8_0"), rtol=1e-4, atol=1e-4)

@@ -42,8 +42,9 @@ from engine.cli.program import Subparsers
 from engine.errors import UserError
 from engine.events import PHASES, EngineConfigEvent, EventBus, JsonlSink, StartupPhase
 from engine.events.ledger import label
-from engine.model import kernel_plan
 from engine.model.cpu_caps import DtypeChoice, choose_cpu_dtype, detect
+from engine.model.plan.setting import AUTO_DTYPE, AUTO_DTYPE_REASON, plan_enabled
+from engine.model.plan.store import stored_for_model
 from engine.modelspec.config import ModelConfig
 from engine.modelspec.readers import load_model_config
 
@@ -177,8 +178,8 @@ def host_cpu_summary() -> dict[str, Any]:
     without a GPU (the plan itself is for the device named by --gpu/--gpu-memory)."""
     caps = detect()
     choice = choose_cpu_dtype(caps)
-    if kernel_plan.plan_enabled():
-        choice = DtypeChoice(kernel_plan.AUTO_DTYPE, kernel_plan.AUTO_DTYPE_REASON)
+    if plan_enabled():
+        choice = DtypeChoice(AUTO_DTYPE, AUTO_DTYPE_REASON)
     return {**caps.summary(), "auto_dtype": choice.dtype, "auto_dtype_reason": choice.reason}
 
 
@@ -298,10 +299,10 @@ def render_text(console: Console, model: ModelConfig, plan: MemoryPlan, gpu_name
 
 
 def stored_kernel_plan_lines(name: str) -> list[str]:
-    """The newest kernel plan a CPU start stored for this model here (engine/model/kernel_plan.py;
+    """The newest kernel plan a CPU start stored for this model here (engine/model/plan/store.py;
     its table), one measured at the thread count a default start runs first (a ``--threads 1``
     start's plan is not what ``engine serve`` runs), or nothing when no start has measured one."""
-    plans = kernel_plan.stored_for_model(name)
+    plans = stored_for_model(name)
     if not plans:
         return []
     import torch

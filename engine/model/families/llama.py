@@ -59,7 +59,7 @@ GEMV_MAX_ROWS: dict[str, dict[str, int]] = {
     "avx512": {"q8_0": 8, "q4_1": 8, "q4_1x8": _EVERY_STEP, "head": 16},
     "scalar": {"q8_0": 1, "q4_1": 1, "q4_1x8": 1, "head": 1},
 }
-# The kernel plan's group of each projection (engine/model/kernel_plan.py GROUP_ATTRS), and back.
+# The kernel plan's group of each projection (engine/model/plan/kernel_plan.py GROUP_ATTRS), and back.
 _GROUP_OF = {"qkv_proj": "qkv", "o_proj": "o", "gate_up_proj": "gate_up", "down_proj": "down"}
 _GROUP_ATTRS = {**{group: name for name, group in _GROUP_OF.items()}, "head": "head"}
 
@@ -73,7 +73,7 @@ PAGED_PREFILL_BF16 = ("the paged prefill kernel over the cache in place, bf16 pr
 def linear_maybe_quantized(module: nn.Module, x: torch.Tensor, name: str, weight: torch.Tensor,
                            bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)``: by the kernel plan's route for ``name`` and this step's
-    rows when there is one (engine/model/kernel_plan.py); else (the plan off) through the
+    rows when there is one (engine/model/plan/); else (the plan off) through the
     quantized copy when the step is decode-sized by ``GEMV_MAX_ROWS``, or the float weight."""
     route = module.kernel_routes.get(name)
     if route is not None:
@@ -302,7 +302,7 @@ class LlamaForCausalLM(nn.Module):
         # The embedding's GGUF blocks where its float copy is not held (engine/model/loading/gguf_blocks.py).
         self._embed_blocks: QuantizedLinear | None = None
         self.kernel_routes: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}  # the head's, by the plan
-        self.kernel_plan: Any = None  # engine/model/kernel_plan.KernelPlan once installed; None: the constants
+        self.kernel_plan: Any = None  # engine/model/plan/kernel_plan.KernelPlan once installed; None: the constants
         self._fused_max_rows = 1 << 30  # the plan's limit for fused pure-decode steps (cpu_layer.MAX_ROWS caps it)
         self.quantization_fallback: str | None = None  # why the quantized copies are not used
         self._gemv_pending = False  # quantized, kernel not resolved yet (first forward does it)
@@ -405,7 +405,7 @@ class LlamaForCausalLM(nn.Module):
     def precision_report(self, kv_cache_dtype: torch.dtype) -> dict[str, str]:
         """Which parts of a CPU step run in bf16 and which in float32 (phase F's ``precision``):
         the activations' dtype, or under a float32 model the kernel plan's bf16 choices."""
-        from engine.model.kernel_plan import ATTENTION, STEP_CLASSES
+        from engine.model.plan.kernel_plan import ATTENTION, STEP_CLASSES
 
         if self._gemv_pending:
             self.resolve_gemv()
@@ -605,10 +605,10 @@ class LlamaForCausalLM(nn.Module):
         return "gemv" if q is not None and q.gemv is not None and rows <= q.max_rows else "torch"
 
     def install_kernel_plan(self, plan: Any) -> None:
-        """Run by ``plan`` (engine/model/kernel_plan.py): each projection's route by step size,
+        """Run by ``plan`` (engine/model/plan/): each projection's route by step size,
         the copies it uses (bf16, int8; buffers, so ``weights_bytes`` counts them) made now,
         the fused layer's GEMV limits and row limit from the plan."""
-        from engine.model.kernel_plan import ATTENTION
+        from engine.model.plan.kernel_plan import ATTENTION
 
         self.kernel_plan = plan
         if hasattr(self.backend, "prefill_attention"):
@@ -616,8 +616,9 @@ class LlamaForCausalLM(nn.Module):
         self.resolve_gemv()
 
     def _route_by_plan(self, kernel: Any) -> None:
-        from engine.model.kernel_plan import BLOCK_CANDIDATES, PLAN_COPY_SUFFIXES, build_route
         from engine.model.kernels.cpu_layer import MAX_ROWS
+        from engine.model.plan.candidates import BLOCK_CANDIDATES, PLAN_COPY_SUFFIXES
+        from engine.model.plan.routes import build_route
 
         plan = self.kernel_plan
         for prefix, module in weight_blocks.quantized_modules(self).items():

@@ -8,7 +8,7 @@ they are, a copy only where a row moves (Llama's Q/K rows, which llama.cpp permu
 Q4_1 is interleaved 8 rows at a time. No float copy of a block-backed projection or of the
 embedding is made; the norms (float32 in the file) are the only tensors decoded. Weights
 held after loading are about the file's tensor bytes, plus what the kernel plan chooses to
-make (engine/model/kernel_plan.py), and phase C's event reports both.
+make (engine/model/plan/), and phase C's event reports both.
 
 A warm start maps the same file again (the page cache holds it), so nothing is decoded,
 cached or written: the dequantized-weights cache is for float models only.

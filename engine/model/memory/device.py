@@ -162,7 +162,7 @@ class TensorBytesTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         # An output on an input's storage (a view, an in-place op) allocated nothing: a slice of a
         # weight mapped before tracking began is not the mapping's bytes created here.
-        # An opaque input (a oneDNN-packed weight, engine/model/kernel_plan.py pack_for_mkldnn) has no storage to read.
+        # An opaque input (a oneDNN-packed weight, engine/model/plan/candidates.py pack_for_mkldnn) has no storage to read.
         inputs: set[int] = set()
         tree_map_only(torch.Tensor, lambda t: None if t.is_mkldnn else inputs.add(t.untyped_storage().data_ptr()),
                       (args, kwargs))

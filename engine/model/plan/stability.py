@@ -1,4 +1,4 @@
-"""Kernel plans that hold still (engine/model/kernel_plan.py): a choice changes only on a measured
+"""Kernel plans that hold still (engine/model/plan/): a choice changes only on a measured
 margin, and a start on a loaded machine neither stores nor runs its own skewed timings where a
 plan measured on a quiet machine exists.
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.model.kernel_plan import Cell, KernelPlan
+    from engine.model.plan.kernel_plan import Cell, KernelPlan
 
 # A challenger must be this much faster than the incumbent (the median of rounds) to replace it:
 # above the 1-5 % two quiet starts differ by, below the gaps that decide a plan (GEMV against
@@ -197,3 +197,13 @@ def defer_resume(stored_plan: KernelPlan, load: float) -> bool:
     """Whether a quiet partial plan waits for a quieter start to measure its remaining cells (this
     start is loaded: its timings would join a quiet plan's)."""
     return stored_plan.unmeasured > 0 and not plan_loaded(stored_plan) and is_loaded(load, cpu_count(stored_plan))
+
+
+def measured_overloaded(plan: KernelPlan, load: float | None = None) -> bool:
+    """True when ``plan`` was measured with more runnable threads than CPUs and the machine is
+    quieter now (``load``: the 1-minute load average, read when None): parallel kernels then wait
+    for descheduled threads (a 20 µs GEMV took 20 ms at load 8 on 2 cores), so such a plan is
+    measured again once the load allows."""
+    cpus = cpu_count(plan)
+    load = current_load() if load is None else load
+    return plan_loaded(plan) and not is_loaded(load, cpus)
