@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 FUSED_CONTEXT = 32  # tokens each sequence of the fused-layer timing attends over
 
+# A callable (plan so far, deadline) -> (fused max rows, notes) that times the fused layer.
 FusedTiming = Callable[[KernelPlan, float], tuple[int, list[str]]]
 
 

@@ -10,7 +10,6 @@ from engine.model.plan.fused_layer import fused_timing
 from engine.model.plan.kernel_plan import KernelPlan
 from engine.model.plan.measurement import measure
 from engine.model.plan.setting import plan_enabled, plan_setting
-from engine.model.plan.stability import measured_overloaded
 from engine.model.plan.store import load_stored, pinned, store, stored_for_model
 
 
@@ -27,7 +26,7 @@ def resolve(model: Any, key: str, native_bf16: bool, isa: str, log: Any = None,
         return None  # a MoE model's experts run grouped (engine/model/layers/moe.py); the plan times dense layers
     load = stability.current_load()
     plan, previous = _start_plan(key, model.config.name, isa, load, log)
-    remeasure = plan is not None and plan.source == "stored" and measured_overloaded(plan, load)
+    remeasure = plan is not None and plan.source == "stored" and stability.measured_overloaded(plan, load)
     if remeasure and log is not None:
         log.info(f"the stored kernel plan was measured at load average {plan.load_average:g} on {plan.cpus} CPUs "  # type: ignore[union-attr]
                  f"(other processes' threads skew its timings); the load is {load:.2f} now: measuring again")
