@@ -62,7 +62,7 @@ STATES = (WAITING, RUNNING, FINISHED, REJECTED)
 WAIT_UNLISTED = "unlisted"  # beyond the WAITING_REASONS_CAP requests the step explained
 WAIT_UNRECORDED = "unrecorded"  # a recording made before steps carried waiting reasons
 FINISHED_KEPT = 2048  # finished lives a long-running fold keeps (oldest dropped first)
-UNWRITTEN_FIELDS = ("arrival", "scheduled_t", "finished")  # left out of to_dict, the /debug/requests answer
+UNWRITTEN_FIELDS = ("arrival", "scheduled_t", "finished", "num_preemptions")  # left out of to_dict, the /debug/requests answer
 
 
 # each code's words; ``{0}``, ``{1}``: the entry's details after the code
@@ -192,6 +192,7 @@ class RequestRecord:
     arrival: RequestArrived | None = None  # its request.arrived: sampling, preprocess_s (when it was received)
     scheduled_t: float | None = None  # request.scheduled's time: the first admission
     finished: RequestFinished | None = None  # its request.finished: the engine's own figures and time split
+    num_preemptions: int = 0  # the latest request.preempted's count (the engine's, from before a fold began too)
 
     @property
     def held_blocks(self) -> int:
@@ -318,6 +319,7 @@ class RequestFold:
         self._next_step = 0
         self._last_t = 0.0
         self._block_size = 0
+        self._group_kinds: list[Any] = []  # the KV cache groups' kinds, config order ([]: one full-attention group)
         # block -> (step, request) that last took it while it held an evicted hash: who evicted it
         self._evicted_to: dict[tuple[int, int], str] = {}
 
@@ -339,6 +341,7 @@ class RequestFold:
             life = self.record(event.request_id)
             life.preemptions.append(Preemption(self._next_step, event.t, event.reason, event.for_request,
                                                event.blocks_freed, event.computed_tokens_lost))
+            life.num_preemptions = event.num_preemptions
         elif isinstance(event, RequestFirstToken):
             life = self.record(event.request_id)
             life.first_token_step, life.ttft_s = self._next_step, event.ttft_s
@@ -353,9 +356,23 @@ class RequestFold:
             self._waiting.pop(event.request_id, None)
             self._retire(event.request_id)
         elif isinstance(event, EngineConfigEvent):
-            self._block_size = int(event.config.get("block_size") or self._block_size)
+            self.set_kv_layout(int(event.config.get("block_size") or self._block_size), event.config)
         elif isinstance(event, StartupPhase) and event.phase == "E" and event.data.get("block_size"):
             self._block_size = int(event.data["block_size"])
+
+    def set_kv_layout(self, block_size: int, config: dict[str, Any]) -> None:
+        """The block size and the KV cache groups' kinds (``engine.config``'s ``kv_cache_groups``,
+        none for one full-attention group): a resumed request's prefix hit follows from them when
+        its step names none."""
+        self._block_size = block_size
+        groups = config.get("kv_cache_groups")
+        self._group_kinds = [g.get("kind") for g in groups if isinstance(g, dict)] if isinstance(groups, list) else []
+
+    def add(self, record: RequestRecord) -> None:
+        """A record read from elsewhere (a snapshot's request), folded on from here."""
+        self.lives[record.request_id] = record
+        if record.state == WAITING:
+            self._waiting[record.request_id] = None
 
     def record(self, request_id: str) -> RequestRecord:
         """The request's record, begun when it has none."""
@@ -436,8 +453,40 @@ class RequestFold:
                     lookup.evicted_by = self._evicted_to.get((int(entry[2]), int(entry[3])))
                 life.lookups.append(lookup)
                 life.computed_tokens = lookup.hit_tokens
-            else:  # caching off, or a recording before prefix_lookups: request.scheduled's hit
-                life.computed_tokens = 0 if resumed else life.scheduled_hit_tokens
+            elif rid in ev.resumed:  # caching off, or a recording before prefix_lookups: its blocks say
+                life.computed_tokens = self._resumed_hit(ev, rid)
+            else:  # request.scheduled's hit
+                life.computed_tokens = life.scheduled_hit_tokens
+
+    def _resumed_hit(self, ev: StepEvent, rid: str) -> int:
+        """Prefix-cache hit tokens of a request resumed after preemption in a step that names
+        none (a resumption publishes no request.scheduled). A hit is whole blocks and the step's
+        tokens fill the blocks after it, so ``hit + num_new`` lies in the table's last block:
+        ``hit`` is the one multiple of the block size in
+        ``((num_allocated - 1) * bs - num_new, num_allocated * bs - num_new]``.
+
+        Every group's table is allocated: ``num_allocated`` is one full-attention group's
+        count (a sliding window's table has the null block, not listed, wherever the hit lies
+        wholly before its window). With no full-attention group the largest count is exact for
+        a hit shorter than the window; a request resumed alone takes the step's hits less the
+        new requests' instead."""
+        counts = ev.allocated_groups.get(rid)
+        kinds = self._group_kinds
+        if counts is None:  # the step names no groups: one full-attention table's
+            counts, kinds = [len(ev.allocated.get(rid, ()))], ["full_attention"]
+        full = [i for i, kind in enumerate(kinds) if kind == "full_attention" and i < len(counts)]
+        if full:
+            num_allocated = counts[full[0]]
+        elif kinds and len(ev.resumed) == 1:
+            new_hits = sum(self.lives[r].scheduled_hit_tokens for r in ev.new if r in self.lives)
+            return max(0, ev.prefix_hits_tokens - new_hits)
+        else:
+            num_allocated = max(counts, default=0)
+        bs = self._block_size
+        if bs <= 0 or num_allocated <= 0:
+            return 0
+        num_new = int(ev.scheduled[rid][0]) if rid in ev.scheduled else 0
+        return max(0, (num_allocated * bs - num_new) // bs * bs)
 
     def _run(self, ev: StepEvent) -> None:
         """The step's scheduled tokens: prefill chunks, decode runs and the tokens sampled."""

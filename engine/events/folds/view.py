@@ -101,6 +101,7 @@ from engine.events.folds.block_table import BlockTableState
 from engine.events.folds.expert_load import ExpertLoad
 from engine.events.folds.kv_occupancy import KvOccupancy, view_occupancy
 from engine.events.folds.parallel_window import ParallelWindow
+from engine.events.folds.request_record import RequestFold, RequestRecord
 from engine.events.ledger import LEDGER
 from engine.events.step_records import EncoderStepEvent
 
@@ -115,25 +116,69 @@ RUNNING = "running"
 WAITING = "waiting"
 
 
-@dataclass(slots=True)
 class RequestView:
-    """One request still in the engine (running or waiting)."""
+    """One request still in the engine (running or waiting), as the dashboard reads it: its
+    record (the shared fold's, engine/events/folds/request_record.py) and its blocks (the
+    view's block table)."""
 
-    request_id: str
-    state: str = WAITING
-    prompt_tokens: int = 0
-    max_tokens: int = 0
-    computed_tokens: int = 0
-    generated_tokens: int = 0
-    blocks: list[int] = field(default_factory=list)
-    prefix_hit_tokens: int = 0
-    arrived_t: float = 0.0
-    ttft_s: float | None = None
-    num_preemptions: int = 0
-    # ``blocks`` split by KV cache group (config order): one list with one group; [] when it holds none.
-    group_blocks: list[list[int]] = field(default_factory=list)
+    __slots__ = ("record", "table")
+
+    def __init__(self, record: RequestRecord, table: BlockTableState) -> None:
+        self.record = record
+        self.table = table
+
+    @property
+    def request_id(self) -> str:
+        return self.record.request_id
+
+    @property
+    def state(self) -> str:
+        return self.record.state
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.record.prompt_tokens
+
+    @property
+    def max_tokens(self) -> int:
+        return self.record.max_tokens
+
+    @property
+    def computed_tokens(self) -> int:
+        """As vLLM's num_computed_tokens: prefix-cache hits count as computed."""
+        return self.record.computed_tokens
+
+    @property
+    def generated_tokens(self) -> int:
+        return self.record.output_tokens
+
+    @property
+    def blocks(self) -> list[int]:
+        return self.table.tables.get(self.record.request_id, [])
+
+    @property
+    def group_blocks(self) -> list[list[int]]:
+        """``blocks`` split by KV cache group (config order): one list with one group; [] when it holds none."""
+        return self.table.group_tables.get(self.record.request_id, [])
+
+    @property
+    def prefix_hit_tokens(self) -> int:
+        return self.record.scheduled_hit_tokens
+
+    @property
+    def arrived_t(self) -> float:
+        return self.record.arrived_t or 0.0
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.record.ttft_s
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.record.num_preemptions
 
     def to_dict(self) -> dict[str, Any]:
+        group_blocks = self.group_blocks
         return {
             "state": self.state,
             "prompt_tokens": self.prompt_tokens,
@@ -145,26 +190,42 @@ class RequestView:
             "arrived_t": self.arrived_t,
             "ttft_s": self.ttft_s,
             "num_preemptions": self.num_preemptions,
-        } | ({"group_blocks": [list(g) for g in self.group_blocks]} if len(self.group_blocks) > 1 else {})
+        } | ({"group_blocks": [list(g) for g in group_blocks]} if len(group_blocks) > 1 else {})
 
-    @classmethod
-    def from_dict(cls, request_id: str, data: dict[str, Any]) -> RequestView:
+
+def record_from_dict(request_id: str, data: dict[str, Any]) -> RequestRecord:
+    """A snapshot's request as a record (its blocks go to the view's block table)."""
+    return RequestRecord(
+        request_id,
+        state=data.get("state", WAITING),
+        prompt_tokens=int(data.get("prompt_tokens", 0)),
+        max_tokens=int(data.get("max_tokens", 0)),
+        computed_tokens=int(data.get("computed_tokens", 0)),
+        output_tokens=int(data.get("generated_tokens", 0)),
+        scheduled_hit_tokens=int(data.get("prefix_hit_tokens", 0)),
+        arrived_t=float(data.get("arrived_t", 0.0)),
+        ttft_s=data.get("ttft_s"),
+        num_preemptions=int(data.get("num_preemptions", 0)),
+    )
+
+
+def _set_kv_layout(fold: RequestFold, ledger: dict[str, float], config: dict[str, Any]) -> None:
+    """The block size and KV cache groups the request fold derives a resumed request's prefix hit from."""
+    fold.set_kv_layout(int(ledger.get("block_size") or config.get("block_size") or 0), config)
+
+
+def _snapshot_tables(requests: dict[str, Any]) -> tuple[dict[str, list[int]], dict[str, list[list[int]]]]:
+    """A snapshot's requests' blocks: every request's, and by group (none written: one group's)."""
+    tables: dict[str, list[int]] = {}
+    group_tables: dict[str, list[list[int]]] = {}
+    for rid, data in requests.items():
         blocks = [int(b) for b in data.get("blocks", [])]
-        groups = [[int(b) for b in g] for g in data.get("group_blocks") or []]
-        return cls(
-            request_id=request_id,
-            state=data.get("state", WAITING),
-            prompt_tokens=int(data.get("prompt_tokens", 0)),
-            max_tokens=int(data.get("max_tokens", 0)),
-            computed_tokens=int(data.get("computed_tokens", 0)),
-            generated_tokens=int(data.get("generated_tokens", 0)),
-            blocks=blocks,
-            prefix_hit_tokens=int(data.get("prefix_hit_tokens", 0)),
-            arrived_t=float(data.get("arrived_t", 0.0)),
-            ttft_s=data.get("ttft_s"),
-            num_preemptions=int(data.get("num_preemptions", 0)),
-            group_blocks=groups or ([blocks] if blocks else []),  # none written: one group's
-        )
+        groups = [[int(b) for b in g] for g in data.get("group_blocks") or []] or ([blocks] if blocks else [])
+        if blocks:
+            tables[rid] = blocks
+        if groups:
+            group_tables[rid] = groups
+    return tables, group_tables
 
 
 @dataclass(slots=True)
@@ -311,7 +372,7 @@ class EngineView:
         # vision-language runs (encoder.step events): the encoder cache beside the KV pool, in tokens
         self.encoder_cache_used = 0
         self.encoder_cache_capacity = 0
-        self.requests: dict[str, RequestView] = {}
+        self.request_fold = RequestFold(finished_kept=0)  # the requests in the engine: the shared record fold
         self.table = BlockTableState()  # the shared fold of step block deltas
         self._owners: dict[int, set[str]] | None = None
         self._groups: dict[int, int] | None = None
@@ -381,6 +442,12 @@ class EngineView:
         return int(self.kv_total or self.ledger.get("num_blocks", 0) or 0)
 
     @property
+    def requests(self) -> dict[str, RequestView]:
+        """The requests in the engine, arrival order."""
+        table = self.table
+        return {rid: RequestView(record, table) for rid, record in self.request_fold.lives.items()}
+
+    @property
     def running(self) -> list[RequestView]:
         return [r for r in self.requests.values() if r.state == RUNNING]
 
@@ -416,12 +483,6 @@ class EngineView:
             handler(self, event)
         if not isinstance(event, SnapshotEvent | StepEvent | EncoderStepEvent):
             self.recent.append(event)
-
-    def _request(self, request_id: str) -> RequestView:
-        req = self.requests.get(request_id)
-        if req is None:
-            req = self.requests[request_id] = RequestView(request_id=request_id, arrived_t=self.t)
-        return req
 
     def _on_sink_failed(self, ev: SinkFailed) -> None:
         self.failed_sinks[ev.sink] = ev.error
@@ -484,33 +545,21 @@ class EngineView:
             view.status = "running"
         view.progress = {"what": ev.what, "done": ev.done, "total": ev.total, "unit": ev.unit, "t": ev.t}
 
-    def _on_arrived(self, ev: RequestArrived) -> None:
-        req = self._request(ev.request_id)
-        req.prompt_tokens = ev.prompt_tokens
-        req.max_tokens = ev.max_tokens
-        req.arrived_t = ev.t
+    def _request(self, request_id: str) -> RequestView:
+        """The request's view, its record begun (arrived now) when the fold has none."""
+        record = self.request_fold.lives.get(request_id)
+        if record is None:
+            record = self.request_fold.record(request_id)
+            record.arrived_t = self.t
+        return RequestView(record, self.table)
 
-    def _on_scheduled(self, ev: RequestScheduled) -> None:
-        if ev.request_id in self.requests:
-            self.requests[ev.request_id].prefix_hit_tokens = ev.prefix_hit_tokens
-
-    def _on_first_token(self, ev: RequestFirstToken) -> None:
-        if ev.request_id in self.requests:
-            self.requests[ev.request_id].ttft_s = ev.ttft_s
-
-    def _on_preempted(self, ev: RequestPreempted) -> None:
-        if ev.request_id in self.requests:
-            self.requests[ev.request_id].num_preemptions = ev.num_preemptions
-
-    def _on_finished(self, ev: RequestFinished) -> None:
-        # The step event usually retired it already; a lone finish (abort while
-        # waiting) still counts once.
-        if self.requests.pop(ev.request_id, None) is not None:
-            self.finished += 1
-
-    def _on_rejected(self, ev: RequestRejected) -> None:
-        self.requests.pop(ev.request_id, None)
-        self.rejected += 1
+    def _on_request(self, ev: Event) -> None:
+        lives = self.request_fold.lives
+        if isinstance(ev, RequestFinished) and ev.request_id in lives:
+            self.finished += 1  # a lone finish (abort while waiting); the step usually retires it
+        elif isinstance(ev, RequestRejected):
+            self.rejected += 1
+        self.request_fold(ev)
 
     def _on_stats(self, ev: StatsEvent) -> None:
         self.stats = ev
@@ -521,34 +570,10 @@ class EngineView:
         self.table.apply(ev, strict=False)
         self._owners = None
         self._groups = None
-        retired = ev.finished
-        for rid in (*ev.allocated, *ev.freed, *ev.freed_by_window):
-            req = self.requests.get(rid)
-            if req is not None:
-                req.blocks = self.table.tables.get(rid, [])
-                req.group_blocks = self.table.group_tables.get(rid, [])
-        for rid in ev.preempted:
-            req = self.requests.get(rid)
-            if req is not None:
-                req.state = WAITING
-                req.computed_tokens = 0
-        admitted = {*ev.new, *ev.resumed}
-        for rid, (num_tokens, kind) in ev.scheduled.items():
-            if rid in retired and rid not in self.requests:
-                continue  # its request.finished came first (the scheduler publishes it before the step)
-            req = self._request(rid)
-            req.state = RUNNING
-            req.blocks = self.table.tables.get(rid, [])
-            req.group_blocks = self.table.group_tables.get(rid, [])
-            if rid in admitted:  # as vLLM's num_computed_tokens: prefix-cache hits count as computed
-                req.computed_tokens = self._hit_tokens(req, ev, int(num_tokens))
-            req.computed_tokens += int(num_tokens)
-            # A token is sampled once the whole context (prompt + output so far) is computed.
-            if kind == "decode" or req.computed_tokens >= req.prompt_tokens + req.generated_tokens:
-                req.generated_tokens += 1
-        for rid in retired:
-            if self.requests.pop(rid, None) is not None:
-                self.finished += 1
+        lives = self.request_fold.lives
+        self.finished += sum(1 for rid in ev.finished if rid in lives)
+        _set_kv_layout(self.request_fold, self.ledger, self.config)
+        self.request_fold(ev)
         self.preemptions += len(ev.preempted)
         self.kv_used = ev.kv_blocks_used
         self.kv_cached_free = ev.kv_blocks_cached_free
@@ -564,40 +589,6 @@ class EngineView:
         s["preempted"].append(len(ev.preempted))
         if ev.expert_counts:
             self.experts.add(ev.expert_counts)
-
-    def _hit_tokens(self, req: RequestView, ev: StepEvent, num_new: int) -> int:
-        """Prefix-cache hit tokens of a request admitted this step: ``request.scheduled``
-        says for a first admission; a resumption after preemption publishes none, so
-        they follow from its fresh table. A hit is whole blocks and the step's tokens
-        fill the blocks after it, so ``hit + num_new`` lies in the table's last
-        block: ``hit`` is the one multiple of the block size in
-        ``((num_allocated - 1) * bs - num_new, num_allocated * bs - num_new]``.
-
-        Every group's table is allocated: ``num_allocated`` is one full-attention group's
-        count (a sliding window's table has the null block, not
-        listed, wherever the hit lies wholly before its window). With no full-attention
-        group the largest count is exact for a hit shorter than the window; a request
-        resumed alone takes the step's hits less the new requests' instead."""
-        rid = req.request_id
-        if rid not in ev.resumed:
-            return req.prefix_hit_tokens
-        bs = int(self.ledger.get("block_size") or self.config.get("block_size") or 0)
-        counts = ev.allocated_groups.get(rid)
-        kinds = [g.get("kind") for g in self.kv_cache_groups]
-        if counts is None:  # the step names no groups: one full-attention table's
-            counts, kinds = [len(ev.allocated.get(rid, ()))], ["full_attention"]
-        full = [i for i, kind in enumerate(kinds) if kind == "full_attention" and i < len(counts)]
-        if full:
-            num_allocated = counts[full[0]]
-        elif kinds and len(ev.resumed) == 1:
-            new_hits = sum(self.requests[r].prefix_hit_tokens for r in ev.new if r in self.requests)
-            return max(0, ev.prefix_hits_tokens - new_hits)
-        else:
-            num_allocated = max(counts, default=0)
-        if bs <= 0 or num_allocated <= 0:
-            return 0
-        hit = (num_allocated * bs - num_new) // bs * bs
-        return max(0, hit)
 
     def _on_encoder_step(self, ev: EncoderStepEvent) -> None:
         self.encoder_cache_used = ev.cache_used_tokens
@@ -672,13 +663,17 @@ class EngineView:
         encoder = state.get("encoder_cache", {})
         self.encoder_cache_used = int(encoder.get("used", 0))
         self.encoder_cache_capacity = int(encoder.get("capacity", 0))
-        self.requests = {rid: RequestView.from_dict(rid, d) for rid, d in state.get("requests", {}).items()}
+        requests = state.get("requests", {})
+        self.request_fold = RequestFold(finished_kept=0)
+        for rid, data in requests.items():
+            self.request_fold.add(record_from_dict(rid, data))
+        tables, group_tables = _snapshot_tables(requests)
         self.table = BlockTableState(
-            tables={rid: req.blocks for rid, req in self.requests.items() if req.blocks},
+            tables=tables,
             cached=set(state.get("cached", [])),
             num_blocks=self.kv_total,
             last_step=self.step if self.step is not None else -1,
-            group_tables={rid: req.group_blocks for rid, req in self.requests.items() if req.group_blocks},
+            group_tables=group_tables,
             window_freed={int(b): int(g) for b, g in state.get("window_freed") or []},
         )
         self._owners = None
@@ -711,12 +706,12 @@ _HANDLERS: dict[type, Any] = {
     StartupPhase: EngineView._on_phase,
     StartupProgress: EngineView._on_progress,
     StartupEta: EngineView._on_eta,
-    RequestArrived: EngineView._on_arrived,
-    RequestScheduled: EngineView._on_scheduled,
-    RequestFirstToken: EngineView._on_first_token,
-    RequestPreempted: EngineView._on_preempted,
-    RequestFinished: EngineView._on_finished,
-    RequestRejected: EngineView._on_rejected,
+    RequestArrived: EngineView._on_request,
+    RequestScheduled: EngineView._on_request,
+    RequestFirstToken: EngineView._on_request,
+    RequestPreempted: EngineView._on_request,
+    RequestFinished: EngineView._on_request,
+    RequestRejected: EngineView._on_request,
     StepEvent: EngineView._on_step,
     EncoderStepEvent: EngineView._on_encoder_step,
     StatsEvent: EngineView._on_stats,
