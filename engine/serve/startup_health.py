@@ -20,7 +20,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine.events.folds.view import snapshot_startup_eta
+from engine.events.folds.startup_state import snapshot_startup_eta
 from engine.serve.host import EngineHost
 from engine.serve.protocol import APIError
 

@@ -10,7 +10,8 @@ from textual.widgets import DataTable
 from textual.widgets.data_table import ColumnKey
 
 from engine.events import PHASES
-from engine.events.folds.view import EngineView, PhaseView
+from engine.events.folds.startup_state import PhaseView
+from engine.events.folds.view import EngineView
 from engine.events.phase_data import ProfileRunData
 from monitor.widgets.numbers import number
 

@@ -11,7 +11,7 @@ import pytest
 
 from engine.budget.memory import MemoryPlan
 from engine.events import PHASES, StartupPhase, dumps, read_events
-from engine.events.folds.view import LEDGER_KEYS
+from engine.events.folds.startup_state import LEDGER_KEYS
 from engine.events.phase_data import (
     PHASE_DATA,
     GraphsCompileData,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from engine.events import EngineConfigEvent, EventBus, JsonlSink, StartupPhase
-from engine.events.folds.view import LEDGER_KEYS as VIEW_LEDGER_KEYS
+from engine.events.folds.startup_state import LEDGER_KEYS as VIEW_LEDGER_KEYS
 from engine.events.phase_data import PhaseData
 from logparse.cli import main
 from logparse.explain import explain

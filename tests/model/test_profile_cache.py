@@ -80,7 +80,7 @@ def test_weights_identity_follows_content_not_path(tmp_path: Path) -> None:
 def test_startup_panel_says_when_phase_d_reused_a_measurement() -> None:
     import time
 
-    from engine.events.folds.view import PhaseView
+    from engine.events.folds.startup_state import PhaseView
     from monitor.widgets.startup_table import phase_detail
 
     when = time.mktime((2026, 12, 1, 15, 5, 0, 0, 0, -1))

@@ -10,7 +10,8 @@ import pytest
 
 from engine.events import EventBus, StartupEta, StartupPhase, StartupProgress
 from engine.events.feed import BusFeed
-from engine.events.folds.view import EngineView, PhaseView, snapshot_startup_eta, startup_eta
+from engine.events.folds.startup_state import PhaseView, snapshot_startup_eta, startup_eta
+from engine.events.folds.view import EngineView
 from monitor.app import MonitorApp
 from monitor.widgets.startup_table import StartupTable, duration_text
 from tests.monitor_fixtures import ManualClock

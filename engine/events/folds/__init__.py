@@ -2,6 +2,7 @@
 simulation. Each reads events (``engine.events``) and nothing of the engine's state.
 
 - ``view``: ``EngineView``, the whole state, for ``/debug/state``, ``/events`` and the dashboard
+- ``startup_state``: the view's startup phases per rank, their ledger and the time left
 - ``block_table``: block tables rebuilt from step events
 - ``tally``: ``RunTally``, a run's totals, peaks and per-request times
 - ``request_record``: ``RequestRecord``, one request's whole life, folded once (``RequestFold``) for every reader of request events; per-request metrics

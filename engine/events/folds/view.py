@@ -54,6 +54,11 @@ Snapshot dict format (``SNAPSHOT_VERSION`` 1), all plain JSON::
 A data-parallel server's snapshot adds ``data_parallel`` (every rank's counts,
 ``rank_shown``: the rank of the rest); see :func:`snapshot_dp_rank`.
 
+The view folds with collaborators of its own: its requests are the shared request records
+(:class:`~engine.events.folds.request_record.RequestFold`, read through :class:`RequestView`),
+its startup phases :class:`~engine.events.folds.startup_state.StartupState`, the faults the
+engine reported :class:`EngineFaults`, and its blocks the block table.
+
 Block owners are not stored: they are the union of every request's ``blocks``,
 so the snapshot cannot disagree with itself; nor is a held block's KV cache group
 (``block_groups``): it is the index of the request's ``group_blocks`` list holding it.
@@ -72,11 +77,9 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 from engine.events import (
-    PHASES,
     EngineConfigEvent,
     EngineStopped,
     Event,
@@ -102,16 +105,11 @@ from engine.events.folds.expert_load import ExpertLoad
 from engine.events.folds.kv_occupancy import KvOccupancy, view_occupancy
 from engine.events.folds.parallel_window import ParallelWindow
 from engine.events.folds.request_record import RequestFold, RequestRecord
-from engine.events.ledger import LEDGER
+from engine.events.folds.startup_state import StartupState
 from engine.events.step_records import EncoderStepEvent
 
 SNAPSHOT_VERSION = 1
 SERIES_NAMES = ("step", "prefill", "decode", "running", "waiting", "kv_pct", "step_ms", "preempted")
-# The ledger the dashboard draws: the quantities of engine/events/ledger.py's one table
-# that the memory bar and the KV pool need, under that table's names.
-LEDGER_KEYS = tuple(item.name for item in LEDGER if item.name in {
-    "total_bytes", "gpu_memory_utilization", "weights_bytes", "non_torch_bytes", "activation_peak_bytes",
-    "cuda_graph_bytes", "kv_pool_bytes", "num_blocks", "block_size"})
 RUNNING = "running"
 WAITING = "waiting"
 
@@ -209,6 +207,32 @@ def record_from_dict(request_id: str, data: dict[str, Any]) -> RequestRecord:
     )
 
 
+class EngineFaults:
+    """What the engine reported going wrong: the sinks the bus stopped (``sink.failed``: sink
+    name -> the error that stopped it) and the cores stalled now (``engine.stalled`` by rank,
+    until its ``engine.recovered``). Its containers are filled in place, never replaced."""
+
+    def __init__(self, failed_sinks: dict[str, str] | None = None,
+                 stalled: dict[int, dict[str, Any]] | None = None) -> None:
+        self.failed_sinks: dict[str, str] = {} if failed_sinks is None else failed_sinks
+        self.stalled: dict[int, dict[str, Any]] = {} if stalled is None else stalled
+
+    def apply(self, ev: Event) -> None:
+        if isinstance(ev, SinkFailed):
+            self.failed_sinks[ev.sink] = ev.error
+        elif isinstance(ev, EngineStalled):
+            self.stalled[ev.rank] = {"phase": ev.phase, "stalled_s": ev.stalled_s, "limit_s": ev.limit_s,
+                                     "last_step": ev.last_step, "t": ev.t, "dump": ev.dump}
+        elif isinstance(ev, EngineRecovered):
+            self.stalled.pop(ev.rank, None)
+
+    @classmethod
+    def from_dict(cls, state: dict[str, Any]) -> EngineFaults:
+        """A snapshot's ``failed_sinks`` and ``stalled``."""
+        return cls({str(k): str(v) for k, v in dict(state.get("failed_sinks") or {}).items()},
+                   {int(r): dict(s) for r, s in (state.get("stalled") or {}).items()})
+
+
 def _set_kv_layout(fold: RequestFold, ledger: dict[str, float], config: dict[str, Any]) -> None:
     """The block size and KV cache groups the request fold derives a resumed request's prefix hit from."""
     fold.set_kv_layout(int(ledger.get("block_size") or config.get("block_size") or 0), config)
@@ -226,110 +250,6 @@ def _snapshot_tables(requests: dict[str, Any]) -> tuple[dict[str, list[int]], di
         if groups:
             group_tables[rid] = groups
     return tables, group_tables
-
-
-@dataclass(slots=True)
-class PhaseView:
-    """The latest known status of one startup phase."""
-
-    phase: str
-    name: str
-    status: str = "pending"
-    duration_s: float | None = None
-    memory_delta: int | None = None  # used bytes after - before (_memory_delta), when both known
-    reason: str | None = None
-    data: dict[str, Any] = field(default_factory=dict)
-    memory_measure: str | None = None  # what memory_delta measured: allocated, rss (CPU), used
-    started_t: float | None = None  # the bus time of its begin
-    # The latest startup.progress of this phase: {"what", "done", "total", "unit", "t"}
-    # (total None when unknown); cleared when the phase begins again.
-    progress: dict[str, Any] | None = None
-    # The startup's prediction of this phase (startup.eta), seconds; None: no prediction
-    predicted_s: float | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "phase": self.phase,
-            "name": self.name,
-            "status": self.status,
-            "duration_s": self.duration_s,
-            "memory_delta": self.memory_delta,
-            "reason": self.reason,
-            "data": dict(self.data),
-            "memory_measure": self.memory_measure,
-            "started_t": self.started_t,
-            "progress": dict(self.progress) if self.progress is not None else None,
-        } | ({"predicted_s": self.predicted_s} if self.predicted_s is not None else {})
-
-
-def _phase_views(phases: dict[str, Any]) -> dict[str, PhaseView]:
-    """A snapshot's phases (one rank's) as views."""
-    return {
-        k: PhaseView(
-            phase=p.get("phase", k),
-            name=p.get("name", ""),
-            status=p.get("status", "pending"),
-            duration_s=p.get("duration_s"),
-            memory_delta=p.get("memory_delta"),
-            reason=p.get("reason"),
-            data=dict(p.get("data", {})),
-            memory_measure=p.get("memory_measure"),
-            started_t=p.get("started_t"),
-            progress=dict(p["progress"]) if p.get("progress") is not None else None,
-            predicted_s=p.get("predicted_s"),
-        )
-        for k, p in phases.items()
-    }
-
-
-def startup_eta(phases: dict[str, PhaseView], now: float) -> dict[str, Any] | None:
-    """While a start is predicted and not finished: the running (or next) phase, its elapsed and
-    predicted seconds, and the seconds left (what is left of this phase's prediction, never
-    below 0, plus the phases to come). None before a prediction or once phase G ended."""
-    if not any(p.predicted_s is not None for p in phases.values()):
-        return None
-    ready = phases.get("G")
-    if ready is not None and ready.status in ("end", "skipped"):
-        return None
-    current = next((p for p in phases.values() if p.status in ("running", "failed")), None)
-    if current is None:
-        current = next((phases[k] for k in PHASES if k in phases and phases[k].status == "pending"), None)
-    if current is None:
-        return None
-    elapsed = max(0.0, now - current.started_t) if current.started_t is not None else 0.0
-    later = [k for k in PHASES if k > current.phase]
-    left = max(0.0, (current.predicted_s or 0.0) - elapsed) + sum(
-        phases[k].predicted_s or 0.0 for k in later if k in phases and phases[k].status == "pending")
-    return {"phase": current.phase, "name": current.name, "status": current.status, "elapsed_s": elapsed,
-            "predicted_s": current.predicted_s, "eta_s": left}
-
-
-def snapshot_startup_eta(state: dict[str, Any], now: float) -> dict[str, Any] | None:
-    """:func:`startup_eta` of a snapshot's phases (``/health`` reads the server's snapshot)."""
-    return startup_eta(_phase_views(state.get("phases") or {}), now)
-
-
-# What a phase's memory delta measures, by where the reading came from: on CUDA the
-# bytes torch's live tensors hold; on CPU torch reports no allocations (always 0), so
-# the process's resident memory (``process_used``, also in ``reserved``) is what moves.
-DEVICE_MEASURES = ("allocated", "used", "rss")
-CPU_MEASURES = ("process_used", "rss", "reserved", "allocated")
-
-
-def _memory_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> tuple[int, str] | None:
-    """Growth of the used memory across a phase and what it measured: allocated
-    bytes on a device that has them, process RSS on CPU, otherwise total − free."""
-    if not before or not after:
-        return None
-    on_cpu = str(after.get("device") or before.get("device") or "").startswith("cpu")
-    for key in CPU_MEASURES if on_cpu else DEVICE_MEASURES:
-        if before.get(key) is not None and after.get(key) is not None:
-            measure = "rss" if on_cpu and key in ("process_used", "reserved") else key
-            return int(after[key]) - int(before[key]), measure
-    if all(k in d for d in (before, after) for k in ("total", "free")):
-        used = (int(after["total"]) - int(after["free"])) - (int(before["total"]) - int(before["free"]))
-        return used, "used"
-    return None
 
 
 def event_dp_rank(event: Event) -> int | None:
@@ -359,13 +279,7 @@ class EngineView:
         self.step: int | None = None
         self.config: dict[str, Any] = {}
         self.model: dict[str, Any] = {}
-        self.phases: dict[str, PhaseView] = {}
-        self.ledger: dict[str, float] = dict.fromkeys(LEDGER_KEYS, 0)
-        # Tensor parallelism: the other ranks' phases and ledgers (rank 0's are ``phases``
-        # and ``ledger``, the replica's); empty with one rank.
-        self.rank_phases: dict[int, dict[str, PhaseView]] = {}
-        self.rank_ledgers: dict[int, dict[str, float]] = {}
-        self.device: dict[str, Any] | None = None
+        self._share(StartupState(), EngineFaults(), BlockTableState())  # the table: the shared fold of step block deltas
         self.kv_used = 0
         self.kv_cached_free = 0
         self.kv_total = 0
@@ -373,15 +287,12 @@ class EngineView:
         self.encoder_cache_used = 0
         self.encoder_cache_capacity = 0
         self.request_fold = RequestFold(finished_kept=0)  # the requests in the engine: the shared record fold
-        self.table = BlockTableState()  # the shared fold of step block deltas
         self._owners: dict[int, set[str]] | None = None
         self._groups: dict[int, int] | None = None
         self.finished = 0
         self.rejected = 0
         self.preemptions = 0
-        self.failed_sinks: dict[str, str] = {}  # sink name -> the error that stopped it (sink.failed)
         self.engine_error: str | None = None  # engine.stopped: why the engine loop stopped
-        self.stalled: dict[int, dict[str, Any]] = {}  # engine.stalled, by rank, until its engine.recovered
         self.series: dict[str, deque[float]] = {n: deque(maxlen=series_window) for n in SERIES_NAMES}
         self.recent: deque[Event] = deque(maxlen=recent_window)
         self.stats: StatsEvent | None = None
@@ -394,10 +305,6 @@ class EngineView:
         self.dp_rank: int | None = dp_rank
 
     # ------------------------------------------------------------ derived views
-    @property
-    def cached(self) -> set[int]:
-        return self.table.cached
-
     @property
     def block_owners(self) -> dict[int, set[str]]:
         """Block id -> ids of the requests holding it; rebuilt lazily, once per
@@ -416,13 +323,6 @@ class EngineView:
         if self._groups is None:
             self._groups = self.table.block_groups()
         return self._groups
-
-    @property
-    def window_freed(self) -> dict[int, int]:
-        """Block id -> the group whose sliding window released it, for blocks whose last
-        release was a window's (not a finish or preemption); a held block may be listed
-        (another request's window left it), so read :attr:`block_owners` first."""
-        return self.table.window_freed
 
     @property
     def kv_cache_groups(self) -> list[dict[str, Any]]:
@@ -455,13 +355,6 @@ class EngineView:
     def waiting(self) -> list[RequestView]:
         return [r for r in self.requests.values() if r.state == WAITING]
 
-    def cached_free_blocks(self) -> set[int]:
-        """Blocks whose cached KV survives with no owner (reusable by a prefix hit)."""
-        return {b for b in self.cached if not self.block_owners.get(b)}
-
-    def owners_of(self, block: int) -> frozenset[str]:
-        return frozenset(self.block_owners.get(block, ()))
-
     # ------------------------------------------------------------------- folding
     def fold(self, events: Iterable[Event]) -> EngineView:
         for event in events:
@@ -484,66 +377,34 @@ class EngineView:
         if not isinstance(event, SnapshotEvent | StepEvent | EncoderStepEvent):
             self.recent.append(event)
 
-    def _on_sink_failed(self, ev: SinkFailed) -> None:
-        self.failed_sinks[ev.sink] = ev.error
-
-    def _on_engine_stopped(self, ev: EngineStopped) -> None:
-        self.engine_error = ev.error
-
-    def _on_stalled(self, ev: EngineStalled) -> None:
-        self.stalled[ev.rank] = {"phase": ev.phase, "stalled_s": ev.stalled_s, "limit_s": ev.limit_s,
-                                 "last_step": ev.last_step, "t": ev.t, "dump": ev.dump}
-
-    def _on_recovered(self, ev: EngineRecovered) -> None:
-        self.stalled.pop(ev.rank, None)
+    def _on_report(self, ev: Event) -> None:
+        """The engine's latest reports, kept as they are: the stats, the encoder cache's use,
+        why the engine loop stopped."""
+        if isinstance(ev, StatsEvent):
+            self.stats = ev
+        elif isinstance(ev, EncoderStepEvent):
+            self.encoder_cache_used = ev.cache_used_tokens
+            self.encoder_cache_capacity = ev.cache_capacity_tokens
+        elif isinstance(ev, EngineStopped):
+            self.engine_error = ev.error
 
     def _on_config(self, ev: EngineConfigEvent) -> None:
         self.config = dict(ev.config)
         self.model = dict(ev.model)
-        for key in LEDGER_KEYS:  # a planned config may already carry the budget
-            if key in ev.config and isinstance(ev.config[key], int | float):
-                self.ledger[key] = ev.config[key]
+        self.startup.read_config(ev.config)
 
-    def _phase(self, phase: str, name: str | None = None, rank: int = 0) -> PhaseView:
-        phases = self.rank_phases.setdefault(rank, {}) if rank else self.phases
-        view = phases.get(phase)
-        if view is None:
-            view = phases[phase] = PhaseView(phase=phase, name=name or PHASES.get(phase, phase))
-        return view
-
-    def _on_phase(self, ev: StartupPhase) -> None:
-        rank = ev.rank or 0  # None: a one-rank replica
-        view = self._phase(ev.phase, ev.name, rank)
-        ledger = self.rank_ledgers.setdefault(rank, dict.fromkeys(LEDGER_KEYS, 0)) if rank else self.ledger
-        view.name = ev.name
-        view.status = "running" if ev.status == "begin" else ev.status
-        if ev.status == "begin":
-            view.started_t = ev.t
-            view.progress = None
-        if ev.duration_s is not None:
-            view.duration_s = ev.duration_s
-        delta = _memory_delta(ev.memory_before, ev.memory_after)
-        if delta is not None:
-            view.memory_delta, view.memory_measure = delta
-        view.reason = ev.reason
-        view.data.update(ev.data)
-        for key in LEDGER_KEYS:
-            value = ev.data.get(key)
-            if isinstance(value, int | float):
-                ledger[key] = value
-        if ev.memory_after and not ev.rank:
-            self.device = dict(ev.memory_after)
-
-    def _on_eta(self, ev: StartupEta) -> None:
-        for letter, seconds in ev.phases.items():
-            if letter in PHASES:
-                self._phase(letter).predicted_s = seconds
-
-    def _on_progress(self, ev: StartupProgress) -> None:
-        view = self._phase(ev.phase)
-        if view.status == "pending":  # progress before its begin (a late subscriber): it is running
-            view.status = "running"
-        view.progress = {"what": ev.what, "done": ev.done, "total": ev.total, "unit": ev.unit, "t": ev.t}
+    def _share(self, startup: StartupState, faults: EngineFaults, table: BlockTableState) -> None:
+        """The parts the view folds with, their containers read here under the view's names."""
+        self.startup, self.faults, self.table = startup, faults, table
+        self.phases, self.ledger, self.device = startup.phases, startup.ledger, startup.device
+        # Tensor parallelism: the other ranks' phases and ledgers (rank 0's are ``phases``
+        # and ``ledger``, the replica's); empty with one rank.
+        self.rank_phases, self.rank_ledgers = startup.rank_phases, startup.rank_ledgers
+        self.failed_sinks, self.stalled = faults.failed_sinks, faults.stalled
+        # Block id -> the group whose sliding window released it, for blocks whose last release
+        # was a window's (not a finish or preemption); a held block may be listed (another
+        # request's window left it), so read ``block_owners`` first.
+        self.cached, self.window_freed = table.cached, table.window_freed
 
     def _request(self, request_id: str) -> RequestView:
         """The request's view, its record begun (arrived now) when the fold has none."""
@@ -560,9 +421,6 @@ class EngineView:
         elif isinstance(ev, RequestRejected):
             self.rejected += 1
         self.request_fold(ev)
-
-    def _on_stats(self, ev: StatsEvent) -> None:
-        self.stats = ev
 
     def _on_step(self, ev: StepEvent) -> None:
         self.step = ev.index
@@ -590,18 +448,13 @@ class EngineView:
         if ev.expert_counts:
             self.experts.add(ev.expert_counts)
 
-    def _on_encoder_step(self, ev: EncoderStepEvent) -> None:
-        self.encoder_cache_used = ev.cache_used_tokens
-        self.encoder_cache_capacity = ev.cache_capacity_tokens
-
-    def _on_snapshot(self, ev: SnapshotEvent) -> None:
-        self._load(ev.state)
-
     # ------------------------------------------------------------------ snapshot
     def snapshot(self, series_window: int | None = None, recent_window: int | None = None) -> dict[str, Any]:
         """The whole view as plain JSON (format in the module docstring)."""
         n_series = self.series_window if series_window is None else series_window
         n_recent = self.recent_window if recent_window is None else recent_window
+        startup = self.startup.to_dict()
+        ranks = startup.pop("ranks", None)
         return {
             "version": SNAPSHOT_VERSION,
             "last_seq": self.last_seq,
@@ -609,9 +462,7 @@ class EngineView:
             "step": self.step,
             "config": dict(self.config),
             "model": dict(self.model),
-            "phases": {k: p.to_dict() for k, p in self.phases.items()},
-            "ledger": dict(self.ledger),
-            "device": dict(self.device) if self.device else None,
+            **startup,
             "kv": {"used": self.kv_used, "cached_free": self.kv_cached_free, "total": self.kv_total},
             "requests": {rid: r.to_dict() for rid, r in self.requests.items()},
             "cached": sorted(self.cached),
@@ -623,9 +474,7 @@ class EngineView:
             "engine_error": self.engine_error,
             "series": {k: list(v)[-n_series:] if n_series else [] for k, v in self.series.items()},
             "recent": [e.to_dict() for e in list(self.recent)[-n_recent:]] if n_recent else [],
-        } | ({"ranks": {str(rank): {"phases": {k: p.to_dict() for k, p in phases.items()},
-                                    "ledger": dict(self.rank_ledgers.get(rank, {}))}
-                        for rank, phases in sorted(self.rank_phases.items())}} if self.rank_phases else {}) \
+        } | ({"ranks": ranks} if ranks is not None else {}) \
           | ({"encoder_cache": {"used": self.encoder_cache_used, "capacity": self.encoder_cache_capacity}}
              if self.encoder_cache_capacity else {}) \
           | ({"experts": self.experts.to_dict()} if self.experts.num_layers else {}) \
@@ -649,13 +498,6 @@ class EngineView:
         self.step = state.get("step")
         self.config = dict(state.get("config", {}))
         self.model = dict(state.get("model", {}))
-        self.phases = _phase_views(state.get("phases", {}))
-        self.ledger = dict.fromkeys(LEDGER_KEYS, 0.0) | dict(state.get("ledger", {}))
-        ranks = state.get("ranks", {})
-        self.rank_phases = {int(r): _phase_views(s.get("phases", {})) for r, s in ranks.items()}
-        self.rank_ledgers = {int(r): dict.fromkeys(LEDGER_KEYS, 0.0) | dict(s.get("ledger", {}))
-                             for r, s in ranks.items()}
-        self.device = state.get("device")
         kv = state.get("kv", {})
         self.kv_used = int(kv.get("used", 0))
         self.kv_cached_free = int(kv.get("cached_free", 0))
@@ -668,7 +510,7 @@ class EngineView:
         for rid, data in requests.items():
             self.request_fold.add(record_from_dict(rid, data))
         tables, group_tables = _snapshot_tables(requests)
-        self.table = BlockTableState(
+        table = BlockTableState(
             tables=tables,
             cached=set(state.get("cached", [])),
             num_blocks=self.kv_total,
@@ -676,14 +518,13 @@ class EngineView:
             group_tables=group_tables,
             window_freed={int(b): int(g) for b, g in state.get("window_freed") or []},
         )
+        self._share(StartupState.from_dict(state), EngineFaults.from_dict(state), table)
         self._owners = None
         self._groups = None
         self.finished = int(state.get("finished", 0))
         self.rejected = int(state.get("rejected", 0))
         self.preemptions = int(state.get("preemptions", 0))
-        self.failed_sinks = {str(k): str(v) for k, v in dict(state.get("failed_sinks") or {}).items()}
         self.engine_error = state.get("engine_error")
-        self.stalled = {int(r): dict(s) for r, s in (state.get("stalled") or {}).items()}
         series = state.get("series", {})
         self.series = {n: deque(series.get(n, []), maxlen=self.series_window) for n in SERIES_NAMES}
         self.recent = deque(
@@ -703,9 +544,9 @@ class EngineView:
 
 _HANDLERS: dict[type, Any] = {
     EngineConfigEvent: EngineView._on_config,
-    StartupPhase: EngineView._on_phase,
-    StartupProgress: EngineView._on_progress,
-    StartupEta: EngineView._on_eta,
+    StartupPhase: lambda view, ev: view.startup.apply(ev),
+    StartupProgress: lambda view, ev: view.startup.apply(ev),
+    StartupEta: lambda view, ev: view.startup.apply(ev),
     RequestArrived: EngineView._on_request,
     RequestScheduled: EngineView._on_request,
     RequestFirstToken: EngineView._on_request,
@@ -713,13 +554,13 @@ _HANDLERS: dict[type, Any] = {
     RequestFinished: EngineView._on_request,
     RequestRejected: EngineView._on_request,
     StepEvent: EngineView._on_step,
-    EncoderStepEvent: EngineView._on_encoder_step,
-    StatsEvent: EngineView._on_stats,
-    SnapshotEvent: EngineView._on_snapshot,
-    SinkFailed: EngineView._on_sink_failed,
-    EngineStopped: EngineView._on_engine_stopped,
-    EngineStalled: EngineView._on_stalled,
-    EngineRecovered: EngineView._on_recovered,
+    EncoderStepEvent: EngineView._on_report,
+    StatsEvent: EngineView._on_report,
+    EngineStopped: EngineView._on_report,
+    SnapshotEvent: lambda view, ev: view._load(ev.state),
+    SinkFailed: lambda view, ev: view.faults.apply(ev),
+    EngineStalled: lambda view, ev: view.faults.apply(ev),
+    EngineRecovered: lambda view, ev: view.faults.apply(ev),
     LogEvent: None,
 }
 _HANDLERS = {k: v for k, v in _HANDLERS.items() if v is not None}
