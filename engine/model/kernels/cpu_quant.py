@@ -52,13 +52,13 @@ _GEOMETRY = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 12
              14: (256, 210)}
 
 # The C++ lives beside this module (csrc/): the core (namespace kvscope_quant: formats, activation
-# quantization, the tiles) that other kernels #include, the torch-facing bindings, and the Q8_0
-# weight interleaved by 16 rows for many-row GEMMs (q8_0x16, not part of the core).
+# quantization, the tiles) that other kernels #include, the torch-facing bindings, and the block
+# weights interleaved by 16 rows for many-row GEMMs (x16, not part of the core).
 _CSRC = Path(__file__).resolve().parent / "csrc"
 CORE_SOURCE = (_CSRC / "quant_core.cpp").read_text()
-SOURCE = CORE_SOURCE + (_CSRC / "quant_bindings.cpp").read_text() + (_CSRC / "quant_q8_0x16.cpp").read_text()
+SOURCE = CORE_SOURCE + (_CSRC / "quant_bindings.cpp").read_text() + (_CSRC / "quant_x16.cpp").read_text()
 FUNCTIONS = ("quant_matmul", "quant_matmul_segments", "dequantize", "dequantize_rows", "quantize_activations", "isa",
-             "pack_q8_0x16", "dequantize_q8_0x16", "q8_0x16_matmul", "q8_0x16_native")
+             "pack_x16", "dequantize_x16", "x16_matmul_segments", "x16_native")
 
 # No -ffast-math: dequantize() is bit-exact with gguf-py only without reassociation or FMA contraction.
 _BASE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")
@@ -156,25 +156,26 @@ def quantize_activations(x: torch.Tensor, isa: str | None = None) -> tuple[torch
     return q, d
 
 
-# ---------------------------------------------------------------------- q8_0x16: Q8_0 by 16 rows
-def pack_q8_0x16(w: torch.Tensor, isa: str | None = None) -> torch.Tensor:
-    """A Q8_0 weight's blocks regrouped 16 output rows at a time (lossless; csrc/quant_q8_0x16.cpp):
-    ``uint8 [ceil(N / 16), K / 32, 576]``, for :func:`q8_0x16_matmul`."""
-    return _kernel(isa).pack_q8_0x16(w)
+# ---------------------------------------------------------------------- x16: blocks by 16 rows
+def pack_x16(w: torch.Tensor, fmt: int | str, isa: str | None = None) -> torch.Tensor:
+    """A weight's blocks regrouped 16 output rows at a time, as int8 values with fp32 scales (and
+    minimums), losslessly (csrc/quant_x16.cpp): ``uint8 [ceil(N / 16), K / 32, record bytes]``."""
+    return _kernel(isa).pack_x16(w, format_id(fmt))
 
 
-def q8_0x16_matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int, isa: str | None = None) -> torch.Tensor:
-    """:func:`quant_matmul` over a packed Q8_0 weight: the same sums (float32 ``[M, N]``, ``x``
-    rounded per 32 values to int8), 16 outputs per integer dot product."""
-    return _kernel(isa).q8_0x16_matmul(x, packed, out_features)
+def x16_matmul_segments(x: torch.Tensor, packs: Sequence[torch.Tensor], rows: Sequence[int],
+                        fmts: Sequence[int | str], isa: str | None = None) -> torch.Tensor:
+    """:func:`quant_matmul_segments` over packed weights (each ``rows[i]`` outputs in ``fmts[i]``):
+    the same sums, ``x`` rounded per 32 values to int8, 16 outputs per integer dot product."""
+    return _kernel(isa).x16_matmul_segments(x, list(packs), list(rows), [format_id(f) for f in fmts])
 
 
-def dequantize_q8_0x16(packed: torch.Tensor, out_features: int, isa: str | None = None) -> torch.Tensor:
+def dequantize_x16(packed: torch.Tensor, rows: int, fmt: int | str, isa: str | None = None) -> torch.Tensor:
     """float32 ``[N, K]`` of a packed weight (equal to :func:`dequantize` of the blocks it came from)."""
-    return _kernel(isa).dequantize_q8_0x16(packed, out_features)
+    return _kernel(isa).dequantize_x16(packed, rows, format_id(fmt))
 
 
-def q8_0x16_native(isa: str | None = None) -> bool:
-    """Whether this build multiplies q8_0x16 with vpdpbusd (AVX-512 VNNI); elsewhere it runs the
-    scalar reference, which no plan should choose."""
-    return bool(_kernel(isa).q8_0x16_native())
+def x16_native(isa: str | None = None) -> bool:
+    """Whether this build multiplies x16 weights with vpdpbusd (AVX-512 VNNI); elsewhere it runs
+    the scalar reference, which no plan should choose."""
+    return bool(_kernel(isa).x16_native())
