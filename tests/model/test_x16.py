@@ -109,8 +109,8 @@ def test_a_wrong_packed_shape_is_named() -> None:
 
 
 def test_the_plan_offers_it_where_native_and_holds_one_copy() -> None:
-    from engine.model import kernel_plan
     from engine.model.layers.quantized_linear import BlockPart, QuantizedLinear, bind_kernels
+    from engine.model.plan import candidates
 
     kernel = cpu_quant.load_kernel()
     if kernel is None:
@@ -120,10 +120,10 @@ def test_the_plan_offers_it_where_native_and_holds_one_copy() -> None:
     q = QuantizedLinear((BlockPart("q5_0", random_blocks("q5_0", 20, 640, seed=1)),
                          BlockPart("q8_0", random_blocks("q8_0", 7, 640, seed=2))), 640, "gguf")
     bind_kernels([q], None, kernel)
-    offered = kernel_plan.candidates_for(weight, q, None, native_bf16=False, group="qkv")
+    offered = candidates.candidates_for(weight, q, None, native_bf16=False, group="qkv")
     assert ("x16" in offered) == native, offered
     if native:
-        impl = kernel_plan.implementation("x16", weight, q, None, "qkv")
+        impl = candidates.implementation("x16", weight, q, None, "qkv")
         x = torch.randn(3, 640)
         assert torch.allclose(impl.call(x), q.matmul(x), rtol=1e-4, atol=1e-4)
         (held,) = impl.extra.values()

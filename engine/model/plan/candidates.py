@@ -16,11 +16,11 @@ if TYPE_CHECKING:  # torch is imported where it runs: ``engine plan`` reads the 
 
 # The copies a plan's candidates keep, registered as ``<projection>_<suffix>`` buffers: bf16 (dense,
 # only where this torch has no oneDNN linear), the oneDNN-packed bf16 copy, the float32 weight packed
-# likewise, the int8 weights and their scales.
-PLAN_COPY_SUFFIXES = ("bf16", "bf16_packed", "fp32_packed", "int8pack", "int8pack_scale", "q8_0x16")
+# likewise, the int8 weights and their scales, the blocks regrouped by 16 rows (x16).
+PLAN_COPY_SUFFIXES = ("bf16", "bf16_packed", "fp32_packed", "int8pack", "int8pack_scale", "x16")
 # Candidates that multiply the GGUF's blocks (or a lossless regrouping of them), never the float
 # weight: their reference is the blocks' own values, and they need no float copy held.
-BLOCK_CANDIDATES = frozenset({"gemv", "q8_0x16"})
+BLOCK_CANDIDATES = frozenset({"gemv", "x16"})
 
 
 @dataclass(slots=True)
@@ -45,8 +45,8 @@ def candidates_for(weight: torch.Tensor, quantized: Any, gemv_kernel: Any, nativ
     out = []
     if quantized is not None and quantized.gemv is not None:
         out.append("gemv")
-        if quantized.formats == ("q8_0",) and q8_0x16_fast():
-            out.append("q8_0x16")
+        if "q4_1x8" not in quantized.formats and x16_fast():
+            out.append("x16")
         if weight.dtype == torch.float32 and group != "head":
             out.append("dequant")  # no float copy held: the blocks widened each call, then one GEMM
     out.append("torch")
@@ -69,8 +69,8 @@ def implementation(candidate: str, weight: torch.Tensor, quantized: Any, gemv_ke
 
     if candidate == "gemv":
         return Implementation(quantized.matmul)
-    if candidate == "q8_0x16":
-        return _q8_0x16_implementation(quantized)
+    if candidate == "x16":
+        return _x16_implementation(quantized)
     if candidate == "dequant":
         return Implementation(lambda x: F.linear(x, quantized.dequantize().to(x.dtype)))
     if candidate == "torch":
@@ -102,21 +102,31 @@ def implementation(candidate: str, weight: torch.Tensor, quantized: Any, gemv_ke
     raise ValueError(f"kernel plan: unknown candidate {candidate!r} (known: {', '.join(CANDIDATES)})")
 
 
-def q8_0x16_fast() -> bool:
-    """Whether the block-type kernel is built here with its vpdpbusd q8_0x16 path."""
+def x16_fast() -> bool:
+    """Whether the block-type kernel is built here with its vpdpbusd x16 path."""
     from engine.model.kernels import cpu_quant
 
     kernel = cpu_quant.load_kernel()
-    return kernel is not None and bool(kernel.q8_0x16_native())
+    return kernel is not None and bool(kernel.x16_native())
 
 
-def _q8_0x16_implementation(quantized: Any) -> Implementation:
+def _x16_implementation(quantized: Any) -> Implementation:
+    import torch
+
     from engine.model.kernels import cpu_quant
 
     kernel = cpu_quant.load_kernel()
-    assert kernel is not None, "q8_0x16 is a candidate only where the block-type kernel is built"
-    packed, rows, matmul = kernel.pack_q8_0x16(quantized.blocks), quantized.out_features, kernel.q8_0x16_matmul
-    return Implementation(lambda x: matmul(x, packed, rows), {"q8_0x16": packed})
+    assert kernel is not None, "x16 is a candidate only where the block-type kernel is built"
+    codes = [cpu_quant.format_id(p.fmt) for p in quantized.parts]
+    packs = [kernel.pack_x16(p.blocks, code) for p, code in zip(quantized.parts, codes, strict=True)]
+    rows, matmul = [p.rows for p in quantized.parts], kernel.x16_matmul_segments
+    if len(packs) > 1:  # one buffer for the plan's copies: the parts' records end to end, each part a view
+        held = torch.cat([p.reshape(-1) for p in packs])
+        ends = torch.tensor([p.numel() for p in packs]).cumsum(0).tolist()
+        packs = [held[end - p.numel():end].view(p.shape) for p, end in zip(packs, ends, strict=True)]
+    else:
+        held = packs[0]
+    return Implementation(lambda x: matmul(x, packs, rows, codes), {"x16": held})
 
 
 def pack_for_mkldnn(weight: torch.Tensor) -> torch.Tensor | None:

@@ -43,7 +43,7 @@ class StepClass:
 # step through bf16 GEMMs op by op in 60 ms instead of the fused layer's ~25 (Zen 4, AVX-512).
 STEP_CLASSES = (StepClass(1, 1, 1), StepClass(2, 8, 8), StepClass(9, 16, 16), StepClass(17, 32, 32),
                 StepClass(33, 64, 64), StepClass(65, None, 256))
-CANDIDATES = ("gemv", "q8_0x16", "dequant", "torch", "fp32pack", "bf16", "int8pack")
+CANDIDATES = ("gemv", "x16", "dequant", "torch", "fp32pack", "bf16", "int8pack")
 ACCURACY_BOUND = 1e-2  # relative RMS error against the fp32 reference (int8 activations: ~5e-3 on N(0,1) inputs)
 # Total measuring time of one start. Measured once per (model, formats, ISA, torch, threads,
 # kernel sources) and stored, so only a first start pays it: ~0.8-1.7 s on a quiet 2-core
