@@ -530,7 +530,7 @@ def start_engines(args: argparse.Namespace, variants: list[Variant]) -> tuple[li
     engines: list[Any] = list(filter(None, (start_kvscope(v, args.threads, args.model) for v in variants)))
     auto = engines[0] if engines else None
     if auto is not None:
-        from engine.startup import resolve_dtype
+        from engine.startup.resolve import resolve_dtype
 
         engine = auto.llm.engine  # the engine's own reason (a model family may override the ISA's choice)
         reason = resolve_dtype(engine.config, engine.startup.model_config, torch.device("cpu")).reason

@@ -9,9 +9,11 @@
 - ``sim``: model-free executors: simulate, replay, the driver, capacity
 - ``cli``: the ``engine`` command and its subcommands
 - ``config``: ``EngineConfig``, every engine flag declared once
-- ``startup``: phases A–G, one function each
+- ``startup``: phases A–G, a module per phase group, ``start_engine`` in ``startup.phases``
 - ``startup_eta``: a start's prediction of itself from this machine's earlier starts
 - ``llm_engine``: ``LLMEngine``: startup, then the step loop's model executor
+- ``detokenizers``: each unfinished request's incremental detokeniser (text, stop strings, the held tail)
+- ``prompt_logprobs``: prompt logprobs gathered chunk by chunk until a request's first output
 - ``llm``: the offline API (``LLM.generate`` / ``LLM.chat``)
 - ``pipeline``: pipeline-parallel stages, micro-batches, activations between stages
 - ``workers``: tensor-parallel ranks and this host's pipeline stages as processes

@@ -15,24 +15,23 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import structlog
-
 from engine.config import EngineConfig
 from engine.core.request import FINISH_REASONS, Request, RequestStatus
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, finished_event
+from engine.core.scheduler import Scheduler, SchedulerOutput, finished_event
 from engine.core.step_loop import ExecutedStep, run_step
+from engine.detokenizers import Detokenizers
 from engine.errors import UserError
 from engine.events import EventBus
 from engine.events.exporters.observers import ObserverFlags, attach_observers
 from engine.events.request_records import ABORT_CLIENT_DISCONNECT
 from engine.heartbeat import DETOKENIZE, FORWARD, UPDATE, Heartbeat
-from engine.logs import log_failure
 from engine.model.loading.tokenizer import IncrementalDetokenizer
 from engine.model.memory.device import device_word
 from engine.model.runner import ScheduledSeq
 from engine.model.sampler import TokenLogprobs
-from engine.startup import StartupResult, start_engine
+from engine.prompt_logprobs import PromptLogprobs
+from engine.startup.phases import StartupResult, start_engine
 from engine.workers import WorkerGroup
 
 if TYPE_CHECKING:
@@ -79,6 +78,24 @@ class CheckedPrompt:
     max_tokens: int
 
 
+def one_engine_config(config: EngineConfig) -> EngineConfig:
+    """``config`` as one engine runs it: refused under ``--data-parallel-size`` outside a
+    data-parallel core (``engine serve`` runs those); under pipeline parallelism checked
+    against the model, with float weights for ``--quantization auto`` (the stages hold
+    float weights, engine/pipeline.py)."""
+    if (config.data_parallel_size or 1) > 1 and config.data_parallel_rank is None:
+        raise UserError(f"--data-parallel-size {config.data_parallel_size} runs engine cores behind "
+                        "`engine serve`; this command runs one engine: drop the flag")
+    if (config.pipeline_parallel_size or 1) > 1:
+        from engine.modelspec.readers import load_model_config
+        from engine.pipeline import check_pipeline
+
+        check_pipeline(config, load_model_config(config.model))
+        if config.quantization == "auto":
+            config = dataclasses.replace(config, quantization=None)
+    return config
+
+
 class LLMEngine:
     """Owns the bus, the scheduler and the model runner. Not thread-safe: one
     thread calls ``add_request`` / ``abort`` / ``step`` (the server funnels its
@@ -90,17 +107,8 @@ class LLMEngine:
         """``metrics_registry``: where sinks that count their own losses register those
         counters (the server's ``/metrics``); None keeps them private. ``heartbeat``: where the
         steps beat (engine/heartbeat.py; a data-parallel core's is in the server's shared memory)."""
+        config = one_engine_config(config)
         stages = config.pipeline_parallel_size or 1
-        if (config.data_parallel_size or 1) > 1 and config.data_parallel_rank is None:
-            raise UserError(f"--data-parallel-size {config.data_parallel_size} runs engine cores behind "
-                            "`engine serve`; this command runs one engine: drop the flag")
-        if stages > 1:
-            from engine.modelspec.readers import load_model_config
-            from engine.pipeline import check_pipeline
-
-            check_pipeline(config, load_model_config(config.model))
-            if config.quantization == "auto":  # the stages hold float weights (engine/pipeline.py)
-                config = dataclasses.replace(config, quantization=None)
         self.config = config
         self.bus = bus or EventBus()
         self.heartbeat = heartbeat or Heartbeat()  # what the stall detector reads of this core's steps
@@ -145,10 +153,9 @@ class LLMEngine:
         self.runner = self.pipeline or self.startup.runner
         self.scheduler = Scheduler(self.startup.scheduler_config, self.bus)
         self.observers.start_stats(device_word(self.startup.device))
-        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self.detokenizers = Detokenizers()
         self._step_logprobs: dict[str, TokenLogprobs] = {}  # the last step's, for requests that ask
-        # prompt logprobs gathered chunk by chunk, until the request's first output carries them
-        self._prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
+        self.prompt_logprobs = PromptLogprobs()
         self._ids = itertools.count()
         self._clock_start = time.monotonic()
         self.eos_token_ids = self._eos_ids()
@@ -261,15 +268,15 @@ class LLMEngine:
         rejected = self.scheduler.submit(req, self.now())
         if rejected is not None:
             raise UserError(f"request {rid} rejected: {rejected}")
-        self._detok[rid] = detok
+        self.detokenizers.add(rid, detok)
         if params.prompt_logprobs is not None:
-            self._prompt_logprobs[rid] = [None] * len(prompt_ids)
+            self.prompt_logprobs.expect(rid, len(prompt_ids))
         return rid
 
     def abort(self, request_id: str, cause: str = ABORT_CLIENT_DISCONNECT) -> bool:
         """Abort a request; ``cause`` (engine/events/request_records.py ABORT_CAUSES) goes on its finish event."""
-        self._detok.pop(request_id, None)
-        self._prompt_logprobs.pop(request_id, None)
+        self.detokenizers.drop(request_id)
+        self.prompt_logprobs.drop(request_id)
         return self.scheduler.abort(request_id, self.now(), cause)
 
     def fail_unfinished(self, error: str) -> int:
@@ -301,7 +308,7 @@ class LLMEngine:
         update needs to decide who finished."""
         # every request carries one table per KV cache group (one with full attention everywhere)
         batch = [ScheduledSeq(s.request_id, s.token_ids, s.start_position, s.block_ids, s.samples,
-                              s.request.sampling, s.block_tables, self._prompt_targets(s))
+                              s.request.sampling, s.block_tables, self.prompt_logprobs.targets(s))
                  for s in out.scheduled]
         self.heartbeat.scheduled(len(batch))
         self.heartbeat.phase(FORWARD)
@@ -314,63 +321,26 @@ class LLMEngine:
         timings = self.runner.last_timings
         failed = dict(self.runner.last_failed)
         self._step_logprobs = getattr(self.runner, "last_logprobs", {})
-        self._keep_prompt_logprobs(out)
-        deltas: dict[str, str] = {}
-        stopped_by_string: set[str] = set()
-        for rid, token in sampled_ids.items():
-            detok = self._detok.get(rid)
-            if detok is None:
-                continue
-            try:
-                deltas[rid] = detok.add(token)
-            except Exception as exc:  # this request's text only: the batch goes on
-                failed[rid] = f"detokenising failed: {type(exc).__name__}: {exc}"
-                with structlog.contextvars.bound_contextvars(request_id=rid):  # the engine thread's record too
-                    log_failure("kvscope.engine", f"detokenising request {rid} failed; it ends with "
-                                "finish_reason 'error' and the rest of the batch goes on")
-                continue
-            if detok.stop_reason is not None:
-                stopped_by_string.add(rid)
-            if self.config.log_prompts:
-                self.scheduler.requests[rid].output_text = detok.text
+        found: dict[str, list[TokenLogprobs]] = getattr(self.runner, "last_prompt_logprobs", {})
+        if found:
+            self.prompt_logprobs.keep(out, found)
+        deltas, stopped_by_string = self.detokenizers.decode(sampled_ids, failed)
+        if self.config.log_prompts:
+            for rid in deltas:
+                self.scheduler.requests[rid].output_text = self.detokenizers.text(rid)
         self.heartbeat.phase(UPDATE)
         return ExecutedStep(
             {rid: [tok] for rid, tok in sampled_ids.items() if rid not in failed}, self.now(), stopped_by_string,
             deltas, {"forward_s": timings.prepare_s + timings.forward_s, "sample_s": timings.sample_s,
-                     **collectives, **self._expert_counts(), **self._prompt_logprob_rows()}, failed=failed,
+                     **collectives, **self._runner_counts()}, failed=failed,
         )
 
-    def _prompt_targets(self, s: ScheduledRequest) -> list[int] | None:
-        """The prompt tokens ``s``'s rows predict, for a request still owed its prompt logprobs
-        (the runner then runs the LM head on those rows); None for every other request."""
-        if s.request_id not in self._prompt_logprobs:
-            return None
-        prompt = s.request.prompt_token_ids
-        start = s.start_position  # a recompute after a preemption before the first token: the same rows again
-        targets = prompt[start + 1:min(start + s.num_tokens, len(prompt) - 1) + 1]
-        return targets or None
-
-    def _keep_prompt_logprobs(self, out: SchedulerOutput) -> None:
-        """File the step's prompt logprobs under their prompt positions (each chunk's first row
-        predicts the token after its start)."""
-        found: dict[str, list[TokenLogprobs]] = getattr(self.runner, "last_prompt_logprobs", {})
-        if not found:
-            return
-        for s in out.scheduled:
-            chunk, kept = found.get(s.request_id), self._prompt_logprobs.get(s.request_id)
-            if chunk and kept is not None:
-                first = s.start_position + 1
-                kept[first:first + len(chunk)] = chunk
-
-    def _prompt_logprob_rows(self) -> dict[str, int]:
-        """The prompt positions the LM head ran on for prompt logprobs this step, for its step event."""
-        rows = getattr(self.runner, "last_prompt_logprob_rows", 0)
-        return {"prompt_logprob_rows": rows} if rows else {}
-
-    def _expert_counts(self) -> dict[str, list[list[int]]]:
-        """A MoE model's tokens per expert per layer in the step just run, for its step event."""
+    def _runner_counts(self) -> dict[str, Any]:
+        """For the step event: a MoE model's tokens per expert per layer in the step just run, and
+        the prompt positions the LM head ran on for prompt logprobs."""
         counts = self.runner.last_expert_counts
-        return {"expert_counts": counts} if counts else {}
+        rows = getattr(self.runner, "last_prompt_logprob_rows", 0)
+        return {**({"expert_counts": counts} if counts else {}), **({"prompt_logprob_rows": rows} if rows else {})}
 
     def _outputs(self, out: SchedulerOutput, executed: ExecutedStep, finished: list[Request]) -> list[RequestOutput]:
         sampled, deltas = executed.sampled, executed.text
@@ -381,13 +351,11 @@ class LLMEngine:
             if rid not in sampled and rid not in executed.failed:
                 continue
             req = s.request
-            detok = self._detok.get(rid)
+            detok = self.detokenizers.get(rid)
             delta = deltas.get(rid, "")
             done = rid in finished_by_id
             if done and detok is not None:
-                self._detok.pop(rid, None)
-                if req.status is not RequestStatus.FINISHED_ERROR:
-                    delta += self._release_held_text(req, detok)
+                delta += self.detokenizers.release(req)
             results.append(RequestOutput(
                 request_id=rid,
                 prompt_token_ids=req.prompt_token_ids,
@@ -400,19 +368,9 @@ class LLMEngine:
                 num_cached_tokens=max(req.num_cached_tokens, 0),
                 error=req.error if done else None,
                 logprobs=[self._step_logprobs[rid]] if rid in self._step_logprobs and rid in sampled else None,
-                prompt_logprobs=self._prompt_logprobs.pop(rid, None) if rid in sampled or done else None,
+                prompt_logprobs=self.prompt_logprobs.take(rid) if rid in sampled or done else None,
             ))
         return results
-
-    @staticmethod
-    def _release_held_text(req: Request, detok: IncrementalDetokenizer) -> str:
-        """The text a finished request's detokeniser held back; a failure here loses only
-        that tail, logged (the request already finished with its tokens)."""
-        try:
-            return detok.finish()
-        except Exception:
-            log_failure("kvscope.engine", f"releasing the last text of request {req.request_id} failed")
-            return ""
 
     # ------------------------------------------------------------- shutdown
     def close(self) -> None:

@@ -17,7 +17,7 @@ unlike vLLM, where the last stage samples, the final norm, LM head and sampler: 
 stage sends its hidden states back to rank 0, so sampling stays where every request's
 state is).
 
-Startup: every stage runs phases A-G itself (engine/startup.py with its
+Startup: every stage runs phases A-G itself (engine/startup/ with its
 :class:`StageLayout`), as a tensor-parallel worker does: A joins the stages' group (and
 rank 0 hands every stage its flags, which each resolves as rank 0 does), C loads the
 model and keeps the stage's layers (:func:`carve_stage`), D profiles the stage, E sizes
@@ -226,7 +226,7 @@ class EndedElsewhere:
 @dataclass(frozen=True, slots=True)
 class StageLayout:
     """One rank's place in a pipeline-parallel replica, and where the ranks meet; what
-    startup's phases read to run a stage (engine/startup.py). vLLM's layout: ``rank =
+    startup's phases read to run a stage (engine/startup/). vLLM's layout: ``rank =
     pp_rank x T + tp_rank`` for ``T`` = ``--tensor-parallel-size``, so each stage is a
     tensor-parallel group of ``T`` consecutive ranks."""
 

@@ -339,7 +339,7 @@ def worker_main(layout: Any, config: EngineConfig, messages: Any, parent_pid: in
     configure_logging(level="warning")  # rank 0 logs the replica; a worker's events carry its numbers
     stacks = register_stack_signal()  # the stall detector's dump asks every rank for its stacks
     from engine.model.parallel import RankLayout
-    from engine.startup import start_engine
+    from engine.startup.phases import start_engine
 
     bus = EventBus()
     bus.subscribe(lambda e: messages.put(("event", layout.rank, e.to_dict())) if isinstance(e, StartupPhase) else None)

@@ -314,7 +314,8 @@ def test_a_fixed_pool_is_sized_by_the_hybrid_layout_when_the_model_has_a_window(
     from engine.config import EngineConfig
     from engine.errors import BudgetError
     from engine.modelspec.readers import load_model_config
-    from engine.startup import check_fixed_pool, model_kv_cache_groups
+    from engine.startup.device_budget import check_fixed_pool
+    from engine.startup.inputs import model_kv_cache_groups
 
     model = load_model_config("gemma-3-270m")
     groups = model_kv_cache_groups(model)
@@ -339,10 +340,10 @@ def test_a_cpu_start_at_defaults_needs_its_capped_pool_not_most_of_the_host(monk
     for the weights and that pool is refused, with the numbers."""
     import dataclasses
 
-    from engine import startup
     from engine.errors import BudgetError
+    from engine.startup import recorder
 
-    real = startup.read_memory
+    real = recorder.read_memory
     gib = 1 << 30
 
     def host(free_gib: float):
@@ -352,11 +353,11 @@ def test_a_cpu_start_at_defaults_needs_its_capped_pool_not_most_of_the_host(monk
     events: list[Event] = []
     bus = EventBus()
     bus.subscribe(events.append)
-    monkeypatch.setattr(startup, "read_memory", host(12.0))  # half the host free: 0.9 x 24 GiB is not
+    monkeypatch.setattr(recorder, "read_memory", host(12.0))  # half the host free: 0.9 x 24 GiB is not
     with LLM("smollm2-135m", bus=bus, max_model_len=256, max_num_batched_tokens=64, stats_interval=0.0) as llm:
         assert llm.generate(["Hi"], SamplingParams(temperature=0.0, max_tokens=2))[0].token_ids
     phase_e = next(e for e in events if isinstance(e, StartupPhase) and e.phase == "E" and e.status == "end")
     assert phase_e.data["cpu_default_cap"] is True
-    monkeypatch.setattr(startup, "read_memory", host(3.0))  # not even the 4 GiB pool
+    monkeypatch.setattr(recorder, "read_memory", host(3.0))  # not even the 4 GiB pool
     with pytest.raises(BudgetError, match=r"free memory on device \(3.00/24.00 GiB\) is less than"):
         LLM("smollm2-135m", max_model_len=256, max_num_batched_tokens=64, stats_interval=0.0)

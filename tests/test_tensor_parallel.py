@@ -28,7 +28,7 @@ from engine.events.phase_data import KvCacheData, LoadWeightsData, read_phase
 from engine.model.parallel import check_shardable, kv_head_start, rank_model_config, replica_free_bytes
 from engine.modelspec.presets import MODEL_PRESETS
 from engine.modelspec.readers import load_model_config
-from engine.startup import resolve_config
+from engine.startup.resolve import resolve_config
 from tests.processes import wait_gone
 
 TINY_LLAMA = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,

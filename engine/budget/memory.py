@@ -361,13 +361,57 @@ def plan_memory(
     and ``sliding_window``); any sliding-window group makes the pool hybrid (the module
     docstring's second formula), unless ``disable_hybrid_kv_cache_manager`` (vLLM's flag:
     every layer takes full attention's blocks)."""
+    _check_plan_flags(gpu_memory_utilization, block_size, max_model_len)
+    model_dtype = dtype or model.dtype
+    non_kv = _non_kv_memory(model, model_dtype, tensor_parallel_size, max_num_batched_tokens, max_num_seqs,
+                            multimodal, weights, activation_peak, non_torch)
+    requested = total_bytes * gpu_memory_utilization
+    pool = (float(kv_cache_memory_bytes) if kv_cache_memory_bytes is not None
+            else requested - non_kv.weights - non_kv.activation_peak - non_kv.non_torch)
+    groups = () if disable_hybrid_kv_cache_manager else _hybrid_groups(model, kv_cache_groups)
+    per_token, num_blocks, hybrid = _kv_layout(model, groups, pool, kv_cache_dtype, tensor_parallel_size, model_dtype,
+                                               block_size, max_model_len, max_num_batched_tokens)
+    tokens, concurrency = _tokens_and_concurrency(num_blocks, block_size, max_model_len, len(groups),
+                                                  hybrid.get("blocks_per_request", 0))
+    plan = MemoryPlan(
+        total_bytes=int(total_bytes), gpu_memory_utilization=gpu_memory_utilization, requested_bytes=int(requested),
+        weights_bytes=int(non_kv.weights), activation_peak_bytes=int(non_kv.activation_peak),
+        non_torch_bytes=int(non_kv.non_torch), kv_pool_bytes=int(pool), bytes_per_token=per_token,
+        block_size=block_size, num_blocks=num_blocks, kv_cache_tokens=tokens, max_model_len=max_model_len,
+        max_concurrency=concurrency, kv_pool_overridden=kv_cache_memory_bytes is not None,
+        estimated=non_kv.estimated, multimodal=multimodal, llm_activation_peak_bytes=int(non_kv.llm_peak), **hybrid,
+    )
+    if check_fits:
+        check_plan_fits(plan)
+    return plan
+
+
+def _check_plan_flags(gpu_memory_utilization: float, block_size: int, max_model_len: int) -> None:
+    """Refuse the flag values no budget can be computed for."""
     if not 0 < gpu_memory_utilization <= 1:
         raise UserError(f"--gpu-memory-utilization {gpu_memory_utilization}: must be in (0, 1]")
     if block_size <= 0 or block_size & (block_size - 1):
         raise UserError(f"--block-size {block_size}: must be a positive power of two (vLLM uses 16)")
     if max_model_len <= 0:
         raise UserError(f"--max-model-len {max_model_len}: must be positive")
-    model_dtype = dtype or model.dtype
+
+
+@dataclass(frozen=True, slots=True)
+class _NonKvMemory:
+    """What the pool leaves room for, each given (measured) or estimated from the shapes."""
+
+    weights: int
+    activation_peak: int
+    non_torch: int
+    llm_peak: int  # the language model's own estimated peak (0 when the peak was given)
+    estimated: list[str]  # the figures estimated, in ledger order
+
+
+def _non_kv_memory(model: ModelConfig, model_dtype: str, tensor_parallel_size: int, max_num_batched_tokens: int,
+                   max_num_seqs: int, multimodal: MultimodalBudget | None, weights: int | None,
+                   activation_peak: int | None, non_torch: int | None) -> _NonKvMemory:
+    """The weights, activation peak and non-torch memory: each given, or estimated (a VL model's
+    estimates hold the vision weights and the encoder's share of the profile)."""
     estimated: list[str] = []
     if weights is None:
         weights = weights_bytes(model, model_dtype, tensor_parallel_size)
@@ -383,53 +427,31 @@ def plan_memory(
     if non_torch is None:
         non_torch = estimate_non_torch_bytes(tensor_parallel_size)
         estimated.append("non_torch")
+    return _NonKvMemory(weights, activation_peak, non_torch, llm_peak, estimated)
+
+
+def _kv_layout(model: ModelConfig, groups: tuple[KVCacheGroup, ...], pool: float, kv_cache_dtype: str,
+               tensor_parallel_size: int, model_dtype: str, block_size: int, max_model_len: int,
+               max_num_batched_tokens: int) -> tuple[int, int, dict[str, Any]]:
+    """The pool's bytes per token slot, its blocks, and for a hybrid pool (``groups``) its MemoryPlan
+    fields: each group's budget, the page (one layer's block), the layers a block spans (the
+    largest group's) and the blocks one request holds across groups."""
     per_token = bytes_per_kv_token(model, kv_cache_dtype, tensor_parallel_size, model_dtype)
-    requested = total_bytes * gpu_memory_utilization
-    overridden = kv_cache_memory_bytes is not None
-    pool = (float(kv_cache_memory_bytes) if kv_cache_memory_bytes is not None
-            else requested - weights - activation_peak - non_torch)
-    groups = () if disable_hybrid_kv_cache_manager else _hybrid_groups(model, kv_cache_groups)
-    hybrid: dict[str, Any] = {}
-    if groups:
-        per_layer = bytes_per_kv_token_per_layer(model, kv_cache_dtype, tensor_parallel_size, model_dtype)
-        size = max(len(g.layers) for g in groups)
-        budgets = tuple(KvGroupBudget(g.spec.kind, g.spec.sliding_window, g.layers, per_layer * len(g.layers),
-                                      blocks_per_request(g.spec.sliding_window, max_model_len, block_size,
-                                                         max_num_batched_tokens))
-                        for g in groups)
-        hybrid = dict(kv_cache_groups=budgets, page_size_bytes=block_size * per_layer, layers_per_group=size,
-                      blocks_per_request=sum(g.blocks_per_request for g in budgets),
-                      full_attention_bytes_per_token=per_token, kv_max_num_batched_tokens=max_num_batched_tokens)
-        per_token = per_layer * size  # one block (a page in each of G tensors) per token slot
-        num_blocks = int(pool) // hybrid["page_size_bytes"] // size if pool > 0 else 0
-    else:
-        block_bytes = block_size * per_token
-        num_blocks = max(0, math.floor(pool / block_bytes)) if pool > 0 else 0
-    tokens, concurrency = _tokens_and_concurrency(num_blocks, block_size, max_model_len, len(groups),
-                                                  hybrid.get("blocks_per_request", 0))
-    plan = MemoryPlan(
-        total_bytes=int(total_bytes),
-        gpu_memory_utilization=gpu_memory_utilization,
-        requested_bytes=int(requested),
-        weights_bytes=int(weights),
-        activation_peak_bytes=int(activation_peak),
-        non_torch_bytes=int(non_torch),
-        kv_pool_bytes=int(pool),
-        bytes_per_token=per_token,
-        block_size=block_size,
-        num_blocks=num_blocks,
-        kv_cache_tokens=tokens,
-        max_model_len=max_model_len,
-        max_concurrency=concurrency,
-        kv_pool_overridden=overridden,
-        estimated=estimated,
-        multimodal=multimodal,
-        llm_activation_peak_bytes=int(llm_peak),
-        **hybrid,
-    )
-    if check_fits:
-        check_plan_fits(plan)
-    return plan
+    if not groups:
+        return per_token, max(0, math.floor(pool / (block_size * per_token))) if pool > 0 else 0, {}
+    per_layer = bytes_per_kv_token_per_layer(model, kv_cache_dtype, tensor_parallel_size, model_dtype)
+    size = max(len(g.layers) for g in groups)
+    budgets = tuple(KvGroupBudget(g.spec.kind, g.spec.sliding_window, g.layers, per_layer * len(g.layers),
+                                  blocks_per_request(g.spec.sliding_window, max_model_len, block_size,
+                                                     max_num_batched_tokens))
+                    for g in groups)
+    page = block_size * per_layer
+    hybrid: dict[str, Any] = dict(kv_cache_groups=budgets, page_size_bytes=page, layers_per_group=size,
+                                  blocks_per_request=sum(g.blocks_per_request for g in budgets),
+                                  full_attention_bytes_per_token=per_token,
+                                  kv_max_num_batched_tokens=max_num_batched_tokens)
+    num_blocks = int(pool) // page // size if pool > 0 else 0
+    return per_layer * size, num_blocks, hybrid  # one block (a page in each of G tensors) per token slot
 
 
 def _hybrid_groups(model: ModelConfig, given: Sequence[KVCacheGroup] | None) -> tuple[KVCacheGroup, ...]:

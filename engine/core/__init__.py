@@ -11,6 +11,7 @@ numpy, clock or I/O), and the one step loop over an executor.
 - ``encoder_cache``: a vision-language request's encoder budget and cache
 - ``policy``: one waiting-queue type per scheduling policy
 - ``scheduler``: the token-budget scheduler (``schedule`` / ``update_from_output``)
+- ``step_plan``: one ``schedule`` call's budgets and decisions; why the requests left waiting waited
 - ``scheduler_config``: ``SchedulerConfig``, the scheduler's limits under vLLM's flag names
 - ``step_loop``: ``run_step`` and the ``Executor`` protocol the four executors implement
 - ``step_events``: the one place a finished step becomes a ``step`` event

@@ -11,7 +11,12 @@ preempted or finishes). Capacity and usage count embeddings (tokens), integers o
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.core.request import Request
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +40,7 @@ class EncoderCacheManager:
         self.used = 0
         self.peak = 0
         self._held: dict[str, dict[int, int]] = {}  # request id -> item index -> tokens
+        self._freed: list[tuple[str, int]] = []  # freed since take_freed, in order
 
     def holds(self, request_id: str, index: int) -> bool:
         return index in self._held.get(request_id, {})
@@ -48,20 +54,26 @@ class EncoderCacheManager:
         self.used += tokens
         self.peak = max(self.peak, self.used)
 
-    def free_consumed(self, request_id: str, inputs: tuple[MultimodalInput, ...], num_computed: int) -> list[int]:
-        """Free the items whose every placeholder is computed; returns their indices."""
-        held = self._held.get(request_id)
-        if not held:
-            return []
-        done = [i for i in held if inputs[i].end <= num_computed]
-        for i in done:
-            self.used -= held.pop(i)
-        if not held:
-            del self._held[request_id]
-        return done
+    def free_consumed(self, requests: Iterable[Request]) -> None:
+        """Free each request's items whose every placeholder is computed."""
+        for req in requests:
+            held = self._held.get(req.request_id)
+            if not held:
+                continue
+            done = [i for i in held if req.mm_inputs[i].end <= req.num_computed_tokens]
+            for i in done:
+                self.used -= held.pop(i)
+            if not held:
+                del self._held[req.request_id]
+            self._freed.extend((req.request_id, i) for i in done)
 
-    def free_request(self, request_id: str) -> list[int]:
+    def free_request(self, request_id: str) -> None:
         """Free everything the request holds (preempted, finished or aborted)."""
         held = self._held.pop(request_id, {})
         self.used -= sum(held.values())
-        return list(held)
+        self._freed.extend((request_id, i) for i in held)
+
+    def take_freed(self) -> list[tuple[str, int]]:
+        """The (request id, item index) pairs freed since the last call: a step's ``encoder_freed``."""
+        freed, self._freed = self._freed, []
+        return freed

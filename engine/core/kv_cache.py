@@ -36,6 +36,8 @@ from engine.events.step_records import (
     PREFIX_LAST_TOKEN,
     PREFIX_SHORT_PROMPT,
     PREFIX_WINDOW,
+    WAIT_BLOCKS,
+    WAIT_NEVER_FITS,
 )
 
 NONE_HASH = 0x6B7673636F7065  # parent "hash" of a request's first block
@@ -140,6 +142,15 @@ class KVCacheManager:
         if full_tokens is not None and full_tokens > hit_tokens:
             return [hit_tokens, PREFIX_WINDOW, full_tokens]
         return prefix_stop(req, hit_tokens, self.block_size, self.pool)
+
+    def explain_refusal(self, req: Request) -> list[Any]:
+        """Why the pool refused the queue's head (a step event's waiting reason): short now,
+        or never (more blocks than the pool has, even empty)."""
+        ever = self.blocks_needed(req.num_prompt_tokens + req.max_tokens)
+        if ever > self.pool.num_usable:
+            return [WAIT_NEVER_FITS, ever, self.pool.num_usable]
+        needed, free = self.last_shortfall
+        return [WAIT_BLOCKS, needed, free]
 
     # -------------------------------------------------------------- allocation
     def blocks_needed(self, num_tokens: int) -> int:

@@ -179,6 +179,26 @@ class Request:
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)
 
+    # ----------------------------------------------------------------- output
+    def append_sampled(self, tokens: list[int], now: float, max_model_len: int) -> RequestStatus | None:
+        """Append a step's sampled tokens (stamping the first token's and each gap's time) and
+        apply the stop rules: the finished status the first stopping token gives (its later
+        tokens are dropped), or None while it goes on."""
+        for tok in tokens:
+            self.token_ids.append(tok)
+            self.output_token_ids.append(tok)
+            last = self.last_token_time
+            if last is None:
+                self.first_token_time = now
+            else:
+                self.inter_token_latencies.append(now - last)
+            self.last_token_time = now
+            if tok in self.stop_token_ids or (not self.ignore_eos and tok == self.eos_token_id):
+                return RequestStatus.FINISHED_STOPPED
+            if len(self.output_token_ids) >= self.max_tokens or len(self.token_ids) >= max_model_len:
+                return RequestStatus.FINISHED_LENGTH
+        return None
+
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "

@@ -41,6 +41,7 @@ from engine.core.kv_cache import KVCacheManager
 from engine.core.policy import create_request_queue
 from engine.core.request import FINISH_REASONS, BlockTables, Request, RequestStatus
 from engine.core.scheduler_config import SchedulerConfig
+from engine.core.step_plan import StepPlan
 from engine.events import (
     EventBus,
     RequestArrived,
@@ -51,18 +52,6 @@ from engine.events import (
     RequestScheduled,
 )
 from engine.events.request_records import ABORT_CLIENT_DISCONNECT
-from engine.events.step_records import (
-    WAIT_BEHIND,
-    WAIT_BLOCKS,
-    WAIT_ENCODER,
-    WAIT_MAX_NUM_SEQS,
-    WAIT_NEVER_FITS,
-    WAIT_PREEMPTING,
-    WAIT_PRIORITY,
-    WAIT_TOKEN_BUDGET,
-    WAITING_REASONS_CAP,
-    step_token_budget,
-)
 
 
 class ScheduledRequest:
@@ -197,51 +186,6 @@ class SchedulerOutput:
         return self.deltas.prefix_hit_tokens
 
 
-@dataclass(slots=True)
-class _StepPlan:
-    """What one ``schedule`` call has decided so far."""
-
-    budget: int
-    limit: int  # the step's whole budget (``budget`` is what is left of it)
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    tokens: dict[str, int] = field(default_factory=dict)
-    preempted: list[str] = field(default_factory=list)
-    new_ids: list[str] = field(default_factory=list)
-    resumed_ids: list[str] = field(default_factory=list)
-    num_prefill: int = 0
-    num_decode: int = 0
-    encoder_budget: int = 0
-    encoder_inputs: list[tuple[Request, int, int]] = field(default_factory=list)
-    blocked: tuple[Request, list[Any]] | None = None  # the queue's head that stopped admission, and why
-    prefix_lookups: dict[str, list[Any]] = field(default_factory=dict)
-
-    def add(self, s: ScheduledRequest) -> None:
-        self.scheduled.append(s)
-        self.tokens[s.request.request_id] = s.num_tokens
-        if s.is_prefill:
-            self.num_prefill += s.num_tokens
-        else:
-            self.num_decode += s.num_tokens
-        self.budget -= s.num_tokens
-
-    def withdraw(self, req: Request) -> None:
-        """Undo ``add`` for a request preempted after it was scheduled."""
-        if not self.tokens.pop(req.request_id, 0):
-            return
-        for item in [e for e in self.encoder_inputs if e[0] is req]:
-            self.encoder_inputs.remove(item)
-            self.encoder_budget += item[2]
-        for k, s in enumerate(self.scheduled):
-            if s.request is req:
-                del self.scheduled[k]
-                self.budget += s.num_tokens
-                if s.is_prefill:
-                    self.num_prefill -= s.num_tokens
-                else:
-                    self.num_decode -= s.num_tokens
-                return
-
-
 class Scheduler:
     """Continuous batching over a :class:`KVCacheManager`; see the module docstring."""
 
@@ -253,7 +197,6 @@ class Scheduler:
             record_block_contents=config.enable_kv_cache_events, kv_cache_groups=config.kv_cache_groups,
             max_num_batched_tokens=config.max_num_batched_tokens)
         self.encoder_cache = EncoderCacheManager(config.encoder_cache_size)
-        self._encoder_freed: list[tuple[str, int]] = []
         self.requests: dict[str, Request] = {}  # unfinished requests
         self.waiting = create_request_queue(config.policy)
         self.running: list[Request] = []
@@ -270,10 +213,6 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
-
-    @property
-    def kv_usage(self) -> float:
-        return self.kv.usage
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -357,8 +296,7 @@ class Scheduler:
 
     # -------------------------------------------------------------- schedule
     def schedule(self, now: float) -> SchedulerOutput:
-        budget = self._step_budget()
-        plan = _StepPlan(budget=budget, limit=budget, encoder_budget=self.config.encoder_compute_budget)
+        plan = StepPlan.for_step(self.config, self.running)
         publishing = self._publishing()
         self.kv.pool.step = self.step_index  # an eviction remembers its step (prefix misses say when)
         self._schedule_running(plan, now, publishing)
@@ -371,58 +309,22 @@ class Scheduler:
             s.request.num_computed_tokens += s.num_tokens
         return self._output(plan)
 
-    def _step_budget(self) -> int:
-        """This step's token budget (:func:`step_token_budget`), counting the running requests
-        that decode only where a decode-step bound is set."""
-        cfg = self.config
-        decoding = (sum(1 for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens)
-                    if cfg.max_decode_step_tokens else 0)
-        return step_token_budget(cfg.max_num_batched_tokens, cfg.max_decode_step_tokens, decoding)
-
-    def _chunk(self, remaining: int, budget: int) -> int:
-        """How many of ``remaining`` tokens fit this step (threshold, then budget)."""
-        threshold = self.config.long_prefill_token_threshold
-        if 0 < threshold < remaining:
-            remaining = threshold
-        return min(remaining, budget)
-
-    def _fit_encoder_inputs(self, req: Request, computed: int, num_new: int,
-                            plan: _StepPlan) -> tuple[int, list[tuple[Request, int, int]]]:
-        """vLLM's ``_try_schedule_encoder_inputs``: the items a chunk of ``num_new``
-        tokens from ``computed`` reaches that are not cached yet, within the step's
-        encoder compute budget and the cache's free room. The first that does not fit
-        cuts the chunk before its placeholders (possibly to 0: not scheduled)."""
-        items: list[tuple[Request, int, int]] = []
-        budget = plan.encoder_budget
-        room = self.encoder_cache.capacity - self.encoder_cache.used - sum(e[2] for e in plan.encoder_inputs)
-        for index, item in enumerate(req.mm_inputs):
-            if item.offset >= computed + num_new:
-                break  # beyond this chunk
-            if item.end <= computed or self.encoder_cache.holds(req.request_id, index):
-                continue  # consumed already, or its embeddings are parked
-            if item.length > budget or item.length > room:
-                return item.offset - computed, items
-            budget -= item.length
-            room -= item.length
-            items.append((req, index, item.length))
-        return num_new, items
-
-    def _schedule_running(self, plan: _StepPlan, now: float, publishing: bool) -> None:
+    def _schedule_running(self, plan: StepPlan, now: float, publishing: bool) -> None:
         """Step 1: each running request, in admission order, gets its next chunk
         or decode token, preempting others when the pool is short."""
         running = self.running
         allocate_slots = self.kv.allocate_slots  # locals: this loop runs per request per step
-        chunk = self._chunk
+        chunk = plan.chunk
         add = plan.add
         i = 0
         while i < len(running) and plan.budget > 0:
             req = running[i]
             computed = req.num_computed_tokens
             total = len(req.token_ids)
-            num_new = chunk(total - computed, plan.budget)
+            num_new = chunk(total - computed)
             encoded: list[tuple[Request, int, int]] = []
             if req.mm_inputs and num_new > 0:
-                num_new, encoded = self._fit_encoder_inputs(req, computed, num_new, plan)
+                num_new, encoded = plan.fit_encoder_inputs(req, computed, num_new, self.encoder_cache)
             if num_new <= 0:
                 i += 1
                 continue
@@ -430,13 +332,13 @@ class Scheduler:
                 still_running, i = self._preempt_until_fits(req, num_new, i, plan, now, publishing)
                 if not still_running:
                     continue  # req itself was preempted; the element now at i is the next one
-            self._plan_encoder_inputs(plan, encoded)
+            plan.take_encoder_inputs(encoded)
             is_prefill = not (num_new == 1 and computed == total - 1 and computed >= req.num_prompt_tokens)
             add(ScheduledRequest(req, computed, num_new, is_prefill, computed + num_new >= total))
             i += 1
 
     def _preempt_until_fits(
-        self, req: Request, num_new: int, index: int, plan: _StepPlan, now: float, publishing: bool
+        self, req: Request, num_new: int, index: int, plan: StepPlan, now: float, publishing: bool
     ) -> tuple[bool, int]:
         """``req``'s slots did not fit: preempt the policy's victims until they do.
 
@@ -444,7 +346,7 @@ class Scheduler:
         after the victims ahead of it were removed."""
         running = self.running
         while True:
-            victim = self._pick_victim()
+            victim = self.waiting.pick_victim(running)
             victim_index = running.index(victim) if victim is not running[-1] else len(running) - 1
             del running[victim_index]
             if victim_index < index:
@@ -457,7 +359,7 @@ class Scheduler:
             if self.kv.allocate_slots(req, num_new) is not None:
                 return True, index
 
-    def _admit_waiting(self, plan: _StepPlan, now: float, publishing: bool) -> None:
+    def _admit_waiting(self, plan: StepPlan, now: float, publishing: bool) -> None:
         """Step 2: waiting requests while budget, ``max_num_seqs`` and blocks
         allow; the first that does not fit stops admission (head-of-line)."""
         kv = self.kv
@@ -471,19 +373,19 @@ class Scheduler:
             # explained before the allocation caches the request's own blocks
             lookup = kv.explain_hit(req, hit_tokens) if publishing and kv.enable_caching and reads_cache else None
             total = len(req.token_ids)
-            num_new = self._chunk(total - hit_tokens, plan.budget)
+            num_new = plan.chunk(total - hit_tokens)
             encoded: list[tuple[Request, int, int]] = []
             if req.mm_inputs:
-                num_new, encoded = self._fit_encoder_inputs(req, hit_tokens, num_new, plan)
+                num_new, encoded = plan.fit_encoder_inputs(req, hit_tokens, num_new, self.encoder_cache)
                 if num_new <= 0:
                     if publishing:
-                        plan.blocked = (req, self._encoder_reason(req, hit_tokens, plan))
+                        plan.blocked = (req, plan.encoder_reason(req, hit_tokens))
                     break  # its first item does not fit the encoder's budget this step
             if kv.allocate_slots(req, num_new, hit_blocks, hit_tokens) is None:
                 if publishing:
-                    plan.blocked = (req, self._blocks_reason(req))
+                    plan.blocked = (req, kv.explain_refusal(req))
                 break
-            self._plan_encoder_inputs(plan, encoded)
+            plan.take_encoder_inputs(encoded)
             waiting.pop()
             running.append(req)
             if reads_cache:  # vLLM counts no lookup for a request that skips the cache
@@ -493,52 +395,7 @@ class Scheduler:
             self._start_running(req, hit_tokens, plan, now, publishing)
             plan.add(ScheduledRequest(req, hit_tokens, num_new, True, hit_tokens + num_new >= total))
 
-    def _blocks_reason(self, req: Request) -> list[Any]:
-        """Why the pool refused the queue's head: short now, or never (more blocks than the
-        pool has, even empty)."""
-        kv = self.kv
-        ever = kv.blocks_needed(req.num_prompt_tokens + req.max_tokens)
-        if ever > kv.pool.num_usable:
-            return [WAIT_NEVER_FITS, ever, kv.pool.num_usable]
-        needed, free = kv.last_shortfall
-        return [WAIT_BLOCKS, needed, free]
-
-    def _encoder_reason(self, req: Request, computed: int, plan: _StepPlan) -> list[Any]:
-        """The head's first image/video not yet encoded, against the encoder budget left."""
-        item = next((m for m in req.mm_inputs if m.end > computed), req.mm_inputs[-1])
-        return [WAIT_ENCODER, item.length, plan.encoder_budget]
-
-    def _waiting_reasons(self, plan: _StepPlan) -> tuple[dict[str, list[Any]], int]:
-        """Why each of the first ``WAITING_REASONS_CAP`` requests still waiting was not
-        admitted this step, and how many more waited (a step event's ``waiting_reasons``)."""
-        cfg = self.config
-        waiting = self.waiting
-        omitted = max(0, len(waiting) - WAITING_REASONS_CAP)
-        if plan.blocked is None:  # nobody was refused: admission never reached the queue
-            common: list[Any]
-            if plan.preempted:
-                common = [WAIT_PREEMPTING]
-            elif len(self.running) >= cfg.max_num_seqs:  # no slot: the budget left would not matter
-                common = [WAIT_MAX_NUM_SEQS, cfg.max_num_seqs]
-            else:
-                common = [WAIT_TOKEN_BUDGET, plan.limit]
-            return {req.request_id: common for req in waiting.head(WAITING_REASONS_CAP)}, omitted
-        blocked, why = plan.blocked
-        reasons: dict[str, list[Any]] = {}
-        for req in waiting.head(WAITING_REASONS_CAP):
-            if req is blocked:
-                reasons[req.request_id] = why
-            else:
-                code = WAIT_PRIORITY if blocked.priority < req.priority else WAIT_BEHIND
-                reasons[req.request_id] = [code, blocked.request_id]
-        return reasons, omitted
-
-    @staticmethod
-    def _plan_encoder_inputs(plan: _StepPlan, encoded: list[tuple[Request, int, int]]) -> None:
-        plan.encoder_inputs.extend(encoded)
-        plan.encoder_budget -= sum(e[2] for e in encoded)
-
-    def _start_running(self, req: Request, hit_tokens: int, plan: _StepPlan, now: float, publishing: bool) -> None:
+    def _start_running(self, req: Request, hit_tokens: int, plan: StepPlan, now: float, publishing: bool) -> None:
         """A request leaves the waiting queue: new or resumed, first schedule time."""
         req.num_computed_tokens = hit_tokens
         if req.status is RequestStatus.PREEMPTED:
@@ -560,7 +417,7 @@ class Scheduler:
                     )
                 )
 
-    def _output(self, plan: _StepPlan) -> SchedulerOutput:
+    def _output(self, plan: StepPlan) -> SchedulerOutput:
         """Step 3's record: what runs this step, for the executor and the step event."""
         cfg = self.config
         assert plan.num_prefill + plan.num_decode <= cfg.max_num_batched_tokens, "token budget exceeded"
@@ -585,17 +442,15 @@ class Scheduler:
             prefix_lookups=plan.prefix_lookups,
         )
         if self.waiting and self._publishing():
-            out.waiting_reasons, out.waiting_reasons_omitted = self._waiting_reasons(plan)
+            out.waiting_reasons, out.waiting_reasons_omitted = plan.waiting_reasons(self.waiting, len(self.running),
+                                                                                 cfg.max_num_seqs)
         self.step_index += 1
         return out
-
-    def _pick_victim(self) -> Request:
-        return self.waiting.pick_victim(self.running)
 
     def _preempt(self, req: Request, now: float, publishing: bool, reason: str, for_request: str) -> None:
         lost = req.num_computed_tokens
         freed = self.kv.free(req)
-        self._encoder_freed.extend((req.request_id, i) for i in self.encoder_cache.free_request(req.request_id))
+        self.encoder_cache.free_request(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -637,14 +492,11 @@ class Scheduler:
         (``finished``, post-step counts, block deltas).
         """
         publishing = self._publishing()
-        max_model_len = self.config.max_model_len
         finished: list[Request] = []
         for s in output.scheduled:
-            if not s.samples:
-                continue
             req = s.request
-            if req.status is not RequestStatus.RUNNING:
-                continue  # aborted or preempted after the step was scheduled
+            if not s.samples or req.status is not RequestStatus.RUNNING:
+                continue  # a mid-prefill chunk; or aborted or preempted after the step was scheduled
             if failed and req.request_id in failed:
                 req.error = failed[req.request_id]
                 req.status = RequestStatus.FINISHED_ERROR
@@ -653,7 +505,11 @@ class Scheduler:
             tokens = sampled.get(req.request_id)
             if not tokens:
                 raise KeyError(f"no sampled token for request {req.request_id!r}, which completed its prompt")
-            status = self._append_tokens(req, tokens, now, publishing, max_model_len)
+            first = req.last_token_time is None
+            status = req.append_sampled(tokens, now, self.config.max_model_len)
+            if first and publishing:
+                assert self.bus is not None
+                self.bus.publish(RequestFirstToken(request_id=req.request_id, ttft_s=now - req.arrival_time))
             if status is None and req.request_id in stopped:
                 status = RequestStatus.FINISHED_STOPPED
             if status is not None:
@@ -666,46 +522,18 @@ class Scheduler:
                 output.finished[req.request_id] = FINISH_REASONS[req.status]
         if self.config.encoder_cache_size:
             cache = self.encoder_cache
-            for s in output.scheduled:
-                req = s.request
-                if req.mm_inputs and not req.is_finished:
-                    freed_items = cache.free_consumed(req.request_id, req.mm_inputs, req.num_computed_tokens)
-                    self._encoder_freed.extend((req.request_id, i) for i in freed_items)
-            output.encoder_freed, self._encoder_freed = self._encoder_freed, []
-            output.encoder_cache_used = cache.used
-        output.num_running = len(self.running)
-        output.num_waiting = len(self.waiting)
-        pool = self.kv.pool
-        output.num_blocks_used = pool.num_used
-        output.num_blocks_cached_free = pool.num_cached_free
+            cache.free_consumed(s.request for s in output.scheduled
+                                if s.request.mm_inputs and not s.request.is_finished)
+            output.encoder_freed, output.encoder_cache_used = cache.take_freed(), cache.used
+        output.num_running, output.num_waiting = len(self.running), len(self.waiting)
+        output.num_blocks_used, output.num_blocks_cached_free = self.kv.pool.num_used, self.kv.pool.num_cached_free
         # later frees (aborts between steps) belong to the next step
         self.kv.take_deltas()
         return finished
 
-    def _append_tokens(
-        self, req: Request, tokens: list[int], now: float, publishing: bool, max_model_len: int
-    ) -> RequestStatus | None:
-        for tok in tokens:
-            req.token_ids.append(tok)
-            req.output_token_ids.append(tok)
-            last = req.last_token_time
-            if last is None:
-                req.first_token_time = now
-                if publishing:
-                    assert self.bus is not None
-                    self.bus.publish(RequestFirstToken(request_id=req.request_id, ttft_s=now - req.arrival_time))
-            else:
-                req.inter_token_latencies.append(now - last)
-            req.last_token_time = now
-            if tok in req.stop_token_ids or (not req.ignore_eos and tok == req.eos_token_id):
-                return RequestStatus.FINISHED_STOPPED
-            if len(req.output_token_ids) >= req.max_tokens or len(req.token_ids) >= max_model_len:
-                return RequestStatus.FINISHED_LENGTH
-        return None
-
     def _finish(self, req: Request, now: float, publishing: bool) -> None:
         self.kv.free(req)
-        self._encoder_freed.extend((req.request_id, i) for i in self.encoder_cache.free_request(req.request_id))
+        self.encoder_cache.free_request(req.request_id)
         req.finished_time = now
         del self.requests[req.request_id]
         self._finished_since_schedule.append(req.request_id)

@@ -97,6 +97,19 @@ class CoreClient:
         with self.publish_lock:
             self.bus.publish(event)
 
+    def publish_rows(self, rows: list[dict[str, Any]], counts_lock: threading.Lock) -> None:
+        """The core's events, sent as rows, published on its bus; a step event's queue and KV
+        counts kept (under ``counts_lock``) for the balancer."""
+        for row in rows:
+            if row.get("type") in NOTED:  # the stall detector's own verdict, back from the core's recording
+                continue
+            event = event_from_dict(row)
+            if isinstance(event, StepEvent):
+                with counts_lock:  # the counts vLLM's coordinator reports: the scheduler's own
+                    self.waiting, self.running = event.num_waiting, event.num_running
+                    self.kv_used, self.kv_total = event.kv_blocks_used, event.kv_blocks_total
+            self.publish(event)
+
     def how_it_ended(self) -> str:
         if self.failure is not None:
             return f"failed: {self.failure[0]}"
@@ -210,6 +223,53 @@ class DataParallelLifecycle:
         return sorted(rows, key=lambda row: -(row["age_s"] or 0.0))
 
 
+class CoreProfiling:
+    """The profile commands sent to the cores and not answered yet: each core's answer settles
+    the future its ``profile`` call awaits, on that call's loop."""
+
+    def __init__(self, tokens: Iterator[int], lock: threading.Lock) -> None:
+        self._tokens = tokens
+        self._lock = lock
+        # token -> (its rank, the loop and future awaiting it)
+        self._waiting: dict[int, tuple[int, asyncio.AbstractEventLoop, asyncio.Future[Any]]] = {}
+
+    async def ask(self, cores: Sequence[CoreClient], profiler: TorchProfiler, action: Literal["start", "stop"],
+                  limits: ProfileLimits | None) -> list[str]:
+        """Every core's answer, in rank order; a rank's refusal is raised after every rank answered."""
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[Any]] = []
+        for core in cores:
+            future: asyncio.Future[Any] = loop.create_future()
+            with self._lock:
+                token = next(self._tokens)
+                self._waiting[token] = (core.rank, loop, future)
+            core.send(("profile", token, action, profiler.trace_dir, (limits or ProfileLimits.capped()).to_dict()))
+            futures.append(future)
+        answers = await asyncio.gather(*futures, return_exceptions=True)
+        failed = next((a for a in answers if isinstance(a, BaseException)), None)
+        if failed is not None:
+            raise failed
+        return [str(a) for a in answers]
+
+    def answered(self, token: int, result: Any, refusal: str | None) -> None:
+        """A core's ``profiled`` message: the result, or its refusal raised as a UserError."""
+        with self._lock:
+            waiting = self._waiting.pop(token, None)
+        if waiting is not None:
+            _, loop, future = waiting
+            error = None if refusal is None else UserError(refusal)
+            with contextlib.suppress(RuntimeError):  # the loop closed at shutdown
+                loop.call_soon_threadsafe(_settle, future, result, error)
+
+    def fail_all(self, error: BaseException) -> None:
+        """A core died: no answer is coming; every call still waiting raises ``error``."""
+        with self._lock:
+            unanswered, self._waiting = list(self._waiting.values()), {}
+        for _, loop, future in unanswered:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_settle, future, None, error)
+
+
 class DataParallelEngine(EngineFront):
     """D engine-core processes behind AsyncEngine's interface (module docstring)."""
 
@@ -231,8 +291,7 @@ class DataParallelEngine(EngineFront):
         self._error: BaseException | None = None
         self._frontend: ReplicaFrontend | None = None
         self._ids = itertools.count(1)
-        # profile commands sent and not answered: token -> (its rank, the loop and future awaiting it)
-        self._profiling: dict[int, tuple[int, asyncio.AbstractEventLoop, asyncio.Future[Any]]] = {}
+        self._profiling = CoreProfiling(self._ids, self._lock)  # its tokens and the request ids: one count
         self._log = get_logger("kvscope.serve")
 
     # ------------------------------------------------------------- lifecycle
@@ -273,9 +332,6 @@ class DataParallelEngine(EngineFront):
     @property
     def alive(self) -> bool:
         return self.ready
-
-    def pids(self) -> list[int]:
-        return [core.process.pid for core in self.cores]
 
     def shutdown(self, drain_timeout_s: float = 10.0) -> None:
         """AsyncEngine.shutdown's contract: refuse new requests, let those in flight finish
@@ -372,29 +428,7 @@ class DataParallelEngine(EngineFront):
         refusal is raised after every rank answered."""
         if not self.alive:
             raise EngineDead("the engine cores are not running")
-        loop = asyncio.get_running_loop()
-        futures: list[asyncio.Future[Any]] = []
-        for core in self.cores:
-            future: asyncio.Future[Any] = loop.create_future()
-            with self._lock:
-                token = next(self._ids)
-                self._profiling[token] = (core.rank, loop, future)
-            core.send(("profile", token, action, profiler.trace_dir, (limits or ProfileLimits.capped()).to_dict()))
-            futures.append(future)
-        answers = await asyncio.gather(*futures, return_exceptions=True)
-        failed = next((a for a in answers if isinstance(a, BaseException)), None)
-        if failed is not None:
-            raise failed
-        return [str(a) for a in answers]
-
-    def _profiled(self, token: int, result: Any, refusal: str | None) -> None:
-        with self._lock:
-            waiting = self._profiling.pop(token, None)
-        if waiting is not None:
-            _, loop, future = waiting
-            error = None if refusal is None else UserError(refusal)
-            with contextlib.suppress(RuntimeError):  # the loop closed at shutdown
-                loop.call_soon_threadsafe(_settle, future, result, error)
+        return await self._profiling.ask(self.cores, profiler, action, limits)
 
     def balance_state(self) -> dict[str, Any]:
         """Each rank's queue as the balancer sees it, and what it was given."""
@@ -414,7 +448,7 @@ class DataParallelEngine(EngineFront):
                 message = core.conn.recv()
                 kind = message[0]
                 if kind == "events":
-                    self._publish(core, message[1])
+                    core.publish_rows(message[1], self._lock)
                 elif kind == "ready":
                     core.facts = message[1]
                     self._maybe_ready()
@@ -422,25 +456,14 @@ class DataParallelEngine(EngineFront):
                     core.failure = (message[1], message[2])
                 elif kind == "step":
                     _, events, outputs, accepted = message
-                    self._publish(core, events)
+                    core.publish_rows(events, self._lock)
                     self._accepted(accepted)
                     self._dispatch(outputs)
                 elif kind == "profiled":
-                    self._profiled(*message[1:])
+                    self._profiling.answered(*message[1:])
         except (EOFError, OSError):
             pass
         self._ended(core)
-
-    def _publish(self, core: CoreClient, rows: list[dict[str, Any]]) -> None:
-        for row in rows:
-            if row.get("type") in NOTED:  # the stall detector's own verdict, back from the core's recording
-                continue
-            event = event_from_dict(row)
-            if isinstance(event, StepEvent):
-                with self._lock:  # the counts vLLM's coordinator reports: the scheduler's own
-                    core.waiting, core.running = event.num_waiting, event.num_running
-                    core.kv_used, core.kv_total = event.kv_blocks_used, event.kv_blocks_total
-            core.publish(event)
 
     def _accepted(self, accepted: list[tuple[str, str | None]]) -> None:
         for request_id, refusal in accepted:
@@ -492,11 +515,7 @@ class DataParallelEngine(EngineFront):
         for _, (_, stream) in left:
             stream.post_accepted(dead)  # a request the core took but had not yet acknowledged waits on this
             stream.post(dead)
-        with self._lock:
-            unanswered, self._profiling = list(self._profiling.values()), {}
-        for _, loop, future in unanswered:
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_settle, future, None, dead)
+        self._profiling.fail_all(dead)
         stopped = EngineStopped(error=f"{type(error).__name__}: {error}")
         # What the dead core held ends here (it cannot say so itself): on its bus and in its recording.
         ends = [RequestFinished(request_id=request_id, reason="error", error=stopped.error, dp_rank=core.rank)

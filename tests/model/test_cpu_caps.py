@@ -9,7 +9,7 @@ import torch
 from engine.config import EngineConfig
 from engine.model.cpu_caps import choose_cpu_dtype, detect, parse_cpuinfo
 from engine.modelspec.readers import load_model_config
-from engine.startup import resolve_config, resolve_dtype
+from engine.startup.resolve import resolve_config, resolve_dtype
 
 
 def cpuinfo(model: str, flags: str) -> str:

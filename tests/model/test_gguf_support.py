@@ -43,7 +43,7 @@ def write_tiny_gguf(path: Path, architecture: str, tokenizer: str = "gpt2", tens
 
 def test_unsupported_architecture_is_refused_before_phase_c(tmp_path: Path) -> None:
     from engine.config import EngineConfig
-    from engine.startup import start_engine
+    from engine.startup.phases import start_engine
 
     path = write_tiny_gguf(tmp_path / "tiny-mamba.gguf", "mamba")
     bus = EventBus()

@@ -104,7 +104,7 @@ def test_the_plans_budget_never_takes_fewer_tokens_a_step_than_vllm_cpu(monkeypa
     are kept (--max-num-batched-tokens alone: every step, as in vLLM)."""
     from engine.config import EngineConfig
     from engine.modelspec.readers import load_model_config
-    from engine.startup import CPU_PROMPT_STEP_TOKENS, resolve_config
+    from engine.startup.resolve import CPU_PROMPT_STEP_TOKENS, resolve_config
 
     model, cpu = load_model_config("smollm2-135m"), torch.device("cpu")
     fast = _injected_plan()
@@ -143,7 +143,7 @@ def test_the_next_start_derives_its_budget_from_the_plan_phase_f_stored(dtype: s
     raises the budget."""
     from engine.config import EngineConfig
     from engine.modelspec.readers import load_model_config
-    from engine.startup import CPU_PROMPT_STEP_TOKENS, kernel_plan_key, resolve_config
+    from engine.startup.resolve import CPU_PROMPT_STEP_TOKENS, kernel_plan_key, resolve_config
 
     monkeypatch.setenv(profile_cache.PROFILE_CACHE_ENV, str(tmp_path))
     monkeypatch.delenv(setting.PLAN_ENV, raising=False)

@@ -82,22 +82,22 @@ def test_a_profile_stored_at_one_budget_is_reused_at_another(small_runner: Model
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """A budget a kernel plan chose (covered up to 2,048 here) reads back the stored line at a new
     budget: the same measurement, evaluated there; phase D says which steps it measured."""
-    from engine import startup
+    from engine.startup.profile_run import measure_profile
 
     monkeypatch.setenv(profile_cache.PROFILE_CACHE_ENV, str(tmp_path))
     config = SimpleNamespace(dtype="float32", quantization=None, kv_cache_dtype="auto", attention_backend="torch",
                              block_size=16, load_format="dummy", max_num_batched_tokens=512, max_num_seqs=64)
     model, cpu, log = small_runner.model_config, torch.device("cpu"), logging.getLogger("test")
-    first = startup._profile_run(small_runner, config, model, cpu, log, cover=2048)
+    first = measure_profile(small_runner, config, model, cpu, log, cover=2048)
     assert not first.cached and first.tokens == 512 and first.profiled_tokens == (128, 256)
     assert first.method.startswith(profile_parts.METHOD) and "128 and 256 tokens" in first.method
     config.max_num_batched_tokens = 1024
-    again = startup._profile_run(small_runner, config, model, cpu, log, cover=2048)
+    again = measure_profile(small_runner, config, model, cpu, log, cover=2048)
     assert again.cached and again.measured_at == first.measured_at and again.tokens == 1024
     line = PeakFunction.from_json(first.peak_function or {})
     assert again.activation_peak_bytes == line.at(1024) >= first.activation_peak_bytes
     assert len(list(tmp_path.glob("*.json"))) == 1
     # an explicit budget (nothing can change it) is measured for itself
-    explicit = startup._profile_run(small_runner, config, model, cpu, log)
+    explicit = measure_profile(small_runner, config, model, cpu, log)
     assert not explicit.cached and explicit.profiled_tokens == (128, 256)
     assert explicit.activation_peak_bytes <= again.activation_peak_bytes  # shorter sequences than the cover's

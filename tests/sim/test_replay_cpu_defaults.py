@@ -1,5 +1,5 @@
 """engine replay --verify on a real CPU run left at every default the CPU resolves
-differently from a GPU (engine/startup.py: ``resolve_config`` and phase E's pool cap):
+differently from a GPU (engine/startup/: ``resolve_config`` and phase E's pool cap):
 the replayer must schedule with the limits the engine used (the ``engine.config``
 event's), not the flags as given (the header's ``max_num_batched_tokens`` 8,192)."""
 
@@ -12,7 +12,7 @@ import pytest
 from engine.cli import main
 from engine.events import EngineConfigEvent, RequestArrived, StartupPhase, StepEvent, read_events
 from engine.events.phase_data import KvCacheData
-from engine.startup import CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS, GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
+from engine.startup.resolve import CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS, GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 
 def test_verify_a_cpu_run_at_its_resolved_defaults(tmp_path: Path, capsys: pytest.CaptureFixture[str],

@@ -92,7 +92,7 @@ def demo_pool_bytes(config: EngineConfig) -> int:
     from engine.budget.memory import bytes_per_kv_token
     from engine.model.memory.device import resolve_device
     from engine.modelspec.readers import load_model_config
-    from engine.startup import resolve_dtype
+    from engine.startup.resolve import resolve_dtype
 
     model = load_model_config(config.model)
     dtype = resolve_dtype(config, model, resolve_device(config.device)).dtype
