@@ -89,7 +89,7 @@ def start_engine(config: EngineConfig, bus: EventBus, progress: Callable[[int, i
         phases = PhaseRecorder(bus, s.device, s.config.device_memory_gib, log, rank=rank.rank if rank else None)
     eta = _eta_session(s, bus, lead=(rank is None or rank.rank == 0) and (stage is None or stage.rank == 0))
     try:
-        result = _phases_a_to_g(config, s, phases, bus, progress, log, rank, stage)
+        result = _phases_a_to_g(config, s, phases, bus, progress, rank, stage)
         if eta is not None:
             eta.record(result.phase_seconds)
         return result
@@ -108,7 +108,7 @@ def _eta_session(s: StartupInputs, bus: EventBus, lead: bool) -> startup_eta.Eta
 
 
 def _phases_a_to_g(config: EngineConfig, s: StartupInputs, phases: PhaseRecorder, bus: EventBus,
-                   progress: Callable[[int, int], None] | None, log: Any, rank: RankLayout | None,
+                   progress: Callable[[int, int], None] | None, rank: RankLayout | None,
                    stage: Any) -> StartupResult:
     """Phases A-G of :func:`start_engine`."""
     parallel: TensorParallel | None = None
