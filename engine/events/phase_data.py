@@ -144,7 +144,7 @@ class LoadWeightsData(PhaseData):
     # CPU: the copies the kernel plan's choices keep (bf16, int8), part of weights_bytes (engine/model/plan/candidates.py)
     kernel_plan_bytes: int | None = NOT_REPORTED
     # CPU: the float weights the kernel plan never multiplies by (the GGUF blocks or a copy at every
-    # step size), not kept and not in weights_bytes (engine/model/families/llama.py _drop_unused_float_weights)
+    # step size), not kept and not in weights_bytes (engine/model/layers/kernel_routing.py KernelRouting.drop_unused_float_weights)
     kernel_plan_dropped_bytes: int | None = NOT_REPORTED
     # CPU, a GGUF read as blocks (engine/model/loading/gguf_blocks.py): the file's tensor bytes, and the bytes of
     # its blocks the weights hold (views of the mapped file, or copies where rows moved)

@@ -8,6 +8,7 @@ executors imports torch.
 - ``plan``: the kernel plan: the measured choice of kernel per projection and step size
 - ``runner``: ``ModelRunner``: a step's batch in, sampled tokens out
 - ``sampler``: the batched sampler and logprobs
+- ``step_sampling``: a step's rows sampled, a failing row alone, logprobs and prompt logprobs
 - ``cuda_graphs``: decode steps as CUDA graphs
 - ``cpu_caps``: what this CPU can do
 - ``parallel``: tensor parallelism's shapes, group and collectives

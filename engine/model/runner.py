@@ -16,13 +16,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import structlog
 import torch
 
 from engine.core.kv_cache_groups import FULL, KVCacheGroup, config_groups
 from engine.core.sampling_params import SamplingParams
 from engine.errors import UserError
-from engine.logs import log_failure
+from engine.model import step_sampling
 from engine.model.attention.base import AttentionBackend, AttentionMetadata, allocate_kv_cache
 from engine.model.attention.kv_quant import kv_cache_shape, kv_cache_torch_dtype
 from engine.model.attention.selector import get_attention_backend
@@ -31,7 +30,7 @@ from engine.model.families.llama import QUANTIZATION_METHODS, LlamaForCausalLM
 from engine.model.loading.gguf_blocks import read_gguf_blocks
 from engine.model.loading.loader import LoadInfo, ProgressCallback, load_weights_into
 from engine.model.parallel import TensorParallel
-from engine.model.sampler import Sampler, TokenLogprobs, prompt_token_logprobs, token_logprobs
+from engine.model.sampler import Sampler, TokenLogprobs
 from engine.modelspec.config import CANONICAL_DTYPE, ModelConfig
 
 if TYPE_CHECKING:
@@ -39,9 +38,6 @@ if TYPE_CHECKING:
     from engine.model.plan.kernel_plan import KernelPlan
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Prompt logprobs: the LM head runs on this many prompt positions at a time, so a long
-# prefill chunk's logits never exist whole ([256, 49,152] fp32 is 48 MiB for SmolLM2).
-PROMPT_LOGPROB_ROWS_AT_ONCE = 256
 
 
 @dataclass(slots=True)
@@ -126,6 +122,24 @@ def _token_layout(batch: Sequence[ScheduledSeq],
     start_positions = torch.tensor([s.start_position for s in batch], dtype=torch.int64)
     positions = start_positions[seq_index] + torch.arange(int(starts[-1])) - starts[seq_index]
     return input_ids, starts, seq_index, positions
+
+
+def checked_block_tables(batch: Sequence[ScheduledSeq], seq_lens: list[int], num_groups: int,
+                         block_size: int) -> list[Sequence[list[int]]]:
+    """Each sequence's tables, one per KV cache group, checked to hold its tokens: groups share
+    KV tensors, so one table for all would overwrite one group's pages with another's."""
+    out: list[Sequence[list[int]]] = []
+    for s, total in zip(batch, seq_lens, strict=True):
+        tables = s.block_tables
+        assert tables is not None  # __post_init__ made it
+        if len(tables) != num_groups:
+            raise ValueError(f"request {s.request_id}: {len(tables)} block tables for {num_groups} KV cache groups")
+        for g, table in enumerate(tables):
+            if len(table) * block_size < total:
+                raise ValueError(f"request {s.request_id}: group {g}'s {len(table)} blocks cannot hold "
+                                 f"{total} tokens")
+        out.append(tables)
+    return out
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -374,7 +388,7 @@ class ModelRunner:
         bs, device = self.block_size, self.device
         query_lens = [len(s.token_ids) for s in batch]
         seq_lens = [s.start_position + n for s, n in zip(batch, query_lens, strict=True)]
-        tables_of = self._tables_of(batch, seq_lens)
+        tables_of = checked_block_tables(batch, seq_lens, len(self.block_table_groups), bs)
         input_ids, starts, seq_index, positions = _token_layout(batch, query_lens)
         block_index, offset = positions // bs, positions % bs
         query_start_loc = starts.to(torch.int32).to(device)
@@ -400,23 +414,6 @@ class ModelRunner:
             sample_positions=[s.start_position + len(s.token_ids) for s in sample_seqs],
         )
 
-    def _tables_of(self, batch: Sequence[ScheduledSeq], seq_lens: list[int]) -> list[Sequence[list[int]]]:
-        """Each sequence's tables, one per group, checked to hold its tokens: groups share KV
-        tensors, so one table for all would overwrite one group's pages with another's."""
-        num_groups, bs = len(self.block_table_groups), self.block_size
-        out: list[Sequence[list[int]]] = []
-        for s, total in zip(batch, seq_lens, strict=True):
-            tables = s.block_tables
-            assert tables is not None  # __post_init__ made it
-            if len(tables) != num_groups:
-                raise ValueError(f"request {s.request_id}: {len(tables)} block tables for {num_groups} KV cache groups")
-            for g, table in enumerate(tables):
-                if len(table) * bs < total:
-                    raise ValueError(f"request {s.request_id}: group {g}'s {len(table)} blocks cannot hold "
-                                     f"{total} tokens")
-            out.append(tables)
-        return out
-
     def compute_logits(self, batch: Sequence[ScheduledSeq]) -> tuple[PreparedBatch, torch.Tensor | None]:
         """Run the forward; logits ``[num_sampled, vocab]`` float32 for the sequences that need a
         sample (None on tensor-parallel ranks other than 0, which only lend their slices)."""
@@ -431,7 +428,9 @@ class ModelRunner:
         else:
             hidden = self.model(prepared.input_ids, prepared.positions, self.kv_caches, prepared.model_meta)
         logits = self.model.compute_logits(hidden[prepared.sample_rows])
-        self.last_prompt_logprobs = self._prompt_logprobs(hidden, batch)
+        self.last_prompt_logprob_rows = 0
+        self.last_prompt_logprobs, self.last_prompt_logprob_rows = step_sampling.prompt_logprobs(
+            self.model, hidden, batch)
         t2 = time.perf_counter()
         self.last_timings = StepTimings(prepare_s=t1 - t0, forward_s=t2 - t1)
         counter = getattr(self.model, "expert_counter", None)  # a MoE model (engine/model/layers/moe.py)
@@ -454,68 +453,7 @@ class ModelRunner:
         """Sample ``prepared``'s sampled rows from their ``logits``: the tokens, and the
         logprobs of the rows that ask. A row whose parameters raise goes into ``last_failed``
         (the caller clears it per step; a pipeline's rank 0 calls this per micro-batch)."""
-        seqs = prepared.sample_seqs
-        try:
-            tokens = self.sampler.sample(logits, [s.sampling for s in seqs], prepared.sample_positions).tolist()
-            sampled = {s.request_id: int(t) for s, t in zip(seqs, tokens, strict=True)}
-        except Exception:  # one row's parameters broke the batch: find it, keep the others
-            sampled = self._sample_rows_alone(logits, prepared)
-        return sampled, self._logprobs(logits, seqs, sampled)
-
-    @staticmethod
-    def _logprobs(logits: torch.Tensor, seqs: Sequence[ScheduledSeq],
-                  sampled: dict[str, int]) -> dict[str, TokenLogprobs]:
-        """The sampled tokens' log-probabilities for the requests that ask (nothing to
-        compute when none does)."""
-        rows = [row for row, s in enumerate(seqs) if s.sampling.logprobs is not None and s.request_id in sampled]
-        if not rows:
-            return {}
-        ids = [seqs[row].request_id for row in rows]
-        found = token_logprobs(logits, rows, [sampled[rid] for rid in ids],
-                               [seqs[row].sampling.logprobs or 0 for row in rows])
-        return dict(zip(ids, found, strict=True))
-
-    def _prompt_logprobs(self, hidden: torch.Tensor, batch: Sequence[ScheduledSeq]) -> dict[str, list[TokenLogprobs]]:
-        """The LM head on every row of the sequences with ``prompt_targets`` (fp32 logits, a
-        slice of rows at a time) and their prompt logprobs; nothing runs for a batch without.
-        Every tensor-parallel rank runs the same slices (the head's gather is a collective);
-        only rank 0 gets logits."""
-        self.last_prompt_logprob_rows = 0
-        if not any(s.prompt_targets for s in batch):
-            return {}
-        found: dict[str, list[TokenLogprobs]] = {}
-        first_row = 0
-        for seq in batch:
-            query_len = len(seq.token_ids)
-            targets = seq.prompt_targets or []
-            if len(targets) > query_len:
-                raise ValueError(f"request {seq.request_id}: {len(targets)} prompt targets for {query_len} rows")
-            num_top = seq.sampling.prompt_logprobs or 0
-            for lo in range(0, len(targets), PROMPT_LOGPROB_ROWS_AT_ONCE):
-                part = targets[lo:lo + PROMPT_LOGPROB_ROWS_AT_ONCE]
-                logits = self.model.compute_logits(hidden[first_row + lo:first_row + lo + len(part)])
-                if logits is not None:
-                    found.setdefault(seq.request_id, []).extend(prompt_token_logprobs(logits, part, num_top))
-            self.last_prompt_logprob_rows += len(targets)
-            first_row += query_len
-        return found
-
-    def _sample_rows_alone(self, logits: torch.Tensor, prepared: PreparedBatch) -> dict[str, int]:
-        """Sample each row by itself after the batched call raised: a row that raises alone
-        goes into ``last_failed`` (request id -> the error in one line) and gets no token;
-        every other row is sampled as the batch would have sampled it."""
-        sampled: dict[str, int] = {}
-        for row, seq in enumerate(prepared.sample_seqs):
-            try:
-                token = self.sampler.sample(logits[row:row + 1], [seq.sampling],
-                                            prepared.sample_positions[row:row + 1])
-                sampled[seq.request_id] = int(token[0])
-            except Exception as exc:
-                self.last_failed[seq.request_id] = f"sampling failed: {type(exc).__name__}: {exc}"
-                with structlog.contextvars.bound_contextvars(request_id=seq.request_id):
-                    log_failure("kvscope.engine", f"sampling request {seq.request_id} failed; it ends with "
-                                "finish_reason 'error' and the rest of the batch goes on")
-        return sampled
+        return step_sampling.sample_rows(self.sampler, prepared, logits, self.last_failed)
 
     def logits_for(self, batch: Sequence[ScheduledSeq]) -> dict[str, torch.Tensor]:
         """Like :meth:`execute` but returns each sampled sequence's logits (tests, scoring)."""

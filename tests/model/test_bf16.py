@@ -15,9 +15,9 @@ import torch.nn.functional as F
 
 from engine.core.sampling_params import SamplingParams
 from engine.model.attention import cpu_decode
-from engine.model.families.llama import PAGED_PREFILL, PAGED_PREFILL_BF16
 from engine.model.kernels import cpu_layer, cpu_norm
 from engine.model.kernels.cpu_gemv import dequantize
+from engine.model.layers.kernel_routing import PAGED_PREFILL, PAGED_PREFILL_BF16
 from engine.model.plan import attention_cells, kernel_plan
 from engine.model.plan.candidates import mkldnn_bf16_pack_available
 from engine.model.plan.choice import relative_error

@@ -11,8 +11,8 @@ import torch
 
 from engine.core.sampling_params import SamplingParams
 from engine.errors import UserError
-from engine.model.families.llama import GEMV_MAX_ROWS
 from engine.model.kernels import cpu_gemv
+from engine.model.layers.kernel_routing import GEMV_MAX_ROWS
 from engine.model.loading.gguf_blocks import read_gguf_blocks
 from engine.model.runner import ModelRunner, ScheduledSeq
 

@@ -43,10 +43,11 @@ from engine.model.families.llama import (
     DecoderLayer,
     LlamaForCausalLM,
     RotaryEmbedding,
-    linear_maybe_quantized,
     qk_normed_qkv,
 )
 from engine.model.kernels.cpu_norm import rms_norm
+from engine.model.layers.kernel_routing import linear_maybe_quantized
+from engine.model.loading.hf_layout import HfLayout
 from engine.modelspec.config import ModelConfig
 
 # Per-layer tensors beyond Llama's (HF names under model.layers.N.).
@@ -115,10 +116,19 @@ class Gemma3DecoderLayer(DecoderLayer):
         return before, after
 
 
+class Gemma3Layout(HfLayout):
+    """Llama's checkpoint layout plus each layer's extra norms; the projections have no bias."""
+
+    extra_layer_tensors = _EXTRA_LAYER_TENSORS
+    projection_bias = False
+
+
 class Gemma3ForCausalLM(LlamaForCausalLM):
     """Gemma 3's text model. Loading, quantized copies (the tied head's Q8_0 blocks), the
     startup cache and the runner are Llama's; the layers, the embedding scale and the
     two rotary bases are Gemma's."""
+
+    layout_class = Gemma3Layout
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu") -> None:
@@ -152,7 +162,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             self.resolve_gemv()
         hidden = self.embed(input_ids)
         first = meta if isinstance(meta, AttentionMetadata) else meta[0]
-        layer_kernel = self._layer_kernel_for(first, kv_caches)
+        layer_kernel = self.routing.layer_kernel_for(first, kv_caches)
         if layer_kernel is not None:
             hidden = self.fused_decoder_layers(layer_kernel, hidden, positions, kv_caches, meta)
         else:
@@ -190,22 +200,3 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return super().embed(input_ids) * self.embed_scale
-
-    # ------------------------------------------------------------------ weights
-    def _fused_target(self, hf_name: str) -> tuple[torch.Tensor, int, int] | None:
-        prefix, _, rest = hf_name.partition("model.layers.")
-        if not prefix and rest:
-            index_str, _, tail = rest.partition(".")
-            if tail in _EXTRA_LAYER_TENSORS and int(index_str) < len(self.layers):
-                layer = self.layers[int(index_str)]
-                param = getattr(layer, tail.removeprefix("self_attn.").removesuffix(".weight"))
-                return param, 0, param.shape[0]
-            if tail.endswith(".bias"):
-                return None  # Gemma's projections have no bias
-        return super()._fused_target(hf_name)
-
-    def hf_names(self) -> list[str]:
-        names = super().hf_names()
-        for i in range(len(self.layers)):
-            names.extend(f"model.layers.{i}.{n}" for n in _EXTRA_LAYER_TENSORS)
-        return names

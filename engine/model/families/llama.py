@@ -26,9 +26,16 @@ from torch import nn
 from engine.model.attention.base import AttentionBackend, AttentionMetadata
 from engine.model.kernels.cpu_act import silu_and_mul
 from engine.model.kernels.cpu_norm import rms_norm
+from engine.model.layers.kernel_routing import (
+    KernelRouting,
+    head_logits_on_cpu,
+    linear_maybe_quantized,
+    precision_report,
+)
 from engine.model.layers.quantized_linear import QuantizedLinear
 from engine.model.layers.rope_scaling import llama3_scaled_inv_freq
 from engine.model.loading import weight_blocks
+from engine.model.loading.hf_layout import HfLayout
 from engine.model.loading.weight_blocks import PROJECTIONS as _PROJECTIONS
 from engine.model.loading.weight_blocks import holds_nothing as _holds_nothing
 from engine.modelspec.config import ModelConfig, RopeScaling
@@ -44,48 +51,6 @@ _METHOD_FORMATS: dict[str, tuple[tuple[str, ...], str | None]] = {
     "int4": (("q4_1", "q8_0"), "q4_1"),
     "native": (("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"), None),
 }
-# Token rows (a step's tokens) up to which the GEMV kernel beats torch's float32 GEMM, per
-# kernel ISA: per format for the projections, and for the LM head (49152 x 576, where float
-# GEMM is slowest per row). AVX2 (Zen 3, 1 thread, shared machine, bench/bench_gemv.py, µs
-# fp32 -> q4_1): 8 rows qkv 966 -> 275, down 1320 -> 719, head 70738 -> 15217; 16 rows
-# qkv 1010 -> 608, gate_up 3104 -> 1862 but down 618 -> 1281 (the kernel's FMAs grow with
-# rows, GEMM's do not), head 72022 -> 31841. q4_1x8 (int8 activations, 32 products per
-# maddubs) beats float GEMM at every step size: AVX2, 2 threads, weights streamed from
-# memory, fp32 -> q4_1x8 µs: gate_up 8 rows 1458 -> 165, 64 rows 2652 -> 1075, 512 rows
-# 14822 -> 9483; down 512 rows 6020 -> 4283. AVX-512 is not measured yet: AVX2's limits.
-_EVERY_STEP = 1 << 30
-GEMV_MAX_ROWS: dict[str, dict[str, int]] = {
-    "avx2": {"q8_0": 8, "q4_1": 8, "q4_1x8": _EVERY_STEP, "head": 16},
-    "avx512": {"q8_0": 8, "q4_1": 8, "q4_1x8": _EVERY_STEP, "head": 16},
-    "scalar": {"q8_0": 1, "q4_1": 1, "q4_1x8": 1, "head": 1},
-}
-# The kernel plan's group of each projection (engine/model/plan/kernel_plan.py GROUP_ATTRS), and back.
-_GROUP_OF = {"qkv_proj": "qkv", "o_proj": "o", "gate_up_proj": "gate_up", "down_proj": "down"}
-_GROUP_ATTRS = {**{group: name for name, group in _GROUP_OF.items()}, "head": "head"}
-
-# Phase F's ``precision`` of prefill attention where the kernel plan gave every chunk size to the
-# paged prefill kernel (engine/model/attention/cpu_decode.py).
-PAGED_PREFILL = "the paged prefill kernel over the cache in place, float32 sums (the kernel plan)"
-PAGED_PREFILL_BF16 = ("the paged prefill kernel over the cache in place, bf16 products (q and the softmax weights "
-                      "rounded to bf16), float32 sums (the kernel plan)")
-
-
-def linear_maybe_quantized(module: nn.Module, x: torch.Tensor, name: str, weight: torch.Tensor,
-                           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)``: by the kernel plan's route for ``name`` and this step's
-    rows when there is one (engine/model/plan/); else (the plan off) through the
-    quantized copy when the step is decode-sized by ``GEMV_MAX_ROWS``, or the float weight."""
-    route = module.kernel_routes.get(name)
-    if route is not None:
-        out = route(x)
-        return out if bias is None else out + bias
-    q = module.quantized.get(name)
-    if q is None or x.shape[0] > q.max_rows:
-        return F.linear(x, weight, bias)
-    out = q.gemv(x)
-    return out if bias is None else out + bias
-
-
 # fp32_linear multiplies a bf16/fp16 weight this many bytes of fp32 rows at a time: each
 # slice is widened once into a buffer that stays in cache for its GEMM (widening the
 # whole LM head per call cost ~50 ms at one row; Zen 4, indicative, loaded machine).
@@ -132,14 +97,6 @@ class RotaryEmbedding:
 def _unreduced(x: torch.Tensor) -> torch.Tensor:
     """One rank holds the whole projection: its output is already the sum."""
     return x
-
-
-def dummy_fill(name: str, param: torch.Tensor, generator: torch.Generator) -> None:
-    """A dummy weight in place: norms 1, everything else uniform in +-0.02."""
-    if param.dim() == 1 and "bias" not in name:
-        param.fill_(1.0)
-    else:
-        param.uniform_(-0.02, 0.02, generator=generator)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -274,6 +231,13 @@ def decoder_layers(layers: nn.ModuleList) -> list[DecoderLayer]:
 
 
 class LlamaForCausalLM(nn.Module):
+    """The decoder over one flattened batch. Its checkpoint layout (:attr:`layout_class`,
+    engine/model/loading/hf_layout.py) and its kernels and routes (:attr:`routing`,
+    engine/model/layers/kernel_routing.py) are collaborators of their own; a family sets
+    its layer kind (:meth:`_make_layer`) and its layout."""
+
+    layout_class: type[HfLayout] = HfLayout
+
     def __init__(
         self,
         config: ModelConfig,
@@ -298,13 +262,13 @@ class LlamaForCausalLM(nn.Module):
             )
         )
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.hf_layout = self.layout_class(self)
+        self.routing = KernelRouting(self)
         self.quantized: dict[str, QuantizedLinear] = {}  # the LM head's, as "head"
         # The embedding's GGUF blocks where its float copy is not held (engine/model/loading/gguf_blocks.py).
         self._embed_blocks: QuantizedLinear | None = None
         self.kernel_routes: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}  # the head's, by the plan
         self.kernel_plan: Any = None  # engine/model/plan/kernel_plan.KernelPlan once installed; None: the constants
-        self._fused_max_rows = 1 << 30  # the plan's limit for fused pure-decode steps (cpu_layer.MAX_ROWS caps it)
-        self.quantization_fallback: str | None = None  # why the quantized copies are not used
         self._gemv_pending = False  # quantized, kernel not resolved yet (first forward does it)
         # Pure-decode steps of at most cpu_layer.MAX_ROWS sequences run each layer as one C++
         # call (engine/model/kernels/cpu_layer.py) when every layer qualifies; set by resolve_gemv.
@@ -332,7 +296,7 @@ class LlamaForCausalLM(nn.Module):
         if self._gemv_pending:
             self.resolve_gemv()
         hidden = self.embed(input_ids)
-        if isinstance(meta, AttentionMetadata) and (layer_kernel := self._layer_kernel_for(meta, kv_caches)) is not None:
+        if isinstance(meta, AttentionMetadata) and (layer_kernel := self.routing.layer_kernel_for(meta, kv_caches)) is not None:
             cos, sin = self.rotary.cos_sin(positions, self.dtype)
             tokens = hidden.shape[0]
             cos2, sin2 = cos.view(tokens, -1), sin.view(tokens, -1)
@@ -355,102 +319,10 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        blocks = self.embed_blocks()
-        if blocks is not None:  # the file's blocks: only the rows this step reads are dequantized
-            return blocks.dequantize_rows(input_ids).to(self.dtype)
+        if self._embed_blocks is not None and _holds_nothing(self.embed_tokens):
+            # the file's blocks (no float copy held): only the rows this step reads are dequantized
+            return self._embed_blocks.dequantize_rows(input_ids).to(self.dtype)
         return F.embedding(input_ids, self.embed_tokens)
-
-    def _layer_kernel_for(self, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> Any:
-        """The fused-layer kernel module when this step can use it: a pure decode of at
-        most ``cpu_layer.MAX_ROWS`` sequences, the paged-decode kernel switched on (phase F),
-        a float32 or int8 cache, and the kernel built (else None: the op-by-op path)."""
-        from engine.model.kernels import cpu_layer
-
-        rows = meta.slot_mapping.shape[0]
-        if not self._fused_layers or not meta.is_pure_decode or rows > cpu_layer.MAX_ROWS or rows > self._fused_max_rows:
-            return None
-        if getattr(self.backend, "decode_kernel", None) is None or kv_caches[0].dtype not in cpu_layer.KV_DTYPES:
-            return None
-        return cpu_layer.load_kernel()
-
-    def fused_decode_status(self, kv_cache_dtype: torch.dtype) -> str:
-        """Whether pure-decode steps run each layer as one C++ call, for phase F's event:
-        ``"enabled for pure-decode steps of <= N rows"`` or why not."""
-        from engine.model.kernels import cpu_layer
-
-        if self._gemv_pending:
-            self.resolve_gemv()
-        if not self._fused_layers:
-            if not self.quantized_linears():
-                return "off: no quantized projections (--quantization int8/int4 or a Q4_1/Q8_0 GGUF)"
-            if self.quantization_fallback is not None:
-                return "off: the CPU GEMV kernel is unavailable"
-            return f"off: {self.dtype} weights (the fused layer serves float32)"
-        if kv_cache_dtype not in cpu_layer.KV_DTYPES:
-            return f"off: {kv_cache_dtype} KV cache (the fused layer serves float32, bfloat16 and int8)"
-        if getattr(self.backend, "decode_kernel", None) is None:
-            return "off: the paged-decode kernel is not in use"
-        if cpu_layer.load_kernel() is None:
-            return f"off: {cpu_layer.KERNEL.unavailable_reason or 'the kernel could not be built'}"
-        if self.kernel_plan is not None:
-            if not self._fused_max_rows:
-                return "off: the kernel plan measured the op-by-op layer faster"
-            return (f"enabled for pure-decode steps of <= {min(self._fused_max_rows, cpu_layer.MAX_ROWS)} sequences "
-                    "(the kernel plan's measurement)")
-        gemv_rows = min(q.max_rows for q in self.quantized_linears() if q is not self.quantized.get("head"))
-        return (f"enabled for pure-decode steps of <= {cpu_layer.MAX_ROWS} sequences "
-                + ("(GEMV at every batch size)" if gemv_rows >= cpu_layer.MAX_ROWS
-                   else f"(GEMV up to {gemv_rows} rows, float GEMM above)"))
-
-    def precision_report(self, kv_cache_dtype: torch.dtype) -> dict[str, str]:
-        """Which parts of a CPU step run in bf16 and which in float32 (phase F's ``precision``):
-        the activations' dtype, or under a float32 model the kernel plan's bf16 choices."""
-        from engine.model.plan.kernel_plan import ATTENTION, STEP_CLASSES
-
-        if self._gemv_pending:
-            self.resolve_gemv()
-        plan, name = self.kernel_plan, str(self.dtype).removeprefix("torch.")
-        bf16_model = self.dtype == torch.bfloat16
-
-        def picked(groups: Sequence[str], candidate: str = "bf16") -> str:
-            """``group classes`` the plan runs by ``candidate``, e.g. "gate_up 33-64,65+"."""
-            if plan is None:
-                return ""
-            parts = []
-            for group in groups:
-                steps = [sc.name for sc in STEP_CLASSES if (c := plan.cell(group, sc.name)) and c.chosen == candidate]
-                if steps:
-                    parts.append(f"{group} {','.join(steps)}")
-            return "; ".join(parts)
-
-        projections = picked(("qkv", "o", "gate_up", "down"))
-        attention = picked((ATTENTION,))
-        paged = picked((ATTENTION,), "paged")
-        paged_bf16 = picked((ATTENTION,), "paged_bf16")
-        every_class = f"{ATTENTION} " + ",".join(sc.name for sc in STEP_CLASSES if sc.lo > 1)
-        sdpa = ("torch SDPA in bfloat16" if bf16_model else
-                f"torch SDPA in float32; bf16 for chunks of {attention.split(' ', 1)[1]} rows (the kernel plan)"
-                if attention else f"torch SDPA in {name}")
-        report = {
-            "activations": name,
-            "rms_norm": f"{name} in and out, float32 sums",
-            "projections": ("bfloat16 weights and activations (bf16 GEMM; the GEMV over GGUF blocks sums in float32)"
-                            if bf16_model else f"float32; bf16 GEMM (the kernel plan) for {projections}"
-                            if projections else name),
-            "prefill_attention": (
-                PAGED_PREFILL if paged == every_class else PAGED_PREFILL_BF16 if paged_bf16 == every_class
-                else sdpa + (f"; the paged prefill kernel, float32 sums, for chunks of {paged.split(' ', 1)[1]} rows "
-                             "(the kernel plan)" if paged else "")
-                + (f"; the paged prefill kernel with bf16 products, float32 sums, for chunks of "
-                   f"{paged_bf16.split(' ', 1)[1]} rows (the kernel plan)" if paged_bf16 else "")),
-            "decode_attention": f"{name} queries over a {str(kv_cache_dtype).removeprefix('torch.')} cache, "
-                                "float32 sums",
-            "lm_head": "float32 sums, float32 logits (bf16 weights widened exactly)" if bf16_model
-                       else "float32 sums, float32 logits",
-        }
-        if self._fused_layers:
-            report["fused_decode_layer"] = "float32 activations, the GEMV over the GGUF blocks"
-        return report
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -466,13 +338,14 @@ class LlamaForCausalLM(nn.Module):
         if hidden.device.type != "cpu":
             return linear_maybe_quantized(self, hidden, "head", self.head_weight).float()
         x = hidden.float()
-        route = self.kernel_routes.get("head")
-        if route is not None:
-            return route(x)
-        q = self.quantized.get("head")
-        if q is not None and q.gemv is not None and x.shape[0] <= q.max_rows:
-            return q.gemv(x)  # the GEMV sums in float32 and returns float32 rows for float32 rows
-        return fp32_linear(x, self.head_weight)
+        logits = head_logits_on_cpu(self, x)
+        return logits if logits is not None else fp32_linear(x, self.head_weight)
+
+    def weights_bytes(self) -> int:
+        """Bytes the weights really hold: parameters plus any quantized copies (a float weight
+        the kernel plan dropped holds nothing)."""
+        tensors = [*self.parameters(), *self.buffers()]
+        return int(sum(t.numel() * t.element_size() for t in tensors if not _holds_nothing(t)))
 
     # ------------------------------------------------------------------ quantization (engine/model/loading/weight_blocks.py)
     def quantize_weights(self, method: str, gguf_blocks: Mapping[str, tuple[str, torch.Tensor]] | None = None,
@@ -495,246 +368,28 @@ class LlamaForCausalLM(nn.Module):
     def quantized_linears(self) -> list[QuantizedLinear]:
         return [q for _, _, q in weight_blocks.entries_of(self)]
 
-    def embed_blocks(self) -> QuantizedLinear | None:
-        """The embedding's blocks when its float copy is not held (a GGUF read as blocks)."""
-        return self._embed_blocks if _holds_nothing(self.embed_tokens) else None
-
-    def resolve_gemv(self) -> str | None:
-        """Point every quantized entry at its kernel, or record (and log) why some run their
-        float weights: no compiler, a kernel switched off, not on CPU. Returns that reason,
-        or None when the kernels are in use."""
-        from engine.model.kernels import cpu_gemv
-
-        self._gemv_pending = False
-        self._fused_layers = []
-        entries = self.quantized_linears()
-        if not entries:
-            if self.kernel_plan is not None:
-                self._route_by_plan(None)
-            return None
-        self.quantization_fallback = weight_blocks.bind(self)
-        if self.quantization_fallback is not None:
-            from engine.logs import get_logger
-
-            get_logger("kvscope.quantization").warning(self.quantization_fallback)
-        gemv_kernel = cpu_gemv.load_kernel() if self.embed_tokens.device.type == "cpu" else None
-        isa = gemv_kernel.isa() if gemv_kernel is not None else "scalar"
-        limits = GEMV_MAX_ROWS.get(isa, GEMV_MAX_ROWS["scalar"])
-        for module, name, q in weight_blocks.entries_of(self):
-            if q.gemv is None:
-                continue
-            held = not _holds_nothing(getattr(module, weight_blocks.float_attr(self, module, name)))
-            # A weight read as blocks has no float copy for torch past the limit: its kernel runs every step.
-            q.max_rows = limits["head" if name == "head" else q.fmt] if held and q.fmt in limits else _EVERY_STEP
-        if self.kernel_plan is not None:
-            self._route_by_plan(gemv_kernel)
-        self._fused_layers = self._fused_args()
-        if self.kernel_plan is not None and self._drop_unused_float_weights():
-            self._fused_layers = self._fused_args()  # the args held the dropped parameters
-        return self.quantization_fallback
-
-    def _fused_args(self) -> list[tuple[tuple[object, ...], tuple[object, ...]]]:
-        fused = [layer.fused_decode_args() for layer in decoder_layers(self.layers)]
-        return [f for f in fused if f is not None] if fused and all(f is not None for f in fused) else []
-
-    # ------------------------------------------------------------------ weights the plan never multiplies by
-    def _float_weight_unused(self, layer: DecoderLayer, name: str) -> bool:
-        """True when no step the kernel plan routes multiplies by ``layer``'s float ``name``:
-        the GEMV (or a bf16/int8 copy) at every step size, and the fused layer (if on) never
-        past its GEMV limit on the float weight. Only a GGUF's own blocks: their values are the
-        float weights exactly, so :meth:`restore_float_weights` can make them again."""
-        from engine.model.kernels.cpu_layer import MAX_ROWS
-
-        q = layer.quantized.get(name)
-        if q is None or q.gemv is None or q.source != "gguf":
-            return False
-        if any(c == "torch" for _, c in self.kernel_plan.choices(_GROUP_OF[name])):
-            return False
-        fused_rows = min(self._fused_max_rows, MAX_ROWS) if self._fused_layers else 0
-        return fused_rows <= q.max_rows
-
-    def _drop_unused_float_weights(self) -> int:
-        """Replace each layer projection's float weight that the plan never multiplies by with a
-        placeholder of its shape that holds one element (``weights_bytes`` counts nothing for
-        it; phase C's ``kernel_plan_bytes`` goes down by it). Returns the bytes dropped."""
-        dropped = 0
-        for layer in decoder_layers(self.layers):
-            for name in _PROJECTIONS:
-                weight = getattr(layer, name)
-                if _holds_nothing(weight) or not self._float_weight_unused(layer, name):
-                    continue
-                dropped += weight.numel() * weight.element_size()
-                placeholder = torch.zeros(1, 1, dtype=weight.dtype, device=weight.device).expand(weight.shape)
-                setattr(layer, name, nn.Parameter(placeholder, requires_grad=False))
-        return dropped + self._drop_unused_head_weight()
-
-    def _drop_unused_head_weight(self) -> int:
-        """The LM head's float weight when no step multiplies by it (the plan routes every step size
-        to the GEMV or to a copy of its own) and its GGUF blocks make it again. A tied head is the
-        embedding: dropped only where the embedding reads its rows from the blocks too (Gemma 3
-        270M's 262,144 x 640 head: 640 MiB, held beside its 640 MiB fp32pack copy before)."""
-        q = self.quantized.get("head")
-        attr = weight_blocks.head_attr(self)
-        weight = getattr(self, attr)
-        if (q is None or q.gemv is None or q.source != "gguf" or _holds_nothing(weight)
-                or any(c == "torch" for _, c in self.kernel_plan.choices("head"))
-                or (self.lm_head is None and self._embed_blocks is None)):
-            return 0
-        setattr(self, attr, weight_blocks.placeholder(weight))
-        return weight.numel() * weight.element_size()
-
-    def dropped_float_bytes(self) -> int:
-        """Bytes of the float weights the kernel plan dropped (phase C's ``kernel_plan_dropped_bytes``)."""
-        head = getattr(self, weight_blocks.head_attr(self))
-        return (sum(w.numel() * w.element_size() for layer in self.layers for name in _PROJECTIONS
-                    if _holds_nothing(w := getattr(layer, name)))
-                + (head.numel() * head.element_size() if _holds_nothing(head) else 0))
-
     def restore_float_weights(self) -> int:
         """Make the float weights not held again from their blocks (a plan that uses them, a
         re-measurement). Returns how many were restored."""
         return weight_blocks.restore_float_weights(self)
 
-    def fallback_candidate(self, group: str, rows: int) -> str:
-        """What the constants (``GEMV_MAX_ROWS``) run for ``group`` (a kernel plan group) at
-        ``rows``: the kernel plan's choice for cells it did not measure."""
-        if self._gemv_pending:
-            self.resolve_gemv()
-        module = self if group == "head" else self.layers[0]
-        q = module.quantized.get(_GROUP_ATTRS[group])
-        return "gemv" if q is not None and q.gemv is not None and rows <= q.max_rows else "torch"
+    # ------------------------------------------------------------------ routes (layers/kernel_routing.py)
+    def resolve_gemv(self) -> str | None:
+        """Bind every quantized entry's kernel and the plan's routes (:meth:`KernelRouting.resolve`)."""
+        return self.routing.resolve()
 
     def install_kernel_plan(self, plan: Any) -> None:
-        """Run by ``plan`` (engine/model/plan/): each projection's route by step size,
-        the copies it uses (bf16, int8; buffers, so ``weights_bytes`` counts them) made now,
-        the fused layer's GEMV limits and row limit from the plan."""
-        from engine.model.plan.kernel_plan import ATTENTION
+        self.routing.install_plan(plan)
 
-        self.kernel_plan = plan
-        if hasattr(self.backend, "prefill_attention"):
-            self.backend.prefill_attention = tuple(plan.choices(ATTENTION))
-        self.resolve_gemv()
+    def fallback_candidate(self, group: str, rows: int) -> str:
+        return self.routing.fallback_candidate(group, rows)
 
-    def _route_by_plan(self, kernel: Any) -> None:
-        from engine.model.kernels.cpu_layer import MAX_ROWS
-        from engine.model.plan.candidates import BLOCK_CANDIDATES, PLAN_COPY_SUFFIXES
-        from engine.model.plan.routes import build_route
+    def dropped_float_bytes(self) -> int:
+        return self.routing.dropped_float_bytes()
 
-        plan = self.kernel_plan
-        for prefix, module in weight_blocks.quantized_modules(self).items():
-            for name in ("head",) if prefix == "" else _PROJECTIONS:
-                group = "head" if name == "head" else _GROUP_OF[name]
-                q = module.quantized.get(name)
-                usable = q is not None and q.gemv is not None
-                choices = [(hi, "torch" if c == "gemv" and not usable else c) for hi, c in plan.choices(group)]
-                weight = self.head_weight if name == "head" else getattr(module, name)
-                if _holds_nothing(weight) and any(c not in BLOCK_CANDIDATES for _, c in choices):
-                    # not held (read as blocks, or an earlier plan dropped it); this plan multiplies by it
-                    weight = weight_blocks.restore_float(self, module, name)
-                route, extra = build_route(choices, weight, q, kernel, group)
-                module.kernel_routes[name] = route
-                for suffix in PLAN_COPY_SUFFIXES:  # an earlier plan's copies
-                    module._buffers.pop(f"{name}_{suffix}", None)
-                for suffix, tensor in extra.items():
-                    module.register_buffer(f"{name}_{suffix}", tensor, persistent=False)
-                if q is not None:
-                    # The fused decode layer (pure decodes up to the plan's fused_max_rows, which the plan
-                    # times against these routes at every class) runs its GEMV at every size it serves:
-                    # its only other path is a dense at::linear, which reorders a bf16 weight on every
-                    # call (Zen 4: 16-row decode steps took 80 ms on it against ~25 ms on the GEMV).
-                    q.max_rows = (MAX_ROWS if name != "head" else plan.gemv_limit(group)) if usable else 0
-        self._fused_max_rows = plan.fused_max_rows
+    def fused_decode_status(self, kv_cache_dtype: torch.dtype) -> str:
+        """A family whose layers the fused C++ layer does not serve says so here."""
+        return self.routing.fused_decode_status(kv_cache_dtype)
 
-    def weights_bytes(self) -> int:
-        """Bytes the weights really hold: parameters plus any quantized copies (a float weight
-        the kernel plan dropped holds nothing)."""
-        tensors = [*self.parameters(), *self.buffers()]
-        return int(sum(t.numel() * t.element_size() for t in tensors if not _holds_nothing(t)))
-
-    # ------------------------------------------------------------------ weights
-    def _fused_target(self, hf_name: str) -> tuple[torch.Tensor, int, int] | None:
-        """``(parameter, row offset, rows)`` that an HF tensor fills, or None if unknown."""
-        if hf_name == "model.embed_tokens.weight":
-            return self.embed_tokens, 0, self.embed_tokens.shape[0]
-        if hf_name == "model.norm.weight":
-            return self.norm, 0, self.norm.shape[0]
-        if hf_name == "lm_head.weight":
-            if self.lm_head is None:
-                return None  # tied: some checkpoints still carry a copy
-            return self.lm_head, 0, self.lm_head.shape[0]
-        if not hf_name.startswith("model.layers."):
-            return None
-        index_str, rest = hf_name[len("model.layers.") :].split(".", 1)
-        index = int(index_str)
-        if index >= len(self.layers):
-            return None  # dummy/reduced-layer configs reading a bigger file
-        layer = decoder_layers(self.layers)[index]
-        q, kv, inter = layer.q_size, layer.kv_size, layer.intermediate_size
-        table: dict[str, tuple[torch.Tensor | None, int, int]] = {
-            "input_layernorm.weight": (layer.input_layernorm, 0, layer.input_layernorm.shape[0]),
-            "post_attention_layernorm.weight": (layer.post_attention_layernorm, 0, layer.post_attention_layernorm.shape[0]),
-            "self_attn.q_proj.weight": (layer.qkv_proj, 0, q),
-            "self_attn.k_proj.weight": (layer.qkv_proj, q, kv),
-            "self_attn.v_proj.weight": (layer.qkv_proj, q + kv, kv),
-            "self_attn.q_proj.bias": (layer.qkv_bias, 0, q),
-            "self_attn.k_proj.bias": (layer.qkv_bias, q, kv),
-            "self_attn.v_proj.bias": (layer.qkv_bias, q + kv, kv),
-            "self_attn.o_proj.weight": (layer.o_proj, 0, layer.o_proj.shape[0]),
-            "mlp.gate_proj.weight": (layer.gate_up_proj, 0, inter),
-            "mlp.up_proj.weight": (layer.gate_up_proj, inter, inter),
-            "mlp.down_proj.weight": (layer.down_proj, 0, layer.down_proj.shape[0]),
-        }
-        entry = table.get(rest)
-        if entry is None or entry[0] is None:
-            return None
-        return entry[0], entry[1], entry[2]
-
-    def hf_names(self) -> list[str]:
-        """Every HF tensor name this model needs."""
-        names = ["model.embed_tokens.weight", "model.norm.weight"]
-        if self.lm_head is not None:
-            names.append("lm_head.weight")
-        per_layer = [
-            "input_layernorm.weight", "post_attention_layernorm.weight",
-            "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-            "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-        ]
-        if self.config.attention_bias:
-            per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
-        for i in range(len(self.layers)):
-            names.extend(f"model.layers.{i}.{n}" for n in per_layer)
-        return names
-
-    def missing_hf_names(self, seen: set[str]) -> set[str]:
-        return set(self.hf_names()) - seen
-
-    @torch.no_grad()
-    def load_hf_tensor(self, hf_name: str, tensor: torch.Tensor) -> None:
-        target = self._fused_target(hf_name)
-        if target is None:
-            return
-        param, offset, rows = target
-        if tensor.shape[0] != rows or tuple(tensor.shape[1:]) != tuple(param.shape[1:]):
-            raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)} does not fit {(rows, *param.shape[1:])}")
-        param[offset : offset + rows].copy_(tensor)
-
-    @torch.no_grad()
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unfused HF-named tensors (views into the fused parameters)."""
-        out = {}
-        for name in self.hf_names():
-            target = self._fused_target(name)
-            assert target is not None
-            param, offset, rows = target
-            out[name] = param[offset : offset + rows]
-        return out
-
-    @torch.no_grad()
-    def init_dummy_weights(self, seed: int = 0) -> int:
-        """Small random weights in place (no second copy); norms are 1. Returns the tensor count."""
-        generator = torch.Generator(device="cpu").manual_seed(seed)
-        count = 0
-        for name, param in self.named_parameters():
-            dummy_fill(name, param, generator)
-            count += 1
-        return count
+    def precision_report(self, kv_cache_dtype: torch.dtype) -> dict[str, str]:
+        return precision_report(self, kv_cache_dtype)

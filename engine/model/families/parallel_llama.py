@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.attention.base import AttentionBackend
-from engine.model.families.llama import LlamaForCausalLM, dummy_fill, fp32_linear
+from engine.model.families.llama import LlamaForCausalLM, fp32_linear
+from engine.model.loading.hf_layout import HfLayout, dummy_fill
 from engine.model.parallel import TensorParallel, kv_head_start, rank_model_config
 from engine.modelspec.config import ModelConfig
 
@@ -35,7 +36,51 @@ _SPLIT_ROWS = {"self_attn.q_proj": "q", "self_attn.k_proj": "kv", "self_attn.v_p
 _SPLIT_COLUMNS = {"self_attn.o_proj.weight": "q", "mlp.down_proj.weight": "mlp"}
 
 
+class TensorParallelLayout(HfLayout):
+    """Llama's checkpoint layout for one rank: each whole HF tensor sliced to this rank's part
+    (:meth:`TensorParallelLlama.shard`) as it loads, and dummy weights drawn whole."""
+
+    @torch.no_grad()
+    def load(self, hf_name: str, tensor: torch.Tensor) -> None:
+        super().load(hf_name, self.model.shard(hf_name, tensor))
+
+    def whole_parameter_parts(self) -> tuple[LlamaForCausalLM, dict[str, list[tuple[str, int, int]]]]:
+        """A one-rank model's shapes (on the meta device: no memory) and, per fused
+        parameter name, the HF tensors it is made of: ``(hf name, row offset, rows)``."""
+        model = self.model
+        whole = LlamaForCausalLM(model.full_config, model.backend, dtype=model.dtype, device="meta")
+        names = {id(p): n for n, p in whole.named_parameters()}
+        parts: dict[str, list[tuple[str, int, int]]] = defaultdict(list)
+        for hf_name in whole.hf_layout.names():
+            target = whole.hf_layout.target(hf_name)
+            assert target is not None
+            param, offset, rows = target
+            parts[names[id(param)]].append((hf_name, offset, rows))
+        return whole, parts
+
+    def load_whole_parameter(self, parts: list[tuple[str, int, int]], tensor: torch.Tensor) -> None:
+        for hf_name, offset, rows in parts:
+            self.load(hf_name, tensor[offset : offset + rows])
+
+    @torch.no_grad()
+    def init_dummy(self, seed: int = 0) -> int:
+        """The dummy weights a one-rank model draws (same generator, same order, whole
+        shapes), each rank keeping its slice: TP=N and TP=1 run the same model."""
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        whole, parts = self.whole_parameter_parts()
+        count = 0
+        for name, param in whole.named_parameters():
+            tensor = torch.empty(param.shape, dtype=self.model.dtype)
+            dummy_fill(name, tensor, generator)
+            self.load_whole_parameter(parts[name], tensor)
+            count += 1
+        return count
+
+
 class TensorParallelLlama(LlamaForCausalLM):
+    layout_class = TensorParallelLayout
+    hf_layout: TensorParallelLayout
+
     def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         super().__init__(rank_model_config(config, tp.world_size), backend, dtype=dtype, device=device)
@@ -93,41 +138,6 @@ class TensorParallelLlama(LlamaForCausalLM):
         return tensor
 
     @torch.no_grad()
-    def load_hf_tensor(self, hf_name: str, tensor: torch.Tensor) -> None:
-        super().load_hf_tensor(hf_name, self.shard(hf_name, tensor))
-
-    def _whole_parameter_parts(self) -> tuple[LlamaForCausalLM, dict[str, list[tuple[str, int, int]]]]:
-        """A one-rank model's shapes (on the meta device: no memory) and, per fused
-        parameter name, the HF tensors it is made of: ``(hf name, row offset, rows)``."""
-        whole = LlamaForCausalLM(self.full_config, self.backend, dtype=self.dtype, device="meta")
-        names = {id(p): n for n, p in whole.named_parameters()}
-        parts: dict[str, list[tuple[str, int, int]]] = defaultdict(list)
-        for hf_name in whole.hf_names():
-            target = whole._fused_target(hf_name)
-            assert target is not None
-            param, offset, rows = target
-            parts[names[id(param)]].append((hf_name, offset, rows))
-        return whole, parts
-
-    def _load_whole_parameter(self, parts: list[tuple[str, int, int]], tensor: torch.Tensor) -> None:
-        for hf_name, offset, rows in parts:
-            self.load_hf_tensor(hf_name, tensor[offset : offset + rows])
-
-    @torch.no_grad()
-    def init_dummy_weights(self, seed: int = 0) -> int:
-        """The dummy weights a one-rank model draws (same generator, same order, whole
-        shapes), each rank keeping its slice: TP=N and TP=1 run the same model."""
-        generator = torch.Generator(device="cpu").manual_seed(seed)
-        whole, parts = self._whole_parameter_parts()
-        count = 0
-        for name, param in whole.named_parameters():
-            tensor = torch.empty(param.shape, dtype=self.dtype)
-            dummy_fill(name, tensor, generator)
-            self._load_whole_parameter(parts[name], tensor)
-            count += 1
-        return count
-
-    @torch.no_grad()
     def load_cached_slices(self, path: Path) -> bool:
         """Fill this rank's slices from the dequantized-weights cache entry a one-rank
         start wrote (whole fused tensors); False when absent or of other shapes. A
@@ -138,12 +148,12 @@ class TensorParallelLlama(LlamaForCausalLM):
         if cached is None:
             return False
         tensors, _ = cached
-        whole, parts = self._whole_parameter_parts()
+        whole, parts = self.hf_layout.whole_parameter_parts()
         shapes = {n: tuple(p.shape) for n, p in whole.named_parameters()}
         if set(tensors) != set(shapes):
             return False
         if any(tuple(tensors[n].shape) != shape or tensors[n].dtype != self.dtype for n, shape in shapes.items()):
             return False
         for name in shapes:
-            self._load_whole_parameter(parts[name], tensors[name])
+            self.hf_layout.load_whole_parameter(parts[name], tensors[name])
         return True

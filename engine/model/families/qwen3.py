@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from engine.model.families.llama import DecoderLayer, LlamaForCausalLM, qk_normed_qkv
+from engine.model.loading.hf_layout import HfLayout
 from engine.modelspec.config import ModelConfig
 
 # Per-layer tensors beyond Llama's (HF names under model.layers.N.).
@@ -36,9 +37,17 @@ class Qwen3DecoderLayer(DecoderLayer):
         return None
 
 
+class Qwen3Layout(HfLayout):
+    """Llama's checkpoint layout plus each layer's ``q_norm`` and ``k_norm``."""
+
+    extra_layer_tensors = _EXTRA_LAYER_TENSORS
+
+
 class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3's dense model: Llama's loading, quantized copies, startup cache and runner;
     Qwen3's layers."""
+
+    layout_class = Qwen3Layout
 
     def _make_layer(self, index: int, config: ModelConfig, dtype: torch.dtype,
                     device: torch.device | str) -> nn.Module:
@@ -46,18 +55,3 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
     def fused_decode_status(self, kv_cache_dtype: torch.dtype) -> str:
         return "off: the fused C++ layer is Llama's shape (Qwen3 runs its layers op by op)"
-
-    def _fused_target(self, hf_name: str) -> tuple[torch.Tensor, int, int] | None:
-        prefix, _, rest = hf_name.partition("model.layers.")
-        if not prefix and rest:
-            index_str, _, tail = rest.partition(".")
-            if tail in _EXTRA_LAYER_TENSORS and int(index_str) < len(self.layers):
-                param = getattr(self.layers[int(index_str)], tail.removeprefix("self_attn.").removesuffix(".weight"))
-                return param, 0, param.shape[0]
-        return super()._fused_target(hf_name)
-
-    def hf_names(self) -> list[str]:
-        names = super().hf_names()
-        for i in range(len(self.layers)):
-            names.extend(f"model.layers.{i}.{n}" for n in _EXTRA_LAYER_TENSORS)
-        return names

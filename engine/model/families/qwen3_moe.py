@@ -11,12 +11,16 @@ HF names: ``mlp.gate.weight`` (router), ``mlp.experts.<e>.{gate,up,down}_proj.we
 
 from __future__ import annotations
 
-from engine.model.families.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM
-from engine.model.layers.moe import QWEN_MOE_NAMES, SparseLayerMixin, SparseModelMixin
+from engine.model.families.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3Layout
+from engine.model.layers.moe import QWEN_MOE_NAMES, SparseLayerMixin, SparseLayout, SparseModelMixin
 
 
 class Qwen3MoeDecoderLayer(SparseLayerMixin, Qwen3DecoderLayer):
     expert_names = QWEN_MOE_NAMES
+
+
+class Qwen3MoeLayout(SparseLayout, Qwen3Layout):
+    """The sparse layers' experts and Qwen3's QK-norms."""
 
 
 class Qwen3MoeForCausalLM(SparseModelMixin, Qwen3ForCausalLM):
@@ -24,3 +28,4 @@ class Qwen3MoeForCausalLM(SparseModelMixin, Qwen3ForCausalLM):
 
     family_label = "Qwen3-MoE"
     layer_class = Qwen3MoeDecoderLayer
+    layout_class = Qwen3MoeLayout

@@ -33,6 +33,7 @@ from engine.errors import UserError
 from engine.model.attention.base import AttentionBackend
 from engine.model.families.llama import DecoderLayer, LlamaForCausalLM
 from engine.model.kernels.cpu_norm import rms_norm
+from engine.model.loading.hf_layout import HfLayout
 from engine.modelspec.config import ModelConfig
 
 
@@ -233,6 +234,60 @@ class SparseLayerMixin(DecoderLayer):
         return None
 
 
+class SparseLayout(HfLayout):
+    """A family's checkpoint layout with sparse layers: the router and each expert's weights by
+    the family's HF names (or stacked, as a GGUF holds them), no dense MLP in a sparse layer."""
+
+    def sparse_layer(self, hf_name: str) -> tuple[SparseMoeMLP, str] | None:
+        prefix, _, rest = hf_name.partition("model.layers.")
+        if prefix or not rest:
+            return None
+        index_str, _, tail = rest.partition(".")
+        layers = self.model.layers
+        if not index_str.isdigit() or int(index_str) >= len(layers):
+            return None
+        moe = layers[int(index_str)].moe
+        return (moe, tail) if moe is not None else None
+
+    def target(self, hf_name: str) -> tuple[torch.Tensor, int, int] | None:
+        sparse = self.sparse_layer(hf_name)
+        if sparse is not None:
+            moe, tail = sparse
+            found = moe.target(tail)
+            if found is not None or tail.startswith(("mlp.", moe.names.experts, moe.names.router)):
+                return found  # a dense MLP name in a sparse layer fills nothing
+        return super().target(hf_name)
+
+    @torch.no_grad()
+    def load(self, hf_name: str, tensor: torch.Tensor) -> None:
+        sparse = self.sparse_layer(hf_name)
+        if sparse is not None and sparse[1] in STACKED_EXPERTS:
+            sparse[0].load_stacked(STACKED_EXPERTS[sparse[1]], tensor)
+            return
+        super().load(hf_name, tensor)
+
+    def missing(self, seen: set[str]) -> set[str]:
+        """A layer's experts loaded from stacked tensors (a GGUF) cover their per-expert names."""
+        covered = set(seen)
+        for index, layer in enumerate(self.model.layers):
+            moe = layer.moe
+            if moe is not None and all(f"model.layers.{index}.{n}" in seen for n in STACKED_EXPERTS):
+                names = moe.names
+                covered.update(f"model.layers.{index}.{names.experts}{e}.{t}" for e in range(moe.num_experts)
+                               for t in (names.gate, names.up, names.down))
+        return super().missing(covered)
+
+    def names(self) -> list[str]:
+        names = [n for n in super().names()
+                 if not ((s := self.sparse_layer(n)) is not None and s[1].startswith("mlp."))]
+        for index, layer in enumerate(self.model.layers):
+            if layer.moe is not None:
+                moe = layer.moe
+                names.extend(f"model.layers.{index}.{n}"
+                             for n in moe.names.layer_names(moe.num_experts, moe.shared_w13 is not None))
+        return names
+
+
 class SparseModelMixin(LlamaForCausalLM):
     """A model with sparse layers (put before the family's model class, a ``LlamaForCausalLM``,
     and set ``layer_class``): their expert weights by the family's HF names, one
@@ -241,6 +296,7 @@ class SparseModelMixin(LlamaForCausalLM):
 
     family_label = "this MoE family"
     layer_class: type[SparseLayerMixin]  # the family's sparse decoder layer
+    layout_class: type[HfLayout] = SparseLayout
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu") -> None:
@@ -268,51 +324,3 @@ class SparseModelMixin(LlamaForCausalLM):
 
     def quantized_linears(self) -> list[Any]:
         return list(self.quantized.values())
-
-    def _sparse_layer(self, hf_name: str) -> tuple[SparseMoeMLP, str] | None:
-        prefix, _, rest = hf_name.partition("model.layers.")
-        if prefix or not rest:
-            return None
-        index_str, _, tail = rest.partition(".")
-        if not index_str.isdigit() or int(index_str) >= len(self.layers):
-            return None
-        moe = self.layers[int(index_str)].moe
-        return (moe, tail) if moe is not None else None
-
-    def _fused_target(self, hf_name: str) -> tuple[torch.Tensor, int, int] | None:
-        sparse = self._sparse_layer(hf_name)
-        if sparse is not None:
-            moe, tail = sparse
-            found = moe.target(tail)
-            if found is not None or tail.startswith(("mlp.", moe.names.experts, moe.names.router)):
-                return found  # a dense MLP name in a sparse layer fills nothing
-        return super()._fused_target(hf_name)
-
-    @torch.no_grad()
-    def load_hf_tensor(self, hf_name: str, tensor: torch.Tensor) -> None:
-        sparse = self._sparse_layer(hf_name)
-        if sparse is not None and sparse[1] in STACKED_EXPERTS:
-            sparse[0].load_stacked(STACKED_EXPERTS[sparse[1]], tensor)
-            return
-        super().load_hf_tensor(hf_name, tensor)
-
-    def missing_hf_names(self, seen: set[str]) -> set[str]:
-        """A layer's experts loaded from stacked tensors (a GGUF) cover their per-expert names."""
-        covered = set(seen)
-        for index, layer in enumerate(self.layers):
-            moe = layer.moe
-            if moe is not None and all(f"model.layers.{index}.{n}" in seen for n in STACKED_EXPERTS):
-                names = moe.names
-                covered.update(f"model.layers.{index}.{names.experts}{e}.{t}" for e in range(moe.num_experts)
-                               for t in (names.gate, names.up, names.down))
-        return super().missing_hf_names(covered)
-
-    def hf_names(self) -> list[str]:
-        names = [n for n in super().hf_names()
-                 if not ((s := self._sparse_layer(n)) is not None and s[1].startswith("mlp."))]
-        for index, layer in enumerate(self.layers):
-            if layer.moe is not None:
-                moe = layer.moe
-                names.extend(f"model.layers.{index}.{n}"
-                             for n in moe.names.layer_names(moe.num_experts, moe.shared_w13 is not None))
-        return names

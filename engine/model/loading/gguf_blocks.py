@@ -195,11 +195,11 @@ def load_as_blocks(runner: Any, progress: ProgressCallback | None = None) -> Loa
                                                                          "q_proj.bias", "k_proj.bias")):
                 heads = config.num_attention_heads if "q_proj" in hf_name else config.num_kv_heads
                 tensor = torch.from_numpy(np.ascontiguousarray(unpermute_rotary_rows(tensor.numpy(), heads)))
-            model.load_hf_tensor(hf_name, tensor)
+            model.hf_layout.load(hf_name, tensor)
             seen.add(hf_name)
         if progress:
             progress(count, total)
-    missing = model.missing_hf_names(seen)
+    missing = model.hf_layout.missing(seen)
     if missing:
         from engine.errors import UserError
 

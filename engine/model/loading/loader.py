@@ -3,7 +3,7 @@ folder, or random ("dummy") weights of a config's shapes.
 
 Every source is read into HF parameter names (``model.layers.0.self_attn.q_proj.weight``)
 so one model class and one exporter serve them all; the model fuses QKV and
-gate/up when it takes the tensors (:meth:`LlamaForCausalLM.load_hf_tensors`).
+gate/up when it takes the tensors (:meth:`~engine.model.loading.hf_layout.HfLayout.load`).
 """
 
 from __future__ import annotations
@@ -208,12 +208,12 @@ def _load_each_tensor(model: LlamaForCausalLM, config: ModelConfig, fmt: str, pr
     count = 0
     for name, array, total in iter_hf_tensors(config, fmt):
         tensor = torch.from_numpy(np.require(array, requirements=["C", "W"])) if isinstance(array, np.ndarray) else array
-        model.load_hf_tensor(name, tensor)
+        model.hf_layout.load(name, tensor)
         seen.add(name)
         count += 1
         if progress:
             progress(count, total)
-    missing = model.missing_hf_names(seen)
+    missing = model.hf_layout.missing(seen)
     if missing:
         raise UserError(f"{source}: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
     return count
@@ -235,7 +235,7 @@ def load_weights_into(
     count = 0
     cache = "none"
     if fmt == "dummy":
-        count = model.init_dummy_weights(seed=seed)
+        count = model.hf_layout.init_dummy(seed=seed)
         if progress:
             progress(count, count)
         source = None
@@ -251,7 +251,7 @@ def load_weights_into(
         if cache_path is not None and (load_slices(cache_path) if load_slices is not None
                                        else load_cached_weights(model, cache_path)):
             cache = "hit"
-            count = len(model.hf_names())
+            count = len(model.hf_layout.names())
             if progress:
                 progress(count, count)
         else:

@@ -30,8 +30,8 @@ formats, dtype, ISA, torch, kernel sources, threads) the engine times, for each 
 
 The LM head's candidates take float32 rows and return float32 sums in every dtype mode (a bf16
 weight is widened slice by slice: engine/model/families/llama.py ``fp32_linear``). A float weight that
-no chosen candidate multiplies by is dropped once the plan is installed (llama.py
-``_drop_unused_float_weights``; phase C counts what is held).
+no chosen candidate multiplies by is dropped once the plan is installed (layers/kernel_routing.py
+``drop_unused_float_weights``; phase C counts what is held).
 
 Each candidate's output is checked against the fp32 reference ``x @ W.T`` on the same
 inputs (relative RMS error at most ``ACCURACY_BOUND``; the GEMV against its own blocks'
@@ -42,7 +42,7 @@ the bigger ones. Measuring stops at ``MEASURE_BOUND_S``: cells not reached keep 
 constants' choice, say so, and are measured at the next start (the stored plan is resumed). The plan is stored beside phase D's profile
 (``kernel_plans/<key>.json`` under engine/model/memory/profile_cache.py's folder) so a warm start reuses it, and ``KVSCOPE_KERNEL_PLAN``
 pins one (a path or the JSON itself), ``measure`` measures again, ``off`` runs the fallback
-constants (``GEMV_MAX_ROWS`` in engine/model/families/llama.py and the ISA's dtype rule).
+constants (``GEMV_MAX_ROWS`` in engine/model/layers/kernel_routing.py and the ISA's dtype rule).
 
 
 Modules:
