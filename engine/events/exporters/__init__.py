@@ -4,6 +4,7 @@ lines, traces and ZMQ messages), each a sink of the bus or a fold read by a serv
 - ``observers``: the one place that builds a bus's sinks from config and flags
 - ``metrics``: vLLM's Prometheus families
 - ``priority_metrics``: the bucketed ``priority`` label, ``request_priority``, ``scheduler_policy_info``
+- ``iteration_phase_metrics``: requests and tokens per engine step, by phase (prefill, decode)
 - ``stats``: the periodic stats line and ``stats`` event
 - ``iteration_details``: vLLM's ``Iteration(N)`` log line
 - ``progress``: the console bar for ``startup.progress``

@@ -43,6 +43,8 @@ Where each value comes from:
   ``kv_block_reuse_gap_seconds``): the step events' block deltas folded by
   :class:`engine.events.folds.block_residency.BlockResidency`, every block observed;
 - the V0-era ``avg_*_throughput_toks_per_s`` gauges: the ``stats`` event;
+- ``iteration_requests{phase}`` / ``iteration_tokens_by_phase{phase}`` (vLLM PR#53550's):
+  each step event's rows and tokens by phase (engine/events/exporters/iteration_phase_metrics.py);
 - ``scheduler_policy_info{policy}``: the constructor's policy, then ``engine.config``'s; under
   ``--scheduling-policy priority`` the finished-request families' ``priority`` label and
   ``request_priority``: each request's ``request.arrived`` priority.
@@ -74,6 +76,7 @@ from engine.events import (
     StatsEvent,
     StepEvent,
 )
+from engine.events.exporters.iteration_phase_metrics import IterationPhaseHistograms
 from engine.events.exporters.priority_metrics import (
     PRIORITY_LABEL,
     REQUEST_PRIORITY_BUCKETS,
@@ -335,6 +338,7 @@ class PrometheusMetrics:
                                REQUEST_PRIORITY_BUCKETS) if self._priority_labels else None)
         self._declare_engine_families(families)
         self._declare_request_families(families)
+        self.iteration_phases = IterationPhaseHistograms(registry, labels, values, ITERATION_TOKENS_BUCKETS)
         self._declare_token_source_families(families)
         self.mfu = MfuEstimates(families)
         self.block_residency = block_residency_histograms(families) if kv_cache_metrics else None
@@ -556,6 +560,7 @@ class PrometheusMetrics:
             self.generation_tokens.inc(generated)
         num_tokens = event.num_prefill_tokens + event.num_decode_tokens
         self.iteration_tokens.observe(num_tokens)
+        self.iteration_phases.observe(event)
         self.mfu.count(event, num_tokens)
         if self.block_residency is not None:
             self.block_residency.apply(event)
