@@ -128,3 +128,18 @@ def test_the_plan_offers_it_where_native_and_holds_one_copy() -> None:
         assert torch.allclose(impl.call(x), q.matmul(x), rtol=1e-4, atol=1e-4)
         (held,) = impl.extra.values()
         assert set(impl.extra) == {"x16"} and held.numel() == 3 * 20 * 576  # 2 + 1 groups of records, held once
+
+
+def test_packing_into_a_shared_buffer_matches(kernels: dict[str, object]) -> None:
+    """pack_x16_into a view of one buffer (the plan's one held copy per projection) gives pack_x16's bytes."""
+    for isa, kernel in kernels.items():
+        blocks = {fmt: random_blocks(fmt, 19, 512, seed=5) for fmt in ("q4_k", "q6_k", "q8_0")}
+        shapes = {fmt: cpu_quant.x16_shape(19, 512, fmt, isa) for fmt in blocks}
+        buffer = torch.zeros(sum(int(torch.tensor(s).prod()) for s in shapes.values()), dtype=torch.uint8)
+        at = 0
+        for fmt, b in blocks.items():
+            n = int(torch.tensor(shapes[fmt]).prod())
+            view = buffer[at:at + n].view(shapes[fmt])
+            kernel.pack_x16_into(b, cpu_quant.format_id(fmt), view)  # type: ignore[attr-defined]
+            assert torch.equal(view, kernel.pack_x16(b, cpu_quant.format_id(fmt))), (isa, fmt)  # type: ignore[attr-defined]
+            at += n

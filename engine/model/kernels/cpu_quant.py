@@ -58,7 +58,8 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 CORE_SOURCE = (_CSRC / "quant_core.cpp").read_text()
 SOURCE = CORE_SOURCE + (_CSRC / "quant_bindings.cpp").read_text() + (_CSRC / "quant_x16.cpp").read_text()
 FUNCTIONS = ("quant_matmul", "quant_matmul_segments", "dequantize", "dequantize_rows", "quantize_activations", "isa",
-             "pack_x16", "dequantize_x16", "x16_matmul_segments", "x16_native")
+             "pack_x16", "pack_x16_into", "dequantize_x16", "x16_matmul_segments", "x16_record_bytes",
+             "x16_native")
 
 # No -ffast-math: dequantize() is bit-exact with gguf-py only without reassociation or FMA contraction.
 _BASE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")
@@ -161,6 +162,11 @@ def pack_x16(w: torch.Tensor, fmt: int | str, isa: str | None = None) -> torch.T
     """A weight's blocks regrouped 16 output rows at a time, as int8 values with fp32 scales (and
     minimums), losslessly (csrc/quant_x16.cpp): ``uint8 [ceil(N / 16), K / 32, record bytes]``."""
     return _kernel(isa).pack_x16(w, format_id(fmt))
+
+
+def x16_shape(rows: int, in_features: int, fmt: int | str, isa: str | None = None) -> tuple[int, int, int]:
+    """The shape :func:`pack_x16` gives a weight of ``rows`` x ``in_features`` in ``fmt``."""
+    return -(-rows // 16), in_features // 32, int(_kernel(isa).x16_record_bytes(format_id(fmt)))
 
 
 def x16_matmul_segments(x: torch.Tensor, packs: Sequence[torch.Tensor], rows: Sequence[int],

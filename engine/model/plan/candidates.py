@@ -111,6 +111,9 @@ def x16_fast() -> bool:
 
 
 def _x16_implementation(quantized: Any) -> Implementation:
+    """The parts' records packed into one held buffer, each part a view of its slice."""
+    import math
+
     import torch
 
     from engine.model.kernels import cpu_quant
@@ -118,14 +121,15 @@ def _x16_implementation(quantized: Any) -> Implementation:
     kernel = cpu_quant.load_kernel()
     assert kernel is not None, "x16 is a candidate only where the block-type kernel is built"
     codes = [cpu_quant.format_id(p.fmt) for p in quantized.parts]
-    packs = [kernel.pack_x16(p.blocks, code) for p, code in zip(quantized.parts, codes, strict=True)]
+    shapes = [cpu_quant.x16_shape(p.rows, quantized.in_features, code) for p, code in zip(quantized.parts, codes,
+                                                                                          strict=True)]
+    held = torch.empty(sum(math.prod(shape) for shape in shapes), dtype=torch.uint8)
+    packs, at = [], 0
+    for part, code, shape in zip(quantized.parts, codes, shapes, strict=True):
+        packs.append(held[at:at + math.prod(shape)].view(shape))
+        kernel.pack_x16_into(part.blocks, code, packs[-1])
+        at += math.prod(shape)
     rows, matmul = [p.rows for p in quantized.parts], kernel.x16_matmul_segments
-    if len(packs) > 1:  # one buffer for the plan's copies: the parts' records end to end, each part a view
-        held = torch.cat([p.reshape(-1) for p in packs])
-        ends = torch.tensor([p.numel() for p in packs]).cumsum(0).tolist()
-        packs = [held[end - p.numel():end].view(p.shape) for p, end in zip(packs, ends, strict=True)]
-    else:
-        held = packs[0]
     return Implementation(lambda x: matmul(x, packs, rows, codes), {"x16": held})
 
 

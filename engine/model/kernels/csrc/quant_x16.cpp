@@ -67,7 +67,11 @@ static void pack_x16_fmt(const uint8_t* W, int64_t N, int64_t K, uint8_t* out) {
           lo[n] = b.sc[0];
           hi[n] = b.sc[1];
           mn[n] = b.mn;
-          for (int i = 0; i < 32; ++i) rec[64 * kind.floats() + ((i >> 2) * kX16Rows + n) * 4 + (i & 3)] = (uint8_t)(b.v[i] ^ 0x80);
+          uint8_t* dst = rec + 64 * kind.floats() + 4 * n;  // step j of row n at dst + 64 j
+          for (int j = 0; j < 8; ++j) {
+            const uint32_t v = load_u32((const uint8_t*)b.v + 4 * j) ^ 0x80808080u;
+            std::memcpy(dst + 64 * j, &v, 4);
+          }
         }
         std::memcpy(rec, lo, 64);
         if (kind.two_scales) std::memcpy(rec + 64, hi, 64);
@@ -253,13 +257,21 @@ static torch::Tensor checked_x16(const torch::Tensor& packed, int64_t N, int64_t
   return packed.contiguous();
 }
 
-// A weight's blocks uint8 [N, row bytes] -> its x16 records uint8 [ceil(N / 16), K / 32, record bytes].
-torch::Tensor pack_x16(torch::Tensor w, int64_t fmt) {
-  const int64_t K = checked_in_features(w, fmt, "pack_x16");
+// A weight's blocks uint8 [N, row bytes] -> its x16 records in ``out`` (uint8 [ceil(N / 16), K / 32,
+// record bytes], contiguous: a view of a caller's buffer that holds several weights' records).
+void pack_x16_into(torch::Tensor w, int64_t fmt, torch::Tensor out) {
+  const int64_t K = checked_in_features(w, fmt, "pack_x16_into");
   w = w.contiguous();
   const int64_t N = w.size(0);
-  auto out = torch::empty({x16_groups(N), K / 32, kq::x16_kind((int)fmt).record_bytes()}, torch::kUInt8);
+  TORCH_CHECK(out.is_contiguous(), "pack_x16_into: out must be contiguous");
+  checked_x16(out, N, K, fmt, "pack_x16_into");
   if (N > 0 && K > 0) kq::pack_x16(w.data_ptr<uint8_t>(), (int)fmt, N, K, out.data_ptr<uint8_t>());
+}
+
+torch::Tensor pack_x16(torch::Tensor w, int64_t fmt) {
+  const int64_t K = checked_in_features(w, fmt, "pack_x16");
+  auto out = torch::empty({x16_groups(w.size(0)), K / 32, kq::x16_kind((int)fmt).record_bytes()}, torch::kUInt8);
+  pack_x16_into(w, fmt, out);
   return out;
 }
 
@@ -306,6 +318,12 @@ torch::Tensor x16_matmul_segments(torch::Tensor x, std::vector<torch::Tensor> pa
   kq::quantize_acts(xf.data_ptr<float>(), M, K, K, a);
   kq::matmul_x16_segments(seg.data(), (int)seg.size(), a, y.data_ptr<float>(), col);
   return y;
+}
+
+// Bytes of one 32-block record of 16 rows in ``fmt`` (the packed tensor's last dimension).
+int64_t x16_record_bytes(int64_t fmt) {
+  checked_geometry(fmt, "x16_record_bytes");
+  return kq::x16_kind((int)fmt).record_bytes();
 }
 
 // Whether x16 runs its vpdpbusd path here (else the scalar reference).
