@@ -435,10 +435,12 @@ def start_engine(threads: int) -> tuple[Any, list[Any]]:
     from engine.llm import LLM
 
     bus, startup_events = EventBus(), list[Any]()
-    bus.subscribe(startup_events.append)
+    # the subscriber itself, not a fresh ``startup_events.append``: the bus unsubscribes by
+    # identity, and a collector left on would feed every family each earlier run's events
+    collect = bus.subscribe(startup_events.append)
     llm = LLM(bus=bus, threads=threads, stats_interval=0.0, kv_cache_memory_bytes=1 << 28, max_model_len=1024,
               dtype="auto")
-    bus.unsubscribe(startup_events.append)
+    bus.unsubscribe(collect)
     return llm, startup_events
 
 
