@@ -177,8 +177,9 @@ _QUANT_BUFFER = re.compile(r"^(?P<stem>.+)_int\d+(_\w+)?$")
 def decode_read_bytes(model: torch.nn.Module) -> int:
     """Weight bytes one decode step streams: the quantized copies where there are
     some, else the weights; the embedding table only when it is also the LM head."""
-    quant = {n: b for n, b in model.named_buffers() if _QUANT_BUFFER.match(n)}
-    stems = {_QUANT_BUFFER.match(n)["stem"] for n in quant}  # type: ignore[index]
+    matched = {n: (m, b) for n, b in model.named_buffers() if (m := _QUANT_BUFFER.match(n)) is not None}
+    quant = {n: b for n, (_, b) in matched.items()}
+    stems = {m["stem"] for m, _ in matched.values()}
     head = "embed_tokens" if getattr(model, "lm_head", None) is None else "lm_head"
     total = sum(b.numel() * b.element_size() for b in quant.values())
     for name, p in model.named_parameters():

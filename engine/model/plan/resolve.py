@@ -27,15 +27,15 @@ def resolve(model: Any, key: str, native_bf16: bool, isa: str, log: Any = None,
     load = stability.current_load()
     plan, previous = _start_plan(key, model.config.name, isa, load, log)
     remeasure = plan is not None and plan.source == "stored" and stability.measured_overloaded(plan, load)
-    if remeasure and log is not None:
-        log.info(f"the stored kernel plan was measured at load average {plan.load_average:g} on {plan.cpus} CPUs "  # type: ignore[union-attr]
+    if remeasure and log is not None and plan is not None:
+        log.info(f"the stored kernel plan was measured at load average {plan.load_average:g} on {plan.cpus} CPUs "
                  f"(other processes' threads skew its timings); the load is {load:.2f} now: measuring again")
     resume = plan if plan is not None and plan.source == "stored" and not remeasure and plan.unmeasured else None
     if resume is not None and stability.defer_resume(resume, load):
-        resume = None
         if log is not None:
-            log.info(f"the stored kernel plan left {plan.unmeasured} cells on the fallback constants; the load is "  # type: ignore[union-attr]
-                     f"{load:.2f} on {stability.cpu_count(plan)} CPUs: a quieter start measures them")
+            log.info(f"the stored kernel plan left {resume.unmeasured} cells on the fallback constants; the load is "
+                     f"{load:.2f} on {stability.cpu_count(resume)} CPUs: a quieter start measures them")
+        resume = None
     if resume is not None and log is not None:
         log.info(f"the stored kernel plan left {resume.unmeasured} cells on the fallback constants (its bound was "
                  "reached): measuring them now")
