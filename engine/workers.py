@@ -4,7 +4,7 @@ tensor-parallel ranks, or this host's pipeline stages.
 ``--tensor-parallel-size N`` starts N-1 workers with ``torch.multiprocessing``'s spawn
 context; the engine's own process is rank 0, which runs the scheduler, samples and
 publishes every event. Each worker runs startup phases A–G itself
-(:func:`engine.startup.start_engine` with its :class:`~engine.model.parallel.RankLayout`),
+(:func:`engine.startup.phases.start_engine` with its :class:`~engine.model.parallel.RankLayout`),
 then serves steps until rank 0 says stop. ``--pipeline-parallel-size P`` starts this
 host's stages the same way, each with its :class:`~engine.pipeline.StageLayout` (host 0
 holds stage 0 in the engine's process; a host beyond 0 runs its stages headless,

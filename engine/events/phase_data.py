@@ -2,7 +2,7 @@
 
 ``StartupPhase.data`` is the JSON form (what recordings hold and every sink
 writes); the classes here are its declared contract. Producers build a record
-and publish ``record.to_dict()`` (engine/startup.py for a real start,
+and publish ``record.to_dict()`` (engine/startup/ for a real start,
 ``MemoryPlan`` for ``engine plan``); consumers read a record back with
 :func:`phase_record`, :func:`read_phase` or ``<Record>.from_dict(event.data)`` and use its attributes
 instead of string keys.
