@@ -60,7 +60,7 @@ lint: setup
 TYPECHECKED := engine/core engine/events engine/budget/memory.py engine/budget/fixes.py engine/config.py \
 	engine/modelspec engine/model/cpu_caps.py engine/gc_policy.py engine/model/kernels/build.py \
 	engine/model/memory/profile_cache.py engine/model/plan engine/cli/program.py engine/cli/vllm_flags.py \
-	engine/startup_eta.py logparse/startup_phases.py \
+	engine/startup engine/startup_eta.py engine/detokenizers.py engine/prompt_logprobs.py logparse/startup_phases.py \
 	engine/heartbeat.py engine/stacks.py engine/serve/stall.py engine/serve/stall_dump.py \
 	doctor/facts.py doctor/rules doctor/budget.py doctor/vllm_dp.py doctor/vllm_stall.py \
 	monitor/prometheus.py monitor/kv_events.py monitor/replica.py monitor/poller.py monitor/gpu.py
