@@ -9,7 +9,9 @@ build it and fed the startup's events first (so Prometheus's MFU counters move):
 - ``jsonl``: the ``--events`` recording into a file;
 - ``events-sse``: ``/events``: the view fold (``/debug/state``, the stream's snapshot) and
   the hub, with one client draining its queue on an event loop of its own;
-- ``prometheus``: ``/metrics``'s families; ``prometheus+residency``: with ``--kv-cache-metrics``,
+- ``prometheus``: ``/metrics``'s families, their token usage read from the run's view, as the
+  server reads it (alone, the family folds that view; with ``events-sse``, whichever sees an
+  event first folds it); ``prometheus+residency``: with ``--kv-cache-metrics``,
   every block's residency (vLLM samples 1 %);
 - ``kv-events``: ``--kv-events-config``: block contents recorded by the scheduler, folded and
   published on a loopback PUB socket nobody reads;
@@ -87,12 +89,15 @@ class Context:
         self._otlp: subprocess.Popen[str] | None = None
         self._otlp_port = 0
         self.runs = 0
+        self._view: tuple[int, Any] = (0, None)
 
-    def fed(self, sink: Any) -> Any:
-        """``sink`` after the startup's events, as a sink subscribed before startup saw them."""
-        for event in self.startup_events:
-            sink(event)
-        return sink
+    def view(self) -> Any:
+        """The run's ``/debug/state`` view: the server's metrics fold their token usage through it."""
+        if self._view[0] != self.runs:
+            from engine.serve.host import LockedView
+
+            self._view = (self.runs, LockedView())
+        return self._view[1]
 
     def otlp_url(self) -> str:
         """A receiver in a process of its own, as a collector is: its CPU is not the engine's."""
@@ -128,14 +133,14 @@ server.serve_forever()
 def _jsonl(ctx: Context) -> Signal:
     from engine.events import JsonlSink
 
-    sink = ctx.fed(JsonlSink(ctx.folder / f"run{ctx.runs}.jsonl"))
+    sink = JsonlSink(ctx.folder / f"run{ctx.runs}.jsonl")
     return Signal({"jsonl": sink}, [sink.close])
 
 
 def _events_sse(ctx: Context) -> Signal:
-    from engine.serve.host import EventHub, LockedView
+    from engine.serve.host import EventHub
 
-    hub, view, loop = EventHub(), ctx.fed(LockedView()), asyncio.new_event_loop()
+    hub, view, loop = EventHub(), ctx.view(), asyncio.new_event_loop()
     client = hub.connect(loop)
 
     async def drain() -> None:
@@ -161,8 +166,8 @@ def _prometheus(residency: bool) -> Callable[[Context], Signal]:
         from engine.events.exporters.metrics import PrometheusMetrics
 
         metrics = PrometheusMetrics(CollectorRegistry(), "smollm2", max_model_len=ctx.llm.engine.config.max_model_len,
-                                    kv_cache_metrics=residency)
-        return Signal({"metrics": ctx.fed(metrics)})
+                                    kv_cache_metrics=residency, shared_view=ctx.view())
+        return Signal({"metrics": metrics})
 
     return build
 
@@ -172,20 +177,20 @@ def _kv_events(ctx: Context) -> Signal:
     from engine.events.exporters.kv_publisher import KVEventsSink
 
     sink = KVEventsSink(KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*"))
-    return Signal({"kv-events": ctx.fed(sink)}, [sink.close], [sink.flush], record_contents=True)
+    return Signal({"kv-events": sink}, [sink.close], [sink.flush], record_contents=True)
 
 
 def _otlp(ctx: Context) -> Signal:
     from engine.events.exporters.otel import OtlpTraceSink, span_exporter
 
     sink = OtlpTraceSink(span_exporter(ctx.otlp_url(), "http/protobuf"), wall_start_unix=time.time())
-    return Signal({"otlp": ctx.fed(sink)}, [sink.close], [sink.provider.force_flush])  # the run's spans exported
+    return Signal({"otlp": sink}, [sink.close], [sink.provider.force_flush])  # the run's spans exported
 
 
 def _perfetto(ctx: Context) -> Signal:
     from engine.events.exporters.perfetto import PerfettoTrace
 
-    sink = ctx.fed(PerfettoTrace(ctx.folder / f"run{ctx.runs}.trace.json"))
+    sink = PerfettoTrace(ctx.folder / f"run{ctx.runs}.trace.json")
     return Signal({"perfetto": sink}, [sink.close])
 
 
@@ -194,13 +199,13 @@ def _forward_pass(ctx: Context) -> Signal:
     from engine.events.exporters.forward_pass import ForwardPassPublisher
 
     sink = ForwardPassPublisher(free_port())
-    return Signal({"forward-pass": ctx.fed(sink)}, [sink.close])
+    return Signal({"forward-pass": sink}, [sink.close])
 
 
 def _per_request(ctx: Context) -> Signal:
     from engine.serve.host import LockedLifecycle
 
-    return Signal({"per-request": ctx.fed(LockedLifecycle())})
+    return Signal({"per-request": LockedLifecycle()})
 
 
 FAMILIES: dict[str, Callable[[Context], Signal]] = {
@@ -278,6 +283,9 @@ def subscribed(ctx: Context, family: str | None) -> Iterator[Cost]:
     ctx.runs += 1
     threads_before = set(_thread_cpu_ns())
     signal = (_all(ctx) if family == "all" else FAMILIES[family](ctx)) if family else Signal({})
+    for event in ctx.startup_events:  # as sinks subscribed before startup saw them, in the bus's order
+        for sink in signal.sinks.values():
+            sink(event)
     bus, spent, cost = ctx.llm.engine.bus, dict.fromkeys(signal.sinks, 0.0), Cost()
     subscribers = [bus.subscribe(_timed(sink, spent, name)) for name, sink in signal.sinks.items()]
     _record_contents(ctx.llm, signal.record_contents)

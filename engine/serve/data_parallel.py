@@ -565,7 +565,8 @@ def data_parallel_host(config: EngineConfig, settings: ServerSettings, registry:
     metrics = [PrometheusMetrics(registry if rank == 0 and registry is not None else CollectorRegistry(),
                                  settings.served_model_name, engine_index=str(rank), max_model_len=config.max_model_len,
                                  kv_cache_metrics=settings.kv_cache_metrics,
-                                 scheduling_policy=config.scheduling_policy) for rank in range(size)]
+                                 scheduling_policy=config.scheduling_policy, shared_view=views[rank])
+               for rank in range(size)]
     hub = EventHub()
     lifecycles = [LockedLifecycle() for _ in range(size)]
     for rank in range(size):

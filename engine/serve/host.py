@@ -43,10 +43,17 @@ class LockedView:
     def __init__(self) -> None:
         self.view = EngineView()
         self._lock = threading.Lock()
+        # the event folded last, with its stamps then: the metrics' token usage reads this view
+        # too and calls it first, so each event is folded once, by whichever reader sees it first
+        self._folded: tuple[Event | None, int, float] = (None, 0, 0.0)
 
     def __call__(self, event: Event) -> None:
         with self._lock:
+            last = self._folded
+            if last[0] is event and last[1] == event.seq and last[2] == event.t:
+                return
             self.view.apply(event)
+            self._folded = (event, event.seq, event.t)
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
@@ -240,10 +247,10 @@ class EngineHost:
 
             return data_parallel_host(config, settings, registry, bus)
         bus = bus or EventBus()
+        view = LockedView()
         metrics = PrometheusMetrics(registry or CollectorRegistry(), settings.served_model_name,
                                     max_model_len=config.max_model_len, kv_cache_metrics=settings.kv_cache_metrics,
-                                    scheduling_policy=config.scheduling_policy)
-        view = LockedView()
+                                    scheduling_policy=config.scheduling_policy, shared_view=view)
         hub = EventHub()
         lifecycle = LockedLifecycle()
         for subscriber in (metrics, view, hub, lifecycle):

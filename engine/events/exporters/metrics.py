@@ -60,7 +60,7 @@ from __future__ import annotations
 import bisect
 import collections
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -171,6 +171,16 @@ def observe_many(histogram: Histogram, amounts: Sequence[float]) -> None:
     for index, count in collections.Counter(bisect.bisect_left(bounds, a) for a in amounts).items():
         histogram._buckets[index].inc(count)
     histogram._sum.inc(sum(amounts))
+
+
+class SharedView(Protocol):
+    """An engine view another subscriber of the same bus keeps (the server's ``/debug/state``
+    view, behind its lock): called with each event, it folds the event once however many of its
+    readers call it; ``view`` is the fold, read on the thread that folds."""
+
+    view: EngineView
+
+    def __call__(self, event: Event) -> None: ...
 
 
 class LabelledFamilies:
@@ -314,8 +324,18 @@ class PrometheusMetrics:
         max_model_len: int | None = None,
         kv_cache_metrics: bool = False,
         scheduling_policy: str | None = None,
+        shared_view: SharedView | None = None,
     ) -> None:
         self.registry = registry
+        # the token usage gauge reads a whole engine view: the server's own when given (one fold
+        # of each event for both), else a private one
+        self._fold_view: Callable[[Event], None]
+        self._occupancy: EngineView
+        if shared_view is None:
+            own = EngineView(series_window=1, recent_window=1)
+            self._fold_view, self._occupancy = own.apply, own
+        else:
+            self._fold_view, self._occupancy = shared_view, shared_view.view
         self.model_name = model_name
         self.engine_index = str(engine_index)
         labels = ("model_name", "engine")
@@ -398,7 +418,6 @@ class PrometheusMetrics:
             "vllm:kv_cache_token_usage_perc",
             "Experimental: KV-cache token slots holding a token's K/V over all token slots (the block gauge counts "
             "a block holding one token as full). 1 means 100 percent usage.")
-        self._occupancy = EngineView(series_window=1, recent_window=1)  # per-request computed tokens and tables
         self.prefix_cache_queries = families.counter(
             "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
         )
@@ -516,7 +535,7 @@ class PrometheusMetrics:
 
     # ------------------------------------------------------------- subscriber
     def __call__(self, event: Event) -> None:
-        self._occupancy.apply(event)
+        self._fold_view(event)
         handler = self._handlers.get(type(event))
         if handler is not None:
             if self._priority_labels:

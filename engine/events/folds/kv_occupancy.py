@@ -130,5 +130,13 @@ def step_token_usage(view: EngineView, step: StepEvent) -> float:
     block_size = view_block_size(view)
     if block_size <= 0 or step.kv_blocks_total <= 0:
         return 0.0
-    filled = step.kv_blocks_used * block_size - unfilled_slots(view.requests.values(), block_size)
+    # unfilled_slots(view.requests.values(), block_size), read from the records and the table
+    # without a RequestView per request: the metrics compute it every step
+    group_tables = view.table.group_tables
+    unfilled = 0
+    for record in view.request_fold.lives.values():
+        tail = -record.computed_tokens % block_size
+        if tail:
+            unfilled += tail * sum(1 for table in group_tables.get(record.request_id, ()) if table)
+    filled = step.kv_blocks_used * block_size - unfilled
     return max(0, filled) / (step.kv_blocks_total * block_size)
