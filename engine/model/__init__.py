@@ -1,4 +1,4 @@
-"""Everything that touches tensors. Nothing outside this wing, ``engine/startup.py`` and the
+"""Everything that touches tensors. Nothing outside this wing, ``engine/startup/`` and the
 executors imports torch.
 
 - ``families``: the model classes, Llama's and those built on it

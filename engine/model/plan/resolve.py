@@ -101,7 +101,7 @@ def _settle_measured(plan: KernelPlan, previous: KernelPlan | None, log: Any) ->
 
 
 def stored_for_start(key: str, name: str, isa: str, load: float | None = None) -> KernelPlan | None:
-    """The plan a start with ``key`` would run before measuring (engine/startup.py derives the
+    """The plan a start with ``key`` would run before measuring (engine/startup/ derives the
     token budget from it): pinned, or stored (the last quiet plan in place of a loaded one on a
     loaded machine); None when nothing is stored."""
     plan = pinned()

@@ -18,7 +18,7 @@ def plan_enabled() -> bool:
     return plan_setting().lower() not in ("off", "0", "false", "no")
 
 
-# ``--dtype auto`` on CPU with the plan on (engine/startup.py resolve_dtype, ``engine plan``).
+# ``--dtype auto`` on CPU with the plan on (engine/startup/resolve.py resolve_dtype, ``engine plan``).
 AUTO_DTYPE = "float32"
 AUTO_DTYPE_REASON = ("the kernel plan runs float32 activations and picks each projection's implementation by "
                      "measurement (bf16 GEMM over bf16 weights and bf16 prefill attention where bf16 is native and "

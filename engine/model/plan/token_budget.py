@@ -5,7 +5,7 @@ from __future__ import annotations
 from engine.model.plan.kernel_plan import KernelPlan
 
 # The CPU default token budget where the plan's measured speed fits more than vLLM-CPU's 2,048
-# tokens (engine/startup.py CPU_PROMPT_STEP_TOKENS, the floor) in about this many seconds of
+# tokens (engine/startup/resolve.py CPU_PROMPT_STEP_TOKENS, the floor) in about this many seconds of
 # projections (attention, norms and sampling add ~15-25 %), so the budget scales with a fast CPU.
 # Tighter step targets (0.1 s; one second on the steps with decodes alone) were measured and
 # dropped: CPU_PROMPT_STEP_TOKENS' comment has the figures.
