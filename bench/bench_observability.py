@@ -16,7 +16,8 @@ build it and fed the startup's events first (so Prometheus's MFU counters move):
 - ``kv-events``: ``--kv-events-config``: block contents recorded by the scheduler, folded and
   published on a loopback PUB socket nobody reads;
 - ``otlp``: ``--otlp-traces-endpoint``: spans exported over OTLP/HTTP to a receiver in this
-  process that answers 200;
+  process that answers 200 (with ``perfetto`` and ``per-request``, one request fold for the three,
+  the server's ``/debug/requests`` fold, as ``engine serve`` shares it);
 - ``perfetto``: ``--trace-out`` (the file is written when the run ends, outside the timing);
 - ``forward-pass``: ``--forward-pass-metrics-port``;
 - ``per-request``: the request lifecycle fold behind ``/debug/requests`` and per-request metrics;
@@ -89,15 +90,25 @@ class Context:
         self._otlp: subprocess.Popen[str] | None = None
         self._otlp_port = 0
         self.runs = 0
-        self._view: tuple[int, Any] = (0, None)
+        self._shared: dict[str, tuple[int, Any]] = {}
 
     def view(self) -> Any:
         """The run's ``/debug/state`` view: the server's metrics fold their token usage through it."""
-        if self._view[0] != self.runs:
-            from engine.serve.host import LockedView
+        from engine.serve.shared_folds import LockedView
 
-            self._view = (self.runs, LockedView())
-        return self._view[1]
+        return self._run_shared("view", LockedView)
+
+    def lifecycle(self) -> Any:
+        """The run's ``/debug/requests`` fold: the server's OTLP and Perfetto exporters read it."""
+        from engine.serve.shared_folds import LockedLifecycle
+
+        return self._run_shared("lifecycle", LockedLifecycle)
+
+    def _run_shared(self, name: str, make: Callable[[], Any]) -> Any:
+        run, fold = self._shared.get(name, (0, None))
+        if run != self.runs:
+            run, fold = self._shared[name] = (self.runs, make())
+        return fold
 
     def otlp_url(self) -> str:
         """A receiver in a process of its own, as a collector is: its CPU is not the engine's."""
@@ -183,14 +194,15 @@ def _kv_events(ctx: Context) -> Signal:
 def _otlp(ctx: Context) -> Signal:
     from engine.events.exporters.otel import OtlpTraceSink, span_exporter
 
-    sink = OtlpTraceSink(span_exporter(ctx.otlp_url(), "http/protobuf"), wall_start_unix=time.time())
+    sink = OtlpTraceSink(span_exporter(ctx.otlp_url(), "http/protobuf"), wall_start_unix=time.time(),
+                         shared_requests=ctx.lifecycle())
     return Signal({"otlp": sink}, [sink.close], [sink.provider.force_flush])  # the run's spans exported
 
 
 def _perfetto(ctx: Context) -> Signal:
     from engine.events.exporters.perfetto import PerfettoTrace
 
-    sink = PerfettoTrace(ctx.folder / f"run{ctx.runs}.trace.json")
+    sink = PerfettoTrace(ctx.folder / f"run{ctx.runs}.trace.json", ctx.lifecycle())
     return Signal({"perfetto": sink}, [sink.close])
 
 
@@ -203,9 +215,7 @@ def _forward_pass(ctx: Context) -> Signal:
 
 
 def _per_request(ctx: Context) -> Signal:
-    from engine.serve.host import LockedLifecycle
-
-    return Signal({"per-request": LockedLifecycle()})
+    return Signal({"per-request": ctx.lifecycle()})
 
 
 FAMILIES: dict[str, Callable[[Context], Signal]] = {

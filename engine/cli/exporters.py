@@ -28,6 +28,7 @@ from engine.events.exporters.observers import (
 
 if TYPE_CHECKING:
     from engine.events import EventBus
+    from engine.events.folds.request_record import SharedRequests
 
 
 def add_exporter_flags(p: argparse.ArgumentParser, *, replay: bool = False) -> None:
@@ -76,10 +77,11 @@ def build_exporters(args: argparse.Namespace, wall_start_unix: float, model_name
     return build_observers(exporter_flags(args), wall_start_unix=wall_start_unix, span_model_name=model_name)
 
 
-def attach_exporters(args: argparse.Namespace, bus: EventBus) -> Observers:
+def attach_exporters(args: argparse.Namespace, bus: EventBus, shared_requests: SharedRequests | None = None) -> Observers:
     """Build the asked-for sinks and subscribe them to ``bus`` (before startup, so the
-    phases are in them); a bad flag is refused here, before anything slow."""
-    return attach_observers(bus, exporter_flags(args))
+    phases are in them); a bad flag is refused here, before anything slow. ``shared_requests``:
+    the server's request fold, read by the span and trace exporters instead of their own."""
+    return attach_observers(bus, exporter_flags(args), shared_requests=shared_requests)
 
 
 def recording_wall_start(header: dict[str, Any], path: str | Path, last_t: float) -> tuple[float, str | None]:

@@ -10,7 +10,8 @@
 - ``logprobs``: logprobs in OpenAI's two shapes
 - ``http_limits``: time and size bounds per connection and request
 - ``async_engine``: the engine thread and its command queue
-- ``host``: the engine side with no HTTP: subscribers, the request fold
+- ``host``: the engine side with no HTTP: subscribers, the ``/events`` hub
+- ``shared_folds``: the view and the request fold the routes read and the exporters share (each event folded once)
 - ``startup_health``: ``/health`` during startup (the phase, the ETA); requests held until ready
 - ``data_parallel``: D engine cores behind one server
 - ``stall``: the stall detector: a core with work and no step within the limit

@@ -25,10 +25,11 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.serve import kv_cache_info, routes_observability, routes_openai, routes_vllm
-from engine.serve.host import LOOPBACK_HOSTS, EngineHost, EventHub, LockedView, ServerSettings
+from engine.serve.host import LOOPBACK_HOSTS, EngineHost, EventHub, ServerSettings
 from engine.serve.http_limits import BoundedBody
 from engine.serve.protocol import APIError, ErrorResponse
 from engine.serve.route_support import StampArrival, error_response
+from engine.serve.shared_folds import LockedView
 from engine.serve.startup_health import STARTING, StartupGate, engine_state
 
 __all__ = ["LOOPBACK_HOSTS", "EngineHost", "EventHub", "LockedView", "ServerSettings", "build_app"]

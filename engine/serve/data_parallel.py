@@ -59,8 +59,9 @@ from engine.llm_engine import CheckedPrompt, LLMEngine, RequestOutput
 from engine.logs import get_logger
 from engine.profiling import ProfileLimits, TorchProfiler
 from engine.serve.async_engine import EngineDead, EngineFront, RequestFailed, RequestStream, _aborted_output
-from engine.serve.host import EngineHost, EventHub, LockedLifecycle, LockedView
+from engine.serve.host import EngineHost, EventHub
 from engine.serve.settings import ServerSettings
+from engine.serve.shared_folds import LockedLifecycle, LockedView
 from engine.serve.stall import data_parallel_detector
 
 STOP_WAIT_S = 5.0  # a core's time to leave by itself after "stop", before terminate/kill
@@ -555,7 +556,7 @@ def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | Non
 
 
 def data_parallel_host(config: EngineConfig, settings: ServerSettings, registry: CollectorRegistry | None = None,
-                       bus: EventBus | None = None) -> EngineHost:
+                       bus: EventBus | None = None, lifecycle: LockedLifecycle | None = None) -> EngineHost:
     """EngineHost.create for ``--data-parallel-size D`` > 1: a bus, view, lifecycle and
     metrics per rank (``engine`` = the rank); rank 0's bus the one the dashboard and the
     exporters follow, every rank's step and request events on /events."""
@@ -568,7 +569,8 @@ def data_parallel_host(config: EngineConfig, settings: ServerSettings, registry:
                                  scheduling_policy=config.scheduling_policy, shared_view=views[rank])
                for rank in range(size)]
     hub = EventHub()
-    lifecycles = [LockedLifecycle() for _ in range(size)]
+    # rank 0's: the one the exporters on its bus may read already
+    lifecycles = [lifecycle or LockedLifecycle()] + [LockedLifecycle() for _ in range(1, size)]
     for rank in range(size):
         buses[rank].subscribe(metrics[rank])
         buses[rank].subscribe(views[rank])

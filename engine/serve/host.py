@@ -9,7 +9,6 @@ subscribers attached before the engine starts (:class:`LockedView` for ``/debug/
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import threading
 from collections.abc import Callable
@@ -19,88 +18,22 @@ from typing import Any, Protocol
 from prometheus_client import CollectorRegistry
 
 from engine.config import EngineConfig
-from engine.errors import UserError
 from engine.events import Event, EventBus
 from engine.events.exporters.metrics import PrometheusMetrics
-from engine.events.folds.request_record import RequestFold, request_metrics
-from engine.events.folds.view import EngineView
 from engine.events.recording import event_line
 from engine.llm_engine import LLMEngine
 from engine.profiling import TorchProfiler
 from engine.serve.async_engine import AsyncEngine, EngineFront
 from engine.serve.settings import LOOPBACK_HOSTS, ServerSettings
+from engine.serve.shared_folds import LockedLifecycle, LockedView
 from engine.serve.stall import StallDetector, one_core_detector
 
-__all__ = ["LOOPBACK_HOSTS", "EngineHost", "EventHub", "LockedView", "ServerSettings", "SseClient"]
+__all__ = ["LOOPBACK_HOSTS", "EngineHost", "EventHub", "ServerSettings", "SseClient"]
 
 SSE_CLIENT_MAX_QUEUE = 20_000  # events buffered for one slow /events client before it is dropped
 
 
 # ------------------------------------------------------------------ observers
-class LockedView:
-    """An :class:`EngineView` folded on the engine thread and read by handlers."""
-
-    def __init__(self) -> None:
-        self.view = EngineView()
-        self._lock = threading.Lock()
-        # the event folded last, with its stamps then: the metrics' token usage reads this view
-        # too and calls it first, so each event is folded once, by whichever reader sees it first
-        self._folded: tuple[Event | None, int, float] = (None, 0, 0.0)
-
-    def __call__(self, event: Event) -> None:
-        with self._lock:
-            last = self._folded
-            if last[0] is event and last[1] == event.seq and last[2] == event.t:
-                return
-            self.view.apply(event)
-            self._folded = (event, event.seq, event.t)
-
-    def snapshot(self) -> dict[str, Any]:
-        with self._lock:
-            return self.view.snapshot()
-
-    def request_ids(self) -> list[str]:
-        """The requests the engine holds: arrived and not yet finished."""
-        with self._lock:
-            return list(self.view.requests)
-
-    def snapshot_of_rank(self, rank: int) -> dict[str, Any]:
-        """``GET /debug/state?dp_rank=``: one engine core here, rank 0."""
-        if rank != 0:
-            raise UserError(f"dp_rank {rank}: this server runs one engine core (rank 0); start it with "
-                            "--data-parallel-size to have more")
-        return self.snapshot()
-
-
-class LockedLifecycle:
-    """Every request's life (engine/events/folds/request_record.py), folded on the engine thread
-    and read by ``GET /debug/requests`` (a copy under the lock: the fold moves on)."""
-
-    def __init__(self) -> None:
-        self.fold = RequestFold()
-        self._lock = threading.Lock()
-
-    def __call__(self, event: Event) -> None:
-        with self._lock:
-            self.fold(event)
-
-    def life(self, request_id: str) -> dict[str, Any] | None:
-        with self._lock:
-            life = self.fold.get(request_id)
-            return None if life is None else {**life.to_dict(), "timeline": [
-                {"step": step, "what": text} for step, text in life.timeline()]}
-
-    def metrics(self, request_id: str) -> dict[str, Any] | None:
-        """A finished request's per-request metrics (vLLM's names, kvscope's own beside)."""
-        with self._lock:
-            life = self.fold.get(request_id)
-            return None if life is None else request_metrics(life)
-
-    def rows(self, state: str | None, now: float) -> list[dict[str, Any]]:
-        with self._lock:
-            return [life.summary(now) for life in self.fold.in_state(state)]
-
-
 # One /events item: (the data-parallel rank whose bus published it, its seq there, the
 # serialised event); each rank's bus counts its own seq.
 SseItem = tuple[int, int, str]
@@ -113,10 +46,27 @@ class SseClient:
         self.loop = loop
         self.queue: asyncio.Queue[SseItem | None] = asyncio.Queue()
         self.closed = False
+        # posted, not yet on the loop: a burst of events (a step's request events, then the step)
+        # wakes the loop once, and it takes them all in order
+        self._posted: list[SseItem | None] = []
+        self._posted_lock = threading.Lock()
 
     def post(self, item: SseItem | None) -> None:
-        with contextlib.suppress(RuntimeError):  # loop closed at shutdown
-            self.loop.call_soon_threadsafe(self._put, item)
+        with self._posted_lock:
+            self._posted.append(item)
+            if len(self._posted) > 1:  # the loop is already called to take them
+                return
+        try:
+            self.loop.call_soon_threadsafe(self._take)
+        except RuntimeError:  # loop closed at shutdown: nobody will take them
+            with self._posted_lock:
+                self._posted.clear()
+
+    def _take(self) -> None:
+        with self._posted_lock:
+            items, self._posted = self._posted, []
+        for item in items:
+            self._put(item)
 
     def _put(self, item: SseItem | None) -> None:
         if self.closed:
@@ -238,21 +188,23 @@ class EngineHost:
 
     @classmethod
     def create(cls, config: EngineConfig, settings: ServerSettings,
-               registry: CollectorRegistry | None = None, bus: EventBus | None = None) -> EngineHost:
+               registry: CollectorRegistry | None = None, bus: EventBus | None = None,
+               lifecycle: LockedLifecycle | None = None) -> EngineHost:
         """Subscribe the observers, then start the engine thread (startup runs
         there; ``engine.wait_ready()`` waits for it). ``--data-parallel-size`` > 1: engine
-        cores in processes of their own behind the same interface (engine/serve/data_parallel.py)."""
+        cores in processes of their own behind the same interface (engine/serve/data_parallel.py).
+        ``lifecycle``: the request fold the exporters on ``bus`` already read (one fold for all)."""
         if (config.data_parallel_size or 1) > 1:
             from engine.serve.data_parallel import data_parallel_host
 
-            return data_parallel_host(config, settings, registry, bus)
+            return data_parallel_host(config, settings, registry, bus, lifecycle)
         bus = bus or EventBus()
         view = LockedView()
         metrics = PrometheusMetrics(registry or CollectorRegistry(), settings.served_model_name,
                                     max_model_len=config.max_model_len, kv_cache_metrics=settings.kv_cache_metrics,
                                     scheduling_policy=config.scheduling_policy, shared_view=view)
         hub = EventHub()
-        lifecycle = LockedLifecycle()
+        lifecycle = lifecycle or LockedLifecycle()
         for subscriber in (metrics, view, hub, lifecycle):
             bus.subscribe(subscriber)
         engine = AsyncEngine(config, bus, max_waiting_requests=settings.max_waiting_requests,

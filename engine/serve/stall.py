@@ -3,7 +3,7 @@ caught, named and dumped; when it steps again it is said to have recovered.
 
 It reads each core's step heartbeat (engine/heartbeat.py: the step under way, since when,
 its phase) and, for what the core holds, the server's own folds of the core's events (its
-:class:`~engine.serve.host.LockedView` and last ``step`` event). A core is *busy* when it is
+:class:`~engine.serve.shared_folds.LockedView` and last ``step`` event). A core is *busy* when it is
 in a step, the scheduler reported requests waiting or running, or the server gave it
 requests it has not answered; a busy core whose last sign of progress (the start of the
 step under way, else the last beat) is older than the limit is *stalled*. Then, once per

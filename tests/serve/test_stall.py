@@ -23,7 +23,7 @@ from engine.events.engine_records import EngineRecovered, EngineStalled
 from engine.heartbeat import Beat, Heartbeat
 from engine.llm_engine import LLMEngine
 from engine.modelspec.presets import bundled_gguf_path
-from engine.serve.host import LockedView
+from engine.serve.shared_folds import LockedView
 from engine.serve.stall import FLOOR_S, CoreWatch, StallDetector, derived_limit
 from engine.stacks import thread_stacks
 

@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # the app and the engine load torch: only once the flags are 
     from engine.config import EngineConfig
     from engine.events import EventBus
     from engine.serve.host import EngineHost
+    from engine.serve.shared_folds import LockedLifecycle
 
 API_KEY_ENV = "KVSCOPE_API_KEY"
 
@@ -359,22 +360,27 @@ def run(args: argparse.Namespace) -> int:
             configure_logging(args.log_format)
             return run_node(config)
     from engine.events import EventBus
+    from engine.serve.shared_folds import LockedLifecycle
 
     bus = EventBus()
-    exporters = attach_exporters(args, bus)  # a bad exporter flag is refused before the port is bound
+    # /debug/requests' fold, which the span and trace exporters read too (one fold of each event)
+    lifecycle = LockedLifecycle()
+    exporters = attach_exporters(args, bus, lifecycle)  # a bad exporter flag is refused before the port is bound
     try:
-        return _run_with_monitor(args, settings, bus) if args.monitor else _serve(args, settings, config, bus)
+        return (_run_with_monitor(args, settings, bus, lifecycle) if args.monitor
+                else _serve(args, settings, config, bus, lifecycle))
     finally:
         exporters.close()  # the trace file is written, queued spans are sent
 
 
-def _serve(args: argparse.Namespace, settings: ServerSettings, config: EngineConfig, bus: EventBus) -> int:
+def _serve(args: argparse.Namespace, settings: ServerSettings, config: EngineConfig, bus: EventBus,
+           lifecycle: LockedLifecycle) -> int:
     configure_logging(args.log_format)
     log = get_logger("kvscope.serve")
     listener = bind_listening_socket(args.host, args.port)
     from engine.serve.host import EngineHost
 
-    host = EngineHost.create(config, settings, bus=bus)
+    host = EngineHost.create(config, settings, bus=bus, lifecycle=lifecycle)
     if settings.chat_template is not None:  # the chat route renders with it (also under --monitor)
         log.info("chat template from --chat-template replaces the model's own")
     if args.trust_remote_code:
@@ -398,7 +404,8 @@ def _serve(args: argparse.Namespace, settings: ServerSettings, config: EngineCon
     return 0
 
 
-def _run_with_monitor(args: argparse.Namespace, settings: ServerSettings, bus: EventBus | None = None) -> int:
+def _run_with_monitor(args: argparse.Namespace, settings: ServerSettings, bus: EventBus | None = None,
+                      lifecycle: LockedLifecycle | None = None) -> int:
     """Dashboard in the main thread (it owns the terminal), uvicorn in a thread;
     the dashboard subscribes to the bus before startup so phases A–G show live."""
     from engine.cli.dashboard import load_dashboard
@@ -408,7 +415,7 @@ def _run_with_monitor(args: argparse.Namespace, settings: ServerSettings, bus: E
     run_dashboard = load_dashboard()  # no dashboard installed: a UserError before anything binds
     listener = bind_listening_socket(args.host, args.port)
     configure_logging("json", level="warning", stream=open(os.devnull, "w"))  # noqa: SIM115
-    host = EngineHost.create(engine_config_from_args(args), settings, bus=bus or EventBus())
+    host = EngineHost.create(engine_config_from_args(args), settings, bus=bus or EventBus(), lifecycle=lifecycle)
     # The view subscribed before startup: its snapshot holds every phase so far.
     server = make_server(host, args.host, args.port)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, name="kvscope-http", daemon=True)

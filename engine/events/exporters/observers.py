@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from engine.events.exporters.kv_publisher import KVEventsSink
     from engine.events.exporters.progress import ProgressPrinter
     from engine.events.exporters.stats import StatsReporter
+    from engine.events.folds.request_record import SharedRequests
 
 # vLLM's --collect-detailed-traces choices -> (forward seconds, forward + sample seconds)
 DETAILED_TRACES: dict[str, tuple[bool, bool]] = {"model": (True, False), "worker": (False, True), "all": (True, True)}
@@ -120,13 +121,14 @@ class Observers:
 def build_observers(flags: ObserverFlags, *, wall_start_unix: float, recording_config: dict[str, Any] | None = None,
                     recording_started_unix: float | None = None, model_name: str | None = None,
                     span_model_name: str | None = None, registry: CollectorRegistry | None = None,
-                    data_parallel_rank: int = 0) -> Observers:
+                    data_parallel_rank: int = 0, shared_requests: SharedRequests | None = None) -> Observers:
     """The sinks ``flags`` ask for, each flag checked before anything slow runs; on a
     failure the ones already opened are closed. ``wall_start_unix``: the wall-clock time
     of the bus clock's zero; ``recording_config``/``recording_started_unix``: the
     recording's header; ``model_name``: the KV events' label; ``span_model_name``: the
     spans' model (None: the ``engine.config`` event's); ``registry``: where sinks that count their own losses register
-    those counters (the server's ``/metrics``)."""
+    those counters (the server's ``/metrics``); ``shared_requests``: the server's request fold, which the
+    OTLP and Perfetto exporters read instead of folding their own."""
     if flags.collect_detailed_traces and not flags.otlp_traces_endpoint:
         raise UserError("--collect-detailed-traces adds to OpenTelemetry spans: give --otlp-traces-endpoint URL too")
     observers = Observers(stats_interval=flags.stats_interval)
@@ -143,10 +145,10 @@ def build_observers(flags: ObserverFlags, *, wall_start_unix: float, recording_c
                                                data_parallel_rank=data_parallel_rank)
             observers.sinks.append(observers.kv_events)
         if flags.trace_out:
-            observers.sinks.append(_perfetto(flags.trace_out))
+            observers.sinks.append(_perfetto(flags.trace_out, shared_requests))
             observers.summary.append(f"wrote the Perfetto trace {flags.trace_out} (open it in ui.perfetto.dev)")
         if flags.otlp_traces_endpoint:
-            sink, protocol = _otlp(flags, wall_start_unix, span_model_name)
+            sink, protocol = _otlp(flags, wall_start_unix, span_model_name, shared_requests)
             observers.sinks.append(sink)
             # delivery failures are the SDK's to report (its log names each one)
             observers.summary.append(f"sent OpenTelemetry spans to {flags.otlp_traces_endpoint} ({protocol})")
@@ -169,14 +171,16 @@ def build_observers(flags: ObserverFlags, *, wall_start_unix: float, recording_c
 
 def attach_observers(bus: EventBus, flags: ObserverFlags, *, simulated_clock: bool = False,
                      recording_config: dict[str, Any] | None = None, model_name: str | None = None,
-                     registry: CollectorRegistry | None = None, data_parallel_rank: int = 0) -> Observers:
+                     registry: CollectorRegistry | None = None, data_parallel_rank: int = 0,
+                     shared_requests: SharedRequests | None = None) -> Observers:
     """Build the asked-for observers and subscribe them to ``bus`` (before startup, so the
     phases are in them). ``simulated_clock``: the bus keeps simulated time, so the
     recording's header carries no wall-clock start."""
     wall_start = time.time() - bus.now()
     observers = build_observers(flags, wall_start_unix=wall_start, recording_config=recording_config,
                                 recording_started_unix=None if simulated_clock else wall_start,
-                                model_name=model_name, registry=registry, data_parallel_rank=data_parallel_rank)
+                                model_name=model_name, registry=registry, data_parallel_rank=data_parallel_rank,
+                                shared_requests=shared_requests)
     observers.bus = bus
     for sink in observers.sinks:
         bus.subscribe(sink)
@@ -196,7 +200,7 @@ def _recording(path: str, config: dict[str, Any] | None, started_unix: float | N
         raise UserError(f"--events {path}: cannot write ({exc.strerror})") from None
 
 
-def _perfetto(trace_out: str) -> Sink:
+def _perfetto(trace_out: str, shared_requests: SharedRequests | None) -> Sink:
     from engine.events.exporters.perfetto import PerfettoTrace
 
     path = Path(trace_out)
@@ -204,10 +208,11 @@ def _perfetto(trace_out: str) -> Sink:
         path.write_text("", encoding="utf-8")  # refused now, not after the run
     except OSError as exc:
         raise UserError(f"--trace-out {trace_out}: cannot write ({exc.strerror})") from None
-    return PerfettoTrace(path)
+    return PerfettoTrace(path, shared_requests)
 
 
-def _otlp(flags: ObserverFlags, wall_start_unix: float, model_name: str | None) -> tuple[Sink, str]:
+def _otlp(flags: ObserverFlags, wall_start_unix: float, model_name: str | None,
+          shared_requests: SharedRequests | None) -> tuple[Sink, str]:
     from engine.events.exporters.otel import OtlpTraceSink, span_exporter, traces_protocol
 
     endpoint = flags.otlp_traces_endpoint or ""
@@ -218,4 +223,4 @@ def _otlp(flags: ObserverFlags, wall_start_unix: float, model_name: str | None) 
         raise UserError(str(exc)) from None
     forward, execute = DETAILED_TRACES.get(flags.collect_detailed_traces or "", (False, False))
     return OtlpTraceSink(exporter, wall_start_unix=wall_start_unix, model_name=model_name,
-                         forward_times=forward, execute_times=execute), protocol
+                         forward_times=forward, execute_times=execute, shared_requests=shared_requests), protocol

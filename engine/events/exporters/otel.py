@@ -35,6 +35,7 @@ Import this module only when traces are asked for: it loads opentelemetry.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -45,7 +46,13 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from engine.events.folds.request_record import WAIT_UNLISTED, WAIT_UNRECORDED, RequestFold, RequestRecord
+from engine.events.folds.request_record import (
+    WAIT_UNLISTED,
+    WAIT_UNRECORDED,
+    RequestFold,
+    RequestRecord,
+    SharedRequests,
+)
 from engine.events.phase_names import VLLM_GROUPS, span_name, vllm_group
 from engine.events.record import Event
 from engine.events.request_records import (
@@ -172,7 +179,7 @@ class OtlpTraceSink:
 
     def __init__(self, exporter: SpanExporter, *, wall_start_unix: float, model_name: str | None = None,
                  forward_times: bool = False, execute_times: bool = False,
-                 service_name: str = SERVICE_NAME) -> None:
+                 service_name: str = SERVICE_NAME, shared_requests: SharedRequests | None = None) -> None:
         self.provider = TracerProvider(resource=Resource.create({"service.name": service_name,
                                                                  "kvscope.process_id": str(os.getpid())}))
         self.provider.add_span_processor(BatchSpanProcessor(exporter, max_queue_size=SPANS_QUEUED))
@@ -181,7 +188,14 @@ class OtlpTraceSink:
         self.model_name = model_name
         self.forward_times = forward_times
         self.execute_times = execute_times
-        self.requests = RequestFold()  # every request's record: its arrival, admission and finish
+        # every request's record (its arrival, admission and finish): the server's fold when
+        # given (one fold of each event for every reader), else a private one
+        self.requests: RequestFold
+        self._fold_requests: Callable[[Event], None]
+        if shared_requests is None:
+            self.requests = self._fold_requests = RequestFold()
+        else:
+            self.requests, self._fold_requests = shared_requests.fold, shared_requests
         self._notes: dict[str, _SpanNotes] = {}  # requests followed since their arrival, until their span
         self._finishing: list[str] = []  # detailed traces: until their last step is counted
         self._startup: trace.Span | None = None
@@ -194,7 +208,7 @@ class OtlpTraceSink:
 
     # ------------------------------------------------------------- the fold
     def __call__(self, event: Event) -> None:
-        self.requests(event)
+        self._fold_requests(event)
         if isinstance(event, StepEvent):
             if event.resumed or self.forward_times or self.execute_times:
                 self._step(event)

@@ -33,12 +33,12 @@ server left up for days.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.events.folds.request_record import RequestFold, RequestRecord
+from engine.events.folds.request_record import RequestFold, RequestRecord, SharedRequests
 from engine.events.phase_names import span_name
 from engine.events.record import Event
 from engine.events.request_records import RequestArrived, RequestFinished, RequestFirstToken, RequestPreempted
@@ -96,14 +96,21 @@ class PerfettoTrace:
     """Event subscriber that folds events into Trace Event Format records; with a
     ``path``, :meth:`close` writes them there (the file is written once, at the end)."""
 
-    def __init__(self, path: str | Path | None = None) -> None:
+    def __init__(self, path: str | Path | None = None, shared_requests: SharedRequests | None = None) -> None:
         self.path = path
         self._records: list[tuple[Any, ...]] = []
         self._counter_values: dict[str, float] = {}
         self._metadata: list[dict[str, Any]] = []
         self._phase_begin: dict[str, StartupPhase] = {}
         self._startup_end = 0.0
-        self.requests = RequestFold()  # every request's record, read by its track
+        # every request's record, read by its track: the server's fold when given (one fold of
+        # each event for every reader), else a private one
+        self.requests: RequestFold
+        self._fold_requests: Callable[[Event], None]
+        if shared_requests is None:
+            self.requests = self._fold_requests = RequestFold()
+        else:
+            self.requests, self._fold_requests = shared_requests.fold, shared_requests
         self._requests: dict[str, _RequestTrack] = {}  # followed now: arrived, not finished
         self._tracks = 0
         self._finishing: list[str] = []
@@ -161,7 +168,7 @@ class PerfettoTrace:
 
     # ------------------------------------------------------------- the fold
     def __call__(self, event: Event) -> None:
-        self.requests(event)
+        self._fold_requests(event)
         if isinstance(event, StepEvent):
             self._step(event)
         elif isinstance(event, RequestArrived):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from engine.events.record import Event
 from engine.events.request_records import (
@@ -563,6 +563,16 @@ class RequestFold:
     def in_state(self, state: str | None = None) -> list[RequestRecord]:
         """The lives in ``state`` (all when None), arrival order."""
         return [life for life in self.lives.values() if state is None or life.state == state]
+
+
+class SharedRequests(Protocol):
+    """A request fold another subscriber of the same bus keeps (the server's ``/debug/requests``,
+    behind its lock) and the exporters read too: called with each event, it folds the event once
+    however many of its readers call it; ``fold`` is the fold, read on the thread that folds."""
+
+    fold: RequestFold
+
+    def __call__(self, event: Event) -> None: ...
 
 
 def request_metrics(life: RequestRecord) -> dict[str, Any]:
