@@ -115,9 +115,15 @@ class ForwardPassFold:
                 prefill_kv += record.computed_tokens - num_tokens  # before the step: hits and earlier chunks
             else:
                 decode_kv.append(record.computed_tokens)
-        followed = [r for r in self.requests.lives.values() if r.arrival is not None]
-        queued_prefill = [r.prompt_tokens for r in followed if not _has_run(r)]
-        queued_decode = [r.prompt_tokens + r.output_tokens for r in followed if r.state == WAITING and _has_run(r)]
+        queued_prefill: list[int] = []  # never run yet
+        queued_decode: list[int] = []  # run, then preempted: waiting again
+        for r in self.requests.lives.values():  # one pass, every step: the requests followed
+            if r.arrival is None:
+                continue
+            if not _has_run(r):
+                queued_prefill.append(r.prompt_tokens)
+            elif r.state == WAITING:
+                queued_decode.append(r.prompt_tokens + r.output_tokens)
         scheduled_metrics = ScheduledRequestMetrics(len(prefill_lengths), prefill_tokens, _sum_var(prefill_lengths)[1],
                                                     prefill_kv, len(decode_kv), *_sum_var(decode_kv))
         queued = QueuedRequestMetrics(len(queued_prefill), *_sum_var(queued_prefill),
@@ -144,7 +150,9 @@ class ForwardPassPublisher:
         self.dropped = 0
         self._encode = msgspec.msgpack.Encoder().encode
         self._again = zmq.Again
-        self._noblock = zmq.NOBLOCK
+        # plain ints: send_multipart's Flag arithmetic cost more than the sends, every step
+        self._noblock = int(zmq.NOBLOCK)
+        self._more = int(zmq.SNDMORE | zmq.NOBLOCK)
         self._pub: Any = zmq.Context.instance().socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.set_hwm(SEND_HWM)
@@ -157,10 +165,12 @@ class ForwardPassPublisher:
 
     def __call__(self, event: Event) -> None:
         for message in self.fold.apply(event):
-            message = msgspec.structs.replace(message, counter_id=self.sent)
-            try:
-                self._pub.send_multipart((b"", self.sent.to_bytes(8, "big"), self._encode(message)),
-                                         flags=self._noblock)
+            payload = self._encode(msgspec.structs.replace(message, counter_id=self.sent))
+            pub = self._pub
+            try:  # the three frames send_multipart would send, in its order
+                pub.send(b"", self._more)
+                pub.send(self.sent.to_bytes(8, "big"), self._more)
+                pub.send(payload, self._noblock)
             except self._again:  # never wait for a subscriber
                 self.dropped += 1
                 continue
