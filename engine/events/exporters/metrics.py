@@ -303,6 +303,23 @@ class MfuEstimates:
                                  experts_per_token=int(self._model_summary.get("num_experts_per_tok") or 0))
 
 
+def _token_usage_view(shared: SharedView | None) -> tuple[Callable[[Event], None], EngineView]:
+    """The token usage gauge reads a whole engine view: the server's own when given (one fold of
+    each event for both), else a private one. Returns (what folds an event, the view)."""
+    if shared is None:
+        own = EngineView(series_window=1, recent_window=1)
+        return own.apply, own
+    return shared, shared.view
+
+
+def _throughput_gauges(families: LabelledFamilies) -> tuple[Any, Any]:
+    """vLLM V0's average prompt and generation throughput gauges, in that order."""
+    return (families.gauge("vllm:avg_prompt_throughput_toks_per_s",
+                           "Average prefill throughput in tokens/s over the last stats interval (vLLM V0's gauge)."),
+            families.gauge("vllm:avg_generation_throughput_toks_per_s",
+                           "Average generation throughput in tokens/s over the last stats interval (vLLM V0's gauge)."))
+
+
 class PrometheusMetrics:
     """Bus subscriber that keeps vLLM V1's metric families in ``registry``.
 
@@ -327,15 +344,7 @@ class PrometheusMetrics:
         shared_view: SharedView | None = None,
     ) -> None:
         self.registry = registry
-        # the token usage gauge reads a whole engine view: the server's own when given (one fold
-        # of each event for both), else a private one
-        self._fold_view: Callable[[Event], None]
-        self._occupancy: EngineView
-        if shared_view is None:
-            own = EngineView(series_window=1, recent_window=1)
-            self._fold_view, self._occupancy = own.apply, own
-        else:
-            self._fold_view, self._occupancy = shared_view, shared_view.view
+        self._fold_view, self._occupancy = _token_usage_view(shared_view)
         self.model_name = model_name
         self.engine_index = str(engine_index)
         labels = ("model_name", "engine")
@@ -362,14 +371,7 @@ class PrometheusMetrics:
         self._declare_token_source_families(families)
         self.mfu = MfuEstimates(families)
         self.block_residency = block_residency_histograms(families) if kv_cache_metrics else None
-        self.avg_prompt_throughput = families.gauge(
-            "vllm:avg_prompt_throughput_toks_per_s",
-            "Average prefill throughput in tokens/s over the last stats interval (vLLM V0's gauge).",
-        )
-        self.avg_generation_throughput = families.gauge(
-            "vllm:avg_generation_throughput_toks_per_s",
-            "Average generation throughput in tokens/s over the last stats interval (vLLM V0's gauge).",
-        )
+        self.avg_prompt_throughput, self.avg_generation_throughput = _throughput_gauges(families)
         self._max_tokens: dict[str, int] = {}  # request id -> max_tokens, from arrival to finish
         self.request_prompt_tokens: Any = None
         self.request_generation_tokens: Any = None
