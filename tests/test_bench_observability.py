@@ -22,11 +22,10 @@ def ctx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[bench.Context]:
     from engine.events import EventBus
 
     bus = EventBus()
-    collect = events.append  # one bound method: the bus unsubscribes by identity
-    bus.subscribe(collect)
+    bus.subscribe(events.append)
     with LLM(load_format="dummy", bus=bus, max_model_len=256, kv_cache_memory_bytes=1 << 24, stats_interval=0.0,
              dtype="float32") as llm:
-        bus.unsubscribe(collect)
+        bus.unsubscribe(events.append)
         context = bench.Context(llm, events, tmp_path_factory.mktemp("obs"))
         yield context
         context.close()

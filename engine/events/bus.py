@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+import types
 from collections.abc import Callable
 
 from engine.events.engine_records import SinkFailed
@@ -15,6 +16,14 @@ from engine.logs import log_failure
 
 Subscriber = Callable[[Event], None]
 
+
+
+def _same_subscriber(subscribed: Subscriber, fn: Subscriber) -> bool:
+    """A subscriber by identity, except a bound method (``feed.push``, ``events.append``): each
+    attribute access makes a new one, equal to the others of the same object and function."""
+    if isinstance(fn, types.MethodType | types.BuiltinMethodType):
+        return subscribed == fn
+    return subscribed is fn
 
 class EventBus:
     """Synchronous fan-out of events to subscribers.
@@ -59,7 +68,7 @@ class EventBus:
 
     def unsubscribe(self, fn: Subscriber) -> None:
         with self._lock:
-            self._subscribers = tuple(s for s in self._subscribers if s is not fn)
+            self._subscribers = tuple(s for s in self._subscribers if not _same_subscriber(s, fn))
 
     def guard(self) -> None:
         """From now on every publish holds a lock, so another thread may publish too: the

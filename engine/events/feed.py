@@ -94,20 +94,15 @@ class BusFeed(LiveFeed):
         super().__init__()
         self.bus = bus
         self.snapshot_fn = snapshot_fn
-        self._subscriber: Callable[[Any], None] | None = None
 
     def start(self) -> None:
-        # Subscribe before taking the snapshot; drain() drops the overlap by seq. The bus removes a
-        # subscriber by identity and each ``self.push`` is a new bound method: keep the one subscribed.
-        self._subscriber = self.push
-        self.bus.subscribe(self._subscriber)
+        # Subscribe before taking the snapshot; drain() drops the overlap by seq.
+        self.bus.subscribe(self.push)
         if self.snapshot_fn is not None:
             self._queue.appendleft(SnapshotEvent(state=self.snapshot_fn()))
 
     def stop(self) -> None:
-        if self._subscriber is not None:
-            self.bus.unsubscribe(self._subscriber)
-            self._subscriber = None
+        self.bus.unsubscribe(self.push)
 
     def follow_rank(self, rank: int) -> str | None:
         return ("the in-process dashboard reads DP rank 0's bus alone; to follow another rank, watch the "
