@@ -123,12 +123,11 @@ def _x16_implementation(quantized: Any) -> Implementation:
     codes = [cpu_quant.format_id(p.fmt) for p in quantized.parts]
     shapes = [cpu_quant.x16_shape(p.rows, quantized.in_features, code) for p, code in zip(quantized.parts, codes,
                                                                                           strict=True)]
-    held = torch.empty(sum(math.prod(shape) for shape in shapes), dtype=torch.uint8)
-    packs, at = [], 0
-    for part, code, shape in zip(quantized.parts, codes, shapes, strict=True):
-        packs.append(held[at:at + math.prod(shape)].view(shape))
-        kernel.pack_x16_into(part.blocks, code, packs[-1])
-        at += math.prod(shape)
+    sizes = [math.prod(shape) for shape in shapes]
+    held = torch.empty(sum(sizes), dtype=torch.uint8)
+    packs = [piece.view(shape) for piece, shape in zip(held.split(sizes), shapes, strict=True)]
+    for part, code, pack in zip(quantized.parts, codes, packs, strict=True):
+        kernel.pack_x16_into(part.blocks, code, pack)
     rows, matmul = [p.rows for p in quantized.parts], kernel.x16_matmul_segments
     return Implementation(lambda x: matmul(x, packs, rows, codes), {"x16": held})
 
