@@ -116,6 +116,40 @@ def test_measured_choices_hold_the_previous_quiet_plans_or_the_fallbacks() -> No
     assert stability.incumbent_fused_rows(dataclasses.replace(_plan("gemv", 17.0), fused_max_rows=0), 256) == 256
 
 
+def _target(candidates: list[str], blocks_only: bool = True) -> Any:
+    import torch
+
+    return measurement._Target("down", torch.zeros(8, 32), None, candidates, 640, None, blocks_only)
+
+
+def test_a_weight_held_only_as_blocks_never_falls_back_to_the_row_by_row_gemv_past_one_row() -> None:
+    """A cell the bound leaves unmeasured must not run a 2,048-token step through the plain GEMV
+    (Gemma 3 270M's profile step: 73-98 s on it, ~4 s on x16)."""
+    constants = lambda group, rows: "gemv"  # noqa: E731  (what KernelRouting's constants say for blocks-only weights)
+    every = _target(["gemv", "x16", "dequant", "torch"])
+    assert measurement.fallback_choice(every, 1, constants) == "gemv"  # one row: the GEMV is the decode kernel
+    assert measurement.fallback_choice(every, 8, constants) == "x16"
+    assert measurement.fallback_choice(every, 256, constants) == "x16"
+    no_x16 = _target(["gemv", "dequant", "torch"])  # a CPU without the x16 fast path (AVX2)
+    assert measurement.fallback_choice(no_x16, 8, constants) == "gemv"
+    assert measurement.fallback_choice(no_x16, 256, constants) == "dequant"
+    held = _target(["gemv", "x16", "dequant", "torch"], blocks_only=False)  # a float copy is held: the constants'
+    assert measurement.fallback_choice(held, 256, constants) == "gemv"
+    assert measurement.fallback_choice(every, 256, lambda group, rows: "torch") == "torch"
+
+
+def test_an_unmeasured_cell_runs_the_incumbent_quiet_plans_choice_where_this_start_can() -> None:
+    constants = lambda group, rows: "gemv"  # noqa: E731
+    target = _target(["gemv", "x16", "dequant", "torch", "fp32pack"])
+    quiet = _plan("fp32pack", load=0.5)
+    assert measurement.unmeasured_choice(target, "65+", 256, quiet, constants) == "fp32pack"
+    loaded = _plan("fp32pack", load=17.0)  # a loaded plan's choices are no incumbents
+    assert measurement.unmeasured_choice(target, "65+", 256, loaded, constants) == "x16"
+    assert measurement.unmeasured_choice(target, "65+", 256, None, constants) == "x16"
+    elsewhere = _plan("bf16", load=0.5)  # a choice this start does not offer (another dtype, another CPU)
+    assert measurement.unmeasured_choice(target, "65+", 256, elsewhere, constants) == "x16"
+
+
 def test_a_loaded_measurement_gives_way_to_the_quiet_plan_and_is_not_stored_over_it() -> None:
     quiet = _plan("gemv", load=1.2, when=1.0)
     loaded = _plan("bf16", load=17.0, when=2.0)
@@ -216,3 +250,25 @@ def test_starts_at_injected_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     replaced, seen = _start(monkeypatch, 1.0, _plan("gemv", load=0.9, when=3.0))  # quiet again: measured
     assert seen["measured"] and seen["incumbent"].key == "older"  # the last quiet plan's choices are the incumbents
     assert replaced.source == "measured" and json.loads(stored.read_text())["load_average"] == 0.9
+
+
+def test_unmeasured_prefill_attention_runs_the_incumbent_quiet_plans_kernel() -> None:
+    """Past the bound, attention keeps the quiet plan's paged kernel rather than per-sequence SDPA
+    (Gemma 3 270M's 256-sequence profile step spent about half its time gathering K and V and running SDPA
+    sequence by sequence, Zen 4)."""
+    import torch
+
+    from engine.model.plan.attention_cells import attention_cells
+
+    model = SimpleNamespace(layers=[SimpleNamespace(num_heads=4, num_kv_heads=1, head_dim=64)])
+    quiet = dataclasses.replace(_plan("gemv", load=0.5), cells=[
+        Cell(kernel_plan.ATTENTION, sc.name, sc.rows, "", us={"paged": 1.0}, error={"paged": 0.0}, chosen="paged")
+        for sc in STEP_CLASSES if sc.lo > 1])
+    past = 0.0  # the deadline has passed
+    cells = attention_cells(model, ("torch", "paged"), torch.Generator(), past, None, quiet)
+    assert cells and all(c.chosen == "paged" and not c.measured and "incumbent" in c.why for c in cells)
+    loaded = dataclasses.replace(quiet, load_average=17.0)
+    assert all(c.chosen == "torch" for c in attention_cells(model, ("torch", "paged"), torch.Generator(), past,
+                                                            None, loaded))
+    no_kernel = attention_cells(model, ("torch",), torch.Generator(), past, None, quiet)  # the backend lacks it
+    assert all(c.chosen == "torch" and "float32 SDPA" in c.why for c in no_kernel)

@@ -9,8 +9,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from engine.model.plan import stability
 from engine.model.plan.choice import choose, relative_error, timed_round_robin
-from engine.model.plan.kernel_plan import ATTENTION, STEP_CLASSES, Cell
+from engine.model.plan.kernel_plan import ATTENTION, STEP_CLASSES, Cell, KernelPlan
 
 if TYPE_CHECKING:
     import torch
@@ -29,12 +30,14 @@ def attention_candidates(model: Any, bf16: bool) -> tuple[str, ...]:
 
 
 def attention_cells(model: Any, candidates: Sequence[str], generator: torch.Generator, deadline: float,
-                    done: Mapping[tuple[str, str], Cell] | None = None) -> list[Cell]:
+                    done: Mapping[tuple[str, str], Cell] | None = None,
+                    incumbent: KernelPlan | None = None) -> list[Cell]:
     """Prefill attention of one ``rows``-token causal chunk (layer 0's heads) per multi-row class,
     each candidate as the backend runs it over a paged cache of 16-token blocks: torch's SDPA over
     the gathered context (float32, or q, K, V rounded to bf16) and the paged kernels reading it in
     place (over the cache dtype the engine stores, where they read it); checked against float32
-    SDPA over the same K and V."""
+    SDPA over the same K and V. A class past ``deadline`` runs ``incumbent``'s choice (a quiet
+    earlier plan's) where this start has it, else float32 SDPA."""
     import torch
     import torch.nn.functional as F
 
@@ -61,8 +64,10 @@ def attention_cells(model: Any, candidates: Sequence[str], generator: torch.Gene
         cell = Cell(ATTENTION, sc.name, sc.rows, f"{heads}q/{kv_heads}kv x {head_dim}")
         cells.append(cell)
         if time.perf_counter() > deadline:
-            cell.chosen, cell.measured = "torch", False
-            cell.why = "not measured: the bound was reached (float32 SDPA; the next start measures it)"
+            held = stability.incumbent_for(incumbent, ATTENTION, sc.name, "")
+            cell.chosen, cell.measured = (held if held in candidates else "torch"), False
+            source = "the incumbent plan's choice" if cell.chosen == held else "float32 SDPA"
+            cell.why = f"not measured: the bound was reached ({source}; the next start measures it)"
             continue
         rows = sc.rows
         q = torch.randn(rows, heads, head_dim, generator=generator)
