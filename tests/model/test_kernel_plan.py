@@ -272,6 +272,7 @@ def _every_cell_measured_quiet(monkeypatch: pytest.MonkeyPatch) -> None:
     """No time bound and a quiet load average (stability.current_load): what these tests check
     holds at any load (a loaded machine took 4-8 s for what a quiet one measures within the 2 s bound)."""
     monkeypatch.setattr(measurement, "MEASURE_BOUND_S", 600.0)
+    monkeypatch.setattr(measurement, "FIRST_MEASURE_BOUND_S", 600.0)
     monkeypatch.setattr(stability, "current_load", lambda: 0.5)
 
 
@@ -316,10 +317,12 @@ def test_a_partial_plan_is_resumed_at_the_next_start(two_layer_runner: ModelRunn
     monkeypatch.setenv(profile_cache.PROFILE_CACHE_ENV, str(tmp_path))
     runner = two_layer_runner
     monkeypatch.setattr(measurement, "MEASURE_BOUND_S", 0.0)  # nothing is reached
+    monkeypatch.setattr(measurement, "FIRST_MEASURE_BOUND_S", 0.0)
     first = runner.resolve_kernel_plan("partial", detect())
     assert first is not None and first.unmeasured == len(first.cells) + (not first.fused_timed)
     assert all(not c.us and "next start" in c.why for c in first.cells)
     monkeypatch.setattr(measurement, "MEASURE_BOUND_S", 60.0)
+    monkeypatch.setattr(measurement, "FIRST_MEASURE_BOUND_S", 60.0)
     whole = runner.resolve_kernel_plan("partial", detect())
     assert whole is not None and whole.source == "measured" and whole.unmeasured == 0
     assert any(n.startswith("resumed an earlier start's plan: 0 cells kept") for n in whole.notes)
@@ -337,6 +340,19 @@ def test_a_partial_plan_is_resumed_at_the_next_start(two_layer_runner: ModelRunn
                for n in resumed.notes)
     again = runner.resolve_kernel_plan("partial", detect())
     assert again is not None and again.source == "stored" and again.cells == resumed.cells
+
+
+@pytest.mark.slow  # one measurement on random weights of SmolLM2's shapes: ~2 s quiet
+def test_a_models_first_plan_gets_the_longer_bound(two_layer_runner: ModelRunner, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch, cpu_gemv_kernel) -> None:
+    """With no quiet plan to run unmeasured cells by, the first plan measures under
+    FIRST_MEASURE_BOUND_S, not the resume bound."""
+    monkeypatch.setenv(profile_cache.PROFILE_CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(measurement, "MEASURE_BOUND_S", 0.0)
+    monkeypatch.setattr(measurement, "FIRST_MEASURE_BOUND_S", 60.0)
+    first = two_layer_runner.resolve_kernel_plan("first", detect())
+    assert first is not None and first.source == "measured" and first.unmeasured == 0
+    assert first.bound_s == 60.0
 
 
 SMALL = dict(max_model_len=256, kv_cache_memory_bytes=16 * 2**20, max_num_batched_tokens=64, max_num_seqs=4,

@@ -38,8 +38,10 @@ inputs (relative RMS error at most ``ACCURACY_BOUND``; the GEMV against its own 
 values in fp32, which are ``W`` for a GGUF's blocks and the weights ``--quantization`` chose
 for packed ones); the fastest that passes is chosen.
 A candidate more than ``PRUNE_FACTOR`` x slower than the best at one class is not timed at
-the bigger ones. Measuring stops at ``MEASURE_BOUND_S``: cells not reached keep the fallback
-constants' choice, say so, and are measured at the next start (the stored plan is resumed). The plan is stored beside phase D's profile
+the bigger ones. Measuring stops at ``MEASURE_BOUND_S`` (``FIRST_MEASURE_BOUND_S`` for a model's
+first plan here): cells not reached run the last quiet plan's choice (else the fallback constants',
+never the row-by-row GEMV past one row for a weight held only as blocks), say so, and are measured
+at the next start (the stored plan is resumed). The plan is stored beside phase D's profile
 (``kernel_plans/<key>.json`` under engine/model/memory/profile_cache.py's folder) so a warm start reuses it, and ``KVSCOPE_KERNEL_PLAN``
 pins one (a path or the JSON itself), ``measure`` measures again, ``off`` runs the fallback
 constants (``GEMV_MAX_ROWS`` in engine/model/layers/kernel_routing.py and the ISA's dtype rule).

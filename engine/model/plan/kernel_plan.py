@@ -50,6 +50,10 @@ ACCURACY_BOUND = 1e-2  # relative RMS error against the fp32 reference (int8 act
 # Zen 4 (AVX-512) for SmolLM2; cells a loaded machine does not reach keep the fallback's
 # choice and are measured at the next start (``KernelPlan.unmeasured``).
 MEASURE_BOUND_S = 2.0
+# The bound of a model's first plan here, with no quiet plan to run the unmeasured cells by: the
+# fallback constants' per-sequence SDPA and row-by-row kernels made Gemma 3 270M's first profile
+# step take minutes, while its whole plan measures in ~3-4 s on a quiet 2-core Zen 4.
+FIRST_MEASURE_BOUND_S = 10.0
 
 
 @dataclass(slots=True)

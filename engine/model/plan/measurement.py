@@ -1,7 +1,8 @@
 """Measuring a plan: every candidate of every group at every step-size class, timed on the
 model's own weights (layer 0's and the LM head's first ``WEIGHT_ROWS_TIMED`` rows), checked and
 chosen (engine/model/plan/choice.py); then prefill attention (attention_cells.py) and the fused
-decode layer (fused_layer.py), all within ``MEASURE_BOUND_S``."""
+decode layer (fused_layer.py), all within ``MEASURE_BOUND_S`` (``FIRST_MEASURE_BOUND_S`` for a model's
+first plan here)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from engine.model.plan.candidates import BLOCK_CANDIDATES, Implementation, candi
 from engine.model.plan.choice import choose, relative_error, timed_round_robin
 from engine.model.plan.kernel_plan import (
     ATTENTION,
+    FIRST_MEASURE_BOUND_S,
     GROUP_ATTRS,
     GROUPS,
     MEASURE_BOUND_S,
@@ -122,7 +124,8 @@ def measure(model: Any, gemv_kernel: Any, native_bf16: bool, isa: str, fallback:
     plan), else the fallback's. A cell left unmeasured runs :func:`unmeasured_choice`."""
     import torch
 
-    bound_s = MEASURE_BOUND_S if bound_s is None else bound_s
+    if bound_s is None:  # a first plan has no quiet plan to run its unmeasured cells by: a longer bound
+        bound_s = FIRST_MEASURE_BOUND_S if incumbent is None and resume is None else MEASURE_BOUND_S
     start = time.perf_counter()
     deadline = start + bound_s
     generator = torch.Generator().manual_seed(0)
