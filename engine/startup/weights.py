@@ -40,12 +40,14 @@ def phase_load_weights(c: PhaseHandle, s: StartupInputs, progress: Callable[[int
     if s.device.type == "cpu" and parallel is None and not multi_rank(config) and plan_enabled():
         # measured (or read back) here, not in phase F: phase D profiles, and phase E sizes, what it runs
         before = runner.model.weights_bytes()
+        # placeholders from the load (a GGUF read as blocks never held them) are not the plan's to count
+        unheld = getattr(runner.model, "dropped_float_bytes", lambda: 0)()
         key = kernel_plan_key(config, model, config.quantization, config.dtype, s.caps, s.resolution.dtype_auto,
                               config.kv_cache_dtype)
         runner.resolve_kernel_plan(key, s.caps or detect(), log, approximate=s.resolution.dtype_auto)
         info.weights_bytes = runner.model.weights_bytes()
         # float weights no step multiplies by under the plan are not kept (engine/model/families/llama.py)
-        dropped = getattr(runner.model, "dropped_float_bytes", lambda: 0)()
+        dropped = getattr(runner.model, "dropped_float_bytes", lambda: 0)() - unheld
         plan_bytes = info.weights_bytes - before + dropped
     tokenizer = _tokenizer_for(model) if config.load_format != "dummy" else _dummy_tokenizer(model)
     quantization_reason = s.resolution.quantization_reason
@@ -64,7 +66,8 @@ def phase_load_weights(c: PhaseHandle, s: StartupInputs, progress: Callable[[int
     if info.file_tensor_bytes:
         log.info(f"weights read as the GGUF's blocks, mapped: {(info.block_bytes or 0) / GiB:.4f} GiB of blocks for "
                  f"{info.file_tensor_bytes / GiB:.4f} GiB of tensors in the file"
-                 + (f"; the kernel plan's float copies {plan_bytes / GiB:.4f} GiB" if plan_bytes else ""))
+                 + (f"; the kernel plan's copies (x16 layouts, float packs) {plan_bytes / GiB:.4f} GiB"
+                    if plan_bytes else ""))
     log.info(f"quantization {config.quantization or 'none'} ({quantization_reason})")
     return runner, tokenizer, info
 

@@ -103,3 +103,25 @@ def test_block_logits_follow_the_float32_path(block_runner) -> None:
     assert not bool((swapped & (gaps > NEAR_TIE_LOGITS)).any())
     assert int(swapped.sum()) <= 0.05 * len(forced) + 1
     assert cosine > 0.99
+
+
+@pytest.mark.slow  # one Gemma 3 engine start measuring its first kernel plan: ~20-40 s on 2 cores
+def test_phase_c_reports_the_blocks_held_and_the_plans_copies_apart(tmp_path, monkeypatch) -> None:
+    """The weights held after phase C are the file's blocks (at most 1.2x its tensor bytes) plus
+    the copies the kernel plan chose, reported apart; float weights the load never held are not
+    counted as the plan's drops (they once inflated the copies by the ~1 GiB they would have taken)."""
+    from engine.events import EventBus, StartupPhase
+    from engine.llm import LLM
+    from engine.model.memory import profile_cache
+
+    gemma3_gguf_or_skip()
+    monkeypatch.setenv(profile_cache.PROFILE_CACHE_ENV, str(tmp_path))
+    events: list = []
+    bus = EventBus()
+    bus.subscribe(events.append)
+    LLM("gemma-3-270m", bus=bus, max_model_len=256, kv_cache_memory_bytes=64 << 20, max_num_seqs=4,
+        stats_interval=0.0).close()
+    c = next(e.data for e in events if isinstance(e, StartupPhase) and e.phase == "C" and e.status == "end")
+    assert c["kernel_plan_dropped_bytes"] == 0  # nothing was held as floats to drop
+    held_blocks = c["weights_bytes"] - c["kernel_plan_bytes"]
+    assert c["block_bytes"] <= held_blocks <= 1.2 * c["file_tensor_bytes"], c
