@@ -10,7 +10,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import IO, Any, TextIO
 
 import msgspec
 
@@ -38,19 +38,34 @@ def dumps(obj: Any) -> str:
     return _ENCODER.encode(obj).decode()
 
 
-# the last event serialised by event_line, with the stamps it had then, and its line
-_last_line: tuple[Event | None, int, float, str] = (None, 0, 0.0, "")
+# the last event serialised by event_bytes, with the stamps it had then, its line's UTF-8 bytes
+# and, once event_line has asked for it, the line as text
+_last_line: tuple[Event | None, int, float, bytes, str | None] = (None, 0, 0.0, b"", None)
+
+
+def event_bytes(event: Event) -> bytes:
+    """``event.to_dict()`` in its wire form, UTF-8, made once however many sinks write the event
+    (the recording writes these bytes, ``/events`` their text: event_line)."""
+    global _last_line
+    last = _last_line  # one read: another thread's assignment replaces the whole tuple
+    if last[0] is event and last[1] == event.seq and last[2] == event.t:
+        return last[3]
+    data = _ENCODER.encode(event.to_dict())
+    _last_line = (event, event.seq, event.t, data, None)
+    return data
 
 
 def event_line(event: Event) -> str:
     """``dumps(event.to_dict())``, made once however many sinks write the event (the recording
     and ``/events`` each did it again, one after the other on the publishing thread)."""
     global _last_line
-    last = _last_line  # one read: another thread's assignment replaces the whole tuple
-    if last[0] is event and last[1] == event.seq and last[2] == event.t:
-        return last[3]
-    line = dumps(event.to_dict())
-    _last_line = (event, event.seq, event.t, line)
+    data = event_bytes(event)
+    last = _last_line
+    if last[3] is data and last[4] is not None:
+        return last[4]
+    line = data.decode()
+    if last[3] is data:
+        _last_line = (last[0], last[1], last[2], data, line)
     return line
 
 
@@ -78,35 +93,42 @@ class JsonlSink:
 
     def __init__(self, path: str | Path | TextIO, config: dict[str, Any] | None = None,
                  started_unix: float | None = None) -> None:
+        self._file: IO[Any]
         if isinstance(path, str | Path):
-            self._file: TextIO = open(path, "w", encoding="utf-8")  # noqa: SIM115
+            # bytes: each event's line is written as event_bytes made it, not decoded and encoded again
+            self._file = open(path, "wb")  # noqa: SIM115
             self._owns = True
             self.sink_name = f"jsonl {path}"
         else:
             self._file = path
             self._owns = False
         self._lock = threading.Lock()
-        first = dumps(header(config, started_unix))
+        first = _ENCODER.encode(header(config, started_unix))
         self._write_line(first)
         self._file.flush()
-        self._whole_lines_end = len(first.encode("utf-8")) + 1  # bytes that are whole lines (an owned file)
+        self._whole_lines_end = len(first) + 1  # bytes that are whole lines (an owned file)
 
-    def _write_line(self, line: str) -> None:
-        self._file.write(line + "\n")
+    def _write_line(self, data: bytes) -> None:
+        if self._owns:
+            self._file.write(data + b"\n")
+        else:
+            self._file.write(data.decode() + "\n")
 
     def __call__(self, event: Event) -> None:
-        line = event_line(event)
+        data = event_bytes(event)
         with self._lock:
             if self._file.closed:
                 return
             try:
-                self._write_line(line)
+                if self._owns:
+                    self._file.write(data + b"\n")
+                else:
+                    self._file.write(event_line(event) + "\n")
                 self._file.flush()
             except OSError:
                 self._cut_to_whole_lines()
                 raise
-            if self._owns:
-                self._whole_lines_end += len(line.encode("utf-8", "surrogatepass")) + 1
+            self._whole_lines_end += len(data) + 1
 
     def _cut_to_whole_lines(self) -> None:
         """After a failed write: drop the part-written line (and whatever the buffer still
@@ -115,10 +137,9 @@ class JsonlSink:
             return
         with contextlib.suppress(OSError, ValueError):
             os.ftruncate(self._file.fileno(), self._whole_lines_end)
-        buffer = getattr(self._file, "buffer", None)
         with contextlib.suppress(OSError, ValueError):
-            # closing the raw file directly: the text and byte buffers would retry the write
-            raw = getattr(buffer, "raw", None)
+            # closing the raw file directly: the buffer would retry the write
+            raw = getattr(self._file, "raw", None)
             if raw is not None:
                 raw.close()
         with contextlib.suppress(OSError, ValueError):

@@ -3,6 +3,7 @@ lines, traces and ZMQ messages), each a sink of the bus or a fold read by a serv
 
 - ``observers``: the one place that builds a bus's sinks from config and flags
 - ``metrics``: vLLM's Prometheus families
+- ``deferred_series``: series updated every step in plain Python, written into prometheus_client at collection
 - ``priority_metrics``: the bucketed ``priority`` label, ``request_priority``, ``scheduler_policy_info``
 - ``iteration_phase_metrics``: requests and tokens per engine step, by phase (prefill, decode)
 - ``stats``: the periodic stats line and ``stats`` event

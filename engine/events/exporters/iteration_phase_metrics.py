@@ -28,6 +28,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
 
+from engine.events.exporters.deferred_series import DeferredHistogram, SeriesWriter
 from engine.events.step_records import StepEvent
 
 PHASE_LABEL = "phase"
@@ -43,7 +44,7 @@ class IterationPhaseHistograms:
     __slots__ = ("_requests", "_tokens")
 
     def __init__(self, registry: CollectorRegistry, label_names: tuple[str, ...], label_values: tuple[str, ...],
-                 buckets: tuple[float, ...]) -> None:
+                 buckets: tuple[float, ...], writer: SeriesWriter | None = None) -> None:
         labels = (*label_names, PHASE_LABEL)
         requests = Histogram("vllm:iteration_requests",
                              "Histogram of number of requests per engine step in each phase (prefill, decode).",
@@ -51,9 +52,14 @@ class IterationPhaseHistograms:
         tokens = Histogram("vllm:iteration_tokens_by_phase",
                            "Histogram of number of scheduled tokens per engine step in each phase (prefill, decode).",
                            labels, buckets=buckets, registry=registry)
-        # children resolved once: the step path only observes
-        self._requests: dict[str, Any] = {p: requests.labels(*label_values, p) for p in ITERATION_PHASES}
-        self._tokens: dict[str, Any] = {p: tokens.labels(*label_values, p) for p in ITERATION_PHASES}
+        # children resolved once: the step path only observes (with ``writer``, into their
+        # deferred wrappers: engine/events/exporters/deferred_series.py)
+        def child(family: Histogram, phase: str) -> Any:
+            series = family.labels(*label_values, phase)
+            return series if writer is None else writer.add(DeferredHistogram(series))
+
+        self._requests: dict[str, Any] = {p: child(requests, p) for p in ITERATION_PHASES}
+        self._tokens: dict[str, Any] = {p: child(tokens, p) for p in ITERATION_PHASES}
 
     def observe(self, event: StepEvent) -> None:
         """Record ``event``'s phases; nothing when it scheduled no request."""

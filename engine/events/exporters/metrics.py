@@ -76,6 +76,12 @@ from engine.events import (
     StatsEvent,
     StepEvent,
 )
+from engine.events.exporters.deferred_series import (
+    DeferredCounter,
+    DeferredGauge,
+    DeferredHistogram,
+    SeriesWriter,
+)
 from engine.events.exporters.iteration_phase_metrics import IterationPhaseHistograms
 from engine.events.exporters.priority_metrics import (
     PRIORITY_LABEL,
@@ -160,10 +166,13 @@ def _resolved_max_model_len(event: EngineConfigEvent) -> int | None:
     return int(value) if value else None
 
 
-def observe_many(histogram: Histogram, amounts: Sequence[float]) -> None:
+def observe_many(histogram: Histogram | DeferredHistogram, amounts: Sequence[float]) -> None:
     """``histogram.observe(a)`` for every ``a``, the same counts and sum, with each bucket
     touched once: prometheus_client's observe walks the bounds and takes two locks per
     value, and a finishing request brings one inter-token latency per output token."""
+    if isinstance(histogram, DeferredHistogram):
+        histogram.observe_many(amounts)
+        return
     if not amounts:
         return
     histogram._raise_if_not_observable()
@@ -191,20 +200,25 @@ class LabelledFamilies:
     finished-request histograms the bucketed ``priority`` label of the request at hand."""
 
     def __init__(self, registry: CollectorRegistry, labels: tuple[str, ...], values: tuple[str, ...],
-                 priority_bucket: Callable[[], str] | None = None) -> None:
+                 priority_bucket: Callable[[], str] | None = None, writer: SeriesWriter | None = None) -> None:
         self.registry = registry
         self.labels = labels
         self.values = values
         self.priority_bucket = priority_bucket
+        # the plain series' values, kept by their deferred wrappers and written when the registry
+        # is collected (engine/events/exporters/deferred_series.py): registered before any family
+        self.writer = writer or SeriesWriter(registry)
 
     def gauge(self, name: str, doc: str) -> Any:
-        return Gauge(name, doc, self.labels, registry=self.registry).labels(*self.values)
+        return self.writer.add(DeferredGauge(Gauge(name, doc, self.labels, registry=self.registry).labels(*self.values)))
 
     def counter(self, name: str, doc: str) -> Any:
-        return Counter(name, doc, self.labels, registry=self.registry).labels(*self.values)
+        return self.writer.add(DeferredCounter(
+            Counter(name, doc, self.labels, registry=self.registry).labels(*self.values)))
 
     def histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Any:
-        return Histogram(name, doc, self.labels, registry=self.registry, buckets=buckets).labels(*self.values)
+        return self.writer.add(DeferredHistogram(
+            Histogram(name, doc, self.labels, registry=self.registry, buckets=buckets).labels(*self.values)))
 
     def request_histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Any:
         """A finished-request histogram: plain, or by the request's priority bucket."""
@@ -367,7 +381,8 @@ class PrometheusMetrics:
                                REQUEST_PRIORITY_BUCKETS) if self._priority_labels else None)
         self._declare_engine_families(families)
         self._declare_request_families(families)
-        self.iteration_phases = IterationPhaseHistograms(registry, labels, values, ITERATION_TOKENS_BUCKETS)
+        self.iteration_phases = IterationPhaseHistograms(registry, labels, values, ITERATION_TOKENS_BUCKETS,
+                                                         families.writer)
         self._declare_token_source_families(families)
         self.mfu = MfuEstimates(families)
         self.block_residency = block_residency_histograms(families) if kv_cache_metrics else None
@@ -527,12 +542,12 @@ class PrometheusMetrics:
         # prompt, in kvscope as in vLLM, so only an external KV source could move it: 0.
         families.counter("vllm:prompt_tokens_recomputed", "Number of cached tokens recomputed for forward pass.")
         by_source = families.counter_by("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", "source")
-        self.prompt_tokens_computed = by_source.labels(*values, "local_compute")
-        self.prompt_tokens_cache_hit = by_source.labels(*values, "local_cache_hit")
+        self.prompt_tokens_computed = families.writer.add(DeferredCounter(by_source.labels(*values, "local_compute")))
+        self.prompt_tokens_cache_hit = families.writer.add(DeferredCounter(by_source.labels(*values, "local_cache_hit")))
         by_source.labels(*values, "external_kv_transfer")  # present at 0, as vLLM pre-creates it
         waiting_by_reason = families.gauge_by("vllm:num_requests_waiting_by_reason",
                                               "Number of requests waiting, by reason.", "reason")
-        self.waiting_for_capacity = waiting_by_reason.labels(*values, "capacity")
+        self.waiting_for_capacity = families.writer.add(DeferredGauge(waiting_by_reason.labels(*values, "capacity")))
         waiting_by_reason.labels(*values, "deferred").set(0)  # kvscope defers nothing (no KV transfer)
 
     # ------------------------------------------------------------- subscriber
