@@ -31,6 +31,9 @@ from engine.serve.stall import StallDetector, one_core_detector
 __all__ = ["LOOPBACK_HOSTS", "EngineHost", "EventHub", "ServerSettings", "SseClient"]
 
 SSE_CLIENT_MAX_QUEUE = 20_000  # events buffered for one slow /events client before it is dropped
+# While events flow, how often a client's loop takes them: below the monitor's 0.1 s tick, so a
+# dashboard draws the same frames, with one loop wake-up for the steps of an interval
+SSE_TAKE_S = 0.05
 
 
 # ------------------------------------------------------------------ observers
@@ -40,22 +43,27 @@ SseItem = tuple[int, int, str]
 
 
 class SseClient:
-    """One ``/events`` client: its queue of :data:`SseItem`, fed from the engine thread(s)."""
+    """One ``/events`` client: its queue of :data:`SseItem`, fed from the engine thread(s).
+
+    Events are posted to a list the client's loop takes from: the first post after a quiet
+    spell wakes the loop at once, and while events keep coming the loop takes them every
+    :data:`SSE_TAKE_S` (one wake-up for the steps of that interval, not one a step, and no
+    wake-up call on the publishing thread); a take that finds nothing lets the loop sleep."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.queue: asyncio.Queue[SseItem | None] = asyncio.Queue()
         self.closed = False
-        # posted, not yet on the loop: a burst of events (a step's request events, then the step)
-        # wakes the loop once, and it takes them all in order
-        self._posted: list[SseItem | None] = []
+        self._posted: list[SseItem | None] = []  # posted, not yet on the loop, in order
         self._posted_lock = threading.Lock()
+        self._taking = False  # a take is scheduled on the loop: posts need not wake it
 
     def post(self, item: SseItem | None) -> None:
         with self._posted_lock:
             self._posted.append(item)
-            if len(self._posted) > 1:  # the loop is already called to take them
+            if self._taking:
                 return
+            self._taking = True
         try:
             self.loop.call_soon_threadsafe(self._take)
         except RuntimeError:  # loop closed at shutdown: nobody will take them
@@ -65,8 +73,12 @@ class SseClient:
     def _take(self) -> None:
         with self._posted_lock:
             items, self._posted = self._posted, []
+            if not items:
+                self._taking = False  # quiet: the next post wakes the loop
+                return
         for item in items:
             self._put(item)
+        self.loop.call_later(SSE_TAKE_S, self._take)
 
     def _put(self, item: SseItem | None) -> None:
         if self.closed:
