@@ -28,7 +28,7 @@ def _profile_key(config: EngineConfig, model: ModelConfig, groups: tuple[KVCache
     # the hybrid layout only when there is one, so a full-attention model's key is what it was;
     # measured in parts, the step sizes profiled instead of the budget (the line holds at any)
     layout = {"kv_cache_groups": groups_to_config(groups)} if groups else {}
-    step = {"max_num_batched_tokens": config.max_num_batched_tokens} if points is None else {"profile_points": points}
+    step = {"whole_step": True} if points is None else {"profile_points": points}  # whole: tokens in the name
     return profile_cache.profile_key({**layout, **step,
         "weights": profile_cache.weights_identity(model.path, model_facts(model)), "dtype": config.dtype,
         "quantization": config.quantization, "kv_cache_dtype": config.kv_cache_dtype,
@@ -49,8 +49,13 @@ def measure_profile(runner: ModelRunner, config: EngineConfig, model: ModelConfi
     tokens, seqs = config.max_num_batched_tokens, config.max_num_seqs
     local = device.type == "cpu" and not shared
     points = profile_parts.forward_points(tokens, seqs, cover) if local and profile_parts.applies(runner) else None
-    key = _profile_key(config, model, runner.kv_cache_groups, points) if local else None
-    stored = profile_cache.load(key) if key is not None else None
+    key, stored = None, None
+    if local:
+        base = _profile_key(config, model, runner.kv_cache_groups, points)
+        if points is not None:
+            key, stored = base, profile_cache.load(base)
+        else:  # the whole step: its tokens in the entry's name, an entry of a bigger step reused
+            key, stored = profile_cache.whole_step_key(base, tokens), profile_cache.load_covering(base, tokens)
     if stored is not None:
         stored = stored.at_tokens(tokens)
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(stored.measured_at))
@@ -67,7 +72,8 @@ def measure_profile(runner: ModelRunner, config: EngineConfig, model: ModelConfi
                  f"worst-case step) and a sampler pass over {seqs} rows")
         timings, peak = measure_peak(device, lambda: runner.profile_run(tokens, seqs))
         result = profile_cache.ProfileResult(peak.activation_peak_bytes, peak.non_torch_bytes, peak.method,
-                                             timings.forward_s, timings.sample_s, time.time(), tokens=tokens)
+                                             timings.forward_s, timings.sample_s, time.time(), tokens=tokens,
+                                             profiled_tokens=(tokens,))
     log.info(f"profile run: {tokens} tokens over {seqs} sequences; activation peak "
              f"{result.activation_peak_bytes / GiB:.3f} GiB, non-torch {result.non_torch_bytes / GiB:.3f} GiB "
              f"({result.method}); forward {result.forward_s:.2f} s, sampler {result.sample_s:.2f} s")

@@ -47,7 +47,8 @@ def phase_load_weights(c: PhaseHandle, s: StartupInputs, progress: Callable[[int
         runner.resolve_kernel_plan(key, s.caps or detect(), log, approximate=s.resolution.dtype_auto)
         info.weights_bytes = runner.model.weights_bytes()
         # float weights no step multiplies by under the plan are not kept (engine/model/families/llama.py)
-        dropped = getattr(runner.model, "dropped_float_bytes", lambda: 0)() - unheld
+        # net of the floats a plan restored (a copy it runs by, counted in plan_bytes through weights_bytes)
+        dropped = max(0, getattr(runner.model, "dropped_float_bytes", lambda: 0)() - unheld)
         plan_bytes = info.weights_bytes - before + dropped
     tokenizer = _tokenizer_for(model) if config.load_format != "dummy" else _dummy_tokenizer(model)
     quantization_reason = s.resolution.quantization_reason

@@ -90,3 +90,26 @@ def test_startup_panel_says_when_phase_d_reused_a_measurement() -> None:
     measured = PhaseView("D", "profile_run", "end", data={"activation_peak_bytes": 2**30, "cached": False,
                                                           "measured_at": when})
     assert phase_detail(measured) == "activation_peak 1.00 GiB"
+
+
+def test_a_whole_step_entry_covers_a_smaller_budget_and_not_a_bigger_one(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hybrid layout's step is profiled whole at one size: a later start whose kernel plan chose a
+    smaller budget (2,112 then 2,048 tokens on Gemma 3) reuses the bigger step's peak as an upper
+    bound instead of a second multi-second profile run; a bigger budget measures."""
+    monkeypatch.setenv(profile_cache.PROFILE_CACHE_ENV, str(tmp_path))
+    base = profile_cache.profile_key({"whole_step": True, "weights": "abc"})
+    for tokens, peak in ((2112, 300), (4096, 600)):
+        profile_cache.store(profile_cache.whole_step_key(base, tokens), profile_cache.ProfileResult(
+            peak, 1, "tracked", 1.0, 0.1, 1.0, tokens=tokens, profiled_tokens=(tokens,)))
+    exact = profile_cache.load_covering(base, 2112)
+    assert exact is not None and exact.activation_peak_bytes == 300 and exact.method == "tracked"
+    smaller = profile_cache.load_covering(base, 2048)
+    assert smaller is not None and smaller.cached and smaller.activation_peak_bytes == 300  # the nearest bigger
+    assert smaller.method == "tracked; measured at 2,112 tokens, an upper bound at 2,048"
+    assert profile_cache.load_covering(base, 3000) is not None
+    assert profile_cache.load_covering(base, 4097) is None
+    assert profile_cache.load_covering(profile_cache.profile_key({"whole_step": True, "weights": "abd"}), 16) is None
+    (tmp_path / f"{base}-t2112.json").write_text("{")  # a damaged entry is passed over
+    again = profile_cache.load_covering(base, 2048)
+    assert again is not None and again.activation_peak_bytes == 600

@@ -6,7 +6,8 @@ function of the step's tokens, so a start whose kernel plan chose another step b
 evaluates the stored line at its own (``ProfileResult.at_tokens``). The entry is keyed by
 everything that decides that peak: the weights' content (not their path), dtype,
 quantization, KV cache dtype, attention backend, block size, the step shape (the step sizes
-profiled, or ``max_num_batched_tokens`` where the whole step is measured; ``max_num_seqs``),
+profiled; ``max_num_seqs``), where the whole step is measured its tokens too, in the entry's name:
+a start with a smaller budget reuses the entry of a bigger step (``load_covering``),
 threads, torch version, ISA, and a hash of the source files that allocate during the run
 (everything under engine/model/). Change any of them and the run is measured again. CUDA always measures: free device memory is shared with other
 processes and the run also warms compiled kernels.
@@ -132,6 +133,30 @@ def load(key: str) -> ProfileResult | None:
         return None
     touch(path)
     return replace(result, cached=True)
+
+
+def whole_step_key(base: str, tokens: int) -> str:
+    """The entry of a whole step measured at ``tokens`` (``base``: the key of everything else)."""
+    return f"{base}-t{tokens}"
+
+
+def load_covering(base: str, tokens: int) -> ProfileResult | None:
+    """A whole step's stored result at the fewest tokens >= ``tokens`` for ``base``, or None. A
+    bigger step's peak bounds a smaller one's from above, so a start whose kernel plan chose a
+    smaller budget than an earlier start's reuses it (a hybrid layout's step is measured whole,
+    at one size: engine/model/memory/profile_parts.py applies to one KV table only)."""
+    root = profile_root()
+    if root is None or not root.is_dir():
+        return None
+    prefix = f"{base}-t"
+    sizes = sorted(int(digits) for p in root.glob(f"{prefix}*.json")
+                   if (digits := p.stem.removeprefix(prefix)).isdigit() and int(digits) >= tokens)
+    for size in sizes:
+        found = load(whole_step_key(base, size))
+        if found is not None:
+            return found if size == tokens else replace(
+                found, method=f"{found.method}; measured at {size:,} tokens, an upper bound at {tokens:,}")
+    return None
 
 
 def store(key: str, result: ProfileResult) -> None:
