@@ -81,7 +81,7 @@ class Variant:
 def parse_variant(spec: str) -> Variant | str:
     """The variant, or the reason this engine cannot run it (a skip line)."""
     from engine.budget import memory
-    from engine.model.families import llama
+    from engine.model.loading import weight_blocks
 
     flags: dict[str, Any] = {}
     for part in spec.split("+"):
@@ -95,10 +95,10 @@ def parse_variant(spec: str) -> Variant | str:
             if kv not in getattr(memory, "KV_CACHE_DTYPE_CHOICES", ()):
                 return f"--kv-cache-dtype {kv} is not supported by this engine yet"
             flags["kv_cache_dtype"] = kv
-        elif part in getattr(llama, "QUANTIZATION_METHODS", ()):
+        elif part in getattr(weight_blocks, "QUANTIZATION_METHODS", ()):
             flags["quantization"] = part
         else:
-            return f"--quantization {part} is not in engine.model.families.llama.QUANTIZATION_METHODS yet"
+            return f"--quantization {part} is not in engine.model.loading.weight_blocks.QUANTIZATION_METHODS yet"
     return Variant(spec, flags)
 
 

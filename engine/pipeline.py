@@ -315,7 +315,7 @@ def carve_stage(runner: Any, layers: tuple[int, int]) -> None:
     model = runner.model
     groups = runner.kv_cache_groups
     model.layers = nn.ModuleList(list(model.layers)[start:end])
-    model._fused_layers = []  # the fused decode layers are the whole model's: stages run op by op
+    model.routing.fused_layers = []  # the fused decode layers are the whole model's: stages run op by op
     model.config = stage_model(model.config, layers)
     runner.set_kv_cache_groups(stage_kv_cache_groups(groups, layers) if groups else ())
 

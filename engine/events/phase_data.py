@@ -230,7 +230,7 @@ class GraphsCompileData(PhaseData):
     # projection group and step size, the choice and why, the fused layer, where it came from)
     kernel_plan: Mapping[str, Any] | None = NOT_REPORTED
     # CPU: each part of a step (activations, rms_norm, projections, prefill/decode attention, lm_head,
-    # fused_decode_layer) and the dtype it runs in: which run in bf16 (engine/model/families/llama.py precision_report)
+    # fused_decode_layer) and the dtype it runs in: which run in bf16 (engine/model/layers/kernel_routing.py precision_report)
     precision: Mapping[str, str] | None = NOT_REPORTED
 
 

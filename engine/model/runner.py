@@ -26,7 +26,8 @@ from engine.model.attention.base import AttentionBackend, AttentionMetadata, all
 from engine.model.attention.kv_quant import kv_cache_shape, kv_cache_torch_dtype
 from engine.model.attention.selector import get_attention_backend
 from engine.model.cuda_graphs import DecodeGraphs
-from engine.model.families.llama import QUANTIZATION_METHODS, LlamaForCausalLM
+from engine.model.families.llama import LlamaForCausalLM
+from engine.model.loading import weight_blocks
 from engine.model.loading.gguf_blocks import read_gguf_blocks
 from engine.model.loading.loader import LoadInfo, ProgressCallback, load_weights_into
 from engine.model.parallel import TensorParallel
@@ -189,8 +190,8 @@ class ModelRunner:
         self.device = torch.device(device)
         self.load_format = load_format
         self.seed = seed
-        if quantization is not None and quantization not in QUANTIZATION_METHODS:
-            raise UserError(f"--quantization {quantization!r}: use one of {', '.join(QUANTIZATION_METHODS)} (or omit it)")
+        if quantization is not None and quantization not in weight_blocks.QUANTIZATION_METHODS:
+            raise UserError(f"--quantization {quantization!r}: use one of {', '.join(weight_blocks.QUANTIZATION_METHODS)} (or omit it)")
         self.quantization = quantization
         self.quantization_counts: dict[str, int] = {}  # "<format> <source>" -> weights (load_weights)
         self.backend = get_attention_backend(attention_backend, self.device)
@@ -265,13 +266,13 @@ class ModelRunner:
             entry = quantized_path(weights_location(self.model_config), self.dtype, method, layout)
         cached = load_cached_tensors(entry) if entry is not None else None
         if cached is not None:
-            counts = self.model.restore_quantized(*cached)
+            counts = weight_blocks.restore_quantized(self.model, *cached)
             if counts is not None:
                 return counts
-        counts = self.model.quantize_weights(method, blocks, pack=pack)
+        counts = weight_blocks.quantize_weights(self.model, method, blocks, pack=pack)
         if entry is not None:
             with contextlib.suppress(OSError):  # a read-only cache folder: the next start quantizes again
-                save_cached_tensors(entry, *self.model.quantized_state(counts))
+                save_cached_tensors(entry, *weight_blocks.quantized_state(self.model, counts))
         return counts
 
     # ------------------------------------------------------------------ KV cache layout

@@ -59,7 +59,7 @@ def cpu_phase_f(f: PhaseHandle, s: StartupInputs, runner: ModelRunner, kernels: 
                  + (f", waited {r.waited_s:.1f} s for another builder" if r.waited_s > 0.5 else "")
                  + (f"; {r.reason}" if r.reason else "") + ")")
     log.info(f"CPU paged-decode kernel: {unavailable or 'enabled'} (phase F waited {waited:.2f} s for builds)")
-    layers = runner.model.fused_decode_status(runner.kv_cache_dtype)
+    layers = runner.model.routing.fused_decode_status(runner.kv_cache_dtype)
     f.record = dataclasses.replace(f.record, cpu_decode_layers=layers)
     plan = runner.kernel_plan
     if plan is not None:
@@ -70,11 +70,9 @@ def cpu_phase_f(f: PhaseHandle, s: StartupInputs, runner: ModelRunner, kernels: 
         log.info(f"kernel plan off ({PLAN_ENV}=off, tensor parallel or not on CPU): the fallback "
                  "constants (GEMV_MAX_ROWS) route the projections")
     log.info(f"CPU fused decode layers: {layers}")
-    report = getattr(runner.model, "precision_report", None)  # the Llama family's (MoE and TP ranks included)
-    if report is not None:
-        precision = report(runner.kv_cache_dtype)
-        f.record = dataclasses.replace(f.record, precision=precision)
-        log.info("precision: " + "; ".join(f"{part} {how}" for part, how in precision.items()))
+    precision = runner.model.routing.precision_report(runner.kv_cache_dtype)
+    f.record = dataclasses.replace(f.record, precision=precision)
+    log.info("precision: " + "; ".join(f"{part} {how}" for part, how in precision.items()))
     if config.compile:
         start = time.perf_counter()
         runner.compile()

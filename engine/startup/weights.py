@@ -41,14 +41,14 @@ def phase_load_weights(c: PhaseHandle, s: StartupInputs, progress: Callable[[int
         # measured (or read back) here, not in phase F: phase D profiles, and phase E sizes, what it runs
         before = runner.model.weights_bytes()
         # placeholders from the load (a GGUF read as blocks never held them) are not the plan's to count
-        unheld = getattr(runner.model, "dropped_float_bytes", lambda: 0)()
+        unheld = runner.model.routing.dropped_float_bytes()
         key = kernel_plan_key(config, model, config.quantization, config.dtype, s.caps, s.resolution.dtype_auto,
                               config.kv_cache_dtype)
         runner.resolve_kernel_plan(key, s.caps or detect(), log, approximate=s.resolution.dtype_auto)
         info.weights_bytes = runner.model.weights_bytes()
-        # float weights no step multiplies by under the plan are not kept (engine/model/families/llama.py)
+        # float weights no step multiplies by under the plan are not kept (engine/model/layers/kernel_routing.py),
         # net of the floats a plan restored (a copy it runs by, counted in plan_bytes through weights_bytes)
-        dropped = max(0, getattr(runner.model, "dropped_float_bytes", lambda: 0)() - unheld)
+        dropped = max(0, runner.model.routing.dropped_float_bytes() - unheld)
         plan_bytes = info.weights_bytes - before + dropped
     tokenizer = _tokenizer_for(model) if config.load_format != "dummy" else _dummy_tokenizer(model)
     quantization_reason = s.resolution.quantization_reason

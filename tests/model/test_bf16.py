@@ -62,22 +62,22 @@ def test_the_lm_head_returns_float32_sums_under_bfloat16(smollm_config, cpu_gemv
     model = runner.model
     hidden = torch.randn(24, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
     exact = F.linear(hidden.float(), model.head_weight.float())
-    q = model.quantized["head"]  # the GEMV sums the Q8_0 blocks' values: exactly those, in float32
+    q = model.projections["head"].blocks  # the GEMV sums the Q8_0 blocks' values: exactly those, in float32
     blocks = F.linear(hidden.float(), dequantize(q.blocks, q.fmt))
     for plan in (None, _plan({"head": "torch"}), _plan({"head": "gemv"})):
         if plan is not None:
-            model.install_kernel_plan(plan)
+            model.routing.install_plan(plan)
         for rows in (1, 8, 24):
             logits = model.compute_logits(hidden[:rows])
             assert logits.dtype == torch.float32
             assert _bf16_representable(logits) < 0.2, "logits rounded to bf16"
             errors = [relative_error(logits, exact[:rows]), relative_error(logits, blocks[:rows])]
             assert min(errors) < 1e-5, errors
-    assert model.precision_report(runner.kv_cache_dtype)["lm_head"].startswith("float32 sums, float32 logits")
+    assert model.routing.precision_report(runner.kv_cache_dtype)["lm_head"].startswith("float32 sums, float32 logits")
 
 
 def test_fp32_linear_widens_bf16_weights_exactly() -> None:
-    from engine.model.families.llama import fp32_linear
+    from engine.model.layers.projection_linear import fp32_linear
 
     generator = torch.Generator().manual_seed(1)
     weight = torch.randn(1000, 96, generator=generator).bfloat16()  # 1000 rows: several slices and a remainder
@@ -113,14 +113,14 @@ def test_bf16_sdpa_prefill_matches_float32_within_the_plan_bound(smollm_config, 
     runner = _small_runner(smollm_config, "float32")
     assert runner.enable_cpu_decode_kernel() is None
     prompt = list(range(100, 140))
-    runner.model.install_kernel_plan(_plan({}))
+    runner.model.routing.install_plan(_plan({}))
     float32 = _prefill_logits(runner, prompt)
-    runner.model.install_kernel_plan(_plan({ATTENTION: "bf16"}))
+    runner.model.routing.install_plan(_plan({ATTENTION: "bf16"}))
     assert runner.backend.prefill_attention[-1] == (1 << 62, "bf16")
     bf16 = _prefill_logits(runner, prompt)
     assert not torch.equal(bf16, float32)
     assert relative_error(bf16, float32) < ACCURACY_BOUND
-    report = runner.model.precision_report(runner.kv_cache_dtype)
+    report = runner.model.routing.precision_report(runner.kv_cache_dtype)
     assert report["prefill_attention"].startswith(f"torch SDPA in float32; bf16 for chunks of {MULTI_ROW}")
     candidates = attention_cells.attention_candidates(runner.model, bf16=True)
     assert candidates == ("torch", "bf16", "paged")  # the paged prefill kernel is built for head dim 64
@@ -154,12 +154,12 @@ def test_the_bf16_prefill_kernel_is_a_candidate_over_a_bf16_cache_where_the_cpu_
     for cell in cells:
         assert cell.error["paged"] < 1e-5 and 1e-4 < cell.error["paged_bf16"] < ACCURACY_BOUND
     prompt = list(range(100, 140))
-    runner.model.install_kernel_plan(_plan({ATTENTION: "paged"}))
+    runner.model.routing.install_plan(_plan({ATTENTION: "paged"}))
     exact = _prefill_logits(runner, prompt)
-    runner.model.install_kernel_plan(_plan({ATTENTION: "paged_bf16"}))
+    runner.model.routing.install_plan(_plan({ATTENTION: "paged_bf16"}))
     rounded = _prefill_logits(runner, prompt)
     assert not torch.equal(rounded, exact) and relative_error(rounded, exact) < ACCURACY_BOUND
-    report = runner.model.precision_report(runner.kv_cache_dtype)
+    report = runner.model.routing.precision_report(runner.kv_cache_dtype)
     assert report["prefill_attention"] == PAGED_PREFILL_BF16
 
 
@@ -187,9 +187,9 @@ def test_the_fused_layer_runs_its_gemv_whatever_the_op_by_op_routes(smollm_confi
     assert runner.enable_cpu_decode_kernel() is None
     groups = {"qkv": "bf16", "o": "bf16", "gate_up": "bf16", "down": "bf16"}
     model = runner.model
-    model.install_kernel_plan(_plan(groups, fused_max_rows=cpu_layer.MAX_ROWS))
-    assert model._fused_layers, model.fused_decode_status(runner.kv_cache_dtype)
-    before = model._fused_layers[0][0]
+    model.routing.install_plan(_plan(groups, fused_max_rows=cpu_layer.MAX_ROWS))
+    assert model.routing.fused_layers, model.routing.fused_decode_status(runner.kv_cache_dtype)
+    before = model.routing.fused_layers[0][0]
     assert not any(isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 for a in before)
     fused = _decode_step(runner, 12, True, monkeypatch)
     op_by_op = _decode_step(runner, 12, False, monkeypatch)
@@ -199,11 +199,11 @@ def test_the_fused_layer_runs_its_gemv_whatever_the_op_by_op_routes(smollm_confi
         assert all(getattr(model.layers[0], f"{n}_bf16_packed").is_mkldnn for n in projections)
     else:  # AVX2: oneDNN cannot pack bf16, the plan keeps a dense bf16 copy
         assert all(getattr(model.layers[0], f"{n}_bf16").dtype == torch.bfloat16 for n in projections)
-    report = model.precision_report(runner.kv_cache_dtype)
+    report = model.routing.precision_report(runner.kv_cache_dtype)
     assert report["fused_decode_layer"] == "float32 activations, the GEMV over the GGUF blocks"
     assert report["projections"] == "float32; bf16 GEMM (the kernel plan) for " + "; ".join(
         f"{g} {MULTI_ROW}" for g in groups)
-    model.install_kernel_plan(_plan({}, fused_max_rows=cpu_layer.MAX_ROWS))
+    model.routing.install_plan(_plan({}, fused_max_rows=cpu_layer.MAX_ROWS))
     float32 = _decode_step(runner, 12, True, monkeypatch)  # the same fused decode over a float32 prefill's cache
     assert not torch.equal(fused, float32) and relative_error(fused, float32) < ACCURACY_BOUND
 

@@ -62,7 +62,7 @@ def test_the_plan_routed_mlp_block_matches_the_separate_ops(act_kernel: object) 
     gate_route, _ = build_route([(1 << 62, "bf16")], layer.gate_up_proj, None, None, "gate_up")
     down_route, _ = build_route([(1 << 62, "bf16")], layer.down_proj, None, None, "down")
     assert gate_route.computes_in(300) == torch.bfloat16 and gate_route.native(torch.ones(2, 576)).dtype == torch.bfloat16
-    layer.kernel_routes.update(gate_up_proj=gate_route, down_proj=down_route)
+    layer.projections["gate_up_proj"].route, layer.projections["down_proj"].route = gate_route, down_route
     hidden = torch.randn(300, config.hidden_size, generator=generator)
     out = layer.mlp_block(hidden)
     assert out.dtype == torch.float32

@@ -16,6 +16,7 @@ import torch
 
 from engine.core.sampling_params import SamplingParams
 from engine.model.kernels import cpu_gemv, cpu_layer
+from engine.model.loading import weight_blocks
 from engine.model.runner import ModelRunner, ScheduledSeq
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -76,7 +77,7 @@ def test_fused_layer_matches_the_op_by_op_step(bundled_runner, cpu_layer_kernel,
     Measured (AVX2 Zen 3): identical greedy tokens, logits within 2.8e-5 of the op-by-op path."""
     runner = bundled_runner
     # A GGUF read as blocks holds no float copy of its projections: the GEMV serves every batch size.
-    assert runner.model.fused_decode_status(runner.kv_cache_dtype) == (
+    assert runner.model.routing.fused_decode_status(runner.kv_cache_dtype) == (
         "enabled for pure-decode steps of <= 256 sequences (GEMV at every batch size)")
     prompts = [smollm_tokenizer.encode(p) for p in ("The capital of France is", "def add(a, b):", "Once upon")]
     _compare(runner, prompts, 12, monkeypatch, atol=2e-3)
@@ -90,8 +91,8 @@ def test_fused_layer_with_int8_activations_matches_the_op_by_op_step(cpu_layer_k
     in the last bit (float activations agree to 2.8e-5 above), so this compares tokens and
     cosine. Measured (AVX2 Zen 3): 104/108 tokens, min logit cosine 0.9972."""
     runner = _runner(smollm_config, int8_activations=True)
-    assert {q.fmt for layer in runner.model.layers for q in layer.quantized.values()} == {"q4_1x8"}
-    assert runner.model.fused_decode_status(runner.kv_cache_dtype) == (
+    assert {p.blocks.fmt for layer in runner.model.layers for p in layer.projections.values() if p.blocks} == {"q4_1x8"}
+    assert runner.model.routing.fused_decode_status(runner.kv_cache_dtype) == (
         "enabled for pure-decode steps of <= 256 sequences (GEMV at every batch size)")
     texts = ["The capital of France is", "def add(a, b):", "Once upon a time", "The three primary colors are",
              "import numpy as", "Water boils at", "My favourite book is", "The quick brown fox",
@@ -113,7 +114,7 @@ def test_fused_layer_with_an_int8_kv_cache(cpu_layer_kernel, smollm_config, smol
     kernel): a value on a rounding boundary lands one int8 step apart, and 30 layers of
     one-step differences in K and V add up in the later steps."""
     runner = _runner(smollm_config, kv_cache_dtype="int8")
-    assert runner.model.fused_decode_status(runner.kv_cache_dtype).startswith("enabled")
+    assert runner.model.routing.fused_decode_status(runner.kv_cache_dtype).startswith("enabled")
     prompts = [smollm_tokenizer.encode(p) for p in ("The three primary colors are", "import numpy as")]
     _compare(runner, prompts, 8, monkeypatch, atol=0.35)
 
@@ -124,7 +125,7 @@ def test_fused_layer_with_a_bf16_kv_cache(cpu_layer_kernel, smollm_config, smoll
     Same tokens; a K or V value on a rounding boundary can land one bf16 step apart when the
     float sums before it differ (measured on Zen 4: max logit difference 2.3e-2)."""
     runner = _runner(smollm_config, kv_cache_dtype="bfloat16")
-    assert runner.model.fused_decode_status(runner.kv_cache_dtype).startswith("enabled")
+    assert runner.model.routing.fused_decode_status(runner.kv_cache_dtype).startswith("enabled")
     prompts = [smollm_tokenizer.encode(p) for p in ("The three primary colors are", "import numpy as")]
     _compare(runner, prompts, 8, monkeypatch, atol=0.08)
 
@@ -138,7 +139,7 @@ def test_fused_layer_with_a_qkv_bias(cpu_layer_kernel, smollm_config, monkeypatc
         for layer in runner.model.layers:
             assert layer.qkv_bias is not None
             layer.qkv_bias.uniform_(-0.5, 0.5)
-    assert runner.model.fused_decode_status(runner.kv_cache_dtype).startswith("enabled")
+    assert runner.model.routing.fused_decode_status(runner.kv_cache_dtype).startswith("enabled")
     _compare(runner, [list(range(5, 40)), list(range(100, 117))], 6, monkeypatch, atol=1e-3)
 
 
@@ -148,9 +149,9 @@ def test_batches_beyond_the_gemv_rows_use_float_gemm_inside_the_call(cpu_layer_k
     weights with torch's GEMM inside the fused call, as F.linear does in the op-by-op path.
     The float weights are made again from the blocks (a GGUF read as blocks holds none)."""
     runner = _runner(smollm_config)
-    assert runner.model.restore_float_weights() > 0
-    runner.model.resolve_gemv()
-    assert runner.model.fused_decode_status(runner.kv_cache_dtype) == (
+    assert weight_blocks.restore_float_weights(runner.model) > 0
+    runner.model.routing.resolve()
+    assert runner.model.routing.fused_decode_status(runner.kv_cache_dtype) == (
         "enabled for pure-decode steps of <= 256 sequences (GEMV up to 8 rows, float GEMM above)")
     prompts = [[100 + i, 200 + i, 300 + i, 400 + i] for i in range(12)]
     _compare(runner, prompts, 3, monkeypatch, atol=2e-3)
@@ -158,8 +159,8 @@ def test_batches_beyond_the_gemv_rows_use_float_gemm_inside_the_call(cpu_layer_k
 
 def test_status_names_why_the_fused_layer_is_off(bundled_runner, cpu_layer_kernel, smollm_config, monkeypatch) -> None:
     runner = bundled_runner
-    assert runner.model.fused_decode_status(torch.float16).startswith("off: torch.float16 KV cache")
+    assert runner.model.routing.fused_decode_status(torch.float16).startswith("off: torch.float16 KV cache")
     monkeypatch.setenv(cpu_layer.KERNEL_ENV, "0")
-    assert runner.model.fused_decode_status(torch.float32) == f"off: {cpu_layer.KERNEL_ENV}=0"
+    assert runner.model.routing.fused_decode_status(torch.float32) == f"off: {cpu_layer.KERNEL_ENV}=0"
     plain = ModelRunner(smollm_config, dtype="float32", quantization=None)
-    assert plain.model.fused_decode_status(torch.float32).startswith("off: no quantized projections")
+    assert plain.model.routing.fused_decode_status(torch.float32).startswith("off: no quantized projections")

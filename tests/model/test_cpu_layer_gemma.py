@@ -60,7 +60,7 @@ def _layer_pair(model, index: int, seq_lens: list[int], window: int | None = Non
                 seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(fused output, op-by-op output, fused cache, op-by-op cache) of layer ``index`` on one
     pure-decode step over a random cache; ``window`` overrides the fused call's window."""
-    layer, (before, after) = model.layers[index], model._fused_layers[index]
+    layer, (before, after) = model.layers[index], model.routing.fused_layers[index]
     generator = torch.Generator().manual_seed(seed)
     meta, positions = _decode_meta(seq_lens, max(seq_lens))
     cache = torch.randn(meta.block_tables.numel(), 2, BLOCK, layer.num_kv_heads, layer.head_dim, generator=generator)
@@ -118,10 +118,10 @@ def blocks_model(request, cpu_layer_kernel, smollm_config):
             norm.uniform_(0.01, 0.03)  # K-quant random blocks are large weights: keep the projections' outputs O(1)
         for i, (name, formats) in enumerate(MIXES[request.param].items()):
             entry = QuantizedLinear(_parts_of(layer, name, formats, 10 * i), getattr(layer, name).shape[1], "gguf")
-            weight_blocks.install(layer, name, entry, counts)
+            weight_blocks.install(layer.projections[name], entry, counts)
             getattr(layer, name).copy_(torch.cat([dequantize_part(p, entry.in_features) for p in entry.parts]))
-    model._gemv_pending = True
-    model.resolve_gemv()
+    model.routing.pending = True
+    model.routing.resolve()
     return request.param, model
 
 
@@ -129,13 +129,13 @@ def test_projection_codes_name_each_part(blocks_model) -> None:
     """Mixed and K-quant weights go through cpu_quant's codes (ggml id + 100), the one-part q8_0
     through cpu_gemv's (0), exactly as the op-by-op path binds them."""
     mix, model = blocks_model
-    (before, _after), = model._fused_layers
+    (before, _after), = model.routing.fused_layers
     codes = [a for a in before if isinstance(a, list) and a and isinstance(a[0], int)]
     if mix == "gemma-like":
         assert codes == [[106, 106, 108], [112], [112, 114], [113]]
     else:
         assert codes == [[102, 103, 107], [0], [114], [102, 108]]
-    assert model.fused_decode_status(torch.float32).startswith("enabled")
+    assert model.routing.fused_decode_status(torch.float32).startswith("enabled")
 
 
 @pytest.mark.parametrize("seq_lens", [[40], [70, 9, 33], [20 + 7 * i for i in range(12)]])
@@ -152,7 +152,7 @@ def test_fused_layer_over_any_block_format(blocks_model, seq_lens: list[int]) ->
 def test_the_kernel_plan_times_the_fused_layer(blocks_model) -> None:
     _, model = blocks_model
     fused_us, layer_us, err = fused_layer._fused_against_layer(
-        model, model.layers[0], cpu_layer.load_kernel(), model._fused_layers[0], 2, torch.Generator().manual_seed(0))
+        model, model.layers[0], cpu_layer.load_kernel(), model.routing.fused_layers[0], 2, torch.Generator().manual_seed(0))
     assert fused_us > 0 and layer_us > 0 and err < LAYER_RTOL
 
 
@@ -161,8 +161,8 @@ def test_the_kernel_plan_times_the_fused_layer(blocks_model) -> None:
 def gemma(cpu_layer_kernel):
     """The real file's blocks (Q5_0/Q8_0 QKV parts, Q4_K, Q6_K), as ``--quantization auto`` loads them."""
     runner = gemma3_runner(quantization="native")
-    assert runner.model.fused_decode_status(runner.kv_cache_dtype).startswith("enabled")
-    assert len(runner.model._fused_layers) == len(runner.model.layers)
+    assert runner.model.routing.fused_decode_status(runner.kv_cache_dtype).startswith("enabled")
+    assert len(runner.model.routing.fused_layers) == len(runner.model.layers)
     return runner
 
 
@@ -190,7 +190,7 @@ def test_the_kernel_plan_times_gemma3s_fused_layer(gemma) -> None:
     """fused_layer.fused_timing's comparison on layer 0 (sliding, the local rope base)."""
     model = gemma.model
     fused_us, layer_us, err = fused_layer._fused_against_layer(
-        model, model.layers[0], cpu_layer.load_kernel(), model._fused_layers[0], 1, torch.Generator().manual_seed(0))
+        model, model.layers[0], cpu_layer.load_kernel(), model.routing.fused_layers[0], 1, torch.Generator().manual_seed(0))
     assert fused_us > 0 and layer_us > 0 and err < LAYER_RTOL, err
 
 
@@ -235,7 +235,7 @@ def test_gemma3_greedy_decode_fused_equals_op_by_op(cpu_layer_kernel, monkeypatc
     runner.load_weights()
     runner.allocate_kv_cache(2 * 6 * 48 + 1)
     assert runner.enable_cpu_decode_kernel() is None
-    assert runner.model.fused_decode_status(runner.kv_cache_dtype).startswith("enabled")
+    assert runner.model.routing.fused_decode_status(runner.kv_cache_dtype).startswith("enabled")
     tokenizer = cached_tokenizer(gemma3_gguf_or_skip())
     long = " ".join(f"Fact {i}: the number {i} comes after {i - 1}." for i in range(1, 38)) + " Fact 38:"
     prompts = [tokenizer.encode(text, add_special_tokens=True) for text in (long, "Water boils at")]

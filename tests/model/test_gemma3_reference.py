@@ -96,7 +96,7 @@ MIN_TOP1_BLOCKS = 0.97
 
 @pytest.mark.slow
 def test_blocks_with_int8_activations_agree_with_transformers(block_runner, hf_gemma3, tokenizer) -> None:
-    assert block_runner.model.resolve_gemv() is None  # every projection on its block kernel
+    assert block_runner.model.routing.resolve() is None  # every projection on its block kernel
     agree = total = 0
     for prompt in PROMPTS:
         ids = tokenizer.encode(prompt, add_special_tokens=True)

@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from engine.model.layers.projection_linear import holds_nothing
+from engine.model.loading import weight_blocks
 from engine.model.loading.gguf_blocks import map_file, native_quantization, read_gguf_blocks
-from engine.model.loading.weight_blocks import PROJECTIONS, holds_nothing
+from engine.model.loading.weight_blocks import PROJECTIONS
 from engine.model.runner import ModelRunner, ScheduledSeq
 from tests.model.gemma3_fixtures import gemma3_config, gemma3_gguf_or_skip, run_teacher_forced
 
@@ -51,12 +53,12 @@ def test_weights_held_are_the_files_blocks_mapped_and_nothing_is_cached(block_ru
     for layer in model.layers:
         assert all(holds_nothing(getattr(layer, name)) for name in PROJECTIONS)
     # every block part is a view of one mapping of the file (no row of Gemma's moves at load)
-    storages = {p.blocks.untyped_storage().data_ptr() for q in model.quantized_linears() for p in q.parts}
+    storages = {p.blocks.untyped_storage().data_ptr() for q in weight_blocks.quantized_linears(model) for p in q.parts}
     assert len(storages) == 1
     assert not any(cache_dir.rglob("*.safetensors")), "a weights-cache entry was written for a mapped model"
-    formats = {f for q in model.quantized_linears() for f in q.formats}
+    formats = {f for q in weight_blocks.quantized_linears(model) for f in q.formats}
     assert formats == {"q4_k", "q5_0", "q6_k", "q8_0"}
-    mixed = [q for layer in model.layers for q in layer.quantized.values() if len(q.parts) > 1]
+    mixed = [q for layer in model.layers for p in layer.projections.values() if (q := p.blocks) and len(q.parts) > 1]
     assert mixed, "Gemma 3's QKV mixes Q5_0 and Q8_0 on half its layers"
 
 

@@ -19,6 +19,7 @@ from engine.errors import UserError
 from engine.events import Event, EventBus, StartupPhase
 from engine.llm import LLM
 from engine.model.cpu_caps import detect
+from engine.model.loading import weight_blocks
 from engine.model.memory import profile_cache
 from engine.model.plan import (
     candidates,
@@ -244,11 +245,10 @@ def two_layer_runner(smollm_config) -> ModelRunner:
     runner.load_weights()
     model = runner.model
     with torch.no_grad():
-        for module in (model, *model.layers):
-            for name, q in module.quantized.items():
-                weight = model.head_weight if name == "head" else getattr(module, name)
-                weight.copy_(cpu_gemv.dequantize(q.blocks, q.fmt))
-                q.source = "gguf"  # now exactly what a GGUF's blocks and float weights are
+        for projection in weight_blocks.quantized_projections(model):
+            q = projection.blocks
+            projection.weight.copy_(cpu_gemv.dequantize(q.blocks, q.fmt))
+            q.source = "gguf"  # now exactly what a GGUF's blocks and float weights are
     runner.allocate_kv_cache(16)
     return runner
 
@@ -298,12 +298,12 @@ def test_measured_on_real_weights_stored_and_reused(two_layer_runner: ModelRunne
     # path's projections kept (two layers' four groups and the head: each within the bound, so
     # the whole at most sqrt(9) x it where their errors are independent), as the constants' are
     routed = _logits(runner)
-    runner.model.install_kernel_plan(_every_cell("torch", "torch"))
+    runner.model.routing.install_plan(_every_cell("torch", "torch"))
     exact = _logits(runner)
     path_bound = ACCURACY_BOUND * (2 * len(kernel_plan.LAYER_GROUPS) + 1) ** 0.5
     assert choice.relative_error(reference, exact) < path_bound
     assert choice.relative_error(routed, exact) < path_bound, plan.summary()
-    runner.model.install_kernel_plan(plan)
+    runner.model.routing.install_plan(plan)
     again = runner.resolve_kernel_plan("test-key", detect())
     assert again is not None and again.source == "stored"
     assert again.cells == plan.cells and again.measured_at == plan.measured_at

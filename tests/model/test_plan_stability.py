@@ -190,22 +190,13 @@ class _Model:
     def __init__(self) -> None:
         self.config = SimpleNamespace(name="m")
         self.backend = SimpleNamespace()
+        self.projections = {"head": SimpleNamespace(blocks=None)}  # no blocks: nothing quantized
+        self.layers: list[Any] = []
         self.installed: KernelPlan | None = None
-        self._gemv_pending = False
+        self.routing = SimpleNamespace(bind_pending=lambda: None, fallback_candidate=lambda group, rows: "gemv",
+                                       install_plan=self.install)
 
-    def resolve_gemv(self) -> None:
-        pass
-
-    def restore_float_weights(self) -> None:
-        pass
-
-    def quantized_linears(self) -> list[Any]:
-        return []
-
-    def fallback_candidate(self, group: str, rows: int) -> str:
-        return "gemv"
-
-    def install_kernel_plan(self, plan: KernelPlan) -> None:
+    def install(self, plan: KernelPlan) -> None:
         self.installed = plan
 
 

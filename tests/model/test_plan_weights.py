@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from engine.model.kernels import cpu_gemv, cpu_layer
-from engine.model.loading.weight_blocks import holds_nothing
+from engine.model.layers.projection_linear import holds_nothing
+from engine.model.loading import weight_blocks
 from engine.model.plan.kernel_plan import STEP_CLASSES, Cell, KernelPlan
 from engine.model.runner import ModelRunner, ScheduledSeq
 
@@ -27,8 +28,9 @@ def gguf_like_runner(smollm_config) -> ModelRunner:
     runner = ModelRunner(config, dtype="float32", quantization="int4", load_format="dummy")
     runner.load_weights()
     with torch.no_grad():
-        for name, q in runner.model.layers[0].quantized.items():
-            getattr(runner.model.layers[0], name).copy_(cpu_gemv.dequantize(q.blocks, q.fmt))
+        for projection in runner.model.layers[0].projections.values():
+            q = projection.blocks
+            projection.weight.copy_(cpu_gemv.dequantize(q.blocks, q.fmt))
             q.source = "gguf"  # the float weights are now exactly the blocks' values, as a GGUF's
     runner.allocate_kv_cache(64)
     assert runner.enable_cpu_decode_kernel() is None
@@ -56,25 +58,25 @@ def test_float_weights_the_plan_never_uses_are_dropped_and_made_again(gguf_like_
     runner = gguf_like_runner
     model, layer = runner.model, runner.model.layers[0]
     originals = {n: getattr(layer, n).detach().clone() for n in PROJECTIONS}
-    model.install_kernel_plan(_plan({"head": "torch"}))
-    everything = model.weights_bytes() + model.dropped_float_bytes()
+    model.routing.install_plan(_plan({"head": "torch"}))
+    everything = model.weights_bytes() + model.routing.dropped_float_bytes()
     reference = _logits(runner)
     # the GEMV at every step size and the fused layer within its GEMV limit: no float weight is read
-    model.install_kernel_plan(_plan({}))
-    assert model.dropped_float_bytes() == _float_bytes(layer, PROJECTIONS)
-    assert model.weights_bytes() == everything - model.dropped_float_bytes()
+    model.routing.install_plan(_plan({}))
+    assert model.routing.dropped_float_bytes() == _float_bytes(layer, PROJECTIONS)
+    assert model.weights_bytes() == everything - model.routing.dropped_float_bytes()
     assert torch.equal(_logits(runner), reference)
     # a plan that multiplies by QKV's float weight past one row: made again, exactly; gate/up's
     # packed bf16 copy serves every size past the GEMV (the fused layer runs its GEMV at every
     # size it serves): its float stays dropped, and no dense bf16 copy is kept beside the packed one
-    model.install_kernel_plan(_plan({"qkv": "torch", "gate_up": "bf16"}))
+    model.routing.install_plan(_plan({"qkv": "torch", "gate_up": "bf16"}))
     assert torch.equal(layer.qkv_proj, originals["qkv_proj"])
-    assert model.dropped_float_bytes() == _float_bytes(layer, ("o_proj", "gate_up_proj", "down_proj"))
+    assert model.routing.dropped_float_bytes() == _float_bytes(layer, ("o_proj", "gate_up_proj", "down_proj"))
     bf16_copy = layer.gate_up_proj_bf16_packed if hasattr(layer, "gate_up_proj_bf16_packed") else layer.gate_up_proj_bf16
     assert not (hasattr(layer, "gate_up_proj_bf16_packed") and hasattr(layer, "gate_up_proj_bf16"))
-    assert model.weights_bytes() == everything - model.dropped_float_bytes() + bf16_copy.numel() * 2
+    assert model.weights_bytes() == everything - model.routing.dropped_float_bytes() + bf16_copy.numel() * 2
     # a re-measurement starts from every float weight
-    assert model.restore_float_weights() == 3 and model.dropped_float_bytes() == 0
+    assert weight_blocks.restore_float_weights(model) == 3 and model.routing.dropped_float_bytes() == 0
     assert all(torch.equal(getattr(layer, n), originals[n]) for n in PROJECTIONS)
 
 
@@ -86,29 +88,29 @@ def test_the_tied_heads_float_weight_is_dropped_when_no_step_multiplies_by_it(gg
     hold, and a plan that multiplies by the float weight makes it again, exactly."""
     runner = gguf_like_runner
     model = runner.model
-    q = model.quantized["head"]
+    q = model.projections["head"].blocks
     with torch.no_grad():
         model.embed_tokens.copy_(q.dequantize())
     q.source, model._embed_blocks = "gguf", q  # what engine/model/loading/gguf_blocks.py sets for a tied GGUF head
     original = model.embed_tokens.detach().clone()
-    model.install_kernel_plan(_plan({"head": "torch"}))
+    model.routing.install_plan(_plan({"head": "torch"}))
     assert not holds_nothing(model.embed_tokens)
     reference = _logits(runner)
-    model.install_kernel_plan(_plan({"head": "fp32pack"}))
+    model.routing.install_plan(_plan({"head": "fp32pack"}))
     assert holds_nothing(model.embed_tokens)
-    assert model.dropped_float_bytes() == _float_bytes(model.layers[0], PROJECTIONS) + original.numel() * 4
+    assert model.routing.dropped_float_bytes() == _float_bytes(model.layers[0], PROJECTIONS) + original.numel() * 4
     torch.testing.assert_close(_logits(runner), reference, rtol=1e-4, atol=1e-4)  # oneDNN's sum order
-    model.install_kernel_plan(_plan({"head": "torch"}))
+    model.routing.install_plan(_plan({"head": "torch"}))
     assert torch.equal(model.embed_tokens, original)
 
 
 def test_a_packed_weight_is_never_dropped(gguf_like_runner) -> None:
     """Blocks packed here from higher-precision floats cannot make those floats again: kept."""
     runner = gguf_like_runner
-    for q in runner.model.layers[0].quantized.values():
-        q.source = "packed"
-    runner.model.install_kernel_plan(_plan({}))
-    assert runner.model.dropped_float_bytes() == 0
+    for projection in runner.model.layers[0].projections.values():
+        projection.blocks.source = "packed"
+    runner.model.routing.install_plan(_plan({}))
+    assert runner.model.routing.dropped_float_bytes() == 0
 
 
 @pytest.mark.slow  # two engine starts of the bundled model (one measuring its plan): ~15 s quiet

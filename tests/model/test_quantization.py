@@ -13,6 +13,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.errors import UserError
 from engine.model.kernels import cpu_gemv
 from engine.model.layers.kernel_routing import GEMV_MAX_ROWS
+from engine.model.loading import weight_blocks
 from engine.model.loading.gguf_blocks import read_gguf_blocks
 from engine.model.runner import ModelRunner, ScheduledSeq
 
@@ -154,7 +155,7 @@ def test_int4_uses_the_gguf_blocks_exactly(smollm_config, smollm_runner_fp32, qu
                                    for i in (0, 17) for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))]:
         own = model.embed_tokens if name == "head" else getattr(module, name)
         assert own.stride() == (0, 0), f"{name}: a float copy is held beside the blocks"
-        q = module.quantized[name]
+        q = module.projections[name].blocks
         assert q.fmt == ("q8_0" if name == "head" else "q4_1x8") and q.source == "gguf"
         rows = q.blocks if q.fmt == "q8_0" else cpu_gemv.deinterleave_q4_1(q.blocks)
         exact = _gguf_dequantize(rows, q.fmt.removesuffix("x8")).reshape(weight.shape)
@@ -168,12 +169,12 @@ def test_weights_bytes_count_every_copy(smollm_runner_fp32, quantized_runners) -
     plain = smollm_runner_fp32.model.weights_bytes()
     # int8 on a Q4_1 file packs Q8_0 copies beside the float weights
     packed = quantized_runners["int8"]
-    held = sum(q.nbytes for q in packed.model.quantized_linears())
+    held = sum(q.nbytes for q in weight_blocks.quantized_linears(packed.model))
     assert packed.model.weights_bytes() == plain + held
     # int4 is the file's own blocks (the bundled GGUF is Q4_1, its head Q8_0): no float copy of
     # any of them, only the norms; 20 bytes per 32 projection weights, the head's 34
     native = quantized_runners["int4"].model
-    blocks = sum(q.nbytes for q in native.quantized_linears())
+    blocks = sum(q.nbytes for q in weight_blocks.quantized_linears(native))
     norms = sum(p.numel() * 4 for n, p in native.named_parameters() if "norm" in n)
     assert native.weights_bytes() == blocks + norms
     assert 0.15 < blocks / plain < 0.2
@@ -232,8 +233,8 @@ def test_decode_matches_fp32(quantized_runners, fp32_reference, method: str, min
     rounding's error: with float activations the same blocks give 1.0000 there too)."""
     prompts, ref_tokens, ref_logits = fp32_reference
     runner = quantized_runners[method]
-    assert runner.model.resolve_gemv() is None  # the kernels are in use
-    assert all(q.gemv is not None and q.max_rows >= len(prompts) for q in runner.model.quantized_linears())
+    assert runner.model.routing.resolve() is None  # the kernels are in use
+    assert all(q.gemv is not None and q.max_rows >= len(prompts) for q in weight_blocks.quantized_linears(runner.model))
     tokens, logits = _decode_batch(runner, prompts, 16, forced=ref_tokens)
     total = sum(len(t) for t in ref_tokens)
     agree = sum(a == b for ref, got in zip(ref_tokens, tokens, strict=True) for a, b in zip(ref, got, strict=True))
@@ -257,14 +258,14 @@ def test_disabled_kernel_falls_back_to_the_float_weights(quantized_runners, fp32
     model = quantized_runners["int4"].model
     monkeypatch.setenv(cpu_gemv.KERNEL_ENV, "0")
     try:
-        reason = model.resolve_gemv()
+        reason = model.routing.resolve()
         assert reason is not None and "KVSCOPE_CPU_GEMV_KERNEL=0" in reason
-        assert all(q.gemv is None and q.max_rows == 0 for q in model.quantized_linears())
+        assert all(q.gemv is None and q.max_rows == 0 for q in weight_blocks.quantized_linears(model))
         _, logits = _decode_batch(quantized_runners["int4"], prompts, 3, forced=ref_tokens)
         assert all(torch.equal(a, b) for a, b in zip(ref_logits[:3], logits, strict=True))
     finally:
         monkeypatch.delenv(cpu_gemv.KERNEL_ENV)
-        assert model.resolve_gemv() is None
+        assert model.routing.resolve() is None
 
 
 def test_float_weights_are_packed_when_there_is_no_gguf(smollm_config, kernel) -> None:
@@ -277,7 +278,7 @@ def test_float_weights_are_packed_when_there_is_no_gguf(smollm_config, kernel) -
     quant = ModelRunner(config, dtype="float32", load_format="dummy", quantization="int4")
     quant.load_weights()
     assert quant.quantization_counts == {"q4_1x8 packed": 7, "float": 2}
-    assert "down_proj" not in quant.model.layers[0].quantized
+    assert quant.model.layers[0].projections["down_proj"].blocks is None
     for runner in (plain, quant):
         runner.allocate_kv_cache(8)
     prompt = list(range(1, 20))
@@ -299,7 +300,7 @@ def test_quantized_copies_round_trip_through_the_startup_cache_layout(smollm_con
     made = ModelRunner(config, dtype="float32", load_format="dummy", quantization="int4")
     made.load_weights()
     entry = tmp_path / "quantized.safetensors"
-    save_cached_tensors(entry, *made.model.quantized_state(made.quantization_counts))
+    save_cached_tensors(entry, *weight_blocks.quantized_state(made.model, made.quantization_counts))
     cached = load_cached_tensors(entry)
     assert cached is not None
 
@@ -307,7 +308,7 @@ def test_quantized_copies_round_trip_through_the_startup_cache_layout(smollm_con
     fresh.load_weights()
     tensors, formats = cached
     other_shape = {**tensors, "layers.1.o_proj": tensors["layers.1.o_proj"][:8]}
-    assert fresh.model.restore_quantized(other_shape, formats) is None and not fresh.model.quantized_linears()
-    assert fresh.model.restore_quantized(tensors, formats) == made.quantization_counts == {"q4_1x8 packed": 7, "float": 2}
-    for a, b in zip(made.model.quantized_linears(), fresh.model.quantized_linears(), strict=True):
+    assert weight_blocks.restore_quantized(fresh.model, other_shape, formats) is None and not weight_blocks.quantized_linears(fresh.model)
+    assert weight_blocks.restore_quantized(fresh.model, tensors, formats) == made.quantization_counts == {"q4_1x8 packed": 7, "float": 2}
+    for a, b in zip(weight_blocks.quantized_linears(made.model), weight_blocks.quantized_linears(fresh.model), strict=True):
         assert (a.fmt, a.source) == (b.fmt, b.source) and torch.equal(a.blocks, b.blocks)

@@ -53,7 +53,7 @@ class TorchAttentionBackend:
         # paged cache in one call, by plan name: "paged" (cpu_decode.paged_prefill, float32 sums) and,
         # over a bf16 cache on AVX512-BF16, "paged_bf16" (paged_prefill_bf16), where the plan chose them.
         self.prefill_kernels: dict[str, Callable[..., torch.Tensor]] = {}
-        # Set by the kernel plan (engine/model/families/llama.py install_kernel_plan): per step-size class,
+        # Set by the kernel plan (engine/model/layers/kernel_routing.py KernelRouting.install_plan): per step-size class,
         # (chunk rows up to, how a chunk attends: "torch" SDPA in float32, "bf16" SDPA on q, K, V
         # rounded to bf16, or a prefill kernel's name). Empty: "torch".
         self.prefill_attention: tuple[tuple[int, str], ...] = ()

@@ -46,7 +46,6 @@ from engine.model.families.llama import (
     qk_normed_qkv,
 )
 from engine.model.kernels.cpu_norm import rms_norm
-from engine.model.layers.kernel_routing import linear_maybe_quantized
 from engine.model.loading.hf_layout import HfLayout
 from engine.modelspec.config import ModelConfig
 
@@ -90,16 +89,15 @@ class Gemma3DecoderLayer(DecoderLayer):
         q, k, v = qk_normed_qkv(self, rms_norm(hidden, self.input_layernorm, self.eps), cos, sin)
         backend.write_kv(k, v, kv_cache, meta.slot_mapping)
         attn = backend.forward(q, kv_cache, meta, self.scale, sliding_window=self.sliding_window)
-        attn_out = linear_maybe_quantized(self, attn.reshape(tokens, self.q_size), "o_proj", self.o_proj)
+        attn_out = self.projections["o_proj"](attn.reshape(tokens, self.q_size))
         hidden = hidden + rms_norm(attn_out, self.post_attention_layernorm, self.eps)
         return self.mlp_block(hidden)
 
     def mlp_block(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm, gate/up, GELU(tanh)-and-multiply, down, post-norm, residual."""
         x = rms_norm(hidden, self.pre_feedforward_layernorm, self.eps)
-        gate, up = linear_maybe_quantized(self, x, "gate_up_proj", self.gate_up_proj).split(self.intermediate_size,
-                                                                                            dim=-1)
-        down = linear_maybe_quantized(self, F.gelu(gate, approximate="tanh") * up, "down_proj", self.down_proj)
+        gate, up = self.projections["gate_up_proj"](x).split(self.intermediate_size, dim=-1)
+        down = self.projections["down_proj"](F.gelu(gate, approximate="tanh") * up)
         return hidden + rms_norm(down, self.post_feedforward_layernorm, self.eps)
 
     def fused_decode_args(self) -> tuple[tuple[object, ...], tuple[object, ...]] | None:
@@ -158,8 +156,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     ) -> torch.Tensor:
         """``meta``: one metadata for every layer, or one per KV cache group (a layer reads
         ``meta[layer.kv_cache_group]``)."""
-        if self._gemv_pending:
-            self.resolve_gemv()
+        self.routing.bind_pending()
         hidden = self.embed(input_ids)
         first = meta if isinstance(meta, AttentionMetadata) else meta[0]
         layer_kernel = self.routing.layer_kernel_for(first, kv_caches)
@@ -178,7 +175,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         cos_sin = {sliding: tuple(t.view(rows, -1) for t in rotary.cos_sin(positions, self.dtype))
                    for sliding, rotary in ((False, self.rotary), (True, self.rotary_local))}
         per_group: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        for layer, (before, after), kv_cache in zip(self.layers, self._fused_layers, kv_caches, strict=True):
+        for layer, (before, after), kv_cache in zip(self.layers, self.routing.fused_layers, kv_caches, strict=True):
             group = layer.kv_cache_group
             if group not in per_group:  # each group's int64 slots once a step
                 m = meta if isinstance(meta, AttentionMetadata) else meta[group]

@@ -6,18 +6,18 @@ decodes mixed) and reads/writes the paged KV cache through an
 are fused into one matrix each at load time: on CPU every matmul call has a
 fixed cost, so 4 instead of 7 per layer matters at decode batch sizes.
 
-``quantize_weights("int8" | "int4")`` adds weight-only copies of every projection and
-of the LM head in ggml's 32-weight blocks (Q8_0 / Q4_1; a GGUF's own blocks when it has
-them, so int4 on a Q4_1 GGUF adds no error): decode-sized steps multiply through the
-CPU GEMV kernels of :mod:`engine.model.kernels.cpu_gemv`, which stream 1.06 / 0.63 bytes a
-weight instead of 4; bigger steps keep the float weights, where torch's GEMM wins.
+Each projection (and the LM head) is a :class:`~engine.model.layers.projection_linear.ProjectionLinear`:
+weight-only quantized blocks (engine/model/loading/weight_blocks.py ``quantize_weights``: ggml's
+32-weight Q8_0 / Q4_1 blocks, or a GGUF's own) run through the CPU kernels, the kernel plan's
+routes and the float weights as that type decides; the model's :attr:`~LlamaForCausalLM.routing`
+(engine/model/layers/kernel_routing.py) binds the kernels and installs the plan.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -26,50 +26,13 @@ from torch import nn
 from engine.model.attention.base import AttentionBackend, AttentionMetadata
 from engine.model.kernels.cpu_act import silu_and_mul
 from engine.model.kernels.cpu_norm import rms_norm
-from engine.model.layers.kernel_routing import (
-    KernelRouting,
-    head_logits_on_cpu,
-    linear_maybe_quantized,
-    precision_report,
-)
+from engine.model.layers.kernel_routing import KernelRouting
+from engine.model.layers.projection_linear import ProjectionLinear, holds_nothing
 from engine.model.layers.quantized_linear import QuantizedLinear
 from engine.model.layers.rope_scaling import llama3_scaled_inv_freq
-from engine.model.loading import weight_blocks
 from engine.model.loading.hf_layout import HfLayout
-from engine.model.loading.weight_blocks import PROJECTIONS as _PROJECTIONS
-from engine.model.loading.weight_blocks import holds_nothing as _holds_nothing
+from engine.model.loading.weight_blocks import PROJECTIONS
 from engine.modelspec.config import ModelConfig, RopeScaling
-
-QUANTIZATION_METHODS = ("int8", "int4", "native")
-# method -> (GGUF block formats used as they are, the format float weights are packed into).
-# int4 keeps a Q8_0 tensor (SmolLM2's tied embedding/LM head) as Q8_0: requantizing it
-# to 4 bits would add error the GGUF does not have. native (chosen by --quantization auto
-# for a file of mixed block types, a K-quant file): the GGUF's own blocks in every format a
-# kernel reads (engine/model/layers/quantized_linear.py), nothing packed (other weights stay float).
-_METHOD_FORMATS: dict[str, tuple[tuple[str, ...], str | None]] = {
-    "int8": (("q8_0",), "q8_0"),
-    "int4": (("q4_1", "q8_0"), "q4_1"),
-    "native": (("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"), None),
-}
-# fp32_linear multiplies a bf16/fp16 weight this many bytes of fp32 rows at a time: each
-# slice is widened once into a buffer that stays in cache for its GEMM (widening the
-# whole LM head per call cost ~50 ms at one row; Zen 4, indicative, loaded machine).
-FP32_SLICE_BYTES = 2 << 20
-
-
-def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x.float() @ weight.T`` summed and returned in float32 whatever ``weight``'s dtype: the
-    LM head's logits in every dtype mode, so greedy decoding never picks among bf16-rounded
-    ties (a bf16 GEMM rounds its output: "The" 25.375 vs "L" 25.375 where fp32 has 25.325
-    vs 25.243). bf16 weights are widened exactly, a slice at a time; no fp32 copy is kept."""
-    x = x.float()
-    if weight.dtype == torch.float32:
-        return F.linear(x, weight)
-    rows = max(64, FP32_SLICE_BYTES // (4 * weight.shape[1]))
-    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
-    for start in range(0, weight.shape[0], rows):
-        out[:, start : start + rows] = F.linear(x, weight[start : start + rows].float())
-    return out
 
 
 class RotaryEmbedding:
@@ -115,8 +78,8 @@ class DecoderLayer(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.intermediate_size = config.intermediate_size
         self.eps = config.rms_norm_eps
-        self.quantized: dict[str, QuantizedLinear] = {}
-        self.kernel_routes: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}  # set by the kernel plan
+        # x @ W.T of each projection: the kernel plan's route, the blocks' kernel or the float weight
+        self.projections = {name: ProjectionLinear(self, name) for name in PROJECTIONS}
         # Sums the row-parallel O and down outputs over the tensor-parallel ranks
         # (engine/model/families/parallel_llama.py); one rank's are already whole.
         self.reduce_rows: Callable[[torch.Tensor], torch.Tensor] = _unreduced
@@ -149,8 +112,7 @@ class DecoderLayer(nn.Module):
         q, k, v = self.attention_qkv(rms_norm(hidden, self.input_layernorm, self.eps), cos, sin)
         backend.write_kv(k, v, kv_cache, meta.slot_mapping)
         attn = backend.forward(q, kv_cache, meta, 1.0 / math.sqrt(self.head_dim), sliding_window=self.sliding_window)
-        hidden = hidden + self.reduce_rows(
-            linear_maybe_quantized(self, attn.reshape(tokens, self.q_size), "o_proj", self.o_proj))
+        hidden = hidden + self.reduce_rows(self.projections["o_proj"](attn.reshape(tokens, self.q_size)))
 
         return self.mlp_block(hidden)
 
@@ -159,7 +121,7 @@ class DecoderLayer(nn.Module):
         """Rotated Q and K, and V, of the normed ``x`` (``[tokens, heads, head_dim]``); a family
         that norms Q/K per head overrides this alone (Qwen3: :func:`qk_normed_qkv`)."""
         tokens = x.shape[0]
-        qkv = linear_maybe_quantized(self, x, "qkv_proj", self.qkv_proj, self.qkv_bias)
+        qkv = self.projections["qkv_proj"](x, self.qkv_bias)
         # Q and K sit side by side in qkv: one rotary call for both heads' sets.
         qk_width = self.q_size + self.kv_size
         qk = apply_rotary(qkv[:, :qk_width].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim),
@@ -189,23 +151,21 @@ class DecoderLayer(nn.Module):
 
         if self.qkv_proj.dtype != torch.float32:
             return None
-        args = [projection_args(self.quantized.get(name), getattr(self, name)) for name in _PROJECTIONS]
+        args = [projection_args(p.blocks, p.weight) for p in self.projections.values()]
         held = [a for a in args if a is not None]
         return held if len(held) == len(args) else None
 
     def mlp_block(self, hidden: torch.Tensor) -> torch.Tensor:
         """Norm, gate/up, SiLU-and-multiply, down, residual: the part ``torch.compile`` fuses."""
         x = rms_norm(hidden, self.post_attention_layernorm, self.eps)
-        gate_route, down_route = self.kernel_routes.get("gate_up_proj"), self.kernel_routes.get("down_proj")
-        if gate_route is None or down_route is None:
-            gate_up = linear_maybe_quantized(self, x, "gate_up_proj", self.gate_up_proj)
-            down = linear_maybe_quantized(self, silu_and_mul(gate_up, gate_up.dtype), "down_proj", self.down_proj)
-            return hidden + self.reduce_rows(down)
+        gate_up, down = self.projections["gate_up_proj"], self.projections["down_proj"]
+        if gate_up.route is None or down.route is None:
+            out = gate_up(x)
+            return hidden + self.reduce_rows(down(silu_and_mul(out, out.dtype)))
         # By the kernel plan: a bf16 gate/up GEMM's output goes to SiLU-and-multiply as it is, and that
         # writes the dtype the down projection computes in (no float32 round trip between them).
-        rows = x.shape[0]
-        act = silu_and_mul(gate_route.native(x), down_route.computes_in(rows) or x.dtype)
-        return hidden + self.reduce_rows(down_route(act).to(hidden.dtype))
+        act = silu_and_mul(gate_up.native(x), down.computes_in(x.shape[0]) or x.dtype)
+        return hidden + self.reduce_rows(down(act).to(hidden.dtype))
 
 
 def qk_normed_qkv(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -214,7 +174,7 @@ def qk_normed_qkv(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: 
     projection, RMSNorm of each Q and K head with the layer's ``q_norm`` / ``k_norm``, then
     one rotary call for both. Shapes ``[tokens, heads, head_dim]``."""
     tokens = x.shape[0]
-    qkv = linear_maybe_quantized(layer, x, "qkv_proj", layer.qkv_proj, bias)
+    qkv = layer.projections["qkv_proj"](x, bias)
     q_size, kv_size = layer.q_size, layer.kv_size
     q = rms_norm(qkv[:, :q_size].view(tokens, layer.num_heads, layer.head_dim), layer.q_norm, layer.eps)
     k = rms_norm(qkv[:, q_size : q_size + kv_size].view(tokens, layer.num_kv_heads, layer.head_dim),
@@ -232,11 +192,15 @@ def decoder_layers(layers: nn.ModuleList) -> list[DecoderLayer]:
 
 class LlamaForCausalLM(nn.Module):
     """The decoder over one flattened batch. Its checkpoint layout (:attr:`layout_class`,
-    engine/model/loading/hf_layout.py) and its kernels and routes (:attr:`routing`,
-    engine/model/layers/kernel_routing.py) are collaborators of their own; a family sets
-    its layer kind (:meth:`_make_layer`) and its layout."""
+    engine/model/loading/hf_layout.py), its kernels and routes (:attr:`routing`,
+    engine/model/layers/kernel_routing.py) and its weights as blocks (engine/model/loading/weight_blocks.py,
+    functions over the model) are collaborators of their own; a family sets its layer kind
+    (:meth:`_make_layer`) and its layout, and says why the fused decode layer or quantization does
+    not serve it (``fused_layer_refusal``, ``quantization_refusal``)."""
 
     layout_class: type[HfLayout] = HfLayout
+    fused_layer_refusal: str | None = None  # why pure-decode steps never run the fused C++ layer here
+    quantization_refusal: str | None = None  # why --quantization cannot hold this family's weights as blocks
 
     def __init__(
         self,
@@ -264,15 +228,11 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.hf_layout = self.layout_class(self)
         self.routing = KernelRouting(self)
-        self.quantized: dict[str, QuantizedLinear] = {}  # the LM head's, as "head"
+        # The LM head as "head" (the embedding when tied): float32 sums on CPU in every dtype mode.
+        head_attr = "embed_tokens" if self.lm_head is None else "lm_head"
+        self.projections = {"head": ProjectionLinear(self, "head", head_attr, fp32_sums=True)}
         # The embedding's GGUF blocks where its float copy is not held (engine/model/loading/gguf_blocks.py).
         self._embed_blocks: QuantizedLinear | None = None
-        self.kernel_routes: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}  # the head's, by the plan
-        self.kernel_plan: Any = None  # engine/model/plan/kernel_plan.KernelPlan once installed; None: the constants
-        self._gemv_pending = False  # quantized, kernel not resolved yet (first forward does it)
-        # Pure-decode steps of at most cpu_layer.MAX_ROWS sequences run each layer as one C++
-        # call (engine/model/kernels/cpu_layer.py) when every layer qualifies; set by resolve_gemv.
-        self._fused_layers: list[tuple[tuple[object, ...], tuple[object, ...]]] = []
 
     def _make_layer(self, index: int, config: ModelConfig, dtype: torch.dtype,
                     device: torch.device | str) -> nn.Module:
@@ -293,15 +253,14 @@ class LlamaForCausalLM(nn.Module):
         """``input_ids``/``positions`` ``[num_tokens]`` -> final-normed hidden ``[num_tokens, hidden]``.
         ``meta``: one metadata for every layer, or one per KV cache group (the hybrid KV cache of a
         sliding-window model: a layer reads ``meta[layer.kv_cache_group]``)."""
-        if self._gemv_pending:
-            self.resolve_gemv()
+        self.routing.bind_pending()
         hidden = self.embed(input_ids)
         if isinstance(meta, AttentionMetadata) and (layer_kernel := self.routing.layer_kernel_for(meta, kv_caches)) is not None:
             cos, sin = self.rotary.cos_sin(positions, self.dtype)
             tokens = hidden.shape[0]
             cos2, sin2 = cos.view(tokens, -1), sin.view(tokens, -1)
             slots = meta.slot_mapping.to(torch.int64)
-            for (before, after), kv_cache in zip(self._fused_layers, kv_caches, strict=True):
+            for (before, after), kv_cache in zip(self.routing.fused_layers, kv_caches, strict=True):
                 hidden = layer_kernel.decode_layer(hidden, *before, cos2, sin2, kv_cache, slots,
                                                    meta.block_tables, meta.seq_lens, *after)
             return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
@@ -319,7 +278,7 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self._embed_blocks is not None and _holds_nothing(self.embed_tokens):
+        if self._embed_blocks is not None and holds_nothing(self.embed_tokens):
             # the file's blocks (no float copy held): only the rows this step reads are dequantized
             return self._embed_blocks.dequantize_rows(input_ids).to(self.dtype)
         return F.embedding(input_ids, self.embed_tokens)
@@ -332,64 +291,13 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits, summed in float32 on CPU in every dtype mode (the plan's head
-        candidates and the fallback take float32 rows and return float32: :func:`fp32_linear`)."""
-        if self._gemv_pending:
-            self.resolve_gemv()
-        if hidden.device.type != "cpu":
-            return linear_maybe_quantized(self, hidden, "head", self.head_weight).float()
-        x = hidden.float()
-        logits = head_logits_on_cpu(self, x)
-        return logits if logits is not None else fp32_linear(x, self.head_weight)
+        candidates, the GEMV and the float weight take float32 rows and return float32)."""
+        self.routing.bind_pending()
+        x = hidden.float() if hidden.device.type == "cpu" else hidden
+        return self.projections["head"](x).float()
 
     def weights_bytes(self) -> int:
         """Bytes the weights really hold: parameters plus any quantized copies (a float weight
         the kernel plan dropped holds nothing)."""
         tensors = [*self.parameters(), *self.buffers()]
-        return int(sum(t.numel() * t.element_size() for t in tensors if not _holds_nothing(t)))
-
-    # ------------------------------------------------------------------ quantization (engine/model/loading/weight_blocks.py)
-    def quantize_weights(self, method: str, gguf_blocks: Mapping[str, tuple[str, torch.Tensor]] | None = None,
-                         pack: bool = True) -> dict[str, int]:
-        """Install weight-only quantized entries of the projections and the LM head (after
-        loading): a GGUF's own blocks (:func:`engine.model.loading.gguf_blocks.read_gguf_blocks`) where the
-        method takes their format, other weights packed from the floats. The kernel is bound
-        at the first forward. Returns counts per ``"<format> <source>"``."""
-        if method not in QUANTIZATION_METHODS:
-            raise ValueError(f"quantization {method!r}: use one of {', '.join(QUANTIZATION_METHODS)}")
-        exact, packed_fmt = _METHOD_FORMATS[method]
-        return weight_blocks.quantize_weights(self, method, exact, packed_fmt if pack else None, gguf_blocks)
-
-    def quantized_state(self, counts: Mapping[str, int]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        return weight_blocks.quantized_state(self, counts)
-
-    def restore_quantized(self, tensors: Mapping[str, torch.Tensor], formats: Mapping[str, str]) -> dict[str, int] | None:
-        return weight_blocks.restore_quantized(self, tensors, formats)
-
-    def quantized_linears(self) -> list[QuantizedLinear]:
-        return [q for _, _, q in weight_blocks.entries_of(self)]
-
-    def restore_float_weights(self) -> int:
-        """Make the float weights not held again from their blocks (a plan that uses them, a
-        re-measurement). Returns how many were restored."""
-        return weight_blocks.restore_float_weights(self)
-
-    # ------------------------------------------------------------------ routes (layers/kernel_routing.py)
-    def resolve_gemv(self) -> str | None:
-        """Bind every quantized entry's kernel and the plan's routes (:meth:`KernelRouting.resolve`)."""
-        return self.routing.resolve()
-
-    def install_kernel_plan(self, plan: Any) -> None:
-        self.routing.install_plan(plan)
-
-    def fallback_candidate(self, group: str, rows: int) -> str:
-        return self.routing.fallback_candidate(group, rows)
-
-    def dropped_float_bytes(self) -> int:
-        return self.routing.dropped_float_bytes()
-
-    def fused_decode_status(self, kv_cache_dtype: torch.dtype) -> str:
-        """A family whose layers the fused C++ layer does not serve says so here."""
-        return self.routing.fused_decode_status(kv_cache_dtype)
-
-    def precision_report(self, kv_cache_dtype: torch.dtype) -> dict[str, str]:
-        return precision_report(self, kv_cache_dtype)
+        return int(sum(t.numel() * t.element_size() for t in tensors if not holds_nothing(t)))

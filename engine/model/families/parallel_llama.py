@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.attention.base import AttentionBackend
-from engine.model.families.llama import LlamaForCausalLM, fp32_linear
+from engine.model.families.llama import LlamaForCausalLM
+from engine.model.layers.projection_linear import fp32_linear
 from engine.model.loading.hf_layout import HfLayout, dummy_fill
 from engine.model.parallel import TensorParallel, kv_head_start, rank_model_config
 from engine.modelspec.config import ModelConfig

@@ -48,10 +48,8 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     Qwen3's layers."""
 
     layout_class = Qwen3Layout
+    fused_layer_refusal = "the fused C++ layer is Llama's shape (Qwen3 runs its layers op by op)"
 
     def _make_layer(self, index: int, config: ModelConfig, dtype: torch.dtype,
                     device: torch.device | str) -> nn.Module:
         return Qwen3DecoderLayer(config, dtype, device)
-
-    def fused_decode_status(self, kv_cache_dtype: torch.dtype) -> str:
-        return "off: the fused C++ layer is Llama's shape (Qwen3 runs its layers op by op)"

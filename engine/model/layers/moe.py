@@ -21,15 +21,12 @@ holds one layer's router and experts and fills them from a family's HF names
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.errors import UserError
 from engine.model.attention.base import AttentionBackend
 from engine.model.families.llama import DecoderLayer, LlamaForCausalLM
 from engine.model.kernels.cpu_norm import rms_norm
@@ -314,13 +311,11 @@ class SparseModelMixin(LlamaForCausalLM):
             self.layers[index].moe.counter = self.expert_counter
             self.layers[index].moe.slot = slot
 
-    def fused_decode_status(self, kv_cache_dtype: torch.dtype) -> str:
-        return f"off: the fused C++ layer is Llama's dense shape ({self.family_label} runs its layers op by op)"
+    @property
+    def fused_layer_refusal(self) -> str:  # type: ignore[override]
+        return f"the fused C++ layer is Llama's dense shape ({self.family_label} runs its layers op by op)"
 
-    def quantize_weights(self, method: str, gguf_blocks: Mapping[str, tuple[str, torch.Tensor]] | None = None,
-                         pack: bool = True) -> dict[str, int]:
-        raise UserError(f"--quantization {method}: the weight-only quantized copies cover dense projections; "
-                        f"kvscope runs {self.family_label}'s experts in float (use --quantization none)")
-
-    def quantized_linears(self) -> list[Any]:
-        return list(self.quantized.values())
+    @property
+    def quantization_refusal(self) -> str:  # type: ignore[override]
+        return (f"the weight-only quantized copies cover dense projections; kvscope runs {self.family_label}'s "
+                "experts in float (use --quantization none)")

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.model.layers.projection_linear import placeholder
 from engine.model.layers.quantized_linear import (
     BLOCK_FORMATS,
     FORMAT_OF_GGML_TYPE,
@@ -38,6 +39,7 @@ from engine.model.loading.loader import (
     unpermute_rotary_rows,
     weights_location,
 )
+from engine.model.loading.weight_blocks import PROJECTION_PARTS, quantized_linears, quantized_projections
 from engine.modelspec.config import ModelConfig
 from engine.modelspec.gguf_header import TensorInfo, read_gguf_header
 
@@ -142,30 +144,26 @@ def _float_tensor(data: torch.Tensor, start: int, info: TensorInfo) -> torch.Ten
 
 def _consumed_names(model: Any) -> set[str]:
     """HF names whose values the model now holds as blocks (its float parameters not needed)."""
-    from engine.model.loading.weight_blocks import PROJECTION_PARTS
-
     names: set[str] = set()
-    if "head" in model.quantized and model.quantized["head"].source == "gguf":
+    head = model.projections["head"].blocks
+    if head is not None and head.source == "gguf":
         names.add("model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight")
     for index, layer in enumerate(model.layers):
-        for name, q in layer.quantized.items():
-            if q.source == "gguf":
+        for name, projection in layer.projections.items():
+            if projection.blocks is not None and projection.blocks.source == "gguf":
                 names.update(f"model.layers.{index}.{part}" for part in PROJECTION_PARTS[name])
     return names
 
 
 def _drop_floats(model: Any, blocks: dict[str, tuple[str, torch.Tensor]]) -> None:
     """Placeholders for every float parameter the blocks replace, and the embedding's blocks."""
-    from engine.model.loading.weight_blocks import float_attr, placeholder
-
-    for module in (model, *model.layers):
-        for name, q in module.quantized.items():
-            if q.source == "gguf":
-                attr = float_attr(model, module, name)
-                setattr(module, attr, placeholder(getattr(module, attr)))
+    for projection in quantized_projections(model):
+        if projection.blocks is not None and projection.blocks.source == "gguf":
+            projection.drop_float()
     embed = blocks.get("model.embed_tokens.weight")
-    if model.lm_head is None and "head" in model.quantized and model.quantized["head"].source == "gguf":
-        model._embed_blocks = model.quantized["head"]
+    head = model.projections["head"].blocks
+    if model.lm_head is None and head is not None and head.source == "gguf":
+        model._embed_blocks = head
     elif embed is not None and fits(embed[0], model.embed_tokens.shape[1]) and embed[0] in BLOCK_FORMATS:
         model._embed_blocks = QuantizedLinear.single(embed[1], embed[0], "gguf", int(model.embed_tokens.shape[1]))
         model.register_buffer("embed_tokens_blocks", embed[1], persistent=False)  # counted in weights_bytes
@@ -204,7 +202,7 @@ def load_as_blocks(runner: Any, progress: ProgressCallback | None = None) -> Loa
         from engine.errors import UserError
 
         raise UserError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
-    entries = model.quantized_linears()
+    entries = quantized_linears(model)
     held_blocks = sum(q.nbytes for q in entries)
     if model._embed_blocks is not None and not any(q is model._embed_blocks for q in entries):
         held_blocks += model._embed_blocks.nbytes

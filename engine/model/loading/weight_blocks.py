@@ -3,23 +3,25 @@ packed from floats), their kernels, and the float weights made again where no ke
 
 These are functions over a model (:class:`engine.model.families.llama.LlamaForCausalLM` or a
 family's subclass) rather than methods of it: every family shares one way of holding and
-binding quantized weights, and the model class keeps its layers and forward.
+binding quantized weights, and the model class keeps its layers and forward. Each projection's
+blocks live on its :class:`~engine.model.layers.projection_linear.ProjectionLinear` (the model's
+``projections["head"]``, each layer's ``projections[name]``); a family that cannot hold blocks
+says why in ``quantization_refusal``.
 
 A model loaded from its GGUF blocks (:mod:`engine.model.loading.gguf_blocks`) holds no float copy
 of a block-backed projection or of the embedding: the float parameter is a placeholder
-of its shape over one element (:func:`holds_nothing`), made again from the blocks
-(:func:`restore_float`) where the kernel plan chooses a float implementation or no
-kernel can be built.
+of its shape over one element (:func:`~engine.model.layers.projection_linear.holds_nothing`), made
+again from the blocks where the kernel plan chooses a float implementation or no kernel can be built.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from collections.abc import Mapping
+from typing import Any
 
 import torch
-from torch import nn
 
+from engine.model.layers.projection_linear import ProjectionLinear
 from engine.model.layers.quantized_linear import (
     BLOCK_FORMATS,
     GEMV_FORMATS,
@@ -30,6 +32,17 @@ from engine.model.layers.quantized_linear import (
     row_bytes,
 )
 
+QUANTIZATION_METHODS = ("int8", "int4", "native")
+# method -> (GGUF block formats used as they are, the format float weights are packed into).
+# int4 keeps a Q8_0 tensor (SmolLM2's tied embedding/LM head) as Q8_0: requantizing it
+# to 4 bits would add error the GGUF does not have. native (chosen by --quantization auto
+# for a file of mixed block types, a K-quant file): the GGUF's own blocks in every format a
+# kernel reads (engine/model/layers/quantized_linear.py), nothing packed (other weights stay float).
+METHOD_FORMATS: dict[str, tuple[tuple[str, ...], str | None]] = {
+    "int8": (("q8_0",), "q8_0"),
+    "int4": (("q4_1", "q8_0"), "q4_1"),
+    "native": (("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"), None),
+}
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # HF tensors each fused projection is made of, in row order.
 PROJECTION_PARTS = {
@@ -43,76 +56,45 @@ BUFFER_SUFFIX = {"q8_0": "int8", "q4_1": "int4", "q4_1x8": "int4", "q4_0": "int4
                  "q5_1": "int5", "q4_k": "int4", "q5_k": "int5", "q6_k": "int6"}
 
 
-class BlockHolder(Protocol):
-    """A module that holds quantized entries: the model (its LM head's, as ``"head"``) and each
-    decoder layer (its projections'), with the kernel plan's route for each."""
-
-    quantized: dict[str, QuantizedLinear]
-    kernel_routes: dict[str, Callable[[torch.Tensor], torch.Tensor]]
-    _buffers: dict[str, torch.Tensor | None]
-
-    def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None: ...
-
-
-def holds_nothing(t: torch.Tensor) -> bool:
-    """A placeholder for a float weight not held: its shape over one element."""
-    return not t.is_mkldnn and t.dim() == 2 and t.numel() > 1 and t.stride() == (0, 0)
-
-
-def placeholder(like: torch.Tensor) -> nn.Parameter:
-    """A parameter of ``like``'s shape and dtype that holds one element."""
-    zero = torch.zeros(1, 1, dtype=like.dtype, device=like.device).expand(like.shape)
-    return nn.Parameter(zero, requires_grad=False)
-
-
 def head_attr(model: Any) -> str:
     """The parameter the LM head multiplies by: the embedding when the model ties them."""
     return "embed_tokens" if model.lm_head is None else "lm_head"
 
 
-def float_attr(model: Any, module: BlockHolder, name: str) -> str:
-    """The float parameter behind quantized entry ``name`` of ``module``."""
-    return head_attr(model) if name == "head" else name
+def projections(model: Any) -> dict[str, ProjectionLinear]:
+    """Every projection of ``model`` by its flat name: ``"head"``, then ``"layers.<i>.<name>"``."""
+    return {"head": model.projections["head"],
+            **{f"layers.{i}.{name}": p for i, layer in enumerate(model.layers) for name, p in layer.projections.items()}}
 
 
-def restore_float(model: Any, module: BlockHolder, name: str) -> torch.Tensor:
-    """``module``'s float weight behind entry ``name`` made again from its blocks (their
-    values exactly), in the model's dtype."""
-    q = module.quantized[name]
-    attr = float_attr(model, module, name)
-    dtype = getattr(module, attr).dtype
-    weight = nn.Parameter(q.dequantize().to(dtype), requires_grad=False)
-    setattr(module, attr, weight)
-    return weight
+def quantized_projections(model: Any) -> list[ProjectionLinear]:
+    """The projections held as blocks."""
+    return [p for p in projections(model).values() if p.blocks is not None]
 
 
-def quantized_modules(model: Any) -> dict[str, BlockHolder]:
-    return {"": model, **{f"layers.{i}.": layer for i, layer in enumerate(model.layers)}}
+def quantized_linears(model: Any) -> list[QuantizedLinear]:
+    """The blocks of every projection held as blocks."""
+    return [p.blocks for p in projections(model).values() if p.blocks is not None]
 
 
-def entries_of(model: Any) -> list[tuple[BlockHolder, str, QuantizedLinear]]:
-    return [(module, name, q) for module in quantized_modules(model).values()
-            for name, q in module.quantized.items()]
-
-
-def install(module: BlockHolder, name: str, entry: QuantizedLinear, counts: dict[str, int]) -> None:
-    """Hold ``entry`` on ``module`` (its parts as buffers, so ``weights_bytes`` counts them)."""
+def install(projection: ProjectionLinear, entry: QuantizedLinear, counts: dict[str, int]) -> None:
+    """Hold ``entry`` as ``projection``'s blocks (its parts as buffers of the module that holds the
+    projection, so ``weights_bytes`` counts them)."""
     for i, part in enumerate(entry.parts):
         suffix = BUFFER_SUFFIX[part.fmt] + (f"_{i}" if len(entry.parts) > 1 else "")
-        module.register_buffer(f"{name}_{suffix}", part.blocks, persistent=False)
-    module.quantized[name] = entry
+        projection.owner.register_buffer(f"{projection.name}_{suffix}", part.blocks, persistent=False)
+    projection.blocks = entry
     key = f"{entry.fmt if entry.fmt != 'mixed' else '+'.join(entry.formats)} {entry.source}"
     counts[key] = counts.get(key, 0) + 1
 
 
-def targets(model: Any) -> list[tuple[BlockHolder, str, torch.Tensor, tuple[str, ...]]]:
-    """``(module, entry name, float weight, HF parts)`` of the LM head and every projection."""
+def targets(model: Any) -> list[tuple[ProjectionLinear, tuple[str, ...]]]:
+    """``(projection, HF parts)`` of the LM head and every layer's projections."""
     head_name = "model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight"
-    out: list[tuple[BlockHolder, str, torch.Tensor, tuple[str, ...]]] = [
-        (model, "head", getattr(model, head_attr(model)), (head_name,))]
+    out: list[tuple[ProjectionLinear, tuple[str, ...]]] = [(model.projections["head"], (head_name,))]
     for index, layer in enumerate(model.layers):
-        out.extend((layer, name, getattr(layer, name),
-                    tuple(f"model.layers.{index}.{part}" for part in PROJECTION_PARTS[name])) for name in PROJECTIONS)
+        out.extend((layer.projections[name], tuple(f"model.layers.{index}.{part}" for part in PROJECTION_PARTS[name]))
+                   for name in PROJECTIONS)
     return out
 
 
@@ -137,19 +119,37 @@ def entry_from_file(weight: torch.Tensor, found: list[tuple[str, torch.Tensor] |
 
 
 @torch.no_grad()
-def quantize_weights(model: Any, method: str, exact: tuple[str, ...], packed_fmt: str | None,
-                     gguf_blocks: Mapping[str, tuple[str, torch.Tensor]] | None = None) -> dict[str, int]:
-    """Install the quantized entries of the LM head and every projection: the file's blocks
-    where ``gguf_blocks`` has every part in a format of ``exact``, else packed from the floats
-    into ``packed_fmt`` (None: kept float). Q4_1 is interleaved 8 rows at a time where int8
-    activations are on. Returns counts per ``"<format> <source>"`` (``"float"``: kept float)."""
+def quantize_weights(model: Any, method: str, gguf_blocks: Mapping[str, tuple[str, torch.Tensor]] | None = None,
+                     pack: bool = True) -> dict[str, int]:
+    """Install weight-only quantized entries of the LM head and every projection (after loading):
+    a GGUF's own blocks (:func:`engine.model.loading.gguf_blocks.read_gguf_blocks`) where ``method``
+    takes their format, other weights packed from the floats (``pack``; else kept float). The
+    kernels are bound at the first forward. Returns counts per ``"<format> <source>"``."""
+    refusal = getattr(model, "quantization_refusal", None)
+    if refusal is not None:
+        from engine.errors import UserError
+
+        raise UserError(f"--quantization {method}: {refusal}")
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization {method!r}: use one of {', '.join(QUANTIZATION_METHODS)}")
+    exact, packed_fmt = METHOD_FORMATS[method]
+    return _install_entries(model, exact, packed_fmt if pack else None, gguf_blocks)
+
+
+def _install_entries(model: Any, exact: tuple[str, ...], packed_fmt: str | None,
+                     gguf_blocks: Mapping[str, tuple[str, torch.Tensor]] | None) -> dict[str, int]:
+    """The entries of the LM head and every projection: the file's blocks where ``gguf_blocks`` has
+    every part in a format of ``exact``, else packed from the floats into ``packed_fmt`` (None: kept
+    float). Q4_1 is interleaved 8 rows at a time where int8 activations are on. Returns counts per
+    ``"<format> <source>"`` (``"float"``: kept float)."""
     from engine.model.kernels import cpu_gemv
 
     counts: dict[str, int] = {}
     interleave = cpu_gemv.int8_activations_enabled()
-    for module, name, weight, parts in targets(model):
+    for projection, parts in targets(model):
+        weight = projection.weight
         entry = entry_from_file(weight, [(gguf_blocks or {}).get(p) for p in parts], exact)
-        if entry is None and packed_fmt is not None and weight.shape[1] % cpu_gemv.QK == 0 and not holds_nothing(weight):
+        if entry is None and packed_fmt is not None and weight.shape[1] % cpu_gemv.QK == 0 and projection.holds_float():
             pack = cpu_gemv.quantize_q8_0 if packed_fmt == "q8_0" else cpu_gemv.quantize_q4_1
             entry = QuantizedLinear.single(pack(weight), packed_fmt, "packed")
         if entry is None:
@@ -158,8 +158,8 @@ def quantize_weights(model: Any, method: str, exact: tuple[str, ...], packed_fmt
         if entry.fmt == "q4_1" and interleave and weight.shape[0] % cpu_gemv.X8_ROWS == 0:
             # 8 rows interleaved: the kernel's int8 dot covers 8 rows per instruction.
             entry = QuantizedLinear.single(cpu_gemv.interleave_q4_1(entry.blocks), "q4_1x8", entry.source)
-        install(module, name, entry, counts)
-    model._gemv_pending = True
+        install(projection, entry, counts)
+    model.routing.pending = True
     return counts
 
 
@@ -169,11 +169,11 @@ def quantized_state(model: Any, counts: Mapping[str, int]) -> tuple[dict[str, to
     reading, concatenating and interleaving blocks."""
     tensors: dict[str, torch.Tensor] = {}
     formats = {"float": str(counts.get("float", 0))}
-    for prefix, module in quantized_modules(model).items():
-        for name, q in module.quantized.items():
-            if len(q.parts) == 1:
-                tensors[prefix + name] = q.blocks
-                formats[prefix + name] = f"{q.fmt} {q.source}"
+    for key, projection in projections(model).items():
+        q = projection.blocks
+        if q is not None and len(q.parts) == 1:
+            tensors[key] = q.blocks
+            formats[key] = f"{q.fmt} {q.source}"
     return tensors, formats
 
 
@@ -181,28 +181,26 @@ def restore_quantized(model: Any, tensors: Mapping[str, torch.Tensor],
                       formats: Mapping[str, str]) -> dict[str, int] | None:
     """Install entries saved by :func:`quantized_state`; None, with nothing installed, when
     they do not fit this model (another shape or an older layout)."""
-    plan: list[tuple[BlockHolder, str, QuantizedLinear]] = []
-    for prefix, module in quantized_modules(model).items():
-        for name in ("head",) if prefix == "" else PROJECTIONS:
-            key = prefix + name
-            if key not in tensors:
-                continue
-            fmt, _, source = formats.get(key, "").partition(" ")
-            weight = getattr(module, float_attr(model, module, name))
-            blocks = tensors[key]
-            if fmt not in BLOCK_FORMATS or blocks.dtype != torch.uint8 or not fits(fmt, weight.shape[1]):
-                return None
-            entry = QuantizedLinear.single(blocks, fmt, source, int(weight.shape[1]))
-            if tuple(blocks.shape) != (weight.shape[0], entry.nbytes // max(1, weight.shape[0])):
-                return None
-            plan.append((module, name, entry))
+    plan: list[tuple[ProjectionLinear, QuantizedLinear]] = []
+    for key, projection in projections(model).items():
+        if key not in tensors:
+            continue
+        fmt, _, source = formats.get(key, "").partition(" ")
+        weight = projection.weight
+        blocks = tensors[key]
+        if fmt not in BLOCK_FORMATS or blocks.dtype != torch.uint8 or not fits(fmt, weight.shape[1]):
+            return None
+        entry = QuantizedLinear.single(blocks, fmt, source, int(weight.shape[1]))
+        if tuple(blocks.shape) != (weight.shape[0], entry.nbytes // max(1, weight.shape[0])):
+            return None
+        plan.append((projection, entry))
     kept_float = int(formats.get("float", "0"))
     if len(plan) + kept_float != 1 + len(model.layers) * len(PROJECTIONS):
         return None
     counts: dict[str, int] = {"float": kept_float} if kept_float else {}
-    for module, name, entry in plan:
-        install(module, name, entry, counts)
-    model._gemv_pending = True
+    for projection, entry in plan:
+        install(projection, entry, counts)
+    model.routing.pending = True
     return counts
 
 
@@ -213,22 +211,23 @@ def bind(model: Any) -> str | None:
     torch; returns that reason (None when every entry has its kernel)."""
     from engine.model.kernels import cpu_gemv
 
-    entries = entries_of(model)
+    entries = quantized_linears(model)
     on_cpu = model.embed_tokens.device.type == "cpu"
-    wants_gemv = any(len(q.parts) == 1 and q.fmt in GEMV_FORMATS for _, _, q in entries)
-    wants_quant = any(len(q.parts) > 1 or q.fmt not in GEMV_FORMATS for _, _, q in entries)
+    wants_gemv = any(len(q.parts) == 1 and q.fmt in GEMV_FORMATS for q in entries)
+    wants_quant = any(len(q.parts) > 1 or q.fmt not in GEMV_FORMATS for q in entries)
     gemv_kernel = cpu_gemv.load_kernel() if on_cpu and wants_gemv else None
     quant_kernel = None
     if on_cpu and wants_quant:
         from engine.model.kernels import cpu_quant
 
         quant_kernel = cpu_quant.load_kernel()
-    bind_kernels([q for _, _, q in entries], gemv_kernel, quant_kernel)
-    unbound = [(module, name, q) for module, name, q in entries if q.gemv is None]
-    for module, name, q in unbound:
-        q.max_rows = 0
-        if holds_nothing(getattr(module, float_attr(model, module, name))):
-            restore_float(model, module, name)
+    bind_kernels(entries, gemv_kernel, quant_kernel)
+    unbound = [p for p in quantized_projections(model) if p.blocks is not None and p.blocks.gemv is None]
+    for projection in unbound:
+        assert projection.blocks is not None
+        projection.blocks.max_rows = 0
+        if not projection.holds_float():
+            projection.restore_float()
     if not unbound:
         return None
     reasons = []
@@ -248,8 +247,8 @@ def restore_float_weights(model: Any) -> int:
     """Make every float weight not held again from its blocks (a plan that uses them, a
     re-measurement, a fallback). Returns how many were restored."""
     restored = 0
-    for module, name, _ in entries_of(model):
-        if holds_nothing(getattr(module, float_attr(model, module, name))):
-            restore_float(model, module, name)
+    for projection in quantized_projections(model):
+        if not projection.holds_float():
+            projection.restore_float()
             restored += 1
     return restored

@@ -29,7 +29,7 @@ formats, dtype, ISA, torch, kernel sources, threads) the engine times, for each 
   to bf16 (where bf16 is native and ``--dtype auto``), or kvscope's paged prefill kernel.
 
 The LM head's candidates take float32 rows and return float32 sums in every dtype mode (a bf16
-weight is widened slice by slice: engine/model/families/llama.py ``fp32_linear``). A float weight that
+weight is widened slice by slice: engine/model/layers/projection_linear.py ``fp32_linear``). A float weight that
 no chosen candidate multiplies by is dropped once the plan is installed (layers/kernel_routing.py
 ``drop_unused_float_weights``; phase C counts what is held).
 

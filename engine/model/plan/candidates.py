@@ -63,7 +63,7 @@ def implementation(candidate: str, weight: torch.Tensor, quantized: Any, gemv_ke
                    group: str = "") -> Implementation:
     """``candidate`` for ``weight`` (``[out, in]``), copies made now. The LM head's (``group``
     "head") take float32 rows and sum and return float32 in every dtype mode: its ``torch``
-    widens a bf16 weight slice by slice (engine/model/families/llama.py fp32_linear), never rounding logits to bf16."""
+    widens a bf16 weight slice by slice (engine/model/layers/projection_linear.py fp32_linear), never rounding logits to bf16."""
     import torch
     import torch.nn.functional as F
 
@@ -75,7 +75,7 @@ def implementation(candidate: str, weight: torch.Tensor, quantized: Any, gemv_ke
         return Implementation(lambda x: F.linear(x, quantized.dequantize().to(x.dtype)))
     if candidate == "torch":
         if group == "head":
-            from engine.model.families.llama import fp32_linear
+            from engine.model.layers.projection_linear import fp32_linear
 
             return Implementation(lambda x: fp32_linear(x, weight))
         return Implementation(lambda x: F.linear(x, weight))

@@ -60,10 +60,10 @@ def fused_timing(model: Any) -> FusedTiming | None:
 
     def run(plan: KernelPlan, deadline: float) -> tuple[int, list[str]]:
         incumbent_rows = plan.fused_max_rows  # what measure() set: the previous plan's rows, or the fallback's
-        model.install_kernel_plan(replace(plan, fused_max_rows=cpu_layer.MAX_ROWS))
-        if not model._fused_layers:
+        model.routing.install_plan(replace(plan, fused_max_rows=cpu_layer.MAX_ROWS))
+        if not model.routing.fused_layers:
             return 0, ["fused decode layer does not apply to this model's layers or weights"]
-        layer, args = model.layers[0], model._fused_layers[0]
+        layer, args = model.layers[0], model.routing.fused_layers[0]
         timings, notes = [], []
         generator = torch.Generator().manual_seed(1)
         for sc in STEP_CLASSES:  # every class: past 64 rows a packed bf16 GEMM can beat its GEMV

@@ -83,17 +83,15 @@ def unmeasured_choice(target: _Target, step: str, rows: int, incumbent: KernelPl
 def _targets(model: Any, gemv_kernel: Any, native_bf16: bool, approximate: bool) -> list[_Target]:
     """Each group's weight (layer 0's, and the LM head) cut to its first ``WEIGHT_ROWS_TIMED``
     rows, with its quantized copy cut alike."""
-    from engine.model.loading.weight_blocks import holds_nothing
-
     out = []
     for group in GROUPS:
         module = model if group == "head" else model.layers[0]
-        attr = GROUP_ATTRS[group]
-        whole = model.head_weight if group == "head" else getattr(module, attr)
+        projection = module.projections[GROUP_ATTRS[group]]
+        whole = projection.weight
         if whole.shape[0] == 0:
             continue  # a sparse (MoE) layer's empty dense MLP: its cells stay torch, never run
         rows = min(WEIGHT_ROWS_TIMED, whole.shape[0])
-        q = module.quantized.get(attr)
+        q = projection.blocks
         q_rows = None if q is None else q.first_rows(rows)
         if q_rows is not None and q is not None:
             q_rows.bind_like(q)
@@ -102,7 +100,7 @@ def _targets(model: Any, gemv_kernel: Any, native_bf16: bool, approximate: bool)
         if q_rows is not None and q_rows.source != "gguf":  # a GGUF's float weights are its blocks' values
             blocks_weight = q_rows.dequantize()
         weight = whole[:rows]
-        blocks_only = holds_nothing(whole)
+        blocks_only = not projection.holds_float()
         if blocks_only:  # read as blocks, no float copy held: the slice's values made for the timing
             assert q_rows is not None
             weight = q_rows.dequantize().to(whole.dtype)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.model.loading.weight_blocks import quantized_linears
 from engine.model.plan import stability
 from engine.model.plan.fused_layer import fused_timing
 from engine.model.plan.kernel_plan import KernelPlan
@@ -41,15 +42,14 @@ def resolve(model: Any, key: str, native_bf16: bool, isa: str, log: Any = None,
                  "reached): measuring them now")
     if plan is None or remeasure or resume is not None:
         incumbent = resume or _incumbent_plan(previous, model.config.name, isa)
-        if model._gemv_pending:
-            model.resolve_gemv()  # each quantized weight bound to its kernel (the GEMV candidate)
-        gemv_kernel = cpu_gemv.load_kernel() if model.quantized_linears() else None
-        plan = measure(model, gemv_kernel, native_bf16, isa, model.fallback_candidate, fused=fused_timing(model),
+        model.routing.bind_pending()  # each quantized weight bound to its kernel (the GEMV candidate)
+        gemv_kernel = cpu_gemv.load_kernel() if quantized_linears(model) else None
+        plan = measure(model, gemv_kernel, native_bf16, isa, model.routing.fallback_candidate, fused=fused_timing(model),
                        approximate=approximate, resume=resume,
                        incumbent=incumbent)
         plan.key, plan.model, plan.threads = key, model.config.name, torch.get_num_threads()
         plan = _settle_measured(plan, previous, log)
-    model.install_kernel_plan(plan)
+    model.routing.install_plan(plan)
     if log is not None:
         log.info(plan.summary())
     return plan

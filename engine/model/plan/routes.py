@@ -1,5 +1,6 @@
 """A plan's choices installed on one projection: ``Route`` runs the implementation chosen for
-the step's row count (engine/model/llama.py install_kernel_plan builds one per projection)."""
+the step's row count (engine/model/layers/kernel_routing.py ``KernelRouting.install_plan`` builds one
+per projection, and the projection's ``ProjectionLinear`` runs it)."""
 
 from __future__ import annotations
 
