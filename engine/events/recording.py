@@ -95,8 +95,9 @@ class JsonlSink:
                  started_unix: float | None = None) -> None:
         self._file: IO[Any]
         if isinstance(path, str | Path):
-            # bytes: each event's line is written as event_bytes made it, not decoded and encoded again
-            self._file = open(path, "wb")  # noqa: SIM115
+            # bytes, unbuffered: each event's line is written as event_bytes made it (not decoded and
+            # encoded again), by one write(2) with no buffer to copy into and flush
+            self._file = open(path, "wb", buffering=0)  # noqa: SIM115
             self._owns = True
             self.sink_name = f"jsonl {path}"
         else:
@@ -108,11 +109,14 @@ class JsonlSink:
         self._file.flush()
         self._whole_lines_end = len(first) + 1  # bytes that are whole lines (an owned file)
 
-    def _write_line(self, data: bytes) -> None:
-        if self._owns:
-            self._file.write(data + b"\n")
-        else:
-            self._file.write(data.decode() + "\n")
+    def _write_line(self, data: bytes, text: str | None = None) -> None:
+        if not self._owns:
+            self._file.write((data.decode() if text is None else text) + "\n")
+            return
+        line = data + b"\n"
+        written = self._file.write(line)
+        while written < len(line):  # a short write (the disk filling): the rest, or the error
+            written += self._file.write(memoryview(line)[written:])
 
     def __call__(self, event: Event) -> None:
         data = event_bytes(event)
@@ -120,10 +124,7 @@ class JsonlSink:
             if self._file.closed:
                 return
             try:
-                if self._owns:
-                    self._file.write(data + b"\n")
-                else:
-                    self._file.write(event_line(event) + "\n")
+                self._write_line(data, None if self._owns else event_line(event))
                 self._file.flush()
             except OSError:
                 self._cut_to_whole_lines()
@@ -131,17 +132,12 @@ class JsonlSink:
             self._whole_lines_end += len(data) + 1
 
     def _cut_to_whole_lines(self) -> None:
-        """After a failed write: drop the part-written line (and whatever the buffer still
-        holds, which a later flush would append mid-line), then close the file."""
+        """After a failed write: drop the part-written line, then close the file (unbuffered:
+        nothing is left to append mid-line)."""
         if not self._owns:
             return
         with contextlib.suppress(OSError, ValueError):
             os.ftruncate(self._file.fileno(), self._whole_lines_end)
-        with contextlib.suppress(OSError, ValueError):
-            # closing the raw file directly: the buffer would retry the write
-            raw = getattr(self._file, "raw", None)
-            if raw is not None:
-                raw.close()
         with contextlib.suppress(OSError, ValueError):
             self._file.close()
 
