@@ -63,7 +63,7 @@ def test_phases_a_to_g_in_order_with_durations(recorded) -> None:
 
 
 def test_measured_peak_is_positive_and_kv_tokens_are_exact(recorded) -> None:
-    _, events, _, _ = recorded
+    llm, events, _, _ = recorded
     by_phase = {p.phase: p for p in phases(events) if p.status == "end"}
     assert by_phase["D"].data["activation_peak_bytes"] > 0
     e = by_phase["E"].data
@@ -71,7 +71,10 @@ def test_measured_peak_is_positive_and_kv_tokens_are_exact(recorded) -> None:
     assert e["num_blocks"] == e["kv_pool_bytes"] // block_bytes
     assert e["kv_cache_tokens"] == e["num_blocks"] * e["block_size"]
     assert e["kv_pool_bytes"] == 32 * 2**20
-    assert by_phase["C"].data["weights_bytes"] > 100 * 2**20
+    # the weights held: at least the file's blocks (the plan's copies on top vary with the plan measured)
+    from pathlib import Path
+
+    assert by_phase["C"].data["weights_bytes"] > 0.8 * Path(llm.engine.startup.model_config.path).stat().st_size
 
 
 @pytest.mark.slow  # a second engine start at 4x the batch: ~15 s on 2 cores (make test-slow)
