@@ -19,23 +19,36 @@ Events carry token counts, never token ids, so replay supplies the ids:
   its ``allocated``); those blocks were written by an earlier request, so the
   replayed prompt starts with that request's first ``hit`` tokens and continues
   with ids nobody else has. Limitation: hits of a resumed (preempted) request on
-  another request's blocks, and sharing longer than the recorded first hit, are
-  not reconstructed. The KV cache groups come from ``engine.config``'s
-  ``kv_cache_groups`` (none named: one full-attention group); hits are read in the
-  first full-attention group's table (a model of sliding windows only has its hits
-  not reconstructed).
+  another request's blocks are not reconstructed. The KV cache groups come from
+  ``engine.config``'s ``kv_cache_groups`` (none named: one full-attention group); hits
+  are read in the first full-attention group's table (a model of sliding windows only
+  has its hits not reconstructed).
+- Sharing longer than the hit: in a hybrid pool a sliding window can cut a request's
+  first hit short of what the full-attention groups held (its admission's
+  ``prefix_lookups`` entry ``[hit, "sliding_window", full-attention hit]``; the hit
+  may be 0). Its prompt still shares that longer prefix, and it shows: in the window
+  groups' blocks it writes or finds held already, and in what its lookups while it
+  waited made it need. The events do not say whose prefix it shares, so
+  :class:`_WindowShares` finds out: at each step that looks the request up while it
+  fares otherwise than recorded, it tries, on copies of the scheduler, the prompt
+  prefix of each request whose block at the shared length's end the replayed
+  full-attention cache holds, rules out those that fare otherwise too, and keeps the
+  first that fares as recorded. Limitation: a sharing that only a lookup stopped by an
+  eviction shows (``[hit, "evicted", step, block]``) is not reconstructed.
 
 A recording cut at any byte replays up to its last whole step and says so.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import copy
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from engine.budget.memory import GiB
+from engine.core.kv_cache import extend_block_hashes
 from engine.core.kv_cache_groups import resolve_groups
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -44,6 +57,7 @@ from engine.errors import UserError
 from engine.events import (
     EngineConfigEvent,
     Event,
+    EventBus,
     Recording,
     RequestArrived,
     RequestFinished,
@@ -55,10 +69,12 @@ from engine.events import (
 )
 from engine.events.ledger import LEDGER
 from engine.events.phase_data import KvCacheData
+from engine.events.step_records import PREFIX_WINDOW
 from engine.sim.driver import SAMPLED_TOKEN_ID
 
 STOP_TOKEN_ID = -1  # never a prompt id: the replay's "model" says stop with it
 FILLER_TOKEN_ID = SAMPLED_TOKEN_ID
+MAX_WINDOW_SHARE_TRIALS = 16  # distinct cached prefixes tried at one step for one request
 
 # Fields of a step event that are decisions (compared), in the order shown.
 COMPARED_FIELDS = (
@@ -255,6 +271,153 @@ class _PromptBuilder:
         self._built[request_id] = built
         return built
 
+    def built(self, request_id: str) -> list[int] | None:
+        """The prompt built for ``request_id`` so far (None before its arrival)."""
+        return self._built.get(request_id)
+
+    def share(self, request_id: str, prefix: list[int]) -> list[str]:
+        """Start ``request_id``'s built prompt with ``prefix`` (a longer sharing than its
+        first hit showed), and the built prompts that copied its start; returns every
+        request whose prompt changed, ``request_id`` first."""
+        built = self._built[request_id]
+        self._built[request_id] = prefix + built[len(prefix):]
+        changed = [request_id]
+        for other, (src, hit) in self.source.items():
+            copied = self._built.get(other)
+            if src == request_id and copied is not None:
+                n = min(hit, len(copied) - 1, len(self._built[request_id]))
+                changed += self.share(other, self._built[request_id][:n])
+        return changed
+
+
+def window_cut_shares(steps: list[RecordedStep]) -> dict[int, list[tuple[str, int]]]:
+    """Step index -> (request, tokens) for each first admission whose sliding window cut its
+    hit short of the full-attention groups' (``prefix_lookups``; see the module docstring),
+    in admission order."""
+    out: dict[int, list[tuple[str, int]]] = {}
+    for step in steps:
+        ev = step.event
+        new = set(ev.new)
+        for rid, lookup in ev.prefix_lookups.items():
+            if rid in new and len(lookup) > 2 and lookup[1] == PREFIX_WINDOW and lookup[2] > lookup[0]:
+                out.setdefault(ev.index, []).append((rid, int(lookup[2])))
+    return out
+
+
+# A request's own parts of a step: what a trial of its prompt is judged on.
+_REQUEST_OWN_FIELDS = ("scheduled", "allocated", "allocated_groups", "waiting_reasons", "prefix_lookups")
+
+
+def _same_for_request(recorded: StepEvent, replayed: StepEvent, request_id: str) -> bool:
+    """``request_id`` fared the same in both steps: scheduled, allocated and waited alike, its
+    lookup stopped alike, and the same of its blocks were cached."""
+    if any(getattr(recorded, name).get(request_id) != getattr(replayed, name).get(request_id)
+           for name in _REQUEST_OWN_FIELDS):
+        return False
+    rec_cached, rep_cached = set(recorded.cached), set(replayed.cached)
+    return all((b in rec_cached) == (b in rep_cached) for b in recorded.allocated.get(request_id, ()))
+
+
+def _set_prompt(req: Request, prompt: list[int]) -> None:
+    """Give a request that has computed nothing yet its rebuilt prompt."""
+    req.prompt_token_ids = list(prompt)
+    req.token_ids = list(prompt)
+    req.block_hashes = []
+
+
+def _listened(scheduler: Scheduler) -> Scheduler:
+    """``scheduler`` with a bus that listens, so its steps say why requests waited and where
+    their lookups stopped (a trial is judged on them)."""
+    bus = EventBus()
+    bus.subscribe(lambda _event: None)
+    scheduler.bus = bus
+    return scheduler
+
+
+class _WindowShares:
+    """The longer sharing of window-cut admissions (see the module docstring). A waiting
+    request's prompt matters only at the steps that look it up, so it may change until
+    its admission; ``undecided`` holds each such request and the tokens it shares."""
+
+    def __init__(self, prompts: _PromptBuilder, steps: list[RecordedStep], block_size: int,
+                 full_group: int | None) -> None:
+        self.prompts = prompts
+        self.block_size = block_size
+        self.full_group = full_group
+        self.undecided: dict[str, int] = {}  # request -> shared tokens
+        if full_group is not None:
+            for shares in window_cut_shares(steps).values():
+                self.undecided.update(shares)
+        self._owner: dict[int, tuple[str, int]] = {}  # block hash -> (request, position) of a prompt's full block
+        self._ruled_out: dict[str, list[list[int]]] = {}  # request -> prefixes a trial step ruled out
+
+    def note_prompt(self, request_id: str, prompt: list[int]) -> None:
+        """Remember the hash of each full block of a prompt (the replay's requests carry no salt)."""
+        probe = Request(request_id, prompt)
+        for j, h in enumerate(extend_block_hashes(probe, len(prompt) // self.block_size, self.block_size)):
+            self._owner.setdefault(h, (request_id, j))
+
+    def candidates(self, scheduler: Scheduler, request_id: str, num_blocks: int) -> list[list[int]]:
+        """Distinct prompt prefixes of ``num_blocks`` blocks that end at a block the full-attention
+        cache holds now, the most recently cached first."""
+        assert self.full_group is not None
+        size = num_blocks * self.block_size
+        out: list[list[int]] = []
+        for h in reversed(scheduler.kv.pool.cached_block_maps[self.full_group]):
+            owner = self._owner.get(h)
+            if owner is None or owner[1] != num_blocks - 1 or owner[0] == request_id:
+                continue
+            prompt = self.prompts.built(owner[0])
+            prefix = prompt[:size] if prompt is not None else []
+            if len(prefix) == size and prefix not in out:
+                out.append(prefix)
+        return out[:MAX_WINDOW_SHARE_TRIALS]
+
+    def step(self, scheduler: Scheduler, recorded: StepEvent, run: Callable[[Scheduler], StepEvent]) -> StepEvent:
+        """Run ``recorded``'s step on ``scheduler``, first on a copy when it may look up a
+        waiting request whose prefix is undecided: if that request fares otherwise than
+        recorded, it takes the first candidate prefix that fares as recorded."""
+        # a step admits at most max_num_seqs - running requests (the ones it preempts go back
+        # ahead of the queue), so only those first in the queue can be looked up
+        reachable = scheduler.waiting.head(max(scheduler.config.max_num_seqs - len(scheduler.running), 0))
+        pending = [req.request_id for req in reachable if req.request_id in self.undecided
+                   and req.status is RequestStatus.WAITING and not req.num_computed_tokens]
+        if pending:
+            probe = _listened(copy.deepcopy(scheduler))
+            event = run(probe)
+            for rid in pending:
+                if probe.requests[rid].block_hashes and not _same_for_request(recorded, event, rid):
+                    self._switch(scheduler, recorded, rid, run)
+        return run(scheduler)
+
+    def _switch(self, scheduler: Scheduler, recorded: StepEvent, request_id: str,
+                run: Callable[[Scheduler], StepEvent]) -> None:
+        """Try each candidate prefix not yet ruled out for one step, rule out those that fare
+        otherwise than recorded, and give the request (and the prompts that copied its
+        start) the first that fares as recorded."""
+        ruled_out = self._ruled_out.setdefault(request_id, [])
+        for prefix in self.candidates(scheduler, request_id, self.undecided[request_id] // self.block_size):
+            if prefix in ruled_out:
+                continue
+            if not _same_for_request(recorded, run(self._trial(scheduler, request_id, prefix)), request_id):
+                ruled_out.append(prefix)
+                continue
+            for rid in self.prompts.share(request_id, prefix):
+                prompt = self.prompts.built(rid)
+                assert prompt is not None
+                self.note_prompt(rid, prompt)
+                req = scheduler.requests.get(rid)
+                if req is not None and req.status is RequestStatus.WAITING and not req.num_computed_tokens:
+                    _set_prompt(req, prompt)
+            return
+
+    def _trial(self, scheduler: Scheduler, request_id: str, prefix: list[int]) -> Scheduler:
+        trial = _listened(copy.deepcopy(scheduler))
+        built = self.prompts.built(request_id)
+        assert built is not None
+        _set_prompt(trial.requests[request_id], prefix + built[len(prefix):])
+        return trial
+
 
 def _diff_fields(recorded: StepEvent, replayed: StepEvent) -> list[str]:
     out = []
@@ -295,6 +458,7 @@ class Replayer:
         groups = resolve_groups(self.config.kv_cache_groups)
         hit_group = next((i for i, g in enumerate(groups) if not g.spec.is_sliding), None)
         self._prompts = _PromptBuilder(self.steps, self.config.block_size, recording.events, hit_group)
+        self._window_shares = _WindowShares(self._prompts, self.steps, self.config.block_size, hit_group)
         self._stop_at: dict[int, set[str]] = {}
         self._fail_at: dict[int, set[str]] = {}  # requests whose own sampling/detokenising raised
         for step in self.steps:
@@ -309,6 +473,7 @@ class Replayer:
         for ev in inputs:
             if isinstance(ev, RequestArrived | RequestRejected):
                 prompt = self._prompts.prompt(ev.request_id, ev.prompt_tokens)
+                self._window_shares.note_prompt(ev.request_id, prompt)
                 sched.add_request(
                     Request(ev.request_id, prompt, ev.max_tokens, stop_token_ids=(STOP_TOKEN_ID,),
                             arrival_time=ev.t - getattr(ev, "preprocess_s", 0.0),
@@ -335,12 +500,16 @@ class Replayer:
         """Replay the next recorded step: (recorded, replayed)."""
         recorded = self.steps[self.position]
         self._feed(recorded.inputs)
-        result = run_step(self.scheduler, self, None, recorded.event.t, build_event=True)
-        replayed = result.event
-        assert replayed is not None
+        now = recorded.event.t
+        replayed = self._window_shares.step(self.scheduler, recorded.event, lambda sched: self._run_step(sched, now))
         self.position += 1
         self.last_replayed = replayed
         return recorded.event, replayed
+
+    def _run_step(self, scheduler: Scheduler, now: float) -> StepEvent:
+        event = run_step(scheduler, self, None, now, build_event=True).event
+        assert event is not None
+        return event
 
     def run(self, until_step: int | None = None, verify: bool = True) -> ReplayReport:
         """Replay every recorded step (or through recorded index ``until_step``),

@@ -2,10 +2,11 @@
 hybrid manager, its recording names the groups, ``engine replay --verify`` holds for it,
 the KV events name each group's spec, and the window frees blocks while requests run.
 
-The workload shares no prefix: replay rebuilds shared prompts from each request's first
-recorded hit, and in a hybrid pool a request can share content with blocks that one group
-still holds while the common hit is shorter (another group's window blocks were evicted),
-which that rebuild cannot see (docs/architecture.md, the hybrid manager's section)."""
+The Llama-3.1-8B workload shares no prefix. The Gemma 3 270M ones share one: there a sliding
+window can cut a request's first hit short of (or down from) what the full-attention groups
+held, and replay rebuilds that longer sharing from the step event's ``prefix_lookups``
+(engine/sim/replay.py's ``_WindowShares``); checked on a fresh recording and on
+tests/data/monitor_hybrid.jsonl, which stopped at step 154 before."""
 
 from __future__ import annotations
 
@@ -13,16 +14,25 @@ from pathlib import Path
 
 import pytest
 
+from engine.cli import main
 from engine.config import EngineConfig
 from engine.core.single_type_kv_cache import SlidingWindowManager
 from engine.events import EngineConfigEvent, EventBus, JsonlSink, StepEvent, read_events
 from engine.events.exporters.kv_events import BlockRemoved, BlockStored, KVEventFold
 from engine.events.folds.block_table import fold_step_events
-from engine.sim.replay import Replayer, load_recording
+from engine.sim.replay import Replayer, load_recording, window_cut_shares
 from engine.sim.simulate import Simulation, build_setup
 from engine.sim.workload import WorkloadSpec, generate_workload
+from tests.paths import DATA
 
 WINDOW = 512
+# tests/data/monitor_hybrid.jsonl's command (tests/monitor/hybrid_fixtures.py) without its seed
+GEMMA_SHARED_PREFIX = (  # noqa: SIM905 - as a person types it
+    "simulate --model gemma-3-270m --layer-pattern 5:1 --sliding-window 128 --num-gpu-blocks-override 384 "
+    "--max-model-len 2048 --max-num-seqs 8 --max-num-batched-tokens 512 --num-prompts 16 "
+    "--random-input-len 100:600 --random-output-len 40:160 --arrival poisson --request-rate 0.25 "
+    "--arrival-unit step --shared-prefix-fraction 0.5 --shared-prefix-len 128"
+).split()
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +63,23 @@ def test_replay_verifies_a_hybrid_recording(hybrid_recording: Path) -> None:
     assert len(replayer.scheduler.kv.groups) == 7  # engine.config's groups: the same manager
     report = replayer.run()
     assert report.ok, replayer.render_divergence(report.divergence)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("recording", ["fresh", "committed"])
+def test_replay_rebuilds_sharing_a_sliding_window_cut_short(recording: str, tmp_path: Path) -> None:
+    """Shared-prefix requests whose first hit a window cut short (to 0 here) still share the
+    prefix: replay gives them its tokens, so the window groups' blocks they write, or find
+    held already, are the recorded ones. Before, replay took their prompts as unshared and
+    stopped at the first such admission (step 154 of the committed recording)."""
+    path = DATA / "monitor_hybrid.jsonl"
+    if recording == "fresh":
+        path = tmp_path / "shared.jsonl"
+        assert main([*GEMMA_SHARED_PREFIX, "--workload-seed", "2", "--events", str(path)]) == 0
+    replayer = Replayer(load_recording(path))
+    assert window_cut_shares(replayer.steps), "no window cut a first hit short: the test checks nothing"
+    report = replayer.run()
+    assert report.ok, replayer.render_divergence(report.divergence)  # type: ignore[arg-type]
+    assert report.steps_replayed == report.steps_recorded
 
 
 def test_the_window_frees_blocks_of_running_requests_and_the_fold_keeps_them_apart(hybrid_recording: Path) -> None:
