@@ -177,6 +177,18 @@ def test_gemma3_layer_matches_the_op_by_op_layer(gemma, index: int) -> None:
     assert _rel(fused_cache, ref_cache) < LAYER_RTOL
 
 
+def test_gemma3_rounds_its_down_projections_input_twice(gemma) -> None:
+    """Gemma 3's down projection (its input carries the outliers) rounds its remainder again, on both
+    paths: two-pass codes (200 + the ggml id) in the fused call, passes=2 on the op-by-op one."""
+    model = gemma.model
+    for layer, (before, _after) in zip(model.layers, model.routing.fused_layers, strict=True):
+        codes = [a for a in before if isinstance(a, list) and a and isinstance(a[0], int)]
+        assert all(c >= cpu_layer.TWO_PASS_CODE_BASE for c in codes[3]), codes
+        assert all(cpu_layer.QUANT_CODE_BASE <= c < cpu_layer.TWO_PASS_CODE_BASE for part in codes[:3] for c in part)
+        assert layer.projections["down_proj"].blocks.activation_passes == 2
+        assert {layer.projections[n].blocks.activation_passes for n in ("qkv_proj", "o_proj", "gate_up_proj")} == {1}
+
+
 def test_gemma3_sliding_layer_attends_its_window_only(gemma) -> None:
     """The same sliding layer without its window bound (window 0: every position) is another
     result (2e-2 apart here): the bound is what makes the two paths agree past 512 tokens."""

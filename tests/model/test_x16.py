@@ -72,7 +72,7 @@ def test_mixed_formats_side_by_side(kernels: dict[str, object]) -> None:
     for isa, kernel in kernels.items():
         packs = [kernel.pack_x16(b, c) for b, c in zip(blocks, codes, strict=True)]  # type: ignore[attr-defined]
         got = kernel.x16_matmul_segments(x, packs, [r for _, r in parts], codes)  # type: ignore[attr-defined]
-        want = kernel.quant_matmul_segments(x, blocks, codes)  # type: ignore[attr-defined]
+        want = kernel.quant_matmul_segments(x, blocks, codes, 1)  # type: ignore[attr-defined]
         assert got.shape == (11, 46) and torch.allclose(got, want, rtol=1e-4, atol=1e-4), isa
 
 

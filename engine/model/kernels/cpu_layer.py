@@ -22,7 +22,8 @@ is a list of row segments, each a block tensor and a format code, multiplied as 
 path multiplies it (engine/model/layers/quantized_linear.py ``bind_kernels``): one q8_0/q4_1/q4_1x8
 tensor through cpu_gemv's GEMV (codes below ``QUANT_CODE_BASE``), any other (a K-quant, or a
 fused QKV whose Q/K are Q5_0 and V Q8_0) through cpu_quant's segments, the input rounded to
-int8 once per projection (codes ``QUANT_CODE_BASE`` + the ggml type id). Each projection uses
+int8 once per projection (codes ``QUANT_CODE_BASE`` + the ggml type id; ``TWO_PASS_CODE_BASE`` + the id
+where the projection rounds its input twice). Each projection uses
 the GEMV at every size it serves under the kernel plan (which times the layer against the
 op-by-op path at each step class and stops it where it loses); with the plan off, for as many
 rows as the GEMV wins (``GEMV_MAX_ROWS``, 8 on AVX2) and torch's float32 GEMM (``at::mm_out``,
@@ -52,8 +53,10 @@ KERNEL_ENV = "KVSCOPE_CPU_LAYER_KERNEL"
 MAX_ROWS = 256
 # cpu_gemv's formats: one block tensor, float32 activations (the GEMV module's codes).
 FORMAT_CODES = {"q8_0": 0, "q4_1": 1, "q4_1x8": 2}
-# cpu_quant's formats are this plus ggml's type id (q4_k: 112), so the C++ tells the two apart.
+# cpu_quant's formats are this plus ggml's type id (q4_k: 112), so the C++ tells the two apart;
+# from TWO_PASS_CODE_BASE the same formats with the input rounded twice (QuantizedLinear.activation_passes).
 QUANT_CODE_BASE = 100
+TWO_PASS_CODE_BASE = 200
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 # (segment blocks, format codes, float weight past the GEMV limit, GEMV row limit): one projection's arguments.
 ProjectionArgs = tuple[list[torch.Tensor], list[int], torch.Tensor, int]
@@ -61,8 +64,9 @@ ProjectionArgs = tuple[list[torch.Tensor], list[int], torch.Tensor, int]
 _GLUE = r"""
 namespace kq = kvscope_quant;
 
-// Format codes below kQuantBase: cpu_gemv's (one tensor); from it: kQuantBase + a ggml type id (cpu_quant).
-constexpr int64_t kQuantBase = 100;
+// Format codes below kQuantBase: cpu_gemv's (one tensor); from it: kQuantBase + a ggml type id (cpu_quant);
+// from kTwoPassBase: the same with the input's remainder rounded and multiplied again (two int8 passes).
+constexpr int64_t kQuantBase = 100, kTwoPassBase = 200;
 
 // One projection: its row segments (blocks, format codes), the float weight and the GEMV row limit.
 struct Proj {
@@ -92,8 +96,11 @@ static void gemv_project(const torch::Tensor& w, int64_t fmt, const float* x, in
 static void quant_project(const Proj& p, const float* x, int64_t M, int64_t K, int64_t N, float* y) {
   std::vector<kq::Segment> seg;
   int64_t col = 0;
+  const int64_t base = p.fmt[0] >= kTwoPassBase ? kTwoPassBase : kQuantBase;
   for (size_t i = 0; i < p.w.size(); ++i) {
-    const int fmt = static_cast<int>(p.fmt[i] - kQuantBase);
+    TORCH_CHECK(p.fmt[i] >= base && p.fmt[i] < base + 100, "decode_layer: segment ", i, " format code ", p.fmt[i],
+                " is not in its projection's pass range (", base, " + a ggml type id)");
+    const int fmt = static_cast<int>(p.fmt[i] - base);
     const kq::Geometry g = kq::geometry(fmt);
     TORCH_CHECK(g.weights > 0 && K % g.weights == 0 && p.w[i].size(1) == K / g.weights * g.bytes &&
                     p.w[i].is_contiguous(), "decode_layer: segment ", i, " (format code ", p.fmt[i],
@@ -103,7 +110,7 @@ static void quant_project(const Proj& p, const float* x, int64_t M, int64_t K, i
   }
   TORCH_CHECK(col == N, "decode_layer: segments of ", col, " rows for ", N, " outputs");
   static thread_local kq::QuantActs acts;  // its buffers are reused from call to call
-  kq::quantize_acts(x, M, K, K, acts);
+  kq::quantize_acts(x, M, K, K, acts, base == kTwoPassBase ? 2 : 1);
   kq::matmul_segments(seg.data(), static_cast<int>(seg.size()), acts, y, N);
 }
 
@@ -401,7 +408,8 @@ def segment_codes(q: QuantizedLinear) -> list[int] | None:
         return [FORMAT_CODES[q.fmt]]
     if any(p.fmt not in cpu_quant.FORMAT_IDS for p in q.parts):
         return None
-    return [QUANT_CODE_BASE + cpu_quant.FORMAT_IDS[p.fmt] for p in q.parts]
+    base = TWO_PASS_CODE_BASE if q.activation_passes == 2 else QUANT_CODE_BASE
+    return [base + cpu_quant.FORMAT_IDS[p.fmt] for p in q.parts]
 
 
 def projection_args(q: QuantizedLinear | None, weight: torch.Tensor) -> ProjectionArgs | None:

@@ -136,9 +136,11 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, fmt: int | str, isa: str | No
 
 
 def quant_matmul_segments(x: torch.Tensor, ws: Sequence[torch.Tensor], fmts: Sequence[int | str],
-                          isa: str | None = None) -> torch.Tensor:
-    """Several weights sharing ``x`` (quantized once): float32 ``[M, sum N_i]``, outputs side by side."""
-    return _kernel(isa).quant_matmul_segments(x, list(ws), [format_id(f) for f in fmts])
+                          isa: str | None = None, passes: int = 1) -> torch.Tensor:
+    """Several weights sharing ``x`` (quantized once): float32 ``[M, sum N_i]``, outputs side by side.
+    ``passes=2`` rounds what the int8 rounding left of ``x`` again and adds its products (~15-bit
+    activations for a second activation row's integer work) when ``x`` is one row; more rows round once."""
+    return _kernel(isa).quant_matmul_segments(x, list(ws), [format_id(f) for f in fmts], passes)
 
 
 def dequantize(w: torch.Tensor, fmt: int | str, isa: str | None = None) -> torch.Tensor:

@@ -96,6 +96,9 @@ class QuantizedLinear:
     max_rows: int = 0  # steps of at most this many tokens use ``gemv``; 0: always the float weights
     gemv: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False)
     kernels: tuple[ModuleType | None, ModuleType | None] = field(default=(None, None), repr=False)  # (GEMV, block-type) bound with
+    # int8 roundings of the input on the block-type kernel: 2 rounds the remainder again on one-row
+    # steps (a family's choice for a projection whose inputs carry outliers: Gemma 3's down projection)
+    activation_passes: int = 1
 
     @classmethod
     def single(cls, blocks: torch.Tensor, fmt: str, source: str, in_features: int | None = None) -> QuantizedLinear:
@@ -143,7 +146,8 @@ class QuantizedLinear:
                 break
             parts.append(BlockPart(part.fmt, part.blocks[:left]))
             left -= part.rows
-        return QuantizedLinear(tuple(parts), self.in_features, self.source, self.max_rows, None)
+        return QuantizedLinear(tuple(parts), self.in_features, self.source, self.max_rows, None,
+                               activation_passes=self.activation_passes)
 
     def bind_like(self, other: QuantizedLinear) -> None:
         """Bind to the kernels ``other`` was bound with (a slice of it, timed by the plan)."""
@@ -191,8 +195,8 @@ def bind_kernels(entries: Sequence[QuantizedLinear], gemv_kernel: ModuleType | N
 def _segments_call(kernel: ModuleType, q: QuantizedLinear) -> Callable[[torch.Tensor], torch.Tensor]:
     codes = [BLOCK_FORMATS[p.fmt][0] for p in q.parts]
     blocks = [p.blocks for p in q.parts]
-    if len(blocks) == 1:
+    if len(blocks) == 1 and q.activation_passes == 1:
         fn1, w, code = kernel.quant_matmul, blocks[0], codes[0]
         return lambda x: fn1(x, w, code)
-    fn = kernel.quant_matmul_segments
-    return lambda x: fn(x, blocks, codes)
+    fn, passes = kernel.quant_matmul_segments, q.activation_passes
+    return lambda x: fn(x, blocks, codes, passes)

@@ -79,7 +79,10 @@ def quantized_linears(model: Any) -> list[QuantizedLinear]:
 
 def install(projection: ProjectionLinear, entry: QuantizedLinear, counts: dict[str, int]) -> None:
     """Hold ``entry`` as ``projection``'s blocks (its parts as buffers of the module that holds the
-    projection, so ``weights_bytes`` counts them)."""
+    projection, so ``weights_bytes`` counts them), its input rounded twice where the owner's family
+    asks it (``inputs_rounded_twice``)."""
+    if projection.name in getattr(projection.owner, "inputs_rounded_twice", ()):
+        entry.activation_passes = 2
     for i, part in enumerate(entry.parts):
         suffix = BUFFER_SUFFIX[part.fmt] + (f"_{i}" if len(entry.parts) > 1 else "")
         projection.owner.register_buffer(f"{projection.name}_{suffix}", part.blocks, persistent=False)

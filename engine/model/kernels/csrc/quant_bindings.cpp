@@ -40,10 +40,14 @@ static torch::Tensor checked_weight(const torch::Tensor& w, int64_t fmt, int64_t
   return w.contiguous();
 }
 
-torch::Tensor quant_matmul_segments(torch::Tensor x, std::vector<torch::Tensor> ws, std::vector<int64_t> fmts) {
+// passes 2: x's remainder after its int8 rounding is rounded and multiplied again (~15-bit activations),
+// for a single row (kTwoPassMaxRows); more rows round once.
+torch::Tensor quant_matmul_segments(torch::Tensor x, std::vector<torch::Tensor> ws, std::vector<int64_t> fmts,
+                                    int64_t passes) {
   const char* fn = "quant_matmul_segments";
   TORCH_CHECK(ws.size() == fmts.size() && !ws.empty(), fn, ": need one format per weight (", ws.size(), " weights, ",
               fmts.size(), " formats)");
+  TORCH_CHECK(passes == 1 || passes == 2, fn, ": passes is 1 or 2, got ", passes);
   auto xf = float_rows(x, fn);
   const int64_t M = xf.size(0), K = xf.size(1);
   std::vector<kq::Segment> seg;
@@ -56,13 +60,13 @@ torch::Tensor quant_matmul_segments(torch::Tensor x, std::vector<torch::Tensor> 
   auto y = torch::empty({M, col}, xf.options());
   if (M == 0 || col == 0) return y;
   kq::QuantActs a;
-  kq::quantize_acts(xf.data_ptr<float>(), M, K, K, a);
+  kq::quantize_acts(xf.data_ptr<float>(), M, K, K, a, passes);
   kq::matmul_segments(seg.data(), (int)seg.size(), a, y.data_ptr<float>(), col);
   return y;
 }
 
 torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor w, int64_t fmt) {
-  return quant_matmul_segments(x, {w}, {fmt});
+  return quant_matmul_segments(x, {w}, {fmt}, 1);
 }
 
 static int64_t checked_in_features(const torch::Tensor& w, int64_t fmt, const char* fn) {
