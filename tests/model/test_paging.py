@@ -129,3 +129,19 @@ def test_write_kv_puts_each_token_at_its_slot() -> None:
     assert kv_cache[0, 1, 2].tolist() == [[-4.0, -5.0]]
     assert not (kv_cache.abs() == 2).any()  # the token at slot -1 (values 2, 3) was not written
     assert int((kv_cache != 0).sum()) == 6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn])
+def test_gather_blocks_is_the_block_tables_indexing(dtype: torch.dtype) -> None:
+    """The backend's one gather (index_select on the flattened table) equals ``kv_cache[table]``
+    for a sequence's row and for a whole batch's table, in every cache dtype."""
+    from engine.model.attention.torch_backend import gather_blocks
+
+    cache = torch.randn(40, 2, 16, 2, 8, generator=torch.Generator().manual_seed(0)).to(dtype)
+    for table in (torch.tensor([5, 0, 39], dtype=torch.int32), torch.tensor([[3, 7], [39, 3]], dtype=torch.int32),
+                  torch.tensor([], dtype=torch.int32)):
+        expected = cache[table.to(torch.int64)]
+        got = gather_blocks(cache, table)
+        assert got.shape == expected.shape
+        assert torch.equal(got.view(torch.uint8) if dtype.itemsize == 1 else got,
+                           expected.view(torch.uint8) if dtype.itemsize == 1 else expected)

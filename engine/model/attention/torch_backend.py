@@ -1,7 +1,7 @@
 """Paged attention in plain torch, for CPU (and as the reference for other backends).
 
 No per-sequence Python loop: each layer gathers every sequence's context through
-its block table in one indexing op (``kv_cache[block_tables]``), pads the
+its block table in one gather (``gather_blocks``: ``kv_cache[block_tables]``), pads the
 queries to ``[num_seqs, max_query_len]``, and makes ONE
 ``scaled_dot_product_attention`` call with a boolean mask (causal within the
 new tokens, all cached context visible, padding hidden).
@@ -32,6 +32,15 @@ from engine.model.attention.kv_quant import (
     is_quantized,
     quantize_for_cache,
 )
+
+
+def gather_blocks(kv_cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """``kv_cache[table]`` (the blocks a block table names, in its shape) by one ``index_select`` on
+    the first dim: advanced indexing runs a slower, parallel kernel (Zen 4, a 10,922-block float32
+    cache, 2 threads: 128 blocks 296 against 55 µs, one block 5.8 against 2.9 µs; on a loaded machine
+    the indexing kernel's threads took up to 388 µs for one block)."""
+    flat = kv_cache.index_select(0, table.reshape(-1).to(torch.int64))
+    return flat.view(*table.shape, *kv_cache.shape[1:])
 
 
 @dataclass(slots=True)
@@ -157,7 +166,7 @@ class TorchAttentionBackend:
         plan = self._plan_for(meta, group, block_size, sliding_window)
 
         # [seqs, blocks, 2, block_size, kv_heads, width] -> K, V as [seqs, kv_heads, context, head_dim]
-        gathered = kv_cache[meta.block_tables[:, : plan.num_blocks].to(torch.int64)]
+        gathered = gather_blocks(kv_cache, meta.block_tables[:, : plan.num_blocks])
         if is_quantized(kv_cache.dtype):  # attend in the model's dtype over the dequantized copy
             gathered = dequantize_from_cache(gathered, out_dtype)
         context_len = plan.num_blocks * block_size
@@ -246,8 +255,7 @@ class TorchAttentionBackend:
         # The first key any row of the chunk sees: 0, or the first row's window start.
         first = 0 if sliding_window is None else max(0, context - n - sliding_window + 1)
         first_block = first // block_size
-        blocks = block_table[first_block : -(-context // block_size)].to(torch.int64)
-        kv = kv_cache[blocks]  # [blocks, 2, block_size, kv_heads, width]
+        kv = gather_blocks(kv_cache, block_table[first_block : -(-context // block_size)])  # [blocks, 2, bs, kv, w]
         if is_quantized(kv_cache.dtype):
             kv = dequantize_from_cache(kv, q_rows.dtype)
         elif kv.dtype != q_rows.dtype:  # a bf16 cache under float32 queries: widened exactly

@@ -41,13 +41,15 @@ def attention_cells(model: Any, candidates: Sequence[str], generator: torch.Gene
     import torch
     import torch.nn.functional as F
 
+    from engine.model.attention.torch_backend import gather_blocks
+
     layer = model.layers[0]
     heads, kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
     scale, gqa = 1.0 / math.sqrt(head_dim), heads != kv_heads
     block = 16
 
     def sdpa(q: torch.Tensor, cache: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
-        kv = cache[torch.arange(cache.shape[0])]  # the backend's gather through the block table
+        kv = gather_blocks(cache, torch.arange(cache.shape[0]))  # the backend's gather through the block table
         k = kv[:, 0].reshape(-1, kv_heads, head_dim)[:rows].transpose(0, 1)[None].to(dtype)
         v = kv[:, 1].reshape(-1, kv_heads, head_dim)[:rows].transpose(0, 1)[None].to(dtype)
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None].to(dtype), k, v, is_causal=True, scale=scale,
