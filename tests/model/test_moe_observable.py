@@ -91,3 +91,16 @@ def test_the_doctor_flags_a_hot_expert_with_its_numbers() -> None:
     assert "62.5%" in finding.title and "12.5% each if even" in finding.evidence[0]
     assert (finding.first_step, finding.last_step) == (0, 9)
     assert list(hot_expert(_facts_with(hot, 1))) == []  # 10 slots per expert: too few to judge
+
+
+def test_a_moe_model_says_why_it_runs_op_by_op_and_refuses_block_quantization(tiny_folder) -> None:
+    """The family's refusals name it (the fused decode layer's status, --quantization's error)."""
+    from engine.model.runner import ModelRunner
+    from engine.modelspec.readers import load_model_config
+
+    folder, _ = tiny_folder
+    runner = ModelRunner(load_model_config(str(folder)), dtype="float32", block_size=16)
+    model = runner.model
+    assert model.fused_layer_refusal == ("the fused C++ layer is Llama's dense shape (Qwen3-MoE runs its layers "
+                                         "op by op)")
+    assert model.quantization_refusal is not None and "Qwen3-MoE's experts in float" in model.quantization_refusal

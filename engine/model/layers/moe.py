@@ -299,6 +299,10 @@ class SparseModelMixin(LlamaForCausalLM):
                  device: torch.device | str = "cpu") -> None:
         super().__init__(config, backend, dtype, device)  # the family's model class
         self.attach_expert_counter(int(config.num_experts or 0))
+        self.fused_layer_refusal = (f"the fused C++ layer is Llama's dense shape ({self.family_label} runs its "
+                                    "layers op by op)")
+        self.quantization_refusal = (f"the weight-only quantized copies cover dense projections; kvscope runs "
+                                     f"{self.family_label}'s experts in float (use --quantization none)")
 
     def _make_layer(self, index: int, config: ModelConfig, dtype: torch.dtype,
                     device: torch.device | str) -> nn.Module:
@@ -311,11 +315,3 @@ class SparseModelMixin(LlamaForCausalLM):
             self.layers[index].moe.counter = self.expert_counter
             self.layers[index].moe.slot = slot
 
-    @property
-    def fused_layer_refusal(self) -> str:  # type: ignore[override]
-        return f"the fused C++ layer is Llama's dense shape ({self.family_label} runs its layers op by op)"
-
-    @property
-    def quantization_refusal(self) -> str:  # type: ignore[override]
-        return (f"the weight-only quantized copies cover dense projections; kvscope runs {self.family_label}'s "
-                "experts in float (use --quantization none)")

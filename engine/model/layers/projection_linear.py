@@ -16,7 +16,7 @@ and makes it again from its blocks (their values exactly).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +77,7 @@ class ProjectionLinear:
     @property
     def weight(self) -> torch.Tensor:
         """The float weight ``[out, in]`` (a placeholder where it is not held)."""
-        return getattr(self.owner, self.attr)  # type: ignore[no-any-return]
+        return cast(torch.Tensor, getattr(self.owner, self.attr))
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T (+ bias)``: the plan's route for this step's rows when there is one; else the

@@ -66,10 +66,7 @@ def attention_cells(model: Any, candidates: Sequence[str], generator: torch.Gene
         cell = Cell(ATTENTION, sc.name, sc.rows, f"{heads}q/{kv_heads}kv x {head_dim}")
         cells.append(cell)
         if time.perf_counter() > deadline:
-            held = stability.incumbent_for(incumbent, ATTENTION, sc.name, "")
-            cell.chosen, cell.measured = (held if held in candidates else "torch"), False
-            source = "the incumbent plan's choice" if cell.chosen == held else "float32 SDPA"
-            cell.why = f"not measured: the bound was reached ({source}; the next start measures it)"
+            _leave_unmeasured(cell, candidates, incumbent)
             continue
         rows = sc.rows
         q = torch.randn(rows, heads, head_dim, generator=generator)
@@ -93,3 +90,10 @@ def attention_cells(model: Any, candidates: Sequence[str], generator: torch.Gene
     return cells
 
 
+def _leave_unmeasured(cell: Cell, candidates: Sequence[str], incumbent: KernelPlan | None) -> None:
+    """A class past the bound: ``incumbent``'s choice (a quiet earlier plan's) where this start has
+    it, else float32 SDPA, until a later start measures it."""
+    held = stability.incumbent_for(incumbent, ATTENTION, cell.step, "")
+    cell.chosen, cell.measured = (held if held in candidates else "torch"), False
+    source = "the incumbent plan's choice" if cell.chosen == held else "float32 SDPA"
+    cell.why = f"not measured: the bound was reached ({source}; the next start measures it)"
