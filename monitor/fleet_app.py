@@ -183,6 +183,8 @@ class FleetApp(App[str | None]):
         return text
 
     def refresh_screens(self) -> None:
+        if not self.screen_stack:  # a tick while the app starts or closes: no screen to draw on
+            return
         states = list(self.states.values())
         screen = self.screen
         if isinstance(screen, ReplicaScreen):
