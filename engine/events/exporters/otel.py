@@ -35,7 +35,6 @@ Import this module only when traces are asked for: it loads opentelemetry.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -49,9 +48,9 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from engine.events.folds.request_record import (
     WAIT_UNLISTED,
     WAIT_UNRECORDED,
-    RequestFold,
     RequestRecord,
     SharedRequests,
+    request_fold_for,
 )
 from engine.events.phase_names import VLLM_GROUPS, span_name, vllm_group
 from engine.events.record import Event
@@ -190,12 +189,7 @@ class OtlpTraceSink:
         self.execute_times = execute_times
         # every request's record (its arrival, admission and finish): the server's fold when
         # given (one fold of each event for every reader), else a private one
-        self.requests: RequestFold
-        self._fold_requests: Callable[[Event], None]
-        if shared_requests is None:
-            self.requests = self._fold_requests = RequestFold()
-        else:
-            self.requests, self._fold_requests = shared_requests.fold, shared_requests
+        self.requests, self._fold_requests = request_fold_for(shared_requests)
         self._notes: dict[str, _SpanNotes] = {}  # requests followed since their arrival, until their span
         self._finishing: list[str] = []  # detailed traces: until their last step is counted
         self._startup: trace.Span | None = None

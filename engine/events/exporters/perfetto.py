@@ -33,12 +33,12 @@ server left up for days.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.events.folds.request_record import RequestFold, RequestRecord, SharedRequests
+from engine.events.folds.request_record import RequestRecord, SharedRequests, request_fold_for
 from engine.events.phase_names import span_name
 from engine.events.record import Event
 from engine.events.request_records import RequestArrived, RequestFinished, RequestFirstToken, RequestPreempted
@@ -105,12 +105,7 @@ class PerfettoTrace:
         self._startup_end = 0.0
         # every request's record, read by its track: the server's fold when given (one fold of
         # each event for every reader), else a private one
-        self.requests: RequestFold
-        self._fold_requests: Callable[[Event], None]
-        if shared_requests is None:
-            self.requests = self._fold_requests = RequestFold()
-        else:
-            self.requests, self._fold_requests = shared_requests.fold, shared_requests
+        self.requests, self._fold_requests = request_fold_for(shared_requests)
         self._requests: dict[str, _RequestTrack] = {}  # followed now: arrived, not finished
         self._tracks = 0
         self._finishing: list[str] = []

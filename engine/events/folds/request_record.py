@@ -21,6 +21,7 @@ after the last step folded.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -573,6 +574,15 @@ class SharedRequests(Protocol):
     fold: RequestFold
 
     def __call__(self, event: Event) -> None: ...
+
+
+def request_fold_for(shared: SharedRequests | None) -> tuple[RequestFold, Callable[[Event], None]]:
+    """``(the fold an exporter reads, what it feeds each event)``: ``shared``'s (one fold of each
+    event for every reader), else a private fold of its own."""
+    if shared is None:
+        fold = RequestFold()
+        return fold, fold
+    return shared.fold, shared
 
 
 def request_metrics(life: RequestRecord) -> dict[str, Any]:
