@@ -32,12 +32,17 @@ def _isa_kernels() -> dict[str, object]:
     return found
 
 
-@pytest.fixture(scope="module")
-def kernels() -> dict[str, object]:
+def isa_kernels_or_skip() -> dict[str, object]:
+    """:func:`_isa_kernels`, or skip the module when no build compiles here."""
     found = _isa_kernels()
     if not found:
         pytest.skip(f"CPU quant kernel unavailable: {cpu_quant.unavailable_reason('native')}")
     return found
+
+
+@pytest.fixture(scope="module")
+def kernels() -> dict[str, object]:
+    return isa_kernels_or_skip()
 
 
 def random_blocks(fmt: str, rows: int, in_features: int, seed: int) -> torch.Tensor:

@@ -14,19 +14,16 @@ from tests.model.test_cpu_quant import (
     FORMATS,
     SMALL_FORMATS,
     _before_guard_page,
-    _isa_kernels,
     check_matmul,
     gguf_dequantize,
+    isa_kernels_or_skip,
     random_blocks,
 )
 
 
 @pytest.fixture(scope="module")
 def kernels() -> dict[str, object]:
-    found = _isa_kernels()
-    if not found:
-        pytest.skip(f"CPU quant kernel unavailable: {cpu_quant.unavailable_reason('native')}")
-    return found
+    return isa_kernels_or_skip()
 
 
 def _in_features(fmt: str) -> int:
