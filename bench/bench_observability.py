@@ -53,6 +53,8 @@ from typing import Any
 from bench.bench_sinks import _thread_cpu_ns
 from bench.machine import cpu_isa, header_lines, load_average
 from bench.workloads import percentile
+from engine.events.deferred_delivery import DEFERRED_THREAD
+from engine.events.recording import JsonlSink
 
 # torch's OpenMP threads sleep at their barriers rather than spin: a spinning thread's CPU
 # seconds grow with every preemption on a shared machine (pairs read 0.2-7x apart), a
@@ -297,8 +299,13 @@ def subscribed(ctx: Context, family: str | None) -> Iterator[Cost]:
         for sink in signal.sinks.values():
             sink(event)
     bus, spent, cost = ctx.llm.engine.bus, dict.fromkeys(signal.sinks, 0.0), Cost()
-    subscribers = [bus.subscribe(_timed(sink, spent, name)) for name, sink in signal.sinks.items()]
+    # as the server and the engine subscribe them: the recording as events are published, the
+    # others deferred (in batches at most 0.1 s late: engine/events/deferred_delivery.py)
+    subscribers = [bus.subscribe(_timed(sink, spent, name), deferred=not isinstance(sink, JsonlSink))
+                   for name, sink in signal.sinks.items()]
     _record_contents(ctx.llm, signal.record_contents)
+    # the bus's deferred-delivery thread runs the sinks: its CPU is already in ``spent``
+    threads_before |= {t.native_id for t in threading.enumerate() if t.name == DEFERRED_THREAD and t.native_id}
     threads_start = _thread_cpu_ns()
     try:
         yield cost

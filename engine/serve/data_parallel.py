@@ -61,7 +61,7 @@ from engine.profiling import ProfileLimits, TorchProfiler
 from engine.serve.async_engine import EngineDead, EngineFront, RequestFailed, RequestStream, _aborted_output
 from engine.serve.host import EngineHost, EventHub
 from engine.serve.settings import ServerSettings
-from engine.serve.shared_folds import LockedLifecycle, LockedView
+from engine.serve.shared_folds import LockedLifecycle, LockedView, subscribe_observers
 from engine.serve.stall import data_parallel_detector
 
 STOP_WAIT_S = 5.0  # a core's time to leave by itself after "stop", before terminate/kill
@@ -572,11 +572,9 @@ def data_parallel_host(config: EngineConfig, settings: ServerSettings, registry:
     # rank 0's: the one the exporters on its bus may read already
     lifecycles = [lifecycle or LockedLifecycle()] + [LockedLifecycle() for _ in range(1, size)]
     for rank in range(size):
-        buses[rank].subscribe(metrics[rank])
-        buses[rank].subscribe(views[rank])
-        buses[rank].subscribe(lifecycles[rank])
-        # rank 0: every event; the others' startup and stats events would read as rank 0's
-        buses[rank].subscribe(hub if rank == 0 else hub.feed(rank, RANKED_EVENTS))
+        # rank 0's hub: every event; the others' startup and stats events would read as rank 0's
+        subscribe_observers(buses[rank], (metrics[rank], views[rank], lifecycles[rank],
+                                          hub if rank == 0 else hub.feed(rank, RANKED_EVENTS)))
     engine = DataParallelEngine(config, buses, views, max_waiting_requests=settings.max_waiting_requests)
     host = EngineHost(settings=settings, bus=buses[0], engine=engine, view=DataParallelView(engine),
                       metrics=DataParallelMetrics(metrics), hub=hub, lifecycle=DataParallelLifecycle(lifecycles),

@@ -25,7 +25,7 @@ from engine.llm_engine import LLMEngine
 from engine.profiling import TorchProfiler
 from engine.serve.async_engine import AsyncEngine, EngineFront
 from engine.serve.settings import LOOPBACK_HOSTS, ServerSettings
-from engine.serve.shared_folds import LockedLifecycle, LockedView
+from engine.serve.shared_folds import LockedLifecycle, LockedView, subscribe_observers
 from engine.serve.stall import StallDetector, one_core_detector
 
 __all__ = ["LOOPBACK_HOSTS", "EngineHost", "EventHub", "ServerSettings", "SseClient"]
@@ -217,8 +217,7 @@ class EngineHost:
                                     scheduling_policy=config.scheduling_policy, shared_view=view)
         hub = EventHub()
         lifecycle = lifecycle or LockedLifecycle()
-        for subscriber in (metrics, view, hub, lifecycle):
-            bus.subscribe(subscriber)
+        subscribe_observers(bus, (metrics, view, hub, lifecycle))
         engine = AsyncEngine(config, bus, max_waiting_requests=settings.max_waiting_requests,
                              metrics_registry=metrics.registry).start()
         return cls(settings=settings, bus=bus, engine=engine, view=view, metrics=metrics, hub=hub,

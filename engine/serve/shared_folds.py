@@ -7,10 +7,12 @@ torch: ``engine serve`` builds them before its exporters, whose flags are checke
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from engine.errors import UserError
-from engine.events import Event
+from engine.events import Event, EventBus
+from engine.events.deferred_delivery import FlushedOnRead
 from engine.events.folds.request_record import RequestFold, request_metrics
 from engine.events.folds.view import EngineView
 
@@ -34,7 +36,7 @@ class FoldedLast:
         return True
 
 
-class LockedView:
+class LockedView(FlushedOnRead):
     """An :class:`EngineView` folded on the engine thread and read by handlers; the metrics'
     token usage reads it too (each event folded once, by whichever reader calls first)."""
 
@@ -49,11 +51,13 @@ class LockedView:
                 self.view.apply(event)
 
     def snapshot(self) -> dict[str, Any]:
+        self.settle()
         with self._lock:
             return self.view.snapshot()
 
     def request_ids(self) -> list[str]:
         """The requests the engine holds: arrived and not yet finished."""
+        self.settle()
         with self._lock:
             return list(self.view.requests)
 
@@ -65,7 +69,7 @@ class LockedView:
         return self.snapshot()
 
 
-class LockedLifecycle:
+class LockedLifecycle(FlushedOnRead):
     """Every request's life (engine/events/folds/request_record.py), folded on the engine thread
     and read by ``GET /debug/requests`` (a copy under the lock: the fold moves on); the OTLP and
     Perfetto exporters read it too (each event folded once, by whichever reader calls first)."""
@@ -81,6 +85,7 @@ class LockedLifecycle:
                 self.fold(event)
 
     def life(self, request_id: str) -> dict[str, Any] | None:
+        self.settle()
         with self._lock:
             life = self.fold.get(request_id)
             return None if life is None else {**life.to_dict(), "timeline": [
@@ -88,10 +93,22 @@ class LockedLifecycle:
 
     def metrics(self, request_id: str) -> dict[str, Any] | None:
         """A finished request's per-request metrics (vLLM's names, kvscope's own beside)."""
+        self.settle()
         with self._lock:
             life = self.fold.get(request_id)
             return None if life is None else request_metrics(life)
 
     def rows(self, state: str | None, now: float) -> list[dict[str, Any]]:
+        self.settle()
         with self._lock:
             return [life.summary(now) for life in self.fold.in_state(state)]
+
+
+def subscribe_observers(bus: EventBus, observers: Iterable[Callable[[Event], None]]) -> None:
+    """The server's observers on ``bus``, deferred (engine/events/deferred_delivery.py: in
+    batches, at most 0.1 s behind the engine); a fold that other threads read flushes the bus
+    before each read, so a route never answers from behind the engine."""
+    for observer in observers:
+        bus.subscribe(observer, deferred=True)
+        if isinstance(observer, FlushedOnRead):
+            observer.read_through(bus.flush)

@@ -76,6 +76,7 @@ from engine.events import (
     StatsEvent,
     StepEvent,
 )
+from engine.events.deferred_delivery import FlushedOnRead
 from engine.events.exporters.deferred_series import (
     DeferredCounter,
     DeferredGauge,
@@ -334,7 +335,7 @@ def _throughput_gauges(families: LabelledFamilies) -> tuple[Any, Any]:
                            "Average generation throughput in tokens/s over the last stats interval (vLLM V0's gauge)."))
 
 
-class PrometheusMetrics:
+class PrometheusMetrics(FlushedOnRead):
     """Bus subscriber that keeps vLLM V1's metric families in ``registry``.
 
     ``model_name`` is the served model name (label ``model_name``);
@@ -572,7 +573,9 @@ class PrometheusMetrics:
                 self.request_priority.observe(priority)
 
     def render(self) -> bytes:
-        """The Prometheus text exposition of the registry (the /metrics body)."""
+        """The Prometheus text exposition of the registry (the /metrics body), after the
+        events the bus held back (a deferred subscriber: engine/events/deferred_delivery.py)."""
+        self.settle()
         return generate_latest(self.registry)
 
     # --------------------------------------------------------------- handlers

@@ -175,7 +175,10 @@ def attach_observers(bus: EventBus, flags: ObserverFlags, *, simulated_clock: bo
                      shared_requests: SharedRequests | None = None) -> Observers:
     """Build the asked-for observers and subscribe them to ``bus`` (before startup, so the
     phases are in them). ``simulated_clock``: the bus keeps simulated time, so the
-    recording's header carries no wall-clock start."""
+    recording's header carries no wall-clock start and the sinks are fed as events are
+    published. On the real engine's clock the exporters are fed deferred, in batches at most
+    0.1 s behind (engine/events/deferred_delivery.py: a sink's code stays warm over a few
+    steps); the recording is written as events are published, so a killed process loses none."""
     wall_start = time.time() - bus.now()
     observers = build_observers(flags, wall_start_unix=wall_start, recording_config=recording_config,
                                 recording_started_unix=None if simulated_clock else wall_start,
@@ -183,7 +186,7 @@ def attach_observers(bus: EventBus, flags: ObserverFlags, *, simulated_clock: bo
                                 shared_requests=shared_requests)
     observers.bus = bus
     for sink in observers.sinks:
-        bus.subscribe(sink)
+        bus.subscribe(sink, deferred=not simulated_clock and sink is not observers.recording)
     if flags.progress:  # long phases show progress where the log lines go (a bar on a terminal)
         from engine.events.exporters.progress import ProgressPrinter
         from engine.logs import console_stream, get_logger
