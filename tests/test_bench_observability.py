@@ -38,7 +38,7 @@ def test_each_family_sees_the_run_and_leaves_the_engine_as_it_was(ctx: bench.Con
     run = bench.run_once(ctx, family, **WORKLOAD)
     assert run.decode_tokens == 3 * 4 and len(run.itl_cpu_s) == len(run.itl_wall_s) == 3 * 4
     assert run.in_sinks_s > 0  # the family's sinks were called on the engine thread
-    assert engine.bus._subscribers == subscribers  # unsubscribed again
+    assert engine.bus._subscribers == subscribers and not engine.bus._deferred_subscribers  # unsubscribed again
     assert not engine.scheduler.kv.pool.record_contents  # the KV events' recording is off again
     if family in ("jsonl", "perfetto"):
         assert any(Path(ctx.folder).glob(f"run{ctx.runs}*")), "the file sink wrote nothing"
@@ -56,6 +56,10 @@ def test_the_verdict_reads_the_all_on_pairs() -> None:
     assert [row.endswith("| pass |") for row in bench.verdict([fine])[2:]] == [True, True, True]  # 0.5 % a step
     assert [row.endswith("| MISS |") for row in bench.verdict([slow])[2:]] == [True, True, True]  # 1.5 % a step
     assert "n/a" in bench.verdict([bench.Pairs("jsonl")])[2]
+    # pairs whose noise spans the target decide nothing, whichever side their median falls
+    noisy = bench.Pairs("all", off=[run(100, 0.010)] * 5,
+                        on=[run(r, 0.010) for r in (90.0, 99.5, 100.0, 104.0, 110.0)])
+    assert "unresolved" in bench.verdict([noisy])[2] and "the median passes" in bench.verdict([noisy])[2]
 
 
 REPORT = """## Machine

@@ -4,6 +4,7 @@ last line."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import threading
@@ -38,34 +39,41 @@ def dumps(obj: Any) -> str:
     return _ENCODER.encode(obj).decode()
 
 
-# the last event serialised by event_bytes, with the stamps it had then, its line's UTF-8 bytes
-# and, once event_line has asked for it, the line as text
-_last_line: tuple[Event | None, int, float, bytes, str | None] = (None, 0, 0.0, b"", None)
+# The wire form of the events encoded lately, by id: each entry holds its event (so the id is not
+# reused while the entry lives), the stamps it had then, its line's UTF-8 bytes and, once
+# event_line has asked, the line as text. Many entries, not the last one: the recording encodes
+# each event as it is published, the deferred observers (/events) read it a few steps later.
+_WIRE_KEPT = 1024
+_wire: dict[int, list[Any]] = {}
+_wire_order: collections.deque[int] = collections.deque()
+
+
+def _wire_entry(event: Event) -> list[Any]:
+    key = id(event)
+    entry = _wire.get(key)
+    if entry is not None and entry[0] is event and entry[1] == event.seq and entry[2] == event.t:
+        return entry
+    fresh = [event, event.seq, event.t, _ENCODER.encode(event.to_dict()), None]
+    if _wire.get(key) is None:  # a new key (one re-stamped keeps its place in the order)
+        _wire_order.append(key)
+        if len(_wire_order) > _WIRE_KEPT:
+            _wire.pop(_wire_order.popleft(), None)
+    _wire[key] = fresh
+    return fresh
 
 
 def event_bytes(event: Event) -> bytes:
     """``event.to_dict()`` in its wire form, UTF-8, made once however many sinks write the event
-    (the recording writes these bytes, ``/events`` their text: event_line)."""
-    global _last_line
-    last = _last_line  # one read: another thread's assignment replaces the whole tuple
-    if last[0] is event and last[1] == event.seq and last[2] == event.t:
-        return last[3]
-    data = _ENCODER.encode(event.to_dict())
-    _last_line = (event, event.seq, event.t, data, None)
-    return data
+    (the recording writes these bytes, ``/events`` their text: event_line), on whichever thread."""
+    return _wire_entry(event)[3]
 
 
 def event_line(event: Event) -> str:
-    """``dumps(event.to_dict())``, made once however many sinks write the event (the recording
-    and ``/events`` each did it again, one after the other on the publishing thread)."""
-    global _last_line
-    data = event_bytes(event)
-    last = _last_line
-    if last[3] is data and last[4] is not None:
-        return last[4]
-    line = data.decode()
-    if last[3] is data:
-        _last_line = (last[0], last[1], last[2], data, line)
+    """``dumps(event.to_dict())``, made once however many sinks write the event."""
+    entry = _wire_entry(event)
+    line = entry[4]
+    if line is None:
+        line = entry[4] = entry[3].decode()
     return line
 
 
