@@ -31,9 +31,6 @@ from engine.serve.stall import StallDetector, one_core_detector
 __all__ = ["LOOPBACK_HOSTS", "EngineHost", "EventHub", "ServerSettings", "SseClient"]
 
 SSE_CLIENT_MAX_QUEUE = 20_000  # events buffered for one slow /events client before it is dropped
-# While events flow, how often a client's loop takes them: the monitor's tick (it draws every 0.1 s),
-# one loop wake-up for the steps of an interval instead of one a step (each ~100-200 µs of cold CPU)
-SSE_TAKE_S = 0.1
 
 
 # ------------------------------------------------------------------ observers
@@ -45,10 +42,10 @@ SseItem = tuple[int, int, str]
 class SseClient:
     """One ``/events`` client: its queue of :data:`SseItem`, fed from the engine thread(s).
 
-    Events are posted to a list the client's loop takes from: the first post after a quiet
-    spell wakes the loop at once, and while events keep coming the loop takes them every
-    :data:`SSE_TAKE_S` (one wake-up for the steps of that interval, not one a step, and no
-    wake-up call on the publishing thread); a take that finds nothing lets the loop sleep."""
+    Events are posted to a list the client's loop takes from: the first post after a take wakes
+    the loop, the posts after it only append. The hub is a deferred subscriber, so posts come
+    in the bus's batches (a few steps' events at most every 0.1 s): one wake-up a batch, not
+    one a step."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -73,12 +70,9 @@ class SseClient:
     def _take(self) -> None:
         with self._posted_lock:
             items, self._posted = self._posted, []
-            if not items:
-                self._taking = False  # quiet: the next post wakes the loop
-                return
+            self._taking = False  # the next post wakes the loop again
         for item in items:
             self._put(item)
-        self.loop.call_later(SSE_TAKE_S, self._take)
 
     def _put(self, item: SseItem | None) -> None:
         if self.closed:
