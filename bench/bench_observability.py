@@ -255,7 +255,7 @@ def _timed(sinks: list[Sink], spent: dict[str, float], name: str) -> Sink:
 
 def _delivery_groups(sinks: dict[str, Sink]) -> dict[str, tuple[list[Sink], bool]]:
     """The family's sinks as the server subscribes them: the recording as events are published,
-    the others deferred (in batches at most 0.1 s late: engine/events/deferred_delivery.py), each
+    the others deferred (in batches at most 0.05 s late: engine/events/deferred_delivery.py), each
     kind as one timed group named by its sinks -> (its sinks, deferred)."""
     groups: dict[str, tuple[list[Sink], bool]] = {}
     for deferred in (False, True):

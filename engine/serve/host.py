@@ -44,7 +44,7 @@ class SseClient:
 
     Events are posted to a list the client's loop takes from: the first post after a take wakes
     the loop, the posts after it only append. The hub is a deferred subscriber, so posts come
-    in the bus's batches (a few steps' events at most every 0.1 s): one wake-up a batch, not
+    in the bus's batches (a few steps' events at most every 0.05 s): one wake-up a batch, not
     one a step."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
