@@ -186,6 +186,7 @@ def test_a_huge_body_is_refused_at_once_while_health_answers(server: Server) -> 
     latencies: list[float] = []
     unhealthy: list[str] = []  # what a poll got instead of a 200 (the thread's own assert would die unseen)
     done = threading.Event()
+    answered = threading.Event()  # the poller is under way: the posts below overlap its polls, whatever the pace
 
     def poll_health() -> None:
         with httpx.Client(timeout=10) as client:
@@ -197,12 +198,14 @@ def test_a_huge_body_is_refused_at_once_while_health_answers(server: Server) -> 
                     unhealthy.append(f"{type(exc).__name__}: {exc}")
                     continue
                 latencies.append(time.perf_counter() - start)
+                answered.set()
                 if answer.status_code != 200:
                     unhealthy.append(f"{answer.status_code}: {answer.text[:300]}")
                 time.sleep(0.01)
 
     poller = threading.Thread(target=poll_health, daemon=True)
     poller.start()
+    assert answered.wait(60), f"/health never answered: {unhealthy}"
     try:
         start = time.perf_counter()
         r = server.post("/v1/completions", json.dumps({"prompt": "x " * 5_000_000}).encode())
