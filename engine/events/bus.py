@@ -18,6 +18,10 @@ from engine.logs import log_failure
 Subscriber = Callable[[Event], None]
 
 
+def _without(subscribers: tuple[Subscriber, ...], fn: Subscriber) -> tuple[Subscriber, ...]:
+    return tuple(s for s in subscribers if not _same_subscriber(s, fn))
+
+
 def _same_subscriber(subscribed: Subscriber, fn: Subscriber) -> bool:
     """A subscriber by identity, except a bound method (``feed.push``, ``events.append``): each
     attribute access makes a new one, equal to the others of the same object and function."""
@@ -86,13 +90,12 @@ class EventBus:
         if any(_same_subscriber(s, fn) for s in self._deferred_subscribers):
             self._deferred.flush()
             with self._lock:
-                self._deferred_subscribers = tuple(s for s in self._deferred_subscribers
-                                                   if not _same_subscriber(s, fn))
+                self._deferred_subscribers = _without(self._deferred_subscribers, fn)
                 last = not self._deferred_subscribers
             if last:
                 self._deferred.stop()
         with self._lock:
-            self._subscribers = tuple(s for s in self._subscribers if not _same_subscriber(s, fn))
+            self._subscribers = _without(self._subscribers, fn)
 
     def flush(self) -> None:
         """Deliver every event the deferred subscribers have not seen yet (a reader of their
@@ -155,8 +158,7 @@ class EventBus:
         failed on, or, from a deferred batch, published)."""
         if any(_same_subscriber(s, fn) for s in self._deferred_subscribers):
             with self._lock:  # no flush: the batch under way is being delivered to it
-                self._deferred_subscribers = tuple(s for s in self._deferred_subscribers
-                                                   if not _same_subscriber(s, fn))
+                self._deferred_subscribers = _without(self._deferred_subscribers, fn)
             self.publish(self._failure(fn, event, exc))
             return
         self.unsubscribe(fn)

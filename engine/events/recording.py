@@ -54,7 +54,7 @@ def _wire_entry(event: Event) -> list[Any]:
     if entry is not None and entry[0] is event and entry[1] == event.seq and entry[2] == event.t:
         return entry
     fresh = [event, event.seq, event.t, _ENCODER.encode(event.to_dict()), None]
-    if _wire.get(key) is None:  # a new key (one re-stamped keeps its place in the order)
+    if entry is None:  # a new key (one re-stamped keeps its place in the order)
         _wire_order.append(key)
         if len(_wire_order) > _WIRE_KEPT:
             _wire.pop(_wire_order.popleft(), None)
