@@ -54,7 +54,7 @@ from bench.bench_sinks import _thread_cpu_ns
 from bench.machine import cpu_isa, header_lines, load_average
 from bench.workloads import percentile
 from engine.events.deferred_delivery import DEFERRED_THREAD
-from engine.events.recording import JsonlSink
+from engine.events.exporters.observers import delivered_deferred
 
 # torch's OpenMP threads sleep at their barriers rather than spin: a spinning thread's CPU
 # seconds grow with every preemption on a shared machine (pairs read 0.2-7x apart), a
@@ -259,7 +259,7 @@ def _delivery_groups(sinks: dict[str, Sink]) -> dict[str, tuple[list[Sink], bool
     kind as one timed group named by its sinks -> (its sinks, deferred)."""
     groups: dict[str, tuple[list[Sink], bool]] = {}
     for deferred in (False, True):
-        members = {name: sink for name, sink in sinks.items() if isinstance(sink, JsonlSink) != deferred}
+        members = {name: sink for name, sink in sinks.items() if delivered_deferred(sink) == deferred}
         if members:
             groups["+".join(members)] = (list(members.values()), deferred)
     return groups

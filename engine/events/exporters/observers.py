@@ -169,6 +169,12 @@ def build_observers(flags: ObserverFlags, *, wall_start_unix: float, recording_c
     return observers
 
 
+def delivered_deferred(sink: Any) -> bool:
+    """Whether a sink on the real engine's clock is subscribed deferred: every exporter is, but
+    the JSONL recording, written as events are published so a killed process loses none of it."""
+    return not isinstance(sink, JsonlSink)
+
+
 def attach_observers(bus: EventBus, flags: ObserverFlags, *, simulated_clock: bool = False,
                      recording_config: dict[str, Any] | None = None, model_name: str | None = None,
                      registry: CollectorRegistry | None = None, data_parallel_rank: int = 0,
@@ -186,7 +192,7 @@ def attach_observers(bus: EventBus, flags: ObserverFlags, *, simulated_clock: bo
                                 shared_requests=shared_requests)
     observers.bus = bus
     for sink in observers.sinks:
-        bus.subscribe(sink, deferred=not simulated_clock and sink is not observers.recording)
+        bus.subscribe(sink, deferred=not simulated_clock and delivered_deferred(sink))
     if flags.progress:  # long phases show progress where the log lines go (a bar on a terminal)
         from engine.events.exporters.progress import ProgressPrinter
         from engine.logs import console_stream, get_logger
