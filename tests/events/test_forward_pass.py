@@ -127,3 +127,36 @@ def test_a_taken_port_is_refused_by_name() -> None:
             ForwardPassPublisher(port)
     finally:
         first.close()
+
+
+def test_a_request_finished_in_a_step_counts_in_its_decodes_and_a_shared_fold_reads_the_same() -> None:
+    """request.finished comes before the step it finished in: that step still scheduled it (vLLM
+    counts it). The server's request fold, shared with /debug/requests, gives the same messages as
+    the exporter's own fold; a finished or rejected request is never counted as queued."""
+    from engine.events.exporters.forward_pass import ForwardPassFold
+    from engine.events.request_records import RequestFirstToken, RequestRejected
+    from engine.serve.shared_folds import LockedLifecycle
+
+    events = [RequestArrived(request_id="a", prompt_tokens=8, max_tokens=2),
+              RequestArrived(request_id="b", prompt_tokens=6, max_tokens=2),
+              RequestRejected(request_id="r", prompt_tokens=9000, max_tokens=2, reason="too long"),
+              RequestScheduled(request_id="a"), RequestScheduled(request_id="b"),
+              StepEvent(index=1, scheduled={"a": [8, "prefill"], "b": [6, "prefill"]}, new=["a", "b"],
+                        num_running=2),
+              RequestFirstToken(request_id="a"), RequestFirstToken(request_id="b"),
+              RequestFinished(request_id="a", reason="length", output_tokens=2),
+              StepEvent(index=2, scheduled={"a": [1, "decode"], "b": [1, "decode"]}, finished={"a": "length"},
+                        num_running=1)]
+    lifecycle = LockedLifecycle()
+    own, shared = ForwardPassFold(), ForwardPassFold(shared_requests=lifecycle)
+    mine = [m for e in events for m in own.apply(e)]
+    theirs = []
+    for event in events:
+        lifecycle(event)  # /debug/requests folds first, as the server's readers race to
+        theirs.extend(shared.apply(event))
+    assert mine == theirs
+    prefill, decode = mine
+    assert prefill.scheduled_requests.num_prefill_requests == 2 and prefill.queued_requests.num_prefill_requests == 0
+    assert decode.scheduled_requests.num_decode_requests == 2  # a's last decode counts
+    assert decode.scheduled_requests.sum_decode_kv_tokens == 9 + 7
+    assert (decode.queued_requests.num_prefill_requests, decode.queued_requests.num_decode_requests) == (0, 0)

@@ -10,7 +10,8 @@ message per scheduler step in the shape of vLLM's ``ForwardPassMetrics`` (open P
   count 0 and ``wall_time`` 0, as vLLM's scheduler sends it on going idle.
 
 Everything is folded from the events the engine already publishes, through the one
-per-request record (engine/events/folds/request_record.py); no engine state is read. The
+per-request record (engine/events/folds/request_record.py): the server's request fold, shared
+with ``/debug/requests`` and the trace exporters, or a fold of its own; no engine state is read. The
 send runs on the thread that publishes the step with ``NOBLOCK`` on a PUB socket,
 which drops for a slow or absent subscriber (at ``SEND_HWM`` queued messages) and never
 waits, so no subscriber can slow a step.
@@ -23,12 +24,19 @@ value so its subscriber accepts the message); in a recording made before step ev
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
-from engine.events.folds.request_record import WAITING, RequestFold, RequestRecord
+from engine.events.folds.request_record import (
+    WAITING,
+    RequestFold,
+    RequestRecord,
+    SharedRequests,
+    request_fold_for,
+)
 from engine.events.record import Event
 from engine.events.step_records import StepEvent
 
@@ -84,29 +92,32 @@ def _has_run(record: RequestRecord) -> bool:
 class ForwardPassFold:
     """The per-step metrics from the events; :meth:`apply` returns a message after each
     step (and the idle heartbeat after the step that empties the engine). Each request's
-    tokens are its shared record's (engine/events/folds/request_record.py), kept while it
-    is in the engine."""
+    tokens are its record's (engine/events/folds/request_record.py): ``shared_requests``'s
+    (the server's request fold, folded once for all its readers) or a fold of its own. A
+    request finished in a step is still in the fold when the step is read, so its last
+    decode counts, as vLLM counts every request the step scheduled."""
 
     worker_id: str = ""
     dp_rank: int = 0
-    requests: RequestFold = field(default_factory=lambda: RequestFold(finished_kept=0))
+    shared_requests: SharedRequests | None = None
+    requests: RequestFold = field(init=False)
+    _fold_requests: Callable[[Event], None] = field(init=False)
     active: bool = False
 
-    def apply(self, event: Event) -> list[ForwardPassMetrics]:
-        if not isinstance(event, StepEvent):
-            self.requests(event)
-            return []
-        # a request finished in this step leaves the fold with it: read the records first
-        lives = self.requests.lives
-        scheduled = [(lives.get(rid), num_tokens, kind) for rid, (num_tokens, kind, *_rest) in event.scheduled.items()]
-        self.requests(event)
-        return self._step(event, scheduled)
+    def __post_init__(self) -> None:
+        self.requests, self._fold_requests = request_fold_for(self.shared_requests)
 
-    def _step(self, step: StepEvent, scheduled: list[tuple[RequestRecord | None, int, str]]) -> list[ForwardPassMetrics]:
+    def apply(self, event: Event) -> list[ForwardPassMetrics]:
+        self._fold_requests(event)  # the records after the event: a step's tokens already counted
+        return self._step(event) if isinstance(event, StepEvent) else []
+
+    def _step(self, step: StepEvent) -> list[ForwardPassMetrics]:
         prefill_lengths: list[int] = []
         decode_kv: list[int] = []
         prefill_tokens = prefill_kv = 0
-        for record, num_tokens, kind in scheduled:
+        lives = self.requests.lives
+        for rid, (num_tokens, kind, *_rest) in step.scheduled.items():
+            record = lives.get(rid)
             if record is None or record.arrival is None:
                 continue
             if kind == "prefill":
@@ -117,13 +128,13 @@ class ForwardPassFold:
                 decode_kv.append(record.computed_tokens)
         queued_prefill: list[int] = []  # never run yet
         queued_decode: list[int] = []  # run, then preempted: waiting again
-        for r in self.requests.lives.values():  # one pass, every step: the requests followed
-            if r.arrival is None:
+        for r in self.requests.waiting_now():
+            if r.arrival is None or r.state != WAITING:  # a step that named no admissions ran it
                 continue
-            if not _has_run(r):
-                queued_prefill.append(r.prompt_tokens)
-            elif r.state == WAITING:
+            if _has_run(r):
                 queued_decode.append(r.prompt_tokens + r.output_tokens)
+            else:
+                queued_prefill.append(r.prompt_tokens)
         scheduled_metrics = ScheduledRequestMetrics(len(prefill_lengths), prefill_tokens, _sum_var(prefill_lengths)[1],
                                                     prefill_kv, len(decode_kv), *_sum_var(decode_kv))
         queued = QueuedRequestMetrics(len(queued_prefill), *_sum_var(queued_prefill),
@@ -140,12 +151,13 @@ class ForwardPassPublisher:
     """Bus subscriber: folds the events (:class:`ForwardPassFold`) and sends each message
     on a bound PUB socket without ever waiting (see the module docstring)."""
 
-    def __init__(self, port: int, host: str = "127.0.0.1", worker_id: str = "", dp_rank: int = 0) -> None:
+    def __init__(self, port: int, host: str = "127.0.0.1", worker_id: str = "", dp_rank: int = 0,
+                 shared_requests: SharedRequests | None = None) -> None:
         import zmq
 
         from engine.errors import UserError
 
-        self.fold = ForwardPassFold(worker_id=worker_id, dp_rank=dp_rank)
+        self.fold = ForwardPassFold(worker_id=worker_id, dp_rank=dp_rank, shared_requests=shared_requests)
         self.sent = 0
         self.dropped = 0
         self._encode = msgspec.msgpack.Encoder().encode

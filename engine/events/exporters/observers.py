@@ -128,7 +128,7 @@ def build_observers(flags: ObserverFlags, *, wall_start_unix: float, recording_c
     recording's header; ``model_name``: the KV events' label; ``span_model_name``: the
     spans' model (None: the ``engine.config`` event's); ``registry``: where sinks that count their own losses register
     those counters (the server's ``/metrics``); ``shared_requests``: the server's request fold, which the
-    OTLP and Perfetto exporters read instead of folding their own."""
+    OTLP, Perfetto and forward-pass exporters read instead of folding their own."""
     if flags.collect_detailed_traces and not flags.otlp_traces_endpoint:
         raise UserError("--collect-detailed-traces adds to OpenTelemetry spans: give --otlp-traces-endpoint URL too")
     observers = Observers(stats_interval=flags.stats_interval)
@@ -155,7 +155,8 @@ def build_observers(flags: ObserverFlags, *, wall_start_unix: float, recording_c
         if flags.forward_pass_metrics_port is not None:
             from engine.events.exporters.forward_pass import ForwardPassPublisher  # zmq loads only when asked
 
-            publisher = ForwardPassPublisher(flags.forward_pass_metrics_port, dp_rank=data_parallel_rank)
+            publisher = ForwardPassPublisher(flags.forward_pass_metrics_port, dp_rank=data_parallel_rank,
+                                             shared_requests=shared_requests)
             observers.sinks.append(publisher)
             observers.summary.append(f"published forward-pass metrics on {publisher.endpoint}")
         if flags.iteration_details:

@@ -561,6 +561,12 @@ class RequestFold:
     def get(self, request_id: str) -> RequestRecord | None:
         return self.lives.get(request_id)
 
+    def waiting_now(self) -> list[RequestRecord]:
+        """The requests waiting now (never run yet, or preempted back to the queue), arrival
+        order: read per step, so it walks the queue, not every life the fold keeps."""
+        lives = self.lives
+        return [life for rid in self._waiting if (life := lives.get(rid)) is not None]
+
     def in_state(self, state: str | None = None) -> list[RequestRecord]:
         """The lives in ``state`` (all when None), arrival order."""
         return [life for life in self.lives.values() if state is None or life.state == state]
