@@ -16,8 +16,8 @@ build it and fed the startup's events first (so Prometheus's MFU counters move):
 - ``kv-events``: ``--kv-events-config``: block contents recorded by the scheduler, folded and
   published on a loopback PUB socket nobody reads;
 - ``otlp``: ``--otlp-traces-endpoint``: spans exported over OTLP/HTTP to a receiver in this
-  process that answers 200 (with ``perfetto`` and ``per-request``, one request fold for the three,
-  the server's ``/debug/requests`` fold, as ``engine serve`` shares it);
+  process that answers 200 (with ``perfetto``, ``forward-pass`` and ``per-request``, one request
+  fold for the four, the server's ``/debug/requests`` fold, as ``engine serve`` shares it);
 - ``perfetto``: ``--trace-out`` (the file is written when the run ends, outside the timing);
 - ``forward-pass``: ``--forward-pass-metrics-port``;
 - ``per-request``: the request lifecycle fold behind ``/debug/requests`` and per-request metrics;
@@ -157,7 +157,7 @@ def _events_sse(ctx: Context) -> Signal:
     client = hub.connect(loop)
 
     async def drain() -> None:
-        while await client.queue.get() is not None:
+        while await client.next_batch() is not None:
             pass
 
     thread = threading.Thread(target=loop.run_until_complete, args=(drain(),), daemon=True)
@@ -212,7 +212,7 @@ def _forward_pass(ctx: Context) -> Signal:
     from bench.bench_server import free_port
     from engine.events.exporters.forward_pass import ForwardPassPublisher
 
-    sink = ForwardPassPublisher(free_port())
+    sink = ForwardPassPublisher(free_port(), shared_requests=ctx.lifecycle())
     return Signal({"forward-pass": sink}, [sink.close])
 
 

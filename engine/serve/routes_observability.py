@@ -130,15 +130,17 @@ async def _event_stream(host: EngineHost, client: SseClient, state: dict[str, An
         yield sse(dumps(SnapshotEvent(state=state, seq=last_seq, t=float(state.get("t", 0.0))).to_dict()))
         while True:
             try:
-                item = await asyncio.wait_for(client.queue.get(), SSE_KEEPALIVE_S)
+                async with asyncio.timeout(SSE_KEEPALIVE_S):  # no task a wait, as wait_for makes
+                    batch = await client.next_batch()
             except TimeoutError:
                 yield ": keep-alive\n\n"
                 continue
-            if item is None:
+            if batch is None:
                 return
-            rank, seq, data = item
-            if rank != 0 or seq > last_seq:
-                yield sse(data)
+            # one chunk a batch: one write, not one per event
+            frames = "".join([sse(data) for rank, seq, data in batch if rank != 0 or seq > last_seq])
+            if frames:
+                yield frames
     finally:
         host.hub.disconnect(client)
 
