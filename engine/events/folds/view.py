@@ -22,7 +22,7 @@ Snapshot dict format (``SNAPSHOT_VERSION`` 1), all plain JSON::
                  "non_torch_bytes", "activation_peak_bytes", "cuda_graph_bytes",
                  "kv_pool_bytes", "num_blocks", "block_size"},   # ints, missing = 0
       "device": {...} | null,                              # last memory reading
-      "kv": {"used", "cached_free", "total"},              # from the last step
+      "kv": {"used", "cached_free", "total"},              # the last step's (total: phase E's before one)
       "requests": {rid: {"state", "prompt_tokens", "max_tokens", "computed_tokens",
                          "generated_tokens", "blocks": [int], "prefix_hit_tokens",
                          "arrived_t", "ttft_s", "num_preemptions",
@@ -463,7 +463,7 @@ class EngineView:
             "config": dict(self.config),
             "model": dict(self.model),
             **startup,
-            "kv": {"used": self.kv_used, "cached_free": self.kv_cached_free, "total": self.kv_total},
+            "kv": {"used": self.kv_used, "cached_free": self.kv_cached_free, "total": self.num_blocks},
             "requests": {rid: r.to_dict() for rid, r in self.requests.items()},
             "cached": sorted(self.cached),
             **({"window_freed": [[b, g] for b, g in sorted(self.window_freed.items())]} if self.window_freed else {}),
