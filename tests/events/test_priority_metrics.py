@@ -5,6 +5,10 @@ names the policy in force either way. Driven by a real priority-scheduled run.""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -68,3 +72,16 @@ def test_fcfs_has_no_priority_label_and_says_its_policy() -> None:
     assert metrics.registry.get_sample_value("vllm:request_priority_count", LABELS) is None
     assert value(metrics, "vllm:scheduler_policy_info", policy="fcfs") == 1
     assert value(metrics, "vllm:scheduler_policy_info", policy="priority") == 0
+
+
+def test_the_policy_series_come_in_one_order_whatever_the_hash_seed() -> None:
+    """/metrics bytes must not depend on PYTHONHASHSEED (a scrape diff, a golden file)."""
+    script = ("from prometheus_client import CollectorRegistry, generate_latest\n"
+              "from engine.events.exporters.priority_metrics import scheduler_policy_info\n"
+              "r = CollectorRegistry(); scheduler_policy_info(r, (), ())('priority')\n"
+              "print(generate_latest(r).decode())")
+    outputs = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                              env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("0", "1", "2", "3")}
+    assert len(outputs) == 1
+    (text,) = outputs
+    assert text.index('policy="fcfs"} 0.0') < text.index('policy="priority"} 1.0')

@@ -65,7 +65,7 @@ def scheduler_policy_info(registry: CollectorRegistry, label_names: tuple[str, .
                    (*label_names, "policy"), registry=registry)
 
     def set_policy(policy: str) -> None:
-        for name in {*SCHEDULING_POLICIES, policy}:
+        for name in dict.fromkeys((*SCHEDULING_POLICIES, policy)):  # a fixed order: /metrics bytes stable
             family.labels(*label_values, name).set(1 if name == policy else 0)
 
     return set_policy
