@@ -11,7 +11,7 @@ The records and how they are read, at the package root:
 - ``step_records``: the ``step`` event, why a request waited, the step-budget rule, encoder steps
 - ``engine_records``: stats, snapshots, logs, stalls, failed sinks; other engines' scrapes and KV batches
 - ``bus``: ``EventBus``, the fan-out that stamps ``seq`` and ``t``
-- ``deferred_delivery``: observers fed in batches at most 0.05 s behind, reads flushing first
+- ``deferred_delivery``: observers fed in batches (0.05 s behind while the engine steps), reads flushing first
 - ``recording``: the JSONL wire form, the recording's header, sink and reader
 - ``validate``: every recording line type-checked on read
 - ``bounded``: every user file read line by line under size, depth and inflation caps

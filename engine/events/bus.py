@@ -44,7 +44,7 @@ class EventBus:
     count it, the view and ``/health`` show it), and delivery goes on.
 
     A subscriber subscribed with ``deferred=True`` (the server's and the engine's observers)
-    gets the same events in the same order in batches, at most ``DEFER_S`` late
+    gets the same events in the same order in batches, ``DEFER_S`` late while it publishes
     (engine/events/deferred_delivery.py); a reader of what it folds calls :meth:`flush` first.
     """
 
@@ -73,7 +73,7 @@ class EventBus:
 
     def subscribe(self, fn: Subscriber, *, deferred: bool = False) -> Subscriber:
         """``fn`` gets every event from now on: as it is published, or with ``deferred``
-        in batches at most ``DEFER_S`` late (publishing becomes thread-safe then: the
+        in batches (``DEFER_S`` late while the engine publishes; publishing becomes thread-safe then: the
         deferred batch may fail a sink on another thread, which publishes ``sink.failed``)."""
         if deferred:
             self.guard()

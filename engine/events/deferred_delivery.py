@@ -17,8 +17,8 @@ The rules (docs/observability.md, "When observers see an event"):
 - one thread delivers at a time (a lock); the publisher never waits for it: when a reader is
   delivering, the publisher's events join the batch the reader is draining.
 
-A killed process loses at most the last ``DEFER_S`` of events that had not reached the deferred
-sinks; a clean stop or a crash flushes them. So the JSONL recording, what a post-mortem reads, is
+A killed process loses the events that had not reached the deferred sinks (the last ``DEFER_S``
+while the publisher steps, up to ``FLUSHER_MAX_SLEEP_S`` more once it is quiet); a clean stop or a crash flushes them. So the JSONL recording, what a post-mortem reads, is
 not deferred: it is written as events are published.
 """
 
@@ -35,6 +35,11 @@ from engine.events.record import Event
 # took ITL p99 to 1.05-1.09x all-off over 30 pairs, 0.05 s (two) to 0.97x at about the same throughput.
 DEFER_S = 0.05
 DEFERRED_THREAD = "kvscope-deferred-events"  # the flusher thread's name
+# The flusher's longest look-away while the publisher delivers its own batches. Each look wakes a
+# thread (30-100 µs of CPU on a 2-core Zen 4 VM): woken once a batch and again at every quiet check,
+# the flusher spent ~220-300 µs of CPU a SmolLM2 decode step doing nothing. While events flow its
+# looks back off from DEFER_S to this, so a batch the publisher leaves behind waits at most ~this long.
+FLUSHER_MAX_SLEEP_S = 0.4
 
 
 class DeferredDelivery:
@@ -53,6 +58,7 @@ class DeferredDelivery:
         self._deliver_lock = threading.Lock()
         self._delivering: int | None = None  # the thread delivering now (its ident)
         self._wake = threading.Event()
+        self._parked = False  # the flusher waits for a first event (nothing pending): add wakes it
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -67,9 +73,12 @@ class DeferredDelivery:
             self._last = now
             if first:
                 self._since = now
-        if first:
+            wake = first and self._parked
+            if wake:
+                self._parked = False
+        if wake:
             self._wake.set()
-        elif now - self._since >= self.period_s:
+        elif not first and now - self._since >= self.period_s:
             self.flush(wait=False)
 
     def flush(self, wait: bool = True) -> None:
@@ -111,24 +120,26 @@ class DeferredDelivery:
     def _flusher(self) -> None:
         """Deliver a batch once the publisher has been quiet ``period_s`` (idle, or inside a
         long step): while it publishes, its own thread delivers between steps, not this one
-        beside the forward pass."""
+        beside the forward pass, and this one looks less and less often (up to
+        :data:`FLUSHER_MAX_SLEEP_S`); once nothing has come for that long it sleeps until the next event."""
+        sleep = self.period_s
         while True:
-            self._wake.wait()
-            if self._stop.is_set():
+            with self._pending_lock:  # park once nothing came for a longest look: idle, not between steps
+                parked = self._parked = not self._pending and self._clock() - self._last >= FLUSHER_MAX_SLEEP_S
+                if parked:
+                    self._wake.clear()
+            if parked:
+                self._wake.wait()
+                sleep = self.period_s  # a new burst: first look after one period
+            if self._stop.is_set() or self._stop.wait(sleep):
                 return
-            self._wake.clear()
-            while True:
-                with self._pending_lock:
-                    last = self._last if self._pending else None
-                if last is None:
-                    break
-                quiet_at = last + self.period_s
-                now = self._clock()
-                if now >= quiet_at:
-                    self.flush()
-                    break
-                if self._stop.wait(quiet_at - now):
-                    return
+            with self._pending_lock:
+                last = self._last if self._pending else None
+            if last is not None and self._clock() - last >= self.period_s:
+                self.flush()
+                sleep = self.period_s
+            else:  # delivered by the publisher meanwhile, or still publishing: look later
+                sleep = min(sleep * 2, FLUSHER_MAX_SLEEP_S)
 
 
 def _nothing_held_back() -> None:

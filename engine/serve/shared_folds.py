@@ -106,7 +106,7 @@ class LockedLifecycle(FlushedOnRead):
 
 def subscribe_observers(bus: EventBus, observers: Iterable[Callable[[Event], None]]) -> None:
     """The server's observers on ``bus``, deferred (engine/events/deferred_delivery.py: in
-    batches, at most 0.05 s behind the engine); a fold that other threads read flushes the bus
+    batches, 0.05 s behind the engine while it steps); a fold that other threads read flushes the bus
     before each read, so a route never answers from behind the engine."""
     for observer in observers:
         bus.subscribe(observer, deferred=True)

@@ -183,8 +183,8 @@ def attach_observers(bus: EventBus, flags: ObserverFlags, *, simulated_clock: bo
     """Build the asked-for observers and subscribe them to ``bus`` (before startup, so the
     phases are in them). ``simulated_clock``: the bus keeps simulated time, so the
     recording's header carries no wall-clock start and the sinks are fed as events are
-    published. On the real engine's clock the exporters are fed deferred, in batches at most
-    0.05 s behind (engine/events/deferred_delivery.py: a sink's code stays warm over a few
+    published. On the real engine's clock the exporters are fed deferred, in batches 0.05 s
+    behind while it steps (engine/events/deferred_delivery.py: a sink's code stays warm over a few
     steps); the recording is written as events are published, so a killed process loses none."""
     wall_start = time.time() - bus.now()
     observers = build_observers(flags, wall_start_unix=wall_start, recording_config=recording_config,
