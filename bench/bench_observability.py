@@ -237,18 +237,23 @@ def _all(ctx: Context) -> Signal:
 
 
 # ---------------------------------------------------------------------- one run
-def _timed(sinks: list[Sink], spent: dict[str, float], name: str) -> Sink:
-    """``sinks`` called in order with each event, the engine thread's CPU seconds inside them
-    added to ``spent[name]`` (CPU, not wall: a preemption by another process while inside would
-    be charged to the sinks). One clock read around them all: a CPU-clock read is a system call
-    (~0.9 µs on Zen 4), and one pair per sink per event was ~10 % of what all signals cost."""
+def _timed(sinks: list[Sink], spent: dict[str, float], name: str, on_flusher: list[float]) -> Sink:
+    """``sinks`` called in order with each event, the CPU seconds of the thread that delivers
+    inside them added to ``spent[name]``, and also to ``on_flusher[0]`` when that thread is the
+    bus's flusher (whose whole CPU the run counts with the sinks' threads) (CPU, not wall: a
+    preemption by another process while inside would be charged to the sinks). One clock read
+    around them all: a CPU-clock read is a system call (~0.9 µs on Zen 4), and one pair per sink
+    per event was ~10 % of what all signals cost."""
     clock = time.thread_time
 
     def call(event: Any) -> None:
         start = clock()
         for sink in sinks:
             sink(event)
-        spent[name] += clock() - start
+        took = clock() - start
+        spent[name] += took
+        if threading.current_thread().name == DEFERRED_THREAD:
+            on_flusher[0] += took
 
     return call
 
@@ -314,19 +319,19 @@ def subscribed(ctx: Context, family: str | None) -> Iterator[Cost]:
         for sink in signal.sinks.values():
             sink(event)
     groups = _delivery_groups(signal.sinks)
-    bus, spent, cost = ctx.llm.engine.bus, dict.fromkeys(groups, 0.0), Cost()
-    subscribers = [bus.subscribe(_timed(sinks, spent, name), deferred=deferred)
+    bus, spent, cost, on_flusher = ctx.llm.engine.bus, dict.fromkeys(groups, 0.0), Cost(), [0.0]
+    subscribers = [bus.subscribe(_timed(sinks, spent, name, on_flusher), deferred=deferred)
                    for name, (sinks, deferred) in groups.items()]
     _record_contents(ctx.llm, signal.record_contents)
-    # the bus's deferred-delivery thread runs the sinks: its CPU is already in ``spent``
-    threads_before |= {t.native_id for t in threading.enumerate() if t.name == DEFERRED_THREAD and t.native_id}
+    # the bus's flusher thread (started by a deferred subscription) counts with the sinks' threads:
+    # its deliveries are in ``spent`` already, its waiting and waking are not
     threads_start = _thread_cpu_ns()
     try:
         yield cost
         for flush in signal.flushers:
             flush()
         cost.sink_threads_s = sum(ns - threads_start.get(tid, 0) for tid, ns in _thread_cpu_ns().items()
-                                  if tid not in threads_before) / 1e9
+                                  if tid not in threads_before) / 1e9 - on_flusher[0]
         cost.in_sinks_s = sum(spent.values())
         cost.by_sink = dict(spent)
     finally:
