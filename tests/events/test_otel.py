@@ -111,6 +111,33 @@ def test_one_server_span_per_request_backdated_to_arrival_with_vllms_attributes(
     assert any(s.attributes["kvscope.num_preemptions"] for s in requests.values())  # the sample has some
 
 
+
+def test_a_requests_spans_are_one_trace_under_the_engines_scope(spans: list[ReadableSpan]) -> None:
+    """Request spans are built whole when the request ends (whole_spans.py), startup's live:
+    both kinds come out under one instrumentation scope, each request's children in its trace."""
+    assert {s.instrumentation_scope for s in spans} == {spans[0].instrumentation_scope}
+    assert spans[0].instrumentation_scope.name == "kvscope.engine"
+    requests = {s.context.span_id: s for s in spans if s.name == REQUEST_SPAN}
+    children = [s for s in spans if s.parent is not None and s.parent.span_id in requests]
+    assert len(children) >= 2 * len(requests) > 0
+    for child in children:
+        root = requests[child.parent.span_id]
+        assert child.context.trace_id == root.context.trace_id and child.context.trace_flags.sampled
+        assert child.kind == SpanKind.INTERNAL and root.parent is None
+    assert len({s.context.trace_id for s in requests.values()}) == len(requests)
+
+
+def test_the_samplers_choice_is_kept_for_request_traces(real_run: Recording, monkeypatch: pytest.MonkeyPatch) -> None:
+    """OTEL_TRACES_SAMPLER still decides: always_off exports no request's spans (startup's
+    neither), and nothing else changes for the engine."""
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+    exporter = InMemorySpanExporter()
+    sink = OtlpTraceSink(exporter, wall_start_unix=WALL_START)
+    for event in real_run.events:
+        sink(event)
+    sink.close()
+    assert exporter.get_finished_spans() == ()
+
 class _OtlpReceiver(BaseHTTPRequestHandler):
     """An OTLP/HTTP traces endpoint: decodes each POST as the protocol defines it."""
 

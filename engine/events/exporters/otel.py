@@ -43,8 +43,9 @@ from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode
 
+from engine.events.exporters.whole_spans import WholeSpans
 from engine.events.folds.request_record import (
     WAIT_UNLISTED,
     WAIT_UNRECORDED,
@@ -70,6 +71,7 @@ REQUEST_SPAN = "llm_request"
 QUEUE_SPAN, PREFILL_SPAN, DECODE_SPAN = "vllm_queue", "vllm_prefill", "vllm_decode"  # vLLM PR#44402's phases
 STARTUP_SPAN = "kvscope startup"
 SERVICE_NAME = "kvscope"
+TRACER_SCOPE = "kvscope.engine"
 SPANS_QUEUED = 65_536  # the processor's queue: a replay hands over every span at once
 
 
@@ -181,8 +183,10 @@ class OtlpTraceSink:
                  service_name: str = SERVICE_NAME, shared_requests: SharedRequests | None = None) -> None:
         self.provider = TracerProvider(resource=Resource.create({"service.name": service_name,
                                                                  "kvscope.process_id": str(os.getpid())}))
-        self.provider.add_span_processor(BatchSpanProcessor(exporter, max_queue_size=SPANS_QUEUED))
-        self.tracer = self.provider.get_tracer("kvscope.engine")
+        processor = BatchSpanProcessor(exporter, max_queue_size=SPANS_QUEUED)
+        self.provider.add_span_processor(processor)
+        self.tracer = self.provider.get_tracer(TRACER_SCOPE)  # startup's spans, live as its phases run
+        self._spans = WholeSpans(self.provider, processor, TRACER_SCOPE)  # requests' spans, built when they end
         self.wall_start_unix = wall_start_unix
         self.model_name = model_name
         self.forward_times = forward_times
@@ -318,7 +322,7 @@ class OtlpTraceSink:
             SpanAttributes.GEN_AI_USAGE_COMPLETION_TOKENS: event.output_tokens,
             SpanAttributes.GEN_AI_USAGE_CACHED_TOKENS: event.prefix_hit_tokens,
             SpanAttributes.GEN_AI_USAGE_NUM_SEQUENCES: 1,
-            SpanAttributes.GEN_AI_RESPONSE_FINISH_REASON: [event.reason],
+            SpanAttributes.GEN_AI_RESPONSE_FINISH_REASON: (event.reason,),
             SpanAttributes.GEN_AI_LATENCY_TIME_IN_QUEUE: event.queue_time_s,
             SpanAttributes.GEN_AI_LATENCY_E2E: event.e2e_s,
             SpanAttributes.GEN_AI_LATENCY_TIME_IN_MODEL_PREFILL: event.prefill_time_s,
@@ -342,14 +346,15 @@ class OtlpTraceSink:
             attributes[SpanAttributes.GEN_AI_LATENCY_TIME_IN_MODEL_FORWARD] = notes.forward_s
         if self.execute_times:
             attributes[SpanAttributes.GEN_AI_LATENCY_TIME_IN_MODEL_EXECUTE] = notes.execute_s
-        span = self.tracer.start_span(REQUEST_SPAN, kind=SpanKind.SERVER, start_time=self._ns(start),
-                                      attributes=attributes)
-        for name, t, event_attributes in notes.events:
-            span.add_event(name, event_attributes, timestamp=self._ns(t))
-        self._phase_spans(span, event, notes, _admission(record) if arrived is not None else {}, start)
-        span.end(end_time=self._ns(event.t))
+        root = self._spans.new_trace(REQUEST_SPAN, SpanKind.SERVER, attributes)
+        if root is None:  # the sampler dropped this request's trace
+            return
+        self._spans.emit(REQUEST_SPAN, root, parent=None, kind=SpanKind.SERVER, start_ns=self._ns(start),
+                         end_ns=self._ns(event.t), attributes=attributes,
+                         events=[(name, self._ns(t), note) for name, t, note in notes.events])
+        self._phase_spans(root, event, notes, _admission(record) if arrived is not None else {}, start)
 
-    def _phase_spans(self, parent: trace.Span, event: RequestFinished, notes: _SpanNotes, admitted: dict[str, Any],
+    def _phase_spans(self, parent: SpanContext, event: RequestFinished, notes: _SpanNotes, admitted: dict[str, Any],
                      start: float) -> None:
         """``vllm_queue``, ``vllm_prefill`` and ``vllm_decode`` under the request's span (the
         ones it reached), preemptions and resumes as events on the child they fell in."""
@@ -357,7 +362,6 @@ class OtlpTraceSink:
         first_times = {name: t for name, t, _ in reversed(notes.events)}  # each note's first time
         scheduled = first_times.get("scheduled", min(start + event.queue_time_s, end))
         first = first_times.get("first_token", start + event.ttft_s if event.ttft_s is not None else None)
-        context = trace.set_span_in_context(parent)
         queue_attributes = {k: v for k, v in admitted.items() if k == "kvscope.wait_reason"}
         phases = [(QUEUE_SPAN, start, scheduled, queue_attributes)]
         if first is not None or event.output_tokens:
@@ -369,12 +373,12 @@ class OtlpTraceSink:
         elif end > scheduled:
             phases.append((PREFILL_SPAN, scheduled, end, {}))
         for i, (name, begin, finish, attributes) in enumerate(phases):
-            child = self.tracer.start_span(name, context=context, start_time=self._ns(begin), attributes=attributes)
             last = i == len(phases) - 1
-            for note, t, note_attributes in notes.events:
-                if note in ("preempted", "resumed") and begin <= t and (t < finish or last):
-                    child.add_event(note, note_attributes, timestamp=self._ns(t))
-            child.end(end_time=self._ns(max(finish, begin)))
+            moves = [(note, self._ns(t), note_attributes) for note, t, note_attributes in notes.events
+                     if note in ("preempted", "resumed") and begin <= t and (t < finish or last)]
+            self._spans.emit(name, self._spans.child_of(parent), parent=parent, kind=SpanKind.INTERNAL,
+                             start_ns=self._ns(begin), end_ns=self._ns(max(finish, begin)), attributes=attributes,
+                             events=moves)
 
     # ---------------------------------------------------------------- the end
     def close(self) -> None:
