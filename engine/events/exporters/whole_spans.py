@@ -52,7 +52,8 @@ class WholeSpans:
     def emit(self, name: str, context: SpanContext, *, parent: SpanContext | None, kind: SpanKind,
              start_ns: int, end_ns: int, attributes: dict[str, Any], events: Sequence[SpanEvent] = ()) -> None:
         """One finished span to the processor (the SDK keeps a span's last ``max_events`` events)."""
-        kept = events[-self._max_events:] if len(events) > self._max_events else events
+        limit = self._max_events
+        kept = events[-limit:] if limit is not None and len(events) > limit else events
         span = ReadableSpan(
             name, context, parent, self._resource,
             {key: value for key, value in attributes.items() if value is not None},
