@@ -132,11 +132,13 @@ def step_token_usage(view: EngineView, step: StepEvent) -> float:
         return 0.0
     # unfilled_slots(view.requests.values(), block_size), read from the records and the table
     # without a RequestView per request: the metrics compute it every step
-    group_tables = view.table.group_tables
+    # the requests holding blocks, not every live one: a long waiting queue holds none
+    lives = view.request_fold.lives
     unfilled = 0
-    for record in view.request_fold.lives.values():
-        tail = -record.computed_tokens % block_size
+    for request_id, tables in view.table.group_tables.items():
+        record = lives.get(request_id)
+        tail = -record.computed_tokens % block_size if record is not None else 0
         if tail:
-            unfilled += tail * sum(1 for table in group_tables.get(record.request_id, ()) if table)
+            unfilled += tail * sum(1 for table in tables if table)
     filled = step.kv_blocks_used * block_size - unfilled
     return max(0, filled) / (step.kv_blocks_total * block_size)
