@@ -10,6 +10,7 @@ lines, traces and ZMQ messages), each a sink of the bus or a fold read by a serv
 - ``iteration_details``: vLLM's ``Iteration(N)`` log line
 - ``progress``: the console bar for ``startup.progress``
 - ``otel``: OpenTelemetry spans in vLLM's shapes
+- ``whole_spans``: a finished request's spans built whole and handed to the span processor
 - ``perfetto``: a Trace Event Format timeline
 - ``kv_events_config``: ``--kv-events-config``, vLLM's ``KVEventsConfig`` parsed
 - ``kv_events``: step events folded into vLLM's KV event batches
