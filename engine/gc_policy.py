@@ -9,6 +9,12 @@ before anything imports torch, which makes young collections 14x rarer (no full 
 runs); :func:`restore_collections`, at the end of phase G, puts the thresholds back.
 Collection is never turned off: a process that imports kvscope and never starts an
 engine only collects less often.
+
+At the end of startup (phase G) :func:`freeze_startup_heap` collects once and freezes what
+is left, as vLLM's ``freeze_gc_heap`` does: a full collection during serving then skips the
+objects startup made. Unfrozen, one walked ~200,000 of them in ~145 ms (SmolLM2, 2-core Zen 4),
+a whole step stalled whenever CPython's gen-2 rule fired. A closed engine thaws the heap
+(:func:`thaw_heap`), so what it leaves in cycles can be collected.
 """
 
 from __future__ import annotations
@@ -35,3 +41,17 @@ def restore_collections() -> None:
     if _saved is not None:
         gc.set_threshold(*_saved)
         _saved = None
+
+
+def freeze_startup_heap() -> int:
+    """Collect every generation, then freeze the survivors (the permanent generation, which
+    collections skip); the number frozen. Collecting first matters: ``gc.freeze`` keeps what it
+    finds, and garbage frozen in a cycle would never be reclaimed."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
+def thaw_heap() -> None:
+    """Back into the oldest generation: after an engine closes, its cycles can be collected."""
+    gc.unfreeze()

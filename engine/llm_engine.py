@@ -25,6 +25,7 @@ from engine.errors import UserError
 from engine.events import EventBus
 from engine.events.exporters.observers import ObserverFlags, attach_observers
 from engine.events.request_records import ABORT_CLIENT_DISCONNECT
+from engine.gc_policy import thaw_heap
 from engine.heartbeat import DETOKENIZE, FORWARD, UPDATE, Heartbeat
 from engine.model.loading.tokenizer import IncrementalDetokenizer
 from engine.model.memory.device import device_word
@@ -377,6 +378,7 @@ class LLMEngine:
         if self.workers is not None:  # first: no worker outlives the replica, whatever else fails
             self.workers.close()
         self.observers.close()  # the last stats line, then the recording and the KV publisher
+        thaw_heap()  # startup froze the heap (engine/gc_policy.py): what this engine leaves is collectable
 
     def __enter__(self) -> LLMEngine:
         return self

@@ -30,7 +30,7 @@ from engine.config import EngineConfig
 from engine.core.scheduler_config import SchedulerConfig
 from engine.events import EngineConfigEvent, EventBus
 from engine.events.phase_data import ReadyData
-from engine.gc_policy import restore_collections
+from engine.gc_policy import freeze_startup_heap, restore_collections
 from engine.logs import get_logger
 from engine.model.kernels.background import KernelBuilds
 from engine.model.loading.tokenizer import Tokenizer
@@ -150,8 +150,9 @@ def _phases_b_to_g(s: StartupInputs, phases: PhaseRecorder, reading: MemoryReadi
         else:
             cpu_phase_f(f, s, runner, kernels, bus)
     with phases.phase("G") as g:
+        restore_collections()  # the objects startup made are made: collect at the usual rate again
+        freeze_startup_heap()  # and a collection during serving skips them (engine/gc_policy.py)
         g.record = ReadyData(startup_seconds=sum(phases.seconds.values()), pid=os.getpid())
-    restore_collections()  # the objects startup made are made: collect at the usual rate again
     scheduler_config = SchedulerConfig.from_flags(resolved_config_dict(s), num_blocks=plan.num_blocks,
                                                   max_model_len=s.max_model_len)
     return StartupResult(s.config, s.model, s.device, runner, tokenizer, plan, scheduler_config,
