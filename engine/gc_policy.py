@@ -43,13 +43,12 @@ def restore_collections() -> None:
         _saved = None
 
 
-def freeze_startup_heap() -> int:
+def freeze_startup_heap() -> None:
     """Collect every generation, then freeze the survivors (the permanent generation, which
-    collections skip); the number frozen. Collecting first matters: ``gc.freeze`` keeps what it
-    finds, and garbage frozen in a cycle would never be reclaimed."""
+    collections skip). Collecting first matters: ``gc.freeze`` keeps what it finds, and garbage
+    frozen in a cycle would never be reclaimed."""
     gc.collect()
     gc.freeze()
-    return gc.get_freeze_count()
 
 
 def thaw_heap() -> None:
