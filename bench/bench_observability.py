@@ -115,7 +115,8 @@ class Context:
     def otlp_url(self) -> str:
         """A receiver in a process of its own, as a collector is: its CPU is not the engine's."""
         if self._otlp is None:
-            self._otlp = subprocess.Popen([sys.executable, "-c", _RECEIVER], stdout=subprocess.PIPE, text=True)
+            self._otlp = subprocess.Popen([sys.executable, "-c", _RECEIVER], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, text=True)
             assert self._otlp.stdout is not None
             self._otlp_port = int(self._otlp.stdout.readline())
         return f"http://127.0.0.1:{self._otlp_port}/v1/traces"
@@ -126,9 +127,12 @@ class Context:
             self._otlp.wait()
 
 
-# An OTLP/HTTP receiver that reads each export and answers 200; prints its port.
+# An OTLP/HTTP receiver that reads each export and answers 200; prints its port. It exits when its
+# stdin closes, so a bench killed before close() leaves no receiver behind.
 _RECEIVER = """
+import os, sys, threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+threading.Thread(target=lambda: (sys.stdin.read(), os._exit(0)), daemon=True).start()
 class Accept(BaseHTTPRequestHandler):
     def do_POST(self):
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
