@@ -11,9 +11,11 @@ docs/benchmarks-history.md, which this module never writes."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -188,19 +190,39 @@ def observability_figures(previous: str, new: tuple[str, str] | None) -> str:
             f"{OBSERVABILITY_END}\n")
 
 
+def _kill_session(proc: subprocess.Popen[str]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _printed_so_far(proc: subprocess.Popen[str]) -> str:
+    """A stopped benchmark's output; empty where a process that left its session holds the pipe."""
+    try:
+        return proc.communicate(timeout=10)[0] or ""
+    except subprocess.TimeoutExpired:
+        return ""
+
+
 def run_one(module: str, args: list[str], limit_s: int) -> tuple[str, float, str]:
     """``(status, seconds, output)``; status is ok, failed (exit N), timed out or missing."""
     if importlib.util.find_spec(module) is None:
         return "missing", 0.0, f"{module}: not present in this checkout, skipped\n"
     start = time.perf_counter()
-    try:
-        proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
-                              timeout=limit_s, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    except subprocess.TimeoutExpired as exc:
-        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        return f"timed out after {limit_s} s", time.perf_counter() - start, out
+    # A session of its own: a benchmark stopped at its limit (or by Ctrl-C) takes every process it
+    # started with it (vLLM's server, llama.cpp's peer), which would otherwise hold the next one's CPU.
+    with subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                          start_new_session=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            _kill_session(proc)
+            return f"timed out after {limit_s} s", time.perf_counter() - start, _printed_so_far(proc)
+        except BaseException:
+            _kill_session(proc)
+            raise
     seconds = time.perf_counter() - start
-    output = proc.stdout + (f"\n[stderr tail]\n{proc.stderr[-2000:]}" if proc.returncode else "")
+    output = stdout + (f"\n[stderr tail]\n{stderr[-2000:]}" if proc.returncode else "")
     return ("ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"), seconds, output
 
 

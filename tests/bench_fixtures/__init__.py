@@ -1,0 +1,1 @@
+"""Benchmark modules for tests of bench/run_all.py (run with ``python -m``)."""
