@@ -111,7 +111,6 @@ def test_one_server_span_per_request_backdated_to_arrival_with_vllms_attributes(
     assert any(s.attributes["kvscope.num_preemptions"] for s in requests.values())  # the sample has some
 
 
-
 def test_a_requests_spans_are_one_trace_under_the_engines_scope(spans: list[ReadableSpan]) -> None:
     """Request spans are built whole when the request ends (whole_spans.py), startup's live:
     both kinds come out under one instrumentation scope, each request's children in its trace."""
@@ -137,6 +136,7 @@ def test_the_samplers_choice_is_kept_for_request_traces(real_run: Recording, mon
         sink(event)
     sink.close()
     assert exporter.get_finished_spans() == ()
+
 
 class _OtlpReceiver(BaseHTTPRequestHandler):
     """An OTLP/HTTP traces endpoint: decodes each POST as the protocol defines it."""
